@@ -1,0 +1,5 @@
+import sys
+
+from cascade.cli import main
+
+sys.exit(main())

@@ -1,0 +1,53 @@
+"""The ``cascade`` command. Each subcommand lives with the part it drives and is imported lazily,
+so ``cascade envs list`` never pays for importing torch."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> ("module:function", one-line help). Each function takes argv (list[str]) -> int.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("cascade.run:main", "run one stage (stage=NAME) or the whole cascade, with key=value overrides"),
+    "report": ("cascade.report:main", "summarise a run directory and plot its metrics"),
+    "init-model": ("train.model.cli:init_model_main", "write a tiny policy checkpoint from a preset"),
+    "generate": ("train.model.cli:generate_main", "sample from a checkpoint with the torch engine"),
+    "envs": ("envs.cli:main", "list, show and self-check environments"),
+    "sandbox": ("envs.code.cli:main", "run or judge a program in the code sandbox"),
+    "serve": ("ttc.serve:main", "serve a checkpoint over an OpenAI-compatible HTTP API"),
+    "calc": ("train.parallel.calc:main", "memory and communication calculator for TSP/TP/SP/DP"),
+}
+
+# Errors that are the user's to fix: printed as one line, exit code 2.
+USER_ERRORS = (ValueError, KeyError, FileNotFoundError, NotADirectoryError, TypeError)
+
+
+def _usage() -> str:
+    width = max(map(len, SUBCOMMANDS))
+    rows = "\n".join(f"  {k.ljust(width)}  {h}" for k, (_, h) in SUBCOMMANDS.items())
+    return f"usage: cascade COMMAND [ARGS]\n\ncommands:\n{rows}\n\n`cascade COMMAND --help` for details."
+
+
+def dispatch(table: dict[str, tuple[str, str]], argv: list[str], usage: str, prog: str) -> int:
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage)
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in table:
+        print(f"{prog}: unknown command {name!r}; choose from {', '.join(table)}", file=sys.stderr)
+        return 2
+    mod, _, fn = table[name][0].partition(":")
+    func = getattr(importlib.import_module(mod), fn)
+    try:
+        return int(func(rest) or 0)
+    except USER_ERRORS as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"{prog} {name}: error: {msg}", file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    return dispatch(SUBCOMMANDS, list(sys.argv[1:] if argv is None else argv), _usage(), "cascade")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""The environment contract: problems, scores, environments and their registry.
+
+Pure Python; importing this module never imports torch.
+
+An environment generates a problem deterministically from ``(seed, difficulty)`` and verifies a
+model response against it. ``verify`` never raises: any exception inside an environment's
+``check`` becomes a zero-credit :class:`Score` whose ``info["error"]`` says what happened.
+"""
+from __future__ import annotations
+
+import importlib
+import random
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, ClassVar
+
+__all__ = [
+    "Problem", "Score", "Environment", "register", "get_env", "get_env_class", "list_envs",
+    "load_entry_points", "last_boxed", "UnknownEnvironmentError",
+]
+
+
+@dataclass
+class Problem:
+    """One generated problem. ``answer`` is the reference answer (JSON-serialisable)."""
+
+    prompt: str
+    answer: Any
+    env_id: str = ""
+    seed: int = 0
+    difficulty: int = 0
+    meta: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Problem":
+        return cls(**d)
+
+
+@dataclass
+class Score:
+    """Outcome of verifying a response. ``reward`` in [-1, 1]; ``correct`` means full credit."""
+
+    reward: float
+    correct: bool
+    format_ok: bool
+    info: dict = field(default_factory=dict)
+
+    @classmethod
+    def zero(cls, reason: str, format_ok: bool = False, **info) -> "Score":
+        return cls(0.0, False, format_ok, {"reason": reason, **info})
+
+
+_BOXED = "\\boxed"
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` in ``text`` (balanced braces), or None.
+
+    Linear in the length of the text; never raises on any string.
+    """
+    if not isinstance(text, str):
+        return None
+    idx = text.rfind(_BOXED)
+    while idx >= 0:
+        j = idx + len(_BOXED)
+        while j < len(text) and text[j] == " ":
+            j += 1
+        if j < len(text) and text[j] == "{":
+            depth, k = 0, j
+            while k < len(text):
+                c = text[k]
+                if c == "{":
+                    depth += 1
+                elif c == "}":
+                    depth -= 1
+                    if depth == 0:
+                        return text[j + 1:k].strip()
+                k += 1
+        idx = text.rfind(_BOXED, 0, idx)
+    return None
+
+
+_THINK_END = re.compile(r"</think>", re.IGNORECASE)
+
+
+def strip_think(text: str) -> str:
+    """The part of a response after the last ``</think>`` (the whole text if there is none)."""
+    parts = _THINK_END.split(text)
+    return parts[-1] if len(parts) > 1 else text
+
+
+class Environment:
+    """Base class of every environment.
+
+    Subclasses set ``id`` (via :func:`register`) and implement ``generate`` and ``check``.
+    ``check(problem, response)`` may raise on malformed input: ``verify`` turns any exception into
+    a zero score. ``reference_response`` renders the reference answer the way a model should
+    answer; ``corruptions`` gives responses that must not verify as correct (self-check).
+    """
+
+    id: ClassVar[str] = ""
+    family: ClassVar[str] = "misc"
+    description: ClassVar[str] = ""
+    max_difficulty: ClassVar[int | None] = None  # None: grows without bound
+    instruction: ClassVar[str] = "Put your final answer within \\boxed{}."
+
+    # -- to implement -------------------------------------------------------------------------
+    def generate(self, seed: int, difficulty: int) -> Problem:
+        raise NotImplementedError
+
+    def check(self, problem: Problem, response: str) -> Score:
+        raise NotImplementedError
+
+    # -- provided -----------------------------------------------------------------------------
+    def verify(self, problem: Problem, response: str) -> Score:
+        """Score ``response``; never raises."""
+        if not isinstance(response, str):
+            return Score.zero("response is not a string")
+        try:
+            s = self.check(problem, response)
+        except Exception as e:  # noqa: BLE001 - a verifier must never crash on model output
+            return Score.zero("verifier error", error=f"{type(e).__name__}: {e}"[:500])
+        reward = float(s.reward)
+        if reward != reward:  # NaN
+            reward = 0.0
+        s.reward = max(-1.0, min(1.0, reward))
+        return s
+
+    def extract(self, response: str) -> str | None:
+        """The answer part of a response: the last ``\\boxed{}`` after any thinking."""
+        return last_boxed(strip_think(response))
+
+    def format_answer(self, answer: Any) -> str:
+        return str(answer)
+
+    def reference_response(self, problem: Problem) -> str:
+        return f"The answer is \\boxed{{{self.format_answer(problem.answer)}}}."
+
+    def corruptions(self, problem: Problem) -> list[str]:
+        """Responses that must not be judged correct: no answer, and a perturbed answer."""
+        ref = self.format_answer(problem.answer)
+        out = ["", "I don't know.", f"\\boxed{{{ref}x9}}"]
+        return out
+
+    def rng(self, seed: int, difficulty: int) -> random.Random:
+        """A generator deterministic in (environment id, seed, difficulty)."""
+        return random.Random(f"{self.id}|{int(seed)}|{int(difficulty)}")
+
+    def problem(self, prompt: str, answer: Any, seed: int, difficulty: int, **meta) -> Problem:
+        """Build a Problem of this environment, appending the answer instruction."""
+        text = prompt if not self.instruction else f"{prompt}\n\n{self.instruction}"
+        return Problem(text, answer, self.id, int(seed), int(difficulty), meta)
+
+
+class UnknownEnvironmentError(KeyError):
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0])
+
+
+_REGISTRY: dict[str, type[Environment]] = {}
+_FACTORIES: dict[str, Callable[[], Environment]] = {}
+_ENTRY_POINTS_LOADED = False
+ENTRY_POINT_GROUP = "cascade.envs"
+
+
+def register(env_id: str, *, factory: Callable[[], Environment] | None = None):
+    """Class decorator registering an environment under ``env_id``.
+
+    ``register("x", factory=f)`` (not as a decorator) registers a zero-argument factory instead,
+    which is how adapters add many environments of one class (e.g. one per dataset).
+    """
+    if factory is not None:
+        _FACTORIES[env_id] = factory
+        return factory
+
+    def deco(cls: type[Environment]) -> type[Environment]:
+        if env_id in _REGISTRY and _REGISTRY[env_id] is not cls:
+            raise ValueError(f"environment id {env_id!r} is already registered by {_REGISTRY[env_id]!r}")
+        cls.id = env_id
+        _REGISTRY[env_id] = cls
+        return cls
+
+    return deco
+
+
+def load_entry_points() -> None:
+    """Import the modules of installed plug-ins (entry-point group ``cascade.envs``)."""
+    global _ENTRY_POINTS_LOADED
+    if _ENTRY_POINTS_LOADED:
+        return
+    _ENTRY_POINTS_LOADED = True
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        obj = ep.load()
+        if isinstance(obj, type) and issubclass(obj, Environment) and obj.id not in _REGISTRY:
+            register(ep.name)(obj)
+
+
+def _load_builtin() -> None:
+    importlib.import_module("envs.builtin")
+
+
+def list_envs() -> list[str]:
+    _load_builtin()
+    load_entry_points()
+    return sorted(set(_REGISTRY) | set(_FACTORIES))
+
+
+def get_env_class(name: str) -> type[Environment]:
+    env = get_env(name)
+    return type(env)
+
+
+def get_env(name: str, **kwargs) -> Environment:
+    """An environment instance by registered id or dotted path ``pkg.module:Class``."""
+    if ":" in name:
+        mod, _, attr = name.partition(":")
+        try:
+            obj = getattr(importlib.import_module(mod), attr)
+        except (ImportError, AttributeError) as e:
+            raise UnknownEnvironmentError(f"cannot load environment {name!r}: {e}") from None
+        return obj(**kwargs) if isinstance(obj, type) else obj
+    _load_builtin()
+    load_entry_points()
+    if name in _REGISTRY:
+        return _REGISTRY[name](**kwargs)
+    if name in _FACTORIES:
+        return _FACTORIES[name](**kwargs)
+    import difflib
+
+    close = difflib.get_close_matches(name, list(_REGISTRY) + list(_FACTORIES), n=5)
+    hint = f"; did you mean {', '.join(close)}?" if close else "; `cascade envs list` shows them all"
+    raise UnknownEnvironmentError(f"unknown environment {name!r}{hint}")

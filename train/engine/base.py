@@ -1,0 +1,69 @@
+"""The engine contract shared by the torch engine, vLLM and the OpenAI-compatible client.
+
+``Engine.generate(prompts, params) -> list[Completion]`` returns ``params.n`` completions per
+prompt, prompt-major: completions ``[i*n:(i+1)*n]`` belong to prompt ``i``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence, runtime_checkable
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    max_tokens: int = 128
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Completion:
+    """One sampled continuation. ``logprobs[i]`` is the log-probability of ``token_ids[i]``
+    under the sampling distribution's model (before temperature/top-p/top-k/min-p shaping).
+    ``finish_reason`` is ``"stop"`` (EOS, stop token or stop string) or ``"length"``.
+    ``prompt_tokens`` counts the prompt's tokens (prefill)."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finish_reason: str
+    prompt_index: int = 0
+    prompt_tokens: int = 0
+    prompt_token_ids: list[int] | None = None
+    routed_experts: object | None = None  # MoE router replay, where an engine can return it
+
+
+class ContextLengthError(ValueError):
+    """A prompt (plus what must be generated) does not fit the model's context."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    def generate(self, prompts: Sequence[list[int]] | Sequence[str], params: SamplingParams) -> list[Completion]: ...
+
+    def load_weights(self, state_dict) -> None: ...
+
+    def close(self) -> None: ...
