@@ -1,0 +1,115 @@
+"""Group-relative advantage estimators (outcome rewards, one scalar per rollout).
+
+Every estimator has the signature ``fn(rewards, groups, eps=1e-6, bonus=None) -> Tensor[N]``:
+
+- ``rewards``: ``Tensor[N]`` (or anything ``torch.as_tensor`` takes), one reward per rollout;
+- ``groups``: either an ``int`` G (rollouts of one prompt are contiguous, ``N % G == 0``) or a
+  ``Tensor[N]`` of group ids (any integers; groups may have different sizes);
+- ``eps``: guards the divisions;
+- ``bonus``: optional ``Tensor[N]`` added to the advantage numerator only, after the baseline
+  is computed from the raw rewards (ZAYA1's length reward: ``A_i = (r_i + dr_i - mean r) / mean r``).
+
+Estimators (``ADVANTAGES``):
+
+- ``grpo``: ``(r - mean) / (std + eps)``, std with Bessel's correction (as ``torch.std``);
+- ``drgrpo``: ``r - mean`` (Dr.GRPO drops the std);
+- ``maxrl``: ``(r - mean) / mean`` (ZAYA1 / MaxRL), 0 where ``mean <= eps`` (rewards are assumed
+  in ``[0, 1]``; a non-positive mean would flip or blow up the sign);
+- ``rloo``: ``r_i - mean_{j != i} r_j`` (leave-one-out baseline; groups need >= 2 rollouts).
+
+A group of one rollout gets advantage 0 (plus its bonus) under grpo, drgrpo and maxrl.
+:func:`compute_advantages` dispatches by name and optionally whitens over the batch (off by default).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from train.rl import Registry
+
+AdvantageFn = Callable[..., Tensor]
+ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
+
+__all__ = ["ADVANTAGES", "get_advantage", "compute_advantages", "group_index", "whiten"]
+
+
+def get_advantage(name: str) -> AdvantageFn:
+    return ADVANTAGES.get(name)
+
+
+def group_index(groups: int | Tensor, n: int) -> tuple[Tensor, int]:
+    """Map ``groups`` (a group size or per-rollout ids) to dense ids ``0..K-1`` and K."""
+    if isinstance(groups, int):
+        if groups < 1 or n % groups:
+            raise ValueError(f"group size {groups} does not divide the {n} rewards")
+        return torch.arange(n) // groups, n // groups
+    ids = torch.as_tensor(groups)
+    if ids.shape != (n,):
+        raise ValueError(f"group ids have shape {tuple(ids.shape)}, expected ({n},)")
+    uniq, inv = torch.unique(ids, return_inverse=True)
+    return inv, len(uniq)
+
+
+def _group_sum(x: Tensor, idx: Tensor, k: int) -> Tensor:
+    """Per-rollout sum of ``x`` over the rollout's group."""
+    return torch.zeros(k, dtype=x.dtype, device=x.device).index_add_(0, idx, x)[idx]
+
+
+def _prepare(rewards, groups) -> tuple[Tensor, Tensor, int, Tensor, Tensor]:
+    """Rewards as float, dense group ids, number of groups, per-rollout group size and group sum."""
+    r = torch.as_tensor(rewards, dtype=torch.float32) if not torch.is_tensor(rewards) else rewards.float()
+    if r.dim() != 1:
+        raise ValueError(f"rewards must be 1-D, got shape {tuple(r.shape)}")
+    idx, k = group_index(groups, r.numel())
+    idx = idx.to(r.device)
+    count = _group_sum(torch.ones_like(r), idx, k)
+    total = _group_sum(r, idx, k)
+    return r, idx, k, count, total
+
+
+def _plus(num: Tensor, bonus) -> Tensor:
+    return num if bonus is None else num + torch.as_tensor(bonus, dtype=num.dtype, device=num.device)
+
+
+@ADVANTAGES.register("grpo")
+def grpo_advantage(rewards, groups, eps: float = 1e-6, bonus=None) -> Tensor:
+    r, idx, k, count, total = _prepare(rewards, groups)
+    mean = total / count
+    var = _group_sum((r - mean) ** 2, idx, k) / (count - 1).clamp(min=1)
+    return _plus(r - mean, bonus) / (var.sqrt() + eps)
+
+
+@ADVANTAGES.register("drgrpo")
+def drgrpo_advantage(rewards, groups, eps: float = 1e-6, bonus=None) -> Tensor:
+    r, _, _, count, total = _prepare(rewards, groups)
+    return _plus(r - total / count, bonus)
+
+
+@ADVANTAGES.register("maxrl")
+def maxrl_advantage(rewards, groups, eps: float = 1e-6, bonus=None) -> Tensor:
+    r, _, _, count, total = _prepare(rewards, groups)
+    mean = total / count
+    ok = mean > eps
+    return torch.where(ok, _plus(r - mean, bonus) / torch.where(ok, mean, 1.0), 0.0)
+
+
+@ADVANTAGES.register("rloo")
+def rloo_advantage(rewards, groups, eps: float = 1e-6, bonus=None) -> Tensor:
+    r, _, _, count, total = _prepare(rewards, groups)
+    if bool((count < 2).any()):
+        raise ValueError("rloo needs at least 2 rollouts in every group")
+    return _plus(r - (total - r) / (count - 1), bonus)
+
+
+def whiten(adv: Tensor, eps: float = 1e-6) -> Tensor:
+    """Batch whitening: zero mean, unit std over all rollouts (not used by the ZAYA1 recipe)."""
+    return (adv - adv.mean()) / (adv.std(unbiased=False) + eps) if adv.numel() > 1 else adv * 0
+
+
+def compute_advantages(name: str, rewards, groups, *, eps: float = 1e-6, bonus=None,
+                       whiten_batch: bool = False) -> Tensor:
+    """Advantages by estimator name, optionally whitened over the whole batch."""
+    adv = get_advantage(name)(rewards, groups, eps=eps, bonus=bonus)
+    return whiten(adv, eps) if whiten_batch else adv

@@ -1,0 +1,278 @@
+"""Policy-gradient losses over token tensors, selected by name from ``LOSSES``.
+
+Every loss has the signature::
+
+    loss_fn(logprobs, old_logprobs, rollout_logprobs, advantages, mask, cfg=None, *,
+            ref_logprobs=None, denom=None) -> (loss: scalar Tensor, metrics: dict[str, float])
+
+- ``logprobs`` ``[B, T]``: the trainer's log-probabilities of the sampled tokens (with grad);
+- ``old_logprobs`` ``[B, T]``: the same under the policy that the ratio is taken against (the
+  trainer's recomputation for the weights that generated the batch, or the previous update);
+- ``rollout_logprobs`` ``[B, T]`` or ``None``: what the rollout engine reported while sampling.
+  ``None`` means "identical to ``old_logprobs``" (no engine/trainer mismatch correction);
+- ``advantages`` ``[B]`` (one per rollout, broadcast over tokens) or ``[B, T]``;
+- ``mask`` ``[B, T]`` bool/float: 1 on response tokens that count;
+- ``ref_logprobs``: reference policy for the optional KL penalty (``cfg.kl_coef > 0``);
+- ``denom``: overrides the aggregation denominator (the number of tokens for ``token_mean``, of
+  rollouts for the ``seq_*`` modes), for gradient accumulation over micro-batches: pass the
+  count over the whole global batch so the micro-batch losses sum to the global loss.
+
+Losses (the aggregation in brackets is each loss's default, used when ``cfg.agg`` is None):
+
+- ``ppo`` / ``grpo`` [seq_mean_token_mean]: ``-min(r A, clip(r, 1-clip_low, 1+clip_high) A)``,
+  with separate low/high clip (DAPO clip-higher); ``drgrpo`` is the same [seq_mean_token_sum];
+  ``dapo`` is the same [token_mean];
+- ``gspo`` [seq_mean_token_mean]: the sequence ratio ``s = exp(mean_t(logp - old))`` clipped to
+  ``[1-gspo_clip_low, 1+gspo_clip_high]``, in the GSPO-token form
+  ``s_t = sg(s) * exp(logp_t - sg(logp_t))`` (value ``s``, gradient ``s * grad logp_t``), which
+  with a per-rollout advantage and token-mean per rollout equals GSPO's gradient (paper eq. 13-14);
+- ``cispo`` [token_mean]: ``-sg(clip(r, 1-cispo_clip_low, 1+cispo_clip_high)) * A * grad logp``
+  (MiniMax-M1); every token keeps its gradient, only the IS weight is clipped;
+- ``dppo_tv`` [seq_mean_token_sum]: DPPO Binary-TV (arXiv 2602.04879, ZAYA1's trust region).
+  With ``mu = exp(rollout_logprobs)`` and ``pi = exp(logprobs)`` a token is masked out if
+  ``A > 0 and pi - mu > delta`` or ``A < 0 and pi - mu < -delta`` (probabilities, not
+  log-ratios); the other tokens get ``-r A`` with ``r = pi / pi_old`` (optionally truncated at
+  ``dppo_ratio_cap`` as in the authors' verl code: value ``min(r, cap) A``, gradient
+  ``min(r, cap) A grad logp``).
+
+Loss values are written so that the value is the surrogate objective itself (for CISPO/DPPO the
+IS weight ``w`` enters as ``sg(w) * exp(lr - sg(lr))``: value ``w``, gradient ``w grad logp``).
+
+Common options (:class:`LossConfig`): truncated importance sampling against the engine
+(``tis_cap``: token weight ``min(exp(old - rollout), cap)``, stop-gradient), a KL penalty to a
+reference policy (``kl_coef``, ``kl_type`` k1/k3; off by default, as in ZAYA1), and the
+aggregation mode (:func:`aggregate`).
+
+Metrics: ``loss``, ``clip_frac`` (share of tokens whose gradient the clip/trust region removes or
+whose IS weight was clipped), ``approx_kl`` (k3 of old vs new), ``ratio_mean``, and when engine
+log-probs are given ``mismatch_kl`` (k3 of rollout vs old) and ``mismatch_max_abs``
+(max |old - rollout|); ``tis_capped_frac`` and ``kl_ref`` when those options are on.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from train.rl import Registry
+
+__all__ = ["LossConfig", "LOSSES", "get_loss", "aggregate", "AGG_MODES", "kl_estimate"]
+
+AGG_MODES = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
+KL_TYPES = ("k1", "k3")
+LOG_RATIO_CLAMP = 20.0  # |log ratio| is clamped here before exp, for overflow safety
+
+
+@dataclass
+class LossConfig:
+    clip_low: float = 0.2            # PPO/GRPO/DAPO ratio clip: r in [1 - clip_low, 1 + clip_high]
+    clip_high: float = 0.28          # DAPO clip-higher
+    gspo_clip_low: float = 3e-4      # GSPO paper section 5.1
+    gspo_clip_high: float = 4e-4
+    cispo_clip_low: float = 1.0      # CISPO IS weight in [1 - low, 1 + high]: no lower bound by default
+    cispo_clip_high: float = 3.0     #   and an upper bound of 4 (MiniMax-M1 tunes only the upper bound)
+    delta: float = 0.1               # DPPO Binary-TV threshold on |pi - mu| (ZAYA1: 0.1)
+    dppo_ratio_cap: float | None = None  # optional truncation of pi/pi_old in DPPO (verl code uses 20)
+    agg: str | None = None           # None: the loss's own default mode; else one of AGG_MODES
+    norm_len: int | None = None      # seq_mean_token_sum: divide by this constant (Dr.GRPO max length)
+    kl_coef: float = 0.0             # KL penalty to ref_logprobs; 0 = off
+    kl_type: str = "k3"
+    tis_cap: float | None = None     # truncated IS vs the engine: weight min(exp(old - rollout), cap)
+
+    def __post_init__(self):
+        if self.agg is not None and self.agg not in AGG_MODES:
+            raise ValueError(f"unknown loss agg {self.agg!r}; choose one of {', '.join(AGG_MODES)}")
+        if self.kl_type not in KL_TYPES:
+            raise ValueError(f"unknown kl_type {self.kl_type!r}; choose one of {', '.join(KL_TYPES)}")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ValueError(f"tis_cap must be positive, got {self.tis_cap}")
+
+
+LossFn = Callable[..., tuple[Tensor, dict]]
+LOSSES: Registry[LossFn] = Registry("policy loss")
+
+
+def get_loss(name: str) -> LossFn:
+    return LOSSES.get(name)
+
+
+# ----------------------------------------------------------------------------------------------
+# shared pieces
+
+
+def aggregate(tok: Tensor, mask: Tensor, mode: str, norm_len: int | None = None,
+              denom: float | None = None) -> Tensor:
+    """Reduce per-token losses ``[B, T]`` to a scalar.
+
+    ``token_mean``: sum over all tokens / number of tokens (DAPO);
+    ``seq_mean_token_sum``: sum within each rollout (divided by ``norm_len`` if given), mean over
+    rollouts (Dr.GRPO, ZAYA1); ``seq_mean_token_mean``: mean within each rollout, mean over
+    rollouts (GRPO). ``denom`` replaces the token or rollout count (see module docstring).
+    """
+    m = mask.to(tok.dtype)
+    tok = tok * m
+    if mode == "token_mean":
+        return tok.sum() / (denom if denom is not None else m.sum().clamp(min=1))
+    if mode == "seq_mean_token_sum":
+        per_seq = tok.sum(-1) / (norm_len if norm_len else 1)
+    elif mode == "seq_mean_token_mean":
+        per_seq = tok.sum(-1) / m.sum(-1).clamp(min=1)
+    else:
+        raise ValueError(f"unknown loss agg {mode!r}; choose one of {', '.join(AGG_MODES)}")
+    return per_seq.sum() / (denom if denom is not None else per_seq.numel())
+
+
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: str) -> Tensor:
+    """Per-token KL(pi || ref) estimate on samples from pi: k1 = log pi - log ref,
+    k3 = exp(log ref - log pi) - (log ref - log pi) - 1 (non-negative, low variance)."""
+    d = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if kind == "k1":
+        return -d
+    if kind == "k3":
+        return d.exp() - d - 1
+    raise ValueError(f"unknown kl_type {kind!r}; choose one of {', '.join(KL_TYPES)}")
+
+
+def _masked_mean(x: Tensor, mask: Tensor) -> float:
+    return float((x * mask).sum() / mask.sum().clamp(min=1))
+
+
+def _weighted(weight: Tensor, log_ratio: Tensor) -> Tensor:
+    """``sg(weight) * exp(lr - sg(lr))``: value ``weight``, gradient ``weight * grad lr``."""
+    return weight.detach() * torch.exp(log_ratio - log_ratio.detach())
+
+
+def _clipped_surrogate(ratio: Tensor, adv: Tensor, low: float, high: float) -> tuple[Tensor, Tensor]:
+    """PPO's ``-min(r A, clip(r) A)`` per token and where the clipped branch cuts the gradient."""
+    unclipped = -ratio * adv
+    clipped = -ratio.clamp(1 - low, 1 + high) * adv
+    return torch.maximum(unclipped, clipped), (clipped > unclipped)
+
+
+@dataclass
+class _Batch:
+    """Validated inputs: float mask, [B, T] advantages, masked log-ratio of new vs old."""
+
+    logprobs: Tensor
+    old: Tensor
+    rollout: Tensor | None
+    adv: Tensor
+    mask: Tensor
+    log_ratio: Tensor
+
+    @classmethod
+    def make(cls, logprobs, old, rollout, adv, mask) -> "_Batch":
+        if logprobs.dim() != 2:
+            raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
+        for name, t in (("old_logprobs", old), ("rollout_logprobs", rollout), ("mask", mask)):
+            if t is not None and t.shape != logprobs.shape:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(logprobs.shape)}")
+        adv = adv.to(logprobs.dtype)
+        if adv.dim() == 1:
+            adv = adv[:, None]
+        if adv.shape[0] != logprobs.shape[0] or adv.shape[-1] not in (1, logprobs.shape[1]):
+            raise ValueError(f"advantages have shape {tuple(adv.shape)}, expected [B] or [B, T] "
+                             f"for logprobs {tuple(logprobs.shape)}")
+        m = mask.to(logprobs.dtype)
+        on = m > 0
+        lr = torch.where(on, logprobs - old.detach(), 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        return cls(logprobs, old.detach(), None if rollout is None else rollout.detach(),
+                   adv.expand_as(logprobs), m, lr)
+
+
+def _finish(b: _Batch, tok: Tensor, metrics: dict, cfg: LossConfig, default_agg: str,
+            ref_logprobs: Tensor | None, denom: float | None) -> tuple[Tensor, dict]:
+    """Apply truncated IS and the KL penalty, aggregate, and add the common metrics."""
+    on = b.mask > 0
+    tok = torch.where(on, tok, 0.0)
+    metrics["approx_kl"] = _masked_mean(b.log_ratio.detach().exp() - 1 - b.log_ratio.detach(), b.mask)
+    metrics["ratio_mean"] = _masked_mean(b.log_ratio.detach().exp(), b.mask)
+    if b.rollout is not None:
+        d = torch.where(on, b.old - b.rollout, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        metrics["mismatch_kl"] = _masked_mean(d.exp() - 1 - d, b.mask)
+        metrics["mismatch_max_abs"] = float(d.abs().max()) if d.numel() else 0.0
+        if cfg.tis_cap is not None:
+            w = d.exp()
+            tok = tok * w.clamp(max=cfg.tis_cap)
+            metrics["tis_capped_frac"] = _masked_mean((w > cfg.tis_cap).to(b.mask.dtype), b.mask)
+    if cfg.kl_coef:
+        if ref_logprobs is None:
+            raise ValueError("kl_coef > 0 needs ref_logprobs")
+        kl = torch.where(on, kl_estimate(b.logprobs, ref_logprobs.detach(), cfg.kl_type), 0.0)
+        tok = tok + cfg.kl_coef * kl
+        metrics["kl_ref"] = _masked_mean(kl.detach(), b.mask)
+    loss = aggregate(tok, b.mask, cfg.agg or default_agg, cfg.norm_len, denom)
+    metrics["loss"] = float(loss.detach())
+    return loss, metrics
+
+
+def _frac(x: Tensor, b: _Batch) -> float:
+    return _masked_mean(x.to(b.mask.dtype), b.mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# the losses
+
+
+def _ppo_family(default_agg: str) -> LossFn:
+    def loss_fn(logprobs, old_logprobs, rollout_logprobs, advantages, mask, cfg=None, *,
+                ref_logprobs=None, denom=None):
+        cfg = cfg or LossConfig()
+        b = _Batch.make(logprobs, old_logprobs, rollout_logprobs, advantages, mask)
+        tok, clipped = _clipped_surrogate(b.log_ratio.exp(), b.adv, cfg.clip_low, cfg.clip_high)
+        return _finish(b, tok, {"clip_frac": _frac(clipped, b)}, cfg, default_agg, ref_logprobs, denom)
+    loss_fn.__doc__ = f"PPO clipped surrogate with low/high clip; default aggregation {default_agg}."
+    return loss_fn
+
+
+ppo_loss = LOSSES.register("ppo", "grpo")(_ppo_family("seq_mean_token_mean"))
+drgrpo_loss = LOSSES.register("drgrpo")(_ppo_family("seq_mean_token_sum"))
+dapo_loss = LOSSES.register("dapo")(_ppo_family("token_mean"))
+
+
+@LOSSES.register("gspo")
+def gspo_loss(logprobs, old_logprobs, rollout_logprobs, advantages, mask, cfg=None, *,
+              ref_logprobs=None, denom=None):
+    """GSPO(-token): clipped sequence-level ratio, gradient routed per token."""
+    cfg = cfg or LossConfig()
+    b = _Batch.make(logprobs, old_logprobs, rollout_logprobs, advantages, mask)
+    seq_lr = b.log_ratio.sum(-1, keepdim=True) / b.mask.sum(-1, keepdim=True).clamp(min=1)
+    s_tok = torch.exp(seq_lr.detach() + b.log_ratio - b.log_ratio.detach())
+    tok, clipped = _clipped_surrogate(s_tok, b.adv, cfg.gspo_clip_low, cfg.gspo_clip_high)
+    metrics = {"clip_frac": _frac(clipped, b), "seq_ratio_mean": float(seq_lr.detach().exp().mean())}
+    return _finish(b, tok, metrics, cfg, "seq_mean_token_mean", ref_logprobs, denom)
+
+
+@LOSSES.register("cispo")
+def cispo_loss(logprobs, old_logprobs, rollout_logprobs, advantages, mask, cfg=None, *,
+               ref_logprobs=None, denom=None):
+    """CISPO: clipped, stop-gradient IS weight times the log-prob gradient times A."""
+    cfg = cfg or LossConfig()
+    b = _Batch.make(logprobs, old_logprobs, rollout_logprobs, advantages, mask)
+    ratio = b.log_ratio.detach().exp()
+    w = ratio.clamp(1 - cfg.cispo_clip_low, 1 + cfg.cispo_clip_high)
+    tok = -_weighted(w, b.log_ratio) * b.adv
+    return _finish(b, tok, {"clip_frac": _frac(w != ratio, b)}, cfg, "token_mean", ref_logprobs, denom)
+
+
+def dppo_tv_mask(logprobs: Tensor, mu_logprobs: Tensor, adv: Tensor, delta: float) -> Tensor:
+    """True where DPPO Binary-TV removes a token: A > 0 and pi - mu > delta, or A < 0 and
+    pi - mu < -delta (pi, mu are probabilities of the sampled token)."""
+    diff = logprobs.detach().exp() - mu_logprobs.detach().exp()
+    return ((adv > 0) & (diff > delta)) | ((adv < 0) & (diff < -delta))
+
+
+@LOSSES.register("dppo_tv", "dppo")
+def dppo_tv_loss(logprobs, old_logprobs, rollout_logprobs, advantages, mask, cfg=None, *,
+                 ref_logprobs=None, denom=None):
+    """DPPO Binary-TV: ratio-times-advantage objective on the tokens inside the TV trust region."""
+    cfg = cfg or LossConfig()
+    b = _Batch.make(logprobs, old_logprobs, rollout_logprobs, advantages, mask)
+    mu = b.rollout if b.rollout is not None else b.old
+    out = dppo_tv_mask(b.logprobs, mu, b.adv, cfg.delta)
+    ratio = b.log_ratio.detach().exp()
+    w = ratio if cfg.dppo_ratio_cap is None else ratio.clamp(max=cfg.dppo_ratio_cap)
+    tok = torch.where(out, 0.0, -_weighted(w, b.log_ratio) * b.adv)
+    return _finish(b, tok, {"clip_frac": _frac(out, b)}, cfg, "seq_mean_token_sum", ref_logprobs, denom)
