@@ -1,0 +1,356 @@
+"""Cascade's policy: a decoder-only transformer weight-compatible with HF Qwen3 and Qwen3-MoE.
+
+Module and parameter names mirror ``transformers`` (``model.layers.N.self_attn.q_proj.weight``,
+MoE experts fused as ``mlp.experts.gate_up_proj [E, 2I, H]`` and ``mlp.experts.down_proj
+[E, H, I]``), so an in-memory state dict is the one ``transformers`` 5 uses; on disk experts are
+written per expert (see :mod:`train.model.hf_io`). MoE experts run as grouped GEMMs
+(``torch._grouped_mm``) over tokens sorted by expert.
+
+Norms, the router softmax, rotary tables and logits are computed in fp32 whatever the weight
+dtype (ZAYA1's stability measures).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from train.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin tables [B, T, head_dim] for integer ``positions`` [B, T] (HF's half-rotation layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D]; cos/sin [B, T, D]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + _rotate_half(x) * sin
+
+
+@dataclass
+class KVCache:
+    """Pre-allocated key/value cache for the engine. All rows share one write position ``length``
+    (prompts are left-padded); ``valid`` [B, Tmax] marks key slots that hold real tokens."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    valid: torch.Tensor
+    length: int = 0
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, batch: int, max_len: int, device, dtype) -> "KVCache":
+        shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        return cls([torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)],
+                   [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)],
+                   torch.zeros(batch, max_len, dtype=torch.bool, device=device))
+
+    @property
+    def capacity(self) -> int:
+        return self.valid.shape[1]
+
+    def select(self, rows: torch.Tensor) -> "KVCache":
+        """Keep (or repeat) the given batch rows, e.g. to drop finished sequences or fan out n samples."""
+        return KVCache([k.index_select(0, rows) for k in self.k], [v.index_select(0, rows) for v in self.v],
+                       self.valid.index_select(0, rows), self.length)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, self.n_kv * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, self.n_kv * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None = None, layer: int = 0):
+        B, T, _ = x.shape
+        d = self.cfg.head_dim
+        q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, d)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, d)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv, d).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            s = cache.length
+            cache.k[layer][:, :, s:s + T] = k
+            cache.v[layer][:, :, s:s + T] = v
+            k, v = cache.k[layer][:, :, :s + T], cache.v[layer][:, :, :s + T]
+        if self.n_kv != self.n_heads:
+            rep = self.n_heads // self.n_kv
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * d))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+_GROUPED_MM_OK: dict[tuple, bool] = {}
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``out[rows of group e] = x[rows of group e] @ w[e]`` for row groups ending at ``offs``.
+
+    ``torch._grouped_mm`` where the device and dtype support it (CPU fp32/bf16, Hopper bf16);
+    elsewhere (e.g. fp32 on older GPUs) the same product per group.
+    """
+    key = (x.device.type, x.dtype)
+    if _GROUPED_MM_OK.get(key, True):
+        try:
+            return torch._grouped_mm(x, w, offs=offs)
+        except RuntimeError:
+            _GROUPED_MM_OK[key] = False
+    starts = torch.cat([offs.new_zeros(1), offs[:-1]]).tolist()
+    return torch.cat([x[s:e] @ w[i] for i, (s, e) in enumerate(zip(starts, offs.tolist()))])
+
+
+class Experts(nn.Module):
+    """E gated-MLP experts, weights stacked as in transformers 5."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.num_experts, self.inter = E, I
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, H]; idx, weights [N, k] -> [N, H]."""
+        k = idx.shape[1]
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token = order // k
+        offs = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0).to(torch.int32)
+        h = grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs)
+        a = F.silu(h[:, :self.inter]) * h[:, self.inter:]
+        y = grouped_mm(a.contiguous(), self.down_proj.transpose(1, 2), offs)
+        y = y * weights.reshape(-1)[order].unsqueeze(1).to(y.dtype)
+        return torch.zeros_like(x).index_add_(0, token, y)
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
+
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None):
+        """-> (probs [N, E] fp32, top-k weights [N, k], top-k expert ids [N, k]).
+
+        ``replay`` [N, k] forces the expert choice (MoE router replay); the weights are still the
+        router's own probabilities of those experts, so gradients reach the router."""
+        probs = F.softmax(F.linear(x, self.weight).float(), dim=-1)
+        if replay is None:
+            top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
+        else:
+            top_i = replay.to(torch.long)
+            top_w = probs.gather(1, top_i)
+        if self.norm_topk_prob:
+            top_w = top_w / top_w.sum(-1, keepdim=True)
+        return probs, top_w.to(x.dtype), top_i
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None, record: list | None = None):
+        B, T, H = x.shape
+        flat = x.reshape(-1, H)
+        _, w, idx = self.gate(flat, replay)
+        if record is not None:
+            record.append(idx.view(B, T, -1))
+        return self.experts(flat, idx, w).view(B, T, H)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, i: int):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.is_moe = cfg.layer_is_moe(i)
+        self.mlp = SparseMoE(cfg) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache=None, layer=0, replay=None, record=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
+        h = self.post_attention_layernorm(x)
+        x = x + (self.mlp(h, replay, record) if self.is_moe else self.mlp(h))
+        return x
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+def build_mask(key_valid: torch.Tensor | None, q_slots: torch.Tensor, k_len: int) -> torch.Tensor | None:
+    """Boolean attention mask [B, 1, Tq, Tk]: causal over slots, padded keys hidden, and every query
+    allowed to see its own slot (so rows of padding never become all-masked)."""
+    k_slots = torch.arange(k_len, device=q_slots.device)
+    causal = k_slots[None, :] <= q_slots[:, None]  # [Tq, Tk]
+    m = causal[None]
+    if key_valid is not None:
+        m = m & key_valid[:, None, :k_len]
+    m = m | (k_slots[None, :] == q_slots[:, None])[None]
+    return m[:, None]
+
+
+class CausalLM(nn.Module):
+    """The policy. ``forward`` returns fp32 logits [B, T, V]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg.validate()
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> "CausalLM":
+        g = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def hidden_states(self, input_ids, attention_mask=None, position_ids=None, cache: KVCache | None = None,
+                      routed_experts=None, record_routing: list | None = None):
+        """Final-norm hidden states [B, T, H].
+
+        ``attention_mask`` [B, T] (1 = real token) marks padding anywhere; without a cache and
+        without padding the plain causal kernel is used. With a cache, ``cache.valid`` is updated.
+        ``routed_experts``: per MoE layer, expert ids [B, T, k] to replay; ``record_routing``: a
+        list that receives the expert ids chosen by each MoE layer.
+        """
+        cfg = self.config
+        B, T = input_ids.shape
+        dev = input_ids.device
+        start = cache.length if cache is not None else 0
+        if cache is not None and start + T > cache.capacity:
+            raise ValueError(f"KV cache overflow: {start + T} > {cache.capacity}")
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(torch.bool)
+        if cache is not None:
+            cache.valid[:, start:start + T] = True if attention_mask is None else attention_mask
+        if position_ids is None:
+            if cache is not None:
+                position_ids = (cache.valid[:, :start + T].long().cumsum(-1) - 1).clamp(min=0)[:, start:]
+            elif attention_mask is not None:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+            else:
+                position_ids = torch.arange(T, device=dev).expand(B, T)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, x.dtype)
+        q_slots = torch.arange(start, start + T, device=dev)
+        if cache is not None:
+            mask = build_mask(cache.valid, q_slots, start + T)
+        elif attention_mask is not None and not bool(attention_mask.all()):
+            mask = build_mask(attention_mask, q_slots, T)
+        else:
+            mask = None
+        moe_i = 0
+        for i, layer in enumerate(self.model.layers):
+            replay = None
+            if layer.is_moe and routed_experts is not None:
+                replay = routed_experts[moe_i].reshape(B * T, -1)
+            x = layer(x, cos, sin, mask, cache, i, replay, record_routing)
+            moe_i += int(layer.is_moe)
+        if cache is not None:
+            cache.length = start + T
+        return self.model.norm(x)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits from hidden states (LM head in fp32)."""
+        return F.linear(h.float(), self.lm_head.weight.float())
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, routed_experts=None,
+                record_routing=None):
+        return self.logits(self.hidden_states(input_ids, attention_mask, position_ids, cache,
+                                              routed_experts, record_routing))
+
+
+def token_logprobs(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   temperature: float = 1.0, routed_experts=None, return_entropy: bool = False):
+    """Log-probabilities [B, T-1] of ``input_ids[:, 1:]`` given the prefix (teacher forcing), under
+    softmax(logits / temperature). With ``return_entropy`` also the per-position entropy."""
+    logits = model(input_ids, attention_mask, routed_experts=routed_experts)[:, :-1]
+    if temperature and temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    out = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    if return_entropy:
+        return out, -(logp.exp() * logp).sum(-1)
+    return out
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def model_flops_per_token(cfg: ModelConfig) -> float:
+    """Approximate forward FLOPs per token (2 x active parameters), for throughput reports."""
+    active = cfg.num_parameters()
+    if cfg.is_moe:
+        per = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+        n_moe = sum(cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers))
+        active -= n_moe * per * (cfg.num_experts - cfg.num_experts_per_tok)
+    return 2.0 * active
