@@ -1,0 +1,235 @@
+"""Combinatorics and counting (large counts are asked modulo 10^9+7)."""
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from envs.base import register
+from envs.gym._util import MOD, IntAnswer, ListAnswer, fmt_list, grow, random_prime
+
+F = "combinatorics"
+MODTXT = "Give the answer modulo 1000000007."
+
+
+@register("gym/binomial_mod_p")
+class BinomialModP(IntAnswer):
+    family, description = F, "Binomial coefficient C(n, k) modulo a small prime (Lucas)."
+
+    def build(self, rng, d):
+        p = random_prime(rng, 3, 13 + 6 * d)
+        n = rng.randint(p, p ** (2 + d // 3))
+        k = rng.randint(0, n)
+        r, nn, kk = 1, n, k
+        while nn or kk:
+            r = r * math.comb(nn % p, kk % p) % p
+            nn, kk = nn // p, kk // p
+        return f"Compute the binomial coefficient C({n}, {k}) modulo {p}.", r
+
+
+@register("gym/catalan")
+class Catalan(IntAnswer):
+    family, description = F, "Catalan numbers (balanced bracket sequences)."
+
+    def build(self, rng, d):
+        n = rng.randint(2 + d, grow(4, d, 1.3, 2))
+        return (f"How many balanced strings of {n} pairs of parentheses are there? {MODTXT}",
+                math.comb(2 * n, n) // (n + 1) % MOD)
+
+
+@register("gym/derangements")
+class Derangements(IntAnswer):
+    family, description = F, "Number of permutations with no fixed point."
+
+    def build(self, rng, d):
+        n = rng.randint(3 + d, grow(5, d, 1.3, 2))
+        a, b = 1, 0  # D0, D1
+        for i in range(2, n + 1):
+            a, b = b, (i - 1) * (a + b)
+        return f"How many permutations of {n} elements have no fixed point? {MODTXT}", (b if n >= 1 else a) % MOD
+
+
+@register("gym/bounded_compositions")
+class BoundedCompositions(IntAnswer):
+    family, description = F, "Stars and bars with upper bounds: solutions of x1+...+xk = n, 0 <= xi <= ui."
+
+    def build(self, rng, d):
+        k = rng.randint(2, 3 + d // 2)
+        us = [rng.randint(1, 4 + 2 * d) for _ in range(k)]
+        n = rng.randint(0, sum(us))
+        ways = [1] + [0] * n
+        for u in us:
+            nxt = [0] * (n + 1)
+            for s, w in enumerate(ways):
+                if w:
+                    for x in range(min(u, n - s) + 1):
+                        nxt[s + x] += w
+            ways = nxt
+        cons = ", ".join(f"0 <= x{i + 1} <= {u}" for i, u in enumerate(us))
+        return (f"How many integer solutions does x1 + ... + x{k} = {n} have with {cons}? {MODTXT}",
+                ways[n] % MOD)
+
+
+@register("gym/lattice_paths_obstacles")
+class LatticePathsObstacles(IntAnswer):
+    family, description = F, "Monotone lattice paths in a grid avoiding blocked cells."
+
+    def build(self, rng, d):
+        r, c = rng.randint(2, 3 + d), rng.randint(2, 3 + d)
+        blocked = {(rng.randrange(r), rng.randrange(c)) for _ in range((r * c) // 6)} - {(0, 0), (r - 1, c - 1)}
+        ways = [[0] * c for _ in range(r)]
+        for i in range(r):
+            for j in range(c):
+                if (i, j) in blocked:
+                    continue
+                ways[i][j] = 1 if (i, j) == (0, 0) else ((ways[i - 1][j] if i else 0) + (ways[i][j - 1] if j else 0))
+        grid = "\n".join("".join("#" if (i, j) in blocked else "." for j in range(c)) for i in range(r))
+        return (f"In the grid below ('#' is blocked), count the paths from the top-left cell to the bottom-right "
+                f"cell that only move right or down through open cells. {MODTXT}\n{grid}", ways[-1][-1] % MOD)
+
+
+@register("gym/partitions_at_most_k")
+class PartitionsAtMostK(IntAnswer):
+    family, description = F, "Integer partitions of n into at most k parts."
+
+    def build(self, rng, d):
+        n = rng.randint(4 + d, grow(8, d, 1.25, 3))
+        k = rng.randint(2, n)
+        p = [1] + [0] * n  # partitions with parts <= k (conjugate of at most k parts)
+        for part in range(1, k + 1):
+            for s in range(part, n + 1):
+                p[s] += p[s - part]
+        return f"In how many ways can {n} be written as a sum of at most {k} positive integers, ignoring order? {MODTXT}", p[n] % MOD
+
+
+@register("gym/stirling2")
+class Stirling2(IntAnswer):
+    family, description = F, "Stirling numbers of the second kind (set partitions into k blocks)."
+
+    def build(self, rng, d):
+        n = rng.randint(3 + d, grow(5, d, 1.2, 2))
+        k = rng.randint(1, n)
+        s = [[0] * (k + 1) for _ in range(n + 1)]
+        s[0][0] = 1
+        for i in range(1, n + 1):
+            for j in range(1, k + 1):
+                s[i][j] = j * s[i - 1][j] + s[i - 1][j - 1]
+        return (f"In how many ways can a set of {n} labelled elements be partitioned into exactly {k} non-empty "
+                f"unlabelled blocks? {MODTXT}", s[n][k] % MOD)
+
+
+@register("gym/stirling1")
+class Stirling1(IntAnswer):
+    family, description = F, "Unsigned Stirling numbers of the first kind (permutations with k cycles)."
+
+    def build(self, rng, d):
+        n = rng.randint(3 + d, grow(5, d, 1.2, 2))
+        k = rng.randint(1, n)
+        c = [[0] * (k + 1) for _ in range(n + 1)]
+        c[0][0] = 1
+        for i in range(1, n + 1):
+            for j in range(1, k + 1):
+                c[i][j] = (i - 1) * c[i - 1][j] + c[i - 1][j - 1]
+        return f"How many permutations of {n} elements have exactly {k} cycles? {MODTXT}", c[n][k] % MOD
+
+
+@register("gym/necklaces")
+class Necklaces(IntAnswer):
+    family, description = F, "Necklaces up to rotation (Burnside's lemma)."
+
+    def build(self, rng, d):
+        n, k = rng.randint(3, 5 + 2 * d), rng.randint(2, 3 + d // 2)
+        total = sum(k ** math.gcd(i, n) for i in range(n)) // n
+        return (f"How many distinct necklaces of {n} beads can be made with beads of {k} colours, where two "
+                f"necklaces are the same if one is a rotation of the other? {MODTXT}", total % MOD)
+
+
+@register("gym/word_arrangements")
+class WordArrangements(IntAnswer):
+    family, description = F, "Distinct arrangements of the letters of a word (multinomial)."
+
+    def build(self, rng, d):
+        alpha = "ABCDEFGHIJKLMNOP"[: 2 + d // 2]
+        w = "".join(rng.choice(alpha) for _ in range(rng.randint(4 + d, grow(6, d, 1.2, 2))))
+        cnt = math.factorial(len(w))
+        for v in Counter(w).values():
+            cnt //= math.factorial(v)
+        return f"How many distinct strings can be formed by rearranging all the letters of {w}? {MODTXT}", cnt % MOD
+
+
+@register("gym/permutation_rank")
+class PermutationRank(IntAnswer):
+    family, description = F, "Lexicographic rank of a permutation."
+
+    def build(self, rng, d):
+        n = 3 + d
+        p = list(range(1, n + 1))
+        rng.shuffle(p)
+        rank, rest = 0, sorted(p)
+        for i, x in enumerate(p):
+            j = rest.index(x)
+            rank += j * math.factorial(n - 1 - i)
+            rest.pop(j)
+        return (f"Among all permutations of 1..{n} in lexicographic order, starting with 1 2 ... {n} at position 1, "
+                f"at which position is {fmt_list(p)}?", rank + 1)
+
+
+@register("gym/kth_permutation")
+class KthPermutation(ListAnswer):
+    family, description = F, "The k-th permutation in lexicographic order."
+
+    def build(self, rng, d):
+        n = 3 + d
+        k = rng.randint(1, math.factorial(n))
+        rest, r, out = list(range(1, n + 1)), k - 1, []
+        for i in range(n, 0, -1):
+            q, r = divmod(r, math.factorial(i - 1))
+            out.append(rest.pop(q))
+        return (f"List the permutations of 1..{n} in lexicographic order, numbered from 1. Give permutation number "
+                f"{k}, its elements separated by spaces.", out)
+
+
+@register("gym/inclusion_exclusion")
+class InclusionExclusion(IntAnswer):
+    family, description = F, "Count integers in [1, N] divisible by at least one of several numbers."
+
+    def build(self, rng, d):
+        ds = sorted(set(rng.randint(2, 12 + 3 * d) for _ in range(2 + d // 2)))
+        n = rng.randint(100, grow(1000, d, 1.6))
+        total = 0
+        for mask in range(1, 1 << len(ds)):
+            l, bits = 1, 0
+            for i, x in enumerate(ds):
+                if mask >> i & 1:
+                    l, bits = l * x // math.gcd(l, x), bits + 1
+                    if l > n:
+                        break
+            total += (n // l) * (1 if bits % 2 else -1)
+        return f"How many integers in [1, {n}] are divisible by at least one of {fmt_list(ds, ', ')}?", total
+
+
+@register("gym/board_tilings")
+class BoardTilings(IntAnswer):
+    family, description = F, "Tilings of a 1 x n strip with tiles of given lengths."
+
+    def build(self, rng, d):
+        n = rng.randint(5 + d, grow(10, d, 1.3, 3))
+        tiles = sorted(set(rng.randint(1, 3 + d // 2) for _ in range(2 + d // 3)))
+        w = [1] + [0] * n
+        for i in range(1, n + 1):
+            w[i] = sum(w[i - t] for t in tiles if t <= i)
+        return (f"In how many ways can a 1 x {n} strip be tiled with tiles of lengths {fmt_list(tiles, ', ')} "
+                f"(unlimited supply; order matters)? {MODTXT}", w[n] % MOD)
+
+
+@register("gym/bounded_dyck_paths")
+class BoundedDyckPaths(IntAnswer):
+    family, description = F, "Balanced parenthesis strings with bounded nesting depth."
+
+    def build(self, rng, d):
+        n = rng.randint(3 + d, grow(5, d, 1.2, 2))
+        h = rng.randint(1, max(1, n - 1))
+        cur = [1] + [0] * h
+        for _ in range(2 * n):
+            cur = [(cur[j - 1] if j else 0) + (cur[j + 1] if j < h else 0) for j in range(h + 1)]
+        return (f"How many balanced strings of {n} pairs of parentheses have nesting depth at most {h}? {MODTXT}",
+                cur[0] % MOD)
