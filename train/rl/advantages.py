@@ -32,7 +32,7 @@ from train.rl import Registry
 AdvantageFn = Callable[..., Tensor]
 ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
 
-__all__ = ["ADVANTAGES", "get_advantage", "compute_advantages", "group_index", "whiten"]
+__all__ = ["ADVANTAGES", "get_advantage", "compute_advantages", "group_index", "group_sum", "whiten"]
 
 
 def get_advantage(name: str) -> AdvantageFn:
@@ -52,7 +52,7 @@ def group_index(groups: int | Tensor, n: int) -> tuple[Tensor, int]:
     return inv, len(uniq)
 
 
-def _group_sum(x: Tensor, idx: Tensor, k: int) -> Tensor:
+def group_sum(x: Tensor, idx: Tensor, k: int) -> Tensor:
     """Per-rollout sum of ``x`` over the rollout's group."""
     return torch.zeros(k, dtype=x.dtype, device=x.device).index_add_(0, idx, x)[idx]
 
@@ -64,8 +64,8 @@ def _prepare(rewards, groups) -> tuple[Tensor, Tensor, int, Tensor, Tensor]:
         raise ValueError(f"rewards must be 1-D, got shape {tuple(r.shape)}")
     idx, k = group_index(groups, r.numel())
     idx = idx.to(r.device)
-    count = _group_sum(torch.ones_like(r), idx, k)
-    total = _group_sum(r, idx, k)
+    count = group_sum(torch.ones_like(r), idx, k)
+    total = group_sum(r, idx, k)
     return r, idx, k, count, total
 
 
@@ -77,7 +77,7 @@ def _plus(num: Tensor, bonus) -> Tensor:
 def grpo_advantage(rewards, groups, eps: float = 1e-6, bonus=None) -> Tensor:
     r, idx, k, count, total = _prepare(rewards, groups)
     mean = total / count
-    var = _group_sum((r - mean) ** 2, idx, k) / (count - 1).clamp(min=1)
+    var = group_sum((r - mean) ** 2, idx, k) / (count - 1).clamp(min=1)
     return _plus(r - mean, bonus) / (var.sqrt() + eps)
 
 
