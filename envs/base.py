@@ -16,7 +16,7 @@ from typing import Any, Callable, ClassVar
 
 __all__ = [
     "Problem", "Score", "Environment", "register", "get_env", "get_env_class", "list_envs",
-    "load_entry_points", "last_boxed", "UnknownEnvironmentError",
+    "load_entry_points", "last_boxed", "UnknownEnvironmentError", "env_info",
 ]
 
 
@@ -106,6 +106,7 @@ class Environment:
     description: ClassVar[str] = ""
     max_difficulty: ClassVar[int | None] = None  # None: grows without bound
     instruction: ClassVar[str] = "Put your final answer within \\boxed{}."
+    verify_time_limit: ClassVar[float] = 5.0  # seconds one verify may take (self-check, fuzz tests)
 
     # -- to implement -------------------------------------------------------------------------
     def generate(self, seed: int, difficulty: int) -> Problem:
@@ -162,18 +163,22 @@ class UnknownEnvironmentError(KeyError):
 
 _REGISTRY: dict[str, type[Environment]] = {}
 _FACTORIES: dict[str, Callable[[], Environment]] = {}
+_FACTORY_INFO: dict[str, dict] = {}  # id -> {"family", "description"} given at registration
 _ENTRY_POINTS_LOADED = False
 ENTRY_POINT_GROUP = "cascade.envs"
 
 
-def register(env_id: str, *, factory: Callable[[], Environment] | None = None):
+def register(env_id: str, *, factory: Callable[[], Environment] | None = None,
+             family: str | None = None, description: str | None = None):
     """Class decorator registering an environment under ``env_id``.
 
     ``register("x", factory=f)`` (not as a decorator) registers a zero-argument factory instead,
-    which is how adapters add many environments of one class (e.g. one per dataset).
+    which is how adapters add many environments of one class (e.g. one per dataset). ``family``
+    and ``description`` let listings show a factory's environment without building it.
     """
     if factory is not None:
         _FACTORIES[env_id] = factory
+        _FACTORY_INFO[env_id] = {"family": family or "misc", "description": description or ""}
         return factory
 
     def deco(cls: type[Environment]) -> type[Environment]:
@@ -208,6 +213,20 @@ def list_envs() -> list[str]:
     _load_builtin()
     load_entry_points()
     return sorted(set(_REGISTRY) | set(_FACTORIES))
+
+
+def env_info(env_id: str) -> dict:
+    """``{"id", "family", "description"}`` of a registered environment, without instantiating it."""
+    _load_builtin()
+    load_entry_points()
+    if env_id in _REGISTRY:
+        cls = _REGISTRY[env_id]
+        doc = (cls.__doc__ or "").strip().splitlines()
+        return {"id": env_id, "family": cls.family,
+                "description": cls.description or (doc[0] if doc else "")}
+    if env_id in _FACTORIES:
+        return {"id": env_id, **_FACTORY_INFO.get(env_id, {"family": "misc", "description": ""})}
+    raise UnknownEnvironmentError(f"unknown environment {env_id!r}")
 
 
 def get_env_class(name: str) -> type[Environment]:

@@ -1,0 +1,1 @@
+"""Small data files shipped with the environments (e.g. the built-in math sample)."""

@@ -1,0 +1,365 @@
+"""Math answers: equivalence with ``math-verify`` under a time bound, a dataset environment and a
+procedurally generated one.
+
+``math_equal(pred, gold)`` compares two answers (numbers, fractions, LaTeX expressions, intervals,
+sets, matrices) with ``math-verify``. math-verify bounds its own time with ``signal.alarm``, which
+only works in the main thread; here every comparison runs in a small pool of persistent worker
+processes instead (one per concurrent caller), each call under a deadline: a worker that overruns
+is killed and the comparison counts as not equal. This works from any thread and never leaves a
+sympy computation running in the caller.
+
+Environments:
+
+- ``math``: problems from a jsonl/parquet file with columns ``problem`` and ``answer`` (optional
+  ``level``/``difficulty``); without a path it uses a small built-in sample.
+- ``math/arith``: linear equations and fraction arithmetic whose size grows with difficulty, so
+  math RL runs without any data file.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import subprocess
+import sys
+import threading
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+from envs.base import Environment, Problem, Score, register
+
+__all__ = ["math_equal", "MathDatasetEnv", "ArithmeticEnv", "MathVerifyTimeout"]
+
+DEFAULT_TIMEOUT = 3.0      # seconds per comparison
+STARTUP_TIMEOUT = 120.0    # seconds for a fresh worker to import math-verify (slow on busy machines)
+MAX_ANSWER_CHARS = 2000    # longer predictions (beyond 20x the gold) are not compared at all
+
+
+class MathVerifyTimeout(RuntimeError):
+    pass
+
+
+# --------------------------------------------------------------------------------------------
+# worker process side
+
+
+def _mv_equal(pred: str, gold: str) -> bool:
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    cfg = [LatexExtractionConfig(), ExprExtractionConfig()]
+    g = parse(f"${gold}$", extraction_config=cfg, parsing_timeout=None)
+    p = parse(f"${pred}$", extraction_config=cfg, parsing_timeout=None)
+    if not g or not p:
+        return False
+    return bool(verify(g, p, timeout_seconds=None))
+
+
+def _worker_main() -> None:
+    """Loop of a worker process: one JSON ``[pred, gold]`` per stdin line, ``1``/``0`` back."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.CRITICAL)
+    import math_verify  # noqa: F401 - import before saying ready
+
+    out = sys.stdout
+    out.write("ready\n")
+    out.flush()
+    for line in sys.stdin:
+        try:
+            pred, gold = json.loads(line)
+            ok = _mv_equal(pred, gold)
+        except Exception:  # noqa: BLE001 - a malformed answer is simply not equal
+            ok = False
+        out.write("1\n" if ok else "0\n")
+        out.flush()
+
+
+# --------------------------------------------------------------------------------------------
+# caller side
+
+
+class _Worker:
+    def __init__(self) -> None:
+        root = str(Path(__file__).resolve().parent.parent)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "from envs.math import _worker_main; _worker_main()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            env=env, text=True, bufsize=1,
+        )
+        if self._readline(STARTUP_TIMEOUT) != "ready":
+            self.kill()
+            raise RuntimeError("math-verify worker failed to start (is math-verify installed?)")
+
+    def _readline(self, timeout: float) -> str | None:
+        ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, timeout))
+        if not ready:
+            return None
+        line = self.proc.stdout.readline()
+        return line.strip() if line else None
+
+    def ask(self, pred: str, gold: str, timeout: float) -> bool | None:
+        """True/False, or None when the deadline passed (the worker is then dead)."""
+        try:
+            self.proc.stdin.write(json.dumps([pred, gold]) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            self.kill()
+            return None
+        reply = self._readline(timeout)
+        if reply not in ("0", "1"):
+            self.kill()
+            return None
+        return reply == "1"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+
+class _Pool:
+    """Idle workers; a caller takes one (starting a new one if none is idle) and returns it."""
+
+    def __init__(self) -> None:
+        self._idle: list[_Worker] = []
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    def call(self, pred: str, gold: str, timeout: float) -> bool | None:
+        with self._lock:
+            if self._pid != os.getpid():  # forked: the parent's workers are not ours
+                self._idle, self._pid = [], os.getpid()
+            w = self._idle.pop() if self._idle else None
+        if w is None or not w.alive():
+            w = _Worker()
+        result = w.ask(pred, gold, timeout)
+        if result is not None and w.alive():
+            with self._lock:
+                self._idle.append(w)
+        return result
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for w in idle:
+            w.kill()
+
+
+_POOL = _Pool()
+atexit.register(_POOL.close)
+
+
+def _clean(s: str) -> str:
+    s = s.strip().strip("$").strip()
+    if s.endswith("."):
+        s = s[:-1].rstrip()
+    return s
+
+
+def math_equal(pred: Any, gold: Any, timeout: float = DEFAULT_TIMEOUT) -> bool:
+    """Whether answer ``pred`` equals ``gold`` mathematically (math-verify), within ``timeout`` s.
+
+    Safe from any thread. A comparison that does not finish in time counts as not equal. Exact
+    matches after trimming whitespace, ``$`` and a final period are equal without a comparison;
+    predictions longer than ``max(2000, 20 * len(gold))`` characters are never equal.
+    """
+    if pred is None or gold is None:
+        return False
+    p, g = _clean(str(pred)), _clean(str(gold))
+    if not p or not g:
+        return False
+    if p.replace(" ", "") == g.replace(" ", ""):
+        return True
+    if len(p) > max(MAX_ANSWER_CHARS, 20 * len(g)):
+        return False
+    return bool(_POOL.call(p, g, timeout))
+
+
+def _zero_format() -> Score:
+    return Score.zero("no \\boxed{} answer", format_ok=False)
+
+
+class _MathBase(Environment):
+    family = "math"
+    verify_time_limit = DEFAULT_TIMEOUT + 2.0
+    timeout: float = DEFAULT_TIMEOUT
+
+    def check(self, problem: Problem, response: str) -> Score:
+        pred = self.extract(response)
+        if pred is None or not pred.strip():
+            return _zero_format()
+        ok = math_equal(pred, problem.answer, timeout=self.timeout)
+        return Score(1.0 if ok else 0.0, ok, True, {"extracted": pred[:200]})
+
+    def corruptions(self, problem: Problem) -> list[str]:
+        ans = str(problem.answer)
+        return ["", "I don't know.", "\\boxed{}", f"\\boxed{{{ans}+1}}", f"\\boxed{{{ans}}}x9 \\boxed{{-98765.4321}}"]
+
+
+# --------------------------------------------------------------------------------------------
+# dataset environment
+
+SAMPLE_PATH = Path(__file__).resolve().parent / "data" / "math_sample.jsonl"
+_LEVEL_COLUMNS = ("level", "difficulty")
+
+
+def _as_int(v: Any) -> int | None:
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, str):
+        digits = "".join(ch for ch in v if ch.isdigit())  # "Level 3" -> 3
+        return int(digits) if digits else None
+    return None
+
+
+def load_math_rows(path: str | os.PathLike) -> list[dict]:
+    """Rows ``{"problem", "answer", "level"}`` of a jsonl/json/parquet file (via ``datasets``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"math dataset file not found: {path}")
+    suffix = path.suffix.lower()
+    kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(suffix)
+    if kind is None:
+        raise ValueError(f"math dataset {path}: unsupported file type {suffix!r}; use .jsonl, .json or .parquet")
+    import datasets
+
+    datasets.disable_progress_bars()
+    ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+    missing = [c for c in ("problem", "answer") if c not in ds.column_names]
+    if missing:
+        raise ValueError(f"math dataset {path} lacks column(s) {', '.join(missing)} "
+                         f"(has: {', '.join(ds.column_names)}); need 'problem' and 'answer'")
+    level_col = next((c for c in _LEVEL_COLUMNS if c in ds.column_names), None)
+    levels = ds[level_col] if level_col else [None] * len(ds)
+    rows = [{"problem": str(p), "answer": str(a), "level": _as_int(lv)}
+            for p, a, lv in zip(ds["problem"], ds["answer"], levels)]
+    if not rows:
+        raise ValueError(f"math dataset {path} has no rows")
+    return rows
+
+
+@register("math")
+class MathDatasetEnv(_MathBase):
+    """Math problems from a file (columns problem, answer; optional level), graded by math-verify."""
+
+    description = "math problems from a jsonl/parquet file (path=...), graded with math-verify"
+
+    def __init__(self, path: str | os.PathLike | None = None, timeout: float = DEFAULT_TIMEOUT):
+        self.path = Path(path) if path is not None else SAMPLE_PATH
+        self.timeout = float(timeout)
+        self.rows = load_math_rows(self.path)
+        by_level: dict[int, list[int]] = {}
+        for i, r in enumerate(self.rows):
+            if r["level"] is not None:
+                by_level.setdefault(r["level"], []).append(i)
+        self._by_level = dict(sorted(by_level.items()))
+        self.max_difficulty = (len(self._by_level) - 1) if self._by_level else None
+
+    def _candidates(self, difficulty: int) -> list[int]:
+        """Rows at the difficulty-th distinct level (clamped); all rows when there are no levels."""
+        if not self._by_level:
+            return list(range(len(self.rows)))
+        levels = list(self._by_level)
+        return self._by_level[levels[max(0, min(int(difficulty), len(levels) - 1))]]
+
+    def generate(self, seed: int, difficulty: int) -> Problem:
+        cand = self._candidates(difficulty)
+        i = cand[self.rng(seed, difficulty).randrange(len(cand))]
+        row = self.rows[i]
+        return self.problem(row["problem"], row["answer"], seed, difficulty, row=i, level=row["level"])
+
+
+# --------------------------------------------------------------------------------------------
+# procedurally generated math
+
+
+def _frac_latex(q: Fraction) -> str:
+    if q.denominator == 1:
+        return str(q.numerator)
+    sign = "-" if q < 0 else ""
+    return f"{sign}\\frac{{{abs(q.numerator)}}}{{{q.denominator}}}"
+
+
+def _term(c: int, var: str, first: bool) -> str:
+    sign = "-" if c < 0 else ("" if first else "+")
+    mag = abs(c)
+    body = var if mag == 1 and var else f"{mag}{var}"
+    return f"{sign} {body}".strip() if not first else f"{sign}{body}"
+
+
+@register("math/arith")
+class ArithmeticEnv(_MathBase):
+    """Linear equations (even difficulty) and fraction arithmetic (odd); numbers grow with difficulty."""
+
+    description = "procedural linear equations and fraction arithmetic; size grows with difficulty"
+
+    def __init__(self, timeout: float = DEFAULT_TIMEOUT):
+        self.timeout = float(timeout)
+
+    def generate(self, seed: int, difficulty: int) -> Problem:
+        d = max(0, int(difficulty))
+        rng = self.rng(seed, d)
+        if d % 2 == 0:
+            return self._linear(rng, seed, d)
+        return self._fractions(rng, seed, d)
+
+    def _linear(self, rng, seed: int, d: int) -> Problem:
+        """a*x + b = c*x + e with a rational solution; coefficients up to 5 * (1 + d)."""
+        bound = 5 * (1 + d)
+        while True:
+            a, c = rng.randint(-bound, bound), rng.randint(-bound, bound)
+            if a != c and a != 0:
+                break
+        b, e = rng.randint(-bound * 2, bound * 2), rng.randint(-bound * 2, bound * 2)
+        if d == 0:
+            c = 0
+        x = Fraction(e - b, a - c)
+        lhs = _term(a, "x", True) + (f" {_term(b, '', False)}" if b else "")
+        rhs = (_term(c, "x", True) + (f" {_term(e, '', False)}" if e else "")) if c else str(e)
+        prompt = f"Solve for $x$: ${lhs} = {rhs}$. Give $x$ as an integer or a fraction in lowest terms."
+        return self.problem(prompt, _frac_latex(x), seed, d, kind="linear")
+
+    def _fractions(self, rng, seed: int, d: int) -> Problem:
+        """A sum/difference/product of 2 + d//2 fractions with denominators up to 4 + 2d."""
+        n = 2 + d // 2
+        den = 4 + 2 * d
+        fr = [Fraction(rng.randint(-3 * den, 3 * den) or 1, rng.randint(2, den)) for _ in range(n)]
+        ops = [rng.choice("+-*") for _ in range(n - 1)]
+        expr = _frac_latex(fr[0])
+        # evaluate with usual precedence: products bind tighter than sums
+        terms, signs = [fr[0]], []
+        for op, f in zip(ops, fr[1:]):
+            tex = _frac_latex(f)
+            if f < 0:
+                tex = f"\\left({tex}\\right)"
+            if op == "*":
+                expr += f" \\cdot {tex}"
+                terms[-1] *= f
+            else:
+                expr += f" {op} {tex}"
+                signs.append(1 if op == "+" else -1)
+                terms.append(f)
+        value = terms[0] + sum(s * t for s, t in zip(signs, terms[1:]))
+        prompt = f"Compute ${expr}$. Give the result as an integer or a fraction in lowest terms."
+        return self.problem(prompt, _frac_latex(value), seed, d, kind="fractions")
