@@ -39,7 +39,8 @@ Loss values are written so that the value is the surrogate objective itself (for
 IS weight ``w`` enters as ``sg(w) * exp(lr - sg(lr))``: value ``w``, gradient ``w grad logp``).
 
 Common options (:class:`LossConfig`): truncated importance sampling against the engine
-(``tis_cap``: token weight ``min(exp(old - rollout), cap)``, stop-gradient), a KL penalty to a
+(``tis_cap``: token weight ``min(exp(old - rollout), cap)``, stop-gradient, multiplying each
+token's loss, GSPO's included), a KL penalty to a
 reference policy (``kl_coef``, ``kl_type`` k1/k3; off by default, as in ZAYA1), and the
 aggregation mode (:func:`aggregate`).
 
