@@ -144,7 +144,8 @@ def test_dppo_tv_mask_cases():
     # A<0: pi-mu = -0.15 masked; +0.3 kept; -0.05 kept
     assert out.tolist() == [[True, False, False, False], [True, False, False, False]]
     # equality with the threshold is inside the trust region; A = 0 is never masked
-    assert dppo_tv_mask(t([[0.6, 0.4]]).log(), t([[0.5, 0.5]]).log(), t([[0.0, 0.0]]), 0.1).tolist() == [[False, False]]
+    assert dppo_tv_mask(t([[0.75, 0.25]]).log(), t([[0.5, 0.5]]).log(), t([[1.0, -1.0]]), 0.25).tolist() == [[False, False]]
+    assert dppo_tv_mask(t([[0.9, 0.1]]).log(), t([[0.5, 0.5]]).log(), t([[0.0, 0.0]]), 0.1).tolist() == [[False, False]]
 
 
 def test_dppo_tv_by_hand():
