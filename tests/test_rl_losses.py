@@ -77,7 +77,8 @@ RATIO = t([[1.5, 0.9], [0.7, 5.0]])
 MASK = t([[1, 1], [1, 0]])
 ADV = t([1.0, -2.0])
 # PPO tokens, clip [0.8, 1.28]: -min(rA, clip(r)A) = [[-1.28 (clipped), -0.9], [1.6 (clipped), -]]
-PPO_BY_AGG = {"token_mean": -0.58 / 3, "seq_mean_token_mean": (-1.09 + 1.6) / 2, "seq_mean_token_sum": (-2.18 + 1.6) / 2}
+PPO_BY_AGG = {"token_mean": -0.58 / 3, "seq_mean_token_mean": (-1.09 + 1.6) / 2,
+              "seq_mean_token_sum": (-2.18 + 1.6) / 2}
 
 
 def _lp():
@@ -144,7 +145,8 @@ def test_dppo_tv_mask_cases():
     # A<0: pi-mu = -0.15 masked; +0.3 kept; -0.05 kept
     assert out.tolist() == [[True, False, False, False], [True, False, False, False]]
     # equality with the threshold is inside the trust region; A = 0 is never masked
-    assert dppo_tv_mask(t([[0.75, 0.25]]).log(), t([[0.5, 0.5]]).log(), t([[1.0, -1.0]]), 0.25).tolist() == [[False, False]]
+    at_threshold = dppo_tv_mask(t([[0.75, 0.25]]).log(), t([[0.5, 0.5]]).log(), t([[1.0, -1.0]]), 0.25)
+    assert at_threshold.tolist() == [[False, False]]
     assert dppo_tv_mask(t([[0.9, 0.1]]).log(), t([[0.5, 0.5]]).log(), t([[0.0, 0.0]]), 0.1).tolist() == [[False, False]]
 
 

@@ -56,7 +56,7 @@ def filter_groups(groups: Sequence[G], rewards_of: Callable[[G], Sequence[float]
 
 @dataclass
 class SampleReport(Generic[G]):
-    groups: list            # exactly ``batch_groups`` groups when ``full``
+    groups: list[G]         # exactly ``batch_groups`` groups when ``full``
     dropped: int            # groups dropped for carrying no signal
     surplus: int            # informative groups sampled beyond the batch and discarded
     rounds: int             # calls made to the sampling function
