@@ -152,14 +152,14 @@ def parse_tokens(text: str) -> list[str]:
     return [x for x in re.split(r"[\s,;]+", text.strip().strip("[](){}")) if x]
 
 
-def parse_grid(text: str, n_rows: int | None = None) -> list[list[int]]:
+def parse_grid(text: str, width: int | None = None) -> list[list[int]]:
     """Rows separated by newlines, ';', '/' or LaTeX '\\\\'; cells by spaces/commas, or a row
     of single digits written together (``1234``)."""
     rows = [r for r in re.split(r"\\\\|[;\n/]", text) if r.strip(" ,[](){}")]
     out = []
     for r in rows:
         r = r.strip().strip("[](){}").strip()
-        if re.fullmatch(r"\d+", r) and (n_rows is None or len(r) == n_rows) and len(r) > 1:
+        if re.fullmatch(r"\d+", r) and (width is None or len(r) == width) and len(r) > 1:
             out.append([int(c) for c in r])
         else:
             out.append(parse_int_list(r))
