@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny models and tokenizers built locally (nothing is downloaded)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory):
+    """A tiny-moe checkpoint written by ``cascade init-model`` (model + tokenizer)."""
+    from train.presets import init_model
+
+    out = tmp_path_factory.mktemp("tiny-moe")
+    init_model("tiny-moe", out, seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_dense_dir(tmp_path_factory):
+    from train.presets import init_model
+
+    out = tmp_path_factory.mktemp("tiny-dense")
+    init_model("tiny-dense", out, seed=0)
+    return out
+
+
+def hf_random_model(kind: str, seed: int = 0, **kw):
+    """A tiny random Qwen3 / Qwen3-MoE model made with transformers, weights spread out so that
+    attention and routing are far from uniform."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6)
+    common.update(kw)
+    if kind == "moe":
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+                                                   num_experts_per_tok=2, norm_topk_prob=True, **common))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(intermediate_size=96, **common))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.8, 1.2)
+            else:
+                p.normal_(0.0, 0.15)
+    return model.eval()

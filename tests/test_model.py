@@ -1,0 +1,116 @@
+"""The policy model against transformers' own Qwen3 / Qwen3-MoE implementation."""
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.conftest import hf_random_model
+from train.model.hf_io import CheckpointError, load_pretrained, save_pretrained
+from train.model.modeling import Experts, CausalLM, token_logprobs
+from train.model.config import ModelConfig
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_logits_match_transformers_and_roundtrip(kind, tmp_path):
+    hf = hf_random_model(kind, tie_word_embeddings=(kind == "dense"))
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_pretrained(tmp_path / "hf").eval()
+    ids = torch.randint(0, 320, (3, 23), generator=torch.Generator().manual_seed(1))
+    am = torch.ones(3, 23, dtype=torch.long)
+    am[1, :7] = 0  # left padding
+    am[2, 19:] = 0  # right padding
+    with torch.no_grad():
+        ref = hf(ids).logits
+        assert (ours(ids) - ref).abs().max().item() < 1e-4
+        ref_pad = hf(ids, attention_mask=am).logits
+        got_pad = ours(ids, attention_mask=am)
+        keep = am.bool()
+        assert (got_pad - ref_pad)[keep].abs().max().item() < 1e-4
+    # what Cascade saves opens in transformers with the same logits
+    save_pretrained(ours, tmp_path / "ours")
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    with torch.no_grad():
+        assert (back(ids).logits - ours(ids)).abs().max().item() < 1e-4
+    cfg = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert cfg["model_type"] == ("qwen3_moe" if kind == "moe" else "qwen3")
+
+
+def test_grouped_experts_match_per_expert_loop_forward_and_backward():
+    cfg = ModelConfig(hidden_size=32, num_experts=5, num_experts_per_tok=2, moe_intermediate_size=24,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(0)
+    ex = Experts(cfg)
+    with torch.no_grad():
+        ex.gate_up_proj.normal_(0, 0.3)
+        ex.down_proj.normal_(0, 0.3)
+    x = torch.randn(37, 32, requires_grad=True)
+    idx = torch.stack([torch.randperm(5)[:2] for _ in range(37)])
+    w = torch.rand(37, 2)
+    out = ex(x, idx, w)
+    ref = torch.zeros_like(out)
+    for t in range(37):  # the straightforward definition
+        for j in range(2):
+            e = int(idx[t, j])
+            gu = ex.gate_up_proj[e] @ x[t]
+            h = torch.nn.functional.silu(gu[:24]) * gu[24:]
+            ref[t] += w[t, j] * (ex.down_proj[e] @ h)
+    assert (out - ref).abs().max().item() < 1e-5
+    target = torch.randn_like(out)
+    g1 = torch.autograd.grad(((out - target) ** 2).sum(), [x, ex.gate_up_proj, ex.down_proj])
+    g2 = torch.autograd.grad(((ref - target) ** 2).sum(), [x, ex.gate_up_proj, ex.down_proj])
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+
+
+def test_router_replay_reproduces_routing(tiny_moe_dir):
+    m = load_pretrained(tiny_moe_dir).eval()
+    ids = torch.randint(5, 1000, (2, 11))
+    rec: list = []
+    with torch.no_grad():
+        a = m(ids, record_routing=rec)
+        b = m(ids, routed_experts=rec)
+    assert len(rec) == m.config.num_hidden_layers
+    assert torch.allclose(a, b, atol=1e-6)
+    flipped = [r.flip(-1) for r in rec]  # same experts, other order: same output
+    with torch.no_grad():
+        assert torch.allclose(m(ids, routed_experts=flipped), a, atol=1e-5)
+
+
+def test_token_logprobs_is_teacher_forcing(tiny_dense_dir):
+    m = load_pretrained(tiny_dense_dir).eval()
+    ids = torch.randint(5, 1000, (2, 9))
+    with torch.no_grad():
+        lp = token_logprobs(m, ids, temperature=0.5)
+        full = torch.log_softmax(m(ids) / 0.5, -1)
+    assert torch.allclose(lp[1, 3], full[1, 3, ids[1, 4]])
+
+
+def test_bad_checkpoints_give_one_line_errors(tmp_path, tiny_dense_dir):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_pretrained(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_pretrained(tmp_path / "empty")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((tiny_dense_dir / "config.json").read_text())
+    (bad / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(CheckpointError, match="corrupt weight file"):
+        load_pretrained(bad)
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="corrupt config.json"):
+        load_pretrained(bad)
+    cfg = json.loads((tiny_dense_dir / "config.json").read_text())
+    cfg["model_type"] = "llama4"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported model_type"):
+        load_pretrained(bad)
+
+
+def test_presets_have_the_promised_sizes(tiny_moe_dir):
+    m = load_pretrained(tiny_moe_dir)
+    n = sum(p.numel() for p in m.parameters())
+    assert 1_000_000 <= n <= 10_000_000
+    assert m.config.num_experts >= 4 and m.config.num_experts_per_tok == 2
+    assert isinstance(m, CausalLM)

@@ -1,0 +1,188 @@
+"""The built-in generation engine: batched, KV-cached, seeded sampling with the policy model.
+
+Prompts of different lengths are left-padded into one batch; each prompt is prefilled once and
+its cache fanned out to its ``n`` samples; finished rows leave the batch as soon as they stop.
+Runs on CPU and CUDA.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from train.engine.base import Completion, ContextLengthError, SamplingParams
+from train.engine.sampling import row_seed, sample
+from train.model.hf_io import load_into, load_pretrained
+from train.model.modeling import CausalLM, KVCache
+
+
+@dataclass
+class EngineStats:
+    prefill_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    weight_syncs: int = 0
+    last_sync_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class TorchEngine:
+    """Generation with Cascade's own model.
+
+    ``TorchEngine.from_pretrained(path)`` loads a checkpoint directory (weights and tokenizer);
+    ``TorchEngine(model, tokenizer)`` wraps a model in memory (the engine keeps that object: pass
+    a copy when a trainer updates the original and syncs with :meth:`load_weights`).
+    """
+
+    def __init__(self, model: CausalLM, tokenizer=None, max_batch_rows: int = 256, eos_token_ids: Sequence[int] = ()):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_batch_rows = max_batch_rows
+        cfg = model.config
+        eos = set(eos_token_ids)
+        for e in (cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]):
+            if e is not None:
+                eos.add(int(e))
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        self.eos_token_ids = sorted(eos)
+        self.pad_id = int(cfg.pad_token_id if cfg.pad_token_id is not None else 0)
+        self.stats = EngineStats()
+        self._seed_rng = random.Random()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                        **kw) -> "TorchEngine":
+        from train.tokenizer import load_tokenizer
+
+        model = load_pretrained(path, dtype=dtype, device=device)
+        tok = load_tokenizer(path) if (Path(path) / "tokenizer.json").exists() else None
+        return cls(model, tok, **kw)
+
+    @property
+    def context_length(self) -> int:
+        return self.model.config.max_position_embeddings
+
+    # -- contract -------------------------------------------------------------------------------
+    def encode(self, prompts: Sequence[list[int]] | Sequence[str]) -> list[list[int]]:
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise ValueError("text prompts need a tokenizer; pass token ids or load one")
+                p = self.tokenizer.encode(p, add_special_tokens=False, verbose=False)
+            out.append([int(t) for t in p])
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else ""
+
+    def generate(self, prompts: Sequence[list[int]] | Sequence[str], params: SamplingParams) -> list[Completion]:
+        ids = self.encode(prompts)
+        ctx = self.context_length
+        for i, p in enumerate(ids):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+            if len(p) >= ctx:
+                raise ContextLengthError(f"prompt {i} has {len(p)} tokens; the model's context limit is {ctx} "
+                                         f"(at least one token must be generated)")
+        base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        per_chunk = max(1, self.max_batch_rows // params.n)
+        out: list[Completion] = []
+        for s in range(0, len(ids), per_chunk):
+            out.extend(self._generate_chunk(ids[s:s + per_chunk], s, params, base_seed))
+        return out
+
+    def load_weights(self, state_dict) -> None:
+        """Copy new weights in (Cascade's in-memory names or HF checkpoint names)."""
+        t = time.perf_counter()
+        load_into(self.model, state_dict)
+        self.stats.weight_syncs += 1
+        self.stats.last_sync_s = time.perf_counter() - t
+
+    def close(self) -> None:
+        self.model = None
+
+    # -- internals -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _generate_chunk(self, prompts: list[list[int]], offset: int, p: SamplingParams, base_seed: int):
+        model, dev = self.model, self.model.device
+        n, B = p.n, len(prompts)
+        lens = [len(x) for x in prompts]
+        L = max(lens)
+        max_new = min(p.max_tokens, self.context_length - min(lens))
+        inp = torch.full((B, L), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(B, L, dtype=torch.bool)
+        for i, x in enumerate(prompts):
+            inp[i, L - len(x):] = torch.tensor(x)
+            mask[i, L - len(x):] = True
+        t0 = time.perf_counter()
+        cache = KVCache.allocate(model.config, B, L + max_new, dev, model.dtype)
+        logits = model(inp.to(dev), mask.to(dev), cache=cache)[:, -1]
+        self.stats.prefill_tokens += sum(lens)
+        self.stats.prefill_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if n > 1:
+            fan = torch.arange(B, device=dev).repeat_interleave(n)
+            cache, logits = cache.select(fan), logits.index_select(0, fan)
+        rows = B * n
+        gens = []
+        if not p.greedy:
+            for r in range(rows):
+                g = torch.Generator(device=dev)
+                g.manual_seed(row_seed(base_seed, offset + r // n, r % n))
+                gens.append(g)
+        tokens: list[list[int]] = [[] for _ in range(rows)]
+        logps: list[list[float]] = [[] for _ in range(rows)]
+        finish = ["length"] * rows
+        texts: list[str | None] = [None] * rows
+        eos = set(self.eos_token_ids) | set(p.stop_token_ids)
+        if p.ignore_eos:
+            eos = set(p.stop_token_ids)
+        active = list(range(rows))  # row ids still generating, aligned with the cache's batch rows
+        limits = [min(max_new, self.context_length - lens[r // n]) for r in range(rows)]
+        stop_window = max((len(s) for s in p.stop), default=0) + 16
+        step = 0
+        while active:
+            tok, lp = sample(logits, p, [gens[r] for r in active] if gens else [])
+            tok_l, lp_l = tok.tolist(), lp.tolist()
+            keep = []
+            for j, r in enumerate(active):
+                tokens[r].append(tok_l[j])
+                logps[r].append(lp_l[j])
+                done = False
+                if tok_l[j] in eos:
+                    finish[r], done = "stop", True
+                elif p.stop and self.tokenizer is not None:
+                    tail = self.decode(tokens[r][-stop_window:])
+                    if any(s in tail for s in p.stop):
+                        full = self.decode(tokens[r])
+                        cut = min(full.find(s) for s in p.stop if s in full)
+                        finish[r], texts[r], done = "stop", full[:cut], True
+                if not done and len(tokens[r]) >= limits[r]:
+                    done = True
+                if not done:
+                    keep.append(j)
+            step += 1
+            if len(keep) < len(active):
+                if not keep:
+                    break
+                sel = torch.tensor(keep, device=dev)
+                cache = cache.select(sel)
+                active = [active[j] for j in keep]
+                tok = tok.index_select(0, sel)
+            logits = model(tok[:, None], cache=cache)[:, -1]
+        self.stats.decode_s += time.perf_counter() - t0
+        out = []
+        for r in range(rows):
+            self.stats.generated_tokens += len(tokens[r])
+            body = tokens[r][:-1] if finish[r] == "stop" and tokens[r] and tokens[r][-1] in eos else tokens[r]
+            text = texts[r] if texts[r] is not None else self.decode(body)
+            pi = r // n
+            out.append(Completion(tokens[r], text, logps[r], finish[r], offset + pi, lens[pi], prompts[pi]))
+        return out

@@ -1,0 +1,51 @@
+"""Model presets (``configs/models/*.yaml``) and ``init_model``, which writes a fresh policy checkpoint."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import yaml
+
+from train.model.config import ModelConfig
+
+
+def configs_dir() -> Path:
+    """The ``configs/`` folder (``$CASCADE_CONFIGS`` overrides)."""
+    env = os.environ.get("CASCADE_CONFIGS")
+    p = Path(env) if env else Path(__file__).resolve().parents[1] / "configs"
+    if not p.is_dir():
+        raise FileNotFoundError(f"configs directory {str(p)!r} not found; set CASCADE_CONFIGS")
+    return p
+
+
+def list_presets() -> list[str]:
+    return sorted(f.stem for f in (configs_dir() / "models").glob("*.yaml"))
+
+
+def load_preset(name: str) -> dict:
+    f = configs_dir() / "models" / f"{name}.yaml"
+    if not f.exists():
+        raise ValueError(f"unknown model preset {name!r}; available presets: {', '.join(list_presets())}")
+    return yaml.safe_load(f.read_text())
+
+
+def init_model(preset: str, out: str | Path, seed: int = 0, **overrides):
+    """Build the tokenizer and a randomly initialised model from ``preset``; save both to ``out``.
+
+    Returns ``(model, tokenizer)``."""
+    from train.model.hf_io import save_pretrained
+    from train.model.modeling import CausalLM
+    from train.tokenizer import build_tokenizer
+
+    spec = load_preset(preset)
+    out = Path(out)
+    tok = build_tokenizer(out, vocab_size=spec.get("tokenizer", {}).get("vocab_size", 1024), seed=seed)
+    m = dict(spec["model"])
+    m.update(overrides)
+    m.setdefault("vocab_size", len(tok))
+    m.update(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    tok.model_max_length = m.get("max_position_embeddings", 2048)
+    cfg = ModelConfig.from_dict(m)
+    model = CausalLM(cfg).init_weights(seed)
+    save_pretrained(model, out, tokenizer=tok)
+    return model, tok

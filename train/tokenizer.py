@@ -1,0 +1,102 @@
+"""A tokenizer made locally, with no download: byte-level BPE trained with ``tokenizers`` on text
+this module generates, saved as HF tokenizer files with a Qwen-style chat template and
+``<think>``/``</think>`` tokens. Digits are split one per token, as in Qwen.
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+EOS, PAD = "<|im_end|>", "<|endoftext|>"
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+_WORDS = """the of and to a in is that for it as with was on be by this are or from at an which have not
+has but were all can their one its also there been more other when into some than them these may only
+so no about what out would up such first new two time like then over most any after each where could
+because through many three how between both under while last well just very same before answer number
+sum product find compute let given value solve equation problem prove show integer prime digit list sort
+graph edge node path shortest tree cost weight total order sequence string word letter count ways choose
+probability expected random fair coin dice area triangle circle square point line angle length width
+height radius perimeter volume fraction ratio remainder divisor multiple factor greatest least common
+minimum maximum largest smallest positive negative even odd real matrix vector set interval function
+think step reason therefore thus hence so final because check verify answer result output input program
+return print def if else elif for while in range len int str list dict true false none import class
+please write response paragraph sentence title section bullet keyword language format json lowercase
+uppercase quote comma end phrase highlight repeat request instruction follow assistant user system""".split()
+
+
+def training_corpus(n_lines: int = 6000, seed: int = 0) -> list[str]:
+    """Deterministic text covering prose, arithmetic, LaTeX, code and chat markup."""
+    rng = random.Random(seed)
+    lines = []
+    ops = ["+", "-", "*", "/", "=", "<", ">", "^", "%"]
+    latex = ["\\boxed{", "\\frac{", "\\sqrt{", "\\cdot", "\\times", "\\le", "\\ge", "\\pi", "\\{", "\\}", "$", "^{", "_{"]
+    code = ["def f(x):", "    return", "print(", "for i in range(n):", "if x == y:", "import sys", "input().split()",
+            "int(", "map(int,", "list(", "sorted(", "len(", "while True:", "[]", "{}", "()", "==", "!=", "+=", ":"]
+    for i in range(n_lines):
+        kind = i % 5
+        if kind == 0:
+            lines.append(" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 16))).capitalize() + ".")
+        elif kind == 1:
+            expr = " ".join(f"{rng.randint(0, 999)} {rng.choice(ops)}" for _ in range(rng.randint(1, 5)))
+            lines.append(f"{expr} {rng.randint(0, 9999)}")
+        elif kind == 2:
+            lines.append(" ".join(rng.choice(latex) + str(rng.randint(0, 99)) + "}" for _ in range(rng.randint(1, 4))))
+        elif kind == 3:
+            lines.append("\n".join(rng.choice(code) for _ in range(rng.randint(1, 4))))
+        else:
+            lines.append(f"<think>\n{' '.join(rng.choice(_WORDS) for _ in range(6))}\n</think>\n"
+                         f"The answer is \\boxed{{{rng.randint(0, 999)}}}.")
+    return lines
+
+
+def build_tokenizer(out_dir: str | Path, vocab_size: int = 1024, seed: int = 0, model_max_length: int = 2048):
+    """Train the tokenizer and save HF files to ``out_dir``; returns the ``PreTrainedTokenizerFast``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(training_corpus(seed=seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD,
+                                   additional_special_tokens=SPECIAL_TOKENS[1:2] + SPECIAL_TOKENS[3:],
+                                   model_max_length=model_max_length)
+    fast.chat_template = CHAT_TEMPLATE
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(out))
+    return fast
+
+
+def load_tokenizer(path: str | Path):
+    """``AutoTokenizer.from_pretrained`` on a local directory, with a one-line error when it is not one."""
+    from transformers import AutoTokenizer
+
+    p = Path(path)
+    if not p.is_dir() or not ((p / "tokenizer.json").exists() or (p / "tokenizer_config.json").exists()):
+        raise FileNotFoundError(f"no tokenizer files in {str(p)!r}")
+    return AutoTokenizer.from_pretrained(str(p))
+
+
+def chat_prompt_ids(tokenizer, prompt: str, system: str | None = None) -> list[int]:
+    """Token ids of a one-turn chat prompt ending with the assistant header."""
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
