@@ -1,0 +1,290 @@
+"""Computational geometry on integer points (exact arithmetic throughout)."""
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+from envs.base import register
+from envs.gym._util import (
+    INVALID, FracAnswer, GymEnv, IntAnswer, ListAnswer, ParseError, frac_str, grow, parse_groups, parse_tokens,
+)
+
+F = "geometry"
+
+
+def _pts(rng, n, r):
+    return [(rng.randint(-r, r), rng.randint(-r, r)) for _ in range(n)]
+
+
+def _show(pts):
+    return ", ".join(f"({x}, {y})" for x, y in pts)
+
+
+def cross(o, a, b):
+    return (a[0] - o[0]) * (b[1] - o[1]) - (a[1] - o[1]) * (b[0] - o[0])
+
+
+def twice_area(poly):
+    return sum(x1 * y2 - x2 * y1 for (x1, y1), (x2, y2) in zip(poly, poly[1:] + poly[:1]))
+
+
+def star_polygon(rng, n, r):
+    """A simple polygon: distinct integer points sorted by angle around an interior centre."""
+    while True:
+        pts = list(set(_pts(rng, n, r)))
+        if len(pts) < 3:
+            continue
+        cx, cy = Fraction(sum(p[0] for p in pts), len(pts)), Fraction(sum(p[1] for p in pts), len(pts))
+        key = lambda p: (math.atan2(p[1] - cy, p[0] - cx))  # noqa: E731
+        pts.sort(key=key)
+        angles = [key(p) for p in pts]
+        if len(set(angles)) == len(angles) and twice_area(pts) != 0 and \
+                all(cross(pts[i - 1], pts[i], pts[(i + 1) % len(pts)]) != 0 for i in range(len(pts))):
+            if all(cross((cx, cy), pts[i], pts[(i + 1) % len(pts)]) > 0 for i in range(len(pts))):
+                return pts
+
+
+@register("gym/polygon_area")
+class PolygonArea(FracAnswer):
+    family, description = F, "Area of a simple polygon (shoelace formula)."
+
+    def build(self, rng, d):
+        poly = star_polygon(rng, grow(4, d, 1.1, 1), 5 + 2 * d)
+        return (f"The vertices of a simple polygon in order are {_show(poly)}. What is its area? Give an exact value "
+                f"(an integer, a fraction p/q or a decimal).", frac_str(Fraction(abs(twice_area(poly)), 2)))
+
+
+def convex_hull(pts):
+    pts = sorted(set(pts))
+    if len(pts) < 3:
+        return pts
+    lo, hi = [], []
+    for p in pts:
+        while len(lo) >= 2 and cross(lo[-2], lo[-1], p) <= 0:
+            lo.pop()
+        lo.append(p)
+    for p in reversed(pts):
+        while len(hi) >= 2 and cross(hi[-2], hi[-1], p) <= 0:
+            hi.pop()
+        hi.append(p)
+    return lo[:-1] + hi[:-1]
+
+
+@register("gym/convex_hull")
+class ConvexHull(GymEnv):
+    family, description = F, "Vertices of the convex hull in counter-clockwise order (any starting vertex)."
+
+    def build(self, rng, d):
+        pts = list(set(_pts(rng, grow(6, d, 1.1, 1), 6 + 2 * d)))
+        rng.shuffle(pts)
+        hull = convex_hull(pts)
+        return (f"Points: {_show(pts)}. Give the vertices of their convex hull (corners only, no points in the middle "
+                f"of an edge) in counter-clockwise order, as '(x, y)' pairs separated by commas.", [list(p) for p in hull])
+
+    def format_answer(self, answer):
+        return _show(answer)
+
+    def parse(self, text, problem):
+        return [tuple(p) for p in parse_groups(text, 2, signed=True)]
+
+    def grade(self, problem, value):
+        ref = [tuple(p) for p in problem.answer]
+        if len(value) != len(ref) or set(value) != set(ref):
+            return 0.0 if value else INVALID
+        k = ref.index(value[0])
+        return 1.0 if ref[k:] + ref[:k] == value else 0.0
+
+    def wrong_answers(self, problem):
+        a = problem.answer
+        return [_show(a[::-1]), _show(a[:-1]), _show(a + [[10 ** 6, 10 ** 6]])]
+
+
+def _on_segment(p, a, b):
+    return cross(a, b, p) == 0 and min(a[0], b[0]) <= p[0] <= max(a[0], b[0]) and min(a[1], b[1]) <= p[1] <= max(a[1], b[1])
+
+
+def point_in_polygon(p, poly):
+    inside = False
+    for a, b in zip(poly, poly[1:] + poly[:1]):
+        if _on_segment(p, a, b):
+            return "B"
+        if (a[1] > p[1]) != (b[1] > p[1]):
+            # x coordinate of the crossing compared exactly
+            if (p[0] - a[0]) * (b[1] - a[1]) < (b[0] - a[0]) * (p[1] - a[1]) if b[1] > a[1] else \
+                    (p[0] - a[0]) * (b[1] - a[1]) > (b[0] - a[0]) * (p[1] - a[1]):
+                inside = not inside
+    return "I" if inside else "O"
+
+
+class _TokenList(GymEnv):
+    """Answer is a list of tokens from ``vocab``; partial credit (fraction correct)^10."""
+
+    vocab: tuple = ()
+
+    def format_answer(self, answer):
+        return " ".join(answer)
+
+    def parse(self, text, problem):
+        toks = [t.upper() for t in parse_tokens(text)]
+        if any(t not in self.vocab for t in toks):
+            raise ParseError(f"tokens must be among {', '.join(self.vocab)}")
+        return toks
+
+    def grade(self, problem, value):
+        if len(value) != len(problem.answer):
+            return INVALID
+        return (sum(a == b for a, b in zip(value, problem.answer)) / len(value)) ** 10
+
+    def wrong_answers(self, problem):
+        a = problem.answer
+        other = [next(v for v in self.vocab if v != x) for x in a]
+        return [" ".join(a[:-1] + other[-1:]), " ".join(a[:-1]) or other[0] + " " + other[0], " ".join(other)]
+
+
+@register("gym/point_in_polygon")
+class PointInPolygon(_TokenList):
+    family, description, vocab = F, "Classify points as inside, outside or on the boundary of a polygon.", ("I", "O", "B")
+
+    def build(self, rng, d):
+        r = 5 + 2 * d
+        poly = star_polygon(rng, grow(4, d, 1.1, 1), r)
+        qs = _pts(rng, 3 + d // 2, r)
+        qs[rng.randrange(len(qs))] = poly[0]
+        return (f"A simple polygon has vertices {_show(poly)} in order. For each point {_show(qs)} answer I (strictly "
+                f"inside), O (outside) or B (on the boundary), separated by spaces.",
+                [point_in_polygon(q, poly) for q in qs])
+
+
+@register("gym/pick_interior_points")
+class PickInteriorPoints(IntAnswer):
+    family, description = F, "Lattice points strictly inside a lattice polygon (Pick's theorem)."
+
+    def build(self, rng, d):
+        poly = star_polygon(rng, grow(3, d, 1.1, 0.5), 4 + 3 * d)
+        a2 = abs(twice_area(poly))
+        b = sum(math.gcd(abs(x2 - x1), abs(y2 - y1)) for (x1, y1), (x2, y2) in zip(poly, poly[1:] + poly[:1]))
+        return (f"How many lattice points lie strictly inside the polygon with vertices {_show(poly)} (in order)?",
+                (a2 - b + 2) // 2)
+
+
+@register("gym/triangle_classify")
+class TriangleClassify(_TokenList):
+    family, description = F, "Classify triangles as acute, right, obtuse or degenerate."
+    vocab = ("ACUTE", "RIGHT", "OBTUSE", "DEGENERATE")
+
+    def build(self, rng, d):
+        tris, labels = [], []
+        r = 4 + 2 * d
+        for _ in range(2 + d // 2):
+            kind = rng.randrange(4)
+            a = (rng.randint(-r, r), rng.randint(-r, r))
+            u = (rng.randint(1, r), rng.randint(-r, r))
+            if kind == 0:  # right angle at a
+                k = rng.randint(1, 3)
+                tri = [a, (a[0] + u[0], a[1] + u[1]), (a[0] - k * u[1], a[1] + k * u[0])]
+            elif kind == 1:  # collinear
+                k = rng.randint(2, 4)
+                tri = [a, (a[0] + u[0], a[1] + u[1]), (a[0] + k * u[0], a[1] + k * u[1])]
+            else:
+                tri = _pts(rng, 3, r)
+            rng.shuffle(tri)
+            sq = sorted((p[0] - q[0]) ** 2 + (p[1] - q[1]) ** 2 for p, q in ((tri[0], tri[1]), (tri[1], tri[2]), (tri[0], tri[2])))
+            if cross(*tri) == 0:
+                lab = "DEGENERATE"
+            else:
+                lab = "RIGHT" if sq[0] + sq[1] == sq[2] else "ACUTE" if sq[0] + sq[1] > sq[2] else "OBTUSE"
+            tris.append(tri)
+            labels.append(lab)
+        shown = "; ".join(_show(t) for t in tris)
+        return (f"Classify each triangle (given by its three vertices) as ACUTE, RIGHT, OBTUSE or DEGENERATE (collinear "
+                f"or repeated points): {shown}. Answer the labels separated by spaces.", labels)
+
+
+@register("gym/closest_pair")
+class ClosestPair(IntAnswer):
+    family, description = F, "Squared distance of the closest pair of points."
+
+    def build(self, rng, d):
+        pts = list(set(_pts(rng, grow(5, d, 1.12, 1), 10 + 5 * d)))
+        best = min((a[0] - b[0]) ** 2 + (a[1] - b[1]) ** 2 for i, a in enumerate(pts) for b in pts[i + 1:])
+        return f"Points: {_show(pts)}. What is the smallest squared Euclidean distance between two of them?", best
+
+
+def segments_intersect(p1, p2, p3, p4):
+    d1, d2, d3, d4 = cross(p3, p4, p1), cross(p3, p4, p2), cross(p1, p2, p3), cross(p1, p2, p4)
+    if ((d1 > 0) != (d2 > 0)) and d1 and d2 and ((d3 > 0) != (d4 > 0)) and d3 and d4:
+        return True
+    return (d1 == 0 and _on_segment(p1, p3, p4)) or (d2 == 0 and _on_segment(p2, p3, p4)) or \
+        (d3 == 0 and _on_segment(p3, p1, p2)) or (d4 == 0 and _on_segment(p4, p1, p2))
+
+
+@register("gym/segment_intersection")
+class SegmentIntersection(ListAnswer):
+    family, description = F, "Do pairs of closed segments intersect?"
+
+    def build(self, rng, d):
+        r = 5 + 2 * d
+        pairs = [_pts(rng, 4, r) for _ in range(3 + d // 2)]
+        shown = "; ".join(f"[{_show(p[:2])}] and [{_show(p[2:])}]" for p in pairs)
+        return (f"For each pair of closed segments {shown}, answer 1 if they share at least one point, else 0, separated "
+                f"by spaces.", [int(segments_intersect(*p)) for p in pairs])
+
+
+@register("gym/rectangle_union_area")
+class RectangleUnionArea(IntAnswer):
+    family, description = F, "Area of the union of axis-aligned rectangles."
+
+    def build(self, rng, d):
+        rects = []
+        for _ in range(grow(2, d, 1.1, 0.7)):
+            x, y = rng.randint(0, 10 + 3 * d), rng.randint(0, 10 + 3 * d)
+            rects.append((x, y, x + rng.randint(1, 6 + d), y + rng.randint(1, 6 + d)))
+        xs = sorted({v for r in rects for v in (r[0], r[2])})
+        area = 0
+        for xa, xb in zip(xs, xs[1:]):
+            ivs = sorted((r[1], r[3]) for r in rects if r[0] <= xa and r[2] >= xb)
+            cover, end = 0, None
+            for lo, hi in ivs:
+                if end is None or lo > end:
+                    cover, end = cover + hi - lo, hi
+                elif hi > end:
+                    cover, end = cover + hi - end, hi
+            area += cover * (xb - xa)
+        shown = ", ".join(f"[{a}, {c}] x [{b}, {e}]" for a, b, c, e in rects)
+        return f"What is the area of the union of the rectangles {shown} (x-range x y-range)?", area
+
+
+@register("gym/circle_lattice_points")
+class CircleLatticePoints(IntAnswer):
+    family, description = F, "Lattice points inside a circle (Gauss circle problem)."
+
+    def build(self, rng, d):
+        r2 = rng.randint(2, grow(20, d, 1.5))
+        cnt = sum(2 * math.isqrt(r2 - x * x) + 1 for x in range(-math.isqrt(r2), math.isqrt(r2) + 1))
+        return f"How many integer points (x, y) satisfy x^2 + y^2 <= {r2}?", cnt
+
+
+@register("gym/max_collinear")
+class MaxCollinear(IntAnswer):
+    family, description = F, "Maximum number of given points on one straight line."
+
+    def build(self, rng, d):
+        r = 4 + d
+        pts = set(_pts(rng, grow(5, d, 1.1, 1), r))
+        x, y = rng.randint(-r, r), rng.randint(-r, r)
+        dx, dy = rng.choice([(1, 0), (0, 1), (1, 1), (1, -1), (1, 2), (2, 1)])
+        pts |= {(x + k * dx, y + k * dy) for k in range(rng.randint(2, 3 + d // 3))}
+        pts = sorted(pts)
+        rng.shuffle(pts)
+        best = 1
+        for i, a in enumerate(pts):
+            cnt: dict = {}
+            for b in pts[i + 1:]:
+                ddx, ddy = b[0] - a[0], b[1] - a[1]
+                g = math.gcd(ddx, ddy)
+                ddx, ddy = ddx // g, ddy // g
+                if ddx < 0 or (ddx == 0 and ddy < 0):
+                    ddx, ddy = -ddx, -ddy
+                cnt[(ddx, ddy)] = cnt.get((ddx, ddy), 0) + 1
+            best = max([best] + [c + 1 for c in cnt.values()])
+        return f"Points: {_show(pts)}. What is the maximum number of these points that lie on one straight line?", best
