@@ -1,0 +1,852 @@
+"""Run untrusted Python programs in layers of isolation, with limits, and report a :class:`Verdict`.
+
+Layers (each detected once per process, see :func:`detect_layers`):
+
+- ``namespaces``: bubblewrap (``bwrap``): new network namespace (nothing reachable, not even the
+  host's 127.0.0.1), pid namespace (every process dies with the sandbox), mount namespace with a
+  read-only view of ``/usr``, the libraries and the Python installation only (no ``/home``, no
+  ``/root``, no ``/work``), a private size-capped tmpfs as the working directory, ipc and uts
+  namespaces, a new session and death with its parent.
+- ``uid``: the program runs as an unprivileged uid (65534 by default): as root, bwrap keeps only
+  CAP_SETUID/CAP_SETGID and the launcher drops to the uid before any untrusted code runs; as a
+  normal user the program already runs unprivileged (bwrap maps it to the uid in a user namespace).
+- ``rlimits``: address space, CPU time, file size, processes, open files, set by the launcher.
+- ``cgroup_pids`` / ``cgroup_memory``: a cgroup per run (v1, or v2 where a delegated subtree
+  with the controllers exists) caps the number of processes and the total memory of the whole
+  run, and gives its peak memory.
+- ``seccomp``: a BPF filter (loaded by bwrap) makes ``socket()`` fail for every family but
+  AF_UNIX and kills foreign-ABI system calls.
+
+Wall-clock and output limits are enforced by the host side (a selector loop that reads capped
+output and SIGKILLs the whole process group, then every process left in the run's cgroup).
+
+A missing layer is never silently skipped: :class:`Sandbox` refuses to run and names the
+missing layers unless the config allows them (``allow_weaker=True``, or the layer names in
+``allow_missing``, or the environment variable ``CASCADE_SANDBOX_ALLOW_WEAKER`` = ``1`` or a
+comma-separated list of layer names).
+
+The program's environment is clean (``PATH``, ``HOME=/tmp``, ``LANG``, ``PYTHONHASHSEED=0``
+and a few malloc/pyc settings only): nothing of the host's environment leaks in.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import platform
+import selectors
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+
+__all__ = [
+    "LAYERS", "SandboxConfig", "Verdict", "Sandbox", "SandboxError", "SandboxUnavailable",
+    "detect_layers", "run_program", "default_sandbox", "STATUSES",
+]
+
+LAYERS = ("namespaces", "uid", "rlimits", "cgroup_pids", "cgroup_memory", "seccomp")
+STATUSES = ("ok", "runtime_error", "time_limit", "memory_limit", "output_limit", "killed")
+ALLOW_ENV = "CASCADE_SANDBOX_ALLOW_WEAKER"
+
+BOX = "/box"        # read-only directory holding the program inside the sandbox
+WORKDIR = "/tmp"    # private writable tmpfs, the program's cwd
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself failed (not the program): setup error, launcher failure."""
+
+
+class SandboxUnavailable(SandboxError):
+    """Isolation layers are missing and the config does not allow running without them."""
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    """Limits and isolation requirements of a sandbox. Times in seconds, sizes in MiB unless named."""
+
+    time_limit: float = 5.0               # wall clock per run
+    cpu_time_limit: float | None = None   # default: the wall limit, rounded up to a whole second
+    memory_mb: int = 512                  # address space per process; cgroup memory for the run
+    output_limit_bytes: int = 8 << 20     # stdout + stderr together; exceeding it kills the run
+    stderr_keep_bytes: int = 16 << 10     # tail of stderr kept in the verdict
+    file_size_mb: int = 16                # largest file the program may write
+    tmpfs_mb: int = 64                    # size of the writable working directory
+    max_processes: int = 32               # processes + threads of the run
+    max_open_files: int = 256
+    python: str | None = None             # interpreter run inside; default: the base interpreter of this one
+    uid: int = 65534
+    gid: int = 65534
+    allow_weaker: bool = False
+    allow_missing: tuple[str, ...] = ()
+    cgroup_root: str | None = None        # a delegated cgroup v2 directory to create run cgroups in
+
+    def __post_init__(self):
+        if self.time_limit <= 0 or self.memory_mb <= 0 or self.max_processes <= 0:
+            raise ValueError("time_limit, memory_mb and max_processes must be positive")
+        bad = [x for x in self.allow_missing if x not in LAYERS]
+        if bad:
+            raise ValueError(f"unknown sandbox layer(s) {bad}; choose from {', '.join(LAYERS)}")
+
+    def allowed_missing(self) -> set[str]:
+        allowed = set(LAYERS) if self.allow_weaker else set(self.allow_missing)
+        env = os.environ.get(ALLOW_ENV, "").strip()
+        if env in ("1", "all", "true", "yes"):
+            allowed |= set(LAYERS)
+        elif env:
+            allowed |= {x.strip() for x in env.split(",") if x.strip() in LAYERS}
+        return allowed
+
+
+@dataclass
+class Verdict:
+    """What happened to one run. ``stdout`` is complete up to the output limit; ``stderr`` is a tail."""
+
+    status: str
+    exit_code: int | None
+    signal: int | None
+    stdout: str
+    stderr: str
+    wall_time: float
+    cpu_time: float
+    peak_memory_bytes: int | None
+    limits_hit: list[str] = field(default_factory=list)
+    layers: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def to_dict(self, excerpt: int | None = 2000) -> dict:
+        d = asdict(self)
+        if excerpt is not None:
+            for k in ("stdout", "stderr"):
+                s = d[k]
+                if len(s) > excerpt:
+                    d[k] = s[:excerpt // 2] + f"\n...[{len(s) - excerpt} chars cut]...\n" + s[-excerpt // 2:]
+        d["wall_time"] = round(d["wall_time"], 4)
+        d["cpu_time"] = round(d["cpu_time"], 4)
+        return d
+
+
+# --------------------------------------------------------------------------------------------
+# seccomp: a classic BPF program, handed to bwrap (--seccomp FD)
+# --------------------------------------------------------------------------------------------
+_SECCOMP_ARCH = {  # machine -> (AUDIT_ARCH_*, __NR_socket, x32 bit to refuse or 0)
+    "x86_64": (0xC000003E, 41, 0x40000000),
+    "aarch64": (0xC00000B7, 198, 0),
+}
+_RET_ALLOW, _RET_KILL_PROCESS, _RET_ERRNO = 0x7FFF0000, 0x80000000, 0x00050000
+_LD_ABS, _JEQ, _JGE, _RET = 0x20, 0x15, 0x35, 0x06
+
+
+def seccomp_filter() -> bytes | None:
+    """The BPF filter (struct sock_filter[]) for this machine, or None if the arch is unknown.
+
+    Foreign-ABI calls kill the process; ``socket(family != AF_UNIX, ...)`` fails with EACCES;
+    everything else is allowed (the namespaces and limits do the rest).
+    """
+    spec = _SECCOMP_ARCH.get(platform.machine())
+    if spec is None:
+        return None
+    arch, nr_socket, x32 = spec
+    # (code, jt-label, jf-label, k); labels resolved below
+    prog = [
+        ("ld", _LD_ABS, None, None, 4),                       # A = arch
+        ("arch", _JEQ, None, "kill", arch),
+        ("ld", _LD_ABS, None, None, 0),                       # A = syscall number
+        ("x32", _JGE, "deny", None, x32 or 0xFFFFFFFF),
+        ("sock", _JEQ, None, "allow", nr_socket),
+        ("ld", _LD_ABS, None, None, 16),                      # A = low word of args[0] (family)
+        ("unix", _JEQ, "allow", "deny", 1),                   # AF_UNIX
+        ("allow", _RET, None, None, _RET_ALLOW),
+        ("deny", _RET, None, None, _RET_ERRNO | errno.EACCES),
+        ("kill", _RET, None, None, _RET_KILL_PROCESS),
+    ]
+    where = {name: i for i, (name, *_rest) in enumerate(prog) if name in ("allow", "deny", "kill")}
+    out = b""
+    for pc, (_name, code, jt, jf, k) in enumerate(prog):
+        jt_off = where[jt] - pc - 1 if jt else 0
+        jf_off = where[jf] - pc - 1 if jf else 0
+        out += struct.pack("=HBBI", code, jt_off, jf_off, k)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# cgroups
+# --------------------------------------------------------------------------------------------
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _write(path: str, value: str) -> bool:
+    try:
+        with open(path, "w") as f:
+            f.write(value)
+        return True
+    except OSError:
+        return False
+
+
+def _kv(text: str | None) -> dict[str, int]:
+    out = {}
+    for line in (text or "").splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].lstrip("-").isdigit():
+            out[parts[0]] = int(parts[1])
+    return out
+
+
+def _cgroup_dirs() -> dict[str, tuple[str, str]]:
+    """controller -> (version, directory of this process's cgroup) for pids, memory and cpuacct."""
+    own_v1: dict[str, str] = {}
+    own_v2 = None
+    for line in (_read("/proc/self/cgroup") or "").splitlines():
+        hid, ctrls, path = line.split(":", 2)
+        if hid == "0" and ctrls == "":
+            own_v2 = path
+        for c in ctrls.split(","):
+            own_v1[c] = path
+    out: dict[str, tuple[str, str]] = {}
+    for line in (_read("/proc/self/mountinfo") or "").splitlines():
+        left, _, right = line.partition(" - ")
+        fields, rfields = left.split(), right.split()
+        if len(fields) < 5 or len(rfields) < 3:
+            continue
+        root, mnt, fstype, opts = fields[3], fields[4], rfields[0], rfields[2].split(",")
+        if fstype == "cgroup":
+            for c in ("pids", "memory", "cpuacct"):
+                if c in opts and c in own_v1 and c not in out:
+                    rel = os.path.relpath(own_v1[c], root) if own_v1[c].startswith(root) else None
+                    if rel is not None:
+                        out[c] = ("v1", os.path.normpath(os.path.join(mnt, rel)))
+        elif fstype == "cgroup2" and own_v2 is not None:
+            avail = (_read(os.path.join(mnt, "cgroup.controllers")) or "").split()
+            rel = os.path.relpath(own_v2, root) if own_v2.startswith(root) else None
+            for c in ("pids", "memory"):
+                if c in avail and c not in out and rel is not None:
+                    out[c] = ("v2", os.path.normpath(os.path.join(mnt, rel)))
+    return out
+
+
+class _RunCgroup:
+    """The cgroup(s) of one run: created with limits, read for stats, emptied and removed."""
+
+    def __init__(self, dirs: dict[str, tuple[str, str]], memory_bytes: int, pids: int):
+        self.dirs: dict[str, tuple[str, str]] = {}
+        name = f"cascade-sbx-{uuid.uuid4().hex[:12]}"
+        try:
+            for ctrl, (ver, base) in dirs.items():
+                path = os.path.join(base, name)
+                if ctrl == "cpuacct":  # accounting only: best effort
+                    try:
+                        os.mkdir(path)
+                        self.dirs[ctrl] = (ver, path)
+                    except OSError:
+                        pass
+                    continue
+                if not os.path.isdir(path):  # v2: one directory serves every controller
+                    os.mkdir(path)
+                self.dirs[ctrl] = (ver, path)
+                if ctrl == "pids":
+                    ok = _write(os.path.join(path, "pids.max"), str(pids))
+                elif ver == "v1":
+                    ok = _write(os.path.join(path, "memory.limit_in_bytes"), str(memory_bytes))
+                    _write(os.path.join(path, "memory.memsw.limit_in_bytes"), str(memory_bytes))
+                else:
+                    ok = _write(os.path.join(path, "memory.max"), str(memory_bytes))
+                    _write(os.path.join(path, "memory.swap.max"), "0")
+                if not ok:
+                    raise OSError(f"cannot set the {ctrl} limit in {path}")
+        except OSError:
+            self.remove()
+            raise
+
+    def procs_files(self) -> list[str]:
+        seen, out = set(), []
+        for _ver, path in self.dirs.values():
+            if path not in seen:
+                seen.add(path)
+                out.append(os.path.join(path, "cgroup.procs"))
+        return out
+
+    def pids(self) -> set[int]:
+        out: set[int] = set()
+        for f in self.procs_files():
+            out |= {int(x) for x in (_read(f) or "").split()}
+        return out
+
+    def kill_all(self, timeout: float = 2.0) -> None:
+        end = time.monotonic() + timeout
+        for _ver, path in self.dirs.values():
+            if os.path.exists(os.path.join(path, "cgroup.kill")):
+                _write(os.path.join(path, "cgroup.kill"), "1")
+        while time.monotonic() < end:
+            pids = self.pids()
+            if not pids:
+                return
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            time.sleep(0.002)
+
+    def stats(self) -> dict:
+        out: dict = {}
+        if "memory" in self.dirs:
+            ver, path = self.dirs["memory"]
+            if ver == "v1":
+                peak = _read(os.path.join(path, "memory.max_usage_in_bytes"))
+                oom = _kv(_read(os.path.join(path, "memory.oom_control"))).get("oom_kill", 0)
+                fail = int((_read(os.path.join(path, "memory.failcnt")) or "0").strip() or 0)
+            else:
+                peak = _read(os.path.join(path, "memory.peak"))
+                ev = _kv(_read(os.path.join(path, "memory.events")))
+                oom, fail = ev.get("oom_kill", 0), ev.get("max", 0)
+            out["peak_memory"] = int(peak.strip()) if peak and peak.strip().isdigit() else None
+            out["oom_kill"], out["memory_failcnt"] = oom, fail
+        if "pids" in self.dirs:
+            _ver, path = self.dirs["pids"]
+            out["pids_max_hit"] = _kv(_read(os.path.join(path, "pids.events"))).get("max", 0)
+        for ver, path in self.dirs.values():
+            if ver == "v2":
+                usec = _kv(_read(os.path.join(path, "cpu.stat"))).get("usage_usec")
+                if usec is not None:
+                    out["cpu_time"] = usec / 1e6
+                break
+        if "cpuacct" in self.dirs and "cpu_time" not in out:
+            ns = (_read(os.path.join(self.dirs["cpuacct"][1], "cpuacct.usage")) or "").strip()
+            if ns.isdigit():
+                out["cpu_time"] = int(ns) / 1e9
+        return out
+
+    def remove(self) -> None:
+        for _ver, path in dict.fromkeys(self.dirs.values()):
+            for _ in range(500):
+                try:
+                    os.rmdir(path)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.004)
+        self.dirs = {}
+
+
+def _cgroup_bases(cfg: SandboxConfig) -> dict[str, tuple[str, str]]:
+    if cfg.cgroup_root:
+        avail = (_read(os.path.join(cfg.cgroup_root, "cgroup.subtree_control")) or "").split()
+        return {c: ("v2", cfg.cgroup_root) for c in ("pids", "memory") if c in avail}
+    bases = _cgroup_dirs()
+    out = {}
+    for ctrl, (ver, path) in bases.items():
+        if ctrl == "cpuacct" and not os.access(path, os.W_OK):
+            continue
+        if ver == "v2":
+            # v2: children may only use controllers enabled in the parent's subtree_control;
+            # a non-root cgroup that holds processes cannot enable them (no internal processes).
+            enabled = (_read(os.path.join(path, "cgroup.subtree_control")) or "").split()
+            if ctrl not in enabled and not _write(os.path.join(path, "cgroup.subtree_control"), f"+{ctrl}"):
+                continue
+        out[ctrl] = (ver, path)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# the launcher: runs inside the sandbox, before any untrusted code
+# --------------------------------------------------------------------------------------------
+# argv: LAUNCHER_JSON READY_FD PROGRAM [ARGS...]. Sets rlimits, drops to the uid when root, tells
+# the host it is ready on READY_FD, closes every inherited descriptor but 0-2, runs PROGRAM.
+_LAUNCHER = r"""
+import os, sys, resource
+import runpy, builtins
+c = __import__('json').loads(sys.argv[1])
+for n, v in c['rl'].items():
+    resource.setrlimit(getattr(resource, 'RLIMIT_' + n), tuple(v))
+if os.getuid() == 0:
+    os.setgroups([]); os.setresgid(c['gid'], c['gid'], c['gid']); os.setresuid(c['uid'], c['uid'], c['uid'])
+if os.getuid() == 0 or os.geteuid() == 0:
+    raise SystemExit('cascade-sandbox: could not drop root')
+os.write(int(sys.argv[2]), b'R')
+os.closerange(3, 65536)
+p = sys.argv[3]
+sys.argv = sys.argv[3:]
+sys.path[0] = os.path.dirname(p)
+del c, n, v
+builtins.exit = builtins.quit = sys.exit
+runpy.run_path(p, run_name='__main__')
+"""
+
+
+def _python_install(cfg: SandboxConfig) -> tuple[str, str]:
+    """(interpreter path, installation prefix) of the Python run inside the sandbox."""
+    if cfg.python:
+        exe = shutil.which(cfg.python) or cfg.python
+        exe = os.path.realpath(exe)
+        if not os.path.exists(exe):
+            raise ValueError(f"sandbox python {cfg.python!r} not found")
+        return exe, os.path.dirname(os.path.dirname(exe))
+    exe = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+    return exe, os.path.realpath(sys.base_prefix)
+
+
+def _world_readable(path: str) -> bool:
+    """Whether a user with no ownership of ``path`` could read it (every parent searchable)."""
+    import stat
+
+    p = os.path.realpath(path)
+    try:
+        if not os.stat(p).st_mode & stat.S_IROTH:
+            return False
+        while p != "/":
+            p = os.path.dirname(p)
+            if not os.stat(p).st_mode & stat.S_IXOTH:
+                return False
+    except OSError:
+        return False
+    return True
+
+
+def _weak_python(exe: str, prefix: str) -> tuple[str, str]:
+    """Without bwrap the interpreter is used in place: it must be readable by the sandbox uid."""
+    if os.getuid() != 0 or _world_readable(exe) and _world_readable(os.path.join(prefix, "lib")):
+        return exe, prefix
+    for cand in ("/usr/bin/python3", "/usr/local/bin/python3"):
+        if os.path.exists(cand) and _world_readable(cand):
+            real = os.path.realpath(cand)
+            return real, os.path.dirname(os.path.dirname(real))
+    raise SandboxError(f"python {exe} is not readable by uid 65534 and no system python3 is; "
+                       "install bubblewrap or set SandboxConfig(python=...)")
+
+
+def _bwrap() -> str | None:
+    return shutil.which("bwrap")
+
+
+def _bind_args(exe: str, prefix: str, box: str, tmpfs_bytes: int, size_ok: bool) -> list[str]:
+    a = ["--ro-bind", "/usr", "/usr"]
+    for d in ("/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32"):
+        if os.path.islink(d):
+            a += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            a += ["--ro-bind", d, d]
+    for f in ("/etc/ld.so.cache", "/etc/localtime"):
+        if os.path.exists(f):
+            a += ["--ro-bind", f, f]
+    for root in {prefix, os.path.dirname(exe)}:
+        if root == "/usr" or root.startswith("/usr/"):
+            continue
+        parts = root.strip("/").split("/")
+        for i in range(1, len(parts)):  # traversable parents (bwrap would make them 0700 otherwise)
+            a += ["--perms", "0755", "--dir", "/" + "/".join(parts[:i])]
+        a += ["--ro-bind", root, root]
+    a += ["--ro-bind", box, BOX, "--proc", "/proc", "--dev", "/dev"]
+    if size_ok:
+        a += ["--size", str(tmpfs_bytes)]
+    a += ["--perms", "1777", "--tmpfs", WORKDIR, "--chdir", WORKDIR]
+    return a
+
+
+def _clean_env() -> dict[str, str]:
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORKDIR, "TMPDIR": WORKDIR,
+        "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONHASHSEED": "0",
+        "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8", "MALLOC_ARENA_MAX": "2",
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# layer detection
+# --------------------------------------------------------------------------------------------
+_DETECT_LOCK = threading.Lock()
+_DETECTED: dict[tuple, dict[str, str | None]] = {}
+
+
+def detect_layers(cfg: SandboxConfig | None = None, refresh: bool = False) -> dict[str, str | None]:
+    """layer -> None if present, else the reason it is missing. Probed once per process and key."""
+    cfg = cfg or SandboxConfig()
+    key = (cfg.python, cfg.uid, cfg.gid, cfg.cgroup_root)
+    with _DETECT_LOCK:
+        if key in _DETECTED and not refresh:
+            return dict(_DETECTED[key])
+        res = _probe(cfg)
+        _DETECTED[key] = res
+        return dict(res)
+
+
+def _probe(cfg: SandboxConfig) -> dict[str, str | None]:
+    res: dict[str, str | None] = {k: None for k in LAYERS}
+    if not hasattr(os, "setgroups") or sys.platform != "linux":
+        return {k: "needs Linux" for k in LAYERS}
+    bw = _bwrap()
+    if bw is None:
+        res["namespaces"] = "bwrap (bubblewrap) is not installed (apt-get install bubblewrap)"
+        res["seccomp"] = "needs bwrap to load the filter"
+    elif seccomp_filter() is None:
+        res["seccomp"] = f"no seccomp filter for machine {platform.machine()!r}"
+    if os.geteuid() != 0 and os.getuid() == 0:
+        res["uid"] = "running setuid-root is not supported"
+    try:
+        bases = _cgroup_bases(cfg)
+    except OSError as e:
+        bases = {}
+        why = str(e)
+    else:
+        why = "no writable cgroup hierarchy with this controller"
+    for ctrl in ("pids", "memory"):
+        layer = f"cgroup_{ctrl}"
+        if ctrl not in bases:
+            res[layer] = why
+            continue
+        try:
+            cg = _RunCgroup({ctrl: bases[ctrl]}, 64 << 20, 8)
+            cg.remove()
+        except OSError as e:
+            res[layer] = f"cannot create a cgroup under {bases[ctrl][1]}: {e}"
+    if bw is not None:
+        # the real thing: run a program with every layer this machine claims to have
+        probe_cfg = SandboxConfig(time_limit=20.0, python=cfg.python, uid=cfg.uid, gid=cfg.gid,
+                                  allow_weaker=True, cgroup_root=cfg.cgroup_root)
+        sb = Sandbox(probe_cfg, _layers=res)
+        try:
+            v = sb.run("import os\nprint(os.getuid())\n")
+            if v.status != "ok" or v.stdout.strip() != str(cfg.uid):
+                raise SandboxError(f"probe program gave {v.status}: {v.stderr.strip()[-300:]}")
+        except SandboxError as e:
+            res["namespaces"] = f"bwrap does not work here: {e}"[:500]
+            if res["seccomp"] is None:
+                res["seccomp"] = "needs bwrap to load the filter"
+    return res
+
+
+# --------------------------------------------------------------------------------------------
+# the sandbox
+# --------------------------------------------------------------------------------------------
+class Sandbox:
+    """Runs programs under ``config``. Thread-safe: one sandbox serves a pool of threads."""
+
+    def __init__(self, config: SandboxConfig | None = None, *, _layers: dict | None = None):
+        self.config = config or SandboxConfig()
+        self._layers = _layers
+        self._size_ok: bool | None = None
+
+    @property
+    def layers(self) -> dict[str, str | None]:
+        if self._layers is None:
+            self._layers = detect_layers(self.config)
+        return self._layers
+
+    def missing(self) -> dict[str, str]:
+        return {k: v for k, v in self.layers.items() if v is not None}
+
+    def check(self) -> None:
+        """Raise :class:`SandboxUnavailable` naming every missing layer the config does not allow."""
+        refused = {k: v for k, v in self.missing().items() if k not in self.config.allowed_missing()}
+        if refused:
+            detail = "; ".join(f"{k}: {v}" for k, v in refused.items())
+            raise SandboxUnavailable(
+                f"sandbox refuses to run without layer(s) {', '.join(refused)} ({detail}); "
+                f"allow a weaker sandbox with SandboxConfig(allow_weaker=True) or allow_missing=(...), "
+                f"or {ALLOW_ENV}=1")
+
+    def describe(self) -> dict:
+        return {"layers": {k: (v is None) for k, v in self.layers.items()},
+                "missing": self.missing(), "config": asdict(self.config)}
+
+    # ---------------------------------------------------------------------------------------
+    def run(self, program: str, stdin: str | bytes = b"", *, files: dict[str, str] | None = None,
+            args: list[str] | tuple = (), time_limit: float | None = None,
+            memory_mb: int | None = None) -> Verdict:
+        """Run Python source ``program`` with ``stdin``; ``files`` are extra read-only files beside it."""
+        self.check()
+        cfg = self.config
+        wall = float(time_limit if time_limit is not None else cfg.time_limit)
+        mem_mb = int(memory_mb if memory_mb is not None else cfg.memory_mb)
+        if wall <= 0:
+            raise ValueError("time_limit must be positive")
+        cpu = cfg.cpu_time_limit if cfg.cpu_time_limit is not None else wall
+        cpu_s = max(1, int(-(-cpu // 1)))
+        layers = [k for k, v in self.layers.items() if v is None]
+        use_bwrap = "namespaces" in layers
+        exe, prefix = _python_install(cfg)
+        if not use_bwrap:
+            exe, prefix = _weak_python(exe, prefix)
+        box = tempfile.mkdtemp(prefix="cascade-box-")
+        cgroup = None
+        fds_to_close: list[int] = []
+        try:
+            os.chmod(box, 0o755)
+            for name, text in {"main.py": program, **(files or {})}.items():
+                if "/" in name or name.startswith("."):
+                    raise ValueError(f"bad sandbox file name {name!r}")
+                with open(os.path.join(box, name), "w", encoding="utf-8") as f:
+                    f.write(text)
+                os.chmod(os.path.join(box, name), 0o644)
+            if not use_bwrap:  # weaker mode: the box itself is the working directory
+                if os.getuid() == 0:
+                    os.chown(box, cfg.uid, cfg.gid)
+            mem_bytes = mem_mb << 20
+            nproc = cfg.max_processes if "cgroup_pids" not in layers else max(cfg.max_processes * 16, 512)
+            # (soft, hard): the CPU soft limit sends SIGXCPU, the hard one a second later SIGKILL
+            rl = {"AS": [mem_bytes] * 2, "CPU": [cpu_s, cpu_s + 1], "FSIZE": [cfg.file_size_mb << 20] * 2,
+                  "NPROC": [nproc] * 2, "NOFILE": [cfg.max_open_files] * 2, "CORE": [0, 0]}
+            launch = json.dumps({"rl": rl, "uid": cfg.uid, "gid": cfg.gid})
+            ready_r, ready_w = os.pipe()
+            fds_to_close += [ready_r, ready_w]
+            pass_fds = [ready_w]
+            prog_dir = BOX if use_bwrap else box
+            # -S: no site (stdlib only, and 3x faster start here); the launcher restores exit()/quit()
+            inner = [exe, "-S", "-s", "-B", "-c", _LAUNCHER, launch, str(ready_w),
+                     f"{prog_dir}/main.py", *map(str, args)]
+            argv: list[str] = []
+            ctrl_bases = {c: v for c, v in _cgroup_bases(cfg).items()
+                          if f"cgroup_{c}" in layers or c == "cpuacct"}
+            if ctrl_bases:
+                cg_mem = mem_bytes + ((cfg.tmpfs_mb + 32) << 20)
+                cgroup = _RunCgroup(ctrl_bases, cg_mem, cfg.max_processes)
+                # the shell joins the cgroup(s) itself, then execs the sandbox: no race with forks
+                argv += ["/bin/sh", "-c", 'p=$$; while [ "$1" != -- ]; do echo $p > "$1" || exit 125; shift; done; '
+                         'shift; exec "$@"', "sh", *cgroup.procs_files(), "--"]
+            if use_bwrap:
+                argv += [_bwrap(), "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+                         "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
+                if os.getuid() == 0:
+                    argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+                else:
+                    argv += ["--unshare-user", "--uid", str(cfg.uid), "--gid", str(cfg.gid)]
+                argv += _bind_args(exe, prefix, box, cfg.tmpfs_mb << 20, self._bwrap_has_size())
+                for k, v in _clean_env().items():
+                    argv += ["--setenv", k, v]
+                if "seccomp" in layers:
+                    bpf = seccomp_filter()
+                    sr, sw = os.pipe()
+                    fds_to_close += [sr, sw]
+                    os.write(sw, bpf)
+                    os.close(sw)
+                    fds_to_close.remove(sw)
+                    pass_fds.append(sr)
+                    argv += ["--seccomp", str(sr)]
+                argv += ["--", *inner]
+            else:
+                argv += inner
+            env = _clean_env()
+            if not use_bwrap:
+                env.update(HOME=box, TMPDIR=box)
+            data = stdin.encode() if isinstance(stdin, str) else bytes(stdin)
+            return self._execute(argv, env, box if not use_bwrap else "/", data, wall, cpu_s, mem_bytes,
+                                 ready_r, ready_w, pass_fds, fds_to_close, cgroup, layers)
+        finally:
+            for fd in fds_to_close:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            if cgroup is not None:
+                cgroup.kill_all()
+                cgroup.remove()
+            shutil.rmtree(box, ignore_errors=True)
+
+    def _bwrap_has_size(self) -> bool:
+        if self._size_ok is None:
+            try:
+                h = subprocess.run([_bwrap(), "--help"], capture_output=True, text=True, timeout=10)
+                self._size_ok = "--size" in (h.stdout + h.stderr)
+            except (OSError, subprocess.SubprocessError):
+                self._size_ok = False
+        return self._size_ok
+
+    def _execute(self, argv, env, cwd, data, wall, cpu_s, mem_bytes, ready_r, ready_w, pass_fds,
+                 fds_to_close, cgroup, layers) -> Verdict:
+        cfg = self.config
+        t0 = time.monotonic()
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=env, cwd=cwd, pass_fds=pass_fds, start_new_session=True, close_fds=True)
+        os.close(ready_w)
+        fds_to_close.remove(ready_w)
+        deadline = t0 + wall
+        out = bytearray()
+        err = bytearray()
+        total = 0
+        limits: list[str] = []
+        killed = False
+
+        def kill() -> None:
+            nonlocal killed
+            killed = True
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            if cgroup is not None:
+                cgroup.kill_all(0.5)
+
+        def sweep() -> None:
+            # the main process is gone: nothing may outlive it (a background process holding the
+            # pipes would otherwise keep the run open). Its group id stays valid until we reap it.
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            if cgroup is not None:
+                cgroup.kill_all(0.5)
+
+        sel = selectors.DefaultSelector()
+        try:
+            pidfd = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):
+            pidfd = None
+        if pidfd is not None:
+            fds_to_close.append(pidfd)
+            sel.register(pidfd, selectors.EVENT_READ, "exit")
+        sel.register(proc.stdout, selectors.EVENT_READ, "out")
+        sel.register(proc.stderr, selectors.EVENT_READ, "err")
+        sent = 0
+        if data:
+            os.set_blocking(proc.stdin.fileno(), False)
+            sel.register(proc.stdin, selectors.EVENT_WRITE, "in")
+        else:
+            proc.stdin.close()
+        view = memoryview(data)
+        exited = False
+        keep_err = cfg.stderr_keep_bytes
+        while not (exited and not [k for k in sel.get_map().values() if k.data != "exit"]):
+            now = time.monotonic()
+            if now >= deadline:
+                limits.append("wall_time")
+                kill()
+                break
+            timeout = deadline - now if pidfd is not None else min(deadline - now, 0.005)
+            for key, _ev in sel.select(timeout):
+                if key.data == "exit":
+                    exited = True
+                    sel.unregister(key.fileobj)
+                    sweep()
+                elif key.data == "in":
+                    try:
+                        sent += os.write(proc.stdin.fileno(), view[sent:sent + (1 << 16)])
+                    except (BrokenPipeError, ConnectionResetError):
+                        sent = len(data)
+                    except BlockingIOError:
+                        continue
+                    if sent >= len(data):
+                        sel.unregister(proc.stdin)
+                        proc.stdin.close()
+                else:
+                    chunk = os.read(key.fileobj.fileno(), 1 << 16)
+                    if not chunk:
+                        sel.unregister(key.fileobj)
+                        continue
+                    total += len(chunk)
+                    if key.data == "out":
+                        out += chunk
+                    else:
+                        err += chunk
+                        if len(err) > 2 * keep_err:
+                            del err[:len(err) - keep_err]
+                    if total > cfg.output_limit_bytes:
+                        limits.append("output")
+                        kill()
+                        break
+            if "output" in limits:
+                break
+            if pidfd is None and not exited:
+                info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                if info is not None:
+                    exited = True
+                    sweep()
+        for k in list(sel.get_map().values()):
+            sel.unregister(k.fileobj)
+        sel.close()
+        view.release()
+        for f in (proc.stdin, proc.stdout, proc.stderr):
+            try:
+                f.close()
+            except OSError:
+                pass
+        _pid, status, ru = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        wall_time = time.monotonic() - t0
+        if cgroup is not None:
+            cgroup.kill_all()
+        try:
+            ready = os.read(ready_r, 1) == b"R"
+        except OSError:
+            ready = False
+        stats = cgroup.stats() if cgroup is not None else {}
+        cpu_time = stats.get("cpu_time", ru.ru_utime + ru.ru_stime)
+        peak = stats.get("peak_memory")
+        if peak is None and ru is not None:
+            peak = int(ru.ru_maxrss) * 1024
+        rc = proc.returncode
+        stderr_text = bytes(err[-keep_err:]).decode("utf-8", "replace")
+        if not ready and not killed:
+            raise SandboxError(f"the sandbox failed to start the program (exit {rc}): {stderr_text.strip()[-500:]}")
+        if stats.get("pids_max_hit"):
+            limits.append("processes")
+        if stats.get("oom_kill"):
+            limits.append("memory")
+        exit_code, sig = _split_exit(rc, "namespaces" in layers)
+        if sig in (signal.SIGXCPU,) or (cpu_time >= cpu_s and sig == signal.SIGKILL):
+            limits.append("cpu_time")
+        status = classify(rc_exit=exit_code, sig=sig, limits=limits, stderr=stderr_text)
+        return Verdict(status=status, exit_code=exit_code, signal=sig,
+                       stdout=bytes(out).decode("utf-8", "replace"), stderr=stderr_text,
+                       wall_time=wall_time, cpu_time=cpu_time, peak_memory_bytes=peak,
+                       limits_hit=sorted(set(limits)), layers=layers)
+
+
+def _split_exit(rc: int | None, via_bwrap: bool) -> tuple[int | None, int | None]:
+    """(exit code, signal). bwrap reports a child killed by signal N as exit code 128 + N."""
+    if rc is None:
+        return None, signal.SIGKILL
+    if rc < 0:
+        return None, -rc
+    if via_bwrap and 128 < rc < 128 + 65:
+        return None, rc - 128
+    return rc, None
+
+
+_RUNTIME_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGFPE, signal.SIGBUS, signal.SIGILL}
+
+
+def classify(rc_exit: int | None, sig: int | None, limits: list[str], stderr: str) -> str:
+    """The status of a finished run from how it ended and which limits it hit."""
+    if "output" in limits:
+        return "output_limit"
+    if "wall_time" in limits or "cpu_time" in limits:
+        return "time_limit"
+    tail = stderr.rstrip().rsplit("\n", 1)[-1] if stderr.strip() else ""
+    if "memory" in limits or tail.startswith("MemoryError"):
+        return "memory_limit"
+    if sig is not None:
+        return "runtime_error" if sig in _RUNTIME_SIGNALS else "killed"
+    return "ok" if rc_exit == 0 else "runtime_error"
+
+
+_DEFAULT: dict[SandboxConfig, Sandbox] = {}
+_DEFAULT_LOCK = threading.Lock()
+
+
+def default_sandbox(config: SandboxConfig | None = None) -> Sandbox:
+    """A shared :class:`Sandbox` per config (layer detection runs once)."""
+    config = config or SandboxConfig()
+    with _DEFAULT_LOCK:
+        if config not in _DEFAULT:
+            _DEFAULT[config] = Sandbox(config)
+        return _DEFAULT[config]
+
+
+def run_program(program: str, stdin: str | bytes = b"", config: SandboxConfig | None = None, **kw) -> Verdict:
+    """Run ``program`` once in the default sandbox of ``config``."""
+    return default_sandbox(config).run(program, stdin, **kw)

@@ -1,0 +1,384 @@
+"""Acceptance tests of the code sandbox: each hostile program is contained with the right verdict,
+and the host is unaffected (no process left, nothing written, no secret read)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from envs.code import sandbox as sbx
+from envs.code.sandbox import Sandbox, SandboxConfig, SandboxUnavailable
+
+LAYERS = sbx.detect_layers()
+pytestmark = pytest.mark.skipif(
+    LAYERS["namespaces"] is not None, reason=f"sandbox needs bubblewrap: {LAYERS['namespaces']}")
+
+CFG = SandboxConfig(time_limit=2.0, memory_mb=256, output_limit_bytes=1 << 20, max_processes=16)
+
+
+@pytest.fixture(scope="module")
+def sb() -> Sandbox:
+    s = Sandbox(CFG)
+    s.check()  # every layer present on the test machines (CI installs bubblewrap, runs as root)
+    return s
+
+
+def _sandbox_uid_pids() -> list[int]:
+    """Host processes running as the sandbox uid (there must be none between runs)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            status = Path(f"/proc/{d}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("Uid:") and str(CFG.uid) in line.split()[1:2]:
+                out.append(int(d))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers():
+    yield
+    deadline = time.monotonic() + 2.0
+    while _sandbox_uid_pids() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _sandbox_uid_pids() == [], "a sandboxed process outlived its run"
+
+
+def test_all_layers_present_and_plain_run(sb):
+    assert sb.missing() == {}
+    v = sb.run("import os, sys\nprint(os.getuid(), os.getgid(), os.getcwd())\nprint(sys.stdin.read().upper())",
+               "hello")
+    assert v.status == "ok" and v.exit_code == 0
+    assert v.stdout.split() == ["65534", "65534", "/tmp", "HELLO"]
+    assert v.peak_memory_bytes and v.peak_memory_bytes > 1 << 20
+    assert set(v.layers) == set(sbx.LAYERS)
+
+
+def test_runtime_error_and_exit_codes(sb):
+    v = sb.run("raise ValueError('boom')")
+    assert v.status == "runtime_error" and v.exit_code == 1 and "ValueError: boom" in v.stderr
+    v = sb.run("import sys\nexit(3)")
+    assert v.status == "runtime_error" and v.exit_code == 3
+    v = sb.run("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)")
+    assert v.status == "runtime_error" and v.signal == 11
+
+
+def test_socket_to_internet_blocked(sb):
+    prog = """
+import socket
+for fam, addr in ((socket.AF_INET, ("1.1.1.1", 80)), (socket.AF_INET6, ("2606:4700:4700::1111", 80))):
+    try:
+        s = socket.socket(fam, socket.SOCK_STREAM)
+        s.settimeout(1)
+        s.connect(addr)
+        print("CONNECTED")
+    except OSError as e:
+        print(type(e).__name__)
+"""
+    v = sb.run(prog)
+    assert v.status == "ok", v.stderr
+    assert "CONNECTED" not in v.stdout
+    assert v.stdout.split() == ["PermissionError", "PermissionError"]  # seccomp refuses socket()
+
+
+def test_host_loopback_server_unreachable(sb):
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    accepted = []
+    srv.settimeout(0.1)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                c, _ = srv.accept()
+                accepted.append(c)
+            except (socket.timeout, OSError):
+                pass
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    def prog(port: int) -> str:
+        return f"""
+import socket
+try:
+    socket.create_connection(("127.0.0.1", {port}), timeout=1)
+    print("CONNECTED")
+except OSError as e:
+    print("refused", type(e).__name__)
+"""
+    try:
+        v = sb.run(prog(port))
+    finally:
+        time.sleep(0.2)
+        stop.set()
+        th.join()
+        srv.close()
+    assert v.status == "ok" and "CONNECTED" not in v.stdout and "refused" in v.stdout
+    assert accepted == []
+    # without seccomp the network namespace alone must still keep the host out of reach
+    weak_cfg = SandboxConfig(**{**CFG.__dict__, "allow_missing": ("seccomp",)})
+    weak = Sandbox(weak_cfg, _layers={**LAYERS, "seccomp": "disabled for this test"})
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    srv.settimeout(0.5)
+    v = weak.run(prog(port))
+    try:
+        with pytest.raises(socket.timeout):
+            srv.accept()
+    finally:
+        srv.close()
+    assert "CONNECTED" not in v.stdout and "ConnectionRefusedError" in v.stdout
+
+
+def test_writes_outside_tmp_fail_and_host_untouched(sb, tmp_path):
+    host_dir = tmp_path / "host"
+    host_dir.mkdir()
+    os.chmod(tmp_path, 0o777)
+    os.chmod(host_dir, 0o777)
+    repo_target = Path(__file__).resolve().parent / f"sandbox-escape-{uuid.uuid4().hex}"
+    targets = ["/usr/escape", "/box/escape", "/etc/escape", "/escape", str(host_dir / "escape"),
+               str(repo_target)]
+    prog = f"""
+import json
+res = {{}}
+for t in {targets!r}:
+    try:
+        with open(t, "w") as f:
+            f.write("x")
+        res[t] = "written"
+    except OSError as e:
+        res[t] = type(e).__name__
+with open("inside.txt", "w") as f:
+    f.write("ok")
+res["cwd"] = open("inside.txt").read()
+print(json.dumps(res))
+"""
+    v = sb.run(prog)
+    assert v.status == "ok", v.stderr
+    res = json.loads(v.stdout)
+    assert res.pop("cwd") == "ok"
+    assert "written" not in res.values(), res
+    assert list(host_dir.iterdir()) == [] and not repo_target.exists()
+
+
+def test_file_size_limit(sb):
+    v = Sandbox(SandboxConfig(**{**CFG.__dict__, "file_size_mb": 1})).run(
+        "try:\n    open('big', 'wb').write(b'x' * (4 << 20))\n    print('WROTE')\nexcept OSError as e:\n    print(e.errno)")
+    assert v.status == "ok" and "WROTE" not in v.stdout and v.stdout.strip() == "27"  # EFBIG
+
+
+def test_home_and_env_not_visible(sb, monkeypatch):
+    secret = f"cascade-secret-{uuid.uuid4().hex}"
+    monkeypatch.setenv("CASCADE_TEST_SECRET", secret)
+    home = Path.home()
+    secret_file = home / f".cascade-sandbox-test-{uuid.uuid4().hex}"
+    secret_file.write_text(secret)
+    try:
+        prog = f"""
+import os
+print(sorted(os.environ.items()))
+for p in ({str(secret_file)!r}, "/proc/1/environ", "/proc/self/environ"):
+    try:
+        print(open(p, "rb").read())
+    except OSError as e:
+        print(type(e).__name__)
+for d in ({str(home)!r}, "/home", "/root", "/work"):
+    try:
+        print(d, os.listdir(d))
+    except OSError as e:
+        print(d, type(e).__name__)
+"""
+        v = sb.run(prog)
+    finally:
+        secret_file.unlink()
+    assert v.status == "ok", v.stderr
+    assert secret not in v.stdout and secret not in v.stderr
+    assert "CASCADE_TEST_SECRET" not in v.stdout
+    assert secret_file.name not in v.stdout
+    assert os.environ["CASCADE_TEST_SECRET"] == secret
+
+
+def test_fork_bomb_contained(sb):
+    before = len(os.listdir("/proc"))
+    prog = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    t = time.monotonic()
+    v = sb.run(prog, time_limit=1.5)
+    assert time.monotonic() - t < 6
+    assert v.status == "time_limit" and "processes" in v.limits_hit
+    assert len(os.listdir("/proc")) < before + 20
+
+
+def test_memory_bomb(sb):
+    v = sb.run("x = []\nwhile True:\n    x.append(bytearray(8 << 20))\n")
+    assert v.status == "memory_limit", v
+    v = sb.run("x = bytearray(2 << 30)")
+    assert v.status == "memory_limit"
+    v = sb.run("x = bytearray(100 << 20)\nfor i in range(0, len(x), 4096):\n    x[i] = 1\nprint('ok')")
+    assert v.status == "ok" and v.peak_memory_bytes >= 100 << 20
+
+
+def test_memory_bomb_across_processes_hits_cgroup(sb):
+    # each process stays under its address-space limit; together they exceed the cgroup limit
+    prog = """
+import os
+kids = []
+for _ in range(6):
+    pid = os.fork()
+    if pid == 0:
+        x = bytearray(200 << 20)
+        for i in range(0, len(x), 4096):
+            x[i] = 1
+        os._exit(0)
+    kids.append(pid)
+bad = 0
+for k in kids:
+    _, st = os.waitpid(k, 0)
+    bad += st != 0
+print(bad)
+"""
+    v = Sandbox(SandboxConfig(**{**CFG.__dict__, "time_limit": 5.0})).run(prog)
+    assert "memory" in v.limits_hit and int(v.stdout.strip() or 6) > 0
+    assert v.peak_memory_bytes <= (256 + 64 + 32 + 8) << 20
+
+
+def test_infinite_loop(sb):
+    v = sb.run("while True:\n    pass\n", time_limit=1.0)
+    assert v.status == "time_limit"
+    assert 0.9 <= v.wall_time < 3.0
+
+
+def test_cpu_limit_with_threads_and_sigxcpu_ignored(sb):
+    prog = "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass\n"
+    v = Sandbox(SandboxConfig(**{**CFG.__dict__, "time_limit": 5.0, "cpu_time_limit": 1.0})).run(prog)
+    assert v.status == "time_limit" and "cpu_time" in v.limits_hit and v.wall_time < 4.5
+
+
+def test_infinite_print(sb):
+    v = sb.run("while True:\n    print('spam' * 100)\n")
+    assert v.status == "output_limit"
+    assert len(v.stdout) <= CFG.output_limit_bytes + (1 << 16)
+    v = sb.run("import sys\nwhile True:\n    sys.stderr.write('e' * 1000)\n")
+    assert v.status == "output_limit" and len(v.stderr) <= CFG.stderr_keep_bytes
+
+
+def test_sleep_past_wall_limit(sb):
+    t = time.monotonic()
+    v = sb.run("import time\ntime.sleep(100)\n", time_limit=1.0)
+    assert v.status == "time_limit" and "wall_time" in v.limits_hit
+    assert time.monotonic() - t < 3.0
+
+
+def test_kill_parent_and_everything(sb):
+    v = sb.run("import os\ntry:\n    os.kill(os.getppid(), 9)\n    print('sent')\nexcept OSError as e:\n    print(type(e).__name__)\n")
+    assert v.status == "ok" and v.stdout.strip() in ("PermissionError", "sent")
+    # kill(-1) reaches every process the caller may signal: only its own, inside the namespace
+    v = sb.run("import os, time\nif os.fork() == 0:\n    time.sleep(5)\n    os._exit(0)\n"
+               "os.kill(-1, 9)\nprint('survived')\nprint(os.wait()[1])\n")
+    assert v.status == "ok" and v.stdout.split() == ["survived", "9"]
+    assert os.getpid() > 0  # we are still here
+
+
+def test_detached_background_process_dies(sb, tmp_path):
+    os.chmod(tmp_path, 0o777)
+    marker = tmp_path / "marker"
+    token = uuid.uuid4().hex
+    prog = f"""
+import os, sys, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        sys.argv[0] = "{token}"
+        time.sleep(2)
+        for p in ({str(marker)!r}, "/tmp/marker"):
+            try:
+                open(p, "w").write("{token}")
+            except OSError:
+                pass
+        os._exit(0)
+    os._exit(0)
+print("parent done")
+"""
+    t = time.monotonic()
+    v = sb.run(prog, time_limit=5.0)
+    assert v.status == "ok" and v.stdout.strip() == "parent done"
+    assert time.monotonic() - t < 2.0  # did not wait for the daemon
+    assert _sandbox_uid_pids() == []
+    time.sleep(2.3)
+    assert not marker.exists()
+    assert _sandbox_uid_pids() == []
+
+
+def test_large_stdin(sb):
+    data = b"0123456789" * (5 << 20)  # 50 MiB
+    v = sb.run("import sys\nprint(len(sys.stdin.buffer.read()))\n", data, time_limit=10.0)
+    assert v.status == "ok" and v.stdout.strip() == str(len(data))
+    t = time.monotonic()
+    v = sb.run("print('ignored stdin')\n", data, time_limit=10.0)
+    assert v.status == "ok" and time.monotonic() - t < 5.0
+
+
+def test_missing_layer_refused_unless_allowed(monkeypatch):
+    fake = {**LAYERS, "seccomp": "pretend the kernel lacks it", "cgroup_pids": "pretend"}
+    strict = Sandbox(CFG, _layers=fake)
+    with pytest.raises(SandboxUnavailable) as e:
+        strict.run("print(1)")
+    assert "seccomp" in str(e.value) and "cgroup_pids" in str(e.value)
+    part = Sandbox(SandboxConfig(**{**CFG.__dict__, "allow_missing": ("seccomp",)}), _layers=fake)
+    with pytest.raises(SandboxUnavailable) as e:
+        part.run("print(1)")
+    assert "cgroup_pids" in str(e.value) and "seccomp" not in str(e.value).split("(")[0]
+    weak = Sandbox(SandboxConfig(**{**CFG.__dict__, "allow_weaker": True}), _layers=fake)
+    v = weak.run("import socket\ns = socket.socket()\nprint('socket ok')")
+    assert v.status == "ok" and "socket ok" in v.stdout and "seccomp" not in v.layers
+    monkeypatch.setenv(sbx.ALLOW_ENV, "seccomp,cgroup_pids")
+    assert strict.run("print(2)").stdout.strip() == "2"
+
+
+def test_detection_without_bwrap(monkeypatch):
+    monkeypatch.setattr(sbx, "_bwrap", lambda: None)
+    layers = sbx._probe(CFG)
+    assert "bubblewrap" in layers["namespaces"] and layers["seccomp"] is not None
+    assert layers["uid"] is None and layers["rlimits"] is None
+    with pytest.raises(SandboxUnavailable, match="namespaces"):
+        Sandbox(CFG, _layers=layers).run("print(1)")
+    # the weaker mode still runs, unprivileged, with limits and a clean environment
+    weak = Sandbox(SandboxConfig(**{**CFG.__dict__, "allow_weaker": True}), _layers=layers)
+    v = weak.run("import os\nprint(os.getuid(), 'PATH' in os.environ, 'CASCADE_TEST' in os.environ)")
+    assert v.status == "ok" and v.stdout.split()[1:] == ["True", "False"]
+    assert v.stdout.split()[0] == (str(CFG.uid) if os.getuid() == 0 else str(os.getuid()))
+    assert weak.run("while True: pass", time_limit=0.5).status == "time_limit"
+
+
+def test_seccomp_filter_shape():
+    bpf = sbx.seccomp_filter()
+    assert bpf is not None and len(bpf) % 8 == 0 and len(bpf) // 8 == 10
+
+
+def test_classify_rules():
+    c = sbx.classify
+    assert c(0, None, [], "") == "ok"
+    assert c(1, None, [], "Traceback\nMemoryError\n") == "memory_limit"
+    assert c(None, 9, ["wall_time"], "") == "time_limit"
+    assert c(None, 9, ["output"], "") == "output_limit"
+    assert c(None, 9, [], "") == "killed"
+    assert c(None, 11, [], "") == "runtime_error"
+    assert c(2, None, [], "x") == "runtime_error"
+
+
+def test_parallel_runs_from_threads(sb):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(4) as ex:
+        vs = list(ex.map(lambda i: sb.run(f"print({i} * {i})"), range(12)))
+    assert [v.stdout.strip() for v in vs] == [str(i * i) for i in range(12)]
