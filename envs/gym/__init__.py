@@ -1,8 +1,9 @@
 """RLVE-Gym: procedurally generated, verifiable environments registered under ``gym/<name>``.
 
-One module per family (arithmetic, number_theory, combinatorics, sorting_searching, graphs,
-dynamic_programming, logic_puzzles, strings, geometry, probability); shared parsing and the
-:class:`~envs.gym._util.GymEnv` base live in ``_util``. Importing this package registers them all.
+One module per family; shared parsing and the :class:`~envs.gym._util.GymEnv` base live in
+``_util``. Importing this package registers every gym environment (``envs.builtin`` also
+imports each module on its own). New environments go in the module of their family, or in a new
+module listed in ``FAMILIES``; they use the one registry of :mod:`envs.base`.
 """
 import importlib
 
@@ -10,8 +11,11 @@ FAMILIES = ("arithmetic", "number_theory", "combinatorics", "sorting_searching",
             "dynamic_programming", "logic_puzzles", "strings", "geometry", "probability")
 
 for _m in FAMILIES:
-    try:
-        importlib.import_module(f"envs.gym.{_m}")
-    except ModuleNotFoundError as _e:  # a family module not written yet
-        if _e.name != f"envs.gym.{_m}":
-            raise
+    importlib.import_module(f"{__name__}.{_m}")
+
+
+def gym_env_ids() -> list[str]:
+    """Ids of all registered gym environments, sorted."""
+    from envs.base import list_envs
+
+    return [e for e in list_envs() if e.startswith("gym/")]

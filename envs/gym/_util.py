@@ -11,6 +11,7 @@ compared for equality, ``parse`` and ``grade``. Reward convention (RLVE):
 """
 from __future__ import annotations
 
+import json
 import math
 import random
 import re
@@ -66,6 +67,8 @@ class GymEnv(Environment):
             raise ValueError(f"difficulty must be >= 0, got {difficulty}")
         out = self.build(self.rng(seed, d), d)
         prompt, answer, meta = out if len(out) == 3 else (out[0], out[1], {})
+        # normalise through JSON so a stored-and-reloaded problem equals (and verifies like) a fresh one
+        answer, meta = json.loads(json.dumps([answer, meta]))
         return self.problem(prompt, answer, seed, d, **meta)
 
     def check(self, problem: Problem, response: str) -> Score:
@@ -105,6 +108,8 @@ _INT_COMMAS = re.compile(r"[+-]?\d{1,3}(,\d{3})+")
 
 
 def parse_int(text: str) -> int:
+    if re.search(r"\d\s+\d", text):
+        raise ParseError(f"expected one integer, got {text[:40]!r}")
     t = "".join(text.split())
     if t.endswith("."):
         t = t[:-1]
@@ -123,7 +128,10 @@ def parse_int_list(text: str, signed: bool = True) -> list[int]:
     treats '-' as a separator (so ``1-2, 2-3`` reads as 1 2 2 3)."""
     if not _LIST_OK.fullmatch(text):
         raise ParseError(f"expected a list of integers, got {text[:40]!r}")
-    return [int(x) for x in re.findall(r"[+-]?\d+" if signed else r"\d+", text)]
+    toks = re.findall(r"[+-]?\d+" if signed else r"\d+", text)
+    if any(len(t.lstrip("+-")) > 1 and t.lstrip("+-")[0] == "0" for t in toks):
+        raise ParseError("integers with leading zeros")
+    return [int(x) for x in toks]
 
 
 def parse_groups(text: str, k: int, signed: bool = False) -> list[tuple[int, ...]]:

@@ -158,11 +158,10 @@ class SatAssignment(GymEnv):
         return fmt_list(answer)
 
     def parse(self, text, problem):
-        t = re.sub(r"(?i)\btrue\b", "1", re.sub(r"(?i)\bfalse\b", "0", text))
-        v = parse_int_list(t)
-        if len(v) == 1 and len(problem.answer) > 1 and re.fullmatch(r"[01]+", t.strip()):
-            v = [int(c) for c in t.strip()]
-        return v
+        t = re.sub(r"(?i)\btrue\b", "1", re.sub(r"(?i)\bfalse\b", "0", text)).strip()
+        if len(t) > 1 and re.fullmatch(r"[01]+", t):
+            return [int(c) for c in t]
+        return parse_int_list(t)
 
     def grade(self, problem, value):
         if len(value) != len(problem.answer) or any(x not in (0, 1) for x in value):

@@ -1,0 +1,317 @@
+"""RLVE-Gym environments: registry coverage, the self-check contract, growth with difficulty,
+bounded verification time, and hand-written checks of specific verifiers and solvers against
+independent brute-force references."""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+import re
+import time
+from fractions import Fraction
+
+import pytest
+
+from envs.base import Problem, get_env
+from envs.gym import FAMILIES, gym_env_ids
+from envs.gym._util import INVALID, parse_fraction, parse_grid, parse_int, parse_int_list
+
+IDS = gym_env_ids()
+SEEDS = (0, 1, 2)
+
+
+def boxed(s) -> str:
+    return f"<think>working</think> The answer is \\boxed{{{s}}}."
+
+
+# --- registry --------------------------------------------------------------------------------
+def test_registry_covers_all_families():
+    assert len(IDS) >= 100
+    fams = {}
+    for i in IDS:
+        e = get_env(i)
+        assert e.family in FAMILIES, (i, e.family)
+        assert e.description and "\n" not in e.description, i
+        fams.setdefault(e.family, []).append(i)
+    assert set(fams) == set(FAMILIES)
+    for f in ("graphs", "dynamic_programming", "logic_puzzles", "strings"):
+        assert len(fams[f]) >= 10, f
+    assert all(len(v) >= 5 for v in fams.values()), {k: len(v) for k, v in fams.items()}
+
+
+def test_negative_difficulty_is_an_error():
+    with pytest.raises(ValueError, match="difficulty"):
+        get_env("gym/sort_numbers").generate(0, -1)
+
+
+# --- self-check contract over every environment ---------------------------------------------
+@pytest.mark.parametrize("env_id", IDS)
+def test_self_check(env_id):
+    env = get_env(env_id)
+    for d in range(6):
+        for seed in SEEDS:
+            p = env.generate(seed, d)
+            assert p.env_id == env_id and p.difficulty == d and p.seed == seed
+            assert env.generate(seed, d).to_dict() == p.to_dict(), "generation is not deterministic"
+            assert Problem.from_dict(json.loads(json.dumps(p.to_dict()))).to_dict() == p.to_dict()
+            assert "\\boxed{}" in p.prompt
+            ref = env.verify(p, env.reference_response(p))
+            assert ref.correct and ref.reward == 1.0 and ref.format_ok, (d, seed, ref)
+            bad = env.corruptions(p)
+            assert len(bad) >= 4
+            for r in bad:
+                s = env.verify(p, r)
+                assert not s.correct, (d, seed, r[:200], s)
+                assert -1.0 <= s.reward <= 1.0
+                assert "error" not in s.info, (r[:200], s)
+
+
+def test_problems_grow_with_difficulty():
+    def size(env, d):
+        return sum(len(env.generate(s, d).prompt) + len(json.dumps(env.generate(s, d).answer)) for s in SEEDS)
+
+    flat = [i for i in IDS if not size(get_env(i), 12) > size(get_env(i), 0)]
+    assert len(flat) <= len(IDS) // 20, flat
+
+
+def test_generation_is_fast_at_low_difficulty():
+    slow = {}
+    t_all = time.perf_counter()
+    for i in IDS:
+        env = get_env(i)
+        t0 = time.perf_counter()
+        for d in range(9):
+            env.generate(7, d)
+        per = (time.perf_counter() - t0) / 9
+        if per > 0.1:
+            slow[i] = per
+    mean = (time.perf_counter() - t_all) / (9 * len(IDS))
+    assert mean < 0.02, mean
+    assert not slow, slow
+
+
+JUNK = ["", "abc", "1/0", "\\frac{1}{0}", "9" * 5000, " ".join(["1"] * 20000), "1;" * 20000, "(" * 300 + "1" + ")" * 300,
+        "-" * 100, "A=1, B=2", "UDLR" * 1000, "K N", "[[1,2],[3,4]]", "2^100000", "1,000,000",
+        "((1+2)*3)/0", "x" * 100_001]
+
+
+def test_verifiers_are_bounded_on_hostile_answers():
+    for i in IDS:
+        env = get_env(i)
+        p = env.generate(3, 2)
+        t0 = time.perf_counter()
+        for j in JUNK:
+            s = env.verify(p, boxed(j))
+            assert not s.correct and "error" not in s.info, (i, j[:40], s)
+            assert -1.0 <= s.reward <= 1.0
+        assert time.perf_counter() - t0 < 2.0, i
+
+
+def test_unparseable_and_missing_answers_score_minus_one():
+    env = get_env("gym/long_multiplication")
+    p = env.generate(0, 1)
+    for r in ("no box here", boxed("twelve")):
+        s = env.verify(p, r)
+        assert (s.reward, s.correct, s.format_ok) == (-1.0, False, False)
+    s = env.verify(p, boxed(int(p.answer) + 1))
+    assert (s.reward, s.correct, s.format_ok) == (0.0, False, True)
+
+
+# --- hand-written verifier checks -------------------------------------------------------------
+def test_sorting_partial_credit_formula():
+    env = get_env("gym/sort_numbers")
+    p = env.generate(5, 4)
+    ref = list(p.answer)
+    n = len(ref)
+    i = next(k for k in range(n - 1) if ref[k] != ref[k + 1])
+    swapped = ref[:]
+    swapped[i], swapped[i + 1] = swapped[i + 1], swapped[i]
+    s = env.verify(p, boxed(" ".join(map(str, swapped))))
+    assert s.format_ok and not s.correct
+    assert s.reward == pytest.approx(((n - 2) / n) ** 10)
+    assert env.verify(p, boxed(" ".join(map(str, ref[:-1])))).reward == INVALID
+    assert env.verify(p, boxed(", ".join(map(str, ref)))).correct  # commas are fine too
+
+
+def _edges_from_prompt(prompt):
+    return [tuple(map(int, m)) for m in re.findall(r"^(\d+) (\d+)$", prompt, re.M)]
+
+
+def test_graph_coloring_accepts_any_valid_colouring():
+    env = get_env("gym/graph_coloring")
+    p = env.generate(1, 3)
+    k, edges = p.meta["k"], _edges_from_prompt(p.prompt)
+    assert edges and [list(e) for e in edges] == [list(e) for e in p.meta["edges"]]
+    perm = list(range(k))[1:] + [0]  # relabel colours: a different but valid colouring
+    alt = [perm[c] for c in p.answer]
+    assert alt != p.answer
+    assert all(alt[u] != alt[v] for u, v in edges)
+    assert env.verify(p, boxed(" ".join(map(str, alt)))).correct
+    u, v = edges[0]
+    bad = alt[:]
+    bad[u] = bad[v]
+    s = env.verify(p, boxed(" ".join(map(str, bad))))
+    assert not s.correct and 0 <= s.reward < 1
+    assert env.verify(p, boxed(" ".join(["0"] * (len(alt) - 1) + [str(k)]))).reward == INVALID
+
+
+def test_n_queens_accepts_other_solutions_and_rejects_attacks():
+    env = get_env("gym/n_queens")
+    p = env.generate(0, 0)  # 4x4, nothing pre-placed: both solutions are valid
+    sols = [list(q) for q in itertools.permutations(range(1, 5))
+            if all(abs(q[i] - q[j]) != j - i for i in range(4) for j in range(i + 1, 4))]
+    assert sorted(sols) == [[2, 4, 1, 3], [3, 1, 4, 2]]
+    for q in sols:
+        assert env.verify(p, boxed(" ".join(map(str, q)))).correct
+    assert not env.verify(p, boxed("1 2 3 4")).correct
+
+
+def test_sat_assignment_checked_against_clauses():
+    env = get_env("gym/sat_assignment")
+    p = env.generate(4, 5)
+    clauses = [[-int(v) if neg else int(v) for neg, v in re.findall(r"(NOT )?x(\d+)", c)]
+               for c in re.findall(r"\(([^()]*)\)", p.prompt.split("Answer")[0])]
+    assert clauses == p.meta["clauses"]
+    n = len(p.answer)
+    rng = random.Random(0)
+    for _ in range(200):
+        a = [rng.randrange(2) for _ in range(n)]
+        sat = all(any((l > 0) == bool(a[abs(l) - 1]) for l in c) for c in clauses)
+        assert env.verify(p, boxed(" ".join(map(str, a)))).correct == sat
+    assert env.verify(p, boxed("".join(map(str, p.answer)))).correct  # 0101... form
+
+
+def test_sudoku_sizes_grow_and_alternatives_are_checked_by_rules():
+    env = get_env("gym/sudoku")
+    for d, n in ((0, 4), (2, 9), (24, 16)):
+        p = env.generate(0, d)
+        assert len(p.answer) == n and p.meta["box"] ** 2 == n
+    p = env.generate(0, 0)
+    sol = p.answer
+    blanks = sum(x == 0 for r in p.meta["givens"] for x in r)
+    assert blanks >= 5
+    s = env.verify(p, boxed("; ".join("".join(map(str, r)) for r in sol)))
+    assert s.correct
+    wrong = [r[:] for r in sol]
+    wrong[0][0], wrong[0][1] = wrong[0][1], wrong[0][0]
+    assert not env.verify(p, boxed("; ".join(" ".join(map(str, r)) for r in wrong))).correct
+
+
+def test_shortest_path_and_mst_accept_alternative_optima():
+    env = get_env("gym/mst_edges")
+    p = env.generate(2, 3)
+    rev = ", ".join(f"{v} {u}" for u, v in reversed(p.answer))
+    assert env.verify(p, boxed(rev)).correct
+    env = get_env("gym/shortest_path")
+    p = env.generate(2, 3)
+    s = env.verify(p, boxed(" ".join(map(str, p.answer))))
+    assert s.correct
+    # a valid but longer path gets partial credit (opt/len)^5 < 1
+    n, edges = p.meta["n"], p.meta["edges"]
+    adj = {}
+    for u, v, w in edges:
+        adj.setdefault(u, []).append((v, w))
+        adj.setdefault(v, []).append((u, w))
+    path = p.answer
+    u = path[0]
+    v, w = adj[u][0]
+    detour = [u, v, u] + path[1:]
+    s = env.verify(p, boxed(" ".join(map(str, detour))))
+    assert not s.correct and s.reward == pytest.approx((p.meta["dist"] / (p.meta["dist"] + 2 * w)) ** 5)
+
+
+def test_countdown_and_cryptarithm_accept_any_valid_answer():
+    env = get_env("gym/countdown")
+    p = env.generate(0, 0)
+    assert p.meta["nums"] == [2, 4, 9] and p.meta["target"] == 11
+    assert env.verify(p, boxed("9 + 4 / 2")).correct
+    assert env.verify(p, boxed("(9 \\times 2 + 4) / 2")).reward == INVALID  # 2 used twice
+    assert env.verify(p, boxed("9*4/0+2")).reward == INVALID  # division by zero is invalid, not an error
+    env = get_env("gym/cryptarithm")
+    p = env.generate(0, 2)
+    assert env.verify(p, boxed(env.format_answer(p.answer).lower())).correct
+
+
+def test_parsers():
+    assert parse_int(" -1,234 ") == -1234 and parse_int("42.") == 42
+    for bad in ("1 2", "12a", "", "1.5"):
+        with pytest.raises(ValueError):
+            parse_int(bad)
+    assert parse_int_list("[3, -1; 2]") == [3, -1, 2]
+    assert parse_int_list("1-2, 2-3", signed=False) == [1, 2, 2, 3]
+    with pytest.raises(ValueError):
+        parse_int_list("1, 007")
+    assert parse_fraction("\\frac{3}{6}") == Fraction(1, 2) == parse_fraction("0.5") == parse_fraction("-(-1)/2".replace("-(-1)", "1"))
+    assert parse_grid("12;34", width=2) == [[1, 2], [3, 4]] == parse_grid("1 2 \\\\ 3 4")
+
+
+# --- solvers against independent brute-force references -------------------------------------
+def test_solvers_match_brute_force():
+    from envs.gym import arithmetic, dynamic_programming, graphs, number_theory, sorting_searching
+    from envs.gym.geometry import convex_hull, cross
+
+    rng = random.Random(11)
+    for _ in range(30):
+        n = rng.randint(1, 5)
+        m = [[rng.randint(-4, 4) for _ in range(n)] for _ in range(n)]
+        brute = sum(math.prod(m[i][p[i]] for i in range(n)) *
+                    (-1) ** sum(p[i] > p[j] for i in range(n) for j in range(i + 1, n))
+                    for p in itertools.permutations(range(n)))
+        assert arithmetic.det(m) == brute
+        assert graphs.det_mod(m) == brute % 1_000_000_007
+        xs = [rng.randint(0, 9) for _ in range(rng.randint(0, 12))]
+        assert sorting_searching.count_inversions(xs) == sum(
+            xs[i] > xs[j] for i in range(len(xs)) for j in range(i + 1, len(xs)))
+        a, b = "".join(rng.choice("ab") for _ in range(6)), "".join(rng.choice("ab") for _ in range(5))
+        assert dynamic_programming.lcs(a, b) == max(
+            k for k in range(6) for s in itertools.combinations(a, k) if _is_subseq(s, b))
+        p = number_theory.random_prime(rng, 5, 60)
+        g, h = rng.randint(2, p - 1), rng.randint(1, p - 1)
+        brute_x = next((x for x in range(p) if pow(g, x, p) == h), None)
+        assert number_theory.discrete_log(g, h, p) == brute_x
+
+    for _ in range(25):  # max flow = min cut; bridges by deletion; MST by enumeration
+        n = rng.randint(3, 6)
+        arcs = [(u, v, rng.randint(1, 5)) for u in range(n) for v in range(n) if u != v and rng.random() < 0.4]
+        cut = min(sum(c for u, v, c in arcs if (S >> u) & 1 and not (S >> v) & 1)
+                  for S in range(1 << n) if S & 1 and not (S >> (n - 1)) & 1)
+        assert graphs.max_flow(n, arcs, 0, n - 1) == cut
+        edges = graphs.random_connected_graph(rng, n, rng.randint(n - 1, n + 2))
+        bridges = sorted((min(e), max(e)) for e in edges
+                         if graphs.components(n, [f for f in edges if f != e]) > 1)
+        assert graphs.low_link(n, edges)[0] == bridges
+        arts = sorted(v for v in range(n) if graphs.components(n - 1, [
+            (a - (a > v), b - (b > v)) for a, b in edges if v not in (a, b)]) > 1)
+        assert graphs.low_link(n, edges)[1] == arts
+        wedges = [(u, v, rng.randint(1, 9)) for u, v in edges]
+        best = min(sum(w for *_, w in t) for t in itertools.combinations(wedges, n - 1)
+                   if graphs.components(n, t) == 1)
+        assert sum(w for *_, w in graphs.kruskal(n, wedges)) == best
+        pts = [(rng.randint(-4, 4), rng.randint(-4, 4)) for _ in range(8)]
+        hull = convex_hull(pts)
+        if len(hull) >= 3:
+            assert all(cross(hull[i], hull[(i + 1) % len(hull)], q) >= 0 for i in range(len(hull)) for q in pts)
+
+
+def _is_subseq(s, t):
+    it = iter(t)
+    return all(c in it for c in s)
+
+
+def test_prompt_derived_answers_by_brute_force():
+    env = get_env("gym/tsp_bitmask")
+    for seed in range(3):
+        p = env.generate(seed, 4)
+        rows = [list(map(int, r.split())) for r in p.prompt.split("\n") if re.fullmatch(r"[\d ]+", r)]
+        n = len(rows)
+        best = min(sum(rows[a][b] for a, b in zip((0,) + q, q + (0,))) for q in itertools.permutations(range(1, n)))
+        assert p.answer == best
+    env = get_env("gym/knights_knaves")
+    p = env.generate(3, 6)
+    assert len(p.answer) == 4
+    env = get_env("gym/dice_sum_probability")
+    p = env.generate(0, 0)
+    n, s, t = map(int, re.search(r"(\d+) fair (\d+)-sided.*exactly (\d+)\?", p.prompt).groups())
+    hits = sum(sum(r) == t for r in itertools.product(range(1, s + 1), repeat=n))
+    assert Fraction(p.answer) == Fraction(hits, s ** n)
