@@ -1,0 +1,308 @@
+"""Judge a Python program against tests, in the sandbox, many runs in parallel.
+
+Three kinds of test (a dict each; the kind is read from its keys):
+
+- stdin/stdout: ``{"input": str, "output": str}``; outputs compared token by token (whitespace
+  tolerant), numbers within ``float_tol`` when it is set.
+- function call: ``{"fn": name, "args": [...], "kwargs": {...}, "expected": value}``; a harness
+  inside the sandbox loads the program as a module, calls the function and prints the JSON of
+  the return value after a per-run nonce (so the program cannot fake the result line).
+- assertion (HumanEval style): ``{"code": str}``; the test code runs after the program in the
+  same namespace; the test passes when it finishes (the harness prints the nonce at the very end,
+  so an early ``exit(0)`` in the program does not pass).
+
+Verdicts per test: accepted, wrong_answer, time_limit, memory_limit, runtime_error,
+output_limit, and skipped (not run: stopped early or out of total time).
+"""
+from __future__ import annotations
+
+import json
+import math
+import secrets
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from envs.code.sandbox import Sandbox, SandboxConfig, Verdict, default_sandbox
+
+__all__ = ["TestCase", "TestResult", "Judgement", "Judge", "compare_output", "compare_values",
+           "TEST_STATUSES", "load_tests"]
+
+TEST_STATUSES = ("accepted", "wrong_answer", "time_limit", "memory_limit", "runtime_error",
+                 "output_limit", "skipped")
+
+_SANDBOX_TO_TEST = {"time_limit": "time_limit", "memory_limit": "memory_limit",
+                    "output_limit": "output_limit", "runtime_error": "runtime_error",
+                    "killed": "runtime_error"}
+
+
+@dataclass
+class TestCase:
+    kind: str                       # "stdio" | "call" | "assert"
+    input: str = ""
+    output: str | None = None
+    fn: str = ""
+    args: list = field(default_factory=list)
+    kwargs: dict = field(default_factory=dict)
+    expected: Any = None
+    code: str = ""
+
+    @classmethod
+    def from_dict(cls, d: dict | "TestCase") -> "TestCase":
+        if isinstance(d, TestCase):
+            return d
+        if not isinstance(d, dict):
+            raise ValueError(f"a test must be a dict, not {type(d).__name__}")
+        if "fn" in d:
+            if "expected" not in d:
+                raise ValueError(f"function-call test of {d['fn']!r} has no 'expected'")
+            return cls("call", fn=str(d["fn"]), args=list(d.get("args", [])),
+                       kwargs=dict(d.get("kwargs", {})), expected=d["expected"])
+        if "code" in d:
+            return cls("assert", code=str(d["code"]))
+        if "output" in d:
+            return cls("stdio", input=str(d.get("input", "")), output=str(d["output"]))
+        raise ValueError(f"cannot tell the kind of test from keys {sorted(d)}: need 'output' (stdin/stdout), "
+                         f"'fn' + 'expected' (function call) or 'code' (assertions)")
+
+
+def load_tests(path: str) -> list[TestCase]:
+    """Tests from a JSONL file (one test dict per line)."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    out.append(TestCase.from_dict(json.loads(line)))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{i}: not JSON: {e}") from None
+    if not out:
+        raise ValueError(f"{path}: no tests")
+    return out
+
+
+@dataclass
+class TestResult:
+    index: int
+    status: str
+    time: float = 0.0
+    detail: str = ""
+    verdict: dict | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "accepted"
+
+
+@dataclass
+class Judgement:
+    status: str                 # "accepted" or the status of the first failing test
+    passed: int
+    total: int
+    results: list[TestResult]
+    wall_time: float
+
+    @property
+    def fraction(self) -> float:
+        return self.passed / self.total if self.total else 0.0
+
+    @property
+    def accepted(self) -> bool:
+        return self.total > 0 and self.passed == self.total
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["fraction"] = self.fraction
+        d["wall_time"] = round(self.wall_time, 4)
+        return d
+
+
+# --------------------------------------------------------------------------------------------
+# comparison
+# --------------------------------------------------------------------------------------------
+def _num(tok: str) -> float | None:
+    try:
+        v = float(tok)
+    except ValueError:
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _close(a: float, b: float, tol: float) -> bool:
+    return abs(a - b) <= tol * max(1.0, abs(b))
+
+
+def compare_output(got: str, expected: str, float_tol: float | None = None) -> bool:
+    """Token-wise equality (any whitespace); with ``float_tol``, numeric tokens may differ by
+    ``float_tol`` absolute or relative (relative beyond magnitude 1)."""
+    g, e = got.split(), expected.split()
+    if len(g) != len(e):
+        return False
+    for a, b in zip(g, e):
+        if a == b:
+            continue
+        if float_tol is None:
+            return False
+        x, y = _num(a), _num(b)
+        if x is None or y is None or not _close(x, y, float_tol):
+            return False
+    return True
+
+
+def compare_values(got: Any, expected: Any, float_tol: float | None = None) -> bool:
+    """Structural equality of JSON-like values (tuples as lists); floats within ``float_tol``."""
+    if isinstance(got, bool) or isinstance(expected, bool):
+        return type(got) is type(expected) and got == expected
+    if isinstance(got, (int, float)) and isinstance(expected, (int, float)):
+        if float_tol is not None and (isinstance(got, float) or isinstance(expected, float)):
+            return _close(float(got), float(expected), float_tol)
+        return got == expected
+    if isinstance(got, (list, tuple)) and isinstance(expected, (list, tuple)):
+        return len(got) == len(expected) and all(compare_values(a, b, float_tol) for a, b in zip(got, expected))
+    if isinstance(got, dict) and isinstance(expected, dict):
+        return got.keys() == expected.keys() and all(compare_values(got[k], expected[k], float_tol) for k in got)
+    return got == expected
+
+
+# --------------------------------------------------------------------------------------------
+# harnesses (run inside the sandbox; the nonce comes on stdin before any untrusted code runs)
+# --------------------------------------------------------------------------------------------
+_CALL_HARNESS = r"""
+import json, os, sys, runpy
+def _main():
+    nonce = sys.stdin.readline().strip()
+    spec = json.loads(sys.stdin.readline())
+    ns = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "solution.py"),
+                        run_name="solution")
+    fn = ns.get(spec["fn"])
+    if not callable(fn):
+        raise SystemExit("cascade-judge: no function named %r" % spec["fn"])
+    res = fn(*spec["args"], **spec["kwargs"])
+    def enc(o):
+        if isinstance(o, (set, frozenset)):
+            return sorted(o, key=repr)
+        return repr(o)
+    line = json.dumps(res, default=enc)
+    sys.stdout.flush()
+    sys.stdout.write("\n" + nonce + line + "\n")
+    sys.stdout.flush()
+_main()
+"""
+
+_ASSERT_HARNESS = r"""
+import os, sys
+def _main():
+    nonce = sys.stdin.readline().strip()
+    here = os.path.dirname(os.path.abspath(__file__))
+    g = {"__name__": "solution", "__builtins__": __builtins__}
+    with open(os.path.join(here, "solution.py")) as f:
+        exec(compile(f.read(), "solution.py", "exec"), g)
+    with open(os.path.join(here, "tests.py")) as f:
+        exec(compile(f.read(), "tests.py", "exec"), g)
+    sys.stdout.flush()
+    sys.stdout.write("\n" + nonce + "\n")
+    sys.stdout.flush()
+_main()
+"""
+
+
+class Judge:
+    """Runs a program against tests in a sandbox; ``workers`` runs at a time (default: CPU count)."""
+
+    def __init__(self, sandbox: Sandbox | None = None, *, workers: int | None = None,
+                 time_limit: float | None = None, memory_mb: int | None = None,
+                 float_tol: float | None = None):
+        import os
+
+        self.sandbox = sandbox or default_sandbox(SandboxConfig())
+        self.workers = max(1, int(workers or os.cpu_count() or 1))
+        self.time_limit = time_limit
+        self.memory_mb = memory_mb
+        self.float_tol = float_tol
+
+    def run_one(self, program: str, test: TestCase, index: int = 0, time_limit: float | None = None) -> TestResult:
+        tl = time_limit if time_limit is not None else self.time_limit
+        nonce = secrets.token_hex(16)
+        if test.kind == "stdio":
+            v = self.sandbox.run(program, test.input, time_limit=tl, memory_mb=self.memory_mb)
+        elif test.kind == "call":
+            spec = json.dumps({"fn": test.fn, "args": test.args, "kwargs": test.kwargs})
+            v = self.sandbox.run(_CALL_HARNESS, f"{nonce}\n{spec}\n", files={"solution.py": program},
+                                 time_limit=tl, memory_mb=self.memory_mb)
+        elif test.kind == "assert":
+            v = self.sandbox.run(_ASSERT_HARNESS, f"{nonce}\n", files={"solution.py": program, "tests.py": test.code},
+                                 time_limit=tl, memory_mb=self.memory_mb)
+        else:
+            raise ValueError(f"unknown test kind {test.kind!r}")
+        return self._grade(v, test, nonce, index)
+
+    def _grade(self, v: Verdict, test: TestCase, nonce: str, index: int) -> TestResult:
+        vd = v.to_dict(excerpt=400)
+        if v.status != "ok":
+            last = v.stderr.strip().rsplit("\n", 1)[-1][:200] if v.stderr.strip() else ""
+            status = _SANDBOX_TO_TEST[v.status]
+            if test.kind == "assert" and status == "runtime_error" and last.startswith("AssertionError"):
+                status = "wrong_answer"  # a failed assertion of the tests is a wrong answer
+            return TestResult(index, status, v.wall_time, last, vd)
+        if test.kind == "stdio":
+            ok = compare_output(v.stdout, test.output or "", self.float_tol)
+            detail = "" if ok else "output differs"
+        elif test.kind == "call":
+            lines = [ln[len(nonce):] for ln in v.stdout.splitlines() if ln.startswith(nonce)]
+            if not lines:
+                return TestResult(index, "runtime_error", v.wall_time, "no result (the function did not return)", vd)
+            try:
+                got = json.loads(lines[-1])
+            except json.JSONDecodeError:
+                return TestResult(index, "runtime_error", v.wall_time, "result not JSON", vd)
+            ok = compare_values(got, test.expected, self.float_tol)
+            detail = "" if ok else f"returned {lines[-1][:100]}"
+        else:
+            ok = any(ln == nonce for ln in v.stdout.splitlines())
+            detail = "" if ok else "tests did not run to completion"
+            if not ok:
+                return TestResult(index, "runtime_error", v.wall_time, detail, vd)
+        return TestResult(index, "accepted" if ok else "wrong_answer", v.wall_time, detail, vd)
+
+    def judge(self, program: str, tests: list, *, stop_on_failure: bool = False,
+              total_timeout: float | None = None, time_limit: float | None = None) -> Judgement:
+        """Run every test (in parallel); stop at the first failure if asked; bound the whole
+        judgement by ``total_timeout`` seconds (tests not started in time are ``skipped``)."""
+        cases = [TestCase.from_dict(t) for t in tests]
+        t0 = time.monotonic()
+        deadline = t0 + total_timeout if total_timeout is not None else None
+        stop = threading.Event()
+        results: list[TestResult | None] = [None] * len(cases)
+        per_test = time_limit if time_limit is not None else (self.time_limit or self.sandbox.config.time_limit)
+
+        def work(i: int) -> None:
+            if stop.is_set():
+                results[i] = TestResult(i, "skipped", detail="stopped after a failure")
+                return
+            tl = per_test
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0.05:
+                    results[i] = TestResult(i, "skipped", detail="out of total time")
+                    return
+                tl = min(tl, left)
+            r = self.run_one(program, cases[i], i, tl)
+            results[i] = r
+            if stop_on_failure and not r.passed:
+                stop.set()
+
+        if len(cases) == 1 or self.workers == 1:
+            for i in range(len(cases)):
+                work(i)
+        else:
+            with ThreadPoolExecutor(min(self.workers, len(cases))) as ex:
+                list(ex.map(work, range(len(cases))))
+        done = [r for r in results if r is not None]
+        passed = sum(r.passed for r in done)
+        first_bad = next((r for r in done if not r.passed and r.status != "skipped"), None)
+        if first_bad is None:
+            first_bad = next((r for r in done if not r.passed), None)
+        status = "accepted" if passed == len(cases) and cases else (first_bad.status if first_bad else "skipped")
+        return Judgement(status, passed, len(cases), done, time.monotonic() - t0)
