@@ -54,6 +54,7 @@ class TorchEngine:
         self.pad_id = int(cfg.pad_token_id if cfg.pad_token_id is not None else 0)
         self.stats = EngineStats()
         self._seed_rng = random.Random()
+        self.prefix_cache = None  # opt-in shared-prefix KV reuse: train.engine.prefix_cache.enable_prefix_caching
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -82,8 +83,13 @@ class TorchEngine:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else ""
 
-    def generate(self, prompts: Sequence[list[int]] | Sequence[str], params: SamplingParams) -> list[Completion]:
+    def generate(self, prompts: Sequence[list[int]] | Sequence[str], params: SamplingParams,
+                 seeds: Sequence[int] | None = None) -> list[Completion]:
+        """``seeds`` (optional, one per prompt): prompt i samples exactly as it would alone in a
+        request with ``seed=seeds[i]`` (how an OpenAI-compatible server seeds each request)."""
         ids = self.encode(prompts)
+        if seeds is not None and len(seeds) != len(ids):
+            raise ValueError(f"got {len(seeds)} seeds for {len(ids)} prompts")
         ctx = self.context_length
         for i, p in enumerate(ids):
             if not p:
@@ -95,7 +101,8 @@ class TorchEngine:
         per_chunk = max(1, self.max_batch_rows // params.n)
         out: list[Completion] = []
         for s in range(0, len(ids), per_chunk):
-            out.extend(self._generate_chunk(ids[s:s + per_chunk], s, params, base_seed))
+            out.extend(self._generate_chunk(ids[s:s + per_chunk], s, params, base_seed,
+                                            None if seeds is None else seeds[s:s + per_chunk]))
         return out
 
     def load_weights(self, state_dict) -> None:
@@ -110,7 +117,8 @@ class TorchEngine:
 
     # -- internals -------------------------------------------------------------------------------
     @torch.no_grad()
-    def _generate_chunk(self, prompts: list[list[int]], offset: int, p: SamplingParams, base_seed: int):
+    def _generate_chunk(self, prompts: list[list[int]], offset: int, p: SamplingParams, base_seed: int,
+                        seeds: Sequence[int] | None = None):
         model, dev = self.model, self.model.device
         n, B = p.n, len(prompts)
         lens = [len(x) for x in prompts]
@@ -122,8 +130,12 @@ class TorchEngine:
             inp[i, L - len(x):] = torch.tensor(x)
             mask[i, L - len(x):] = True
         t0 = time.perf_counter()
-        cache = KVCache.allocate(model.config, B, L + max_new, dev, model.dtype)
-        logits = model(inp.to(dev), mask.to(dev), cache=cache)[:, -1]
+        hit = self.prefix_cache.prefill(model, prompts, max_new) if self.prefix_cache is not None else None
+        if hit is not None:  # shared prefix computed once (train/engine/prefix_cache.py)
+            cache, logits = hit
+        else:
+            cache = KVCache.allocate(model.config, B, L + max_new, dev, model.dtype)
+            logits = model(inp.to(dev), mask.to(dev), cache=cache)[:, -1]
         self.stats.prefill_tokens += sum(lens)
         self.stats.prefill_s += time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -135,7 +147,8 @@ class TorchEngine:
         if not p.greedy:
             for r in range(rows):
                 g = torch.Generator(device=dev)
-                g.manual_seed(row_seed(base_seed, offset + r // n, r % n))
+                g.manual_seed(row_seed(seeds[r // n], 0, r % n) if seeds is not None
+                              else row_seed(base_seed, offset + r // n, r % n))
                 gens.append(g)
         tokens: list[list[int]] = [[] for _ in range(rows)]
         logps: list[list[float]] = [[] for _ in range(rows)]

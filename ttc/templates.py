@@ -1,0 +1,216 @@
+"""Prompt templates for Markovian RSA, rendered straight to token ids.
+
+A template is a set of ``str.format`` strings (double the braces of literal ``{}``, as in
+``\\boxed{{}}``):
+
+- ``solve``: the round-0 prompt; field ``{problem}``.
+- ``aggregate``: the prompt of an aggregation round; fields ``{problem}``, ``{candidates}`` (the
+  rendered ``candidate`` blocks, in order) and ``{count}`` (how many).
+- ``candidate``: one forwarded tail; fields ``{tail}`` and ``{index}`` (1-based).
+- ``continue``: parallel Delethink's continuation, appended after the assistant header of the
+  ``solve`` prompt; field ``{tail}``.
+- ``force_answer``: appended to a final-round trace cut at the thinking budget (one with no
+  ``</think>`` yet) before the final-answer continuation.
+
+Rendering concatenates the token ids of the literal pieces with the ids of the problem and of each
+tail, so a prompt is exactly ``|literal pieces| + |q| + sum |tails|`` tokens: the bound
+``|q| + C*tau + |template|`` holds by construction, and each tail appears in the prompt verbatim.
+
+Built-in: ``math``, ``code``, ``generic``. A YAML/JSON file (``--template PATH``) may override any
+subset of the keys; the others come from ``base`` in the file (a built-in name, default ``generic``).
+"""
+from __future__ import annotations
+
+import json
+import string
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Sequence
+
+_FORCE = "\n\nI have to stop thinking here and give my final answer now.\n</think>\n\n"
+_CANDIDATE = "--- Candidate {index} (end of its reasoning) ---\n{tail}\n\n"
+
+
+@dataclass(frozen=True)
+class Template:
+    name: str
+    solve: str
+    aggregate: str
+    candidate: str = _CANDIDATE
+    continue_: str = "{tail}"
+    force_answer: str = _FORCE
+    answer_format: str = "boxed"  # how answers are extracted: "boxed" (last \boxed{}) or "code" (last code block)
+
+    def check(self) -> "Template":
+        need = {"solve": {"problem"}, "aggregate": {"problem", "candidates"}, "candidate": {"tail"},
+                "continue_": {"tail"}, "force_answer": set()}
+        allowed = {"solve": {"problem"}, "aggregate": {"problem", "candidates", "count"},
+                   "candidate": {"tail", "index"}, "continue_": {"tail"}, "force_answer": set()}
+        for key, req in need.items():
+            text = getattr(self, key)
+            try:
+                names = {f for _, f, _, _ in string.Formatter().parse(text) if f is not None}
+            except ValueError as e:
+                raise ValueError(f"template {self.name!r}, {key.rstrip('_')}: {e} (write literal braces as {{{{ }}}})")
+            if not req <= names or not names <= allowed[key]:
+                raise ValueError(f"template {self.name!r}, {key.rstrip('_')}: fields {sorted(names)}; "
+                                 f"needs {sorted(req)}, allows {sorted(allowed[key])} (write literal braces as {{{{ }}}})")
+        if self.answer_format not in ("boxed", "code"):
+            raise ValueError(f"template {self.name!r}: answer_format must be 'boxed' or 'code', got {self.answer_format!r}")
+        return self
+
+
+MATH = Template(
+    name="math",
+    solve="{problem}\n\nPlease reason step by step, and put your final answer within \\boxed{{}}.",
+    aggregate=(
+        "{problem}\n\n"
+        "Here are {count} candidate solutions to the problem above. Each is shown only by the last part of "
+        "its reasoning, and any of them may be incomplete or wrong.\n\n"
+        "{candidates}"
+        "Aggregate them into one correct solution: keep the ideas that hold up and check the steps that "
+        "matter; where the candidates disagree, work out which one is right; if all of them are wrong, solve "
+        "the problem another way. Reason step by step, and put your final answer within \\boxed{{}}."),
+)
+
+CODE = Template(
+    name="code",
+    solve=("{problem}\n\nThink the problem through, then write a correct and efficient solution. Give the "
+           "complete program in one ```python code block at the end."),
+    aggregate=(
+        "{problem}\n\n"
+        "Here are {count} candidate approaches to the task above. Each is shown only by the last part of its "
+        "reasoning, and any of them may be incomplete or wrong.\n\n"
+        "{candidates}"
+        "Combine them into one correct solution: keep the ideas that hold up, check edge cases and "
+        "complexity; where they disagree, work out which is right; if all are wrong, use another approach. "
+        "Give the complete program in one ```python code block at the end."),
+    answer_format="code",
+)
+
+GENERIC = Template(
+    name="generic",
+    solve="{problem}\n\nThink step by step, then give your final answer within \\boxed{{}}.",
+    aggregate=(
+        "{problem}\n\n"
+        "Here are {count} candidate responses to the task above. Each is shown only by its last part, and "
+        "any of them may be incomplete or wrong.\n\n"
+        "{candidates}"
+        "Combine them into one correct response: keep what holds up; where they disagree, decide which is "
+        "right; if all are wrong, try another way. Think step by step, then give your final answer within "
+        "\\boxed{{}}."),
+)
+
+BUILTIN = {t.name: t for t in (MATH, CODE, GENERIC)}
+_KEYS = {"solve": "solve", "aggregate": "aggregate", "candidate": "candidate", "continue": "continue_",
+         "force_answer": "force_answer", "answer_format": "answer_format"}
+
+
+def load_template(spec: str | Template) -> Template:
+    """A built-in template by name, or a YAML/JSON file of overrides."""
+    if isinstance(spec, Template):
+        return spec.check()
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    p = Path(spec)
+    if not p.is_file():
+        raise ValueError(f"unknown template {spec!r}: use one of {', '.join(BUILTIN)} or a YAML/JSON file")
+    text = p.read_text()
+    if p.suffix.lower() == ".json":
+        data = json.loads(text)
+    else:
+        import yaml
+
+        data = yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"template file {p}: expected a mapping of {', '.join(_KEYS)}")
+    base_name = data.pop("base", "generic")
+    if base_name not in BUILTIN:
+        raise ValueError(f"template file {p}: base {base_name!r} is not one of {', '.join(BUILTIN)}")
+    unknown = sorted(set(data) - set(_KEYS))
+    if unknown:
+        raise ValueError(f"template file {p}: unknown key(s) {', '.join(unknown)}; valid: base, {', '.join(_KEYS)}")
+    return replace(BUILTIN[base_name], name=str(p), **{_KEYS[k]: str(v) for k, v in data.items()}).check()
+
+
+Payload = list[int]
+
+
+def render(fmt: str, encode: Callable[[str], list[int]], payload: dict[str, Payload | Sequence[Payload]],
+           values: dict[str, object] | None = None) -> list[int]:
+    """Token ids of ``fmt`` with token payloads spliced in (``payload[name]`` is a token list, or for
+    ``candidates`` a list of token lists laid end to end) and plain ``values`` formatted into the text."""
+    values = values or {}
+    out: list[int] = []
+    text = ""
+    for literal, name, spec, conv in string.Formatter().parse(fmt):
+        text += literal
+        if name is None:
+            continue
+        if name in payload:
+            if text:
+                out += encode(text)
+                text = ""
+            item = payload[name]
+            if name == "candidates":
+                for block in item:
+                    out += list(block)
+            else:
+                out += list(item)
+        else:
+            text += format(values[name], spec or "")
+    if text:
+        out += encode(text)
+    return out
+
+
+@dataclass
+class PromptBuilder:
+    """Builds RSA prompts as token ids: chat header + template + chat footer."""
+
+    template: Template
+    encode: Callable[[str], list[int]]
+    chat: tuple[str, str] = ("", "")
+
+    def __post_init__(self):
+        cache: dict[str, list[int]] = {}
+        raw = self.encode
+
+        def enc(text: str) -> list[int]:  # literal pieces repeat: encode each once
+            if text not in cache:
+                cache[text] = list(raw(text))
+            return cache[text]
+
+        self._enc = enc
+
+    def _wrap(self, body: list[int]) -> list[int]:
+        pre, post = self.chat
+        return (self._enc(pre) if pre else []) + body + (self._enc(post) if post else [])
+
+    def solve(self, problem_ids: list[int]) -> list[int]:
+        return self._wrap(render(self.template.solve, self._enc, {"problem": problem_ids}))
+
+    def aggregate(self, problem_ids: list[int], tails: Sequence[list[int]]) -> list[int]:
+        blocks = [render(self.template.candidate, self._enc, {"tail": t}, {"index": i + 1}) for i, t in enumerate(tails)]
+        body = render(self.template.aggregate, self._enc, {"problem": problem_ids, "candidates": blocks},
+                      {"count": len(tails)})
+        return self._wrap(body)
+
+    def cont(self, problem_ids: list[int], tail: list[int]) -> list[int]:
+        return self.solve(problem_ids) + render(self.template.continue_, self._enc, {"tail": tail})
+
+    def force_answer(self) -> list[int]:
+        return self._enc(self.template.force_answer) if self.template.force_answer else []
+
+    def overhead(self, count: int, kind: str = "aggregate") -> int:
+        """Template tokens of a prompt with ``count`` tails (everything but the problem and tails)."""
+        if kind == "continue":
+            return len(self.cont([], []))
+        return len(self.aggregate([], [[] for _ in range(count)]))
+
+
+def template_names() -> list[str]:
+    return list(BUILTIN)
+
+
+__all__ = ["Template", "BUILTIN", "load_template", "render", "PromptBuilder", "template_names"]
