@@ -107,6 +107,9 @@ class Environment:
     max_difficulty: ClassVar[int | None] = None  # None: grows without bound
     instruction: ClassVar[str] = "Put your final answer within \\boxed{}."
     verify_time_limit: ClassVar[float] = 5.0  # seconds one verify may take (self-check, fuzz tests)
+    # Non-empty when no reference response can be produced (e.g. a task graded only by validity,
+    # with no oracle answer): the self-check then skips "reference verifies" and reports this reason.
+    no_reference_reason: ClassVar[str] = ""
 
     # -- to implement -------------------------------------------------------------------------
     def generate(self, seed: int, difficulty: int) -> Problem:

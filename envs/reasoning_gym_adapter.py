@@ -1,0 +1,277 @@
+"""reasoning-gym datasets as environments ``rg/<name>``.
+
+Every dataset registered in ``reasoning_gym.factory.DATASETS`` becomes an environment. Difficulty
+``d`` sets the dataset's curriculum (where it has one) to global level ``d`` (each attribute
+clamped to its last level) and takes that level's range (``upper_bound`` mode, else
+``inclusive``); a level whose configuration reasoning-gym itself rejects falls back to the level
+below. Datasets without a curriculum ignore the difficulty (``max_difficulty = 0``).
+``generate(seed, d)`` builds the dataset with that seed and size 1 and takes its item; an item
+that reasoning-gym fails to generate is retried with derived seeds. ``verify`` scores the
+extracted answer (last ``\\boxed{}`` or ``<answer>...</answer>``) with the dataset's own
+``score_answer``; full credit (1.0) is ``correct``.
+
+reasoning-gym is imported only when an ``rg/`` environment is built. Its dataset names are cached
+per installed version (``$CASCADE_CACHE_DIR`` or ``~/.cache/cascade``), so registering them does
+not import it after the first time. Without reasoning-gym installed nothing is registered.
+
+Honest exceptions (see ``NO_ORACLE``): some datasets have no gold answer (``None``; the answer is
+graded by validity only), so no reference response exists; they are exempt from the self-check's
+"reference verifies" requirement and keep all other checks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import json
+import os
+from collections import OrderedDict
+from pathlib import Path
+
+from envs.base import Environment, Problem, Score, last_boxed, register, strip_think
+
+__all__ = ["ReasoningGymEnv", "catalog", "NO_ORACLE", "EXCLUDED"]
+
+# Datasets not registered: they cannot be built on their own.
+EXCLUDED = {"composite": "a mixture of other datasets; needs an explicit list of datasets"}
+
+# Datasets whose items carry no gold answer (reasoning-gym grades a proposed solution by validity).
+NO_ORACLE = {
+    "boxnet": "no gold answer: reasoning-gym scores an action plan by simulating it",
+    "graph_color": "no gold answer: reasoning-gym checks the proposed colouring for validity",
+    "propositional_logic": "no gold answer: reasoning-gym checks the proposed conclusion's validity",
+    "rubiks_cube": "no gold answer: reasoning-gym applies the proposed moves to the cube",
+    "rush_hour": "no gold answer: reasoning-gym replays the proposed moves",
+}
+
+MAX_ANSWER_CHARS = 10_000
+_ENTRY_CACHE = 256
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("CASCADE_CACHE_DIR") or Path.home() / ".cache" / "cascade")
+
+
+def _version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("reasoning-gym", "reasoning_gym"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def _build_catalog() -> dict[str, dict]:
+    from reasoning_gym.factory import CURRICULA, DATASETS
+
+    out = {}
+    for name, (dcls, _cfg) in sorted(DATASETS.items()):
+        doc = (dcls.__doc__ or "").strip().splitlines()
+        out[name] = {"description": doc[0].strip() if doc else f"reasoning-gym {name}",
+                     "curriculum": name in CURRICULA}
+    return out
+
+
+def catalog() -> dict[str, dict]:
+    """``{name: {"description", "curriculum"}}`` of reasoning-gym's datasets; {} if not installed.
+
+    Read from a per-version cache file when present (no import of reasoning-gym); otherwise built
+    by importing it, then cached.
+    """
+    if importlib.util.find_spec("reasoning_gym") is None:
+        return {}
+    ver = _version() or "unknown"
+    path = _cache_dir() / f"reasoning_gym-{ver}.json"
+    try:
+        data = json.loads(path.read_text())
+        if isinstance(data, dict) and data:
+            return data
+    except (OSError, ValueError):
+        pass
+    data = _build_catalog()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=0, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return data
+
+
+def _balanced(s: str) -> bool:
+    depth = 0
+    for ch in s:
+        depth += (ch == "{") - (ch == "}")
+        if depth < 0:
+            return False
+    return depth == 0
+
+
+class ReasoningGymEnv(Environment):
+    family = "rg"
+    verify_time_limit = 10.0
+
+    def __init__(self, name: str):
+        from reasoning_gym.factory import CURRICULA, DATASETS
+
+        if name not in DATASETS:
+            raise KeyError(f"reasoning-gym has no dataset {name!r}")
+        self.name = name
+        self.id = f"rg/{name}"
+        self.description = catalog().get(name, {}).get("description", "")
+        self.no_reference_reason = NO_ORACLE.get(name, "")
+        self._dataset_cls, self._config_cls = DATASETS[name]
+        self._curriculum_cls = CURRICULA.get(name)
+        if self._curriculum_cls is not None:
+            attrs = self._curriculum_cls().attributes.values()
+            self.max_difficulty = max((len(a.levels) - 1 for a in attrs), default=0)
+        else:
+            self.max_difficulty = 0
+        self._configs: dict[int, tuple[object, int]] = {}
+        self._entries: OrderedDict = OrderedDict()
+        self._fast: dict[int, object] = {}
+
+    # -- configuration per difficulty ------------------------------------------------------------
+    def _level_config(self, level: int):
+        """reasoning-gym's configuration at curriculum ``level`` (None if it rejects every mode)."""
+        from reasoning_gym.coaching.base_curriculum import DefaultCurriculumContext, RangeAttributeMode
+
+        for mode in (RangeAttributeMode.UPPER_BOUND, RangeAttributeMode.INCLUSIVE):
+            try:
+                cur = self._curriculum_cls()
+                cur.set_global_level(level)
+                cfg = cur.generate_configuration(context=DefaultCurriculumContext(mode=mode))
+                cfg = dataclasses.replace(cfg, seed=0, size=1)
+                self._dataset_cls(config=cfg)  # validates
+                return cfg
+            except Exception:  # noqa: BLE001 - reasoning-gym rejects some of its own levels
+                continue
+        return None
+
+    def config(self, difficulty: int):
+        """(configuration, effective level) used at ``difficulty``."""
+        d = max(0, min(int(difficulty), self.max_difficulty or 0))
+        if d not in self._configs:
+            cfg, level = None, d
+            if self._curriculum_cls is not None:
+                while level >= 0 and cfg is None:
+                    cfg = self._level_config(level)
+                    if cfg is None:
+                        level -= 1
+            if cfg is None:
+                cfg, level = self._config_cls(), -1  # the dataset's defaults
+            self._configs[d] = (cfg, level)
+        return self._configs[d]
+
+    def _fresh(self, cfg, seed: int):
+        ds = self._dataset_cls(config=dataclasses.replace(cfg, seed=seed, size=1))
+        return ds, ds[0]
+
+    def _reseeded(self, difficulty: int, cfg, seed: int):
+        """The item of a cached dataset instance with its seed changed (no rebuild), or None when
+        this dataset's items do not depend on the seed alone (checked once per difficulty)."""
+        fast = self._fast.get(difficulty)
+        if fast is False:
+            return None
+        if fast is None:
+            ds = self._dataset_cls(config=dataclasses.replace(cfg, seed=0, size=1))
+            same = True
+            for probe in (12345, 67890):
+                ds.seed = probe
+                try:
+                    a, b = ds[0], self._fresh(cfg, probe)[1]
+                    same = same and a["question"] == b["question"] and a.get("answer") == b.get("answer")
+                except Exception:  # noqa: BLE001
+                    same = False
+            self._fast[difficulty] = ds if same else False
+            if not same:
+                return None
+            fast = ds
+        fast.seed = seed
+        return fast, fast[0]
+
+    def _item(self, seed: int, difficulty: int):
+        """(dataset, entry) for (seed, difficulty), cached. reasoning-gym items come from
+        ``Random(dataset.seed + index)``: where that holds, one dataset per difficulty is reused."""
+        key = (int(seed), int(difficulty))
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return self._entries[key]
+        cfg, _ = self.config(difficulty)
+        err = None
+        for attempt in range(8):
+            s = int(seed) if attempt == 0 else (int(seed) * 1_000_003 + attempt) % (2**63)
+            try:
+                got = self._reseeded(key[1], cfg, s) or self._fresh(cfg, s)
+                break
+            except Exception as e:  # noqa: BLE001 - some seeds fail inside reasoning-gym
+                err = e
+        else:
+            raise RuntimeError(f"reasoning-gym {self.name} failed to generate an item: {err}")
+        self._entries[key] = got
+        if len(self._entries) > _ENTRY_CACHE:
+            self._entries.popitem(last=False)
+        return got
+
+    # -- environment ---------------------------------------------------------------------------
+    def generate(self, seed: int, difficulty: int) -> Problem:
+        _, entry = self._item(seed, difficulty)
+        answer = entry.get("answer")
+        try:
+            json.dumps(answer)
+        except (TypeError, ValueError):
+            answer = str(answer)
+        _, level = self.config(difficulty)
+        return self.problem(str(entry["question"]), answer, seed, difficulty,
+                            dataset=self.name, level=level)
+
+    def extract(self, response: str) -> str | None:
+        text = strip_think(response)
+        boxed = last_boxed(text)
+        bpos = text.rfind("\\boxed") if boxed is not None else -1
+        apos = text.rfind("<answer>")
+        if apos > bpos:
+            end = text.find("</answer>", apos)
+            if end >= 0:
+                return text[apos + len("<answer>"):end].strip()
+        return boxed
+
+    def format_answer(self, answer) -> str:
+        return "" if answer is None else str(answer)
+
+    def reference_response(self, problem: Problem) -> str:
+        ans = self.format_answer(problem.answer)
+        if _balanced(ans) and "\\boxed" not in ans:
+            return f"The answer is \\boxed{{{ans}}}"
+        return f"The answer is <answer>{ans}</answer>"
+
+    def corruptions(self, problem: Problem) -> list[str]:
+        # An unrelated answer: several reasoning-gym scorers read only a prefix of the answer
+        # (a number, the first moves), so a perturbed gold answer may rightly still score 1.
+        return ["", "I don't know.", "\\boxed{}", "<answer>qx9 ### zz</answer>", "\\boxed{-98765.4321}"]
+
+    def check(self, problem: Problem, response: str) -> Score:
+        pred = self.extract(response)
+        if pred is None:
+            return Score.zero("no \\boxed{} or <answer> answer", format_ok=False)
+        limit = max(MAX_ANSWER_CHARS, 50 * len(self.format_answer(problem.answer)))
+        if len(pred) > limit:
+            return Score.zero("answer too long", format_ok=True, length=len(pred))
+        ds, entry = self._item(problem.seed, problem.difficulty)
+        value = float(ds.score_answer(pred, entry))
+        correct = value >= 1.0 - 1e-9
+        return Score(value, correct, True, {"extracted": pred[:200], "rg_score": value})
+
+
+def _register_all() -> None:
+    for name, info in catalog().items():
+        if name in EXCLUDED:
+            continue
+        register(f"rg/{name}", factory=functools.partial(ReasoningGymEnv, name),
+                 family="rg", description=info.get("description", ""))
+
+
+_register_all()
