@@ -1,0 +1,103 @@
+"""Shared helpers for the sharded layouts: uneven splits, process-group meshes, RMSNorm as a
+function, and the expert partial product used by TSP and TP (experts sliced along their
+intermediate dim)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from train.model.modeling import grouped_mm
+
+
+def split_sizes(n: int, D: int) -> list[int]:
+    """Sizes of D nearly equal parts of n (the first n % D parts are one larger)."""
+    return [n // D + (1 if i < n % D else 0) for i in range(D)]
+
+
+def split_range(n: int, D: int, j: int) -> tuple[int, int]:
+    """(offset, size) of part j of n split in D."""
+    sizes = split_sizes(n, D)
+    return sum(sizes[:j]), sizes[j]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Same arithmetic as :class:`train.model.modeling.RMSNorm` (fp32 statistics)."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def expert_partial(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor,
+                   down: torch.Tensor) -> torch.Tensor:
+    """The MoE output contributed by one slice of every expert's intermediate dim.
+
+    x [N, H]; w, idx [N, k] (routing weights, expert ids); gate_up [E, 2*Ij, H] (gate rows then up
+    rows of the slice); down [E, H, Ij]. Summing over slices gives the full experts' output,
+    because silu(g) * u is elementwise in the intermediate dim and down_proj sums over it."""
+    E, two_i, _ = gate_up.shape
+    inter = two_i // 2
+    k = idx.shape[1]
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token = order // k
+    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    h = grouped_mm(x[token], gate_up.transpose(1, 2), offs)
+    a = F.silu(h[:, :inter]) * h[:, inter:]
+    y = grouped_mm(a.contiguous(), down.transpose(1, 2), offs)
+    y = y * w.reshape(-1)[order].unsqueeze(1).to(y.dtype)
+    return torch.zeros_like(x).index_add_(0, token, y)
+
+
+def expert_slice(gate_up: torch.Tensor, down: torch.Tensor, off: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slice [off, off+size) of every expert's intermediate dim from full stacked weights."""
+    inter = down.shape[-1]
+    gu = torch.cat([gate_up[:, off:off + size], gate_up[:, inter + off:inter + off + size]], 1)
+    return gu, down[:, :, off:off + size]
+
+
+def join_gate_up(gate_ups: list[torch.Tensor]) -> torch.Tensor:
+    """Full stacked ``gate_up_proj`` from the slices made by :func:`expert_slice`, in order
+    (``down_proj`` slices simply concatenate along dim 2)."""
+    gates = [g[:, :g.shape[1] // 2] for g in gate_ups]
+    ups = [g[:, g.shape[1] // 2:] for g in gate_ups]
+    return torch.cat(gates + ups, 1)
+
+
+def make_mesh(dp: int, tp: int):
+    """Process groups of a dp x tp mesh over the default group (rank = d * tp + t): returns
+    (this rank's model-parallel group, this rank's data-parallel group). Every rank creates every
+    group, in the same order, as ``new_group`` requires."""
+    world = dist.get_world_size()
+    if dp * tp != world:
+        raise ValueError(f"mesh {dp} x {tp} does not match world size {world}")
+    rank = dist.get_rank()
+    mp_group = dp_group = None
+    for d in range(dp):
+        g = dist.new_group([d * tp + t for t in range(tp)])
+        if rank // tp == d:
+            mp_group = g
+    for t in range(tp):
+        g = dist.new_group([d * tp + t for d in range(dp)])
+        if rank % tp == t:
+            dp_group = g
+    return mp_group, dp_group
+
+
+def all_reduce_grads(params, group, divide: int = 1) -> None:
+    """SUM all-reduce of the gradients of ``params`` over ``group`` in one flat bucket, then /divide."""
+    from train.parallel.comm import all_reduce_raw
+
+    params = [p for p in params if p.grad is not None]
+    if not params or dist.get_world_size(group) == 1:
+        return
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    all_reduce_raw(flat, group, "all_reduce.grad")
+    if divide != 1:
+        flat /= divide
+    off = 0
+    for p in params:
+        n = p.numel()
+        p.grad.copy_(flat[off:off + n].view_as(p.grad))
+        off += n

@@ -1,0 +1,373 @@
+"""TSP: tensor and sequence parallelism folded onto one device axis of size D.
+
+Each rank holds 1/D of every layer's weights and 1/D of the tokens.
+
+Tokens: zigzag partition. The sequence (padded at the END to a multiple of 2D; the padding sits
+after every real token, so the causal mask already hides it from real queries and its outputs are
+dropped) is cut into 2D chunks of c tokens; rank r holds chunks r and 2D-1-r. Positions stay
+global (RoPE, causal mask), so a rank's early chunk attends to few keys and its late chunk to
+many: every rank does the same attention work, c^2 (2D+1) query-key pairs per head.
+
+Weights:
+* Attention: query heads in D groups (``num_attention_heads % D == 0``); rank j owns group j's
+  q_proj rows and o_proj columns. KV heads: with ``num_key_value_heads >= D`` (a multiple of
+  D) rank j owns its group's kv heads; with fewer (D a multiple of them) kv head h is owned by
+  the first rank whose group uses it, and the other groups receive it from that owner.
+  For each group j the bundles are broadcast (:func:`comm.broadcast_apply`), every rank projects
+  its own tokens, K/V are all-gathered along the sequence (zigzag order restored to global
+  order), local queries attend, and the matching o_proj shard's output is accumulated locally.
+* Dense MLP: rank j owns a slice of the intermediate dim (gate/up rows, down columns); the
+  slices travel around a ring (:func:`comm.ring_apply`) and partial outputs are summed locally.
+* MoE experts: sliced the same way - rank j owns a slice of EVERY expert's intermediate dim (not
+  whole experts). Routing is decided locally for local tokens, every rank runs every expert on
+  its own tokens, the load is balanced whatever the router does, and no token all-to-all is
+  needed; the grouped GEMMs keep their shape with intermediate I/D.
+* Embedding and LM head: vocab-sharded (rows), also circulated on the ring; the LM head ring
+  concatenates the shards' logits so each rank gets full-vocabulary fp32 logits for its tokens.
+  Tied embeddings use the same shard for both.
+* Replicated (small): RMSNorm weights (input/post-attention/final, q_norm, k_norm) and MoE
+  routers. Each rank's gradient covers only its tokens, so :meth:`TSPCausalLM.sync_grads`
+  all-reduces them with SUM.
+
+The loss is partitioned: each rank's loss covers its own tokens, normalised by the GLOBAL count,
+so the ranks' losses sum to the single-process loss and every backward collective matches.
+Weight-streaming functions save only their inputs and recompute per-shard partials in backward
+(the shards are streamed again), so no rank ever holds more than two shards of a layer at once.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from train.model.config import ModelConfig
+from train.model.modeling import CausalLM, Router, apply_rope, rope_cos_sin
+from train.parallel import comm
+from train.parallel.shard import (all_reduce_grads, expert_partial, expert_slice, join_gate_up, rms_norm,
+                                  split_range, split_sizes)
+
+
+def zigzag_index(T: int, D: int, r: int) -> tuple[int, torch.Tensor]:
+    """(padded length, global slots held by rank r): chunks r and 2D-1-r of size ceil(T/2D)."""
+    c = -(-T // (2 * D))
+    a, b = r, 2 * D - 1 - r
+    return 2 * D * c, torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])
+
+
+def check_tsp_config(cfg: ModelConfig, D: int) -> None:
+    if cfg.attention_bias:
+        raise ValueError("TSP does not support attention_bias=True")
+    if cfg.num_attention_heads % D:
+        raise ValueError(f"TSP needs num_attention_heads ({cfg.num_attention_heads}) divisible by D={D}")
+    kv = cfg.num_key_value_heads
+    if kv % D and D % kv:
+        raise ValueError(f"TSP needs num_key_value_heads ({kv}) to be a multiple or a divisor of D={D}")
+
+
+class TSPCausalLM(nn.Module):
+    """The policy sharded over ``group`` (size D) in the TSP layout, built from a full
+    :class:`CausalLM` (its weights are copied; only this rank's shards are kept).
+
+    ``dp_group`` (optional) is the data-parallel axis of a 2D mesh: :meth:`sync_grads` also
+    sums gradients over it and divides by its size."""
+
+    def __init__(self, model: CausalLM, group=None, dp_group=None):
+        super().__init__()
+        cfg = model.config
+        self.config, self.group, self.dp_group = cfg, group, dp_group
+        self.D, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        D, r = self.D, self.rank
+        check_tsp_config(cfg, D)
+        d, H = cfg.head_dim, cfg.hidden_size
+        self.hq = cfg.num_attention_heads // D
+        self.kvh = max(cfg.num_key_value_heads // D, 1)
+        self.kinds: dict[str, str] = {}
+        self._p: dict[str, nn.Parameter] = {}
+        full = {k: v.detach() for k, v in model.state_dict().items()}
+
+        def add(name: str, value: torch.Tensor, kind: str):
+            p = nn.Parameter(value.detach().clone().contiguous())
+            self.register_parameter(name.replace(".", "__"), p)
+            self._p[name], self.kinds[name] = p, kind
+
+        V = cfg.vocab_size
+        vo, vn = split_range(V, D, r)
+        add("model.embed_tokens.weight", full["model.embed_tokens.weight"][vo:vo + vn], "row")
+        if not cfg.tie_word_embeddings:
+            add("lm_head.weight", full["lm_head.weight"][vo:vo + vn], "row")
+        add("model.norm.weight", full["model.norm.weight"], "rep")
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            for n in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
+                add(p + n + ".weight", full[p + n + ".weight"], "rep")
+            rows = slice(r * self.hq * d, (r + 1) * self.hq * d)
+            add(p + "self_attn.q_proj.weight", full[p + "self_attn.q_proj.weight"][rows], "row")
+            add(p + "self_attn.o_proj.weight", full[p + "self_attn.o_proj.weight"][:, rows], "col")
+            kv = self._own_kv_heads(r)
+            kv_rows = slice(kv[0] * d, kv[1] * d)
+            add(p + "self_attn.k_proj.weight", full[p + "self_attn.k_proj.weight"][kv_rows], "row")
+            add(p + "self_attn.v_proj.weight", full[p + "self_attn.v_proj.weight"][kv_rows], "row")
+            if cfg.layer_is_moe(i):
+                add(p + "mlp.gate.weight", full[p + "mlp.gate.weight"], "rep")
+                io, isz = split_range(cfg.moe_intermediate_size, D, r)
+                gu, dn = expert_slice(full[p + "mlp.experts.gate_up_proj"], full[p + "mlp.experts.down_proj"], io, isz)
+                add(p + "mlp.experts.gate_up_proj", gu, "expert_gate_up")
+                add(p + "mlp.experts.down_proj", dn, "expert_down")
+            else:
+                io, isz = split_range(cfg.intermediate_size, D, r)
+                for n in ("gate_proj", "up_proj"):
+                    add(p + f"mlp.{n}.weight", full[p + f"mlp.{n}.weight"][io:io + isz], "row")
+                add(p + "mlp.down_proj.weight", full[p + "mlp.down_proj.weight"][:, io:io + isz], "col")
+        self._routers = {}
+        for i in range(cfg.num_hidden_layers):
+            if cfg.layer_is_moe(i):
+                router = Router(cfg)
+                router.weight = self._p[f"model.layers.{i}.mlp.gate.weight"]
+                self._routers[i] = router
+
+    # ---------------------------------------------------------------------------- layout
+    def _kv_owner(self, j: int) -> int:
+        """Rank that owns (and broadcasts) the kv heads used by query group j."""
+        kv = self.config.num_key_value_heads
+        return j if kv >= self.D else (j // (self.D // kv)) * (self.D // kv)
+
+    def _own_kv_heads(self, r: int) -> tuple[int, int]:
+        kv = self.config.num_key_value_heads
+        if kv >= self.D:
+            return r * self.kvh, (r + 1) * self.kvh
+        if self._kv_owner(r) != r:
+            return 0, 0
+        h = r // (self.D // kv)
+        return h, h + 1
+
+    def param(self, name: str) -> nn.Parameter:
+        return self._p[name]
+
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        return [self._p[n] for n, k in self.kinds.items() if k == "rep"]
+
+    def local_slots(self, T: int) -> torch.Tensor:
+        """Global positions of this rank's tokens for a length-T sequence (values >= T are padding)."""
+        return zigzag_index(T, self.D, self.rank)[1]
+
+    # ---------------------------------------------------------------------------- forward
+    def _vocab_shapes(self, j: int) -> list[tuple]:
+        return [(split_sizes(self.config.vocab_size, self.D)[j], self.config.hidden_size)]
+
+    def _embed_fn(self, ids, j, w):
+        off, n = split_range(self.config.vocab_size, self.D, j)
+        inside = (ids >= off) & (ids < off + n)
+        return F.embedding((ids - off).clamp(0, n - 1), w) * inside.unsqueeze(-1).to(w.dtype)
+
+    @staticmethod
+    def _head_fn(h, j, w):
+        return F.linear(h.float(), w.float())
+
+    def _mlp_shapes(self, j: int) -> list[tuple]:
+        H, n = self.config.hidden_size, split_sizes(self.config.intermediate_size, self.D)[j]
+        return [(n, H), (n, H), (H, n)]
+
+    @staticmethod
+    def _mlp_fn(x, j, g, u, dn):
+        return F.linear(F.silu(F.linear(x, g)) * F.linear(x, u), dn)
+
+    def _expert_shapes(self, j: int) -> list[tuple]:
+        c = self.config
+        n = split_sizes(c.moe_intermediate_size, self.D)[j]
+        return [(c.num_experts, 2 * n, c.hidden_size), (c.num_experts, c.hidden_size, n)]
+
+    @staticmethod
+    def _expert_fn(x, w, idx, j, gu, dn):
+        return expert_partial(x, w, idx, gu, dn)
+
+    def _attn_fn(self, x, cos, sin, qn, kn, key_valid, q_slots, order, wq, wo, wk, wv):
+        """One query-head group: project local tokens, gather K/V, attend, project out."""
+        cfg, B, n = self.config, x.shape[0], x.shape[1]
+        d, hq, kvh = cfg.head_dim, self.hq, self.kvh
+        eps = cfg.rms_norm_eps
+        q = rms_norm(F.linear(x, wq).view(B, n, hq, d), qn, eps).transpose(1, 2)
+        k = rms_norm(F.linear(x, wk).view(B, n, kvh, d), kn, eps).transpose(1, 2)
+        v = F.linear(x, wv).view(B, n, kvh, d).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kv = torch.stack([k, v]).permute(3, 0, 1, 2, 4).contiguous()  # [n, 2, B, kvh, d]
+        full = comm.all_gather_seq(kv, self.group)[order]  # global slot order
+        K, Vv = full[:, 0].permute(1, 2, 0, 3), full[:, 1].permute(1, 2, 0, 3)  # [B, kvh, Tp, d]
+        if hq != kvh:
+            K, Vv = K.repeat_interleave(hq // kvh, 1), Vv.repeat_interleave(hq // kvh, 1)
+        c = n // 2
+        outs = []
+        for half in range(2):
+            qs = q_slots[half * c:(half + 1) * c]
+            end = int(qs[-1]) + 1  # keys beyond the chunk's last slot are all in the future
+            ks = torch.arange(end, device=x.device)
+            m = (ks[None, :] <= qs[:, None])[None]
+            if key_valid is not None:
+                m = m & key_valid[:, None, :end]
+            m = (m | (ks[None, :] == qs[:, None])[None])[:, None]
+            outs.append(F.scaled_dot_product_attention(q[:, :, half * c:(half + 1) * c], K[:, :, :end],
+                                                       Vv[:, :, :end], attn_mask=m))
+        o = torch.cat(outs, 2).transpose(1, 2).reshape(B, n, hq * d)
+        return F.linear(o, wo)
+
+    def _attention(self, i, x, cos, sin, key_valid, q_slots, order):
+        p, r, d, H = f"model.layers.{i}.self_attn.", self.rank, self.config.head_dim, self.config.hidden_size
+        qo_shapes = [(self.hq * d, H), (H, self.hq * d)]
+        kv_shapes = [(self.kvh * d, H), (self.kvh * d, H)]
+        qn, kn = self._p[p + "q_norm.weight"], self._p[p + "k_norm.weight"]
+        out = None
+        for j in range(self.D):
+            src = self._kv_owner(j)
+            bundles = [(j, qo_shapes, [self._p[p + "q_proj.weight"], self._p[p + "o_proj.weight"]] if r == j else []),
+                       (src, kv_shapes, [self._p[p + "k_proj.weight"], self._p[p + "v_proj.weight"]] if r == src else [])]
+            y = comm.broadcast_apply(self._attn_fn, (x, cos, sin, qn, kn, key_valid, q_slots, order), bundles,
+                                     self.group)
+            out = y if out is None else out + y
+        return out
+
+    def _mlp(self, i, x, replay):
+        p = f"model.layers.{i}.mlp."
+        if i not in self._routers:
+            own = [self._p[p + n + ".weight"] for n in ("gate_proj", "up_proj", "down_proj")]
+            return comm.ring_apply(self._mlp_fn, (x,), own, self.group, self._mlp_shapes)
+        B, n, H = x.shape
+        flat = x.reshape(-1, H)
+        _, w, idx = self._routers[i](flat, replay)
+        own = [self._p[p + "experts.gate_up_proj"], self._p[p + "experts.down_proj"]]
+        y = comm.ring_apply(self._expert_fn, (flat, w, idx), own, self.group, self._expert_shapes)
+        return y.view(B, n, H)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                routed_experts: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """fp32 logits [B, n_local, V] of this rank's tokens (global slots: :meth:`local_slots`).
+
+        ``input_ids`` [B, T] and ``attention_mask`` [B, T] (1 = real token; padding anywhere) are
+        the FULL batch, identical on every rank of the group; ``routed_experts`` (per MoE layer,
+        [B, T, k]) replays the expert choice."""
+        cfg, D = self.config, self.D
+        B, T = input_ids.shape
+        Tp, slots = zigzag_index(T, D, self.rank)
+        dev = input_ids.device
+        slots = slots.to(dev)
+        ids = F.pad(input_ids, (0, Tp - T))
+        if attention_mask is not None:
+            key_valid = F.pad(attention_mask.to(torch.bool), (0, Tp - T))
+            pos = (key_valid.long().cumsum(-1) - 1).clamp(min=0)
+            if bool(attention_mask.all()):
+                key_valid = None
+        else:
+            key_valid, pos = None, torch.arange(Tp, device=dev).expand(B, Tp)
+        order = torch.argsort(torch.cat([zigzag_index(T, D, j)[1] for j in range(D)])).to(dev)
+        embed = self._p["model.embed_tokens.weight"]
+        with comm.tag("embed"):
+            x = comm.ring_apply(self._embed_fn, (ids[:, slots],), [embed], self.group, self._vocab_shapes)
+        cos, sin = rope_cos_sin(pos[:, slots], cfg.head_dim, cfg.rope_theta, x.dtype)
+        moe_i = 0
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            with comm.tag(f"layer{i}.attn"):
+                h = rms_norm(x, self._p[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+                x = x + self._attention(i, h, cos, sin, key_valid, slots, order)
+            with comm.tag(f"layer{i}.mlp"):
+                h = rms_norm(x, self._p[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+                replay = None
+                if i in self._routers and routed_experts is not None:
+                    full = F.pad(routed_experts[moe_i], (0, 0, 0, Tp - T))
+                    replay = full[:, slots].reshape(B * len(slots), -1)
+                moe_i += int(i in self._routers)
+                x = x + self._mlp(i, h, replay)
+        h = rms_norm(x, self._p["model.norm.weight"], cfg.rms_norm_eps)
+        head = embed if cfg.tie_word_embeddings else self._p["lm_head.weight"]
+        with comm.tag("lm_head"):
+            return comm.ring_apply(self._head_fn, (h,), [head], self.group, self._vocab_shapes, concat=True)
+
+    # ---------------------------------------------------------------------------- losses
+    def token_logprobs(self, input_ids, attention_mask=None, temperature: float = 1.0, routed_experts=None):
+        """Per-token log-probabilities for the RL loss, partitioned like the tokens.
+
+        Returns ``(logp [B, n_local], slots [n_local])``: ``logp[:, i]`` is log p(input_ids[:, s+1]
+        | input_ids[:, :s+1]) for the global slot ``s = slots[i]`` - the same value as
+        ``modeling.token_logprobs(...)[:, s]``. Entries with ``s >= T-1`` are zeros (no next token).
+        A loss built from these must sum over this rank's tokens only, with GLOBAL normalisers, and
+        :meth:`sync_grads` after backward."""
+        B, T = input_ids.shape
+        logits = self(input_ids, attention_mask, routed_experts)
+        if temperature and temperature != 1.0:
+            logits = logits / temperature
+        slots = self.local_slots(T).to(input_ids.device)
+        nxt = F.pad(input_ids, (0, len(slots) * self.D - T + 1))[:, slots + 1]
+        logp = torch.log_softmax(logits, -1).gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
+        return logp * (slots < T - 1).to(logp.dtype), slots
+
+    def sft_loss(self, input_ids, loss_mask=None, attention_mask=None):
+        """Next-token cross-entropy, mean over the GLOBAL number of predicted tokens.
+
+        ``loss_mask`` [B, T] marks the target tokens that count (default: all but the first).
+        Returns this rank's part (the parts sum to the full loss; backward this one)."""
+        B, T = input_ids.shape
+        target = torch.ones_like(input_ids, dtype=torch.bool) if loss_mask is None else loss_mask.to(torch.bool)
+        if attention_mask is not None:
+            target = target & attention_mask.to(torch.bool)
+        target = target.clone()
+        target[:, 0] = False
+        count = target.sum().clamp(min=1)
+        logp, slots = self.token_logprobs(input_ids, attention_mask)
+        valid = F.pad(target, (0, len(slots) * self.D - T + 1))[:, slots + 1]
+        return -(logp * valid).sum() / count
+
+    def sync_grads(self) -> None:
+        """After backward: SUM the replicated parameters' gradients over the TSP group; then, on a
+        2D mesh, SUM every gradient over the data-parallel group and divide by its size."""
+        all_reduce_grads(self.replicated_parameters(), self.group)
+        if self.dp_group is not None:
+            all_reduce_grads(list(self._p.values()), self.dp_group, dist.get_world_size(self.dp_group))
+
+    # ---------------------------------------------------------------------------- gather
+    def shard_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """This rank's shards (or their gradients) under the policy's parameter names."""
+        out = {}
+        for n, p in self._p.items():
+            t = p.grad if grads else p
+            out[n] = (torch.zeros_like(p) if t is None else t).detach().clone()
+        return out
+
+    @staticmethod
+    def assemble(shards: list[dict[str, torch.Tensor]], kinds: dict[str, str]) -> dict[str, torch.Tensor]:
+        """Full parameter tensors (CausalLM state-dict names) from every rank's shards, in rank order."""
+        out = {}
+        for n, kind in kinds.items():
+            parts = [s[n] for s in shards]
+            if kind == "rep":
+                out[n] = parts[0]
+            elif kind == "row":
+                out[n] = torch.cat(parts, 0)
+            elif kind == "col":
+                out[n] = torch.cat(parts, 1)
+            elif kind == "expert_gate_up":
+                out[n] = join_gate_up(parts)
+            elif kind == "expert_down":
+                out[n] = torch.cat(parts, 2)
+            else:
+                raise ValueError(f"unknown shard kind {kind!r}")
+        return out
+
+    def gather_full(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """Every rank gets the full tensors (or gradients); for tests and checkpoints of small models."""
+        shards = [None] * self.D
+        dist.all_gather_object(shards, self.shard_state_dict(grads), group=self.group)
+        return self.assemble(shards, self.kinds)
+
+    def gather_logits(self, local: torch.Tensor, T: int) -> torch.Tensor:
+        """Full-sequence [B, T, ...] tensor from every rank's local [B, n_local, ...] (no gradient)."""
+        with torch.no_grad():
+            full = comm.all_gather_raw(local.transpose(0, 1).contiguous(), self.group, "all_gather.eval")
+            order = torch.argsort(torch.cat([zigzag_index(T, self.D, j)[1] for j in range(self.D)]))
+            return full[order.to(full.device)][:T].transpose(0, 1)
+
+
+def tsp_from_pretrained(path, group=None, dp_group=None, dtype=torch.float32, device="cpu") -> TSPCausalLM:
+    """Load an HF checkpoint and keep this rank's TSP shards."""
+    from train.model.hf_io import load_pretrained
+
+    return TSPCausalLM(load_pretrained(path, dtype=dtype, device=device), group, dp_group)
+
