@@ -199,7 +199,7 @@ class IntAnswer(GymEnv):
 
     def wrong_answers(self, problem):
         a = int(problem.answer)
-        return [str(a + 1), str(a - 1), str(a * 2 + 3), f"{a} or {a + 1}"]
+        return [str(a + 1), str(a - 1), str(a + 10), f"{a} or {a + 1}"]
 
 
 class FracAnswer(GymEnv):
@@ -214,7 +214,7 @@ class FracAnswer(GymEnv):
     def wrong_answers(self, problem):
         a = Fraction(problem.answer)
         return [frac_str(a + Fraction(1, a.denominator + 1)), frac_str(1 - a) if a != Fraction(1, 2) else "1/3",
-                frac_str(a * 2 + 1), f"{a.numerator}//{a.denominator}"]
+                frac_str(a + 2), f"{a.numerator}//{a.denominator}"]
 
 
 class ListAnswer(GymEnv):

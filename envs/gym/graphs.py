@@ -136,8 +136,7 @@ class ShortestPath(_ValidityGraphEnv):
 
     def wrong_answers(self, problem):
         p = problem.answer
-        return [fmt_list(p[:-1]), fmt_list([p[0], p[-1]]) if len(p) > 2 else fmt_list([p[0], p[0], p[-1]]),
-                fmt_list(p[::-1])]
+        return [fmt_list(p[:-1]), fmt_list(p + [p[-2], p[-1]]), fmt_list([p[0], p[0], p[-1]]), fmt_list(p[::-1])]
 
 
 class DSU:
@@ -237,7 +236,8 @@ class GraphColoring(_ValidityGraphEnv):
     def build(self, rng, d):
         n, k = _n(d), 3 + d // 8
         col = [rng.randrange(k) for _ in range(n)]
-        edges = set()
+        col[0], col[1] = 0, 1  # at least two colours, so there is at least one possible edge
+        edges = {(0, 1)}
         for _ in range(n * 4):
             u, v = rng.sample(range(n), 2)
             if col[u] != col[v]:

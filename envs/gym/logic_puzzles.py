@@ -44,7 +44,10 @@ class _GridPuzzle(GymEnv):
         bad = [r[:] for r in ref]
         i, j = next((i, j) for i, r in enumerate(problem.meta["givens"]) for j, g in enumerate(r) if not g)
         bad[i][j] = bad[i][(j + 1) % len(bad[i])]
-        return [fmt_grid(bad), fmt_grid(ref[:-1]), fmt_grid([r[::-1] for r in ref])]
+        swap = [r[:] for r in ref]  # exchange a blank cell with another cell of its row
+        k = next(k for k in range(len(swap[i])) if swap[i][k] != swap[i][j])
+        swap[i][j], swap[i][k] = swap[i][k], swap[i][j]
+        return [fmt_grid(bad), fmt_grid(ref[:-1]), fmt_grid(swap)]
 
 
 def _blank(rng, sol, k):
@@ -255,7 +258,12 @@ class Cryptarithm(GymEnv):
         a = dict(problem.answer)
         ks = sorted(a)
         swapped = dict(a)
-        swapped[ks[0]], swapped[ks[1]] = a[ks[1]], a[ks[0]]
+        for x, y in itertools.combinations(ks, 2):  # a digit swap that breaks the sum
+            cand = dict(a)
+            cand[x], cand[y] = a[y], a[x]
+            if self.grade(problem, cand) < 1:
+                swapped = cand
+                break
         dup = dict(a)
         dup[ks[0]] = a[ks[1]]
         return [self.format_answer(swapped), self.format_answer(dup), self.format_answer({k: a[k] for k in ks[1:]})]
@@ -470,7 +478,7 @@ class SlidingPuzzle(GymEnv):
 
     def wrong_answers(self, problem):
         s = problem.answer
-        return [s[:-1], s[1:] + s[:1] if len(set(s)) > 1 else s + "UD" + "L", s + "X"]
+        return [s[:-1], s + "U", s + "L", s + "X"]  # from the goal, U and L are legal but unsolve it
 
 
 @register("gym/lights_out")
