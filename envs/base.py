@@ -110,6 +110,10 @@ class Environment:
     # Non-empty when no reference response can be produced (e.g. a task graded only by validity,
     # with no oracle answer): the self-check then skips "reference verifies" and reports this reason.
     no_reference_reason: ClassVar[str] = ""
+    # True when arbitrary text can legitimately earn credit (no answer marker; e.g. instruction
+    # following, where "no commas" holds for any comma-free text). Fuzz tests then require only
+    # valid, bounded scores and zero credit for an empty response.
+    free_form: ClassVar[bool] = False
 
     # -- to implement -------------------------------------------------------------------------
     def generate(self, seed: int, difficulty: int) -> Problem:

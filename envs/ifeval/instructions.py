@@ -1,0 +1,310 @@
+"""The 25 IFEval instruction types: how each is phrased in a prompt and how it is checked.
+
+An instruction is a plain dict ``{"type": TYPE, **params}`` (JSON-serialisable, stored in the
+problem). ``describe(spec)`` gives its sentence for the prompt, ``check(spec, response)`` the
+strict verdict, ``check_loose`` IFEval's loose verdict: the instruction holds for any of the
+response, the response without its first line, without its last line, without both, and each of
+these with markdown ``*`` removed.
+
+Counting conventions (shared by the checker and the reference-response builder): words are
+``\\w+`` runs; sentences end at ``.``, ``!`` or ``?`` followed by space or at a line break;
+keywords match whole words, case-insensitively; "less than N" means ``count < N`` and "at least
+N" means ``count >= N``.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Callable
+
+from envs.ifeval.lang import LANGUAGE_NAMES, detect_language
+
+__all__ = ["INSTRUCTIONS", "describe", "check", "check_loose", "count_words", "count_sentences",
+           "count_keyword", "count_capital_words", "count_placeholders", "count_highlights",
+           "count_bullets", "RELATIONS"]
+
+RELATIONS = ("less than", "at least")
+
+# -- counters ----------------------------------------------------------------------------------
+_WORD_RE = re.compile(r"\w+")
+_SENT_SPLIT = re.compile(r"(?<=[.!?])\s+|\n+")
+
+
+def count_words(text: str) -> int:
+    return sum(1 for _ in _WORD_RE.finditer(text))
+
+
+def count_sentences(text: str) -> int:
+    return sum(1 for piece in _SENT_SPLIT.split(text) if _WORD_RE.search(piece))
+
+
+def count_keyword(text: str, word: str) -> int:
+    return len(re.findall(r"\b" + re.escape(word) + r"\b", text, flags=re.IGNORECASE))
+
+
+def count_capital_words(text: str) -> int:
+    return sum(1 for w in _WORD_RE.findall(text) if w.isupper())
+
+
+def count_placeholders(text: str) -> int:
+    return len(re.findall(r"\[[^\[\]\n]*?\]", text))
+
+
+def count_highlights(text: str) -> int:
+    n = sum(1 for h in re.findall(r"\*[^\n\*]*\*", text) if h.strip("*").strip())
+    n += sum(1 for h in re.findall(r"\*\*[^\n\*]*\*\*", text) if h.strip("*").strip())
+    return n
+
+
+def count_bullets(text: str) -> int:
+    # IFEval's patterns use ``^\s*``; horizontal space only keeps them linear on huge inputs
+    star = re.findall(r"^[ \t]*\*[^\*\n]", text, flags=re.MULTILINE)
+    dash = re.findall(r"^[ \t]*-", text, flags=re.MULTILINE)
+    return len(star) + len(dash)
+
+
+def divider_paragraphs(text: str) -> int | None:
+    """Paragraphs separated by ``***`` (IFEval's rule: an empty one inside is invalid -> None)."""
+    parts = re.split(r"\s?\*\*\*\s?", text)
+    n = len(parts)
+    for i, p in enumerate(parts):
+        if not p.strip():
+            if i in (0, len(parts) - 1):
+                n -= 1
+            else:
+                return None
+    return n
+
+
+def blank_line_paragraphs(text: str) -> list[str]:
+    return [p for p in re.split(r"\n\s*\n", text) if p.strip()]
+
+
+def _compare(count: int, relation: str, n: int) -> bool:
+    return count < n if relation == "less than" else count >= n
+
+
+def _first_word(paragraph: str) -> str:
+    words = paragraph.strip().split()
+    return words[0].strip("\"'.,;:!?*()[]<>").lower() if words else ""
+
+
+# -- instruction types: (describe, check) ------------------------------------------------------
+def _keywords_existence(s):
+    words = ", ".join(s["keywords"])
+    return (f"Include the keywords {words} in the response.",
+            lambda r: all(count_keyword(r, k) > 0 for k in s["keywords"]))
+
+
+def _keyword_frequency(s):
+    return (f"In your response, the word {s['keyword']} should appear {s['relation']} {s['n']} times.",
+            lambda r: _compare(count_keyword(r, s["keyword"]), s["relation"], s["n"]))
+
+
+def _forbidden_words(s):
+    return (f"Do not include the keywords {', '.join(s['words'])} in the response.",
+            lambda r: not any(count_keyword(r, w) for w in s["words"]))
+
+
+def _letter_frequency(s):
+    return (f"In your response, the letter {s['letter']} should appear {s['relation']} {s['n']} times.",
+            lambda r: _compare(r.lower().count(s["letter"].lower()), s["relation"], s["n"]))
+
+
+def _response_language(s):
+    name = LANGUAGE_NAMES.get(s["language"], s["language"])
+    return (f"Your ENTIRE response should be in {name} language, no other language is allowed.",
+            lambda r: detect_language(r) == s["language"])
+
+
+def _number_sentences(s):
+    return (f"Your response should contain {s['relation']} {s['n']} sentences.",
+            lambda r: _compare(count_sentences(r), s["relation"], s["n"]))
+
+
+def _number_paragraphs(s):
+    return (f"There should be {s['n']} paragraphs. Paragraphs are separated with the markdown divider: ***",
+            lambda r: divider_paragraphs(r) == s["n"])
+
+
+def _number_words(s):
+    return (f"Answer with {s['relation']} {s['n']} words.",
+            lambda r: _compare(count_words(r), s["relation"], s["n"]))
+
+
+def _nth_paragraph_first_word(s):
+    def ok(r):
+        paras = blank_line_paragraphs(r)
+        return len(paras) == s["n"] and s["nth"] <= len(paras) and _first_word(paras[s["nth"] - 1]) == s["word"].lower()
+    return (f"There should be {s['n']} paragraphs. Paragraphs and only paragraphs are separated with each other "
+            f"by two new lines as if it was '\\n\\n' in python. Paragraph {s['nth']} must start with word {s['word']}.", ok)
+
+
+def _number_placeholders(s):
+    return (f"The response must contain at least {s['n']} placeholders represented by square brackets, such as [address].",
+            lambda r: count_placeholders(r) >= s["n"])
+
+
+def _postscript(s):
+    marker = s["marker"]
+    # IFEval: re.findall(r"\s*p\.\s?s\..*$", ...) is non-empty iff the core pattern occurs
+    pat = re.compile(r"p\.\s?p\.\s?s" if marker == "P.P.S" else r"p\.\s?s\.")
+    return (f"At the end of your response, please explicitly add a postscript starting with {marker}",
+            lambda r: pat.search(r.lower()) is not None)
+
+
+def _number_bullet_lists(s):
+    return (f"Your answer must contain exactly {s['n']} bullet points. Use the markdown bullet points such as:\n"
+            f"* This is point 1.\n* This is point 2",
+            lambda r: count_bullets(r) == s["n"])
+
+
+CONSTRAINED_OPTIONS = ("My answer is yes.", "My answer is no.", "My answer is maybe.")
+
+
+def _constrained_response(s):
+    return (f"Answer with one of the following options: {', '.join(repr(o) for o in CONSTRAINED_OPTIONS)}",
+            lambda r: any(o in r.strip() for o in CONSTRAINED_OPTIONS))
+
+
+def _number_highlighted_sections(s):
+    return (f"Highlight at least {s['n']} sections in your answer with markdown, i.e. *highlighted section*.",
+            lambda r: count_highlights(r) >= s["n"])
+
+
+def _multiple_sections(s):
+    sp = s["splitter"]
+    return (f"Your response must have {s['n']} sections. Mark the beginning of each section with {sp} X, such as:\n"
+            f"{sp} 1\n[content of section 1]\n{sp} 2\n[content of section 2]",
+            lambda r: len(re.split(r"\s?" + re.escape(sp) + r"\s?\d+\s?", r)) - 1 >= s["n"])
+
+
+def _json_format(s):
+    def ok(r):
+        v = r.strip()
+        for fence in ("```json", "```Json", "```JSON", "```"):
+            if v.startswith(fence):
+                v = v[len(fence):]
+                break
+        v = v.strip()
+        if v.endswith("```"):
+            v = v[:-3]
+        try:
+            json.loads(v)
+        except ValueError:
+            return False
+        return True
+    return ("Entire output should be wrapped in JSON format. You can use markdown ticks such as ```.", ok)
+
+
+def _title(s):
+    return ("Your answer must contain a title, wrapped in double angular brackets, such as <<poem of joy>>.",
+            lambda r: any(t.strip() for t in re.findall(r"<<([^\n<>]+)>>", r)))
+
+
+def _two_responses(s):
+    def ok(r):
+        parts = r.split("******")
+        if len(parts) != 2:
+            return False
+        a, b = parts[0].strip(), parts[1].strip()
+        return bool(a) and bool(b) and a != b
+    return ("Give two different responses. Responses and only responses should be separated by 6 asterisk "
+            "symbols: ******.", ok)
+
+
+def _repeat_prompt(s):
+    return ("First repeat the request word for word without change, then give your answer (1. do not say any words "
+            "or characters before repeating the request; 2. the request you need to repeat does not include this "
+            "sentence)",
+            lambda r: r.strip().lower().startswith(s["prompt_to_repeat"].strip().lower()))
+
+
+def _end_checker(s):
+    return (f"Finish your response with this exact phrase {s['end_phrase']}. No other words should follow this phrase.",
+            lambda r: r.strip().strip('"').lower().endswith(s["end_phrase"].strip().lower()))
+
+
+def _capital_word_frequency(s):
+    return (f"In your response, words with all capital letters should appear {s['relation']} {s['n']} times.",
+            lambda r: _compare(count_capital_words(r), s["relation"], s["n"]))
+
+
+def _english_capital(s):
+    return ("Your entire response should be in English, and in all capital letters.",
+            lambda r: r.isupper() and detect_language(r) == "en")
+
+
+def _english_lowercase(s):
+    return ("Your entire response should be in English, and in all lowercase letters. No capital letters are allowed.",
+            lambda r: r.islower() and detect_language(r) == "en")
+
+
+def _no_comma(s):
+    return ("In your entire response, refrain from the use of any commas.", lambda r: "," not in r)
+
+
+def _quotation(s):
+    return ("Wrap your entire response with double quotation marks.",
+            lambda r: len(r.strip()) > 1 and r.strip()[0] == '"' and r.strip()[-1] == '"')
+
+
+INSTRUCTIONS: dict[str, Callable[[dict], tuple[str, Callable[[str], bool]]]] = {
+    "keywords:existence": _keywords_existence,
+    "keywords:frequency": _keyword_frequency,
+    "keywords:forbidden_words": _forbidden_words,
+    "keywords:letter_frequency": _letter_frequency,
+    "language:response_language": _response_language,
+    "length_constraints:number_sentences": _number_sentences,
+    "length_constraints:number_paragraphs": _number_paragraphs,
+    "length_constraints:number_words": _number_words,
+    "length_constraints:nth_paragraph_first_word": _nth_paragraph_first_word,
+    "detectable_content:number_placeholders": _number_placeholders,
+    "detectable_content:postscript": _postscript,
+    "detectable_format:number_bullet_lists": _number_bullet_lists,
+    "detectable_format:constrained_response": _constrained_response,
+    "detectable_format:number_highlighted_sections": _number_highlighted_sections,
+    "detectable_format:multiple_sections": _multiple_sections,
+    "detectable_format:json_format": _json_format,
+    "detectable_format:title": _title,
+    "combination:two_responses": _two_responses,
+    "combination:repeat_prompt": _repeat_prompt,
+    "startend:end_checker": _end_checker,
+    "change_case:capital_word_frequency": _capital_word_frequency,
+    "change_case:english_capital": _english_capital,
+    "change_case:english_lowercase": _english_lowercase,
+    "punctuation:no_comma": _no_comma,
+    "startend:quotation": _quotation,
+}
+
+
+def _get(spec: dict):
+    t = spec.get("type")
+    if t not in INSTRUCTIONS:
+        raise ValueError(f"unknown IFEval instruction type {t!r}; choose from {', '.join(INSTRUCTIONS)}")
+    return INSTRUCTIONS[t](spec)
+
+
+def describe(spec: dict) -> str:
+    return _get(spec)[0]
+
+
+def check(spec: dict, response: str) -> bool:
+    """Strict verdict: the instruction holds for the response as given."""
+    if not isinstance(response, str) or not response.strip():
+        return False
+    return bool(_get(spec)[1](response))
+
+
+def loose_variants(response: str) -> list[str]:
+    lines = response.split("\n")
+    base = [response, "\n".join(lines[1:]).strip(), "\n".join(lines[:-1]).strip(), "\n".join(lines[1:-1]).strip()]
+    return base + [v.replace("*", "") for v in base]
+
+
+def check_loose(spec: dict, response: str) -> bool:
+    """Loose verdict (IFEval): the instruction holds for some variant of the response."""
+    if not isinstance(response, str) or not response.strip():
+        return False
+    fn = _get(spec)[1]
+    return any(v.strip() and fn(v) for v in loose_variants(response))
