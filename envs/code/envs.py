@@ -1,0 +1,406 @@
+"""The code environments of ZAYA1 stage 3, built from competitive-programming seeds.
+
+- ``code/solve``: write a program; judged on the problem's tests (reward: all-or-nothing by
+  default, or the fraction passed with ``reward="fraction"``; correct = every test passes).
+- ``code/io_predict`` (CodeI/O): predict the exact output of the reference program on an input.
+- ``code/io_propose`` (CodeI/O, inverse): propose an input on which the reference program prints
+  a given output; checked by the input validator and by running the reference.
+- ``code/arc`` (CodeARC): the statement is hidden; infer the program from the input format and a
+  few examples; judged on held-out tests only.
+- ``code/falsify``: find a valid input on which a given wrong program's output differs from the
+  reference's; checked by the validator and by running both.
+
+Answers: programs in a fenced ```python block (the last one counts); inputs and outputs inside
+``\\boxed{...}`` (line breaks kept; whitespace is not graded). Every program runs in the sandbox
+(:mod:`envs.code.sandbox`), which refuses to run without its isolation layers unless the config
+allows a weaker one.
+
+Seeds: the built-in set (:mod:`envs.code.seeds`) plus any JSONL file of the same schema
+(``get_env("code/solve", seeds_path="more.jsonl")``; ``include_builtin=False`` to use only the
+file). ``generate(seed, difficulty)`` picks deterministically among the seeds of tier
+``clamp(difficulty, 1, 3)``; for the I/O tasks a higher difficulty also picks larger inputs.
+"""
+from __future__ import annotations
+
+import re
+import threading
+from typing import Any
+
+from envs.base import Environment, Problem, Score, last_boxed, register, strip_think
+from envs.code.judge import Judge, TestCase, compare_output
+from envs.code.sandbox import SandboxConfig, default_sandbox
+from envs.code.seeds import Seed, builtin_seeds, load_seeds
+
+__all__ = ["CodeEnv", "SolveEnv", "IOPredictEnv", "IOProposeEnv", "ARCEnv", "FalsifyEnv", "extract_code"]
+
+_FENCE = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+CODE_INSTRUCTION = ("Write a complete Python 3 program (standard library only) that reads standard input and "
+                    "writes standard output. Put the program in a ```python fenced code block; the last "
+                    "such block in your answer is graded.")
+MAX_ANSWER_CHARS = 20000   # proposed inputs longer than this are rejected unrun
+SHOWN_CHARS = 400          # tests longer than this are never shown in a prompt
+
+
+def extract_code(text: str) -> str | None:
+    """The last ```python fenced block after any thinking, or None."""
+    if not isinstance(text, str):
+        return None
+    blocks = _FENCE.findall(strip_think(text))
+    return blocks[-1] if blocks else None
+
+
+def _fence(text: str, lang: str = "") -> str:
+    return f"```{lang}\n{text.rstrip()}\n```"
+
+
+def trusted_limit(s: Seed) -> float:
+    """Time limit for trusted programs (reference, validator, and the candidate in falsify)."""
+    return max(10.0, 4 * s.time_limit)
+
+
+def _as_input(text: str) -> str:
+    return text.strip("\n") + "\n"
+
+
+class CodeEnv(Environment):
+    """Shared machinery: seeds, deterministic picking, the judge. Subclasses set the task."""
+
+    family = "code"
+    max_difficulty = 3
+    verify_time_limit = 60.0
+    instruction = ""
+
+    def __init__(self, seeds_path: str | None = None, *, include_builtin: bool = True,
+                 seeds: list[Seed] | None = None, sandbox: SandboxConfig | None = None,
+                 workers: int | None = None, reward: str = "binary"):
+        if reward not in ("binary", "fraction"):
+            raise ValueError(f"reward must be 'binary' or 'fraction', not {reward!r}")
+        pool: list[Seed] = list(seeds or [])
+        if include_builtin or (not seeds_path and not seeds):
+            pool = builtin_seeds() + pool
+        if seeds_path:
+            pool += load_seeds(seeds_path)
+        ids = [s.id for s in pool]
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        if dup:
+            raise ValueError(f"duplicate seed id(s) {dup} (a loaded seed clashes with a built-in one?)")
+        self.seeds = sorted(pool, key=lambda s: s.id)
+        self.by_id = {s.id: s for s in self.seeds}
+        self.sandbox_config = sandbox or SandboxConfig(time_limit=2.0, memory_mb=512)
+        self.workers = workers
+        self.reward_mode = reward
+        self._judge: Judge | None = None
+        self._lock = threading.Lock()
+        self._failing: dict[tuple[str, int], list[int]] = {}
+
+    # -- shared helpers -----------------------------------------------------------------------
+    @property
+    def judge(self) -> Judge:
+        if self._judge is None:
+            self._judge = Judge(default_sandbox(self.sandbox_config), workers=self.workers)
+        return self._judge
+
+    def tier(self, difficulty: int) -> int:
+        top = max(s.difficulty for s in self.seeds)
+        return min(max(int(difficulty), 1), top)
+
+    def pick(self, seed: int, difficulty: int, usable=None) -> tuple[Seed, Any]:
+        rng = self.rng(seed, difficulty)
+        cands = [s for s in self.seeds if usable is None or usable(s)]
+        if not cands:
+            raise ValueError(f"{self.id}: no seed problem is usable for this task")
+        t = self.tier(difficulty)
+        pool = [s for s in cands if s.difficulty == t] or [s for s in cands if s.difficulty <= t] or cands
+        return rng.choice(pool), rng
+
+    def seed_of(self, problem: Problem) -> Seed:
+        sid = problem.meta.get("seed_id")
+        if sid not in self.by_id:
+            raise KeyError(f"problem refers to seed {sid!r}, which this environment does not hold")
+        return self.by_id[sid]
+
+    @staticmethod
+    def shown_tests(seed: Seed) -> list[int]:
+        """Indices of tests small enough to show in a prompt or to ask about."""
+        return [i for i, t in enumerate(seed.tests)
+                if len(t["input"]) <= SHOWN_CHARS and len(t["output"]) <= SHOWN_CHARS
+                and "{" not in t["output"] + t["input"] and "}" not in t["output"] + t["input"]]
+
+    def statement(self, s: Seed, examples: list[int]) -> str:
+        parts = [f"# {s.title}", s.statement]
+        if s.input_spec:
+            parts.append(f"Input: {s.input_spec}")
+        if s.output_spec:
+            parts.append(f"Output: {s.output_spec}")
+        for k, i in enumerate(examples, 1):
+            parts.append(f"Example {k} input:\n{_fence(s.tests[i]['input'])}\nExample {k} output:\n"
+                         f"{_fence(s.tests[i]['output'])}")
+        return "\n\n".join(parts)
+
+    def _grade_program(self, code: str | None, s: Seed, test_ids: list[int]) -> Score:
+        if code is None:
+            return Score.zero("no ```python code block")
+        tests = [s.tests[i] for i in test_ids]
+        binary = self.reward_mode == "binary"
+        judge = self.judge
+        if s.float_tol != judge.float_tol:
+            judge = Judge(judge.sandbox, workers=judge.workers, float_tol=s.float_tol)
+        j = judge.judge(code, tests, stop_on_failure=binary, time_limit=s.time_limit,
+                        total_timeout=self.verify_time_limit * 0.8)
+        ok = j.accepted
+        reward = 1.0 if ok else (0.0 if binary else j.fraction)
+        return Score(reward, ok, True, {"status": j.status, "passed": j.passed, "total": j.total,
+                                        "statuses": [r.status for r in j.results]})
+
+    def failing_tests(self, s: Seed, wi: int) -> list[int]:
+        """Indices of the tests that wrong program ``wi`` of ``s`` fails (run once, then cached)."""
+        key = (s.id, wi)
+        with self._lock:
+            if key in self._failing:
+                return self._failing[key]
+        j = self.judge.judge(s.wrong[wi], s.tests, time_limit=s.time_limit)
+        bad = [r.index for r in j.results if not r.passed]
+        with self._lock:
+            self._failing[key] = bad
+        return bad
+
+    def _run_reference_on(self, s: Seed, text: str, program: str | None = None):
+        # trusted programs get a generous limit: a slow machine must not fail the reference
+        return self.judge.sandbox.run(program or s.reference, _as_input(text), time_limit=trusted_limit(s))
+
+    def _input_valid(self, s: Seed, text: str) -> tuple[bool, str]:
+        if len(text) > MAX_ANSWER_CHARS:
+            return False, f"input longer than {MAX_ANSWER_CHARS} characters"
+        if s.validator is None:
+            return True, ""
+        v = self.judge.sandbox.run(s.validator, _as_input(text), time_limit=trusted_limit(s))
+        return v.status == "ok", ("" if v.status == "ok" else f"input rejected by the validator ({v.status}: {v.stderr.strip()[-120:]})")
+
+
+# ------------------------------------------------------------------------------------------------
+@register("code/solve")
+class SolveEnv(CodeEnv):
+    """Write a program for a competitive-programming problem; judged on its tests."""
+
+    description = "write a program, judged on hidden tests (sandboxed)"
+
+    def generate(self, seed: int, difficulty: int) -> Problem:
+        s, _rng = self.pick(seed, difficulty)
+        shown = self.shown_tests(s)[:2]
+        prompt = (f"{self.statement(s, shown)}\n\nTime limit: {s.time_limit:g} s per test. "
+                  f"Your program is judged on hidden tests.\n\n{CODE_INSTRUCTION}")
+        return self.problem(prompt, s.reference, seed, difficulty, seed_id=s.id)
+
+    def check(self, problem: Problem, response: str) -> Score:
+        s = self.seed_of(problem)
+        return self._grade_program(extract_code(response), s, list(range(len(s.tests))))
+
+    def reference_response(self, problem: Problem) -> str:
+        return f"Here is my solution.\n\n{_fence(problem.answer, 'python')}\n"
+
+    def corruptions(self, problem: Problem) -> list[str]:
+        s = self.seed_of(problem)
+        out = [f"Solution:\n{_fence(w, 'python')}" for w in s.wrong]
+        out.append(_fence("def solve(:\n    pass", "python"))                     # syntax error
+        out.append(f"My solution (forgot the fence):\n{problem.answer}")          # no code block
+        out.append(f"{_fence(problem.answer, 'python')}\nActually, final version:\n{_fence('print(0)', 'python')}")
+        if problem.seed % 3 == 0:                                                 # costs a time limit
+            out.append(_fence("while True:\n    pass", "python"))
+        return out
+
+
+# ------------------------------------------------------------------------------------------------
+class _IOTask(CodeEnv):
+    def pick_test(self, s: Seed, rng, difficulty: int) -> int:
+        shown = sorted(self.shown_tests(s), key=lambda i: (len(s.tests[i]["input"]), i))
+        # higher difficulty: the larger inputs of the seed
+        lo = min(len(shown) - 1, (len(shown) * (self.tier(difficulty) - 1)) // 3)
+        return shown[rng.randrange(lo, len(shown))]
+
+    def usable(self, s: Seed) -> bool:
+        return bool(self.shown_tests(s))
+
+
+@register("code/io_predict")
+class IOPredictEnv(_IOTask):
+    """CodeI/O: predict what a program prints for a given input."""
+
+    description = "predict a program's exact output on an input"
+
+    def generate(self, seed: int, difficulty: int) -> Problem:
+        s, rng = self.pick(seed, difficulty, self.usable)
+        i = self.pick_test(s, rng, difficulty)
+        t = s.tests[i]
+        prompt = (f"What does this Python program print when it is given the input below?\n\n"
+                  f"{_fence(s.reference, 'python')}\n\nInput:\n{_fence(t['input'])}\n\n"
+                  "Reason it through, then give the complete output within \\boxed{}, line breaks as "
+                  "the program prints them (spacing is not graded).")
+        return self.problem(prompt, t["output"], seed, difficulty, seed_id=s.id, test=i)
+
+    def check(self, problem: Problem, response: str) -> Score:
+        got = self.extract(response)
+        if got is None:
+            return Score.zero("no \\boxed{} answer")
+        ok = compare_output(got, problem.answer, self.seed_of(problem).float_tol)
+        return Score(1.0 if ok else 0.0, ok, True)
+
+    def reference_response(self, problem: Problem) -> str:
+        return f"The program prints\n\\boxed{{{problem.answer}}}"
+
+    def corruptions(self, problem: Problem) -> list[str]:
+        s = self.seed_of(problem)
+        others = {s.tests[i]["output"] for i in self.shown_tests(s)} - {problem.answer}
+        out = ["", "\\boxed{}", f"\\boxed{{{problem.answer} 0}}"]
+        out += [f"\\boxed{{{o}}}" for o in sorted(others)[:1] if not compare_output(o, problem.answer)]
+        return out
+
+
+@register("code/io_propose")
+class IOProposeEnv(_IOTask):
+    """CodeI/O inverse: propose an input on which a program prints a given output."""
+
+    description = "propose an input that makes a program print a given output"
+
+    def generate(self, seed: int, difficulty: int) -> Problem:
+        s, rng = self.pick(seed, difficulty, self.usable)
+        i = self.pick_test(s, rng, difficulty)
+        t = s.tests[i]
+        spec = f"\n\nThe input must follow this format: {s.input_spec}" if s.input_spec else ""
+        prompt = (f"Here is a Python program:\n\n{_fence(s.reference, 'python')}{spec}\n\n"
+                  f"Find an input on which the program prints exactly:\n{_fence(t['output'])}\n\n"
+                  "Give the complete input within \\boxed{}, with its line breaks (it is fed to the "
+                  "program's standard input).")
+        return self.problem(prompt, t["input"], seed, difficulty, seed_id=s.id, test=i,
+                            target=t["output"])
+
+    def check(self, problem: Problem, response: str) -> Score:
+        got = self.extract(response)
+        if got is None:
+            return Score.zero("no \\boxed{} answer")
+        s = self.seed_of(problem)
+        ok, why = self._input_valid(s, got)
+        if not ok:
+            return Score.zero(why, format_ok=True)
+        v = self._run_reference_on(s, got)
+        if v.status != "ok":
+            return Score.zero(f"the program fails on this input ({v.status})", format_ok=True)
+        hit = compare_output(v.stdout, problem.meta["target"], s.float_tol)
+        return Score(1.0 if hit else 0.0, hit, True, {"printed": v.stdout[:200]})
+
+    def reference_response(self, problem: Problem) -> str:
+        return f"This input works:\n\\boxed{{{problem.answer.rstrip()}}}"
+
+    def corruptions(self, problem: Problem) -> list[str]:
+        s = self.seed_of(problem)
+        target = problem.meta["target"]
+        other = [s.tests[i]["input"] for i in self.shown_tests(s)
+                 if not compare_output(s.tests[i]["output"], target)]
+        out = ["no idea", "\\boxed{ }", "\\boxed{???\n!!!}"]
+        out += [f"\\boxed{{{o.rstrip()}}}" for o in other[:1]]
+        return out
+
+
+# ------------------------------------------------------------------------------------------------
+@register("code/arc")
+class ARCEnv(CodeEnv):
+    """CodeARC: infer a program from the input format and examples; judged on held-out tests."""
+
+    description = "write a program from an input spec and examples, judged on held-out tests"
+
+    def usable(self, s: Seed) -> bool:
+        return len(s.tests) >= 2 and len(self.shown_tests(s)) >= 1
+
+    def generate(self, seed: int, difficulty: int) -> Problem:
+        s, rng = self.pick(seed, difficulty, self.usable)
+        # held out: at least one test that each known wrong program fails (the smallest such)
+        must = set()
+        for wi in range(len(s.wrong)):
+            bad = self.failing_tests(s, wi)
+            if bad:
+                must.add(min(bad, key=lambda i: (len(s.tests[i]["input"]), i)))
+        shown_ok = [i for i in self.shown_tests(s) if i not in must] or self.shown_tests(s)[:1]
+        # easier: more examples; always keep at least one test held out
+        n_show = max(1, min(len(shown_ok), len(s.tests) - 1, 4 - self.tier(difficulty) + 1))
+        order = list(shown_ok)
+        rng.shuffle(order)
+        shown = sorted(order[:n_show])
+        held = [i for i in range(len(s.tests)) if i not in shown]
+        ex = "\n\n".join(f"Example {k} input:\n{_fence(s.tests[i]['input'])}\nExample {k} output:\n"
+                         f"{_fence(s.tests[i]['output'])}" for k, i in enumerate(shown, 1))
+        spec = f"Input format: {s.input_spec}\n\n" if s.input_spec else ""
+        prompt = ("A hidden program transforms its standard input into its standard output. Work out what it "
+                  f"computes from the examples, then write a program that does the same.\n\n{spec}{ex}\n\n"
+                  f"Your program is judged on other, unseen inputs of the same format (time limit "
+                  f"{s.time_limit:g} s each).\n\n{CODE_INSTRUCTION}")
+        return self.problem(prompt, s.reference, seed, difficulty, seed_id=s.id, shown=shown, held_out=held)
+
+    def check(self, problem: Problem, response: str) -> Score:
+        s = self.seed_of(problem)
+        return self._grade_program(extract_code(response), s, list(problem.meta["held_out"]))
+
+    def reference_response(self, problem: Problem) -> str:
+        return _fence(problem.answer, "python")
+
+    def corruptions(self, problem: Problem) -> list[str]:
+        s = self.seed_of(problem)
+        # printing the shown examples' outputs back does not generalise
+        shown = problem.meta["shown"]
+        table = {s.tests[i]["input"]: s.tests[i]["output"] for i in shown}
+        memo = f"import sys\nT = {table!r}\nprint(T.get(sys.stdin.read(), ''))\n"
+        return [_fence(w, "python") for w in s.wrong] + [_fence(memo, "python"), "print(1)"]
+
+
+# ------------------------------------------------------------------------------------------------
+@register("code/falsify")
+class FalsifyEnv(CodeEnv):
+    """Find a valid input on which a candidate program is wrong."""
+
+    description = "find a valid input on which a wrong program's output differs from the reference"
+
+    def _examples(self, s: Seed, wi: int) -> tuple[str | None, str | None]:
+        """(the smallest input the wrong program fails on, the smallest it gets right)."""
+        bad = set(self.failing_tests(s, wi))
+        order = sorted((i for i in range(len(s.tests)) if len(s.tests[i]["input"]) <= MAX_ANSWER_CHARS),
+                       key=lambda i: (len(s.tests[i]["input"]), i))
+        first_bad = next((s.tests[i]["input"] for i in order if i in bad), None)
+        first_good = next((s.tests[i]["input"] for i in order if i not in bad), None)
+        return first_bad, first_good
+
+    def generate(self, seed: int, difficulty: int) -> Problem:
+        s, rng = self.pick(seed, difficulty)
+        wi = rng.randrange(len(s.wrong))
+        bad, _good = self._examples(s, wi)
+        if bad is None:
+            raise ValueError(f"seed {s.id!r}: wrong program {wi} passes every test; it cannot be falsified here")
+        prompt = (f"{self.statement(s, self.shown_tests(s)[:1])}\n\nA candidate solution:\n\n"
+                  f"{_fence(s.wrong[wi], 'python')}\n\nThis program is not correct. Find a valid input (it must "
+                  "follow the input format exactly) on which its output differs from a correct solution's, or on "
+                  "which it crashes or runs out of time. Give the complete input within \\boxed{}, with its line breaks.")
+        return self.problem(prompt, bad, seed, difficulty, seed_id=s.id, wrong=wi)
+
+    def check(self, problem: Problem, response: str) -> Score:
+        got = self.extract(response)
+        if got is None:
+            return Score.zero("no \\boxed{} answer")
+        s = self.seed_of(problem)
+        ok, why = self._input_valid(s, got)
+        if not ok:
+            return Score.zero(why, format_ok=True)
+        ref = self._run_reference_on(s, got)
+        if ref.status != "ok":
+            return Score.zero(f"the reference fails on this input ({ref.status}); not a valid test", format_ok=True)
+        cand = self._run_reference_on(s, got, s.wrong[problem.meta["wrong"]])  # same generous limit
+        differs = cand.status != "ok" or not compare_output(cand.stdout, ref.stdout, s.float_tol)
+        return Score(1.0 if differs else 0.0, differs, True,
+                     {"candidate": cand.status, "expected": ref.stdout[:200], "candidate_output": cand.stdout[:200]})
+
+    def reference_response(self, problem: Problem) -> str:
+        return f"Counterexample:\n\\boxed{{{problem.answer.rstrip()}}}"
+
+    def corruptions(self, problem: Problem) -> list[str]:
+        s = self.seed_of(problem)
+        _bad, good = self._examples(s, problem.meta["wrong"])
+        out = ["", "\\boxed{}", "\\boxed{?-?}"]   # the last one: invalid for any format
+        if good is not None:
+            out.append(f"\\boxed{{{good.rstrip()}}}")   # valid, but the candidate gets it right
+        return out
