@@ -1,0 +1,263 @@
+"""A minimal OpenAI-compatible HTTP server over the torch engine (``cascade serve`` / ``ttc serve``).
+
+Endpoints: ``GET /v1/models``; ``POST /v1/completions`` (prompt as text, token ids, or a list of
+either; n, max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos,
+logprobs); ``POST /v1/chat/completions`` (the checkpoint's chat template); ``POST /tokenize`` and
+``POST /detokenize`` (vLLM-style). Each choice carries ``token_ids`` besides the text, and
+``logprobs.token_logprobs``; ``usage`` counts prompt tokens once per prompt.
+
+A request with ``seed`` samples prompt i exactly as ``engine.generate([prompt_i], seed=seed)``
+(every prompt of a batch request gets that seed, as in vLLM). Requests run one at a time on the
+engine (a lock) from a threading server; the standard library is all it needs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from train.engine.base import ContextLengthError, SamplingParams
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def _params(body: dict, default_max: int = 16) -> SamplingParams:
+    def get(name, default, cast):
+        v = body.get(name)
+        if v is None:
+            return default
+        try:
+            return cast(v)
+        except (TypeError, ValueError):
+            raise BadRequest(f"{name} must be a {cast.__name__}, got {v!r}") from None
+
+    stop = body.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    top_k = get("top_k", 0, int)
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    try:
+        return SamplingParams(n=get("n", 1, int), temperature=get("temperature", 1.0, float), top_p=get("top_p", 1.0, float),
+                              top_k=max(0, top_k), min_p=get("min_p", 0.0, float),
+                              max_tokens=int(max_tokens) if max_tokens is not None else default_max,
+                              stop=[str(s) for s in stop], stop_token_ids=[int(t) for t in body.get("stop_token_ids") or []],
+                              seed=get("seed", None, int), ignore_eos=bool(body.get("ignore_eos", False)))
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+
+
+def _prompts(p) -> list:
+    """OpenAI's prompt forms: str, [int], [str], [[int]]."""
+    if isinstance(p, str):
+        return [p]
+    if isinstance(p, list) and p:
+        if all(isinstance(t, int) for t in p):
+            return [p]
+        if all(isinstance(x, str) for x in p) or all(isinstance(x, list) and x and all(isinstance(t, int) for t in x) for x in p):
+            return list(p)
+    raise BadRequest("prompt must be a string, a list of token ids, or a list of either")
+
+
+class Handler(BaseHTTPRequestHandler):
+    server_version = "cascade-serve/0.1"
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, fmt, *args):  # quiet unless asked
+        if getattr(self.server, "verbose", False):
+            super().log_message(fmt, *args)
+
+    # plumbing
+    def _send(self, code: int, obj: dict) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, code: int, msg: str) -> None:
+        kind = {400: "BadRequestError", 404: "NotFoundError", 401: "AuthenticationError"}.get(code, "InternalServerError")
+        self._send(code, {"error": {"message": msg, "type": kind, "code": code}})
+
+    def _authorized(self) -> bool:
+        key = getattr(self.server, "api_key", None)
+        if key and self.headers.get("Authorization", "") != f"Bearer {key}":
+            self._error(401, "invalid API key")
+            return False
+        return True
+
+    def do_GET(self):
+        if not self._authorized():
+            return
+        if self.path.rstrip("/") == "/v1/models":
+            s = self.server
+            self._send(200, {"object": "list", "data": [{"id": s.model_name, "object": "model", "created": s.created,
+                                                          "owned_by": "cascade", "max_model_len": s.engine.context_length}]})
+        elif self.path.rstrip("/") in ("/health", "/v1/health"):
+            self._send(200, {"status": "ok"})
+        else:
+            self._error(404, f"no route GET {self.path}")
+
+    def do_POST(self):
+        if not self._authorized():
+            return
+        try:
+            n = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(n).decode() or "{}")
+            if not isinstance(body, dict):
+                raise BadRequest("the request body must be a JSON object")
+        except (ValueError, UnicodeDecodeError) as e:
+            return self._error(400, f"invalid JSON body: {e}")
+        route = {"/v1/completions": self.completions, "/v1/chat/completions": self.chat,
+                 "/tokenize": self.tokenize, "/detokenize": self.detokenize}.get(self.path.rstrip("/"))
+        if route is None:
+            return self._error(404, f"no route POST {self.path}")
+        try:
+            self._send(200, route(body))
+        except (BadRequest, ContextLengthError, ValueError) as e:  # bad prompts, ids out of range, ...
+            self._error(400, str(e))
+        except Exception as e:  # noqa: BLE001 - a server answers 500 rather than dying
+            self._error(500, f"{type(e).__name__}: {e}")
+
+    # routes
+    def _model_check(self, body: dict) -> None:
+        m = body.get("model")
+        if m is not None and m != self.server.model_name:
+            raise BadRequest(f"model {m!r} is not served here; this server has {self.server.model_name!r}")
+
+    def _generate(self, prompts: list, params: SamplingParams):
+        eng = self.server.engine
+        ids = eng.encode(prompts)
+        seeds = [params.seed] * len(ids) if params.seed is not None else None
+        with self.server.lock:
+            return ids, eng.generate(ids, params, seeds=seeds)
+
+    def completions(self, body: dict) -> dict:
+        self._model_check(body)
+        params = _params(body)
+        prompt_ids, outs = self._generate(_prompts(body.get("prompt")), params)
+        as_ids = bool(body.get("return_tokens_as_token_ids"))
+        want_lp = body.get("logprobs") is not None and body.get("logprobs") is not False
+        eng = self.server.engine
+        choices = []
+        for i, c in enumerate(outs):
+            ch = {"index": i, "text": c.text, "finish_reason": c.finish_reason, "token_ids": c.token_ids,
+                  "prompt_token_ids": c.prompt_token_ids, "logprobs": None}
+            if want_lp:
+                toks = [f"token_id:{t}" for t in c.token_ids] if as_ids else [eng.decode([t]) for t in c.token_ids]
+                ch["logprobs"] = {"tokens": toks, "token_logprobs": c.logprobs, "top_logprobs": None,
+                                  "text_offset": None}
+            choices.append(ch)
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": self.server.model_name, "choices": choices, "usage": _usage(prompt_ids, outs)}
+
+    def chat(self, body: dict) -> dict:
+        self._model_check(body)
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise BadRequest("messages must be a non-empty list")
+        tok = self.server.engine.tokenizer
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        params = _params(body)
+        prompt_ids, outs = self._generate([ids], params)
+        choices = []
+        for i, c in enumerate(outs):
+            ch = {"index": i, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
+                  "token_ids": c.token_ids}
+            if body.get("logprobs"):
+                eng = self.server.engine
+                ch["logprobs"] = {"content": [{"token": eng.decode([t]), "logprob": lp}
+                                              for t, lp in zip(c.token_ids, c.logprobs)]}
+            choices.append(ch)
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": self.server.model_name, "choices": choices, "usage": _usage(prompt_ids, outs)}
+
+    def tokenize(self, body: dict) -> dict:
+        tok = self.server.engine.tokenizer
+        if "messages" in body:
+            ids = tok.apply_chat_template(body["messages"], add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                                          tokenize=True)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        elif isinstance(body.get("prompt"), str):
+            ids = tok.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
+        else:
+            raise BadRequest("tokenize needs 'prompt' (a string) or 'messages'")
+        return {"tokens": list(ids), "count": len(ids), "max_model_len": self.server.engine.context_length}
+
+    def detokenize(self, body: dict) -> dict:
+        toks = body.get("tokens")
+        if not isinstance(toks, list) or not all(isinstance(t, int) for t in toks):
+            raise BadRequest("detokenize needs 'tokens', a list of token ids")
+        return {"prompt": self.server.engine.decode(toks)}
+
+
+def _usage(prompt_ids: list[list[int]], outs) -> dict:
+    p = sum(len(x) for x in prompt_ids)
+    c = sum(len(o.token_ids) for o in outs)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def make_server(engine, model_name: str = "cascade", host: str = "127.0.0.1", port: int = 0,
+                api_key: str | None = None, handler=Handler, verbose: bool = False) -> ThreadingHTTPServer:
+    """A server bound to (host, port) (port 0: a free one; see ``server.server_address``); call
+    ``serve_forever()`` (e.g. in a thread) and ``shutdown()``."""
+    if engine.tokenizer is None:
+        raise ValueError("the engine has no tokenizer; serve a checkpoint directory with tokenizer files")
+    srv = ThreadingHTTPServer((host, port), handler)
+    srv.daemon_threads = True
+    srv.engine, srv.model_name, srv.api_key, srv.verbose = engine, model_name, api_key, verbose
+    srv.lock = threading.Lock()
+    srv.created = int(time.time())
+    return srv
+
+
+def serve_in_thread(engine, **kw) -> tuple[ThreadingHTTPServer, str]:
+    """Start a server on a background thread; returns (server, base_url)."""
+    srv = make_server(engine, **kw)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    host, port = srv.server_address[:2]
+    return srv, f"http://{host}:{port}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="serve", description="Serve a checkpoint over an OpenAI-compatible HTTP API.")
+    ap.add_argument("--model", required=True, help="checkpoint directory (weights + tokenizer)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--served-model-name", default=None, help="name reported by /v1/models (default: the directory name)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--no-prefix-cache", action="store_true", help="turn shared-prefix KV reuse off")
+    ap.add_argument("--api-key", default=None, help="require this bearer token")
+    ap.add_argument("-v", "--verbose", action="store_true", help="log every request")
+    a = ap.parse_args(argv)
+    from pathlib import Path
+
+    from ttc.backends import torch_backend
+
+    eng = torch_backend(a.model, device=a.device, dtype=a.dtype, prefix_cache=not a.no_prefix_cache).engine
+    name = a.served_model_name or Path(a.model).resolve().name
+    try:
+        srv = make_server(eng, name, a.host, a.port, a.api_key, verbose=a.verbose)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {a.host}:{a.port}: {e.strerror or e}") from None
+    host, port = srv.server_address[:2]
+    print(f"serving {name!r} on http://{host}:{port}/v1 (Ctrl-C to stop)", file=sys.stderr, flush=True)
+    try:
+        srv.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        srv.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
