@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from train.model.modeling import grouped_mm
 
@@ -101,3 +102,74 @@ def all_reduce_grads(params, group, divide: int = 1) -> None:
         n = p.numel()
         p.grad.copy_(flat[off:off + n].view_as(p.grad))
         off += n
+
+
+class ShardedLM(nn.Module):
+    """Bookkeeping shared by the sharded layouts: parameters kept under the policy's names with a
+    kind that says how the ranks' shards join (``rep``: replicated; ``row``/``col``: concatenated
+    along dim 0/1; ``expert_gate_up``/``expert_down``: slices of every expert's intermediate dim)."""
+
+    def __init__(self, cfg, group=None, dp_group=None):
+        super().__init__()
+        self.config, self.group, self.dp_group = cfg, group, dp_group
+        self.D, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.kinds: dict[str, str] = {}
+        self._p: dict[str, nn.Parameter] = {}
+
+    def _add(self, name: str, value: torch.Tensor, kind: str) -> None:
+        p = nn.Parameter(value.detach().clone().contiguous())
+        self.register_parameter(name.replace(".", "__"), p)
+        self._p[name], self.kinds[name] = p, kind
+
+    def param(self, name: str) -> nn.Parameter:
+        return self._p[name]
+
+    def named_shards(self) -> dict[str, nn.Parameter]:
+        return dict(self._p)
+
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        return [self._p[n] for n, k in self.kinds.items() if k == "rep"]
+
+    def shard_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """This rank's shards (or their gradients) under the policy's parameter names."""
+        out = {}
+        for n, p in self._p.items():
+            t = p.grad if grads else p
+            out[n] = (torch.zeros_like(p) if t is None else t).detach().clone()
+        return out
+
+    @staticmethod
+    def assemble(shards: list[dict[str, torch.Tensor]], kinds: dict[str, str]) -> dict[str, torch.Tensor]:
+        """Full parameter tensors (CausalLM state-dict names) from every rank's shards, in rank order."""
+        out = {}
+        for n, kind in kinds.items():
+            parts = [s[n] for s in shards]
+            if kind == "rep":
+                out[n] = parts[0]
+            elif kind == "row":
+                out[n] = torch.cat(parts, 0)
+            elif kind == "col":
+                out[n] = torch.cat(parts, 1)
+            elif kind == "expert_gate_up":
+                out[n] = join_gate_up(parts)
+            elif kind == "expert_down":
+                out[n] = torch.cat(parts, 2)
+            else:
+                raise ValueError(f"unknown shard kind {kind!r}")
+        return out
+
+    def gather_full(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """Every rank gets the full tensors (or gradients); for tests and checkpoints of small models."""
+        shards = [None] * self.D
+        dist.all_gather_object(shards, self.shard_state_dict(grads), group=self.group)
+        return self.assemble(shards, self.kinds)
+
+    def to_causal_lm(self) -> "CausalLM":
+        """A single-process :class:`CausalLM` holding the gathered weights (collective: every rank calls)."""
+        from train.model.hf_io import load_into
+        from train.model.modeling import CausalLM
+
+        full = self.gather_full()
+        model = CausalLM(self.config)
+        load_into(model, full, hf_names=False)
+        return model

@@ -44,8 +44,8 @@ from torch import nn
 from train.model.config import ModelConfig
 from train.model.modeling import CausalLM, Router, apply_rope, rope_cos_sin
 from train.parallel import comm
-from train.parallel.shard import (all_reduce_grads, expert_partial, expert_slice, join_gate_up, rms_norm,
-                                  split_range, split_sizes)
+from train.parallel.shard import (ShardedLM, all_reduce_grads, expert_partial, expert_slice, rms_norm, split_range,
+                                  split_sizes)
 
 
 def zigzag_index(T: int, D: int, r: int) -> tuple[int, torch.Tensor]:
@@ -65,7 +65,7 @@ def check_tsp_config(cfg: ModelConfig, D: int) -> None:
         raise ValueError(f"TSP needs num_key_value_heads ({kv}) to be a multiple or a divisor of D={D}")
 
 
-class TSPCausalLM(nn.Module):
+class TSPCausalLM(ShardedLM):
     """The policy sharded over ``group`` (size D) in the TSP layout, built from a full
     :class:`CausalLM` (its weights are copied; only this rank's shards are kept).
 
@@ -73,23 +73,14 @@ class TSPCausalLM(nn.Module):
     sums gradients over it and divides by its size."""
 
     def __init__(self, model: CausalLM, group=None, dp_group=None):
-        super().__init__()
-        cfg = model.config
-        self.config, self.group, self.dp_group = cfg, group, dp_group
-        self.D, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        D, r = self.D, self.rank
+        super().__init__(model.config, group, dp_group)
+        cfg, D, r = self.config, self.D, self.rank
         check_tsp_config(cfg, D)
         d, H = cfg.head_dim, cfg.hidden_size
         self.hq = cfg.num_attention_heads // D
         self.kvh = max(cfg.num_key_value_heads // D, 1)
-        self.kinds: dict[str, str] = {}
-        self._p: dict[str, nn.Parameter] = {}
         full = {k: v.detach() for k, v in model.state_dict().items()}
-
-        def add(name: str, value: torch.Tensor, kind: str):
-            p = nn.Parameter(value.detach().clone().contiguous())
-            self.register_parameter(name.replace(".", "__"), p)
-            self._p[name], self.kinds[name] = p, kind
+        add = self._add
 
         V = cfg.vocab_size
         vo, vn = split_range(V, D, r)
@@ -140,12 +131,6 @@ class TSPCausalLM(nn.Module):
             return 0, 0
         h = r // (self.D // kv)
         return h, h + 1
-
-    def param(self, name: str) -> nn.Parameter:
-        return self._p[name]
-
-    def replicated_parameters(self) -> list[nn.Parameter]:
-        return [self._p[n] for n, k in self.kinds.items() if k == "rep"]
 
     def local_slots(self, T: int) -> torch.Tensor:
         """Global positions of this rank's tokens for a length-T sequence (values >= T are padding)."""
@@ -323,40 +308,6 @@ class TSPCausalLM(nn.Module):
             all_reduce_grads(list(self._p.values()), self.dp_group, dist.get_world_size(self.dp_group))
 
     # ---------------------------------------------------------------------------- gather
-    def shard_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        """This rank's shards (or their gradients) under the policy's parameter names."""
-        out = {}
-        for n, p in self._p.items():
-            t = p.grad if grads else p
-            out[n] = (torch.zeros_like(p) if t is None else t).detach().clone()
-        return out
-
-    @staticmethod
-    def assemble(shards: list[dict[str, torch.Tensor]], kinds: dict[str, str]) -> dict[str, torch.Tensor]:
-        """Full parameter tensors (CausalLM state-dict names) from every rank's shards, in rank order."""
-        out = {}
-        for n, kind in kinds.items():
-            parts = [s[n] for s in shards]
-            if kind == "rep":
-                out[n] = parts[0]
-            elif kind == "row":
-                out[n] = torch.cat(parts, 0)
-            elif kind == "col":
-                out[n] = torch.cat(parts, 1)
-            elif kind == "expert_gate_up":
-                out[n] = join_gate_up(parts)
-            elif kind == "expert_down":
-                out[n] = torch.cat(parts, 2)
-            else:
-                raise ValueError(f"unknown shard kind {kind!r}")
-        return out
-
-    def gather_full(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        """Every rank gets the full tensors (or gradients); for tests and checkpoints of small models."""
-        shards = [None] * self.D
-        dist.all_gather_object(shards, self.shard_state_dict(grads), group=self.group)
-        return self.assemble(shards, self.kinds)
-
     def gather_logits(self, local: torch.Tensor, T: int) -> torch.Tensor:
         """Full-sequence [B, T, ...] tensor from every rank's local [B, n_local, ...] (no gradient)."""
         with torch.no_grad():
