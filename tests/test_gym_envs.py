@@ -315,3 +315,25 @@ def test_prompt_derived_answers_by_brute_force():
     n, s, t = map(int, re.search(r"(\d+) fair (\d+)-sided.*exactly (\d+)\?", p.prompt).groups())
     hits = sum(sum(r) == t for r in itertools.product(range(1, s + 1), repeat=n))
     assert Fraction(p.answer) == Fraction(hits, s ** n)
+
+
+def test_answer_formats_models_commonly_use():
+    env = get_env("gym/knights_knaves")
+    p = env.generate(3, 6)
+    names = p.prompt.split("inhabitants are ")[1].split(".")[0].split(", ")
+    words = {"K": "a knight", "N": "a knave"}
+    assert env.verify(p, boxed(", ".join(f"{n}: {a}" for n, a in zip(names, p.answer)))).correct
+    assert env.verify(p, boxed(", ".join(f"{n} is {words[a]}" for n, a in zip(names, p.answer)))).correct
+    env = get_env("gym/sat_assignment")
+    p = env.generate(1, 2)
+    assert env.verify(p, boxed(", ".join(f"x{i + 1}={v}" for i, v in enumerate(p.answer)))).correct
+    env = get_env("gym/polygon_area")
+    p = env.generate(0, 1)
+    a = Fraction(p.answer)
+    assert env.verify(p, boxed(f"\\frac{{{a.numerator}}}{{{a.denominator}}}")).correct
+    assert env.verify(p, boxed(str(float(a)))).correct  # exact decimals (x.5) are accepted
+    env = get_env("gym/prime_factorization")
+    p = env.generate(2, 4)
+    from collections import Counter
+    powers = " \\cdot ".join(f"{q}^{{{e}}}" for q, e in sorted(Counter(p.answer).items()))
+    assert env.verify(p, boxed(powers)).correct

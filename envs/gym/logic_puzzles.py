@@ -162,6 +162,12 @@ class SatAssignment(GymEnv):
 
     def parse(self, text, problem):
         t = re.sub(r"(?i)\btrue\b", "1", re.sub(r"(?i)\bfalse\b", "0", text)).strip()
+        named = re.findall(r"x(\d+)\s*=\s*([01])", t)
+        if named:  # x1=1, x2=0, ...
+            if re.sub(r"x(\d+)\s*=\s*([01])", "", t).strip(" ,;"):
+                raise ParseError("expected x<i>=0/1 pairs")
+            vals = dict((int(i), int(v)) for i, v in named)
+            return [vals.get(i, -1) for i in range(1, max(vals) + 1)]
         if len(t) > 1 and re.fullmatch(r"[01]+", t):
             return [int(c) for c in t]
         return parse_int_list(t)
@@ -364,8 +370,9 @@ class KnightsKnaves(GymEnv):
 
     def parse(self, text, problem):
         out = []
+        text = re.sub(r"\b[A-Z][a-z]+\d*\s*(?:[:=]|is(?: a)?)\s*", "", text)  # "Ann: K", "Bob is a knave"
         for tok in parse_tokens(text):
-            t = tok.lower().split("=")[-1].split(":")[-1]
+            t = tok.lower()
             if t in ("k", "knight"):
                 out.append("K")
             elif t in ("n", "knave"):
