@@ -1,0 +1,110 @@
+"""Shared-prefix KV reuse in the torch engine gives the same outputs as plain prefill."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from train.engine import SamplingParams, TorchEngine
+from train.engine.prefix_cache import common_prefix_len, enable_prefix_caching
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module", params=["moe", "dense"])
+def pair(request, tiny_moe_dir, tiny_dense_dir):
+    path = tiny_moe_dir if request.param == "moe" else tiny_dense_dir
+    plain, cached = TorchEngine.from_pretrained(path), TorchEngine.from_pretrained(path)
+    for e in (plain, cached):
+        with torch.no_grad():  # sharper than a fresh random model, so greedy paths are not all ties
+            e.model.lm_head.weight.mul_(3.0)
+    enable_prefix_caching(cached, min_prefix=4)
+    return plain, cached
+
+
+def _prompts(tok, head="Problem: find the sum of the list 5 3 9 1 and the shortest path in the graph. "):
+    h = tok.encode(head * 2, add_special_tokens=False)
+    tails = ["Candidate one says 18.", "x", "Candidate three: the answer is \\boxed{18} because we add."]
+    return h, [h + tok.encode(t, add_special_tokens=False) for t in tails]
+
+
+def _same(a, b, atol=1e-4):
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    for x, y in zip(a, b):
+        assert x.finish_reason == y.finish_reason and x.prompt_token_ids == y.prompt_token_ids
+        assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=atol)
+
+
+def test_common_prefix_len():
+    assert common_prefix_len([[1, 2, 3], [1, 2, 4], [1, 2]]) == 2
+    assert common_prefix_len([[1], [2]]) == 0 and common_prefix_len([[5, 6]]) == 2 and common_prefix_len([]) == 0
+
+
+def test_outputs_equal_plain_prefill_greedy_and_seeded(pair):
+    plain, cached = pair
+    head, prompts = _prompts(plain.tokenizer)
+    pc = cached.prefix_cache
+    b0, s0 = pc.stats.batches, pc.stats.saved_tokens
+    for sp in (SamplingParams(temperature=0, max_tokens=12),
+               SamplingParams(n=2, temperature=1.0, top_p=0.9, max_tokens=12, seed=4)):
+        _same(plain.generate(prompts, sp), cached.generate(prompts, sp))
+    assert pc.stats.batches == b0 + 2
+    P = common_prefix_len(prompts)
+    assert P >= len(head) and pc.stats.saved_tokens - s0 >= 2 * (len(prompts) - 1) * P
+    assert plain.stats.prefill_tokens == cached.stats.prefill_tokens  # logical accounting is unchanged
+
+
+def test_stored_prefix_is_reused_across_calls_and_extended(pair):
+    plain, cached = pair
+    head, prompts = _prompts(plain.tokenizer, head="A different problem statement about triangles and circles. ")
+    pc = cached.prefix_cache
+    sp = SamplingParams(temperature=0, max_tokens=8)
+    _same(plain.generate(prompts, sp), cached.generate(prompts, sp))
+    hits = pc.stats.lru_hits
+    # a later batch with the same head but a longer shared prefix starts from the stored one
+    longer = [p + plain.tokenizer.encode(" Then add one more.", add_special_tokens=False) + [t]
+              for p, t in zip([prompts[0]] * 3, [11, 12, 13])]
+    _same(plain.generate(longer, sp), cached.generate(longer, sp))
+    assert pc.stats.lru_hits == hits + 1
+
+
+def test_weight_change_invalidates_stored_prefixes(pair):
+    plain, cached = pair
+    _, prompts = _prompts(plain.tokenizer)
+    sp = SamplingParams(temperature=0, max_tokens=8)
+    cached.generate(prompts, sp)  # prefix stored under the current weights
+    g = torch.Generator().manual_seed(0)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in plain.model.state_dict().items()}
+    plain.load_weights(new)
+    cached.load_weights(new)
+    _same(plain.generate(prompts, sp), cached.generate(prompts, sp))
+
+
+def test_no_shared_prefix_falls_back(pair):
+    plain, cached = pair
+    tok = plain.tokenizer
+    prompts = [tok.encode(t, add_special_tokens=False) for t in ["alpha beta gamma", "delta", "one two"]]
+    b0 = cached.prefix_cache.stats.batches
+    sp = SamplingParams(temperature=0, max_tokens=6)
+    _same(plain.generate(prompts, sp), cached.generate(prompts, sp))
+    assert cached.prefix_cache.stats.batches == b0
+
+
+def test_per_prompt_seeds_equal_separate_requests(pair):
+    plain, cached = pair
+    _, prompts = _prompts(plain.tokenizer)
+    seeds = [9, 3, 9]
+    sp = SamplingParams(n=2, temperature=1.0, max_tokens=8)
+    alone = [c for p, s in zip(prompts, seeds)
+             for c in plain.generate([p], SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=s))]
+    for eng in (plain, cached):
+        together = eng.generate(prompts, sp, seeds=seeds)
+        _same(alone, together)
+        assert [c.prompt_index for c in together] == [0, 0, 1, 1, 2, 2]
+    with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
+        plain.generate(prompts, sp, seeds=[1, 2])
