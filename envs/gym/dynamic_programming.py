@@ -4,7 +4,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from envs.base import register
-from envs.gym._util import INVALID, MOD, GymEnv, IntAnswer, ParseError, fmt_list, grow, parse_int_list, random_tree
+from envs.gym._util import INVALID, MOD, GymEnv, IntAnswer, fmt_list, grow, parse_int_list, random_tree
 
 F = "dynamic_programming"
 

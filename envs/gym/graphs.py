@@ -10,7 +10,7 @@ from collections import deque
 
 from envs.base import register
 from envs.gym._util import (
-    INVALID, MOD, GymEnv, IntAnswer, ListAnswer, ParseError, StrAnswer, fmt_edges, fmt_list, grow,
+    INVALID, MOD, GymEnv, IntAnswer, ListAnswer, StrAnswer, fmt_edges, fmt_list, grow,
     parse_groups, parse_int_list, random_connected_graph, random_tree,
 )
 

@@ -5,7 +5,7 @@ import bisect
 from collections import Counter
 
 from envs.base import register
-from envs.gym._util import GymEnv, IntAnswer, ListAnswer, ParseError, fmt_list, grow, parse_groups
+from envs.gym._util import GymEnv, IntAnswer, ListAnswer, fmt_list, grow, parse_groups
 
 F = "sorting_searching"
 
