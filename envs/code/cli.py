@@ -1,0 +1,81 @@
+"""``cascade sandbox``: run or judge a Python program in the code sandbox; prints one JSON verdict.
+
+    cascade sandbox run PROGRAM.py [--stdin FILE] [--time-limit S] [--memory-mb M] [--allow-weaker]
+    cascade sandbox judge PROGRAM.py --tests FILE.jsonl [--time-limit S] [--memory-mb M]
+                          [--float-tol X] [--stop-on-failure] [--workers N] [--allow-weaker]
+    cascade sandbox layers
+
+Exit code 0 whenever a verdict was produced (whatever the verdict says).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from envs.code.judge import Judge, load_tests
+from envs.code.sandbox import Sandbox, SandboxConfig, SandboxError, detect_layers
+
+
+def _read(path: str, what: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} {path!r} not found") from None
+
+
+def _config(a) -> SandboxConfig:
+    kw = {"allow_weaker": a.allow_weaker}
+    if a.time_limit is not None:
+        kw["time_limit"] = a.time_limit
+    if a.memory_mb is not None:
+        kw["memory_mb"] = a.memory_mb
+    return SandboxConfig(**kw)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cascade sandbox", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--time-limit", type=float, default=None, help="wall seconds per run (default 5)")
+    common.add_argument("--memory-mb", type=int, default=None, help="memory per run in MiB (default 512)")
+    common.add_argument("--allow-weaker", action="store_true", help="run even if isolation layers are missing")
+    r = sub.add_parser("run", parents=[common], help="run a program once")
+    r.add_argument("program")
+    r.add_argument("--stdin", default=None, help="file fed to the program's standard input")
+    j = sub.add_parser("judge", parents=[common], help="judge a program against tests")
+    j.add_argument("program")
+    j.add_argument("--tests", required=True, help="JSONL: {input, output} | {fn, args, expected} | {code}")
+    j.add_argument("--float-tol", type=float, default=None)
+    j.add_argument("--stop-on-failure", action="store_true")
+    j.add_argument("--workers", type=int, default=None)
+    sub.add_parser("layers", help="which isolation layers this machine has")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if a.cmd == "layers":
+        layers = detect_layers()
+        print(json.dumps({"layers": {k: v is None for k, v in layers.items()},
+                          "missing": {k: v for k, v in layers.items() if v is not None}}))
+        return 0
+    program = _read(a.program, "program")
+    sb = Sandbox(_config(a))
+    try:
+        if a.cmd == "run":
+            data = _read(a.stdin, "stdin file") if a.stdin else ""
+            out = sb.run(program, data).to_dict()
+        else:
+            tests = load_tests(a.tests)
+            j = Judge(sb, workers=a.workers, float_tol=a.float_tol)
+            out = j.judge(program, tests, stop_on_failure=a.stop_on_failure).to_dict()
+    except SandboxError as e:
+        raise ValueError(str(e)) from None
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
