@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from envs.base import Environment, Problem, Score, last_boxed, register, strip_think
@@ -383,13 +384,18 @@ class FalsifyEnv(CodeEnv):
         if got is None:
             return Score.zero("no \\boxed{} answer")
         s = self.seed_of(problem)
-        ok, why = self._input_valid(s, got)
+        if len(got) > MAX_ANSWER_CHARS:
+            return Score.zero(f"input longer than {MAX_ANSWER_CHARS} characters", format_ok=True)
+        # validator, reference and candidate at once (the candidate gets the same generous limit)
+        with ThreadPoolExecutor(3) as ex:
+            valid = ex.submit(self._input_valid, s, got)
+            ref_f = ex.submit(self._run_reference_on, s, got)
+            cand_f = ex.submit(self._run_reference_on, s, got, s.wrong[problem.meta["wrong"]])
+            (ok, why), ref, cand = valid.result(), ref_f.result(), cand_f.result()
         if not ok:
             return Score.zero(why, format_ok=True)
-        ref = self._run_reference_on(s, got)
         if ref.status != "ok":
             return Score.zero(f"the reference fails on this input ({ref.status}); not a valid test", format_ok=True)
-        cand = self._run_reference_on(s, got, s.wrong[problem.meta["wrong"]])  # same generous limit
         differs = cand.status != "ok" or not compare_output(cand.stdout, ref.stdout, s.float_tol)
         return Score(1.0 if differs else 0.0, differs, True,
                      {"candidate": cand.status, "expected": ref.stdout[:200], "candidate_output": cand.stdout[:200]})
