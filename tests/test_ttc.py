@@ -72,7 +72,7 @@ def test_aggregation_prompts_hold_problem_and_C_tails_of_previous_round(run, eng
         assert all(0 <= j < cfg.population for j in rec.parents)
         # each forwarded piece is the last tau tokens of that parent's trace in the previous round
         assert rec.forwarded == [_trace(prev[j], eos)[-cfg.tail:] for j in rec.parents]
-        assert all(0 < len(t) <= cfg.tail for t in rec.forwarded)
+        assert all(len(t) <= cfg.tail for t in rec.forwarded)
         # the prompt holds the problem, then the tails in order, verbatim
         pos = _find(rec.prompt_ids, q)
         assert pos >= 0
@@ -100,7 +100,8 @@ def test_round0_is_parallel_sampling_with_the_same_seed(engine):
     res = run_rsa(EngineBackend(engine), PROBLEM, cfg, gold="42")
     tok = engine.tokenizer
     solve = MATH.solve.format(problem=PROBLEM)
-    ref_prompt = tok.apply_chat_template([{"role": "user", "content": solve}], tokenize=False, add_generation_prompt=True)
+    ref_prompt = tok.apply_chat_template([{"role": "user", "content": solve}], tokenize=False,
+                                         add_generation_prompt=True)
     assert [p.stage for p in res.prompts] == ["solve"]
     assert tok.decode(res.prompts[0].prompt_ids) == ref_prompt
     ref = engine.generate([res.prompts[0].prompt_ids],
@@ -157,8 +158,8 @@ def test_server_run_equals_engine_run_and_retries_500s(run, tiny_dense_dir):
     assert [(p.stage, p.round, p.index, p.prompt_ids, p.parents, p.seed, p.n) for p in via.prompts] == \
         [(p.stage, p.round, p.index, p.prompt_ids, p.parents, p.seed, p.n) for p in res.prompts]
     assert [[c.token_ids for c in r] for r in via.rounds] == [[c.token_ids for c in r] for r in res.rounds]
-    drop = ("wall_s",)
-    assert {k: v for k, v in via.metrics.items() if k not in drop} == {k: v for k, v in res.metrics.items() if k not in drop}
+    same = lambda m: {k: v for k, v in m.items() if k != "wall_s"}  # noqa: E731
+    assert same(via.metrics) == same(res.metrics)
 
 
 # -- variants, with a scripted backend (no model) ------------------------------------------------
@@ -179,7 +180,8 @@ class ScriptedBackend(HFTokenizerSide):
         for i, p in enumerate(prompts):
             for j in range(params.n):
                 rng = random.Random(derive_seed(seeds[i], j))
-                text = "<think>\n" + " ".join(rng.choice(["sum", "check", "graph", "list"]) for _ in range(rng.randint(1, 9)))
+                words = [rng.choice(["sum", "check", "graph", "list"]) for _ in range(rng.randint(1, 9))]
+                text = "<think>\n" + " ".join(words)
                 text += f"\n</think>\n\nThe answer is \\boxed{{{rng.choice(self.answers)}}}."
                 ids = self.encode(text) + [self.tokenizer.eos_token_id]
                 fin = "stop"

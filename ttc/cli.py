@@ -29,7 +29,8 @@ def _solve_parser() -> argparse.ArgumentParser:
     g.add_argument("--population", type=int, default=16, help="N")
     g.add_argument("--aggregate", type=int, default=4, help="C, tails per aggregation prompt")
     g.add_argument("--budget", type=int, default=40000, help="beta, max tokens per candidate per round")
-    g.add_argument("--final-budget", type=int, default=None, help="tokens to finish a final trace cut at beta (default beta; 0: off)")
+    g.add_argument("--final-budget", type=int, default=None,
+                   help="tokens to finish a final trace cut at beta (default beta; 0: off)")
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -37,7 +38,8 @@ def _solve_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--template", default="math", help="math | code | generic | PATH (YAML/JSON overrides)")
     g.add_argument("--variant", default="rsa", choices=VARIANTS)
-    g.add_argument("--grader", default=None, choices=["math", "exact"], help="answer equivalence (default: math for the math template)")
+    g.add_argument("--grader", default=None, choices=["math", "exact"],
+                   help="answer equivalence (default: math for the math template, else exact)")
     d = ap.add_argument_group("problems")
     src = d.add_mutually_exclusive_group(required=True)
     src.add_argument("--problem", help="one problem text")
@@ -47,11 +49,13 @@ def _solve_parser() -> argparse.ArgumentParser:
     m = ap.add_argument_group("model")
     m.add_argument("--model", help="checkpoint directory, or the served model name with --base-url")
     m.add_argument("--base-url", help="an OpenAI-compatible server (API key from OPENAI_API_KEY or CASCADE_API_KEY)")
-    m.add_argument("--tokenizer", help="tokenizer directory for cutting tails with --base-url (default: the server's /tokenize)")
+    m.add_argument("--tokenizer",
+                   help="tokenizer directory for cutting tails with --base-url (default: the server's /tokenize)")
     m.add_argument("--engine", default="torch", choices=["torch", "vllm"])
     m.add_argument("--device", default=None)
     m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     m.add_argument("--no-prefix-cache", action="store_true", help="torch engine: turn shared-prefix KV reuse off")
+    m.add_argument("--threads", type=int, default=None, help="torch engine: CPU threads (torch.set_num_threads)")
     m.add_argument("--concurrency", type=int, default=16, help="parallel requests to the server")
     m.add_argument("--retries", type=int, default=5, help="retries of a failed request (5xx, 429, connection)")
     m.add_argument("--request-timeout", type=float, default=3600.0)
@@ -78,6 +82,10 @@ def build_backend(a):
         return vllm_backend(a.model)
     from ttc.backends import torch_backend
 
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
     return torch_backend(a.model, device=a.device, dtype=a.dtype, prefix_cache=not a.no_prefix_cache)
 
 
@@ -136,7 +144,8 @@ def summarize(records: list[dict], cfg: RSAConfig, key: str) -> dict:
 
 def _progress(disable: bool):
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
 
     return Progress(TextColumn("[bold]RSA[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                     TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True), disable=disable)

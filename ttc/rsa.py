@@ -257,7 +257,8 @@ class MarkovianRSA:
             params = cfg.sampling(records[0].max_tokens, records[0].n)
             outs = be.generate([r.prompt_ids for r in records], params, seeds=[r.seed for r in records])
             if len(outs) != sum(r.n for r in records):
-                raise RuntimeError(f"backend returned {len(outs)} completions for {sum(r.n for r in records)} requested")
+                want = sum(r.n for r in records)
+                raise RuntimeError(f"backend returned {len(outs)} completions for {want} requested")
             prompts.extend(records)
             g = sum(len(c.token_ids) for c in outs)
             p = sum(len(r.prompt_ids) for r in records)

@@ -43,10 +43,11 @@ def _params(body: dict, default_max: int = 16) -> SamplingParams:
     top_k = get("top_k", 0, int)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     try:
-        return SamplingParams(n=get("n", 1, int), temperature=get("temperature", 1.0, float), top_p=get("top_p", 1.0, float),
-                              top_k=max(0, top_k), min_p=get("min_p", 0.0, float),
+        return SamplingParams(n=get("n", 1, int), temperature=get("temperature", 1.0, float),
+                              top_p=get("top_p", 1.0, float), top_k=max(0, top_k), min_p=get("min_p", 0.0, float),
                               max_tokens=int(max_tokens) if max_tokens is not None else default_max,
-                              stop=[str(s) for s in stop], stop_token_ids=[int(t) for t in body.get("stop_token_ids") or []],
+                              stop=[str(s) for s in stop],
+                              stop_token_ids=[int(t) for t in body.get("stop_token_ids") or []],
                               seed=get("seed", None, int), ignore_eos=bool(body.get("ignore_eos", False)))
     except ValueError as e:
         raise BadRequest(str(e)) from None
@@ -59,7 +60,8 @@ def _prompts(p) -> list:
     if isinstance(p, list) and p:
         if all(isinstance(t, int) for t in p):
             return [p]
-        if all(isinstance(x, str) for x in p) or all(isinstance(x, list) and x and all(isinstance(t, int) for t in x) for x in p):
+        ids_list = all(isinstance(x, list) and x and all(isinstance(t, int) for t in x) for x in p)
+        if ids_list or all(isinstance(x, str) for x in p):
             return list(p)
     raise BadRequest("prompt must be a string, a list of token ids, or a list of either")
 
@@ -82,7 +84,8 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _error(self, code: int, msg: str) -> None:
-        kind = {400: "BadRequestError", 404: "NotFoundError", 401: "AuthenticationError"}.get(code, "InternalServerError")
+        kinds = {400: "BadRequestError", 404: "NotFoundError", 401: "AuthenticationError"}
+        kind = kinds.get(code, "InternalServerError")
         self._send(code, {"error": {"message": msg, "type": kind, "code": code}})
 
     def _authorized(self) -> bool:
@@ -97,8 +100,9 @@ class Handler(BaseHTTPRequestHandler):
             return
         if self.path.rstrip("/") == "/v1/models":
             s = self.server
-            self._send(200, {"object": "list", "data": [{"id": s.model_name, "object": "model", "created": s.created,
-                                                          "owned_by": "cascade", "max_model_len": s.engine.context_length}]})
+            card = {"id": s.model_name, "object": "model", "created": s.created, "owned_by": "cascade",
+                    "max_model_len": s.engine.context_length}
+            self._send(200, {"object": "list", "data": [card]})
         elif self.path.rstrip("/") in ("/health", "/v1/health"):
             self._send(200, {"status": "ok"})
         else:
@@ -182,8 +186,8 @@ class Handler(BaseHTTPRequestHandler):
     def tokenize(self, body: dict) -> dict:
         tok = self.server.engine.tokenizer
         if "messages" in body:
-            ids = tok.apply_chat_template(body["messages"], add_generation_prompt=bool(body.get("add_generation_prompt", True)),
-                                          tokenize=True)
+            gen = bool(body.get("add_generation_prompt", True))
+            ids = tok.apply_chat_template(body["messages"], add_generation_prompt=gen, tokenize=True)
             ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         elif isinstance(body.get("prompt"), str):
             ids = tok.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
@@ -231,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True, help="checkpoint directory (weights + tokenizer)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--served-model-name", default=None, help="name reported by /v1/models (default: the directory name)")
+    ap.add_argument("--served-model-name", default=None,
+                    help="name reported by /v1/models (default: the directory name)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--no-prefix-cache", action="store_true", help="turn shared-prefix KV reuse off")

@@ -51,12 +51,15 @@ class Template:
             try:
                 names = {f for _, f, _, _ in string.Formatter().parse(text) if f is not None}
             except ValueError as e:
-                raise ValueError(f"template {self.name!r}, {key.rstrip('_')}: {e} (write literal braces as {{{{ }}}})")
+                raise ValueError(f"template {self.name!r}, {key.rstrip('_')}: {e} "
+                                 f"(write literal braces as {{{{ }}}})") from None
             if not req <= names or not names <= allowed[key]:
                 raise ValueError(f"template {self.name!r}, {key.rstrip('_')}: fields {sorted(names)}; "
-                                 f"needs {sorted(req)}, allows {sorted(allowed[key])} (write literal braces as {{{{ }}}})")
+                                 f"needs {sorted(req)}, allows {sorted(allowed[key])} "
+                                 f"(write literal braces as {{{{ }}}})")
         if self.answer_format not in ("boxed", "code"):
-            raise ValueError(f"template {self.name!r}: answer_format must be 'boxed' or 'code', got {self.answer_format!r}")
+            raise ValueError(f"template {self.name!r}: answer_format must be 'boxed' or 'code', "
+                             f"got {self.answer_format!r}")
         return self
 
 
@@ -143,7 +146,7 @@ def render(fmt: str, encode: Callable[[str], list[int]], payload: dict[str, Payl
     values = values or {}
     out: list[int] = []
     text = ""
-    for literal, name, spec, conv in string.Formatter().parse(fmt):
+    for literal, name, spec, _ in string.Formatter().parse(fmt):
         text += literal
         if name is None:
             continue
@@ -191,7 +194,8 @@ class PromptBuilder:
         return self._wrap(render(self.template.solve, self._enc, {"problem": problem_ids}))
 
     def aggregate(self, problem_ids: list[int], tails: Sequence[list[int]]) -> list[int]:
-        blocks = [render(self.template.candidate, self._enc, {"tail": t}, {"index": i + 1}) for i, t in enumerate(tails)]
+        blocks = [render(self.template.candidate, self._enc, {"tail": t}, {"index": i + 1})
+                  for i, t in enumerate(tails)]
         body = render(self.template.aggregate, self._enc, {"problem": problem_ids, "candidates": blocks},
                       {"count": len(tails)})
         return self._wrap(body)
