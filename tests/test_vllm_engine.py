@@ -1,0 +1,219 @@
+"""The vLLM engine against the torch engine and teacher forcing, before and after weight syncs.
+
+Runs only in the vLLM environment: ``.venv-vllm/bin/pytest -m vllm tests/test_vllm_engine.py``
+(``scripts/setup_vllm_cpu.sh`` builds it). One vLLM engine per checkpoint kind, module-scoped.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+
+vllm = pytest.importorskip("vllm")
+
+from train.engine import SamplingParams, TorchEngine  # noqa: E402
+from train.engine.vllm_engine import VLLMEngine, hf_named, routed_experts_for_policy  # noqa: E402
+from train.model.hf_io import load_pretrained, save_pretrained, to_hf_state_dict  # noqa: E402
+from train.model.modeling import token_logprobs  # noqa: E402
+
+TEXTS = ["What is 2+2?", "Sort the list 5 3 9 1 and give it in a box, then explain why.", "Hi",
+         "<|im_start|>user\nfind the sum<|im_end|>\n"]
+TOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """tiny-dense (tied embeddings) and tiny-moe (untied), LM head sharpened x3 so that greedy
+    choices are well separated, written as HF checkpoints."""
+    from train.presets import init_model
+
+    out = {}
+    for kind in ("dense", "moe"):
+        d = tmp_path_factory.mktemp(f"vllm-{kind}")
+        model, tok = init_model(f"tiny-{kind}", d, seed=0)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(3.0)
+        save_pretrained(model, d, tokenizer=tok)
+        out[kind] = d
+    return out
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def engines(request, checkpoints):
+    """(vLLM engine, torch engine) on the same checkpoint; the vLLM engine is closed afterwards."""
+    path = checkpoints[request.param]
+    eng = VLLMEngine(path, max_model_len=256)
+    ref = TorchEngine.from_pretrained(path)
+    yield request.param, eng, ref
+    eng.close()
+
+
+def _prompts(eng):
+    return [eng.tokenizer.encode(t, add_special_tokens=False) for t in TEXTS]
+
+
+def _max_logprob_error(model, outs, temperature=1.0):
+    err = 0.0
+    for c in outs:
+        seq = torch.tensor([c.prompt_token_ids + c.token_ids])
+        with torch.no_grad():
+            ref = token_logprobs(model, seq, temperature=temperature)[0, len(c.prompt_token_ids) - 1:]
+        assert len(c.logprobs) == len(c.token_ids) == ref.numel()
+        err = max(err, (torch.tensor(c.logprobs) - ref).abs().max().item())
+    return err
+
+
+def test_greedy_equals_torch_engine(engines):
+    _, eng, ref = engines
+    prompts = _prompts(eng)
+    sp = SamplingParams(temperature=0, max_tokens=16)
+    got, want = eng.generate(prompts, sp), ref.generate(prompts, sp)
+    assert len(got) == len(want) == len(prompts)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert g.finish_reason == w.finish_reason and g.text == w.text
+        assert (g.prompt_index, g.prompt_tokens, g.prompt_token_ids) == (w.prompt_index, w.prompt_tokens,
+                                                                        w.prompt_token_ids)
+        assert max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs)) < TOL
+        assert g.routed_experts is None
+    # text prompts are encoded the torch engine's way
+    assert [c.token_ids for c in eng.generate(TEXTS[:2], sp)] == [c.token_ids for c in got[:2]]
+
+
+@pytest.mark.parametrize("temperature,truncation", [(1.0, {}), (0.7, {"top_p": 0.9, "top_k": 20}),
+                                                    (1.3, {"min_p": 0.05})])
+def test_sampled_logprobs_are_untruncated_tempered_teacher_forcing(engines, temperature, truncation):
+    """logprobs = log softmax(logits / T) of the sampled token, before top-k/top-p/min-p."""
+    _, eng, ref = engines
+    outs = eng.generate(_prompts(eng), SamplingParams(n=2, temperature=temperature, max_tokens=10, seed=3,
+                                                      **truncation))
+    assert _max_logprob_error(ref.model, outs, temperature) < TOL
+
+
+def test_truncation_is_applied(engines):
+    """top_k=1, a tiny top_p and min_p=1 all reduce sampling to greedy."""
+    _, eng, _ = engines
+    p = _prompts(eng)[:2]
+    greedy = [c.token_ids for c in eng.generate(p, SamplingParams(temperature=0, max_tokens=8))]
+    for kw in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}):
+        outs = eng.generate(p, SamplingParams(temperature=1.0, max_tokens=8, seed=1, **kw))
+        assert [c.token_ids for c in outs] == greedy, kw
+
+
+def test_seeds_and_layout(engines):
+    _, eng, _ = engines
+    prompts = _prompts(eng)[:3]
+    sp = SamplingParams(n=3, temperature=1.0, max_tokens=10, seed=11, ignore_eos=True)
+    a, b = eng.generate(prompts, sp), eng.generate(prompts, sp)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    assert [c.prompt_index for c in a] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert all(len(c.token_ids) == 10 and c.finish_reason == "length" for c in a)
+    # the n samples of one prompt differ, and another seed gives other samples
+    assert len({tuple(c.token_ids) for c in a[:3]}) == 3
+    c = eng.generate(prompts, SamplingParams(n=3, temperature=1.0, max_tokens=10, seed=12, ignore_eos=True))
+    assert [x.token_ids for x in a] != [x.token_ids for x in c]
+    # a row's samples depend on its seed only, not on the rest of the batch
+    first = eng.generate(prompts[:1], sp)
+    assert [x.token_ids for x in first] == [x.token_ids for x in a[:3]]
+
+
+def test_stop_tokens_strings_and_context(engines):
+    _, eng, ref = engines
+    p = _prompts(eng)[:1]
+    base = eng.generate(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    stop_tok = base.token_ids[4]
+    first = base.token_ids.index(stop_tok)
+    sp = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_tok], ignore_eos=True)
+    c = eng.generate(p, sp)[0]
+    assert c.token_ids == base.token_ids[:first + 1] and c.finish_reason == "stop"
+    assert c.text == ref.generate(p, sp)[0].text
+    full = eng.decode(base.token_ids)
+    needle = full[len(full) // 2:len(full) // 2 + 2]
+    if needle.strip():
+        sp = SamplingParams(temperature=0, max_tokens=12, stop=[needle], ignore_eos=True)
+        c = eng.generate(p, sp)[0]
+        w = ref.generate(p, sp)[0]
+        assert c.finish_reason == w.finish_reason == "stop" and needle not in c.text and full.startswith(c.text)
+        assert (c.token_ids, c.text) == (w.token_ids, w.text)
+    from train.engine import ContextLengthError
+
+    with pytest.raises(ContextLengthError, match="context limit"):
+        eng.generate([[5] * eng.context_length], SamplingParams(max_tokens=4))
+    near = [5] * (eng.context_length - 3)
+    c = eng.generate([near], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0]
+    assert len(c.token_ids) == 3 and c.finish_reason == "length"
+
+
+def test_bad_weights_are_rejected(engines):
+    _, eng, ref = engines
+    sd = to_hf_state_dict(ref.model)
+    name = next(k for k in sd if k.endswith("q_proj.weight"))
+    with pytest.raises(ValueError, match="missing"):
+        eng.load_weights({k: v for k, v in sd.items() if k != name})
+    with pytest.raises(ValueError, match="shape mismatch"):
+        eng.load_weights({**sd, name: sd[name][:-1]})
+    assert eng.stats.weight_syncs == 0
+
+
+def test_router_replay_is_reported_not_ignored(engines, checkpoints):
+    kind, eng, _ = engines
+    assert eng.supports_router_replay is False
+    if kind == "moe":
+        with pytest.raises(ValueError, match="router replay is not available"):
+            VLLMEngine(checkpoints["moe"], return_routed_experts=True)
+
+
+def test_routed_experts_conversion_feeds_the_policy(checkpoints):
+    """vLLM's [tokens, layers, k] record -> per-MoE-layer [1, T, k] replay that reproduces the
+    policy's own routing (and so its logits)."""
+    model = load_pretrained(checkpoints["moe"])
+    ids = torch.tensor([[3, 17, 99, 5, 42, 7]])
+    rec: list = []
+    with torch.no_grad():
+        logits = model(ids, record_routing=rec)
+    # vLLM's layout: all decoder layers, tokens that went through the model (all but the last)
+    vllm_like = torch.stack([r[0] for r in rec], 1)[:-1].numpy()
+    replay = routed_experts_for_policy(vllm_like, [0, 1, 2, 3], ids.shape[1])
+    assert [tuple(r.shape) for r in replay] == [(1, 6, 2)] * 4 and replay[0].dtype == torch.long
+    for r, want in zip(replay, rec):
+        assert torch.equal(r[0, :-1], want[0, :-1]) and torch.equal(r[0, -1], r[0, -2])
+    with torch.no_grad():
+        again = model(ids, routed_experts=replay)
+    assert torch.allclose(again[0, :-1], logits[0, :-1], atol=1e-5)
+    with pytest.raises(ValueError, match="more than the sequence"):
+        routed_experts_for_policy(vllm_like, [0], 3)
+
+
+def test_hf_named_splits_fused_experts(checkpoints):
+    model = load_pretrained(checkpoints["moe"])
+    a, b = hf_named(model.state_dict()), to_hf_state_dict(model)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in b)
+
+
+# weight syncs last: they change the engines' weights
+def test_three_weight_syncs_track_the_trainer(engines, checkpoints):
+    """After each sync (perturbed trainer weights, both namings), vLLM's logprobs equal the
+    trainer's teacher-forced ones on the same prompts (so the prefix cache was dropped and both
+    CPU reload bugs were repaired), and its outputs move with the trainer."""
+    kind, eng, _ = engines
+    trainer = load_pretrained(checkpoints[kind])
+    prompts = _prompts(eng)
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prev = eng.generate(prompts, greedy)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(3):
+        with torch.no_grad():
+            for prm in trainer.parameters():
+                prm.add_(torch.randn(prm.shape, generator=gen) * 0.05)
+        eng.load_weights(trainer.state_dict() if step == 1 else to_hf_state_dict(trainer))
+        assert eng.stats.weight_syncs == step + 1 and 0 < eng.last_sync_s < 30
+        now = eng.generate(prompts, greedy)
+        assert _max_logprob_error(trainer, now) < TOL
+        assert [c.logprobs for c in now] != [c.logprobs for c in prev]
+        # greedy continuations are the trainer's own argmax continuations
+        want = TorchEngine(trainer, eng.tokenizer).generate(prompts, greedy)
+        assert [c.token_ids for c in now] == [c.token_ids for c in want]
+        sampled = eng.generate(prompts, SamplingParams(n=2, temperature=0.8, top_p=0.95, max_tokens=8, seed=step))
+        assert _max_logprob_error(trainer, sampled, 0.8) < TOL
+        prev = now
