@@ -147,7 +147,8 @@ class FlakyHandler(Handler):
 
 def test_server_run_equals_engine_run_and_retries_500s(run, tiny_dense_dir):
     res, _ = run
-    srv, url = serve_in_thread(TorchEngine.from_pretrained(tiny_dense_dir), model_name="tiny", handler=FlakyHandler)
+    srv, url = serve_in_thread(TorchEngine.from_pretrained(tiny_dense_dir), model_name="tiny", handler=FlakyHandler,
+                               batch_window_s=0.05)
     try:
         be = OpenAIBackend(url, model="tiny", tokenizer=None, concurrency=4, backoff=0.01)  # tokens via /tokenize
         via = run_rsa(be, PROBLEM, RSAConfig(**SMALL), gold="42")
@@ -155,6 +156,7 @@ def test_server_run_equals_engine_run_and_retries_500s(run, tiny_dense_dir):
         srv.shutdown()
         srv.server_close()
     assert FlakyHandler.failed == 3 and be.retried == 3
+    assert srv.batcher.batches < len(via.prompts)  # concurrent requests were batched (same samples as alone)
     assert [(p.stage, p.round, p.index, p.prompt_ids, p.parents, p.seed, p.n) for p in via.prompts] == \
         [(p.stage, p.round, p.index, p.prompt_ids, p.parents, p.seed, p.n) for p in res.prompts]
     assert [[c.token_ids for c in r] for r in via.rounds] == [[c.token_ids for c in r] for r in res.rounds]

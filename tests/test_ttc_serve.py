@@ -103,3 +103,17 @@ def test_bad_requests(server):
         assert code == 400 and msg in b["error"]["message"], (path, b)
     code, b = call(url, "/v1/nothing", {})
     assert code == 404
+
+
+def test_a_bad_request_in_a_batch_fails_alone(server):
+    eng, url = server
+    from concurrent.futures import ThreadPoolExecutor
+
+    too_long = {"prompt": [5] * (eng.context_length + 10), "max_tokens": 3, "seed": 1}
+    fine = {"prompt": [5, 6, 7], "max_tokens": 3, "seed": 1}
+    with ThreadPoolExecutor(4) as ex:
+        res = list(ex.map(lambda b: call(url, "/v1/completions", b), [too_long, fine, too_long, fine]))
+    assert [code for code, _ in res] == [400, 200, 400, 200]
+    assert "context limit" in res[0][1]["error"]["message"]
+    ref = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=3, seed=1))[0]
+    assert res[1][1]["choices"][0]["token_ids"] == ref.token_ids == res[3][1]["choices"][0]["token_ids"]

@@ -7,17 +7,23 @@ logprobs); ``POST /v1/chat/completions`` (the checkpoint's chat template); ``POS
 ``logprobs.token_logprobs``; ``usage`` counts prompt tokens once per prompt.
 
 A request with ``seed`` samples prompt i exactly as ``engine.generate([prompt_i], seed=seed)``
-(every prompt of a batch request gets that seed, as in vLLM). Requests run one at a time on the
-engine (a lock) from a threading server; the standard library is all it needs.
+(every prompt of a batch request gets that seed, as in vLLM; a request without one gets a random
+seed). Requests that arrive together (within ``batch_window_s``) and share their sampling settings
+run as one batched ``engine.generate`` call with per-prompt seeds, so concurrent clients (RSA's N
+aggregation requests) are batched, and prefix-cached, without changing any request's samples.
+The standard library is all it needs.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import queue
+import random
 import sys
 import threading
 import time
 import uuid
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from train.engine.base import ContextLengthError, SamplingParams
@@ -25,6 +31,88 @@ from train.engine.base import ContextLengthError, SamplingParams
 
 class BadRequest(ValueError):
     pass
+
+
+@dataclass
+class _Job:
+    ids: list[list[int]]
+    params: SamplingParams
+    seed: int
+    done: threading.Event = field(default_factory=threading.Event)
+    result: list | None = None
+    error: BaseException | None = None
+
+
+def _batch_key(p: SamplingParams) -> tuple:
+    return (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens, tuple(p.stop), tuple(p.stop_token_ids),
+            p.ignore_eos)
+
+
+class Batcher:
+    """Runs the engine on one thread; requests that arrive within ``window_s`` of each other and
+    share their sampling settings go through one ``generate`` call (per-prompt seeds keep every
+    request's samples what they would be alone)."""
+
+    def __init__(self, engine, window_s: float = 0.005, max_prompts: int = 256):
+        self.engine, self.window_s, self.max_prompts = engine, window_s, max_prompts
+        self.batches = 0
+        self._q: queue.Queue = queue.Queue()
+        self._rng = random.Random()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="engine-batcher")
+        self._thread.start()
+
+    def submit(self, ids: list[list[int]], params: SamplingParams):
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
+        job = _Job(ids, params, seed)
+        self._q.put(job)
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def close(self) -> None:
+        self._q.put(None)
+
+    def _run(self, jobs: list[_Job]) -> None:
+        p = jobs[0].params
+        prompts = [x for j in jobs for x in j.ids]
+        seeds = [j.seed for j in jobs for _ in j.ids]
+        outs = self.engine.generate(prompts, p, seeds=seeds)
+        self.batches += 1
+        k = 0
+        for j in jobs:
+            m = len(j.ids) * p.n
+            j.result, k = outs[k:k + m], k + m
+
+    def _loop(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            jobs, deadline = [job], time.monotonic() + self.window_s
+            while sum(len(j.ids) for j in jobs) < self.max_prompts:
+                try:
+                    nxt = self._q.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._q.put(None)
+                    break
+                jobs.append(nxt)
+            groups: dict[tuple, list[_Job]] = {}
+            for j in jobs:
+                groups.setdefault(_batch_key(j.params), []).append(j)
+            for group in groups.values():
+                try:
+                    self._run(group)
+                except Exception:  # noqa: BLE001 - run the requests alone so each gets its own error
+                    for j in group:
+                        try:
+                            self._run([j])
+                        except Exception as e:  # noqa: BLE001
+                            j.error = e
+                for j in group:
+                    j.done.set()
 
 
 def _params(body: dict, default_max: int = 16) -> SamplingParams:
@@ -136,11 +224,8 @@ class Handler(BaseHTTPRequestHandler):
             raise BadRequest(f"model {m!r} is not served here; this server has {self.server.model_name!r}")
 
     def _generate(self, prompts: list, params: SamplingParams):
-        eng = self.server.engine
-        ids = eng.encode(prompts)
-        seeds = [params.seed] * len(ids) if params.seed is not None else None
-        with self.server.lock:
-            return ids, eng.generate(ids, params, seeds=seeds)
+        ids = self.server.engine.encode(prompts)
+        return ids, self.server.batcher.submit(ids, params)
 
     def completions(self, body: dict) -> dict:
         self._model_check(body)
@@ -208,21 +293,29 @@ def _usage(prompt_ids: list[list[int]], outs) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def server_close(self) -> None:
+        super().server_close()
+        self.batcher.close()
+
+
 def make_server(engine, model_name: str = "cascade", host: str = "127.0.0.1", port: int = 0,
-                api_key: str | None = None, handler=Handler, verbose: bool = False) -> ThreadingHTTPServer:
+                api_key: str | None = None, handler=Handler, verbose: bool = False,
+                batch_window_s: float = 0.005) -> Server:
     """A server bound to (host, port) (port 0: a free one; see ``server.server_address``); call
-    ``serve_forever()`` (e.g. in a thread) and ``shutdown()``."""
+    ``serve_forever()`` (e.g. in a thread), then ``shutdown()`` and ``server_close()``."""
     if engine.tokenizer is None:
         raise ValueError("the engine has no tokenizer; serve a checkpoint directory with tokenizer files")
-    srv = ThreadingHTTPServer((host, port), handler)
-    srv.daemon_threads = True
+    srv = Server((host, port), handler)
     srv.engine, srv.model_name, srv.api_key, srv.verbose = engine, model_name, api_key, verbose
-    srv.lock = threading.Lock()
+    srv.batcher = Batcher(engine, window_s=batch_window_s)
     srv.created = int(time.time())
     return srv
 
 
-def serve_in_thread(engine, **kw) -> tuple[ThreadingHTTPServer, str]:
+def serve_in_thread(engine, **kw) -> tuple[Server, str]:
     """Start a server on a background thread; returns (server, base_url)."""
     srv = make_server(engine, **kw)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
