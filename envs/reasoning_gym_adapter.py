@@ -32,8 +32,12 @@ from envs.base import Environment, Problem, Score, last_boxed, register, strip_t
 
 __all__ = ["ReasoningGymEnv", "catalog", "NO_ORACLE", "EXCLUDED"]
 
-# Datasets not registered: they cannot be built on their own.
-EXCLUDED = {"composite": "a mixture of other datasets; needs an explicit list of datasets"}
+# Datasets not registered, with the reason.
+EXCLUDED = {
+    "composite": "a mixture of other datasets; needs an explicit list of datasets",
+    "game_of_life_halting": "its score_answer compares bool(answer) with bool(gold) on strings "
+                            "(bool('False') is True), so every non-empty answer scores 1.0",
+}
 
 # Datasets whose items carry no gold answer (reasoning-gym grades a proposed solution by validity).
 NO_ORACLE = {

@@ -1,0 +1,1 @@
+"""Example Cascade environment plug-in (see README.md)."""

@@ -1,0 +1,302 @@
+"""Environment library core: math equivalence, math environments, reasoning-gym adapter, self-check,
+`cascade envs` CLI, plug-ins, and the self-check of every registered environment."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from envs import Environment, Problem, Score, get_env, list_envs
+from envs.check import self_check
+from envs.cli import main as envs_main, parse_range
+from envs.math import ArithmeticEnv, MathDatasetEnv, math_equal
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+
+# -- math equivalence ------------------------------------------------------------------------
+@pytest.mark.parametrize("pred,gold", [
+    ("42", "42"), ("42.0", "42"), ("0.5", "\\frac{1}{2}"), ("1/2", "\\frac12"), ("-7/3", "-\\frac{7}{3}"),
+    ("2\\sqrt{2}", "\\sqrt{8}"), ("x^2+2x+1", "(x+1)^2"), ("[1,2)", "[1, 2)"), ("(3, \\infty)", "(3,\\infty)"),
+    ("\\{3,-3\\}", "\\{-3, 3\\}"),
+    ("\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}", "\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}"),
+])
+def test_math_equal_accepts_equivalent_forms(pred, gold):
+    assert math_equal(pred, gold)
+
+
+@pytest.mark.parametrize("pred,gold", [
+    ("41", "42"), ("1/3", "0.333"), ("(1,2)", "[1,2)"), ("\\{1,2\\}", "\\{1,2,3\\}"), ("x^2+1", "(x+1)^2"),
+    ("\\begin{pmatrix}1&2\\\\3&5\\end{pmatrix}", "\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}"),
+    ("", "1"), ("3x9", "3"), ("hello", "5"),
+])
+def test_math_equal_rejects_different_answers(pred, gold):
+    assert not math_equal(pred, gold)
+
+
+def test_math_equal_in_a_thread_with_a_time_bound():
+    out = {}
+
+    def work():
+        out["easy"] = math_equal("\\frac{6}{4}", "1.5")
+        t = time.perf_counter()
+        out["hard"] = math_equal("9^{9^{9^{9}}}", "1", timeout=1.0)
+        out["hard_s"] = time.perf_counter() - t
+        out["after"] = math_equal("2+2", "4")  # the pool recovers after killing a worker
+
+    th = threading.Thread(target=work)
+    th.start()
+    th.join(60)
+    assert not th.is_alive()
+    assert out["easy"] is True and out["hard"] is False and out["after"] is True
+    assert out["hard_s"] < 1.0 + 30  # the deadline, plus starting a fresh worker on a busy machine
+
+
+def test_math_equal_never_compares_huge_predictions():
+    t = time.perf_counter()
+    assert not math_equal("1" * 1_000_000, "1")
+    assert time.perf_counter() - t < 1.0
+
+
+# -- math environments -------------------------------------------------------------------------
+def test_math_scoring_rules():
+    env = ArithmeticEnv()
+    p = env.generate(3, 2)
+    ok = env.verify(p, f"so \\boxed{{{p.answer}}}")
+    assert (ok.reward, ok.correct, ok.format_ok) == (1.0, True, True)
+    wrong = env.verify(p, "\\boxed{123456789}")
+    assert (wrong.reward, wrong.correct, wrong.format_ok) == (0.0, False, True)
+    none = env.verify(p, "the answer is 5")
+    assert (none.reward, none.correct, none.format_ok) == (0.0, False, False)
+    # the last boxed answer counts, after any thinking
+    assert env.verify(p, f"<think>\\boxed{{0}}</think> \\boxed{{999}} then \\boxed{{{p.answer}}}").correct
+
+
+def _solve_linear(prompt: str) -> Fraction:
+    """Independent solution of the 'a x + b = c x + e' prompts of math/arith."""
+    eq = re.search(r"\$([^$]*=[^$]*)\$", prompt).group(1).replace(" ", "")
+
+    def side(s):
+        coef, const = Fraction(0), Fraction(0)
+        for sign, num, var in re.findall(r"([+-]?)(\d*)(x?)", s):
+            if not num and not var:
+                continue
+            v = Fraction(int(num) if num else 1) * (-1 if sign == "-" else 1)
+            if var:
+                coef += v
+            else:
+                const += v
+        return coef, const
+
+    (a, b), (c, e) = side(eq.split("=")[0]), side(eq.split("=")[1])
+    return (e - b) / (a - c)
+
+
+def test_arith_linear_answers_match_an_independent_solver():
+    env = ArithmeticEnv()
+    for seed in range(8):
+        for d in (0, 2, 4):
+            p = env.generate(seed, d)
+            x = _solve_linear(p.prompt)
+            pred = str(x.numerator) if x.denominator == 1 else f"{x.numerator}/{x.denominator}"
+            assert env.verify(p, f"\\boxed{{{pred}}}").correct, (p.prompt, p.answer, pred)
+
+
+def test_arith_numbers_grow_with_difficulty():
+    env = ArithmeticEnv()
+
+    def biggest(d):
+        return max(max(map(int, re.findall(r"\d+", env.generate(s, d).prompt.split("Give")[0])))
+                   for s in range(20))
+
+    assert biggest(0) < biggest(4) < biggest(10)
+
+
+def test_math_dataset_env_jsonl_and_parquet(tmp_path):
+    rows = [{"problem": f"What is {i}+{i}?", "answer": str(2 * i), "level": f"Level {1 + i % 3}"} for i in range(9)]
+    jl = tmp_path / "m.jsonl"
+    jl.write_text("\n".join(json.dumps(r) for r in rows))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pqf = tmp_path / "m.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), pqf)
+    for path in (jl, pqf):
+        env = get_env("math", path=str(path))
+        assert env.max_difficulty == 2
+        for d in range(3):
+            for seed in range(5):
+                p = env.generate(seed, d)
+                assert rows[p.meta["row"]]["level"] == f"Level {d + 1}"
+                assert p.prompt.startswith(rows[p.meta["row"]]["problem"])
+                assert env.verify(p, f"\\boxed{{{p.answer}}}").correct
+        assert env.generate(4, 1).to_dict() == env.generate(4, 1).to_dict()
+
+
+def test_math_dataset_env_errors(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "1+1?", "solution": "2"}) + "\n")
+    with pytest.raises(ValueError, match=r"lacks column\(s\) problem, answer"):
+        MathDatasetEnv(path=bad)
+    with pytest.raises(FileNotFoundError):
+        MathDatasetEnv(path=tmp_path / "missing.jsonl")
+    csv = tmp_path / "m.csv"
+    csv.write_text("problem,answer\n1+1?,2\n")
+    with pytest.raises(ValueError, match="unsupported file type"):
+        MathDatasetEnv(path=csv)
+
+
+def test_math_dataset_without_levels_ignores_difficulty(tmp_path):
+    f = tmp_path / "m.jsonl"
+    f.write_text("\n".join(json.dumps({"problem": f"p{i}", "answer": str(i)}) for i in range(5)))
+    env = MathDatasetEnv(path=f)
+    assert env.max_difficulty is None
+    assert {env.generate(s, 0).meta["row"] for s in range(40)} == set(range(5))
+
+
+# -- reasoning-gym adapter -----------------------------------------------------------------------
+rg = pytest.importorskip("reasoning_gym")
+
+
+def test_rg_environment_generates_and_scores():
+    env = get_env("rg/basic_arithmetic")
+    assert env.family == "rg" and env.max_difficulty > 0
+    p = env.generate(0, 0)
+    assert p.prompt.endswith("Put your final answer within \\boxed{}.")
+    assert env.verify(p, f"\\boxed{{{p.answer}}}").correct
+    assert env.verify(p, f"<answer>{p.answer}</answer>").correct
+    assert not env.verify(p, "\\boxed{not a number}").correct
+    assert env.generate(5, 3).to_dict() == env.generate(5, 3).to_dict()
+    # difficulty maps onto the dataset's curriculum levels
+    assert env.config(0)[0] != env.config(env.max_difficulty)[0]
+
+
+def test_rg_no_oracle_datasets_are_documented():
+    env = get_env("rg/graph_color")
+    assert "no gold answer" in env.no_reference_reason
+    assert self_check(env, [0], [0]) == []  # every other requirement still holds
+
+
+def test_listing_does_not_import_reasoning_gym():
+    list_envs()  # makes sure the catalogue cache exists
+    code = ("import sys; from envs import list_envs; ids = list_envs(); "
+            "assert any(i.startswith('rg/') for i in ids); print('reasoning_gym' in sys.modules)")
+    out = subprocess.run([PY, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+# -- self-check and CLI ----------------------------------------------------------------------------
+class _Broken(Environment):
+    """Nondeterministic generation, a reference that fails, a corruption that passes."""
+
+    id = "test/broken"
+    calls = 0
+
+    def generate(self, seed, difficulty):
+        _Broken.calls += 1
+        return self.problem("say 1", "1", seed, difficulty, n=_Broken.calls)
+
+    def check(self, problem, response):
+        ok = "x9" in response
+        return Score(1.0 if ok else 0.0, ok, True)
+
+
+def test_self_check_finds_broken_environments():
+    fails = self_check(_Broken(), [0], [0])
+    text = "\n".join(fails)
+    assert "not deterministic" in text
+    assert "reference response not correct" in text
+    assert "corruption 2 judged correct" in text
+    assert self_check(ArithmeticEnv(), [0, 1], [0]) == []
+
+
+def test_parse_range():
+    assert parse_range("0-5") == [0, 1, 2, 3, 4, 5]
+    assert parse_range("0,2,4") == [0, 2, 4]
+    assert parse_range("3") == [3]
+    for bad in ("a", "5-2", "", "-1"):
+        with pytest.raises(ValueError):
+            parse_range(bad)
+
+
+def test_cli_list_show_check(capsys):
+    assert envs_main(["list", "math*"]) == 0
+    out = capsys.readouterr().out
+    assert "math/arith" in out and "ifeval" not in out
+    assert envs_main(["list", "--family", "ifeval"]) == 0
+    assert "ifeval" in capsys.readouterr().out
+    assert envs_main(["show", "math/arith", "--difficulty", "3", "--seed", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "## prompt" in out and "## reference response" in out and "correct=True" in out
+    assert envs_main(["check", "math*", "ifeval", "--difficulties", "0-2", "--seeds", "2"]) == 0
+    assert "3/3 environments pass" in capsys.readouterr().out
+    assert envs_main(["check", "tests.test_envs_core:_Broken", "--difficulties", "0", "--seeds", "1"]) == 1
+    with pytest.raises(KeyError, match="no environment matches"):
+        envs_main(["check", "nothing/*"])
+
+
+def test_cascade_cli_reports_unknown_env_in_one_line():
+    out = subprocess.run([PY, "-m", "cascade", "envs", "show", "math/arth"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0 and "did you mean math/arith" in out.stderr
+
+
+# -- plug-ins --------------------------------------------------------------------------------------
+def test_plugin_package_registers_through_entry_points(tmp_path):
+    target = tmp_path / "site"
+    pip = subprocess.run([PY, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                          "--target", str(target), str(ROOT / "tests" / "plugin_example")],
+                         capture_output=True, text=True, timeout=300)
+    assert pip.returncode == 0, pip.stderr
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), str(ROOT)])}
+    listed = subprocess.run([PY, "-m", "cascade", "envs", "list", "example/*"], capture_output=True,
+                            text=True, cwd=tmp_path, env=env, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    assert "example/reverse" in listed.stdout
+    code = (
+        "from envs import get_env; from envs.check import self_check\n"
+        "for name in ('example/reverse', 'cascade_plugin_example.reverse:ReverseEnv'):\n"
+        "    e = get_env(name); p = e.generate(1, 2)\n"
+        "    assert e.verify(p, '\\\\boxed{' + p.answer + '}').correct, p\n"
+        "    assert self_check(e, [0, 3], [0, 1]) == [], self_check(e, [0, 3], [0, 1])\n"
+        "print(get_env('example/reverse').id)\n"
+    )
+    used = subprocess.run([PY, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert used.returncode == 0, used.stderr
+    assert used.stdout.strip() == "example/reverse"
+    checked = subprocess.run([PY, "-m", "cascade", "envs", "check", "example/reverse"], capture_output=True,
+                             text=True, cwd=tmp_path, env=env, timeout=120)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+# -- every registered environment ------------------------------------------------------------------
+def test_every_registered_environment_passes_the_self_check():
+    """`cascade envs check` over the whole registry: difficulties 0-5 x 3 seeds, except where one
+    point already takes seconds (reasoning-gym, sandboxed code), which are checked at fewer points."""
+    from envs.check import check_one, expand_ids
+
+    ids = expand_ids(None)
+    assert {"math", "math/arith", "ifeval"} <= set(ids)
+    failures, reduced = [], []
+    for env_id in ids:
+        _, fails, dt = check_one(env_id, [0], [0])
+        failures += fails
+        if fails or env_id.startswith("rg/"):
+            continue
+        if dt > 0.5:
+            reduced.append(env_id)
+            failures += check_one(env_id, [3], [1])[1]
+        else:
+            failures += check_one(env_id, list(range(6)), [0, 1, 2])[1]
+    assert not failures, "\n".join(failures[:40])
