@@ -296,9 +296,12 @@ def _usage(prompt_ids: list[list[int]], outs) -> dict:
 class Server(ThreadingHTTPServer):
     daemon_threads = True
 
+    batcher: Batcher | None = None
+
     def server_close(self) -> None:
         super().server_close()
-        self.batcher.close()
+        if self.batcher is not None:
+            self.batcher.close()
 
 
 def make_server(engine, model_name: str = "cascade", host: str = "127.0.0.1", port: int = 0,
