@@ -220,13 +220,12 @@ for d in ({str(home)!r}, "/home", "/root", "/work"):
 
 
 def test_fork_bomb_contained(sb):
-    before = len(os.listdir("/proc"))
     prog = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     t = time.monotonic()
     v = sb.run(prog, time_limit=1.5)
     assert time.monotonic() - t < 6
+    # the cgroup pids limit stopped it (the autouse fixture checks that nothing of it is left)
     assert v.status == "time_limit" and "processes" in v.limits_hit
-    assert len(os.listdir("/proc")) < before + 20
 
 
 def test_memory_bomb(sb):

@@ -54,12 +54,17 @@ LAYERS = ("namespaces", "uid", "rlimits", "cgroup_pids", "cgroup_memory", "secco
 STATUSES = ("ok", "runtime_error", "time_limit", "memory_limit", "output_limit", "killed")
 ALLOW_ENV = "CASCADE_SANDBOX_ALLOW_WEAKER"
 
+SETUP_TIMEOUT = 30.0  # seconds the sandbox itself may take to start a program
 BOX = "/box"        # read-only directory holding the program inside the sandbox
 WORKDIR = "/tmp"    # private writable tmpfs, the program's cwd
 
 
 class SandboxError(RuntimeError):
     """The sandbox itself failed (not the program): setup error, launcher failure."""
+
+
+class _StartupStall(SandboxError):
+    """The sandbox never started the program before the wall limit (not the program's fault)."""
 
 
 class SandboxUnavailable(SandboxError):
@@ -577,7 +582,20 @@ class Sandbox:
     def run(self, program: str, stdin: str | bytes = b"", *, files: dict[str, str] | None = None,
             args: list[str] | tuple = (), time_limit: float | None = None,
             memory_mb: int | None = None) -> Verdict:
-        """Run Python source ``program`` with ``stdin``; ``files`` are extra read-only files beside it."""
+        """Run Python source ``program`` with ``stdin``; ``files`` are extra read-only files beside it.
+
+        A run whose sandbox never got to start the program within the wall limit (a stalled
+        setup on an overloaded machine) is retried once, then raises :class:`SandboxError`,
+        rather than blaming the program with a time limit."""
+        try:
+            return self._run_once(program, stdin, files, args, time_limit, memory_mb)
+        except _StartupStall:
+            try:
+                return self._run_once(program, stdin, files, args, time_limit, memory_mb)
+            except _StartupStall as e:
+                raise SandboxError(str(e)) from None
+
+    def _run_once(self, program, stdin, files, args, time_limit, memory_mb) -> Verdict:
         self.check()
         cfg = self.config
         wall = float(time_limit if time_limit is not None else cfg.time_limit)
@@ -683,7 +701,11 @@ class Sandbox:
                                 env=env, cwd=cwd, pass_fds=pass_fds, start_new_session=True, close_fds=True)
         os.close(ready_w)
         fds_to_close.remove(ready_w)
-        deadline = t0 + wall
+        # the wall limit counts from the moment the launcher is ready: a slow sandbox setup on a
+        # loaded machine is not the program's time (setup gets its own, generous budget)
+        deadline = t0 + max(wall, SETUP_TIMEOUT)
+        ready = False
+        t_ready = t0
         out = bytearray()
         err = bytearray()
         total = 0
@@ -720,6 +742,7 @@ class Sandbox:
             sel.register(pidfd, selectors.EVENT_READ, "exit")
         sel.register(proc.stdout, selectors.EVENT_READ, "out")
         sel.register(proc.stderr, selectors.EVENT_READ, "err")
+        sel.register(ready_r, selectors.EVENT_READ, "ready")
         sent = 0
         if data:
             os.set_blocking(proc.stdin.fileno(), False)
@@ -729,15 +752,22 @@ class Sandbox:
         view = memoryview(data)
         exited = False
         keep_err = cfg.stderr_keep_bytes
-        while not (exited and not [k for k in sel.get_map().values() if k.data != "exit"]):
+        while not (exited and not [k for k in sel.get_map().values() if k.data not in ("exit", "ready")]):
             now = time.monotonic()
             if now >= deadline:
-                limits.append("wall_time")
+                if ready:
+                    limits.append("wall_time")
                 kill()
                 break
             timeout = deadline - now if pidfd is not None else min(deadline - now, 0.005)
             for key, _ev in sel.select(timeout):
-                if key.data == "exit":
+                if key.data == "ready":
+                    sel.unregister(ready_r)
+                    if os.read(ready_r, 1) == b"R":
+                        ready = True
+                        t_ready = time.monotonic()
+                        deadline = t_ready + wall
+                elif key.data == "exit":
                     exited = True
                     sel.unregister(key.fileobj)
                     sweep()
@@ -785,13 +815,15 @@ class Sandbox:
                 pass
         _pid, status, ru = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
-        wall_time = time.monotonic() - t0
+        wall_time = time.monotonic() - t_ready
         if cgroup is not None:
             cgroup.kill_all()
-        try:
-            ready = os.read(ready_r, 1) == b"R"
-        except OSError:
-            ready = False
+        if not ready:
+            try:
+                os.set_blocking(ready_r, False)
+                ready = os.read(ready_r, 1) == b"R"
+            except OSError:
+                ready = False
         stats = cgroup.stats() if cgroup is not None else {}
         cpu_time = stats.get("cpu_time", ru.ru_utime + ru.ru_stime)
         peak = stats.get("peak_memory")
@@ -799,6 +831,8 @@ class Sandbox:
             peak = int(ru.ru_maxrss) * 1024
         rc = proc.returncode
         stderr_text = bytes(err[-keep_err:]).decode("utf-8", "replace")
+        if not ready and killed and not limits:
+            raise _StartupStall(f"the sandbox did not start the program within {max(wall, SETUP_TIMEOUT):g} s")
         if not ready and not killed:
             raise SandboxError(f"the sandbox failed to start the program (exit {rc}): {stderr_text.strip()[-500:]}")
         if stats.get("pids_max_hit"):
