@@ -39,7 +39,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from train.model.config import ModelConfig
 from train.model.modeling import CausalLM, Router, apply_rope, rope_cos_sin
