@@ -12,6 +12,12 @@ continues its own tail after the assistant header: parallel Delethink), ``pacore
 that finished forwards its post-``</think>`` answer instead of its tail). T = 0 is plain parallel
 sampling; majority vote and pass@N over the final population are always reported.
 
+Metrics (``RSAResult.metrics``): ``mean_accuracy`` over the final population (after the
+final-answer step), ``round_accuracy`` per round (earlier rounds graded on their traces as they
+are), ``majority_accuracy`` (equivalent answers clustered with the grader), ``pass_at_n``,
+``generated_tokens`` (sum of completion lengths), ``prefill_tokens`` (sum of the prompt lengths of
+all requests; a prompt sampled n times counts once), per-round token counts and wall time.
+
 Seeds: round 0 samples the solve prompt with ``n=N, seed=seed`` (exactly parallel sampling); an
 aggregation request's seed and its parents depend only on (seed, round, candidate), so a run is
 the same whatever the backend's batching or request order.
