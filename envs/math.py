@@ -198,7 +198,9 @@ def _zero_format() -> Score:
 
 class _MathBase(Environment):
     family = "math"
-    verify_time_limit = DEFAULT_TIMEOUT + 2.0
+    # the comparison deadline, plus the one-time start of a worker process (imports sympy; slow
+    # on a busy machine)
+    verify_time_limit = DEFAULT_TIMEOUT + 12.0
     timeout: float = DEFAULT_TIMEOUT
 
     def check(self, problem: Problem, response: str) -> Score:

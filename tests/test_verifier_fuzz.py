@@ -29,7 +29,7 @@ SETTINGS = settings(max_examples=4, deadline=None, derandomize=True, database=No
 @functools.lru_cache(maxsize=None)
 def _env_and_problem(env_id: str):
     env = get_env(env_id)
-    return env, env.generate(0, 1)
+    return env, env.generate(0, 0)
 
 
 def _verify(env, problem, text: str) -> Score:
@@ -81,7 +81,10 @@ def test_random_boxed_answers_are_not_correct(env_id):
     env, problem = _env_and_problem(env_id)
 
     @SETTINGS
-    @given(st.text(alphabet=st.characters(blacklist_characters="{}"), min_size=1, max_size=60))
+    # no digits and at least 6 characters: many answers are numbers, and some scorers rightly read
+    # a number's value ("0" is "0 days"), so short numerals may be correct by chance
+    @given(st.text(alphabet=st.characters(blacklist_characters="{}0123456789", blacklist_categories=("Nd",)),
+                   min_size=6, max_size=60))
     @example("qx9 zz")
     @example(BIG.replace("{", "").replace("}", ""))
     def prop(text):

@@ -108,7 +108,8 @@ def detect_language(text: str) -> str:
     if script in _SCRIPT_LANG:
         return _SCRIPT_LANG[script]
     if script in ("kana", "han"):
-        return "ja" if counts.get("kana", 0) > 0.05 * (counts.get("han", 0) + counts["kana"]) else "zh"
+        kana, han = counts.get("kana", 0), counts.get("han", 0)
+        return "ja" if kana > 0.05 * (han + kana) else "zh"
     if script == "cyrillic":
         if any(c in text for c in "іїєґІЇЄҐ"):
             return "uk"

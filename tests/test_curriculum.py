@@ -1,0 +1,149 @@
+"""Difficulty controllers against hand-worked sequences, and the curriculum's sampling and resume."""
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections import Counter
+
+import pytest
+
+from envs import Score
+from envs.curriculum import Curriculum, RLVEWindow, UpDown, count_correct, make_controller
+
+
+def test_count_correct_accepts_scores_bools_and_rewards():
+    assert count_correct([Score(1.0, True, True), Score(0.5, False, True), True, False, 1.0, 0.99, -1]) == (3, 7)
+
+
+def test_rlve_window_hand_worked():
+    c = RLVEWindow(group_size=2, tau_prompts=2, tau_acc=0.75, d_window=2)  # tau_num = 4 rollouts
+    assert (c.low, c.high, c.tau_num) == (0, 0, 4)
+    c.update(0, [1, 1])                 # 2 counted
+    assert (c.high, c.n, c.k) == (0, 2, 2)
+    c.update(0, [1, 0])                 # 4 counted, accuracy 3/4 >= 0.75 -> h = 1
+    assert (c.low, c.high, c.n, c.k) == (0, 1, 0, 0)
+    c.update(0, [1, 1, 1, 1])           # below h: not counted
+    assert (c.high, c.n) == (1, 0)
+    c.update(1, [1, 1, 0, 0])           # accuracy 1/2: no step, counts reset
+    assert (c.low, c.high, c.n, c.k) == (0, 1, 0, 0)
+    c.update(1, [1, 1, 1])              # 3 counted ...
+    c.update(1, [1])                    # ... 4: accuracy 1 -> h = 2, l = 2 - 2 + 1 = 1
+    assert (c.low, c.high) == (1, 2)
+    for _ in range(3):
+        c.update(c.high, [1, 1, 1, 1])
+    assert (c.low, c.high) == (4, 5)
+    rng = random.Random(0)
+    assert set(c.sample(rng) for _ in range(200)) == {4, 5}
+
+
+def test_rlve_window_respects_max_difficulty_and_default_tau():
+    c = make_controller("rlve", max_difficulty=1, group_size=1, tau_prompts=1)
+    for _ in range(5):
+        c.update(c.high, [True])
+    assert (c.low, c.high) == (0, 1)
+    assert RLVEWindow().tau_num == 8 * 16
+
+
+def test_updown_hand_worked():
+    c = UpDown(start=2, max_difficulty=3)
+    rng = random.Random(0)
+    assert c.sample(rng) == 2
+    c.update(2, [1] * 6 + [0] * 2)      # 0.75 > 0.7 -> 3
+    assert c.difficulty == 3
+    c.update(3, [1] * 8)                # at the cap
+    assert c.difficulty == 3
+    c.update(3, [0] * 8)                # 0 -> 2
+    assert c.difficulty == 2
+    c.update(2, [1] * 7 + [0] * 3)      # exactly 0.7: stays
+    assert c.difficulty == 2
+    c.update(1, [0] * 8)                # not the current difficulty: ignored
+    assert c.difficulty == 2
+    c.update(2, [0.5] * 8)              # partial rewards are not correct: pass rate 0 -> 1
+    c.update(1, [0] * 4)
+    c.update(0, [0] * 4)
+    assert c.difficulty == 0            # never below 0
+
+
+def test_updown_calibrates_towards_half_pass_rate():
+    """Pass rate sigmoid(-(d - 6) / 1.2): calibration should start near d = 6."""
+    rng = random.Random(1)
+    c = UpDown(calibration_groups=12, max_difficulty=20)
+    seen = []
+    while c.calibrating:
+        d = c.sample(rng)
+        seen.append(d)
+        p = 1 / (1 + math.exp((d - 6) / 1.2))
+        c.update(d, [rng.random() < p for _ in range(16)])
+    assert len(seen) == 12 and len(set(seen)) > 1     # Thompson sampling explores
+    assert abs(c.difficulty - 6) <= 1
+    assert abs(c.posterior_mu() - 6) < 1.5
+
+
+def _curriculum(**kw):
+    return Curriculum({"math/arith": 1.0, "ifeval": 3.0}, seed=7, **kw)
+
+
+def test_curriculum_uniform_follows_weights_and_is_deterministic():
+    a, b = _curriculum(), _curriculum()
+    sa, sb = a.sample(None, 400), b.sample(None, 400)
+    assert [(e, p.to_dict()) for e, p in sa] == [(e, p.to_dict()) for e, p in sb]
+    share = Counter(e for e, _ in sa)["ifeval"] / 400
+    assert 0.68 < share < 0.82
+    assert all(p.env_id == e for e, p in sa)
+    # an explicit seed gives the same batch whatever the internal state
+    assert [p.seed for _, p in a.sample(5, 10)] == [p.seed for _, p in b.sample(5, 10)]
+
+
+def test_curriculum_least_sampled_balances_exactly():
+    c = Curriculum(["math/arith", "ifeval", "math"], mode="least_sampled", seed=0)
+    for _ in range(5):
+        c.sample(None, 4)
+    assert sorted(c.counts.values()) == [6, 7, 7]
+    c.counts["math"] = 0
+    assert {e for e, _ in c.sample(None, 3)} == {"math"}
+
+
+def test_curriculum_update_drives_difficulty():
+    c = Curriculum(["math/arith"], controller="zaya", controller_kwargs={"start": 0})
+    c.update("math/arith", 0, [True] * 8)
+    assert c.difficulties() == {"math/arith": 1}
+    assert all(p.difficulty == 1 for _, p in c.sample(None, 5))
+    with pytest.raises(KeyError):
+        c.update("nope", 0, [True])
+
+
+@pytest.mark.parametrize("controller", ["rlve", "zaya"])
+def test_curriculum_resumes_exactly(controller):
+    kw = {"group_size": 2, "tau_prompts": 1} if controller == "rlve" else {"calibration_groups": 3}
+
+    def step(c, i):
+        batch = c.sample(None, 6)
+        rng = random.Random(i)
+        for env_id, p in batch:
+            c.update(env_id, p.difficulty, [rng.random() < 0.8 for _ in range(2)])
+        return [(e, p.to_dict()) for e, p in batch]
+
+    a = _curriculum(controller=controller, controller_kwargs=kw, mode="least_sampled")
+    for i in range(4):
+        step(a, i)
+    saved = json.loads(json.dumps(a.state_dict()))
+    rest_a = [step(a, i) for i in range(4, 8)]
+    b = _curriculum(controller=controller, controller_kwargs=kw, mode="least_sampled")
+    b.load_state_dict(saved)
+    rest_b = [step(b, i) for i in range(4, 8)]
+    assert rest_a == rest_b
+    assert a.state_dict() == b.state_dict()
+    assert len({p["difficulty"] for batch in rest_a for _, p in batch}) >= 1
+
+
+def test_curriculum_errors():
+    with pytest.raises(ValueError, match="unknown difficulty controller"):
+        Curriculum(["math/arith"], controller="nope")
+    with pytest.raises(ValueError, match="unknown sampling mode"):
+        Curriculum(["math/arith"], mode="nope")
+    with pytest.raises(ValueError, match="weights"):
+        Curriculum({"math/arith": -1.0})
+    c = _curriculum()
+    with pytest.raises(ValueError, match="curriculum state is for"):
+        Curriculum(["math/arith"]).load_state_dict(c.state_dict())
