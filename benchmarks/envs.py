@@ -1,0 +1,71 @@
+"""Environment throughput: problems generated and verifications per second over every registered
+environment (or the ids/globs given), as one JSON line.
+
+    python benchmarks/envs.py [ID_OR_GLOB ...] [--n 20] [--difficulty 2]
+
+Each environment generates ``n`` problems (seeds 0..n-1) after one warm-up problem, then
+verifies its reference response for each. Totals are summed over environments; the slowest
+environments are listed so outliers are visible.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("ids", nargs="*")
+    ap.add_argument("--n", type=int, default=20)
+    ap.add_argument("--difficulty", type=int, default=2)
+    args = ap.parse_args(argv)
+
+    from envs import get_env
+    from envs.check import expand_ids
+
+    ids = expand_ids(args.ids)
+    gen_s = ver_s = 0.0
+    n_gen = n_ver = 0
+    per_env = {}
+    errors = {}
+    for env_id in ids:
+        try:
+            env = get_env(env_id)
+            env.verify(env.generate(10_000, args.difficulty), "")  # warm-up (imports, worker start)
+            t = time.perf_counter()
+            problems = [env.generate(s, args.difficulty) for s in range(args.n)]
+            g = time.perf_counter() - t
+            refs = [env.reference_response(p) for p in problems]
+            t = time.perf_counter()
+            for p, r in zip(problems, refs):
+                env.verify(p, r)
+            v = time.perf_counter() - t
+        except Exception as e:  # noqa: BLE001 - report and go on
+            errors[env_id] = f"{type(e).__name__}: {e}"[:200]
+            continue
+        gen_s += g
+        ver_s += v
+        n_gen += len(problems)
+        n_ver += len(problems)
+        per_env[env_id] = (g + v) / max(1, 2 * len(problems))
+    slowest = sorted(per_env.items(), key=lambda kv: -kv[1])[:5]
+    print(json.dumps({
+        "environments": len(per_env),
+        "difficulty": args.difficulty,
+        "problems": n_gen,
+        "problems_per_s": round(n_gen / gen_s, 1) if gen_s else None,
+        "verifications_per_s": round(n_ver / ver_s, 1) if ver_s else None,
+        "median_env_ms_per_call": round(1000 * sorted(per_env.values())[len(per_env) // 2], 3) if per_env else None,
+        "slowest_ms_per_call": {k: round(1000 * v, 1) for k, v in slowest},
+        "errors": errors,
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
