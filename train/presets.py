@@ -44,7 +44,6 @@ def init_model(preset: str, out: str | Path, seed: int = 0, **overrides):
     m.update(overrides)
     m.setdefault("vocab_size", len(tok))
     m.update(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    tok.model_max_length = m.get("max_position_embeddings", 2048)
     cfg = ModelConfig.from_dict(m)
     model = CausalLM(cfg).init_weights(seed)
     save_pretrained(model, out, tokenizer=tok)

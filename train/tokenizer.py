@@ -59,7 +59,7 @@ def training_corpus(n_lines: int = 6000, seed: int = 0) -> list[str]:
     return lines
 
 
-def build_tokenizer(out_dir: str | Path, vocab_size: int = 1024, seed: int = 0, model_max_length: int = 2048):
+def build_tokenizer(out_dir: str | Path, vocab_size: int = 1024, seed: int = 0, model_max_length: int = 1 << 30):
     """Train the tokenizer and save HF files to ``out_dir``; returns the ``PreTrainedTokenizerFast``."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

@@ -99,6 +99,11 @@ def get_loss(name: str) -> LossFn:
     return LOSSES.get(name)
 
 
+def effective_agg(name: str, cfg: "LossConfig") -> str:
+    """The aggregation mode a loss uses under ``cfg``: ``cfg.agg`` or the loss's own default."""
+    return cfg.agg or get_loss(name).default_agg
+
+
 # ----------------------------------------------------------------------------------------------
 # shared pieces
 
@@ -225,6 +230,7 @@ def _ppo_family(default_agg: str) -> LossFn:
         tok, clipped = _clipped_surrogate(b.log_ratio.exp(), b.adv, cfg.clip_low, cfg.clip_high)
         return _finish(b, tok, {"clip_frac": _frac(clipped, b)}, cfg, default_agg, ref_logprobs, denom)
     loss_fn.__doc__ = f"PPO clipped surrogate with low/high clip; default aggregation {default_agg}."
+    loss_fn.default_agg = default_agg
     return loss_fn
 
 
@@ -246,6 +252,9 @@ def gspo_loss(logprobs, old_logprobs, rollout_logprobs, advantages, mask, cfg=No
     return _finish(b, tok, metrics, cfg, "seq_mean_token_mean", ref_logprobs, denom)
 
 
+gspo_loss.default_agg = "seq_mean_token_mean"
+
+
 @LOSSES.register("cispo")
 def cispo_loss(logprobs, old_logprobs, rollout_logprobs, advantages, mask, cfg=None, *,
                ref_logprobs=None, denom=None):
@@ -256,6 +265,9 @@ def cispo_loss(logprobs, old_logprobs, rollout_logprobs, advantages, mask, cfg=N
     w = ratio.clamp(1 - cfg.cispo_clip_low, 1 + cfg.cispo_clip_high)
     tok = -_weighted(w, b.log_ratio) * b.adv
     return _finish(b, tok, {"clip_frac": _frac(w != ratio, b)}, cfg, "token_mean", ref_logprobs, denom)
+
+
+cispo_loss.default_agg = "token_mean"
 
 
 def dppo_tv_mask(logprobs: Tensor, mu_logprobs: Tensor, adv: Tensor, delta: float) -> Tensor:
@@ -277,3 +289,6 @@ def dppo_tv_loss(logprobs, old_logprobs, rollout_logprobs, advantages, mask, cfg
     w = ratio if cfg.dppo_ratio_cap is None else ratio.clamp(max=cfg.dppo_ratio_cap)
     tok = torch.where(out, 0.0, -_weighted(w, b.log_ratio) * b.adv)
     return _finish(b, tok, {"clip_frac": _frac(out, b)}, cfg, "seq_mean_token_sum", ref_logprobs, denom)
+
+
+dppo_tv_loss.default_agg = "seq_mean_token_sum"

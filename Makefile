@@ -1,0 +1,37 @@
+# Cascade: one command to set up and run the main job, one to set up and pass the tests.
+#   make demo   - install, then run the tiny four-stage cascade on CPU
+#   make test   - install, then run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch where one lies on disk (pip finds it); set TORCH_SPEC for another build.
+TORCH_SPEC ?= torch==2.13.0
+OUT ?= runs/demo
+
+.PHONY: setup system-deps demo test bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+# bubblewrap isolates the code sandbox (Debian/Ubuntu; needs root or sudo).
+system-deps:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq bubblewrap; }
+
+demo: setup system-deps
+	$(BIN)/cascade run profile=tiny out=$(OUT)
+
+test: setup system-deps
+	$(BIN)/pytest -q
+
+bench: setup system-deps
+	for b in benchmarks/*.py; do $(BIN)/python $$b; done
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,145 @@
+"""Crash-safe checkpoints: written in a background thread into ``step-N.tmp``, renamed to ``step-N``,
+and marked complete by a ``COMPLETE`` file written last. A directory without the marker is never
+loaded (a crash at any moment leaves at worst an incomplete directory, removed at the next start).
+
+Each checkpoint is a Hugging Face model directory (``config.json``, ``model.safetensors``,
+tokenizer files) plus ``trainer_state.pt`` (optimizer, scheduler, RNG, curriculum) and
+``state.json`` (step, phase and anything JSON-serialisable the stage keeps).
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import threading
+from pathlib import Path
+
+import torch
+
+from train.model.hf_io import TOKENIZER_FILES, save_pretrained
+
+COMPLETE = "COMPLETE"
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+def is_complete(path: Path) -> bool:
+    return (Path(path) / COMPLETE).exists()
+
+
+def _fault(point: str, step: int) -> None:
+    """Fault injection for crash tests: ``CASCADE_FAULT=point:step`` SIGKILLs the process there."""
+    spec = os.environ.get("CASCADE_FAULT", "")
+    if spec and spec == f"{point}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (src / name).exists() and name != "generation_config.json":
+            shutil.copyfile(src / name, dst / name)
+
+
+class Checkpointer:
+    """Asynchronous, atomic checkpoints under ``root``; keeps the newest ``keep`` complete ones."""
+
+    def __init__(self, root: str | Path, keep: int = 2):
+        self.root = Path(root)
+        self.keep = keep
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.clean()
+
+    def clean(self) -> None:
+        """Remove incomplete checkpoint directories (left by a crash)."""
+        for p in self.root.iterdir():
+            if p.is_dir() and not is_complete(p):
+                shutil.rmtree(p, ignore_errors=True)
+
+    def complete(self) -> list[Path]:
+        found = [(int(m.group(1)), p) for p in self.root.iterdir() if (m := _STEP.match(p.name)) and is_complete(p)]
+        return [p for _, p in sorted(found)]
+
+    def latest(self) -> Path | None:
+        done = self.complete()
+        return done[-1] if done else None
+
+    def save(self, step: int, model, tokenizer_dir: Path, trainer_state: dict, state: dict, sync: bool = False) -> Path:
+        """Snapshot now (weights cloned, trainer state serialised), write in the background."""
+        self.wait()
+        weights_model = _Snapshot(model)
+        buf = io.BytesIO()
+        torch.save(trainer_state, buf)
+        payload = buf.getvalue()
+        final = self.root / f"step-{step:08d}"
+
+        def write():
+            tmp = self.root / f"step-{step:08d}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            save_pretrained(weights_model, tmp)
+            copy_tokenizer(Path(tokenizer_dir), tmp)
+            (tmp / "trainer_state.pt").write_bytes(payload)
+            _fault("checkpoint_write", step)
+            (tmp / "state.json").write_text(json.dumps(state))
+            for f in tmp.iterdir():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(self.root)
+            (final / COMPLETE).write_text("ok\n")
+            _fsync_dir(final)
+            for old in self.complete()[:-self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+
+        def run():
+            try:
+                write()
+            except BaseException as e:  # surfaced by wait()
+                self._error = e
+
+        if sync:
+            write()
+        else:
+            self._thread = threading.Thread(target=run, name=f"checkpoint-{step}", daemon=False)
+            self._thread.start()
+        return final
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise RuntimeError(f"checkpoint write failed: {e}") from e
+
+
+def load_trainer_state(path: Path) -> tuple[dict, dict]:
+    st = torch.load(Path(path) / "trainer_state.pt", map_location="cpu", weights_only=False)
+    return st, json.loads((Path(path) / "state.json").read_text())
+
+
+class _Snapshot:
+    """A frozen CPU copy of a model's weights that :func:`save_pretrained` can write."""
+
+    def __init__(self, model):
+        self.config = model.config
+        self._sd = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+    def state_dict(self):
+        return self._sd

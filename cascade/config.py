@@ -1,0 +1,224 @@
+"""The run configuration: ``configs/cascade.yaml``, a profile (``configs/profiles/NAME.yaml``) and
+``key.sub=value`` overrides from the command line, merged in that order and checked against typed
+dataclasses before any work starts."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from train.dataclass_config import ConfigError, build
+from train.optim import OptimConfig
+from train.presets import configs_dir
+from train.rl.trainer import RLConfig
+
+STAGE_NAMES = ("warmup", "rlve", "math", "behavior")
+
+
+@dataclass
+class SFTStage:
+    """Supervised warm-up at the start of a stage (reference traces of its environments or a file)."""
+
+    steps: int = 0
+    examples: int = 1024
+    batch_size: int = 32
+    micro_batch_size: int = 32
+    max_len: int = 8192
+    envs: list[str] = field(default_factory=list)  # default: the stage's environments
+    difficulties: list[int] = field(default_factory=lambda: [0, 1, 2])
+    data: str | None = None  # a jsonl of prompt/response pairs instead of reference traces
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5, warmup_steps=10))
+
+
+@dataclass
+class PoolFilter:
+    """Keep only prompts whose pass rate under the incoming policy is at most ``max_pass_rate``."""
+
+    size: int = 0          # 0: off
+    samples: int = 4       # rollouts per prompt to estimate its pass rate
+    max_pass_rate: float = 0.75
+    min_pass_rate: float = 0.0
+
+
+@dataclass
+class Aggregation:
+    """TTC aggregation prompts mixed into the stream, built from tails of the policy's own earlier
+    rollouts of the same problem (Markovian RSA round-1 prompts)."""
+
+    fraction: float = 0.0  # share of prompts turned into aggregation prompts once tails exist
+    tails: int = 4         # C
+    tail_tokens: int = 4096  # tau
+    template: str = "math"
+    buffer: int = 256      # problems whose rollouts are remembered
+
+
+@dataclass
+class RewardModel:
+    """Behavioral RL: a Hugging Face sequence-classification model scores responses; the score is
+    zeroed when the instruction checker fails."""
+
+    path: str | None = None
+    scale: float = 1.0
+    max_len: int = 2048
+
+
+@dataclass
+class StageConfig:
+    steps: int = 10
+    envs: dict[str, float] = field(default_factory=dict)
+    env_kwargs: dict[str, dict] = field(default_factory=dict)
+    controller: str = "rlve"          # rlve | zaya | fixed
+    controller_kwargs: dict[str, Any] = field(default_factory=dict)
+    sampling_mode: str = "uniform"    # uniform | least_sampled
+    rl: RLConfig = field(default_factory=RLConfig)
+    sft: SFTStage = field(default_factory=SFTStage)
+    pool: PoolFilter = field(default_factory=PoolFilter)
+    aggregation: Aggregation = field(default_factory=Aggregation)
+    reward_model: RewardModel = field(default_factory=RewardModel)
+    checkpoint_every: int = 10
+    eval_problems: int = 32           # held-out problems scored before and after the stage
+
+
+@dataclass
+class Logging:
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "cascade"
+    progress: bool = True
+
+
+@dataclass
+class RunConfig:
+    out: str = "runs/cascade"
+    model: str | None = None          # a checkpoint directory; None: a fresh model from model_preset
+    model_preset: str = "tiny-moe"
+    engine: str = "torch"             # torch | vllm
+    device: str = "cpu"
+    dtype: str = "float32"            # float32 | bfloat16
+    seed: int = 0
+    order: list[str] = field(default_factory=lambda: list(STAGE_NAMES))
+    stages: dict[str, StageConfig] = field(default_factory=dict)
+    logging: Logging = field(default_factory=Logging)
+
+    def __post_init__(self):
+        if self.engine not in ("torch", "vllm"):
+            raise ValueError(f"unknown engine {self.engine!r}; choose torch or vllm")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose float32 or bfloat16")
+        missing = [s for s in self.order if s not in self.stages]
+        if missing:
+            raise ValueError(f"order names stages without a config: {missing}; configured: {sorted(self.stages)}")
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"cannot parse {str(path)!r}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{str(path)!r} must hold a mapping")
+    return _unshare(data)
+
+
+def _unshare(tree: dict) -> dict:
+    """A copy in which no two keys share an object (YAML anchors and deepcopy both alias), so that an
+    override of one stage never leaks into another."""
+    return json.loads(json.dumps(tree))
+
+
+# Mappings that a profile replaces whole rather than merges into: an environment mix is one value.
+REPLACED_WHOLE = ("envs", "env_kwargs")
+
+
+def deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        merge = isinstance(v, dict) and isinstance(out.get(k), dict) and k not in REPLACED_WHOLE
+        out[k] = deep_merge(out[k], v) if merge else v
+    return out
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """``["a.b=1", "c=x"]`` -> ``{"a.b": 1, "c": "x"}`` (values parsed as YAML scalars/lists)."""
+    out = {}
+    for a in args:
+        if "=" not in a:
+            raise ConfigError(f"expected key=value, got {a!r}")
+        k, _, v = a.partition("=")
+        if not k:
+            raise ConfigError(f"empty key in {a!r}")
+        try:
+            out[k.strip()] = yaml.safe_load(v) if v != "" else ""
+        except yaml.YAMLError:
+            out[k.strip()] = v
+    return out
+
+
+def set_dotted(tree: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for i, p in enumerate(parts[:-1]):
+        if not isinstance(node.get(p), dict):
+            node[p] = {}
+        node = node[p]
+    node[parts[-1]] = value
+
+
+def load_run_config(overrides: dict[str, Any], base: Path | None = None) -> tuple[RunConfig, dict]:
+    """Merge cascade.yaml, the profile named by ``profile=`` and the overrides; return the typed
+    config and the merged plain dict (written to the run directory)."""
+    cdir = configs_dir()
+    tree = _read_yaml(base or cdir / "cascade.yaml")
+    overrides = dict(overrides)
+    profile = overrides.pop("profile", None)
+    stage = overrides.pop("stage", None)
+    if profile:
+        f = cdir / "profiles" / f"{profile}.yaml"
+        if not f.exists():
+            names = sorted(p.stem for p in (cdir / "profiles").glob("*.yaml"))
+            raise ConfigError(f"unknown profile {profile!r}; available: {', '.join(names)}")
+        tree = _unshare(deep_merge(tree, _read_yaml(f)))
+    if stage is not None:
+        if stage not in tree.get("stages", {}):
+            raise ConfigError(f"unknown stage {stage!r}; stages: {', '.join(tree.get('stages', {}))}")
+        tree["order"] = [stage]
+    top = {f for f in RunConfig.__dataclass_fields__}
+    for k, v in overrides.items():
+        head = k.split(".")[0]
+        if head not in top and stage is not None:
+            k = f"stages.{stage}.{k}"  # with stage=NAME, other keys are relative to that stage
+        _check_key_path(tree, k)
+        set_dotted(tree, k, v)
+    cfg = build(RunConfig, tree)
+    return cfg, tree
+
+
+def _check_key_path(tree: dict, key: str) -> None:
+    """Fail on a key the schema does not have, naming the valid keys at that level."""
+    import dataclasses
+    import typing
+
+    cls: Any = RunConfig
+    parts = key.split(".")
+    where = []
+    for p in parts:
+        if cls is None:
+            return
+        if dataclasses.is_dataclass(cls):
+            hints = typing.get_type_hints(cls)
+            if p not in hints:
+                at = ".".join(where) or "top level"
+                raise ConfigError(f"unknown key {key!r}: {p!r} is not valid at {at}; valid keys: "
+                                  f"{', '.join(sorted(hints))}")
+            cls = hints[p]
+        elif typing.get_origin(cls) is dict:
+            args = typing.get_args(cls)
+            if len(where) >= 1 and where[-1] == "stages" and p not in tree.get("stages", {}):
+                raise ConfigError(f"unknown stage {p!r} in {key!r}; stages: {', '.join(tree.get('stages', {}))}")
+            cls = args[1] if len(args) == 2 else None
+        else:
+            return
+        where.append(p)

@@ -1,0 +1,77 @@
+"""Run records: ``metrics.jsonl`` always; TensorBoard and Weights & Biases when asked for."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _scalars(d: dict, prefix: str = "") -> dict[str, float]:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, bool):
+            out[key] = float(v)
+        elif isinstance(v, (int, float)):
+            out[key] = float(v)
+        elif isinstance(v, dict):
+            out.update(_scalars(v, key + "/"))
+        elif isinstance(v, (list, tuple)) and v and all(isinstance(x, (int, float)) for x in v):
+            out[key] = float(max(v))  # e.g. an RLVE window [l, h]: its upper end
+    return out
+
+
+class Records:
+    def __init__(self, out: Path, tensorboard: bool = False, wandb: bool = False, project: str = "cascade",
+                 config: dict | None = None):
+        self.path = Path(out) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a")
+        self._tb = self._wb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ValueError("logging.tensorboard=true needs the tensorboard package "
+                                 "(pip install 'cascade-rl[tensorboard]')") from None
+            self._tb = SummaryWriter(str(Path(out) / "tensorboard"))
+        if wandb:
+            try:
+                import wandb as wb
+            except ImportError:
+                raise ValueError("logging.wandb=true needs the wandb package (pip install 'cascade-rl[wandb]')") from None
+            self._wb = wb.init(project=project, dir=str(out), config=config or {}, resume="allow")
+
+    def log(self, stage: str, phase: str, step: int, metrics: dict[str, Any]) -> None:
+        rec = {"stage": stage, "phase": phase, "step": int(step), "time": time.time(), **metrics}
+        self._f.write(json.dumps(rec, default=str) + "\n")
+        self._f.flush()
+        flat = _scalars(metrics)
+        if self._tb is not None:
+            for k, v in flat.items():
+                self._tb.add_scalar(f"{stage}/{phase}/{k}", v, step)
+        if self._wb is not None:
+            self._wb.log({f"{stage}/{phase}/{k}": v for k, v in flat.items()})
+
+    def close(self) -> None:
+        self._f.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wb is not None:
+            self._wb.finish()
+
+
+def read_records(run_dir: str | Path) -> list[dict]:
+    """All records of a run; a step re-run after a crash keeps its last record."""
+    p = Path(run_dir) / "metrics.jsonl"
+    if not p.exists():
+        raise FileNotFoundError(f"{str(run_dir)!r} has no metrics.jsonl (not a Cascade run directory?)")
+    latest: dict[tuple, dict] = {}
+    for line in p.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash
+        latest[(r.get("stage"), r.get("phase"), r.get("step"))] = r
+    return list(latest.values())

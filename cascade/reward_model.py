@@ -1,0 +1,80 @@
+"""Behavioral RL rewards: a Hugging Face sequence-classification model scores a response, and the
+score is zeroed when the binary instruction checker fails (ZAYA1 stage 4)."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from envs.base import Environment, Problem, Score
+
+
+class RewardModel:
+    """Any local ``AutoModelForSequenceClassification`` directory with one output (a scalar score)."""
+
+    def __init__(self, path: str | Path, max_len: int = 2048, device: str = "cpu"):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        p = Path(path)
+        if not (p / "config.json").exists():
+            raise FileNotFoundError(f"reward model directory {str(p)!r} has no config.json")
+        self.tok = AutoTokenizer.from_pretrained(str(p))
+        self.model = AutoModelForSequenceClassification.from_pretrained(str(p)).to(device).eval()
+        if self.model.config.num_labels != 1:
+            raise ValueError(f"reward model {str(p)!r} has {self.model.config.num_labels} labels; expected 1")
+        if self.model.config.pad_token_id is None:
+            self.model.config.pad_token_id = self.tok.pad_token_id
+        self.max_len, self.device = max_len, device
+
+    def text(self, prompt: str, response: str) -> str:
+        msgs = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+        if getattr(self.tok, "chat_template", None):
+            return self.tok.apply_chat_template(msgs, tokenize=False)
+        return f"{prompt}\n{response}"
+
+    @torch.no_grad()
+    def score(self, prompt: str, response: str) -> float:
+        enc = self.tok(self.text(prompt, response), return_tensors="pt", truncation=True, max_length=self.max_len)
+        return float(self.model(**{k: v.to(self.device) for k, v in enc.items()}).logits[0, 0])
+
+
+class GatedRewardEnv(Environment):
+    """Wraps an instruction-following environment: reward = sigmoid(scale * RM score) when every
+    instruction is followed, else 0. ``correct`` is the checker's verdict."""
+
+    family = "behavior"
+
+    def __init__(self, base: Environment, rm: RewardModel, scale: float = 1.0):
+        self.base, self.rm, self.scale = base, rm, scale
+        self.id = base.id
+        self.description = f"{base.id} gated reward-model score"
+
+    def generate(self, seed: int, difficulty: int) -> Problem:
+        return self.base.generate(seed, difficulty)
+
+    def check(self, problem: Problem, response: str) -> Score:
+        s = self.base.verify(problem, response)
+        if not s.correct:
+            return Score(0.0, False, s.format_ok, {**s.info, "gate": "instructions not followed"})
+        raw = self.rm.score(problem.prompt, response)
+        return Score(1.0 / (1.0 + math.exp(-self.scale * raw)), True, True, {**s.info, "rm_score": raw})
+
+    def reference_response(self, problem: Problem) -> str:
+        return self.base.reference_response(problem)
+
+
+def build_tiny_reward_model(out: str | Path, tokenizer_dir: str | Path, seed: int = 0) -> Path:
+    """A tiny random Qwen3 sequence-classification model with a Cascade tokenizer (tests, demos)."""
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForSequenceClassification
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_labels=1,
+                      pad_token_id=tok.pad_token_id, max_position_embeddings=2048)
+    model = Qwen3ForSequenceClassification(cfg)
+    out = Path(out)
+    model.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    return out

@@ -1,0 +1,349 @@
+"""The RL loop: curriculum -> engine rollouts -> verify -> gates -> advantages -> dynamic sampling
+-> policy loss -> optimizer step -> weight sync -> curriculum update.
+
+Each arrow is a plain call on plain data (see DESIGN.md). One :class:`RLTrainer` holds the policy,
+its optimizer, an engine, a curriculum and the run's RNG; ``step()`` does one RL step and returns
+its metrics; ``state_dict()`` holds everything needed to resume (model weights are saved apart,
+in Hugging Face format).
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from envs.base import Problem, Score
+from train.batching import index_batch, make_batch, micro_batches
+from train.engine.base import Completion, SamplingParams
+from train.model.modeling import CausalLM, token_logprobs
+from train.optim import OptimConfig, build_optimizer, clip_and_step
+from train.rl.advantages import compute_advantages
+from train.rl.losses import LossConfig, effective_agg, get_loss
+from train.rl.shaping import (DynamicSampler, LengthRewardConfig, OverlongConfig, is_repetitive, length_bonus,
+                              linear_ramp, overlong_shaping)
+
+REWARD_MODES = ("correct", "score")
+
+
+@dataclass
+class SamplingConfig:
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    stop: list[str] = field(default_factory=list)
+
+    def params(self, n: int, seed: int | None) -> SamplingParams:
+        return SamplingParams(n=n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              min_p=self.min_p, max_tokens=self.max_new_tokens, stop=list(self.stop), seed=seed)
+
+
+@dataclass
+class RLConfig:
+    group_size: int = 8                 # G rollouts per prompt
+    prompts_per_step: int = 8           # groups per optimizer step (after dynamic sampling)
+    advantage: str = "maxrl"            # grpo | drgrpo | maxrl | rloo
+    loss: str = "dppo_tv"               # see train.rl.losses
+    loss_cfg: LossConfig = field(default_factory=LossConfig)
+    reward: str = "correct"             # correct: 1/0 full credit; score: the verifier's reward
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    dynamic_sampling: bool = True
+    max_sampling_rounds: int = 4
+    length_reward: bool = False
+    length_cfg: LengthRewardConfig = field(default_factory=LengthRewardConfig)
+    length_ramp_steps: int = 0
+    repetition_gate: bool = True
+    repetition_threshold: float = 0.05
+    repetition_chunk: int = 2048
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    micro_batch_size: int = 32
+    updates_per_batch: int = 1          # optimizer steps per rollout batch (mini-batches)
+    sync_every: int = 1                 # weight sync to the engine every k optimizer steps
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    system_prompt: str | None = None
+    chat_template: bool = True
+    max_prompt_tokens: int = 0          # longer prompts are skipped (and count as failed); 0: context - max_new_tokens
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.reward not in REWARD_MODES:
+            raise ValueError(f"unknown reward mode {self.reward!r}; choose from {', '.join(REWARD_MODES)}")
+        if self.group_size < 1 or self.prompts_per_step < 1:
+            raise ValueError("group_size and prompts_per_step must be >= 1")
+        get_loss(self.loss)  # raise early on an unknown name
+        from train.rl.advantages import get_advantage
+
+        get_advantage(self.advantage)
+
+
+@dataclass
+class Rollout:
+    env_id: str
+    problem: Problem
+    prompt_ids: list[int]
+    completion: Completion
+    score: Score
+    reward: float = 0.0
+    keep: bool = True
+
+
+@dataclass
+class Group:
+    env_id: str
+    problem: Problem
+    rollouts: list[Rollout]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [r.reward for r in self.rollouts]
+
+
+def encode_prompt(tokenizer, text: str, chat: bool = True, system: str | None = None) -> list[int]:
+    if chat:
+        from train.tokenizer import chat_prompt_ids
+
+        return chat_prompt_ids(tokenizer, text, system)
+    return tokenizer.encode(text, add_special_tokens=False, verbose=False)
+
+
+class RLTrainer:
+    def __init__(self, policy: CausalLM, tokenizer, engine, curriculum, cfg: RLConfig,
+                 problem_hook: Callable[[list[tuple[str, Problem]]], list[tuple[str, Problem]]] | None = None,
+                 rollout_hook: Callable[[list[Group]], None] | None = None):
+        self.policy, self.tokenizer, self.engine, self.curriculum, self.cfg = policy, tokenizer, engine, curriculum, cfg
+        self.opt, self.sched = build_optimizer(policy, cfg.optim)
+        self.rng = random.Random(cfg.seed)
+        self.step_idx = 0
+        self.pad_id = int(policy.config.pad_token_id or 0)
+        self.problem_hook, self.rollout_hook = problem_hook, rollout_hook
+        self.loss_fn = get_loss(cfg.loss)
+        ctx = policy.config.max_position_embeddings
+        self.max_prompt_tokens = cfg.max_prompt_tokens or max(ctx - cfg.sampling.max_new_tokens, ctx // 2)
+        self.prompts_too_long = 0
+        self.agg = effective_agg(cfg.loss, cfg.loss_cfg)
+
+    # -- rollouts -----------------------------------------------------------------------------
+    def reward_of(self, score: Score, text: str) -> float:
+        r = (1.0 if score.correct else 0.0) if self.cfg.reward == "correct" else float(score.reward)
+        if self.cfg.repetition_gate and is_repetitive(text, self.cfg.repetition_threshold, self.cfg.repetition_chunk):
+            r = 0.0
+        return r
+
+    def rollout(self, n_prompts: int) -> list[Group]:
+        """Sample ``n_prompts`` problems, generate G completions each, verify and score them."""
+        picks = self.curriculum.sample(self.rng, n_prompts)
+        if self.problem_hook is not None:
+            picks = self.problem_hook(picks)
+        groups = self.generate_groups(picks)
+        if self.rollout_hook is not None:
+            self.rollout_hook(groups)
+        return groups
+
+    def generate_groups(self, picks: list[tuple[str, Problem]], group_size: int | None = None,
+                        update_curriculum: bool = True) -> list[Group]:
+        """G completions for each given problem, verified and scored (rewards after the gates)."""
+        cfg = self.cfg
+        G = group_size or cfg.group_size
+        prompts = [encode_prompt(self.tokenizer, p.prompt, cfg.chat_template, cfg.system_prompt) for _, p in picks]
+        fits = [len(x) <= self.max_prompt_tokens for x in prompts]
+        for ok, (env_id, prob) in zip(fits, picks):  # too long for the context: a failed problem
+            if not ok and update_curriculum and env_id in self.curriculum.controllers:
+                self.curriculum.update(env_id, prob.difficulty, [Score.zero("prompt too long")] * G)
+        self.prompts_too_long += len(fits) - sum(fits)
+        picks = [pk for pk, ok in zip(picks, fits) if ok]
+        prompts = [x for x, ok in zip(prompts, fits) if ok]
+        if not picks:
+            return []
+        comps = self.engine.generate(prompts, cfg.sampling.params(G, self.rng.getrandbits(62)))
+        groups = []
+        for i, (env_id, prob) in enumerate(picks):
+            env = self.curriculum.envs[env_id] if env_id in self.curriculum.envs else None
+            rs = []
+            for c in comps[i * G:(i + 1) * G]:
+                score = env.verify(prob, c.text) if env is not None else _verify_by_id(env_id, prob, c.text)
+                rs.append(Rollout(env_id, prob, prompts[i], c, score, self.reward_of(score, c.text)))
+            ov = cfg.overlong
+            if ov.mode != "none":
+                r, keep = overlong_shaping([x.reward for x in rs], [len(x.completion.token_ids) for x in rs],
+                                           [x.completion.finish_reason == "length" for x in rs], ov)
+                for x, rv, k in zip(rs, r.tolist(), keep.tolist()):
+                    x.reward, x.keep = rv, k
+            groups.append(Group(env_id, prob, rs))
+            if update_curriculum and env_id in self.curriculum.controllers and not prob.meta.get("aggregation"):
+                self.curriculum.update(env_id, prob.difficulty, [x.score for x in rs])
+        return groups
+
+    # -- update -------------------------------------------------------------------------------
+    def _advantages(self, groups: list[Group]) -> torch.Tensor:
+        cfg = self.cfg
+        rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
+        gid = torch.tensor([i for i, g in enumerate(groups) for _ in g.rollouts])
+        bonus = None
+        if cfg.length_reward:
+            lengths = [len(r.completion.token_ids) for g in groups for r in g.rollouts]
+            correct = [r.score.correct for g in groups for r in g.rollouts]
+            bonus = length_bonus(rewards, lengths, gid, cfg.length_cfg, correct=correct,
+                                 coef=linear_ramp(self.step_idx, cfg.length_ramp_steps, cfg.length_cfg.coef))
+        return compute_advantages(cfg.advantage, rewards, gid, bonus=bonus)
+
+    def update(self, groups: list[Group]) -> dict[str, float]:
+        """Policy-gradient update(s) on the given groups; returns loss metrics."""
+        cfg = self.cfg
+        rolls = [r for g in groups for r in g.rollouts]
+        adv = self._advantages(groups)
+        keep = torch.tensor([r.keep for r in rolls])
+        batch = make_batch([r.prompt_ids for r in rolls], [r.completion.token_ids for r in rolls], self.pad_id)
+        batch = batch.to(self.policy.device)
+        rollout_lp = batch.scatter_completion([r.completion.logprobs for r in rolls])
+        mask = batch.loss_mask * keep.to(batch.loss_mask)[:, None]
+        adv = adv.to(self.policy.device)
+        n = len(rolls)
+        temp = cfg.sampling.temperature or 1.0
+        # with one update per batch the policy is the sampling policy: old = current (detached)
+        old_lp = self._logprobs_no_grad(batch, n, temp) if cfg.updates_per_batch > 1 else None
+        self.policy.train()
+        metrics: dict[str, float] = {}
+        minis = micro_batches(n, -(-n // cfg.updates_per_batch))
+        ent_sum = ent_cnt = 0.0
+        grad_norm = 0.0
+        for mini in minis:
+            rows = range(mini.start, mini.stop)
+            m_tokens = float(mask[mini].sum().clamp(min=1))
+            denom = m_tokens if self.agg == "token_mean" else float(len(rows))
+            acc: dict[str, float] = {}
+            for mb in micro_batches(len(rows), cfg.micro_batch_size):
+                sl = slice(mini.start + mb.start, mini.start + mb.stop)
+                b = index_batch(batch, sl)
+                T1 = b.input_ids.shape[1] - 1
+                lp, ent = token_logprobs(self.policy, b.input_ids, b.attention_mask, temp, return_entropy=True)
+                old = lp.detach() if old_lp is None else old_lp[sl, :T1]
+                m = mask[sl, :T1]
+                loss, mets = self.loss_fn(lp, old, rollout_lp[sl, :T1], adv[sl], m, cfg.loss_cfg, denom=denom)
+                loss.backward()
+                w = float(m.sum())
+                for k, v in mets.items():
+                    acc[k] = acc.get(k, 0.0) + (v if k == "loss" else v * w)
+                acc["_w"] = acc.get("_w", 0.0) + w
+                acc["mismatch_max_abs_max"] = max(acc.get("mismatch_max_abs_max", 0.0), mets.get("mismatch_max_abs", 0.0))
+                ent_sum += float((ent.detach() * m).sum())
+                ent_cnt += w
+            grad_norm = clip_and_step(self.policy, self.opt, self.sched, cfg.optim.grad_clip)
+            w = max(acc.pop("_w"), 1.0)
+            for k, v in acc.items():
+                metrics[k] = v if k in ("loss", "mismatch_max_abs_max") else v / w
+        self.policy.eval()
+        metrics.pop("mismatch_max_abs", None)
+        if "mismatch_max_abs_max" in metrics:
+            metrics["mismatch_max_abs"] = metrics.pop("mismatch_max_abs_max")
+        metrics["entropy"] = ent_sum / max(ent_cnt, 1.0)
+        metrics["grad_norm"] = grad_norm
+        metrics["lr"] = self.sched.get_last_lr()[0]
+        metrics["advantage_abs_mean"] = float(adv.abs().mean())
+        return metrics
+
+    @torch.no_grad()
+    def _logprobs_no_grad(self, batch, n: int, temp: float) -> torch.Tensor:
+        out = torch.zeros(batch.loss_mask.shape, device=batch.loss_mask.device)
+        for s in micro_batches(n, self.cfg.micro_batch_size):
+            b = index_batch(batch, s)
+            out[s, :b.input_ids.shape[1] - 1] = token_logprobs(self.policy, b.input_ids, b.attention_mask, temp)
+        return out
+
+    def sync_weights(self) -> float:
+        t = time.perf_counter()
+        self.engine.load_weights(self.policy.state_dict())
+        return time.perf_counter() - t
+
+    def step(self) -> dict[str, Any]:
+        """One RL step; returns its metrics."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        sampled: list[Group] = []
+
+        def sample(k: int) -> list[Group]:
+            gs = self.rollout(k)
+            sampled.extend(gs)
+            return gs
+
+        if cfg.dynamic_sampling:
+            report = DynamicSampler(sample, cfg.prompts_per_step, cfg.max_sampling_rounds).fill()
+            groups, dropped = report.groups, report.dropped
+        else:
+            groups, dropped = sample(cfg.prompts_per_step), 0
+        t_roll = time.perf_counter() - t0
+        rolls = [r for g in sampled for r in g.rollouts]
+        gen_tokens = sum(len(r.completion.token_ids) for r in rolls)
+        m: dict[str, Any] = {
+            "step": self.step_idx,
+            "reward_mean": _mean([r.reward for r in rolls]),
+            "accuracy": _mean([float(r.score.correct) for r in rolls]),
+            "format_ok": _mean([float(r.score.format_ok) for r in rolls]),
+            "response_len": _mean([len(r.completion.token_ids) for r in rolls]),
+            "truncated_frac": _mean([float(r.completion.finish_reason == "length") for r in rolls]),
+            "groups_sampled": len(sampled), "groups_dropped": dropped, "groups_trained": len(groups),
+            "prompts_too_long": self.prompts_too_long,
+            "rollout_tokens_per_s": gen_tokens / max(t_roll, 1e-9), "time_rollout_s": t_roll,
+        }
+        t1 = time.perf_counter()
+        if groups:
+            m.update(self.update(groups))
+            trained_tokens = sum(len(r.prompt_ids) + len(r.completion.token_ids) for g in groups for r in g.rollouts)
+            m["train_tokens_per_s"] = trained_tokens / max(time.perf_counter() - t1, 1e-9)
+            self.step_idx += 1
+        m["time_train_s"] = time.perf_counter() - t1
+        if groups and self.step_idx % cfg.sync_every == 0:
+            m["time_sync_s"] = self.sync_weights()
+        m["difficulty"] = self.curriculum.difficulties()
+        m["time_step_s"] = time.perf_counter() - t0
+        return m
+
+    # -- evaluation and state ------------------------------------------------------------------
+    def evaluate(self, problems: list[tuple[str, Problem]], n: int = 1, greedy: bool = True, seed: int = 0) -> float:
+        """Mean full-credit rate of the engine's answers on fixed problems."""
+        cfg = self.cfg
+        problems = [pk for pk in problems if len(encode_prompt(self.tokenizer, pk[1].prompt, cfg.chat_template,
+                                                                 cfg.system_prompt)) <= self.max_prompt_tokens]
+        if not problems:
+            return 0.0
+        prompts = [encode_prompt(self.tokenizer, p.prompt, cfg.chat_template, cfg.system_prompt) for _, p in problems]
+        sp = cfg.sampling.params(n, seed)
+        if greedy:
+            sp.temperature = 0.0
+        comps = self.engine.generate(prompts, sp)
+        ok = [_verify_by_id(problems[c.prompt_index][0], problems[c.prompt_index][1], c.text).correct
+              for c in comps]
+        return _mean([float(x) for x in ok])
+
+    def state_dict(self) -> dict:
+        return {"step": self.step_idx, "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
+                "rng": self.rng.getstate(), "curriculum": self.curriculum.state_dict(),
+                "torch_rng": torch.get_rng_state()}
+
+    def load_state_dict(self, st: dict) -> None:
+        self.step_idx = int(st["step"])
+        self.opt.load_state_dict(st["optimizer"])
+        self.sched.load_state_dict(st["scheduler"])
+        v, internal, gauss = st["rng"]
+        self.rng.setstate((v, tuple(internal), gauss))
+        self.curriculum.load_state_dict(st["curriculum"])
+        torch.set_rng_state(st["torch_rng"])
+
+
+_ENV_CACHE: dict[str, Any] = {}
+
+
+def _verify_by_id(env_id: str, problem: Problem, text: str) -> Score:
+    from envs.base import get_env
+
+    if env_id not in _ENV_CACHE:
+        _ENV_CACHE[env_id] = get_env(env_id)
+    return _ENV_CACHE[env_id].verify(problem, text)
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return float(sum(xs) / len(xs)) if xs else 0.0
