@@ -3,6 +3,7 @@ so ``cascade envs list`` never pays for importing torch."""
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 # name -> ("module:function", one-line help). Each function takes argv (list[str]) -> int.
@@ -17,7 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "calc": ("train.parallel.calc:main", "memory and communication calculator for TSP/TP/SP/DP"),
 }
 
-# Errors that are the user's to fix: printed as one line, exit code 2.
+# Errors that are the user's to fix: printed as one line, exit code 2 (CASCADE_DEBUG=1 shows the traceback).
 USER_ERRORS = (ValueError, KeyError, FileNotFoundError, NotADirectoryError, TypeError)
 
 
@@ -40,6 +41,8 @@ def dispatch(table: dict[str, tuple[str, str]], argv: list[str], usage: str, pro
     try:
         return int(func(rest) or 0)
     except USER_ERRORS as e:
+        if os.environ.get("CASCADE_DEBUG"):
+            raise
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"{prog} {name}: error: {msg}", file=sys.stderr)
         return 2

@@ -99,6 +99,7 @@ class RunConfig:
     device: str = "cpu"
     dtype: str = "float32"            # float32 | bfloat16
     seed: int = 0
+    threads: int = 0                  # torch CPU threads; 0: torch's default
     order: list[str] = field(default_factory=lambda: list(STAGE_NAMES))
     stages: dict[str, StageConfig] = field(default_factory=dict)
     logging: Logging = field(default_factory=Logging)

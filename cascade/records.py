@@ -44,7 +44,7 @@ class Records:
             self._wb = wb.init(project=project, dir=str(out), config=config or {}, resume="allow")
 
     def log(self, stage: str, phase: str, step: int, metrics: dict[str, Any]) -> None:
-        rec = {"stage": stage, "phase": phase, "step": int(step), "time": time.time(), **metrics}
+        rec = {**metrics, "stage": stage, "phase": phase, "step": int(step), "time": time.time()}
         self._f.write(json.dumps(rec, default=str) + "\n")
         self._f.flush()
         flat = _scalars(metrics)

@@ -60,8 +60,16 @@ def main(argv: list[str]) -> int:
 
     cfg, tree = load_run_config(parse_overrides(argv))
     out = Path(cfg.out)
+    if cfg.threads > 0:
+        import torch
+
+        torch.set_num_threads(cfg.threads)
     if cfg.model:
         _initial_model(cfg, out)  # a bad model path fails here, before any work
+    from cascade.stage import expand_envs
+
+    for name in cfg.order:  # unknown environments fail here too
+        expand_envs(cfg.stages[name].envs)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(tree, sort_keys=False))
 

@@ -123,6 +123,8 @@ class StageRunner:
         state = {"step": 0, "pool": None, "eval_before": None}
         if latest is not None:
             tstate, state = load_trainer_state(latest)
+            if state["pool"] is not None:
+                rl.curriculum = self.pool_of(curriculum, state["pool"])
             rl.load_state_dict(tstate["rl"])
             if sft is not None and tstate.get("sft"):
                 sft.load_state_dict(tstate["sft"])
@@ -148,11 +150,7 @@ class StageRunner:
             else:
                 if s.pool.size and state["pool"] is None:
                     state["pool"] = self.filter_pool(rl, curriculum)
-                if state["pool"] is not None and not isinstance(rl.curriculum, _pool_cls()):
-                    from cascade.pool import ProblemPool
-                    from envs.base import Problem
-
-                    rl.curriculum = ProblemPool(curriculum, [(e, Problem.from_dict(p)) for e, p in state["pool"]])
+                    rl.curriculum = self.pool_of(curriculum, state["pool"])
                 m = rl.step()
                 if mixer is not None:
                     m["aggregation_prompts"] = mixer.made
@@ -213,6 +211,13 @@ class StageRunner:
                                                "pass_rate_mean": sum(rates) / max(len(rates), 1)})
         return [[e, pr.to_dict()] for e, pr in kept]
 
+    @staticmethod
+    def pool_of(curriculum, pool: list):
+        from cascade.pool import ProblemPool
+        from envs.base import Problem
+
+        return ProblemPool(curriculum, [(e, Problem.from_dict(p)) for e, p in pool])
+
     def _trainer_state(self, rl, sft, mixer) -> dict:
         return {"rl": rl.state_dict(), "sft": sft.state_dict() if sft else None,
                 "mixer": mixer.state_dict() if mixer else None}
@@ -232,7 +237,7 @@ class StageRunner:
         shutil.rmtree(tmp, ignore_errors=True)
         save_pretrained(policy, tmp)
         copy_tokenizer(src, tmp)
-        run_state = {"stage": self.name, "steps": state["step"], "accuracy_before": state["eval_before"],
+        run_state = {"stage": self.name, "steps": state["step"], "started_from": str(src), "accuracy_before": state["eval_before"],
                      "accuracy_after": after, "difficulty": rl.curriculum.difficulties(),
                      "finished": time.time()}
         (tmp / "run_state.json").write_text(json.dumps(run_state, indent=2, default=str))
@@ -241,9 +246,3 @@ class StageRunner:
             shutil.rmtree(self.final)
         tmp.rename(self.final)
         (self.final / COMPLETE).write_text("ok\n")
-
-
-def _pool_cls():
-    from cascade.pool import ProblemPool
-
-    return ProblemPool

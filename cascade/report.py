@@ -1,0 +1,106 @@
+"""``cascade report RUN_DIR``: a per-stage summary and a PNG of reward, accuracy and difficulty."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from cascade.records import read_records
+
+PANELS = (("reward_mean", "reward"), ("accuracy", "accuracy (train rollouts)"), ("difficulty", "difficulty (max)"))
+
+
+def _difficulty(v) -> float | None:
+    if isinstance(v, dict):
+        vals = [_difficulty(x) for x in v.values()]
+        vals = [x for x in vals if x is not None]
+        return max(vals) if vals else None
+    if isinstance(v, (list, tuple)) and v:
+        return float(max(v))
+    return float(v) if isinstance(v, (int, float)) else None
+
+
+def summarize(run_dir: Path) -> list[dict]:
+    recs = read_records(run_dir)
+    stages: dict[str, dict] = {}
+    for r in sorted(recs, key=lambda r: (r["time"])):
+        s = stages.setdefault(r["stage"], {"stage": r["stage"], "sft_steps": 0, "rl_steps": 0, "reward": [],
+                                             "accuracy": [], "accuracy_before": None, "accuracy_after": None,
+                                             "difficulty": None, "seconds": 0.0})
+        if r["phase"] == "sft":
+            s["sft_steps"] += 1
+            s["sft_loss_last"] = r.get("sft_loss")
+        elif r["phase"] == "rl":
+            s["rl_steps"] += 1
+            s["reward"].append(r.get("reward_mean", 0.0))
+            s["accuracy"].append(r.get("accuracy", 0.0))
+            s["difficulty"] = _difficulty(r.get("difficulty"))
+        elif r["phase"] == "eval":
+            s["accuracy_before"] = r.get("accuracy_before", s["accuracy_before"])
+            s["accuracy_after"] = r.get("accuracy_after", s["accuracy_after"])
+        s["seconds"] += float(r.get("time_step_s", 0.0))
+    out = []
+    for s in stages.values():
+        rw, ac = s.pop("reward"), s.pop("accuracy")
+        s["reward_first"], s["reward_last"] = (rw[0], rw[-1]) if rw else (None, None)
+        s["accuracy_mean"] = sum(ac) / len(ac) if ac else None
+        out.append(s)
+    return out
+
+
+def plot(run_dir: Path, png: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [r for r in read_records(run_dir) if r["phase"] == "rl"]
+    stage_order = list(dict.fromkeys(r["stage"] for r in sorted(recs, key=lambda r: r["time"])))
+    fig, axes = plt.subplots(len(PANELS), 1, figsize=(9, 8), sharex=True)
+    offset = 0
+    for st in stage_order:
+        rs = sorted((r for r in recs if r["stage"] == st), key=lambda r: r["step"])
+        xs = [offset + i for i in range(len(rs))]
+        for ax, (key, _) in zip(axes, PANELS):
+            ys = [_difficulty(r.get(key)) if key == "difficulty" else r.get(key) for r in rs]
+            ax.plot(xs, [y if y is not None else float("nan") for y in ys], marker=".", label=st)
+        offset += len(rs)
+        for ax in axes:
+            ax.axvline(offset - 0.5, color="grey", lw=0.5, ls=":")
+    for ax, (_, title) in zip(axes, PANELS):
+        ax.set_ylabel(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(loc="best", fontsize=8)
+    axes[-1].set_xlabel("RL step (stages in order)")
+    fig.suptitle(f"Cascade run {run_dir}")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="cascade report", description="Summarise a run and plot its metrics.")
+    ap.add_argument("run_dir")
+    ap.add_argument("--png", default=None, help="where to write the plot (default RUN_DIR/report.png)")
+    a = ap.parse_args(argv)
+    run = Path(a.run_dir)
+    rows = summarize(run)
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"Cascade run {run}")
+    for col in ("stage", "sft steps", "rl steps", "reward first -> last", "train acc", "held-out acc before -> after",
+                "max difficulty"):
+        t.add_column(col)
+
+    def f(x):
+        return "-" if x is None else f"{x:.2f}"
+
+    for s in rows:
+        t.add_row(s["stage"], str(s["sft_steps"]), str(s["rl_steps"]), f"{f(s['reward_first'])} -> {f(s['reward_last'])}",
+                  f(s["accuracy_mean"]), f"{f(s['accuracy_before'])} -> {f(s['accuracy_after'])}", f(s["difficulty"]))
+    Console().print(t)
+    png = plot(run, Path(a.png) if a.png else run / "report.png")
+    print(json.dumps({"png": str(png), "stages": rows}, default=str))
+    return 0

@@ -1,0 +1,133 @@
+"""The stage orchestrator: the four-stage tiny cascade, crash safety, bad configs, records."""
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cascade.checkpoint import COMPLETE
+
+# every stage tiny: a couple of SFT and RL steps, a checkpoint every step
+TINY = ["profile=tiny", "logging.progress=false",
+        "stages.warmup.sft.steps=2", "stages.warmup.steps=2", "stages.warmup.pool.size=4",
+        "stages.rlve.steps=2", "stages.math.steps=2", "stages.behavior.steps=2",
+        "stages.warmup.checkpoint_every=1", "stages.rlve.checkpoint_every=1", "stages.math.checkpoint_every=1",
+        "stages.behavior.checkpoint_every=1"]
+
+
+def cascade(*args, env=None, timeout=900):
+    e = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-m", "cascade", *args], capture_output=True, text=True, timeout=timeout,
+                          env=e)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["stage=nope"], "unknown stage 'nope'"),
+    (["stages.math.rl.group_sz=3"], "'group_sz' is not valid at stages.math.rl; valid keys: advantage"),
+    (["stage=math", "rl.group_size=many"], "stages.math.rl.group_size: expected an integer, got 'many'"),
+    (["stages.warmup.steps=1.5"], "expected an integer"),
+    (["model=/nonexistent/ckpt"], "does not exist"),
+    (["profile=huge"], "unknown profile 'huge'"),
+    (["stage=math", "rl.loss=nope"], "unknown policy loss 'nope'"),
+    (["stage=math", "envs={gym/no_such_env: 1}"], "unknown environment 'gym/no_such_env'"),
+])
+def test_bad_configs_fail_before_any_work(tmp_path, args, needle):
+    out = tmp_path / "run"
+    r = cascade("run", f"out={out}", *args)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
+    assert not (out / "stages").exists()
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cascade")
+    from train.presets import init_model
+    from cascade.reward_model import build_tiny_reward_model
+
+    init_model("tiny-moe", root / "tok-src", seed=0)
+    rm = build_tiny_reward_model(root / "rm", root / "tok-src")
+    out = root / "run"
+    r = cascade("run", f"out={out}", f"stages.behavior.reward_model.path={rm}", *TINY)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out, r
+
+
+def test_four_stages_each_start_from_the_previous(tiny_run):
+    out, r = tiny_run
+    names = ["0-warmup", "1-rlve", "2-math", "3-behavior"]
+    states = []
+    for n in names:
+        final = out / "stages" / n / "final"
+        assert (final / COMPLETE).exists() and (final / "model.safetensors").exists()
+        states.append(json.loads((final / "run_state.json").read_text()))
+    assert states[0]["started_from"].endswith("init-model")
+    for prev, st in zip(names, states[1:]):
+        assert st["started_from"] == str(out / "stages" / prev / "final")
+    assert [s["steps"] for s in states] == [4, 2, 2, 2]
+    # the hand-off opens in transformers
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(out / "stages" / "3-behavior" / "final")
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    phases = {(x["stage"], x["phase"]) for x in recs}
+    assert {("warmup", "sft"), ("warmup", "rl"), ("warmup", "pool"), ("rlve", "rl"), ("math", "rl"),
+            ("behavior", "rl"), ("behavior", "eval")} <= phases
+    assert "held-out accuracy" in r.stderr
+    # rerunning a finished run does no work and ends the same
+    again = cascade("run", f"out={out}", *TINY, timeout=300)
+    assert again.returncode == 0
+    assert json.loads(again.stdout.strip().splitlines()[-1])["final"].endswith("3-behavior/final")
+
+
+def test_report_writes_a_summary_and_a_plot(tiny_run):
+    out, _ = tiny_run
+    r = cascade("report", str(out))
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout.strip().splitlines()[-1])
+    png = Path(info["png"])
+    assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
+    assert [s["stage"] for s in info["stages"]] == ["warmup", "rlve", "math", "behavior"]
+    assert info["stages"][0]["sft_steps"] == 2 and info["stages"][0]["rl_steps"] == 2
+
+
+def _complete_checkpoints_load(stage_dir: Path):
+    from cascade.checkpoint import Checkpointer, load_trainer_state
+    from train.model.hf_io import load_pretrained
+
+    ck = Checkpointer(stage_dir / "checkpoints")
+    for p in ck.complete():
+        load_pretrained(p)
+        load_trainer_state(p)
+    return [p.name for p in ck.complete()]
+
+
+def test_sigkill_mid_stage_and_during_checkpoint_write_then_resume(tmp_path):
+    out = tmp_path / "run"
+    args = ["run", "stage=warmup", f"out={out}", "profile=tiny", "logging.progress=false",
+            "stages.warmup.sft.steps=2", "stages.warmup.steps=4", "stages.warmup.pool.size=4",
+            "stages.warmup.checkpoint_every=1"]
+    stage = out / "stages" / "0-warmup"
+    # 1) killed while writing the checkpoint of step 2: that checkpoint must not count
+    r = cascade(*args, env={"CASCADE_FAULT": "checkpoint_write:2"})
+    assert r.returncode == -signal.SIGKILL
+    assert not (stage / "final").exists()
+    assert _complete_checkpoints_load(stage) == ["step-00000001"]
+    # 2) resumed, then killed mid-stage (before the checkpoint of step 4)
+    r = cascade(*args, env={"CASCADE_FAULT": "before_checkpoint:4"})
+    assert r.returncode == -signal.SIGKILL
+    done = _complete_checkpoints_load(stage)
+    assert done[-1] == "step-00000003"
+    # 3) resumed to the end: same final step count, nothing corrupt
+    r = cascade(*args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    st = json.loads((stage / "final" / "run_state.json").read_text())
+    assert st["steps"] == 6
+    _complete_checkpoints_load(stage)
+    assert not list((stage / "checkpoints").glob("*.tmp"))
+    steps = sorted({json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()
+                    if json.loads(x)["phase"] in ("sft", "rl")})
+    assert steps == list(range(6))
