@@ -9,6 +9,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import torch  # noqa: E402
+
+# Tiny models run fastest on one thread, and tests that spawn process groups must not oversubscribe.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def tiny_moe_dir(tmp_path_factory):
