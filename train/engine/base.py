@@ -42,7 +42,8 @@ class SamplingParams:
 @dataclass
 class Completion:
     """One sampled continuation. ``logprobs[i]`` is the log-probability of ``token_ids[i]``
-    under the sampling distribution's model (before temperature/top-p/top-k/min-p shaping).
+    under softmax(logits / temperature) (temperature 1 when greedy), before top-p/top-k/min-p
+    truncation: the distribution a trainer recomputes at the same temperature.
     ``finish_reason`` is ``"stop"`` (EOS, stop token or stop string) or ``"length"``.
     ``prompt_tokens`` counts the prompt's tokens (prefill)."""
 
