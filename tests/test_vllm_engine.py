@@ -217,3 +217,18 @@ def test_three_weight_syncs_track_the_trainer(engines, checkpoints):
         sampled = eng.generate(prompts, SamplingParams(n=2, temperature=0.8, top_p=0.95, max_tokens=8, seed=step))
         assert _max_logprob_error(trainer, sampled, 0.8) < TOL
         prev = now
+
+
+def test_weight_sync_with_the_engine_core_in_a_child_process(checkpoints):
+    """``in_process=False``: worker functions and weights (as safetensors bytes) cross processes."""
+    eng = VLLMEngine(checkpoints["moe"], in_process=False, max_model_len=256)
+    try:
+        trainer = load_pretrained(checkpoints["moe"])
+        with torch.no_grad():
+            for prm in trainer.parameters():
+                prm.add_(torch.randn(prm.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
+        eng.load_weights(to_hf_state_dict(trainer))
+        outs = eng.generate(_prompts(eng), SamplingParams(n=2, temperature=0.7, top_k=20, max_tokens=8, seed=0))
+        assert _max_logprob_error(trainer, outs, 0.7) < TOL
+    finally:
+        eng.close()
