@@ -138,5 +138,5 @@ def test_cli_errors_are_one_line(tmp_path, tiny_dense_dir):
     assert r.returncode == 2 and "unknown model preset 'huge-thing'" in r.stderr and r.stderr.count("\n") == 1
     r = _cli("generate", "--model", str(tmp_path / "missing"), "--prompt", "hi")
     assert r.returncode == 2 and "does not exist" in r.stderr and r.stderr.count("\n") == 1
-    r = _cli("generate", "--model", str(tiny_dense_dir), "--raw", "--prompt", "word " * 1100)
+    r = _cli("generate", "--model", str(tiny_dense_dir), "--raw", "--prompt", "word " * 4200)
     assert r.returncode == 2 and "context limit" in r.stderr and r.stderr.count("\n") == 1
