@@ -1,0 +1,180 @@
+"""Does RL teach? A short SFT warm-up, then RL on a simple environment, on CPU with a fixed seed.
+
+From a fresh ``init_model`` policy: SFT on the environment's reference answers for a few steps
+(enough to learn the answer format, not the task), then RL (engine rollouts -> verifier -> group
+advantages -> policy loss -> weight sync). Held-out accuracy is measured just before and just
+after RL, so the gain is RL's alone.
+
+Held-out problems are distinct problems (by prompt text) that training never sees: they are
+removed from the SFT data, and a problem hook swaps any the RL curriculum draws for fresh ones.
+
+Prints ONE JSON line: ``accuracy_before`` / ``accuracy_after`` (the ``metric``: mean pass@1 of
+``samples`` sampled answers per held-out problem at temperature 1), greedy accuracy before/after,
+``seconds`` (SFT + RL + evaluations), ``sft_steps``, ``rl_steps``, ``env``, ... Same seed, same
+numbers (one intra-op thread; CPU).
+
+    python benchmarks/learning.py                 # defaults: tiny-dense, toy/max difficulty 1
+    python benchmarks/learning.py --seed 1 --trace
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root before benchmarks/ (envs.py)
+
+
+def held_out_problems(env, difficulty: int, n: int, seed: int) -> list:
+    """``n`` distinct problems (by prompt) from seeds far from any training seed."""
+    out, seen = [], set()
+    i = 0
+    while len(out) < n:
+        p = env.generate(10**12 + seed * 10**6 + i, difficulty)
+        i += 1
+        if p.prompt not in seen:
+            seen.add(p.prompt)
+            out.append(p)
+        if i > 100 * n:
+            raise ValueError(f"{env.id} at difficulty {difficulty} has fewer than {n} distinct problems")
+    return out
+
+
+def run(args) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    from envs.base import get_env
+    from envs.curriculum import Curriculum
+    from train.engine import TorchEngine
+    from train.optim import OptimConfig
+    from train.presets import init_model
+    from train.rl.trainer import RLConfig, RLTrainer, SamplingConfig
+    from train.sft import SFTConfig, SFTTrainer, reference_pairs
+
+    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.trace else (lambda *a: None)
+    env = get_env(args.env)
+    held = held_out_problems(env, args.difficulty, args.held_out, args.seed)
+    reserved = {p.prompt for p in held}
+    held = [(args.env, p) for p in held]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model, tok = init_model(args.preset, tmp, seed=args.seed)
+    pairs = [pr for pr in reference_pairs([args.env], args.sft_examples, seed=args.seed + 1,
+                                          difficulties=(args.difficulty,), think=False) if pr[0] not in reserved]
+    sft = SFTTrainer(model, tok, SFTConfig(batch_size=args.sft_batch, micro_batch_size=args.sft_batch,
+                                           chat_template=False, seed=args.seed,
+                                           optim=OptimConfig(lr=args.sft_lr, warmup_steps=5)))
+    enc = sft.encode(pairs)
+
+    swap_rng = random.Random(args.seed + 2)
+
+    def keep_held_out_unseen(picks):
+        out = []
+        for env_id, p in picks:
+            while p.prompt in reserved:
+                p = env.generate(swap_rng.getrandbits(62), p.difficulty)
+            out.append((env_id, p))
+        return out
+
+    engine = TorchEngine(copy.deepcopy(model), tok)
+    cfg = RLConfig(group_size=args.group_size, prompts_per_step=args.prompts_per_step, advantage=args.advantage,
+                   loss=args.loss, chat_template=False, micro_batch_size=args.group_size * args.prompts_per_step,
+                   sampling=SamplingConfig(max_new_tokens=args.max_new_tokens),
+                   optim=OptimConfig(lr=args.lr, warmup_steps=args.rl_warmup), seed=args.seed)
+    curriculum = Curriculum([args.env], controller="fixed", seed=args.seed,
+                            controller_kwargs={"difficulty": args.difficulty})
+    rl = RLTrainer(model, tok, engine, curriculum, cfg, problem_hook=keep_held_out_unseen)
+
+    def evaluate():
+        return (rl.evaluate(held, n=args.samples, greedy=False, seed=args.seed + 3), rl.evaluate(held, greedy=True))
+
+    # SFT until the policy is partly competent: sampled accuracy on a probe of *training* problems
+    # (never the held-out ones) reaches --sft-target, checked every --sft-check steps.
+    probe = keep_held_out_unseen([(args.env, env.generate(10**11 + args.seed * 10**6 + i, args.difficulty))
+                                  for i in range(args.probe)])
+    t0 = time.perf_counter()
+    m, probe_acc, sft_steps = {}, 0.0, 0
+    while sft_steps < args.sft_steps:
+        m = sft.step(sft.sample_batch(enc))
+        sft_steps += 1
+        if args.sft_target and sft_steps % args.sft_check == 0:
+            rl.sync_weights()
+            probe_acc = rl.evaluate(probe, n=2, greedy=False, seed=args.seed + 4)
+            log(f"SFT step {sft_steps}: loss {m['sft_loss']:.3f} probe sampled {probe_acc:.3f}")
+            if probe_acc >= args.sft_target:
+                break
+    t_sft = time.perf_counter() - t0
+    rl.sync_weights()
+    before = evaluate()
+    log(f"after {sft_steps} SFT steps: loss {m.get('sft_loss', float('nan')):.3f} "
+        f"sampled {before[0]:.3f} greedy {before[1]:.3f} ({t_sft:.1f}s)")
+    t1 = time.perf_counter()
+    rewards = []
+    for i in range(args.rl_steps):
+        m = rl.step()
+        rewards.append(m["reward_mean"])
+        if args.trace and (i + 1) % args.trace_every == 0:
+            s, g = evaluate()
+            log(f"RL step {i + 1}: reward {m['reward_mean']:.3f} dropped {m['groups_dropped']} "
+                f"entropy {m.get('entropy', 0):.3f} held-out sampled {s:.3f} greedy {g:.3f} "
+                f"({time.perf_counter() - t0:.1f}s)")
+    t_rl = time.perf_counter() - t1
+    after = evaluate()
+    k = max(1, min(5, len(rewards) // 2))
+    return {
+        "benchmark": "learning", "env": args.env, "difficulty": args.difficulty, "preset": args.preset,
+        "seed": args.seed, "metric": f"sampled_pass@1_T1_n{args.samples}", "held_out_problems": len(held),
+        "accuracy_before": round(before[0], 4), "accuracy_after": round(after[0], 4),
+        "gain": round(after[0] - before[0], 4),
+        "greedy_before": round(before[1], 4), "greedy_after": round(after[1], 4),
+        "rl_reward_first5": round(sum(rewards[:k]) / k, 4) if rewards else None,
+        "rl_reward_last5": round(sum(rewards[-k:]) / k, 4) if rewards else None,
+        "sft_steps": sft_steps, "sft_probe_accuracy": round(probe_acc, 4), "sft_examples": len(pairs), "rl_steps": args.rl_steps,
+        "advantage": args.advantage, "loss": args.loss, "rl_lr": args.lr, "group_size": args.group_size,
+        "prompts_per_step": args.prompts_per_step, "threads": args.threads,
+        "seconds_sft": round(t_sft, 1), "seconds_rl": round(t_rl, 1),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="tiny-dense")
+    ap.add_argument("--env", default="toy/max")
+    ap.add_argument("--difficulty", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 is fastest for tiny models)")
+    ap.add_argument("--sft-steps", type=int, default=400, help="most SFT steps")
+    ap.add_argument("--sft-target", type=float, default=0.4,
+                    help="stop SFT once sampled accuracy on training probe problems reaches this (0: never)")
+    ap.add_argument("--sft-check", type=int, default=10)
+    ap.add_argument("--probe", type=int, default=64, help="training problems in the SFT stop probe")
+    ap.add_argument("--sft-examples", type=int, default=2000)
+    ap.add_argument("--sft-batch", type=int, default=32)
+    ap.add_argument("--sft-lr", type=float, default=3e-3)
+    ap.add_argument("--rl-steps", type=int, default=60)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--rl-warmup", type=int, default=5)
+    ap.add_argument("--advantage", default="grpo")
+    ap.add_argument("--loss", default="dppo_tv")
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--prompts-per-step", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=10)
+    ap.add_argument("--held-out", type=int, default=200)
+    ap.add_argument("--samples", type=int, default=4, help="sampled answers per held-out problem")
+    ap.add_argument("--trace", action="store_true", help="progress on stderr")
+    ap.add_argument("--trace-every", type=int, default=10)
+    args = ap.parse_args(argv)
+    print(json.dumps(run(args)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
