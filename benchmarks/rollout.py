@@ -3,11 +3,13 @@
 All engines get the same checkpoint (a fresh ``tiny-moe`` by default, or ``--model DIR``), the
 same prompts (``--prompts`` chat-formatted questions of mixed lengths) and generate exactly
 ``--new-tokens`` tokens each (EOS ignored), sampling at ``--temperature``. Each engine is warmed up
-on a small batch first; the timed figure is generated tokens / wall seconds of one full call.
-Ends with one JSON line: ``engine_tok_s``, ``hf_tok_s``, ``ratio`` (engine / hf), and
-``vllm_tok_s`` when ``vllm`` imports (run it in ``.venv-vllm`` for that column).
+on a small batch first, then the engines take turns for ``--repeats`` rounds (so that load from
+other processes on a shared machine hits all of them alike); the figure reported per engine is
+the best round's generated tokens / wall seconds, with every round listed. Ends with one JSON
+line: ``engine_tok_s``, ``hf_tok_s``, ``ratio`` (engine / hf), and ``vllm_tok_s`` when ``vllm``
+imports (run it in ``.venv-vllm`` for that column; vLLM's engine core then runs in this process).
 
-    python benchmarks/rollout.py [--prompts 64] [--new-tokens 128] [--model DIR] [--no-vllm]
+    python benchmarks/rollout.py [--prompts 64] [--new-tokens 128] [--model DIR] [--repeats 3] [--no-vllm]
 """
 from __future__ import annotations
 
@@ -40,19 +42,18 @@ def make_prompts(tok, n: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
-def bench_engine(model_dir, prompts, new_tokens, temperature) -> float:
+def engine_runner(model_dir, prompts, new_tokens, temperature):
+    """A warmed-up torch engine; returns a function that generates for all prompts -> tokens."""
     from train.engine import SamplingParams, TorchEngine
 
     eng = TorchEngine.from_pretrained(model_dir)
     sp = SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True, seed=0)
     eng.generate(prompts[:4], SamplingParams(temperature=temperature, max_tokens=8, ignore_eos=True, seed=0))
-    t = time.perf_counter()
-    outs = eng.generate(prompts, sp)
-    dt = time.perf_counter() - t
-    return sum(len(c.token_ids) for c in outs) / dt
+    return lambda: sum(len(c.token_ids) for c in eng.generate(prompts, sp)), None
 
 
-def bench_hf(model_dir, prompts, new_tokens, temperature, pad_id) -> float:
+def hf_runner(model_dir, prompts, new_tokens, temperature, pad_id):
+    """transformers' ``generate`` on a left-padded batch, exactly ``new_tokens`` per row."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -69,30 +70,28 @@ def bench_hf(model_dir, prompts, new_tokens, temperature, pad_id) -> float:
 
     def run(n_rows, steps):
         with torch.no_grad():
-            return model.generate(input_ids=ids[:n_rows], attention_mask=mask[:n_rows], max_new_tokens=steps,
-                                  min_new_tokens=steps, **kw)
+            out = model.generate(input_ids=ids[:n_rows], attention_mask=mask[:n_rows], max_new_tokens=steps,
+                                 min_new_tokens=steps, **kw)
+        return (out.shape[1] - L) * n_rows
 
     run(4, 8)
-    t = time.perf_counter()
-    out = run(len(prompts), new_tokens)
-    dt = time.perf_counter() - t
-    return (out.shape[1] - L) * len(prompts) / dt
+    return lambda: run(len(prompts), new_tokens), None
 
 
-def bench_vllm(model_dir, prompts, new_tokens, temperature) -> float:
+def vllm_runner(model_dir, prompts, new_tokens, temperature):
     from train.engine import SamplingParams
     from train.engine.vllm_engine import VLLMEngine
 
     eng = VLLMEngine(model_dir)
-    try:
-        eng.generate(prompts[:4], SamplingParams(temperature=temperature, max_tokens=8, ignore_eos=True, seed=0))
-        t = time.perf_counter()
-        outs = eng.generate(prompts, SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True,
-                                                    seed=0))
-        dt = time.perf_counter() - t
-    finally:
-        eng.close()
-    return sum(len(c.token_ids) for c in outs) / dt
+    sp = SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True, seed=0)
+    eng.generate(prompts[:4], SamplingParams(temperature=temperature, max_tokens=8, ignore_eos=True, seed=0))
+    return lambda: sum(len(c.token_ids) for c in eng.generate(prompts, sp)), eng.close
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    n = fn()
+    return n / (time.perf_counter() - t)
 
 
 def main(argv=None) -> int:
@@ -102,6 +101,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--repeats", type=int, default=3, help="timed rounds per engine; the best is reported")
     ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM column even when vllm imports")
     a = ap.parse_args(argv)
     # everything but the final JSON line goes to stderr (vLLM logs to stdout)
@@ -128,14 +128,25 @@ def main(argv=None) -> int:
                "new_tokens": a.new_tokens, "temperature": a.temperature,
                "prompt_tokens_mean": round(sum(map(len, prompts)) / len(prompts), 1),
                "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
-        res["engine_tok_s"] = round(bench_engine(model_dir, prompts, a.new_tokens, a.temperature), 1)
-        print(f"torch engine: {res['engine_tok_s']} tok/s", file=sys.stderr)
-        res["hf_tok_s"] = round(bench_hf(model_dir, prompts, a.new_tokens, a.temperature, pad_id), 1)
-        print(f"transformers generate: {res['hf_tok_s']} tok/s", file=sys.stderr)
-        res["ratio"] = round(res["engine_tok_s"] / res["hf_tok_s"], 2)
+        runners = {"engine": engine_runner(model_dir, prompts, a.new_tokens, a.temperature),
+                   "hf": hf_runner(model_dir, prompts, a.new_tokens, a.temperature, pad_id)}
         if not a.no_vllm and importlib.util.find_spec("vllm") is not None:
-            res["vllm_tok_s"] = round(bench_vllm(model_dir, prompts, a.new_tokens, a.temperature), 1)
-            print(f"vllm: {res['vllm_tok_s']} tok/s", file=sys.stderr)
+            runners["vllm"] = vllm_runner(model_dir, prompts, a.new_tokens, a.temperature)
+        runs: dict[str, list[float]] = {k: [] for k in runners}
+        try:
+            for r in range(a.repeats):  # alternate engines so that load on a shared machine hits all alike
+                for k, (fn, _) in runners.items():
+                    runs[k].append(timed(fn))
+                    print(f"round {r}: {k} {runs[k][-1]:.1f} tok/s", file=sys.stderr)
+        finally:
+            for _, close in runners.values():
+                if close is not None:
+                    close()
+        for k, v in runs.items():
+            res[f"{k}_tok_s"] = round(max(v), 1)
+            res[f"{k}_runs_tok_s"] = [round(x, 1) for x in v]
+        res["ratio"] = round(res["engine_tok_s"] / res["hf_tok_s"], 2)
+        res["load_avg_1m"] = round(os.getloadavg()[0], 2)
     sys.stdout.flush()
     print(json.dumps(res), file=json_out, flush=True)
     return 0

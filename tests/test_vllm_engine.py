@@ -12,7 +12,7 @@ pytestmark = pytest.mark.vllm
 
 vllm = pytest.importorskip("vllm")
 
-from train.engine import SamplingParams, TorchEngine  # noqa: E402
+from train.engine import Engine, SamplingParams, TorchEngine  # noqa: E402
 from train.engine.vllm_engine import VLLMEngine, hf_named, routed_experts_for_policy  # noqa: E402
 from train.model.hf_io import load_pretrained, save_pretrained, to_hf_state_dict  # noqa: E402
 from train.model.modeling import token_logprobs  # noqa: E402
@@ -66,6 +66,7 @@ def _max_logprob_error(model, outs, temperature=1.0):
 
 def test_greedy_equals_torch_engine(engines):
     _, eng, ref = engines
+    assert isinstance(eng, Engine)
     prompts = _prompts(eng)
     sp = SamplingParams(temperature=0, max_tokens=16)
     got, want = eng.generate(prompts, sp), ref.generate(prompts, sp)
