@@ -15,6 +15,10 @@ numbers (one intra-op thread; CPU).
 
     python benchmarks/learning.py                 # defaults: tiny-dense, toy/max difficulty 1
     python benchmarks/learning.py --seed 1 --trace
+
+Measured (defaults, 2 shared cores): seed 1: 0.48 -> 0.74 (+26 points, 93 s); seed 2 (lr 5e-4):
+0.51 -> 0.68 (+17 at 60 steps); seed 0: 0.33 -> 0.37 (+4: its SFT warm-up needs 280 steps and RL
+stalls near the greedy policy). The gain is not yet robust across seeds.
 """
 from __future__ import annotations
 
@@ -159,10 +163,10 @@ def main(argv=None) -> int:
     ap.add_argument("--sft-examples", type=int, default=2000)
     ap.add_argument("--sft-batch", type=int, default=32)
     ap.add_argument("--sft-lr", type=float, default=3e-3)
-    ap.add_argument("--rl-steps", type=int, default=60)
+    ap.add_argument("--rl-steps", type=int, default=80)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--rl-warmup", type=int, default=5)
-    ap.add_argument("--advantage", default="grpo")
+    ap.add_argument("--advantage", default="maxrl")
     ap.add_argument("--loss", default="dppo_tv")
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--prompts-per-step", type=int, default=16)
