@@ -9,7 +9,7 @@ under softmax(logits / T) *before* top-k / top-p / min-p truncation (what the tr
 vLLM's ``logprobs_mode`` offers ``raw_logprobs`` (log_softmax of the unscaled logits, i.e. T = 1)
 and ``processed_logprobs`` (after temperature *and* truncation, renormalised over the kept tokens);
 neither is that quantity when T != 1 and truncation is on. So the engine applies the temperature
-itself through the model's logits scale (``LogitsProcessor.scale = 1 / T``, set in the worker for
+itself through the model's logits scale (``LogitsProcessor.scale = base / T``, set in the worker for
 the duration of one ``generate`` call), asks vLLM for temperature 1 and uses ``raw_logprobs``:
 vLLM then samples from truncate(softmax(logits / T)) and reports log_softmax(logits / T) of the
 sampled token, exactly the torch engine's semantics. Greedy (T = 0) reports log_softmax(logits).
@@ -125,13 +125,15 @@ def _model_of(wrapper):
     return worker, worker.model_runner.get_model()
 
 
-def _w_set_logits_scale(wrapper, scale: float) -> float:
+def _w_logits_scale(wrapper, scale: float | None = None) -> float:
+    """The model's logits scale; set it first when ``scale`` is given."""
     _, model = _model_of(wrapper)
     lp = getattr(model, "logits_processor", None)
     if lp is None or not hasattr(lp, "scale"):
         raise RuntimeError(f"{type(model).__name__} has no logits_processor.scale; cannot apply temperature exactly")
-    lp.scale = float(scale)
-    return lp.scale
+    if scale is not None:
+        lp.scale = float(scale)
+    return float(lp.scale)
 
 
 def _w_reload(wrapper, weights, is_bytes: bool) -> dict:
@@ -234,7 +236,8 @@ class VLLMEngine:
         self.stats = EngineStats()
         self._seed_rng = random.Random()
         self._lock = threading.Lock()
-        self._scale = 1.0
+        self._base_scale = self._rpc(_w_logits_scale)[0]  # the model's own logit scale (1 for Qwen3)
+        self._scale = self._base_scale
 
     # -- helpers ----------------------------------------------------------------------------------
     def _moe_layers(self) -> list[int]:
@@ -247,9 +250,10 @@ class VLLMEngine:
     def _rpc(self, fn: Callable, *args):
         return self.llm.collective_rpc(fn, args=args)
 
-    def _set_scale(self, scale: float) -> None:
+    def _set_temperature(self, temperature: float) -> None:
+        scale = self._base_scale / temperature
         if scale != self._scale:
-            self._rpc(_w_set_logits_scale, scale)
+            self._rpc(_w_logits_scale, scale)
             self._scale = scale
 
     def _restore_threads(self) -> None:
@@ -299,7 +303,7 @@ class VLLMEngine:
                 sps.append(self._vllm_params(params, row_seed(base_seed, i, j), max_new))
         with self._lock:
             t0 = time.perf_counter()
-            self._set_scale(1.0 if params.greedy else 1.0 / params.temperature)
+            self._set_temperature(1.0 if params.greedy else params.temperature)
             try:
                 outs = self.llm.generate(reqs, sps, use_tqdm=False)
             finally:
