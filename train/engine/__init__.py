@@ -7,4 +7,8 @@ def __getattr__(name):  # lazy: importing the contract never pulls in the model
         from train.engine.torch_engine import TorchEngine
 
         return TorchEngine
+    if name == "VLLMEngine":
+        from train.engine.vllm_engine import VLLMEngine
+
+        return VLLMEngine
     raise AttributeError(name)

@@ -104,13 +104,11 @@ class Attention(nn.Module):
             cache.k[layer][:, :, s:s + T] = k
             cache.v[layer][:, :, s:s + T] = v
             k, v = cache.k[layer][:, :, :s + T], cache.v[layer][:, :, :s + T]
-        if self.n_kv != self.n_heads:
-            rep = self.n_heads // self.n_kv
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        gqa = self.n_kv != self.n_heads  # grouped-query attention without materialising repeated K/V
         if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * d))
 
 

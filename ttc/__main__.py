@@ -1,0 +1,5 @@
+import sys
+
+from ttc.cli import main
+
+sys.exit(main())
