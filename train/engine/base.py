@@ -61,6 +61,16 @@ class ContextLengthError(ValueError):
     """A prompt (plus what must be generated) does not fit the model's context."""
 
 
+def check_prompts(ids: Sequence[list[int]], context_length: int) -> None:
+    """Every prompt non-empty and short enough that at least one token can be generated."""
+    for i, x in enumerate(ids):
+        if not x:
+            raise ValueError(f"prompt {i} is empty")
+        if len(x) >= context_length:
+            raise ContextLengthError(f"prompt {i} has {len(x)} tokens; the model's context limit is "
+                                     f"{context_length} (at least one token must be generated)")
+
+
 @runtime_checkable
 class Engine(Protocol):
     def generate(self, prompts: Sequence[list[int]] | Sequence[str], params: SamplingParams) -> list[Completion]: ...

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from train.engine.base import Completion, ContextLengthError, SamplingParams
+from train.engine.base import Completion, SamplingParams, check_prompts
 from train.engine.sampling import row_seed, sample
 from train.model.hf_io import load_into, load_pretrained
 from train.model.modeling import CausalLM, KVCache
@@ -91,12 +91,7 @@ class TorchEngine:
         if seeds is not None and len(seeds) != len(ids):
             raise ValueError(f"got {len(seeds)} seeds for {len(ids)} prompts")
         ctx = self.context_length
-        for i, p in enumerate(ids):
-            if not p:
-                raise ValueError(f"prompt {i} is empty")
-            if len(p) >= ctx:
-                raise ContextLengthError(f"prompt {i} has {len(p)} tokens; the model's context limit is {ctx} "
-                                         f"(at least one token must be generated)")
+        check_prompts(ids, ctx)
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         per_chunk = max(1, self.max_batch_rows // params.n)
         out: list[Completion] = []

@@ -55,7 +55,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from train.engine.base import Completion, ContextLengthError, SamplingParams
+from train.engine.base import Completion, SamplingParams, check_prompts
 from train.engine.sampling import row_seed
 from train.engine.torch_engine import EngineStats
 
@@ -288,12 +288,7 @@ class VLLMEngine:
 
         ids = self.encode(prompts)
         ctx = self.context_length
-        for i, x in enumerate(ids):
-            if not x:
-                raise ValueError(f"prompt {i} is empty")
-            if len(x) >= ctx:
-                raise ContextLengthError(f"prompt {i} has {len(x)} tokens; the model's context limit is {ctx} "
-                                         f"(at least one token must be generated)")
+        check_prompts(ids, ctx)
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         reqs, sps = [], []
         for i, x in enumerate(ids):
