@@ -1,0 +1,101 @@
+"""Answer-preserving trimming, aggregation prompts, the pass-rate pool and reward-model gating."""
+import pytest
+
+from cascade.aggregation import AggregationMixer
+from cascade.trim import trim_messages, trim_pairs, trim_response
+from envs.base import Problem
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_dense_dir):
+    from train.tokenizer import load_tokenizer
+
+    return load_tokenizer(tiny_dense_dir)
+
+
+def n(tok, text):
+    return len(tok.encode(text, add_special_tokens=False))
+
+
+def test_trim_keeps_answer_and_cuts_the_think_tail(tok):
+    think = " ".join(f"step {i} is fine" for i in range(60))
+    resp = f"<think>{think}</think>\n\nThe answer is \\boxed{{42}}."
+    assert trim_response(tok, resp, n(tok, resp)) == resp  # fits: unchanged
+    budget = n(tok, resp) // 3
+    cut = trim_response(tok, resp, budget)
+    assert n(tok, cut) <= budget
+    assert cut.endswith("</think>\n\nThe answer is \\boxed{42}.")
+    assert cut.startswith("<think>step 0 is fine")  # the head of the reasoning stays, its tail goes
+    assert trim_response(tok, resp, 5) is None  # the answer alone does not fit: dropped
+    assert trim_response(tok, "no think block " * 50, 10) is None
+
+
+def test_trim_multi_turn_drops_earlier_think_blocks_first(tok):
+    msgs = [{"role": "user", "content": "q1"},
+            {"role": "assistant", "content": "<think>" + "long " * 80 + "</think>A1"},
+            {"role": "user", "content": "q2"},
+            {"role": "assistant", "content": "<think>" + "more " * 40 + "</think>A2"}]
+
+    def render(ms):
+        return "".join(f"{m['role']}: {m['content']}\n" for m in ms)
+
+    full = n(tok, render(msgs))
+    out = trim_messages(tok, msgs, full - 60, render)
+    assert out[1]["content"] == "A1" and out[3]["content"] == msgs[3]["content"]
+    tight = trim_messages(tok, msgs, n(tok, render(out)) - 20, render)
+    assert tight[1]["content"] == "A1" and tight[3]["content"].endswith("</think>A2")
+    assert n(tok, render(tight)) <= n(tok, render(out)) - 20
+    assert trim_messages(tok, msgs, 3, render) is None
+    kept, dropped = trim_pairs(tok, [("p", msgs[3]["content"]), ("p", "no think block " * 20)], 12, lambda p: 1)
+    assert dropped == 1 and kept[0][1].endswith("A2")
+
+
+class _C:
+    def __init__(self, ids):
+        self.token_ids = ids
+
+
+class _R:
+    def __init__(self, ids):
+        self.completion = _C(ids)
+
+
+class _G:
+    def __init__(self, env_id, problem, rollouts):
+        self.env_id, self.problem, self.rollouts = env_id, problem, rollouts
+
+
+def test_aggregation_prompts_hold_the_problem_and_c_tails_of_tau_tokens(tok):
+    mixer = AggregationMixer(tok, fraction=1.0, tails=2, tail_tokens=5, seed=0)
+    p = Problem("What is 6*7?", "42", "toy/add", 1, 0, {})
+    rollouts = [_R(tok.encode(f"reasoning number {i} gives \\boxed{{{40 + i}}}", add_special_tokens=False))
+                for i in range(4)]
+    mixer.remember([_G("toy/add", p, rollouts)])
+    tails = {mixer.tail_text(r.completion.token_ids) for r in rollouts}
+    (env_id, agg), = mixer.mix([("toy/add", p)])
+    assert env_id == "toy/add" and agg.answer == "42" and agg.meta["aggregation"]
+    assert agg.prompt.startswith("What is 6*7?")
+    shown = [t for t in tails if t in agg.prompt]
+    assert len(shown) == 2 and all(n(tok, t) <= 5 for t in shown)
+    # aggregation problems are not remembered as sources of tails
+    mixer.remember([_G("toy/add", agg, rollouts)])
+    assert len(mixer.pool) == 1
+    st = mixer.state_dict()
+    other = AggregationMixer(tok, 1.0, 2, 5, seed=0)
+    other.load_state_dict(st)
+    assert other.mix([("toy/add", p)])[0][1].prompt == mixer.mix([("toy/add", p)])[0][1].prompt
+
+
+def test_reward_model_score_is_gated_by_the_instruction_checker(tmp_path, tiny_dense_dir):
+    from cascade.reward_model import GatedRewardEnv, RewardModel, build_tiny_reward_model
+    from envs import get_env
+
+    rm = RewardModel(build_tiny_reward_model(tmp_path / "rm", tiny_dense_dir))
+    base = get_env("ifeval")
+    env = GatedRewardEnv(base, rm)
+    prob = env.generate(3, 0)
+    good = base.reference_response(prob)
+    s = env.verify(prob, good)
+    assert s.correct and 0.0 < s.reward < 1.0 and "rm_score" in s.info
+    bad = env.verify(prob, "")
+    assert not bad.correct and bad.reward == 0.0
