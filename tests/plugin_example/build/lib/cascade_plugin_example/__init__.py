@@ -1,1 +1,0 @@
-"""Example Cascade environment plug-in (see README.md)."""
