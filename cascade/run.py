@@ -13,7 +13,6 @@ Run directory layout::
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import yaml

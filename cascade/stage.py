@@ -89,7 +89,7 @@ class StageRunner:
         """Run (or resume) the stage; returns the ``final/`` checkpoint directory."""
         from train.model.hf_io import load_pretrained
         from train.rl.trainer import RLTrainer
-        from train.sft import SFTTrainer, SFTConfig, reference_pairs, load_pairs
+        from train.sft import SFTConfig, SFTTrainer
         from train.tokenizer import load_tokenizer
 
         if self.done:

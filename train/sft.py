@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 
 from train.batching import index_batch, make_batch, micro_batches
 from train.model.modeling import CausalLM, token_logprobs
