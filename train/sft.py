@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 from train.batching import index_batch, make_batch, micro_batches
 from train.model.modeling import CausalLM, token_logprobs
 from train.optim import OptimConfig, build_optimizer, clip_and_step
