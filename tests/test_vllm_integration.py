@@ -37,3 +37,19 @@ def test_ttc_solve_with_vllm_engine(tmp_path, tiny_dense_dir):
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [json.loads(x) for x in res.read_text().splitlines()]
     assert lines and "mean_accuracy" in json.dumps(lines[-1])
+
+
+def test_per_prompt_seeds_sample_as_single_requests(tiny_dense_dir):
+    from train.engine import SamplingParams, VLLMEngine
+
+    eng = VLLMEngine(str(tiny_dense_dir))
+    try:
+        prompts = [[5, 6, 7], [8, 9, 10, 11]]
+        both = eng.generate(prompts, SamplingParams(n=2, temperature=1.0, max_tokens=6), seeds=[11, 12])
+        for i, s in enumerate((11, 12)):
+            alone = eng.generate([prompts[i]], SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=s))
+            assert [c.token_ids for c in alone] == [c.token_ids for c in both[2 * i:2 * i + 2]]
+        with pytest.raises(ValueError, match="seeds"):
+            eng.generate(prompts, SamplingParams(), seeds=[1])
+    finally:
+        eng.close()

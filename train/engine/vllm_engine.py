@@ -283,10 +283,15 @@ class VLLMEngine:
             skip_special_tokens=False, spaces_between_special_tokens=False)
 
     # -- contract ---------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[list[int]] | Sequence[str], params: SamplingParams) -> list[Completion]:
+    def generate(self, prompts: Sequence[list[int]] | Sequence[str], params: SamplingParams,
+                 seeds: Sequence[int] | None = None) -> list[Completion]:
+        """``seeds`` (optional, one per prompt): prompt i samples as it would alone with
+        ``seed=seeds[i]``, as in the torch engine."""
         from vllm.inputs import TokensPrompt
 
         ids = self.encode(prompts)
+        if seeds is not None and len(seeds) != len(ids):
+            raise ValueError(f"got {len(seeds)} seeds for {len(ids)} prompts")
         ctx = self.context_length
         check_prompts(ids, ctx)
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
@@ -295,7 +300,8 @@ class VLLMEngine:
             max_new = min(params.max_tokens, ctx - len(x))
             for j in range(params.n):
                 reqs.append(TokensPrompt(prompt_token_ids=x))
-                sps.append(self._vllm_params(params, row_seed(base_seed, i, j), max_new))
+                seed = row_seed(seeds[i], 0, j) if seeds is not None else row_seed(base_seed, i, j)
+                sps.append(self._vllm_params(params, seed, max_new))
         with self._lock:
             t0 = time.perf_counter()
             self._set_temperature(1.0 if params.greedy else params.temperature)
