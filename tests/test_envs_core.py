@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from envs import Environment, Problem, Score, get_env, list_envs
+from envs import Environment, Score, get_env, list_envs
 from envs.check import self_check
 from envs.cli import main as envs_main, parse_range
 from envs.math import ArithmeticEnv, MathDatasetEnv, math_equal

@@ -13,7 +13,8 @@ pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm")
 
 from train.engine import Engine, SamplingParams, TorchEngine  # noqa: E402
-from train.engine.vllm_engine import VLLMEngine, hf_named, routed_experts_for_policy  # noqa: E402
+from train.engine.vllm_engine import VLLMEngine, checkpoint_shapes, routed_experts_for_policy  # noqa: E402
+from train.model.hf_io import split_fused_experts  # noqa: E402
 from train.model.hf_io import load_pretrained, save_pretrained, to_hf_state_dict  # noqa: E402
 from train.model.modeling import token_logprobs  # noqa: E402
 
@@ -186,10 +187,10 @@ def test_routed_experts_conversion_feeds_the_policy(checkpoints):
         routed_experts_for_policy(vllm_like, [0], 3)
 
 
-def test_hf_named_splits_fused_experts(checkpoints):
+def test_split_fused_experts_gives_checkpoint_names(checkpoints):
     model = load_pretrained(checkpoints["moe"])
-    a, b = hf_named(model.state_dict()), to_hf_state_dict(model)
-    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in b)
+    split = split_fused_experts(model.state_dict())
+    assert {k: tuple(v.shape) for k, v in split.items()} == checkpoint_shapes(checkpoints["moe"])
 
 
 # weight syncs last: they change the engines' weights

@@ -57,3 +57,17 @@ def clip_and_step(model, opt, sched, grad_clip: float) -> float:
     sched.step()
     opt.zero_grad(set_to_none=True)
     return float(norm)
+
+
+def training_state(step: int, opt, sched, rng) -> dict:
+    """What a trainer needs to resume: step, optimizer, scheduler and its Python RNG."""
+    return {"step": step, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rng.getstate()}
+
+
+def load_training_state(st: dict, opt, sched, rng) -> int:
+    """Restore what :func:`training_state` saved; returns the step."""
+    opt.load_state_dict(st["optimizer"])
+    sched.load_state_dict(st["scheduler"])
+    v, internal, gauss = st["rng"]
+    rng.setstate((v, tuple(internal), gauss))
+    return int(st["step"])

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from train.batching import index_batch, make_batch, micro_batches
 from train.model.modeling import CausalLM, token_logprobs
-from train.optim import OptimConfig, build_optimizer, clip_and_step
+from train.optim import OptimConfig, build_optimizer, clip_and_step, load_training_state, training_state
 
 
 @dataclass
@@ -120,12 +120,7 @@ class SFTTrainer:
         return [encoded[self.rng.randrange(len(encoded))] for _ in range(self.cfg.batch_size)]
 
     def state_dict(self) -> dict:
-        return {"step": self.step_idx, "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
-                "rng": self.rng.getstate()}
+        return training_state(self.step_idx, self.opt, self.sched, self.rng)
 
     def load_state_dict(self, st: dict) -> None:
-        self.step_idx = int(st["step"])
-        self.opt.load_state_dict(st["optimizer"])
-        self.sched.load_state_dict(st["scheduler"])
-        v, internal, gauss = st["rng"]
-        self.rng.setstate((v, tuple(internal), gauss))
+        self.step_idx = load_training_state(st, self.opt, self.sched, self.rng)

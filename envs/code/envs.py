@@ -27,8 +27,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from envs.base import Environment, Problem, Score, last_boxed, register, strip_think
-from envs.code.judge import Judge, TestCase, compare_output
+from envs.base import Environment, Problem, Score, register, strip_think
+from envs.code.judge import Judge, compare_output
 from envs.code.sandbox import SandboxConfig, default_sandbox
 from envs.code.seeds import Seed, builtin_seeds, load_seeds
 

@@ -712,9 +712,10 @@ class Sandbox:
         limits: list[str] = []
         killed = False
 
-        def kill() -> None:
-            nonlocal killed
-            killed = True
+        def sweep() -> None:
+            # kill the whole group and cgroup. Also used once the main process is gone: nothing may
+            # outlive it (a background process holding the pipes would otherwise keep the run open).
+            # Its group id stays valid until we reap it.
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except OSError:
@@ -722,15 +723,10 @@ class Sandbox:
             if cgroup is not None:
                 cgroup.kill_all(0.5)
 
-        def sweep() -> None:
-            # the main process is gone: nothing may outlive it (a background process holding the
-            # pipes would otherwise keep the run open). Its group id stays valid until we reap it.
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except OSError:
-                pass
-            if cgroup is not None:
-                cgroup.kill_all(0.5)
+        def kill() -> None:
+            nonlocal killed
+            killed = True
+            sweep()
 
         sel = selectors.DefaultSelector()
         try:

@@ -60,7 +60,7 @@ class LongestIncreasingSubsequence(GymEnv):
         return parse_int_list(text)
 
     def grade(self, problem, value):
-        xs, it = problem.meta["xs"], iter(problem.meta["xs"])
+        it = iter(problem.meta["xs"])
         if not all(a < b for a, b in zip(value, value[1:])) or not all(any(x == y for y in it) for x in value):
             return INVALID
         return (len(value) / len(problem.answer)) ** 5

@@ -61,8 +61,11 @@ class ContextLengthError(ValueError):
     """A prompt (plus what must be generated) does not fit the model's context."""
 
 
-def check_prompts(ids: Sequence[list[int]], context_length: int) -> None:
-    """Every prompt non-empty and short enough that at least one token can be generated."""
+def check_prompts(ids: Sequence[list[int]], context_length: int, seeds: Sequence[int] | None = None) -> None:
+    """Every prompt non-empty and short enough that at least one token can be generated; per-prompt
+    ``seeds``, when given, one per prompt."""
+    if seeds is not None and len(seeds) != len(ids):
+        raise ValueError(f"got {len(seeds)} seeds for {len(ids)} prompts")
     for i, x in enumerate(ids):
         if not x:
             raise ValueError(f"prompt {i} is empty")

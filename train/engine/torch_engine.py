@@ -88,10 +88,8 @@ class TorchEngine:
         """``seeds`` (optional, one per prompt): prompt i samples exactly as it would alone in a
         request with ``seed=seeds[i]`` (how an OpenAI-compatible server seeds each request)."""
         ids = self.encode(prompts)
-        if seeds is not None and len(seeds) != len(ids):
-            raise ValueError(f"got {len(seeds)} seeds for {len(ids)} prompts")
         ctx = self.context_length
-        check_prompts(ids, ctx)
+        check_prompts(ids, ctx, seeds)
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         per_chunk = max(1, self.max_batch_rows // params.n)
         out: list[Completion] = []

@@ -58,31 +58,7 @@ import torch
 from train.engine.base import Completion, SamplingParams, check_prompts
 from train.engine.sampling import row_seed
 from train.engine.torch_engine import EngineStats
-
-_FUSED_GATE_UP = ".mlp.experts.gate_up_proj"
-_FUSED_DOWN = ".mlp.experts.down_proj"
-
-
-# -- weight naming -------------------------------------------------------------------------------
-def hf_named(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A state dict in HF checkpoint naming: Cascade's fused expert tensors
-    (``...mlp.experts.gate_up_proj [E, 2I, H]``, ``...mlp.experts.down_proj [E, H, I]``) are split
-    per expert; every other name passes through."""
-    out: dict[str, torch.Tensor] = {}
-    for k, v in state_dict.items():
-        if k.endswith(_FUSED_GATE_UP):
-            prefix, inter = k[: -len(".gate_up_proj")], v.shape[1] // 2
-            for e in range(v.shape[0]):
-                out[f"{prefix}.{e}.gate_proj.weight"] = v[e, :inter]
-                out[f"{prefix}.{e}.up_proj.weight"] = v[e, inter:]
-        elif k.endswith(_FUSED_DOWN):
-            prefix = k[: -len(".down_proj")]
-            for e in range(v.shape[0]):
-                out[f"{prefix}.{e}.down_proj.weight"] = v[e]
-        else:
-            out[k] = v
-    return out
-
+from train.model.hf_io import split_fused_experts
 
 def checkpoint_shapes(model_path: str | Path) -> dict[str, tuple[int, ...]]:
     """Tensor names and shapes of an HF checkpoint's safetensors files (headers only)."""
@@ -290,10 +266,8 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         ids = self.encode(prompts)
-        if seeds is not None and len(seeds) != len(ids):
-            raise ValueError(f"got {len(seeds)} seeds for {len(ids)} prompts")
         ctx = self.context_length
-        check_prompts(ids, ctx)
+        check_prompts(ids, ctx, seeds)
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         reqs, sps = [], []
         for i, x in enumerate(ids):
@@ -336,7 +310,7 @@ class VLLMEngine:
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Replace the served weights in place (HF or Cascade naming); see the module docstring."""
-        sd = hf_named(state_dict)
+        sd = split_fused_experts(state_dict)
         if self.hf_config.get("tie_word_embeddings"):
             sd.pop("lm_head.weight", None)
         missing = sorted(set(self._shapes) - set(sd))

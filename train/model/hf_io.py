@@ -100,18 +100,17 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
     return out
 
 
-def to_hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
-    """Cascade's parameters under the names a ``save_pretrained`` checkpoint uses (per expert)."""
-    cfg = model.config
+def split_fused_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Cascade's fused expert tensors (``...mlp.experts.gate_up_proj [E, 2I, H]``,
+    ``...mlp.experts.down_proj [E, H, I]``) split per expert in HF checkpoint naming; every other
+    name passes through."""
     out: dict[str, torch.Tensor] = {}
-    for k, v in model.state_dict().items():
-        if cfg.tie_word_embeddings and k == "lm_head.weight":
-            continue
+    for k, v in sd.items():
         if k.endswith(".mlp.experts.gate_up_proj"):
-            prefix, I = k[: -len(".gate_up_proj")], cfg.moe_intermediate_size
+            prefix, inter = k[: -len(".gate_up_proj")], v.shape[1] // 2
             for e in range(v.shape[0]):
-                out[f"{prefix}.{e}.gate_proj.weight"] = v[e, :I]
-                out[f"{prefix}.{e}.up_proj.weight"] = v[e, I:]
+                out[f"{prefix}.{e}.gate_proj.weight"] = v[e, :inter]
+                out[f"{prefix}.{e}.up_proj.weight"] = v[e, inter:]
         elif k.endswith(".mlp.experts.down_proj"):
             prefix = k[: -len(".down_proj")]
             for e in range(v.shape[0]):
@@ -119,6 +118,14 @@ def to_hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
         else:
             out[k] = v
     return out
+
+
+def to_hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
+    """Cascade's parameters under the names a ``save_pretrained`` checkpoint uses (per expert)."""
+    sd = model.state_dict()
+    if model.config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    return split_fused_experts(sd)
 
 
 def load_into(model: CausalLM, sd: dict[str, torch.Tensor], hf_names: bool = True) -> None:

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from train.model.modeling import grouped_mm
+from train.model.modeling import CausalLM, grouped_mm
 
 
 def split_sizes(n: int, D: int) -> list[int]:
@@ -167,7 +167,6 @@ class ShardedLM(nn.Module):
     def to_causal_lm(self) -> "CausalLM":
         """A single-process :class:`CausalLM` holding the gathered weights (collective: every rank calls)."""
         from train.model.hf_io import load_into
-        from train.model.modeling import CausalLM
 
         full = self.gather_full()
         model = CausalLM(self.config)

@@ -75,7 +75,7 @@ class TSPCausalLM(ShardedLM):
         super().__init__(model.config, group, dp_group)
         cfg, D, r = self.config, self.D, self.rank
         check_tsp_config(cfg, D)
-        d, H = cfg.head_dim, cfg.hidden_size
+        d = cfg.head_dim
         self.hq = cfg.num_attention_heads // D
         self.kvh = max(cfg.num_key_value_heads // D, 1)
         full = {k: v.detach() for k, v in model.state_dict().items()}

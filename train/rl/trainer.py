@@ -19,7 +19,7 @@ from envs.base import Problem, Score
 from train.batching import index_batch, make_batch, micro_batches
 from train.engine.base import Completion, SamplingParams
 from train.model.modeling import CausalLM, token_logprobs
-from train.optim import OptimConfig, build_optimizer, clip_and_step
+from train.optim import OptimConfig, build_optimizer, clip_and_step, load_training_state, training_state
 from train.rl.advantages import compute_advantages
 from train.rl.losses import LossConfig, effective_agg, get_loss
 from train.rl.shaping import (DynamicSampler, LengthRewardConfig, OverlongConfig, is_repetitive, length_bonus,
@@ -319,16 +319,11 @@ class RLTrainer:
         return _mean([float(x) for x in ok])
 
     def state_dict(self) -> dict:
-        return {"step": self.step_idx, "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
-                "rng": self.rng.getstate(), "curriculum": self.curriculum.state_dict(),
-                "torch_rng": torch.get_rng_state()}
+        return {**training_state(self.step_idx, self.opt, self.sched, self.rng),
+                "curriculum": self.curriculum.state_dict(), "torch_rng": torch.get_rng_state()}
 
     def load_state_dict(self, st: dict) -> None:
-        self.step_idx = int(st["step"])
-        self.opt.load_state_dict(st["optimizer"])
-        self.sched.load_state_dict(st["scheduler"])
-        v, internal, gauss = st["rng"]
-        self.rng.setstate((v, tuple(internal), gauss))
+        self.step_idx = load_training_state(st, self.opt, self.sched, self.rng)
         self.curriculum.load_state_dict(st["curriculum"])
         torch.set_rng_state(st["torch_rng"])
 
