@@ -206,16 +206,13 @@ class RLTrainer:
         # with one update per batch the policy is the sampling policy: old = current (detached)
         old_lp = self._logprobs_no_grad(batch, n, temp) if cfg.updates_per_batch > 1 else None
         self.policy.train()
-        metrics: dict[str, float] = {}
         minis = micro_batches(n, -(-n // cfg.updates_per_batch))
-        ent_sum = ent_cnt = 0.0
-        grad_norm = 0.0
+        sums: dict[str, float] = {}  # token-weighted sums of the loss function's metrics
+        weight = loss_total = ent_sum = grad_norm = 0.0
+        mismatch_max = None
         for mini in minis:
-            rows = range(mini.start, mini.stop)
-            m_tokens = float(mask[mini].sum().clamp(min=1))
-            denom = m_tokens if self.agg == "token_mean" else float(len(rows))
-            acc: dict[str, float] = {}
-            for mb in micro_batches(len(rows), cfg.micro_batch_size):
+            denom = float(mask[mini].sum().clamp(min=1)) if self.agg == "token_mean" else float(mini.stop - mini.start)
+            for mb in micro_batches(mini.stop - mini.start, cfg.micro_batch_size):
                 sl = slice(mini.start + mb.start, mini.start + mb.stop)
                 b = index_batch(batch, sl)
                 T1 = b.input_ids.shape[1] - 1
@@ -224,25 +221,22 @@ class RLTrainer:
                 m = mask[sl, :T1]
                 loss, mets = self.loss_fn(lp, old, rollout_lp[sl, :T1], adv[sl], m, cfg.loss_cfg, denom=denom)
                 loss.backward()
+                loss_total += float(loss.detach())  # micro-batch losses add up to the mini-batch loss
+                mets.pop("loss", None)
+                if "mismatch_max_abs" in mets:
+                    mismatch_max = max(mismatch_max or 0.0, mets.pop("mismatch_max_abs"))
                 w = float(m.sum())
                 for k, v in mets.items():
-                    acc[k] = acc.get(k, 0.0) + (v if k == "loss" else v * w)
-                acc["_w"] = acc.get("_w", 0.0) + w
-                acc["mismatch_max_abs_max"] = max(acc.get("mismatch_max_abs_max", 0.0), mets.get("mismatch_max_abs", 0.0))
+                    sums[k] = sums.get(k, 0.0) + v * w
+                weight += w
                 ent_sum += float((ent.detach() * m).sum())
-                ent_cnt += w
             grad_norm = clip_and_step(self.policy, self.opt, self.sched, cfg.optim.grad_clip)
-            w = max(acc.pop("_w"), 1.0)
-            for k, v in acc.items():
-                metrics[k] = v if k in ("loss", "mismatch_max_abs_max") else v / w
         self.policy.eval()
-        metrics.pop("mismatch_max_abs", None)
-        if "mismatch_max_abs_max" in metrics:
-            metrics["mismatch_max_abs"] = metrics.pop("mismatch_max_abs_max")
-        metrics["entropy"] = ent_sum / max(ent_cnt, 1.0)
-        metrics["grad_norm"] = grad_norm
-        metrics["lr"] = self.sched.get_last_lr()[0]
-        metrics["advantage_abs_mean"] = float(adv.abs().mean())
+        metrics = {k: v / max(weight, 1.0) for k, v in sums.items()}
+        if mismatch_max is not None:
+            metrics["mismatch_max_abs"] = mismatch_max
+        metrics.update(loss=loss_total / len(minis), entropy=ent_sum / max(weight, 1.0), grad_norm=grad_norm,
+                       lr=self.sched.get_last_lr()[0], advantage_abs_mean=float(adv.abs().mean()))
         return metrics
 
     @torch.no_grad()
