@@ -126,6 +126,14 @@ class RLTrainer:
         self.prompts_too_long = 0
         self.agg = effective_agg(cfg.loss, cfg.loss_cfg)
 
+    def env_of(self, env_id: str):
+        """The curriculum's environment instance (configured with its kwargs), else one by id."""
+        if env_id not in self.curriculum.envs:
+            from envs.base import get_env
+
+            self.curriculum.envs[env_id] = get_env(env_id)
+        return self.curriculum.envs[env_id]
+
     # -- rollouts -----------------------------------------------------------------------------
     def reward_of(self, score: Score, text: str) -> float:
         r = (1.0 if score.correct else 0.0) if self.cfg.reward == "correct" else float(score.reward)
@@ -161,10 +169,10 @@ class RLTrainer:
         comps = self.engine.generate(prompts, cfg.sampling.params(G, self.rng.getrandbits(62)))
         groups = []
         for i, (env_id, prob) in enumerate(picks):
-            env = self.curriculum.envs[env_id] if env_id in self.curriculum.envs else None
+            env = self.env_of(env_id)
             rs = []
             for c in comps[i * G:(i + 1) * G]:
-                score = env.verify(prob, c.text) if env is not None else _verify_by_id(env_id, prob, c.text)
+                score = env.verify(prob, c.text)
                 rs.append(Rollout(env_id, prob, prompts[i], c, score, self.reward_of(score, c.text)))
             ov = cfg.overlong
             if ov.mode != "none":
@@ -308,7 +316,7 @@ class RLTrainer:
         if greedy:
             sp.temperature = 0.0
         comps = self.engine.generate(prompts, sp)
-        ok = [_verify_by_id(problems[c.prompt_index][0], problems[c.prompt_index][1], c.text).correct
+        ok = [self.env_of(problems[c.prompt_index][0]).verify(problems[c.prompt_index][1], c.text).correct
               for c in comps]
         return _mean([float(x) for x in ok])
 
@@ -320,17 +328,6 @@ class RLTrainer:
         self.step_idx = load_training_state(st, self.opt, self.sched, self.rng)
         self.curriculum.load_state_dict(st["curriculum"])
         torch.set_rng_state(st["torch_rng"])
-
-
-_ENV_CACHE: dict[str, Any] = {}
-
-
-def _verify_by_id(env_id: str, problem: Problem, text: str) -> Score:
-    from envs.base import get_env
-
-    if env_id not in _ENV_CACHE:
-        _ENV_CACHE[env_id] = get_env(env_id)
-    return _ENV_CACHE[env_id].verify(problem, text)
 
 
 def _mean(xs) -> float:
