@@ -60,7 +60,7 @@ def test_grouped_experts_match_per_expert_loop_forward_and_backward():
     g1 = torch.autograd.grad(((out - target) ** 2).sum(), [x, ex.gate_up_proj, ex.down_proj])
     g2 = torch.autograd.grad(((ref - target) ** 2).sum(), [x, ex.gate_up_proj, ex.down_proj])
     for a, b in zip(g1, g2):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_router_replay_reproduces_routing(tiny_moe_dir):

@@ -102,7 +102,7 @@ class PrefixCache:
             one.length = m
             self.stats.lru_hits += 1
         if m < P:
-            model(torch.tensor([prefix[m:]], device=dev), cache=one)
+            model.hidden_states(torch.tensor([prefix[m:]], device=dev), cache=one)
             if self.max_entries:
                 self._lru[prefix] = ([k[:, :, :P].clone() for k in one.k], [v[:, :, :P].clone() for v in one.v])
                 while len(self._lru) > self.max_entries:
@@ -121,7 +121,7 @@ class PrefixCache:
             s = p[P:]
             inp[i, Ls - len(s):] = torch.tensor(s)
             mask[i, Ls - len(s):] = True
-        logits = model(inp.to(dev), mask.to(dev), cache=cache)[:, -1]
+        logits = model.last_logits(inp.to(dev), mask.to(dev), cache=cache)
         self.stats.batches += 1
         self.stats.shared_tokens += P
         self.stats.saved_tokens += (B - 1) * P + m

@@ -1,7 +1,9 @@
-"""Token sampling shared by engines: temperature, top-k, top-p, min-p, with per-row generators so a
-row's samples depend only on its own seed, never on what else is in the batch."""
+"""Token sampling shared by engines: temperature, top-k, top-p, min-p, with counter-based per-row
+random numbers so a row's samples depend only on its own seed and step, never on what else is in the
+batch."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from train.engine.base import SamplingParams
@@ -16,6 +18,20 @@ def row_seed(seed: int, prompt_index: int, sample_index: int) -> int:
         x ^= x >> 31
         x = (x * 0xBF58476D1CE4E5B9) & (2**64 - 1)
     return x & (2**63 - 1)
+
+
+_GOLDEN, _M1, _M2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def uniforms(seeds: np.ndarray, step: int) -> np.ndarray:
+    """One uniform in [0, 1) per row: SplitMix64 of (row seed, step), counter-based (no generator
+    state), so row r's number at step t is the same whatever else is in the batch. ``seeds`` uint64."""
+    with np.errstate(over="ignore"):
+        z = seeds + np.uint64(step + 1) * _GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * _M1
+        z = (z ^ (z >> np.uint64(27))) * _M2
+        z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
 
 
 def shape_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -37,8 +53,14 @@ def shape_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return x
 
 
-def sample(logits: torch.Tensor, p: SamplingParams, generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row of fp32 ``logits`` [B, V].
+def truncates(p: SamplingParams) -> bool:
+    return bool(p.top_k) or p.top_p < 1.0 or p.min_p > 0.0
+
+
+def sample(logits: torch.Tensor, p: SamplingParams, seeds: np.ndarray | None = None,
+           step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of fp32 ``logits`` [B, V]; ``seeds`` (uint64 [B], one per row, unused
+    when greedy) with ``step`` (the index of the token being sampled) fix the random numbers.
 
     Returns (token ids [B], logprobs [B]); the logprob is that of the chosen token under
     softmax(logits / temperature) (temperature 1 when greedy), before truncation, which is the
@@ -49,8 +71,8 @@ def sample(logits: torch.Tensor, p: SamplingParams, generators: list[torch.Gener
         logp = torch.log_softmax(logits, dim=-1)
     else:
         logp = torch.log_softmax(logits / p.temperature, dim=-1)
-        probs = torch.softmax(shape_logits(logits, p), dim=-1)
-        u = torch.stack([torch.rand((), generator=g, device=g.device) for g in generators]).to(probs.dtype)
+        probs = torch.softmax(shape_logits(logits, p), dim=-1) if truncates(p) else logp.exp()
+        u = torch.from_numpy(uniforms(seeds, step)).to(device=probs.device, dtype=probs.dtype)
         cdf = probs.cumsum(-1)
         tok = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
         # never pick a token that truncation removed (possible only through rounding at the edges)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from train.engine.base import Completion, SamplingParams, check_prompts
@@ -128,7 +129,7 @@ class TorchEngine:
             cache, logits = hit
         else:
             cache = KVCache.allocate(model.config, B, L + max_new, dev, model.dtype)
-            logits = model(inp.to(dev), mask.to(dev), cache=cache)[:, -1]
+            logits = model.last_logits(inp.to(dev), mask.to(dev), cache=cache)
         self.stats.prefill_tokens += sum(lens)
         self.stats.prefill_s += time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -136,13 +137,10 @@ class TorchEngine:
             fan = torch.arange(B, device=dev).repeat_interleave(n)
             cache, logits = cache.select(fan), logits.index_select(0, fan)
         rows = B * n
-        gens = []
+        row_seeds = None
         if not p.greedy:
-            for r in range(rows):
-                g = torch.Generator(device=dev)
-                g.manual_seed(row_seed(seeds[r // n], 0, r % n) if seeds is not None
-                              else row_seed(base_seed, offset + r // n, r % n))
-                gens.append(g)
+            row_seeds = np.array([row_seed(seeds[r // n], 0, r % n) if seeds is not None
+                                  else row_seed(base_seed, offset + r // n, r % n) for r in range(rows)], dtype=np.uint64)
         tokens: list[list[int]] = [[] for _ in range(rows)]
         logps: list[list[float]] = [[] for _ in range(rows)]
         finish = ["length"] * rows
@@ -155,7 +153,7 @@ class TorchEngine:
         stop_window = max((len(s) for s in p.stop), default=0) + 16
         step = 0
         while active:
-            tok, lp = sample(logits, p, [gens[r] for r in active] if gens else [])
+            tok, lp = sample(logits, p, None if row_seeds is None else row_seeds[active], step)
             tok_l, lp_l = tok.tolist(), lp.tolist()
             keep = []
             for j, r in enumerate(active):
@@ -182,7 +180,7 @@ class TorchEngine:
                 cache = cache.select(sel)
                 active = [active[j] for j in keep]
                 tok = tok.index_select(0, sel)
-            logits = model(tok[:, None], cache=cache)[:, -1]
+            logits = model.last_logits(tok[:, None], cache=cache)
         self.stats.decode_s += time.perf_counter() - t0
         out = []
         for r in range(rows):

@@ -27,16 +27,27 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * rms_normalize(x, self.eps)
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x)`` over the last dim, computed in fp32 and returned in ``x``'s dtype (one fused op)."""
+    return F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
+
+
+_INV_FREQ: dict[tuple, torch.Tensor] = {}
+
+
+def _inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
+    key = (head_dim, float(theta), str(device))
+    if key not in _INV_FREQ:
+        _INV_FREQ[key] = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    return _INV_FREQ[key]
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """cos/sin tables [B, T, head_dim] for integer ``positions`` [B, T] (HF's half-rotation layout)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    freqs = positions.float()[..., None] * inv_freq
+    freqs = positions.float()[..., None] * _inv_freq(head_dim, theta, positions.device)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -93,23 +104,42 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None = None, layer: int = 0):
+        """``mask``: None (causal), a boolean mask [B, 1, T, Tk], or for single-token decoding with a
+        cache an additive float mask [B, 1, 1, Tk] (see :func:`decode_mask`)."""
         B, T, _ = x.shape
-        d = self.cfg.head_dim
-        q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, d)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, d)).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv, d).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        d, hq, hk = self.cfg.head_dim, self.n_heads, self.n_kv
+        # one projection for q, k and v; q and k normed and rotated together
+        bias = None if self.q_proj.bias is None else torch.cat((self.q_proj.bias, self.k_proj.bias, self.v_proj.bias))
+        qkv = F.linear(x, torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)), bias)
+        qk = qkv[..., :(hq + hk) * d].view(B, T, hq + hk, d)
+        norm_w = torch.cat((self.q_norm.weight.expand(hq, d), self.k_norm.weight.expand(hk, d)))
+        qk = apply_rope((norm_w * rms_normalize(qk, self.q_norm.eps)).transpose(1, 2), cos, sin)
+        q, k = qk[:, :hq], qk[:, hq:]
+        v = qkv[..., (hq + hk) * d:].view(B, T, hk, d).transpose(1, 2)
         if cache is not None:
             s = cache.length
             cache.k[layer][:, :, s:s + T] = k
             cache.v[layer][:, :, s:s + T] = v
             k, v = cache.k[layer][:, :, :s + T], cache.v[layer][:, :, :s + T]
-        gqa = self.n_kv != self.n_heads  # grouped-query attention without materialising repeated K/V
+            if T == 1:
+                return self.o_proj(decode_attention(q, k, v, mask).reshape(B, 1, hq * d))
+        gqa = hk != hq  # grouped-query attention without materialising repeated K/V
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * d))
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, hq * d))
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of one query per row: q [B, Hq, 1, D] over k, v [B, Hkv, Tk, D] (Hq a multiple of Hkv)
+    with an additive mask [B, 1, 1, Tk] -> [B, Hq, D]. Written as two batched matmuls with the query
+    heads of a group stacked, which on CPU is faster than the fused SDPA kernel for a single query."""
+    B, hq, _, d = q.shape
+    hk = k.shape[1]
+    qg = q.reshape(B, hk, hq // hk, d) * d ** -0.5
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() + mask
+    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v).view(B, hq, d)
 
 
 class MLP(nn.Module):
@@ -239,6 +269,14 @@ def build_mask(key_valid: torch.Tensor | None, q_slots: torch.Tensor, k_len: int
     return m[:, None]
 
 
+def decode_mask(key_valid: torch.Tensor, k_len: int) -> torch.Tensor:
+    """Additive fp32 mask [B, 1, 1, k_len] for one new token per row: 0 where a key slot holds a
+    real token (the new token's own slot, the last, always counts), -inf elsewhere."""
+    m = key_valid[:, None, None, :k_len].clone()
+    m[..., -1] = True
+    return torch.zeros(m.shape, device=m.device).masked_fill_(~m, float("-inf"))
+
+
 class CausalLM(nn.Module):
     """The policy. ``forward`` returns fp32 logits [B, T, V]."""
 
@@ -299,7 +337,9 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, x.dtype)
         q_slots = torch.arange(start, start + T, device=dev)
-        if cache is not None:
+        if cache is not None and T == 1:
+            mask = decode_mask(cache.valid, start + 1)
+        elif cache is not None:
             mask = build_mask(cache.valid, q_slots, start + T)
         elif attention_mask is not None and not bool(attention_mask.all()):
             mask = build_mask(attention_mask, q_slots, T)
@@ -319,6 +359,11 @@ class CausalLM(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits from hidden states (LM head in fp32)."""
         return F.linear(h.float(), self.lm_head.weight.float())
+
+    def last_logits(self, input_ids, attention_mask=None, cache: KVCache | None = None) -> torch.Tensor:
+        """fp32 logits [B, V] of the last position only (what generation needs: the LM head runs on
+        one position per row)."""
+        return self.logits(self.hidden_states(input_ids, attention_mask, cache=cache)[:, -1])
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, routed_experts=None,
                 record_routing=None):
