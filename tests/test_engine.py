@@ -87,6 +87,36 @@ def test_sampling_controls(engine):
     assert all(len(c.token_ids) == 5 and c.finish_reason == "length" for c in outs)
 
 
+def test_sampler_draws_from_the_shaped_distribution():
+    """The counter-based sampler follows softmax(logits / T) (after truncation) across rows and across
+    steps of one row, within a chi-square bound; truncated tokens are never drawn."""
+    import numpy as np
+
+    from train.engine.sampling import sample, shape_logits, uniforms
+
+    across_rows = uniforms(np.arange(4000, dtype=np.uint64), 0)
+    one_row = np.array([uniforms(np.array([7], np.uint64), t)[0] for t in range(4000)])
+    for u in (across_rows, one_row):
+        assert ((u >= 0) & (u < 1)).all() and abs(u.mean() - 0.5) < 0.02 and abs(u.var() - 1 / 12) < 0.005
+    assert not np.array_equal(uniforms(np.array([1], np.uint64), 0), uniforms(np.array([1], np.uint64), 1))
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    for p in (SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=3),
+              SamplingParams(temperature=1.0, top_p=0.8), SamplingParams(temperature=1.0, min_p=0.2)):
+        probs = torch.softmax(shape_logits(logits[None], p), -1)[0].double()
+        n = 6000
+        across_rows = sample(logits.expand(n, -1), p, np.arange(n, dtype=np.uint64) * 7919, step=5)[0]
+        one_row = torch.cat([sample(logits[None], p, np.array([42], np.uint64), step=t)[0] for t in range(n)])
+        for toks in (across_rows, one_row):
+            counts = torch.bincount(toks, minlength=6).double()
+            assert counts[probs == 0].sum() == 0
+            kept = probs > 0
+            expected = probs[kept] * n
+            chi2 = (((counts[kept] - expected) ** 2) / expected).sum().item()
+            assert chi2 < 25.0, (p, counts.tolist(), expected.tolist())  # df <= 5: p-value < 1e-4
+        lp = sample(logits[None], p, np.array([3], np.uint64), step=0)[1]
+        assert lp.shape == (1,) and lp.item() <= 0
+
+
 def test_stop_tokens_and_strings(engine):
     p = _prompts(engine)[:1]
     ref = engine.generate(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
