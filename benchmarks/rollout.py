@@ -6,7 +6,8 @@ same prompts (``--prompts`` chat-formatted questions of mixed lengths) and gener
 on a small batch first, then the engines take turns for ``--repeats`` rounds (so that load from
 other processes on a shared machine hits all of them alike); the figure reported per engine is
 the best round's generated tokens / wall seconds, with every round listed. Ends with one JSON
-line: ``engine_tok_s``, ``hf_tok_s``, ``ratio`` (engine / hf), and ``vllm_tok_s`` when ``vllm``
+line: ``engine_tok_s``, ``hf_tok_s``, ``ratio`` (engine / hf), the engine's prefill seconds and decode
+milliseconds per step in its best round, and ``vllm_tok_s`` when ``vllm``
 imports (run it in ``.venv-vllm`` for that column; vLLM's engine core then runs in this process).
 
     python benchmarks/rollout.py [--prompts 64] [--new-tokens 128] [--model DIR] [--repeats 3] [--no-vllm]
@@ -42,14 +43,22 @@ def make_prompts(tok, n: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
-def engine_runner(model_dir, prompts, new_tokens, temperature):
-    """A warmed-up torch engine; returns a function that generates for all prompts -> tokens."""
+def engine_runner(model_dir, prompts, new_tokens, temperature, phases: list):
+    """A warmed-up torch engine; returns a function that generates for all prompts -> tokens.
+    Each call appends its (prefill seconds, decode seconds) to ``phases``."""
     from train.engine import SamplingParams, TorchEngine
 
     eng = TorchEngine.from_pretrained(model_dir)
     sp = SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True, seed=0)
     eng.generate(prompts[:4], SamplingParams(temperature=temperature, max_tokens=8, ignore_eos=True, seed=0))
-    return lambda: sum(len(c.token_ids) for c in eng.generate(prompts, sp)), None
+
+    def run():
+        s0 = (eng.stats.prefill_s, eng.stats.decode_s)
+        n = sum(len(c.token_ids) for c in eng.generate(prompts, sp))
+        phases.append((eng.stats.prefill_s - s0[0], eng.stats.decode_s - s0[1]))
+        return n
+
+    return run, None
 
 
 def hf_runner(model_dir, prompts, new_tokens, temperature, pad_id):
@@ -128,7 +137,8 @@ def main(argv=None) -> int:
                "new_tokens": a.new_tokens, "temperature": a.temperature,
                "prompt_tokens_mean": round(sum(map(len, prompts)) / len(prompts), 1),
                "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
-        runners = {"engine": engine_runner(model_dir, prompts, a.new_tokens, a.temperature),
+        phases: list = []
+        runners = {"engine": engine_runner(model_dir, prompts, a.new_tokens, a.temperature, phases),
                    "hf": hf_runner(model_dir, prompts, a.new_tokens, a.temperature, pad_id)}
         if not a.no_vllm and importlib.util.find_spec("vllm") is not None:
             runners["vllm"] = vllm_runner(model_dir, prompts, a.new_tokens, a.temperature)
@@ -146,6 +156,9 @@ def main(argv=None) -> int:
             res[f"{k}_tok_s"] = round(max(v), 1)
             res[f"{k}_runs_tok_s"] = [round(x, 1) for x in v]
         res["ratio"] = round(res["engine_tok_s"] / res["hf_tok_s"], 2)
+        best = max(range(len(runs["engine"])), key=runs["engine"].__getitem__)  # the engine's phases in its best round
+        res["engine_prefill_s"] = round(phases[best][0], 4)
+        res["engine_decode_ms_per_step"] = round(phases[best][1] / a.new_tokens * 1e3, 3)
         res["load_avg_1m"] = round(os.getloadavg()[0], 2)
     sys.stdout.flush()
     print(json.dumps(res), file=json_out, flush=True)
