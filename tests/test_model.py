@@ -63,6 +63,25 @@ def test_grouped_experts_match_per_expert_loop_forward_and_backward():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("hq,hk", [(4, 2), (4, 4), (6, 1)])
+def test_decode_attention_equals_sdpa(hq, hk):
+    """The single-query decode attention (two matmuls, additive mask) == SDPA with the boolean mask."""
+    from train.model.modeling import decode_attention, decode_mask
+
+    torch.manual_seed(hq * 10 + hk)
+    B, Tk, D = 5, 17, 8
+    q, k, v = torch.randn(B, hq, 1, D), torch.randn(B, hk, Tk, D), torch.randn(B, hk, Tk, D)
+    valid = torch.rand(B, Tk) > 0.4
+    valid[:, -1] = False  # the query's own (last) slot counts even when not marked yet
+    ref_mask = valid.clone()
+    ref_mask[:, -1] = True
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=ref_mask[:, None, None, :],
+                                                           enable_gqa=hq != hk)
+    out = decode_attention(q, k, v, decode_mask(valid, Tk))
+    assert out.shape == (B, hq, D)
+    assert (out - ref[:, :, 0]).abs().max().item() < 1e-5
+
+
 def test_router_replay_reproduces_routing(tiny_moe_dir):
     m = load_pretrained(tiny_moe_dir).eval()
     ids = torch.randint(5, 1000, (2, 11))
