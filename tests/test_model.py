@@ -82,6 +82,27 @@ def test_decode_attention_equals_sdpa(hq, hk):
     assert (out - ref[:, :, 0]).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cached_decoding_equals_full_forward_with_either_attention(tiny_moe_dir, monkeypatch, dtype):
+    """Prefill + one-token steps through the KV cache give the full forward's logits, with the CPU
+    matmul decode attention and with the SDPA path that other devices take (float mask in q's dtype)."""
+    from train.model import modeling
+
+    m = load_pretrained(tiny_moe_dir, dtype=dtype).eval()
+    ids = torch.randint(5, 1000, (3, 12))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[0, :4] = False  # a left-padded row
+    with torch.no_grad():
+        full = m(ids, mask)[:, -3:]
+        for devices in ({"cpu"}, set()):
+            monkeypatch.setattr(modeling, "DECODE_MATMUL_DEVICES", devices)
+            cache = modeling.KVCache.allocate(m.config, 3, 16, "cpu", dtype)
+            steps = [m.last_logits(ids[:, :10], mask[:, :10], cache=cache)]
+            steps += [m.last_logits(ids[:, t:t + 1], cache=cache) for t in (10, 11)]
+            tol = 1e-4 if dtype == torch.float32 else 0.05
+            assert (torch.stack(steps, 1) - full).abs().max().item() < tol, devices
+
+
 def test_router_replay_reproduces_routing(tiny_moe_dir):
     m = load_pretrained(tiny_moe_dir).eval()
     ids = torch.randint(5, 1000, (2, 11))

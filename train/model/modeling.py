@@ -105,7 +105,8 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None = None, layer: int = 0):
         """``mask``: None (causal), a boolean mask [B, 1, T, Tk], or for single-token decoding with a
-        cache an additive float mask [B, 1, 1, Tk] (see :func:`decode_mask`)."""
+        cache an additive float mask [B, 1, 1, Tk] (see :func:`decode_mask`; on CPU that step uses
+        :func:`decode_attention`, elsewhere the fused SDPA kernel)."""
         B, T, _ = x.shape
         d, hq, hk = self.cfg.head_dim, self.n_heads, self.n_kv
         # one projection for q, k and v; q and k normed and rotated together
@@ -121,14 +122,18 @@ class Attention(nn.Module):
             cache.k[layer][:, :, s:s + T] = k
             cache.v[layer][:, :, s:s + T] = v
             k, v = cache.k[layer][:, :, :s + T], cache.v[layer][:, :, :s + T]
-            if T == 1:
+            if T == 1 and x.device.type in DECODE_MATMUL_DEVICES:
                 return self.o_proj(decode_attention(q, k, v, mask).reshape(B, 1, hq * d))
         gqa = hk != hq  # grouped-query attention without materialising repeated K/V
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
+            mask = mask if mask.dtype == torch.bool else mask.to(q.dtype)  # SDPA: bool or q's dtype
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, hq * d))
+
+
+DECODE_MATMUL_DEVICES = {"cpu"}  # device types whose single-token decode uses decode_attention, not SDPA
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
