@@ -78,7 +78,7 @@ class PrefixCache:
             self._lru.move_to_end(best)
         return best
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def prefill(self, model, prompts: list[list[int]], max_new: int):
         """``(cache, last_logits [B, V])`` for ``prompts`` with room for ``max_new`` tokens, or None
         when the batch has no shared prefix worth reusing (the caller prefills normally)."""

@@ -110,7 +110,7 @@ class TorchEngine:
         self.model = None
 
     # -- internals -------------------------------------------------------------------------------
-    @torch.no_grad()
+    @torch.inference_mode()  # cheaper per op than no_grad (no version counters or view tracking)
     def _generate_chunk(self, prompts: list[list[int]], offset: int, p: SamplingParams, base_seed: int,
                         seeds: Sequence[int] | None = None):
         model, dev = self.model, self.model.device

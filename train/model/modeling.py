@@ -41,7 +41,8 @@ _INV_FREQ: dict[tuple, torch.Tensor] = {}
 def _inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
     key = (head_dim, float(theta), str(device))
     if key not in _INV_FREQ:
-        _INV_FREQ[key] = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+        with torch.inference_mode(False):  # a normal tensor even when first made during generation
+            _INV_FREQ[key] = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     return _INV_FREQ[key]
 
 
