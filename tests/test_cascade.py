@@ -51,9 +51,31 @@ def tiny_run(tmp_path_factory):
     init_model("tiny-moe", root / "tok-src", seed=0)
     rm = build_tiny_reward_model(root / "rm", root / "tok-src")
     out = root / "run"
-    r = cascade("run", f"out={out}", f"stages.behavior.reward_model.path={rm}", *TINY)
+    r = cascade("run", f"out={out}", f"stages.behavior.reward_model.path={rm}", "logging.tensorboard=true", *TINY)
     assert r.returncode == 0, r.stderr[-3000:]
     return out, r
+
+
+def test_tensorboard_holds_the_same_scalars_as_the_metrics_file(tiny_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from cascade.records import read_records
+
+    out, _ = tiny_run
+    acc = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    recs = read_records(out)
+    checked = 0
+    for rec in recs:
+        for key in ("reward_mean", "loss"):
+            if isinstance(rec.get(key), (int, float)):
+                tag = f"{rec['stage']}/{rec['phase']}/{key}"
+                assert tag in tags, (tag, sorted(tags)[:20])
+                got = {e.step: e.value for e in acc.Scalars(tag)}
+                assert got[rec["step"]] == pytest.approx(rec[key], rel=1e-6, abs=1e-6), tag
+                checked += 1
+    assert checked >= 8 and {t.split("/")[0] for t in tags} >= {"warmup", "rlve", "math", "behavior"}
 
 
 def test_four_stages_each_start_from_the_previous(tiny_run):
