@@ -65,19 +65,18 @@ def test_grouped_experts_match_per_expert_loop_forward_and_backward():
 
 @pytest.mark.parametrize("hq,hk", [(4, 2), (4, 4), (6, 1)])
 def test_decode_attention_equals_sdpa(hq, hk):
-    """The single-query decode attention (two matmuls, additive mask) == SDPA with the boolean mask."""
-    from train.model.modeling import decode_attention, decode_mask
+    """The single-query decode attention (two matmuls) == SDPA with the same boolean mask."""
+    from train.model.modeling import build_mask, decode_attention
 
     torch.manual_seed(hq * 10 + hk)
     B, Tk, D = 5, 17, 8
     q, k, v = torch.randn(B, hq, 1, D), torch.randn(B, hk, Tk, D), torch.randn(B, hk, Tk, D)
     valid = torch.rand(B, Tk) > 0.4
     valid[:, -1] = False  # the query's own (last) slot counts even when not marked yet
-    ref_mask = valid.clone()
-    ref_mask[:, -1] = True
-    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=ref_mask[:, None, None, :],
-                                                           enable_gqa=hq != hk)
-    out = decode_attention(q, k, v, decode_mask(valid, Tk))
+    mask = build_mask(valid, torch.tensor([Tk - 1]), Tk)
+    assert mask[:, 0, 0, -1].all()
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hq != hk)
+    out = decode_attention(q, k, v, mask)
     assert out.shape == (B, hq, D)
     assert (out - ref[:, :, 0]).abs().max().item() < 1e-5
 
@@ -85,7 +84,7 @@ def test_decode_attention_equals_sdpa(hq, hk):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cached_decoding_equals_full_forward_with_either_attention(tiny_moe_dir, monkeypatch, dtype):
     """Prefill + one-token steps through the KV cache give the full forward's logits, with the CPU
-    matmul decode attention and with the SDPA path that other devices take (float mask in q's dtype)."""
+    matmul decode attention and with the SDPA path that other devices take."""
     from train.model import modeling
 
     m = load_pretrained(tiny_moe_dir, dtype=dtype).eval()

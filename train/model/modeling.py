@@ -105,9 +105,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None = None, layer: int = 0):
-        """``mask``: None (causal), a boolean mask [B, 1, T, Tk], or for single-token decoding with a
-        cache an additive float mask [B, 1, 1, Tk] (see :func:`decode_mask`; on CPU that step uses
-        :func:`decode_attention`, elsewhere the fused SDPA kernel)."""
+        """``mask``: None (causal) or a boolean mask [B, 1, T, Tk]; single-token decoding with a cache
+        uses :func:`decode_attention` on CPU, the fused SDPA kernel elsewhere."""
         B, T, _ = x.shape
         d, hq, hk = self.cfg.head_dim, self.n_heads, self.n_kv
         # one projection for q, k and v; q and k normed and rotated together
@@ -129,7 +128,6 @@ class Attention(nn.Module):
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
-            mask = mask if mask.dtype == torch.bool else mask.to(q.dtype)  # SDPA: bool or q's dtype
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, hq * d))
 
@@ -139,12 +137,12 @@ DECODE_MATMUL_DEVICES = {"cpu"}  # device types whose single-token decode uses d
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Attention of one query per row: q [B, Hq, 1, D] over k, v [B, Hkv, Tk, D] (Hq a multiple of Hkv)
-    with an additive mask [B, 1, 1, Tk] -> [B, Hq, D]. Written as two batched matmuls with the query
+    with a boolean mask [B, 1, 1, Tk] (True = attend) -> [B, Hq, D]. Written as two batched matmuls with the query
     heads of a group stacked, which on CPU is faster than the fused SDPA kernel for a single query."""
     B, hq, _, d = q.shape
     hk = k.shape[1]
     qg = q.reshape(B, hk, hq // hk, d) * d ** -0.5
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() + mask
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float().masked_fill(~mask, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v).view(B, hq, d)
 
 
@@ -275,14 +273,6 @@ def build_mask(key_valid: torch.Tensor | None, q_slots: torch.Tensor, k_len: int
     return m[:, None]
 
 
-def decode_mask(key_valid: torch.Tensor, k_len: int) -> torch.Tensor:
-    """Additive fp32 mask [B, 1, 1, k_len] for one new token per row: 0 where a key slot holds a
-    real token (the new token's own slot, the last, always counts), -inf elsewhere."""
-    m = key_valid[:, None, None, :k_len].clone()
-    m[..., -1] = True
-    return torch.zeros(m.shape, device=m.device).masked_fill_(~m, float("-inf"))
-
-
 class CausalLM(nn.Module):
     """The policy. ``forward`` returns fp32 logits [B, T, V]."""
 
@@ -343,9 +333,7 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, x.dtype)
         q_slots = torch.arange(start, start + T, device=dev)
-        if cache is not None and T == 1:
-            mask = decode_mask(cache.valid, start + 1)
-        elif cache is not None:
+        if cache is not None:
             mask = build_mask(cache.valid, q_slots, start + T)
         elif attention_mask is not None and not bool(attention_mask.all()):
             mask = build_mask(attention_mask, q_slots, T)
