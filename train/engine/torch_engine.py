@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from train.engine import native
 from train.engine.base import Completion, SamplingParams, check_prompts
 from train.engine.sampling import row_seed, sample
 from train.model.hf_io import load_into, load_pretrained
@@ -151,6 +152,7 @@ class TorchEngine:
         active = list(range(rows))  # row ids still generating, aligned with the cache's batch rows
         limits = [min(max_new, self.context_length - lens[r // n]) for r in range(rows)]
         stop_window = max((len(s) for s in p.stop), default=0) + 16
+        fast = native.usable(model)  # fused C++ decode step on CPU (train/engine/native.py)
         step = 0
         while active:
             tok, lp = sample(logits, p, None if row_seeds is None else row_seeds[active], step)
@@ -180,7 +182,7 @@ class TorchEngine:
                 cache = cache.select(sel)
                 active = [active[j] for j in keep]
                 tok = tok.index_select(0, sel)
-            logits = model.last_logits(tok[:, None], cache=cache)
+            logits = native.decode_logits(model, tok, cache) if fast else model.last_logits(tok[:, None], cache=cache)
         self.stats.decode_s += time.perf_counter() - t0
         out = []
         for r in range(rows):

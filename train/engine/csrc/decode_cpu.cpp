@@ -1,0 +1,214 @@
+// Native CPU kernels for one decoding step of Cascade's policy (train/model/modeling.py).
+//
+// A decoding step on CPU is dominated by per-operator overhead: a Qwen3(-MoE) layer is ~80 small
+// ATen calls from Python. These ops run a whole attention block, MoE block or dense MLP block for a
+// batch of single tokens in one call: the matrix products stay in ATen (MKL/oneDNN), the glue
+// (norms, q/k norm + RoPE, KV-cache writes, masked attention, routing, expert grouping, weighted
+// combine) is plain loops. Math and order of operations follow the Python model, in fp32.
+//
+// Built at first use by train/engine/native.py (torch.utils.cpp_extension); registered as
+// torch.ops.cascade_native.{attn_block, moe_block, mlp_block}.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+void check_f32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// y = w * (x / sqrt(mean(x^2) + eps)) over n elements (F.rms_norm, then the weight).
+inline void rms_row(const float* x, const float* w, float* y, int64_t n, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) y[i] = w[i] * (x[i] * r);
+}
+
+at::Tensor rms_rows(const at::Tensor& x, const at::Tensor& w, float eps) {
+  const int64_t B = x.size(0), H = x.size(1);
+  at::Tensor y = at::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) rms_row(xp + b * H, wp, yp + b * H, H, eps);
+  return y;
+}
+
+// q/k norm then rotary embedding (HF half-rotation layout): out = x*cos + rotate_half(x)*sin.
+inline void norm_rope(const float* x, const float* w, const float* cos, const float* sin, float* out,
+                      int64_t d, float eps, float scale) {
+  float tmp[1024];
+  rms_row(x, w, tmp, d, eps);
+  const int64_t h = d / 2;
+  for (int64_t c = 0; c < h; ++c) {
+    out[c] = (tmp[c] * cos[c] + (-tmp[c + h]) * sin[c]) * scale;
+    out[c + h] = (tmp[c + h] * cos[c + h] + tmp[c] * sin[c + h]) * scale;
+  }
+}
+
+// x + o_proj(attention(q_norm/k_norm/RoPE(qkv_proj(rms(x))))) for one new token per row; writes the
+// new key/value at cache slot `slot`. Keys at slots <= slot are attended where `valid` (the own slot
+// always). x [B, H]; wqkv [(hq+2hk)*d, H]; kc, vc [B, hk, cap, d]; valid [B, cap] bool; cos/sin [B, d].
+at::Tensor attn_block(const at::Tensor& x, const at::Tensor& ln_w, const at::Tensor& wqkv,
+                      const c10::optional<at::Tensor>& bqkv, const at::Tensor& qn_w, const at::Tensor& kn_w,
+                      const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kc, const at::Tensor& vc,
+                      const at::Tensor& valid, int64_t slot, const at::Tensor& wo,
+                      const c10::optional<at::Tensor>& bo, int64_t hq, int64_t hk, double eps_d) {
+  for (const at::Tensor* t : {&x, &ln_w, &wqkv, &qn_w, &kn_w, &cos, &sin, &kc, &vc, &wo}) check_f32(*t, "attn_block tensor");
+  TORCH_CHECK(valid.scalar_type() == at::kBool && valid.is_contiguous(), "valid must be a contiguous bool tensor");
+  const float eps = static_cast<float>(eps_d);
+  const int64_t B = x.size(0), d = kc.size(3), cap = kc.size(2), g = hq / hk, Tk = slot + 1;
+  TORCH_CHECK(hq % hk == 0 && kc.size(1) == hk && kc.size(0) == B && d <= 1024 && d % 2 == 0,
+              "attn_block: bad head layout");
+  TORCH_CHECK(slot >= 0 && slot < cap && valid.size(1) >= Tk, "attn_block: slot ", slot, " outside the cache (", cap, ")");
+  const int64_t width = (hq + 2 * hk) * d;
+  at::Tensor h = rms_rows(x, ln_w, eps);
+  at::Tensor qkv = bqkv.has_value() && bqkv->defined() ? at::addmm(*bqkv, h, wqkv.t()) : at::mm(h, wqkv.t());
+  at::Tensor q = at::empty({B, hq, d}, x.options());
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const float *qkvp = qkv.data_ptr<float>(), *qnw = qn_w.data_ptr<float>(), *knw = kn_w.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const bool* vp = valid.data_ptr<bool>();
+  const int64_t vstride = valid.size(1);
+  float *kcp = kc.data_ptr<float>(), *vcp = vc.data_ptr<float>(), *qp = q.data_ptr<float>();
+  // one work item per (row, kv head): its query heads, its new key/value, its scores
+  at::parallel_for(0, B * hk, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t b = it / hk, j = it % hk;
+      const float* row = qkvp + b * width;
+      const float *c = cp + b * d, *s = sp + b * d;
+      float* kbase = kcp + (b * hk + j) * cap * d;
+      float* vbase = vcp + (b * hk + j) * cap * d;
+      for (int64_t gi = 0; gi < g; ++gi) {
+        const int64_t head = j * g + gi;
+        norm_rope(row + head * d, qnw, c, s, qp + (b * hq + head) * d, d, eps, scale);
+      }
+      norm_rope(row + (hq + j) * d, knw, c, s, kbase + slot * d, d, eps, 1.0f);
+      const float* vnew = row + (hq + hk + j) * d;
+      for (int64_t e = 0; e < d; ++e) vbase[slot * d + e] = vnew[e];
+    }
+  });
+  // scores of the g query heads of each kv head against its keys: one batched GEMM
+  at::Tensor scores = at::matmul(q.view({B, hk, g, d}), kc.narrow(2, 0, Tk).transpose(2, 3));
+  float* scp = scores.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {  // padded key slots (left padding) are hidden
+    const bool* vrow = vp + b * vstride;
+    for (int64_t t = 0; t < slot; ++t)
+      if (!vrow[t])
+        for (int64_t r = 0; r < hk * g; ++r) scp[(b * hk * g + r) * Tk + t] = ninf;
+  }
+  at::Tensor attn = at::matmul(at::softmax(scores, -1), vc.narrow(2, 0, Tk)).view({B, hq * d});
+  at::Tensor res = bo.has_value() && bo->defined() ? x + *bo : x;
+  return at::addmm(res, attn, wo.t());
+}
+
+// x + SparseMoE(rms(x)): softmax router, top-k (optionally renormalised), experts gate_up [E, 2I, H]
+// and down [E, H, I] applied to the tokens routed to each, outputs combined with the router weights.
+at::Tensor moe_block(const at::Tensor& x, const at::Tensor& ln_w, const at::Tensor& router_w,
+                     const at::Tensor& gate_up, const at::Tensor& down, int64_t top_k, bool norm_topk,
+                     double eps_d) {
+  for (const at::Tensor* t : {&x, &ln_w, &router_w, &gate_up, &down}) check_f32(*t, "moe_block tensor");
+  const int64_t B = x.size(0), H = x.size(1), E = gate_up.size(0), I = gate_up.size(1) / 2;
+  TORCH_CHECK(top_k >= 1 && top_k <= E, "moe_block: top_k ", top_k, " with ", E, " experts");
+  at::Tensor h = rms_rows(x, ln_w, static_cast<float>(eps_d));
+  at::Tensor logits = at::mm(h, router_w.t()).contiguous();
+  const float* lp = logits.data_ptr<float>();
+  const int64_t N = B * top_k;
+  std::vector<int64_t> idx(N);
+  std::vector<float> wt(N), probs(E);
+  std::vector<char> taken(E);
+  for (int64_t b = 0; b < B; ++b) {
+    const float* l = lp + b * E;
+    float m = l[0];
+    for (int64_t e = 1; e < E; ++e) m = std::max(m, l[e]);
+    float sum = 0.f;
+    for (int64_t e = 0; e < E; ++e) sum += (probs[e] = std::exp(l[e] - m));
+    for (int64_t e = 0; e < E; ++e) probs[e] /= sum;
+    std::fill(taken.begin(), taken.end(), 0);
+    float tot = 0.f;
+    for (int64_t k = 0; k < top_k; ++k) {  // highest first, lowest index among equals
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; ++e)
+        if (!taken[e] && (best < 0 || probs[e] > probs[best])) best = e;
+      taken[best] = 1;
+      idx[b * top_k + k] = best;
+      tot += (wt[b * top_k + k] = probs[best]);
+    }
+    if (norm_topk)
+      for (int64_t k = 0; k < top_k; ++k) wt[b * top_k + k] /= tot;
+  }
+  // (token, choice) pairs grouped by expert, in token order within an expert (a stable sort)
+  std::vector<int64_t> start(E + 1, 0), order(N);
+  for (int64_t i = 0; i < N; ++i) ++start[idx[i] + 1];
+  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> cursor(start.begin(), start.end() - 1);
+  for (int64_t i = 0; i < N; ++i) order[cursor[idx[i]]++] = i;
+  at::Tensor tokens = at::empty({N}, x.options().dtype(at::kLong));
+  int64_t* tp = tokens.data_ptr<int64_t>();
+  for (int64_t p = 0; p < N; ++p) tp[p] = order[p] / top_k;
+  at::Tensor xe = h.index_select(0, tokens);
+  at::Tensor hb = at::empty({N, 2 * I}, x.options());
+  at::Tensor yb = at::empty({N, H}, x.options());
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t s = start[e], n = start[e + 1] - s;
+    if (n) {
+      at::Tensor o = hb.narrow(0, s, n);
+      at::mm_out(o, xe.narrow(0, s, n), gate_up[e].t());
+    }
+  }
+  at::Tensor act = at::silu(hb.narrow(1, 0, I)).mul_(hb.narrow(1, I, I));
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t s = start[e], n = start[e + 1] - s;
+    if (n) {
+      at::Tensor o = yb.narrow(0, s, n);
+      at::mm_out(o, act.narrow(0, s, n), down[e].t());
+    }
+  }
+  at::Tensor moe = at::zeros_like(x);
+  float* mp = moe.data_ptr<float>();
+  const float* yp = yb.data_ptr<float>();
+  for (int64_t p = 0; p < N; ++p) {
+    const float w = wt[order[p]];
+    float* dst = mp + tp[p] * H;
+    const float* src = yp + p * H;
+    for (int64_t c = 0; c < H; ++c) dst[c] += w * src[c];
+  }
+  return x + moe;
+}
+
+// x + down(silu(gate(rms(x))) * up(rms(x))) with gate and up stacked: w_gate_up [2I, H].
+at::Tensor mlp_block(const at::Tensor& x, const at::Tensor& ln_w, const at::Tensor& w_gate_up,
+                     const at::Tensor& w_down, double eps_d) {
+  for (const at::Tensor* t : {&x, &ln_w, &w_gate_up, &w_down}) check_f32(*t, "mlp_block tensor");
+  const int64_t I = w_gate_up.size(0) / 2;
+  at::Tensor h = rms_rows(x, ln_w, static_cast<float>(eps_d));
+  at::Tensor gu = at::mm(h, w_gate_up.t());
+  at::Tensor act = at::silu(gu.narrow(1, 0, I)).mul_(gu.narrow(1, I, I));
+  return at::addmm(x, act, w_down.t());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(cascade_native, m) {
+  m.def("attn_block(Tensor x, Tensor ln_w, Tensor wqkv, Tensor? bqkv, Tensor qn_w, Tensor kn_w, Tensor cos, "
+        "Tensor sin, Tensor(a!) kc, Tensor(b!) vc, Tensor valid, int slot, Tensor wo, Tensor? bo, int hq, int hk, "
+        "float eps) -> Tensor");
+  m.def("moe_block(Tensor x, Tensor ln_w, Tensor router_w, Tensor gate_up, Tensor down, int top_k, bool norm_topk, "
+        "float eps) -> Tensor");
+  m.def("mlp_block(Tensor x, Tensor ln_w, Tensor w_gate_up, Tensor w_down, float eps) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(cascade_native, CPU, m) {
+  m.impl("attn_block", attn_block);
+  m.impl("moe_block", moe_block);
+  m.impl("mlp_block", mlp_block);
+}
