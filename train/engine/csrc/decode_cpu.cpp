@@ -54,6 +54,92 @@ inline void norm_rope(const float* x, const float* w, const float* cos, const fl
   }
 }
 
+// Attention inner loops over one (row, kv head): head sizes 16/32/64/128/256 use explicit 16-float
+// vectors (GCC/Clang vector extensions: AVX-512 registers where the CPU has them, narrower
+// otherwise) with accumulators kept in registers; other sizes take the plain loops.
+typedef float vf __attribute__((vector_size(64)));
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+
+inline vf loadv(const float* p) {
+  vf v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline float hsum(vf v) {
+  const vf8 s8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vf4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+// out[t] = q . k[t] for t < T (k rows of D floats); hidden slots (visible[t] false) get -inf
+template <int D>
+void dots_fixed(const float* q, const float* k, int64_t T, const bool* visible, float* out) {
+  constexpr int NV = D / 16;
+  vf qv[NV];
+  for (int i = 0; i < NV; ++i) qv[i] = loadv(q + 16 * i);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* kt = k + t * D;
+    vf acc = qv[0] * loadv(kt);
+    for (int i = 1; i < NV; ++i) acc += qv[i] * loadv(kt + 16 * i);
+    out[t] = visible[t] ? hsum(acc) : -std::numeric_limits<float>::infinity();
+  }
+}
+
+void dots(const float* q, const float* k, int64_t T, int64_t d, const bool* visible, float* out) {
+  switch (d) {
+    case 16: return dots_fixed<16>(q, k, T, visible, out);
+    case 32: return dots_fixed<32>(q, k, T, visible, out);
+    case 64: return dots_fixed<64>(q, k, T, visible, out);
+    case 128: return dots_fixed<128>(q, k, T, visible, out);
+    case 256: return dots_fixed<256>(q, k, T, visible, out);
+    default: break;
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    float acc = 0.f;
+    for (int64_t e = 0; e < d; ++e) acc += q[e] * k[t * d + e];
+    out[t] = visible[t] ? acc : -std::numeric_limits<float>::infinity();
+  }
+}
+
+// out = sum_t p[t] * v[t] (v rows of D floats); two accumulator sets over t hide the FMA latency
+template <int D>
+void weighted_sum_fixed(const float* p, const float* v, int64_t T, float* out) {
+  constexpr int NV = D / 16;
+  vf a0[NV] = {}, a1[NV] = {};
+  int64_t t = 0;
+  for (; t + 1 < T; t += 2) {
+    const float w0 = p[t], w1 = p[t + 1];
+    const float *v0 = v + t * D, *v1 = v0 + D;
+    for (int i = 0; i < NV; ++i) {
+      a0[i] += w0 * loadv(v0 + 16 * i);
+      a1[i] += w1 * loadv(v1 + 16 * i);
+    }
+  }
+  if (t < T)
+    for (int i = 0; i < NV; ++i) a0[i] += p[t] * loadv(v + t * D + 16 * i);
+  for (int i = 0; i < NV; ++i) {
+    const vf s = a0[i] + a1[i];
+    __builtin_memcpy(out + 16 * i, &s, sizeof s);
+  }
+}
+
+void weighted_sum(const float* p, const float* v, int64_t T, int64_t d, float* out) {
+  switch (d) {
+    case 16: return weighted_sum_fixed<16>(p, v, T, out);
+    case 32: return weighted_sum_fixed<32>(p, v, T, out);
+    case 64: return weighted_sum_fixed<64>(p, v, T, out);
+    case 128: return weighted_sum_fixed<128>(p, v, T, out);
+    case 256: return weighted_sum_fixed<256>(p, v, T, out);
+    default: break;
+  }
+  for (int64_t e = 0; e < d; ++e) out[e] = 0.f;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t e = 0; e < d; ++e) out[e] += p[t] * v[t * d + e];
+}
+
 // x + o_proj(attention(q_norm/k_norm/RoPE(qkv_proj(rms(x))))) for one new token per row; writes the
 // new key/value at cache slot `slot`. Keys at slots <= slot are attended where `valid` (the own slot
 // always). x [B, H]; wqkv [(hq+2hk)*d, H]; kc, vc [B, hk, cap, d]; valid [B, cap] bool; cos/sin [B, d].
@@ -97,16 +183,33 @@ at::Tensor attn_block(const at::Tensor& x, const at::Tensor& ln_w, const at::Ten
       for (int64_t e = 0; e < d; ++e) vbase[slot * d + e] = vnew[e];
     }
   });
-  // scores of the g query heads of each kv head against its keys: one batched GEMM
-  at::Tensor scores = at::matmul(q.view({B, hk, g, d}), kc.narrow(2, 0, Tk).transpose(2, 3));
+  // scores of each query head against the keys of its kv head; padded slots (left padding) hidden
+  at::Tensor scores = at::empty({B, hk, g, Tk}, x.options());
   float* scp = scores.data_ptr<float>();
-  for (int64_t b = 0; b < B; ++b) {  // padded key slots (left padding) are hidden
-    const bool* vrow = vp + b * vstride;
-    for (int64_t t = 0; t < slot; ++t)
-      if (!vrow[t])
-        for (int64_t r = 0; r < hk * g; ++r) scp[(b * hk * g + r) * Tk + t] = ninf;
+  std::vector<char> visible_buf(B * Tk);  // key slot visible: a real token, or the row's own new slot
+  bool* visible = reinterpret_cast<bool*>(visible_buf.data());
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < Tk; ++t) visible[b * Tk + t] = vp[b * vstride + t];
+    visible[b * Tk + slot] = true;
   }
-  at::Tensor attn = at::matmul(at::softmax(scores, -1), vc.narrow(2, 0, Tk)).view({B, hq * d});
+  at::parallel_for(0, B * hk, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t b = it / hk, j = it % hk;
+      for (int64_t gi = 0; gi < g; ++gi)
+        dots(qp + (b * hq + j * g + gi) * d, kcp + it * cap * d, Tk, d, visible + b * Tk, scp + (it * g + gi) * Tk);
+    }
+  });
+  at::Tensor probs = at::softmax(scores, -1);
+  const float* pp = probs.data_ptr<float>();
+  at::Tensor attn = at::empty({B, hq * d}, x.options());
+  float* ap = attn.data_ptr<float>();
+  at::parallel_for(0, B * hk, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t b = it / hk, j = it % hk;
+      for (int64_t gi = 0; gi < g; ++gi)
+        weighted_sum(pp + (it * g + gi) * Tk, vcp + it * cap * d, Tk, d, ap + (b * hq + j * g + gi) * d);
+    }
+  });
   at::Tensor res = bo.has_value() && bo->defined() ? x + *bo : x;
   return at::addmm(res, attn, wo.t());
 }
