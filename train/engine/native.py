@@ -18,7 +18,6 @@ import logging
 import os
 import shutil
 import sys
-import weakref
 from pathlib import Path
 
 import torch
@@ -28,7 +27,6 @@ from train.model.modeling import CausalLM, KVCache, rope_cos_sin
 log = logging.getLogger(__name__)
 _SRC = Path(__file__).with_name("csrc") / "decode_cpu.cpp"
 _STATE: dict = {}
-_FUSED: "weakref.WeakKeyDictionary[CausalLM, dict]" = weakref.WeakKeyDictionary()
 
 
 def enabled() -> bool:
@@ -59,65 +57,53 @@ def load() -> bool:
 
 
 def usable(model: CausalLM) -> bool:
-    """Whether :func:`decode_logits` runs for this model (CPU, fp32, extension built, not disabled)."""
+    """Whether :class:`NativeDecoder` runs for this model (CPU, fp32, extension built, not disabled)."""
     return enabled() and model.device.type == "cpu" and model.dtype == torch.float32 and load()
 
 
-def _versions(tensors) -> tuple:
-    return tuple((t.data_ptr(), t._version) for t in tensors)
+class NativeDecoder:
+    """Decoding steps of one model through the native ops. Holds the per-layer arguments, with the
+    q/k/v projections (and a dense MLP's gate/up) stacked once at construction: make one per
+    generation call, while the weights do not change (the torch engine makes one per batch)."""
 
+    def __init__(self, model: CausalLM):
+        if not load():
+            raise RuntimeError(f"the native decode extension is unavailable: {_STATE.get('error')}")
+        self.model, cfg = model, model.config
+        eps = cfg.rms_norm_eps
+        self.layers = []
+        with torch.inference_mode():
+            for layer in model.model.layers:
+                a, ln2 = layer.self_attn, layer.post_attention_layernorm
+                bias = None if a.q_proj.bias is None else torch.cat((a.q_proj.bias, a.k_proj.bias, a.v_proj.bias))
+                attn = (layer.input_layernorm.weight, torch.cat((a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)),
+                        bias, a.q_norm.weight, a.k_norm.weight)
+                attn_tail = (a.o_proj.weight, a.o_proj.bias, a.n_heads, a.n_kv, eps)
+                if layer.is_moe:
+                    m = layer.mlp
+                    mlp = ("moe", ln2.weight, m.gate.weight, m.experts.gate_up_proj, m.experts.down_proj,
+                           m.gate.top_k, m.gate.norm_topk_prob, eps)
+                else:
+                    m = layer.mlp
+                    mlp = ("mlp", ln2.weight, torch.cat((m.gate_proj.weight, m.up_proj.weight)), m.down_proj.weight, eps)
+                self.layers.append((attn, attn_tail, mlp))
 
-def _fused(model: CausalLM) -> list[dict]:
-    """Per layer, the stacked weights the kernels take (q/k/v projections, a dense MLP's gate/up),
-    rebuilt whenever a source parameter changes in place (weight sync, optimiser step)."""
-    cache = _FUSED.setdefault(model, {})
-    out = []
-    for i, layer in enumerate(model.model.layers):
-        a = layer.self_attn
-        src = [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]
-        if a.q_proj.bias is not None:
-            src += [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
-        if not layer.is_moe:
-            src += [layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]
-        key = _versions(src)
-        hit = cache.get(i)
-        if hit is None or hit[0] != key:
-            f = {"wqkv": torch.cat(src[:3]).contiguous(),
-                 "bqkv": torch.cat(src[3:6]).contiguous() if a.q_proj.bias is not None else None}
-            if not layer.is_moe:
-                f["gate_up"] = torch.cat((layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight)).contiguous()
-            hit = cache[i] = (key, f)
-        out.append(hit[1])
-    return out
-
-
-@torch.inference_mode()
-def decode_logits(model: CausalLM, tok: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """fp32 logits [B, V] for one new token per row (``tok`` [B]) appended at ``cache.length``;
-    updates the cache like ``model.last_logits(tok[:, None], cache=cache)``."""
-    if not load():
-        raise RuntimeError(f"the native decode extension is unavailable: {_STATE.get('error')}")
-    cfg = model.config
-    s = cache.length
-    if s + 1 > cache.capacity:
-        raise ValueError(f"KV cache overflow: {s + 1} > {cache.capacity}")
-    cache.valid[:, s] = True
-    pos = cache.valid[:, :s + 1].sum(-1, keepdim=True) - 1  # running count of real tokens, as in hidden_states
-    x = model.model.embed_tokens(tok)
-    cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, x.dtype)
-    cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
-    ops = torch.ops.cascade_native
-    for i, (layer, f) in enumerate(zip(model.model.layers, _fused(model))):
-        a = layer.self_attn
-        x = ops.attn_block(x, layer.input_layernorm.weight, f["wqkv"], f["bqkv"], a.q_norm.weight, a.k_norm.weight,
-                           cos, sin, cache.k[i], cache.v[i], cache.valid, s, a.o_proj.weight, a.o_proj.bias,
-                           a.n_heads, a.n_kv, cfg.rms_norm_eps)
-        ln = layer.post_attention_layernorm
-        if layer.is_moe:
-            m = layer.mlp
-            x = ops.moe_block(x, ln.weight, m.gate.weight, m.experts.gate_up_proj, m.experts.down_proj,
-                              m.gate.top_k, m.gate.norm_topk_prob, cfg.rms_norm_eps)
-        else:
-            x = ops.mlp_block(x, ln.weight, f["gate_up"], layer.mlp.down_proj.weight, cfg.rms_norm_eps)
-    cache.length = s + 1
-    return model.logits(model.model.norm(x))
+    @torch.inference_mode()
+    def step(self, tok: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """fp32 logits [B, V] for one new token per row (``tok`` [B]) appended at ``cache.length``;
+        updates the cache as ``model.last_logits(tok[:, None], cache=cache)`` does."""
+        model, cfg = self.model, self.model.config
+        s = cache.length
+        if s + 1 > cache.capacity:
+            raise ValueError(f"KV cache overflow: {s + 1} > {cache.capacity}")
+        cache.valid[:, s] = True
+        pos = cache.valid[:, :s + 1].sum(-1, keepdim=True) - 1  # running count of real tokens, as in hidden_states
+        x = model.model.embed_tokens(tok)
+        cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, x.dtype)
+        cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
+        ops = torch.ops.cascade_native
+        for i, (attn, attn_tail, mlp) in enumerate(self.layers):
+            x = ops.attn_block(x, *attn, cos, sin, cache.k[i], cache.v[i], cache.valid, s, *attn_tail)
+            x = ops.moe_block(x, *mlp[1:]) if mlp[0] == "moe" else ops.mlp_block(x, *mlp[1:])
+        cache.length = s + 1
+        return model.logits(model.model.norm(x))

@@ -152,7 +152,9 @@ class TorchEngine:
         active = list(range(rows))  # row ids still generating, aligned with the cache's batch rows
         limits = [min(max_new, self.context_length - lens[r // n]) for r in range(rows)]
         stop_window = max((len(s) for s in p.stop), default=0) + 16
-        fast = native.usable(model)  # fused C++ decode step on CPU (train/engine/native.py)
+        # fused C++ decoding step for fp32 on CPU (train/engine/native.py), else the model's own
+        decode_step = native.NativeDecoder(model).step if native.usable(model) else \
+            (lambda t, c: model.last_logits(t[:, None], cache=c))
         step = 0
         while active:
             tok, lp = sample(logits, p, None if row_seeds is None else row_seeds[active], step)
@@ -182,7 +184,7 @@ class TorchEngine:
                 cache = cache.select(sel)
                 active = [active[j] for j in keep]
                 tok = tok.index_select(0, sel)
-            logits = native.decode_logits(model, tok, cache) if fast else model.last_logits(tok[:, None], cache=cache)
+            logits = decode_step(tok, cache)
         self.stats.decode_s += time.perf_counter() - t0
         out = []
         for r in range(rows):

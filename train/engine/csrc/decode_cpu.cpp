@@ -10,6 +10,7 @@
 // torch.ops.cascade_native.{attn_block, moe_block, mlp_block}.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -261,21 +262,28 @@ at::Tensor moe_block(const at::Tensor& x, const at::Tensor& ln_w, const at::Tens
   at::Tensor xe = h.index_select(0, tokens);
   at::Tensor hb = at::empty({N, 2 * I}, x.options());
   at::Tensor yb = at::empty({N, H}, x.options());
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t s = start[e], n = start[e + 1] - s;
-    if (n) {
-      at::Tensor o = hb.narrow(0, s, n);
-      at::mm_out(o, xe.narrow(0, s, n), gate_up[e].t());
+  // experts in parallel, each product single-threaded (small products scale poorly across threads)
+  at::parallel_for(0, E, 1, [&](int64_t e0, int64_t e1) {
+    c10::InferenceMode guard;  // worker threads do not inherit the caller's grad mode
+    for (int64_t e = e0; e < e1; ++e) {
+      const int64_t s = start[e], n = start[e + 1] - s;
+      if (n) {
+        at::Tensor o = hb.narrow(0, s, n);
+        at::mm_out(o, xe.narrow(0, s, n), gate_up[e].t());
+      }
     }
-  }
+  });
   at::Tensor act = at::silu(hb.narrow(1, 0, I)).mul_(hb.narrow(1, I, I));
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t s = start[e], n = start[e + 1] - s;
-    if (n) {
-      at::Tensor o = yb.narrow(0, s, n);
-      at::mm_out(o, act.narrow(0, s, n), down[e].t());
+  at::parallel_for(0, E, 1, [&](int64_t e0, int64_t e1) {
+    c10::InferenceMode guard;  // worker threads do not inherit the caller's grad mode
+    for (int64_t e = e0; e < e1; ++e) {
+      const int64_t s = start[e], n = start[e + 1] - s;
+      if (n) {
+        at::Tensor o = yb.narrow(0, s, n);
+        at::mm_out(o, act.narrow(0, s, n), down[e].t());
+      }
     }
-  }
+  });
   at::Tensor moe = at::zeros_like(x);
   float* mp = moe.data_ptr<float>();
   const float* yp = yb.data_ptr<float>();
