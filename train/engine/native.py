@@ -46,7 +46,7 @@ def load() -> bool:
             os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
         tag = hashlib.sha256(_SRC.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
         cpp_extension.load(name=f"cascade_decode_cpu_{tag}", sources=[str(_SRC)], is_python_module=False,
-                           extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"], extra_ldflags=["-fopenmp"], verbose=False)
+                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
         _STATE["ok"] = True
     except Exception as e:  # no compiler, no ninja, a failed build: the PyTorch step still works
         log.warning("native CPU decode unavailable, using the PyTorch step (%s: %s)", type(e).__name__,

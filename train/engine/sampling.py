@@ -58,14 +58,21 @@ def truncates(p: SamplingParams) -> bool:
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, seeds: np.ndarray | None = None,
-           step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+           step: int = 0, native: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of fp32 ``logits`` [B, V]; ``seeds`` (uint64 [B], one per row, unused
     when greedy) with ``step`` (the index of the token being sampled) fix the random numbers.
 
     Returns (token ids [B], logprobs [B]); the logprob is that of the chosen token under
     softmax(logits / temperature) (temperature 1 when greedy), before truncation, which is the
     distribution the trainer recomputes.
+
+    ``native``: untruncated sampling of fp32 CPU logits runs as one fused op of the native decode
+    extension (the caller checked :func:`train.engine.native.usable`); same random numbers and the
+    same inverse-transform rule, so the same tokens except where a draw falls within rounding of a
+    token boundary.
     """
+    if native and not p.greedy and not truncates(p):
+        return torch.ops.cascade_native.sample_rows(logits, p.temperature, torch.from_numpy(uniforms(seeds, step)))
     if p.greedy:
         tok = logits.argmax(-1)
         logp = torch.log_softmax(logits, dim=-1)

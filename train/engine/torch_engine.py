@@ -153,11 +153,11 @@ class TorchEngine:
         limits = [min(max_new, self.context_length - lens[r // n]) for r in range(rows)]
         stop_window = max((len(s) for s in p.stop), default=0) + 16
         # fused C++ decoding step for fp32 on CPU (train/engine/native.py), else the model's own
-        decode_step = native.NativeDecoder(model).step if native.usable(model) else \
-            (lambda t, c: model.last_logits(t[:, None], cache=c))
+        fast = native.usable(model)
+        decode_step = native.NativeDecoder(model).step if fast else (lambda t, c: model.last_logits(t[:, None], cache=c))
         step = 0
         while active:
-            tok, lp = sample(logits, p, None if row_seeds is None else row_seeds[active], step)
+            tok, lp = sample(logits, p, None if row_seeds is None else row_seeds[active], step, native=fast)
             tok_l, lp_l = tok.tolist(), lp.tolist()
             keep = []
             for j, r in enumerate(active):

@@ -15,6 +15,7 @@
 
 #include <cmath>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -73,6 +74,61 @@ inline float hsum(vf v) {
                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   const vf4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
   return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+typedef int32_t vi __attribute__((vector_size(64)));
+
+// exp of 16 floats (Cephes expf: range reduction by ln 2, degree-6 polynomial, about 1 ulp);
+// exactly 0 below -87.3 (so -inf, a masked score, gives a weight of 0).
+inline vf vexp(vf x) {
+  const vf lo = vf{} - 87.3f, hi = vf{} + 88.3f;
+  const vi under = x < lo;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const vf fx = x * 1.44269504088896341f + 0.5f;  // n = floor(x / ln 2 + 1/2)
+  vf n = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);  // truncated toward zero
+  n = n > fx ? n - 1.0f : n;
+  const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vf p = vf{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const vf y = p * r * r + r + 1.0f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;  // 2^n
+  vf scale;
+  __builtin_memcpy(&scale, &bits, sizeof scale);
+  const vf out = y * scale;
+  return under ? vf{} : out;
+}
+
+// x[0:n] = exp(x[0:n] - m); returns their sum
+inline float exp_shift_sum(float* x, int64_t n, float m) {
+  vf acc = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const vf e = vexp(loadv(x + i) - m);
+    __builtin_memcpy(x + i, &e, sizeof e);
+    acc += e;
+  }
+  float sum = hsum(acc);
+  if (i < n) {
+    vf tail = vf{} - std::numeric_limits<float>::infinity();
+    __builtin_memcpy(&tail, x + i, (n - i) * sizeof(float));
+    const vf e = vexp(tail - m);
+    __builtin_memcpy(x + i, &e, (n - i) * sizeof(float));
+    sum += hsum(e);
+  }
+  return sum;
+}
+
+// softmax of x[0:n] in place (at least one finite entry)
+inline void softmax_inplace(float* x, int64_t n) {
+  float m = x[0];
+  for (int64_t i = 1; i < n; ++i) m = std::max(m, x[i]);
+  const float inv = 1.0f / exp_shift_sum(x, n, m);
+  for (int64_t i = 0; i < n; ++i) x[i] *= inv;
 }
 
 // out[t] = q . k[t] for t < T (k rows of D floats); hidden slots (visible[t] false) get -inf
@@ -196,12 +252,14 @@ at::Tensor attn_block(const at::Tensor& x, const at::Tensor& ln_w, const at::Ten
   at::parallel_for(0, B * hk, 1, [&](int64_t begin, int64_t end) {
     for (int64_t it = begin; it < end; ++it) {
       const int64_t b = it / hk, j = it % hk;
-      for (int64_t gi = 0; gi < g; ++gi)
-        dots(qp + (b * hq + j * g + gi) * d, kcp + it * cap * d, Tk, d, visible + b * Tk, scp + (it * g + gi) * Tk);
+      for (int64_t gi = 0; gi < g; ++gi) {
+        float* row = scp + (it * g + gi) * Tk;
+        dots(qp + (b * hq + j * g + gi) * d, kcp + it * cap * d, Tk, d, visible + b * Tk, row);
+        softmax_inplace(row, Tk);
+      }
     }
   });
-  at::Tensor probs = at::softmax(scores, -1);
-  const float* pp = probs.data_ptr<float>();
+  const float* pp = scp;
   at::Tensor attn = at::empty({B, hq * d}, x.options());
   float* ap = attn.data_ptr<float>();
   at::parallel_for(0, B * hk, 1, [&](int64_t begin, int64_t end) {
@@ -307,6 +365,70 @@ at::Tensor mlp_block(const at::Tensor& x, const at::Tensor& ln_w, const at::Tens
   return at::addmm(x, act, w_down.t());
 }
 
+// One token per row of logits [B, V] from softmax(logits / temperature), by inverse transform of
+// the uniform u[b] in [0, 1): the first token whose running probability mass reaches u * total
+// (the token probabilities summed in blocks of 16, then within the block). Returns the tokens and
+// their log-probabilities under softmax(logits / temperature) (what train/engine/sampling.py's
+// untruncated path computes; rounding of the running sums differs).
+std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits, double temperature, const at::Tensor& u) {
+  check_f32(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && u.dim() == 1 && u.size(0) == logits.size(0), "sample_rows: logits [B, V], u [B]");
+  TORCH_CHECK(temperature > 0, "sample_rows: temperature must be > 0");
+  const at::Tensor uf = u.to(at::kDouble).contiguous();
+  const int64_t B = logits.size(0), V = logits.size(1), nb = (V + 15) / 16;
+  at::Tensor tok = at::empty({B}, logits.options().dtype(at::kLong));
+  at::Tensor logp = at::empty({B}, logits.options());
+  const float* lp = logits.data_ptr<float>();
+  const double* up = uf.data_ptr<double>();
+  int64_t* tp = tok.data_ptr<int64_t>();
+  float* op = logp.data_ptr<float>();
+  const float temp = static_cast<float>(temperature);
+  at::parallel_for(0, B, 8, [&](int64_t r0, int64_t r1) {
+    std::vector<float> xs(nb * 16), e(nb * 16);
+    std::vector<double> block(nb);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* l = lp + r * V;
+      for (int64_t i = 0; i < V; ++i) xs[i] = l[i] / temp;
+      for (int64_t i = V; i < nb * 16; ++i) xs[i] = -std::numeric_limits<float>::infinity();
+      vf mv = loadv(xs.data());
+      for (int64_t k = 1; k < nb; ++k) {
+        const vf v = loadv(xs.data() + 16 * k);
+        mv = v > mv ? v : mv;
+      }
+      float m = mv[0];
+      for (int i = 1; i < 16; ++i) m = std::max(m, mv[i]);
+      double total = 0.0;  // running sums in double: fewer draws land on a rounding boundary
+      for (int64_t k = 0; k < nb; ++k) {
+        const vf ev = vexp(loadv(xs.data() + 16 * k) - m);
+        __builtin_memcpy(e.data() + 16 * k, &ev, sizeof ev);
+        total += (block[k] = hsum(ev));
+      }
+      const double target = up[r] * total;
+      int64_t pick = -1;
+      double run = 0.0;
+      for (int64_t k = 0; k < nb && pick < 0; ++k) {
+        if (run + block[k] < target && k + 1 < nb) {
+          run += block[k];
+          continue;
+        }
+        for (int64_t i = 16 * k; i < std::min(V, 16 * k + 16); ++i) {
+          run += e[i];
+          if (e[i] > 0.f && run >= target) {
+            pick = i;
+            break;
+          }
+        }
+      }
+      if (pick < 0)  // rounding left the target above the summed mass: the last token with mass
+        for (int64_t i = V - 1; i >= 0 && pick < 0; --i)
+          if (e[i] > 0.f) pick = i;
+      tp[r] = pick;
+      op[r] = (xs[pick] - m) - std::log(total);
+    }
+  });
+  return {tok, logp};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(cascade_native, m) {
@@ -316,10 +438,12 @@ TORCH_LIBRARY(cascade_native, m) {
   m.def("moe_block(Tensor x, Tensor ln_w, Tensor router_w, Tensor gate_up, Tensor down, int top_k, bool norm_topk, "
         "float eps) -> Tensor");
   m.def("mlp_block(Tensor x, Tensor ln_w, Tensor w_gate_up, Tensor w_down, float eps) -> Tensor");
+  m.def("sample_rows(Tensor logits, float temperature, Tensor u) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(cascade_native, CPU, m) {
   m.impl("attn_block", attn_block);
   m.impl("moe_block", moe_block);
   m.impl("mlp_block", mlp_block);
+  m.impl("sample_rows", sample_rows);
 }
