@@ -89,21 +89,46 @@ class NativeDecoder:
                 self.layers.append((attn, attn_tail, mlp))
 
     @torch.inference_mode()
-    def step(self, tok: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """fp32 logits [B, V] for one new token per row (``tok`` [B]) appended at ``cache.length``;
-        updates the cache as ``model.last_logits(tok[:, None], cache=cache)`` does."""
+    def forward(self, ids: torch.Tensor, cache: KVCache, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits [B, V] at the last real token of each row, for tokens ``ids`` [B, T] appended at
+        ``cache.length`` (``mask`` [B, T]: real tokens, None = all); updates the cache as
+        ``model.last_logits(ids, mask, cache=cache)`` does. Only real tokens are computed: padded
+        slots are masked for attention and their keys/values zeroed."""
         model, cfg = self.model, self.model.config
+        B, T = ids.shape
         s = cache.length
-        if s + 1 > cache.capacity:
-            raise ValueError(f"KV cache overflow: {s + 1} > {cache.capacity}")
-        cache.valid[:, s] = True
-        pos = cache.valid[:, :s + 1].sum(-1, keepdim=True) - 1  # running count of real tokens, as in hidden_states
-        x = model.model.embed_tokens(tok)
-        cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, x.dtype)
+        if s + T > cache.capacity:
+            raise ValueError(f"KV cache overflow: {s + T} > {cache.capacity}")
+        if mask is None or bool(mask.all()):
+            cache.valid[:, s:s + T] = True
+            pos = cache.valid[:, :s + T].sum(-1, keepdim=True) - 1 if T == 1 else \
+                cache.valid[:, :s + T].long().cumsum(-1)[:, s:] - 1  # running count of real tokens
+            rows = torch.arange(B).repeat_interleave(T)
+            slots = torch.arange(s, s + T).repeat(B)
+            pos, flat_ids, counts = pos.reshape(-1), ids.reshape(-1), None
+        else:
+            mask = mask.to(torch.bool)
+            if not bool(mask.any(1).all()):
+                raise ValueError("every row needs at least one real token")
+            cache.valid[:, s:s + T] = mask
+            for kv in cache.k + cache.v:  # padded slots are never attended; keep them finite
+                kv[:, :, s:s + T].masked_fill_(~mask[:, None, :, None], 0.0)
+            flat = mask.reshape(-1).nonzero().squeeze(1)
+            rows, slots = flat // T, s + flat % T
+            pos = (cache.valid[:, :s + T].long().cumsum(-1)[:, s:] - 1).reshape(-1)[flat]
+            flat_ids, counts = ids.reshape(-1)[flat], mask.sum(1)
+        x = model.model.embed_tokens(flat_ids)
+        cos, sin = rope_cos_sin(pos[:, None], cfg.head_dim, cfg.rope_theta, x.dtype)
         cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
         ops = torch.ops.cascade_native
         for i, (attn, attn_tail, mlp) in enumerate(self.layers):
-            x = ops.attn_block(x, *attn, cos, sin, cache.k[i], cache.v[i], cache.valid, s, *attn_tail)
+            x = ops.attn_block(x, *attn, cos, sin, cache.k[i], cache.v[i], cache.valid, rows, slots, *attn_tail)
             x = ops.moe_block(x, *mlp[1:]) if mlp[0] == "moe" else ops.mlp_block(x, *mlp[1:])
-        cache.length = s + 1
+        cache.length = s + T
+        if T > 1:  # each row's last real token (rows are contiguous in x)
+            x = x[(torch.full((B,), T) if counts is None else counts).cumsum(0) - 1]
         return model.logits(model.model.norm(x))
+
+    def step(self, tok: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One decoding step: logits [B, V] after appending ``tok`` [B] (one token per row)."""
+        return self.forward(tok[:, None], cache)

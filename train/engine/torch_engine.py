@@ -124,13 +124,18 @@ class TorchEngine:
         for i, x in enumerate(prompts):
             inp[i, L - len(x):] = torch.tensor(x)
             mask[i, L - len(x):] = True
+        # fused C++ forward for fp32 on CPU (train/engine/native.py), else the model's own
+        decoder = native.NativeDecoder(model) if native.usable(model) else None
         t0 = time.perf_counter()
         hit = self.prefix_cache.prefill(model, prompts, max_new) if self.prefix_cache is not None else None
         if hit is not None:  # shared prefix computed once (train/engine/prefix_cache.py)
             cache, logits = hit
         else:
             cache = KVCache.allocate(model.config, B, L + max_new, dev, model.dtype)
-            logits = model.last_logits(inp.to(dev), mask.to(dev), cache=cache)
+            if decoder is not None:
+                logits = decoder.forward(inp, cache, mask)
+            else:
+                logits = model.last_logits(inp.to(dev), mask.to(dev), cache=cache)
         self.stats.prefill_tokens += sum(lens)
         self.stats.prefill_s += time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -152,12 +157,10 @@ class TorchEngine:
         active = list(range(rows))  # row ids still generating, aligned with the cache's batch rows
         limits = [min(max_new, self.context_length - lens[r // n]) for r in range(rows)]
         stop_window = max((len(s) for s in p.stop), default=0) + 16
-        # fused C++ decoding step for fp32 on CPU (train/engine/native.py), else the model's own
-        fast = native.usable(model)
-        decode_step = native.NativeDecoder(model).step if fast else (lambda t, c: model.last_logits(t[:, None], cache=c))
+        decode_step = decoder.step if decoder is not None else (lambda t, c: model.last_logits(t[:, None], cache=c))
         step = 0
         while active:
-            tok, lp = sample(logits, p, None if row_seeds is None else row_seeds[active], step, native=fast)
+            tok, lp = sample(logits, p, None if row_seeds is None else row_seeds[active], step, native=decoder is not None)
             tok_l, lp_l = tok.tolist(), lp.tolist()
             keep = []
             for j, r in enumerate(active):

@@ -197,76 +197,76 @@ void weighted_sum(const float* p, const float* v, int64_t T, int64_t d, float* o
     for (int64_t e = 0; e < d; ++e) out[e] += p[t] * v[t * d + e];
 }
 
-// x + o_proj(attention(q_norm/k_norm/RoPE(qkv_proj(rms(x))))) for one new token per row; writes the
-// new key/value at cache slot `slot`. Keys at slots <= slot are attended where `valid` (the own slot
-// always). x [B, H]; wqkv [(hq+2hk)*d, H]; kc, vc [B, hk, cap, d]; valid [B, cap] bool; cos/sin [B, d].
+// x + o_proj(attention(q_norm/k_norm/RoPE(qkv_proj(rms(x))))) for N new tokens: token n belongs to
+// batch row rows[n] and sits at cache slot slots[n] (one token per row when decoding; a row's prompt
+// tokens when prefilling). First every token's key and value are written to the cache, then each
+// token attends to the keys of its row at slots <= its own where `valid` (its own slot always).
+// x [N, H]; wqkv [(hq+2hk)*d, H]; cos/sin [N, d]; kc, vc [B, hk, cap, d]; valid [B, cap] bool.
 at::Tensor attn_block(const at::Tensor& x, const at::Tensor& ln_w, const at::Tensor& wqkv,
                       const c10::optional<at::Tensor>& bqkv, const at::Tensor& qn_w, const at::Tensor& kn_w,
                       const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kc, const at::Tensor& vc,
-                      const at::Tensor& valid, int64_t slot, const at::Tensor& wo,
+                      const at::Tensor& valid, const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& wo,
                       const c10::optional<at::Tensor>& bo, int64_t hq, int64_t hk, double eps_d) {
   for (const at::Tensor* t : {&x, &ln_w, &wqkv, &qn_w, &kn_w, &cos, &sin, &kc, &vc, &wo}) check_f32(*t, "attn_block tensor");
   TORCH_CHECK(valid.scalar_type() == at::kBool && valid.is_contiguous(), "valid must be a contiguous bool tensor");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && rows.is_contiguous() &&
+              slots.is_contiguous(), "rows and slots must be contiguous int64 tensors");
   const float eps = static_cast<float>(eps_d);
-  const int64_t B = x.size(0), d = kc.size(3), cap = kc.size(2), g = hq / hk, Tk = slot + 1;
-  TORCH_CHECK(hq % hk == 0 && kc.size(1) == hk && kc.size(0) == B && d <= 1024 && d % 2 == 0,
-              "attn_block: bad head layout");
-  TORCH_CHECK(slot >= 0 && slot < cap && valid.size(1) >= Tk, "attn_block: slot ", slot, " outside the cache (", cap, ")");
+  const int64_t N = x.size(0), B = kc.size(0), d = kc.size(3), cap = kc.size(2), g = hq / hk;
+  TORCH_CHECK(hq % hk == 0 && kc.size(1) == hk && d <= 1024 && d % 2 == 0, "attn_block: bad head layout");
+  TORCH_CHECK(rows.numel() == N && slots.numel() == N && valid.size(0) == B && valid.size(1) == cap,
+              "attn_block: rows/slots/valid do not match the cache");
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* sp_ = slots.data_ptr<int64_t>();
+  int64_t max_slot = 0;
+  for (int64_t n = 0; n < N; ++n) {
+    TORCH_CHECK(rp[n] >= 0 && rp[n] < B && sp_[n] >= 0 && sp_[n] < cap, "attn_block: token ", n, " at row ", rp[n],
+                " slot ", sp_[n], " is outside the cache [", B, ", ", cap, "]");
+    max_slot = std::max(max_slot, sp_[n]);
+  }
   const int64_t width = (hq + 2 * hk) * d;
   at::Tensor h = rms_rows(x, ln_w, eps);
   at::Tensor qkv = bqkv.has_value() && bqkv->defined() ? at::addmm(*bqkv, h, wqkv.t()) : at::mm(h, wqkv.t());
-  at::Tensor q = at::empty({B, hq, d}, x.options());
+  at::Tensor q = at::empty({N, hq, d}, x.options());
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  const float ninf = -std::numeric_limits<float>::infinity();
   const float *qkvp = qkv.data_ptr<float>(), *qnw = qn_w.data_ptr<float>(), *knw = kn_w.data_ptr<float>();
-  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
   const bool* vp = valid.data_ptr<bool>();
-  const int64_t vstride = valid.size(1);
   float *kcp = kc.data_ptr<float>(), *vcp = vc.data_ptr<float>(), *qp = q.data_ptr<float>();
-  // one work item per (row, kv head): its query heads, its new key/value, its scores
-  at::parallel_for(0, B * hk, 1, [&](int64_t begin, int64_t end) {
+  // 1. queries (normed, rotated, pre-scaled), and the new keys and values into the cache
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const float* row = qkvp + n * width;
+      const float *c = cp + n * d, *sn = snp + n * d;
+      for (int64_t head = 0; head < hq; ++head)
+        norm_rope(row + head * d, qnw, c, sn, qp + (n * hq + head) * d, d, eps, scale);
+      for (int64_t j = 0; j < hk; ++j) {
+        const int64_t at_ = ((rp[n] * hk + j) * cap + sp_[n]) * d;
+        norm_rope(row + (hq + j) * d, knw, c, sn, kcp + at_, d, eps, 1.0f);
+        const float* vnew = row + (hq + hk + j) * d;
+        for (int64_t e = 0; e < d; ++e) vcp[at_ + e] = vnew[e];
+      }
+    }
+  });
+  // 2. per (token, kv head): scores of its query heads, softmax, weighted sum of the values
+  at::Tensor attn = at::empty({N, hq * d}, x.options());
+  float* ap = attn.data_ptr<float>();
+  at::parallel_for(0, N * hk, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> score(max_slot + 1);
+    std::vector<char> vis(max_slot + 1);
     for (int64_t it = begin; it < end; ++it) {
-      const int64_t b = it / hk, j = it % hk;
-      const float* row = qkvp + b * width;
-      const float *c = cp + b * d, *s = sp + b * d;
-      float* kbase = kcp + (b * hk + j) * cap * d;
-      float* vbase = vcp + (b * hk + j) * cap * d;
+      const int64_t n = it / hk, j = it % hk, b = rp[n], slot = sp_[n], Tk = slot + 1;
+      const bool* vrow = vp + b * cap;
+      for (int64_t t = 0; t < Tk; ++t) vis[t] = vrow[t];
+      vis[slot] = 1;
+      const float* kbase = kcp + (b * hk + j) * cap * d;
+      const float* vbase = vcp + (b * hk + j) * cap * d;
       for (int64_t gi = 0; gi < g; ++gi) {
         const int64_t head = j * g + gi;
-        norm_rope(row + head * d, qnw, c, s, qp + (b * hq + head) * d, d, eps, scale);
+        dots(qp + (n * hq + head) * d, kbase, Tk, d, reinterpret_cast<const bool*>(vis.data()), score.data());
+        softmax_inplace(score.data(), Tk);
+        weighted_sum(score.data(), vbase, Tk, d, ap + (n * hq + head) * d);
       }
-      norm_rope(row + (hq + j) * d, knw, c, s, kbase + slot * d, d, eps, 1.0f);
-      const float* vnew = row + (hq + hk + j) * d;
-      for (int64_t e = 0; e < d; ++e) vbase[slot * d + e] = vnew[e];
-    }
-  });
-  // scores of each query head against the keys of its kv head; padded slots (left padding) hidden
-  at::Tensor scores = at::empty({B, hk, g, Tk}, x.options());
-  float* scp = scores.data_ptr<float>();
-  std::vector<char> visible_buf(B * Tk);  // key slot visible: a real token, or the row's own new slot
-  bool* visible = reinterpret_cast<bool*>(visible_buf.data());
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t t = 0; t < Tk; ++t) visible[b * Tk + t] = vp[b * vstride + t];
-    visible[b * Tk + slot] = true;
-  }
-  at::parallel_for(0, B * hk, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t it = begin; it < end; ++it) {
-      const int64_t b = it / hk, j = it % hk;
-      for (int64_t gi = 0; gi < g; ++gi) {
-        float* row = scp + (it * g + gi) * Tk;
-        dots(qp + (b * hq + j * g + gi) * d, kcp + it * cap * d, Tk, d, visible + b * Tk, row);
-        softmax_inplace(row, Tk);
-      }
-    }
-  });
-  const float* pp = scp;
-  at::Tensor attn = at::empty({B, hq * d}, x.options());
-  float* ap = attn.data_ptr<float>();
-  at::parallel_for(0, B * hk, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t it = begin; it < end; ++it) {
-      const int64_t b = it / hk, j = it % hk;
-      for (int64_t gi = 0; gi < g; ++gi)
-        weighted_sum(pp + (it * g + gi) * Tk, vcp + it * cap * d, Tk, d, ap + (b * hq + j * g + gi) * d);
     }
   });
   at::Tensor res = bo.has_value() && bo->defined() ? x + *bo : x;
@@ -433,7 +433,8 @@ std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits, double 
 
 TORCH_LIBRARY(cascade_native, m) {
   m.def("attn_block(Tensor x, Tensor ln_w, Tensor wqkv, Tensor? bqkv, Tensor qn_w, Tensor kn_w, Tensor cos, "
-        "Tensor sin, Tensor(a!) kc, Tensor(b!) vc, Tensor valid, int slot, Tensor wo, Tensor? bo, int hq, int hk, "
+        "Tensor sin, Tensor(a!) kc, Tensor(b!) vc, Tensor valid, Tensor rows, Tensor slots, Tensor wo, Tensor? bo, "
+        "int hq, int hk, "
         "float eps) -> Tensor");
   m.def("moe_block(Tensor x, Tensor ln_w, Tensor router_w, Tensor gate_up, Tensor down, int top_k, bool norm_topk, "
         "float eps) -> Tensor");
