@@ -18,11 +18,13 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $@
 
-# bubblewrap isolates the code sandbox (Debian/Ubuntu; needs root or sudo).
+# bubblewrap isolates the code sandbox; a C++ compiler builds the native CPU generation ops
+# (Debian/Ubuntu; needs root or sudo, and only what is missing is installed).
 system-deps:
-	@command -v bwrap >/dev/null 2>&1 || { \
-	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq bubblewrap; }
+	@PKGS=""; command -v bwrap >/dev/null 2>&1 || PKGS="$$PKGS bubblewrap"; \
+	command -v c++ >/dev/null 2>&1 || PKGS="$$PKGS g++"; \
+	[ -z "$$PKGS" ] || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq $$PKGS; }
 
 demo: setup system-deps
 	$(BIN)/cascade run profile=tiny out=$(OUT)

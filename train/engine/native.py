@@ -1,14 +1,18 @@
-"""Native CPU decoding: one step of the policy for a batch of single tokens through three fused
-C++ operators (``csrc/decode_cpu.cpp``), instead of ~80 small PyTorch calls per layer.
+"""Native CPU forward for generation: prefill and decoding steps of the policy through fused C++
+operators (``csrc/decode_cpu.cpp``) instead of ~80 small PyTorch calls per layer.
 
-On CPU a decoding step of a small model is bound by per-operator overhead, not arithmetic; the
-native step keeps every matrix product in ATen (the same MKL/oneDNN kernels) and does the glue in
-plain loops. It is used by :class:`~train.engine.TorchEngine` for fp32 models on CPU, and computes
-what ``CausalLM.last_logits(tok[:, None], cache=cache)`` computes (tests compare the two).
+On CPU, generation with a small model is bound by per-operator overhead, not arithmetic. The
+native ops run a whole attention block (norm, fused q/k/v projection, q/k norm + RoPE, KV-cache
+write, masked softmax attention, output projection), a whole MoE block (router, top-k, experts
+grouped and run in parallel, weighted combine) or dense MLP block per call, and sample a token per
+row; matrix products stay in ATen (the same MKL/oneDNN kernels), the glue is vectorised loops.
+:class:`~train.engine.TorchEngine` uses them for fp32 models on CPU; they compute what
+``CausalLM.last_logits(ids, mask, cache=cache)`` computes (tests/test_native.py compares the two).
 
-The extension is compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler and
-ninja; ``make system-deps`` installs them) into torch's extension cache, keyed by the source hash.
-Where it cannot be built the engine keeps the pure-PyTorch step and says so once.
+The extension is compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler with
+OpenMP, and ninja: ``make system-deps`` installs a compiler, the ``ninja`` package comes with
+Cascade) into torch's extension cache (``TORCH_EXTENSIONS_DIR``), named by a hash of the source,
+flags and CPU. Where it cannot be built the engine keeps the PyTorch step and says so once.
 ``CASCADE_NATIVE_DECODE=0`` turns it off.
 """
 from __future__ import annotations
@@ -29,6 +33,21 @@ _SRC = Path(__file__).with_name("csrc") / "decode_cpu.cpp"
 _STATE: dict = {}
 
 
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
 def enabled() -> bool:
     return os.environ.get("CASCADE_NATIVE_DECODE", "1").strip().lower() not in ("0", "false", "no", "off")
 
@@ -44,9 +63,11 @@ def load() -> bool:
         bindir = str(Path(sys.executable).parent)
         if shutil.which("ninja") is None and bindir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-        tag = hashlib.sha256(_SRC.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+        # -march=native: the build is for this CPU, so the CPU's features are part of its name
+        tag = hashlib.sha256(_SRC.read_bytes() + torch.__version__.encode() + " ".join(_CFLAGS).encode()
+                             + _cpu_flags().encode()).hexdigest()[:12]
         cpp_extension.load(name=f"cascade_decode_cpu_{tag}", sources=[str(_SRC)], is_python_module=False,
-                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+                           extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
         _STATE["ok"] = True
     except Exception as e:  # no compiler, no ninja, a failed build: the PyTorch step still works
         log.warning("native CPU decode unavailable, using the PyTorch step (%s: %s)", type(e).__name__,

@@ -1,0 +1,187 @@
+"""The native CPU forward (train/engine/native.py, csrc/decode_cpu.cpp) against the PyTorch model.
+
+The extension must build wherever the README's setup ran (a C++ compiler and ninja); set
+CASCADE_NATIVE_DECODE=0 to run without it, and these tests are then skipped.
+"""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from train.engine import SamplingParams, TorchEngine, native
+from train.engine.sampling import sample, uniforms
+from train.model.config import ModelConfig
+from train.model.hf_io import load_pretrained
+from train.model.modeling import CausalLM, KVCache
+
+pytestmark = pytest.mark.skipif(not native.enabled(), reason="CASCADE_NATIVE_DECODE=0")
+
+
+def test_extension_builds():
+    assert native.load(), native._STATE.get("error")
+
+
+def _model(seed=0, **kw):
+    base = dict(vocab_size=203, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, intermediate_size=80, max_position_embeddings=256)
+    base.update(kw)
+    m = CausalLM(ModelConfig(**base)).init_weights(seed, std=0.15).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.8, 1.2)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    return m
+
+
+CONFIGS = {
+    "moe-gqa": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24),
+    "moe-no-renorm-top3": dict(num_experts=5, num_experts_per_tok=3, moe_intermediate_size=24, norm_topk_prob=False),
+    "moe-mixed-layers": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[1]),
+    "dense-mha-bias": dict(num_key_value_heads=4, attention_bias=True),
+    "dense-mqa-d32": dict(num_attention_heads=6, num_key_value_heads=1, head_dim=32),
+    "dense-odd-head-dim": dict(head_dim=10),  # no vector specialisation: the plain loops
+}
+
+
+def _clone(c: KVCache) -> KVCache:
+    return KVCache([k.clone() for k in c.k], [v.clone() for v in c.v], c.valid.clone(), c.length)
+
+
+def _close_caches(a: KVCache, b: KVCache):
+    assert a.length == b.length and torch.equal(a.valid, b.valid)
+    keep = a.valid[:, :a.length][:, None, :, None]
+    for x, y in zip(a.k + a.v, b.k + b.v):
+        torch.testing.assert_close(x[:, :, :a.length] * keep, y[:, :, :a.length] * keep, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+@pytest.mark.parametrize("threads", [1, 2])
+def test_forward_matches_the_model(kind, threads):
+    """Left-padded prefill, one-token steps, then an unpadded multi-token chunk: the native forward
+    gives the model's last-position logits and the same KV cache."""
+    m = _model(**CONFIGS[kind])
+    B, L = 5, 9
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 203, (B, L), generator=g)
+    mask = torch.ones(B, L, dtype=torch.bool)
+    for i in range(B):
+        mask[i, :2 * i] = False  # row 4 is 1 real token
+    dec = native.NativeDecoder(m)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            ref_cache = KVCache.allocate(m.config, B, L + 12, "cpu", torch.float32)
+            ref = m.last_logits(ids, mask, cache=ref_cache)
+            cache = KVCache.allocate(m.config, B, L + 12, "cpu", torch.float32)
+            out = dec.forward(ids, cache, mask)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+            _close_caches(ref_cache, cache)
+            tok = ref.argmax(-1)
+            for _ in range(4):
+                ref = m.last_logits(tok[:, None], cache=ref_cache)
+                torch.testing.assert_close(dec.step(tok, cache), ref, rtol=1e-5, atol=1e-5)
+                tok = ref.argmax(-1)
+            chunk = torch.randint(0, 203, (B, 3), generator=g)
+            torch.testing.assert_close(dec.forward(chunk, cache), m.last_logits(chunk, cache=ref_cache),
+                                       rtol=1e-5, atol=1e-5)
+            _close_caches(ref_cache, cache)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_long_context_softmax_and_rows_of_different_lengths():
+    """Hundreds of keys (the vectorised exp over many blocks), rows whose real lengths differ a lot."""
+    m = _model(**CONFIGS["moe-gqa"])
+    B, L = 3, 200
+    ids = torch.randint(0, 203, (B, L), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(B, L, dtype=torch.bool)
+    mask[1, :150] = False
+    mask[2, :199] = False
+    with torch.inference_mode():
+        c1 = KVCache.allocate(m.config, B, L + 2, "cpu", torch.float32)
+        c2 = KVCache.allocate(m.config, B, L + 2, "cpu", torch.float32)
+        ref = m.last_logits(ids, mask, cache=c1)
+        out = native.NativeDecoder(m).forward(ids, c2, mask)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        tok = ref.argmax(-1)
+        torch.testing.assert_close(native.NativeDecoder(m).step(tok, c2), m.last_logits(tok[:, None], cache=c1),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_engine_generates_the_same_with_and_without_native(tiny_moe_dir, monkeypatch):
+    """Greedy tokens equal; seeded samples equal (same uniforms, same inverse transform); logprobs close."""
+    eng = TorchEngine.from_pretrained(tiny_moe_dir)
+    with torch.no_grad():
+        eng.model.lm_head.weight.mul_(3.0)
+    prompts = [eng.tokenizer.encode(t) for t in ("What is 2+2?", "Sort 5 3 9 1, explain why.", "Hi")]
+    for sp in (SamplingParams(temperature=0, max_tokens=16), SamplingParams(n=3, temperature=0.8, max_tokens=16, seed=5)):
+        fast = eng.generate(prompts, sp)
+        monkeypatch.setenv("CASCADE_NATIVE_DECODE", "0")
+        assert not native.usable(eng.model)
+        slow = eng.generate(prompts, sp)
+        monkeypatch.delenv("CASCADE_NATIVE_DECODE")
+        assert native.usable(eng.model)
+        for a, b in zip(fast, slow):
+            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_native_sampler_matches_the_torch_sampler():
+    """Same tokens as train.engine.sampling's torch path for (nearly) every draw, same logprobs, over
+    vocabularies that are and are not multiples of 16, peaked and flat rows, and -inf entries."""
+    g = torch.Generator().manual_seed(0)
+    for V, T in ((1024, 1.0), (203, 0.7), (7, 1.3)):
+        logits = torch.randn(64, V, generator=g) * torch.linspace(0.1, 8.0, 64)[:, None]
+        logits[5, : V // 2] = float("-inf")
+        seeds = np.arange(64, dtype=np.uint64) * 7919 + V
+        p = SamplingParams(temperature=T)
+        same = total = 0
+        for step in range(60):
+            t_ref, lp_ref = sample(logits, p, seeds, step)
+            t_nat, lp_nat = sample(logits, p, seeds, step, native=True)
+            assert not torch.isinf(logits[5, t_nat[5]])
+            hit = t_ref == t_nat
+            same += int(hit.sum())
+            total += hit.numel()
+            torch.testing.assert_close(lp_nat[hit], lp_ref[hit], rtol=0, atol=1e-5)
+        assert same >= total - 1, (V, same, total)  # a draw may fall within rounding of a token boundary
+
+
+def test_native_sampler_distribution():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, float("-inf")])
+    probs = torch.softmax(logits / 0.7, -1).double()
+    n = 6000
+    u = torch.from_numpy(uniforms(np.arange(n, dtype=np.uint64) * 7919, 3))
+    toks, lps = torch.ops.cascade_native.sample_rows(logits.expand(n, -1).contiguous(), 0.7, u)
+    counts = torch.bincount(toks, minlength=7).double()
+    assert counts[6] == 0
+    expected = probs[:6] * n
+    assert (((counts[:6] - expected) ** 2) / expected).sum().item() < 25.0
+    torch.testing.assert_close(lps, torch.log(probs.float())[toks], rtol=0, atol=1e-5)
+
+
+def test_bad_input_is_a_clear_error():
+    m = _model(**CONFIGS["moe-gqa"])
+    dec = native.NativeDecoder(m)
+    cache = KVCache.allocate(m.config, 2, 4, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="KV cache overflow"):
+        dec.forward(torch.zeros(2, 5, dtype=torch.long), cache)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.cascade_native.sample_rows(torch.zeros(2, 8, dtype=torch.float64), 1.0, torch.zeros(2))
+    with pytest.raises(RuntimeError, match="temperature"):
+        torch.ops.cascade_native.sample_rows(torch.zeros(2, 8), 0.0, torch.zeros(2))
+
+
+def test_engine_falls_back_when_the_extension_is_missing(tiny_dense_dir, monkeypatch):
+    eng = TorchEngine.from_pretrained(tiny_dense_dir)
+    ref = eng.generate(["Hi there"], SamplingParams(temperature=0, max_tokens=6))
+    monkeypatch.setattr(native, "_STATE", {"ok": False, "error": "no compiler"})
+    assert not native.usable(eng.model)
+    assert eng.generate(["Hi there"], SamplingParams(temperature=0, max_tokens=6))[0].token_ids == ref[0].token_ids
+    bf16 = load_pretrained(tiny_dense_dir, dtype=torch.bfloat16)
+    monkeypatch.setattr(native, "_STATE", {"ok": True})
+    assert not native.usable(bf16)  # fp32 only: other dtypes keep the PyTorch step
