@@ -12,7 +12,7 @@ row; matrix products stay in ATen (the same MKL/oneDNN kernels), the glue is vec
 The extension is compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler with
 OpenMP, and ninja: ``make system-deps`` installs a compiler, the ``ninja`` package comes with
 Cascade) into torch's extension cache (``TORCH_EXTENSIONS_DIR``), named by a hash of the source,
-flags and CPU. Where it cannot be built the engine keeps the PyTorch step and says so once.
+flags, torch install and CPU. Where it cannot be built the engine keeps the PyTorch step and says so once.
 ``CASCADE_NATIVE_DECODE=0`` turns it off.
 """
 from __future__ import annotations
@@ -64,8 +64,8 @@ def load() -> bool:
         if shutil.which("ninja") is None and bindir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
         # -march=native: the build is for this CPU, so the CPU's features are part of its name
-        tag = hashlib.sha256(_SRC.read_bytes() + torch.__version__.encode() + " ".join(_CFLAGS).encode()
-                             + _cpu_flags().encode()).hexdigest()[:12]
+        tag = hashlib.sha256(_SRC.read_bytes() + f"{torch.__version__} {torch.__file__}".encode()
+                             + " ".join(_CFLAGS).encode() + _cpu_flags().encode()).hexdigest()[:12]
         cpp_extension.load(name=f"cascade_decode_cpu_{tag}", sources=[str(_SRC)], is_python_module=False,
                            extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
         _STATE["ok"] = True

@@ -13,6 +13,7 @@
 #include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <tuple>
@@ -320,28 +321,37 @@ at::Tensor moe_block(const at::Tensor& x, const at::Tensor& ln_w, const at::Tens
   at::Tensor xe = h.index_select(0, tokens);
   at::Tensor hb = at::empty({N, 2 * I}, x.options());
   at::Tensor yb = at::empty({N, H}, x.options());
-  // experts in parallel, each product single-threaded (small products scale poorly across threads)
-  at::parallel_for(0, E, 1, [&](int64_t e0, int64_t e1) {
-    c10::InferenceMode guard;  // worker threads do not inherit the caller's grad mode
-    for (int64_t e = e0; e < e1; ++e) {
-      const int64_t s = start[e], n = start[e + 1] - s;
-      if (n) {
-        at::Tensor o = hb.narrow(0, s, n);
-        at::mm_out(o, xe.narrow(0, s, n), gate_up[e].t());
-      }
+  auto expert = [&](int64_t e) {  // gate/up product, silu(gate) * up, down product for expert e's rows
+    const int64_t s = start[e], n = start[e + 1] - s;
+    if (!n) return;
+    at::Tensor h_e = hb.narrow(0, s, n), y_e = yb.narrow(0, s, n);
+    at::mm_out(h_e, xe.narrow(0, s, n), gate_up[e].t());
+    at::Tensor act = at::silu(h_e.narrow(1, 0, I)).mul_(h_e.narrow(1, I, I));
+    at::mm_out(y_e, act, down[e].t());
+  };
+  const int64_t threads = at::get_num_threads();
+  if (threads == 1 || N >= 256 * E) {  // one thread, or products large enough to use all threads each
+    for (int64_t e = 0; e < E; ++e) expert(e);
+  } else {
+    // small products scale poorly across threads: experts run in parallel, one thread each, dealt
+    // to threads largest first so that each thread gets about the same number of rows
+    std::vector<int64_t> by_size(E);
+    for (int64_t e = 0; e < E; ++e) by_size[e] = e;
+    std::sort(by_size.begin(), by_size.end(),
+              [&](int64_t a, int64_t b) { return start[a + 1] - start[a] > start[b + 1] - start[b]; });
+    std::vector<std::vector<int64_t>> bins(threads);
+    std::vector<int64_t> load(threads, 0);
+    for (int64_t e : by_size) {
+      const int64_t t = std::min_element(load.begin(), load.end()) - load.begin();
+      bins[t].push_back(e);
+      load[t] += start[e + 1] - start[e];
     }
-  });
-  at::Tensor act = at::silu(hb.narrow(1, 0, I)).mul_(hb.narrow(1, I, I));
-  at::parallel_for(0, E, 1, [&](int64_t e0, int64_t e1) {
-    c10::InferenceMode guard;  // worker threads do not inherit the caller's grad mode
-    for (int64_t e = e0; e < e1; ++e) {
-      const int64_t s = start[e], n = start[e + 1] - s;
-      if (n) {
-        at::Tensor o = yb.narrow(0, s, n);
-        at::mm_out(o, act.narrow(0, s, n), down[e].t());
-      }
-    }
-  });
+    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+      c10::InferenceMode guard;  // worker threads do not inherit the caller's grad mode
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t e : bins[t]) expert(e);
+    });
+  }
   at::Tensor moe = at::zeros_like(x);
   float* mp = moe.data_ptr<float>();
   const float* yp = yb.data_ptr<float>();
