@@ -7,7 +7,8 @@ on a small batch first, then the engines take turns for ``--repeats`` rounds (so
 other processes on a shared machine hits all of them alike); the figure reported per engine is
 the best round's generated tokens / wall seconds, with every round listed. Ends with one JSON
 line: ``engine_tok_s``, ``hf_tok_s``, ``ratio`` (engine / hf), the engine's prefill seconds and decode
-milliseconds per step in its best round, and ``vllm_tok_s`` when ``vllm``
+milliseconds per step in its best round, ``engine_native`` (whether the engine ran its fused C++ CPU
+ops; ``CASCADE_NATIVE_DECODE=0`` measures its PyTorch path instead), and ``vllm_tok_s`` when ``vllm``
 imports (run it in ``.venv-vllm`` for that column; vLLM's engine core then runs in this process).
 
     python benchmarks/rollout.py [--prompts 64] [--new-tokens 128] [--model DIR] [--repeats 3] [--no-vllm]
@@ -159,6 +160,9 @@ def main(argv=None) -> int:
         best = max(range(len(runs["engine"])), key=runs["engine"].__getitem__)  # the engine's phases in its best round
         res["engine_prefill_s"] = round(phases[best][0], 4)
         res["engine_decode_ms_per_step"] = round(phases[best][1] / a.new_tokens * 1e3, 3)
+        from train.engine import native
+
+        res["engine_native"] = native.enabled() and native.load()  # fused C++ ops (CASCADE_NATIVE_DECODE=0: off)
         res["load_avg_1m"] = round(os.getloadavg()[0], 2)
     sys.stdout.flush()
     print(json.dumps(res), file=json_out, flush=True)

@@ -83,9 +83,10 @@ def usable(model: CausalLM) -> bool:
 
 
 class NativeDecoder:
-    """Decoding steps of one model through the native ops. Holds the per-layer arguments, with the
-    q/k/v projections (and a dense MLP's gate/up) stacked once at construction: make one per
-    generation call, while the weights do not change (the torch engine makes one per batch)."""
+    """Prefill and decoding steps of one model through the native ops. Holds the per-layer
+    arguments, with the q/k/v projections (and a dense MLP's gate/up) stacked once at construction:
+    make one per generation call, while the weights do not change (the torch engine makes one per
+    batch). Only fp32 CPU models (see :func:`usable`)."""
 
     def __init__(self, model: CausalLM):
         if not load():

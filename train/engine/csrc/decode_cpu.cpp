@@ -1,13 +1,14 @@
-// Native CPU kernels for one decoding step of Cascade's policy (train/model/modeling.py).
+// Native CPU kernels for generation with Cascade's policy (train/model/modeling.py): prefill and
+// decoding steps, and sampling.
 //
-// A decoding step on CPU is dominated by per-operator overhead: a Qwen3(-MoE) layer is ~80 small
-// ATen calls from Python. These ops run a whole attention block, MoE block or dense MLP block for a
-// batch of single tokens in one call: the matrix products stay in ATen (MKL/oneDNN), the glue
+// On CPU, generation with a small model is dominated by per-operator overhead: a Qwen3(-MoE) layer
+// is ~80 small ATen calls from Python. These ops run a whole attention block, MoE block or dense MLP
+// block for a set of new tokens in one call: the matrix products stay in ATen (MKL/oneDNN), the glue
 // (norms, q/k norm + RoPE, KV-cache writes, masked attention, routing, expert grouping, weighted
-// combine) is plain loops. Math and order of operations follow the Python model, in fp32.
+// combine) is vectorised loops. Math and order of operations follow the Python model, in fp32.
 //
 // Built at first use by train/engine/native.py (torch.utils.cpp_extension); registered as
-// torch.ops.cascade_native.{attn_block, moe_block, mlp_block}.
+// torch.ops.cascade_native.{attn_block, moe_block, mlp_block, sample_rows}.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
@@ -217,13 +218,13 @@ at::Tensor attn_block(const at::Tensor& x, const at::Tensor& ln_w, const at::Ten
   TORCH_CHECK(hq % hk == 0 && kc.size(1) == hk && d <= 1024 && d % 2 == 0, "attn_block: bad head layout");
   TORCH_CHECK(rows.numel() == N && slots.numel() == N && valid.size(0) == B && valid.size(1) == cap,
               "attn_block: rows/slots/valid do not match the cache");
-  const int64_t* rp = rows.data_ptr<int64_t>();
-  const int64_t* sp_ = slots.data_ptr<int64_t>();
+  const int64_t* row_of = rows.data_ptr<int64_t>();
+  const int64_t* slot_of = slots.data_ptr<int64_t>();
   int64_t max_slot = 0;
   for (int64_t n = 0; n < N; ++n) {
-    TORCH_CHECK(rp[n] >= 0 && rp[n] < B && sp_[n] >= 0 && sp_[n] < cap, "attn_block: token ", n, " at row ", rp[n],
-                " slot ", sp_[n], " is outside the cache [", B, ", ", cap, "]");
-    max_slot = std::max(max_slot, sp_[n]);
+    TORCH_CHECK(row_of[n] >= 0 && row_of[n] < B && slot_of[n] >= 0 && slot_of[n] < cap, "attn_block: token ", n, " at row ", row_of[n],
+                " slot ", slot_of[n], " is outside the cache [", B, ", ", cap, "]");
+    max_slot = std::max(max_slot, slot_of[n]);
   }
   const int64_t width = (hq + 2 * hk) * d;
   at::Tensor h = rms_rows(x, ln_w, eps);
@@ -242,10 +243,10 @@ at::Tensor attn_block(const at::Tensor& x, const at::Tensor& ln_w, const at::Ten
       for (int64_t head = 0; head < hq; ++head)
         norm_rope(row + head * d, qnw, c, sn, qp + (n * hq + head) * d, d, eps, scale);
       for (int64_t j = 0; j < hk; ++j) {
-        const int64_t at_ = ((rp[n] * hk + j) * cap + sp_[n]) * d;
-        norm_rope(row + (hq + j) * d, knw, c, sn, kcp + at_, d, eps, 1.0f);
+        const int64_t off = ((row_of[n] * hk + j) * cap + slot_of[n]) * d;
+        norm_rope(row + (hq + j) * d, knw, c, sn, kcp + off, d, eps, 1.0f);
         const float* vnew = row + (hq + hk + j) * d;
-        for (int64_t e = 0; e < d; ++e) vcp[at_ + e] = vnew[e];
+        for (int64_t e = 0; e < d; ++e) vcp[off + e] = vnew[e];
       }
     }
   });
@@ -256,7 +257,7 @@ at::Tensor attn_block(const at::Tensor& x, const at::Tensor& ln_w, const at::Ten
     std::vector<float> score(max_slot + 1);
     std::vector<char> vis(max_slot + 1);
     for (int64_t it = begin; it < end; ++it) {
-      const int64_t n = it / hk, j = it % hk, b = rp[n], slot = sp_[n], Tk = slot + 1;
+      const int64_t n = it / hk, j = it % hk, b = row_of[n], slot = slot_of[n], Tk = slot + 1;
       const bool* vrow = vp + b * cap;
       for (int64_t t = 0; t < Tk; ++t) vis[t] = vrow[t];
       vis[slot] = 1;
