@@ -174,6 +174,10 @@ def test_bad_input_is_a_clear_error():
         torch.ops.cascade_native.sample_rows(torch.zeros(2, 8, dtype=torch.float64), 1.0, torch.zeros(2))
     with pytest.raises(RuntimeError, match="temperature"):
         torch.ops.cascade_native.sample_rows(torch.zeros(2, 8), 0.0, torch.zeros(2))
+    # rows without a finite logit do not crash: token 0 and a NaN logprob
+    bad = torch.tensor([[float("-inf")] * 5, [float("nan")] * 5, [0.0, 1.0, float("nan"), 2.0, 3.0]])
+    tok, lp = torch.ops.cascade_native.sample_rows(bad, 1.0, torch.tensor([0.5, 0.5, 0.5]))
+    assert tok[:2].tolist() == [0, 0] and torch.isnan(lp[:2]).all() and 0 <= int(tok[2]) < 5
 
 
 def test_engine_falls_back_when_the_extension_is_missing(tiny_dense_dir, monkeypatch):

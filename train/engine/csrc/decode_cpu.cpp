@@ -385,6 +385,7 @@ std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits, double 
   check_f32(logits, "logits");
   TORCH_CHECK(logits.dim() == 2 && u.dim() == 1 && u.size(0) == logits.size(0), "sample_rows: logits [B, V], u [B]");
   TORCH_CHECK(temperature > 0, "sample_rows: temperature must be > 0");
+  TORCH_CHECK(logits.size(1) > 0, "sample_rows: empty vocabulary");
   const at::Tensor uf = u.to(at::kDouble).contiguous();
   const int64_t B = logits.size(0), V = logits.size(1), nb = (V + 15) / 16;
   at::Tensor tok = at::empty({B}, logits.options().dtype(at::kLong));
@@ -433,6 +434,8 @@ std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits, double 
       if (pick < 0)  // rounding left the target above the summed mass: the last token with mass
         for (int64_t i = V - 1; i >= 0 && pick < 0; --i)
           if (e[i] > 0.f) pick = i;
+      if (pick < 0)  // no finite logit at all (a NaN or all -inf row): token 0, a NaN logprob
+        pick = 0;
       tp[r] = pick;
       op[r] = (xs[pick] - m) - std::log(total);
     }
