@@ -2,7 +2,8 @@
 
 Prompts of different lengths are left-padded into one batch; each prompt is prefilled once and
 its cache fanned out to its ``n`` samples; finished rows leave the batch as soon as they stop.
-Runs on CPU and CUDA.
+Runs on CPU and CUDA; fp32 models on CPU prefill, decode and sample through fused C++ ops
+(:mod:`train.engine.native`), everything else through the PyTorch model.
 """
 from __future__ import annotations
 
