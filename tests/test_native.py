@@ -189,3 +189,15 @@ def test_engine_falls_back_when_the_extension_is_missing(tiny_dense_dir, monkeyp
     bf16 = load_pretrained(tiny_dense_dir, dtype=torch.bfloat16)
     monkeypatch.setattr(native, "_STATE", {"ok": True})
     assert not native.usable(bf16)  # fp32 only: other dtypes keep the PyTorch step
+    assert native.usable(eng.model)
+
+    class Scaled(torch.nn.Module):  # a swapped-in module the ops do not implement
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return 2 * self.inner(x)
+
+    eng.model.model.layers[0].mlp = Scaled(eng.model.model.layers[0].mlp)
+    assert not native.usable(eng.model)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from train.model.modeling import CausalLM, KVCache, rope_cos_sin
+from train.model.modeling import MLP, Attention, CausalLM, DecoderLayer, KVCache, SparseMoE, rope_cos_sin
 
 log = logging.getLogger(__name__)
 _SRC = Path(__file__).with_name("csrc") / "decode_cpu.cpp"
@@ -77,9 +77,20 @@ def load() -> bool:
     return _STATE["ok"]
 
 
+def _standard(model) -> bool:
+    """The architecture the ops implement: Cascade's CausalLM with its own attention and MLP/MoE
+    modules (a subclass or module swap that changes the computation keeps the PyTorch path)."""
+    return (isinstance(model, CausalLM) and type(model).hidden_states is CausalLM.hidden_states
+            and type(model).logits is CausalLM.logits
+            and all(type(layer) is DecoderLayer and type(layer.self_attn) is Attention
+                    and type(layer.mlp) is (SparseMoE if layer.is_moe else MLP) for layer in model.model.layers))
+
+
 def usable(model: CausalLM) -> bool:
-    """Whether :class:`NativeDecoder` runs for this model (CPU, fp32, extension built, not disabled)."""
-    return enabled() and model.device.type == "cpu" and model.dtype == torch.float32 and load()
+    """Whether :class:`NativeDecoder` runs for this model (CPU, fp32, the standard architecture,
+    extension built, not disabled)."""
+    return (enabled() and model.device.type == "cpu" and model.dtype == torch.float32 and _standard(model)
+            and load())
 
 
 class NativeDecoder:
