@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from train.model.modeling import MLP, Attention, CausalLM, DecoderLayer, KVCache, SparseMoE, rope_cos_sin
+from train.model.modeling import (MLP, Attention, CausalLM, DecoderLayer, KVCache, SparseMoE, rope_cos_sin,
+                                  running_positions)
 
 log = logging.getLogger(__name__)
 _SRC = Path(__file__).with_name("csrc") / "decode_cpu.cpp"
@@ -112,12 +113,11 @@ class NativeDecoder:
                 attn = (layer.input_layernorm.weight, torch.cat((a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)),
                         bias, a.q_norm.weight, a.k_norm.weight)
                 attn_tail = (a.o_proj.weight, a.o_proj.bias, a.n_heads, a.n_kv, eps)
+                m = layer.mlp
                 if layer.is_moe:
-                    m = layer.mlp
                     mlp = ("moe", ln2.weight, m.gate.weight, m.experts.gate_up_proj, m.experts.down_proj,
                            m.gate.top_k, m.gate.norm_topk_prob, eps)
                 else:
-                    m = layer.mlp
                     mlp = ("mlp", ln2.weight, torch.cat((m.gate_proj.weight, m.up_proj.weight)), m.down_proj.weight, eps)
                 self.layers.append((attn, attn_tail, mlp))
 
@@ -132,23 +132,22 @@ class NativeDecoder:
         s = cache.length
         if s + T > cache.capacity:
             raise ValueError(f"KV cache overflow: {s + T} > {cache.capacity}")
-        if mask is None or bool(mask.all()):
-            cache.valid[:, s:s + T] = True
-            pos = cache.valid[:, :s + T].sum(-1, keepdim=True) - 1 if T == 1 else \
-                cache.valid[:, :s + T].long().cumsum(-1)[:, s:] - 1  # running count of real tokens
-            rows = torch.arange(B).repeat_interleave(T)
-            slots = torch.arange(s, s + T).repeat(B)
-            pos, flat_ids, counts = pos.reshape(-1), ids.reshape(-1), None
-        else:
+        dense = mask is None or bool(mask.all())
+        if not dense:
             mask = mask.to(torch.bool)
             if not bool(mask.any(1).all()):
                 raise ValueError("every row needs at least one real token")
-            cache.valid[:, s:s + T] = mask
+        cache.valid[:, s:s + T] = True if dense else mask
+        pos = running_positions(cache.valid[:, :s + T])[:, s:].reshape(-1)
+        if dense:
+            rows = torch.arange(B).repeat_interleave(T)
+            slots = torch.arange(s, s + T).repeat(B)
+            flat_ids, counts = ids.reshape(-1), None
+        else:
             for kv in cache.k + cache.v:  # padded slots are never attended; keep them finite
                 kv[:, :, s:s + T].masked_fill_(~mask[:, None, :, None], 0.0)
             flat = mask.reshape(-1).nonzero().squeeze(1)
-            rows, slots = flat // T, s + flat % T
-            pos = (cache.valid[:, :s + T].long().cumsum(-1)[:, s:] - 1).reshape(-1)[flat]
+            rows, slots, pos = flat // T, s + flat % T, pos[flat]
             flat_ids, counts = ids.reshape(-1)[flat], mask.sum(1)
         x = model.model.embed_tokens(flat_ids)
         cos, sin = rope_cos_sin(pos[:, None], cfg.head_dim, cfg.rope_theta, x.dtype)

@@ -261,6 +261,12 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+def running_positions(valid: torch.Tensor) -> torch.Tensor:
+    """Rotary positions [B, L] for key slots marked real in ``valid`` [B, L] (bool): the running count
+    of real tokens before each slot, so padding anywhere in a row does not shift its positions."""
+    return (valid.long().cumsum(-1) - 1).clamp(min=0)
+
+
 def build_mask(key_valid: torch.Tensor | None, q_slots: torch.Tensor, k_len: int) -> torch.Tensor | None:
     """Boolean attention mask [B, 1, Tq, Tk]: causal over slots, padded keys hidden, and every query
     allowed to see its own slot (so rows of padding never become all-masked)."""
@@ -325,9 +331,9 @@ class CausalLM(nn.Module):
             cache.valid[:, start:start + T] = True if attention_mask is None else attention_mask
         if position_ids is None:
             if cache is not None:
-                position_ids = (cache.valid[:, :start + T].long().cumsum(-1) - 1).clamp(min=0)[:, start:]
+                position_ids = running_positions(cache.valid[:, :start + T])[:, start:]
             elif attention_mask is not None:
-                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+                position_ids = running_positions(attention_mask)
             else:
                 position_ids = torch.arange(T, device=dev).expand(B, T)
         x = self.model.embed_tokens(input_ids)

@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from train.model.config import ModelConfig
-from train.model.modeling import CausalLM, Router, apply_rope, rope_cos_sin
+from train.model.modeling import CausalLM, Router, apply_rope, rope_cos_sin, running_positions
 from train.parallel import comm
 from train.parallel.shard import (ShardedLM, all_reduce_grads, expert_partial, expert_slice, rms_norm, split_range,
                                   split_sizes)
@@ -236,7 +236,7 @@ class TSPCausalLM(ShardedLM):
         ids = F.pad(input_ids, (0, Tp - T))
         if attention_mask is not None:
             key_valid = F.pad(attention_mask.to(torch.bool), (0, Tp - T))
-            pos = (key_valid.long().cumsum(-1) - 1).clamp(min=0)
+            pos = running_positions(key_valid)
             if bool(attention_mask.all()):
                 key_valid = None
         else:
