@@ -54,7 +54,8 @@ class Completion:
     prompt_index: int = 0
     prompt_tokens: int = 0
     prompt_token_ids: list[int] | None = None
-    routed_experts: object | None = None  # MoE router replay, where an engine can return it
+    routed_experts: object | None = None  # router replay: per MoE layer LongTensor [1, P + C, k] (see vllm_engine)
+    versions: list[int] | None = None  # policy (weight) version that sampled each token, where an engine tracks it
 
 
 class ContextLengthError(ValueError):

@@ -1,0 +1,234 @@
+"""What travels between the three roles of a distributed run: training batches (orchestrator ->
+trainer ranks) and weight versions (trainer -> rollout servers).
+
+Both are files in the run directory, written atomically (a temporary name, fsync, rename, then a
+completion marker), so a reader never sees half of one and a crash leaves either the old or the
+new version, never a mix. This is prime-rl's shape: plain files on a filesystem all roles see.
+
+Batches: ``RUN/exchange/batches/step-000012.pt`` (``torch.save`` of :meth:`TrainBatch.to_dict`).
+
+Weights: ``RUN/exchange/weights/v000004/`` holding ``model.safetensors`` (the policy's in-memory
+parameter names, fp32 or the training dtype), ``manifest.json`` (version, sha256 and size of every
+file) and ``COMPLETE``. :func:`load_version` re-hashes the files and refuses a version whose
+checksum does not match, or any path outside the weights directory.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+COMPLETE = "COMPLETE"
+MANIFEST = "manifest.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+class WeightVersionError(ValueError):
+    """A weight version is missing, incomplete, outside the run's weight directory, or corrupt."""
+
+
+# ------------------------------------------------------------------------------------------------
+# training batches
+
+
+@dataclass
+class TrainSample:
+    """One rollout as the trainer needs it.
+
+    ``logprobs`` are the behaviour log-probabilities recorded while sampling (the importance
+    ratio's denominator, mu); ``versions`` the policy version that produced each completion token;
+    ``routed_experts`` the engine's expert ids for every token of prompt + completion, compact as
+    ``[P + C, n_moe_layers, k]`` (router replay; :func:`stack_routing` / :func:`unstack_routing`
+    convert from / to the engines' per-layer list form), or None."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    advantage: float
+    keep: bool = True
+    versions: list[int] | None = None
+    routed_experts: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if len(self.logprobs) != len(self.completion_ids):
+            raise ValueError(f"{len(self.logprobs)} logprobs for {len(self.completion_ids)} completion tokens")
+        if self.versions is not None and len(self.versions) != len(self.completion_ids):
+            raise ValueError(f"{len(self.versions)} versions for {len(self.completion_ids)} completion tokens")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+
+@dataclass
+class TrainBatch:
+    """The rollouts of one optimizer step, in the order the groups were formed."""
+
+    step: int
+    samples: list[TrainSample]
+    temperature: float = 1.0
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.samples)
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "temperature": self.temperature, "meta": self.meta,
+                "samples": [asdict(s) for s in self.samples]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainBatch":
+        return cls(int(d["step"]), [TrainSample(**s) for s in d["samples"]], float(d.get("temperature", 1.0)),
+                   dict(d.get("meta", {})))
+
+
+def stack_routing(per_layer) -> torch.Tensor | None:
+    """The engines' form (per MoE layer, LongTensor [1, T, k]) -> compact int16 [T, n_moe_layers, k]."""
+    if per_layer is None:
+        return None
+    return torch.stack([torch.as_tensor(t).reshape(t.shape[-2], t.shape[-1]) for t in per_layer], 1).to(torch.int16)
+
+
+def unstack_routing(compact: torch.Tensor | None) -> list[torch.Tensor] | None:
+    """Compact [T, n_moe_layers, k] -> per MoE layer LongTensor [1, T, k] (what ``CausalLM.forward`` replays)."""
+    if compact is None:
+        return None
+    return [compact[:, i].long().unsqueeze(0) for i in range(compact.shape[1])]
+
+
+def _atomic_write(path: Path, write) -> None:
+    """``write(tmp_path)`` then fsync and rename onto ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    write(tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def batch_path(root: str | Path, step: int) -> Path:
+    return Path(root) / "batches" / f"step-{step:06d}.pt"
+
+
+def write_batch(root: str | Path, batch: TrainBatch) -> Path:
+    p = batch_path(root, batch.step)
+    _atomic_write(p, lambda t: torch.save(batch.to_dict(), t))
+    return p
+
+
+def read_batch(root: str | Path, step: int) -> TrainBatch | None:
+    """The batch of ``step`` if it has been written completely, else None."""
+    p = batch_path(root, step)
+    if not p.exists():
+        return None
+    return TrainBatch.from_dict(torch.load(p, weights_only=False))
+
+
+# ------------------------------------------------------------------------------------------------
+# weight versions
+
+
+def version_dir(root: str | Path, version: int) -> Path:
+    return Path(root) / "weights" / f"v{version:06d}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def publish_version(root: str | Path, version: int, state_dict: dict[str, torch.Tensor], keep: int = 3) -> Path:
+    """Write weight version ``version`` atomically; keep only the newest ``keep`` versions."""
+    from safetensors.torch import save_file
+
+    final = version_dir(root, version)
+    tmp = final.with_name(final.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+    _dedupe_shared(tensors)
+    save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"version": str(version)})
+    files = {WEIGHTS_FILE: {"sha256": _sha256(tmp / WEIGHTS_FILE), "bytes": (tmp / WEIGHTS_FILE).stat().st_size}}
+    (tmp / MANIFEST).write_text(json.dumps({"version": version, "files": files}, indent=1))
+    with open(tmp / WEIGHTS_FILE, "rb") as f:
+        os.fsync(f.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    (final / COMPLETE).write_text("ok\n")
+    for old in complete_versions(root)[:-keep] if keep > 0 else []:
+        shutil.rmtree(version_dir(root, old), ignore_errors=True)
+    return final
+
+
+def _dedupe_shared(tensors: dict[str, torch.Tensor]) -> None:
+    """safetensors refuses tensors that share storage (tied embeddings): give each its own copy."""
+    seen: set[int] = set()
+    for k, v in tensors.items():
+        ptr = v.untyped_storage().data_ptr()
+        if ptr in seen:
+            tensors[k] = v.clone()
+        seen.add(ptr)
+
+
+def complete_versions(root: str | Path) -> list[int]:
+    """Versions with a completion marker, oldest first."""
+    d = Path(root) / "weights"
+    if not d.is_dir():
+        return []
+    out = []
+    for p in d.iterdir():
+        if p.name.startswith("v") and p.name[1:].isdigit() and (p / COMPLETE).exists():
+            out.append(int(p.name[1:]))
+    return sorted(out)
+
+
+def latest_version(root: str | Path) -> int | None:
+    vs = complete_versions(root)
+    return vs[-1] if vs else None
+
+
+def resolve_version_dir(root: str | Path, path: str | Path) -> Path:
+    """``path`` as a version directory inside ``root/weights``, or :class:`WeightVersionError`."""
+    base = (Path(root) / "weights").resolve()
+    p = Path(path)
+    p = (p if p.is_absolute() else base / p).resolve()
+    if p.parent != base or not (p.name.startswith("v") and p.name[1:].isdigit()):
+        raise WeightVersionError(f"{str(path)!r} is not a weight version of this run (expected {base}/vNNNNNN)")
+    return p
+
+
+def load_version(root: str | Path, version: int | None = None, path: str | Path | None = None,
+                 verify: bool = True) -> tuple[int, dict[str, torch.Tensor]]:
+    """(version, state dict) of a complete version (the newest when neither is given), checksums verified."""
+    from safetensors.torch import load_file
+
+    if path is not None:
+        d = resolve_version_dir(root, path)
+    else:
+        if version is None:
+            version = latest_version(root)
+            if version is None:
+                raise WeightVersionError(f"no complete weight version under {Path(root) / 'weights'}")
+        d = version_dir(root, version)
+    if not (d / COMPLETE).exists():
+        raise WeightVersionError(f"weight version {d.name} is not complete")
+    try:
+        man = json.loads((d / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise WeightVersionError(f"weight version {d.name}: unreadable manifest ({e})") from None
+    if verify:
+        for name, info in man["files"].items():
+            f = d / name
+            if not f.exists() or _sha256(f) != info["sha256"]:
+                raise WeightVersionError(f"weight version {d.name}: checksum mismatch in {name}")
+    return int(man["version"]), load_file(str(d / WEIGHTS_FILE))
