@@ -135,6 +135,7 @@ class StageRunner:
             state["eval_before"] = rl.evaluate(held)
             self.records.log(self.name, "eval", 0, {"accuracy_before": state["eval_before"]})
         total = self.total_steps()
+        pipe = None  # PipelineRL around the trainer once RL starts, when max_staleness > 0
         task = self.progress.add_task(self.name, total=total, completed=state["step"], info="") if self.progress else None
         sft_data = None
         while state["step"] < total:
@@ -151,7 +152,11 @@ class StageRunner:
                 if s.pool.size and state["pool"] is None:
                     state["pool"] = self.filter_pool(rl, curriculum)
                     rl.curriculum = self.pool_of(curriculum, state["pool"])
-                m = rl.step()
+                if pipe is None and rl_cfg.max_staleness > 0:
+                    from train.rl.pipeline import Pipeline
+
+                    pipe = Pipeline(rl)
+                m = pipe.step() if pipe is not None else rl.step()
                 if mixer is not None:
                     m["aggregation_prompts"] = mixer.made
                 self.records.log(self.name, "rl", step, m)
@@ -160,7 +165,13 @@ class StageRunner:
             if self.progress:
                 self.progress.update(task, completed=state["step"], info=info)
             if state["step"] % s.checkpoint_every == 0 and state["step"] < total:
-                self.save(ckpt, policy, src, rl, sft, mixer, state)
+                if pipe is not None:
+                    with pipe.paused():
+                        self.save(ckpt, policy, src, rl, sft, mixer, state)
+                else:
+                    self.save(ckpt, policy, src, rl, sft, mixer, state)
+        if pipe is not None:
+            pipe.close()
         ckpt.wait()
         after = rl.evaluate(held)
         self.records.log(self.name, "eval", total, {"accuracy_before": state["eval_before"], "accuracy_after": after})

@@ -26,6 +26,7 @@ from train.rl.shaping import (DynamicSampler, LengthRewardConfig, OverlongConfig
                               linear_ramp, overlong_shaping)
 
 REWARD_MODES = ("correct", "score")
+RATIO_MODES = ("behaviour", "recompute")
 
 
 @dataclass
@@ -63,6 +64,16 @@ class RLConfig:
     micro_batch_size: int = 32
     updates_per_batch: int = 1          # optimizer steps per rollout batch (mini-batches)
     sync_every: int = 1                 # weight sync to the engine every k optimizer steps
+    # Off-policy correction. behaviour: the PPO/GSPO/CISPO ratio and the DPPO weight are taken
+    # against the log-probs the engine recorded while sampling (mu), as prime-rl and the DPPO
+    # authors do; recompute: against the trainer's own log-probs of the batch before the update
+    # (decoupled PPO), with the engine mismatch corrected by truncated IS (loss_cfg.tis_cap).
+    ratio_against: str = "behaviour"
+    # PipelineRL (train/rl/pipeline.py): 0 is the synchronous loop; k > 0 lets rollouts run up to k
+    # policy versions ahead of the trainer (groups older than that are dropped and counted).
+    max_staleness: int = 0
+    min_ready_batches: int = 2          # the trainer pulls once this many batches are buffered
+    buffer_groups: int = 0              # buffer capacity in groups (oldest evicted); 0: (max_staleness + 2) batches
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     system_prompt: str | None = None
     chat_template: bool = True
@@ -74,6 +85,14 @@ class RLConfig:
             raise ValueError(f"unknown reward mode {self.reward!r}; choose from {', '.join(REWARD_MODES)}")
         if self.group_size < 1 or self.prompts_per_step < 1:
             raise ValueError("group_size and prompts_per_step must be >= 1")
+        if self.ratio_against not in RATIO_MODES:
+            raise ValueError(f"unknown ratio_against {self.ratio_against!r}; choose from {', '.join(RATIO_MODES)}")
+        if self.sync_every < 1 or self.max_staleness < 0 or self.min_ready_batches < 1:
+            raise ValueError("sync_every and min_ready_batches must be >= 1 and max_staleness >= 0")
+        if self.max_staleness and self.max_staleness < self.sync_every - 1:
+            raise ValueError(f"max_staleness={self.max_staleness} with sync_every={self.sync_every}: rollouts are "
+                             f"up to sync_every - 1 = {self.sync_every - 1} versions old between syncs; raise "
+                             "max_staleness or lower sync_every")
         get_loss(self.loss)  # raise early on an unknown name
         from train.rl.advantages import get_advantage
 
@@ -125,6 +144,7 @@ class RLTrainer:
         self.max_prompt_tokens = cfg.max_prompt_tokens or max(ctx - cfg.sampling.max_new_tokens, ctx // 2)
         self.prompts_too_long = 0
         self.agg = effective_agg(cfg.loss, cfg.loss_cfg)
+        self.synced_version = 0  # the weight version the engine was last given
 
     def env_of(self, env_id: str):
         """The curriculum's environment instance (configured with its kwargs), else one by id."""
@@ -166,7 +186,11 @@ class RLTrainer:
         prompts = [x for x, ok in zip(prompts, fits) if ok]
         if not picks:
             return []
+        v0 = engine_version(self.engine, self.synced_version)
         comps = self.engine.generate(prompts, cfg.sampling.params(G, self.rng.getrandbits(62)))
+        for c in comps:  # engines that do not track versions per token sampled all of it with v0
+            if c.versions is None:
+                c.versions = [v0] * len(c.token_ids)
         groups = []
         for i, (env_id, prob) in enumerate(picks):
             env = self.env_of(env_id)
@@ -199,7 +223,13 @@ class RLTrainer:
         return compute_advantages(cfg.advantage, rewards, gid, bonus=bonus)
 
     def update(self, groups: list[Group]) -> dict[str, float]:
-        """Policy-gradient update(s) on the given groups; returns loss metrics."""
+        """Policy-gradient update(s) on the given groups; returns loss metrics.
+
+        The ratio is taken against the behaviour log-probs the engine recorded (``ratio_against:
+        behaviour``) or the trainer's own log-probs before the update (``recompute``), see
+        :class:`RLConfig`. ``mismatch_kl`` / ``mismatch_max_abs`` compare the behaviour log-probs with
+        the trainer's at the start of the update (stale weights and engine numerics both show there).
+        """
         cfg = self.cfg
         rolls = [r for g in groups for r in g.rollouts]
         adv = self._advantages(groups)
@@ -211,23 +241,32 @@ class RLTrainer:
         adv = adv.to(self.policy.device)
         n = len(rolls)
         temp = cfg.sampling.temperature or 1.0
-        # with one update per batch the policy is the sampling policy: old = current (detached)
-        old_lp = self._logprobs_no_grad(batch, n, temp) if cfg.updates_per_batch > 1 else None
+        behaviour = cfg.ratio_against == "behaviour"
+        old_lp = None if behaviour else self._logprobs_no_grad(batch, n, temp)
         self.policy.train()
         minis = micro_batches(n, -(-n // cfg.updates_per_batch))
         sums: dict[str, float] = {}  # token-weighted sums of the loss function's metrics
         weight = loss_total = ent_sum = grad_norm = 0.0
         mismatch_max = None
-        for mini in minis:
+        mis_sum = mis_w = 0.0
+        for mi, mini in enumerate(minis):
             denom = float(mask[mini].sum().clamp(min=1)) if self.agg == "token_mean" else float(mini.stop - mini.start)
             for mb in micro_batches(mini.stop - mini.start, cfg.micro_batch_size):
                 sl = slice(mini.start + mb.start, mini.start + mb.stop)
                 b = index_batch(batch, sl)
                 T1 = b.input_ids.shape[1] - 1
                 lp, ent = token_logprobs(self.policy, b.input_ids, b.attention_mask, temp, return_entropy=True)
-                old = lp.detach() if old_lp is None else old_lp[sl, :T1]
                 m = mask[sl, :T1]
-                loss, mets = self.loss_fn(lp, old, rollout_lp[sl, :T1], adv[sl], m, cfg.loss_cfg, denom=denom)
+                mu = rollout_lp[sl, :T1]
+                if behaviour:
+                    loss, mets = self.loss_fn(lp, mu, None, adv[sl], m, cfg.loss_cfg, denom=denom)
+                    if mi == 0:  # the trainer's current policy vs the behaviour policy, before any update
+                        d = torch.where(m > 0, lp.detach() - mu, 0.0).clamp(-20, 20)
+                        mis_sum += float(((torch.exp(d) - 1 - d) * m).sum())  # k3, as the losses report it
+                        mis_w += float(m.sum())
+                        mismatch_max = max(mismatch_max or 0.0, float(d.abs().max()) if d.numel() else 0.0)
+                else:
+                    loss, mets = self.loss_fn(lp, old_lp[sl, :T1], mu, adv[sl], m, cfg.loss_cfg, denom=denom)
                 loss.backward()
                 loss_total += float(loss.detach())  # micro-batch losses add up to the mini-batch loss
                 mets.pop("loss", None)
@@ -241,6 +280,8 @@ class RLTrainer:
             grad_norm = clip_and_step(self.policy, self.opt, self.sched, cfg.optim.grad_clip)
         self.policy.eval()
         metrics = {k: v / max(weight, 1.0) for k, v in sums.items()}
+        if behaviour:
+            metrics["mismatch_kl"] = mis_sum / max(mis_w, 1.0)
         if mismatch_max is not None:
             metrics["mismatch_max_abs"] = mismatch_max
         metrics.update(loss=loss_total / len(minis), entropy=ent_sum / max(weight, 1.0), grad_norm=grad_norm,
@@ -256,12 +297,15 @@ class RLTrainer:
         return out
 
     def sync_weights(self) -> float:
+        """Send the policy's weights to the engine as version ``self.step_idx``; returns seconds taken."""
         t = time.perf_counter()
-        self.engine.load_weights(self.policy.state_dict())
+        load_weights(self.engine, self.policy.state_dict(), self.step_idx)
+        self.synced_version = self.step_idx
         return time.perf_counter() - t
 
-    def step(self) -> dict[str, Any]:
-        """One RL step; returns its metrics."""
+    def collect(self) -> tuple[list[Group], dict[str, Any]]:
+        """Rollouts for one step (with dynamic sampling): the groups to train on and the rollout
+        metrics over everything sampled. Uses the run's RNG and curriculum, nothing of the trainer."""
         cfg = self.cfg
         t0 = time.perf_counter()
         sampled: list[Group] = []
@@ -279,8 +323,7 @@ class RLTrainer:
         t_roll = time.perf_counter() - t0
         rolls = [r for g in sampled for r in g.rollouts]
         gen_tokens = sum(len(r.completion.token_ids) for r in rolls)
-        m: dict[str, Any] = {
-            "step": self.step_idx,
+        return groups, {
             "reward_mean": _mean([r.reward for r in rolls]),
             "accuracy": _mean([float(r.score.correct) for r in rolls]),
             "format_ok": _mean([float(r.score.format_ok) for r in rolls]),
@@ -290,15 +333,29 @@ class RLTrainer:
             "prompts_too_long": self.prompts_too_long,
             "rollout_tokens_per_s": gen_tokens / max(t_roll, 1e-9), "time_rollout_s": t_roll,
         }
+
+    def train_on(self, groups: list[Group]) -> dict[str, Any]:
+        """The update on ``groups`` and, every ``sync_every`` steps, the weight sync."""
+        m: dict[str, Any] = {}
         t1 = time.perf_counter()
         if groups:
+            m.update(version_lag(groups, self.step_idx))
             m.update(self.update(groups))
             trained_tokens = sum(len(r.prompt_ids) + len(r.completion.token_ids) for g in groups for r in g.rollouts)
             m["train_tokens_per_s"] = trained_tokens / max(time.perf_counter() - t1, 1e-9)
             self.step_idx += 1
         m["time_train_s"] = time.perf_counter() - t1
-        if groups and self.step_idx % cfg.sync_every == 0:
+        if groups and self.step_idx % self.cfg.sync_every == 0:
             m["time_sync_s"] = self.sync_weights()
+        return m
+
+    def step(self) -> dict[str, Any]:
+        """One synchronous RL step (rollouts, then the update); returns its metrics."""
+        t0 = time.perf_counter()
+        m: dict[str, Any] = {"step": self.step_idx}
+        groups, rm = self.collect()
+        m.update(rm)
+        m.update(self.train_on(groups))
         m["difficulty"] = self.curriculum.difficulties()
         m["time_step_s"] = time.perf_counter() - t0
         return m
@@ -326,8 +383,44 @@ class RLTrainer:
 
     def load_state_dict(self, st: dict) -> None:
         self.step_idx = load_training_state(st, self.opt, self.sched, self.rng)
+        self.synced_version = self.step_idx  # the engine starts from the checkpoint's weights
         self.curriculum.load_state_dict(st["curriculum"])
         torch.set_rng_state(st["torch_rng"])
+
+
+def engine_version(engine, default: int) -> int:
+    """The weight version an engine serves (engines that do not track one: ``default``)."""
+    v = getattr(engine, "version", None)
+    return int(v) if isinstance(v, int) else default
+
+
+def load_weights(engine, state_dict, version: int) -> None:
+    """Give the engine new weights tagged ``version`` (engines that take no version just load)."""
+    import inspect
+
+    if "version" in inspect.signature(engine.load_weights).parameters:
+        engine.load_weights(state_dict, version=version)
+    else:
+        engine.load_weights(state_dict)
+
+
+def group_version(g: Group) -> int:
+    """The oldest policy version that sampled any token of the group."""
+    vs = [min(r.completion.versions) for r in g.rollouts if r.completion.versions]
+    return min(vs) if vs else 0
+
+
+def version_lag(groups: list[Group], version: int) -> dict[str, Any]:
+    """How many versions behind ``version`` the trained tokens were sampled: mean and max over
+    tokens, and the histogram (share of tokens at lag 0, 1, 2, ...)."""
+    lags = [version - v for g in groups for r in g.rollouts for v in (r.completion.versions or [])]
+    if not lags:
+        return {"version_lag_mean": 0.0, "version_lag_max": 0, "version_lag_hist": [1.0]}
+    hist = [0] * (max(lags) + 1)
+    for x in lags:
+        hist[max(x, 0)] += 1
+    return {"version_lag_mean": sum(lags) / len(lags), "version_lag_max": max(lags),
+            "version_lag_hist": [h / len(lags) for h in hist]}
 
 
 def _mean(xs) -> float:

@@ -1,0 +1,104 @@
+"""PipelineRL (train/rl/pipeline.py) and the off-policy correction of the RL update.
+
+Reuses the warm-started tiny dense policy of tests/test_rl_loop.py (SFT on toy/max), so groups
+have mixed rewards and every update moves the weights.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from envs.base import Problem, Score
+from tests.test_rl_loop import make_trainer, one_thread, warm  # noqa: F401 (fixtures)
+from train.engine.base import Completion
+from train.optim import OptimConfig
+from train.rl.pipeline import Pipeline, RolloutBuffer
+from train.rl.trainer import Group, RLConfig, Rollout, group_version, version_lag
+
+SHARED = ("reward_mean", "accuracy", "format_ok", "response_len", "groups_sampled", "groups_dropped",
+          "groups_trained", "loss", "entropy", "grad_norm", "mismatch_kl", "version_lag_mean", "version_lag_max",
+          "difficulty")
+
+
+def _params(rl):
+    return {k: v.detach().clone() for k, v in rl.policy.state_dict().items()}
+
+
+def test_max_staleness_zero_is_the_synchronous_loop(warm):
+    sync = make_trainer(warm, seed=3)
+    want = [sync.step() for _ in range(3)]
+    rl = make_trainer(warm, seed=3)
+    pipe = Pipeline(rl)
+    try:
+        got = [pipe.step() for _ in range(3)]
+    finally:
+        pipe.close()
+    for w, g in zip(want, got):
+        assert {k: w.get(k) for k in SHARED} == {k: g.get(k) for k in SHARED}
+        assert g["groups_dropped_stale"] == 0 and g["version_lag_max"] == 0
+    for k, v in _params(sync).items():
+        torch.testing.assert_close(_params(rl)[k], v, rtol=0, atol=0)
+
+
+def test_bounded_staleness_overlaps_and_never_trains_older_groups(warm):
+    rl = make_trainer(warm, seed=4, max_staleness=2, min_ready_batches=2, sync_every=1)
+    trained = []  # (trainer version, oldest version of each group) at every update
+    update = rl.update
+
+    def spy(groups):
+        trained.append((rl.step_idx, [group_version(g) for g in groups]))
+        return update(groups)
+
+    rl.update = spy
+    pipe = Pipeline(rl)
+    try:
+        ms = [pipe.step() for _ in range(6)]
+    finally:
+        pipe.close()
+    assert all(v - gv <= 2 for v, gvs in trained for gv in gvs)
+    assert all(m["version_lag_max"] <= 2 for m in ms)
+    assert max(m["version_lag_max"] for m in ms) >= 1  # the producer ran ahead of the trainer
+    assert all(0.0 <= m["buffer_fill"] <= 1.0 for m in ms)
+    assert all(len(m["version_lag_hist"]) == m["version_lag_max"] + 1 for m in ms)
+    assert rl.step_idx == 6
+
+
+def test_sync_every_must_fit_the_staleness_bound():
+    with pytest.raises(ValueError, match="max_staleness"):
+        RLConfig(max_staleness=1, sync_every=3)
+    with pytest.raises(ValueError, match="ratio_against"):
+        RLConfig(ratio_against="nope")
+
+
+def _group(version: int, tag: int) -> Group:
+    p = Problem(prompt=str(tag), answer="0")
+    c = Completion([1, 2], "x", [-0.1, -0.2], "stop", versions=[version, version + 1])
+    return Group("toy/max", p, [Rollout("toy/max", p, [5], c, Score.zero(""))])
+
+
+def test_buffer_evicts_oldest_and_drops_stale():
+    buf = RolloutBuffer(capacity=3)
+    buf.put([_group(v, v) for v in range(5)])  # versions 0..4: 0 and 1 evicted
+    assert buf.evicted == 2 and len(buf) == 3
+    got = buf.take(3, version=5, max_staleness=2)  # group of version 2 is 3 behind: dropped
+    assert [g.problem.prompt for g in got] == ["3", "4"] and buf.dropped_stale == 1
+
+
+def test_version_lag_histogram():
+    m = version_lag([_group(3, 0), _group(4, 1)], 5)  # token versions 3,4,4,5 at trainer version 5
+    assert m["version_lag_max"] == 2 and m["version_lag_mean"] == pytest.approx(1.0)
+    assert m["version_lag_hist"] == [0.25, 0.5, 0.25]
+
+
+def test_ratio_is_taken_against_behaviour_logprobs(warm):
+    """Rollouts whose recorded log-probs are 0.1 below the trainer's: the ratio is exp(0.1), not 1,
+    and the mismatch shows; with ratio_against=recompute the ratio is 1 and tis corrects instead."""
+    for mode, want_ratio in (("behaviour", float(torch.tensor(0.1).exp())), ("recompute", 1.0)):
+        rl = make_trainer(warm, seed=5, ratio_against=mode, optim=OptimConfig(lr=0.0))
+        groups, _ = rl.collect()
+        for g in groups:
+            for r in g.rollouts:
+                r.completion.logprobs = [x - 0.1 for x in r.completion.logprobs]
+        m = rl.update(groups)
+        assert m["ratio_mean"] == pytest.approx(want_ratio, rel=1e-3)
+        assert m["mismatch_kl"] == pytest.approx(float(torch.tensor(0.1).exp() - 1 - 0.1), rel=2e-2)

@@ -1,0 +1,206 @@
+"""PipelineRL: rollouts generated continuously, ahead of the trainer by at most ``max_staleness``
+policy versions, through a bounded buffer (ZAYA1 section IV-B1; PipelineRL, prime-rl).
+
+A producer thread runs :meth:`RLTrainer.collect` (curriculum, engine, verification, gates, dynamic
+sampling) batch after batch and puts the groups into a :class:`RolloutBuffer`, each tagged with the
+oldest policy version that sampled any of its tokens. :meth:`Pipeline.step` (the trainer) waits
+until ``min_ready_batches`` batches are buffered, takes one batch of groups oldest first, drops
+those more than ``max_staleness`` versions behind (counted), updates the policy, and every
+``sync_every`` steps sends the weights to the engine while generation goes on.
+
+Bounded staleness by construction: the producer starts batch ``b`` (the one trainer step ``b``
+will consume) only once the engine serves version ``>= b - max_staleness``, so with
+``max_staleness=0`` generation and training alternate exactly as in the synchronous loop (same RNG
+draws in the same order: the same metrics), and with ``k > 0`` the rollouts of the next ``k``
+batches overlap the update. The buffer's staleness check is the safety net for groups that wait
+longer (a slow trainer, a version swap in flight, an engine that lags).
+
+Engines that swap weights between decode steps (``supports_inflight_update``) take the new weights
+while a ``generate`` call runs, so one completion may span versions; for other engines the swap
+waits for the current ``generate`` call to return.
+
+The buffer is not checkpointed (as in PipelineRL): on resume the producer starts afresh from the
+checkpoint's RNG and curriculum; :meth:`Pipeline.paused` gives a consistent snapshot for saving.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from contextlib import contextmanager
+from typing import Any
+
+from train.rl.trainer import Group, RLTrainer, group_version
+
+
+class RolloutBuffer:
+    """Groups waiting for the trainer, oldest first, with a capacity (oldest evicted)."""
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError("buffer capacity must be >= 1 group")
+        self.capacity = capacity
+        self._q: deque[tuple[int, Group]] = deque()
+        self.evicted = 0
+        self.dropped_stale = 0
+        self.cond = threading.Condition()
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def put(self, groups: list[Group]) -> None:
+        with self.cond:
+            for g in groups:
+                self._q.append((group_version(g), g))
+                while len(self._q) > self.capacity:
+                    self._q.popleft()
+                    self.evicted += 1
+            self.cond.notify_all()
+
+    def take(self, n: int, version: int, max_staleness: int) -> list[Group]:
+        """Up to ``n`` groups, oldest first, skipping (and counting) those sampled more than
+        ``max_staleness`` versions before ``version``."""
+        out = []
+        with self.cond:
+            while self._q and len(out) < n:
+                v, g = self._q.popleft()
+                if version - v > max_staleness:
+                    self.dropped_stale += 1
+                else:
+                    out.append(g)
+        return out
+
+
+class Pipeline:
+    """Asynchronous RL steps around an :class:`RLTrainer` (see the module docstring).
+
+    ``step()`` returns the same metrics as :meth:`RLTrainer.step` plus the pipeline's: buffer fill,
+    groups dropped as stale or evicted, the version lag of the trained tokens (mean, max,
+    histogram) and the rollout / trainer busy fractions since the previous step."""
+
+    def __init__(self, rl: RLTrainer):
+        self.rl, cfg = rl, rl.cfg
+        self.max_staleness, self.batch = cfg.max_staleness, cfg.prompts_per_step
+        # the trainer can wait for at most the batches the producer may run ahead
+        self.min_ready = max(1, min(cfg.min_ready_batches, cfg.max_staleness - cfg.sync_every + 2))
+        self.buffer = RolloutBuffer(cfg.buffer_groups or (cfg.max_staleness + 2) * self.batch)
+        self._produced = rl.step_idx  # index of the next batch the producer makes
+        self._pending: deque[dict] = deque()  # rollout metrics of produced batches, in order
+        self._stop = threading.Event()
+        self._pause = False
+        self._idle = threading.Event()
+        self._error: BaseException | None = None
+        self._busy_roll = self._busy_train = 0.0
+        self._since = time.perf_counter()
+        if not getattr(rl.engine, "supports_inflight_update", False):
+            rl.engine = LockedEngine(rl.engine)
+        self._thread = threading.Thread(target=self._produce, name="rollout-producer", daemon=True)
+        self._thread.start()
+
+    # -- producer --------------------------------------------------------------------------------
+    def _may_start(self) -> bool:
+        return self.rl.synced_version >= self._produced - self.max_staleness and not self._pause
+
+    def _produce(self) -> None:
+        cond = self.buffer.cond
+        try:
+            while not self._stop.is_set():
+                with cond:
+                    while not self._stop.is_set() and not self._may_start():
+                        self._idle.set()
+                        cond.wait(0.1)
+                    if self._stop.is_set():
+                        return
+                    self._idle.clear()
+                t0 = time.perf_counter()
+                groups, metrics = self.rl.collect()
+                metrics["difficulty"] = self.rl.curriculum.difficulties()  # as the sync loop reads it
+                with cond:
+                    self._busy_roll += time.perf_counter() - t0
+                    self._pending.append(metrics)
+                    self._produced += 1
+                self.buffer.put(groups)
+        except BaseException as e:  # surfaced by step()
+            self._error = e
+            with cond:
+                cond.notify_all()
+        finally:
+            self._idle.set()
+
+    # -- trainer ---------------------------------------------------------------------------------
+    def _ready(self) -> bool:
+        return len(self.buffer) >= self.min_ready * self.batch or \
+            len(self._pending) >= self.min_ready  # batches that dynamic sampling left short
+
+    def step(self) -> dict[str, Any]:
+        rl, cond = self.rl, self.buffer.cond
+        t0 = time.perf_counter()
+        with cond:
+            while not self._ready() and self._error is None:
+                cond.wait(0.1)
+            if self._error is not None:
+                raise RuntimeError(f"rollout producer failed: {self._error}") from self._error
+            fill = len(self.buffer) / self.buffer.capacity
+            stale0, evicted0 = self.buffer.dropped_stale, self.buffer.evicted
+            groups = self.buffer.take(self.batch, rl.step_idx, self.max_staleness)
+            rollout_metrics = self._pending.popleft()
+        m: dict[str, Any] = {"step": rl.step_idx, **rollout_metrics}
+        m["groups_trained"] = len(groups)
+        difficulty = m.pop("difficulty")
+        t1 = time.perf_counter()
+        m.update(rl.train_on(groups))
+        with cond:
+            self._busy_train += time.perf_counter() - t1
+            wall = max(time.perf_counter() - self._since, 1e-9)
+            m.update(buffer_fill=fill, groups_dropped_stale=self.buffer.dropped_stale - stale0,
+                     groups_evicted=self.buffer.evicted - evicted0, policy_version=rl.step_idx,
+                     rollout_busy_frac=min(1.0, self._busy_roll / wall),
+                     trainer_busy_frac=min(1.0, self._busy_train / wall))
+            self._busy_roll = self._busy_train = 0.0
+            self._since = time.perf_counter()
+            cond.notify_all()  # a new version may let the producer start its next batch
+        m["difficulty"] = difficulty
+        m["time_step_s"] = time.perf_counter() - t0
+        return m
+
+    @contextmanager
+    def paused(self):
+        """No rollout batch in progress inside the block (a consistent RNG/curriculum snapshot)."""
+        with self.buffer.cond:
+            self._pause = True
+        self._idle.wait()
+        try:
+            yield
+        finally:
+            with self.buffer.cond:
+                self._pause = False
+                self.buffer.cond.notify_all()
+
+    def close(self) -> None:
+        self._stop.set()
+        with self.buffer.cond:
+            self.buffer.cond.notify_all()
+        self._thread.join()
+        if isinstance(self.rl.engine, LockedEngine):
+            self.rl.engine = self.rl.engine.engine
+
+
+class LockedEngine:
+    """An engine that cannot swap weights during ``generate``: a weight load waits for the running
+    ``generate`` call (one rollout round) to return."""
+
+    def __init__(self, engine):
+        self.engine, self._lock = engine, threading.Lock()
+
+    def generate(self, *a, **kw):
+        with self._lock:
+            return self.engine.generate(*a, **kw)
+
+    def load_weights(self, state_dict, version: int | None = None) -> None:
+        from train.rl.trainer import load_weights
+
+        with self._lock:
+            load_weights(self.engine, state_dict, version if version is not None else 0)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
