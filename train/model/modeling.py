@@ -91,6 +91,39 @@ class KVCache:
                        self.valid.index_select(0, rows), self.length)
 
 
+@dataclass(frozen=True)
+class Segments:
+    """Packed sequences in one row: sequence j holds token slots ``bounds[j]:bounds[j + 1]``
+    (``bounds`` as ``cu_seqlens``: 0, ..., N). Passed to :class:`Attention` in place of a mask,
+    it makes each sequence attend causally to itself only."""
+
+    bounds: tuple[int, ...]
+
+    @classmethod
+    def of(cls, cu_seqlens, total: int) -> "Segments":
+        b = tuple(int(x) for x in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens))
+        if len(b) < 2 or b[0] != 0 or b[-1] != total or any(e <= s for s, e in zip(b, b[1:])):
+            raise ValueError(f"cu_seqlens must rise strictly from 0 to the packed length {total}; got {list(b)[:8]}...")
+        return cls(b)
+
+    def positions(self, device) -> torch.Tensor:
+        """Rotary positions [1, N], restarting at 0 for each sequence."""
+        lens = torch.tensor([e - s for s, e in zip(self.bounds, self.bounds[1:])], device=device)
+        starts = torch.tensor(self.bounds[:-1], device=device)
+        n = self.bounds[-1]
+        return (torch.arange(n, device=device) - torch.repeat_interleave(starts, lens, output_size=n))[None]
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments, gqa: bool) -> torch.Tensor:
+    """Causal attention within each packed sequence: q [1, Hq, N, D], k, v [1, Hkv, N, D] -> [1, Hq, N, D].
+    One fused SDPA call per sequence over slices (no N x N mask; no work across sequences)."""
+    b = seg.bounds
+    if len(b) == 2:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    return torch.cat([F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True,
+                                                     enable_gqa=gqa) for s, e in zip(b, b[1:])], dim=2)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -105,8 +138,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None = None, layer: int = 0):
-        """``mask``: None (causal) or a boolean mask [B, 1, T, Tk]; single-token decoding with a cache
-        uses :func:`decode_attention` on CPU, the fused SDPA kernel elsewhere."""
+        """``mask``: None (causal), a boolean mask [B, 1, T, Tk], or :class:`Segments` (packed sequences in
+        one row, no cache); single-token decoding with a cache uses :func:`decode_attention` on CPU, the
+        fused SDPA kernel elsewhere."""
         B, T, _ = x.shape
         d, hq, hk = self.cfg.head_dim, self.n_heads, self.n_kv
         # one projection for q, k and v; q and k normed and rotated together
@@ -127,6 +161,8 @@ class Attention(nn.Module):
         gqa = hk != hq  # grouped-query attention without materialising repeated K/V
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        elif type(mask) is Segments:
+            out = segment_attention(q, k, v, mask, gqa)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, hq * d))
@@ -212,10 +248,10 @@ class Router(nn.Module):
         ``replay`` [N, k] forces the expert choice (MoE router replay); the weights are still the
         router's own probabilities of those experts, so gradients reach the router."""
         probs = F.softmax(F.linear(x, self.weight).float(), dim=-1)
-        if replay is None:
+        if replay is None and not probs.requires_grad:
             top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
-        else:
-            top_i = replay.to(torch.long)
+        else:  # with gradient, one autograd graph whether replayed or not (a checkpointed layer recomputes by replay)
+            top_i = torch.topk(probs.detach(), self.top_k, dim=-1).indices if replay is None else replay.to(torch.long)
             top_w = probs.gather(1, top_i)
         if self.norm_topk_prob:
             top_w = top_w / top_w.sum(-1, keepdim=True)
@@ -311,17 +347,31 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight.dtype
 
     def hidden_states(self, input_ids, attention_mask=None, position_ids=None, cache: KVCache | None = None,
-                      routed_experts=None, record_routing: list | None = None):
+                      routed_experts=None, record_routing: list | None = None, cu_seqlens=None,
+                      checkpoint_layers: bool = False):
         """Final-norm hidden states [B, T, H].
 
         ``attention_mask`` [B, T] (1 = real token) marks padding anywhere; without a cache and
         without padding the plain causal kernel is used. With a cache, ``cache.valid`` is updated.
         ``routed_experts``: per MoE layer, expert ids [B, T, k] to replay; ``record_routing``: a
         list that receives the expert ids chosen by each MoE layer.
+
+        ``cu_seqlens`` (packed input): ``input_ids`` is one row [1, N] holding several sequences back
+        to back, sequence j in slots ``cu_seqlens[j]:cu_seqlens[j+1]`` (0, ..., N; a list or tensor).
+        Positions restart at 0 for each sequence and attention stays within it; projections, MLP and
+        experts run over the N real tokens only. No padding, no cache.
+        ``checkpoint_layers``: recompute each decoder layer in backward instead of keeping its
+        activations (training memory); the routing recorded in forward is replayed when recomputing.
         """
         cfg = self.config
         B, T = input_ids.shape
         dev = input_ids.device
+        if cu_seqlens is not None:
+            if B != 1 or cache is not None or attention_mask is not None:
+                raise ValueError("cu_seqlens (packed sequences) takes one row [1, N] without attention_mask or cache")
+            seg = Segments.of(cu_seqlens, T)
+            if position_ids is None:
+                position_ids = seg.positions(dev)
         start = cache.length if cache is not None else 0
         if cache is not None and start + T > cache.capacity:
             raise ValueError(f"KV cache overflow: {start + T} > {cache.capacity}")
@@ -339,7 +389,9 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, x.dtype)
         q_slots = torch.arange(start, start + T, device=dev)
-        if cache is not None:
+        if cu_seqlens is not None:
+            mask = seg
+        elif cache is not None:
             mask = build_mask(cache.valid, q_slots, start + T)
         elif attention_mask is not None and not bool(attention_mask.all()):
             mask = build_mask(attention_mask, q_slots, T)
@@ -350,7 +402,10 @@ class CausalLM(nn.Module):
             replay = None
             if layer.is_moe and routed_experts is not None:
                 replay = routed_experts[moe_i].reshape(B * T, -1)
-            x = layer(x, cos, sin, mask, cache, i, replay, record_routing)
+            if checkpoint_layers and torch.is_grad_enabled():
+                x = _checkpointed(layer, x, cos, sin, mask, replay, record_routing if layer.is_moe else None)
+            else:
+                x = layer(x, cos, sin, mask, cache, i, replay, record_routing)
             moe_i += int(layer.is_moe)
         if cache is not None:
             cache.length = start + T
@@ -366,9 +421,31 @@ class CausalLM(nn.Module):
         return self.logits(self.hidden_states(input_ids, attention_mask, cache=cache)[:, -1])
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, routed_experts=None,
-                record_routing=None):
+                record_routing=None, cu_seqlens=None, checkpoint_layers: bool = False):
         return self.logits(self.hidden_states(input_ids, attention_mask, position_ids, cache,
-                                              routed_experts, record_routing))
+                                              routed_experts, record_routing, cu_seqlens, checkpoint_layers))
+
+
+def _checkpointed(layer: DecoderLayer, x, cos, sin, mask, replay, record: list | None):
+    """``layer(x, ...)`` under activation checkpointing (no cache). An MoE layer's expert choice made in
+    forward is recorded once and replayed when backward recomputes the layer, so both passes route alike."""
+    from torch.utils.checkpoint import checkpoint
+
+    state = {"replay": replay}
+    if replay is not None and record is not None:
+        record.append(replay.reshape(x.shape[0], x.shape[1], -1))
+
+    def run(x):
+        if not layer.is_moe or state["replay"] is not None:
+            return layer(x, cos, sin, mask, None, 0, state["replay"])
+        rec: list = []
+        out = layer(x, cos, sin, mask, None, 0, None, rec)
+        state["replay"] = rec[0].reshape(-1, rec[0].shape[-1])
+        if record is not None:
+            record.append(rec[0])
+        return out
+
+    return checkpoint(run, x, use_reentrant=False)
 
 
 def token_logprobs(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,

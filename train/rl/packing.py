@@ -1,0 +1,235 @@
+"""Sequence packing for the trainer: micro-batches by token budget, token-balanced data-parallel
+splits, and per-token log-probs from the packed forward.
+
+A micro-batch is one row [1, N] holding its sequences back to back (``CausalLM.hidden_states(...,
+cu_seqlens=...)``): positions restart per sequence, attention stays within a sequence, and every
+GEMM runs over real tokens only, so no compute goes to padding. The LM head and log-softmax run
+only on the positions whose next token is scored, in chunks of rows (:func:`chunked_token_logprobs`),
+so the fp32 [tokens, vocab] logits never exist at once, in forward or backward.
+
+    for mb in pack_by_tokens([s.num_tokens for s in samples], budget=8192):
+        lps, ents = packed_token_logprobs(policy, [samples[i] for i in mb], temperature)
+        # lps[j]: log-probs [C_j] of sample mb[j]'s completion tokens (differentiable)
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from train.model.modeling import CausalLM
+
+LOGITS_PER_CHUNK = 1 << 24  # default chunk: about this many fp32 logits (64 MiB) per chunk of rows
+
+
+# ------------------------------------------------------------------------------------------------
+# who goes where
+
+
+def pack_by_tokens(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """First-fit decreasing: sample indices grouped into micro-batches of at most ``budget`` tokens.
+
+    Longest first, each into the first micro-batch it fits; a sample longer than ``budget`` gets a
+    micro-batch of its own. Every index appears exactly once; indices within a micro-batch ascend."""
+    if budget < 1:
+        raise ValueError(f"token budget must be >= 1, got {budget}")
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    bins: list[list[int]] = []
+    free: list[int] = []
+    for i in order:
+        n = int(lengths[i])
+        if n < 0:
+            raise ValueError(f"sample {i} has negative length {n}")
+        for b, room in enumerate(free):
+            if n <= room:
+                bins[b].append(i)
+                free[b] -= n
+                break
+        else:
+            bins.append([i])
+            free.append(budget - n if n <= budget else -1)
+    return [sorted(b) for b in bins]
+
+
+def balance_across_ranks(lengths: Sequence[int], world: int) -> list[list[int]]:
+    """Sample indices split over ``world`` data-parallel ranks with balanced token counts (longest
+    first onto the rank holding the fewest tokens, ties to the fewest samples, then the lowest rank).
+    Every index appears exactly once; indices within a rank ascend. With at least ``world`` samples
+    of positive length, no rank is left empty."""
+    if world < 1:
+        raise ValueError(f"world size must be >= 1, got {world}")
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    ranks: list[list[int]] = [[] for _ in range(world)]
+    load = [0] * world
+    for i in order:
+        r = min(range(world), key=lambda j: (load[j], len(ranks[j]), j))
+        ranks[r].append(i)
+        load[r] += int(lengths[i])
+    return [sorted(r) for r in ranks]
+
+
+# ------------------------------------------------------------------------------------------------
+# chunked LM head + log-softmax
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """log softmax(h @ W^T / temperature)[target] row by row in chunks; backward recomputes each
+    chunk's logits, so only [chunk, vocab] fp32 buffers are ever alive. The entropy output is
+    returned without gradient."""
+
+    @staticmethod
+    def forward(ctx, h, w, targets, temperature: float, chunk: int, want_entropy: bool):
+        N = h.shape[0]
+        wf = w.float()
+        lp = torch.empty(N, dtype=torch.float32, device=h.device)
+        lse = torch.empty(N, dtype=torch.float32, device=h.device)
+        ent = torch.empty(N, dtype=torch.float32, device=h.device) if want_entropy else None
+        for s in range(0, N, chunk):
+            e = min(N, s + chunk)
+            z = _chunk_logits(h[s:e], wf, temperature)
+            m = torch.logsumexp(z, dim=-1)
+            lse[s:e] = m
+            lp[s:e] = z.gather(1, targets[s:e, None]).squeeze(1) - m
+            if want_entropy:
+                ent[s:e] = m - (torch.softmax(z, dim=-1) * z).sum(-1)
+        ctx.save_for_backward(h, w, targets, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        if ent is None:
+            ent = torch.zeros(0, dtype=torch.float32, device=h.device)
+        ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, _g_ent):
+        h, w, targets, lse = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if g_lp is None or not (need_h or need_w):
+            return None, None, None, None, None, None
+        T, chunk, N = ctx.temperature, ctx.chunk, h.shape[0]
+        wf = w.float()
+        gh = torch.empty(h.shape, dtype=torch.float32, device=h.device) if need_h else None
+        gw = torch.zeros(wf.shape, dtype=torch.float32, device=h.device) if need_w else None
+        g_lp = g_lp.float()
+        for s in range(0, N, chunk):
+            e = min(N, s + chunk)
+            hc = h[s:e].float()
+            g = g_lp[s:e, None]
+            # d lp / d z = onehot(target) - softmax(z), and z = h W^T / T
+            dz = torch.exp(_chunk_logits(hc, wf, T) - lse[s:e, None]).mul_(-g)
+            dz.scatter_add_(1, targets[s:e, None], g)
+            if T != 1.0:
+                dz.div_(T)
+            if need_h:
+                gh[s:e] = dz @ wf
+            if need_w:
+                gw.addmm_(dz.t(), hc)
+        return (gh.to(h.dtype) if need_h else None, gw.to(w.dtype) if need_w else None, None, None, None, None)
+
+
+def _chunk_logits(h: torch.Tensor, wf: torch.Tensor, temperature: float) -> torch.Tensor:
+    z = F.linear(h.float(), wf)
+    return z / temperature if temperature != 1.0 else z
+
+
+def default_chunk(vocab: int) -> int:
+    return max(16, LOGITS_PER_CHUNK // max(1, vocab))
+
+
+def chunked_token_logprobs(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                           chunk_tokens: int | None = None, return_entropy: bool = False):
+    """Log-probabilities [N] of ``targets`` [N] under softmax(h @ weight^T / temperature) for hidden
+    states ``h`` [N, H] and LM-head ``weight`` [V, H] (fp32 logits whatever their dtype), computed
+    ``chunk_tokens`` rows at a time in forward and backward (default: about 16M logits a chunk). With
+    ``return_entropy`` also the entropy [N] of each row's distribution (no gradient)."""
+    temperature = float(temperature) if temperature else 1.0
+    chunk = int(chunk_tokens) if chunk_tokens else default_chunk(weight.shape[0])
+    lp, ent = _ChunkedLogprobs.apply(h, weight, targets.to(device=h.device, dtype=torch.long), temperature,
+                                     max(1, chunk), bool(return_entropy))
+    return (lp, ent) if return_entropy else lp
+
+
+# ------------------------------------------------------------------------------------------------
+# packed forward -> per-sequence log-probs
+
+
+def _sequence(s) -> tuple[list[int], int]:
+    """(all token ids, index of the first scored token): a sample's completion, or every next token."""
+    if hasattr(s, "prompt_ids") and hasattr(s, "completion_ids"):
+        p = list(s.prompt_ids)
+        if not p and len(s.completion_ids):
+            raise ValueError("a sample needs at least one prompt token to score its completion")
+        return p + list(s.completion_ids), max(1, len(p))
+    return [int(t) for t in s], 1
+
+
+def _per_layer_routing(r, length: int) -> list[torch.Tensor]:
+    """One sequence's expert ids as per-MoE-layer [L, k]: from the compact [L, n_moe, k] form
+    (:func:`train.rl.exchange.stack_routing`) or a per-layer list of [1, L, k] / [L, k]."""
+    if torch.is_tensor(r):
+        if r.dim() != 3 or r.shape[0] != length:
+            raise ValueError(f"routed experts {tuple(r.shape)} do not match a sequence of {length} tokens "
+                             "(expected [tokens, n_moe_layers, k])")
+        return [r[:, i] for i in range(r.shape[1])]
+    out = [torch.as_tensor(t).reshape(-1, torch.as_tensor(t).shape[-1]) for t in r]
+    if any(t.shape[0] != length for t in out):
+        raise ValueError(f"routed experts cover {[t.shape[0] for t in out]} tokens, not {length}")
+    return out
+
+
+def packed_token_logprobs(model: CausalLM, samples_or_token_lists: Sequence, temperature: float = 1.0,
+                          routed_experts: Sequence | None = None, return_entropy: bool = True,
+                          chunk_tokens: int | None = None, checkpoint_layers: bool = False):
+    """Per-sequence token log-probs from one packed forward of all the given sequences.
+
+    ``samples_or_token_lists``: objects with ``prompt_ids`` and ``completion_ids`` (e.g.
+    :class:`train.rl.exchange.TrainSample`), whose completion tokens are scored (C values each), or
+    plain token lists, whose tokens 1..L-1 are scored given their prefix (L-1 values each, as
+    :func:`train.model.modeling.token_logprobs` for that row). Returns ``(logprobs, entropies)``,
+    lists of 1-D fp32 tensors (``logprobs`` alone without ``return_entropy``); log-probs carry gradient,
+    entropies do not.
+
+    ``routed_experts``: per sequence, the expert ids of all its tokens to replay (compact
+    [L, n_moe_layers, k] or a per-layer list); by default a sample's own ``routed_experts`` when every
+    sample has one. ``chunk_tokens``: rows of the LM head + log-softmax at a time (see
+    :func:`chunked_token_logprobs`); ``checkpoint_layers``: activation checkpointing of decoder layers.
+    """
+    seqs = [_sequence(s) for s in samples_or_token_lists]
+    if not seqs:
+        return ([], []) if return_entropy else []
+    if any(len(ids) == 0 for ids, _ in seqs):
+        raise ValueError("an empty sequence cannot be packed")
+    dev = model.device
+    if routed_experts is None:
+        own = [getattr(s, "routed_experts", None) for s in samples_or_token_lists]
+        if all(r is not None for r in own):
+            routed_experts = own
+        elif any(r is not None for r in own):
+            raise ValueError("some samples carry routed experts and some do not; replay needs all or none")
+    if routed_experts is not None and len(routed_experts) != len(seqs):
+        raise ValueError(f"{len(routed_experts)} routed-expert entries for {len(seqs)} sequences")
+
+    ids: list[int] = []
+    pos: list[int] = []
+    cu = [0]
+    counts = []
+    for toks, first in seqs:
+        o = len(ids)
+        ids.extend(toks)
+        pos.extend(range(o + first - 1, o + len(toks) - 1))
+        counts.append(max(0, len(toks) - first))
+        cu.append(len(ids))
+    input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+    pos_t = torch.tensor(pos, dtype=torch.long, device=dev)
+    replay = None
+    if routed_experts is not None:
+        per_seq = [_per_layer_routing(r, len(t)) for r, (t, _) in zip(routed_experts, seqs)]
+        replay = [torch.cat([p[i] for p in per_seq]).to(device=dev, dtype=torch.long)[None]
+                  for i in range(len(per_seq[0]))]
+    h = model.hidden_states(input_ids[None], routed_experts=replay, cu_seqlens=cu,
+                            checkpoint_layers=checkpoint_layers)[0]
+    out = chunked_token_logprobs(h.index_select(0, pos_t), model.lm_head.weight, input_ids[pos_t + 1], temperature,
+                                 chunk_tokens, return_entropy)
+    if not return_entropy:
+        return list(torch.split(out, counts))
+    return list(torch.split(out[0], counts)), list(torch.split(out[1], counts))
