@@ -98,7 +98,7 @@ class NativeDecoder:
     """Prefill and decoding steps of one model through the native ops. Holds the per-layer
     arguments, with the q/k/v projections (and a dense MLP's gate/up) stacked once at construction:
     make one per generation call, while the weights do not change (the torch engine makes one per
-    batch). Only fp32 CPU models (see :func:`usable`)."""
+    batch, and a new one when weights are loaded in flight). Only fp32 CPU models (see :func:`usable`)."""
 
     def __init__(self, model: CausalLM):
         if not load():
@@ -122,11 +122,15 @@ class NativeDecoder:
                 self.layers.append((attn, attn_tail, mlp))
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, cache: KVCache, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, cache: KVCache, mask: torch.Tensor | None = None,
+                record: list | None = None) -> torch.Tensor:
         """fp32 logits [B, V] at the last real token of each row, for tokens ``ids`` [B, T] appended at
         ``cache.length`` (``mask`` [B, T]: real tokens, None = all); updates the cache as
         ``model.last_logits(ids, mask, cache=cache)`` does. Only real tokens are computed: padded
-        slots are masked for attention and their keys/values zeroed."""
+        slots are masked for attention and their keys/values zeroed.
+
+        ``record`` (a list): receives, per MoE layer, the expert ids [N, k] (int64) of the N real
+        tokens in row-major order (router replay)."""
         model, cfg = self.model, self.model.config
         B, T = ids.shape
         s = cache.length
@@ -155,12 +159,18 @@ class NativeDecoder:
         ops = torch.ops.cascade_native
         for i, (attn, attn_tail, mlp) in enumerate(self.layers):
             x = ops.attn_block(x, *attn, cos, sin, cache.k[i], cache.v[i], cache.valid, rows, slots, *attn_tail)
-            x = ops.moe_block(x, *mlp[1:]) if mlp[0] == "moe" else ops.mlp_block(x, *mlp[1:])
+            if mlp[0] == "moe":
+                routed = None if record is None else torch.empty(x.shape[0], mlp[5], dtype=torch.long)
+                x = ops.moe_block(x, *mlp[1:], routed)
+                if record is not None:
+                    record.append(routed)
+            else:
+                x = ops.mlp_block(x, *mlp[1:])
         cache.length = s + T
         if T > 1:  # each row's last real token (rows are contiguous in x)
             x = x[(torch.full((B,), T) if counts is None else counts).cumsum(0) - 1]
         return model.logits(model.model.norm(x))
 
-    def step(self, tok: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def step(self, tok: torch.Tensor, cache: KVCache, record: list | None = None) -> torch.Tensor:
         """One decoding step: logits [B, V] after appending ``tok`` [B] (one token per row)."""
-        return self.forward(tok[:, None], cache)
+        return self.forward(tok[:, None], cache, record=record)

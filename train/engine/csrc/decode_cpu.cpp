@@ -277,12 +277,19 @@ at::Tensor attn_block(const at::Tensor& x, const at::Tensor& ln_w, const at::Ten
 
 // x + SparseMoE(rms(x)): softmax router, top-k (optionally renormalised), experts gate_up [E, 2I, H]
 // and down [E, H, I] applied to the tokens routed to each, outputs combined with the router weights.
+// `routed` (optional, int64 [B, top_k]) receives each token's expert ids, highest weight first (the
+// order of torch.topk), for router replay.
 at::Tensor moe_block(const at::Tensor& x, const at::Tensor& ln_w, const at::Tensor& router_w,
                      const at::Tensor& gate_up, const at::Tensor& down, int64_t top_k, bool norm_topk,
-                     double eps_d) {
+                     double eps_d, const c10::optional<at::Tensor>& routed) {
   for (const at::Tensor* t : {&x, &ln_w, &router_w, &gate_up, &down}) check_f32(*t, "moe_block tensor");
   const int64_t B = x.size(0), H = x.size(1), E = gate_up.size(0), I = gate_up.size(1) / 2;
   TORCH_CHECK(top_k >= 1 && top_k <= E, "moe_block: top_k ", top_k, " with ", E, " experts");
+  const bool record = routed.has_value() && routed->defined();
+  if (record)
+    TORCH_CHECK(routed->device().is_cpu() && routed->scalar_type() == at::kLong && routed->is_contiguous() &&
+                    routed->dim() == 2 && routed->size(0) == B && routed->size(1) == top_k,
+                "moe_block: routed must be a contiguous int64 CPU tensor [", B, ", ", top_k, "]");
   at::Tensor h = rms_rows(x, ln_w, static_cast<float>(eps_d));
   at::Tensor logits = at::mm(h, router_w.t()).contiguous();
   const float* lp = logits.data_ptr<float>();
@@ -310,6 +317,7 @@ at::Tensor moe_block(const at::Tensor& x, const at::Tensor& ln_w, const at::Tens
     if (norm_topk)
       for (int64_t k = 0; k < top_k; ++k) wt[b * top_k + k] /= tot;
   }
+  if (record) std::copy(idx.begin(), idx.end(), routed->data_ptr<int64_t>());
   // (token, choice) pairs grouped by expert, in token order within an expert (a stable sort)
   std::vector<int64_t> start(E + 1, 0), order(N);
   for (int64_t i = 0; i < N; ++i) ++start[idx[i] + 1];
@@ -451,7 +459,7 @@ TORCH_LIBRARY(cascade_native, m) {
         "int hq, int hk, "
         "float eps) -> Tensor");
   m.def("moe_block(Tensor x, Tensor ln_w, Tensor router_w, Tensor gate_up, Tensor down, int top_k, bool norm_topk, "
-        "float eps) -> Tensor");
+        "float eps, Tensor(a!)? routed=None) -> Tensor");
   m.def("mlp_block(Tensor x, Tensor ln_w, Tensor w_gate_up, Tensor w_down, float eps) -> Tensor");
   m.def("sample_rows(Tensor logits, float temperature, Tensor u) -> (Tensor, Tensor)");
 }
