@@ -14,7 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("train.model.cli:generate_main", "sample from a checkpoint with the torch engine"),
     "envs": ("envs.cli:main", "list, show and self-check environments"),
     "sandbox": ("envs.code.cli:main", "run or judge a program in the code sandbox"),
-    "serve": ("ttc.serve:main", "serve a checkpoint over an OpenAI-compatible HTTP API"),
+    "serve": ("train.engine.server:main", "serve a checkpoint over an OpenAI-compatible HTTP API"),
     "calc": ("train.parallel.calc:main", "memory and communication calculator for TSP/TP/SP/DP"),
 }
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from train.engine import SamplingParams, TorchEngine
-from ttc.serve import serve_in_thread
+from train.engine.server import serve_in_thread
 
 
 @pytest.fixture(scope="module")

@@ -211,7 +211,7 @@ def solve_main(argv: list[str]) -> int:
 
 
 def serve_main(argv: list[str]) -> int:
-    from ttc.serve import main as serve
+    from train.engine.server import main as serve
 
     return serve(argv)
 

@@ -1,16 +1,33 @@
-"""A minimal OpenAI-compatible HTTP server over the torch engine (``cascade serve`` / ``ttc serve``).
+"""A minimal OpenAI-compatible HTTP server over any engine (``cascade serve`` / ``ttc serve``).
+
+It belongs to the engine layer, so test-time compute (``ttc``) and RL rollouts both use it.
 
 Endpoints: ``GET /v1/models``; ``POST /v1/completions`` (prompt as text, token ids, or a list of
 either; n, max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos,
-logprobs); ``POST /v1/chat/completions`` (the checkpoint's chat template); ``POST /tokenize`` and
-``POST /detokenize`` (vLLM-style). Each choice carries ``token_ids`` besides the text, and
-``logprobs.token_logprobs``; ``usage`` counts prompt tokens once per prompt.
+logprobs, return_routed_experts); ``POST /v1/chat/completions`` (the checkpoint's chat template);
+``POST /tokenize`` and ``POST /detokenize`` (vLLM-style); ``GET /v1/weights`` (the weight version
+served) and ``POST /v1/load_weights`` (see below). Each completion choice carries ``token_ids``
+besides the text, ``logprobs.token_logprobs``, ``versions`` (the weight version that sampled each
+token, where the engine tracks it) and, when the request sets ``return_routed_experts: true``,
+``routed_experts``: the expert ids of every token of prompt + completion as nested lists
+``[P + C, n_moe_layers, k]`` (the compact form of :func:`train.rl.exchange.stack_routing`);
+``usage`` counts prompt tokens once per prompt.
 
 A request with ``seed`` samples prompt i exactly as ``engine.generate([prompt_i], seed=seed)``
 (every prompt of a batch request gets that seed, as in vLLM; a request without one gets a random
 seed). Requests that arrive together (within ``batch_window_s``) and share their sampling settings
 run as one batched ``engine.generate`` call with per-prompt seeds, so concurrent clients (RSA's N
-aggregation requests) are batched, and prefix-cached, without changing any request's samples.
+aggregation requests, RL rollout workers) are batched, and prefix-cached, without changing any
+request's samples.
+
+Weight updates. A server started with an API key and a run's exchange directory (``weights_dir``,
+the root that :mod:`train.rl.exchange` publishes versions under) accepts ``POST /v1/load_weights``
+with ``{"version": N}`` or ``{"path": "weights/v000004"}`` and the key as ``Authorization: Bearer
+KEY``. It loads only from that directory through :func:`train.rl.exchange.load_version` (checksums
+verified, paths outside refused); a bad request answers 4xx with a one-line message and the old
+weights stay. The engine takes the new weights in flight (``engine.load_weights(sd, version=N)``:
+the torch engine applies them between two decoding steps; requests running continue), and the
+answer is ``{"version": N}`` once they are in use.
 The standard library is all it needs.
 """
 from __future__ import annotations
@@ -33,11 +50,16 @@ class BadRequest(ValueError):
     pass
 
 
+class Forbidden(PermissionError):
+    pass
+
+
 @dataclass
 class _Job:
     ids: list[list[int]]
     params: SamplingParams
     seed: int
+    routed: bool = False  # return_routed_experts
     done: threading.Event = field(default_factory=threading.Event)
     result: list | None = None
     error: BaseException | None = None
@@ -61,9 +83,9 @@ class Batcher:
         self._thread = threading.Thread(target=self._loop, daemon=True, name="engine-batcher")
         self._thread.start()
 
-    def submit(self, ids: list[list[int]], params: SamplingParams):
+    def submit(self, ids: list[list[int]], params: SamplingParams, return_routed_experts: bool = False):
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
-        job = _Job(ids, params, seed)
+        job = _Job(ids, params, seed, bool(return_routed_experts))
         self._q.put(job)
         job.done.wait()
         if job.error is not None:
@@ -77,7 +99,8 @@ class Batcher:
         p = jobs[0].params
         prompts = [x for j in jobs for x in j.ids]
         seeds = [j.seed for j in jobs for _ in j.ids]
-        outs = self.engine.generate(prompts, p, seeds=seeds)
+        kw = {"return_routed_experts": True} if jobs[0].routed else {}
+        outs = self.engine.generate(prompts, p, seeds=seeds, **kw)
         self.batches += 1
         k = 0
         for j in jobs:
@@ -101,7 +124,7 @@ class Batcher:
                 jobs.append(nxt)
             groups: dict[tuple, list[_Job]] = {}
             for j in jobs:
-                groups.setdefault(_batch_key(j.params), []).append(j)
+                groups.setdefault((_batch_key(j.params), j.routed), []).append(j)
             for group in groups.values():
                 try:
                     self._run(group)
@@ -172,7 +195,7 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _error(self, code: int, msg: str) -> None:
-        kinds = {400: "BadRequestError", 404: "NotFoundError", 401: "AuthenticationError"}
+        kinds = {400: "BadRequestError", 404: "NotFoundError", 401: "AuthenticationError", 403: "PermissionDeniedError"}
         kind = kinds.get(code, "InternalServerError")
         self._send(code, {"error": {"message": msg, "type": kind, "code": code}})
 
@@ -193,6 +216,8 @@ class Handler(BaseHTTPRequestHandler):
             self._send(200, {"object": "list", "data": [card]})
         elif self.path.rstrip("/") in ("/health", "/v1/health"):
             self._send(200, {"status": "ok"})
+        elif self.path.rstrip("/") == "/v1/weights":
+            self._send(200, {"version": getattr(self.server.engine, "version", None)})
         else:
             self._error(404, f"no route GET {self.path}")
 
@@ -207,11 +232,14 @@ class Handler(BaseHTTPRequestHandler):
         except (ValueError, UnicodeDecodeError) as e:
             return self._error(400, f"invalid JSON body: {e}")
         route = {"/v1/completions": self.completions, "/v1/chat/completions": self.chat,
-                 "/tokenize": self.tokenize, "/detokenize": self.detokenize}.get(self.path.rstrip("/"))
+                 "/tokenize": self.tokenize, "/detokenize": self.detokenize,
+                 "/v1/load_weights": self.load_weights}.get(self.path.rstrip("/"))
         if route is None:
             return self._error(404, f"no route POST {self.path}")
         try:
             self._send(200, route(body))
+        except Forbidden as e:
+            self._error(403, str(e))
         except (BadRequest, ContextLengthError, ValueError) as e:  # bad prompts, ids out of range, ...
             self._error(400, str(e))
         except Exception as e:  # noqa: BLE001 - a server answers 500 rather than dying
@@ -223,21 +251,27 @@ class Handler(BaseHTTPRequestHandler):
         if m is not None and m != self.server.model_name:
             raise BadRequest(f"model {m!r} is not served here; this server has {self.server.model_name!r}")
 
-    def _generate(self, prompts: list, params: SamplingParams):
+    def _generate(self, prompts: list, params: SamplingParams, return_routed_experts: bool = False):
         ids = self.server.engine.encode(prompts)
-        return ids, self.server.batcher.submit(ids, params)
+        return ids, self.server.batcher.submit(ids, params, return_routed_experts)
 
     def completions(self, body: dict) -> dict:
         self._model_check(body)
         params = _params(body)
-        prompt_ids, outs = self._generate(_prompts(body.get("prompt")), params)
+        routed = bool(body.get("return_routed_experts", False))
+        prompt_ids, outs = self._generate(_prompts(body.get("prompt")), params, routed)
         as_ids = bool(body.get("return_tokens_as_token_ids"))
         want_lp = body.get("logprobs") is not None and body.get("logprobs") is not False
         eng = self.server.engine
         choices = []
         for i, c in enumerate(outs):
             ch = {"index": i, "text": c.text, "finish_reason": c.finish_reason, "token_ids": c.token_ids,
-                  "prompt_token_ids": c.prompt_token_ids, "logprobs": None}
+                  "prompt_token_ids": c.prompt_token_ids, "logprobs": None, "versions": c.versions}
+            if routed:
+                from train.rl.exchange import stack_routing
+
+                r = stack_routing(c.routed_experts)
+                ch["routed_experts"] = None if r is None else r.tolist()
             if want_lp:
                 toks = [f"token_id:{t}" for t in c.token_ids] if as_ids else [eng.decode([t]) for t in c.token_ids]
                 ch["logprobs"] = {"tokens": toks, "token_logprobs": c.logprobs, "top_logprobs": None,
@@ -268,6 +302,29 @@ class Handler(BaseHTTPRequestHandler):
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.server.model_name, "choices": choices, "usage": _usage(prompt_ids, outs)}
 
+    def load_weights(self, body: dict) -> dict:
+        """Load a published weight version from the run's exchange directory, in flight."""
+        s = self.server
+        if not s.api_key or s.weights_dir is None:
+            raise Forbidden("weight loading is off: start the server with --weights-dir and --api-key")
+        version, path = body.get("version"), body.get("path")
+        if (version is None) == (path is None):
+            raise BadRequest('load_weights needs exactly one of "version" (an int) or "path"')
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+            raise BadRequest(f"version must be a non-negative int, got {version!r}")
+        if path is not None and not isinstance(path, str):
+            raise BadRequest(f"path must be a string, got {path!r}")
+        from train.rl.exchange import load_version
+
+        with s.load_lock:  # one load at a time: reading and hashing happen here, not on the engine's thread
+            try:
+                v, sd = load_version(s.weights_dir, version=version, path=path)
+                s.engine.load_weights(sd, version=v)
+            except Exception as e:  # noqa: BLE001 - any failure leaves the old weights in use
+                msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise BadRequest(f"cannot load weights: {msg}") from None
+        return {"version": getattr(s.engine, "version", v)}
+
     def tokenize(self, body: dict) -> dict:
         tok = self.server.engine.tokenizer
         if "messages" in body:
@@ -297,6 +354,7 @@ class Server(ThreadingHTTPServer):
     daemon_threads = True
 
     batcher: Batcher | None = None
+    weights_dir: str | None = None
 
     def server_close(self) -> None:
         super().server_close()
@@ -306,13 +364,18 @@ class Server(ThreadingHTTPServer):
 
 def make_server(engine, model_name: str = "cascade", host: str = "127.0.0.1", port: int = 0,
                 api_key: str | None = None, handler=Handler, verbose: bool = False,
-                batch_window_s: float = 0.005) -> Server:
+                batch_window_s: float = 0.005, weights_dir: str | None = None) -> Server:
     """A server bound to (host, port) (port 0: a free one; see ``server.server_address``); call
-    ``serve_forever()`` (e.g. in a thread), then ``shutdown()`` and ``server_close()``."""
+    ``serve_forever()`` (e.g. in a thread), then ``shutdown()`` and ``server_close()``.
+    ``weights_dir`` (a run's exchange root, with ``api_key``) turns ``POST /v1/load_weights`` on."""
     if engine.tokenizer is None:
         raise ValueError("the engine has no tokenizer; serve a checkpoint directory with tokenizer files")
+    if weights_dir is not None and not api_key:
+        raise ValueError("weights_dir (weight loading over HTTP) needs an API key")
     srv = Server((host, port), handler)
     srv.engine, srv.model_name, srv.api_key, srv.verbose = engine, model_name, api_key, verbose
+    srv.weights_dir = None if weights_dir is None else str(weights_dir)
+    srv.load_lock = threading.Lock()
     srv.batcher = Batcher(engine, window_s=batch_window_s)
     srv.created = int(time.time())
     return srv
@@ -337,16 +400,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--no-prefix-cache", action="store_true", help="turn shared-prefix KV reuse off")
     ap.add_argument("--api-key", default=None, help="require this bearer token")
+    ap.add_argument("--weights-dir", default=None,
+                    help="a run's exchange directory (RUN/exchange): turns POST /v1/load_weights on (needs --api-key)")
+    ap.add_argument("--weights-version", type=int, default=0, help="the version number of the starting weights")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("-v", "--verbose", action="store_true", help="log every request")
     a = ap.parse_args(argv)
     from pathlib import Path
 
-    from ttc.backends import torch_backend
+    import torch
 
-    eng = torch_backend(a.model, device=a.device, dtype=a.dtype, prefix_cache=not a.no_prefix_cache).engine
+    from train.engine.prefix_cache import enable_prefix_caching
+    from train.engine.torch_engine import TorchEngine
+
+    if a.weights_dir is not None and not a.api_key:
+        raise ValueError("--weights-dir needs --api-key (weight loading over HTTP must be authenticated)")
+    if a.weights_dir is not None and not Path(a.weights_dir).is_dir():
+        raise ValueError(f"--weights-dir {a.weights_dir!r} is not a directory")
+    if a.threads is not None:
+        if a.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {a.threads}")
+        torch.set_num_threads(a.threads)
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    eng = TorchEngine.from_pretrained(a.model, device=device, dtype=dtypes[a.dtype], version=a.weights_version)
+    if not a.no_prefix_cache:
+        enable_prefix_caching(eng)
     name = a.served_model_name or Path(a.model).resolve().name
     try:
-        srv = make_server(eng, name, a.host, a.port, a.api_key, verbose=a.verbose)
+        srv = make_server(eng, name, a.host, a.port, a.api_key, verbose=a.verbose, weights_dir=a.weights_dir)
     except OSError as e:
         raise ValueError(f"cannot listen on {a.host}:{a.port}: {e.strerror or e}") from None
     host, port = srv.server_address[:2]

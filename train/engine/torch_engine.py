@@ -344,7 +344,8 @@ class TorchEngine:
             body = tokens[r][:-1] if finish[r] == "stop" and tokens[r] and tokens[r][-1] in eos else tokens[r]
             text = texts[r] if texts[r] is not None else self.decode(body)
             pi = r // n
-            c = Completion(tokens[r], text, logps[r], finish[r], offset + pi, lens[pi], prompts[pi], versions=versions[r])
+            c = Completion(tokens[r], text, logps[r], finish[r], offset + pi, lens[pi], prompts[pi],
+                           versions=versions[r])
             if record:
                 c.routed_experts = _per_layer(routes[r])
             out.append(c)

@@ -1,0 +1,250 @@
+"""Rollout servers: weight loading over HTTP (auth, exchange directory, checksums, in flight),
+versions and routed experts in completions, and RemoteEngine over several real servers (threads and
+`cascade serve` subprocesses, one of them killed mid-generate)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from train.engine import SamplingParams, TorchEngine
+from train.engine.remote import RemoteEngine, RemoteError
+from train.engine.server import serve_in_thread
+from train.rl.exchange import WEIGHTS_FILE, publish_version, stack_routing, version_dir
+
+KEY = "s3cret"
+PROMPTS = [[5, 17, 33, 2, 90, 11, 7], [120, 4, 8], [9, 9, 31, 64, 150, 3, 77, 18, 42, 1, 6], [300, 301, 302, 303]]
+
+
+def call(url, path, body=None, key=KEY):
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode() if body is not None else None,
+                                 headers=headers, method="POST" if body is not None else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _new_weights(eng, seed):
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in eng.model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_moe_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("exchange")
+    eng = TorchEngine.from_pretrained(tiny_moe_dir)
+    sd1, sd2 = _new_weights(eng, 1), _new_weights(eng, 2)
+    publish_version(root, 1, sd1)
+    publish_version(root, 2, sd2)
+    f = version_dir(root, 2) / WEIGHTS_FILE  # flip bytes in the middle of version 2's tensors
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 2:len(raw) // 2 + 8] = bytes(8)
+    f.write_bytes(bytes(raw))
+    servers = [serve_in_thread(TorchEngine.from_pretrained(tiny_moe_dir), model_name="tiny", api_key=KEY,
+                               weights_dir=root) for _ in range(2)]
+    ref = TorchEngine.from_pretrained(tiny_moe_dir)  # in-process reference
+    yield {"root": root, "servers": servers, "urls": [u for _, u in servers], "sd1": sd1, "ref": ref,
+           "dir": tiny_moe_dir}
+    for srv, _ in servers:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_load_weights_endpoint(setup):
+    url, ref = setup["urls"][0], setup["ref"]
+    assert call(url, "/v1/weights") == (200, {"version": 0})
+    assert call(url, "/v1/load_weights", {"version": 1}, key=None)[0] == 401
+    assert call(url, "/v1/load_weights", {"version": 1}, key="wrong")[0] == 401
+    for body, msg in [({"path": "/etc"}, "not a weight version"), ({"path": "../../weights/v000001"}, "not a weight"),
+                      ({"path": str(setup["root"] / "batches")}, "not a weight version"),
+                      ({"version": 2}, "checksum mismatch"), ({"version": 7}, "not complete"),
+                      ({}, "exactly one"), ({"version": "1"}, "non-negative int"),
+                      ({"version": 1, "path": "v000001"}, "exactly one")]:
+        code, b = call(url, "/v1/load_weights", body)
+        assert code == 400 and msg in b["error"]["message"] and "\n" not in b["error"]["message"], (body, b)
+        assert call(url, "/v1/weights") == (200, {"version": 0})
+    # the good version, by number and by path (relative to the weights directory)
+    assert call(url, "/v1/load_weights", {"version": 1}) == (200, {"version": 1})
+    assert call(url, "/v1/load_weights", {"path": "v000001"}) == (200, {"version": 1})
+    ref.load_weights(setup["sd1"], version=1)
+    req = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "logprobs": 1}
+    code, body = call(url, "/v1/completions", req)
+    want = ref.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=6))[0]
+    assert code == 200 and body["choices"][0]["token_ids"] == want.token_ids
+    assert body["choices"][0]["versions"] == [1] * len(want.token_ids)
+    # a corrupt version is refused and the server keeps serving version 1
+    code, b = call(url, "/v1/load_weights", {"version": 2})
+    assert code == 400 and "checksum" in b["error"]["message"]
+    assert call(url, "/v1/weights")[1] == {"version": 1}
+    assert call(url, "/v1/completions", req)[1]["choices"][0]["token_ids"] == want.token_ids
+
+
+def test_load_weights_needs_key_and_directory(setup, tmp_path):
+    eng = TorchEngine.from_pretrained(setup["dir"])
+    srv, url = serve_in_thread(eng, model_name="tiny", api_key=KEY)  # no weights directory
+    try:
+        code, b = call(url, "/v1/load_weights", {"version": 1})
+        assert code == 403 and "--weights-dir" in b["error"]["message"]
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    with pytest.raises(ValueError, match="API key"):
+        serve_in_thread(eng, model_name="tiny", weights_dir=str(tmp_path))
+
+
+def test_routed_experts_and_in_flight_load_over_http(setup):
+    srv, url = setup["servers"][1]
+    eng, ref = srv.engine, setup["ref"]
+    n_moe = sum(layer.is_moe for layer in eng.model.model.layers)
+    k = eng.model.config.num_experts_per_tok
+    req = {"prompt": PROMPTS[2], "max_tokens": 8, "temperature": 1.0, "seed": 3, "logprobs": 1,
+           "return_routed_experts": True, "n": 2}
+    code, body = call(url, "/v1/completions", req)
+    assert code == 200
+    ref.load_weights(eng.model.state_dict(), version=eng.version)  # same weights as the server now
+    want = ref.generate([PROMPTS[2]], SamplingParams(n=2, temperature=1.0, max_tokens=8), seeds=[3],
+                        return_routed_experts=True)
+    for ch, c in zip(body["choices"], want):
+        assert ch["token_ids"] == c.token_ids
+        r = ch["routed_experts"]
+        assert (len(r), len(r[0]), len(r[0][0])) == (len(PROMPTS[2]) + len(c.token_ids), n_moe, k)
+        assert torch.equal(torch.tensor(r, dtype=torch.int16), stack_routing(c.routed_experts))
+    assert "routed_experts" not in call(url, "/v1/completions", dict(req, return_routed_experts=False))[1]["choices"][0]
+    # an HTTP load while a request generates: applied between two steps, the request continues
+    before = eng.version
+    got: dict = {}
+
+    def hook(step):
+        if step == 2 and "t" not in got:
+            got["t"] = threading.Thread(target=lambda: got.setdefault("r", call(url, "/v1/load_weights",
+                                                                               {"version": 1})))
+            got["t"].start()
+            deadline = time.monotonic() + 60
+            while not eng.update_pending and got["t"].is_alive() and time.monotonic() < deadline:
+                time.sleep(0.002)
+
+    eng.step_hook = hook
+    try:
+        code, body = call(url, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0,
+                                                   "ignore_eos": True, "logprobs": 1})
+    finally:
+        eng.step_hook = None
+    got["t"].join(60)
+    assert code == 200 and got["r"] == (200, {"version": 1})
+    assert body["choices"][0]["versions"] == [before] * 3 + [1] * 5
+
+
+def test_remote_engine_matches_in_process(setup):
+    urls, ref = setup["urls"], setup["ref"]
+    remote = RemoteEngine(urls, api_key=KEY, model="tiny", per_server=3)
+    assert remote.load_version(1) == {u: 1 for u in sorted(urls)}
+    assert all(h["ok"] and h["version"] == 1 for h in remote.health().values())
+    ref.load_weights(setup["sd1"], version=1)
+    sp = SamplingParams(n=2, temperature=1.0, top_p=0.95, max_tokens=8)
+    seeds = [11, 12, 13, 14]
+    got = remote.generate(PROMPTS, sp, seeds=seeds, return_routed_experts=True)
+    want = ref.generate(PROMPTS, sp, seeds=seeds, return_routed_experts=True)
+    assert len(got) == len(want) == 8
+    for a, b in zip(got, want):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason and a.prompt_index == b.prompt_index
+        assert a.prompt_token_ids == b.prompt_token_ids and a.versions == b.versions == [1] * len(b.token_ids)
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-6)
+        assert all(torch.equal(x, y) for x, y in zip(a.routed_experts, b.routed_experts))
+    assert all(n > 0 for n in remote.requests.values())  # both servers took prompts
+    # params.seed alone: deterministic, whichever server runs a prompt
+    sp = SamplingParams(n=1, temperature=1.0, max_tokens=5, seed=9)
+    assert [c.token_ids for c in remote.generate(PROMPTS, sp)] == [c.token_ids for c in remote.generate(PROMPTS, sp)]
+    # refused loads: a corrupt version, a path outside the run, a wrong key
+    with pytest.raises(RemoteError, match="checksum"):
+        remote.load_version(2)
+    with pytest.raises(RemoteError, match="not a weight version"):
+        remote.load_version(path="/tmp")
+    with pytest.raises(ConnectionError, match="HTTP 401"):
+        RemoteEngine(urls, api_key="wrong")  # /v1/models needs the key too
+    assert {h["version"] for h in remote.health().values()} == {1}
+    with pytest.raises(NotImplementedError, match="publish_version"):
+        remote.load_weights({})
+
+
+def test_remote_engine_refuses_bad_servers_up_front(setup):
+    with pytest.raises(ConnectionError, match="cannot reach rollout server http://127.0.0.1:9"):
+        RemoteEngine([setup["urls"][0], "http://127.0.0.1:9"], api_key=KEY)
+    with pytest.raises(ValueError, match="not the expected model 'other'"):
+        RemoteEngine(setup["urls"], api_key=KEY, model="other")
+    with pytest.raises(RemoteError, match="HTTP 400"):  # a bad request is an error, not a dead server
+        RemoteEngine(setup["urls"], api_key=KEY).generate([[5] * 5000], SamplingParams(max_tokens=2))
+
+
+def _start_servers(model_dir, root, count):
+    """``count`` `cascade serve` subprocesses on free ports, started together -> [(process, url)]."""
+    cmd = [sys.executable, "-m", "cascade.cli", "serve", "--model", str(model_dir), "--port", "0",
+           "--served-model-name", "tiny", "--api-key", KEY, "--weights-dir", str(root), "--threads", "1"]
+    procs = [subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True) for _ in range(count)]
+    out = []
+    for p in procs:
+        for line in p.stderr:
+            m = re.search(r"on (http://[\d.]+:\d+)/v1", line)
+            if m:
+                threading.Thread(target=p.stderr.read, daemon=True).start()  # keep the pipe drained
+                out.append((p, m.group(1)))
+                break
+        else:
+            for q in procs:
+                q.kill()
+            raise RuntimeError(f"server did not start (exit {p.wait()})")
+    return out
+
+
+def test_kill_one_of_two_servers_mid_generate(setup, tmp_path):
+    procs = _start_servers(setup["dir"], setup["root"], 2)
+    try:
+        urls = [u for _, u in procs]
+        downs: list[str] = []
+        remote = RemoteEngine(urls, api_key=KEY, model="tiny", per_server=2, on_server_down=downs.append)
+        assert remote.load_version(1) == {u: 1 for u in sorted(urls)}
+        prompts = [PROMPTS[i % 4] + [i] for i in range(12)]
+        seeds = list(range(100, 112))
+        sp = SamplingParams(n=2, temperature=1.0, max_tokens=24, ignore_eos=True)
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.setdefault("r", remote.generate(prompts, sp, seeds=seeds)))
+        t.start()
+        victim, vurl = procs[0]
+        deadline = time.monotonic() + 60
+        while remote.requests[vurl] < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        os.kill(victim.pid, signal.SIGKILL)  # kill -9 with requests in flight
+        t.join(300)
+        assert not t.is_alive() and downs == [vurl] and remote.alive == {urls[1]} and remote.resent >= 1
+        got = out["r"]
+        ref = setup["ref"]
+        ref.load_weights(setup["sd1"], version=1)
+        want = ref.generate(prompts, sp, seeds=seeds)
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+        assert [c.prompt_index for c in got] == [i for i in range(12) for _ in range(2)]
+        # the survivor alone serves the next call; with none left, a one-line error
+        assert len(remote.generate(prompts[:2], SamplingParams(max_tokens=3))) == 2
+        os.kill(procs[1][0].pid, signal.SIGKILL)
+        procs[1][0].wait(30)
+        with pytest.raises(RemoteError, match="every rollout server went down"):
+            remote.generate(prompts[:2], SamplingParams(max_tokens=3))
+    finally:
+        for p, _ in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(30)

@@ -1,0 +1,334 @@
+"""Rollouts from Cascade's OpenAI-compatible servers (:mod:`train.engine.server`) over HTTP.
+
+``RemoteEngine(urls, api_key=None, model=None)`` honours the :class:`~train.engine.base.Engine`
+contract for token-id (or text) prompts: each prompt is one ``/v1/completions`` request carrying
+``params.n``; prompts are spread over the servers through one shared queue, with ``per_server``
+requests in flight per server (the server batches concurrent requests into one engine call).
+Completions carry token ids, behaviour log-probs, finish reason, the weight ``versions`` of every
+token and, when asked, ``routed_experts`` (per MoE layer LongTensor [1, P + C, k], as the torch
+and vLLM engines give them).
+
+Seeds. Prompt i is sent with seed ``seeds[i]`` when given (then its samples are exactly those of
+``TorchEngine.generate(prompts, params, seeds=seeds)`` in-process, whichever server runs it), else
+with a seed derived from ``(params.seed, i)``, else a random one.
+
+Weights. ``load_version(v)`` asks every server to load version ``v`` from the run's exchange
+directory (``POST /v1/load_weights``, which needs the servers' API key); servers take it in flight.
+``load_weights(state_dict)`` is refused: publish with :func:`train.rl.exchange.publish_version`.
+
+Fault tolerance. A server that refuses or drops a connection (killed, restarted) is taken out of the
+pool; its in-flight prompts are sent again to the servers left, and ``on_server_down(url)`` is
+called (a caller that started the server may restart it at the same URL; when the hook returns
+True the server is checked and used again). A request the server answers with 4xx is an
+error of the request and raises. Only the standard library is used.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import queue
+import random
+import socket
+import threading
+import time
+import urllib.parse
+from typing import Callable, Sequence
+
+from train.engine.base import Completion, SamplingParams
+from train.engine.sampling import row_seed
+
+_DOWN = (ConnectionError, socket.timeout, TimeoutError, http.client.RemoteDisconnected,
+         http.client.BadStatusLine, http.client.IncompleteRead, OSError)
+
+
+class RemoteError(RuntimeError):
+    """A server answered with an error, or no server is left."""
+
+
+class _ServerDown(Exception):
+    pass
+
+
+class _Conn:
+    """One keep-alive HTTP connection to a server (one per worker thread)."""
+
+    def __init__(self, url: str, api_key: str | None, timeout: float):
+        u = urllib.parse.urlsplit(url)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise ValueError(f"bad server URL {url!r}; expected http://HOST:PORT")
+        self.url, self.api_key, self.timeout = url, api_key, timeout
+        self._cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+        self._host, self._port = u.hostname, u.port
+        self._prefix = u.path.rstrip("/")
+        if self._prefix.endswith("/v1"):
+            self._prefix = self._prefix[:-3]
+        self._c: http.client.HTTPConnection | None = None
+
+    def close(self) -> None:
+        if self._c is not None:
+            self._c.close()
+            self._c = None
+
+    def call(self, method: str, path: str, body: dict | None = None) -> dict:
+        """JSON in, JSON out. Raises :class:`_ServerDown` when the server cannot be reached (after one
+        retry on a fresh connection, in case a kept-alive one went stale) and :class:`RemoteError`
+        when it answers with an error status."""
+        data = json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        for attempt in range(2):
+            fresh = self._c is None
+            if fresh:
+                self._c = self._cls(self._host, self._port, timeout=self.timeout)
+            try:
+                self._c.request(method, self._prefix + path, body=data, headers=headers)
+                r = self._c.getresponse()
+                raw = r.read()
+                status = r.status
+                break
+            except _DOWN as e:
+                self.close()
+                if fresh or attempt:
+                    raise _ServerDown(f"{type(e).__name__}: {e}") from None
+        try:
+            obj = json.loads(raw or b"{}")
+        except ValueError:
+            obj = {}
+        if status >= 400:
+            msg = obj.get("error", {}).get("message") if isinstance(obj.get("error"), dict) else None
+            raise RemoteError(f"{self.url}{path}: HTTP {status}: {msg or raw[:200].decode(errors='replace')}")
+        return obj
+
+
+class RemoteEngine:
+    """Generation on one or more servers of :mod:`train.engine.server` (see the module docstring).
+
+    ``urls``: server base URLs (``http://host:port``, with or without ``/v1``); ``api_key``: their
+    bearer token; ``model``: the served model name every server must report (default: whatever the
+    first one serves, and all must agree); ``timeout``: seconds per request; ``per_server``:
+    requests in flight per server; ``on_server_down(url) -> bool``: see the module docstring."""
+
+    def __init__(self, urls: Sequence[str] | str, api_key: str | None = None, model: str | None = None,
+                 timeout: float = 600.0, per_server: int = 8,
+                 on_server_down: Callable[[str], bool | None] | None = None):
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        if not urls:
+            raise ValueError("RemoteEngine needs at least one server URL")
+        if per_server < 1:
+            raise ValueError(f"per_server must be >= 1, got {per_server}")
+        self.urls = [u.rstrip("/") for u in urls]
+        if len(set(self.urls)) != len(self.urls):
+            raise ValueError(f"duplicate server URLs in {self.urls}")
+        self.api_key, self.timeout, self.per_server = api_key, timeout, per_server
+        self.on_server_down = on_server_down
+        self.tokenizer = None
+        self.model = model
+        self.context_length = None
+        for u in self.urls:
+            self._check(u)
+        self.alive = set(self.urls)
+        self.resent = 0  # prompts sent again after their server went down
+        self.requests: dict[str, int] = {u: 0 for u in self.urls}  # requests sent per server
+        self._seed_rng = random.Random()
+        self._lock = threading.Lock()
+
+    # -- servers ---------------------------------------------------------------------------------
+    def _conn(self, url: str, timeout: float | None = None) -> _Conn:
+        return _Conn(url, self.api_key, self.timeout if timeout is None else timeout)
+
+    def _check(self, url: str) -> None:
+        """The server answers and serves the expected model (one-line errors)."""
+        c = self._conn(url, timeout=min(self.timeout, 30.0))
+        try:
+            models = c.call("GET", "/v1/models")
+        except _ServerDown as e:
+            raise ConnectionError(f"cannot reach rollout server {url}: {e}") from None
+        except RemoteError as e:
+            raise ConnectionError(f"rollout server {url} refused /v1/models: {e}") from None
+        finally:
+            c.close()
+        cards = models.get("data") or []
+        names = [m.get("id") for m in cards]
+        if self.model is None:
+            if not names:
+                raise ValueError(f"rollout server {url} lists no model")
+            self.model = names[0]
+        if self.model not in names:
+            raise ValueError(f"rollout server {url} serves {names}, not the expected model {self.model!r}")
+        ctx = next((m.get("max_model_len") for m in cards if m.get("id") == self.model), None)
+        if ctx is not None:
+            self.context_length = ctx if self.context_length is None else min(self.context_length, ctx)
+
+    def health(self) -> dict[str, dict]:
+        """Per server: ``{"ok": bool, "version": int | None, "error": str | None}``."""
+        out = {}
+        for u in self.urls:
+            c = self._conn(u, timeout=min(self.timeout, 10.0))
+            try:
+                v = c.call("GET", "/v1/weights").get("version")
+                out[u] = {"ok": True, "version": v, "error": None}
+            except (_ServerDown, RemoteError) as e:
+                out[u] = {"ok": False, "version": None, "error": str(e)}
+            finally:
+                c.close()
+        return out
+
+    def load_version(self, version: int | None = None, path: str | None = None) -> dict[str, int]:
+        """Every live server loads weight ``version`` (or the version directory ``path``) of the run's
+        exchange directory, in flight; returns the version each server reports. Raises with the
+        servers' one-line errors if any refuses (those that loaded keep the new version)."""
+        if (version is None) == (path is None):
+            raise ValueError("load_version needs exactly one of version or path")
+        body = {"version": int(version)} if version is not None else {"path": str(path)}
+        urls = sorted(self.alive)
+        results: dict[str, object] = {}
+
+        def one(u):
+            c = self._conn(u)
+            try:
+                results[u] = int(c.call("POST", "/v1/load_weights", body)["version"])
+            except (_ServerDown, RemoteError) as e:
+                results[u] = e
+            finally:
+                c.close()
+
+        threads = [threading.Thread(target=one, args=(u,), daemon=True) for u in urls]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        bad = {u: r for u, r in results.items() if isinstance(r, Exception)}
+        if bad:
+            raise RemoteError("; ".join(f"{u}: {e}" for u, e in bad.items()))
+        return {u: results[u] for u in urls}
+
+    # -- contract --------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[list[int]] | Sequence[str], params: SamplingParams,
+                 seeds: Sequence[int] | None = None, return_routed_experts: bool = False) -> list[Completion]:
+        prompts = list(prompts)
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
+        if seeds is None:
+            if params.seed is not None:
+                seeds = [row_seed(params.seed, i, 0) & 0x7FFFFFFF for i in range(len(prompts))]
+            else:
+                seeds = [self._seed_rng.getrandbits(31) for _ in prompts]
+        if not prompts:
+            return []
+        base = {"model": self.model, "n": params.n, "max_tokens": params.max_tokens,
+                "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+                "min_p": params.min_p, "stop": list(params.stop), "stop_token_ids": list(params.stop_token_ids),
+                "ignore_eos": params.ignore_eos, "logprobs": 1, "return_tokens_as_token_ids": True}
+        if return_routed_experts:
+            base["return_routed_experts"] = True
+        todo: queue.Queue = queue.Queue()
+        for i in range(len(prompts)):
+            todo.put(i)
+        results: list[list[Completion] | None] = [None] * len(prompts)
+        state = {"left": len(prompts), "error": None}
+        cond = threading.Condition()
+        servers = sorted(self.alive)
+        if not servers:
+            raise RemoteError("no rollout server is alive")
+        live = {u: self.per_server for u in servers}  # workers still running per server
+
+        def finished() -> bool:
+            return state["left"] == 0 or state["error"] is not None or not any(live.values())
+
+        def worker(url: str) -> None:
+            conn = self._conn(url)
+            try:
+                while True:
+                    with cond:
+                        while todo.empty() and not finished() and url in self.alive:
+                            cond.wait(0.5)
+                        if finished() or url not in self.alive:
+                            return
+                        i = todo.get_nowait()
+                    body = dict(base, prompt=prompts[i], seed=int(seeds[i]))
+                    with self._lock:
+                        self.requests[url] += 1
+                    try:
+                        obj = conn.call("POST", "/v1/completions", body)
+                        outs = _completions(obj, i, return_routed_experts)
+                    except _ServerDown:
+                        with cond:
+                            todo.put(i)
+                            self.resent += 1
+                            first = url in self.alive
+                            self.alive.discard(url)
+                            cond.notify_all()
+                        if first and self._restarted(url):  # the hook brought it back: keep using it
+                            with cond:
+                                self.alive.add(url)
+                            continue
+                        return
+                    except Exception as e:  # noqa: BLE001 - a 4xx or a malformed answer fails the call
+                        with cond:
+                            state["error"] = state["error"] or e
+                            cond.notify_all()
+                        return
+                    with cond:
+                        results[i] = outs
+                        state["left"] -= 1
+                        cond.notify_all()
+            finally:
+                conn.close()
+                with cond:
+                    live[url] -= 1
+                    cond.notify_all()
+
+        threads = [threading.Thread(target=worker, args=(u,), daemon=True, name=f"remote-{u}")
+                   for u in servers for _ in range(self.per_server)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if state["error"] is not None:
+            raise state["error"]
+        if state["left"]:
+            raise RemoteError(f"every rollout server went down; {state['left']} of {len(prompts)} prompts unanswered "
+                              f"(servers: {', '.join(self.urls)})")
+        return [c for outs in results for c in outs]
+
+    def _restarted(self, url: str) -> bool:
+        """Tell the hook that ``url`` went down; True when it says it restarted the server and the
+        server answers again."""
+        if self.on_server_down is None or not self.on_server_down(url):
+            return False
+        try:
+            self._check(url)
+        except (ConnectionError, ValueError):
+            return False
+        return True
+
+    def load_weights(self, state_dict, version: int | None = None) -> None:
+        raise NotImplementedError("RemoteEngine cannot ship a state dict; publish it with "
+                                  "train.rl.exchange.publish_version and call load_version(version)")
+
+    def close(self) -> None:
+        pass
+
+
+def _completions(obj: dict, prompt_index: int, routed: bool) -> list[Completion]:
+    import torch
+
+    out = []
+    for ch in obj["choices"]:
+        lp = (ch.get("logprobs") or {}).get("token_logprobs")
+        if lp is None:
+            raise RemoteError("the server returned no token logprobs")
+        ptoks = ch.get("prompt_token_ids")
+        c = Completion([int(t) for t in ch["token_ids"]], ch.get("text", ""), [float(x) for x in lp],
+                       ch["finish_reason"], prompt_index, len(ptoks) if ptoks else 0, ptoks,
+                       versions=ch.get("versions"))
+        if routed:
+            r = ch.get("routed_experts")
+            if r is None:
+                raise RemoteError("the server returned no routed_experts (not an MoE model, or an engine that "
+                                  "cannot record them)")
+            t = torch.tensor(r, dtype=torch.long)  # [P + C, n_moe, k]
+            c.routed_experts = [t[:, i].unsqueeze(0).contiguous() for i in range(t.shape[1])]
+        out.append(c)
+    return out
