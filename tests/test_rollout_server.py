@@ -191,11 +191,11 @@ def test_remote_engine_refuses_bad_servers_up_front(setup):
         RemoteEngine(setup["urls"], api_key=KEY).generate([[5] * 5000], SamplingParams(max_tokens=2))
 
 
-def _start_servers(model_dir, root, count):
-    """``count`` `cascade serve` subprocesses on free ports, started together -> [(process, url)]."""
-    cmd = [sys.executable, "-m", "cascade.cli", "serve", "--model", str(model_dir), "--port", "0",
-           "--served-model-name", "tiny", "--api-key", KEY, "--weights-dir", str(root), "--threads", "1"]
-    procs = [subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True) for _ in range(count)]
+def _start_servers(model_dir, root, ports):
+    """`cascade serve` subprocesses on ``ports`` (0: a free one), started together -> [(process, url)]."""
+    cmd = [sys.executable, "-m", "cascade.cli", "serve", "--model", str(model_dir), "--served-model-name", "tiny",
+           "--api-key", KEY, "--weights-dir", str(root), "--threads", "1", "--port"]
+    procs = [subprocess.Popen(cmd + [str(port)], stderr=subprocess.PIPE, text=True) for port in ports]
     out = []
     for p in procs:
         for line in p.stderr:
@@ -212,7 +212,7 @@ def _start_servers(model_dir, root, count):
 
 
 def test_kill_one_of_two_servers_mid_generate(setup, tmp_path):
-    procs = _start_servers(setup["dir"], setup["root"], 2)
+    procs = _start_servers(setup["dir"], setup["root"], [0, 0])
     try:
         urls = [u for _, u in procs]
         downs: list[str] = []
@@ -237,10 +237,27 @@ def test_kill_one_of_two_servers_mid_generate(setup, tmp_path):
         want = ref.generate(prompts, sp, seeds=seeds)
         assert [c.token_ids for c in got] == [c.token_ids for c in want]
         assert [c.prompt_index for c in got] == [i for i in range(12) for _ in range(2)]
-        # the survivor alone serves the next call; with none left, a one-line error
-        assert len(remote.generate(prompts[:2], SamplingParams(max_tokens=3))) == 2
-        os.kill(procs[1][0].pid, signal.SIGKILL)
-        procs[1][0].wait(30)
+        # a caller that restarts what it started: the hook brings the server back (same port, current
+        # weights) and the engine keeps using it within the same call
+        def restart(url):
+            downs.append(url)
+            procs.extend(_start_servers(setup["dir"], setup["root"], [int(url.rsplit(":", 1)[1])]))
+            return call(url, "/v1/load_weights", {"version": 1}) == (200, {"version": 1})
+
+        remote.on_server_down = restart
+        before = remote.requests[urls[1]]
+        t = threading.Thread(target=lambda: out.__setitem__("r", remote.generate(prompts[:6], sp, seeds=seeds[:6])))
+        t.start()
+        while remote.requests[urls[1]] < before + 2 and time.monotonic() < deadline + 60:
+            time.sleep(0.005)
+        os.kill(procs[1][0].pid, signal.SIGKILL)  # the only server left
+        t.join(300)
+        assert not t.is_alive() and downs == [vurl, urls[1]] and remote.alive == {urls[1]}
+        assert [c.token_ids for c in out["r"]] == [c.token_ids for c in want[:12]]
+        # with no server left, a one-line error
+        remote.on_server_down = None
+        os.kill(procs[-1][0].pid, signal.SIGKILL)
+        procs[-1][0].wait(30)
         with pytest.raises(RemoteError, match="every rollout server went down"):
             remote.generate(prompts[:2], SamplingParams(max_tokens=3))
     finally:

@@ -33,6 +33,7 @@ The standard library is all it needs.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import queue
 import random
@@ -319,7 +320,10 @@ class Handler(BaseHTTPRequestHandler):
         with s.load_lock:  # one load at a time: reading and hashing happen here, not on the engine's thread
             try:
                 v, sd = load_version(s.weights_dir, version=version, path=path)
-                s.engine.load_weights(sd, version=v)
+                if "version" in inspect.signature(s.engine.load_weights).parameters:
+                    s.engine.load_weights(sd, version=v)
+                else:  # an engine that does not number its weights (vLLM)
+                    s.engine.load_weights(sd)
             except Exception as e:  # noqa: BLE001 - any failure leaves the old weights in use
                 msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
                 raise BadRequest(f"cannot load weights: {msg}") from None
