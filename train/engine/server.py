@@ -22,10 +22,11 @@ request's samples.
 
 Weight updates. A server started with an API key and a run's exchange directory (``weights_dir``,
 the root that :mod:`train.rl.exchange` publishes versions under) accepts ``POST /v1/load_weights``
-with ``{"version": N}`` or ``{"path": "weights/v000004"}`` and the key as ``Authorization: Bearer
-KEY``. It loads only from that directory through :func:`train.rl.exchange.load_version` (checksums
-verified, paths outside refused); a bad request answers 4xx with a one-line message and the old
-weights stay. The engine takes the new weights in flight (``engine.load_weights(sd, version=N)``:
+with ``{"version": N}`` or ``{"path": "v000004"}`` (relative to ``weights_dir/weights``, or
+absolute) and the key as ``Authorization: Bearer KEY``. It loads only from that directory through
+:func:`train.rl.exchange.load_version` (checksums verified, paths outside refused); a bad request
+answers 4xx with a one-line message (401 without the key, 403 when loading is off, 400 otherwise)
+and the old weights stay. The engine takes the new weights in flight (``engine.load_weights(sd, version=N)``:
 the torch engine applies them between two decoding steps; requests running continue), and the
 answer is ``{"version": N}`` once they are in use.
 The standard library is all it needs.
