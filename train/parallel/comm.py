@@ -287,6 +287,22 @@ class GatherFromTP(torch.autograd.Function):
         return g[..., off:off + ctx.sizes[ctx.r]].contiguous(), None, None
 
 
+class AllGatherRep(torch.autograd.Function):
+    """Forward: all-gather along dim 0 into a tensor that every rank then uses IDENTICALLY (e.g.
+    the per-token log-probs of a sequence split over TSP ranks, fed to a loss that every rank
+    computes in full). Backward dual: no communication - this rank's block of the gradient
+    (every rank holds the full, identical gradient, so a reduce-scatter would count it D times)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.r, ctx.n = _rank(group), x.shape[0]
+        return all_gather_raw(x, group, "all_gather.rep")
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[ctx.r * ctx.n:(ctx.r + 1) * ctx.n].contiguous(), None
+
+
 class Broadcast(torch.autograd.Function):
     """Forward: broadcast from ``src`` (``x`` is the source tensor on src, a buffer of the same
     shape elsewhere). Backward dual: reduce (SUM) of every rank's gradient to ``src``."""
@@ -308,6 +324,10 @@ def all_gather_seq(x, group):
 
 def reduce_scatter_seq(x, group):
     return ReduceScatterSeq.apply(x, group)
+
+
+def all_gather_replicated(x, group):
+    return AllGatherRep.apply(x, group)
 
 
 def copy_to_tp(x, group):

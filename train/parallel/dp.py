@@ -10,6 +10,8 @@ parameters; with ``reduce_grads=False`` the gradients are assumed already synchr
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -72,3 +74,148 @@ class ZeroAdamW:
         """Bytes of optimizer state this rank holds (AdamW moments of its slice)."""
         return sum(t.numel() * t.element_size() for s in self.opt.state.values() for t in s.values()
                    if torch.is_tensor(t) and t.dim() > 0)
+
+
+class MeshAdamW:
+    """ZeRO-1 AdamW for a policy on a DP x model-parallel mesh (e.g. DP x TSP), with fp32 master
+    weights, per-parameter weight decay, global-norm clipping and a learning rate given per step.
+
+    ``params``: ``(parameter, replicated, decay)`` for this rank's (model-parallel) shards;
+    ``replicated`` marks parameters every model-parallel rank holds in full (norms, routers): each
+    rank's gradient of them covers only its own tokens. The parameters are laid out in one flat
+    vector (replicated ones first); data-parallel rank d owns the contiguous slice d of it and
+    holds the fp32 master copy and both AdamW moments of that slice only. The parameters
+    themselves may be a lower-precision compute copy (bf16): gradients are then accumulated in
+    fp32 by :meth:`accumulate` after each micro-batch.
+
+    :meth:`step`:
+    1. the replicated prefix of the flat gradient is SUM all-reduced over ``mp_group``;
+    2. the flat gradient is SUM reduce-scattered over ``dp_group`` (gradients are SUMMED, not
+       averaged: losses are normalised by global counts);
+    3. the global norm: squares of sharded elements from every rank, of replicated elements from
+       model-parallel rank 0 only, SUM all-reduced over both groups; clip like
+       ``torch.nn.utils.clip_grad_norm_`` (``coef = min(1, max_norm / (norm + 1e-6))``);
+    4. AdamW on the slice, the same arithmetic as ``torch.optim.AdamW`` (single-tensor path);
+    5. the updated slices are all-gathered over ``dp_group`` (in the parameters' dtype) and copied
+       into the parameters.
+    """
+
+    def __init__(self, params, mp_group=None, dp_group=None, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0):
+        items, seen = [], set()
+        for p, rep, decay in params:
+            if id(p) not in seen:
+                seen.add(id(p))
+                items.append((p, bool(rep), bool(decay)))
+        if not items:
+            raise ValueError("MeshAdamW got no parameters")
+        items.sort(key=lambda t: not t[1])  # replicated first (stable)
+        self.params = [p for p, _, _ in items]
+        self.mp_group, self.dp_group = mp_group, dp_group
+        self.betas, self.eps, self.weight_decay = tuple(betas), eps, weight_decay
+        self.mp_rank = dist.get_rank(mp_group)
+        self.dp_size, self.dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+        self.n_rep = sum(p.numel() for p, rep, _ in items if rep)
+        self.total = sum(p.numel() for p in self.params)
+        self.chunk = -(-self.total // self.dp_size)
+        self.lo = min(self.dp_rank * self.chunk, self.total)
+        self.hi = min(self.lo + self.chunk, self.total)
+        self.decay_ranges: list[tuple[int, int]] = []  # in slice coordinates
+        off = 0
+        for p, _, decay in items:
+            a, b = max(off, self.lo), min(off + p.numel(), self.hi)
+            if decay and a < b:
+                if self.decay_ranges and self.decay_ranges[-1][1] == a - self.lo:
+                    self.decay_ranges[-1] = (self.decay_ranges[-1][0], b - self.lo)
+                else:
+                    self.decay_ranges.append((a - self.lo, b - self.lo))
+            off += p.numel()
+        dev = self.params[0].device
+        with torch.no_grad():
+            self.master = torch.cat([p.detach().reshape(-1).float() for p in self.params])[self.lo:self.hi].clone()
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.steps = torch.zeros((), dtype=torch.int64, device=dev)
+        self._acc: torch.Tensor | None = None
+
+    def _flat_grads(self) -> torch.Tensor:
+        return torch.cat([(p.grad.reshape(-1).float() if p.grad is not None else
+                           torch.zeros(p.numel(), dtype=torch.float32, device=p.device)) for p in self.params])
+
+    @torch.no_grad()
+    def accumulate(self) -> None:
+        """Move the parameters' gradients into an fp32 accumulator (call after each backward when the
+        parameters are a low-precision compute copy; a no-op for fp32 parameters)."""
+        if self.params[0].dtype == torch.float32:
+            return
+        g = self._flat_grads()
+        self._acc = g if self._acc is None else self._acc.add_(g)
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self, lr: float, max_norm: float = 0.0) -> float:
+        """Synchronise, clip (``max_norm`` > 0) and apply one AdamW step; returns the pre-clip norm."""
+        g = self._acc if self._acc is not None else self._flat_grads()
+        self._acc = None
+        self.zero_grad()
+        if self.n_rep and dist.get_world_size(self.mp_group) > 1:
+            comm.all_reduce_raw(g[:self.n_rep], self.mp_group, "all_reduce.grad")
+        if self.dp_size > 1:
+            g = torch.nn.functional.pad(g, (0, self.dp_size * self.chunk - self.total))
+            with comm.tag("zero1.grads"):
+                g = comm.reduce_scatter_raw(g, self.dp_group, "reduce_scatter.grad")
+        g = g[:self.hi - self.lo]
+        n_rep_here = min(max(self.n_rep - self.lo, 0), self.hi - self.lo)
+        sq = g[n_rep_here:].square().sum()
+        if self.mp_rank == 0:
+            sq = sq + g[:n_rep_here].square().sum()
+        comm.all_reduce_raw(sq, self.mp_group, "all_reduce.norm")
+        comm.all_reduce_raw(sq, self.dp_group, "all_reduce.norm")
+        norm = sq.sqrt()
+        if max_norm > 0:
+            g.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))
+        self._adamw(g, lr)
+        buf = torch.zeros(self.chunk, dtype=self.params[0].dtype, device=g.device)
+        buf[:self.hi - self.lo] = self.master
+        with comm.tag("zero1.params"):
+            flat = comm.all_gather_raw(buf, self.dp_group, "all_gather.params")[:self.total]
+        off = 0
+        for p in self.params:
+            p.copy_(flat[off:off + p.numel()].view_as(p))
+            off += p.numel()
+        return float(norm)
+
+    def _adamw(self, g: torch.Tensor, lr: float) -> None:
+        """``torch.optim.AdamW``'s single-tensor arithmetic on the master slice."""
+        b1, b2 = self.betas
+        self.steps += 1
+        t = int(self.steps)
+        if self.weight_decay:
+            for a, b in self.decay_ranges:
+                self.master[a:b].mul_(1 - lr * self.weight_decay)
+        self.exp_avg.lerp_(g, 1 - b1)
+        self.exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
+        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+        denom = (self.exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(self.eps)
+        self.master.addcdiv_(self.exp_avg, denom, value=-lr / bc1)
+
+    @torch.no_grad()
+    def full_master(self) -> dict[int, torch.Tensor]:
+        """This model-parallel rank's fp32 master parameters, ``{id(param): tensor}`` (all-gather over
+        the data-parallel group: every rank of it calls)."""
+        buf = torch.zeros(self.chunk, dtype=torch.float32, device=self.master.device)
+        buf[:self.hi - self.lo] = self.master
+        flat = comm.all_gather_raw(buf, self.dp_group, "all_gather.params")[:self.total]
+        out, off = {}, 0
+        for p in self.params:
+            out[id(p)] = flat[off:off + p.numel()].view(p.shape)
+            off += p.numel()
+        return out
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The optimizer state of this rank (for checkpoints; load by copying into these tensors)."""
+        return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "steps": self.steps}

@@ -266,22 +266,30 @@ class TSPCausalLM(ShardedLM):
             return comm.ring_apply(self._head_fn, (h,), [head], self.group, self._vocab_shapes, concat=True)
 
     # ---------------------------------------------------------------------------- losses
-    def token_logprobs(self, input_ids, attention_mask=None, temperature: float = 1.0, routed_experts=None):
+    def token_logprobs(self, input_ids, attention_mask=None, temperature: float = 1.0, routed_experts=None,
+                       return_entropy: bool = False):
         """Per-token log-probabilities for the RL loss, partitioned like the tokens.
 
         Returns ``(logp [B, n_local], slots [n_local])``: ``logp[:, i]`` is log p(input_ids[:, s+1]
         | input_ids[:, :s+1]) for the global slot ``s = slots[i]`` - the same value as
         ``modeling.token_logprobs(...)[:, s]``. Entries with ``s >= T-1`` are zeros (no next token).
         A loss built from these must sum over this rank's tokens only, with GLOBAL normalisers, and
-        :meth:`sync_grads` after backward."""
+        :meth:`sync_grads` after backward. With ``return_entropy`` a third item holds the entropy
+        of each local position's distribution [B, n_local] (no gradient)."""
         B, T = input_ids.shape
         logits = self(input_ids, attention_mask, routed_experts)
         if temperature and temperature != 1.0:
             logits = logits / temperature
         slots = self.local_slots(T).to(input_ids.device)
         nxt = F.pad(input_ids, (0, len(slots) * self.D - T + 1))[:, slots + 1]
-        logp = torch.log_softmax(logits, -1).gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
-        return logp * (slots < T - 1).to(logp.dtype), slots
+        all_logp = torch.log_softmax(logits, -1)
+        logp = all_logp.gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
+        logp = logp * (slots < T - 1).to(logp.dtype)
+        if return_entropy:
+            with torch.no_grad():
+                ent = -(all_logp.exp() * all_logp).sum(-1)
+            return logp, slots, ent
+        return logp, slots
 
     def sft_loss(self, input_ids, loss_mask=None, attention_mask=None):
         """Next-token cross-entropy, mean over the GLOBAL number of predicted tokens.

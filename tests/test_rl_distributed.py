@@ -1,0 +1,382 @@
+"""The RL update on the DP x TSP mesh (train/parallel/rl_update.py) against the single-process
+reference step, and the torchrun trainer worker (train/rl/worker.py).
+
+One gloo world is spawned per world size (2 and 4); every check runs inside it and the ranks
+return their largest deviations to the parent, which asserts. fp32: parameters after two RL steps
+(AdamW with weight decay, warm-up, active clipping, several micro-batches, router replay) must
+match the reference within 1e-5.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = 1e-5
+
+
+def _cfgs():
+    from train.model.config import ModelConfig
+
+    base = dict(vocab_size=50, hidden_size=32, intermediate_size=42, num_hidden_layers=2, head_dim=8)
+    dense = ModelConfig(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, **base)
+    moe = ModelConfig(num_attention_heads=8, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=18, mlp_only_layers=[0], **base)  # layer 0 dense, layer 1 MoE
+    return {"dense": dense, "moe": moe}
+
+
+def _model(cfg, seed=0):
+    from train.model.modeling import CausalLM
+
+    return CausalLM(cfg).init_weights(seed, std=0.2)
+
+
+def make_batch(step: int, cfg, n: int = 8, seed: int = 0, temperature: float = 0.9):
+    """``n`` rollouts of different lengths and random advantages, one dropped (keep=False); the
+    behaviour log-probs are the initial policy's plus noise (so the trust regions clip some tokens
+    and sequences, not all); random router replay ids for MoE configs."""
+    from train.model.modeling import token_logprobs
+    from train.rl.exchange import TrainBatch, TrainSample, unstack_routing
+
+    g = torch.Generator().manual_seed(1000 * seed + step)
+    n_moe = sum(cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers))
+    policy = _model(cfg)
+    samples = []
+    for i in range(n):
+        P = int(torch.randint(1, 6, (1,), generator=g))
+        C = int(torch.randint(1, 10, (1,), generator=g))
+        ids = torch.randint(0, cfg.vocab_size, (P + C,), generator=g)
+        routed = None
+        if n_moe:
+            routed = torch.stack([torch.stack([torch.randperm(cfg.num_experts, generator=g)[:cfg.num_experts_per_tok]
+                                               for _ in range(n_moe)]) for _ in range(P + C)]).to(torch.int16)
+        with torch.no_grad():
+            lp = token_logprobs(policy, ids[None], None, temperature, unstack_routing(routed))[0, P - 1:]
+        mu = (lp + 0.3 * torch.randn(C, generator=g)).clamp(max=-1e-3).tolist()
+        adv = float(torch.randn((), generator=g))
+        samples.append(TrainSample(ids[:P].tolist(), ids[P:].tolist(), mu, adv, keep=(i != 3), routed_experts=routed))
+    return TrainBatch(step, samples, temperature=temperature)
+
+
+def rl_cfg(loss: str, **kw):
+    from train.optim import OptimConfig
+    from train.parallel.rl_update import RLUpdateConfig
+
+    from train.rl.losses import LossConfig
+
+    # eps: Adam divides by |g| + eps, so on elements with a tiny gradient fp32 summation-order noise
+    # (~1e-9 here) becomes update noise of about lr * noise / eps; 1e-6 keeps that far below TOL
+    optim = OptimConfig(lr=1e-3, weight_decay=0.1, grad_clip=0.05, warmup_steps=2, eps=1e-6)
+    loss_cfg = LossConfig(gspo_clip_low=0.1, gspo_clip_high=0.1)  # a trust region some sequences fall in
+    return RLUpdateConfig(loss=loss, loss_cfg=loss_cfg, optim=optim, tokens_per_micro=kw.pop("tokens_per_micro", 20),
+                          **kw)
+
+
+def reference_weights(cfg, rcfg, batches) -> dict[str, torch.Tensor]:
+    from train.parallel.rl_update import reference_optimizer, reference_update
+
+    ref = _model(cfg)
+    opt = reference_optimizer(ref, rcfg)
+    mets = [reference_update(ref, opt, b, rcfg, i) for i, b in enumerate(batches)]
+    return {k: v.detach().clone() for k, v in ref.state_dict().items()}, mets
+
+
+# ------------------------------------------------------------------------------ in-process world
+
+
+CASES = [("moe", "dppo_tv"), ("dense", "gspo"), ("moe", "gspo"), ("dense", "dapo")]
+
+
+def _check_updates(world, out):
+    from train.parallel.rl_update import RLUpdater
+
+    meshes = {2: [(1, 2), (2, 1)], 4: [(2, 2)]}[world]
+    for dp, tsp in meshes:
+        for name, loss in CASES:
+            cfg = _cfgs()[name]
+            rcfg = rl_cfg(loss)
+            batches = [make_batch(s, cfg) for s in range(2)]
+            want, ref_m = reference_weights(cfg, rcfg, batches)
+            up = RLUpdater(_model(cfg), rcfg, tsp=tsp, dp=dp)
+            mets = [up.step(b, i) for i, b in enumerate(batches)]
+            got = up.full_state_dict()
+            key = f"dp{dp}xtsp{tsp}.{name}.{loss}"
+            assert set(got) == set(want), (set(got) ^ set(want))
+            out[key + ".params"] = max((got[k] - want[k]).abs().max().item() for k in want)
+            out[key + ".moved"] = max((want[k] - _model(cfg).state_dict()[k]).abs().max().item() for k in want)
+            out[key + ".loss"] = max(abs(m["loss"] - r["loss"]) for m, r in zip(mets, ref_m))
+            out[key + ".grad_norm"] = max(abs(m["grad_norm"] - r["grad_norm"]) / r["grad_norm"]
+                                          for m, r in zip(mets, ref_m))
+            out[key + ".micro"] = max(m["micro_batches_max"] for m in mets)
+            out[key + ".clip_frac"] = mets[0]["clip_frac"]
+            out[key + ".grad_norm_abs"] = mets[0]["grad_norm"]
+
+
+def _check_bf16(world, out):
+    """bf16 compute copy: fp32 master and moments, and a step close to the fp32 reference."""
+    from train.parallel.rl_update import RLUpdater
+
+    cfg = _cfgs()["moe"]
+    rcfg = rl_cfg("dppo_tv", dtype="bfloat16")
+    batch = make_batch(0, cfg)
+    want, ref_m = reference_weights(cfg, rl_cfg("dppo_tv"), [batch])
+    start = _model(cfg).state_dict()
+    up = RLUpdater(_model(cfg), rcfg, tsp=world if world == 2 else 2)
+    m = up.step(batch, 0)
+    got = up.full_state_dict()
+    st = up.opt.state_tensors()
+    out["bf16.dtypes_ok"] = float(all(p.dtype == torch.bfloat16 for p in up.shards.values())
+                                  and st["master"].dtype == torch.float32 and st["exp_avg_sq"].dtype == torch.float32)
+    out["bf16.loss_rel"] = abs(m["loss"] - ref_m[0]["loss"]) / abs(ref_m[0]["loss"])
+    # the same update direction as fp32 on most elements that moved
+    agree = tot = 0
+    for k in want:
+        d_ref, d_got = want[k] - start[k], got[k] - start[k]
+        moved = d_ref.abs() > 1e-4
+        agree += int(((d_ref.sign() == d_got.sign()) & moved).sum())
+        tot += int(moved.sum())
+    out["bf16.sign_agree"] = agree / max(tot, 1)
+
+
+def _check_errors(world, out):
+    from train.model.config import ModelConfig
+    from train.parallel.rl_update import RLUpdater
+
+    cfg = _cfgs()["dense"]
+    for key, make in (("err.mesh", lambda: RLUpdater(_model(cfg), rl_cfg("dppo_tv"), tsp=2, dp=2)),
+                      ("err.heads", lambda: RLUpdater(_model(ModelConfig(
+                          vocab_size=50, hidden_size=24, intermediate_size=16, num_hidden_layers=1, head_dim=8,
+                          num_attention_heads=3, num_key_value_heads=1)), rl_cfg("dppo_tv"), tsp=2))):
+        try:
+            make()
+            out[key] = "no error"
+        except ValueError as e:
+            out[key] = str(e)
+
+
+def _worker(rank, world, port, path):
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    out: dict = {}
+    try:
+        if world == 2:
+            _check_errors(world, out)
+        _check_updates(world, out)
+        _check_bf16(world, out)
+    except Exception as e:  # report, then let the parent fail with the message
+        import traceback
+
+        out["error"] = f"{type(e).__name__}: {e}"
+        out["trace"] = traceback.format_exc()
+    torch.save(out, os.path.join(path, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def results(request):
+    import torch.multiprocessing as mp
+
+    world = request.param
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_worker, args=(world, _free_port(), d), nprocs=world, join=True)
+        ranks = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(world)]
+    for r in ranks:
+        assert "error" not in r, r.get("trace")
+    return world, ranks
+
+
+def _max(ranks, key):
+    return max(r[key] for r in ranks)
+
+
+@pytest.mark.timeout(400)
+def test_sharded_rl_step_equals_reference(results):
+    world, ranks = results
+    keys = [k for k in ranks[0] if k.endswith(".params")]
+    assert len(keys) == len(CASES) * (2 if world == 2 else 1), keys
+    for k in keys:
+        base = k[:-len(".params")]
+        assert _max(ranks, base + ".moved") > 1e-3, k  # the step did something
+        assert _max(ranks, k) < TOL, (k, _max(ranks, k))
+        assert _max(ranks, base + ".loss") < TOL, (k, _max(ranks, base + ".loss"))
+        assert _max(ranks, base + ".grad_norm") < 1e-4, (k, _max(ranks, base + ".grad_norm"))
+        assert _max(ranks, base + ".micro") >= 2, k  # the token budget did cut micro-batches
+
+
+@pytest.mark.timeout(400)
+def test_bf16_compute_copy(results):
+    world, ranks = results
+    assert _max(ranks, "bf16.dtypes_ok") == 1.0
+    assert _max(ranks, "bf16.loss_rel") < 0.05
+    assert min(r["bf16.sign_agree"] for r in ranks) > 0.9
+
+
+@pytest.mark.timeout(400)
+def test_bad_mesh_and_heads_raise_one_line(results):
+    world, ranks = results
+    if world != 2:
+        pytest.skip("checked in the world of 2")
+    for r in ranks:
+        assert r["err.mesh"].startswith("mesh dp=2 x tsp=2 does not match the world size 2"), r["err.mesh"]
+        assert "num_attention_heads (3) divisible by D=2" in r["err.heads"], r["err.heads"]
+        assert "\n" not in r["err.mesh"] + r["err.heads"]
+
+
+# ------------------------------------------------------------------------------ torchrun worker
+
+
+def _start_worker(exchange: Path, model_dir: Path, steps: int, tsp: int, dp: int, extra=()):
+    from train.rl.worker import config_dict, launch_command
+
+    cfg_path = exchange.parent / "rl.json"
+    cfg_path.write_text(json.dumps(config_dict(rl_cfg("dppo_tv"))))
+    cmd = launch_command(exchange, model_dir, tsp * dp, steps, cfg_path, tsp=tsp, port=_free_port(),
+                         extra=["--dp", str(dp), "--sync-every", "1", "--poll", "0.02", "--max-wait", "150",
+                                *extra])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    log = open(exchange.parent / f"worker-{time.time_ns()}.log", "w")
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and all its descendants (torchrun starts each rank in a session of its own)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    todo, tree = [pid], []
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, []))
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _finish(proc, log, timeout=200):
+    try:
+        rc = proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc.pid)
+            proc.wait()
+        log.close()
+    assert rc == 0, Path(log.name).read_text()[-4000:]
+
+
+def _wait_for(path: Path, proc, timeout=150):
+    t0 = time.time()
+    while not path.exists():
+        assert proc.poll() is None, f"worker exited early ({proc.returncode})"
+        assert time.time() - t0 < timeout, f"timed out waiting for {path}"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def worker_setup(tmp_path_factory):
+    """A tiny MoE checkpoint, three batches, and the reference weights after each step."""
+    from train.model.hf_io import save_pretrained
+
+    root = tmp_path_factory.mktemp("rlworker")
+    cfg = _cfgs()["moe"]
+    save_pretrained(_model(cfg), root / "init")
+    batches = [make_batch(s, cfg) for s in range(3)]
+    refs = [reference_weights(cfg, rl_cfg("dppo_tv"), batches[:k])[0] for k in (1, 3)]
+    return root, batches, refs
+
+
+def _max_err(got: dict, want: dict) -> float:
+    assert set(got) == set(want), set(got) ^ set(want)
+    return max((got[k].float() - want[k]).abs().max().item() for k in want)
+
+
+def _final_weights(exchange: Path) -> dict:
+    from train.model.hf_io import load_pretrained
+
+    assert (exchange / "final" / "COMPLETE").exists()
+    return load_pretrained(exchange / "final").state_dict()
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_worker_consumes_batches_and_publishes(worker_setup):
+    """DP 2 x TSP 1: three batches written while the worker runs; versions, metrics and final
+    weights equal the single-process reference."""
+    from train.rl.exchange import complete_versions, load_version, write_batch
+
+    root, batches, (ref1, ref3) = worker_setup
+    ex = root / "run_a" / "exchange"
+    ex.mkdir(parents=True)
+    proc, log = _start_worker(ex, root / "init", 3, tsp=1, dp=2)
+    try:
+        for b in batches:
+            write_batch(ex, b)
+            time.sleep(0.2)
+    finally:
+        _finish(proc, log)
+    assert complete_versions(ex) == [1, 2, 3]
+    metrics = [json.loads((ex / "metrics" / f"step-{i:06d}.json").read_text()) for i in range(3)]
+    assert [m["version"] for m in metrics] == [1, 2, 3]
+    assert all(m["grad_norm"] > 0 and "clip_frac" in m and "entropy" in m for m in metrics)
+    assert _max_err(load_version(ex, 1)[1], ref1) < TOL
+    assert _max_err(load_version(ex, 3)[1], ref3) < TOL
+    assert _max_err(_final_weights(ex), ref3) < TOL
+
+
+@pytest.mark.timeout(400)
+def test_torchrun_worker_resumes_after_kill(worker_setup):
+    """TSP 2: killed with SIGKILL after the checkpoint of step 2, restarted, it resumes there and ends
+    with the weights of an uninterrupted run (the reference); STOP ends a worker early."""
+    from train.rl.exchange import write_batch
+
+    root, batches, (ref1, ref3) = worker_setup
+    ex = root / "run_b" / "exchange"
+    ex.mkdir(parents=True)
+    proc, log = _start_worker(ex, root / "init", 3, tsp=2, dp=1, extra=["--checkpoint-every", "1"])
+    try:
+        write_batch(ex, batches[0])
+        write_batch(ex, batches[1])
+        _wait_for(ex / "trainer_ckpt" / "step-000002" / "COMPLETE", proc)
+    finally:
+        _kill_tree(proc.pid)  # the agent and every rank, like a lost node
+        proc.wait()
+        log.close()
+    time.sleep(0.5)  # the killed ranks' processes are reaped
+    assert not (ex / "final").exists()
+    write_batch(ex, batches[2])
+    proc, log = _start_worker(ex, root / "init", 3, tsp=2, dp=1, extra=["--checkpoint-every", "1"])
+    _finish(proc, log)
+    text = Path(log.name).read_text()
+    assert '"worker": "start", "step": 2' in text, text[-3000:]
+    assert not (ex / "metrics" / "step-000003.json").exists()
+    assert _max_err(_final_weights(ex), ref3) < TOL
+    # STOP: a worker asked for more steps than there are batches ends cleanly at once
+    (ex / "STOP").write_text("")
+    proc, log = _start_worker(ex, root / "init", 10, tsp=2, dp=1)
+    _finish(proc, log)
+    assert _max_err(_final_weights(ex), ref3) < TOL

@@ -1,0 +1,318 @@
+"""The RL policy update on Cascade's sharded training core: a DP x TSP mesh under torchrun.
+
+One :class:`RLUpdater` step takes a :class:`train.rl.exchange.TrainBatch` and does what the
+single-process :func:`reference_update` does, within float rounding:
+
+* the loss is ``get_loss(cfg.loss)`` called with ``old_logprobs = rollout_logprobs = mu`` (the
+  behaviour log-probs recorded by the engine: the ratio is taken against the behaviour policy),
+  ``mask`` = completion tokens of kept rollouts, and ``denom`` the GLOBAL count over the whole
+  batch (tokens for ``token_mean``, rollouts for the ``seq_*`` modes, as ``RLTrainer.update``
+  counts them), so the micro-batch losses of all ranks sum to the loss of the whole batch;
+* DP: the rollouts are dealt to the data-parallel ranks balanced by token count (longest first,
+  each to the least loaded rank); each rank forms micro-batches of rows of similar length under
+  a padded-token budget (``tokens_per_micro``). Rollouts with ``keep=False`` or no completion
+  contribute nothing and are not computed (they still count in the ``seq_*`` denominators);
+* TSP (degree D > 1): each rank computes the log-probs of its own tokens
+  (:meth:`TSPCausalLM.token_logprobs`, temperature and router replay included); an
+  all-gather whose backward just takes this rank's slice (:func:`comm.all_gather_replicated`)
+  reassembles the full ``[B, T-1]`` tensor on every rank, and every rank computes the identical,
+  replicated loss. Whole sequences are present, so sequence-level losses (GSPO, per-rollout
+  means) are exact. D = 1 is plain data parallelism on the unsharded :class:`CausalLM`;
+* the optimizer is :class:`train.parallel.dp.MeshAdamW`: replicated-parameter gradients SUMMED
+  over TSP, all gradients SUMMED (reduce-scatter) over DP, clipping by the global norm, AdamW
+  with ``train.optim``'s parameter groups (no decay on norms and 1-D tensors) and its LR schedule
+  (:func:`train.optim.lr_factor` at the given step), fp32 master weights and moments sharded
+  ZeRO-1 style over DP;
+* ``dtype="bfloat16"``: the model computes in bf16 (compute copy), gradients are accumulated in
+  fp32, the master weights and AdamW state stay fp32.
+
+Metrics are those of ``RLTrainer.update``: the loss function's metrics weighted by each
+micro-batch's token count, ``loss`` (the global loss), ``entropy`` (token mean), ``grad_norm``
+(before clipping), ``lr`` (the one applied in this step), ``advantage_abs_mean``; reduced over
+all ranks.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from train.model.modeling import CausalLM, token_logprobs
+from train.optim import OptimConfig, build_optimizer, lr_factor
+from train.parallel import comm
+from train.parallel.dp import MeshAdamW
+from train.parallel.shard import make_mesh
+from train.parallel.tsp import TSPCausalLM, check_tsp_config, zigzag_index
+from train.rl.exchange import TrainBatch, TrainSample
+from train.rl.losses import LossConfig, effective_agg, get_loss
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class RLUpdateConfig:
+    loss: str = "dppo_tv"
+    loss_cfg: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    tokens_per_micro: int = 4096   # padded tokens (rows x longest row) per micro-batch
+    dtype: str = "float32"         # float32 | bfloat16 (compute copy; fp32 master and optimizer state)
+    pad_id: int = 0
+
+    def __post_init__(self):
+        get_loss(self.loss)  # unknown names raise, listing the choices
+        if isinstance(self.loss_cfg, dict):
+            self.loss_cfg = LossConfig(**self.loss_cfg)
+        if isinstance(self.optim, dict):
+            self.optim = OptimConfig(**self.optim)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if self.tokens_per_micro < 1:
+            raise ValueError(f"tokens_per_micro must be >= 1, got {self.tokens_per_micro}")
+
+
+# ------------------------------------------------------------------------------------ batches
+
+
+@dataclass
+class RLTensors:
+    input_ids: torch.Tensor                  # [B, T]
+    attention_mask: torch.Tensor | None      # [B, T] bool, None when no row is padded
+    mask: torch.Tensor                       # [B, T-1] float: completion tokens of kept rollouts
+    mu: torch.Tensor                         # [B, T-1] behaviour log-probs at the loss positions
+    advantages: torch.Tensor                 # [B]
+    routed_experts: list[torch.Tensor] | None  # per MoE layer [B, T, k] (router replay)
+
+
+def batch_tensors(samples: list[TrainSample], pad_id: int, device) -> RLTensors:
+    """Right-padded training tensors of ``samples`` (prompts of at least one token)."""
+    from train.batching import make_batch
+
+    if any(not s.prompt_ids for s in samples):
+        raise ValueError("every sample needs at least one prompt token")
+    b = make_batch([s.prompt_ids for s in samples], [s.completion_ids for s in samples], pad_id)
+    keep = torch.tensor([bool(s.keep) for s in samples], dtype=b.loss_mask.dtype)
+    mu = b.scatter_completion([s.logprobs for s in samples])
+    routed = None
+    have = [s.routed_experts is not None for s in samples]
+    if any(have):
+        if not all(have):
+            raise ValueError("routed_experts must be given for every sample of a batch or for none")
+        B, T = b.input_ids.shape
+        first = samples[0].routed_experts
+        full = torch.zeros((B, T) + tuple(first.shape[1:]), dtype=torch.long)
+        for i, s in enumerate(samples):
+            if s.routed_experts.shape[0] != s.num_tokens or s.routed_experts.shape[1:] != first.shape[1:]:
+                raise ValueError(f"sample {i}: routed_experts has shape {tuple(s.routed_experts.shape)}, expected "
+                                 f"[{s.num_tokens}, {', '.join(map(str, first.shape[1:]))}]")
+            full[i, :s.num_tokens] = s.routed_experts.long()
+        routed = [full[:, :, j].to(device) for j in range(full.shape[2])]
+    att = b.attention_mask
+    return RLTensors(b.input_ids.to(device), None if bool(att.all()) else att.to(device),
+                     (b.loss_mask * keep[:, None]).to(device), mu.to(device),
+                     torch.tensor([float(s.advantage) for s in samples], dtype=torch.float32).to(device), routed)
+
+
+def loss_denominator(samples: list[TrainSample], agg: str) -> float:
+    """The global aggregation count: completion tokens of kept rollouts (``token_mean``) or
+    rollouts (``seq_*``), as ``RLTrainer.update`` counts them."""
+    if agg == "token_mean":
+        return float(max(1, sum(len(s.completion_ids) for s in samples if s.keep)))
+    return float(max(1, len(samples)))
+
+
+def split_balanced(lengths: list[int], parts: int) -> list[list[int]]:
+    """Indices dealt to ``parts`` bins, longest first, each to the bin with the fewest tokens."""
+    bins: list[list[int]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        j = min(range(parts), key=lambda j: (load[j], j))
+        bins[j].append(i)
+        load[j] += lengths[i]
+    return bins
+
+
+def token_budget_micro_batches(indices: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """Rows sorted longest first, cut so that rows x longest row <= ``budget`` (one row at least)."""
+    out: list[list[int]] = []
+    for i in sorted(indices, key=lambda i: (-lengths[i], i)):
+        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= budget:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def gather_tokens(local: torch.Tensor, T: int, group) -> torch.Tensor:
+    """Full ``[B, T-1, ...]`` from every TSP rank's ``[B, n_local, ...]`` (zigzag slots). Backward:
+    this rank's slots of the (replicated) gradient - every rank must compute the same loss from it."""
+    D = dist.get_world_size(group)
+    full = comm.all_gather_replicated(local.transpose(0, 1).contiguous(), group)  # rank-block order
+    order = torch.argsort(torch.cat([zigzag_index(T, D, j)[1] for j in range(D)])).to(local.device)
+    return full[order[:T - 1]].transpose(0, 1)
+
+
+# ------------------------------------------------------------------------------------ updater
+
+
+def check_mesh(world: int, dp: int, tsp: int) -> None:
+    if dp < 1 or tsp < 1 or dp * tsp != world:
+        raise ValueError(f"mesh dp={dp} x tsp={tsp} does not match the world size {world}")
+
+
+class RLUpdater:
+    """RL optimizer steps of ``model`` on a ``dp x tsp`` mesh over the default process group
+    (rank = d * tsp + t). ``model`` is the full fp32 policy on this rank's device, identical on
+    every rank; with ``tsp == 1`` it is trained in place, else its TSP shards are copied.
+    Every rank calls every method (they are collective)."""
+
+    def __init__(self, model: CausalLM, cfg: RLUpdateConfig, tsp: int = 1, dp: int | None = None):
+        world = dist.get_world_size()
+        dp = world // tsp if dp is None else dp
+        check_mesh(world, dp, tsp)
+        if tsp > 1:
+            check_tsp_config(model.config, tsp)
+        self.cfg, self.tsp, self.dp = cfg, tsp, dp
+        self.loss_fn, self.agg = get_loss(cfg.loss), effective_agg(cfg.loss, cfg.loss_cfg)
+        self.config = model.config
+        self.tsp_group, self.dp_group = make_mesh(dp, tsp)
+        self.tsp_rank, self.dp_rank = dist.get_rank(self.tsp_group), dist.get_rank(self.dp_group)
+        self.device = model.device
+        if tsp > 1:
+            self.net = TSPCausalLM(model, self.tsp_group)
+            self.shards = self.net.named_shards()
+            rep = {n for n, k in self.net.kinds.items() if k == "rep"}
+        else:
+            self.net = model
+            self.shards = dict(model.named_parameters())  # tied weights appear once
+            rep = set()
+        o = cfg.optim
+        self.opt = MeshAdamW([(p, n in rep, not (p.ndim < 2 or "norm" in n)) for n, p in self.shards.items()],
+                             self.tsp_group, self.dp_group, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        self.net.to(DTYPES[cfg.dtype])
+
+    # -- one step -------------------------------------------------------------------------------
+    def _logprobs(self, t: RLTensors, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs [B, T-1] with grad, entropy [B, T-1]) of the rows, the same on every TSP rank."""
+        if self.tsp == 1:
+            lp, ent = token_logprobs(self.net, t.input_ids, t.attention_mask, temperature, t.routed_experts,
+                                     return_entropy=True)
+            return lp, ent.detach()
+        lp, _, ent = self.net.token_logprobs(t.input_ids, t.attention_mask, temperature, t.routed_experts,
+                                             return_entropy=True)
+        full = gather_tokens(torch.stack([lp, ent.to(lp.dtype)], -1), t.input_ids.shape[1], self.tsp_group)
+        return full[..., 0], full[..., 1].detach()
+
+    def step(self, batch: TrainBatch, step: int) -> dict[str, float]:
+        """One optimizer step on ``batch``; ``step`` (0-based) sets the LR schedule's position."""
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        samples = batch.samples
+        denom = loss_denominator(samples, self.agg)
+        live = [i for i, s in enumerate(samples) if s.keep and s.completion_ids]
+        lengths = [s.num_tokens for s in samples]
+        mine = split_balanced([lengths[i] for i in live], self.dp)[self.dp_rank]
+        micro = token_budget_micro_batches([live[i] for i in mine], lengths, cfg.tokens_per_micro)
+        temp = batch.temperature or 1.0
+        sums: dict[str, float] = {}
+        weight = loss_total = ent_sum = 0.0
+        mismatch = 0.0
+        self.net.train()
+        for rows in micro:
+            t = batch_tensors([samples[i] for i in rows], cfg.pad_id, self.device)
+            lp, ent = self._logprobs(t, temp)
+            loss, mets = self.loss_fn(lp, t.mu, t.mu, t.advantages, t.mask, cfg.loss_cfg, denom=denom)
+            loss.backward()
+            self.opt.accumulate()
+            loss_total += float(loss.detach())
+            mets.pop("loss", None)
+            mismatch = max(mismatch, mets.pop("mismatch_max_abs", 0.0))
+            w = float(t.mask.sum())
+            for k, v in mets.items():
+                sums[k] = sums.get(k, 0.0) + v * w
+            weight += w
+            ent_sum += float((ent.float() * t.mask).sum())
+        self.net.eval()
+        lr = cfg.optim.lr * lr_factor(step, cfg.optim)
+        grad_norm = self.opt.step(lr, cfg.optim.grad_clip)
+        # every TSP rank computed the same metrics: count TSP rank 0 of each DP replica
+        mine_m = (sums, weight, loss_total, ent_sum, mismatch, len(micro)) if self.tsp_rank == 0 else None
+        parts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine_m)
+        parts = [p for p in parts if p is not None]
+        weight = sum(p[1] for p in parts)
+        keys = sorted({k for p in parts for k in p[0]})
+        out = {k: sum(p[0].get(k, 0.0) for p in parts) / max(weight, 1.0) for k in keys}
+        out.update(loss=sum(p[2] for p in parts), entropy=sum(p[3] for p in parts) / max(weight, 1.0),
+                   mismatch_max_abs=max(p[4] for p in parts), grad_norm=grad_norm, lr=lr,
+                   advantage_abs_mean=sum(abs(s.advantage) for s in samples) / max(1, len(samples)),
+                   tokens=float(batch.num_tokens), loss_tokens=weight, rollouts=float(len(samples)),
+                   micro_batches_max=float(max(p[5] for p in parts)), time_s=time.perf_counter() - t0)
+        return out
+
+    # -- weights -------------------------------------------------------------------------------
+    def full_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """The full policy weights from the fp32 master copy, on CPU, under ``CausalLM.state_dict()``
+        names (``lm_head.weight`` included when tied). Collective: every rank calls; every rank
+        gets the result (gathered through pickled objects: for checkpoints of modest models)."""
+        master = self.opt.full_master()
+        mine = {n: master[id(p)].to("cpu", dtype) for n, p in self.shards.items()}
+        if self.tsp == 1:
+            full = mine
+        else:
+            parts: list = [None] * self.tsp
+            dist.all_gather_object(parts, mine, group=self.tsp_group)
+            full = TSPCausalLM.assemble(parts, self.net.kinds)
+        if self.config.tie_word_embeddings:
+            full["lm_head.weight"] = full["model.embed_tokens.weight"]
+        return full
+
+    def to_causal_lm(self) -> CausalLM:
+        """A single-process fp32 :class:`CausalLM` with the trained weights (collective)."""
+        from train.model.hf_io import load_into
+
+        model = CausalLM(self.config)
+        load_into(model, self.full_state_dict(), hf_names=False)
+        return model
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's model shards and optimizer state under keys that are unique to what the rank
+        holds (model keys are shared by the DP replicas of the same TSP rank, which hold the same
+        values), for ``torch.distributed.checkpoint``: a resume needs the same mesh."""
+        out = {f"model.tsp{self.tsp_rank}.{n}": p.data for n, p in self.shards.items()}
+        for k, v in self.opt.state_tensors().items():
+            out[f"optim.tsp{self.tsp_rank}.dp{self.dp_rank}.{k}"] = v
+        return out
+
+
+# ---------------------------------------------------------------------------------- reference
+
+
+def reference_optimizer(model: CausalLM, cfg: RLUpdateConfig) -> torch.optim.Optimizer:
+    """``train.optim.build_optimizer``'s AdamW (no decay on norms and 1-D tensors)."""
+    return build_optimizer(model, cfg.optim)[0]
+
+
+def reference_update(model: CausalLM, opt: torch.optim.Optimizer, batch: TrainBatch, cfg: RLUpdateConfig,
+                     step: int) -> dict[str, float]:
+    """The single-process RL step that :class:`RLUpdater` reproduces: the whole batch in one padded
+    forward (``modeling.token_logprobs``), the loss with ``old = rollout = mu``, clipping by the
+    norm of all gradients, AdamW at ``lr * lr_factor(step)``. Returns (loss, grad_norm, lr)."""
+    lr = cfg.optim.lr * lr_factor(step, cfg.optim)
+    for g in opt.param_groups:
+        g["lr"] = lr
+    agg = effective_agg(cfg.loss, cfg.loss_cfg)
+    t = batch_tensors(batch.samples, cfg.pad_id, model.device)
+    lp = token_logprobs(model, t.input_ids, t.attention_mask, batch.temperature or 1.0, t.routed_experts)
+    loss, _ = get_loss(cfg.loss)(lp, t.mu, t.mu, t.advantages, t.mask, cfg.loss_cfg,
+                                 denom=loss_denominator(batch.samples, agg))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    clip = cfg.optim.grad_clip
+    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
+                                          clip if clip > 0 else float("inf"))
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return {"loss": float(loss.detach()), "grad_norm": float(norm), "lr": lr}

@@ -1,0 +1,273 @@
+"""The trainer role of a distributed RL run: torchrun ranks that consume training batches from the
+exchange directory, run the sharded RL update (:mod:`train.parallel.rl_update`) and publish weights.
+
+    torchrun --nproc-per-node N -m train.rl.worker --exchange DIR --model CKPT_DIR --steps S \\
+        [--tsp D] [--dp N/D] [--config cfg.json|yaml] [--loss dppo_tv] [--lr 1e-5] ... \\
+        [--sync-every K] [--checkpoint-every C] [--tokens-per-micro T] [--dtype float32|bfloat16]
+
+gloo on CPU, NCCL on CUDA (``LOCAL_RANK`` picks the GPU). Update ``i`` (0-based) consumes
+``read_batch(DIR, i)``: a batch's ``step`` is the number of updates applied before it, so the
+weights it is applied to are version ``i`` (version 0 = ``--model``). Rank 0 polls for the file
+(every ``--poll`` seconds; the decision is broadcast so all ranks agree), reads it and broadcasts
+it. Files written (under ``DIR``):
+
+* ``metrics/step-000012.json``: the metrics of update 12 (``step``, ``version`` = 13, the loss
+  metrics, ``grad_norm``, ``lr``, ``entropy``, timings), written atomically by rank 0;
+* ``weights/v000013/`` (:func:`train.rl.exchange.publish_version`): every ``--sync-every``
+  updates, the full weights (``CausalLM.state_dict()`` names, the training dtype), rank 0;
+* ``trainer_ckpt/step-000013/``: every ``--checkpoint-every`` updates, a sharded
+  ``torch.distributed.checkpoint`` of every rank's model shards, fp32 master weights, AdamW
+  moments and the step, then ``meta.json`` and ``COMPLETE``; the newest complete one is resumed
+  from on start (same mesh required), older ones pruned to ``--keep-checkpoints``;
+* ``final/``: at the end, an HF checkpoint of the fp32 master weights (tokenizer files copied
+  from ``--model``) and ``final/COMPLETE``.
+
+It stops after ``--steps`` updates in all (counting those before a resume), or when ``DIR/STOP``
+exists. The RL loss and optimizer options come from ``--config`` (JSON or YAML holding the fields
+of :class:`RLUpdateConfig`: ``loss``, ``loss_cfg``, ``optim``, ``tokens_per_micro``, ``dtype``,
+``pad_id``), overridden by flags; :func:`launch_command` builds the command line for an
+orchestrator.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+CKPT_DIR = "trainer_ckpt"
+COMPLETE = "COMPLETE"
+
+
+# --------------------------------------------------------------------------------------- config
+
+
+def load_config(path: str | Path | None, overrides: dict) -> "RLUpdateConfig":
+    """An :class:`RLUpdateConfig` from a JSON/YAML file (or defaults) with flag overrides;
+    ``overrides`` keys: top-level fields, or ``optim.<field>`` / ``loss_cfg.<field>``."""
+    from train.parallel.rl_update import RLUpdateConfig
+
+    d: dict = {}
+    if path:
+        text = Path(path).read_text()
+        if str(path).endswith((".yaml", ".yml")):
+            import yaml
+
+            d = yaml.safe_load(text) or {}
+        else:
+            d = json.loads(text)
+    fields = {f.name for f in dataclasses.fields(RLUpdateConfig)}
+    bad = sorted(set(d) - fields)
+    if bad:
+        raise ValueError(f"unknown config keys {bad}; valid: {', '.join(sorted(fields))}")
+    d = {k: (dict(v) if isinstance(v, dict) else v) for k, v in d.items()}
+    for k, v in overrides.items():
+        if v is None:
+            continue
+        if "." in k:
+            sect, key = k.split(".", 1)
+            d.setdefault(sect, {})[key] = v
+        else:
+            d[k] = v
+    return RLUpdateConfig(**d)
+
+
+def config_dict(cfg) -> dict:
+    """A JSON-ready dict of an :class:`RLUpdateConfig` (what ``--config`` reads)."""
+    return dataclasses.asdict(cfg)
+
+
+def launch_command(exchange: str | Path, model: str | Path, nproc: int, steps: int, config: str | Path | None = None,
+                   tsp: int = 1, port: int | None = None, extra: list[str] | None = None) -> list[str]:
+    """The argv that starts the worker on this machine with ``nproc`` ranks (for ``subprocess``)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc)]
+    if port is None:
+        cmd.append("--standalone")
+    else:
+        cmd += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+    cmd += ["-m", "train.rl.worker", "--exchange", str(exchange), "--model", str(model), "--steps", str(steps),
+            "--tsp", str(tsp)]
+    if config is not None:
+        cmd += ["--config", str(config)]
+    return cmd + list(extra or [])
+
+
+# ------------------------------------------------------------------------------------- helpers
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    from train.rl.exchange import _atomic_write
+
+    _atomic_write(path, lambda t: t.write_text(json.dumps(obj, indent=1)))
+
+
+def _poll(exchange: Path, step: int, poll_s: float, max_wait_s: float, device):
+    """Rank 0 waits for batch ``step`` (or STOP) and broadcasts the outcome: the batch, or None to stop."""
+    from train.rl.exchange import read_batch
+
+    t0 = time.monotonic()
+    batch = None
+    while True:
+        code = torch.zeros((), dtype=torch.int32, device=device)
+        if dist.get_rank() == 0:
+            if (exchange / "STOP").exists():
+                code.fill_(2)
+            elif (batch := read_batch(exchange, step)) is not None:
+                code.fill_(1)
+            elif max_wait_s and time.monotonic() - t0 > max_wait_s:
+                code.fill_(3)
+        dist.broadcast(code, src=0)
+        code = int(code)
+        if code == 3:
+            raise TimeoutError(f"no batch for step {step} under {exchange} after {max_wait_s:.0f} s")
+        if code == 2:
+            return None
+        if code == 1:
+            box = [batch]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]
+        time.sleep(poll_s)
+
+
+def complete_checkpoints(exchange: Path) -> list[int]:
+    d = exchange / CKPT_DIR
+    if not d.is_dir():
+        return []
+    return sorted(int(p.name[5:]) for p in d.iterdir()
+                  if p.name.startswith("step-") and p.name[5:].isdigit() and (p / COMPLETE).exists())
+
+
+def save_checkpoint(up, exchange: Path, step: int, keep: int) -> Path:
+    import torch.distributed.checkpoint as dcp
+
+    path = exchange / CKPT_DIR / f"step-{step:06d}"
+    if dist.get_rank() == 0 and path.exists():
+        shutil.rmtree(path)  # a partial one from a crash
+    dist.barrier()
+    state = dict(up.state_tensors(), step=torch.tensor(step, dtype=torch.int64))
+    dcp.save(state, checkpoint_id=str(path))
+    if dist.get_rank() == 0:
+        meta = {"step": step, "dp": up.dp, "tsp": up.tsp, "world": dist.get_world_size(), "loss": up.cfg.loss}
+        _write_json(path / "meta.json", meta)
+        (path / COMPLETE).write_text("ok\n")
+        for old in complete_checkpoints(exchange)[:-keep] if keep > 0 else []:
+            shutil.rmtree(exchange / CKPT_DIR / f"step-{old:06d}", ignore_errors=True)
+    dist.barrier()
+    return path
+
+
+def load_checkpoint(up, exchange: Path) -> int:
+    """Restore the newest complete checkpoint into ``up``; returns its step (0 when there is none)."""
+    import torch.distributed.checkpoint as dcp
+
+    steps = complete_checkpoints(exchange)
+    box = [steps[-1] if steps else None]
+    dist.broadcast_object_list(box, src=0)  # every rank resumes from the same one
+    if box[0] is None:
+        return 0
+    path = exchange / CKPT_DIR / f"step-{box[0]:06d}"
+    meta = json.loads((path / "meta.json").read_text())
+    if (meta["dp"], meta["tsp"]) != (up.dp, up.tsp):
+        raise ValueError(f"checkpoint {path} was written by a dp={meta['dp']} x tsp={meta['tsp']} mesh; "
+                         f"this run is dp={up.dp} x tsp={up.tsp}")
+    state = dict(up.state_tensors(), step=torch.zeros((), dtype=torch.int64))
+    dcp.load(state, checkpoint_id=str(path))
+    return int(state["step"])
+
+
+# ----------------------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="train.rl.worker", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--exchange", required=True, help="the run's exchange directory")
+    ap.add_argument("--model", required=True, help="HF checkpoint of the initial policy (version 0)")
+    ap.add_argument("--steps", type=int, required=True, help="stop after this many updates in all")
+    ap.add_argument("--tsp", type=int, default=1, help="TSP degree D (1: plain data parallel)")
+    ap.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: world / D)")
+    ap.add_argument("--config", help="JSON/YAML file with RLUpdateConfig fields")
+    ap.add_argument("--loss")
+    ap.add_argument("--lr", type=float)
+    ap.add_argument("--weight-decay", type=float)
+    ap.add_argument("--grad-clip", type=float)
+    ap.add_argument("--warmup-steps", type=int)
+    ap.add_argument("--schedule", choices=("constant", "cosine", "linear"))
+    ap.add_argument("--total-steps", type=int)
+    ap.add_argument("--tokens-per-micro", type=int)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"))
+    ap.add_argument("--sync-every", type=int, default=1, help="publish weights every K updates")
+    ap.add_argument("--checkpoint-every", type=int, default=0, help="sharded checkpoint every C updates (0: never)")
+    ap.add_argument("--keep-checkpoints", type=int, default=2)
+    ap.add_argument("--poll", type=float, default=0.05, help="seconds between looks for the next batch")
+    ap.add_argument("--max-wait", type=float, default=0.0, help="give up waiting for a batch after this (0: never)")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    a = ap.parse_args(argv)
+    if a.steps < 0 or a.sync_every < 1 or a.checkpoint_every < 0 or a.tsp < 1:
+        ap.error("--steps >= 0, --sync-every >= 1, --checkpoint-every >= 0 and --tsp >= 1 are required")
+    return a
+
+
+def main(argv=None) -> int:
+    from train.model.hf_io import load_pretrained, save_pretrained
+    from train.parallel.rl_update import DTYPES, RLUpdater
+    from train.rl.exchange import publish_version
+
+    a = parse_args(argv)
+    cfg = load_config(a.config, {"loss": a.loss, "tokens_per_micro": a.tokens_per_micro, "dtype": a.dtype,
+                                 "optim.lr": a.lr, "optim.weight_decay": a.weight_decay,
+                                 "optim.grad_clip": a.grad_clip, "optim.warmup_steps": a.warmup_steps,
+                                 "optim.schedule": a.schedule, "optim.total_steps": a.total_steps})
+    cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    exchange = Path(a.exchange)
+    rank = dist.get_rank()
+    try:
+        up = RLUpdater(load_pretrained(a.model, device=device), cfg, tsp=a.tsp, dp=a.dp)
+        step = load_checkpoint(up, exchange)
+        if rank == 0:
+            print(json.dumps({"worker": "start", "step": step, "dp": up.dp, "tsp": up.tsp, "device": str(device)}),
+                  flush=True)
+        while step < a.steps:
+            batch = _poll(exchange, step, a.poll, a.max_wait, device)
+            if batch is None:
+                break
+            m = up.step(batch, step)
+            step += 1
+            if rank == 0:
+                rec = {"step": step - 1, "version": step, **m}
+                _write_json(exchange / "metrics" / f"step-{step - 1:06d}.json", rec)
+                print(json.dumps(rec), flush=True)
+            if step % a.sync_every == 0:
+                sd = up.full_state_dict(DTYPES[cfg.dtype])
+                if rank == 0:
+                    publish_version(exchange, step, sd)
+            if a.checkpoint_every and step % a.checkpoint_every == 0:
+                save_checkpoint(up, exchange, step, a.keep_checkpoints)
+        model = up.to_causal_lm()
+        if rank == 0:
+            final = exchange / "final"
+            shutil.rmtree(final, ignore_errors=True)
+            save_pretrained(model, final, tokenizer_dir=a.model)
+            (final / COMPLETE).write_text(f"{step}\n")
+            print(json.dumps({"worker": "done", "step": step, "final": str(final)}), flush=True)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
