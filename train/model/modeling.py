@@ -106,9 +106,13 @@ class Segments:
             raise ValueError(f"cu_seqlens must rise strictly from 0 to the packed length {total}; got {list(b)[:8]}...")
         return cls(b)
 
+    @property
+    def lengths(self) -> list[int]:
+        return [e - s for s, e in zip(self.bounds, self.bounds[1:])]
+
     def positions(self, device) -> torch.Tensor:
         """Rotary positions [1, N], restarting at 0 for each sequence."""
-        lens = torch.tensor([e - s for s, e in zip(self.bounds, self.bounds[1:])], device=device)
+        lens = torch.tensor(self.lengths, device=device)
         starts = torch.tensor(self.bounds[:-1], device=device)
         n = self.bounds[-1]
         return (torch.arange(n, device=device) - torch.repeat_interleave(starts, lens, output_size=n))[None]
@@ -117,11 +121,12 @@ class Segments:
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments, gqa: bool) -> torch.Tensor:
     """Causal attention within each packed sequence: q [1, Hq, N, D], k, v [1, Hkv, N, D] -> [1, Hq, N, D].
     One fused SDPA call per sequence over slices (no N x N mask; no work across sequences)."""
-    b = seg.bounds
-    if len(b) == 2:
+    if len(seg.bounds) == 2:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    return torch.cat([F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True,
-                                                     enable_gqa=gqa) for s, e in zip(b, b[1:])], dim=2)
+    # split (not slicing): its backward is one concatenation, not a full-size zero tensor per sequence
+    lens = seg.lengths
+    return torch.cat([F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+                      for qs, ks, vs in zip(q.split(lens, 2), k.split(lens, 2), v.split(lens, 2))], dim=2)
 
 
 class Attention(nn.Module):

@@ -1,0 +1,231 @@
+"""Training throughput on an RL batch: Cascade's packed trainer step vs transformers' Qwen3-MoE with the
+padded micro-batches a TRL-style trainer builds.
+
+One RL batch of ``--rollouts`` sequences (prompt + completion) whose total lengths follow a
+long-tailed distribution (log-normal, seeded, clipped to [``--min-len``, ``--max-len``]; the stats are
+printed). One training step = per micro-batch: forward, per-token log-probs of the completion tokens,
+the policy-gradient loss ``-(advantage * logprob)`` averaged over all completion tokens of the batch,
+backward; then one AdamW step. Three implementations, all from the same checkpoint (a fresh
+``--preset`` model by default) in fp32:
+
+* ``train`` (Cascade, packed): micro-batches of at most ``--token-budget`` tokens by first-fit
+  decreasing (:func:`train.rl.packing.pack_by_tokens`), one row each, :func:`packed_token_logprobs`
+  (per-sequence causal attention, LM head + log-softmax on completion positions only, chunked).
+* ``padded`` (Cascade, padded): ``--rows`` rollouts per micro-batch in batch order, right-padded to
+  the longest, :func:`train.model.modeling.token_logprobs` with the attention mask.
+* ``hf`` (transformers' ``Qwen3MoeForCausalLM``, its default attention and experts implementations):
+  the same padded micro-batches, ``model(input_ids, attention_mask).logits`` then log-softmax + gather.
+
+Tokens are counted as real (non-pad) prompt + completion tokens for every column. Each
+implementation runs one untimed warm-up step, then they take turns for ``--repeats`` timed steps (so
+load from other processes on a shared machine hits all alike); the median step is reported, with
+every step listed and the median forward / backward / optimizer split of each. Ends with one JSON
+line: ``train_tok_s``, ``hf_train_tok_s``, ``train_ratio`` (train / hf), ``padded_tok_s``,
+``packed_vs_padded`` (train / padded), ``padding_frac`` (pad share of the padded micro-batches) and
+the batch's length stats.
+
+    python benchmarks/train.py [--preset tiny-moe] [--rollouts 64] [--repeats 3] [--device cpu] [--threads 1]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+
+def make_rollouts(n: int, vocab: int, min_len: int, max_len: int, median: float, sigma: float, seed: int):
+    """(prompt ids, completion ids, advantage) per rollout; total lengths log-normal, clipped."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        L = int(min(max_len, max(min_len, round(rng.lognormvariate(math.log(median), sigma)))))
+        P = min(L // 2, rng.randint(16, 96))
+        ids = [rng.randrange(3, vocab) for _ in range(L)]
+        out.append((ids[:P], ids[P:], rng.choice((-1.0, 1.0)) * rng.uniform(0.2, 1.0)))
+    return out
+
+
+def length_stats(lengths: list[int]) -> dict:
+    s = sorted(lengths)
+    q = lambda f: s[min(len(s) - 1, int(f * len(s)))]  # noqa: E731
+    return {"tokens": sum(s), "mean": round(sum(s) / len(s), 1), "min": s[0], "p50": q(0.5), "p90": q(0.9),
+            "max": s[-1]}
+
+
+class Step:
+    """One timed training step of one implementation; ``split`` collects (fwd+loss, backward, optimizer) s."""
+
+    def __init__(self, model, micro, opt, device):
+        self.model, self.micro, self.opt, self.device = model, micro, opt, device
+        self.split: list[tuple[float, float, float]] = []
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def __call__(self) -> float:
+        self.model.train()
+        self._sync()
+        t0 = time.perf_counter()
+        fwd = bwd = 0.0
+        for run in self.micro:
+            a = time.perf_counter()
+            loss = run()
+            self._sync()
+            b = time.perf_counter()
+            loss.backward()
+            self._sync()
+            fwd, bwd = fwd + b - a, bwd + time.perf_counter() - b
+        c = time.perf_counter()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self._sync()
+        end = time.perf_counter()
+        self.split.append((fwd, bwd, end - c))
+        return end - t0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="tiny-moe")
+    ap.add_argument("--rollouts", type=int, default=64)
+    ap.add_argument("--min-len", type=int, default=32)
+    ap.add_argument("--max-len", type=int, default=2048)
+    ap.add_argument("--median-len", type=float, default=256.0, help="median of the log-normal total length")
+    ap.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma (tail weight)")
+    ap.add_argument("--rows", type=int, default=8, help="rollouts per padded micro-batch (TRL-style)")
+    ap.add_argument("--token-budget", type=int, default=8192, help="tokens per packed micro-batch")
+    ap.add_argument("--repeats", type=int, default=3, help="timed steps per implementation; the median is reported")
+    ap.add_argument("--only", default="train,padded,hf", help="comma-separated subset of train,padded,hf")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (0: torch's default). On a shared CPU box 2 threads measure "
+                         "OpenMP waiting on descheduled threads (40x slower small ops at load 4 on 2 cores)")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM
+
+    from train.batching import index_batch, make_batch, micro_batches
+    from train.model.hf_io import load_pretrained
+    from train.model.modeling import token_logprobs
+    from train.presets import init_model
+    from train.rl.packing import pack_by_tokens, packed_token_logprobs
+
+    dev = torch.device(a.device)
+    if a.threads > 0:
+        torch.set_num_threads(a.threads)
+    only = set(a.only.split(","))
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / a.preset
+        init_model(a.preset, model_dir, seed=a.seed)
+        ours = load_pretrained(model_dir, dtype=torch.float32).to(dev)
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(dev) if "hf" in only else None
+    cfg = ours.config
+    rolls = make_rollouts(a.rollouts, cfg.vocab_size, a.min_len, a.max_len, a.median_len, a.sigma, a.seed)
+    lengths = [len(p) + len(c) for p, c, _ in rolls]
+    real_tokens = sum(lengths)
+    n_completion = sum(len(c) for _, c, _ in rolls)
+    stats = length_stats(lengths)
+    print(f"batch: {a.rollouts} rollouts, lengths {stats}", file=sys.stderr)
+
+    # packed micro-batches (Cascade)
+    class Sample:  # what packed_token_logprobs reads from a sample
+        def __init__(self, p, c):
+            self.prompt_ids, self.completion_ids = p, c
+
+    samples = [Sample(p, c) for p, c, _ in rolls]
+    packs = pack_by_tokens(lengths, a.token_budget)
+
+    def packed_micro(idx):
+        adv = torch.tensor([rolls[i][2] for i in idx], device=dev)
+
+        def run():
+            lps = packed_token_logprobs(ours, [samples[i] for i in idx], return_entropy=False)
+            return -sum((w * lp.sum()) for w, lp in zip(adv, lps)) / n_completion
+        return run
+
+    # padded micro-batches (TRL-style: fixed rows, right-padded to the longest of the micro-batch)
+    batch = make_batch([p for p, _, _ in rolls], [c for _, c, _ in rolls], int(cfg.pad_token_id or 0)).to(dev)
+    adv_all = torch.tensor([r[2] for r in rolls], device=dev)
+    slices = micro_batches(len(rolls), a.rows)
+    padded_slots = sum(len(range(*sl.indices(len(rolls)))) * max(lengths[sl]) for sl in slices)
+
+    def padded_micro(sl, impl):
+        b = index_batch(batch, sl)
+        adv = adv_all[sl, None]
+
+        def run():
+            if impl == "hf":
+                logits = hf(input_ids=b.input_ids, attention_mask=b.attention_mask.long(), use_cache=False).logits
+                logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+                lp = logp.gather(-1, b.input_ids[:, 1:, None]).squeeze(-1)
+            else:
+                lp = token_logprobs(ours, b.input_ids, b.attention_mask)
+            return -(adv * lp * b.loss_mask).sum() / n_completion
+        return run
+
+    opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-6)
+    steps = {}
+    if "train" in only:
+        steps["train"] = Step(ours, [packed_micro(mb) for mb in packs], opt_ours, dev)
+    if "padded" in only:
+        steps["padded"] = Step(ours, [padded_micro(sl, "ours") for sl in slices], opt_ours, dev)
+    if "hf" in only:
+        steps["hf"] = Step(hf, [padded_micro(sl, "hf") for sl in slices],
+                           torch.optim.AdamW(hf.parameters(), lr=1e-6), dev)
+    for k, st in steps.items():  # warm-up, not timed
+        t = st()
+        st.split.clear()
+        print(f"warm-up {k}: {t:.2f} s", file=sys.stderr)
+    runs: dict[str, list[float]] = {k: [] for k in steps}
+    for r in range(a.repeats):
+        for k, st in steps.items():
+            runs[k].append(real_tokens / st())
+            print(f"round {r}: {k} {runs[k][-1]:.0f} tok/s ({real_tokens / runs[k][-1]:.2f} s)", file=sys.stderr)
+
+    names = {"train": "train", "padded": "padded", "hf": "hf_train"}
+    res = {"benchmark": "train", "model": a.preset, "params": sum(p.numel() for p in ours.parameters()),
+           "device": str(dev), "rollouts": a.rollouts, "real_tokens": real_tokens, "completion_tokens": n_completion,
+           "lengths": stats, "length_dist": f"lognormal(median {a.median_len:g}, sigma {a.sigma:g}) "
+                                           f"clipped to [{a.min_len}, {a.max_len}]",
+           "token_budget": a.token_budget, "packed_micro_batches": len(packs), "rows": a.rows,
+           "padded_micro_batches": len(slices), "padding_frac": round(1 - real_tokens / padded_slots, 3)}
+    for k, v in runs.items():
+        res[f"{names[k]}_tok_s"] = round(statistics.median(v), 1)
+        res[f"{names[k]}_runs_tok_s"] = [round(x, 1) for x in v]
+        split = steps[k].split
+        res[f"{names[k]}_split_s"] = {n: round(statistics.median(s[i] for s in split), 3)
+                                      for i, n in enumerate(("fwd", "bwd", "opt"))}
+    if "train" in runs and "hf" in runs:
+        res["train_ratio"] = round(res["train_tok_s"] / res["hf_train_tok_s"], 2)
+    if "train" in runs and "padded" in runs:
+        res["packed_vs_padded"] = round(res["train_tok_s"] / res["padded_tok_s"], 2)
+    if "padded" in runs and "hf" in runs:
+        res["padded_vs_hf"] = round(res["padded_tok_s"] / res["hf_train_tok_s"], 2)
+    if hf is not None:
+        res["hf_attn_implementation"] = hf.config._attn_implementation
+        res["hf_experts_implementation"] = getattr(hf.config, "_experts_implementation", None)
+    res.update(torch_threads=torch.get_num_threads(), torch=torch.__version__,
+               load_avg_1m=round(os.getloadavg()[0], 2))
+    print(json.dumps(res), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
