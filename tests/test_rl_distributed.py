@@ -380,3 +380,48 @@ def test_torchrun_worker_resumes_after_kill(worker_setup):
     proc, log = _start_worker(ex, root / "init", 10, tsp=2, dp=1)
     _finish(proc, log)
     assert _max_err(_final_weights(ex), ref3) < TOL
+
+
+# ------------------------------------------------------------------------------ plain functions
+
+
+def test_dp_split_and_token_budget_micro_batches():
+    from train.parallel.rl_update import split_balanced, token_budget_micro_batches
+
+    lengths = [30, 5, 12, 12, 7, 20, 3, 9]
+    bins = split_balanced(lengths, 2)
+    assert sorted(i for b in bins for i in b) == list(range(8))
+    loads = [sum(lengths[i] for i in b) for b in bins]
+    assert max(loads) - min(loads) <= max(lengths[i] for i in range(8) if lengths[i] <= 12)
+    micro = token_budget_micro_batches(list(range(8)), lengths, 36)
+    assert sorted(i for m in micro for i in m) == list(range(8))
+    for m in micro:
+        rows = [lengths[i] for i in m]
+        assert rows == sorted(rows, reverse=True)
+        assert len(m) == 1 or len(m) * rows[0] <= 36
+    assert micro[0] == [0]  # a row over the budget goes alone
+
+
+def test_worker_config_file_and_command(tmp_path):
+    from train.parallel.rl_update import RLUpdateConfig
+    from train.rl.worker import config_dict, launch_command, load_config
+
+    path = tmp_path / "rl.json"
+    path.write_text(json.dumps(config_dict(RLUpdateConfig(loss="gspo", tokens_per_micro=123))))
+    cfg = load_config(path, {"optim.lr": 3e-4, "dtype": "bfloat16", "loss": None})
+    assert (cfg.loss, cfg.tokens_per_micro, cfg.optim.lr, cfg.dtype) == ("gspo", 123, 3e-4, "bfloat16")
+    yml = tmp_path / "rl.yaml"
+    yml.write_text("loss: cispo\nloss_cfg: {cispo_clip_high: 2.0}\noptim: {lr: 1.0e-6, warmup_steps: 3}\n")
+    cfg = load_config(yml, {})
+    assert (cfg.loss, cfg.loss_cfg.cispo_clip_high, cfg.optim.warmup_steps) == ("cispo", 2.0, 3)
+    path.write_text(json.dumps({"los": "gspo"}))
+    with pytest.raises(ValueError, match="unknown config keys \\['los'\\]"):
+        load_config(path, {})
+    with pytest.raises(ValueError, match="unknown policy loss 'nope'; choose one of"):
+        load_config(None, {"loss": "nope"})
+    cmd = launch_command("EX", "CKPT", 4, 7, path, tsp=2, port=29555, extra=["--dp", "2"])
+    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "4" and cmd[cmd.index("--master-port") + 1] == "29555"
+    tail = cmd[cmd.index("train.rl.worker") + 1:]
+    assert tail == ["--exchange", "EX", "--model", "CKPT", "--steps", "7", "--tsp", "2", "--config", str(path),
+                    "--dp", "2"]

@@ -61,11 +61,17 @@ class RLUpdateConfig:
     pad_id: int = 0
 
     def __post_init__(self):
-        get_loss(self.loss)  # unknown names raise, listing the choices
+        try:
+            get_loss(self.loss)
+        except KeyError as e:  # a config error: say which loss and the choices
+            raise ValueError(e.args[0]) from None
         if isinstance(self.loss_cfg, dict):
             self.loss_cfg = LossConfig(**self.loss_cfg)
         if isinstance(self.optim, dict):
             self.optim = OptimConfig(**self.optim)
+        if self.loss_cfg.kl_coef:
+            raise ValueError("loss_cfg.kl_coef > 0 needs reference log-probs, which a TrainBatch does not carry; "
+                             "set kl_coef=0")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         if self.tokens_per_micro < 1:
