@@ -7,6 +7,11 @@ slices are all-gathered and copied back into every rank's parameters.
 
 On a 2D mesh (e.g. DP x TSP) pass the data-parallel group and the rank's (TSP-sharded)
 parameters; with ``reduce_grads=False`` the gradients are assumed already synchronised.
+
+:class:`MeshAdamW` is the fuller variant the RL update uses (:mod:`train.parallel.rl_update`):
+gradients reduce-scattered instead of all-reduced, replicated-parameter gradients summed over the
+model-parallel group, global-norm clipping, per-parameter weight decay, a learning rate per step,
+fp32 master weights under a low-precision compute copy, and state tensors for checkpoints.
 """
 from __future__ import annotations
 
