@@ -5,6 +5,11 @@ exchange directory, run the sharded RL update (:mod:`train.parallel.rl_update`) 
         [--tsp D] [--dp N/D] [--config cfg.json|yaml] [--loss dppo_tv] [--lr 1e-5] ... \\
         [--sync-every K] [--checkpoint-every C] [--tokens-per-micro T] [--dtype float32|bfloat16]
 
+Several nodes: the same command on each node, with ``--nnodes M --rdzv-backend c10d
+--rdzv-endpoint HEAD:29500 --rdzv-id RUN`` added, ``--model`` readable on every node and ``DIR`` on
+a filesystem all nodes share (rank 0 reads the batches and writes weights and metrics; every rank
+writes its checkpoint shards); see scripts/slurm/cascade_rl.sbatch.
+
 gloo on CPU, NCCL on CUDA (``LOCAL_RANK`` picks the GPU). Update ``i`` (0-based) consumes
 ``read_batch(DIR, i)``: a batch's ``step`` is the number of updates applied before it, so the
 weights it is applied to are version ``i`` (version 0 = ``--model``). Rank 0 polls for the file
@@ -85,10 +90,19 @@ def config_dict(cfg) -> dict:
 
 
 def launch_command(exchange: str | Path, model: str | Path, nproc: int, steps: int, config: str | Path | None = None,
-                   tsp: int = 1, port: int | None = None, extra: list[str] | None = None) -> list[str]:
-    """The argv that starts the worker on this machine with ``nproc`` ranks (for ``subprocess``)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc)]
-    if port is None:
+                   tsp: int = 1, port: int | None = None, extra: list[str] | None = None, nnodes: int = 1,
+                   rdzv_endpoint: str | None = None, rdzv_id: str = "cascade") -> list[str]:
+    """The argv that starts the worker with ``nproc`` ranks on this machine (for ``subprocess``).
+
+    One node: ``--standalone``, or ``--master-addr 127.0.0.1 --master-port PORT``. Several nodes
+    (``nnodes > 1``): the c10d rendezvous at ``rdzv_endpoint`` (``HOST:PORT``, the store is hosted
+    by the agent on HOST) under ``rdzv_id``; run the same command on every node."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc)]
+    if nnodes > 1 or rdzv_endpoint is not None:
+        if rdzv_endpoint is None:
+            raise ValueError(f"nnodes={nnodes} needs rdzv_endpoint (HOST:PORT of the rendezvous)")
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
+    elif port is None:
         cmd.append("--standalone")
     else:
         cmd += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
