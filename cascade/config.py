@@ -91,6 +91,20 @@ class Logging:
 
 
 @dataclass
+class Rollout:
+    """Where rollouts are generated: in-process (default), on ``servers`` that ``cascade run``
+    starts (Cascade's OpenAI-compatible server with the torch engine), or on running servers at
+    ``urls`` (started with ``--weights-dir OUT/exchange --api-key KEY``). See cascade/rollout.py."""
+
+    servers: int = 0
+    urls: list[str] = field(default_factory=list)
+    api_key: str | None = None        # required with urls; default for started servers: a random key
+    threads: int = 1                  # torch threads per started server
+    per_server: int = 8               # requests in flight per server
+    startup_timeout_s: float = 180.0
+
+
+@dataclass
 class RunConfig:
     out: str = "runs/cascade"
     model: str | None = None          # a checkpoint directory; None: a fresh model from model_preset
@@ -103,12 +117,17 @@ class RunConfig:
     order: list[str] = field(default_factory=lambda: list(STAGE_NAMES))
     stages: dict[str, StageConfig] = field(default_factory=dict)
     logging: Logging = field(default_factory=Logging)
+    rollout: Rollout = field(default_factory=Rollout)
 
     def __post_init__(self):
         if self.engine not in ("torch", "vllm"):
             raise ValueError(f"unknown engine {self.engine!r}; choose torch or vllm")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"unknown dtype {self.dtype!r}; choose float32 or bfloat16")
+        if self.rollout.servers < 0 or self.rollout.threads < 1 or self.rollout.per_server < 1:
+            raise ValueError("rollout.servers must be >= 0, rollout.threads and rollout.per_server >= 1")
+        if self.rollout.servers and self.rollout.urls:
+            raise ValueError("set rollout.servers (servers cascade starts) or rollout.urls (running servers), not both")
         missing = [s for s in self.order if s not in self.stages]
         if missing:
             raise ValueError(f"order names stages without a config: {missing}; configured: {sorted(self.stages)}")

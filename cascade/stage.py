@@ -102,82 +102,91 @@ class StageRunner:
         dtype = torch.bfloat16 if r.dtype == "bfloat16" else torch.float32
         policy = load_pretrained(src, dtype=dtype, device=r.device)
         tok = load_tokenizer(src)
-        engine = make_engine(r, src, policy, tok)
-        curriculum = self.build_curriculum(tok)
-        mixer = None
-        if s.aggregation.fraction > 0:
-            from cascade.aggregation import AggregationMixer
+        from cascade.rollout import ServedEngine, served_engine
 
-            a = s.aggregation
-            mixer = AggregationMixer(tok, a.fraction, a.tails, a.tail_tokens, a.template, a.buffer, r.seed + self.index)
-        rl_cfg = copy.deepcopy(s.rl)
-        rl_cfg.seed = r.seed + 7919 * (self.index + 1)
-        if rl_cfg.optim.schedule != "constant" and not rl_cfg.optim.total_steps:
-            rl_cfg.optim.total_steps = s.steps
-        rl = RLTrainer(policy, tok, engine, curriculum, rl_cfg,
-                       problem_hook=mixer.mix if mixer else None, rollout_hook=mixer.remember if mixer else None)
-        sft_cfg = SFTConfig(steps=s.sft.steps, batch_size=s.sft.batch_size, micro_batch_size=s.sft.micro_batch_size,
-                            optim=s.sft.optim, max_len=s.sft.max_len, chat_template=rl_cfg.chat_template,
-                            system_prompt=rl_cfg.system_prompt, seed=r.seed + self.index)
-        sft = SFTTrainer(policy, tok, sft_cfg) if s.sft.steps > 0 else None
-        state = {"step": 0, "pool": None, "eval_before": None}
-        if latest is not None:
-            tstate, state = load_trainer_state(latest)
-            if state["pool"] is not None:
-                rl.curriculum = self.pool_of(curriculum, state["pool"])
-            rl.load_state_dict(tstate["rl"])
-            if sft is not None and tstate.get("sft"):
-                sft.load_state_dict(tstate["sft"])
-            if mixer is not None and tstate.get("mixer"):
-                mixer.load_state_dict(tstate["mixer"])
-        held = self.eval_problems(curriculum)
-        if state["eval_before"] is None:
-            state["eval_before"] = rl.evaluate(held)
-            self.records.log(self.name, "eval", 0, {"accuracy_before": state["eval_before"]})
-        total = self.total_steps()
+        engine = served_engine(r, src, self.dir.parent.parent, self.dir / "logs") or make_engine(r, src, policy, tok)
         pipe = None  # PipelineRL around the trainer once RL starts, when max_staleness > 0
-        task = self.progress.add_task(self.name, total=total, completed=state["step"], info="") if self.progress else None
-        sft_data = None
-        while state["step"] < total:
-            step = state["step"]
-            if step < s.sft.steps:
-                if sft_data is None:
-                    sft_data = self.sft_examples(sft, tok, curriculum)
-                m = sft.step(sft.sample_batch(sft_data))
-                self.records.log(self.name, "sft", step, m)
-                info = f"sft loss {m['sft_loss']:.3f}"
-                if step + 1 == s.sft.steps:
-                    rl.sync_weights()
-            else:
-                if s.pool.size and state["pool"] is None:
-                    state["pool"] = self.filter_pool(rl, curriculum)
-                    rl.curriculum = self.pool_of(curriculum, state["pool"])
-                if pipe is None and rl_cfg.max_staleness > 0:
-                    from train.rl.pipeline import Pipeline
+        try:
+            curriculum = self.build_curriculum(tok)
+            mixer = None
+            if s.aggregation.fraction > 0:
+                from cascade.aggregation import AggregationMixer
 
-                    pipe = Pipeline(rl)
-                m = pipe.step() if pipe is not None else rl.step()
-                if mixer is not None:
-                    m["aggregation_prompts"] = mixer.made
-                self.records.log(self.name, "rl", step, m)
-                info = f"reward {m['reward_mean']:.2f} acc {m['accuracy']:.2f}"
-            state["step"] = step + 1
-            if self.progress:
-                self.progress.update(task, completed=state["step"], info=info)
-            if state["step"] % s.checkpoint_every == 0 and state["step"] < total:
-                if pipe is not None:
-                    with pipe.paused():
-                        self.save(ckpt, policy, src, rl, sft, mixer, state)
+                a = s.aggregation
+                mixer = AggregationMixer(tok, a.fraction, a.tails, a.tail_tokens, a.template, a.buffer, r.seed + self.index)
+            rl_cfg = copy.deepcopy(s.rl)
+            rl_cfg.seed = r.seed + 7919 * (self.index + 1)
+            if rl_cfg.optim.schedule != "constant" and not rl_cfg.optim.total_steps:
+                rl_cfg.optim.total_steps = s.steps
+            rl = RLTrainer(policy, tok, engine, curriculum, rl_cfg,
+                           problem_hook=mixer.mix if mixer else None, rollout_hook=mixer.remember if mixer else None)
+            sft_cfg = SFTConfig(steps=s.sft.steps, batch_size=s.sft.batch_size, micro_batch_size=s.sft.micro_batch_size,
+                                optim=s.sft.optim, max_len=s.sft.max_len, chat_template=rl_cfg.chat_template,
+                                system_prompt=rl_cfg.system_prompt, seed=r.seed + self.index)
+            sft = SFTTrainer(policy, tok, sft_cfg) if s.sft.steps > 0 else None
+            state = {"step": 0, "pool": None, "eval_before": None}
+            if latest is not None:
+                tstate, state = load_trainer_state(latest)
+                if state["pool"] is not None:
+                    rl.curriculum = self.pool_of(curriculum, state["pool"])
+                rl.load_state_dict(tstate["rl"])
+                if sft is not None and tstate.get("sft"):
+                    sft.load_state_dict(tstate["sft"])
+                if mixer is not None and tstate.get("mixer"):
+                    mixer.load_state_dict(tstate["mixer"])
+            if isinstance(engine, ServedEngine):
+                rl.sync_weights()  # servers (started or given) serve exactly the policy from the first rollout
+            held = self.eval_problems(curriculum)
+            if state["eval_before"] is None:
+                state["eval_before"] = rl.evaluate(held)
+                self.records.log(self.name, "eval", 0, {"accuracy_before": state["eval_before"]})
+            total = self.total_steps()
+            task = self.progress.add_task(self.name, total=total, completed=state["step"], info="") if self.progress else None
+            sft_data = None
+            while state["step"] < total:
+                step = state["step"]
+                if step < s.sft.steps:
+                    if sft_data is None:
+                        sft_data = self.sft_examples(sft, tok, curriculum)
+                    m = sft.step(sft.sample_batch(sft_data))
+                    self.records.log(self.name, "sft", step, m)
+                    info = f"sft loss {m['sft_loss']:.3f}"
+                    if step + 1 == s.sft.steps:
+                        rl.sync_weights()
                 else:
-                    self.save(ckpt, policy, src, rl, sft, mixer, state)
-        if pipe is not None:
-            pipe.close()
-        ckpt.wait()
-        after = rl.evaluate(held)
-        self.records.log(self.name, "eval", total, {"accuracy_before": state["eval_before"], "accuracy_after": after})
-        self.write_final(policy, src, rl, sft, mixer, state, after)
-        if hasattr(engine, "close"):
-            engine.close()
+                    if s.pool.size and state["pool"] is None:
+                        state["pool"] = self.filter_pool(rl, curriculum)
+                        rl.curriculum = self.pool_of(curriculum, state["pool"])
+                    if pipe is None and rl_cfg.max_staleness > 0:
+                        from train.rl.pipeline import Pipeline
+
+                        pipe = Pipeline(rl)
+                    m = pipe.step() if pipe is not None else rl.step()
+                    if mixer is not None:
+                        m["aggregation_prompts"] = mixer.made
+                    self.records.log(self.name, "rl", step, m)
+                    info = f"reward {m['reward_mean']:.2f} acc {m['accuracy']:.2f}"
+                state["step"] = step + 1
+                if self.progress:
+                    self.progress.update(task, completed=state["step"], info=info)
+                if state["step"] % s.checkpoint_every == 0 and state["step"] < total:
+                    if pipe is not None:
+                        with pipe.paused():
+                            self.save(ckpt, policy, src, rl, sft, mixer, state)
+                    else:
+                        self.save(ckpt, policy, src, rl, sft, mixer, state)
+            if pipe is not None:
+                pipe.close()
+                pipe = None
+            ckpt.wait()
+            after = rl.evaluate(held)
+            self.records.log(self.name, "eval", total, {"accuracy_before": state["eval_before"], "accuracy_after": after})
+            self.write_final(policy, src, rl, sft, mixer, state, after)
+        finally:
+            if pipe is not None:
+                pipe.close()
+            if hasattr(engine, "close"):
+                engine.close()
         return self.final
 
     # ------------------------------------------------------------------------------------------

@@ -102,3 +102,25 @@ def test_ratio_is_taken_against_behaviour_logprobs(warm):
         m = rl.update(groups)
         assert m["ratio_mean"] == pytest.approx(want_ratio, rel=1e-3)
         assert m["mismatch_kl"] == pytest.approx(float(torch.tensor(0.1).exp() - 1 - 0.1), rel=2e-2)
+
+
+@pytest.mark.timeout(300)
+def test_batches_without_trainable_groups_do_not_stall_the_pipeline(warm):
+    """Steps that train nothing (dynamic sampling dropped every group) still count as finished
+    trainer steps, so the producer is not left waiting for a version that never comes."""
+    rl = make_trainer(warm, seed=6, max_staleness=1, min_ready_batches=2, sync_every=1)
+    collect, calls = rl.collect, [0]
+
+    def first_two_empty():
+        groups, m = collect()
+        calls[0] += 1
+        return ([] if calls[0] <= 2 else groups), m
+
+    rl.collect = first_two_empty
+    pipe = Pipeline(rl)
+    try:
+        ms = [pipe.step() for _ in range(4)]
+    finally:
+        pipe.close()
+    # the trainer takes the oldest buffered groups, whichever batch they came from
+    assert ms[0]["groups_trained"] == 0 and rl.step_idx == sum(m["groups_trained"] > 0 for m in ms) >= 2

@@ -71,6 +71,8 @@ class TorchEngine:
     called by the generating thread after each sampled token step (instrumentation, tests).
     """
 
+    supports_inflight_update = True  # load_weights from another thread lands between decode steps
+
     def __init__(self, model: CausalLM, tokenizer=None, max_batch_rows: int = 256, eos_token_ids: Sequence[int] = (),
                  version: int = 0, return_routed_experts: bool = False, refresh_kv_on_update: bool = True):
         self.model = model.eval()

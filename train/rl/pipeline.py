@@ -8,11 +8,12 @@ until ``min_ready_batches`` batches are buffered, takes one batch of groups olde
 those more than ``max_staleness`` versions behind (counted), updates the policy, and every
 ``sync_every`` steps sends the weights to the engine while generation goes on.
 
-Bounded staleness by construction: the producer starts batch ``b`` (the one trainer step ``b``
-will consume) only once the engine serves version ``>= b - max_staleness``, so with
-``max_staleness=0`` generation and training alternate exactly as in the synchronous loop (same RNG
-draws in the same order: the same metrics), and with ``k > 0`` the rollouts of the next ``k``
-batches overlap the update. The buffer's staleness check is the safety net for groups that wait
+Bounded staleness by construction: the producer starts a batch only while it is at most
+``max_staleness`` batches ahead of the trainer's finished steps and the engine serves weights at
+most ``max_staleness`` versions older than those the trainer will have when it consumes that
+batch. With ``max_staleness=0`` generation and training alternate exactly as in the synchronous
+loop (same RNG draws in the same order: the same metrics); with ``k > 0`` the rollouts of the
+next ``k`` batches overlap the update. The buffer's staleness check is the safety net for groups that wait
 longer (a slow trainer, a version swap in flight, an engine that lags).
 
 Engines that swap weights between decode steps (``supports_inflight_update``) take the new weights
@@ -84,7 +85,8 @@ class Pipeline:
         # the trainer can wait for at most the batches the producer may run ahead
         self.min_ready = max(1, min(cfg.min_ready_batches, cfg.max_staleness - cfg.sync_every + 2))
         self.buffer = RolloutBuffer(cfg.buffer_groups or (cfg.max_staleness + 2) * self.batch)
-        self._produced = rl.step_idx  # index of the next batch the producer makes
+        self._produced = 0  # batches the producer has made
+        self._done = 0      # trainer steps finished (update and sync), each consuming one batch
         self._pending: deque[dict] = deque()  # rollout metrics of produced batches, in order
         self._stop = threading.Event()
         self._pause = False
@@ -99,7 +101,13 @@ class Pipeline:
 
     # -- producer --------------------------------------------------------------------------------
     def _may_start(self) -> bool:
-        return self.rl.synced_version >= self._produced - self.max_staleness and not self._pause
+        """Start the next batch when it is at most ``max_staleness`` batches ahead of the trainer's
+        finished steps and the engine's weights are recent enough for it: the trainer consumes it
+        at version ``step_idx + ahead`` (if every step between trains), which may exceed the
+        engine's version by at most ``max_staleness``."""
+        ahead = self._produced - self._done
+        return (not self._pause and ahead <= self.max_staleness
+                and self.rl.synced_version >= self.rl.step_idx + ahead - self.max_staleness)
 
     def _produce(self) -> None:
         cond = self.buffer.cond
@@ -158,6 +166,7 @@ class Pipeline:
                      trainer_busy_frac=min(1.0, self._busy_train / wall))
             self._busy_roll = self._busy_train = 0.0
             self._since = time.perf_counter()
+            self._done += 1
             cond.notify_all()  # a new version may let the producer start its next batch
         m["difficulty"] = difficulty
         m["time_step_s"] = time.perf_counter() - t0

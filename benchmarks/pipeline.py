@@ -1,0 +1,99 @@
+"""Synchronous vs pipelined (PipelineRL) RL steps on CPU: does generation overlap training?
+
+The same RL trainer (tiny-moe policy, toy/max prompts, ``maxrl`` + ``dppo_tv``, G=8 x 8 prompts,
+48 new tokens, in-process torch engine) runs ``--steps`` steps twice from the same weights and
+seed: once synchronously (``max_staleness=0``: generate, then train) and once pipelined
+(``max_staleness=2``, ``min_ready_batches=2``, ``sync_every=1``: a producer thread generates the
+next batches while the trainer updates). Steps per second are timed over the warm steps only
+(after ``--warmup`` steps, which include the pipeline filling its buffer), wall clock around
+``step()`` calls, measured here and not by the trainer.
+
+Prints ONE JSON line: ``sync_steps_per_s``, ``async_steps_per_s``, ``async_speedup`` (their ratio),
+``max_lag_seen`` (the largest version lag of any trained token), the mean rollout / trainer busy
+fractions of the async run, the mean time of one rollout batch and one update in the sync run
+(the overlap can at best hide the shorter of the two), and the threads used.
+
+    python benchmarks/pipeline.py                 # torch threads = 2 (the machine's cores)
+    python benchmarks/pipeline.py --threads 1     # both runs on one intra-op thread
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def trainer(model_dir: Path, seed: int, new_tokens: int, **rl_kw):
+    import copy
+
+    from envs.curriculum import Curriculum
+    from train.engine import TorchEngine
+    from train.model.hf_io import load_pretrained
+    from train.optim import OptimConfig
+    from train.rl.trainer import RLConfig, RLTrainer, SamplingConfig
+    from train.tokenizer import load_tokenizer
+
+    model, tok = load_pretrained(model_dir), load_tokenizer(model_dir)
+    cfg = RLConfig(group_size=8, prompts_per_step=8, advantage="maxrl", loss="dppo_tv", chat_template=False,
+                   dynamic_sampling=False, sampling=SamplingConfig(max_new_tokens=new_tokens),
+                   optim=OptimConfig(lr=1e-4), micro_batch_size=64, seed=seed, **rl_kw)
+    cur = Curriculum(["toy/max"], controller="fixed", seed=seed, controller_kwargs={"difficulty": 1})
+    return RLTrainer(model, tok, TorchEngine(copy.deepcopy(model), tok), cur, cfg)
+
+
+def timed(step, steps: int, warmup: int) -> tuple[float, list[dict]]:
+    ms = []
+    for _ in range(warmup):
+        ms.append(step())
+    t = time.perf_counter()
+    for _ in range(steps):
+        ms.append(step())
+    return steps / (time.perf_counter() - t), ms[warmup:]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    import torch
+
+    from train.presets import init_model
+    from train.rl.pipeline import Pipeline
+
+    torch.set_num_threads(a.threads)
+    with tempfile.TemporaryDirectory() as d:
+        init_model("tiny-moe", Path(d), seed=a.seed)
+        sync = trainer(Path(d), a.seed, a.new_tokens)
+        sync_sps, sync_ms = timed(sync.step, a.steps, a.warmup)
+        rl = trainer(Path(d), a.seed, a.new_tokens, max_staleness=2, min_ready_batches=2, sync_every=1)
+        pipe = Pipeline(rl)
+        try:
+            async_sps, async_ms = timed(pipe.step, a.steps, a.warmup)
+        finally:
+            pipe.close()
+    print(json.dumps({
+        "sync_steps_per_s": round(sync_sps, 3), "async_steps_per_s": round(async_sps, 3),
+        "async_speedup": round(async_sps / sync_sps, 3),
+        "max_lag_seen": max(m["version_lag_max"] for m in async_ms),
+        "async_rollout_busy_frac": round(statistics.mean(m["rollout_busy_frac"] for m in async_ms), 3),
+        "async_trainer_busy_frac": round(statistics.mean(m["trainer_busy_frac"] for m in async_ms), 3),
+        "sync_rollout_s": round(statistics.mean(m["time_rollout_s"] for m in sync_ms), 3),
+        "sync_train_s": round(statistics.mean(m["time_train_s"] for m in sync_ms), 3),
+        "groups_dropped_stale": sum(m["groups_dropped_stale"] for m in async_ms),
+        "steps": a.steps, "warmup": a.warmup, "threads": a.threads, "model": "tiny-moe",
+        "rollouts_per_step": 64, "new_tokens": a.new_tokens,
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""Rollout servers for a run: started by ``cascade run`` (``rollout.servers=N``) or already running
+elsewhere (``rollout.urls=[http://host:8000, ...]``), driven through :class:`ServedEngine`.
+
+Weights reach the servers as versions in the run's exchange directory
+(:func:`train.rl.exchange.publish_version`), which each server loads in flight when told to
+(``POST /v1/load_weights``, authenticated, checksum-verified). Servers given by URL must have been
+started with ``--weights-dir`` pointing at this run's ``OUT/exchange`` (a filesystem they share
+with the orchestrator) and the same ``--api-key``.
+
+A server this process started that dies is started again on the same port from the newest
+complete version, and its in-flight prompts go to the other servers meanwhile
+(:class:`train.engine.remote.RemoteEngine`).
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from train.dataclass_config import ConfigError
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the process that started it dies (Linux), so servers never outlive a crashed run."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class ServerPool:
+    """``n`` ``cascade serve`` processes on 127.0.0.1 serving ``model_dir`` with the reload
+    endpoint on ``exchange``; logs in ``log_dir/server-K.log``."""
+
+    def __init__(self, n: int, model_dir: Path, exchange: Path, api_key: str, threads: int, log_dir: Path,
+                 startup_timeout_s: float = 180.0, dtype: str = "float32", device: str | None = None):
+        self.model_dir, self.exchange, self.api_key, self.threads = Path(model_dir), Path(exchange), api_key, threads
+        self.log_dir, self.timeout, self.dtype, self.device = Path(log_dir), startup_timeout_s, dtype, device
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.restarts = 0
+        try:
+            for k in range(n):
+                self._start(f"http://127.0.0.1:{free_port()}", k)
+            for url in self.procs:
+                self._wait(url)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self.procs)
+
+    def _start(self, url: str, k: int | None = None) -> None:
+        port = url.rsplit(":", 1)[1]
+        k = list(self.procs).index(url) if k is None else k
+        cmd = [sys.executable, "-m", "train.engine.server", "--model", str(self.model_dir), "--port", port,
+               "--api-key", self.api_key, "--weights-dir", str(self.exchange), "--threads", str(self.threads),
+               "--dtype", self.dtype, "--served-model-name", "policy"]
+        if self.device:
+            cmd += ["--device", self.device]
+        log = open(self.log_dir / f"server-{k}.log", "ab")
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.threads))
+        self.procs[url] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                           cwd=str(Path(__file__).resolve().parents[1]), preexec_fn=_die_with_parent)
+        log.close()
+
+    def _wait(self, url: str) -> None:
+        import urllib.request
+
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < self.timeout:
+            p = self.procs[url]
+            if p.poll() is not None:
+                k = list(self.procs).index(url)
+                tail = (self.log_dir / f"server-{k}.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"rollout server {url} exited with code {p.returncode}:\n{tail}")
+            req = urllib.request.Request(f"{url}/v1/models", headers={"Authorization": f"Bearer {self.api_key}"})
+            try:
+                with urllib.request.urlopen(req, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError(f"rollout server {url} did not answer within {self.timeout:.0f} s")
+
+    def restart(self, url: str) -> bool:
+        """Start the server at ``url`` again (it died); it then loads the newest published version."""
+        if url not in self.procs:
+            return False
+        p = self.procs[url]
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+        self._start(url)
+        self._wait(url)
+        self.restarts += 1
+        return True
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+class ServedEngine:
+    """The Engine contract over rollout servers, with weight sync as published versions: what the
+    RL trainer and the pipeline drive when ``rollout.servers`` or ``rollout.urls`` is set."""
+
+    supports_inflight_update = True  # servers swap weights between decode steps
+
+    def __init__(self, urls: list[str], exchange: Path, api_key: str | None, pool: ServerPool | None = None,
+                 per_server: int = 8, timeout_s: float = 600.0):
+        from train.engine.remote import RemoteEngine
+
+        self.exchange, self.pool = Path(exchange), pool
+        self.remote = RemoteEngine(urls, api_key=api_key, timeout=timeout_s, per_server=per_server,
+                                   on_server_down=self._down)
+        self.version = 0
+
+    def _down(self, url: str) -> bool:
+        if self.pool is None or not self.pool.restart(url):
+            return False
+        if self.version is not None:  # the restarted server catches up with the newest version
+            try:
+                self.remote._conn(url).call("POST", "/v1/load_weights", {"version": self.version})
+            except Exception:  # noqa: BLE001 - it stays out of the pool; the others go on
+                return False
+        return True
+
+    def generate(self, prompts, params, seeds=None):
+        return self.remote.generate(prompts, params, seeds=seeds)
+
+    def load_weights(self, state_dict, version: int | None = None) -> None:
+        from train.rl.exchange import publish_version
+
+        version = self.version + 1 if version is None else int(version)
+        publish_version(self.exchange, version, state_dict)
+        self.remote.load_version(version)
+        self.version = version
+
+    def close(self) -> None:
+        self.remote.close()
+        if self.pool is not None:
+            self.pool.close()
+
+
+def served_engine(rcfg, model_dir: Path, out: Path, log_dir: Path) -> ServedEngine | None:
+    """The run's rollout servers per ``rcfg.rollout`` (None when it names none). The exchange
+    directory's old versions are cleared first: versions restart with every stage."""
+    r = rcfg.rollout
+    if not r.servers and not r.urls:
+        return None
+    if r.servers and r.urls:
+        raise ConfigError("set rollout.servers (servers cascade starts) or rollout.urls (running servers), not both")
+    exchange = Path(out) / "exchange"
+    shutil.rmtree(exchange / "weights", ignore_errors=True)
+    exchange.mkdir(parents=True, exist_ok=True)
+    if r.urls:
+        if not r.api_key:
+            raise ConfigError("rollout.urls needs rollout.api_key: the servers' --api-key, for POST /v1/load_weights")
+        return ServedEngine(list(r.urls), exchange, r.api_key, per_server=r.per_server)
+    key = r.api_key or secrets.token_hex(16)
+    pool = ServerPool(r.servers, model_dir, exchange, key, r.threads, log_dir, r.startup_timeout_s, rcfg.dtype,
+                      None if rcfg.device == "cpu" else rcfg.device)
+    try:
+        return ServedEngine(pool.urls, exchange, key, pool, per_server=r.per_server)
+    except BaseException:
+        pool.close()
+        raise
