@@ -15,7 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "envs": ("envs.cli:main", "list, show and self-check environments"),
     "sandbox": ("envs.code.cli:main", "run or judge a program in the code sandbox"),
     "serve": ("train.engine.server:main", "serve a checkpoint over an OpenAI-compatible HTTP API"),
-    "calc": ("train.parallel.calc:main", "memory and communication calculator for TSP/TP/SP/DP"),
+    "calc": ("train.parallel.calc:main", "memory/communication of TSP/TP/SP/DP; `calc rollout`: rollout:trainer sizing"),
 }
 
 # Errors that are the user's to fix: printed as one line, exit code 2 (CASCADE_DEBUG=1 shows the traceback).

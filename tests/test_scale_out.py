@@ -97,3 +97,77 @@ def test_slurm_template_is_valid_bash():
     for s in ("#SBATCH --nodes=2", "trainer.nnodes=2", "trainer.rdzv_endpoint=", "rollout.urls=",
               "--rdzv-backend c10d", "-m train.rl.worker", "--weights-dir", "--api-key"):
         assert s in text, s
+
+
+# ------------------------------------------------------------------- cascade calc rollout sizing
+
+
+def test_rollout_sizing_hand_values():
+    from train.parallel.calc import rollout_sizing
+
+    # measured rates: 4 prompts x 8 = 32 completions of 100 + 400 tokens
+    r = rollout_sizing(1e9, prompts=4, group=8, prompt_len=100, response_len=400, gen_tps=1000, train_tps=4000,
+                       trainer_ranks=2)
+    assert r["gen_tokens_per_step"] == 32 * 400 == 12800 and r["train_tokens_per_step"] == 32 * 500 == 16000
+    assert r["servers_per_rank"] == pytest.approx(12800 / 16000 * 4000 / 1000) == pytest.approx(3.2)
+    assert r["servers_needed"] == r["servers"] == 7  # ceil(3.2 x 2 ranks)
+    assert r["gen_tps_total"] == 7000 and r["train_tps_total"] == 8000
+    assert r["gen_s_per_step"] == pytest.approx(12800 / 7000) and r["train_s_per_step"] == pytest.approx(2.0)
+    assert r["step_s_sync"] == pytest.approx(12800 / 7000 + 2.0) and r["step_s_pipelined"] == pytest.approx(2.0)
+    assert r["bottleneck"] == "trainer" and (r["gen_tps_source"], r["train_tps_source"]) == ("measured",) * 2
+    assert "assumptions" not in r
+    # fewer servers than needed: generation is the bottleneck
+    r = rollout_sizing(1e9, 4, 8, 100, 400, gen_tps=1000, train_tps=4000, trainer_ranks=2, servers=4)
+    assert (r["servers"], r["servers_needed"], r["bottleneck"]) == (4, 7, "generation")
+    assert r["gen_s_per_step"] == pytest.approx(3.2) and r["step_s_pipelined"] == pytest.approx(3.2)
+    # assumed rates: t = 0.3 x 1e15 / (6 x 1e9) = 5e4, g = 0.1 x 1e15 x 2 GPUs / (2 x 1e9) = 1e5
+    r = rollout_sizing(1e9, 1, 1, 0, 1000, trainer_ranks=8, gpus_per_server=2, peak_tflops=1000, train_mfu=0.3,
+                       gen_mfu=0.1, total_params=4e9, weight_bytes=2)
+    assert r["train_tps_per_rank"] == pytest.approx(5e4) and r["gen_tps_per_server"] == pytest.approx(1e5)
+    assert r["servers_per_rank"] == pytest.approx(0.5) and r["rollout_gpus_per_trainer_gpu"] == pytest.approx(1.0)
+    assert r["servers_needed"] == 4 and r["weight_bytes_per_version"] == 8e9
+    assert (r["gen_tps_source"], r["assumptions"]["gen_mfu"]) == ("assumed", 0.1)
+
+
+def test_active_parameters_and_counts():
+    from tests.test_rl_distributed import _cfgs
+    from train.parallel.calc import active_parameters, parse_count
+
+    dense, moe = _cfgs()["dense"], _cfgs()["moe"]
+    assert active_parameters(dense) == dense.num_parameters()
+    # one MoE layer: 2 of its 4 experts (3 x 32 x 18 each) are idle for a token
+    assert moe.num_parameters() - active_parameters(moe) == 2 * 3 * 32 * 18
+    assert (parse_count("8B", "--p"), parse_count("760M", "--p"), parse_count("1.5e9", "--p")) == (8e9, 7.6e8, 1.5e9)
+    for bad in ("8x", "-1", "0", "", "nanB"):
+        with pytest.raises(ValueError, match="--p: expected a positive number"):
+            parse_count(bad, "--p")
+
+
+def test_calc_rollout_cli_json_and_one_line_errors(capsys):
+    from cascade.cli import main as cascade
+    from train.model.config import ModelConfig
+    from train.parallel.calc import active_parameters, main
+    from train.presets import load_preset
+
+    base = ["rollout", "--prompts", "4", "--group", "8", "--prompt-len", "100", "--response-len", "400"]
+    assert main(base + ["--params", "8B", "--active-params", "1B", "--gen-tps", "1000", "--train-tps", "4000",
+                        "--trainer-ranks", "2", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["servers_needed"], r["total_params"], r["active_params"]) == (7, 8e9, 1e9)
+    assert main(base + ["--preset", "small-moe"]) == 0  # text form; the model from a preset
+    text = capsys.readouterr().out
+    m = dict(load_preset("small-moe")["model"])
+    m.setdefault("vocab_size", load_preset("small-moe")["tokenizer"]["vocab_size"])
+    cfg = ModelConfig.from_dict(m)
+    assert f"{active_parameters(cfg) / 1e6:.3g}M active" in text and "ASSUMED rates" in text
+    assert "rollout servers per trainer rank to keep up:" in text
+    for args, msg in ((["--params", "8x"], "--params: expected a positive number"),
+                      (["--params", "8B", "--prompts", "0"], "prompts (--prompts) must be > 0, got 0"),
+                      (["--params", "8B", "--gen-tps", "abc"], "argument --gen-tps: invalid float value"),
+                      (["--params", "8B", "--active-params", "9B"], "exceeds --params"),
+                      (["--params", "8B", "--preset", "small-moe"], "not both"),
+                      ([], "give the model"),
+                      (["--params", "8B", "--bogus"], "unrecognized arguments: --bogus")):
+        assert cascade(["calc"] + base + args) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("cascade calc: error: ") and msg in err and err.count("\n") == 1, (args, err)
