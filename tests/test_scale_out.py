@@ -1,16 +1,19 @@
-"""Scaling out: the RL trainer worker across two "nodes" simulated on 127.0.0.1, and the SLURM
-template.
+"""Scaling out: the RL trainer worker across two "nodes" simulated on 127.0.0.1, the SLURM
+template, and ``cascade calc rollout`` sizing.
 
 Two torchrun agents (``--nnodes 2 --nproc-per-node 1``, c10d rendezvous at 127.0.0.1:PORT, each
-agent its own process tree as on two hosts) run ``-m train.rl.worker`` on one shared exchange
-directory; the mesh (TSP 2, or DP 2) spans both agents. Three batches are written while they run;
-the worker must consume them, publish versions 1..3 and end with the weights of the
-single-process reference (train.parallel.rl_update.reference_update) within 1e-5.
+agent its own process tree as on two hosts; their logs show one global rank each) run
+``-m train.rl.worker`` on one shared exchange directory; the mesh (TSP 2, or DP 2) spans both
+agents. Three batches are written while they run; the worker must consume them, publish versions
+1..3 and end with the weights of the single-process reference
+(train.parallel.rl_update.reference_update) within 1e-5. gloo on CPU; real hosts and NCCL are not
+covered.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -31,7 +34,7 @@ def _start_two_nodes(exchange: Path, model_dir: Path, steps: int, tsp: int, dp: 
     cfg_path = exchange.parent / "rl.json"
     cfg_path.write_text(json.dumps(config_dict(rl_cfg("dppo_tv"))))
     endpoint, rdzv_id = f"127.0.0.1:{_free_port()}", f"scale-out-{time.time_ns()}"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), LOGLEVEL="INFO")  # agents log rendezvous
     agents = []
     for node in range(2):
         cmd = launch_command(exchange, model_dir, 1, steps, cfg_path, tsp=tsp, nnodes=2, rdzv_endpoint=endpoint,
@@ -72,9 +75,11 @@ def test_two_node_worker_equals_reference(worker_setup, tsp, dp):  # noqa: F811
     assert _max_err(_final_weights(ex), ref3) < TOL
     logs = [(ex.parent / f"node{n}.log").read_text() for n in range(2)]
     start = [json.loads(line) for text in logs for line in text.splitlines() if line.startswith('{"worker": "start"')]
-    # one world: a dp x tsp = 2 mesh (RLUpdater checks it equals the world size) from agents of one
-    # rank each, so the world spans both agents; only global rank 0 prints
-    assert len(start) == 1 and (start[0]["tsp"], start[0]["dp"]) == (tsp, dp), logs
+    assert len(start) == 1 and (start[0]["tsp"], start[0]["dp"]) == (tsp, dp), logs  # global rank 0 prints
+    # each agent's rendezvous result: one group of two agents, global rank 0 in one and 1 in the other
+    found = [(re.findall(r"group_world_size=(\d+)", t), re.findall(r"global_ranks=\[(\d+)\]", t)) for t in logs]
+    assert all(gws == ["2"] for gws, _ in found), found
+    assert sorted(r for _, ranks in found for r in ranks) == ["0", "1"], found
 
 
 def test_launch_command_two_nodes_needs_endpoint():
