@@ -19,7 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 # Errors that are the user's to fix: printed as one line, exit code 2 (CASCADE_DEBUG=1 shows the traceback).
-USER_ERRORS = (ValueError, KeyError, FileNotFoundError, NotADirectoryError, TypeError)
+USER_ERRORS = (ValueError, KeyError, FileNotFoundError, NotADirectoryError, TypeError, ConnectionError)
 
 
 def _usage() -> str:

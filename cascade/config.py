@@ -105,6 +105,25 @@ class Rollout:
 
 
 @dataclass
+class Trainer:
+    """Where the RL update runs: in this process (``nproc=1, nnodes=1``), or on ``nproc`` ranks per
+    node under torchrun on the sharded core, a DP x TSP mesh with TSP degree ``tsp`` (1: plain data
+    parallel) and the data-parallel axis holding 1/DP of the optimizer state. See cascade/learner.py."""
+
+    nproc: int = 1
+    nnodes: int = 1
+    rdzv_endpoint: str | None = None  # HOST:PORT of the c10d rendezvous, with nnodes > 1
+    rdzv_id: str = "cascade"
+    tsp: int = 1
+    tokens_per_micro: int = 16384     # padded tokens (rows x longest row) per micro-batch on a rank
+    timeout_s: float = 3600.0         # longest wait for the ranks (an update, a version, a checkpoint)
+
+    @property
+    def distributed(self) -> bool:
+        return self.nproc * self.nnodes > 1
+
+
+@dataclass
 class RunConfig:
     out: str = "runs/cascade"
     model: str | None = None          # a checkpoint directory; None: a fresh model from model_preset
@@ -118,6 +137,7 @@ class RunConfig:
     stages: dict[str, StageConfig] = field(default_factory=dict)
     logging: Logging = field(default_factory=Logging)
     rollout: Rollout = field(default_factory=Rollout)
+    trainer: Trainer = field(default_factory=Trainer)
 
     def __post_init__(self):
         if self.engine not in ("torch", "vllm"):
@@ -128,6 +148,15 @@ class RunConfig:
             raise ValueError("rollout.servers must be >= 0, rollout.threads and rollout.per_server >= 1")
         if self.rollout.servers and self.rollout.urls:
             raise ValueError("set rollout.servers (servers cascade starts) or rollout.urls (running servers), not both")
+        t = self.trainer
+        if t.nproc < 1 or t.nnodes < 1 or t.tsp < 1 or t.tokens_per_micro < 1:
+            raise ValueError("trainer.nproc, trainer.nnodes, trainer.tsp and trainer.tokens_per_micro must be >= 1")
+        world = t.nproc * t.nnodes
+        if world % t.tsp:
+            raise ValueError(f"trainer.tsp={t.tsp} does not divide the trainer's world size {world} "
+                             f"(nproc={t.nproc} x nnodes={t.nnodes})")
+        if t.nnodes > 1 and not t.rdzv_endpoint:
+            raise ValueError("trainer.nnodes > 1 needs trainer.rdzv_endpoint (HOST:PORT of the rendezvous)")
         missing = [s for s in self.order if s not in self.stages]
         if missing:
             raise ValueError(f"order names stages without a config: {missing}; configured: {sorted(self.stages)}")

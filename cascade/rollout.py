@@ -58,6 +58,7 @@ class ServerPool:
                 self._start(f"http://127.0.0.1:{free_port()}", k)
             for url in self.procs:
                 self._wait(url)
+            self._write_pids()
         except BaseException:
             self.close()
             raise
@@ -99,6 +100,11 @@ class ServerPool:
                 time.sleep(0.2)
         raise RuntimeError(f"rollout server {url} did not answer within {self.timeout:.0f} s")
 
+    def _write_pids(self) -> None:
+        import json
+
+        (self.log_dir / "servers.json").write_text(json.dumps({u: p.pid for u, p in self.procs.items()}))
+
     def restart(self, url: str) -> bool:
         """Start the server at ``url`` again (it died); it then loads the newest published version."""
         if url not in self.procs:
@@ -110,6 +116,7 @@ class ServerPool:
         self._start(url)
         self._wait(url)
         self.restarts += 1
+        self._write_pids()
         return True
 
     def close(self) -> None:
@@ -157,8 +164,12 @@ class ServedEngine:
 
         version = self.version + 1 if version is None else int(version)
         publish_version(self.exchange, version, state_dict)
+        self.load_published(version)
+
+    def load_published(self, version: int) -> None:
+        """Every server loads ``version``, already published in the exchange directory by the trainer ranks."""
+        self.version = version  # first: a server restarted meanwhile catches up to this one
         self.remote.load_version(version)
-        self.version = version
 
     def close(self) -> None:
         self.remote.close()

@@ -69,6 +69,10 @@ def main(argv: list[str]) -> int:
 
     for name in cfg.order:  # unknown environments fail here too
         expand_envs(cfg.stages[name].envs)
+    if cfg.rollout.urls:  # unreachable servers, or servers disagreeing on the model, fail here too
+        from train.engine.remote import RemoteEngine
+
+        RemoteEngine(cfg.rollout.urls, api_key=cfg.rollout.api_key, timeout=10.0).close()
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(tree, sort_keys=False))
 

@@ -106,6 +106,7 @@ class StageRunner:
 
         engine = served_engine(r, src, self.dir.parent.parent, self.dir / "logs") or make_engine(r, src, policy, tok)
         pipe = None  # PipelineRL around the trainer once RL starts, when max_staleness > 0
+        rl = None
         try:
             curriculum = self.build_curriculum(tok)
             mixer = None
@@ -157,6 +158,8 @@ class StageRunner:
                     if s.pool.size and state["pool"] is None:
                         state["pool"] = self.filter_pool(rl, curriculum)
                         rl.curriculum = self.pool_of(curriculum, state["pool"])
+                    if rl.learner is None and r.trainer.distributed:
+                        rl.learner = self.start_learner(rl, policy, src, tok)
                     if pipe is None and rl_cfg.max_staleness > 0:
                         from train.rl.pipeline import Pipeline
 
@@ -164,6 +167,9 @@ class StageRunner:
                     m = pipe.step() if pipe is not None else rl.step()
                     if mixer is not None:
                         m["aggregation_prompts"] = mixer.made
+                    if isinstance(engine, ServedEngine):
+                        m["prompts_resent"] = engine.remote.resent
+                        m["server_restarts"] = engine.pool.restarts if engine.pool is not None else 0
                     self.records.log(self.name, "rl", step, m)
                     info = f"reward {m['reward_mean']:.2f} acc {m['accuracy']:.2f}"
                 state["step"] = step + 1
@@ -178,6 +184,10 @@ class StageRunner:
             if pipe is not None:
                 pipe.close()
                 pipe = None
+            if rl.learner is not None:  # the ranks' last weights, whatever the sync schedule
+                from train.model.hf_io import load_into
+
+                load_into(policy, rl.learner.final())
             ckpt.wait()
             after = rl.evaluate(held)
             self.records.log(self.name, "eval", total, {"accuracy_before": state["eval_before"], "accuracy_after": after})
@@ -185,6 +195,8 @@ class StageRunner:
         finally:
             if pipe is not None:
                 pipe.close()
+            if rl is not None and rl.learner is not None:
+                rl.learner.close()
             if hasattr(engine, "close"):
                 engine.close()
         return self.final
@@ -242,9 +254,24 @@ class StageRunner:
         return {"rl": rl.state_dict(), "sft": sft.state_dict() if sft else None,
                 "mixer": mixer.state_dict() if mixer else None}
 
+    def start_learner(self, rl, policy, src: Path, tok):
+        """Trainer ranks under torchrun (cascade/learner.py), starting from the policy as it is now."""
+        from cascade.learner import WorkerLearner
+        from train.model.hf_io import save_pretrained
+
+        start = self.dir / "rl-start"
+        save_pretrained(policy, start, tokenizer_dir=src)
+        r = self.rcfg
+        return WorkerLearner(self.dir.parent.parent / "exchange", start, r.trainer, rl.cfg, self.scfg.steps,
+                             rl.step_idx, self.dir / "logs", r.dtype, rl.pad_id, r.device)
+
     def save(self, ckpt: Checkpointer, policy, src: Path, rl, sft, mixer, state: dict) -> None:
         from cascade.checkpoint import _fault
 
+        if rl.learner is not None:  # the ranks checkpoint the same update; this copy of the policy takes its weights
+            from train.model.hf_io import load_into
+
+            load_into(policy, rl.learner.checkpoint(rl.step_idx))
         _fault("before_checkpoint", state["step"])
         ckpt.save(state["step"], policy, src, self._trainer_state(rl, sft, mixer), dict(state))
 

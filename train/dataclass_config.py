@@ -58,6 +58,11 @@ def _check(tp, v, where: str):
     if tp is float:
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             return float(v)
+        if isinstance(v, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                return float(v)
+            except ValueError:
+                pass
         raise ConfigError(f"{where}: expected a number, got {v!r}")
     if tp is int:
         if isinstance(v, int) and not isinstance(v, bool):

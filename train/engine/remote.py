@@ -177,7 +177,9 @@ class RemoteEngine:
     def load_version(self, version: int | None = None, path: str | None = None) -> dict[str, int]:
         """Every live server loads weight ``version`` (or the version directory ``path``) of the run's
         exchange directory, in flight; returns the version each server reports. Raises with the
-        servers' one-line errors if any refuses (those that loaded keep the new version)."""
+        servers' one-line errors if any refuses (those that loaded keep the new version). A server
+        that is down is handled as in :meth:`generate`: out of the pool, or restarted by the hook
+        and then loaded."""
         if (version is None) == (path is None):
             raise ValueError("load_version needs exactly one of version or path")
         body = {"version": int(version)} if version is not None else {"path": str(path)}
@@ -198,10 +200,21 @@ class RemoteEngine:
             t.start()
         for t in threads:
             t.join()
+        for u in [u for u, r in results.items() if isinstance(r, _ServerDown)]:  # died: as in generate
+            with self._lock:
+                self.alive.discard(u)
+            if self._restarted(u):
+                with self._lock:
+                    self.alive.add(u)
+                one(u)
+            else:
+                del results[u]
+        if not results:
+            raise RemoteError(f"no rollout server left to load weights: {', '.join(urls)}")
         bad = {u: r for u, r in results.items() if isinstance(r, Exception)}
         if bad:
             raise RemoteError("; ".join(f"{u}: {e}" for u, e in bad.items()))
-        return {u: results[u] for u in urls}
+        return dict(results)
 
     # -- contract --------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[list[int]] | Sequence[str], params: SamplingParams,

@@ -46,7 +46,7 @@ from train.parallel.dp import MeshAdamW
 from train.parallel.shard import make_mesh
 from train.parallel.tsp import TSPCausalLM, check_tsp_config, zigzag_index
 from train.rl.exchange import TrainBatch, TrainSample
-from train.rl.losses import LossConfig, effective_agg, get_loss
+from train.rl.losses import LossConfig, effective_agg, get_loss, mismatch_metrics
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -228,7 +228,8 @@ class RLUpdater:
         for rows in micro:
             t = batch_tensors([samples[i] for i in rows], cfg.pad_id, self.device)
             lp, ent = self._logprobs(t, temp)
-            loss, mets = self.loss_fn(lp, t.mu, t.mu, t.advantages, t.mask, cfg.loss_cfg, denom=denom)
+            loss, mets = self.loss_fn(lp, t.mu, None, t.advantages, t.mask, cfg.loss_cfg, denom=denom)
+            mets.update(mismatch_metrics(lp, t.mu, t.mask))  # this policy (before the step) vs the behaviour one
             loss.backward()
             self.opt.accumulate()
             loss_total += float(loss.detach())
@@ -304,7 +305,7 @@ def reference_optimizer(model: CausalLM, cfg: RLUpdateConfig) -> torch.optim.Opt
 def reference_update(model: CausalLM, opt: torch.optim.Optimizer, batch: TrainBatch, cfg: RLUpdateConfig,
                      step: int) -> dict[str, float]:
     """The single-process RL step that :class:`RLUpdater` reproduces: the whole batch in one padded
-    forward (``modeling.token_logprobs``), the loss with ``old = rollout = mu``, clipping by the
+    forward (``modeling.token_logprobs``), the loss with the ratio against ``mu``, clipping by the
     norm of all gradients, AdamW at ``lr * lr_factor(step)``. Returns (loss, grad_norm, lr)."""
     lr = cfg.optim.lr * lr_factor(step, cfg.optim)
     for g in opt.param_groups:
@@ -312,7 +313,7 @@ def reference_update(model: CausalLM, opt: torch.optim.Optimizer, batch: TrainBa
     agg = effective_agg(cfg.loss, cfg.loss_cfg)
     t = batch_tensors(batch.samples, cfg.pad_id, model.device)
     lp = token_logprobs(model, t.input_ids, t.attention_mask, batch.temperature or 1.0, t.routed_experts)
-    loss, _ = get_loss(cfg.loss)(lp, t.mu, t.mu, t.advantages, t.mask, cfg.loss_cfg,
+    loss, _ = get_loss(cfg.loss)(lp, t.mu, None, t.advantages, t.mask, cfg.loss_cfg,
                                  denom=loss_denominator(batch.samples, agg))
     opt.zero_grad(set_to_none=True)
     loss.backward()

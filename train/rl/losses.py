@@ -59,7 +59,7 @@ from torch import Tensor
 
 from train.rl import Registry
 
-__all__ = ["LossConfig", "LOSSES", "get_loss", "aggregate", "AGG_MODES", "kl_estimate"]
+__all__ = ["LossConfig", "LOSSES", "get_loss", "aggregate", "AGG_MODES", "kl_estimate", "mismatch_metrics"]
 
 AGG_MODES = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
 KL_TYPES = ("k1", "k3")
@@ -139,6 +139,15 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: str) -> Tensor:
     if kind == "k3":
         return d.exp() - d - 1
     raise ValueError(f"unknown kl_type {kind!r}; choose one of {', '.join(KL_TYPES)}")
+
+
+def mismatch_metrics(logprobs: Tensor, mu: Tensor, mask: Tensor) -> dict[str, float]:
+    """How far the trainer's log-probs are from the behaviour log-probs ``mu`` the rollouts were
+    sampled with (stale weights and engine numerics both show here): ``mismatch_kl`` (k3 of
+    log(pi/mu), as ``approx_kl``) and ``mismatch_max_abs`` (max |log pi - log mu|) over ``mask``."""
+    m = mask.to(logprobs.dtype)
+    d = torch.where(m > 0, logprobs.detach() - mu, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return {"mismatch_kl": _masked_mean(d.exp() - 1 - d, m), "mismatch_max_abs": float(d.abs().max()) if d.numel() else 0.0}
 
 
 def _masked_mean(x: Tensor, mask: Tensor) -> float:

@@ -21,7 +21,7 @@ from train.engine.base import Completion, SamplingParams
 from train.model.modeling import CausalLM, token_logprobs
 from train.optim import OptimConfig, build_optimizer, clip_and_step, load_training_state, training_state
 from train.rl.advantages import compute_advantages
-from train.rl.losses import LossConfig, effective_agg, get_loss
+from train.rl.losses import LossConfig, effective_agg, get_loss, mismatch_metrics
 from train.rl.shaping import (DynamicSampler, LengthRewardConfig, OverlongConfig, is_repetitive, length_bonus,
                               linear_ramp, overlong_shaping)
 
@@ -145,6 +145,7 @@ class RLTrainer:
         self.prompts_too_long = 0
         self.agg = effective_agg(cfg.loss, cfg.loss_cfg)
         self.synced_version = 0  # the weight version the engine was last given
+        self.learner = None  # trainer ranks in other processes (cascade/learner.py); None: update in-process
 
     def env_of(self, env_id: str):
         """The curriculum's environment instance (configured with its kwargs), else one by id."""
@@ -261,10 +262,10 @@ class RLTrainer:
                 if behaviour:
                     loss, mets = self.loss_fn(lp, mu, None, adv[sl], m, cfg.loss_cfg, denom=denom)
                     if mi == 0:  # the trainer's current policy vs the behaviour policy, before any update
-                        d = torch.where(m > 0, lp.detach() - mu, 0.0).clamp(-20, 20)
-                        mis_sum += float(((torch.exp(d) - 1 - d) * m).sum())  # k3, as the losses report it
+                        mm = mismatch_metrics(lp, mu, m)
+                        mis_sum += mm["mismatch_kl"] * float(m.sum())
                         mis_w += float(m.sum())
-                        mismatch_max = max(mismatch_max or 0.0, float(d.abs().max()) if d.numel() else 0.0)
+                        mismatch_max = max(mismatch_max or 0.0, mm["mismatch_max_abs"])
                 else:
                     loss, mets = self.loss_fn(lp, old_lp[sl, :T1], mu, adv[sl], m, cfg.loss_cfg, denom=denom)
                 loss.backward()
@@ -297,9 +298,21 @@ class RLTrainer:
         return out
 
     def sync_weights(self) -> float:
-        """Send the policy's weights to the engine as version ``self.step_idx``; returns seconds taken."""
+        """Send the policy's weights to the engine as version ``self.step_idx``; returns seconds taken.
+        With trainer ranks elsewhere (``self.learner``) the version is the one they published: it is
+        loaded into this process's policy too, and servers read it from the exchange directory."""
         t = time.perf_counter()
-        load_weights(self.engine, self.policy.state_dict(), self.step_idx)
+        if self.learner is None:
+            load_weights(self.engine, self.policy.state_dict(), self.step_idx)
+        else:
+            from train.model.hf_io import load_into
+
+            sd = self.learner.weights(self.step_idx)
+            load_into(self.policy, sd)
+            if hasattr(self.engine, "load_published"):
+                self.engine.load_published(self.step_idx)
+            else:
+                load_weights(self.engine, sd, self.step_idx)
         self.synced_version = self.step_idx
         return time.perf_counter() - t
 
@@ -340,7 +353,12 @@ class RLTrainer:
         t1 = time.perf_counter()
         if groups:
             m.update(version_lag(groups, self.step_idx))
-            m.update(self.update(groups))
+            if self.learner is not None:
+                adv = self._advantages(groups)
+                m.update(self.learner.update(groups, adv, self.step_idx, self.cfg.sampling.temperature or 1.0))
+                m["advantage_abs_mean"] = float(adv.abs().mean())
+            else:
+                m.update(self.update(groups))
             trained_tokens = sum(len(r.prompt_ids) + len(r.completion.token_ids) for g in groups for r in g.rollouts)
             m["train_tokens_per_s"] = trained_tokens / max(time.perf_counter() - t1, 1e-9)
             self.step_idx += 1

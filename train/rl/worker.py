@@ -27,6 +27,11 @@ it. Files written (under ``DIR``):
 * ``final/``: at the end, an HF checkpoint of the fp32 master weights (tokenizer files copied
   from ``--model``) and ``final/COMPLETE``.
 
+An orchestrator that checkpoints its own state after ``step`` updates writes
+:func:`request_path` (``ckpt_requests/step-000013``): the worker then publishes version ``step``
+and writes its checkpoint of ``step`` (both complete before the request file disappears), so the
+two sides always resume from the same update.
+
 It stops after ``--steps`` updates in all (counting those before a resume), or when ``DIR/STOP``
 exists. The RL loss and optimizer options come from ``--config`` (JSON or YAML holding the fields
 of :class:`RLUpdateConfig`: ``loss``, ``loss_cfg``, ``optim``, ``tokens_per_micro``, ``dtype``,
@@ -122,8 +127,32 @@ def _write_json(path: Path, obj: dict) -> None:
     _atomic_write(path, lambda t: t.write_text(json.dumps(obj, indent=1)))
 
 
-def _poll(exchange: Path, step: int, poll_s: float, max_wait_s: float, device):
-    """Rank 0 waits for batch ``step`` (or STOP) and broadcasts the outcome: the batch, or None to stop."""
+CHECKPOINT = "checkpoint"  # what _poll returns for a checkpoint request
+
+
+def request_path(exchange: str | Path, step: int) -> Path:
+    """The file an orchestrator writes to ask for a checkpoint (and a weight version) after ``step`` updates."""
+    return Path(exchange) / "ckpt_requests" / f"step-{step:06d}"
+
+
+def _gone(pid: int | None, host: str | None = None) -> bool:
+    """Whether the orchestrator process ``pid`` on ``host`` has died (checked only on that host)."""
+    import socket
+
+    if not pid or (host and host != socket.gethostname()):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def _poll(exchange: Path, step: int, poll_s: float, max_wait_s: float, device, parent: tuple = (None, None)):
+    """Rank 0 waits for batch ``step``, a checkpoint request for ``step`` updates, or STOP, and
+    broadcasts the outcome: the batch, :data:`CHECKPOINT`, or None to stop."""
     from train.rl.exchange import read_batch
 
     t0 = time.monotonic()
@@ -131,8 +160,10 @@ def _poll(exchange: Path, step: int, poll_s: float, max_wait_s: float, device):
     while True:
         code = torch.zeros((), dtype=torch.int32, device=device)
         if dist.get_rank() == 0:
-            if (exchange / "STOP").exists():
+            if (exchange / "STOP").exists() or _gone(*parent):
                 code.fill_(2)
+            elif request_path(exchange, step).exists():
+                code.fill_(4)
             elif (batch := read_batch(exchange, step)) is not None:
                 code.fill_(1)
             elif max_wait_s and time.monotonic() - t0 > max_wait_s:
@@ -143,6 +174,8 @@ def _poll(exchange: Path, step: int, poll_s: float, max_wait_s: float, device):
             raise TimeoutError(f"no batch for step {step} under {exchange} after {max_wait_s:.0f} s")
         if code == 2:
             return None
+        if code == 4:
+            return CHECKPOINT
         if code == 1:
             box = [batch]
             dist.broadcast_object_list(box, src=0)
@@ -222,6 +255,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--poll", type=float, default=0.05, help="seconds between looks for the next batch")
     ap.add_argument("--max-wait", type=float, default=0.0, help="give up waiting for a batch after this (0: never)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--orchestrator-pid", type=int, default=None,
+                    help="stop (as with STOP) when this process has died (checked where rank 0 runs on "
+                         "--orchestrator-host)")
+    ap.add_argument("--orchestrator-host", default=None, help="host name of --orchestrator-pid (default: any)")
     a = ap.parse_args(argv)
     if a.steps < 0 or a.sync_every < 1 or a.checkpoint_every < 0 or a.tsp < 1:
         ap.error("--steps >= 0, --sync-every >= 1, --checkpoint-every >= 0 and --tsp >= 1 are required")
@@ -255,9 +292,25 @@ def main(argv=None) -> int:
             print(json.dumps({"worker": "start", "step": step, "dp": up.dp, "tsp": up.tsp, "device": str(device)}),
                   flush=True)
         while step < a.steps:
-            batch = _poll(exchange, step, a.poll, a.max_wait, device)
+            parent = (a.orchestrator_pid, a.orchestrator_host)
+            batch = _poll(exchange, step, a.poll, a.max_wait, device, parent)
             if batch is None:
+                if _gone(*parent):  # orphaned: leave no final/ that a resumed run could mistake
+                    dist.barrier()
+                    return 0
                 break
+            if batch is CHECKPOINT:  # the orchestrator checkpoints after `step` updates: state and weights
+                from train.rl.exchange import COMPLETE as DONE, version_dir
+
+                if not (version_dir(exchange, step) / DONE).exists():  # not already published by a sync
+                    sd = up.full_state_dict(DTYPES[cfg.dtype])
+                    if rank == 0:
+                        publish_version(exchange, step, sd)
+                save_checkpoint(up, exchange, step, a.keep_checkpoints)
+                if rank == 0:
+                    request_path(exchange, step).unlink(missing_ok=True)
+                dist.barrier()
+                continue
             m = up.step(batch, step)
             step += 1
             if rank == 0:

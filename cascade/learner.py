@@ -1,0 +1,143 @@
+"""The trainer role as separate processes: ``trainer.nproc`` ranks under ``torchrun`` running
+:mod:`train.rl.worker` on the sharded core (DP x TSP), driven by the orchestrator through the run's
+exchange directory (:mod:`train.rl.exchange`).
+
+The orchestrator keeps everything group-level (verification, rewards, advantages, dynamic
+sampling, the curriculum) and hands the trainer ranks a :class:`TrainBatch` per update; they
+publish weight versions, which the orchestrator loads into its own copy of the policy (for
+evaluation and its HF checkpoints) and into the rollout engine. Checkpoints stay in step: before
+the orchestrator writes its checkpoint after ``u`` updates it asks the ranks for theirs at ``u``
+(:func:`train.rl.worker.request_path`), and on resume the ranks' newer checkpoints and batches
+are removed, so both sides continue from the same update.
+
+With ``trainer.nnodes > 1`` this process starts the ranks of its own node; every other node runs
+the command logged in ``OUT/stages/N-NAME/logs/trainer-command.txt`` (see
+scripts/slurm/cascade_rl.sbatch).
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from train.rl.exchange import TrainBatch, TrainSample, batch_path, load_version, stack_routing, version_dir
+
+
+class WorkerLearner:
+    def __init__(self, exchange: Path, model_dir: Path, tcfg, rl_cfg, steps: int, start_update: int, log_dir: Path,
+                 dtype: str = "float32", pad_id: int = 0, device: str = "cpu"):
+        from train.parallel.rl_update import RLUpdateConfig
+        from train.rl.worker import CKPT_DIR, config_dict, launch_command
+
+        self.exchange, self.log_dir = Path(exchange), Path(log_dir)
+        self.timeout = tcfg.timeout_s
+        self._clear_after(start_update, CKPT_DIR)
+        cfg = RLUpdateConfig(loss=rl_cfg.loss, loss_cfg=rl_cfg.loss_cfg, optim=rl_cfg.optim,
+                             tokens_per_micro=tcfg.tokens_per_micro, dtype=dtype, pad_id=pad_id)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        conf = self.log_dir / "trainer-config.json"
+        conf.write_text(json.dumps(config_dict(cfg), indent=1, default=list))
+        from cascade.rollout import free_port
+
+        import os
+        import socket
+
+        extra = ["--sync-every", str(rl_cfg.sync_every), "--device", "cuda" if device.startswith("cuda") else "cpu",
+                 "--orchestrator-pid", str(os.getpid()), "--orchestrator-host", socket.gethostname()]
+        cmd = launch_command(self.exchange, model_dir, tcfg.nproc, steps, conf, tsp=tcfg.tsp,
+                             port=None if tcfg.nnodes > 1 else free_port(), extra=extra, nnodes=tcfg.nnodes,
+                             rdzv_endpoint=tcfg.rdzv_endpoint, rdzv_id=tcfg.rdzv_id)
+        (self.log_dir / "trainer-command.txt").write_text(shlex.join(cmd) + "\n")
+        self.log = self.log_dir / "trainer.log"
+        with open(self.log, "ab") as f:
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                         cwd=str(Path(__file__).resolve().parents[1]))
+
+    def _clear_after(self, update: int, ckpt_dir: str) -> None:
+        """Remove what the ranks did past ``update`` (their checkpoints, batches, metrics, versions)
+        and any leftover stop or checkpoint request: the orchestrator resumes at ``update``."""
+        (self.exchange / "STOP").unlink(missing_ok=True)
+        shutil.rmtree(self.exchange / "ckpt_requests", ignore_errors=True)
+        shutil.rmtree(self.exchange / "final", ignore_errors=True)
+        for sub, pre in ((ckpt_dir, "step-"), ("batches", "step-"), ("metrics", "step-"), ("weights", "v")):
+            d = self.exchange / sub
+            for p in d.iterdir() if d.is_dir() else []:
+                num = p.name[len(pre):].split(".")[0]
+                if not (p.name.startswith(pre) and num.isdigit()):
+                    continue
+                n = int(num)
+                stale = n >= update if sub in ("batches", "metrics") else n > update
+                if stale or (sub == ckpt_dir and update == 0):  # at update 0 the ranks start from --model
+                    shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+    # -- waiting on the ranks ----------------------------------------------------------------------
+    def _wait(self, what: str, done) -> None:
+        t0 = time.monotonic()
+        while not done():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the trainer ranks exited (code {self.proc.returncode}) while the orchestrator "
+                                   f"waited for {what}; last lines of {self.log}:\n{self.tail()}")
+            if self.timeout and time.monotonic() - t0 > self.timeout:
+                raise TimeoutError(f"no {what} from the trainer ranks after {self.timeout:.0f} s; see {self.log}")
+            time.sleep(0.02)
+
+    def tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
+
+    def update(self, groups, advantages: torch.Tensor, step: int, temperature: float) -> dict:
+        """Send the batch of update ``step`` and return the ranks' metrics of it."""
+        from train.rl.exchange import write_batch
+
+        rolls = [r for g in groups for r in g.rollouts]
+        samples = [TrainSample(list(r.prompt_ids), list(r.completion.token_ids), list(r.completion.logprobs),
+                               float(a), bool(r.keep), r.completion.versions, stack_routing(r.completion.routed_experts))
+                   for r, a in zip(rolls, advantages.tolist())]
+        write_batch(self.exchange, TrainBatch(step, samples, temperature))
+        path = self.exchange / "metrics" / f"step-{step:06d}.json"
+        self._wait(f"the metrics of update {step}", path.exists)
+        m = json.loads(path.read_text())
+        batch_path(self.exchange, step).unlink(missing_ok=True)  # consumed
+        return {k: v for k, v in m.items() if k not in ("step", "version") and not isinstance(v, (dict, list))}
+
+    def weights(self, version: int) -> dict[str, torch.Tensor]:
+        """The full weights of ``version`` once the ranks have published it (checksums verified)."""
+        from train.rl.exchange import COMPLETE
+
+        self._wait(f"weight version {version}", lambda: (version_dir(self.exchange, version) / COMPLETE).exists())
+        return load_version(self.exchange, version)[1]
+
+    def checkpoint(self, update: int) -> dict[str, torch.Tensor]:
+        """Ask the ranks to checkpoint after ``update`` updates; returns the weights of that update."""
+        from train.rl.worker import request_path
+
+        req = request_path(self.exchange, update)
+        req.parent.mkdir(parents=True, exist_ok=True)
+        req.write_text("")
+        self._wait(f"the checkpoint of update {update}", lambda: not req.exists())
+        return self.weights(update)
+
+    def final(self) -> dict[str, torch.Tensor]:
+        """Stop the ranks and return their final weights."""
+        from train.model.hf_io import read_state_dict
+
+        (self.exchange / "STOP").write_text("")
+        self._wait("the final checkpoint", lambda: (self.exchange / "final" / "COMPLETE").exists())
+        self.proc.wait(timeout=120)
+        return read_state_dict(self.exchange / "final")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            (self.exchange / "STOP").write_text("")
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                import os
+                import signal
+
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()

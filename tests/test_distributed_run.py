@@ -1,0 +1,142 @@
+"""`cascade run` with its three roles in separate processes: rollout servers (`rollout.servers`),
+trainer ranks under torchrun on the sharded core (`trainer.nproc`, `trainer.tsp`) and the
+orchestrator, on 127.0.0.1 with gloo; faults (kill -9 of a server, of the whole run) and bad
+layouts.
+
+The policy is the warm-started tiny dense model of tests/test_rl_loop.py (SFT on toy/max), so
+groups have mixed rewards and every update moves the weights.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.test_rl_loop import one_thread, warm  # noqa: F401 (fixtures)
+
+STAGE = ["stage=rlve", "profile=tiny", "logging.progress=false", "envs={toy/max: 1}", "controller=fixed",
+         "controller_kwargs={difficulty: 1}", "rl.chat_template=false", "rl.sampling.max_new_tokens=10",
+         "rl.dynamic_sampling=false", "rl.length_reward=false", "rl.optim.lr=1e-3", "rl.optim.warmup_steps=0",
+         "eval_problems=8", "checkpoint_every=2"]
+
+
+@pytest.fixture(scope="module")
+def warm_dir(warm, tmp_path_factory):
+    from train.model.hf_io import save_pretrained
+
+    _, tok, model = warm
+    d = tmp_path_factory.mktemp("warm-policy")
+    save_pretrained(model, d, tokenizer=tok)
+    return d
+
+
+def cascade(*args, env=None, timeout=600, wait=True):
+    e = dict(os.environ, **(env or {}))
+    cmd = [sys.executable, "-m", "cascade", "run", *args]
+    if not wait:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e)
+
+
+def rl_records(out):
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["phase"] == "rl"]
+
+
+def final_weights(out):
+    from train.model.hf_io import read_state_dict
+
+    return read_state_dict(out / "stages" / "1-rlve" / "final")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_servers_and_trainer_ranks_run_a_stage(warm_dir, tmp_path):
+    """Two rollout servers, two TSP trainer ranks: every step's behaviour log-probs equal the trainer's
+    (the servers serve exactly the weights the ranks published), the policy moves, and the final
+    checkpoint holds the ranks' final weights. Nothing is left running."""
+    out = tmp_path / "run"
+    r = cascade(f"out={out}", f"model={warm_dir}", *STAGE, "steps=3", "rollout.servers=2", "trainer.nproc=2",
+                "trainer.tsp=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = rl_records(out)
+    assert len(recs) == 3 and all(x["groups_trained"] == 8 for x in recs)
+    assert all(x["mismatch_kl"] < 1e-6 and x["version_lag_max"] == 0 for x in recs), recs
+    assert all(x["grad_norm"] > 0 for x in recs)
+    from train.model.hf_io import read_state_dict
+
+    fin, ranks = final_weights(out), read_state_dict(out / "exchange" / "final")
+    start = read_state_dict(warm_dir)
+    assert set(fin) == set(ranks)
+    assert all(torch.equal(fin[k], ranks[k]) for k in fin)
+    assert any(not torch.equal(fin[k], start[k]) for k in fin)
+    pids = json.loads((out / "stages" / "1-rlve" / "logs" / "servers.json").read_text()).values()
+    assert not any(alive(p) for p in pids)
+
+
+def test_kill_9_of_a_server_mid_run(warm_dir, tmp_path):
+    """A rollout server killed mid-run: its prompts go to the other, it is restarted (catching up
+    to the newest weights), the run completes with the same per-step sync guarantees."""
+    out = tmp_path / "run"
+    p = cascade(f"out={out}", f"model={warm_dir}", *STAGE, "steps=5", "rollout.servers=2", "rl.max_staleness=1",
+                wait=False)
+    servers = out / "stages" / "1-rlve" / "logs" / "servers.json"
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 300 and p.poll() is None:
+        if (out / "metrics.jsonl").exists() and rl_records(out) and servers.exists():
+            break
+        time.sleep(0.2)
+    victim = list(json.loads(servers.read_text()).values())[0]
+    os.kill(victim, signal.SIGKILL)
+    _, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-3000:]
+    recs = rl_records(out)
+    assert len(recs) == 5 and recs[-1]["server_restarts"] >= 1
+    assert all(x["version_lag_max"] <= 1 for x in recs)
+    assert victim not in json.loads(servers.read_text()).values()
+
+
+def test_kill_9_of_the_run_resumes_trainer_ranks_and_orchestrator_in_step(warm_dir, tmp_path):
+    """The whole run SIGKILLed just before the checkpoint of step 4 (trainer ranks notice and stop):
+    rerunning resumes orchestrator and ranks from step 2 (model, optimizer, curriculum, RNG) and ends
+    with the same weights as an uninterrupted run."""
+    args = [f"model={warm_dir}", *STAGE, "steps=5", "trainer.nproc=2", "trainer.tsp=1"]
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    r = cascade(f"out={ref}", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = cascade(f"out={out}", *args, env={"CASCADE_FAULT": "before_checkpoint:4"})
+    assert r.returncode == -signal.SIGKILL
+    time.sleep(1.0)  # the orphaned ranks see the orchestrator gone and exit
+    assert not (out / "exchange" / "final").exists()
+    r = cascade(f"out={out}", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = final_weights(ref), final_weights(out)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6)
+    assert [x["step"] for x in rl_records(out)][-3:] == [2, 3, 4]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["trainer.nproc=2", "trainer.tsp=4"], "trainer.tsp=4 does not divide the trainer's world size 2"),
+    (["trainer.nnodes=2"], "trainer.nnodes > 1 needs trainer.rdzv_endpoint"),
+    (["rollout.urls=[http://127.0.0.1:9]", "rollout.api_key=k"], "127.0.0.1:9"),
+    (["rollout.servers=1", "rollout.urls=[http://127.0.0.1:9]"], "not both"),
+])
+def test_bad_layouts_fail_before_any_work(warm_dir, tmp_path, args, needle):
+    out = tmp_path / "run"
+    r = cascade(f"out={out}", f"model={warm_dir}", *STAGE, *args, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert needle in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
+    assert not list((out / "stages").glob("*/checkpoints/*"))
