@@ -156,8 +156,8 @@ class ServedEngine:
                 return False
         return True
 
-    def generate(self, prompts, params, seeds=None):
-        return self.remote.generate(prompts, params, seeds=seeds)
+    def generate(self, prompts, params, seeds=None, return_routed_experts: bool = False):
+        return self.remote.generate(prompts, params, seeds=seeds, return_routed_experts=return_routed_experts)
 
     def load_weights(self, state_dict, version: int | None = None) -> None:
         from train.rl.exchange import publish_version

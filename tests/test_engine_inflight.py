@@ -7,24 +7,21 @@ import time
 import pytest
 import torch
 
+from tests.test_native import _model as native_model
+
 from train.engine import SamplingParams, TorchEngine, native
-from train.model.config import ModelConfig
-from train.model.modeling import CausalLM, token_logprobs
+from train.model.modeling import token_logprobs
 
 PATHS = ["native", "torch"]
 
 
 def _model(seed=0, **kw):
-    base = dict(vocab_size=203, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=16, intermediate_size=80, max_position_embeddings=256, num_experts=6,
-                num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[1])
-    base.update(kw)
-    m = CausalLM(ModelConfig(**base)).init_weights(seed, std=0.15).eval()
+    """test_native's model, MoE with a dense middle layer by default, with peaked next-token
+    distributions (greedy and sampling differ from noise)."""
+    base = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[1])
+    m = native_model(seed, **{**base, **kw})
     with torch.no_grad():
-        for name, p in m.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.8, 1.2)
-        m.lm_head.weight.mul_(3.0)  # peaked next-token distributions: greedy and sampling differ from noise
+        m.lm_head.weight.mul_(3.0)
     return m
 
 

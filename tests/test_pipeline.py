@@ -20,6 +20,14 @@ SHARED = ("reward_mean", "accuracy", "format_ok", "response_len", "groups_sample
           "difficulty")
 
 
+def run_pipeline(rl, steps: int) -> list[dict]:
+    pipe = Pipeline(rl)
+    try:
+        return [pipe.step() for _ in range(steps)]
+    finally:
+        pipe.close()
+
+
 def _params(rl):
     return {k: v.detach().clone() for k, v in rl.policy.state_dict().items()}
 
@@ -28,11 +36,7 @@ def test_max_staleness_zero_is_the_synchronous_loop(warm):
     sync = make_trainer(warm, seed=3)
     want = [sync.step() for _ in range(3)]
     rl = make_trainer(warm, seed=3)
-    pipe = Pipeline(rl)
-    try:
-        got = [pipe.step() for _ in range(3)]
-    finally:
-        pipe.close()
+    got = run_pipeline(rl, 3)
     for w, g in zip(want, got):
         assert {k: w.get(k) for k in SHARED} == {k: g.get(k) for k in SHARED}
         assert g["groups_dropped_stale"] == 0 and g["version_lag_max"] == 0
@@ -50,11 +54,7 @@ def test_bounded_staleness_overlaps_and_never_trains_older_groups(warm):
         return update(groups)
 
     rl.update = spy
-    pipe = Pipeline(rl)
-    try:
-        ms = [pipe.step() for _ in range(6)]
-    finally:
-        pipe.close()
+    ms = run_pipeline(rl, 6)
     assert all(v - gv <= 2 for v, gvs in trained for gv in gvs)
     assert all(m["version_lag_max"] <= 2 for m in ms)
     assert max(m["version_lag_max"] for m in ms) >= 1  # the producer ran ahead of the trainer
@@ -117,10 +117,64 @@ def test_batches_without_trainable_groups_do_not_stall_the_pipeline(warm):
         return ([] if calls[0] <= 2 else groups), m
 
     rl.collect = first_two_empty
-    pipe = Pipeline(rl)
-    try:
-        ms = [pipe.step() for _ in range(4)]
-    finally:
-        pipe.close()
+    ms = run_pipeline(rl, 4)
     # the trainer takes the oldest buffered groups, whichever batch they came from
     assert ms[0]["groups_trained"] == 0 and rl.step_idx == sum(m["groups_trained"] > 0 for m in ms) >= 2
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_router_replay_in_the_trainer(tiny_moe_dir, replay):
+    """The engine's router differs from the trainer's (perturbed copy): with router replay the
+    trainer scores every sampled token with the engine's expert choice, so its log-probs equal the
+    behaviour log-probs; without it they differ. Top-1 routing with renormalised weights, where the
+    expert choice alone decides the output (with k > 1 the mixing weights would still differ)."""
+    import copy
+    import dataclasses
+
+    from envs.curriculum import Curriculum
+    from train.engine import TorchEngine
+    from train.model.hf_io import load_config
+    from train.model.modeling import CausalLM
+    from train.rl.trainer import RLTrainer, SamplingConfig
+    from train.tokenizer import load_tokenizer
+
+    mcfg = dataclasses.replace(load_config(tiny_moe_dir), num_experts_per_tok=1, norm_topk_prob=True)
+    policy, tok = CausalLM(mcfg).init_weights(3, std=0.1), load_tokenizer(tiny_moe_dir)
+    eng_model = copy.deepcopy(policy)
+    with torch.no_grad():
+        for name, p in eng_model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.5)
+    cfg = RLConfig(group_size=4, prompts_per_step=4, chat_template=False, dynamic_sampling=False,
+                   sampling=SamplingConfig(max_new_tokens=12), optim=OptimConfig(lr=0.0), router_replay=replay)
+    cur = Curriculum(["toy/max"], controller="fixed", controller_kwargs={"difficulty": 1})
+    rl = RLTrainer(policy, tok, TorchEngine(eng_model, tok), cur, cfg)
+    groups, _ = rl.collect()
+    assert all((r.completion.routed_experts is not None) == replay for g in groups for r in g.rollouts)
+    m = rl.update(groups)
+    if replay:
+        assert m["mismatch_max_abs"] < 1e-3
+    else:
+        assert m["mismatch_max_abs"] > 1e-2
+
+
+def test_bf16_policy_keeps_fp32_master_weights():
+    """AdamW steps of 1e-3 on weights near 1: a bf16 weight (spacing 2^-7) would round each one away;
+    with fp32 master weights they accumulate, and a resume restores the masters exactly."""
+    from train.optim import MasterWeights, build_optimizer, clip_and_step
+
+    lin = torch.nn.Linear(4, 4, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.fill_(1.0)
+    opt, sched = build_optimizer(lin, OptimConfig(lr=1e-3))
+    assert isinstance(opt, MasterWeights)
+    for _ in range(12):
+        lin(torch.ones(1, 4, dtype=torch.bfloat16)).float().sum().backward()
+        clip_and_step(lin, opt, sched, 0.0)
+    master = opt.master[id(lin.weight)].detach()
+    assert float(master.mean()) == pytest.approx(1 - 12e-3, abs=2e-4)
+    assert float(lin.weight.float().mean()) < 1.0  # the bf16 copy moved too
+    st = opt.state_dict()
+    opt2, _ = build_optimizer(lin, OptimConfig(lr=1e-3))
+    opt2.load_state_dict(st)
+    torch.testing.assert_close(opt2.master[id(lin.weight)], master)

@@ -24,21 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
 
-
-def _cfgs():
-    from train.model.config import ModelConfig
-
-    base = dict(vocab_size=50, hidden_size=32, intermediate_size=42, num_hidden_layers=2, head_dim=8)
-    dense = ModelConfig(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, **base)
-    moe = ModelConfig(num_attention_heads=8, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
-                      moe_intermediate_size=18, mlp_only_layers=[0], **base)  # layer 0 dense, layer 1 MoE
-    return {"dense": dense, "moe": moe}
-
-
-def _model(cfg, seed=0):
-    from train.model.modeling import CausalLM
-
-    return CausalLM(cfg).init_weights(seed, std=0.2)
+from tests.test_parallel import _cfgs, _model  # noqa: E402 (the same tiny dense and MoE configs)
 
 
 def make_batch(step: int, cfg, n: int = 8, seed: int = 0, temperature: float = 0.9):
@@ -386,10 +372,11 @@ def test_torchrun_worker_resumes_after_kill(worker_setup):
 
 
 def test_dp_split_and_token_budget_micro_batches():
-    from train.parallel.rl_update import split_balanced, token_budget_micro_batches
+    from train.parallel.rl_update import token_budget_micro_batches
+    from train.rl.packing import balance_across_ranks
 
     lengths = [30, 5, 12, 12, 7, 20, 3, 9]
-    bins = split_balanced(lengths, 2)
+    bins = balance_across_ranks(lengths, 2)
     assert sorted(i for b in bins for i in b) == list(range(8))
     loads = [sum(lengths[i] for i in b) for b in bins]
     assert max(loads) - min(loads) <= max(lengths[i] for i in range(8) if lengths[i] <= 12)

@@ -38,15 +38,66 @@ def lr_factor(step: int, cfg: OptimConfig) -> float:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig):
-    """AdamW (no decay on norms and biases) and a LambdaLR following :func:`lr_factor`."""
+    """AdamW (no decay on norms and biases) and a LambdaLR following :func:`lr_factor`. Parameters
+    in a low-precision dtype (bf16/fp16) get fp32 master weights and fp32 optimizer state
+    (:class:`MasterWeights`), so updates smaller than the dtype's spacing accumulate instead of
+    rounding away."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
             (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    low = any(p.dtype in (torch.bfloat16, torch.float16) for p in decay + no_decay)
+    masters = MasterWeights(decay + no_decay) if low else None
+    pick = (lambda ps: [masters.master[id(p)] for p in ps]) if low else (lambda ps: ps)
+    opt = torch.optim.AdamW([{"params": pick(decay), "weight_decay": cfg.weight_decay},
+                             {"params": pick(no_decay), "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
+    if low:
+        masters.attach(opt)
+        return masters, sched
     return opt, sched
+
+
+class MasterWeights:
+    """An optimizer over fp32 master copies of low-precision model parameters: ``step()`` hands the
+    model's gradients (as fp32) to the inner AdamW, steps it on the masters and writes them back in
+    the model's dtype. ``state_dict()`` holds the inner state and the masters (a resume keeps the
+    low bits). Quacks like the ``torch.optim`` optimizer it wraps (``param_groups``, ``zero_grad``)."""
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.params = params
+        self.master = {id(p): p.detach().float().clone().requires_grad_(True) for p in params}
+        self.opt: torch.optim.Optimizer | None = None
+
+    def attach(self, opt: torch.optim.Optimizer) -> None:
+        self.opt = opt
+
+    @property
+    def param_groups(self):
+        return self.opt.param_groups
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p in self.params:
+            self.master[id(p)].grad = None if p.grad is None else p.grad.float()
+        self.opt.step()
+        for p in self.params:
+            p.copy_(self.master[id(p)])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+        self.opt.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict:
+        return {"inner": self.opt.state_dict(), "master": [self.master[id(p)].detach().clone() for p in self.params]}
+
+    @torch.no_grad()
+    def load_state_dict(self, st: dict) -> None:
+        self.opt.load_state_dict(st["inner"])
+        for p, m in zip(self.params, st["master"]):
+            self.master[id(p)].copy_(m)
+            p.copy_(m)
 
 
 def clip_and_step(model, opt, sched, grad_clip: float) -> float:

@@ -9,8 +9,9 @@ single-process :func:`reference_update` does, within float rounding:
   batch (tokens for ``token_mean``, rollouts for the ``seq_*`` modes, as ``RLTrainer.update``
   counts them), so the micro-batch losses of all ranks sum to the loss of the whole batch;
 * DP: the rollouts are dealt to the data-parallel ranks balanced by token count (longest first,
-  each to the least loaded rank); each rank forms micro-batches of rows of similar length under
-  a padded-token budget (``tokens_per_micro``). Rollouts with ``keep=False`` or no completion
+  each to the least loaded rank); each rank packs its rollouts back to back into micro-batches
+  of at most ``tokens_per_micro`` tokens (:mod:`train.rl.packing`); TSP ranks instead form padded
+  micro-batches of rows of similar length under a padded-token budget. Rollouts with ``keep=False`` or no completion
   contribute nothing and are not computed (they still count in the ``seq_*`` denominators);
 * TSP (degree D > 1): each rank computes the log-probs of its own tokens
   (:meth:`TSPCausalLM.token_logprobs`, temperature and router replay included); an
@@ -46,6 +47,7 @@ from train.parallel.dp import MeshAdamW
 from train.parallel.shard import make_mesh
 from train.parallel.tsp import TSPCausalLM, check_tsp_config, zigzag_index
 from train.rl.exchange import TrainBatch, TrainSample
+from train.rl.packing import balance_across_ranks, pack_by_tokens, packed_token_logprobs, scatter_rows
 from train.rl.losses import LossConfig, effective_agg, get_loss, mismatch_metrics
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -56,7 +58,7 @@ class RLUpdateConfig:
     loss: str = "dppo_tv"
     loss_cfg: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    tokens_per_micro: int = 4096   # padded tokens (rows x longest row) per micro-batch
+    tokens_per_micro: int = 4096   # tokens per micro-batch: packed (tsp 1), or padded rows x longest row (TSP)
     dtype: str = "float32"         # float32 | bfloat16 (compute copy; fp32 master and optimizer state)
     pad_id: int = 0
 
@@ -128,17 +130,6 @@ def loss_denominator(samples: list[TrainSample], agg: str) -> float:
     return float(max(1, len(samples)))
 
 
-def split_balanced(lengths: list[int], parts: int) -> list[list[int]]:
-    """Indices dealt to ``parts`` bins, longest first, each to the bin with the fewest tokens."""
-    bins: list[list[int]] = [[] for _ in range(parts)]
-    load = [0] * parts
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        j = min(range(parts), key=lambda j: (load[j], j))
-        bins[j].append(i)
-        load[j] += lengths[i]
-    return bins
-
-
 def token_budget_micro_batches(indices: list[int], lengths: list[int], budget: int) -> list[list[int]]:
     """Rows sorted longest first, cut so that rows x longest row <= ``budget`` (one row at least)."""
     out: list[list[int]] = []
@@ -199,12 +190,13 @@ class RLUpdater:
         self.net.to(DTYPES[cfg.dtype])
 
     # -- one step -------------------------------------------------------------------------------
-    def _logprobs(self, t: RLTensors, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probs [B, T-1] with grad, entropy [B, T-1]) of the rows, the same on every TSP rank."""
+    def _logprobs(self, t: RLTensors, temperature: float, samples: list[TrainSample]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs [B, T-1] with grad, entropy [B, T-1]) of the rows, the same on every TSP rank.
+        Without TSP the rows run packed back to back (train/rl/packing.py); TSP ranks take them padded."""
         if self.tsp == 1:
-            lp, ent = token_logprobs(self.net, t.input_ids, t.attention_mask, temperature, t.routed_experts,
-                                     return_entropy=True)
-            return lp, ent.detach()
+            lps, ents = packed_token_logprobs(self.net, samples, temperature)
+            starts, W = [len(s.prompt_ids) - 1 for s in samples], t.input_ids.shape[1] - 1
+            return scatter_rows(lps, starts, W), scatter_rows(ents, starts, W)
         lp, _, ent = self.net.token_logprobs(t.input_ids, t.attention_mask, temperature, t.routed_experts,
                                              return_entropy=True)
         full = gather_tokens(torch.stack([lp, ent.to(lp.dtype)], -1), t.input_ids.shape[1], self.tsp_group)
@@ -218,8 +210,11 @@ class RLUpdater:
         denom = loss_denominator(samples, self.agg)
         live = [i for i, s in enumerate(samples) if s.keep and s.completion_ids]
         lengths = [s.num_tokens for s in samples]
-        mine = split_balanced([lengths[i] for i in live], self.dp)[self.dp_rank]
-        micro = token_budget_micro_batches([live[i] for i in mine], lengths, cfg.tokens_per_micro)
+        mine = [live[i] for i in balance_across_ranks([lengths[i] for i in live], self.dp)[self.dp_rank]]
+        if self.tsp == 1:  # packed: the budget counts real tokens
+            micro = [[mine[j] for j in mb] for mb in pack_by_tokens([lengths[i] for i in mine], cfg.tokens_per_micro)]
+        else:
+            micro = token_budget_micro_batches(mine, lengths, cfg.tokens_per_micro)
         temp = batch.temperature or 1.0
         sums: dict[str, float] = {}
         weight = loss_total = ent_sum = 0.0
@@ -227,7 +222,7 @@ class RLUpdater:
         self.net.train()
         for rows in micro:
             t = batch_tensors([samples[i] for i in rows], cfg.pad_id, self.device)
-            lp, ent = self._logprobs(t, temp)
+            lp, ent = self._logprobs(t, temp, [samples[i] for i in rows])
             loss, mets = self.loss_fn(lp, t.mu, None, t.advantages, t.mask, cfg.loss_cfg, denom=denom)
             mets.update(mismatch_metrics(lp, t.mu, t.mask))  # this policy (before the step) vs the behaviour one
             loss.backward()

@@ -233,3 +233,14 @@ def packed_token_logprobs(model: CausalLM, samples_or_token_lists: Sequence, tem
     if not return_entropy:
         return list(torch.split(out, counts))
     return list(torch.split(out[0], counts)), list(torch.split(out[1], counts))
+
+
+def scatter_rows(values: Sequence[torch.Tensor], starts: Sequence[int], width: int) -> torch.Tensor:
+    """Per-sequence 1-D tensors placed into a zero [len(values), width] tensor at column ``starts[i]``
+    (differentiable): completion log-probs in the layout of :func:`train.batching.make_batch`'s
+    loss mask, where completion token j of a prompt of length P sits at column P - 1 + j."""
+    dev = values[0].device if len(values) else None
+    rows = torch.cat([torch.full((len(v),), i, dtype=torch.long, device=dev) for i, v in enumerate(values)])
+    cols = torch.cat([torch.arange(st, st + len(v), device=dev) for st, v in zip(starts, values)])
+    out = torch.zeros(len(values), width, dtype=values[0].dtype, device=dev)
+    return out.index_put((rows, cols), torch.cat(list(values)))

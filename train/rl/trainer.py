@@ -16,9 +16,9 @@ from typing import Any, Callable
 import torch
 
 from envs.base import Problem, Score
-from train.batching import index_batch, make_batch, micro_batches
+from train.batching import make_batch, micro_batches
 from train.engine.base import Completion, SamplingParams
-from train.model.modeling import CausalLM, token_logprobs
+from train.model.modeling import CausalLM
 from train.optim import OptimConfig, build_optimizer, clip_and_step, load_training_state, training_state
 from train.rl.advantages import compute_advantages
 from train.rl.losses import LossConfig, effective_agg, get_loss, mismatch_metrics
@@ -61,7 +61,9 @@ class RLConfig:
     repetition_threshold: float = 0.05
     repetition_chunk: int = 2048
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
-    micro_batch_size: int = 32
+    micro_batch_size: int = 32          # at most this many rollouts in one packed micro-batch
+    tokens_per_micro: int = 16384       # token budget of a packed micro-batch (sequences back to back)
+    router_replay: bool = True          # MoE: the trainer routes each token to the experts the engine chose
     updates_per_batch: int = 1          # optimizer steps per rollout batch (mini-batches)
     sync_every: int = 1                 # weight sync to the engine every k optimizer steps
     # Off-policy correction. behaviour: the PPO/GSPO/CISPO ratio and the DPPO weight are taken
@@ -121,6 +123,14 @@ class Group:
         return [r.reward for r in self.rollouts]
 
 
+@dataclass
+class _Seq:
+    """A (prompt, completion) pair as the packing functions take it."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+
+
 def encode_prompt(tokenizer, text: str, chat: bool = True, system: str | None = None) -> list[int]:
     if chat:
         from train.tokenizer import chat_prompt_ids
@@ -146,6 +156,8 @@ class RLTrainer:
         self.agg = effective_agg(cfg.loss, cfg.loss_cfg)
         self.synced_version = 0  # the weight version the engine was last given
         self.learner = None  # trainer ranks in other processes (cascade/learner.py); None: update in-process
+        # router replay: ask the engine for its expert choices where it can give them
+        self.replay = cfg.router_replay and policy.config.is_moe and _takes(engine.generate, "return_routed_experts")
 
     def env_of(self, env_id: str):
         """The curriculum's environment instance (configured with its kwargs), else one by id."""
@@ -188,7 +200,8 @@ class RLTrainer:
         if not picks:
             return []
         v0 = engine_version(self.engine, self.synced_version)
-        comps = self.engine.generate(prompts, cfg.sampling.params(G, self.rng.getrandbits(62)))
+        kw = {"return_routed_experts": True} if self.replay else {}
+        comps = self.engine.generate(prompts, cfg.sampling.params(G, self.rng.getrandbits(62)), **kw)
         for c in comps:  # engines that do not track versions per token sampled all of it with v0
             if c.versions is None:
                 c.versions = [v0] * len(c.token_ids)
@@ -243,7 +256,7 @@ class RLTrainer:
         n = len(rolls)
         temp = cfg.sampling.temperature or 1.0
         behaviour = cfg.ratio_against == "behaviour"
-        old_lp = None if behaviour else self._logprobs_no_grad(batch, n, temp)
+        old_lp = None if behaviour else self._logprobs_no_grad(rolls, batch, temp)
         self.policy.train()
         minis = micro_batches(n, -(-n // cfg.updates_per_batch))
         sums: dict[str, float] = {}  # token-weighted sums of the loss function's metrics
@@ -252,22 +265,20 @@ class RLTrainer:
         mis_sum = mis_w = 0.0
         for mi, mini in enumerate(minis):
             denom = float(mask[mini].sum().clamp(min=1)) if self.agg == "token_mean" else float(mini.stop - mini.start)
-            for mb in micro_batches(mini.stop - mini.start, cfg.micro_batch_size):
-                sl = slice(mini.start + mb.start, mini.start + mb.stop)
-                b = index_batch(batch, sl)
-                T1 = b.input_ids.shape[1] - 1
-                lp, ent = token_logprobs(self.policy, b.input_ids, b.attention_mask, temp, return_entropy=True)
-                m = mask[sl, :T1]
-                mu = rollout_lp[sl, :T1]
+            for rows in self._packs(rolls, range(mini.start, mini.stop)):
+                W = max(len(rolls[i].prompt_ids) + len(rolls[i].completion.token_ids) for i in rows) - 1
+                lp, ent = self._packed_logprobs(rolls, rows, batch, temp, W)
+                idx = torch.tensor(rows, device=mask.device)
+                m, mu = mask[idx, :W], rollout_lp[idx, :W]
                 if behaviour:
-                    loss, mets = self.loss_fn(lp, mu, None, adv[sl], m, cfg.loss_cfg, denom=denom)
+                    loss, mets = self.loss_fn(lp, mu, None, adv[idx], m, cfg.loss_cfg, denom=denom)
                     if mi == 0:  # the trainer's current policy vs the behaviour policy, before any update
                         mm = mismatch_metrics(lp, mu, m)
                         mis_sum += mm["mismatch_kl"] * float(m.sum())
                         mis_w += float(m.sum())
                         mismatch_max = max(mismatch_max or 0.0, mm["mismatch_max_abs"])
                 else:
-                    loss, mets = self.loss_fn(lp, old_lp[sl, :T1], mu, adv[sl], m, cfg.loss_cfg, denom=denom)
+                    loss, mets = self.loss_fn(lp, old_lp[idx, :W], mu, adv[idx], m, cfg.loss_cfg, denom=denom)
                 loss.backward()
                 loss_total += float(loss.detach())  # micro-batch losses add up to the mini-batch loss
                 mets.pop("loss", None)
@@ -277,7 +288,7 @@ class RLTrainer:
                 for k, v in mets.items():
                     sums[k] = sums.get(k, 0.0) + v * w
                 weight += w
-                ent_sum += float((ent.detach() * m).sum())
+                ent_sum += float((ent * m).sum())
             grad_norm = clip_and_step(self.policy, self.opt, self.sched, cfg.optim.grad_clip)
         self.policy.eval()
         metrics = {k: v / max(weight, 1.0) for k, v in sums.items()}
@@ -289,12 +300,39 @@ class RLTrainer:
                        lr=self.sched.get_last_lr()[0], advantage_abs_mean=float(adv.abs().mean()))
         return metrics
 
+    def _packs(self, rolls: list[Rollout], rows) -> list[list[int]]:
+        """Rows grouped into packed micro-batches: at most ``tokens_per_micro`` tokens and
+        ``micro_batch_size`` rollouts each."""
+        from train.rl.packing import pack_by_tokens
+
+        rows = list(rows)
+        lengths = [len(rolls[i].prompt_ids) + len(rolls[i].completion.token_ids) for i in rows]
+        out = []
+        for mb in pack_by_tokens(lengths, self.cfg.tokens_per_micro):
+            for k in range(0, len(mb), max(1, self.cfg.micro_batch_size)):
+                out.append([rows[j] for j in mb[k:k + self.cfg.micro_batch_size]])
+        return out
+
+    def _packed_logprobs(self, rolls: list[Rollout], rows: list[int], batch, temp: float, width: int):
+        """Log-probs (with grad) and entropies of the completions of ``rows`` from one packed forward,
+        laid out [len(rows), width] like ``batch.loss_mask`` (router replay when the engine recorded
+        the experts)."""
+        from train.rl.exchange import stack_routing
+        from train.rl.packing import packed_token_logprobs, scatter_rows
+
+        seqs = [_Seq(rolls[i].prompt_ids, rolls[i].completion.token_ids) for i in rows]
+        routed = [rolls[i].completion.routed_experts for i in rows]
+        routed = [stack_routing(r) for r in routed] if all(r is not None for r in routed) else None
+        lps, ents = packed_token_logprobs(self.policy, seqs, temp, routed_experts=routed)
+        starts = [batch.prompt_lens[i] - 1 for i in rows]
+        return scatter_rows(lps, starts, width), scatter_rows(ents, starts, width)
+
     @torch.no_grad()
-    def _logprobs_no_grad(self, batch, n: int, temp: float) -> torch.Tensor:
+    def _logprobs_no_grad(self, rolls: list[Rollout], batch, temp: float) -> torch.Tensor:
         out = torch.zeros(batch.loss_mask.shape, device=batch.loss_mask.device)
-        for s in micro_batches(n, self.cfg.micro_batch_size):
-            b = index_batch(batch, s)
-            out[s, :b.input_ids.shape[1] - 1] = token_logprobs(self.policy, b.input_ids, b.attention_mask, temp)
+        for rows in self._packs(rolls, range(len(rolls))):
+            W = max(len(rolls[i].prompt_ids) + len(rolls[i].completion.token_ids) for i in rows) - 1
+            out[torch.tensor(rows, device=out.device), :W] = self._packed_logprobs(rolls, rows, batch, temp, W)[0]
         return out
 
     def sync_weights(self) -> float:
@@ -406,6 +444,15 @@ class RLTrainer:
         torch.set_rng_state(st["torch_rng"])
 
 
+def _takes(fn, name: str) -> bool:
+    import inspect
+
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def engine_version(engine, default: int) -> int:
     """The weight version an engine serves (engines that do not track one: ``default``)."""
     v = getattr(engine, "version", None)
@@ -414,9 +461,7 @@ def engine_version(engine, default: int) -> int:
 
 def load_weights(engine, state_dict, version: int) -> None:
     """Give the engine new weights tagged ``version`` (engines that take no version just load)."""
-    import inspect
-
-    if "version" in inspect.signature(engine.load_weights).parameters:
+    if _takes(engine.load_weights, "version"):
         engine.load_weights(state_dict, version=version)
     else:
         engine.load_weights(state_dict)
