@@ -159,7 +159,7 @@ class StageRunner:
                         state["pool"] = self.filter_pool(rl, curriculum)
                         rl.curriculum = self.pool_of(curriculum, state["pool"])
                     if rl.learner is None and r.trainer.distributed:
-                        rl.learner = self.start_learner(rl, policy, src, tok)
+                        rl.learner = self.start_learner(rl, policy, src)
                     if pipe is None and rl_cfg.max_staleness > 0:
                         from train.rl.pipeline import Pipeline
 
@@ -254,7 +254,7 @@ class StageRunner:
         return {"rl": rl.state_dict(), "sft": sft.state_dict() if sft else None,
                 "mixer": mixer.state_dict() if mixer else None}
 
-    def start_learner(self, rl, policy, src: Path, tok):
+    def start_learner(self, rl, policy, src: Path):
         """Trainer ranks under torchrun (cascade/learner.py), starting from the policy as it is now."""
         from cascade.learner import WorkerLearner
         from train.model.hf_io import save_pretrained
