@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def trainer(model_dir: Path, seed: int, new_tokens: int, **rl_kw):
+def trainer(model_dir: Path, seed: int, new_tokens: int, engine=None, **rl_kw):
     import copy
 
     from envs.curriculum import Curriculum
@@ -44,7 +44,7 @@ def trainer(model_dir: Path, seed: int, new_tokens: int, **rl_kw):
                    dynamic_sampling=False, sampling=SamplingConfig(max_new_tokens=new_tokens),
                    optim=OptimConfig(lr=1e-4), micro_batch_size=64, seed=seed, **rl_kw)
     cur = Curriculum(["toy/max"], controller="fixed", seed=seed, controller_kwargs={"difficulty": 1})
-    return RLTrainer(model, tok, TorchEngine(copy.deepcopy(model), tok), cur, cfg)
+    return RLTrainer(model, tok, engine or TorchEngine(copy.deepcopy(model), tok), cur, cfg)
 
 
 def timed(step, steps: int, warmup: int) -> tuple[float, list[dict]]:
@@ -64,6 +64,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--servers", type=int, default=0,
+                    help="async run's rollouts on this many `cascade serve` processes (1 thread each) instead of "
+                         "a thread of this process")
     a = ap.parse_args()
     import torch
 
@@ -75,12 +78,21 @@ def main() -> None:
         init_model("tiny-moe", Path(d), seed=a.seed)
         sync = trainer(Path(d), a.seed, a.new_tokens)
         sync_sps, sync_ms = timed(sync.step, a.steps, a.warmup)
-        rl = trainer(Path(d), a.seed, a.new_tokens, max_staleness=2, min_ready_batches=2, sync_every=1)
+        engine = None
+        if a.servers:
+            from cascade.rollout import ServedEngine, ServerPool
+
+            (Path(d) / "exchange").mkdir()
+            pool = ServerPool(a.servers, Path(d), Path(d) / "exchange", "bench", 1, Path(d) / "logs")
+            engine = ServedEngine(pool.urls, Path(d) / "exchange", "bench", pool)
+        rl = trainer(Path(d), a.seed, a.new_tokens, engine, max_staleness=2, min_ready_batches=2, sync_every=1)
         pipe = Pipeline(rl)
         try:
             async_sps, async_ms = timed(pipe.step, a.steps, a.warmup)
         finally:
             pipe.close()
+            if engine is not None:
+                engine.close()
     print(json.dumps({
         "sync_steps_per_s": round(sync_sps, 3), "async_steps_per_s": round(async_sps, 3),
         "async_speedup": round(async_sps / sync_sps, 3),
@@ -91,7 +103,7 @@ def main() -> None:
         "sync_train_s": round(statistics.mean(m["time_train_s"] for m in sync_ms), 3),
         "groups_dropped_stale": sum(m["groups_dropped_stale"] for m in async_ms),
         "steps": a.steps, "warmup": a.warmup, "threads": a.threads, "model": "tiny-moe",
-        "rollouts_per_step": 64, "new_tokens": a.new_tokens,
+        "rollouts_per_step": 64, "new_tokens": a.new_tokens, "async_rollout_servers": a.servers,
     }))
 
 
