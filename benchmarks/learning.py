@@ -22,10 +22,13 @@ in the boxed format but mostly with a wrong digit), which leaves RL the task its
 at 0.4 left some seeds after a long SFT plateau with a near-greedy policy that RL barely moved
 (seed 0: 280 SFT steps, +4 points). RL then runs 120 steps (maxrl, dppo_tv, lr 1e-3, 16 prompts x 8).
 
-Measured (defaults, 1 thread per seed, 2 shared cores, ``--seeds 0,1,2 --jobs 2``, 266 s wall):
-seed 0: 0.155 -> 0.633 (+48 points, 150 s); seed 1: 0.254 -> 0.866 (+61, 149 s); seed 2: 0.196 -> 0.666
-(+47, 96 s); gain min 0.47, mean 0.52. ``--trace`` adds held-out evaluations during RL, which shift the
-random streams, so traced runs give other (same-seed reproducible) numbers: +30 / +61 / +48.
+Measured (defaults, 1 thread per seed, 2 shared cores, ``--seeds 0,1,2 --jobs 2``, 255 s wall), with
+the update packed by token budget and the ratio taken against the behaviour log-probs (2026-12-01):
+seed 0: 0.191 -> 0.853 (+66 points); seed 1: 0.168 -> 0.484 (+32); seed 2: 0.211 -> 0.703 (+49);
+gain median +49, min +32. The previous code (padded update, ratio against the trainer's own
+log-probs) gave +31 / +36 / +48 on the same seeds; tiny policies are chaotic across seeds, so
+read these as three samples, not a trend. ``--trace`` adds held-out evaluations during RL, which
+shift the random streams, so traced runs give other (same-seed reproducible) numbers.
 """
 from __future__ import annotations
 
