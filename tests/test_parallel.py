@@ -163,26 +163,29 @@ def _check_dp_tsp(W, out):
     out["dp2xtsp2.params"] = max((full[n] - p).abs().max().item() for n, p in want.named_parameters())
 
 
-def _worker(rank, world, port, path):
+def run_checks(rank, world, port, path, checks) -> None:
+    """In a spawned rank: join the gloo world, run ``checks`` (each ``fn(world, out)``), save ``out``
+    (or the error and its traceback, for the parent to report) to ``path/rank{rank}.pt``."""
     import torch.distributed as dist
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    out: dict[str, float] = {}
+    out: dict = {}
     try:
-        _check_tsp(world, out)
-        _check_tp(world, out)
-        _check_zero(world, out)
-        if world == 4:
-            _check_dp_tsp(world, out)
+        for check in checks:
+            check(world, out)
     except Exception as e:  # report, then let the parent fail with the message
-        out["error"] = f"{type(e).__name__}: {e}"
         import traceback
 
+        out["error"] = f"{type(e).__name__}: {e}"
         out["trace"] = traceback.format_exc()
     torch.save(out, os.path.join(path, f"rank{rank}.pt"))
     dist.destroy_process_group()
+
+
+def _worker(rank, world, port, path):
+    run_checks(rank, world, port, path, [_check_tsp, _check_tp, _check_zero] + ([_check_dp_tsp] if world == 4 else []))
 
 
 def _free_port() -> int:

@@ -11,10 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,7 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
 
-from tests.test_parallel import _cfgs, _model  # noqa: E402 (the same tiny dense and MoE configs)
+from tests.test_parallel import _cfgs, _free_port, _model, run_checks, spawn  # noqa: E402 (shared helpers)
 
 
 def make_batch(step: int, cfg, n: int = 8, seed: int = 0, temperature: float = 0.9):
@@ -151,40 +148,13 @@ def _check_errors(world, out):
 
 
 def _worker(rank, world, port, path):
-    import torch.distributed as dist
-
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    out: dict = {}
-    try:
-        if world == 2:
-            _check_errors(world, out)
-        _check_updates(world, out)
-        _check_bf16(world, out)
-    except Exception as e:  # report, then let the parent fail with the message
-        import traceback
-
-        out["error"] = f"{type(e).__name__}: {e}"
-        out["trace"] = traceback.format_exc()
-    torch.save(out, os.path.join(path, f"rank{rank}.pt"))
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    run_checks(rank, world, port, path, ([_check_errors] if world == 2 else []) + [_check_updates, _check_bf16])
 
 
 @pytest.fixture(scope="module", params=[2, 4])
 def results(request):
-    import torch.multiprocessing as mp
-
     world = request.param
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, _free_port(), d), nprocs=world, join=True)
-        ranks = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(world)]
+    ranks = spawn(world, _worker)
     for r in ranks:
         assert "error" not in r, r.get("trace")
     return world, ranks

@@ -30,7 +30,6 @@ import queue
 import random
 import socket
 import threading
-import time
 import urllib.parse
 from typing import Callable, Sequence
 
