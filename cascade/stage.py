@@ -135,8 +135,14 @@ class StageRunner:
                     sft.load_state_dict(tstate["sft"])
                 if mixer is not None and tstate.get("mixer"):
                     mixer.load_state_dict(tstate["mixer"])
-            if isinstance(engine, ServedEngine):
-                rl.sync_weights()  # servers (started or given) serve exactly the policy from the first rollout
+            if isinstance(engine, ServedEngine):  # servers (started or given) serve exactly this policy from the start
+                from train.engine.remote import RemoteError
+
+                try:
+                    rl.sync_weights()
+                except RemoteError as e:
+                    raise ConfigError(f"the rollout servers cannot load this run's weights ({e}); servers given by "
+                                      f"rollout.urls must run with --weights-dir {engine.exchange}") from None
             held = self.eval_problems(curriculum)
             if state["eval_before"] is None:
                 state["eval_before"] = rl.evaluate(held)

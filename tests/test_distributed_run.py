@@ -140,3 +140,20 @@ def test_bad_layouts_fail_before_any_work(warm_dir, tmp_path, args, needle):
     assert r.returncode == 2, r.stderr[-2000:]
     assert needle in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
     assert not list((out / "stages").glob("*/checkpoints/*"))
+
+
+def test_servers_on_another_weights_directory_are_refused_before_training(warm_dir, tmp_path):
+    from cascade.rollout import ServerPool
+
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    pool = ServerPool(1, warm_dir, other, "k1", 1, tmp_path / "logs")
+    try:
+        out = tmp_path / "run"
+        r = cascade(f"out={out}", f"model={warm_dir}", *STAGE, "steps=2", f"rollout.urls=[{pool.urls[0]}]",
+                    "rollout.api_key=k1", timeout=300)
+    finally:
+        pool.close()
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"must run with --weights-dir {out / 'exchange'}" in r.stderr and r.stderr.strip().count("\n") == 0
+    assert not list((out / "stages").glob("*/checkpoints/*")) and not rl_records(out)
