@@ -94,7 +94,6 @@ import functools
 import gc
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -107,6 +106,7 @@ import torch  # noqa: E402
 
 from train.model.config import ModelConfig  # noqa: E402
 from train.parallel import calc  # noqa: E402
+from train.parallel.comm import free_port  # noqa: E402
 
 LAYOUTS = ("tsp", "tp", "sp", "dp")
 FAMILIES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "p2p")
@@ -298,18 +298,12 @@ def _worker(rank, world, port, path, barrier, cfg_d, T, B, reps, layouts):
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(world, cfg, a, layouts):
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, _free_port(), d, ctx.Barrier(world), dataclasses.asdict(cfg), a.seq, a.batch,
+        mp.spawn(_worker, args=(world, free_port(), d, ctx.Barrier(world), dataclasses.asdict(cfg), a.seq, a.batch,
                                 a.reps, layouts), nprocs=world)
         return [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 

@@ -42,7 +42,7 @@ class WorkerLearner:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         conf = self.log_dir / "trainer-config.json"
         conf.write_text(json.dumps(config_dict(cfg), indent=1, default=list))
-        from cascade.rollout import free_port
+        from train.parallel.comm import free_port
 
         import os
         import socket

@@ -16,19 +16,13 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from train.dataclass_config import ConfigError
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from train.parallel.comm import free_port
 
 
 def _die_with_parent() -> None:

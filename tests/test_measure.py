@@ -3,18 +3,13 @@ and the RSS high-water mark sees a transient allocation."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 
+from train.parallel.comm import free_port
+
 N = 1 << 20  # float32 elements: 4 MiB per rank
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, world, port, barrier, q):
@@ -47,7 +42,7 @@ def test_loopback_counter_sees_a_known_all_reduce():
         pytest.skip("no /proc/net/dev loopback counter")
     ctx = mp.get_context("spawn")
     barrier, q = ctx.Barrier(2), ctx.SimpleQueue()
-    mp.spawn(_worker, args=(2, _free_port(), barrier, q), nprocs=2)
+    mp.spawn(_worker, args=(2, free_port(), barrier, q), nprocs=2)
     busy, idle = q.get()
     want = 2 * (2 - 1) * N * 4  # ring all-reduce, all ranks together: 2 (D-1)/D N per rank x D ranks
     assert idle < 0.01 * want, (busy, idle)

@@ -7,11 +7,12 @@ logits and EVERY parameter gradient (gathered) must match within 1e-5.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 
 import pytest
 import torch
+
+from train.parallel.comm import free_port
 
 TOL = 1e-5
 # AdamW's first step is lr * g / (|g| + eps): with eps = 1e-8 a near-zero gradient's sign decides a
@@ -188,18 +189,12 @@ def _worker(rank, world, port, path):
     run_checks(rank, world, port, path, [_check_tsp, _check_tp, _check_zero] + ([_check_dp_tsp] if world == 4 else []))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(world: int, fn=_worker, *extra):
     """Run ``fn(rank, world, port, dir, *extra)`` on ``world`` gloo ranks; returns each rank's dict."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(fn, args=(world, _free_port(), d, *extra), nprocs=world, join=True)
+        mp.spawn(fn, args=(world, free_port(), d, *extra), nprocs=world, join=True)
         return [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(world)]
 
 

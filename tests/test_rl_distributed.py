@@ -21,7 +21,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
 
-from tests.test_parallel import _cfgs, _free_port, _model, run_checks, spawn  # noqa: E402 (shared helpers)
+from tests.test_parallel import _cfgs, _model, run_checks, spawn  # noqa: E402 (shared helpers)
+from train.parallel.comm import free_port  # noqa: E402
 
 
 def make_batch(step: int, cfg, n: int = 8, seed: int = 0, temperature: float = 0.9):
@@ -205,7 +206,7 @@ def _start_worker(exchange: Path, model_dir: Path, steps: int, tsp: int, dp: int
 
     cfg_path = exchange.parent / "rl.json"
     cfg_path.write_text(json.dumps(config_dict(rl_cfg("dppo_tv"))))
-    cmd = launch_command(exchange, model_dir, tsp * dp, steps, cfg_path, tsp=tsp, port=_free_port(),
+    cmd = launch_command(exchange, model_dir, tsp * dp, steps, cfg_path, tsp=tsp, port=free_port(),
                          extra=["--dp", str(dp), "--sync-every", "1", "--poll", "0.02", "--max-wait", "150",
                                 *extra])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_rl_distributed import (ROOT, TOL, _final_weights, _finish, _free_port, _kill_tree, _max_err, rl_cfg,
+from train.parallel.comm import free_port
+
+from tests.test_rl_distributed import (ROOT, TOL, _final_weights, _finish, _kill_tree, _max_err, rl_cfg,
                                        worker_setup)  # noqa: F401  (worker_setup is a fixture)
 
 SBATCH = ROOT / "scripts" / "slurm" / "cascade_rl.sbatch"
@@ -33,7 +35,7 @@ def _start_two_nodes(exchange: Path, model_dir: Path, steps: int, tsp: int, dp: 
 
     cfg_path = exchange.parent / "rl.json"
     cfg_path.write_text(json.dumps(config_dict(rl_cfg("dppo_tv"))))
-    endpoint, rdzv_id = f"127.0.0.1:{_free_port()}", f"scale-out-{time.time_ns()}"
+    endpoint, rdzv_id = f"127.0.0.1:{free_port()}", f"scale-out-{time.time_ns()}"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), LOGLEVEL="INFO")  # agents log rendezvous
     agents = []
     for node in range(2):

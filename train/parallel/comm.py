@@ -554,3 +554,12 @@ def broadcast_apply(fn: Callable, inputs: Sequence, bundles: Sequence[tuple[int,
     own = [t for b in bundles for t in b[2]]
     n_own = tuple(len(b[2]) for b in bundles)
     return BroadcastApply.apply(fn, group, srcs, shapes, len(inputs), n_own, *inputs, *own)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (for a rendezvous or a server started next)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
