@@ -266,8 +266,8 @@ class RLTrainer:
         for mi, mini in enumerate(minis):
             denom = float(mask[mini].sum().clamp(min=1)) if self.agg == "token_mean" else float(mini.stop - mini.start)
             for rows in self._packs(rolls, range(mini.start, mini.stop)):
-                W = max(len(rolls[i].prompt_ids) + len(rolls[i].completion.token_ids) for i in rows) - 1
-                lp, ent = self._packed_logprobs(rolls, rows, batch, temp, W)
+                lp, ent = self._packed_logprobs(rolls, rows, batch, temp)
+                W = lp.shape[1]
                 idx = torch.tensor(rows, device=mask.device)
                 m, mu = mask[idx, :W], rollout_lp[idx, :W]
                 if behaviour:
@@ -313,10 +313,10 @@ class RLTrainer:
                 out.append([rows[j] for j in mb[k:k + self.cfg.micro_batch_size]])
         return out
 
-    def _packed_logprobs(self, rolls: list[Rollout], rows: list[int], batch, temp: float, width: int):
+    def _packed_logprobs(self, rolls: list[Rollout], rows: list[int], batch, temp: float):
         """Log-probs (with grad) and entropies of the completions of ``rows`` from one packed forward,
-        laid out [len(rows), width] like ``batch.loss_mask`` (router replay when the engine recorded
-        the experts)."""
+        laid out [len(rows), W] like ``batch.loss_mask`` with W = the longest of those rows - 1
+        (router replay when the engine recorded the experts)."""
         from train.rl.exchange import stack_routing
         from train.rl.packing import packed_token_logprobs, scatter_rows
 
@@ -325,14 +325,15 @@ class RLTrainer:
         routed = [stack_routing(r) for r in routed] if all(r is not None for r in routed) else None
         lps, ents = packed_token_logprobs(self.policy, seqs, temp, routed_experts=routed)
         starts = [batch.prompt_lens[i] - 1 for i in rows]
+        width = max(batch.prompt_lens[i] + batch.completion_lens[i] for i in rows) - 1
         return scatter_rows(lps, starts, width), scatter_rows(ents, starts, width)
 
     @torch.no_grad()
     def _logprobs_no_grad(self, rolls: list[Rollout], batch, temp: float) -> torch.Tensor:
         out = torch.zeros(batch.loss_mask.shape, device=batch.loss_mask.device)
         for rows in self._packs(rolls, range(len(rolls))):
-            W = max(len(rolls[i].prompt_ids) + len(rolls[i].completion.token_ids) for i in rows) - 1
-            out[torch.tensor(rows, device=out.device), :W] = self._packed_logprobs(rolls, rows, batch, temp, W)[0]
+            lp = self._packed_logprobs(rolls, rows, batch, temp)[0]
+            out[torch.tensor(rows, device=out.device), :lp.shape[1]] = lp
         return out
 
     def sync_weights(self) -> float:
