@@ -17,22 +17,22 @@ fractions of the async run, the mean time of one rollout batch and one update in
     python benchmarks/pipeline.py --threads 1     # both runs on one intra-op thread
     python benchmarks/pipeline.py --servers 1     # async rollouts on a `cascade serve` process
 
-Measured on this project's 2-core CPU (quiet machine, one run each, 8 warm steps):
+Measured on this project's 2-core CPU (2026-12-01, 8 warm steps per run):
 
-| setting | sync steps/s | async steps/s | speedup | sync rollout / train s |
+| setting | runs | async speedup | sync steps/s | async steps/s |
 | --- | --- | --- | --- | --- |
-| 2 threads, 48 tokens (default) | 1.083 | 1.479 | 1.37 | 0.35 / 0.57 |
-| 1 thread, 48 tokens | 0.770 | 1.294 | 1.68 | 0.46 / 0.83 |
-| 2 threads, 128 tokens | 0.391 | 0.504 | 1.29 | 1.12 / 1.43 |
-| 2 threads, async on 1 server process (1 thread) | 0.989 | 0.649 | 0.66 | 0.39 / 0.62 |
+| 2 threads, 48 tokens (default) | 5 | 0.95, 1.13, 1.16, 1.37, 1.42 (median 1.16) | 1.04-1.46 | 1.21-1.53 |
+| 1 thread, 48 tokens | 2 | 1.58, 1.68 | 0.77-0.83 | 1.29-1.31 |
+| 2 threads, 128 tokens | 1 | 1.29 | 0.391 | 0.504 |
+| 2 threads, async on 1 server process (1 thread) | 1 | 0.66 | 0.989 | 0.649 |
 
 max_lag_seen 2 and no group dropped as stale in every run. The issue's goal (>= 1.5) is met only
 with one intra-op thread, a regime that flatters the overlap: its synchronous baseline is slower
-than the 2-thread one (0.77 vs 1.08 steps/s). Against the best synchronous setting (2 threads) the
-pipeline gains 1.29-1.37x: each side alone already keeps both cores busy, so running them
-together slows each (trainer 0.57 -> 0.68 s per step, a rollout batch 0.35 -> ~0.5 s); the
-ceiling is (rollout + train) / train = 1.6. Rollouts over HTTP from a separate 1-thread server
-process lose here (one request per prompt, the server's batching window, a single thread).
+than the 2-thread one. Against the best synchronous setting (2 threads) the pipeline gains little
+and varies from run to run (median 1.16x): each side alone already keeps both cores busy (sync:
+a rollout batch 0.27-0.35 s, an update 0.41-0.60 s), so running them together slows each; the
+ceiling is (rollout + train) / train, about 1.6. Rollouts over HTTP from a separate 1-thread
+server process lose here (one request per prompt, the server's batching window, one thread).
 """
 from __future__ import annotations
 
