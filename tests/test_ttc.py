@@ -13,7 +13,8 @@ import torch
 from train.engine import SamplingParams, TorchEngine
 from train.engine.base import Completion
 from ttc.backends import EngineBackend, HFTokenizerSide, OpenAIBackend
-from ttc.rsa import MarkovianRSA, RSAConfig, derive_seed, exact_grader, extract_answer, majority_vote, run_rsa
+from ttc.rsa import (MarkovianRSA, RSAConfig, derive_seed, exact_grader, extract_answer, majority_vote, pass_at_k,
+                     problem_seed, run_rsa)
 from ttc.serve import Handler, serve_in_thread
 from ttc.templates import MATH, PromptBuilder, load_template
 
@@ -104,8 +105,9 @@ def test_round0_is_parallel_sampling_with_the_same_seed(engine):
                                          add_generation_prompt=True)
     assert [p.stage for p in res.prompts] == ["solve"]
     assert tok.decode(res.prompts[0].prompt_ids) == ref_prompt
+    assert res.prompts[0].seed == derive_seed(cfg.seed, 0, problem_seed(PROBLEM))  # the problem's own seed
     ref = engine.generate([res.prompts[0].prompt_ids],
-                          SamplingParams(n=4, temperature=1.0, max_tokens=cfg.budget, seed=cfg.seed))
+                          SamplingParams(n=4, temperature=1.0, max_tokens=cfg.budget, seed=res.prompts[0].seed))
     assert [c.token_ids for c in res.rounds[0]] == [c.token_ids for c in ref]
     assert len(res.rounds) == 1 and res.metrics["round_accuracy"] == [0.0]
 
@@ -219,15 +221,18 @@ def test_pacore_forwards_post_think_answers_and_delethink_continues_own_chain(to
                 assert "\\boxed" in tok.decode(piece) and "</think>" not in tok.decode(piece)
             else:
                 assert piece == ids[-cfg.tail:]
-    # delethink: C = 1, candidate i continues its own chain after the assistant header
+    # delethink: C = 1, chain i continues its own chain after the assistant header
     cfg = RSAConfig(population=3, aggregate=3, rounds=2, budget=12, tail=6, final_budget=0, seed=2, variant="delethink")
     rsa = MarkovianRSA(be, cfg, "math", grader=exact_grader)
     res = rsa.run("What is 1+1?", gold="2")
     assert rsa.config.aggregate == 1
     solve = rsa.builder.solve(tok.encode("What is 1+1?", add_special_tokens=False))
-    for rec in (p for p in res.prompts if p.round > 0):
-        assert rec.stage == "continue" and rec.parents == [rec.index]
-        own = _trace(res.rounds[rec.round - 1][rec.index], rsa.eos)[-6:]
+    conts = [p for p in res.prompts if p.round > 0]
+    assert conts
+    for rec in conts:
+        assert rec.stage == "continue" and rec.parents == [rec.index] and rec.max_tokens == 12 - 6
+        prev = res.rounds[rec.round - 1][rec.index]
+        own = (prev.history_ids + _trace(prev, rsa.eos))[-6:]
         assert rec.prompt_ids == solve + own
     # full-chain RSA forwards whole traces
     assert RSAConfig(budget=50, tail=7, variant="full").resolved().tail == 50
@@ -332,3 +337,113 @@ def test_cli_writes_results_and_resumes(tmp_path, capsys, tiny_dense_dir):
     # a resume with other settings is refused
     rc, _, err = _cli(capsys, *common, "--resume", "--seed", "4")
     assert rc == 2 and "different settings" in err
+
+
+class RoundScript(HFTokenizerSide):
+    """A scripted engine: the text of a completion depends on the stage of its prompt."""
+
+    def __init__(self, tokenizer, solve, cont="<think>\nstill thinking, no answer here", agg="\\boxed{5}"):
+        super().__init__(tokenizer)
+        self.solve_text, self.cont_text, self.agg_text = solve, cont, agg
+        self.calls = []
+
+    def generate(self, prompts, params, seeds=None):
+        out = []
+        for i, p in enumerate(prompts):
+            text = self.decode(p)
+            kind = "agg" if "candidate solutions" in text else "solve" if text.endswith(self.chat_parts()[1]) \
+                else "cont"  # a continuation has chain tokens after the assistant header
+            self.calls.append((kind, params.max_tokens))
+            for j in range(params.n):
+                body = {"solve": self.solve_text(j) if callable(self.solve_text) else self.solve_text,
+                        "cont": self.cont_text, "agg": self.agg_text}[kind]
+                ids = self.encode(body) + [self.tokenizer.eos_token_id]
+                fin = "stop"
+                if len(ids) > params.max_tokens:
+                    ids, fin = ids[:params.max_tokens], "length"
+                out.append(Completion(ids, self.decode(ids[:-1] if fin == "stop" else ids), [0.0] * len(ids), fin, i,
+                                      len(p), list(p)))
+        return out
+
+
+def test_delethink_freezes_finished_chains_and_grades_whole_traces(tok):
+    """The issue's case: round-0 traces end in \\boxed{5} + EOS. Delethink must not continue them
+    (and so not lose the answer); RSA aggregates into \\boxed{5} again."""
+    cfg = dict(population=4, aggregate=2, rounds=1, budget=60, tail=8, final_budget=0, seed=1)
+    be = RoundScript(tok, "<think>\nadd them</think> The answer is \\boxed{5}")
+    dele = MarkovianRSA(be, RSAConfig(**cfg, variant="delethink"), "math", grader=exact_grader).run("q", gold="5")
+    assert dele.metrics["round_accuracy"] == [1.0, 1.0] and dele.metrics["mean_accuracy"] == 1.0
+    assert [k for k, _ in be.calls] == ["solve"] and all(c.frozen for c in dele.final)
+    rsa = MarkovianRSA(be, RSAConfig(**cfg, variant="rsa"), "math", grader=exact_grader).run("q", gold="5")
+    assert rsa.metrics["round_accuracy"] == [1.0, 1.0]
+    # chains cut at beta continue in chunks of beta - tau - anchor tokens from (anchor, last tau) of
+    # their chain; the answer in chunk 2 is graded on the whole trace, and a chain that stops in round 1
+    # stays frozen in round 2
+    long = "<think>\n" + " ".join(["step"] * 40)
+    be = RoundScript(tok, lambda j: long if j % 2 == 0 else "<think>\nok</think> \\boxed{5}",
+                     cont="thinking more</think> so \\boxed{5}")
+    cfg = RSAConfig(population=4, rounds=2, budget=20, tail=6, anchor=3, final_budget=0, seed=1, variant="delethink")
+    rsa = MarkovianRSA(be, cfg, "math", grader=exact_grader)
+    res = rsa.run("q", gold="5")
+    assert res.metrics["round_accuracy"] == [0.5, 1.0, 1.0]
+    assert res.metrics["finished_chains"] == [2, 4, 4]
+    conts = [p for p in res.prompts if p.stage == "continue"]
+    assert [p.index for p in conts] == [0, 2] and all(p.max_tokens == 20 - 6 - 3 for p in conts)
+    q = tok.encode("q", add_special_tokens=False)
+    for p in conts:
+        chain = _trace(res.rounds[0][p.index], rsa.eos)
+        assert len(chain) == 20 and p.prompt_ids == rsa.builder.solve(q) + chain[:3] + chain[-6:]
+        c = res.rounds[1][p.index]
+        assert c.history_ids == chain and c.response.startswith(res.rounds[0][p.index].text)
+        assert res.rounds[2][p.index].frozen and res.rounds[2][p.index].response == c.response
+    # requests per plan: one solve (n=4) + two continuations; nothing in round 2
+    assert res.metrics["requests"] == 3
+
+
+def test_plan_check_and_clamp(tok):
+    be = RoundScript(tok, "x")
+    cfg = RSAConfig(population=4, aggregate=3, rounds=2, budget=200, tail=16, final_budget=50, seed=0)
+    rsa = MarkovianRSA(be, cfg, "math", grader=exact_grader)
+    steps = {s["stage"]: s for s in rsa.plan(20)}
+    q = [7] * 20
+    assert steps["solve"]["prompt"] == len(rsa.builder.solve(q))
+    assert steps["aggregate"]["prompt"] == len(rsa.builder.aggregate(q, [[1] * 16] * 3))
+    assert steps["final"]["prompt"] == steps["aggregate"]["prompt"] + 200 + len(rsa.builder.force_answer())
+    need = steps["final"]["total"]
+    assert rsa.check_plan(20, need) is None
+    with pytest.raises(ValueError, match=r"final request of round 2 .* > the model's context .*--final-budget"):
+        rsa.check_plan(20, need - 1)
+    ctx = steps["aggregate"]["total"] - 10
+    with pytest.raises(ValueError, match=r"aggregate request of round 1 .*lower --budget, --tail or --aggregate"):
+        rsa.check_plan(20, ctx)
+    changes = rsa.check_plan(20, ctx, clamp=True)
+    assert changes["budget"] == (200, 190) and rsa.config.budget == 190
+    assert all(s["total"] <= ctx for s in rsa.plan(20)) and rsa.config.final_budget == 0
+    with pytest.raises(ValueError, match="no thinking budget fits"):
+        MarkovianRSA(be, cfg, "math").check_plan(20, steps["aggregate"]["prompt"] + 5, clamp=True)
+    # delethink's later chunks: prompt + chunk budget stays within the first chunk's context
+    d = MarkovianRSA(be, RSAConfig(population=2, rounds=3, budget=100, tail=10, anchor=5, final_budget=0,
+                                   variant="delethink"), "math")
+    st = {s["stage"]: s for s in d.plan(9)}
+    assert st["continue"]["max_tokens"] == 85
+    assert st["continue"]["total"] == st["solve"]["total"] + len(d.builder.cont([], [])) - len(d.builder.solve([]))
+
+
+def test_pass_at_k_and_problem_dependent_draws(tok):
+    from math import comb
+    for n, c, k in [(8, 3, 1), (8, 3, 4), (8, 0, 2), (8, 8, 8), (5, 4, 2)]:
+        ref = 1 - comb(n - c, k) / comb(n, k) if n - c >= k else 1.0
+        assert pass_at_k(n, c, k) == pytest.approx(ref)
+    assert pass_at_k(8, 3, 1) == pytest.approx(3 / 8)
+    rsa = MarkovianRSA(RoundScript(tok, "x"), RSAConfig(population=8, aggregate=3, rounds=1, budget=20, tail=4), "math")
+    a = [rsa.parents(1, i, problem_seed("problem A")) for i in range(8)]
+    b = [rsa.parents(1, i, problem_seed("problem B")) for i in range(8)]
+    assert a != b and a == [rsa.parents(1, i, problem_seed("problem A")) for i in range(8)]
+    be = ScriptedBackend(tok)
+    r1 = MarkovianRSA(be, RSAConfig(population=4, aggregate=2, rounds=1, budget=30, tail=5, seed=3), "math").run("p1", "2")
+    r2 = MarkovianRSA(be, RSAConfig(population=4, aggregate=2, rounds=1, budget=30, tail=5, seed=3), "math").run("p2")
+    assert r1.prompts[0].seed != r2.prompts[0].seed
+    assert [p.seed for p in r1.prompts[1:]] != [p.seed for p in r2.prompts[1:]]
+    m = r1.metrics
+    assert set(m["pass_at_k"]) == {"1", "2", "4"} and m["pass_at_k"]["4"] == m["pass_at_n"]
+    assert len(m["round_majority_accuracy"]) == len(m["round_pass_at_k"]) == 2

@@ -7,23 +7,39 @@ tail joins the new population. The answer comes from the final round; a final-ro
 beta gets a separate final-answer budget to finish (``force_answer`` then up to ``final_budget``
 tokens). Aggregation prompts are at most ``|q| + C*tau + |template|`` tokens.
 
-Variants on the same loop: ``full`` (tau = beta: full-chain RSA), ``delethink`` (C = 1, each chain
-continues its own tail after the assistant header: parallel Delethink), ``pacore`` (a candidate
-that finished forwards its post-``</think>`` answer instead of its tail). T = 0 is plain parallel
-sampling; majority vote and pass@N over the final population are always reported.
+Variants on the same loop: ``full`` (tau = beta: full-chain RSA), ``pacore`` (a candidate that
+finished forwards its post-``</think>`` answer instead of its tail) and ``delethink`` (parallel
+Delethink, Aghajohari et al. 2025: each of the N chains reasons in chunks; chunk 1 is the round-0
+trace under beta; every later chunk's prompt is the solve prompt followed by the chain's Markovian
+state -- its first ``anchor`` tokens (default 0) and its last tau tokens -- and it generates up to
+beta - tau - anchor tokens, so each chunk's context stays within |q| + beta + |template|. A chain
+that stops (EOS) is frozen: it is carried unchanged into later rounds and graded on its whole trace,
+all chunks in order). T = 0 is plain parallel sampling; majority vote and pass@N over the final
+population are always reported.
 
 Metrics (``RSAResult.metrics``): ``mean_accuracy`` over the final population (after the
-final-answer step), ``round_accuracy`` per round (earlier rounds graded on their traces as they
-are), ``majority_accuracy`` (equivalent answers clustered with the grader), ``pass_at_n``,
-``generated_tokens`` (sum of completion lengths), ``prefill_tokens`` (sum of the prompt lengths of
-all requests; a prompt sampled n times counts once), per-round token counts and wall time.
+final-answer step), ``round_accuracy`` and ``round_majority_accuracy`` per round (earlier rounds
+graded on their traces as they are), ``majority_accuracy`` (equivalent answers clustered with the
+grader), ``pass_at_n``, the unbiased ``pass_at_k`` (k = 1, 2, 4, ..., N; per round in
+``round_pass_at_k``), ``generated_tokens`` (sum of completion lengths), ``prefill_tokens`` (sum of
+the prompt lengths of all requests; a prompt sampled n times counts once), ``usage`` as the server
+reported it (OpenAI-compatible backends), per-round token counts and wall time.
 
-Seeds: round 0 samples the solve prompt with ``n=N, seed=seed`` (exactly parallel sampling); an
-aggregation request's seed and its parents depend only on (seed, round, candidate), so a run is
-the same whatever the backend's batching or request order.
+Seeds: every request's seed and every parent draw depend on (seed, the problem, round,
+candidate) -- the problem enters through a hash of its key -- so different problems get
+different subsets and samples, and a run is the same whatever the backend's batching, request
+order or the other problems in flight. Round 0 samples the solve prompt once with ``n=N``
+(parallel sampling).
+
+:meth:`MarkovianRSA.plan` lists the largest request of every stage, and
+:meth:`MarkovianRSA.check_plan` refuses (or, with ``clamp``, shrinks the budgets of) a run whose
+requests could exceed the model's context, before anything is generated.
 """
 from __future__ import annotations
 
+import hashlib
+import inspect
+import math
 import random
 import re
 import time
@@ -64,6 +80,13 @@ class RSAConfig:
     min_p: float = 0.0
     seed: int = 0
     variant: str = "rsa"
+    anchor: int = 0           # delethink: tokens kept from the start of each chain in every later chunk
+
+    @property
+    def chunk_budget(self) -> int:
+        """Delethink: the tokens a chunk after the first generates (beta - tau - anchor), so that
+        every chunk's context stays within |q| + beta + |template|."""
+        return self.budget - self.tail - self.anchor
 
     def resolved(self) -> "RSAConfig":
         """The config with the variant applied, validated (one-line ValueErrors)."""
@@ -84,6 +107,13 @@ class RSAConfig:
         if c.aggregate > c.population:
             raise ValueError(f"aggregate C={c.aggregate} exceeds the population N={c.population}; "
                              f"tails are drawn without replacement")
+        if c.anchor < 0:
+            raise ValueError(f"anchor must be >= 0, got {c.anchor}")
+        if c.anchor and c.variant != "delethink":
+            raise ValueError("anchor applies to the delethink variant only")
+        if c.variant == "delethink" and c.rounds and c.chunk_budget < 1:
+            raise ValueError(f"delethink: tail tau={c.tail} + anchor={c.anchor} leaves no budget for later chunks "
+                             f"(beta={c.budget}); need tau + anchor < beta")
         if c.final_budget is None:
             c.final_budget = c.budget
         if c.final_budget < 0:
@@ -123,10 +153,14 @@ class Candidate:
     final_text: str | None = None   # text after the final-answer continuation (final round only)
     answer: str | None = None
     correct: bool | None = None
+    history_ids: list[int] = field(default_factory=list)  # delethink: the chain's earlier chunks (traces)
+    history_text: str = ""
+    frozen: bool = False        # delethink: the chain stopped in an earlier round and is carried as it was
 
     @property
     def response(self) -> str:
-        return self.final_text if self.final_text is not None else self.text
+        """What is graded: the whole trace (a Delethink chain's chunks in order), then the final answer."""
+        return self.history_text + (self.final_text if self.final_text is not None else self.text)
 
 
 @dataclass
@@ -215,6 +249,10 @@ class MarkovianRSA:
         think = backend.encode("</think>")
         self.think_end = think[0] if len(think) == 1 else None
         self.eos = set(backend.eos_ids)
+        try:
+            self._takes_usage = "usage" in inspect.signature(backend.generate).parameters
+        except (TypeError, ValueError):
+            self._takes_usage = False
 
     # traces and what they forward
     def trace_ids(self, c: Candidate) -> list[int]:
@@ -243,97 +281,243 @@ class MarkovianRSA:
                 return ans[-tau:]
         return ids[-tau:]
 
-    def parents(self, rnd: int, index: int) -> list[int]:
+    def parents(self, rnd: int, index: int, pkey: int = 0) -> list[int]:
         cfg = self.config
         if cfg.variant == "delethink":
             return [index]
-        return random.Random(derive_seed(cfg.seed, 1, rnd, index)).sample(range(cfg.population), cfg.aggregate)
+        return random.Random(derive_seed(cfg.seed, 1, pkey, rnd, index)).sample(range(cfg.population), cfg.aggregate)
+
+    def chain_ids(self, c: Candidate) -> list[int]:
+        """Delethink: every token of the chain so far (earlier chunks, then this one's trace)."""
+        return list(c.history_ids) + self.trace_ids(c)
+
+    def carry(self, c: Candidate) -> list[int]:
+        """Delethink's Markovian state: the chain's first ``anchor`` tokens, then its last ``tail``."""
+        cfg, ids = self.config, self.chain_ids(c)
+        head = ids[:cfg.anchor]
+        return head + ids[max(len(head), len(ids) - cfg.tail):]
+
+    # the plan: every prompt of every round fits the model's context
+    def plan(self, problem_tokens: int) -> list[dict]:
+        """The largest request of each stage for a problem of ``problem_tokens`` tokens:
+        ``{"stage", "round", "prompt", "max_tokens", "total"}`` (prompt + max_tokens)."""
+        cfg, b = self.config, self.builder
+        q = [0] * problem_tokens
+        steps = [{"stage": "solve", "round": 0, "prompt": len(b.solve(q)), "max_tokens": cfg.budget}]
+        if cfg.rounds:
+            if cfg.variant == "delethink":
+                steps.append({"stage": "continue", "round": 1,
+                              "prompt": len(b.cont(q, [])) + cfg.anchor + cfg.tail, "max_tokens": cfg.chunk_budget})
+            else:
+                steps.append({"stage": "aggregate", "round": 1, "prompt": len(b.aggregate(q, [[]] * cfg.aggregate))
+                              + cfg.aggregate * cfg.tail, "max_tokens": cfg.budget})
+        if cfg.final_budget:
+            last = steps[-1]
+            steps.append({"stage": "final", "round": cfg.rounds, "max_tokens": cfg.final_budget,
+                          "prompt": last["prompt"] + last["max_tokens"] + len(b.force_answer())})
+        for s in steps:
+            s["total"] = s["prompt"] + s["max_tokens"]
+        return steps
+
+    def check_plan(self, problem_tokens: int, context: int, clamp: bool = False) -> dict | None:
+        """Raise a one-line ValueError naming the setting to change when a request of the run could
+        exceed ``context`` tokens; with ``clamp``, lower the budgets instead (the config is replaced)
+        and return ``{"budget": (old, new), ...}`` of what changed (None when nothing did)."""
+        cfg = self.config
+        over = [s for s in self.plan(problem_tokens) if s["total"] > context]
+        if not over:
+            return None
+        if not clamp:
+            s = over[0]
+            hint = {"solve": "--budget", "aggregate": "--budget, --tail or --aggregate",
+                    "continue": "--budget, --tail or --anchor", "final": "--final-budget or --budget"}[s["stage"]]
+            raise ValueError(f"plan: the {s['stage']} request of round {s['round']} needs up to {s['prompt']} prompt "
+                             f"+ {s['max_tokens']} generated = {s['total']} tokens > the model's context {context} "
+                             f"(longest problem {problem_tokens} tokens); lower {hint}, or pass --clamp")
+        old = replace(cfg)
+        steps = {s["stage"]: s for s in self.plan(problem_tokens)}
+        room = min(context - steps[k]["prompt"] for k in ("solve", "aggregate") if k in steps)
+        budget = min(cfg.budget, room)
+        if "continue" in steps:  # a chunk after the first generates budget - tail - anchor tokens
+            budget = min(budget, context - steps["continue"]["prompt"] + cfg.tail + cfg.anchor)
+        new = replace(cfg, budget=budget)
+        if new.variant == "full":
+            new.tail = budget
+        if budget < 1 or new.tail > budget or (new.variant == "delethink" and new.chunk_budget < 1):
+            raise ValueError(f"plan: no thinking budget fits the model's context {context} with tail {cfg.tail}, "
+                             f"aggregate {cfg.aggregate} and a {problem_tokens}-token problem; lower --tail "
+                             f"or --aggregate")
+        self.config = new
+        if new.final_budget:
+            fin = {s["stage"]: s for s in self.plan(problem_tokens)}["final"]
+            new.final_budget = max(0, min(new.final_budget, context - fin["prompt"]))
+        changes = {k: (getattr(old, k), getattr(new, k)) for k in ("budget", "tail", "final_budget")
+                   if getattr(old, k) != getattr(new, k)}
+        return changes or None
+
+    # checkpoints: a problem's state after each round, as plain JSON
+    @staticmethod
+    def round_record(rnd: list[Candidate], recs: list[PromptRecord], tokens: dict) -> dict:
+        return {"population": [asdict(c) for c in rnd], "prompts": [asdict(r) for r in recs], "tokens": tokens}
 
     # one run
-    def run(self, problem: str, gold: str | None = None) -> RSAResult:
+    def run(self, problem: str, gold: str | None = None, problem_key: str | None = None,
+            resume: list[dict] | None = None, on_round: Callable[[int, dict], None] | None = None) -> RSAResult:
+        """Run one problem. ``problem_key`` (default: a hash of the text) seeds its parent draws and
+        requests; ``resume`` holds round records (``on_round``'s second argument) of rounds
+        0..k already done, which are taken as they are; ``on_round(t, record)`` is called after each
+        round (for checkpoints, traces and progress)."""
         cfg, be = self.config, self.backend
         t0 = time.perf_counter()
+        pkey = problem_seed(problem if problem_key is None else problem_key)
         q = be.encode(problem)
         prompts: list[PromptRecord] = []
-        gen_tok = prefill_tok = 0
+        usage: dict = {}
+        tok = {"gen": 0, "prefill": 0}
         round_tokens = []
+        pass_usage = self._takes_usage
 
         def send(records: list[PromptRecord]) -> tuple[list[Completion], int, int]:
-            nonlocal gen_tok, prefill_tok
             params = cfg.sampling(records[0].max_tokens, records[0].n)
-            outs = be.generate([r.prompt_ids for r in records], params, seeds=[r.seed for r in records])
+            kw = {"usage": usage} if pass_usage else {}
+            outs = be.generate([r.prompt_ids for r in records], params, seeds=[r.seed for r in records], **kw)
             if len(outs) != sum(r.n for r in records):
                 want = sum(r.n for r in records)
                 raise RuntimeError(f"backend returned {len(outs)} completions for {want} requested")
             prompts.extend(records)
             g = sum(len(c.token_ids) for c in outs)
             p = sum(len(r.prompt_ids) for r in records)
-            gen_tok += g
-            prefill_tok += p
+            tok["gen"] += g
+            tok["prefill"] += p
             return outs, g, p
 
-        # round 0: plain parallel sampling
-        p0 = self.builder.solve(q)
-        outs, g, p = send([PromptRecord("solve", 0, 0, p0, cfg.population, cfg.seed, cfg.budget)])
-        rounds = [[Candidate(0, i, p0, c.token_ids, c.text, c.finish_reason) for i, c in enumerate(outs)]]
-        round_tokens.append({"generated": g, "prefill": p})
-        # rounds 1..T: aggregate C tails of the previous round
-        for t in range(1, cfg.rounds + 1):
-            prev = rounds[-1]
-            tails = [self.forwarded(c) for c in prev]
-            recs = []
-            for i in range(cfg.population):
-                par = self.parents(t, i)
-                fw = [tails[j] for j in par]
-                if cfg.variant == "delethink":
-                    ids, stage = self.builder.cont(q, fw[0]), "continue"
-                else:
-                    ids, stage = self.builder.aggregate(q, fw), "aggregate"
-                recs.append(PromptRecord(stage, t, i, ids, 1, derive_seed(cfg.seed, 2, t, i), cfg.budget, par, fw))
-            outs, g, p = send(recs)
-            rounds.append([Candidate(t, i, r.prompt_ids, c.token_ids, c.text, c.finish_reason, r.parents)
-                           for i, (r, c) in enumerate(zip(recs, outs))])
+        rounds: list[list[Candidate]] = []
+        for rec in resume or []:  # rounds already done (a resumed run)
+            rounds.append([Candidate(**c) for c in rec["population"]])
+            prompts.extend(PromptRecord(**r) for r in rec["prompts"])
+            round_tokens.append({"generated": rec["tokens"]["generated"], "prefill": rec["tokens"]["prefill"]})
+            tok["gen"] += rec["tokens"]["generated"]
+            tok["prefill"] += rec["tokens"]["prefill"]
+            for k, v in (rec["tokens"].get("usage") or {}).items():
+                usage[k] = usage.get(k, 0) + v
+
+        def done(t: int, rnd: list[Candidate], recs: list[PromptRecord], g: int, p: int, u0: dict) -> None:
+            rounds.append(rnd)
             round_tokens.append({"generated": g, "prefill": p})
+            if on_round is not None:
+                du = {k: usage.get(k, 0) - u0.get(k, 0) for k in usage}
+                on_round(t, self.round_record(rnd, recs, {"generated": g, "prefill": p, "usage": du}))
+
+        # round 0: plain parallel sampling
+        if not rounds:
+            u0 = dict(usage)
+            p0 = self.builder.solve(q)
+            rec0 = PromptRecord("solve", 0, 0, p0, cfg.population, derive_seed(cfg.seed, 0, pkey), cfg.budget)
+            outs, g, p = send([rec0])
+            done(0, [Candidate(0, i, p0, c.token_ids, c.text, c.finish_reason) for i, c in enumerate(outs)],
+                 [rec0], g, p, u0)
+        # rounds 1..T: aggregate C tails of the previous round (Delethink: continue each unfinished chain)
+        for t in range(len(rounds), cfg.rounds + 1):
+            prev, u0 = rounds[-1], dict(usage)
+            recs = []
+            if cfg.variant == "delethink":
+                for c in prev:
+                    if c.finish_reason == "length":  # a chain that stopped is frozen
+                        ids = self.builder.cont(q, self.carry(c))
+                        recs.append(PromptRecord("continue", t, c.index, ids, 1, derive_seed(cfg.seed, 2, pkey, t,
+                                                 c.index), cfg.chunk_budget, [c.index], [self.carry(c)]))
+            else:
+                tails = [self.forwarded(c) for c in prev]
+                for i in range(cfg.population):
+                    par = self.parents(t, i, pkey)
+                    fw = [tails[j] for j in par]
+                    recs.append(PromptRecord("aggregate", t, i, self.builder.aggregate(q, fw), 1,
+                                             derive_seed(cfg.seed, 2, pkey, t, i), cfg.budget, par, fw))
+            outs, g, p = send(recs) if recs else ([], 0, 0)
+            new = {r.index: Candidate(t, r.index, r.prompt_ids, c.token_ids, c.text, c.finish_reason, r.parents)
+                   for r, c in zip(recs, outs)}
+            if cfg.variant == "delethink":
+                for c in prev:
+                    if c.index in new:
+                        new[c.index].history_ids = self.chain_ids(c)
+                        new[c.index].history_text = c.history_text + c.text
+                    else:
+                        new[c.index] = replace(c, round=t, frozen=True)
+            done(t, [new[i] for i in sorted(new)], recs, g, p, u0)
         # final answers for traces cut at the budget
         final_g = final_p = 0
-        cut = [c for c in rounds[-1] if c.finish_reason == "length"]
+        cut = [c for c in rounds[-1] if c.finish_reason == "length" and not c.frozen]
         if cut and cfg.final_budget:
             force = self.builder.force_answer()
             recs, extra = [], []
             for c in cut:
                 trace = self.trace_ids(c)
-                add = [] if self.has_think_end(trace) else force
+                add = [] if self.has_think_end(self.chain_ids(c)) else force
                 extra.append(add)
                 recs.append(PromptRecord("final", cfg.rounds, c.index, c.prompt_ids + trace + add, 1,
-                                         derive_seed(cfg.seed, 3, cfg.rounds, c.index), cfg.final_budget))
+                                         derive_seed(cfg.seed, 3, pkey, cfg.rounds, c.index), cfg.final_budget))
             outs, final_g, final_p = send(recs)
             for c, add, o in zip(cut, extra, outs):
                 c.final_text = c.text + (be.decode(add) if add else "") + o.text
         # grading
         fmt = self.template.answer_format
+        same = lambda a, b: self.grader(a, b)  # noqa: E731
         for rnd in rounds:
             for c in rnd:
                 c.answer = extract_answer(c.response, fmt)
                 c.correct = self.grader(c.answer, gold) if gold is not None else None
         final = rounds[-1]
-        maj, maj_count = majority_vote([c.answer for c in final], lambda a, b: self.grader(a, b))
+        maj, maj_count = majority_vote([c.answer for c in final], same)
         have_gold = gold is not None
+        round_maj = [majority_vote([c.answer for c in rnd], same)[0] for rnd in rounds]
+        ks = pass_ks(cfg.population)
         metrics = {
             "mean_accuracy": _mean(c.correct for c in final) if have_gold else None,
             "round_accuracy": [_mean(c.correct for c in rnd) for rnd in rounds] if have_gold else None,
             "majority_accuracy": float(self.grader(maj, gold)) if have_gold else None,
+            "round_majority_accuracy": [float(self.grader(m, gold)) for m in round_maj] if have_gold else None,
             "pass_at_n": float(any(c.correct for c in final)) if have_gold else None,
+            "pass_at_k": {str(k): pass_at_k(len(final), sum(bool(c.correct) for c in final), k) for k in ks}
+            if have_gold else None,
+            "round_pass_at_k": [{str(k): pass_at_k(len(rnd), sum(bool(c.correct) for c in rnd), k) for k in ks}
+                                for rnd in rounds] if have_gold else None,
             "majority_answer": maj,
             "majority_count": maj_count,
             "answers": [c.answer for c in final],
-            "generated_tokens": gen_tok,
-            "prefill_tokens": prefill_tok,
+            "generated_tokens": tok["gen"],
+            "prefill_tokens": tok["prefill"],
             "round_tokens": round_tokens,
             "final_answer_tokens": {"generated": final_g, "prefill": final_p},
             "requests": len(prompts),
+            "usage": usage or None,
             "wall_s": time.perf_counter() - t0,
         }
+        if cfg.variant == "delethink":
+            metrics["finished_chains"] = [sum(c.finish_reason == "stop" for c in rnd) for rnd in rounds]
         return RSAResult(cfg, problem, gold, rounds, prompts, metrics)
+
+
+def problem_seed(key: str) -> int:
+    """A 60-bit integer from a problem's key (or text): parent draws and request seeds depend on it."""
+    return int(hashlib.sha256(str(key).encode()).hexdigest()[:15], 16)
+
+
+def pass_ks(n: int) -> list[int]:
+    """k = 1, 2, 4, ... up to n, and n."""
+    ks, k = [], 1
+    while k < n:
+        ks.append(k)
+        k *= 2
+    return ks + [n]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k estimator 1 - C(n-c, k) / C(n, k) of n samples with c correct."""
+    if k > n or n == 0:
+        raise ValueError(f"pass@k needs 1 <= k <= n, got k={k}, n={n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def run_rsa(backend, problem: str, config: RSAConfig, gold: str | None = None, template: str | Template = "math",
