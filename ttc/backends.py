@@ -9,9 +9,14 @@ cut tails in the policy's tokens.
 - :class:`EngineBackend` wraps any object with the Engine contract (``generate(prompts, params)``
   and a ``tokenizer``), e.g. :class:`train.engine.torch_engine.TorchEngine` or the vLLM engine.
 - :class:`OpenAIBackend` talks to ``/v1/completions`` with token-id prompts, one request per prompt
-  on a thread pool, retrying 5xx / 429 / connection errors with exponential backoff. Requests carry
+  on a pool shared by every problem in flight (the global cap on requests in flight), retrying
+  408/429/5xx / connection errors with full-jitter exponential backoff or the server's
+  ``Retry-After``, within a retry horizon; optional requests/tokens-per-minute limits and a cap on
+  tokens in flight; ``n`` split or topped up when a server returns fewer choices. Requests carry
   seed, temperature, top_p, max_tokens, n and logprobs. Tokens come from a local tokenizer
   (``tokenizer=PATH``) or from the server's ``/tokenize`` and ``/detokenize`` (vLLM-style).
+- :class:`ChatBackend` talks to ``/v1/chat/completions`` (APIs without token-id completions), with
+  a local tokenizer for cutting tails.
 """
 from __future__ import annotations
 
@@ -19,15 +24,19 @@ import http.client
 import inspect
 import json
 import os
+import random
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Protocol, Sequence, runtime_checkable
 
 from train.engine.base import Completion, SamplingParams
+from ttc.rsa import derive_seed
 
 SENTINEL = "\u2063RSA-CONTENT\u2063"
 EOS_STRINGS = ("<|im_end|>", "<|endoftext|>", "</s>", "<|eot_id|>", "<|end|>", "<|end_of_text|>")
@@ -102,8 +111,30 @@ class EngineBackend(HFTokenizerSide):
             self._takes_seeds = "seeds" in inspect.signature(engine.generate).parameters
         except (TypeError, ValueError):
             self._takes_seeds = False
+        self._lock = threading.Lock()  # problems in flight share the engine one call at a time
+
+    def context_length(self) -> int | None:
+        n = getattr(self.engine, "context_length", None)
+        return int(n) if isinstance(n, int) and n > 0 else None
+
+    def identity(self) -> dict:
+        """What the resume key knows of the model: the checkpoint path and its config's content."""
+        ident = {"backend": type(self.engine).__name__}
+        path = getattr(self, "source", None) or getattr(self.engine, "path", None)
+        if path is not None:
+            ident["path"] = os.path.abspath(str(path))
+            cfg = os.path.join(str(path), "config.json")
+            if os.path.isfile(cfg):
+                import hashlib
+
+                ident["config_sha"] = hashlib.sha256(open(cfg, "rb").read()).hexdigest()[:16]
+        return ident
 
     def generate(self, prompts, params: SamplingParams, seeds=None) -> list[Completion]:
+        with self._lock:
+            return self._generate(prompts, params, seeds)
+
+    def _generate(self, prompts, params: SamplingParams, seeds=None) -> list[Completion]:
         if seeds is None:
             return self.engine.generate(list(prompts), params)
         if self._takes_seeds:
@@ -137,7 +168,9 @@ def torch_backend(path, device: str | None = None, dtype: str = "float32", prefi
         raise ValueError(f"checkpoint {path} has no tokenizer files; RSA cuts tails with the policy's tokenizer")
     if prefix_cache:
         enable_prefix_caching(eng)
-    return EngineBackend(eng)
+    be = EngineBackend(eng)
+    be.source = str(path)
+    return be
 
 
 def vllm_backend(path, **kw) -> EngineBackend:
@@ -152,7 +185,9 @@ def vllm_backend(path, **kw) -> EngineBackend:
     if cls is None:
         raise ValueError("train.engine.vllm_engine defines no VLLMEngine/VllmEngine class")
     eng = cls.from_pretrained(path, **kw) if hasattr(cls, "from_pretrained") else cls(path, **kw)
-    return EngineBackend(eng)
+    be = EngineBackend(eng)
+    be.source = str(path)
+    return be
 
 
 # -- OpenAI-compatible server ----------------------------------------------------------------------
@@ -164,25 +199,106 @@ class ServerError(RuntimeError):
     """The server kept failing after all retries (or cannot be reached)."""
 
 
+class Limiter:
+    """A cap on what is in flight (requests or tokens): ``acquire(w)`` waits until ``w`` more fits
+    under ``cap`` (a single item larger than the cap goes alone)."""
+
+    def __init__(self, cap: int | None):
+        self.cap, self.used, self.peak = cap, 0, 0
+        self._cv = threading.Condition()
+
+    def acquire(self, w: int) -> None:
+        with self._cv:
+            while self.cap and self.used and self.used + w > self.cap:
+                self._cv.wait()
+            self.used += w
+            self.peak = max(self.peak, self.used)
+
+    def release(self, w: int) -> None:
+        with self._cv:
+            self.used -= w
+            self._cv.notify_all()
+
+
+class RateLimiter:
+    """At most ``limit`` units (requests or tokens) per minute, over a sliding 60 s window."""
+
+    def __init__(self, limit: float | None, window: float = 60.0):
+        self.limit, self.window = limit, window
+        self._log: deque[tuple[float, float]] = deque()
+        self._lock = threading.Lock()
+
+    def acquire(self, w: float = 1.0) -> None:
+        if not self.limit:
+            return
+        w = min(w, self.limit)  # one request larger than the limit still goes, alone in its window
+        while True:
+            with self._lock:
+                now = time.monotonic()
+                while self._log and self._log[0][0] <= now - self.window:
+                    self._log.popleft()
+                used = sum(x for _, x in self._log)
+                if used + w <= self.limit:
+                    self._log.append((now, w))
+                    return
+                wait = self._log[0][0] + self.window - now
+            time.sleep(max(wait, 0.01))
+
+
+def retry_after(value: str | None) -> float | None:
+    """Seconds from a ``Retry-After`` header (delta-seconds or an HTTP date); None if absent/unreadable."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        from email.utils import parsedate_to_datetime
+
+        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError, IndexError):
+        return None
+
+
 class OpenAIBackend:
-    """``/v1/completions`` of an OpenAI-compatible server (vLLM, SGLang, ``ttc serve``, ...)."""
+    """``/v1/completions`` of an OpenAI-compatible server (vLLM, SGLang, ``ttc serve``, ...).
+
+    Robustness: every request goes through one pool of ``concurrency`` workers shared by all callers
+    (problems in flight), so at most ``concurrency`` requests (and, with ``max_tokens_in_flight``,
+    prompt + max_tokens tokens) are in flight; ``rpm``/``tpm`` cap requests and tokens per minute.
+    Failures (408/409/425/429/5xx, connection errors, timeouts) are retried with full-jitter
+    exponential backoff (``backoff * 2**k``, capped at ``backoff_max``), or after the server's
+    ``Retry-After``, for at most ``retries`` retries and ``horizon`` seconds per request. A request
+    for ``n`` samples is split into requests of at most ``max_n``, and one that comes back with fewer
+    choices than asked is topped up with further requests (seeds derived from the request's seed).
+    ``usage`` dicts passed to :meth:`generate` accumulate the server's ``usage`` counts."""
 
     def __init__(self, base_url: str, model: str | None = None, tokenizer=None, api_key: str | None = None,
-                 concurrency: int = 16, retries: int = 5, backoff: float = 0.5, timeout: float = 600.0):
+                 concurrency: int = 16, retries: int = 8, backoff: float = 0.5, timeout: float = 600.0,
+                 horizon: float = 900.0, backoff_max: float = 60.0, max_n: int | None = None,
+                 rpm: float | None = None, tpm: float | None = None, max_tokens_in_flight: int | None = None):
         url = base_url.rstrip("/")
         self.base_url = url[:-3] if url.endswith("/v1") else url
         self.api_key = api_key if api_key is not None else (os.environ.get("OPENAI_API_KEY")
                                                             or os.environ.get("CASCADE_API_KEY"))
         self.concurrency, self.retries, self.backoff, self.timeout = max(1, concurrency), retries, backoff, timeout
+        self.horizon, self.backoff_max, self.max_n = horizon, backoff_max, max_n
         self.retried = 0  # requests that were sent again after a failure
         self.requests = 0
+        self._count_lock = threading.Lock()
+        self._rpm, self._tpm = RateLimiter(rpm), RateLimiter(tpm)
+        self.in_flight = Limiter(max_tokens_in_flight)
+        self._pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="ttc-request")
         models = self._call("GET", "/v1/models", None, retries=1)
-        names = [m.get("id") for m in models.get("data", [])]
+        entries = {m.get("id"): m for m in models.get("data", [])}
         if model is None:
-            if not names:
+            if not entries:
                 raise ValueError(f"server {self.base_url} lists no models; pass --model NAME")
-            model = names[0]
+            model = next(iter(entries))
         self.model = model
+        mml = (entries.get(model) or {}).get("max_model_len")
+        self._context = int(mml) if isinstance(mml, (int, float)) and mml > 0 else None
         if isinstance(tokenizer, (str, os.PathLike)):
             from train.tokenizer import load_tokenizer
 
@@ -190,18 +306,36 @@ class OpenAIBackend:
         self._tok = HFTokenizerSide(tokenizer) if tokenizer is not None else None
         self._remote_eos: set[int] | None = None
 
+    def context_length(self) -> int | None:
+        """The served model's context (``max_model_len`` in ``/v1/models``), when the server says."""
+        return self._context
+
+    def identity(self) -> dict:
+        return {"backend": type(self).__name__, "base_url": self.base_url, "model": self.model}
+
     # transport
+    def _delay(self, attempt: int, after: float | None) -> float:
+        if after is not None:
+            return min(after, self.horizon)
+        return random.uniform(0, min(self.backoff_max, self.backoff * 2 ** (attempt - 1)))
+
     def _call(self, method: str, path: str, body: dict | None, retries: int | None = None) -> dict:
         retries = self.retries if retries is None else retries
         data = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        last = ""
+        last, after, t0 = "", None, time.monotonic()
         for attempt in range(retries + 1):
             if attempt:
-                self.retried += 1
-                time.sleep(self.backoff * 2 ** (attempt - 1))
+                delay = self._delay(attempt, after)
+                if time.monotonic() - t0 + delay > self.horizon:
+                    last += f"; gave up at the {self.horizon:g} s retry horizon"
+                    break
+                with self._count_lock:
+                    self.retried += 1
+                time.sleep(delay)
+            after = None
             req = urllib.request.Request(self.base_url + path, data=data, headers=headers, method=method)
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout) as r:
@@ -210,15 +344,17 @@ class OpenAIBackend:
                 msg = _error_message(e)
                 if e.code in RETRY_STATUS:
                     last = f"HTTP {e.code}: {msg}"
+                    after = retry_after(e.headers.get("Retry-After") if e.headers else None)
                     continue
                 if e.code == 404:
                     raise ValueError(f"server {self.base_url} has no {path} ({msg})") from None
                 raise ValueError(f"server rejected {path}: HTTP {e.code}: {msg}") from None
-            except (urllib.error.URLError, ConnectionError, http.client.HTTPException, socket.timeout, OSError) as e:
+            except (urllib.error.URLError, ConnectionError, http.client.HTTPException, socket.timeout, OSError,
+                    json.JSONDecodeError) as e:
                 reason = getattr(e, "reason", e)
                 last = f"{type(reason).__name__}: {reason}" if not isinstance(reason, str) else reason
                 continue
-        raise ServerError(f"cannot reach {self.base_url}{path} after {retries + 1} attempt(s): {last}")
+        raise ServerError(f"cannot reach {self.base_url}{path} after {attempt + 1} attempt(s): {last}")
 
     # tokenizer side
     def encode(self, text: str) -> list[int]:
@@ -268,34 +404,114 @@ class OpenAIBackend:
             body["ignore_eos"] = True
         return body
 
-    def _one(self, i: int, prompt, params: SamplingParams, seed) -> list[Completion]:
+    def _post(self, prompt, params: SamplingParams, seed) -> tuple[list[dict], dict]:
+        """One request: (choices sorted by index, usage)."""
         r = self._call("POST", "/v1/completions", self.request_body(prompt, params, seed))
-        self.requests += 1
-        choices = sorted(r.get("choices", []), key=lambda c: c.get("index", 0))
-        if len(choices) != params.n:
-            raise ServerError(f"server returned {len(choices)} choices for n={params.n}")
-        usage = r.get("usage") or {}
-        prompt_ids = list(prompt) if not isinstance(prompt, str) else None
-        plen = len(prompt_ids) if prompt_ids is not None else int(usage.get("prompt_tokens", 0))
-        out = []
-        for ch in choices:
-            ids, lps = _choice_tokens(ch)
-            if ids is None:
-                ids = self.encode(ch.get("text", ""))
-            out.append(Completion(ids, ch.get("text", ""), lps or [], "length" if ch.get("finish_reason") == "length"
-                                  else "stop", i, plen, prompt_ids))
+        return sorted(r.get("choices", []), key=lambda c: c.get("index", 0)), r.get("usage") or {}
+
+    def _completion(self, ch: dict, i: int, prompt, plen: int) -> Completion:
+        ids, lps = _choice_tokens(ch)
+        if ids is None:
+            ids = self.encode(ch.get("text", ""))
+        return Completion(ids, ch.get("text", ""), lps or [], "length" if ch.get("finish_reason") == "length"
+                          else "stop", i, plen, list(prompt) if not isinstance(prompt, str) else None)
+
+    def _one(self, i: int, prompt, params: SamplingParams, seed, usage: dict | None) -> list[Completion]:
+        """``params.n`` samples of one prompt: requests of at most ``max_n``, topped up when a server
+        returns fewer choices than asked."""
+        out: list[Completion] = []
+        part = 0
+        plen = len(prompt) if not isinstance(prompt, str) else 0
+        empty = 0
+        while len(out) < params.n:
+            n = min(params.n - len(out), self.max_n or params.n)
+            s = seed if part == 0 or seed is None else derive_seed(int(seed), 7919, part)
+            part += 1
+            weight = plen + n * params.max_tokens
+            self._rpm.acquire(1)
+            self._tpm.acquire(weight)
+            self.in_flight.acquire(weight)
+            try:
+                choices, u = self._post(prompt, replace(params, n=n), s)
+            finally:
+                self.in_flight.release(weight)
+            with self._count_lock:
+                self.requests += 1
+                if usage is not None:
+                    usage["requests"] = usage.get("requests", 0) + 1
+                    for k in ("prompt_tokens", "completion_tokens"):
+                        if isinstance(u.get(k), int):
+                            usage[k] = usage.get(k, 0) + u[k]
+            if not plen:
+                plen = int(u.get("prompt_tokens", 0))
+            if not choices:
+                empty += 1
+                if empty > self.retries:
+                    raise ServerError(f"server returned no choices {empty} times for n={n}")
+                continue
+            out += [self._completion(ch, i, prompt, plen) for ch in choices[:n]]
         return out
 
-    def generate(self, prompts, params: SamplingParams, seeds=None) -> list[Completion]:
+    def generate(self, prompts, params: SamplingParams, seeds=None, usage: dict | None = None) -> list[Completion]:
         prompts = list(prompts)
         seeds = list(seeds) if seeds is not None else [params.seed] * len(prompts)
-        with ThreadPoolExecutor(max_workers=min(self.concurrency, max(1, len(prompts)))) as pool:
-            parts = list(pool.map(lambda a: self._one(a[0], a[1], params, a[2]),
-                                  [(i, p, s) for i, (p, s) in enumerate(zip(prompts, seeds))]))
-        return [c for part in parts for c in part]
+        futs = [self._pool.submit(self._one, i, p, params, s, usage) for i, (p, s) in enumerate(zip(prompts, seeds))]
+        return [c for f in futs for c in f.result()]
 
     def close(self) -> None:
-        pass
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+
+ASSISTANT_MARK = "\n\u2063RSA-ASSISTANT\u2063\n"
+
+
+class ChatBackend(OpenAIBackend):
+    """``/v1/chat/completions`` for APIs without token-id completions. Tails are still cut in the
+    policy's tokens, so a local ``tokenizer`` is required. RSA's prompts are built with
+    ``chat_parts() == ("", ASSISTANT_MARK)``; a request sends the text before the mark as the user
+    message and, where a prompt continues after it (Delethink chunks, final answers), that text as
+    an assistant message to continue (``continue_final_message``, a vLLM/SGLang extension). A reply's
+    ``reasoning_content`` (servers with a reasoning parser) is put back as ``<think>...</think>``
+    before its content. Token counts of prompts are the local tokenizer's (the server's ``usage`` is
+    kept separately)."""
+
+    def __init__(self, base_url: str, model: str | None = None, tokenizer=None, **kw):
+        if tokenizer is None:
+            raise ValueError("--api chat needs --tokenizer PATH (tails are cut in the policy's tokens)")
+        super().__init__(base_url, model=model, tokenizer=tokenizer, **kw)
+
+    def chat_parts(self) -> tuple[str, str]:
+        return "", ASSISTANT_MARK
+
+    def _post(self, prompt, params: SamplingParams, seed) -> tuple[list[dict], dict]:
+        text = prompt if isinstance(prompt, str) else self.decode(prompt)
+        user, _, prefix = text.partition(ASSISTANT_MARK.strip("\n"))
+        user, prefix = user.rstrip("\n"), prefix.lstrip("\n")
+        msgs = [{"role": "user", "content": user}]
+        body = {"model": self.model, "messages": msgs, "n": params.n, "max_tokens": params.max_tokens,
+                "temperature": params.temperature, "top_p": params.top_p}
+        if prefix:
+            msgs.append({"role": "assistant", "content": prefix})
+            body.update(continue_final_message=True, add_generation_prompt=False)
+        if seed is not None:
+            body["seed"] = int(seed)
+        if params.top_k:
+            body["top_k"] = params.top_k
+        if params.min_p:
+            body["min_p"] = params.min_p
+        r = self._call("POST", "/v1/chat/completions", body)
+        choices = []
+        for ch in sorted(r.get("choices", []), key=lambda c: c.get("index", 0)):
+            msg = ch.get("message") or {}
+            content = msg.get("content") or ""
+            if isinstance(content, list):  # content parts
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            reasoning = msg.get("reasoning_content") or msg.get("reasoning")
+            if reasoning:
+                content = f"<think>\n{reasoning}\n</think>\n\n{content}"
+            choices.append({"text": content, "finish_reason": ch.get("finish_reason")})
+        return choices, r.get("usage") or {}
 
 
 def _error_message(e: urllib.error.HTTPError) -> str:

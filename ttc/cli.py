@@ -1,6 +1,7 @@
 """The ``ttc`` command: ``ttc solve`` (Markovian RSA on one problem or a data file, over a local
 checkpoint or an OpenAI-compatible server) and ``ttc serve`` (an OpenAI-compatible server over a
-checkpoint). Input errors print one line on stderr and exit with status 2."""
+checkpoint). Input errors print one line on stderr and exit with status 2; a run in which some
+problems failed (recorded in --out with their error) exits with status 1."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +9,8 @@ import hashlib
 import json
 import os
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ttc.rsa import VARIANTS, RSAConfig, config_dict
@@ -31,6 +34,8 @@ def _solve_parser() -> argparse.ArgumentParser:
     g.add_argument("--budget", type=int, default=40000, help="beta, max tokens per candidate per round")
     g.add_argument("--final-budget", type=int, default=None,
                    help="tokens to finish a final trace cut at beta (default beta; 0: off)")
+    g.add_argument("--anchor", type=int, default=0,
+                   help="delethink: tokens kept from the start of each chain in every later chunk")
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -40,15 +45,24 @@ def _solve_parser() -> argparse.ArgumentParser:
     g.add_argument("--variant", default="rsa", choices=VARIANTS)
     g.add_argument("--grader", default=None, choices=["math", "exact"],
                    help="answer equivalence (default: math for the math template, else exact)")
+    g.add_argument("--context", type=int, default=None,
+                   help="the model's context in tokens (default: the checkpoint's, or the server's max_model_len)")
+    g.add_argument("--clamp", action="store_true",
+                   help="lower the budgets to fit the context instead of refusing the run")
     d = ap.add_argument_group("problems")
     src = d.add_mutually_exclusive_group(required=True)
     src.add_argument("--problem", help="one problem text")
-    src.add_argument("--data", help="jsonl/json/parquet with columns problem and answer")
+    src.add_argument("--data", help="a jsonl/json/parquet file or a Hugging Face dataset name")
+    d.add_argument("--split", default="train", help="dataset split for a Hugging Face name")
+    d.add_argument("--column", default=None,
+                   help="column mapping, e.g. problem=question,answer=solution (default: problem, answer)")
     d.add_argument("--answer", default=None, help="gold answer for --problem")
     d.add_argument("--limit", type=int, default=None, help="only the first N problems of --data")
     m = ap.add_argument_group("model")
     m.add_argument("--model", help="checkpoint directory, or the served model name with --base-url")
     m.add_argument("--base-url", help="an OpenAI-compatible server (API key from OPENAI_API_KEY or CASCADE_API_KEY)")
+    m.add_argument("--api", default="completions", choices=["completions", "chat"],
+                   help="--base-url endpoint: token-id /v1/completions, or /v1/chat/completions (needs --tokenizer)")
     m.add_argument("--tokenizer",
                    help="tokenizer directory for cutting tails with --base-url (default: the server's /tokenize)")
     m.add_argument("--engine", default="torch", choices=["torch", "vllm"])
@@ -56,22 +70,40 @@ def _solve_parser() -> argparse.ArgumentParser:
     m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     m.add_argument("--no-prefix-cache", action="store_true", help="torch engine: turn shared-prefix KV reuse off")
     m.add_argument("--threads", type=int, default=None, help="torch engine: CPU threads (torch.set_num_threads)")
-    m.add_argument("--concurrency", type=int, default=16, help="parallel requests to the server")
-    m.add_argument("--retries", type=int, default=5, help="retries of a failed request (5xx, 429, connection)")
-    m.add_argument("--request-timeout", type=float, default=3600.0)
+    r = ap.add_argument_group("requests (--base-url)")
+    r.add_argument("--concurrency", type=int, default=16,
+                   help="requests in flight at most, over all problems")
+    r.add_argument("--problems-in-flight", type=int, default=None,
+                   help="problems run at once (default: --concurrency with --base-url, 1 on a local engine)")
+    r.add_argument("--max-tokens-in-flight", type=int, default=None,
+                   help="cap on prompt + max_tokens of the requests in flight")
+    r.add_argument("--rpm", type=float, default=None, help="requests per minute at most")
+    r.add_argument("--tpm", type=float, default=None, help="tokens (prompt + max_tokens) per minute at most")
+    r.add_argument("--max-n", type=int, default=None, help="split n into requests of at most this many samples")
+    r.add_argument("--retries", type=int, default=8, help="retries of a failed request (5xx, 429, connection)")
+    r.add_argument("--backoff", type=float, default=0.5,
+                   help="first retry waits up to this many seconds (full jitter, doubling, at most 60 s)")
+    r.add_argument("--retry-horizon", type=float, default=900.0, help="seconds a request may keep retrying")
+    r.add_argument("--request-timeout", type=float, default=3600.0)
     o = ap.add_argument_group("output")
-    o.add_argument("--out", help="results jsonl: one line per problem, then a summary line")
-    o.add_argument("--resume", action="store_true", help="skip problems already in --out")
+    o.add_argument("--out", help="results jsonl: one line per problem, then a summary line "
+                                 "(rounds are checkpointed in OUT.rounds.jsonl while the run goes)")
+    o.add_argument("--resume", action="store_true", help="skip problems already in --out, resume rounds in progress")
+    o.add_argument("--save-traces", help="jsonl of every round: populations, prompts, tails (token ids and text)")
+    o.add_argument("--price-in", type=float, default=None, help="price per 1M prompt tokens (cost from usage)")
+    o.add_argument("--price-out", type=float, default=None, help="price per 1M completion tokens")
     o.add_argument("--no-progress", action="store_true")
     return ap
 
 
 def build_backend(a):
     if a.base_url:
-        from ttc.backends import OpenAIBackend
+        from ttc.backends import ChatBackend, OpenAIBackend
 
-        return OpenAIBackend(a.base_url, model=a.model, tokenizer=a.tokenizer, concurrency=a.concurrency,
-                             retries=a.retries, timeout=a.request_timeout)
+        cls = ChatBackend if a.api == "chat" else OpenAIBackend
+        return cls(a.base_url, model=a.model, tokenizer=a.tokenizer, concurrency=a.concurrency,
+                   retries=a.retries, backoff=a.backoff, timeout=a.request_timeout, horizon=a.retry_horizon, max_n=a.max_n,
+                   rpm=a.rpm, tpm=a.tpm, max_tokens_in_flight=a.max_tokens_in_flight)
     if not a.model:
         raise ValueError("give --model PATH (a checkpoint) or --base-url URL")
     if not Path(a.model).is_dir():
@@ -89,19 +121,61 @@ def build_backend(a):
     return torch_backend(a.model, device=a.device, dtype=a.dtype, prefix_cache=not a.no_prefix_cache)
 
 
+def parse_columns(spec: str | None) -> dict[str, str]:
+    cols = {"problem": "problem", "answer": "answer"}
+    for part in (spec or "").split(","):
+        if not part.strip():
+            continue
+        key, sep, col = part.partition("=")
+        if not sep or key.strip() not in cols or not col.strip():
+            raise ValueError(f"--column {spec!r}: expected problem=COLUMN,answer=COLUMN")
+        cols[key.strip()] = col.strip()
+    return cols
+
+
 def load_problems(a) -> list[dict]:
     if a.problem is not None:
         if not a.problem.strip():
             raise ValueError("--problem is empty")
         return [{"problem": a.problem, "answer": a.answer}]
-    from envs.math import load_math_rows
+    cols = parse_columns(a.column)
+    import datasets
 
-    rows = [{"problem": r["problem"], "answer": r["answer"]} for r in load_math_rows(a.data)]
+    datasets.disable_progress_bars()
+    path = Path(a.data)
+    if path.is_file():
+        kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(path.suffix.lower())
+        if kind is None:
+            raise ValueError(f"--data {path}: unsupported file type {path.suffix!r}; use .jsonl, .json, .parquet, .csv")
+        ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+    elif path.suffix.lower() in (".jsonl", ".json", ".parquet", ".csv") or a.data.startswith((".", "/")):
+        raise FileNotFoundError(f"--data file {a.data} not found")
+    else:
+        try:
+            ds = datasets.load_dataset(a.data, split=a.split)
+        except Exception as e:  # noqa: BLE001 - the hub's many errors: one line
+            raise ValueError(f"--data {a.data}: not a file, and loading it as a Hugging Face dataset failed: "
+                             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    need = ["problem"] + (["answer"] if "answer=" in (a.column or "") else [])  # answer is optional unless mapped
+    missing = [f"{k}={cols[k]}" if cols[k] != k else k for k in need if cols[k] not in ds.column_names]
+    if missing:
+        raise ValueError(f"--data {a.data} lacks column(s) {', '.join(missing)} (has: {', '.join(ds.column_names)}); "
+                         f"map them with --column problem=...,answer=...")
+    answers = ds[cols["answer"]] if cols["answer"] in ds.column_names else [None] * len(ds)
+    rows = [{"problem": str(p), "answer": None if g is None else str(g)} for p, g in zip(ds[cols["problem"]], answers)]
+    if not rows:
+        raise ValueError(f"--data {a.data} has no rows")
     return rows[:a.limit] if a.limit is not None else rows
 
 
-def run_key(cfg: RSAConfig, template: str, grader) -> str:
-    blob = json.dumps({"config": config_dict(cfg), "template": template, "grader": grader}, sort_keys=True)
+def run_key(cfg: RSAConfig, template, grader, model: dict | None = None, extra: dict | None = None) -> str:
+    """A hash of everything that decides a problem's result: the config, the template's content,
+    the grader, the model (path/config or URL/name) and the plan settings."""
+    from dataclasses import asdict, is_dataclass
+
+    tmpl = asdict(template) if is_dataclass(template) else template
+    blob = json.dumps({"config": config_dict(cfg), "template": tmpl, "grader": grader, "model": model,
+                       "extra": extra}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -109,37 +183,89 @@ def _problem_key(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def read_results(path: Path, key: str) -> list[dict]:
-    """Problem records already in a results file (for --resume); one-line errors on a mismatch."""
-    done = []
-    for ln, line in enumerate(path.read_text().splitlines(), 1):
+def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
+    out = []
+    lines = path.read_text().splitlines()
+    for ln, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
+            out.append((ln, json.loads(line)))
         except json.JSONDecodeError:
+            if ln == len(lines):  # a last line cut by a kill: dropped
+                continue
             raise ValueError(f"{path}:{ln} is not JSON; cannot resume from it") from None
+    return out
+
+
+def read_results(path: Path, key: str) -> list[dict]:
+    """Problem records already in a results file (for --resume); one-line errors on a mismatch.
+    Problems recorded as failed are not kept (a resumed run tries them again)."""
+    done = []
+    for _, rec in _read_jsonl(path):
         if rec.get("type") != "problem":
             continue
         if rec.get("run_key") != key:
             raise ValueError(f"{path} was written with different settings (run key {rec.get('run_key')} != {key}); "
                              f"use another --out or drop --resume")
-        done.append(rec)
+        if rec.get("status", "ok") == "ok":
+            done.append(rec)
     return done
 
 
-def summarize(records: list[dict], cfg: RSAConfig, key: str) -> dict:
+def read_checkpoints(path: Path, key: str) -> dict[tuple[int, str], list[dict]]:
+    """Round records of problems in progress: {(index, problem_key): [round 0, 1, ..., k]}."""
+    by: dict[tuple[int, str], dict[int, dict]] = {}
+    for _, rec in _read_jsonl(path):
+        if rec.get("run_key") != key:
+            raise ValueError(f"{path} was written with different settings (run key {rec.get('run_key')} != {key}); "
+                             f"use another --out or drop --resume")
+        by.setdefault((rec["index"], rec["problem_key"]), {})[rec["round"]] = rec["record"]
+    out = {}
+    for k, rounds in by.items():
+        seq = []
+        while len(seq) in rounds:
+            seq.append(rounds[len(seq)])
+        out[k] = seq
+    return out
+
+
+def cost(usage: dict | None, price_in: float | None, price_out: float | None) -> float | None:
+    if not usage or (price_in is None and price_out is None):
+        return None
+    return (usage.get("prompt_tokens", 0) * (price_in or 0.0) + usage.get("completion_tokens", 0) * (price_out or 0.0)) / 1e6
+
+
+def summarize(records: list[dict], cfg: RSAConfig, key: str, extra: dict | None = None) -> dict:
+    ok = [r for r in records if r.get("status", "ok") == "ok"]
+
     def avg(name):
-        xs = [r[name] for r in records if r.get(name) is not None]
+        xs = [r[name] for r in ok if r.get(name) is not None]
         return sum(xs) / len(xs) if xs else None
 
-    rounds = [r["round_accuracy"] for r in records if r.get("round_accuracy")]
-    per_round = [sum(x[t] for x in rounds) / len(rounds) for t in range(len(rounds[0]))] if rounds else None
-    return {"type": "summary", "problems": len(records), "mean_accuracy": avg("mean_accuracy"),
-            "round_accuracy": per_round, "majority_accuracy": avg("majority_accuracy"), "pass_at_n": avg("pass_at_n"),
-            "generated_tokens": sum(r["generated_tokens"] for r in records),
-            "prefill_tokens": sum(r["prefill_tokens"] for r in records),
-            "wall_s": sum(r["wall_s"] for r in records), "run_key": key, "config": config_dict(cfg)}
+    def per_round(name):
+        rows = [r[name] for r in ok if r.get(name)]
+        return [sum(x[t] for x in rows) / len(rows) for t in range(len(rows[0]))] if rows else None
+
+    passk = [r["pass_at_k"] for r in ok if r.get("pass_at_k")]
+    usage: dict = {}
+    for r in ok:
+        for k, v in (r.get("usage") or {}).items():
+            usage[k] = usage.get(k, 0) + v
+    costs = [r["cost"] for r in ok if r.get("cost") is not None]
+    out = {"type": "summary", "problems": len(records), "failed": len(records) - len(ok),
+           "failed_indices": [r["index"] for r in records if r not in ok],
+           "mean_accuracy": avg("mean_accuracy"), "round_accuracy": per_round("round_accuracy"),
+           "majority_accuracy": avg("majority_accuracy"), "round_majority_accuracy": per_round("round_majority_accuracy"),
+           "pass_at_n": avg("pass_at_n"),
+           "pass_at_k": {k: sum(p[k] for p in passk) / len(passk) for k in passk[0]} if passk else None,
+           "generated_tokens": sum(r["generated_tokens"] for r in ok),
+           "prefill_tokens": sum(r["prefill_tokens"] for r in ok), "usage": usage or None,
+           "cost": sum(costs) if costs else None,
+           "wall_s": sum(r["wall_s"] for r in ok), "run_key": key, "config": config_dict(cfg)}
+    if extra:
+        out.update(extra)
+    return out
 
 
 def _progress(disable: bool):
@@ -151,63 +277,158 @@ def _progress(disable: bool):
                     TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True), disable=disable)
 
 
+class _Writer:
+    """Appends JSON lines from several threads, flushed (and fsynced) line by line."""
+
+    def __init__(self, path: Path | None):
+        self.fh = path.open("a") if path is not None else None
+        self.lock = threading.Lock()
+
+    def write(self, obj: dict) -> None:
+        if self.fh is None:
+            return
+        line = json.dumps(obj) + "\n"
+        with self.lock:
+            self.fh.write(line)
+            self.fh.flush()
+            os.fsync(self.fh.fileno())
+
+    def close(self) -> None:
+        if self.fh is not None:
+            self.fh.close()
+
+
 def solve_main(argv: list[str]) -> int:
     a = _solve_parser().parse_args(argv)
     cfg = RSAConfig(population=a.population, aggregate=a.aggregate, rounds=a.rounds, budget=a.budget, tail=a.tail,
                     final_budget=a.final_budget, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                    min_p=a.min_p, seed=a.seed, variant=a.variant).resolved()
+                    min_p=a.min_p, seed=a.seed, variant=a.variant, anchor=a.anchor).resolved()
     from ttc.templates import load_template
 
     template = load_template(a.template)
     if a.resume and not a.out:
         raise ValueError("--resume needs --out (the results file to resume from)")
+    for name in ("concurrency", "problems_in_flight", "max_n", "context"):
+        v = getattr(a, name)
+        if v is not None and v < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     problems = load_problems(a)
-    key = run_key(cfg, template.name, a.grader)
-    out = Path(a.out) if a.out else None
-    records: list[dict] = []
-    if out is not None and a.resume and out.exists():
-        records = read_results(out, key)
-    done = {(r["index"], r["problem_key"]) for r in records}
-    todo = [(i, p) for i, p in enumerate(problems) if (i, _problem_key(p["problem"])) not in done]
 
+    from ttc.backends import ServerError
     from ttc.rsa import MarkovianRSA
 
     backend = build_backend(a)
-    rsa = MarkovianRSA(backend, cfg, template, a.grader)
-    fh = None
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in records))  # earlier problems, without the old summary
-        os.replace(tmp, out)
-        fh = out.open("a")
     try:
-        with _progress(a.no_progress or len(problems) < 2) as prog:
-            task = prog.add_task("", total=len(problems), completed=len(problems) - len(todo))
-            for i, p in todo:
-                res = rsa.run(p["problem"], p.get("answer"))
-                rec = {"type": "problem", "index": i, "problem_key": _problem_key(p["problem"]), "run_key": key,
-                       "problem": p["problem"], "answer": p.get("answer"), **res.metrics}
-                records.append(rec)
-                if fh is not None:
-                    fh.write(json.dumps(rec) + "\n")
-                    fh.flush()
-                acc = [r["mean_accuracy"] for r in records if r["mean_accuracy"] is not None]
-                prog.update(task, advance=1, description=f"mean acc {sum(acc) / len(acc):.3f}" if acc else "")
-        records.sort(key=lambda r: r["index"])
-        summary = summarize(records, cfg, key)
-        if fh is not None:
-            fh.write(json.dumps(summary) + "\n")
+        rsa = MarkovianRSA(backend, cfg, template, a.grader)
+        # the plan: every request of every round fits the model's context, before anything is generated
+        context = a.context or (backend.context_length() if hasattr(backend, "context_length") else None)
+        clamped = None
+        if context:
+            longest = max(len(backend.encode(p["problem"])) for p in problems)
+            clamped = rsa.check_plan(longest, context, clamp=a.clamp)
+            if clamped:
+                print("ttc solve: clamped to fit the context " f"{context}: " +
+                      ", ".join(f"{k} {o} -> {n}" for k, (o, n) in clamped.items()), file=sys.stderr)
+        cfg = rsa.config
+        model = backend.identity() if hasattr(backend, "identity") else {"model": a.model, "base_url": a.base_url}
+        key = run_key(cfg, template, a.grader, model, {"context": context, "clamp": a.clamp, "api": a.api})
+        out = Path(a.out) if a.out else None
+        ckpt = out.with_name(out.name + ".rounds.jsonl") if out is not None else None
+        records: list[dict] = []
+        partial: dict = {}
+        if out is not None and a.resume and out.exists():
+            records = sorted(read_results(out, key), key=lambda r: r["index"])
+        if ckpt is not None and a.resume and ckpt.exists():
+            partial = read_checkpoints(ckpt, key)
+        done = {(r["index"], r["problem_key"]) for r in records}
+        todo = [(i, p) for i, p in enumerate(problems) if (i, _problem_key(p["problem"])) not in done]
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = out.with_name(out.name + ".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in records))  # earlier problems, without the old summary
+            os.replace(tmp, out)
+            if not a.resume and ckpt.exists():
+                ckpt.unlink()
+        results, checkpoints = _Writer(out), _Writer(ckpt)
+        traces = _Writer(Path(a.save_traces)) if a.save_traces else _Writer(None)
+        lock = threading.Lock()
+        in_flight = a.problems_in_flight or (a.concurrency if a.base_url else 1)
+        try:
+            with _progress(a.no_progress) as prog:
+                task = prog.add_task("", total=len(problems), completed=len(problems) - len(todo))
+                live: dict[int, str] = {}
+
+                def show():
+                    acc = [r["mean_accuracy"] for r in records if r.get("mean_accuracy") is not None]
+                    desc = f"mean acc {sum(acc) / len(acc):.3f}" if acc else ""
+                    if live:
+                        desc += (" | " if desc else "") + " ".join(f"#{i}:{s}" for i, s in sorted(live.items())[:4])
+                    prog.update(task, description=desc)
+
+                def one(i: int, p: dict) -> None:
+                    pk = _problem_key(p["problem"])
+                    tokens = [0]
+
+                    def on_round(t: int, rec: dict) -> None:
+                        base = {"run_key": key, "index": i, "problem_key": pk, "round": t}
+                        checkpoints.write({**base, "record": rec})
+                        traces.write({"type": "round", **base, "population": rec["population"],
+                                      "prompts": rec["prompts"]})
+                        with lock:
+                            tokens[0] += rec["tokens"]["generated"]
+                            live[i] = f"round {t}/{cfg.rounds} {tokens[0]} tok"
+                            show()
+
+                    with lock:
+                        live[i] = "round 0"
+                        show()
+                    base = {"type": "problem", "index": i, "problem_key": pk, "run_key": key, "problem": p["problem"],
+                            "answer": p.get("answer")}
+                    try:
+                        res = rsa.run(p["problem"], p.get("answer"), problem_key=pk,
+                                      resume=partial.get((i, pk)), on_round=on_round)
+                        rec = {**base, "status": "ok", **res.metrics,
+                               "cost": cost(res.metrics.get("usage"), a.price_in, a.price_out)}
+                        if a.save_traces:
+                            fin = [vars(r) for r in res.prompts if r.stage == "final"]
+                            traces.write({"type": "final", "run_key": key, "index": i, "problem_key": pk,
+                                          "prompts": fin, "responses": [c.response for c in res.final],
+                                          "answers": res.metrics["answers"],
+                                          "correct": [c.correct for c in res.final]})
+                    except (ServerError, ValueError, RuntimeError, OSError) as e:  # recorded; the run goes on
+                        rec = {**base, "status": "failed", "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+                    with lock:
+                        records.append(rec)
+                        live.pop(i, None)
+                        prog.update(task, advance=1)
+                        show()
+                    results.write(rec)
+
+                if in_flight <= 1:
+                    for i, p in todo:
+                        one(i, p)
+                else:
+                    with ThreadPoolExecutor(max_workers=min(in_flight, max(1, len(todo)))) as pool:
+                        for f in [pool.submit(one, i, p) for i, p in todo]:
+                            f.result()
+            records.sort(key=lambda r: r["index"])
+            extra = {"context": context, "clamped": {k: list(v) for k, v in clamped.items()} if clamped else None}
+            summary = summarize(records, cfg, key, extra)
+            results.write(summary)
+        finally:
+            results.close()
+            checkpoints.close()
+            traces.close()
+        if ckpt is not None and ckpt.exists() and not summary["failed"]:
+            ckpt.unlink()  # every problem is in --out: the round checkpoints are no longer needed
     finally:
-        if fh is not None:
-            fh.close()
         close = getattr(backend, "close", None)
         if close is not None:
             close()
     if a.problem is not None:
         print(json.dumps({k: v for k, v in records[0].items() if k not in ("type", "problem_key", "run_key")}))
     print(json.dumps(summary))
-    return 0
+    return 0 if not summary["failed"] else 1
 
 
 def serve_main(argv: list[str]) -> int:

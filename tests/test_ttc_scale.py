@@ -1,0 +1,320 @@
+"""``ttc solve`` at benchmark scale against a scripted OpenAI-compatible server on 127.0.0.1:
+429s with Retry-After and random 500s, fewer choices than asked, a global cap on requests in
+flight (the server records the peak), problems that fail, the context plan check, a resume after
+``kill -9`` mid-run, the resume key, traces, usage and cost, dataset column mapping and the
+chat-completions backend."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from ttc.rsa import derive_seed
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class FakeAPI(ThreadingHTTPServer):
+    """Scripted completions: the reply depends only on the request's seed and prompt (the answer
+    is ``7`` or ``8``); answers 429 (with Retry-After) and 500 at random, at most ``max_choices``
+    choices per response, and records requests, seeds and the peak of requests in flight."""
+
+    daemon_threads = True
+
+    def __init__(self, tokenizer, fail_500=0.0, fail_429=0.0, delay=0.0, max_choices=None, context=4096,
+                 models=("m1", "m2")):
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.tok, self.fail_500, self.fail_429, self.delay = tokenizer, fail_500, fail_429, delay
+        self.max_choices, self.context, self.models = max_choices, context, models
+        self.rng = random.Random(0)
+        self.lock = threading.Lock()
+        self.in_flight = self.peak = 0
+        self.completions = self.errors = 0
+        self.poison = "POISON"
+        self.eos = tokenizer.eos_token_id
+        self.thread = threading.Thread(target=self.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+
+    def stop(self):
+        self.shutdown()
+        self.server_close()
+
+    def reply(self, prompt_text: str, seed: int, j: int, max_tokens: int) -> tuple[list[int], str, str]:
+        rng = random.Random(derive_seed(seed, j))
+        words = " ".join(rng.choice(["sum", "check", "list"]) for _ in range(rng.randint(2, 12)))
+        text = f"<think>\n{words}\n</think>\n\nSo \\boxed{{{rng.choice(['7', '7', '8'])}}}."
+        ids = self.tok.encode(text, add_special_tokens=False) + [self.eos]
+        if len(ids) > max_tokens:
+            ids = ids[:max_tokens]
+            return ids, self.tok.decode(ids), "length"
+        return ids, self.tok.decode(ids[:-1]), "stop"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def _send(self, code, obj, headers=()):
+        self._leave()  # counted out before the reply leaves, so a client's next request never overlaps it
+        data = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for k, v in headers:
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(data)
+
+    counted = False
+
+    def _leave(self):
+        if self.counted:
+            s = self.server
+            with s.lock:
+                s.in_flight -= 1
+            self.counted = False
+
+    def do_GET(self):
+        s = self.server
+        self._send(200, {"object": "list", "data": [{"id": m, "object": "model", "max_model_len": s.context}
+                                                    for m in s.models]})
+
+    def do_POST(self):
+        s: FakeAPI = self.server
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        with s.lock:
+            s.in_flight += 1
+            s.peak = max(s.peak, s.in_flight)
+            r = s.rng.random()
+        self.counted = True
+        try:
+            time.sleep(s.delay)
+            if r < s.fail_429:
+                with s.lock:
+                    s.errors += 1
+                return self._send(429, {"error": {"message": "slow down"}}, [("Retry-After", "0.02")])
+            if r < s.fail_429 + s.fail_500:
+                with s.lock:
+                    s.errors += 1
+                return self._send(500, {"error": {"message": "injected"}})
+            chat = self.path == "/v1/chat/completions"
+            if chat:
+                msgs = body["messages"]
+                prompt_text = "".join(m["content"] for m in msgs)
+                plen = len(s.tok.encode(prompt_text, add_special_tokens=False))
+            else:
+                prompt_text = s.tok.decode(body["prompt"])
+                plen = len(body["prompt"])
+            if s.poison in prompt_text:
+                return self._send(400, {"error": {"message": "this prompt is refused"}})
+            n = int(body.get("n", 1))
+            k = min(n, s.max_choices or n)
+            choices, gen = [], 0
+            for j in range(k):
+                ids, text, fin = s.reply(prompt_text, int(body.get("seed", 0)), j, int(body["max_tokens"]))
+                gen += len(ids)
+                ch = {"index": j, "finish_reason": fin}
+                if chat:
+                    ch["message"] = {"role": "assistant", "content": text}
+                else:
+                    ch.update(text=text, token_ids=ids)
+                choices.append(ch)
+            with s.lock:
+                s.completions += 1
+            self._send(200, {"choices": choices,
+                             "usage": {"prompt_tokens": plen, "completion_tokens": gen, "total_tokens": plen + gen}})
+        finally:
+            self._leave()
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_dense_dir):
+    from train.tokenizer import load_tokenizer
+
+    return load_tokenizer(tiny_dense_dir)
+
+
+def _data(path: Path, n: int, extra: list[str] = ()) -> Path:
+    rows = [{"problem": f"Problem {i}: what is {i} + {7 - i}?", "answer": "7"} for i in range(n)]
+    rows += [{"problem": p, "answer": "7"} for p in extra]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _args(url, tiny_dense_dir, data, out, *more):
+    return ["solve", "--data", str(data), "--base-url", url, "--model", "m1", "--tokenizer", str(tiny_dense_dir),
+            "--population", "4", "--aggregate", "2", "--rounds", "1", "--budget", "24", "--tail", "6",
+            "--final-budget", "8", "--seed", "5", "--out", str(out), "--no-progress", "--backoff", "0.01",
+            *map(str, more)]
+
+
+def _cli(capsys, args):
+    from ttc.cli import main
+
+    rc = main(args)
+    o, e = capsys.readouterr()
+    return rc, o, e
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def test_twenty_problems_through_429s_and_500s_with_a_cap_on_requests_in_flight(tmp_path, capsys, tok,
+                                                                                  tiny_dense_dir):
+    srv = FakeAPI(tok, fail_500=0.15, fail_429=0.15, delay=0.01, max_choices=3)
+    try:
+        data = _data(tmp_path / "d.jsonl", 20)
+        out, traces = tmp_path / "r.jsonl", tmp_path / "traces.jsonl"
+        rc, stdout, err = _cli(capsys, _args(srv.url, tiny_dense_dir, data, out, "--concurrency", 6,
+                                             "--save-traces", traces, "--price-in", 2.0, "--price-out", 10.0))
+    finally:
+        srv.stop()
+    assert rc == 0, err
+    recs = _lines(out)
+    probs, summary = recs[:-1], recs[-1]
+    assert sorted(r["index"] for r in probs) == list(range(20)) and all(r["status"] == "ok" for r in probs)
+    assert summary["problems"] == 20 and summary["failed"] == 0 and srv.errors > 5
+    # the cap: never more than 6 requests in flight, and problems interleave (more than one round's N=4)
+    assert 4 < srv.peak <= 6
+    # n=4 was topped up from responses of at most 3 choices; every population is complete
+    rounds = [r for r in _lines(traces) if r["type"] == "round"]
+    assert len(rounds) == 40 and all(len(r["population"]) == 4 for r in rounds)
+    # subsets and seeds differ across problems
+    parents = {r["index"]: [p["parents"] for p in r["prompts"]] for r in rounds if r["round"] == 1}
+    assert len({json.dumps(v) for v in parents.values()}) > 10
+    seeds = {r["index"]: r["prompts"][0]["seed"] for r in rounds if r["round"] == 0}
+    assert len(set(seeds.values())) == 20
+    # usage as the server reported it, and its cost
+    u = summary["usage"]
+    assert u["completion_tokens"] == summary["generated_tokens"] and u["requests"] >= 20 * 5
+    assert summary["cost"] == pytest.approx((u["prompt_tokens"] * 2.0 + u["completion_tokens"] * 10.0) / 1e6)
+    assert set(summary["pass_at_k"]) == {"1", "2", "4"} and len(summary["round_majority_accuracy"]) == 2
+    assert not out.with_name(out.name + ".rounds.jsonl").exists()  # all done: the round checkpoints are gone
+
+
+def test_failed_problem_is_recorded_and_retried_on_resume(tmp_path, capsys, tok, tiny_dense_dir):
+    srv = FakeAPI(tok)
+    try:
+        data = _data(tmp_path / "d.jsonl", 3, extra=["POISON problem"])
+        out = tmp_path / "r.jsonl"
+        rc, _, err = _cli(capsys, _args(srv.url, tiny_dense_dir, data, out, "--concurrency", 4))
+        assert rc == 1
+        recs = _lines(out)
+        bad = [r for r in recs if r.get("status") == "failed"]
+        assert len(bad) == 1 and bad[0]["index"] == 3 and "refused" in bad[0]["error"]
+        assert recs[-1]["failed"] == 1 and recs[-1]["failed_indices"] == [3] and recs[-1]["problems"] == 4
+        before = srv.completions
+        srv.poison = "never matches"
+        rc, _, err = _cli(capsys, _args(srv.url, tiny_dense_dir, data, out, "--concurrency", 4, "--resume"))
+        assert rc == 0, err
+        recs = _lines(out)
+        ok = sorted((r for r in recs if r["type"] == "problem" and r["status"] == "ok"), key=lambda r: r["index"])
+        assert [r["index"] for r in ok] == [0, 1, 2, 3] and recs[-1]["failed"] == 0
+        assert srv.completions - before == ok[3]["requests"]  # only the failed problem ran again
+        # the resume key covers the model: the same file with another model is refused
+        other = [x if x != "m1" else "m2" for x in _args(srv.url, tiny_dense_dir, data, out, "--resume")]
+        rc, _, err = _cli(capsys, other)
+        assert rc == 2 and "different settings" in err
+    finally:
+        srv.stop()
+
+
+def test_plan_check_refuses_before_generating_or_clamps(tmp_path, capsys, tok, tiny_dense_dir):
+    srv = FakeAPI(tok, context=340)
+    try:
+        data = _data(tmp_path / "d.jsonl", 2)
+        out = tmp_path / "r.jsonl"
+        args = _args(srv.url, tiny_dense_dir, data, out)
+        args[args.index("--budget") + 1] = "150"
+        rc, _, err = _cli(capsys, args)
+        assert rc == 2 and err.count("\n") == 1 and "context 340" in err and "--clamp" in err, err
+        assert srv.completions == 0  # nothing was generated
+        rc, stdout, err = _cli(capsys, args + ["--clamp"])
+        assert rc == 0, err
+        summary = json.loads(stdout.splitlines()[-1])
+        assert summary["context"] == 340 and summary["clamped"]["budget"][0] == 150
+        assert summary["config"]["budget"] == summary["clamped"]["budget"][1] < 150 and "clamped" in err
+    finally:
+        srv.stop()
+
+
+def test_resume_after_kill_9_loses_at_most_one_round(tmp_path, tok, tiny_dense_dir):
+    srv = FakeAPI(tok, delay=0.08)
+    try:
+        data = _data(tmp_path / "d.jsonl", 3)
+        out = tmp_path / "r.jsonl"
+        ckpt = out.with_name(out.name + ".rounds.jsonl")
+        args = _args(srv.url, tiny_dense_dir, data, out, "--rounds", 3, "--concurrency", 1,
+                     "--problems-in-flight", 1)
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        p = subprocess.Popen([sys.executable, "-m", "ttc", *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, start_new_session=True)
+        deadline = time.time() + 120
+        while time.time() < deadline and (not ckpt.exists() or len(ckpt.read_text().splitlines()) < 6):
+            assert p.poll() is None, p.stderr.read().decode()
+            time.sleep(0.05)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        killed = srv.completions
+        completed = [r for r in _lines(out) if r.get("status") == "ok"] if out.exists() else []
+        saved = [json.loads(x) for x in ckpt.read_text().splitlines() if x.strip().endswith("}")]
+        assert 6 <= len(saved) < 12 and len(completed) >= 1  # problem 0 (4 rounds) done, problem 1 mid-way
+        finished = {r["index"] for r in completed}
+        kept = sum(r["requests"] for r in completed) + sum(len(r["record"]["prompts"]) for r in saved
+                                                           if r["index"] not in finished)
+        assert killed - kept <= 4  # lost: at most the round (N = 4 requests) in progress
+        srv.delay = 0.0
+        from ttc.cli import main
+
+        before = srv.completions
+        assert main(args + ["--resume"]) == 0
+        resumed = srv.completions - before
+        # an uninterrupted run of the same settings, for the request count and the results
+        out2 = tmp_path / "fresh.jsonl"
+        a2 = list(args)
+        a2[a2.index("--out") + 1] = str(out2)
+        before = srv.completions
+        assert main(a2) == 0
+        total = srv.completions - before
+    finally:
+        srv.stop()
+    assert resumed == total - kept  # nothing checkpointed was asked for again
+    # the resumed run's results equal the uninterrupted run's
+    strip = lambda rs: sorted(({k: v for k, v in r.items() if k not in ("wall_s",)} for r in rs[:-1]),  # noqa: E731
+                              key=lambda r: r["index"])
+    assert strip(_lines(out)) == strip(_lines(out2))
+
+
+def test_dataset_columns_and_the_chat_backend(tmp_path, capsys, tok, tiny_dense_dir):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"question": ["What is 3 + 4?", "What is 1 + 6?"], "solution": [7, 7],
+                             "id": [0, 1]}), tmp_path / "aime.parquet")
+    srv = FakeAPI(tok)
+    try:
+        out = tmp_path / "r.jsonl"
+        args = _args(srv.url, tiny_dense_dir, tmp_path / "aime.parquet", out)
+        rc, _, err = _cli(capsys, args)
+        assert rc == 2 and "lacks column(s) problem" in err and "--column" in err
+        rc, _, err = _cli(capsys, args + ["--column", "problem=question,answer=solution", "--api", "chat",
+                                          "--variant", "delethink", "--rounds", "2"])
+        assert rc == 0, err
+        recs = _lines(out)
+        assert [r["answer"] for r in recs[:-1]] == ["7", "7"] and recs[-1]["failed"] == 0
+        assert recs[-1]["round_accuracy"] is not None and recs[-1]["usage"]["requests"] >= 2
+        rc, _, err = _cli(capsys, args + ["--column", "problem=nope"])
+        assert rc == 2 and "problem=nope" in err
+    finally:
+        srv.stop()
