@@ -94,7 +94,6 @@ def test_bad_requests(server):
     for path, body, msg in [
         ("/v1/completions", {"prompt": 5}, "prompt must be"),
         ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
-        ("/v1/completions", {"prompt": "x", "model": "other"}, "not served"),
         ("/v1/completions", {"prompt": "x", "n": "many"}, "n must be"),
         ("/detokenize", {"tokens": "abc"}, "list of token ids"),
         ("/v1/chat/completions", {"messages": []}, "non-empty"),
@@ -103,6 +102,8 @@ def test_bad_requests(server):
         assert code == 400 and msg in b["error"]["message"], (path, b)
     code, b = call(url, "/v1/nothing", {})
     assert code == 404
+    code, b = call(url, "/v1/completions", {"prompt": "x", "model": "other"})  # an unknown model: 404, as OpenAI
+    assert code == 404 and "not served" in b["error"]["message"]
 
 
 def test_a_bad_request_in_a_batch_fails_alone(server):
@@ -117,3 +118,85 @@ def test_a_bad_request_in_a_batch_fails_alone(server):
     assert "context limit" in res[0][1]["error"]["message"]
     ref = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=3, seed=1))[0]
     assert res[1][1]["choices"][0]["token_ids"] == ref.token_ids == res[3][1]["choices"][0]["token_ids"]
+
+
+# -- the official openai client ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    openai = pytest.importorskip("openai")
+    _, url = server
+    return openai, openai.OpenAI(base_url=url + "/v1", api_key="k3y", max_retries=0, timeout=60)
+
+
+def test_openai_client_completions_stream_and_not(server, client):
+    eng, url = server
+    openai, cli = client
+    tok = eng.tokenizer
+    ids = tok.encode("What is 2+2?", add_special_tokens=False)
+    ref = eng.generate([ids], SamplingParams(n=2, max_tokens=9, temperature=1.0, seed=4))
+    r = cli.completions.create(model="tiny", prompt="What is 2+2?", max_tokens=9, n=2, seed=4, logprobs=3)
+    assert [c.text for c in r.choices] == [c.text for c in ref]
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == sum(len(c.token_ids) for c in ref)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    # top logprobs: 3 per position, against a forward pass of the model; the sampled token's own
+    # logprob is the engine's
+    lp = r.choices[0].logprobs
+    assert len(lp.top_logprobs) == len(ref[0].token_ids) and all(len(d) == 3 for d in lp.top_logprobs)
+    with torch.no_grad():
+        logits = eng.model(torch.tensor([ids + ref[0].token_ids]))[0, len(ids) - 1:-1]
+    want = torch.log_softmax(logits, -1).topk(3, -1)
+    for pos, d in enumerate(lp.top_logprobs):
+        assert sorted(d.values(), reverse=True) == pytest.approx(want.values[pos].tolist(), abs=1e-4)
+        assert max(d.values()) >= lp.token_logprobs[pos] - 1e-4
+    assert lp.token_logprobs == pytest.approx(ref[0].logprobs, abs=1e-5)
+    # streaming: chunks that add up to the same text, then usage
+    chunks = list(cli.completions.create(model="tiny", prompt="What is 2+2?", max_tokens=9, n=2, seed=4,
+                                         stream=True, stream_options={"include_usage": True}))
+    assert len(chunks) > 4
+    text = {0: "", 1: ""}
+    finish = {}
+    for ch in chunks:
+        for c in ch.choices:
+            text[c.index] += c.text
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert [text[0], text[1]] == [c.text for c in ref] and [finish[0], finish[1]] == [c.finish_reason for c in ref]
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    # an unknown model is NotFoundError (404)
+    with pytest.raises(openai.NotFoundError):
+        cli.completions.create(model="nope", prompt="x", max_tokens=2)
+
+
+def test_openai_client_chat_stream_parts_and_default_max_tokens(server, client):
+    eng, url = server
+    openai, cli = client
+    tok = eng.tokenizer
+    msgs = [{"role": "user", "content": "Sort 3 1 2."}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    # no max_tokens: the rest of the context (here the tiny model runs to EOS or the context's end)
+    ref = eng.generate([ids], SamplingParams(max_tokens=eng.context_length - len(ids), seed=3, temperature=1.0))[0]
+    r = cli.chat.completions.create(model="tiny", messages=msgs, seed=3)
+    assert r.choices[0].message.content == ref.text and r.usage.completion_tokens == len(ref.token_ids) > 16
+    # content as parts is the same prompt
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Sort 3 1 "}, {"type": "text", "text": "2."}]}]
+    r2 = cli.chat.completions.create(model="tiny", messages=parts, seed=3, max_tokens=6)
+    assert r2.choices[0].message.content == eng.generate([ids], SamplingParams(max_tokens=6, seed=3))[0].text
+    with pytest.raises(openai.BadRequestError, match="image_url"):
+        cli.chat.completions.create(model="tiny", max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}])
+    # streaming chat: a role delta, content deltas adding up to the text, a finish reason, usage
+    stream = cli.chat.completions.create(model="tiny", messages=msgs, seed=3, max_tokens=12, stream=True,
+                                         stream_options={"include_usage": True}, logprobs=True, top_logprobs=2)
+    chunks = list(stream)
+    ref = eng.generate([ids], SamplingParams(max_tokens=12, seed=3))[0]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        [ref.finish_reason]
+    lps = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
+    assert [x.logprob for x in lps] == pytest.approx(ref.logprobs, abs=1e-5)
+    assert all(len(x.top_logprobs) == 2 and x.top_logprobs[0].logprob >= x.logprob - 1e-4 for x in lps)
+    assert chunks[-1].usage.prompt_tokens == len(ids) and chunks[-1].usage.completion_tokens == len(ref.token_ids)

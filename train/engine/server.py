@@ -13,6 +13,14 @@ token, where the engine tracks it) and, when the request sets ``return_routed_ex
 ``[P + C, n_moe_layers, k]`` (the compact form of :func:`train.rl.exchange.stack_routing`);
 ``usage`` counts prompt tokens once per prompt.
 
+For OpenAI clients: ``"stream": true`` answers server-sent events (``text_completion`` /
+``chat.completion.chunk`` chunks, ``stream_options.include_usage``, then ``[DONE]``); the engine
+generates the whole completion first and the events carry it piece by piece. Chat without
+``max_tokens`` may use the rest of the context (as vLLM); chat content may be a list of text parts;
+``logprobs: k`` (completions) and ``top_logprobs: k`` (chat) return the k most likely tokens per
+position (one teacher-forced forward pass); a model name not served answers 404. Chat also takes
+vLLM's ``continue_final_message`` (go on from a last assistant message).
+
 A request with ``seed`` samples prompt i exactly as ``engine.generate([prompt_i], seed=seed)``
 (every prompt of a batch request gets that seed, as in vLLM; a request without one gets a random
 seed). Requests that arrive together (within ``batch_window_s``) and share their sampling settings
@@ -53,6 +61,10 @@ class BadRequest(ValueError):
 
 
 class Forbidden(PermissionError):
+    pass
+
+
+class NotFound(LookupError):
     pass
 
 
@@ -239,9 +251,14 @@ class Handler(BaseHTTPRequestHandler):
         if route is None:
             return self._error(404, f"no route POST {self.path}")
         try:
-            self._send(200, route(body))
+            out = route(body)
+            if body.get("stream") and self.path.rstrip("/") in ("/v1/completions", "/v1/chat/completions"):
+                return self._stream(out, body)
+            self._send(200, out)
         except Forbidden as e:
             self._error(403, str(e))
+        except NotFound as e:
+            self._error(404, str(e))
         except (BadRequest, ContextLengthError, ValueError) as e:  # bad prompts, ids out of range, ...
             self._error(400, str(e))
         except Exception as e:  # noqa: BLE001 - a server answers 500 rather than dying
@@ -251,7 +268,7 @@ class Handler(BaseHTTPRequestHandler):
     def _model_check(self, body: dict) -> None:
         m = body.get("model")
         if m is not None and m != self.server.model_name:
-            raise BadRequest(f"model {m!r} is not served here; this server has {self.server.model_name!r}")
+            raise NotFound(f"model {m!r} is not served here; this server has {self.server.model_name!r}")
 
     def _generate(self, prompts: list, params: SamplingParams, return_routed_experts: bool = False):
         ids = self.server.engine.encode(prompts)
@@ -264,7 +281,9 @@ class Handler(BaseHTTPRequestHandler):
         prompt_ids, outs = self._generate(_prompts(body.get("prompt")), params, routed)
         as_ids = bool(body.get("return_tokens_as_token_ids"))
         want_lp = body.get("logprobs") is not None and body.get("logprobs") is not False
+        top_k = _int_field(body, "logprobs") if want_lp and not isinstance(body.get("logprobs"), bool) else 0
         eng = self.server.engine
+        name = (lambda t: f"token_id:{t}") if as_ids else (lambda t: eng.decode([t]))  # noqa: E731
         choices = []
         for i, c in enumerate(outs):
             ch = {"index": i, "text": c.text, "finish_reason": c.finish_reason, "token_ids": c.token_ids,
@@ -275,9 +294,18 @@ class Handler(BaseHTTPRequestHandler):
                 r = stack_routing(c.routed_experts)
                 ch["routed_experts"] = None if r is None else r.tolist()
             if want_lp:
-                toks = [f"token_id:{t}" for t in c.token_ids] if as_ids else [eng.decode([t]) for t in c.token_ids]
-                ch["logprobs"] = {"tokens": toks, "token_logprobs": c.logprobs, "top_logprobs": None,
-                                  "text_offset": None}
+                toks = [name(t) for t in c.token_ids]
+                top = None
+                if top_k > 0:
+                    top = [{name(t): lp for t, lp in row}
+                           for row in _top_logprobs(eng, c.prompt_token_ids or prompt_ids[c.prompt_index], c.token_ids,
+                                                  top_k, params.temperature)]
+                offsets, pos = [], 0
+                for t in toks:
+                    offsets.append(pos)
+                    pos += len(t)
+                ch["logprobs"] = {"tokens": toks, "token_logprobs": c.logprobs, "top_logprobs": top,
+                                  "text_offset": offsets}
             choices.append(ch)
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.server.model_name, "choices": choices, "usage": _usage(prompt_ids, outs)}
@@ -287,22 +315,87 @@ class Handler(BaseHTTPRequestHandler):
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise BadRequest("messages must be a non-empty list")
-        tok = self.server.engine.tokenizer
-        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        msgs = [_plain_message(m) for m in msgs]
+        eng = self.server.engine
+        tok = eng.tokenizer
+        cont = bool(body.get("continue_final_message", False))
+        gen = bool(body.get("add_generation_prompt", not cont))
+        if cont and msgs[-1]["role"] != "assistant":
+            raise BadRequest("continue_final_message needs the last message to be the assistant's")
+        try:
+            if cont:  # vLLM's extension: go on from the assistant message's text (no end-of-turn after it)
+                text = tok.apply_chat_template(msgs, add_generation_prompt=False, tokenize=False,
+                                               continue_final_message=True)
+                ids = tok.encode(text, add_special_tokens=False)
+            else:
+                ids = tok.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=True)
+        except Exception as e:  # noqa: BLE001 - the template's own error, as a bad request
+            raise BadRequest(f"cannot apply the chat template: {str(e).splitlines()[0] if str(e) else e}") from None
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        params = _params(body)
+        room = eng.context_length - len(ids)
+        if room < 1:
+            raise BadRequest(f"the messages take {len(ids)} tokens; the model's context limit is {eng.context_length}")
+        params = _params(body, default_max=room)  # like vLLM: no max_tokens means the rest of the context
+        top_k = _int_field(body, "top_logprobs") if body.get("logprobs") else 0
         prompt_ids, outs = self._generate([ids], params)
         choices = []
         for i, c in enumerate(outs):
             ch = {"index": i, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
-                  "token_ids": c.token_ids}
+                  "token_ids": c.token_ids, "logprobs": None}
             if body.get("logprobs"):
-                eng = self.server.engine
-                ch["logprobs"] = {"content": [{"token": eng.decode([t]), "logprob": lp}
-                                              for t, lp in zip(c.token_ids, c.logprobs)]}
+                tops = _top_logprobs(eng, c.prompt_token_ids or ids, c.token_ids, top_k, params.temperature) \
+                    if top_k > 0 else [[] for _ in c.token_ids]
+                ch["logprobs"] = {"content": [
+                    {"token": eng.decode([t]), "logprob": lp, "bytes": list(eng.decode([t]).encode()),
+                     "top_logprobs": [{"token": eng.decode([u]), "logprob": ulp, "bytes": list(eng.decode([u]).encode())}
+                                      for u, ulp in row]}
+                    for t, lp, row in zip(c.token_ids, c.logprobs, tops)]}
             choices.append(ch)
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.server.model_name, "choices": choices, "usage": _usage(prompt_ids, outs)}
+
+    # streaming: the finished completion sent as server-sent events, piece by piece
+    def _stream(self, resp: dict, body: dict) -> None:
+        eng = self.server.engine
+        chat = resp["object"] == "chat.completion"
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        head = {"id": resp["id"], "object": obj, "created": resp["created"], "model": resp["model"]}
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+
+        def emit(obj: dict | str) -> None:
+            self.wfile.write(b"data: " + (obj if isinstance(obj, str) else json.dumps(obj)).encode() + b"\n\n")
+            self.wfile.flush()
+
+        for ch in resp["choices"]:
+            i = ch["index"]
+            text = ch["message"]["content"] if chat else ch["text"]
+            if chat:
+                emit({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None}]})
+            for a, b, piece in _pieces(eng, ch["token_ids"], text):
+                if chat:
+                    c = {"index": i, "delta": {"content": piece}, "finish_reason": None, "logprobs": None}
+                    if ch.get("logprobs"):
+                        c["logprobs"] = {"content": ch["logprobs"]["content"][a:b]}
+                else:
+                    c = {"index": i, "text": piece, "finish_reason": None, "logprobs": None}
+                    if ch.get("logprobs"):
+                        lp = ch["logprobs"]
+                        c["logprobs"] = {k: (lp[k][a:b] if lp.get(k) is not None else None)
+                                         for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+                emit({**head, "choices": [c]})
+            last = {"index": i, "finish_reason": ch["finish_reason"], "logprobs": None}
+            last.update({"delta": {}} if chat else {"text": ""})
+            emit({**head, "choices": [last]})
+        opts = body.get("stream_options") or {}
+        if isinstance(opts, dict) and opts.get("include_usage"):
+            emit({**head, "choices": [], "usage": resp["usage"]})
+        emit("[DONE]")
 
     def load_weights(self, body: dict) -> dict:
         """Load a published weight version from the run's exchange directory, in flight."""
@@ -347,6 +440,82 @@ class Handler(BaseHTTPRequestHandler):
         if not isinstance(toks, list) or not all(isinstance(t, int) for t in toks):
             raise BadRequest("detokenize needs 'tokens', a list of token ids")
         return {"prompt": self.server.engine.decode(toks)}
+
+
+def _int_field(body: dict, name: str) -> int:
+    v = body.get(name)
+    if v is None:
+        return 0
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 20:
+        raise BadRequest(f"{name} must be an integer from 0 to 20, got {v!r}")
+    return v
+
+
+def _plain_message(m) -> dict:
+    """A chat message with its content as text (OpenAI content parts joined; only text parts)."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise BadRequest("each message must be an object with a 'role' and 'content'")
+    content = m.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise BadRequest(f"content part of type {kind!r} is not supported; only text parts")
+            texts.append(str(part.get("text", "")))
+        content = "".join(texts)
+    elif content is None:
+        content = ""
+    elif not isinstance(content, str):
+        raise BadRequest("message content must be a string or a list of text parts")
+    return {**m, "content": content}
+
+
+def _top_logprobs(engine, prompt_ids, completion_ids, k: int, temperature: float) -> list[list[tuple[int, float]]]:
+    """The ``k`` most likely tokens and their log-probabilities at every completion position, under
+    softmax(logits / temperature) as the sampled tokens' logprobs are (temperature 1 when greedy),
+    from one teacher-forced forward pass of prompt + completion."""
+    if not completion_ids:
+        return []
+    model = getattr(engine, "model", None)
+    if model is None:
+        raise BadRequest("top logprobs need an engine with its model in this process")
+    import torch
+
+    ids = list(prompt_ids or []) + list(completion_ids)
+    p = len(ids) - len(completion_ids)
+    dev = next(model.parameters()).device
+    with torch.no_grad():
+        logits = model(torch.tensor([ids], device=dev))[0, max(p - 1, 0):len(ids) - 1].float()
+    t = temperature if temperature and temperature > 0 else 1.0
+    lp = torch.log_softmax(logits / t, dim=-1)
+    vals, idx = lp.topk(min(k, lp.shape[-1]), dim=-1)
+    return [[(int(i), float(v)) for i, v in zip(ri.tolist(), rv.tolist())] for ri, rv in zip(idx, vals)]
+
+
+def _pieces(engine, ids: list[int], text: str) -> list[tuple[int, int, str]]:
+    """``(first token, end token, text)`` pieces of a completion for streaming, decoded
+    incrementally (a piece waits while its bytes end inside a character); the pieces add up to
+    ``text`` (a completion cut by a stop string ends where its text does)."""
+    out, start, prefix, read = [], 0, 0, 0
+    for k in range(1, len(ids) + 1):
+        before = engine.decode(ids[prefix:read])
+        now = engine.decode(ids[prefix:k])
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            out.append((start, k, now[len(before):]))
+            start, prefix, read = k, read, k
+    if start < len(ids):
+        out.append((start, len(ids), ""))
+    joined, fixed, pos = "".join(p for _, _, p in out), [], 0
+    if joined == text:
+        return out
+    if not joined.startswith(text):
+        return [(0, len(ids), text)]
+    for a, b, piece in out:  # cut at the stop string
+        piece = piece[:max(0, len(text) - pos)]
+        pos += len(piece)
+        fixed.append((a, b, piece))
+    return fixed
 
 
 def _usage(prompt_ids: list[list[int]], outs) -> dict:
