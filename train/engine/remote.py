@@ -6,7 +6,9 @@ contract for token-id (or text) prompts: each prompt is one ``/v1/completions`` 
 requests in flight per server (the server batches concurrent requests into one engine call).
 Completions carry token ids, behaviour log-probs, finish reason, the weight ``versions`` of every
 token and, when asked, ``routed_experts`` (per MoE layer LongTensor [1, P + C, k], as the torch
-and vLLM engines give them).
+and vLLM engines give them). The same requests work against vLLM's server started through
+:mod:`train.engine.vllm_server` (``return_token_ids`` gives the ids, ``versions`` are added there);
+without ``token_ids`` in a choice the ids are read from the ``token_id:N`` logprob tokens.
 
 Seeds. Prompt i is sent with seed ``seeds[i]`` when given (then its samples are exactly those of
 ``TorchEngine.generate(prompts, params, seeds=seeds)`` in-process, whichever server runs it), else
@@ -231,7 +233,8 @@ class RemoteEngine:
         base = {"model": self.model, "n": params.n, "max_tokens": params.max_tokens,
                 "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                 "min_p": params.min_p, "stop": list(params.stop), "stop_token_ids": list(params.stop_token_ids),
-                "ignore_eos": params.ignore_eos, "logprobs": 1, "return_tokens_as_token_ids": True}
+                "ignore_eos": params.ignore_eos, "logprobs": 1, "return_tokens_as_token_ids": True,
+                "return_token_ids": True}  # vLLM: token_ids and prompt_token_ids in each choice
         if return_routed_experts:
             base["return_routed_experts"] = True
         todo: queue.Queue = queue.Queue()
@@ -328,13 +331,25 @@ def _completions(obj: dict, prompt_index: int, routed: bool) -> list[Completion]
 
     out = []
     for ch in obj["choices"]:
-        lp = (ch.get("logprobs") or {}).get("token_logprobs")
+        lps = ch.get("logprobs") or {}
+        lp = lps.get("token_logprobs")
         if lp is None:
             raise RemoteError("the server returned no token logprobs")
+        ids = ch.get("token_ids")
+        if ids is None:  # a vLLM older than return_token_ids: the "token_id:N" strings of the logprobs
+            try:
+                ids = [int(str(t).rsplit(":", 1)[1]) for t in lps.get("tokens") or []]
+            except (IndexError, ValueError):
+                raise RemoteError("the server returned no token_ids (and no token_id:N logprob tokens)") from None
+        if len(ids) != len(lp):
+            raise RemoteError(f"the server returned {len(lp)} logprobs for {len(ids)} tokens")
         ptoks = ch.get("prompt_token_ids")
-        c = Completion([int(t) for t in ch["token_ids"]], ch.get("text", ""), [float(x) for x in lp],
+        versions = ch.get("versions")
+        if versions is not None and len(versions) != len(ids):
+            raise RemoteError(f"the server returned {len(versions)} versions for {len(ids)} tokens")
+        c = Completion([int(t) for t in ids], ch.get("text", ""), [float(x) for x in lp],
                        ch["finish_reason"], prompt_index, len(ptoks) if ptoks else 0, ptoks,
-                       versions=ch.get("versions"))
+                       versions=versions)
         if routed:
             r = ch.get("routed_experts")
             if r is None:
