@@ -108,3 +108,22 @@ def test_per_prompt_seeds_equal_separate_requests(pair):
         assert [c.prompt_index for c in together] == [0, 0, 1, 1, 2, 2]
     with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
         plain.generate(prompts, sp, seeds=[1, 2])
+
+
+def test_cached_prefill_runs_on_the_engines_own_forward(pair, monkeypatch):
+    """The shared-prefix path prefills through the native C++ forward where the engine's plain
+    prefill does (fp32 on CPU), and through PyTorch when native decoding is off; same outputs both ways."""
+    from train.engine import native
+
+    plain, cached = pair
+    _, prompts = _prompts(plain.tokenizer)
+    sp = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=11)
+    _same(plain.generate(prompts, sp), cached.generate(prompts, sp))
+    if native.usable(cached.model):
+        assert isinstance(cached.prefix_cache._decoder, native.NativeDecoder)
+    monkeypatch.setenv("CASCADE_NATIVE_DECODE", "0")
+    cached.prefix_cache._decoder = None
+    cached.prefix_cache.clear()
+    _same(plain.generate(prompts, sp), cached.generate(prompts, sp))
+    assert cached.prefix_cache._decoder is False
+    cached.prefix_cache._decoder = None

@@ -14,6 +14,9 @@ as in the plain left-padded prefill.
 Entries are invalidated when any model parameter changes in place (``load_weights``, optimiser
 steps on a shared model): the cache compares the parameters' version counters on every call.
 
+The prefix and the suffixes run through the same forward as the engine's plain prefill: the fused
+C++ ops of :mod:`train.engine.native` for fp32 models on CPU, the PyTorch model elsewhere.
+
 Use: ``enable_prefix_caching(engine)``; ``engine.prefix_cache.stats`` counts hits and the prefill
 tokens that were not recomputed.
 """
@@ -58,6 +61,7 @@ class PrefixCache:
         self.max_entries = max_entries
         self._lru: OrderedDict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = OrderedDict()
         self._fingerprint = None
+        self._decoder = None  # the native forward, rebuilt when the weights change
         self.stats = PrefixCacheStats()
 
     def clear(self) -> None:
@@ -67,7 +71,17 @@ class PrefixCache:
         fp = (id(model), model.device, model.dtype, sum(p._version for p in model.parameters()))
         if fp != self._fingerprint:
             self._lru.clear()
+            self._decoder = None
             self._fingerprint = fp
+
+    def _native(self, model):
+        """The fused C++ forward (train/engine/native.py) where the engine's uncached prefill uses it
+        (fp32 on CPU), so that the cached path is never the slower one; else None (PyTorch)."""
+        from train.engine import native
+
+        if self._decoder is None or self._decoder.model is not model:
+            self._decoder = native.NativeDecoder(model) if native.usable(model) else False
+        return self._decoder or None
 
     def _lookup(self, prefix: tuple[int, ...]):
         best = None
@@ -101,8 +115,13 @@ class PrefixCache:
             one.valid[:, :m] = True
             one.length = m
             self.stats.lru_hits += 1
+        decoder = self._native(model)
         if m < P:
-            model.hidden_states(torch.tensor([prefix[m:]], device=dev), cache=one)
+            ids = torch.tensor([prefix[m:]], device=dev)
+            if decoder is not None:
+                decoder.forward(ids, one)
+            else:
+                model.hidden_states(ids, cache=one)
             if self.max_entries:
                 self._lru[prefix] = ([k[:, :, :P].clone() for k in one.k], [v[:, :, :P].clone() for v in one.v])
                 while len(self._lru) > self.max_entries:
@@ -121,7 +140,10 @@ class PrefixCache:
             s = p[P:]
             inp[i, Ls - len(s):] = torch.tensor(s)
             mask[i, Ls - len(s):] = True
-        logits = model.last_logits(inp.to(dev), mask.to(dev), cache=cache)
+        if decoder is not None:
+            logits = decoder.forward(inp, cache, mask)
+        else:
+            logits = model.last_logits(inp.to(dev), mask.to(dev), cache=cache)
         self.stats.batches += 1
         self.stats.shared_tokens += P
         self.stats.saved_tokens += (B - 1) * P + m
