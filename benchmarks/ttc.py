@@ -1,21 +1,38 @@
-"""Markovian RSA on a tiny model with the torch engine, shared-prefix KV reuse off vs on.
+"""Markovian RSA on a tiny model: shared-prefix KV reuse off vs on (a toy and a realistic shape),
+and many problems in flight vs one at a time against ``ttc serve``.
 
-Prints one JSON line. Usage: python benchmarks/ttc.py [--preset tiny-moe] [--population 8]
-[--aggregate 4] [--rounds 2] [--budget 32] [--tail 16] [--problem-words 200] [--device cpu] [--threads 1]
-Both sides run the same seeded RSA on the same checkpoint (a fresh random model written to a
-temporary directory); ``same_outputs`` says whether every candidate's tokens agree.
+Prints one JSON line. Usage: python benchmarks/ttc.py [--preset tiny-moe] [--repeats 3] [--device cpu]
+[--threads 1] [--skip-prefix] [--skip-concurrency]
+
+- ``prefix_speedup_toy`` / ``prefix_speedup_real``: wall time of one seeded RSA run (N=8, C=4,
+  T=2, a 200-word problem) on the torch engine without / with shared-prefix reuse, at a toy shape
+  (beta=32, tau=16) and a realistic one (beta=640, tau=64: beta >= 10 tau, as AIME settings
+  beta=40K, tau=4K). Both sides run the same seeded RSA; ``same_outputs`` says whether every
+  candidate's tokens agree. The engine is warmed up once; caches are cleared before every repeat.
+- ``concurrency_speedup``: a 16-problem ``ttc solve`` (N=4, C=2, T=1, beta=32) against a
+  ``ttc serve`` subprocess, ``--concurrency 64`` with all problems in flight vs one problem at a time
+  (``--problems-in-flight 1``); ``same_results`` says whether both runs gave the same answers.
+
+Every figure is the median of ``--repeats`` warm runs, with min and max beside it.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import random
+import socket
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
@@ -29,60 +46,137 @@ WORDS = ("triangle circle radius area integer prime sum product divisor sequence
          "probability coin fair expected value square root fraction remainder").split()
 
 
-def measure(path, device, cached: bool, problem: str, cfg: RSAConfig, repeats: int):
+def _stats(xs: list[float]) -> dict:
+    return {"median": round(statistics.median(xs), 4), "min": round(min(xs), 4), "max": round(max(xs), 4)}
+
+
+def measure_prefix(path, device, cached: bool, problem: str, cfg: RSAConfig, repeats: int):
     eng = TorchEngine.from_pretrained(path, device=device)
     if cached:
         enable_prefix_caching(eng)
     be = EngineBackend(eng)
     run_rsa(be, problem, RSAConfig(**{**cfg.__dict__, "rounds": 1, "budget": 4, "tail": 2}), gold="1")  # warm up
-    if cached:
-        eng.prefix_cache.clear()
-    s0 = (eng.stats.prefill_s, eng.stats.decode_s)
-    best, res = None, None
+    walls, prefill, decode, saved, res = [], [], [], [], None
     for _ in range(repeats):
+        if cached:
+            eng.prefix_cache.clear()  # every repeat starts cold: no prefix carried over from the last one
+            s_saved = eng.prefix_cache.stats.saved_tokens
+        s0 = (eng.stats.prefill_s, eng.stats.decode_s)
         t = time.perf_counter()
         res = run_rsa(be, problem, cfg, gold="1")
-        wall = time.perf_counter() - t
-        best = wall if best is None else min(best, wall)
+        walls.append(time.perf_counter() - t)
+        prefill.append(eng.stats.prefill_s - s0[0])
+        decode.append(eng.stats.decode_s - s0[1])
+        if cached:
+            saved.append(eng.prefix_cache.stats.saved_tokens - s_saved)
     m = res.metrics
-    out = {"wall_s": round(best, 4), "generated_tokens": m["generated_tokens"], "prefill_tokens": m["prefill_tokens"],
-           "generated_tokens_per_s": round(m["generated_tokens"] / best, 1),
-           "total_tokens_per_s": round((m["generated_tokens"] + m["prefill_tokens"]) / best, 1),
-           "prefill_s": round((eng.stats.prefill_s - s0[0]) / repeats, 4),
-           "decode_s": round((eng.stats.decode_s - s0[1]) / repeats, 4)}
+    out = {"wall_s": _stats(walls), "prefill_s": _stats(prefill), "decode_s": _stats(decode),
+           "generated_tokens": m["generated_tokens"], "prefill_tokens": m["prefill_tokens"]}
     if cached:
-        out["prefill_tokens_not_recomputed"] = eng.prefix_cache.stats.saved_tokens // repeats
+        out["prefill_tokens_not_recomputed"] = saved[-1]
     return out, [[c.token_ids for c in r] for r in res.rounds]
+
+
+def prefix_shape(path, device, problem, budget, tail, repeats) -> dict:
+    cfg = RSAConfig(population=8, aggregate=4, rounds=2, budget=budget, tail=tail, final_budget=0, temperature=1.0,
+                    seed=0)
+    off, toks_off = measure_prefix(path, device, False, problem, cfg, repeats)
+    on, toks_on = measure_prefix(path, device, True, problem, cfg, repeats)
+    return {"N": 8, "C": 4, "T": 2, "beta": budget, "tau": tail, "no_prefix_cache": off, "prefix_cache": on,
+            "speedup_wall": round(off["wall_s"]["median"] / on["wall_s"]["median"], 3),
+            "speedup_prefill": round(off["prefill_s"]["median"] / max(on["prefill_s"]["median"], 1e-9), 3),
+            "same_outputs": toks_off == toks_on}
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def concurrency(path, threads: int, repeats: int) -> dict:
+    from ttc.cli import main as ttc_main
+
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    srv = subprocess.Popen([sys.executable, "-m", "ttc", "serve", "--model", str(path), "--port", str(port),
+                            "--served-model-name", "tiny", "--threads", str(threads), "--device", "cpu"],
+                           cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(url + "/v1/models", timeout=1).read()
+                break
+            except OSError:
+                time.sleep(0.1)
+        rng = random.Random(1)
+        with tempfile.TemporaryDirectory() as d:
+            data = os.path.join(d, "p.jsonl")
+            with open(data, "w") as f:
+                for i in range(16):
+                    words = " ".join(rng.choice(WORDS) for _ in range(30))
+                    f.write(json.dumps({"problem": f"Problem {i}: {words}. Find the answer.", "answer": "1"}) + "\n")
+
+            def run(extra: list[str], out: str) -> tuple[float, list]:
+                args = ["solve", "--data", data, "--base-url", url, "--model", "tiny", "--tokenizer", str(path),
+                        "--population", "4", "--aggregate", "2", "--rounds", "1", "--budget", "32", "--tail", "8",
+                        "--final-budget", "0", "--seed", "0", "--out", out, "--no-progress", "--concurrency", "64",
+                        *extra]
+                t = time.perf_counter()
+                with contextlib.redirect_stdout(io.StringIO()):
+                    rc = ttc_main(args)
+                wall = time.perf_counter() - t
+                assert rc == 0, rc
+                with open(out) as f:
+                    recs = [json.loads(x) for x in f if x.strip()]
+                return wall, sorted((r["index"], r["answers"]) for r in recs if r["type"] == "problem")
+
+            run([], os.path.join(d, "warm.jsonl"))  # warm-up (server and client)
+            seq, par, ans = [], [], []
+            for k in range(repeats):
+                w, a1 = run(["--problems-in-flight", "1"], os.path.join(d, f"seq{k}.jsonl"))
+                seq.append(w)
+                w, a2 = run([], os.path.join(d, f"par{k}.jsonl"))
+                par.append(w)
+                ans.append(a1 == a2)
+    finally:
+        srv.terminate()
+        srv.wait()
+    return {"problems": 16, "N": 4, "C": 2, "T": 1, "beta": 32, "one_at_a_time_wall_s": _stats(seq),
+            "concurrency_64_wall_s": _stats(par),
+            "concurrency_speedup": round(statistics.median(seq) / statistics.median(par), 3),
+            "same_results": all(ans)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="tiny-moe")
-    ap.add_argument("--population", type=int, default=8)
-    ap.add_argument("--aggregate", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--budget", type=int, default=32)
-    ap.add_argument("--tail", type=int, default=16)
     ap.add_argument("--problem-words", type=int, default=200)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest on a shared machine)")
+    ap.add_argument("--skip-prefix", action="store_true")
+    ap.add_argument("--skip-concurrency", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     rng = random.Random(0)
     problem = " ".join(rng.choice(WORDS) for _ in range(a.problem_words)) + ". Find the answer."
-    cfg = RSAConfig(population=a.population, aggregate=a.aggregate, rounds=a.rounds, budget=a.budget, tail=a.tail,
-                    final_budget=0, temperature=1.0, seed=0)
+    out = {"benchmark": "ttc", "preset": a.preset, "device": a.device, "threads": a.threads, "repeats": a.repeats,
+           "problem_words": a.problem_words}
     with tempfile.TemporaryDirectory() as d:
         init_model(a.preset, d, seed=0)
-        off, toks_off = measure(d, a.device, False, problem, cfg, a.repeats)
-        on, toks_on = measure(d, a.device, True, problem, cfg, a.repeats)
-    print(json.dumps({"benchmark": "ttc_markovian_rsa_prefix_cache", "preset": a.preset, "device": a.device,
-                      "threads": a.threads, "N": a.population, "C": a.aggregate, "T": a.rounds, "beta": a.budget,
-                      "tau": a.tail, "problem_words": a.problem_words, "no_prefix_cache": off, "prefix_cache": on,
-                      "speedup_wall": round(off["wall_s"] / on["wall_s"], 3),
-                      "speedup_prefill": round(off["prefill_s"] / max(on["prefill_s"], 1e-9), 3),
-                      "same_outputs": toks_off == toks_on}))
+        if not a.skip_prefix:
+            toy = prefix_shape(d, a.device, problem, 32, 16, a.repeats)
+            real = prefix_shape(d, a.device, problem, 640, 64, a.repeats)
+            out.update(prefix_speedup_toy=toy["speedup_wall"], prefix_speedup_real=real["speedup_wall"],
+                       prefix_toy=toy, prefix_real=real)
+        if not a.skip_concurrency:
+            c = concurrency(d, a.threads, a.repeats)
+            out.update(concurrency_speedup=c["concurrency_speedup"], concurrency=c)
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

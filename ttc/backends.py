@@ -388,7 +388,7 @@ class OpenAIBackend:
     # generation
     def request_body(self, prompt, params: SamplingParams, seed: int | None) -> dict:
         body = {"model": self.model, "prompt": prompt, "n": params.n, "max_tokens": params.max_tokens,
-                "temperature": params.temperature, "top_p": params.top_p, "logprobs": 1,
+                "temperature": params.temperature, "top_p": params.top_p, "logprobs": 0,
                 "return_tokens_as_token_ids": True, "return_token_ids": True}
         if seed is not None:
             body["seed"] = int(seed)

@@ -194,6 +194,9 @@ def _prompts(p) -> list:
 class Handler(BaseHTTPRequestHandler):
     server_version = "cascade-serve/0.1"
     protocol_version = "HTTP/1.1"
+    # headers and body go out in two writes: with Nagle's algorithm on, the body waits for the
+    # client's delayed ACK of the headers (~40 ms a response on Linux)
+    disable_nagle_algorithm = True
 
     def log_message(self, fmt, *args):  # quiet unless asked
         if getattr(self.server, "verbose", False):
