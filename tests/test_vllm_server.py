@@ -135,6 +135,12 @@ def test_generates_like_the_torch_engine(server, state):
     # sampled at T=0.7 without truncation: log softmax(logits / T) of the sampled tokens
     outs = eng.generate(PROMPTS, SamplingParams(n=2, temperature=0.7, max_tokens=10, seed=3, ignore_eos=True))
     assert len(outs) == 6 and _check_against(ref.model, outs, 0.7) < TOL
+    # many concurrent seeded requests whose prompts overflow one step's token budget (on CPU this
+    # crashed vLLM's engine with chunked prefill on)
+    long_prompts = [[(7 * i + j) % 1000 + 3 for j in range(200)] for i in range(16)]
+    outs = RemoteEngine([url], api_key=KEY, per_server=16).generate(
+        long_prompts, SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True), seeds=list(range(16)))
+    assert len(outs) == 16 and _check_against(ref.model, outs) < TOL
     assert _served_version(url) == 0
     state["v0_greedy"] = [c.token_ids for c in got]
 

