@@ -1,14 +1,32 @@
-"""Executions per second of a trivial Python program in the code sandbox vs a bare subprocess.
+"""The code sandbox against bare execution: one program, and one program judged on 20 stdin tests.
 
-Prints one JSON line. Usage: python benchmarks/sandbox.py [--n 40] [--workers 2]
-Both sides run the same interpreter on the same program file; the sandbox side pays for bwrap,
-the cgroups, the launcher and the host-side loop. Measured sequentially and with a thread pool.
+Prints one JSON line. Usage: python benchmarks/sandbox.py [--n 40] [--repeats 5] [--tests 20]
+
+- ``ratio_seq``: time of one sandboxed run of a trivial program (``Sandbox.run``, sandbox starts
+  kept ready ahead by the pool) over a bare ``python -S`` subprocess of the same interpreter on
+  the same file, runs one after another (goal <= 1.5). ``ratio_seq_cold``: the same without the
+  pool (each run pays its start). ``ratio_par``: both sides from ``--workers`` threads.
+- ``judge_ratio``: ``Judge.judge`` of one program on 20 stdin tests (one sandbox start, each test
+  its own process) over the 20 tests run bare one after another, each compared (goal <= 1.3).
+- ``cpu_ms``: CPU time (this process and everything it starts, from a cpuacct cgroup of its own
+  when it may make one) per run or judgement, both sides: the pool starts sandboxes on another
+  core, so the sandbox side may spend more CPU than its wall time.
+- ``start_phases_ms``: where one sandbox start's time goes (medians over cold starts: box
+  directory, cgroup creation, spawn, sh + bwrap + interpreter start until the supervisor's first
+  line, its imports until ready, and ``cpu_in_sandbox``: the CPU all of that took, from the
+  start's own cgroup); ``ablation_ms``: bwrap alone with /bin/true, one layer added at a time
+  (network namespace, seccomp, the sh that joins the cgroup), and python -S bare and in bwrap, to
+  price each layer; ``run_phases_ms``: one run inside a ready start.
+
+Ratios are medians over ``--repeats`` interleaved repeats, with min and max.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -17,54 +35,229 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from envs.code.sandbox import Sandbox, SandboxConfig, _python_install  # noqa: E402
+from envs.code import sandbox as sbx  # noqa: E402
+from envs.code.judge import Judge, compare_output  # noqa: E402
+from envs.code.sandbox import Sandbox, SandboxConfig  # noqa: E402
 
 PROGRAM = "print(sum(range(10)))\n"
+JUDGED = "n = int(input())\nprint(n * (n + 1) // 2)\n"
 
 
-def rate(fn, n: int, workers: int) -> float:
-    fn()  # warm up
-    t = time.perf_counter()
+_CPUACCT: list[str] = []
+
+
+def _own_cpuacct() -> str:
+    """Move this process into a cgroup v1 cpuacct group of its own, when it may: the sandbox's
+    run cgroups are made under it, and it counts all of their CPU, even after they are removed
+    (rusage cannot: a pid namespace's processes are not reaped into our children's times)."""
+    for line in open("/proc/self/cgroup").read().splitlines():
+        _hid, ctrls, path = line.split(":", 2)
+        if "cpuacct" in ctrls.split(","):
+            base = os.path.join("/sys/fs/cgroup/cpuacct", path.lstrip("/"))
+            if not os.path.isdir(base):
+                base = os.path.join("/sys/fs/cgroup/cpu,cpuacct", path.lstrip("/"))
+            d = os.path.join(base, f"cascade-bench-{os.getpid()}")
+            try:
+                os.mkdir(d)
+                with open(os.path.join(d, "cgroup.procs"), "w") as f:
+                    f.write(str(os.getpid()))
+            except OSError:
+                return ""
+            _CPUACCT[:] = [d, base]
+            return d
+    return ""
+
+
+def _drop_cpuacct() -> None:
+    if _CPUACCT:
+        d, base = _CPUACCT
+        with open(os.path.join(base, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+        os.rmdir(d)
+
+
+def _cpu() -> float:
+    if _CPUACCT:
+        with open(os.path.join(_CPUACCT[0], "cpuacct.usage")) as f:
+            return int(f.read()) / 1e9
+    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+
+def timed(fn, n: int, workers: int = 1, settle=None) -> tuple[float, float]:
+    """(seconds per call, CPU seconds per call) over ``n`` calls after one warm-up call.
+
+    ``settle`` (called after the timed calls, outside the wall time, inside the CPU time) ends
+    the work still under way for these calls (the pool's starts), so their CPU is counted."""
+    fn()
+    c, t = _cpu(), time.perf_counter()
     if workers == 1:
         for _ in range(n):
             fn()
     else:
         with ThreadPoolExecutor(workers) as ex:
             list(ex.map(lambda _: fn(), range(n)))
-    return n / (time.perf_counter() - t)
+    wall = (time.perf_counter() - t) / n
+    if settle is not None:
+        settle()
+    return wall, (_cpu() - c) / n
+
+
+def summary(xs: list[float], nd: int = 2) -> dict:
+    return {"median": round(statistics.median(xs), nd), "min": round(min(xs), nd), "max": round(max(xs), nd)}
+
+
+def ms(xs: list[float]) -> float:
+    return round(1000 * statistics.median(xs), 2)
+
+
+def start_phases(sb: Sandbox, n: int) -> tuple[dict, dict]:
+    """Medians of the phases of ``n`` cold sandbox starts, and of one run in a ready start."""
+    starts, runs, closes = [], [], []
+    for _ in range(n):
+        t = time.perf_counter()
+        cell = sbx._Cell(sb)
+        cell.put_files({"main.py": PROGRAM})
+        v = sb._cell_run(cell, sbx.Run("main.py"), 10.0)
+        assert v.status == "ok", v
+        runs.append(dict(cell.run_phases))
+        t = time.perf_counter()
+        cell.close()
+        closes.append(time.perf_counter() - t)
+        starts.append(cell.phases)
+    out = {k: ms([p[k] for p in starts]) for k in starts[0]}
+    out["close"] = ms(closes)
+    return out, {k: ms([p[k] for p in runs]) for k in runs[0]}
+
+
+def ablation(sb: Sandbox, n: int) -> dict:
+    """bwrap with /bin/true: its namespaces and mounts, then + network namespace, + seccomp, + the
+    cgroup join (sh), and python -S in it instead of /bin/true (the interpreter start)."""
+    cfg = sb.config
+    exe, prefix = sbx._python_install(cfg)
+    box = tempfile.mkdtemp()
+    os.chmod(box, 0o755)
+    base = [sbx._bwrap(), "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+            "--die-with-parent", "--new-session"]
+    if os.getuid() == 0:
+        base += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_KILL"]
+    else:
+        base += ["--unshare-user"]
+    binds = sbx._bind_args(exe, prefix, box, cfg.tmpfs_mb << 20, sb._bwrap_has_size()) + ["--mqueue", "/dev/mqueue"]
+    env = {"PATH": "/usr/bin:/bin"}
+
+    def run(argv, seccomp=False):
+        fds = []
+        if seccomp:
+            r, w = os.pipe()
+            os.write(w, sbx.seccomp_filter())
+            os.close(w)
+            fds = [r]
+            argv = argv[:-1] + ["--seccomp", str(r), argv[-1]] if argv[-1] == "/bin/true" else argv
+        subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, pass_fds=fds)
+        for fd in fds:
+            os.close(fd)
+
+    def med(fn):
+        fn()
+        xs = []
+        for _ in range(n):
+            t = time.perf_counter()
+            fn()
+            xs.append(time.perf_counter() - t)
+        return ms(xs)
+
+    sh = ["/bin/sh", "-c", 'exec "$@"', "sh"]
+    out = {
+        "true_bare": med(lambda: run(["/bin/true"])),
+        "bwrap_mounts_pid_ipc_uts": med(lambda: run(base + binds + ["/bin/true"])),
+        "bwrap_+net": med(lambda: run(base + ["--unshare-net"] + binds + ["/bin/true"])),
+        "bwrap_+net_+seccomp": med(lambda: run(base + ["--unshare-net"] + binds + ["/bin/true"], seccomp=True)),
+        "bwrap_+net_+seccomp_+sh": med(lambda: run(sh + base + ["--unshare-net"] + binds + ["/bin/true"], seccomp=True)),
+        "python_S_bare": med(lambda: run([exe, "-S", "-s", "-B", "-c", "pass"])),
+        "bwrap_all_python_S": med(lambda: run(base + ["--unshare-net"] + binds + [exe, "-S", "-s", "-B", "-c", "pass"])),
+    }
+    os.rmdir(box)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--n", type=int, default=40)
+    ap.add_argument("--n", type=int, default=40, help="runs per timing")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--tests", type=int, default=20, help="stdin tests of the judged program")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--warm", type=int, default=SandboxConfig().warm, help="sandbox starts kept ready")
     a = ap.parse_args()
-    sb = Sandbox(SandboxConfig(time_limit=10))
-    sb.check()
-    exe, _ = _python_install(sb.config)
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(PROGRAM)
+    cpu_source = "cgroup cpuacct" if _own_cpuacct() else "rusage (misses the sandbox's pid namespace)"
     try:
+        run(a, cpu_source)
+    finally:
+        _drop_cpuacct()
+
+
+def run(a, cpu_source: str) -> None:
+    sb = Sandbox(SandboxConfig(time_limit=10, warm=a.warm))
+    cold = Sandbox(SandboxConfig(time_limit=10, warm=0))
+    sb.check()
+    exe, _ = sbx._python_install(sb.config)
+    tests = [{"input": f"{i * 37 + 5}\n", "output": str((i * 37 + 5) * (i * 37 + 6) // 2)} for i in range(a.tests)]
+    judge = Judge(sb)
+    settle = sb.close  # the pool is made again by the next run
+    with tempfile.TemporaryDirectory() as d:
+        prog, judged = os.path.join(d, "prog.py"), os.path.join(d, "judged.py")
+        with open(prog, "w") as f:
+            f.write(PROGRAM)
+        with open(judged, "w") as f:
+            f.write(JUDGED)
+        env = {"PATH": "/usr/bin:/bin"}
+
         def bare():
-            r = subprocess.run([exe, "-S", "-s", "-B", f.name], capture_output=True, env={"PATH": "/usr/bin"})
+            r = subprocess.run([exe, "-S", "-s", "-B", prog], capture_output=True, env=env)
             assert r.stdout.strip() == b"45"
 
-        def boxed():
-            v = sb.run(PROGRAM)
+        def boxed(s=sb):
+            v = s.run(PROGRAM)
             assert v.status == "ok" and v.stdout.strip() == "45", v
 
-        out = {"benchmark": "sandbox", "n": a.n, "workers": a.workers,
-               "layers": [k for k, v in sb.layers.items() if v is None]}
-        for label, w in (("seq", 1), ("par", a.workers)):
-            b = rate(bare, a.n, w)
-            s = rate(boxed, a.n, w)
-            out[f"bare_per_s_{label}"] = round(b, 2)
-            out[f"sandbox_per_s_{label}"] = round(s, 2)
-            out[f"ratio_{label}"] = round(b / s, 2)
-            out[f"overhead_ms_{label}"] = round(1000 * (1 / s - 1 / b), 1)
-        out["loadavg_1m"] = os.getloadavg()[0]
-    finally:
-        os.unlink(f.name)
+        def bare_judge():
+            ok = 0
+            for t in tests:
+                r = subprocess.run([exe, "-S", "-s", "-B", judged], input=t["input"].encode(), capture_output=True,
+                                   env=env, timeout=10)
+                ok += r.returncode == 0 and compare_output(r.stdout.decode(), t["output"])
+            assert ok == len(tests)
+
+        def boxed_judge():
+            j = judge.judge(JUDGED, tests)
+            assert j.accepted, j
+
+        out = {"benchmark": "sandbox", "n": a.n, "repeats": a.repeats, "tests": a.tests, "workers": a.workers,
+               "warm": a.warm, "layers": [k for k, v in sb.layers.items() if v is None], "cpu_source": cpu_source}
+        rows: dict[str, list] = {}
+        for _ in range(a.repeats):
+            nj = max(3, a.n // a.tests)
+            for name, fn, n, w, st in (("bare_seq", bare, a.n, 1, None), ("sandbox_seq", boxed, a.n, 1, settle),
+                                       ("sandbox_seq_cold", lambda: boxed(cold), a.n, 1, None),
+                                       ("bare_par", bare, a.n, a.workers, None),
+                                       ("sandbox_par", boxed, a.n, a.workers, settle),
+                                       ("bare_judge", bare_judge, nj, 1, None),
+                                       ("sandbox_judge", boxed_judge, nj, 1, settle)):
+                rows.setdefault(name, []).append(timed(fn, n, w, st))
+        wall = {k: [x[0] for x in v] for k, v in rows.items()}
+        cpu = {k: [x[1] for x in v] for k, v in rows.items()}
+        for label, num, den in (("ratio_seq", "sandbox_seq", "bare_seq"),
+                                ("ratio_seq_cold", "sandbox_seq_cold", "bare_seq"),
+                                ("ratio_par", "sandbox_par", "bare_par"),
+                                ("judge_ratio", "sandbox_judge", "bare_judge")):
+            out[label] = summary([s / b for s, b in zip(wall[num], wall[den])])
+        out["ms_per_run"] = {k: ms(v) for k, v in wall.items() if "judge" not in k}
+        out["ms_per_judgement"] = {k: ms(v) for k, v in wall.items() if "judge" in k}
+        out["cpu_ms"] = {k: ms(v) for k, v in cpu.items()}
+        out["start_phases_ms"], out["run_phases_ms"] = start_phases(cold, 15)
+        out["ablation_ms"] = ablation(sb, 15)
+        out["loadavg_1m"] = round(os.getloadavg()[0], 2)
+    sb.close()
     print(json.dumps(out))
 
 

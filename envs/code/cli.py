@@ -26,7 +26,7 @@ def _read(path: str, what: str) -> str:
 
 
 def _config(a) -> SandboxConfig:
-    kw = {"allow_weaker": a.allow_weaker}
+    kw = {"allow_weaker": a.allow_weaker, "warm": 0}  # one judgement per process: nothing to start ahead
     if a.time_limit is not None:
         kw["time_limit"] = a.time_limit
     if a.memory_mb is not None:

@@ -1,4 +1,5 @@
-"""Judge a Python program against tests, in the sandbox, many runs in parallel.
+"""Judge a Python program against tests, in the sandbox: all of a program's tests inside one
+sandbox start (:meth:`Sandbox.run_many`), each test its own process with its own limits.
 
 Three kinds of test (a dict each; the kind is read from its keys):
 
@@ -11,6 +12,10 @@ Three kinds of test (a dict each; the kind is read from its keys):
   same namespace; the test passes when it finishes (the harness prints the nonce at the very end,
   so an early ``exit(0)`` in the program does not pass).
 
+The harnesses get the nonce and the call or the test code on stdin, so the sandbox holds no test
+but the one running (expected outputs never enter it). Tests run one after another in the start;
+no process, file or global of one test is left for the next.
+
 Verdicts per test: accepted, wrong_answer, time_limit, memory_limit, runtime_error,
 output_limit, and skipped (not run: stopped early or out of total time).
 """
@@ -19,13 +24,12 @@ from __future__ import annotations
 import json
 import math
 import secrets
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from envs.code.sandbox import Sandbox, SandboxConfig, Verdict, default_sandbox
+from envs.code.sandbox import Run, Sandbox, SandboxConfig, Verdict, default_sandbox
 
 __all__ = ["TestCase", "TestResult", "Judgement", "Judge", "compare_output", "compare_values",
            "TEST_STATUSES", "load_tests"]
@@ -192,15 +196,15 @@ _main()
 """
 
 _ASSERT_HARNESS = r"""
-import os, sys
+import json, os, sys
 def _main():
     nonce = sys.stdin.readline().strip()
+    tests = json.loads(sys.stdin.readline())
     here = os.path.dirname(os.path.abspath(__file__))
     g = {"__name__": "solution", "__builtins__": __builtins__}
     with open(os.path.join(here, "solution.py")) as f:
         exec(compile(f.read(), "solution.py", "exec"), g)
-    with open(os.path.join(here, "tests.py")) as f:
-        exec(compile(f.read(), "tests.py", "exec"), g)
+    exec(compile(tests, "tests.py", "exec"), g)
     sys.stdout.flush()
     sys.stdout.write("\n" + nonce + "\n")
     sys.stdout.flush()
@@ -208,8 +212,14 @@ _main()
 """
 
 
+_HARNESS_FILES = {"call": ("_judge_call.py", _CALL_HARNESS), "assert": ("_judge_assert.py", _ASSERT_HARNESS)}
+
+
 class Judge:
-    """Runs a program against tests in a sandbox; ``workers`` runs at a time (default: CPU count)."""
+    """Runs a program against tests, all of them in one sandbox start (see the module docstring).
+
+    ``workers``: how many judgements callers may run at once (:meth:`judge_many`); one program's
+    tests run one after another in its start."""
 
     def __init__(self, sandbox: Sandbox | None = None, *, workers: int | None = None,
                  time_limit: float | None = None, memory_mb: int | None = None,
@@ -222,21 +232,31 @@ class Judge:
         self.memory_mb = memory_mb
         self.float_tol = float_tol
 
+    def _runs(self, program: str, cases: list[TestCase], time_limit: float | None):
+        """The files of the session and, per test, its run and nonce."""
+        files = {"main.py": program}
+        runs, nonces = [], []
+        for t in cases:
+            nonce = secrets.token_hex(16)
+            if t.kind == "stdio":
+                runs.append(Run("main.py", t.input, (), time_limit, self.memory_mb))
+            elif t.kind in _HARNESS_FILES:
+                name, text = _HARNESS_FILES[t.kind]
+                files[name] = text
+                files["solution.py"] = program
+                spec = (json.dumps({"fn": t.fn, "args": t.args, "kwargs": t.kwargs}) if t.kind == "call"
+                        else json.dumps(t.code))
+                runs.append(Run(name, f"{nonce}\n{spec}\n", (), time_limit, self.memory_mb))
+            else:
+                raise ValueError(f"unknown test kind {t.kind!r}")
+            nonces.append(nonce)
+        return files, runs, nonces
+
     def run_one(self, program: str, test: TestCase, index: int = 0, time_limit: float | None = None) -> TestResult:
         tl = time_limit if time_limit is not None else self.time_limit
-        nonce = secrets.token_hex(16)
-        if test.kind == "stdio":
-            v = self.sandbox.run(program, test.input, time_limit=tl, memory_mb=self.memory_mb)
-        elif test.kind == "call":
-            spec = json.dumps({"fn": test.fn, "args": test.args, "kwargs": test.kwargs})
-            v = self.sandbox.run(_CALL_HARNESS, f"{nonce}\n{spec}\n", files={"solution.py": program},
-                                 time_limit=tl, memory_mb=self.memory_mb)
-        elif test.kind == "assert":
-            v = self.sandbox.run(_ASSERT_HARNESS, f"{nonce}\n", files={"solution.py": program, "tests.py": test.code},
-                                 time_limit=tl, memory_mb=self.memory_mb)
-        else:
-            raise ValueError(f"unknown test kind {test.kind!r}")
-        return self._grade(v, test, nonce, index)
+        files, runs, nonces = self._runs(program, [test], tl)
+        v = self.sandbox.run_many(files, runs)[0]
+        return self._grade(v, test, nonces[0], index)
 
     def _grade(self, v: Verdict, test: TestCase, nonce: str, index: int) -> TestResult:
         vd = v.to_dict(excerpt=400)
@@ -268,41 +288,38 @@ class Judge:
 
     def judge(self, program: str, tests: list, *, stop_on_failure: bool = False,
               total_timeout: float | None = None, time_limit: float | None = None) -> Judgement:
-        """Run every test (in parallel); stop at the first failure if asked; bound the whole
-        judgement by ``total_timeout`` seconds (tests not started in time are ``skipped``)."""
+        """Run every test, one after another inside one sandbox start; stop at the first failure if
+        asked; bound the whole judgement by ``total_timeout`` seconds (tests not started in time,
+        or after a failure that stopped the judgement, are ``skipped``)."""
         cases = [TestCase.from_dict(t) for t in tests]
         t0 = time.monotonic()
         deadline = t0 + total_timeout if total_timeout is not None else None
-        stop = threading.Event()
-        results: list[TestResult | None] = [None] * len(cases)
         per_test = time_limit if time_limit is not None else (self.time_limit or self.sandbox.config.time_limit)
+        results: list[TestResult | None] = [None] * len(cases)
+        stopped = []
+        if cases:
+            files, runs, nonces = self._runs(program, cases, per_test)
 
-        def work(i: int) -> None:
-            if stop.is_set():
-                results[i] = TestResult(i, "skipped", detail="stopped after a failure")
-                return
-            tl = per_test
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0.05:
-                    results[i] = TestResult(i, "skipped", detail="out of total time")
-                    return
-                tl = min(tl, left)
-            r = self.run_one(program, cases[i], i, tl)
-            results[i] = r
-            if stop_on_failure and not r.passed:
-                stop.set()
+            def graded(i: int, v: Verdict) -> bool:
+                results[i] = r = self._grade(v, cases[i], nonces[i], i)
+                if stop_on_failure and not r.passed:
+                    stopped.append(i)
+                    return False
+                return True
 
-        if len(cases) == 1 or self.workers == 1:
-            for i in range(len(cases)):
-                work(i)
-        else:
-            with ThreadPoolExecutor(min(self.workers, len(cases))) as ex:
-                list(ex.map(work, range(len(cases))))
-        done = [r for r in results if r is not None]
+            self.sandbox.run_many(files, runs, deadline=deadline, on_verdict=graded)
+        why = "stopped after a failure" if stopped else "out of total time"
+        done = [r if r is not None else TestResult(i, "skipped", detail=why) for i, r in enumerate(results)]
         passed = sum(r.passed for r in done)
         first_bad = next((r for r in done if not r.passed and r.status != "skipped"), None)
         if first_bad is None:
             first_bad = next((r for r in done if not r.passed), None)
         status = "accepted" if passed == len(cases) and cases else (first_bad.status if first_bad else "skipped")
         return Judgement(status, passed, len(cases), done, time.monotonic() - t0)
+
+    def judge_many(self, items: list[tuple[str, list]], **kw) -> list[Judgement]:
+        """Judge many (program, tests) pairs, ``workers`` at a time (one sandbox start each)."""
+        if self.workers == 1 or len(items) <= 1:
+            return [self.judge(p, t, **kw) for p, t in items]
+        with ThreadPoolExecutor(min(self.workers, len(items))) as ex:
+            return list(ex.map(lambda it: self.judge(it[0], it[1], **kw), items))

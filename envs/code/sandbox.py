@@ -8,17 +8,30 @@ Layers (each detected once per process, see :func:`detect_layers`):
   ``/root``, no ``/work``), a private size-capped tmpfs as the working directory, ipc and uts
   namespaces, a new session and death with its parent.
 - ``uid``: the program runs as an unprivileged uid (65534 by default): as root, bwrap keeps only
-  CAP_SETUID/CAP_SETGID and the launcher drops to the uid before any untrusted code runs; as a
-  normal user the program already runs unprivileged (bwrap maps it to the uid in a user namespace).
-- ``rlimits``: address space, CPU time, file size, processes, open files, set by the launcher.
-- ``cgroup_pids`` / ``cgroup_memory``: a cgroup per run (v1, or v2 where a delegated subtree
-  with the controllers exists) caps the number of processes and the total memory of the whole
-  run, and gives its peak memory.
+  CAP_SETUID/CAP_SETGID/CAP_KILL for the supervisor, and each run drops to the uid (losing them
+  all; no_new_privs keeps them lost) before any untrusted code runs; as a normal user the program
+  already runs unprivileged (bwrap maps it to the uid in a user namespace).
+- ``rlimits``: address space, CPU time, file size, processes, open files, set per run.
+- ``cgroup_pids`` / ``cgroup_memory``: a cgroup per sandbox start (v1, or v2 where a delegated
+  subtree with the controllers exists) caps the number of processes and the total memory (runs
+  of a start go one at a time, and nothing of one is left when the next begins), and gives each
+  run's peak memory.
 - ``seccomp``: a BPF filter (loaded by bwrap) makes ``socket()`` fail for every family but
   AF_UNIX and kills foreign-ABI system calls.
 
-Wall-clock and output limits are enforced by the host side (a selector loop that reads capped
-output and SIGKILLs the whole process group, then every process left in the run's cgroup).
+One sandbox start serves a whole session (:meth:`Sandbox.run_many`: a program and all of its
+tests): bwrap starts a small supervisor (:mod:`envs.code.supervisor`) inside every layer, and the
+supervisor runs each run as its own child, forked from its clean interpreter: the child drops to
+the uid (as root the supervisor keeps only CAP_SETUID/SETGID/KILL; the child loses them all),
+empties ``/tmp`` (its working directory), the POSIX message queues and System V IPC objects of
+earlier runs, sets the rlimits and runs the program. The supervisor enforces the run's wall
+limit and, once its first process ends, SIGKILLs every process of the sandbox but itself; the
+host reads the run's output directly (capped: over the limit it has the supervisor kill the run)
+and takes the run's CPU time, memory peak, OOM and pids-limit events from the cgroup's counters.
+A start is never used by a second session; a pool (``SandboxConfig.warm``) keeps starts ready
+ahead, made by long-lived threads, so that a session rarely waits for bwrap and the interpreter.
+Without root the supervisor would share the runs' uid (a run could signal it): then each run
+gets a start of its own. Without bwrap (the weaker mode) each run is started directly.
 
 A missing layer is never silently skipped: :class:`Sandbox` refuses to run and names the
 missing layers unless the config allows them (``allow_weaker=True``, or the layer names in
@@ -30,12 +43,15 @@ and a few malloc/pyc settings only): nothing of the host's environment leaks in.
 """
 from __future__ import annotations
 
+import atexit
 import errno
 import os
 import platform
+import select
 import selectors
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -43,10 +59,11 @@ import tempfile
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import asdict, dataclass, field
 
 __all__ = [
-    "LAYERS", "SandboxConfig", "Verdict", "Sandbox", "SandboxError", "SandboxUnavailable",
+    "LAYERS", "SandboxConfig", "Verdict", "Run", "Sandbox", "SandboxError", "SandboxUnavailable",
     "detect_layers", "run_program", "default_sandbox", "STATUSES",
 ]
 
@@ -90,10 +107,13 @@ class SandboxConfig:
     allow_weaker: bool = False
     allow_missing: tuple[str, ...] = ()
     cgroup_root: str | None = None        # a delegated cgroup v2 directory to create run cgroups in
+    warm: int = 2                         # sandbox starts kept ready ahead (0: start each when needed)
 
     def __post_init__(self):
         if self.time_limit <= 0 or self.memory_mb <= 0 or self.max_processes <= 0:
             raise ValueError("time_limit, memory_mb and max_processes must be positive")
+        if self.warm < 0:
+            raise ValueError("warm must be >= 0")
         bad = [x for x in self.allow_missing if x not in LAYERS]
         if bad:
             raise ValueError(f"unknown sandbox layer(s) {bad}; choose from {', '.join(LAYERS)}")
@@ -306,19 +326,20 @@ class _RunCgroup:
                     pass
             time.sleep(0.002)
 
-    def stats(self) -> dict:
+    def stats(self, peak: bool = True) -> dict:
         out: dict = {}
         if "memory" in self.dirs:
             ver, path = self.dirs["memory"]
             if ver == "v1":
-                peak = _read(os.path.join(path, "memory.max_usage_in_bytes"))
+                top = _read(os.path.join(path, "memory.max_usage_in_bytes")) if peak else None
                 oom = _kv(_read(os.path.join(path, "memory.oom_control"))).get("oom_kill", 0)
                 fail = int((_read(os.path.join(path, "memory.failcnt")) or "0").strip() or 0)
             else:
-                peak = _read(os.path.join(path, "memory.peak"))
+                top = _read(os.path.join(path, "memory.peak")) if peak else None
                 ev = _kv(_read(os.path.join(path, "memory.events")))
                 oom, fail = ev.get("oom_kill", 0), ev.get("max", 0)
-            out["peak_memory"] = int(peak.strip()) if peak and peak.strip().isdigit() else None
+            if peak:
+                out["peak_memory"] = int(top.strip()) if top and top.strip().isdigit() else None
             out["oom_kill"], out["memory_failcnt"] = oom, fail
         if "pids" in self.dirs:
             _ver, path = self.dirs["pids"]
@@ -333,6 +354,62 @@ class _RunCgroup:
             ns = (_read(os.path.join(self.dirs["cpuacct"][1], "cpuacct.usage")) or "").strip()
             if ns.isdigit():
                 out["cpu_time"] = int(ns) / 1e9
+        return out
+
+    def set_memory(self, memory_bytes: int) -> bool:
+        if "memory" not in self.dirs:
+            return False
+        ver, path = self.dirs["memory"]
+        if ver == "v1":
+            # memsw must stay >= the plain limit: lower the plain limit first when going down
+            files = ["memory.limit_in_bytes", "memory.memsw.limit_in_bytes"]
+            cur = (_read(os.path.join(path, files[0])) or "").strip()
+            if cur.isdigit() and int(cur) < memory_bytes:
+                files.reverse()
+            ok = [_write(os.path.join(path, f), str(memory_bytes)) for f in files]
+            return ok[files.index("memory.limit_in_bytes")]
+        return _write(os.path.join(path, "memory.max"), str(memory_bytes))
+
+    def begin(self) -> dict:
+        """Counters before one run of a session (and the memory peak reset to the current usage)."""
+        st = self.stats(peak=False)
+        if "memory" in self.dirs:
+            ver, path = self.dirs["memory"]
+            if ver == "v1":
+                _write(os.path.join(path, "memory.max_usage_in_bytes"), "0")
+            else:  # kernels >= 6.12: a write resets the peak seen through this descriptor
+                try:
+                    fd = os.open(os.path.join(path, "memory.peak"), os.O_RDWR)
+                except OSError:
+                    fd = None
+                if fd is not None:
+                    try:
+                        os.write(fd, b"reset\n")
+                        st["_peak_fd"] = fd
+                    except OSError:
+                        os.close(fd)
+        return st
+
+    def end(self, before: dict) -> dict:
+        """The run's own figures: counters as differences from :meth:`begin`, its memory peak."""
+        now = self.stats(peak=True)
+        out = dict(now)
+        for k in ("oom_kill", "memory_failcnt", "pids_max_hit", "cpu_time"):
+            if k in now and k in before:
+                out[k] = now[k] - before[k]
+        fd = before.get("_peak_fd")
+        if fd is not None:
+            try:
+                os.lseek(fd, 0, os.SEEK_SET)
+                txt = os.read(fd, 64).decode().strip()
+                if txt.isdigit():
+                    out["peak_memory"] = int(txt)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        elif self.dirs.get("memory", ("v1",))[0] == "v2":
+            out["peak_memory"] = None  # the whole start's peak is not this run's: rusage instead
         return out
 
     def remove(self) -> None:
@@ -531,7 +608,7 @@ def _probe(cfg: SandboxConfig) -> dict[str, str | None]:
     if bw is not None:
         # the real thing: run a program with every layer this machine claims to have
         probe_cfg = SandboxConfig(time_limit=20.0, python=cfg.python, uid=cfg.uid, gid=cfg.gid,
-                                  allow_weaker=True, cgroup_root=cfg.cgroup_root)
+                                  allow_weaker=True, cgroup_root=cfg.cgroup_root, warm=0)
         sb = Sandbox(probe_cfg, _layers=res)
         try:
             v = sb.run("import os\nprint(os.getuid())\n")
@@ -545,6 +622,353 @@ def _probe(cfg: SandboxConfig) -> dict[str, str | None]:
 
 
 # --------------------------------------------------------------------------------------------
+# sandbox starts ("cells"): bwrap + cgroup + seccomp around the supervisor, which runs many programs
+# --------------------------------------------------------------------------------------------
+from envs.code.supervisor import STUB as _SUP_STUB  # noqa: E402
+
+_SUP_LOCK = threading.Lock()
+_SUP_DIR: list[str] = []
+
+
+def _supervisor_dir() -> str:
+    """A private directory holding the supervisor and its bytecode (bound read-only at /sup), made
+    once per process: the sandbox's interpreter loads the bytecode instead of compiling each start."""
+    import py_compile
+
+    from envs.code import supervisor
+
+    with _SUP_LOCK:
+        if _SUP_DIR and os.path.isdir(_SUP_DIR[0]):
+            return _SUP_DIR[0]
+        d = tempfile.mkdtemp(prefix="cascade-sup-")
+        src = os.path.join(d, "cascade_supervisor.py")
+        shutil.copyfile(supervisor.__file__, src)
+        py_compile.compile(src, doraise=True)  # this interpreter's tag; another one compiles the source
+        for root, dirs, names in os.walk(d):
+            os.chmod(root, 0o755)
+            for n in names:
+                os.chmod(os.path.join(root, n), 0o644)
+        _SUP_DIR[:] = [d]
+        atexit.register(shutil.rmtree, d, True)
+        return d
+WARM_IDLE_S = 30.0   # ready sandboxes unused for this long are closed (and refilled on the next run)
+_RUN_GRACE_S = 5.0   # the host gives the supervisor this long past a run's wall limit before it acts
+
+
+@dataclass
+class Run:
+    """One program run of a session: ``entry`` (a file of the session) run with ``stdin`` and ``args``."""
+
+    entry: str = "main.py"
+    stdin: str | bytes = b""
+    args: tuple = ()
+    time_limit: float | None = None
+    memory_mb: int | None = None
+
+
+class _CellDead(SandboxError):
+    """The sandbox start ended in the middle of a run. ``verdict``: that run's, if it started;
+    ``retry``: the run may be run again in a fresh start (it cannot have caused this)."""
+
+    def __init__(self, msg: str, verdict: Verdict | None = None, retry: bool = False):
+        super().__init__(msg)
+        self.verdict = verdict
+        self.retry = retry or verdict is None
+
+
+class _Cell:
+    """One sandbox start: a cgroup, a box directory, bwrap with every layer, and the supervisor inside,
+    ready for runs. Used by one session (one solution), then closed; never reused across sessions."""
+
+    def __init__(self, sb: "Sandbox"):
+        cfg = sb.config
+        self.phases: dict[str, float] = {}
+        t = time.perf_counter()
+        self.layers = [k for k, v in sb.layers.items() if v is None]
+        self.box = tempfile.mkdtemp(prefix="cascade-box-")
+        self.cgroup: _RunCgroup | None = None
+        self.proc: subprocess.Popen | None = None
+        self.ctl: socket.socket | None = None
+        self.errf = None
+        self.runs = 0
+        self.mem_limit = None
+        self.run_phases: dict[str, float] = {}  # of the last run: host-side steps (seconds)
+        fds: list[int] = []
+        try:
+            os.chmod(self.box, 0o755)
+            exe, prefix = _python_install(cfg)
+            t1 = time.perf_counter()
+            self.phases["box_dir"] = t1 - t
+            argv: list[str] = []
+            ctrl_bases = {c: v for c, v in _cgroup_bases(cfg).items()
+                          if f"cgroup_{c}" in self.layers or c == "cpuacct"}
+            if ctrl_bases:
+                self.mem_limit = (cfg.memory_mb + cfg.tmpfs_mb + 32) << 20
+                # +1: the supervisor (the run's processes keep the budget they had with one start per run)
+                self.cgroup = _RunCgroup(ctrl_bases, self.mem_limit, cfg.max_processes + 1)
+                # the shell joins the cgroup(s) itself, then execs the sandbox: no race with forks
+                argv += ["/bin/sh", "-c", 'p=$$; while [ "$1" != -- ]; do echo $p > "$1" || exit 125; shift; done; '
+                         'shift; exec "$@"', "sh", *self.cgroup.procs_files(), "--"]
+            t2 = time.perf_counter()
+            self.phases["cgroup_create"] = t2 - t1
+            self.ctl, inner = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            fds.append(inner.detach())
+            argv += [_bwrap(), "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+                     "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
+            if os.getuid() == 0:
+                # the supervisor stays root with these three only; each run drops to the uid (and loses them)
+                argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID",
+                         "--cap-add", "CAP_KILL"]
+            else:
+                argv += ["--unshare-user", "--uid", str(cfg.uid), "--gid", str(cfg.gid)]
+            argv += _bind_args(exe, prefix, self.box, cfg.tmpfs_mb << 20, sb._bwrap_has_size())
+            argv += ["--ro-bind", _supervisor_dir(), "/sup", "--mqueue", "/dev/mqueue"]
+            for k, v in _clean_env().items():
+                argv += ["--setenv", k, v]
+            if "seccomp" in self.layers:
+                sr, sw = os.pipe()
+                fds.append(sr)
+                os.write(sw, seccomp_filter())
+                os.close(sw)
+                argv += ["--seccomp", str(sr)]
+            argv += ["--", exe, "-S", "-s", "-B", "-c", _SUP_STUB, str(fds[0]), str(cfg.uid), str(cfg.gid)]
+            self.errf = tempfile.TemporaryFile()
+            t3 = time.perf_counter()
+            self.phases["argv"] = t3 - t2
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                         stderr=self.errf, env=_clean_env(), cwd="/", pass_fds=fds,
+                                         start_new_session=True, close_fds=True)
+            t4 = time.perf_counter()
+            self.phases["spawn"] = t4 - t3
+            for fd in fds:
+                os.close(fd)
+            fds = []
+            msg = self._recv(SETUP_TIMEOUT)
+            t5 = time.perf_counter()
+            if not msg.startswith(b"ready "):
+                raise SandboxError(f"the sandbox did not start: {self._errors() or msg[:200]!r}")
+            # the supervisor's first line ran at T0 (same monotonic clock): before it, sh + bwrap
+            # + interpreter start; after it, the supervisor's imports
+            t0_in = float(msg.split()[1])
+            now_mono, now_perf = time.monotonic(), time.perf_counter()
+            t0_perf = now_perf - (now_mono - t0_in)
+            self.phases["bwrap_and_interpreter"] = max(0.0, t0_perf - t4)
+            self.phases["supervisor_ready"] = max(0.0, t5 - t0_perf)
+            self.phases["total"] = t5 - t
+            if self.cgroup is not None:  # CPU of sh + bwrap + the supervisor's start, all cores
+                cpu = self.cgroup.stats(peak=False).get("cpu_time")
+                if cpu is not None:
+                    self.phases["cpu_in_sandbox"] = cpu
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            self.close()
+            raise
+
+    def _errors(self) -> str:
+        if self.errf is None:
+            return ""
+        try:
+            self.errf.seek(0)
+            return self.errf.read()[-2000:].decode("utf-8", "replace").strip()
+        except (OSError, ValueError):
+            return ""
+
+    def _recv(self, timeout: float) -> bytes:
+        """The next message from the supervisor (b"" if it is gone)."""
+        end = time.monotonic() + timeout
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise SandboxError(f"the sandbox did not answer within {timeout:g} s")
+            r, _, _ = select.select([self.ctl], [], [], left)
+            if r:
+                try:
+                    return self.ctl.recv(4096)
+                except OSError:
+                    return b""
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None and self.ctl is not None
+
+    def close(self) -> None:
+        """End the start: the supervisor kills what is left; then the cgroup and the box go."""
+        if self.ctl is not None:
+            try:
+                self.ctl.close()
+            except OSError:
+                pass
+            self.ctl = None
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except OSError:
+                    pass
+                if self.cgroup is not None:
+                    self.cgroup.kill_all(1.0)
+                try:
+                    self.proc.wait(timeout=5.0)
+                except subprocess.TimeoutExpired:
+                    pass
+            self.proc = None
+        if self.cgroup is not None:
+            self.cgroup.kill_all()
+            self.cgroup.remove()
+            self.cgroup = None
+        if self.errf is not None:
+            self.errf.close()
+            self.errf = None
+        if self.box:
+            shutil.rmtree(self.box, ignore_errors=True)
+            self.box = ""
+
+    def put_files(self, files: dict[str, str]) -> None:
+        for name, text in files.items():
+            path = os.path.join(self.box, name)
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.chmod(path, 0o644)
+
+
+class _Pool:
+    """Sandbox starts made ahead so that a session finds one ready. ``size`` long-lived threads
+    each keep one start ready (bwrap dies with the thread that started it, so these threads live
+    as long as the pool); one more closes used starts off the callers' path. Each start still
+    serves a single session."""
+
+    def __init__(self, sb: "Sandbox", size: int):
+        self.sb = sb
+        self.size = size
+        self.ready: list[_Cell] = []
+        self.dead: list[_Cell] = []
+        self.starting = 0
+        self.waiting = 0
+        self.cv = threading.Condition()
+        self.threads: list[threading.Thread] = []
+        self.closed = False
+        self.last_take = time.monotonic()
+        self.failures = 0
+
+    def take(self) -> _Cell | None:
+        with self.cv:
+            if self.closed:
+                return None
+            if not self.threads:
+                for k in range(self.size):
+                    self.threads.append(threading.Thread(target=self._fill, name=f"cascade-sandbox-warm-{k}",
+                                                         daemon=True))
+                self.threads.append(threading.Thread(target=self._reap, name="cascade-sandbox-reap", daemon=True))
+                for th in self.threads:
+                    th.start()
+            self.last_take = time.monotonic()
+            self.cv.notify_all()
+            end = time.monotonic() + SETUP_TIMEOUT
+            while True:
+                while self.ready:
+                    cell = self.ready.pop(0)
+                    if cell.alive():
+                        self.cv.notify_all()
+                        return cell
+                    self.dead.append(cell)
+                # a start under way finishes sooner than a new one (and costs no more CPU): wait for
+                # it, unless enough callers already wait for the ones under way
+                if self.closed or self.starting <= self.waiting or time.monotonic() >= end:
+                    return None
+                self.waiting += 1
+                try:
+                    self.cv.wait(timeout=end - time.monotonic())
+                finally:
+                    self.waiting -= 1
+
+    def discard(self, cell: _Cell) -> bool:
+        """Close ``cell`` in the background; False when the pool cannot (closed, or never started)."""
+        with self.cv:
+            if self.closed or not self.threads:
+                return False
+            self.dead.append(cell)
+            self.cv.notify_all()
+            return True
+
+    def _idle(self) -> bool:
+        return time.monotonic() - self.last_take > WARM_IDLE_S
+
+    def _fill(self) -> None:
+        while True:
+            with self.cv:
+                while not self.closed and (self._idle() or len(self.ready) + self.starting >= self.size):
+                    if self._idle() and self.ready:  # unused for long: close them (refilled on the next run)
+                        self.dead += self.ready
+                        self.ready = []
+                        self.cv.notify_all()
+                    self.cv.wait(timeout=WARM_IDLE_S / 4)
+                if self.closed:
+                    return
+                self.starting += 1
+            cell = None
+            try:
+                cell = _Cell(self.sb)
+                self.failures = 0
+            except Exception:  # the next session starts its own and reports the error
+                self.failures += 1
+            with self.cv:
+                self.starting -= 1
+                if cell is not None:
+                    (self.dead if self.closed else self.ready).append(cell)
+                self.cv.notify_all()
+            if cell is None:
+                time.sleep(min(30.0, 0.5 * 2 ** self.failures))
+
+    def _reap(self) -> None:
+        while True:
+            with self.cv:
+                while not self.dead and not self.closed:
+                    self.cv.wait()
+                dead, self.dead = self.dead, []
+                if self.closed and not dead:
+                    return
+            for c in dead:
+                c.close()
+
+    def close(self) -> None:
+        with self.cv:
+            self.closed = True
+            cells, self.ready = self.ready, []
+            self.cv.notify_all()
+            threads = list(self.threads)
+        for c in cells:
+            c.close()
+        for th in threads:
+            if th is not threading.current_thread():
+                th.join(timeout=5.0)
+        with self.cv:  # a start that finished while closing
+            cells, self.dead = self.dead, []
+        for c in cells:
+            c.close()
+
+
+_POOLS: "weakref.WeakSet[_Pool]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_pools() -> None:
+    for p in list(_POOLS):
+        p.close()
+
+
+def _forget_pools() -> None:
+    """In a forked child: the parent's starts and pool threads are not this process's."""
+    for p in list(_POOLS):
+        p.closed, p.ready, p.dead, p.threads, p.starting, p.waiting = True, [], [], [], 0, 0
+    _POOLS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_pools)
+
+
+# --------------------------------------------------------------------------------------------
 # the sandbox
 # --------------------------------------------------------------------------------------------
 class Sandbox:
@@ -554,6 +978,8 @@ class Sandbox:
         self.config = config or SandboxConfig()
         self._layers = _layers
         self._size_ok: bool | None = None
+        self._pool: _Pool | None = None
+        self._pool_lock = threading.Lock()
 
     @property
     def layers(self) -> dict[str, str | None]:
@@ -582,47 +1008,306 @@ class Sandbox:
     def run(self, program: str, stdin: str | bytes = b"", *, files: dict[str, str] | None = None,
             args: list[str] | tuple = (), time_limit: float | None = None,
             memory_mb: int | None = None) -> Verdict:
-        """Run Python source ``program`` with ``stdin``; ``files`` are extra read-only files beside it.
+        """Run Python source ``program`` with ``stdin``; ``files`` are extra read-only files beside it."""
+        return self.run_many({**(files or {}), "main.py": program},
+                             [Run("main.py", stdin, tuple(args), time_limit, memory_mb)])[0]
 
-        A run whose sandbox never got to start the program within the wall limit (a stalled
-        setup on an overloaded machine) is retried once, then raises :class:`SandboxError`,
-        rather than blaming the program with a time limit."""
+    def run_many(self, files: dict[str, str], runs: list[Run], *, deadline: float | None = None,
+                 on_verdict=None) -> list[Verdict | None]:
+        """Run each of ``runs`` (a file of ``files``, with its stdin and limits) inside one sandbox
+        start: each run is its own process with its own limits, output cap and emptied ``/tmp``;
+        nothing of one run (process, file, global) is left for the next.
+
+        ``deadline`` (``time.monotonic()``): runs not started before it are not run, and a run's
+        wall limit is cut to what is left. ``on_verdict(i, verdict)`` returning False stops the
+        session. Runs not run are None. Without bubblewrap (the weaker mode) each run gets its own
+        start; as a non-root user too (the supervisor then shares the runs' uid, so a run could
+        signal it: one run per start keeps each run's verdict its own)."""
+        self.check()
+        for name in files:
+            if "/" in name or name.startswith(".") or not name:
+                raise ValueError(f"bad sandbox file name {name!r}")
+        for r in runs:
+            if r.entry not in files:
+                raise ValueError(f"run entry {r.entry!r} is not one of the files")
+        out: list[Verdict | None] = [None] * len(runs)
+        use_cells = "namespaces" in [k for k, v in self.layers.items() if v is None]
+        per_cell = 1 << 30 if os.getuid() == 0 else 1
+        cell: _Cell | None = None
+        retried = False
+        i = 0
         try:
-            return self._run_once(program, stdin, files, args, time_limit, memory_mb)
+            while i < len(runs):
+                r = runs[i]
+                wall = float(r.time_limit if r.time_limit is not None else self.config.time_limit)
+                if wall <= 0:
+                    raise ValueError("time_limit must be positive")
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0.05:
+                        break
+                    wall = min(wall, left)
+                if not use_cells:
+                    v = self._run_direct(files, r, wall)
+                else:
+                    if cell is not None and cell.runs >= per_cell:
+                        self._release(cell)
+                        cell = None
+                    if cell is None:
+                        cell = self._acquire()
+                        cell.put_files(files)
+                    try:
+                        v = self._cell_run(cell, r, wall)
+                    except _CellDead as e:
+                        self._release(cell)
+                        cell = None
+                        if e.retry and not retried:  # not the run's doing: once more in a fresh start
+                            retried = True
+                            continue
+                        if e.verdict is None:
+                            raise SandboxError(str(e)) from None
+                        v = e.verdict
+                out[i] = v
+                retried = False
+                i += 1
+                if on_verdict is not None and on_verdict(i - 1, v) is False:
+                    break
+        finally:
+            if cell is not None:
+                self._release(cell)
+        return out
+
+    def close(self) -> None:
+        """Close the sandbox starts made ahead (also done at exit)."""
+        if self._pool is not None:
+            self._pool.close()
+
+    def _acquire(self) -> _Cell:
+        if self.config.warm > 0:
+            with self._pool_lock:
+                if self._pool is None or self._pool.closed:
+                    self._pool = _Pool(self, self.config.warm)
+                    _POOLS.add(self._pool)
+            cell = self._pool.take()
+            if cell is not None:
+                return cell
+        try:
+            return _Cell(self)
+        except SandboxUnavailable:
+            raise
+        except SandboxError:  # a start that stalled or failed on a loaded machine: once more
+            return _Cell(self)
+
+    def _release(self, cell: _Cell) -> None:
+        if self._pool is None or not self._pool.discard(cell):
+            cell.close()
+
+    def _cell_run(self, cell: _Cell, r: Run, wall: float) -> Verdict:
+        cfg = self.config
+        mem_mb = int(r.memory_mb if r.memory_mb is not None else cfg.memory_mb)
+        cpu = cfg.cpu_time_limit if cfg.cpu_time_limit is not None else wall
+        cpu_s = max(1, int(-(-cpu // 1)))
+        mem_bytes = mem_mb << 20
+        layers = cell.layers
+        nproc = cfg.max_processes if "cgroup_pids" not in layers else max(cfg.max_processes * 16, 512)
+        cg = cell.cgroup
+        before: dict = {}
+        t_begin = time.perf_counter()
+        if cg is not None:
+            want = (mem_mb + cfg.tmpfs_mb + 32) << 20
+            if want != cell.mem_limit and cg.set_memory(want):
+                cell.mem_limit = want
+            before = cg.begin()
+        data = r.stdin.encode() if isinstance(r.stdin, str) else bytes(r.stdin)
+        fields = [repr(wall), str(cpu_s), str(mem_bytes), str(cfg.file_size_mb << 20), str(nproc),
+                  str(cfg.max_open_files), f"{BOX}/{r.entry}", *map(str, r.args)]
+        msg = b"R " + b"\0".join(f.encode("utf-8", "surrogateescape") for f in fields)
+        in_r, in_w = os.pipe()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            cell.ctl.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("3i", in_r, out_w, err_w))])
+        except OSError as e:
+            for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
+                os.close(fd)
+            raise _CellDead(f"the sandbox is gone: {e}; {cell._errors()}") from None
+        for fd in (in_r, out_w, err_w):
+            os.close(fd)
+        t_sent = time.perf_counter()
+        t_started = t_done = t_sent
+        cell.runs += 1
+        out, err = bytearray(), bytearray()
+        total = 0
+        limits: list[str] = []
+        keep_err = cfg.stderr_keep_bytes
+        sel = selectors.DefaultSelector()
+        sel.register(cell.ctl, selectors.EVENT_READ, "ctl")
+        sel.register(out_r, selectors.EVENT_READ, "out")
+        sel.register(err_r, selectors.EVENT_READ, "err")
+        open_fds = {in_w, out_r, err_r}
+        if data:
+            os.set_blocking(in_w, False)
+            sel.register(in_w, selectors.EVENT_WRITE, "in")
+        else:
+            os.close(in_w)
+            open_fds.discard(in_w)
+        view = memoryview(data)
+        sent = 0
+        started = False
+        done: list[bytes] | None = None
+        dead = ""
+        t_send = time.monotonic()
+        deadline = t_send + SETUP_TIMEOUT
+        try:
+            while done is None or open_fds - {in_w}:
+                now = time.monotonic()
+                if now >= deadline:
+                    if done is not None:  # the run is over and swept: nothing can hold its pipes
+                        break
+                    dead = "wall" if started else "setup"
+                    break
+                for key, _ev in sel.select(deadline - now):
+                    if key.data == "ctl":
+                        try:
+                            m = cell.ctl.recv(4096)
+                        except OSError:
+                            m = b""
+                        if not m:
+                            dead = "gone"
+                            break
+                        if m == b"S":
+                            started = True
+                            t_started = time.perf_counter()
+                            deadline = time.monotonic() + wall + _RUN_GRACE_S
+                        elif m.startswith(b"D "):
+                            done = m.split()
+                            t_done = time.perf_counter()
+                            sel.unregister(cell.ctl)
+                            deadline = time.monotonic() + 2.0
+                    elif key.data == "in":
+                        try:
+                            sent += os.write(in_w, view[sent:sent + (1 << 16)])
+                        except (BrokenPipeError, ConnectionResetError):
+                            sent = len(data)
+                        except BlockingIOError:
+                            continue
+                        if sent >= len(data):
+                            sel.unregister(in_w)
+                            os.close(in_w)
+                            open_fds.discard(in_w)
+                    else:
+                        fd = key.fileobj
+                        chunk = os.read(fd, 1 << 16)
+                        if not chunk:
+                            sel.unregister(fd)
+                            os.close(fd)
+                            open_fds.discard(fd)
+                            continue
+                        if "output" in limits:
+                            continue
+                        total += len(chunk)
+                        if key.data == "out":
+                            out += chunk
+                        else:
+                            err += chunk
+                            if len(err) > 2 * keep_err:
+                                del err[:len(err) - keep_err]
+                        if total > cfg.output_limit_bytes:
+                            limits.append("output")
+                            try:
+                                cell.ctl.send(b"K")
+                            except OSError:
+                                pass
+                if dead:
+                    break
+        finally:
+            for k in list(sel.get_map().values()):
+                sel.unregister(k.fileobj)
+            sel.close()
+            view.release()
+            for fd in open_fds:
+                os.close(fd)
+        stderr_text = bytes(err[-keep_err:]).decode("utf-8", "replace")
+        if done is None and "_peak_fd" in before:
+            os.close(before.pop("_peak_fd"))
+        if done is None:  # the start itself failed or hung: it is not used again
+            if dead == "wall":
+                limits.append("wall_time")
+                v = Verdict("time_limit", None, signal.SIGKILL, bytes(out).decode("utf-8", "replace"),
+                            stderr_text, wall, wall, None, sorted(set(limits)), layers)
+                raise _CellDead("the supervisor did not end the run", v)
+            if started and dead == "gone":
+                # as root a run cannot signal the supervisor: something else ended the start, so the
+                # run goes again in a fresh one; without root (one run per start) it may have
+                v = Verdict("killed", None, signal.SIGKILL, bytes(out).decode("utf-8", "replace"),
+                            stderr_text, time.monotonic() - t_send, 0.0, None, sorted(set(limits)), layers)
+                raise _CellDead("the supervisor died during the run", v, retry=os.getuid() == 0)
+            raise _CellDead(f"the sandbox failed before the program started ({dead}): "
+                            f"{(stderr_text.strip() or cell._errors())[-500:]}")
+        status, reason, ok_start = int(done[1]), done[2].decode(), done[3] == b"1"
+        wall_time, ru_cpu, maxrss = float(done[4]), float(done[5]), int(done[6])
+        if not ok_start:
+            if "_peak_fd" in before:
+                os.close(before.pop("_peak_fd"))
+            raise _CellDead(f"the sandbox failed to start the program: {(stderr_text.strip() or cell._errors())[-500:]}")
+        if reason == "wall":
+            limits.append("wall_time")
+        stats = cg.end(before) if cg is not None else {}
+        # the cgroup counts every process of the run (the supervisor's share is small); the first
+        # process's rusage (with its waited children) is the fallback without a cpuacct cgroup
+        cpu_time = max(stats.get("cpu_time", 0.0), ru_cpu)
+        peak = stats.get("peak_memory") or maxrss * 1024
+        if stats.get("pids_max_hit"):
+            limits.append("processes")
+        if stats.get("oom_kill"):
+            limits.append("memory")
+        rc = os.waitstatus_to_exitcode(status)
+        exit_code, sig = (None, -rc) if rc < 0 else (rc, None)
+        if (sig == signal.SIGKILL and reason == "-" and not stats.get("oom_kill")
+                and cpu_time >= 0.85 * (cpu_s + 1)):
+            # RLIMIT_CPU's hard limit ended it. The kernel counts CPU for that limit by ticks,
+            # which on a VM with steal time run ahead of the precise count read above: report
+            # what the limit saw
+            cpu_time = max(cpu_time, float(cpu_s + 1))
+        t_end = time.perf_counter()
+        cell.run_phases = {"cgroup_begin_and_send": t_sent - t_begin, "fork_and_setup": t_started - t_sent,
+                           "program": wall_time, "exit_and_sweep": max(0.0, t_done - t_started - wall_time),
+                           "drain_and_stats": t_end - t_done, "total": t_end - t_begin}
+        if sig == signal.SIGXCPU or (cpu_time >= cpu_s and sig == signal.SIGKILL):
+            limits.append("cpu_time")
+        return Verdict(status=classify(rc_exit=exit_code, sig=sig, limits=limits, stderr=stderr_text),
+                       exit_code=exit_code, signal=sig, stdout=bytes(out).decode("utf-8", "replace"),
+                       stderr=stderr_text, wall_time=wall_time, cpu_time=cpu_time, peak_memory_bytes=peak,
+                       limits_hit=sorted(set(limits)), layers=layers)
+
+    def _run_direct(self, files: dict[str, str], r: Run, wall: float) -> Verdict:
+        """The weaker mode (no bubblewrap): one start per run, the launcher run directly."""
+        try:
+            return self._run_once(files, r, wall)
         except _StartupStall:
             try:
-                return self._run_once(program, stdin, files, args, time_limit, memory_mb)
+                return self._run_once(files, r, wall)
             except _StartupStall as e:
                 raise SandboxError(str(e)) from None
 
-    def _run_once(self, program, stdin, files, args, time_limit, memory_mb) -> Verdict:
-        self.check()
+    def _run_once(self, files: dict[str, str], r: Run, wall: float) -> Verdict:
         cfg = self.config
-        wall = float(time_limit if time_limit is not None else cfg.time_limit)
-        mem_mb = int(memory_mb if memory_mb is not None else cfg.memory_mb)
-        if wall <= 0:
-            raise ValueError("time_limit must be positive")
+        mem_mb = int(r.memory_mb if r.memory_mb is not None else cfg.memory_mb)
         cpu = cfg.cpu_time_limit if cfg.cpu_time_limit is not None else wall
         cpu_s = max(1, int(-(-cpu // 1)))
         layers = [k for k, v in self.layers.items() if v is None]
-        use_bwrap = "namespaces" in layers
-        exe, prefix = _python_install(cfg)
-        if not use_bwrap:
-            exe, prefix = _weak_python(exe, prefix)
+        exe, prefix = _weak_python(*_python_install(cfg))
         box = tempfile.mkdtemp(prefix="cascade-box-")
         cgroup = None
         fds_to_close: list[int] = []
         try:
             os.chmod(box, 0o755)
-            for name, text in {"main.py": program, **(files or {})}.items():
-                if "/" in name or name.startswith("."):
-                    raise ValueError(f"bad sandbox file name {name!r}")
+            for name, text in files.items():
                 with open(os.path.join(box, name), "w", encoding="utf-8") as f:
                     f.write(text)
                 os.chmod(os.path.join(box, name), 0o644)
-            if not use_bwrap:  # weaker mode: the box itself is the working directory
-                if os.getuid() == 0:
-                    os.chown(box, cfg.uid, cfg.gid)
+            if os.getuid() == 0:  # the box itself is the working directory
+                os.chown(box, cfg.uid, cfg.gid)
             mem_bytes = mem_mb << 20
             nproc = cfg.max_processes if "cgroup_pids" not in layers else max(cfg.max_processes * 16, 512)
             # (soft, hard): the CPU soft limit sends SIGXCPU, the hard one a second later SIGKILL
@@ -631,48 +1316,21 @@ class Sandbox:
             launch = ",".join(f"{k}:{a}:{b}" for k, (a, b) in rl.items())
             ready_r, ready_w = os.pipe()
             fds_to_close += [ready_r, ready_w]
-            pass_fds = [ready_w]
-            prog_dir = BOX if use_bwrap else box
             # -S: no site (stdlib only, and 3x faster start here); the launcher restores exit()/quit()
-            inner = [exe, "-S", "-s", "-B", "-c", _LAUNCHER, launch, str(cfg.uid), str(cfg.gid), str(ready_w),
-                     f"{prog_dir}/main.py", *map(str, args)]
             argv: list[str] = []
             ctrl_bases = {c: v for c, v in _cgroup_bases(cfg).items()
                           if f"cgroup_{c}" in layers or c == "cpuacct"}
             if ctrl_bases:
-                cg_mem = mem_bytes + ((cfg.tmpfs_mb + 32) << 20)
-                cgroup = _RunCgroup(ctrl_bases, cg_mem, cfg.max_processes)
-                # the shell joins the cgroup(s) itself, then execs the sandbox: no race with forks
+                cgroup = _RunCgroup(ctrl_bases, mem_bytes + ((cfg.tmpfs_mb + 32) << 20), cfg.max_processes)
                 argv += ["/bin/sh", "-c", 'p=$$; while [ "$1" != -- ]; do echo $p > "$1" || exit 125; shift; done; '
                          'shift; exec "$@"', "sh", *cgroup.procs_files(), "--"]
-            if use_bwrap:
-                argv += [_bwrap(), "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
-                         "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
-                if os.getuid() == 0:
-                    argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-                else:
-                    argv += ["--unshare-user", "--uid", str(cfg.uid), "--gid", str(cfg.gid)]
-                argv += _bind_args(exe, prefix, box, cfg.tmpfs_mb << 20, self._bwrap_has_size())
-                for k, v in _clean_env().items():
-                    argv += ["--setenv", k, v]
-                if "seccomp" in layers:
-                    bpf = seccomp_filter()
-                    sr, sw = os.pipe()
-                    fds_to_close += [sr, sw]
-                    os.write(sw, bpf)
-                    os.close(sw)
-                    fds_to_close.remove(sw)
-                    pass_fds.append(sr)
-                    argv += ["--seccomp", str(sr)]
-                argv += ["--", *inner]
-            else:
-                argv += inner
+            argv += [exe, "-S", "-s", "-B", "-c", _LAUNCHER, launch, str(cfg.uid), str(cfg.gid), str(ready_w),
+                     f"{box}/{r.entry}", *map(str, r.args)]
             env = _clean_env()
-            if not use_bwrap:
-                env.update(HOME=box, TMPDIR=box)
-            data = stdin.encode() if isinstance(stdin, str) else bytes(stdin)
-            return self._execute(argv, env, box if not use_bwrap else "/", data, wall, cpu_s, mem_bytes,
-                                 ready_r, ready_w, pass_fds, fds_to_close, cgroup, layers)
+            env.update(HOME=box, TMPDIR=box)
+            data = r.stdin.encode() if isinstance(r.stdin, str) else bytes(r.stdin)
+            return self._execute(argv, env, box, data, wall, cpu_s, mem_bytes,
+                                 ready_r, ready_w, [ready_w], fds_to_close, cgroup, layers)
         finally:
             for fd in fds_to_close:
                 try:
@@ -835,7 +1493,7 @@ class Sandbox:
             limits.append("processes")
         if stats.get("oom_kill"):
             limits.append("memory")
-        exit_code, sig = _split_exit(rc, "namespaces" in layers)
+        exit_code, sig = _split_exit(rc, False)
         if sig in (signal.SIGXCPU,) or (cpu_time >= cpu_s and sig == signal.SIGKILL):
             limits.append("cpu_time")
         status = classify(rc_exit=exit_code, sig=sig, limits=limits, stderr=stderr_text)

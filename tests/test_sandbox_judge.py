@@ -1,0 +1,224 @@
+"""Many runs inside one sandbox start (the supervisor): each run keeps its own limits and verdict
+when others kill, hang, fork or flood; nothing of a run (file, process, global, IPC object) is seen
+by the next; the judge runs a program's tests in one start; a start is never reused by a second
+session; a start lost in the middle of a session does not cost the remaining runs."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from envs.code import sandbox as sbx
+from envs.code.judge import Judge
+from envs.code.sandbox import Run, Sandbox, SandboxConfig
+
+# a uid of our own, so that concurrent test sessions' sandboxes are not taken for our leftovers
+UID = 57000 + os.getpid() % 4000
+CFG = SandboxConfig(time_limit=2.0, memory_mb=256, output_limit_bytes=1 << 20, max_processes=16, uid=UID, gid=UID,
+                    warm=1)
+LAYERS = sbx.detect_layers(CFG)
+pytestmark = pytest.mark.skipif(
+    LAYERS["namespaces"] is not None, reason=f"sandbox needs bubblewrap: {LAYERS['namespaces']}")
+
+NS = "import os\nprint(os.readlink('/proc/self/ns/pid'), os.readlink('/proc/self/ns/net'))\n"
+
+# one program, many behaviours: what it does is read from stdin
+MIXED = r"""
+import os, sys, time
+cmd = sys.stdin.readline().strip()
+ns = os.readlink("/proc/self/ns/pid") + os.readlink("/proc/self/ns/net")
+if cmd == "kill":
+    try:
+        os.kill(os.getppid(), 9)          # the supervisor: not ours to signal
+        r = "sent"
+    except OSError as e:
+        r = type(e).__name__
+    os.kill(-1, 9)                        # everything it may signal: nothing but itself
+    print(r, ns, flush=True)
+    os.kill(os.getpid(), 9)
+elif cmd == "hang":
+    time.sleep(100)
+elif cmd == "fork":
+    while True:
+        try:
+            os.fork()
+        except OSError:
+            pass
+elif cmd == "mem":
+    x = [bytearray(16 << 20) for _ in range(64)]
+elif cmd == "spam":
+    while True:
+        print("y" * 100)
+elif cmd == "caps":
+    st = dict(l.split(":", 1) for l in open("/proc/self/status").read().splitlines() if ":" in l)
+    print(os.getuid(), os.geteuid(), *(int(st[k].strip(), 16) for k in ("CapPrm", "CapEff", "CapAmb")),
+          st["NoNewPrivs"].strip())
+else:
+    print(int(cmd) * 2, ns)
+"""
+
+
+@pytest.fixture(scope="module")
+def sb():
+    s = Sandbox(CFG)
+    s.check()
+    yield s
+    s.close()
+
+
+def _uid_pids() -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                uid = Path(f"/proc/{d}/status").read_text().split("\nUid:")[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if uid == str(UID):
+                out.append(int(d))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers():
+    yield
+    deadline = time.monotonic() + 5.0
+    while _uid_pids() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _uid_pids() == [], "a sandboxed process outlived its run"
+
+
+def test_hostile_runs_among_passing_ones_keep_their_own_verdicts(sb):
+    cmds = ["1", "kill", "2", "hang", "3", "fork", "4", "mem", "5", "spam", "6", "caps", "7"]
+    limits = {"hang": 1.0, "fork": 1.5}
+    runs = [Run("main.py", c + "\n", time_limit=limits.get(c)) for c in cmds]
+    t = time.monotonic()
+    vs = sb.run_many({"main.py": MIXED}, runs)
+    assert time.monotonic() - t < 20
+    by = dict(zip(cmds, vs))
+    good = [by[c] for c in cmds if c.isdigit()]
+    assert [v.status for v in good] == ["ok"] * 7, [(v.status, v.stderr[-200:]) for v in good]
+    assert [v.stdout.split()[0] for v in good] == [str(2 * int(c)) for c in cmds if c.isdigit()]
+    # all of them in one start: the same pid and network namespaces
+    spaces = {v.stdout.split()[1] for v in good} | {by["kill"].stdout.split()[1]}
+    assert len(spaces) == 1, spaces
+    assert by["kill"].status == "killed" and by["kill"].signal == 9
+    assert by["kill"].stdout.split()[0] == "PermissionError"
+    assert by["hang"].status == "time_limit" and "wall_time" in by["hang"].limits_hit
+    assert 0.9 <= by["hang"].wall_time < 3.0
+    assert by["fork"].status == "time_limit" and "processes" in by["fork"].limits_hit
+    assert by["mem"].status == "memory_limit"
+    assert by["spam"].status == "output_limit" and len(by["spam"].stdout) <= CFG.output_limit_bytes + (1 << 16)
+    # a run holds no capability and cannot gain one; it runs as the sandbox uid
+    assert by["caps"].stdout.split() == [str(UID), str(UID), "0", "0", "0", "1"]
+    # each run has its own figures
+    assert all(v.peak_memory_bytes and v.peak_memory_bytes < 200 << 20 for v in good)
+    assert all(v.wall_time < 1.0 for v in good)
+
+
+WRITER = r"""
+import builtins, ctypes, json, os, signal, sys, time
+open("/tmp/leak.txt", "w").write("secret")
+os.makedirs("/tmp/d/e/f")
+open("/tmp/d/e/f/g", "w").write("y")
+os.mkdir("/tmp/locked")
+open("/tmp/locked/z", "w").write("z")
+os.chmod("/tmp/locked", 0)
+os.mkfifo("/tmp/fifo")
+os.symlink("/etc/hostname", "/tmp/link")
+open("here.txt", "w").write("cwd")
+builtins.LEAK = json.LEAK = sys.LEAK = 1
+os.environ["LEAK"] = "1"
+sys.setrecursionlimit(77)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+libc = ctypes.CDLL(None, use_errno=True)
+print("shm", libc.shmget(0x5EED, 4096, 0o1666) >= 0)
+libc.mq_open.restype = ctypes.c_int
+print("mq", libc.mq_open(b"/leak", os.O_CREAT | os.O_RDWR, 0o666, None) >= 0)
+if os.fork() == 0:  # a daemon that would write after the run
+    os.setsid()
+    time.sleep(0.4)
+    open("/tmp/late.txt", "w").write("late")
+    os._exit(0)
+os.umask(0o777)
+"""
+
+READER = r"""
+import builtins, ctypes, json, os, signal, sys, time
+time.sleep(0.6)
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mq_open.restype = ctypes.c_int
+print(json.dumps({
+    "tmp": sorted(os.listdir("/tmp")), "cwd": os.getcwd(),
+    "globals": [hasattr(builtins, "LEAK"), hasattr(json, "LEAK"), hasattr(sys, "LEAK"), "LEAK" in os.environ],
+    "recursion": sys.getrecursionlimit(), "umask": os.umask(0o022),
+    "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+    "shm": libc.shmget(0x5EED, 0, 0) >= 0, "mq": libc.mq_open(b"/leak", os.O_RDONLY) >= 0,
+    "mqueue": os.listdir("/dev/mqueue"),
+}))
+"""
+
+
+def test_nothing_of_a_run_is_seen_by_the_next(sb):
+    vs = sb.run_many({"w.py": WRITER, "r.py": READER, "ns.py": NS},
+                     [Run("ns.py"), Run("w.py"), Run("r.py"), Run("ns.py")])
+    assert [v.status for v in vs] == ["ok"] * 4, [v.stderr[-300:] for v in vs]
+    assert vs[0].stdout == vs[3].stdout  # one start for the whole session
+    assert vs[1].stdout.split() == ["shm", "True", "mq", "True"]  # the writer did create them
+    got = json.loads(vs[2].stdout)
+    assert got == {"tmp": [], "cwd": "/tmp", "globals": [False] * 4, "recursion": 1000, "umask": 0o022,
+                   "sigterm": True, "shm": False, "mq": False, "mqueue": []}
+
+
+CALLS = "seen = []\ndef f(x):\n    seen.append(x)\n    return [x, len(seen)]\n"
+
+
+def test_judge_runs_a_program_in_one_start_with_per_test_verdicts(sb):
+    prog = MIXED.replace("print(int(cmd) * 2, ns)", "print(int(cmd) * 2)")
+    tests = [{"input": f"{c}\n", "output": str(2 * int(c)) if c.isdigit() else "0"}
+             for c in ["1", "kill", "2", "hang", "3", "fork", "4"]]
+    j = Judge(sb, time_limit=1.0).judge(prog, tests)
+    assert [r.status for r in j.results] == ["accepted", "runtime_error", "accepted", "time_limit", "accepted",
+                                             "time_limit", "accepted"]
+    assert j.passed == 4 and j.status == "runtime_error"
+    # function-call tests: a global of one call is not seen by the next
+    j = Judge(sb).judge(CALLS, [{"fn": "f", "args": [i], "expected": [i, 1]} for i in range(4)])
+    assert j.accepted, [(r.status, r.detail) for r in j.results]
+    # assertion tests: the sandbox holds the running test only (its code comes on stdin)
+    add = "def add(a, b):\n    return a + b\n"
+    look = "import os\nassert not any('SECRET' in open('/box/' + n).read() for n in os.listdir('/box'))"
+    j = Judge(sb).judge(add, [{"code": "assert add(2, 2) == 4  # SECRET"}, {"code": look}])
+    assert j.accepted, [(r.status, r.detail) for r in j.results]
+
+
+def test_a_start_serves_one_session_only(sb):
+    a, b = sb.run(NS), sb.run(NS)
+    assert a.status == b.status == "ok" and a.stdout != b.stdout
+
+
+def test_a_start_lost_mid_session_costs_no_run(monkeypatch):
+    cells = []
+    init = sbx._Cell.__init__
+
+    def record(self, s):
+        init(self, s)
+        cells.append(self)
+
+    monkeypatch.setattr(sbx._Cell, "__init__", record)
+    s = Sandbox(replace(CFG, warm=0))
+
+    def lose_it(i, v):
+        if i == 0:  # the whole start goes (bwrap and everything in it), between two runs
+            os.killpg(cells[-1].proc.pid, 9)
+        return True
+
+    vs = s.run_many({"main.py": NS}, [Run(), Run(), Run()], on_verdict=lose_it)
+    assert [v.status for v in vs] == ["ok"] * 3
+    assert vs[0].stdout != vs[1].stdout == vs[2].stdout and len(cells) == 2
+    # stopping early: the runs after it are not run
+    vs = s.run_many({"main.py": NS}, [Run(), Run(), Run()], on_verdict=lambda i, v: i < 1)
+    assert [v is not None for v in vs] == [True, True, False]
