@@ -162,8 +162,12 @@ def test_server_run_equals_engine_run_and_retries_500s(run, tiny_dense_dir):
     assert [(p.stage, p.round, p.index, p.prompt_ids, p.parents, p.seed, p.n) for p in via.prompts] == \
         [(p.stage, p.round, p.index, p.prompt_ids, p.parents, p.seed, p.n) for p in res.prompts]
     assert [[c.token_ids for c in r] for r in via.rounds] == [[c.token_ids for c in r] for r in res.rounds]
-    same = lambda m: {k: v for k, v in m.items() if k != "wall_s"}  # noqa: E731
+    same = lambda m: {k: v for k, v in m.items() if k not in ("wall_s", "usage")}  # noqa: E731
     assert same(via.metrics) == same(res.metrics)
+    # the server's usage counts agree with ours
+    m = via.metrics
+    assert m["usage"] == {"requests": m["requests"], "prompt_tokens": m["prefill_tokens"],
+                          "completion_tokens": m["generated_tokens"]}
 
 
 # -- variants, with a scripted backend (no model) ------------------------------------------------

@@ -266,6 +266,9 @@ def test_resume_after_kill_9_loses_at_most_one_round(tmp_path, tok, tiny_dense_d
             time.sleep(0.05)
         os.kill(p.pid, signal.SIGKILL)
         p.wait()
+        deadline = time.time() + 10  # the request the kill cut off finishes on the server (and is counted) first
+        while srv.in_flight and time.time() < deadline:
+            time.sleep(0.01)
         killed = srv.completions
         completed = [r for r in _lines(out) if r.get("status") == "ok"] if out.exists() else []
         saved = [json.loads(x) for x in ckpt.read_text().splitlines() if x.strip().endswith("}")]
