@@ -47,7 +47,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def trainer(model_dir: Path, seed: int, new_tokens: int, engine=None, **rl_kw):
+def stop_ids(model_dir: Path, k: int) -> list[int]:
+    """``k`` ordinary token ids (the highest ids that are not special tokens) to stop on: a random
+    policy samples one of them with probability about k/V per token, so response lengths follow a
+    geometric distribution (mean about V/k tokens, capped by ``--new-tokens``), the long tail of real
+    RL rollouts."""
+    from train.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    special = set(tok.all_special_ids)
+    return [i for i in range(len(tok) - 1, -1, -1) if i not in special][:k]
+
+
+def trainer(model_dir: Path, seed: int, new_tokens: int, engine=None, stop=(), **rl_kw):
     import copy
 
     from envs.curriculum import Curriculum
@@ -59,7 +71,7 @@ def trainer(model_dir: Path, seed: int, new_tokens: int, engine=None, **rl_kw):
 
     model, tok = load_pretrained(model_dir), load_tokenizer(model_dir)
     cfg = RLConfig(group_size=8, prompts_per_step=8, advantage="maxrl", loss="dppo_tv", chat_template=False,
-                   dynamic_sampling=False, sampling=SamplingConfig(max_new_tokens=new_tokens),
+                   dynamic_sampling=False, sampling=SamplingConfig(max_new_tokens=new_tokens, stop_token_ids=list(stop)),
                    optim=OptimConfig(lr=1e-4), micro_batch_size=64, seed=seed, **rl_kw)
     cur = Curriculum(["toy/max"], controller="fixed", seed=seed, controller_kwargs={"difficulty": 1})
     return RLTrainer(model, tok, engine or TorchEngine(copy.deepcopy(model), tok), cur, cfg)
@@ -82,6 +94,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stop-tokens", type=int, default=0,
+                    help="stop on this many ordinary token ids (long-tailed response lengths, mean about "
+                         "vocab/k, capped at --new-tokens); 0: every response runs to --new-tokens")
     ap.add_argument("--servers", type=int, default=0,
                     help="async run's rollouts on this many `cascade serve` processes (1 thread each) instead of "
                          "a thread of this process")
@@ -94,7 +109,8 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     with tempfile.TemporaryDirectory() as d:
         init_model("tiny-moe", Path(d), seed=a.seed)
-        sync = trainer(Path(d), a.seed, a.new_tokens)
+        stop = stop_ids(Path(d), a.stop_tokens) if a.stop_tokens else []
+        sync = trainer(Path(d), a.seed, a.new_tokens, stop=stop)
         sync_sps, sync_ms = timed(sync.step, a.steps, a.warmup)
         engine = None
         if a.servers:
@@ -103,7 +119,7 @@ def main() -> None:
             (Path(d) / "exchange").mkdir()
             pool = ServerPool(a.servers, Path(d), Path(d) / "exchange", "bench", 1, Path(d) / "logs")
             engine = ServedEngine(pool.urls, Path(d) / "exchange", "bench", pool)
-        rl = trainer(Path(d), a.seed, a.new_tokens, engine, max_staleness=2, min_ready_batches=2, sync_every=1)
+        rl = trainer(Path(d), a.seed, a.new_tokens, engine, stop=stop, max_staleness=2, min_ready_batches=2, sync_every=1)
         pipe = Pipeline(rl)
         try:
             async_sps, async_ms = timed(pipe.step, a.steps, a.warmup)
@@ -119,9 +135,12 @@ def main() -> None:
         "async_trainer_busy_frac": round(statistics.mean(m["trainer_busy_frac"] for m in async_ms), 3),
         "sync_rollout_s": round(statistics.mean(m["time_rollout_s"] for m in sync_ms), 3),
         "sync_train_s": round(statistics.mean(m["time_train_s"] for m in sync_ms), 3),
+        "sync_response_len_mean": round(statistics.mean(m["response_len"] for m in sync_ms), 1),
+        "sync_truncated_frac": round(statistics.mean(m["truncated_frac"] for m in sync_ms), 3),
+        "async_response_len_mean": round(statistics.mean(m["response_len"] for m in async_ms), 1),
         "groups_dropped_stale": sum(m["groups_dropped_stale"] for m in async_ms),
         "steps": a.steps, "warmup": a.warmup, "threads": a.threads, "model": "tiny-moe",
-        "rollouts_per_step": 64, "new_tokens": a.new_tokens, "async_rollout_servers": a.servers,
+        "rollouts_per_step": 64, "new_tokens": a.new_tokens, "stop_tokens": a.stop_tokens, "async_rollout_servers": a.servers,
     }))
 
 

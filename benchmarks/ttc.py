@@ -8,7 +8,9 @@ Prints one JSON line. Usage: python benchmarks/ttc.py [--preset tiny-moe] [--rep
   T=2, a 200-word problem) on the torch engine without / with shared-prefix reuse, at a toy shape
   (beta=32, tau=16) and a realistic one (beta=640, tau=64: beta >= 10 tau, as AIME settings
   beta=40K, tau=4K). Both sides run the same seeded RSA; ``same_outputs`` says whether every
-  candidate's tokens agree. The engine is warmed up once; caches are cleared before every repeat.
+  candidate's tokens agree. Each engine is warmed up once; caches are cleared before every repeat;
+  the repeats of the two sides are interleaved, and ``speedup_wall_pairs`` gives the spread of
+  the per-pair ratios.
 - ``concurrency_speedup``: a 16-problem ``ttc solve`` (N=4, C=2, T=1, beta=32) against a
   ``ttc serve`` subprocess, ``--concurrency 64`` with all problems in flight vs one problem at a time
   (``--problems-in-flight 1``); ``same_results`` says whether both runs gave the same answers.
@@ -50,42 +52,60 @@ def _stats(xs: list[float]) -> dict:
     return {"median": round(statistics.median(xs), 4), "min": round(min(xs), 4), "max": round(max(xs), 4)}
 
 
-def measure_prefix(path, device, cached: bool, problem: str, cfg: RSAConfig, repeats: int):
-    eng = TorchEngine.from_pretrained(path, device=device)
-    if cached:
-        enable_prefix_caching(eng)
-    be = EngineBackend(eng)
-    run_rsa(be, problem, RSAConfig(**{**cfg.__dict__, "rounds": 1, "budget": 4, "tail": 2}), gold="1")  # warm up
-    walls, prefill, decode, saved, res = [], [], [], [], None
-    for _ in range(repeats):
+class _Side:
+    """One engine (prefix reuse off or on) and what its runs measured."""
+
+    def __init__(self, path, device, cached: bool, problem: str, cfg: RSAConfig):
+        self.eng = TorchEngine.from_pretrained(path, device=device)
+        self.cached = cached
         if cached:
+            enable_prefix_caching(self.eng)
+        self.be, self.problem, self.cfg = EngineBackend(self.eng), problem, cfg
+        self.walls, self.prefill, self.decode, self.saved, self.res = [], [], [], [], None
+        run_rsa(self.be, problem, RSAConfig(**{**cfg.__dict__, "rounds": 1, "budget": 4, "tail": 2}), gold="1")  # warm
+
+    def run(self) -> None:
+        eng = self.eng
+        if self.cached:
             eng.prefix_cache.clear()  # every repeat starts cold: no prefix carried over from the last one
             s_saved = eng.prefix_cache.stats.saved_tokens
         s0 = (eng.stats.prefill_s, eng.stats.decode_s)
         t = time.perf_counter()
-        res = run_rsa(be, problem, cfg, gold="1")
-        walls.append(time.perf_counter() - t)
-        prefill.append(eng.stats.prefill_s - s0[0])
-        decode.append(eng.stats.decode_s - s0[1])
-        if cached:
-            saved.append(eng.prefix_cache.stats.saved_tokens - s_saved)
-    m = res.metrics
-    out = {"wall_s": _stats(walls), "prefill_s": _stats(prefill), "decode_s": _stats(decode),
-           "generated_tokens": m["generated_tokens"], "prefill_tokens": m["prefill_tokens"]}
-    if cached:
-        out["prefill_tokens_not_recomputed"] = saved[-1]
-    return out, [[c.token_ids for c in r] for r in res.rounds]
+        self.res = run_rsa(self.be, self.problem, self.cfg, gold="1")
+        self.walls.append(time.perf_counter() - t)
+        self.prefill.append(eng.stats.prefill_s - s0[0])
+        self.decode.append(eng.stats.decode_s - s0[1])
+        if self.cached:
+            self.saved.append(eng.prefix_cache.stats.saved_tokens - s_saved)
+
+    def report(self) -> dict:
+        m = self.res.metrics
+        out = {"wall_s": _stats(self.walls), "prefill_s": _stats(self.prefill), "decode_s": _stats(self.decode),
+               "generated_tokens": m["generated_tokens"], "prefill_tokens": m["prefill_tokens"]}
+        if self.cached:
+            out["prefill_tokens_not_recomputed"] = self.saved[-1]
+        return out
+
+    def tokens(self):
+        return [[c.token_ids for c in r] for r in self.res.rounds]
 
 
 def prefix_shape(path, device, problem, budget, tail, repeats) -> dict:
+    """Both engines side by side, their repeats interleaved (off, on, off, on, ...) so that the
+    load of a shared machine falls on both alike."""
     cfg = RSAConfig(population=8, aggregate=4, rounds=2, budget=budget, tail=tail, final_budget=0, temperature=1.0,
                     seed=0)
-    off, toks_off = measure_prefix(path, device, False, problem, cfg, repeats)
-    on, toks_on = measure_prefix(path, device, True, problem, cfg, repeats)
-    return {"N": 8, "C": 4, "T": 2, "beta": budget, "tau": tail, "no_prefix_cache": off, "prefix_cache": on,
-            "speedup_wall": round(off["wall_s"]["median"] / on["wall_s"]["median"], 3),
-            "speedup_prefill": round(off["prefill_s"]["median"] / max(on["prefill_s"]["median"], 1e-9), 3),
-            "same_outputs": toks_off == toks_on}
+    off, on = _Side(path, device, False, problem, cfg), _Side(path, device, True, problem, cfg)
+    for _ in range(repeats):
+        off.run()
+        on.run()
+    ratios = [a / b for a, b in zip(off.walls, on.walls)]
+    return {"N": 8, "C": 4, "T": 2, "beta": budget, "tau": tail, "no_prefix_cache": off.report(),
+            "prefix_cache": on.report(),
+            "speedup_wall": round(statistics.median(off.walls) / statistics.median(on.walls), 3),
+            "speedup_wall_pairs": _stats(ratios),
+            "speedup_prefill": round(statistics.median(off.prefill) / max(statistics.median(on.prefill), 1e-9), 3),
+            "same_outputs": off.tokens() == on.tokens()}
 
 
 def _free_port() -> int:

@@ -10,6 +10,10 @@ the orchestrator writes its checkpoint after ``u`` updates it asks the ranks for
 (:func:`train.rl.worker.request_path`), and on resume the ranks' newer checkpoints and batches
 are removed, so both sides continue from the same update.
 
+A stage's SFT warm-up runs on the same ranks (``sft_steps`` > 0): SFT step ``i`` is update
+``i`` and RL update ``k`` is update ``sft_steps + k`` (weight versions stay RL's: version 0 is
+the policy after SFT); checkpoints are asked for by update.
+
 With ``trainer.nnodes > 1`` this process starts the ranks of its own node; every other node runs
 the command logged in ``OUT/stages/N-NAME/logs/trainer-command.txt`` (see
 scripts/slurm/cascade_rl.sbatch).
@@ -30,15 +34,22 @@ from train.rl.exchange import TrainBatch, TrainSample, batch_path, load_version,
 
 class WorkerLearner:
     def __init__(self, exchange: Path, model_dir: Path, tcfg, rl_cfg, steps: int, start_update: int, log_dir: Path,
-                 dtype: str = "float32", pad_id: int = 0, device: str = "cpu"):
+                 dtype: str = "float32", pad_id: int = 0, device: str = "cpu", sft_steps: int = 0, sft_optim=None):
+        """``steps``: RL updates; ``start_update``: updates already done (SFT and RL) at a resume."""
         from train.parallel.rl_update import RLUpdateConfig
         from train.rl.worker import CKPT_DIR, config_dict, launch_command
 
         self.exchange, self.log_dir = Path(exchange), Path(log_dir)
         self.timeout = tcfg.timeout_s
+        self.sft_steps = sft_steps
         self._clear_after(start_update, CKPT_DIR)
+        ck = self.exchange / CKPT_DIR / f"step-{start_update:06d}" / "COMPLETE"
+        if start_update > 0 and not ck.exists():
+            raise RuntimeError(f"cannot resume: the orchestrator's checkpoint is after update {start_update} but the "
+                               f"trainer ranks have no complete checkpoint of it ({ck.parent}); remove "
+                               f"{self.exchange} and the stage's checkpoints to start the stage again")
         cfg = RLUpdateConfig(loss=rl_cfg.loss, loss_cfg=rl_cfg.loss_cfg, optim=rl_cfg.optim,
-                             tokens_per_micro=tcfg.tokens_per_micro, dtype=dtype, pad_id=pad_id)
+                             tokens_per_micro=tcfg.tokens_per_micro, dtype=dtype, pad_id=pad_id, sft_optim=sft_optim)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         conf = self.log_dir / "trainer-config.json"
         conf.write_text(json.dumps(config_dict(cfg), indent=1, default=list))
@@ -47,9 +58,9 @@ class WorkerLearner:
         import os
         import socket
 
-        extra = ["--sync-every", str(rl_cfg.sync_every), "--device", "cuda" if device.startswith("cuda") else "cpu",
+        extra = ["--sync-every", str(rl_cfg.sync_every), "--sft-steps", str(sft_steps), "--device", "cuda" if device.startswith("cuda") else "cpu",
                  "--orchestrator-pid", str(os.getpid()), "--orchestrator-host", socket.gethostname()]
-        cmd = launch_command(self.exchange, model_dir, tcfg.nproc, steps, conf, tsp=tcfg.tsp,
+        cmd = launch_command(self.exchange, model_dir, tcfg.nproc, sft_steps + steps, conf, tsp=tcfg.tsp,
                              port=None if tcfg.nnodes > 1 else free_port(), extra=extra, nnodes=tcfg.nnodes,
                              rdzv_endpoint=tcfg.rdzv_endpoint, rdzv_id=tcfg.rdzv_id)
         (self.log_dir / "trainer-command.txt").write_text(shlex.join(cmd) + "\n")
@@ -64,14 +75,18 @@ class WorkerLearner:
         (self.exchange / "STOP").unlink(missing_ok=True)
         shutil.rmtree(self.exchange / "ckpt_requests", ignore_errors=True)
         shutil.rmtree(self.exchange / "final", ignore_errors=True)
-        for sub, pre in ((ckpt_dir, "step-"), ("batches", "step-"), ("metrics", "step-"), ("weights", "v")):
+        S = self.sft_steps
+        for sub, pre in ((ckpt_dir, "step-"), ("batches", "step-"), ("metrics", "step-"), ("weights", "v"),
+                         ("sft/weights", "v")):
             d = self.exchange / sub
             for p in d.iterdir() if d.is_dir() else []:
                 num = p.name[len(pre):].split(".")[0]
                 if not (p.name.startswith(pre) and num.isdigit()):
                     continue
-                n = int(num)
+                n = int(num) + (S if sub == "weights" else 0)  # RL versions count from the end of SFT
                 stale = n >= update if sub in ("batches", "metrics") else n > update
+                if sub == "weights" and update < S:
+                    stale = True  # not even version 0 (the policy after SFT) exists yet
                 if stale or (sub == ckpt_dir and update == 0):  # at update 0 the ranks start from --model
                     shutil.rmtree(p) if p.is_dir() else p.unlink()
 
@@ -89,20 +104,33 @@ class WorkerLearner:
     def tail(self, n: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
 
-    def update(self, groups, advantages: torch.Tensor, step: int, temperature: float) -> dict:
-        """Send the batch of update ``step`` and return the ranks' metrics of it."""
+    def _run(self, batch: TrainBatch) -> dict:
         from train.rl.exchange import write_batch
 
-        rolls = [r for g in groups for r in g.rollouts]
-        samples = [TrainSample(list(r.prompt_ids), list(r.completion.token_ids), list(r.completion.logprobs),
-                               float(a), bool(r.keep), r.completion.versions, stack_routing(r.completion.routed_experts))
-                   for r, a in zip(rolls, advantages.tolist())]
-        write_batch(self.exchange, TrainBatch(step, samples, temperature))
+        step = batch.step
+        write_batch(self.exchange, batch)
         path = self.exchange / "metrics" / f"step-{step:06d}.json"
         self._wait(f"the metrics of update {step}", path.exists)
         m = json.loads(path.read_text())
         batch_path(self.exchange, step).unlink(missing_ok=True)  # consumed
         return {k: v for k, v in m.items() if k not in ("step", "version") and not isinstance(v, (dict, list))}
+
+    def update(self, groups, advantages: torch.Tensor, step: int, temperature: float) -> dict:
+        """Send the batch of RL update ``step`` and return the ranks' metrics of it."""
+        rolls = [r for g in groups for r in g.rollouts]
+        samples = [TrainSample(list(r.prompt_ids), list(r.completion.token_ids), list(r.completion.logprobs),
+                               float(a), bool(r.keep), r.completion.versions, stack_routing(r.completion.routed_experts))
+                   for r, a in zip(rolls, advantages.tolist())]
+        return self._run(TrainBatch(self.sft_steps + step, samples, temperature,
+                                    {"kind": "rl", "schedule_step": step}))
+
+    def sft(self, examples: list[tuple[list[int], list[int]]], step: int) -> dict:
+        """SFT step ``step`` on encoded (prompt ids, response ids) examples (``SFTTrainer.step``'s loss)."""
+        if step >= self.sft_steps:
+            raise ValueError(f"SFT step {step} is past the {self.sft_steps} SFT steps the ranks were started with")
+        samples = [TrainSample(list(p), list(r), [0.0] * len(r), 0.0, True) for p, r in examples]
+        m = self._run(TrainBatch(step, samples, 1.0, {"kind": "sft", "schedule_step": step}))
+        return {"step": step, **m}
 
     def weights(self, version: int) -> dict[str, torch.Tensor]:
         """The full weights of ``version`` once the ranks have published it (checksums verified)."""
@@ -112,14 +140,16 @@ class WorkerLearner:
         return load_version(self.exchange, version)[1]
 
     def checkpoint(self, update: int) -> dict[str, torch.Tensor]:
-        """Ask the ranks to checkpoint after ``update`` updates; returns the weights of that update."""
+        """Ask the ranks to checkpoint after ``update`` updates (SFT and RL); returns the weights of that update."""
         from train.rl.worker import request_path
 
         req = request_path(self.exchange, update)
         req.parent.mkdir(parents=True, exist_ok=True)
         req.write_text("")
         self._wait(f"the checkpoint of update {update}", lambda: not req.exists())
-        return self.weights(update)
+        if update >= self.sft_steps:
+            return self.weights(update - self.sft_steps)
+        return load_version(self.exchange / "sft", update)[1]
 
     def final(self) -> dict[str, torch.Tensor]:
         """Stop the ranks and return their final weights."""

@@ -152,20 +152,29 @@ class StageRunner:
             sft_data = None
             while state["step"] < total:
                 step = state["step"]
+                if rl.learner is None and r.trainer.distributed:  # SFT and RL on the trainer ranks
+                    rl.learner = self.start_learner(rl, policy, src, sft)
                 if step < s.sft.steps:
                     if sft_data is None:
                         sft_data = self.sft_examples(sft, tok, curriculum)
-                    m = sft.step(sft.sample_batch(sft_data))
+                    if rl.learner is not None:
+                        m = rl.learner.sft(sft.sample_batch(sft_data), sft.step_idx)
+                        sft.step_idx += 1
+                    else:
+                        m = sft.step(sft.sample_batch(sft_data))
                     self.records.log(self.name, "sft", step, m)
                     info = f"sft loss {m['sft_loss']:.3f}"
                     if step + 1 == s.sft.steps:
+                        if rl.learner is not None:  # the ranks' weights after SFT (published as RL version 0)
+                            from train.model.hf_io import load_into
+
+                            load_into(policy, rl.learner.weights(0))
+                        rl.after_external_update()
                         rl.sync_weights()
                 else:
                     if s.pool.size and state["pool"] is None:
                         state["pool"] = self.filter_pool(rl, curriculum)
                         rl.curriculum = self.pool_of(curriculum, state["pool"])
-                    if rl.learner is None and r.trainer.distributed:
-                        rl.learner = self.start_learner(rl, policy, src)
                     if pipe is None and rl_cfg.max_staleness > 0:
                         from train.rl.pipeline import Pipeline
 
@@ -260,16 +269,23 @@ class StageRunner:
         return {"rl": rl.state_dict(), "sft": sft.state_dict() if sft else None,
                 "mixer": mixer.state_dict() if mixer else None}
 
-    def start_learner(self, rl, policy, src: Path):
-        """Trainer ranks under torchrun (cascade/learner.py), starting from the policy as it is now."""
+    @staticmethod
+    def updates_done(rl, sft) -> int:
+        """Optimizer updates of this stage so far, SFT and RL (the trainer ranks' numbering)."""
+        return (sft.step_idx if sft is not None else 0) + rl.step_idx
+
+    def start_learner(self, rl, policy, src: Path, sft=None):
+        """Trainer ranks under torchrun (cascade/learner.py), starting from the policy as it is now;
+        they run the stage's SFT steps too."""
         from cascade.learner import WorkerLearner
         from train.model.hf_io import save_pretrained
 
-        start = self.dir / "rl-start"
+        start = self.dir / "trainer-start"
         save_pretrained(policy, start, tokenizer_dir=src)
-        r = self.rcfg
-        return WorkerLearner(self.dir.parent.parent / "exchange", start, r.trainer, rl.cfg, self.scfg.steps,
-                             rl.step_idx, self.dir / "logs", r.dtype, rl.pad_id, r.device)
+        r, s = self.rcfg, self.scfg
+        return WorkerLearner(self.dir.parent.parent / "exchange", start, r.trainer, rl.cfg, s.steps,
+                             self.updates_done(rl, sft), self.dir / "logs", r.dtype, rl.pad_id, r.device,
+                             sft_steps=s.sft.steps, sft_optim=s.sft.optim)
 
     def save(self, ckpt: Checkpointer, policy, src: Path, rl, sft, mixer, state: dict) -> None:
         from cascade.checkpoint import _fault
@@ -277,7 +293,7 @@ class StageRunner:
         if rl.learner is not None:  # the ranks checkpoint the same update; this copy of the policy takes its weights
             from train.model.hf_io import load_into
 
-            load_into(policy, rl.learner.checkpoint(rl.step_idx))
+            load_into(policy, rl.learner.checkpoint(self.updates_done(rl, sft)))
         _fault("before_checkpoint", state["step"])
         ckpt.save(state["step"], policy, src, self._trainer_state(rl, sft, mixer), dict(state))
 

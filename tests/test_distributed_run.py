@@ -109,10 +109,12 @@ def test_kill_9_of_a_server_mid_run(warm_dir, tmp_path):
 
 
 def test_kill_9_of_the_run_resumes_trainer_ranks_and_orchestrator_in_step(warm_dir, tmp_path):
-    """The whole run SIGKILLed just before the checkpoint of step 4 (trainer ranks notice and stop):
-    rerunning resumes orchestrator and ranks from step 2 (model, optimizer, curriculum, RNG) and ends
+    """A stage of 3 SFT steps then 5 RL steps, both on the trainer ranks. The whole run SIGKILLed
+    just before the checkpoint of step 4 (trainer ranks notice and stop): rerunning resumes
+    orchestrator and ranks from step 2, inside SFT (model, optimizer, curriculum, RNG), and ends
     with the same weights as an uninterrupted run."""
-    args = [f"model={warm_dir}", *STAGE, "steps=5", "trainer.nproc=2", "trainer.tsp=1"]
+    args = [f"model={warm_dir}", *STAGE, "steps=5", "trainer.nproc=2", "trainer.tsp=1", "sft.steps=3",
+            "sft.examples=64", "sft.batch_size=8", "sft.max_len=128", "sft.optim.lr=1e-3"]
     ref, out = tmp_path / "ref", tmp_path / "run"
     r = cascade(f"out={ref}", *args)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -125,7 +127,10 @@ def test_kill_9_of_the_run_resumes_trainer_ranks_and_orchestrator_in_step(warm_d
     a, b = final_weights(ref), final_weights(out)
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6)
-    assert [x["step"] for x in rl_records(out)][-3:] == [2, 3, 4]
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    sft = [x for x in recs if x["phase"] == "sft"]
+    assert [x["step"] for x in sft] == [0, 1, 2, 2] and all(x["sft_loss"] > 0 and x["grad_norm"] > 0 for x in sft)
+    assert [x["step"] for x in rl_records(out)][-5:] == [3, 4, 5, 6, 7]  # stage steps: RL follows SFT
 
 
 @pytest.mark.parametrize("args,needle", [

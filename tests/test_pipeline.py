@@ -178,3 +178,26 @@ def test_bf16_policy_keeps_fp32_master_weights():
     opt2, _ = build_optimizer(lin, OptimConfig(lr=1e-3))
     opt2.load_state_dict(st)
     torch.testing.assert_close(opt2.master[id(lin.weight)], master)
+
+
+def test_bf16_master_weights_take_up_weights_changed_elsewhere():
+    """An SFT phase (another optimizer) or weights loaded from trainer ranks change a bf16 policy
+    under the RL optimizer's fp32 masters: after ``after_external_update`` (``resync``) the next
+    step starts from the new weights; without it the stale masters are written back."""
+    from train.optim import build_optimizer, clip_and_step
+
+    def run(resync: bool) -> float:
+        lin = torch.nn.Linear(4, 4, bias=False).to(torch.bfloat16)
+        with torch.no_grad():
+            lin.weight.fill_(1.0)
+        opt, sched = build_optimizer(lin, OptimConfig(lr=1e-3))
+        with torch.no_grad():
+            lin.weight.fill_(2.0)  # the SFT phase's steps
+        if resync:
+            opt.resync()
+        lin(torch.ones(1, 4, dtype=torch.bfloat16)).float().sum().backward()
+        clip_and_step(lin, opt, sched, 0.0)
+        return float(lin.weight.float().mean())
+
+    assert run(resync=True) == pytest.approx(2.0, abs=0.02)
+    assert run(resync=False) == pytest.approx(1.0, abs=0.02)  # the bug the resync prevents

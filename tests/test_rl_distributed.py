@@ -132,6 +132,42 @@ def _check_bf16(world, out):
     out["bf16.sign_agree"] = agree / max(tot, 1)
 
 
+def _check_sft_then_rl(world, out):
+    """SFT batches on the mesh (meta kind "sft") equal ``SFTTrainer.step``; the RL step after them
+    equals a fresh single-process AdamW's step from the SFT'd weights (each phase its own optimizer)."""
+    from train.optim import OptimConfig
+    from train.parallel.rl_update import RLUpdater, reference_optimizer, reference_update
+    from train.rl.exchange import TrainBatch, TrainSample
+    from train.sft import SFTConfig, SFTTrainer
+
+    cfg = _cfgs()["moe"]
+    sft_optim = OptimConfig(lr=3e-3, weight_decay=0.05, grad_clip=0.5, warmup_steps=1, eps=1e-6, betas=(0.8, 0.95))
+    rcfg = rl_cfg("dppo_tv", sft_optim=sft_optim)
+    examples = []
+    for i, b in enumerate([make_batch(s, cfg, seed=7) for s in range(2)]):
+        examples.append([(x.prompt_ids, x.completion_ids) for x in b.samples])
+    rl_batch = make_batch(5, cfg)
+    ref = _model(cfg)
+    sft = SFTTrainer(ref, None, SFTConfig(steps=2, batch_size=8, micro_batch_size=3, optim=sft_optim))
+    ref_sft = [sft.step(ex) for ex in examples]
+    after_sft = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    reference_update(ref, reference_optimizer(ref, rcfg), rl_batch, rcfg, 0)
+    after_rl = ref.state_dict()
+    for dp, tsp in ((2, 1), (1, 2)):
+        up = RLUpdater(_model(cfg), rcfg, tsp=tsp, dp=dp)
+        mets = [up.step(TrainBatch(i, [TrainSample(p, c, [0.0] * len(c), 0.0, True) for p, c in ex], 1.0,
+                                   {"kind": "sft", "schedule_step": i}), i) for i, ex in enumerate(examples)]
+        got = up.full_state_dict()
+        key = f"sft.dp{dp}xtsp{tsp}"
+        out[key + ".weights"] = max((got[k] - after_sft[k]).abs().max().item() for k in after_sft)
+        out[key + ".loss"] = max(abs(m["sft_loss"] - r["sft_loss"]) for m, r in zip(mets, ref_sft))
+        out[key + ".lr"] = max(abs(m["lr"] - r["lr"]) for m, r in zip(mets, ref_sft))
+        up.step(TrainBatch(2, rl_batch.samples, rl_batch.temperature, {"kind": "rl", "schedule_step": 0}), 2)
+        got = up.full_state_dict()
+        out[key + ".rl_params"] = max((got[k] - after_rl[k]).abs().max().item() for k in after_rl)
+    out["sft.moved"] = max((after_sft[k] - _model(cfg).state_dict()[k]).abs().max().item() for k in after_sft)
+
+
 def _check_errors(world, out):
     from train.model.config import ModelConfig
     from train.parallel.rl_update import RLUpdater
@@ -149,7 +185,8 @@ def _check_errors(world, out):
 
 
 def _worker(rank, world, port, path):
-    run_checks(rank, world, port, path, ([_check_errors] if world == 2 else []) + [_check_updates, _check_bf16])
+    run_checks(rank, world, port, path, ([_check_errors, _check_sft_then_rl] if world == 2 else [])
+               + [_check_updates, _check_bf16])
 
 
 @pytest.fixture(scope="module", params=[2, 4])
@@ -185,6 +222,18 @@ def test_bf16_compute_copy(results):
     assert _max(ranks, "bf16.dtypes_ok") == 1.0
     assert _max(ranks, "bf16.loss_rel") < 0.05
     assert min(r["bf16.sign_agree"] for r in ranks) > 0.9
+
+
+@pytest.mark.timeout(400)
+def test_sft_steps_on_the_mesh_then_rl(results):
+    world, ranks = results
+    if world != 2:
+        pytest.skip("checked in the world of 2")
+    assert _max(ranks, "sft.moved") > 1e-3
+    for mesh in ("dp2xtsp1", "dp1xtsp2"):
+        for what in ("weights", "loss", "lr", "rl_params"):
+            k = f"sft.{mesh}.{what}"
+            assert _max(ranks, k) < TOL, (k, _max(ranks, k))
 
 
 @pytest.mark.timeout(400)

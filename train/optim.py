@@ -89,6 +89,15 @@ class MasterWeights:
             p.grad = None
         self.opt.zero_grad(set_to_none=True)
 
+    @torch.no_grad()
+    def resync(self) -> None:
+        """Take up parameter values written from outside (another trainer's steps, loaded weights):
+        each master element the model no longer matches becomes the model's value (the others keep
+        their low bits). Without this the next ``step`` would write the stale masters back."""
+        for p in self.params:
+            m = self.master[id(p)]
+            m.copy_(torch.where(p == m.to(p.dtype), m, p.float()))
+
     def state_dict(self) -> dict:
         return {"inner": self.opt.state_dict(), "master": [self.master[id(p)].detach().clone() for p in self.params]}
 

@@ -143,6 +143,16 @@ class MeshAdamW:
         self.steps = torch.zeros((), dtype=torch.int64, device=dev)
         self._acc: torch.Tensor | None = None
 
+    @torch.no_grad()
+    def restart(self, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+        """A fresh AdamW (zero moments, step count 0) with these settings on the current master
+        weights, as when a new phase (SFT, then RL) builds its own optimizer on the same policy."""
+        self.betas, self.eps, self.weight_decay = tuple(betas), eps, weight_decay
+        self.exp_avg.zero_()
+        self.exp_avg_sq.zero_()
+        self.steps.zero_()
+        self._acc = None
+
     def _flat_grads(self) -> torch.Tensor:
         return torch.cat([(p.grad.reshape(-1).float() if p.grad is not None else
                            torch.zeros(p.numel(), dtype=torch.float32, device=p.device)) for p in self.params])

@@ -27,6 +27,14 @@ single-process :func:`reference_update` does, within float rounding:
 * ``dtype="bfloat16"``: the model computes in bf16 (compute copy), gradients are accumulated in
   fp32, the master weights and AdamW state stay fp32.
 
+SFT steps run on the same mesh: a batch with ``meta["kind"] == "sft"`` holds (prompt, response)
+pairs as samples; its loss is the mean NLL of the response tokens over the whole batch (what
+``train.sft.SFTTrainer.step`` computes), at temperature 1, with ``cfg.sft_optim``'s settings and
+schedule. Each phase has its own AdamW, as in the single-process stage (the SFT trainer's, then
+the RL trainer's): when the kind of batch changes, the optimizer's moments restart on the
+current master weights. ``meta["schedule_step"]`` is the step within the phase (default: the
+``step`` argument).
+
 Metrics are those of ``RLTrainer.update``: the loss function's metrics weighted by each
 micro-batch's token count, ``loss`` (the global loss), ``entropy`` (token mean), ``grad_norm``
 (before clipping), ``lr`` (the one applied in this step), ``advantage_abs_mean``; reduced over
@@ -61,6 +69,7 @@ class RLUpdateConfig:
     tokens_per_micro: int = 4096   # tokens per micro-batch: packed (tsp 1), or padded rows x longest row (TSP)
     dtype: str = "float32"         # float32 | bfloat16 (compute copy; fp32 master and optimizer state)
     pad_id: int = 0
+    sft_optim: OptimConfig | None = None  # the optimizer of SFT batches (meta kind "sft"); None: optim's
 
     def __post_init__(self):
         try:
@@ -71,6 +80,8 @@ class RLUpdateConfig:
             self.loss_cfg = LossConfig(**self.loss_cfg)
         if isinstance(self.optim, dict):
             self.optim = OptimConfig(**self.optim)
+        if isinstance(self.sft_optim, dict):
+            self.sft_optim = OptimConfig(**self.sft_optim)
         if self.loss_cfg.kl_coef:
             raise ValueError("loss_cfg.kl_coef > 0 needs reference log-probs, which a TrainBatch does not carry; "
                              "set kl_coef=0")
@@ -187,7 +198,20 @@ class RLUpdater:
         o = cfg.optim
         self.opt = MeshAdamW([(p, n in rep, not (p.ndim < 2 or "norm" in n)) for n, p in self.shards.items()],
                              self.tsp_group, self.dp_group, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        self.phase: str | None = None  # the kind of the last batch ("rl" | "sft"); checkpointed
         self.net.to(DTYPES[cfg.dtype])
+
+    def optim_config(self, kind: str) -> OptimConfig:
+        return (self.cfg.sft_optim or self.cfg.optim) if kind == "sft" else self.cfg.optim
+
+    def _enter(self, kind: str) -> None:
+        """A new phase gets a fresh AdamW with its own settings on the current master weights."""
+        if kind not in ("rl", "sft"):
+            raise ValueError(f"unknown batch kind {kind!r}; expected 'rl' or 'sft'")
+        if kind != self.phase:
+            o = self.optim_config(kind)
+            self.opt.restart(o.betas, o.eps, o.weight_decay)
+            self.phase = kind
 
     # -- one step -------------------------------------------------------------------------------
     def _logprobs(self, t: RLTensors, temperature: float, samples: list[TrainSample]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,11 +227,16 @@ class RLUpdater:
         return full[..., 0], full[..., 1].detach()
 
     def step(self, batch: TrainBatch, step: int) -> dict[str, float]:
-        """One optimizer step on ``batch``; ``step`` (0-based) sets the LR schedule's position."""
+        """One optimizer step on ``batch``; ``step`` (0-based) sets the LR schedule's position
+        (``batch.meta["schedule_step"]`` overrides it)."""
         t0 = time.perf_counter()
         cfg = self.cfg
+        kind = batch.meta.get("kind", "rl")
+        self._enter(kind)
+        sft, optim = kind == "sft", self.optim_config(kind)
+        step = int(batch.meta.get("schedule_step", step))
         samples = batch.samples
-        denom = loss_denominator(samples, self.agg)
+        denom = loss_denominator(samples, "token_mean" if sft else self.agg)
         live = [i for i, s in enumerate(samples) if s.keep and s.completion_ids]
         lengths = [s.num_tokens for s in samples]
         mine = [live[i] for i in balance_across_ranks([lengths[i] for i in live], self.dp)[self.dp_rank]]
@@ -215,7 +244,7 @@ class RLUpdater:
             micro = [[mine[j] for j in mb] for mb in pack_by_tokens([lengths[i] for i in mine], cfg.tokens_per_micro)]
         else:
             micro = token_budget_micro_batches(mine, lengths, cfg.tokens_per_micro)
-        temp = batch.temperature or 1.0
+        temp = 1.0 if sft else (batch.temperature or 1.0)
         sums: dict[str, float] = {}
         weight = loss_total = ent_sum = 0.0
         mismatch = 0.0
@@ -223,8 +252,11 @@ class RLUpdater:
         for rows in micro:
             t = batch_tensors([samples[i] for i in rows], cfg.pad_id, self.device)
             lp, ent = self._logprobs(t, temp, [samples[i] for i in rows])
-            loss, mets = self.loss_fn(lp, t.mu, None, t.advantages, t.mask, cfg.loss_cfg, denom=denom)
-            mets.update(mismatch_metrics(lp, t.mu, t.mask))  # this policy (before the step) vs the behaviour one
+            if sft:  # mean NLL of the response tokens of the whole batch
+                loss, mets = -(lp * t.mask).sum() / denom, {}
+            else:
+                loss, mets = self.loss_fn(lp, t.mu, None, t.advantages, t.mask, cfg.loss_cfg, denom=denom)
+                mets.update(mismatch_metrics(lp, t.mu, t.mask))  # this policy (before the step) vs the behaviour one
             loss.backward()
             self.opt.accumulate()
             loss_total += float(loss.detach())
@@ -236,8 +268,8 @@ class RLUpdater:
             weight += w
             ent_sum += float((ent.float() * t.mask).sum())
         self.net.eval()
-        lr = cfg.optim.lr * lr_factor(step, cfg.optim)
-        grad_norm = self.opt.step(lr, cfg.optim.grad_clip)
+        lr = optim.lr * lr_factor(step, optim)
+        grad_norm = self.opt.step(lr, optim.grad_clip)
         # every TSP rank computed the same metrics: count TSP rank 0 of each DP replica
         mine_m = (sums, weight, loss_total, ent_sum, mismatch, len(micro)) if self.tsp_rank == 0 else None
         parts: list = [None] * dist.get_world_size()
@@ -251,6 +283,9 @@ class RLUpdater:
                    advantage_abs_mean=sum(abs(s.advantage) for s in samples) / max(1, len(samples)),
                    tokens=float(batch.num_tokens), loss_tokens=weight, rollouts=float(len(samples)),
                    micro_batches_max=float(max(p[5] for p in parts)), time_s=time.perf_counter() - t0)
+        if sft:  # SFTTrainer.step's names
+            out = {"sft_loss": out["loss"], "grad_norm": grad_norm, "lr": lr, "tokens": out["loss_tokens"],
+                   "entropy": out["entropy"], "time_s": out["time_s"]}
         return out
 
     # -- weights -------------------------------------------------------------------------------

@@ -37,10 +37,12 @@ class SamplingConfig:
     top_k: int = 0
     min_p: float = 0.0
     stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)  # besides the tokenizer's EOS (as vLLM's)
 
     def params(self, n: int, seed: int | None) -> SamplingParams:
         return SamplingParams(n=n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              min_p=self.min_p, max_tokens=self.max_new_tokens, stop=list(self.stop), seed=seed)
+                              min_p=self.min_p, max_tokens=self.max_new_tokens, stop=list(self.stop),
+                              stop_token_ids=list(self.stop_token_ids), seed=seed)
 
 
 @dataclass
@@ -335,6 +337,13 @@ class RLTrainer:
             lp = self._packed_logprobs(rolls, rows, batch, temp)[0]
             out[torch.tensor(rows, device=out.device), :lp.shape[1]] = lp
         return out
+
+    def after_external_update(self) -> None:
+        """The policy's weights were changed outside this trainer (an SFT phase, weights loaded from
+        trainer ranks): low-precision policies' fp32 master copies take them up, so the next update
+        starts from them rather than from the masters' stale values."""
+        if hasattr(self.opt, "resync"):
+            self.opt.resync()
 
     def sync_weights(self) -> float:
         """Send the policy's weights to the engine as version ``self.step_idx``; returns seconds taken.

@@ -32,6 +32,12 @@ An orchestrator that checkpoints its own state after ``step`` updates writes
 and writes its checkpoint of ``step`` (both complete before the request file disappears), so the
 two sides always resume from the same update.
 
+SFT on the mesh: with ``--sft-steps S`` the first ``S`` updates are SFT batches (``meta["kind"]
+== "sft"``, see :class:`train.parallel.rl_update.RLUpdater`) and RL update ``k`` is update
+``S + k``. Batches, metrics and checkpoints are numbered by the update (``S + k``); weight versions
+are the policy versions of RL (``weights/v{k}``: version 0 is the policy after SFT), and the
+weights of a checkpoint inside the SFT phase go to ``sft/weights/v{i}``.
+
 It stops after ``--steps`` updates in all (counting those before a resume), or when ``DIR/STOP``
 exists. The RL loss and optimizer options come from ``--config`` (JSON or YAML holding the fields
 of :class:`RLUpdateConfig`: ``loss``, ``loss_cfg``, ``optim``, ``tokens_per_micro``, ``dtype``,
@@ -201,7 +207,8 @@ def save_checkpoint(up, exchange: Path, step: int, keep: int) -> Path:
     state = dict(up.state_tensors(), step=torch.tensor(step, dtype=torch.int64))
     dcp.save(state, checkpoint_id=str(path))
     if dist.get_rank() == 0:
-        meta = {"step": step, "dp": up.dp, "tsp": up.tsp, "world": dist.get_world_size(), "loss": up.cfg.loss}
+        meta = {"step": step, "dp": up.dp, "tsp": up.tsp, "world": dist.get_world_size(), "loss": up.cfg.loss,
+                "phase": up.phase}
         _write_json(path / "meta.json", meta)
         (path / COMPLETE).write_text("ok\n")
         for old in complete_checkpoints(exchange)[:-keep] if keep > 0 else []:
@@ -226,6 +233,7 @@ def load_checkpoint(up, exchange: Path) -> int:
                          f"this run is dp={up.dp} x tsp={up.tsp}")
     state = dict(up.state_tensors(), step=torch.zeros((), dtype=torch.int64))
     dcp.load(state, checkpoint_id=str(path))
+    up.phase = meta.get("phase", "rl")  # the optimizer state loaded is that phase's
     return int(state["step"])
 
 
@@ -249,7 +257,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--total-steps", type=int)
     ap.add_argument("--tokens-per-micro", type=int)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"))
-    ap.add_argument("--sync-every", type=int, default=1, help="publish weights every K updates")
+    ap.add_argument("--sync-every", type=int, default=1, help="publish weights every K RL updates")
+    ap.add_argument("--sft-steps", type=int, default=0, help="the first S updates are SFT batches")
     ap.add_argument("--checkpoint-every", type=int, default=0, help="sharded checkpoint every C updates (0: never)")
     ap.add_argument("--keep-checkpoints", type=int, default=2)
     ap.add_argument("--poll", type=float, default=0.05, help="seconds between looks for the next batch")
@@ -260,15 +269,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "--orchestrator-host)")
     ap.add_argument("--orchestrator-host", default=None, help="host name of --orchestrator-pid (default: any)")
     a = ap.parse_args(argv)
-    if a.steps < 0 or a.sync_every < 1 or a.checkpoint_every < 0 or a.tsp < 1:
-        ap.error("--steps >= 0, --sync-every >= 1, --checkpoint-every >= 0 and --tsp >= 1 are required")
+    if a.steps < 0 or a.sync_every < 1 or a.checkpoint_every < 0 or a.tsp < 1 or not 0 <= a.sft_steps <= a.steps:
+        ap.error("--steps >= 0, --sync-every >= 1, --checkpoint-every >= 0, --tsp >= 1 and "
+                 "0 <= --sft-steps <= --steps are required")
     return a
 
 
 def main(argv=None) -> int:
     from train.model.hf_io import load_pretrained, save_pretrained
     from train.parallel.rl_update import DTYPES, RLUpdater
-    from train.rl.exchange import publish_version
+    from train.rl.exchange import publish_version, version_dir
 
     a = parse_args(argv)
     cfg = load_config(a.config, {"loss": a.loss, "tokens_per_micro": a.tokens_per_micro, "dtype": a.dtype,
@@ -285,6 +295,16 @@ def main(argv=None) -> int:
         dist.init_process_group("nccl" if cuda else "gloo")
     exchange = Path(a.exchange)
     rank = dist.get_rank()
+
+    def published_at(update: int) -> tuple[Path, int]:
+        """(root, version) of the weights after ``update`` updates: RL versions count from the end of SFT."""
+        return (exchange, update - a.sft_steps) if update >= a.sft_steps else (exchange / "sft", update)
+
+    def publish(update: int) -> None:
+        sd = up.full_state_dict(DTYPES[cfg.dtype])
+        if rank == 0:
+            publish_version(*published_at(update), sd)
+
     try:
         up = RLUpdater(load_pretrained(a.model, device=device), cfg, tsp=a.tsp, dp=a.dp)
         step = load_checkpoint(up, exchange)
@@ -300,12 +320,10 @@ def main(argv=None) -> int:
                     return 0
                 break
             if batch is CHECKPOINT:  # the orchestrator checkpoints after `step` updates: state and weights
-                from train.rl.exchange import COMPLETE as DONE, version_dir
-
-                if not (version_dir(exchange, step) / DONE).exists():  # not already published by a sync
-                    sd = up.full_state_dict(DTYPES[cfg.dtype])
-                    if rank == 0:
-                        publish_version(exchange, step, sd)
+                box = [(version_dir(*published_at(step)) / COMPLETE).exists()]  # already published by a sync?
+                dist.broadcast_object_list(box, src=0)
+                if not box[0]:
+                    publish(step)
                 save_checkpoint(up, exchange, step, a.keep_checkpoints)
                 if rank == 0:
                     request_path(exchange, step).unlink(missing_ok=True)
@@ -314,13 +332,11 @@ def main(argv=None) -> int:
             m = up.step(batch, step)
             step += 1
             if rank == 0:
-                rec = {"step": step - 1, "version": step, **m}
+                rec = {"step": step - 1, "version": step - a.sft_steps, **m}  # (negative: an SFT step)
                 _write_json(exchange / "metrics" / f"step-{step - 1:06d}.json", rec)
                 print(json.dumps(rec), flush=True)
-            if step % a.sync_every == 0:
-                sd = up.full_state_dict(DTYPES[cfg.dtype])
-                if rank == 0:
-                    publish_version(exchange, step, sd)
+            if step >= a.sft_steps and (step - a.sft_steps) % a.sync_every == 0:  # (version 0 at the end of SFT)
+                publish(step)
             if a.checkpoint_every and step % a.checkpoint_every == 0:
                 save_checkpoint(up, exchange, step, a.keep_checkpoints)
         model = up.to_causal_lm()
