@@ -14,15 +14,15 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install --progress-bar on "$(TORCH_SPEC)"
+	$(BIN)/pip install --progress-bar on -e ".[dev]"
 	touch $@
 
-# bubblewrap isolates the code sandbox; a C++ compiler builds the native CPU generation ops
+# bubblewrap isolates the code sandbox; g++ builds the native CPU generation ops and judges C++ solutions
 # (Debian/Ubuntu; needs root or sudo, and only what is missing is installed).
 system-deps:
 	@PKGS=""; command -v bwrap >/dev/null 2>&1 || PKGS="$$PKGS bubblewrap"; \
-	command -v c++ >/dev/null 2>&1 || PKGS="$$PKGS g++"; \
+	command -v g++ >/dev/null 2>&1 || PKGS="$$PKGS g++"; \
 	[ -z "$$PKGS" ] || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq $$PKGS; }
 

@@ -10,7 +10,7 @@ import pytest
 from envs.base import get_env
 from envs.check import self_check
 from envs.code import sandbox as sbx
-from envs.code.envs import extract_code
+from envs.code.envs import extract_code, extract_program
 from envs.code.judge import Judge, compare_output, compare_values
 from envs.code.seeds import Seed, builtin_seeds, load_seeds
 
@@ -132,6 +132,17 @@ def test_extract_code():
     assert extract_code("```\nprint(1)\n```") is None
     assert extract_code("```python\nprint(1)\n") is None  # unclosed
     assert extract_code(None) is None
+    # C++ fences: the last program counts, its fence names the language
+    both = "```python\nprint(1)\n```\n```cpp\nint main(){}\n```"
+    assert extract_program(both) == ("cpp", "int main(){}\n")
+    assert extract_code(both) == "print(1)\n"  # extract_code stays Python only
+    assert extract_program(both, ("python",)) == ("python", "print(1)\n")
+    for fence in ("cpp", "c++", "C++", "cxx", "cc"):
+        assert extract_program(f"x\n```{fence}\nint main(){{}}\n```") == ("cpp", "int main(){}\n"), fence
+    for fence in ("py", "python3", "Python"):
+        assert extract_program(f"```{fence}\nprint(1)\n```") == ("python", "print(1)\n"), fence
+    assert extract_program("```c\nint main(){}\n```") is None  # C is not C++
+    assert extract_program("```cpp\nint main(){}\n```<think>", ("python",)) is None
 
 
 def test_generate_is_deterministic_and_difficulty_picks_tiers():
@@ -208,3 +219,54 @@ def test_cli_run_and_judge(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["status"] == "time_limit"
     with pytest.raises(FileNotFoundError):
         main(["run", str(tmp_path / "missing.py")])
+
+
+SUM_CPP = "#include <iostream>\nint main() { long long a, b; std::cin >> a >> b; std::cout << a + b << std::endl; }\n"
+
+
+def test_solve_in_cpp_language_from_the_fence():
+    seed = [s for s in SEEDS if s.id == "sum-two"]
+    env = get_env("code/solve", seeds=seed, include_builtin=False, language="cpp")
+    p = env.generate(0, 1)
+    assert "```cpp" in p.prompt and "C++17" in p.prompt and p.meta["language"] == "cpp"
+    ok = env.verify(p, f"Here:\n```cpp\n{SUM_CPP}```")
+    assert ok.correct and ok.info["language"] == "cpp", ok.info
+    wrong = SUM_CPP.replace("a + b", "(a < 0 ? -a : a) + (b < 0 ? -b : b)")
+    s = env.verify(p, f"```c++\n{wrong}```")
+    assert not s.correct and s.info["status"] == "wrong_answer" and s.info["language"] == "cpp"
+    s = env.verify(p, "```cpp\nint main() { std::cout << 1; }\n```")
+    assert not s.correct and s.reward == 0 and s.info["status"] == "compile_error"
+    assert "cout" in s.info["compile_error"]
+    # a Python answer is judged as Python; a C++ block after it wins
+    assert env.verify(p, f"```python\n{seed[0].reference}```").info["language"] == "python"
+    s = env.verify(p, f"```python\n{seed[0].reference}```\nfinal:\n```cpp\nint main() {{ retur 0; }}\n```")
+    assert s.info["status"] == "compile_error"
+    # Python-only: C++ fences are not programs
+    py_only = get_env("code/solve", seeds=seed, include_builtin=False, languages=("python",))
+    assert "```python" in py_only.generate(0, 1).prompt and py_only.generate(0, 1).meta["language"] == "python"
+    s = py_only.verify(p, f"```cpp\n{SUM_CPP}```")
+    assert not s.correct and not s.format_ok
+    with pytest.raises(ValueError):
+        get_env("code/solve", language="cpp", languages=("python",))
+    with pytest.raises(ValueError):
+        get_env("code/solve", language="rust")
+
+
+def test_cli_runs_and_judges_cpp(tmp_path, capsys):
+    from envs.code.cli import main
+
+    prog = tmp_path / "p.cpp"
+    prog.write_text(SUM_CPP)
+    stdin = tmp_path / "in.txt"
+    stdin.write_text("1 2\n")
+    assert main(["run", str(prog), "--stdin", str(stdin), "--time-limit", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["status"] == "ok" and out["stdout"].strip() == "3" and out["compile"]["status"] == "ok"
+    tests = tmp_path / "t.jsonl"
+    tests.write_text('{"input": "1 2", "output": "3"}\n{"input": "5 0", "output": "6"}\n')
+    bad = tmp_path / "bad.txt"  # the extension says nothing: --language does
+    bad.write_text("int main() { return x; }\n")
+    assert main(["judge", str(bad), "--tests", str(tests), "--language", "cpp"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["status"] == "compile_error" and out["language"] == "cpp"
+    assert "'x' was not declared" in out["results"][0]["detail"].replace("‘", "'").replace("’", "'")

@@ -1,11 +1,14 @@
-"""``cascade sandbox``: run or judge a Python program in the code sandbox; prints one JSON verdict.
+"""``cascade sandbox``: run or judge a Python or C++ program in the code sandbox; prints one JSON verdict.
 
-    cascade sandbox run PROGRAM.py [--stdin FILE] [--time-limit S] [--memory-mb M] [--allow-weaker]
-    cascade sandbox judge PROGRAM.py --tests FILE.jsonl [--time-limit S] [--memory-mb M]
+    cascade sandbox run PROGRAM.py|PROGRAM.cpp [--stdin FILE] [--time-limit S] [--memory-mb M]
+                        [--language python|cpp] [--compile-time-limit S] [--allow-weaker]
+    cascade sandbox judge PROGRAM.py|PROGRAM.cpp --tests FILE.jsonl [--time-limit S] [--memory-mb M]
                           [--float-tol X] [--stop-on-failure] [--workers N] [--allow-weaker]
     cascade sandbox layers
 
-Exit code 0 whenever a verdict was produced (whatever the verdict says).
+The language is read from the file's extension (.cpp/.cc/.cxx: C++, compiled by g++ inside the
+sandbox) unless ``--language`` says it. Exit code 0 whenever a verdict was produced (whatever the
+verdict says, compile_error included).
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import json
 import sys
 
 from envs.code.judge import Judge, load_tests
-from envs.code.sandbox import Sandbox, SandboxConfig, SandboxError, detect_layers
+from envs.code.sandbox import Sandbox, SandboxConfig, SandboxError, detect_layers, language_of
 
 
 def _read(path: str, what: str) -> str:
@@ -31,16 +34,22 @@ def _config(a) -> SandboxConfig:
         kw["time_limit"] = a.time_limit
     if a.memory_mb is not None:
         kw["memory_mb"] = a.memory_mb
+    if a.compile_time_limit is not None:
+        kw["compile_time_limit"] = a.compile_time_limit
     return SandboxConfig(**kw)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cascade sandbox", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="cascade sandbox", description=__doc__.split("\n\n")[0].replace("``", ""))
     sub = p.add_subparsers(dest="cmd", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--time-limit", type=float, default=None, help="wall seconds per run (default 5)")
     common.add_argument("--memory-mb", type=int, default=None, help="memory per run in MiB (default 512)")
     common.add_argument("--allow-weaker", action="store_true", help="run even if isolation layers are missing")
+    common.add_argument("--language", choices=("python", "cpp"), default=None,
+                        help="the program's language (default: from its extension; .cpp/.cc/.cxx: cpp)")
+    common.add_argument("--compile-time-limit", type=float, default=None,
+                        help="C++: wall seconds for the compile (default 20)")
     r = sub.add_parser("run", parents=[common], help="run a program once")
     r.add_argument("program")
     r.add_argument("--stdin", default=None, help="file fed to the program's standard input")
@@ -62,15 +71,16 @@ def main(argv: list[str] | None = None) -> int:
                           "missing": {k: v for k, v in layers.items() if v is not None}}))
         return 0
     program = _read(a.program, "program")
+    language = a.language or language_of(a.program)
     sb = Sandbox(_config(a))
     try:
         if a.cmd == "run":
             data = _read(a.stdin, "stdin file") if a.stdin else ""
-            out = sb.run(program, data).to_dict()
+            out = sb.run(program, data, language=language).to_dict()
         else:
             tests = load_tests(a.tests)
             j = Judge(sb, workers=a.workers, float_tol=a.float_tol)
-            out = j.judge(program, tests, stop_on_failure=a.stop_on_failure).to_dict()
+            out = j.judge(program, tests, stop_on_failure=a.stop_on_failure, language=language).to_dict()
     except SandboxError as e:
         raise ValueError(str(e)) from None
     print(json.dumps(out))

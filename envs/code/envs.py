@@ -10,7 +10,12 @@
 - ``code/falsify``: find a valid input on which a given wrong program's output differs from the
   reference's; checked by the validator and by running both.
 
-Answers: programs in a fenced ```python block (the last one counts); inputs and outputs inside
+Answers: programs in a fenced code block, the last one counts; its fence names the language:
+```python (also ```py, ```python3) is judged as Python 3, ```cpp (also ```c++, ```cxx, ```cc) as
+C++17, compiled by g++ inside the sandbox (a compile error scores 0). ``language=`` picks what
+the prompts of ``code/solve`` and ``code/arc`` ask for (``"python"``, the default; ``"cpp"``;
+``"any"``: either), and ``languages=`` which fences are accepted (both by default); problems carry
+``meta["language"]`` and the score's info the language judged. Inputs and outputs inside
 ``\\boxed{...}`` (line breaks kept; whitespace is not graded). Every program runs in the sandbox
 (:mod:`envs.code.sandbox`), which refuses to run without its isolation layers unless the config
 allows a weaker one.
@@ -29,25 +34,48 @@ from typing import Any
 
 from envs.base import Environment, Problem, Score, register, strip_think
 from envs.code.judge import Judge, compare_output
-from envs.code.sandbox import SandboxConfig, default_sandbox
+from envs.code.sandbox import LANGUAGES, SandboxConfig, default_sandbox
 from envs.code.seeds import Seed, builtin_seeds, load_seeds
 
-__all__ = ["CodeEnv", "SolveEnv", "IOPredictEnv", "IOProposeEnv", "ARCEnv", "FalsifyEnv", "extract_code"]
+__all__ = ["CodeEnv", "SolveEnv", "IOPredictEnv", "IOProposeEnv", "ARCEnv", "FalsifyEnv", "extract_code",
+           "extract_program", "FENCE_LANGUAGES"]
 
-_FENCE = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+_FENCE = re.compile(r"```[ \t]*(python3?|py|c\+\+|cpp|cxx|cc)[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+FENCE_LANGUAGES = {"python": "python", "python3": "python", "py": "python",
+                   "cpp": "cpp", "c++": "cpp", "cxx": "cpp", "cc": "cpp"}
 CODE_INSTRUCTION = ("Write a complete Python 3 program (standard library only) that reads standard input and "
                     "writes standard output. Put the program in a ```python fenced code block; the last "
                     "such block in your answer is graded.")
+CODE_INSTRUCTIONS = {
+    "python": CODE_INSTRUCTION,
+    "cpp": ("Write a complete C++17 program (standard library only) that reads standard input and writes "
+            "standard output. Put the program in a ```cpp fenced code block; the last such block in your "
+            "answer is graded."),
+    "any": ("Write a complete program in Python 3 or C++17 (standard library only) that reads standard input "
+            "and writes standard output. Put it in a ```python or a ```cpp fenced code block; the last such "
+            "block in your answer is graded, in the language its fence names."),
+}
 MAX_ANSWER_CHARS = 20000   # proposed inputs longer than this are rejected unrun
 SHOWN_CHARS = 400          # tests longer than this are never shown in a prompt
 
 
-def extract_code(text: str) -> str | None:
-    """The last ```python fenced block after any thinking, or None."""
+def extract_program(text: str, languages=LANGUAGES) -> tuple[str, str] | None:
+    """``(language, code)`` of the last fenced program after any thinking whose fence names one of
+    ``languages`` (```python/```py/```python3 -> python, ```cpp/```c++/```cxx/```cc -> cpp), or None."""
     if not isinstance(text, str):
         return None
-    blocks = _FENCE.findall(strip_think(text))
-    return blocks[-1] if blocks else None
+    for fence, code in reversed(_FENCE.findall(strip_think(text))):
+        lang = FENCE_LANGUAGES[fence.lower()]
+        if lang in languages:
+            return lang, code
+    return None
+
+
+def extract_code(text: str) -> str | None:
+    """The last ```python fenced block after any thinking, or None (Python only: see
+    :func:`extract_program` for the language-aware form)."""
+    got = extract_program(text, ("python",))
+    return got[1] if got else None
 
 
 def _fence(text: str, lang: str = "") -> str:
@@ -73,9 +101,19 @@ class CodeEnv(Environment):
 
     def __init__(self, seeds_path: str | None = None, *, include_builtin: bool = True,
                  seeds: list[Seed] | None = None, sandbox: SandboxConfig | None = None,
-                 workers: int | None = None, reward: str = "binary"):
+                 workers: int | None = None, reward: str = "binary", language: str = "python",
+                 languages: tuple[str, ...] | list[str] = LANGUAGES):
         if reward not in ("binary", "fraction"):
             raise ValueError(f"reward must be 'binary' or 'fraction', not {reward!r}")
+        if language not in CODE_INSTRUCTIONS:
+            raise ValueError(f"language must be one of {', '.join(CODE_INSTRUCTIONS)}, not {language!r}")
+        bad = [x for x in languages if x not in LANGUAGES]
+        if bad or not languages:
+            raise ValueError(f"languages must be a non-empty subset of {LANGUAGES}, not {languages!r}")
+        if language != "any" and language not in languages:
+            raise ValueError(f"the prompts ask for {language!r}, which languages={tuple(languages)} refuses")
+        self.language = language
+        self.languages = tuple(languages)
         pool: list[Seed] = list(seeds or [])
         if include_builtin or (not seeds_path and not seeds):
             pool = builtin_seeds() + pool
@@ -138,20 +176,31 @@ class CodeEnv(Environment):
                          f"{_fence(s.tests[i]['output'])}")
         return "\n\n".join(parts)
 
-    def _grade_program(self, code: str | None, s: Seed, test_ids: list[int]) -> Score:
-        if code is None:
-            return Score.zero("no ```python code block")
+    @property
+    def code_instruction(self) -> str:
+        return CODE_INSTRUCTIONS[self.language]
+
+    def extract_program(self, response: str) -> tuple[str, str] | None:
+        return extract_program(response, self.languages)
+
+    def _grade_program(self, program: tuple[str, str] | None, s: Seed, test_ids: list[int]) -> Score:
+        if program is None:
+            return Score.zero("no " + " or ".join(f"```{x}" for x in self.languages) + " code block")
+        language, code = program
         tests = [s.tests[i] for i in test_ids]
         binary = self.reward_mode == "binary"
         judge = self.judge
         if s.float_tol != judge.float_tol:
             judge = Judge(judge.sandbox, workers=judge.workers, float_tol=s.float_tol)
         j = judge.judge(code, tests, stop_on_failure=binary, time_limit=s.time_limit,
-                        total_timeout=self.verify_time_limit * 0.8)
+                        total_timeout=self.verify_time_limit * 0.8, language=language)
         ok = j.accepted
         reward = 1.0 if ok else (0.0 if binary else j.fraction)
-        return Score(reward, ok, True, {"status": j.status, "passed": j.passed, "total": j.total,
-                                        "statuses": [r.status for r in j.results]})
+        info = {"status": j.status, "passed": j.passed, "total": j.total, "language": language,
+                "statuses": [r.status for r in j.results]}
+        if j.status == "compile_error":
+            info["compile_error"] = next((r.detail for r in j.results if r.status == "compile_error"), "")[:500]
+        return Score(reward, ok, True, info)
 
     def failing_tests(self, s: Seed, wi: int) -> list[int]:
         """Indices of the tests that wrong program ``wi`` of ``s`` fails (run once, then cached)."""
@@ -189,12 +238,12 @@ class SolveEnv(CodeEnv):
         s, _rng = self.pick(seed, difficulty)
         shown = self.shown_tests(s)[:2]
         prompt = (f"{self.statement(s, shown)}\n\nTime limit: {s.time_limit:g} s per test. "
-                  f"Your program is judged on hidden tests.\n\n{CODE_INSTRUCTION}")
-        return self.problem(prompt, s.reference, seed, difficulty, seed_id=s.id)
+                  f"Your program is judged on hidden tests.\n\n{self.code_instruction}")
+        return self.problem(prompt, s.reference, seed, difficulty, seed_id=s.id, language=self.language)
 
     def check(self, problem: Problem, response: str) -> Score:
         s = self.seed_of(problem)
-        return self._grade_program(extract_code(response), s, list(range(len(s.tests))))
+        return self._grade_program(self.extract_program(response), s, list(range(len(s.tests))))
 
     def reference_response(self, problem: Problem) -> str:
         return f"Here is my solution.\n\n{_fence(problem.answer, 'python')}\n"
@@ -207,6 +256,8 @@ class SolveEnv(CodeEnv):
         out.append(f"{_fence(problem.answer, 'python')}\nActually, final version:\n{_fence('print(0)', 'python')}")
         if problem.seed % 3 == 0:                                                 # costs a time limit
             out.append(_fence("while True:\n    pass", "python"))
+        if "cpp" in self.languages and problem.seed % 3 == 0:                     # does not compile
+            out.append(_fence("int main() { return undeclared; }", "cpp"))
         return out
 
 
@@ -332,12 +383,13 @@ class ARCEnv(CodeEnv):
         prompt = ("A hidden program transforms its standard input into its standard output. Work out what it "
                   f"computes from the examples, then write a program that does the same.\n\n{spec}{ex}\n\n"
                   f"Your program is judged on other, unseen inputs of the same format (time limit "
-                  f"{s.time_limit:g} s each).\n\n{CODE_INSTRUCTION}")
-        return self.problem(prompt, s.reference, seed, difficulty, seed_id=s.id, shown=shown, held_out=held)
+                  f"{s.time_limit:g} s each).\n\n{self.code_instruction}")
+        return self.problem(prompt, s.reference, seed, difficulty, seed_id=s.id, shown=shown, held_out=held,
+                            language=self.language)
 
     def check(self, problem: Problem, response: str) -> Score:
         s = self.seed_of(problem)
-        return self._grade_program(extract_code(response), s, list(problem.meta["held_out"]))
+        return self._grade_program(self.extract_program(response), s, list(problem.meta["held_out"]))
 
     def reference_response(self, problem: Problem) -> str:
         return _fence(problem.answer, "python")

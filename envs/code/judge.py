@@ -1,5 +1,11 @@
-"""Judge a Python program against tests, in the sandbox: all of a program's tests inside one
-sandbox start (:meth:`Sandbox.run_many`), each test its own process with its own limits.
+"""Judge a Python or C++ program against tests, in the sandbox: all of a program's tests inside
+one sandbox start (:meth:`Sandbox.run_many`), each test its own process with its own limits.
+
+``language``: ``"python"`` (default) or ``"cpp"``. A C++ program is compiled once, inside the same
+start and layers, under the compile limits (``SandboxConfig.compile_time_limit`` /
+``compile_memory_mb``), then its binary runs each test under the run limits. A program that does
+not compile gets ``compile_error`` on every test (``detail``: the compiler's message;
+``Judgement.compile``: the compile step's status and figures). C++ takes stdin/stdout tests only.
 
 Three kinds of test (a dict each; the kind is read from its keys):
 
@@ -17,7 +23,7 @@ but the one running (expected outputs never enter it). Tests run one after anoth
 no process, file or global of one test is left for the next.
 
 Verdicts per test: accepted, wrong_answer, time_limit, memory_limit, runtime_error,
-output_limit, and skipped (not run: stopped early or out of total time).
+output_limit, compile_error (C++), and skipped (not run: stopped early or out of total time).
 """
 from __future__ import annotations
 
@@ -35,11 +41,12 @@ __all__ = ["TestCase", "TestResult", "Judgement", "Judge", "compare_output", "co
            "TEST_STATUSES", "load_tests"]
 
 TEST_STATUSES = ("accepted", "wrong_answer", "time_limit", "memory_limit", "runtime_error",
-                 "output_limit", "skipped")
+                 "output_limit", "compile_error", "skipped")
 
 _SANDBOX_TO_TEST = {"time_limit": "time_limit", "memory_limit": "memory_limit",
                     "output_limit": "output_limit", "runtime_error": "runtime_error",
-                    "killed": "runtime_error"}
+                    "killed": "runtime_error", "compile_error": "compile_error"}
+_SOURCE = {"python": "main.py", "cpp": "main.cpp"}
 
 
 @dataclass
@@ -107,6 +114,8 @@ class Judgement:
     total: int
     results: list[TestResult]
     wall_time: float
+    language: str = "python"
+    compile: dict | None = None   # C++: the compile step (status, exit_code, wall/cpu time, peak memory)
 
     @property
     def fraction(self) -> float:
@@ -232,14 +241,20 @@ class Judge:
         self.memory_mb = memory_mb
         self.float_tol = float_tol
 
-    def _runs(self, program: str, cases: list[TestCase], time_limit: float | None):
+    def _runs(self, program: str, cases: list[TestCase], time_limit: float | None, language: str = "python"):
         """The files of the session and, per test, its run and nonce."""
-        files = {"main.py": program}
+        if language not in _SOURCE:
+            raise ValueError(f"unknown language {language!r}; choose from {', '.join(_SOURCE)}")
+        if language != "python" and any(t.kind != "stdio" for t in cases):
+            raise ValueError(f"{language} programs take stdin/stdout tests only (function-call and "
+                             "assertion tests need Python)")
+        main = _SOURCE[language]
+        files = {main: program}
         runs, nonces = [], []
         for t in cases:
             nonce = secrets.token_hex(16)
             if t.kind == "stdio":
-                runs.append(Run("main.py", t.input, (), time_limit, self.memory_mb))
+                runs.append(Run(main, t.input, (), time_limit, self.memory_mb, language))
             elif t.kind in _HARNESS_FILES:
                 name, text = _HARNESS_FILES[t.kind]
                 files[name] = text
@@ -252,14 +267,17 @@ class Judge:
             nonces.append(nonce)
         return files, runs, nonces
 
-    def run_one(self, program: str, test: TestCase, index: int = 0, time_limit: float | None = None) -> TestResult:
+    def run_one(self, program: str, test: TestCase, index: int = 0, time_limit: float | None = None,
+                language: str = "python") -> TestResult:
         tl = time_limit if time_limit is not None else self.time_limit
-        files, runs, nonces = self._runs(program, [test], tl)
+        files, runs, nonces = self._runs(program, [TestCase.from_dict(test)], tl, language)
         v = self.sandbox.run_many(files, runs)[0]
         return self._grade(v, test, nonces[0], index)
 
     def _grade(self, v: Verdict, test: TestCase, nonce: str, index: int) -> TestResult:
         vd = v.to_dict(excerpt=400)
+        if v.status == "compile_error":
+            return TestResult(index, "compile_error", 0.0, v.stderr[:2000], vd)
         if v.status != "ok":
             last = v.stderr.strip().rsplit("\n", 1)[-1][:200] if v.stderr.strip() else ""
             status = _SANDBOX_TO_TEST[v.status]
@@ -287,20 +305,25 @@ class Judge:
         return TestResult(index, "accepted" if ok else "wrong_answer", v.wall_time, detail, vd)
 
     def judge(self, program: str, tests: list, *, stop_on_failure: bool = False,
-              total_timeout: float | None = None, time_limit: float | None = None) -> Judgement:
+              total_timeout: float | None = None, time_limit: float | None = None,
+              language: str = "python") -> Judgement:
         """Run every test, one after another inside one sandbox start; stop at the first failure if
         asked; bound the whole judgement by ``total_timeout`` seconds (tests not started in time,
-        or after a failure that stopped the judgement, are ``skipped``)."""
+        or after a failure that stopped the judgement, are ``skipped``). ``language="cpp"``: C++
+        source, compiled first in the same start (a compile error fails every test)."""
         cases = [TestCase.from_dict(t) for t in tests]
         t0 = time.monotonic()
         deadline = t0 + total_timeout if total_timeout is not None else None
         per_test = time_limit if time_limit is not None else (self.time_limit or self.sandbox.config.time_limit)
         results: list[TestResult | None] = [None] * len(cases)
         stopped = []
+        compiled: list[dict] = []
         if cases:
-            files, runs, nonces = self._runs(program, cases, per_test)
+            files, runs, nonces = self._runs(program, cases, per_test, language)
 
             def graded(i: int, v: Verdict) -> bool:
+                if v.compile is not None and not compiled:
+                    compiled.append(v.compile)
                 results[i] = r = self._grade(v, cases[i], nonces[i], i)
                 if stop_on_failure and not r.passed:
                     stopped.append(i)
@@ -308,6 +331,8 @@ class Judge:
                 return True
 
             self.sandbox.run_many(files, runs, deadline=deadline, on_verdict=graded)
+        elif language not in _SOURCE:
+            raise ValueError(f"unknown language {language!r}; choose from {', '.join(_SOURCE)}")
         why = "stopped after a failure" if stopped else "out of total time"
         done = [r if r is not None else TestResult(i, "skipped", detail=why) for i, r in enumerate(results)]
         passed = sum(r.passed for r in done)
@@ -315,10 +340,12 @@ class Judge:
         if first_bad is None:
             first_bad = next((r for r in done if not r.passed), None)
         status = "accepted" if passed == len(cases) and cases else (first_bad.status if first_bad else "skipped")
-        return Judgement(status, passed, len(cases), done, time.monotonic() - t0)
+        return Judgement(status, passed, len(cases), done, time.monotonic() - t0, language,
+                         compiled[0] if compiled else None)
 
     def judge_many(self, items: list[tuple[str, list]], **kw) -> list[Judgement]:
-        """Judge many (program, tests) pairs, ``workers`` at a time (one sandbox start each)."""
+        """Judge many (program, tests) pairs, ``workers`` at a time (one sandbox start each);
+        ``language=`` (in ``kw``) applies to all of them."""
         if self.workers == 1 or len(items) <= 1:
             return [self.judge(p, t, **kw) for p, t in items]
         with ThreadPoolExecutor(min(self.workers, len(items))) as ex:

@@ -1,4 +1,4 @@
-"""Run untrusted Python programs in layers of isolation, with limits, and report a :class:`Verdict`.
+"""Run untrusted Python or C++ programs in layers of isolation, with limits, and report a :class:`Verdict`.
 
 Layers (each detected once per process, see :func:`detect_layers`):
 
@@ -17,7 +17,10 @@ Layers (each detected once per process, see :func:`detect_layers`):
   of a start go one at a time, and nothing of one is left when the next begins), and gives each
   run's peak memory.
 - ``seccomp``: a BPF filter (loaded by bwrap) makes ``socket()`` fail for every family but
-  AF_UNIX and kills foreign-ABI system calls.
+  AF_UNIX and kills foreign-ABI system calls. The same filter serves the C++ compile step: g++,
+  cc1plus, as, collect2 and ld use no socket (g++ talks to its children through pipes and, with
+  ``-pipe``, none through temporary files but the object file in ``/tmp``) and no foreign-ABI
+  call, so the compile needs nothing the runs do not get, and nothing is loosened for it.
 
 One sandbox start serves a whole session (:meth:`Sandbox.run_many`: a program and all of its
 tests): bwrap starts a small supervisor (:mod:`envs.code.supervisor`) inside every layer, and the
@@ -32,6 +35,15 @@ A start is never used by a second session; a pool (``SandboxConfig.warm``) keeps
 ahead, made by long-lived threads, so that a session rarely waits for bwrap and the interpreter.
 Without root the supervisor would share the runs' uid (a run could signal it): then each run
 gets a start of its own. Without bwrap (the weaker mode) each run is started directly.
+
+C++ (``language="cpp"``; :meth:`Sandbox.run_many` has the details): the compiler (``g++``,
+``SandboxConfig.cxx`` / ``cxx_flags``) runs as a run of the session, under every layer above and
+the compile limits (``compile_time_limit``, ``compile_memory_mb``), reading the source from
+``/box`` (read-only) and writing the binary into its ``/tmp``. The supervisor hands the binary to
+the host, which puts it in ``/box`` beside the source (owned by the host, read-only to the runs),
+and each test then ``execve``s it in a fresh child of the supervisor, with the run limits and an
+emptied ``/tmp``, exactly like a Python run. A compile that fails (compiler errors, or a compile
+limit) gives each run a ``compile_error`` verdict holding the compiler's message.
 
 A missing layer is never silently skipped: :class:`Sandbox` refuses to run and names the
 missing layers unless the config allows them (``allow_weaker=True``, or the layer names in
@@ -64,11 +76,12 @@ from dataclasses import asdict, dataclass, field
 
 __all__ = [
     "LAYERS", "SandboxConfig", "Verdict", "Run", "Sandbox", "SandboxError", "SandboxUnavailable",
-    "detect_layers", "run_program", "default_sandbox", "STATUSES",
+    "detect_layers", "run_program", "default_sandbox", "STATUSES", "LANGUAGES", "language_of",
 ]
 
 LAYERS = ("namespaces", "uid", "rlimits", "cgroup_pids", "cgroup_memory", "seccomp")
-STATUSES = ("ok", "runtime_error", "time_limit", "memory_limit", "output_limit", "killed")
+STATUSES = ("ok", "runtime_error", "time_limit", "memory_limit", "output_limit", "killed", "compile_error")
+LANGUAGES = ("python", "cpp")
 ALLOW_ENV = "CASCADE_SANDBOX_ALLOW_WEAKER"
 
 SETUP_TIMEOUT = 30.0  # seconds the sandbox itself may take to start a program
@@ -108,12 +121,19 @@ class SandboxConfig:
     allow_missing: tuple[str, ...] = ()
     cgroup_root: str | None = None        # a delegated cgroup v2 directory to create run cgroups in
     warm: int = 2                         # sandbox starts kept ready ahead (0: start each when needed)
+    # C++ (``language="cpp"``): the compile step's own limits (the runs keep the ones above)
+    cxx: str = "g++"                      # compiler, looked up on the host's PATH; must lie under /usr
+    cxx_flags: tuple[str, ...] = ("-std=gnu++17", "-O2", "-pipe", "-fmax-errors=20", "-DONLINE_JUDGE")
+    compile_time_limit: float = 20.0      # wall clock of the compile (CPU: the same, rounded up)
+    compile_memory_mb: int = 1024         # address space per compiler process; cgroup memory of the compile
 
     def __post_init__(self):
         if self.time_limit <= 0 or self.memory_mb <= 0 or self.max_processes <= 0:
             raise ValueError("time_limit, memory_mb and max_processes must be positive")
         if self.warm < 0:
             raise ValueError("warm must be >= 0")
+        if self.compile_time_limit <= 0 or self.compile_memory_mb <= 0:
+            raise ValueError("compile_time_limit and compile_memory_mb must be positive")
         bad = [x for x in self.allow_missing if x not in LAYERS]
         if bad:
             raise ValueError(f"unknown sandbox layer(s) {bad}; choose from {', '.join(LAYERS)}")
@@ -142,6 +162,7 @@ class Verdict:
     peak_memory_bytes: int | None
     limits_hit: list[str] = field(default_factory=list)
     layers: list[str] = field(default_factory=list)
+    compile: dict | None = None   # C++: the compile step (status, exit_code, wall/cpu time, peak memory, limits)
 
     @property
     def ok(self) -> bool:
@@ -447,7 +468,8 @@ def _cgroup_bases(cfg: SandboxConfig) -> dict[str, tuple[str, str]]:
 # --------------------------------------------------------------------------------------------
 # the launcher: runs inside the sandbox, before any untrusted code
 # --------------------------------------------------------------------------------------------
-# argv: LIMITS UID GID READY_FD PROGRAM [ARGS...], LIMITS = "AS:soft:hard,CPU:soft:hard,...".
+# argv: LIMITS UID GID READY_FD PROGRAM [ARGS...] (or ``-x BINARY [ARGS...]``: exec it),
+# LIMITS = "AS:soft:hard,CPU:soft:hard,...".
 # Sets rlimits, drops to the uid when root, tells the host it is ready on READY_FD, closes every
 # inherited descriptor but 0-2, runs PROGRAM as module __main__. No json or runpy here: their
 # imports (re, enum, importlib.util) would double the start-up time.
@@ -464,6 +486,8 @@ def _launch(a):
         raise SystemExit('cascade-sandbox: could not drop root')
     os.write(int(a[4]), b'R')
     os.closerange(3, 65536)
+    if a[5] == '-x':  # a binary (C++): exec it in the clean environment
+        os.execv(a[6], a[6:])
     sys.argv = a[5:]
     sys.path[0] = os.path.dirname(a[5])
     builtins.exit = builtins.quit = sys.exit
@@ -547,6 +571,70 @@ def _bind_args(exe: str, prefix: str, box: str, tmpfs_bytes: int, size_ok: bool)
         a += ["--size", str(tmpfs_bytes)]
     a += ["--perms", "1777", "--tmpfs", WORKDIR, "--chdir", WORKDIR]
     return a
+
+
+def _put_files(box: str, files: dict[str, str | bytes]) -> None:
+    """Write the session's files: text (source) 0644, bytes (a compiled program) 0755, owned by the host."""
+    for name, data in files.items():
+        path = os.path.join(box, name)
+        if isinstance(data, (bytes, bytearray)):
+            with open(path, "wb") as f:
+                f.write(data)
+            os.chmod(path, 0o755)
+        else:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(data)
+            os.chmod(path, 0o644)
+
+
+def language_of(path: str, default: str = "python") -> str:
+    """The language of a program file by its extension (``.cpp``/``.cc``/``.cxx``/``.c++`` -> cpp)."""
+    ext = os.path.splitext(path)[1].lower()
+    return "cpp" if ext in (".cpp", ".cc", ".cxx", ".c++", ".hpp") else ("python" if ext == ".py" else default)
+
+
+def _compiler(cfg: SandboxConfig) -> str:
+    """The C++ compiler's path as the sandbox sees it (it must lie in the read-only /usr view)."""
+    found = shutil.which(cfg.cxx)
+    if found is None:
+        raise SandboxUnavailable(f"C++ needs the compiler {cfg.cxx!r}, which is not installed "
+                                 "(apt-get install g++), or set SandboxConfig(cxx=...)")
+    for cand in (found, os.path.realpath(found)):
+        if cand.startswith(("/usr/", "/bin/")):
+            return cand
+    raise SandboxUnavailable(f"the C++ compiler {found} lies outside /usr, which is all the sandbox sees; "
+                             "use a system compiler (SandboxConfig(cxx=...))")
+
+
+def _check_exec_dir() -> None:
+    """The compiled programs live in the box directories under the temporary directory: they
+    could not run from a ``noexec`` mount (every test would fail), so refuse that up front."""
+    tmp = tempfile.gettempdir()
+    try:
+        noexec = bool(os.statvfs(tmp).f_flag & getattr(os, "ST_NOEXEC", 0))
+    except OSError:
+        noexec = False
+    if noexec:
+        raise SandboxUnavailable(f"C++ programs cannot run from {tmp}: it is mounted noexec; point TMPDIR "
+                                 "at a directory that allows executables")
+
+
+def _compile_argv(cfg: SandboxConfig, cxx: str, source: str, output: str) -> list[str]:
+    return [cxx, *cfg.cxx_flags, "-o", output, source]
+
+
+_BIN_SUFFIX = ".bin"   # the compiled program of source X is the session file X + ".bin"
+_BUILD_OUT = "/tmp/cascade-build.bin"   # where the compile writes it, inside the start
+
+
+def _compile_message(v: Verdict, cfg: SandboxConfig) -> str:
+    """The compiler's message for a failed compile (paths inside the sandbox shortened)."""
+    why = {"time_limit": f"compilation exceeded the compile time limit ({cfg.compile_time_limit:g} s)",
+           "memory_limit": f"compilation exceeded the compile memory limit ({cfg.compile_memory_mb} MiB)",
+           "output_limit": "the compiler's messages exceeded the output limit",
+           "killed": f"the compiler was killed (signal {v.signal})"}.get(v.status, "")
+    text = (v.stderr or v.stdout).replace(BOX + "/", "").replace(WORKDIR + "/", "").strip()
+    return "\n".join(x for x in (why, text) if x) or f"compilation failed (exit {v.exit_code})"
 
 
 def _clean_env() -> dict[str, str]:
@@ -657,13 +745,17 @@ _RUN_GRACE_S = 5.0   # the host gives the supervisor this long past a run's wall
 
 @dataclass
 class Run:
-    """One program run of a session: ``entry`` (a file of the session) run with ``stdin`` and ``args``."""
+    """One program run of a session: ``entry`` (a file of the session) run with ``stdin`` and ``args``.
+
+    ``language``: ``"python"`` (``entry`` is Python source) or ``"cpp"`` (``entry`` is C++ source,
+    compiled once per session in the same start before its first run; see :meth:`Sandbox.run_many`)."""
 
     entry: str = "main.py"
     stdin: str | bytes = b""
     args: tuple = ()
     time_limit: float | None = None
     memory_mb: int | None = None
+    language: str = "python"
 
 
 class _CellDead(SandboxError):
@@ -825,12 +917,25 @@ class _Cell:
             shutil.rmtree(self.box, ignore_errors=True)
             self.box = ""
 
-    def put_files(self, files: dict[str, str]) -> None:
-        for name, text in files.items():
-            path = os.path.join(self.box, name)
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(text)
-            os.chmod(path, 0o644)
+    def put_files(self, files: dict[str, str | bytes]) -> None:
+        _put_files(self.box, files)
+
+    def fetch(self, path: str) -> bytes:
+        """The file ``path`` of the start (its ``/tmp``, between runs), handed over by the supervisor."""
+        with tempfile.TemporaryFile() as f:
+            try:
+                self.ctl.sendmsg([b"F " + path.encode()],
+                                 [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", f.fileno()))])
+                m = self._recv(SETUP_TIMEOUT)
+            except (OSError, SandboxError) as e:
+                raise _CellDead(f"the sandbox is gone: {e}; {self._errors()}") from None
+            if not m.startswith(b"F "):
+                raise _CellDead(f"the sandbox did not hand over {path}: {m[:200]!r}; {self._errors()}")
+            code, _, rest = m[2:].partition(b" ")
+            if code != b"0":
+                raise SandboxError(f"cannot take {path} out of the sandbox: {rest.decode('utf-8', 'replace')}")
+            f.seek(0)
+            return f.read()
 
 
 class _Pool:
@@ -1007,10 +1112,15 @@ class Sandbox:
     # ---------------------------------------------------------------------------------------
     def run(self, program: str, stdin: str | bytes = b"", *, files: dict[str, str] | None = None,
             args: list[str] | tuple = (), time_limit: float | None = None,
-            memory_mb: int | None = None) -> Verdict:
-        """Run Python source ``program`` with ``stdin``; ``files`` are extra read-only files beside it."""
-        return self.run_many({**(files or {}), "main.py": program},
-                             [Run("main.py", stdin, tuple(args), time_limit, memory_mb)])[0]
+            memory_mb: int | None = None, language: str = "python") -> Verdict:
+        """Run ``program`` (Python source, or C++ source with ``language="cpp"``: compiled in the
+        sandbox first, see :meth:`run_many`) with ``stdin``; ``files`` are extra read-only files
+        beside it (in ``/box``)."""
+        entry = {"python": "main.py", "cpp": "main.cpp"}.get(language)
+        if entry is None:
+            raise ValueError(f"unknown language {language!r}; choose from {', '.join(LANGUAGES)}")
+        return self.run_many({**(files or {}), entry: program},
+                             [Run(entry, stdin, tuple(args), time_limit, memory_mb, language)])[0]
 
     def run_many(self, files: dict[str, str], runs: list[Run], *, deadline: float | None = None,
                  on_verdict=None) -> list[Verdict | None]:
@@ -1022,14 +1132,35 @@ class Sandbox:
         wall limit is cut to what is left. ``on_verdict(i, verdict)`` returning False stops the
         session. Runs not run are None. Without bubblewrap (the weaker mode) each run gets its own
         start; as a non-root user too (the supervisor then shares the runs' uid, so a run could
-        signal it: one run per start keeps each run's verdict its own)."""
+        signal it: one run per start keeps each run's verdict its own).
+
+        C++ (``Run(language="cpp")``, ``entry`` a C++ source): before the first run of an entry,
+        the compiler runs once, as a run of its own in the same start, with every layer (uid,
+        rlimits, cgroup, seccomp, network and mount namespaces) and the compile limits
+        (``compile_time_limit``, ``compile_memory_mb``; the file size, process and output limits
+        of a run). It reads ``/box/ENTRY`` and writes the binary into the run's ``/tmp``; the
+        supervisor hands the binary to the host (``F``), which puts it beside the sources as
+        ``ENTRY.bin`` (host-owned, read-only to the runs), and the runs ``execve`` it, each in a
+        fresh child with the run limits and an emptied ``/tmp`` as for Python. A failed compile
+        (compiler errors, or a compile limit) makes every run of the entry a ``compile_error``
+        verdict whose ``stderr`` is the compiler's message; ``Verdict.compile`` gives the compile
+        step's figures. Like a run, the compile starts only before ``deadline`` and is cut by it."""
         self.check()
+        cfg = self.config
         for name in files:
             if "/" in name or name.startswith(".") or not name:
                 raise ValueError(f"bad sandbox file name {name!r}")
         for r in runs:
             if r.entry not in files:
                 raise ValueError(f"run entry {r.entry!r} is not one of the files")
+            if r.language not in LANGUAGES:
+                raise ValueError(f"unknown language {r.language!r}; choose from {', '.join(LANGUAGES)}")
+        cxx = None
+        if any(r.language == "cpp" for r in runs):
+            cxx = _compiler(cfg)
+            _check_exec_dir()
+        files = dict(files)  # compiled programs join the session's files
+        built: dict[str, Verdict] = {}  # C++ entry -> the verdict its runs copy (status ok: built)
         out: list[Verdict | None] = [None] * len(runs)
         use_cells = "namespaces" in [k for k, v in self.layers.items() if v is None]
         per_cell = 1 << 30 if os.getuid() == 0 else 1
@@ -1039,7 +1170,19 @@ class Sandbox:
         try:
             while i < len(runs):
                 r = runs[i]
-                wall = float(r.time_limit if r.time_limit is not None else self.config.time_limit)
+                kind = "python" if r.language == "python" else ("compile" if r.entry not in built else "binary")
+                if kind == "binary" and built[r.entry].status != "ok":  # did not compile: nothing to run
+                    v = Verdict(**asdict(built[r.entry]))
+                    out[i] = v
+                    i += 1
+                    if on_verdict is not None and on_verdict(i - 1, v) is False:
+                        break
+                    continue
+                if kind == "compile":
+                    wall, cpu = float(cfg.compile_time_limit), float(cfg.compile_time_limit)
+                    rr = Run(r.entry, b"", (), wall, cfg.compile_memory_mb, r.language)
+                else:
+                    wall, cpu, rr = float(r.time_limit if r.time_limit is not None else cfg.time_limit), None, r
                 if wall <= 0:
                     raise ValueError("time_limit must be positive")
                 if deadline is not None:
@@ -1047,8 +1190,11 @@ class Sandbox:
                     if left <= 0.05:
                         break
                     wall = min(wall, left)
+                binary = None
                 if not use_cells:
-                    v = self._run_direct(files, r, wall)
+                    got: list[bytes] = []
+                    v = self._run_direct(files, rr, wall, kind, cxx, cpu, got)
+                    binary = got[0] if got else None
                 else:
                     if cell is not None and cell.runs >= per_cell:
                         self._release(cell)
@@ -1057,7 +1203,9 @@ class Sandbox:
                         cell = self._acquire()
                         cell.put_files(files)
                     try:
-                        v = self._cell_run(cell, r, wall)
+                        v = self._cell_run(cell, rr, wall, self._exec_argv(kind, rr, BOX, WORKDIR, cxx), cpu)
+                        if kind == "compile" and v.status == "ok":
+                            binary = cell.fetch(_BUILD_OUT)
                     except _CellDead as e:
                         self._release(cell)
                         cell = None
@@ -1067,8 +1215,17 @@ class Sandbox:
                         if e.verdict is None:
                             raise SandboxError(str(e)) from None
                         v = e.verdict
-                out[i] = v
                 retried = False
+                if kind == "compile":
+                    built[r.entry] = self._built(v, binary is not None)
+                    if binary is not None:
+                        files[r.entry + _BIN_SUFFIX] = binary
+                        if cell is not None:
+                            cell.put_files({r.entry + _BIN_SUFFIX: binary})
+                    continue  # now the run itself
+                if kind == "binary":
+                    v.compile = dict(built[r.entry].compile or {})
+                out[i] = v
                 i += 1
                 if on_verdict is not None and on_verdict(i - 1, v) is False:
                     break
@@ -1076,6 +1233,26 @@ class Sandbox:
             if cell is not None:
                 self._release(cell)
         return out
+
+    def _built(self, v: Verdict, ok: bool) -> Verdict:
+        """From the compile's verdict: what the runs of the entry get (a compile_error) or carry."""
+        info = {"status": v.status if ok or v.status != "ok" else "runtime_error", "exit_code": v.exit_code,
+                "wall_time": round(v.wall_time, 4), "cpu_time": round(v.cpu_time, 4),
+                "peak_memory_bytes": v.peak_memory_bytes, "limits_hit": list(v.limits_hit)}
+        if ok:
+            return Verdict("ok", 0, None, "", "", 0.0, 0.0, None, [], list(v.layers), info)
+        msg = _compile_message(v, self.config) if v.status != "ok" else "the compiler produced no program"
+        return Verdict("compile_error", v.exit_code, v.signal, "", msg, 0.0, 0.0, None, [], list(v.layers), info)
+
+    def _exec_argv(self, kind: str, r: Run, box: str, work: str, cxx: str | None) -> list[str] | None:
+        """The argv of a binary run (None: Python source). ``box``/``work``: where the session's files
+        and the writable working directory are, as the run sees them."""
+        if kind == "compile":
+            return _compile_argv(self.config, cxx, os.path.join(box, r.entry),
+                                 os.path.join(work, os.path.basename(_BUILD_OUT)))
+        if kind == "binary":
+            return [os.path.join(box, r.entry + _BIN_SUFFIX), *map(str, r.args)]
+        return None
 
     def close(self) -> None:
         """Close the sandbox starts made ahead (also done at exit)."""
@@ -1102,10 +1279,13 @@ class Sandbox:
         if self._pool is None or not self._pool.discard(cell):
             cell.close()
 
-    def _cell_run(self, cell: _Cell, r: Run, wall: float) -> Verdict:
+    def _cell_run(self, cell: _Cell, r: Run, wall: float, argv: list[str] | None = None,
+                  cpu: float | None = None) -> Verdict:
+        """One run in ``cell``: Python source ``r.entry``, or, with ``argv``, the binary ``argv[0]``."""
         cfg = self.config
         mem_mb = int(r.memory_mb if r.memory_mb is not None else cfg.memory_mb)
-        cpu = cfg.cpu_time_limit if cfg.cpu_time_limit is not None else wall
+        if cpu is None:
+            cpu = cfg.cpu_time_limit if cfg.cpu_time_limit is not None else wall
         cpu_s = max(1, int(-(-cpu // 1)))
         mem_bytes = mem_mb << 20
         layers = cell.layers
@@ -1120,8 +1300,8 @@ class Sandbox:
             before = cg.begin()
         data = r.stdin.encode() if isinstance(r.stdin, str) else bytes(r.stdin)
         fields = [repr(wall), str(cpu_s), str(mem_bytes), str(cfg.file_size_mb << 20), str(nproc),
-                  str(cfg.max_open_files), f"{BOX}/{r.entry}", *map(str, r.args)]
-        msg = b"R " + b"\0".join(f.encode("utf-8", "surrogateescape") for f in fields)
+                  str(cfg.max_open_files), *(argv if argv is not None else [f"{BOX}/{r.entry}", *map(str, r.args)])]
+        msg = (b"X " if argv is not None else b"R ") + b"\0".join(f.encode("utf-8", "surrogateescape") for f in fields)
         in_r, in_w = os.pipe()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -1280,20 +1460,24 @@ class Sandbox:
                        stderr=stderr_text, wall_time=wall_time, cpu_time=cpu_time, peak_memory_bytes=peak,
                        limits_hit=sorted(set(limits)), layers=layers)
 
-    def _run_direct(self, files: dict[str, str], r: Run, wall: float) -> Verdict:
-        """The weaker mode (no bubblewrap): one start per run, the launcher run directly."""
+    def _run_direct(self, files: dict[str, str], r: Run, wall: float, kind: str = "python",
+                    cxx: str | None = None, cpu: float | None = None, got: list | None = None) -> Verdict:
+        """The weaker mode (no bubblewrap): one start per run, the launcher run directly. ``kind``:
+        python, compile (the binary built is appended to ``got``) or binary."""
         try:
-            return self._run_once(files, r, wall)
+            return self._run_once(files, r, wall, kind, cxx, cpu, got)
         except _StartupStall:
             try:
-                return self._run_once(files, r, wall)
+                return self._run_once(files, r, wall, kind, cxx, cpu, got)
             except _StartupStall as e:
                 raise SandboxError(str(e)) from None
 
-    def _run_once(self, files: dict[str, str], r: Run, wall: float) -> Verdict:
+    def _run_once(self, files: dict[str, str], r: Run, wall: float, kind: str = "python",
+                  cxx: str | None = None, cpu: float | None = None, got: list | None = None) -> Verdict:
         cfg = self.config
         mem_mb = int(r.memory_mb if r.memory_mb is not None else cfg.memory_mb)
-        cpu = cfg.cpu_time_limit if cfg.cpu_time_limit is not None else wall
+        if cpu is None:
+            cpu = cfg.cpu_time_limit if cfg.cpu_time_limit is not None else wall
         cpu_s = max(1, int(-(-cpu // 1)))
         layers = [k for k, v in self.layers.items() if v is None]
         exe, prefix = _weak_python(*_python_install(cfg))
@@ -1302,10 +1486,7 @@ class Sandbox:
         fds_to_close: list[int] = []
         try:
             os.chmod(box, 0o755)
-            for name, text in files.items():
-                with open(os.path.join(box, name), "w", encoding="utf-8") as f:
-                    f.write(text)
-                os.chmod(os.path.join(box, name), 0o644)
+            _put_files(box, files)
             if os.getuid() == 0:  # the box itself is the working directory
                 os.chown(box, cfg.uid, cfg.gid)
             mem_bytes = mem_mb << 20
@@ -1324,13 +1505,20 @@ class Sandbox:
                 cgroup = _RunCgroup(ctrl_bases, mem_bytes + ((cfg.tmpfs_mb + 32) << 20), cfg.max_processes)
                 argv += ["/bin/sh", "-c", 'p=$$; while [ "$1" != -- ]; do echo $p > "$1" || exit 125; shift; done; '
                          'shift; exec "$@"', "sh", *cgroup.procs_files(), "--"]
+            binary = self._exec_argv(kind, r, box, box, cxx)
             argv += [exe, "-S", "-s", "-B", "-c", _LAUNCHER, launch, str(cfg.uid), str(cfg.gid), str(ready_w),
-                     f"{box}/{r.entry}", *map(str, r.args)]
+                     *(["-x", *binary] if binary else [f"{box}/{r.entry}", *map(str, r.args)])]
             env = _clean_env()
             env.update(HOME=box, TMPDIR=box)
             data = r.stdin.encode() if isinstance(r.stdin, str) else bytes(r.stdin)
-            return self._execute(argv, env, box, data, wall, cpu_s, mem_bytes,
-                                 ready_r, ready_w, [ready_w], fds_to_close, cgroup, layers)
+            v = self._execute(argv, env, box, data, wall, cpu_s, mem_bytes,
+                              ready_r, ready_w, [ready_w], fds_to_close, cgroup, layers)
+            built = os.path.join(box, os.path.basename(_BUILD_OUT))
+            if kind == "compile" and v.status == "ok" and got is not None and os.path.isfile(built) \
+                    and not os.path.islink(built):
+                with open(built, "rb") as f:
+                    got.append(f.read())
+            return v
         finally:
             for fd in fds_to_close:
                 try:
@@ -1524,7 +1712,7 @@ def classify(rc_exit: int | None, sig: int | None, limits: list[str], stderr: st
     if "wall_time" in limits or "cpu_time" in limits:
         return "time_limit"
     tail = stderr.rstrip().rsplit("\n", 1)[-1] if stderr.strip() else ""
-    if "memory" in limits or tail.startswith("MemoryError"):
+    if "memory" in limits or tail.startswith("MemoryError") or "std::bad_alloc" in stderr[-4096:]:
         return "memory_limit"
     if sig is not None:
         return "runtime_error" if sig in _RUNTIME_SIGNALS else "killed"
@@ -1545,5 +1733,5 @@ def default_sandbox(config: SandboxConfig | None = None) -> Sandbox:
 
 
 def run_program(program: str, stdin: str | bytes = b"", config: SandboxConfig | None = None, **kw) -> Verdict:
-    """Run ``program`` once in the default sandbox of ``config``."""
+    """Run ``program`` once in the default sandbox of ``config`` (``language="cpp"`` for C++)."""
     return default_sandbox(config).run(program, stdin, **kw)

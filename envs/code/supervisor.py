@@ -15,6 +15,12 @@ argv: CONTROL_FD UID GID. The host talks to it over CONTROL_FD (an AF_UNIX SOCK_
   earlier run left there, sets the rlimits, closes every other descriptor and returns to the
   module level, which compiles and runs PATH as ``__main__`` (so the interpreter exits the way a
   fresh ``python PATH`` would: exit code, traceback, atexit, flushing).
+- host -> supervisor ``X`` + the same fields: as ``R``, but the child ``execve``s PATH (a binary:
+  the C++ compiler, or a program it built) with ARGS, in the same clean environment, instead of
+  running Python source.
+- host -> supervisor ``F PATH`` with one descriptor (a file of the host's, open for writing):
+  between runs, copy the regular file PATH (under ``/tmp``, not followed if a symlink) into it
+  (how the host takes a compiled binary out of the start); answer ``F 0 SIZE`` or ``F 1 ERROR``.
 - supervisor -> host ``S``: the child is set up; its wall clock starts now.
 - host -> supervisor ``K``: kill the current run (output limit).
 - supervisor -> host ``D status reason started wall cpu maxrss_kb``: the run is over and every
@@ -114,7 +120,40 @@ def _wipe_ipc() -> None:
         os.waitpid(pid, 0)
 
 
-def _child(ctl, fds, sync_w, limits, argv, uid, gid, drop):
+def _fetch(ctl, msg, fds):
+    """Copy the file named in ``msg`` (``F PATH``) into the host's descriptor; answer the host."""
+    out = fds[0] if fds else -1
+    for fd in fds[1:]:
+        os.close(fd)
+    try:
+        path = msg[2:].decode("utf-8", "surrogateescape")
+        if out < 0 or not path.startswith("/tmp/") or "/../" in path + "/":
+            raise OSError("bad fetch request")
+        src = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            if os.fstat(src).st_mode & 0o170000 != 0o100000:
+                raise OSError(f"{path} is not a regular file")
+            n = 0
+            while True:
+                chunk = os.read(src, 1 << 20)
+                if not chunk:
+                    break
+                view = memoryview(chunk)
+                while view:
+                    k = os.write(out, view)
+                    view = view[k:]
+                n += len(chunk)
+        finally:
+            os.close(src)
+        ctl.send(b"F 0 %d" % n)
+    except OSError as e:
+        ctl.send(b"F 1 " + str(e).encode("utf-8", "replace")[:500])
+    finally:
+        if out >= 0:
+            os.close(out)
+
+
+def _child(ctl, fds, sync_w, limits, argv, uid, gid, drop, execute=False):
     ctl.detach()  # closed below with the rest; its finalizer must not close a later descriptor
     for i, fd in enumerate(fds):
         os.dup2(fd, i)
@@ -139,6 +178,8 @@ def _child(ctl, fds, sync_w, limits, argv, uid, gid, drop):
         resource.setrlimit(getattr(resource, "RLIMIT_" + name), (soft, hard))
     os.write(sync_w, b"S")
     os.closerange(3, 65536)
+    if execute:  # a binary: nothing of this interpreter goes with it but the clean environment
+        os.execve(argv[0], argv, os.environ)
     sys.argv = argv
     sys.path[0] = argv[0].rpartition("/")[0] or "/"
     builtins.exit = builtins.quit = sys.exit
@@ -237,7 +278,10 @@ def _serve(t0, ctl_fd, uid, gid):
         for level, kind, data in anc:
             if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
                 fds += [int.from_bytes(data[i:i + 4], sys.byteorder) for i in range(0, len(data) - 3, 4)]
-        if msg[:1] != b"R" or len(fds) != 3:
+        if msg[:1] == b"F":
+            _fetch(ctl, msg, fds)
+            continue
+        if msg[:1] not in (b"R", b"X") or len(fds) != 3:
             for fd in fds:
                 os.close(fd)
             continue
@@ -253,7 +297,7 @@ def _serve(t0, ctl_fd, uid, gid):
         if pid == 0:
             try:
                 os.close(sync_r)
-                return _child(ctl, fds, sync_w, limits, argv, uid, gid, drop)
+                return _child(ctl, fds, sync_w, limits, argv, uid, gid, drop, msg[:1] == b"X")
             except BaseException as e:  # never back into the serving loop
                 try:
                     os.write(2, b"cascade-sandbox: run setup failed: %s\n" % str(e).encode())
