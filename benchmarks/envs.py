@@ -5,7 +5,10 @@ environment (or the ids/globs given), as one JSON line.
 
 Each environment generates ``n`` problems (seeds 0..n-1) after one warm-up problem, then
 verifies its reference response for each. Totals are summed over environments; the slowest
-environments are listed so outliers are visible.
+environments are listed so outliers are visible. ``by_source`` gives the same throughput for
+Cascade's own environments and for each adapted package beside them: ``rg`` (reasoning-gym),
+``rlve`` (RLVE-Gym), ``rc`` (reasoning-core). Environments are built with ``get_env``, so the
+adapters' generation time bound and recorded difficulty caps apply as in a run.
 """
 from __future__ import annotations
 
@@ -16,6 +19,14 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+ADAPTED = ("rg", "rlve", "rc")  # namespaces of the adapted packages; everything else is Cascade's own
+
+
+def _source(env_id: str) -> str:
+    ns = env_id.split("/", 1)[0] if "/" in env_id else ""
+    return ns if ns in ADAPTED else "own"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     n_gen = n_ver = 0
     per_env = {}
     errors = {}
+    by_source: dict[str, dict] = {}
     for env_id in ids:
         try:
             env = get_env(env_id)
@@ -53,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
         n_gen += len(problems)
         n_ver += len(problems)
         per_env[env_id] = (g + v) / max(1, 2 * len(problems))
+        src = by_source.setdefault(_source(env_id), {"environments": 0, "problems": 0, "gen_s": 0.0, "ver_s": 0.0})
+        src["environments"] += 1
+        src["problems"] += len(problems)
+        src["gen_s"] += g
+        src["ver_s"] += v
     slowest = sorted(per_env.items(), key=lambda kv: -kv[1])[:5]
     print(json.dumps({
         "environments": len(per_env),
@@ -62,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         "verifications_per_s": round(n_ver / ver_s, 1) if ver_s else None,
         "median_env_ms_per_call": round(1000 * sorted(per_env.values())[len(per_env) // 2], 3) if per_env else None,
         "slowest_ms_per_call": {k: round(1000 * v, 1) for k, v in slowest},
+        "by_source": {k: {"environments": v["environments"], "problems": v["problems"],
+                          "problems_per_s": round(v["problems"] / v["gen_s"], 1) if v["gen_s"] else None,
+                          "verifications_per_s": round(v["problems"] / v["ver_s"], 1) if v["ver_s"] else None}
+                      for k, v in sorted(by_source.items())},
         "errors": errors,
     }))
     return 0

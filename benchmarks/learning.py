@@ -15,6 +15,7 @@ numbers (one intra-op thread; CPU).
 
     python benchmarks/learning.py                 # defaults: tiny-dense, toy/max difficulty 1, seed 0
     python benchmarks/learning.py --seed 1 --trace
+    python benchmarks/learning.py --optim muon    # RL with Muon (momentum 0) instead of AdamW, same lr
     python benchmarks/learning.py --seeds 0,1,2 --jobs 2   # one line per seed, then a summary line
 
 The warm-up stops as soon as sampled accuracy on training problems reaches 0.2 (the policy answers
@@ -101,7 +102,8 @@ def run(args) -> dict:
     cfg = RLConfig(group_size=args.group_size, prompts_per_step=args.prompts_per_step, advantage=args.advantage,
                    loss=args.loss, chat_template=False, micro_batch_size=args.group_size * args.prompts_per_step,
                    sampling=SamplingConfig(max_new_tokens=args.max_new_tokens),
-                   optim=OptimConfig(lr=args.lr, warmup_steps=args.rl_warmup), seed=args.seed)
+                   optim=OptimConfig(lr=args.lr, warmup_steps=args.rl_warmup, name=args.optim,
+                                     muon_momentum=args.muon_momentum), seed=args.seed)
     curriculum = Curriculum([args.env], controller="fixed", seed=args.seed,
                             controller_kwargs={"difficulty": args.difficulty})
     rl = RLTrainer(model, tok, engine, curriculum, cfg, problem_hook=keep_held_out_unseen)
@@ -144,7 +146,8 @@ def run(args) -> dict:
     k = max(1, min(5, len(rewards) // 2))
     return {
         "benchmark": "learning", "env": args.env, "difficulty": args.difficulty, "preset": args.preset,
-        "seed": args.seed, "metric": f"sampled_pass@1_T1_n{args.samples}", "held_out_problems": len(held),
+        "seed": args.seed, "optim": args.optim,
+        "metric": f"sampled_pass@1_T1_n{args.samples}", "held_out_problems": len(held),
         "accuracy_before": round(before[0], 4), "accuracy_after": round(after[0], 4),
         "gain": round(after[0] - before[0], 4),
         "greedy_before": round(before[1], 4), "greedy_after": round(after[1], 4),
@@ -228,6 +231,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rl-steps", type=int, default=120)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--rl-warmup", type=int, default=5)
+    ap.add_argument("--optim", default="adamw", choices=["adamw", "muon"], help="the RL optimizer (SFT: AdamW)")
+    ap.add_argument("--muon-momentum", type=float, default=0.0)
     ap.add_argument("--advantage", default="maxrl")
     ap.add_argument("--loss", default="dppo_tv")
     ap.add_argument("--group-size", type=int, default=8)

@@ -107,7 +107,7 @@ def timed(fn) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="HF checkpoint directory (default: a fresh tiny-moe)")
-    ap.add_argument("--preset", default="tiny-moe")
+    ap.add_argument("--preset", "--model-preset", dest="preset", default="tiny-moe")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=1.0)
@@ -162,7 +162,11 @@ def main(argv=None) -> int:
         res["engine_decode_ms_per_step"] = round(phases[best][1] / a.new_tokens * 1e3, 3)
         from train.engine import native
 
-        res["engine_native"] = native.enabled() and native.load()  # fused C++ ops (CASCADE_NATIVE_DECODE=0: off)
+        from train.model.hf_io import load_config
+
+        # fused C++ ops (CASCADE_NATIVE_DECODE=0: off); they do not implement zaya's CCA (PyTorch step there)
+        res["engine_native"] = (native.enabled() and native.load()
+                                and load_config(model_dir).architecture != "zaya")
         res["load_avg_1m"] = round(os.getloadavg()[0], 2)
     sys.stdout.flush()
     print(json.dumps(res), file=json_out, flush=True)

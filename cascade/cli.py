@@ -40,6 +40,9 @@ def dispatch(table: dict[str, tuple[str, str]], argv: list[str], usage: str, pro
     func = getattr(importlib.import_module(mod), fn)
     try:
         return int(func(rest) or 0)
+    except BrokenPipeError:  # output piped into `head` and the like, which stopped reading: end quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except USER_ERRORS as e:
         if os.environ.get("CASCADE_DEBUG"):
             raise

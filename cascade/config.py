@@ -29,7 +29,12 @@ class SFTStage:
     max_len: int = 8192
     envs: list[str] = field(default_factory=list)  # default: the stage's environments
     difficulties: list[int] = field(default_factory=lambda: [0, 1, 2])
-    data: str | None = None  # a jsonl of prompt/response pairs instead of reference traces
+    data: str | None = None  # instead of reference traces: a jsonl/parquet/csv file or HF dataset org/name with
+    #                          prompt/response or chat-format messages columns (train/sft.py load_pairs)
+    columns: dict[str, str] = field(default_factory=dict)  # data's column names: {prompt: q, response: a} / {messages: m}
+    split: str = "train"     # split of a dataset directory or HF dataset
+    subset: str | None = None  # configuration (subset) of an HF dataset
+    aggregation: AggregationSFT = field(default_factory=lambda: AggregationSFT())
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5, warmup_steps=10))
 
 
@@ -53,6 +58,59 @@ class Aggregation:
     tail_tokens: int = 4096  # tau
     template: str = "math"
     buffer: int = 256      # problems whose rollouts are remembered
+    # ZAYA1: aggregation prompts up to 20,480 tokens; a longer one has its tails cut from the front (each
+    # keeps its end, where the answer is); one that cannot fit even so is not made (the plain problem stays)
+    max_prompt_tokens: int = 20480
+    # expert aggregation: this share of aggregation prompts take their tails from rollouts of the checkpoint
+    # at expert (an HF directory, Hub id, or the name of an earlier stage of this run: its final/), sampled
+    # at the stage's start on expert_problems problems x expert_samples; the rest are self-aggregation.
+    # The report gives no split: 0.5 is ours (used only when expert is set)
+    expert: str | None = None
+    expert_fraction: float = 0.5
+    expert_problems: int = 64
+    expert_samples: int = 8
+    # PaCoRe continuation prompts: this share of aggregation prompts carry compacted messages of earlier
+    # rollouts (a finished rollout's post-</think> answer, else its last tail_tokens) to continue from.
+    # The report gives no share: 0.25 is ours
+    pacore_fraction: float = 0.25
+
+
+@dataclass
+class AggregationSFT:
+    """SFT examples for aggregation (ZAYA1 §VI): rollouts of a teacher (an HF directory, Hub id, or an
+    earlier stage's name) reshuffled into aggregation prompts of ``tails`` tails each, answered by the
+    teacher itself; an answer its verifier accepts becomes an SFT example (C tails -> the teacher's
+    aggregated answer). ``fraction`` of the stage's SFT examples (the report gives no share: ours)."""
+
+    teacher: str | None = None  # None: off
+    fraction: float = 0.1
+    problems: int = 256    # problems the teacher solves first
+    samples: int = 8       # teacher rollouts per problem (tails to reshuffle)
+    shuffles: int = 2      # aggregation prompts built per problem from different draws of its tails
+    tails: int = 4         # C
+    tail_tokens: int = 4096  # tau
+    max_new_tokens: int = 0  # teacher's budget per response; 0: the stage's rl.sampling.max_new_tokens
+    template: str = "math"
+
+
+@dataclass
+class Source:
+    """A named data source of a stage's mix: its share and the environments (ids or globs) it draws
+    from, weighted equally within the source."""
+
+    weight: float = 0.0
+    envs: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Phase:
+    """One phase of a stage: ``steps`` RL steps on this environment mix (and ``aggregation``, the share
+    of aggregation prompts; None keeps the stage's). Phases run in order; their steps sum to the stage's."""
+
+    steps: int = 0
+    envs: dict[str, float] = field(default_factory=dict)
+    sources: dict[str, Source] = field(default_factory=dict)
+    aggregation: float | None = None
 
 
 @dataclass
@@ -60,7 +118,7 @@ class RewardModel:
     """Behavioral RL: a Hugging Face sequence-classification model scores responses; the score is
     zeroed when the instruction checker fails."""
 
-    path: str | None = None
+    path: str | None = None  # a local directory or an HF Hub id org/name[@revision] (HF cache, offline rules)
     scale: float = 1.0
     max_len: int = 2048
 
@@ -72,7 +130,7 @@ class StageConfig:
     env_kwargs: dict[str, dict] = field(default_factory=dict)
     controller: str = "rlve"          # rlve | zaya | fixed
     controller_kwargs: dict[str, Any] = field(default_factory=dict)
-    sampling_mode: str = "uniform"    # uniform | least_sampled
+    sampling_mode: str = "uniform"    # uniform | least_sampled | weighted_least_sampled
     rl: RLConfig = field(default_factory=RLConfig)
     sft: SFTStage = field(default_factory=SFTStage)
     pool: PoolFilter = field(default_factory=PoolFilter)
@@ -80,6 +138,37 @@ class StageConfig:
     reward_model: RewardModel = field(default_factory=RewardModel)
     checkpoint_every: int = 10
     eval_problems: int = 32           # held-out problems scored before and after the stage
+    eval_k: int = 0                   # avg@k: k sampled answers per held-out problem (0: one greedy answer)
+    # the mix as named sources (ZAYA1 warm-up: puzzles / competition math / logic puzzles); instead of envs
+    sources: dict[str, Source] = field(default_factory=dict)
+    # stage 3's phases: [{steps, envs or sources, aggregation}], switching mixes at each phase's first step
+    phases: list[Phase] = field(default_factory=list)
+    # the response cap by RL step fraction: [[from_fraction, max_new_tokens], ...] (ZAYA1 warm-up: 65K for
+    # the first half); before the first entry, and with none, rl.sampling.max_new_tokens
+    max_new_tokens_schedule: list[list[float]] = field(default_factory=list)
+
+    def __post_init__(self):
+        for where, envs, sources in [("", self.envs, self.sources)] + [
+                (f"phases[{i}].", p.envs, p.sources) for i, p in enumerate(self.phases)]:
+            if envs and sources:
+                raise ValueError(f"{where}envs and {where}sources are both set; give the mix one way")
+        for name, src in [(k, v) for k, v in self.sources.items()] + [
+                (k, v) for p in self.phases for k, v in p.sources.items()]:
+            if src.weight < 0 or not src.envs:
+                raise ValueError(f"source {name!r} needs a weight >= 0 and at least one environment in envs")
+        for i, p in enumerate(self.phases):
+            if p.steps < 1 or not (p.envs or p.sources):
+                raise ValueError(f"phases[{i}] needs steps >= 1 and an envs (or sources) mix")
+            if p.aggregation is not None and not 0 <= p.aggregation <= 1:
+                raise ValueError(f"phases[{i}].aggregation must be in [0, 1], got {p.aggregation}")
+        last = -1.0
+        for e in self.max_new_tokens_schedule:
+            if len(e) != 2 or not 0 <= e[0] <= 1 or e[0] <= last or int(e[1]) < 1:
+                raise ValueError(f"max_new_tokens_schedule: expected [[from_fraction, tokens], ...] with fractions "
+                                 f"rising in [0, 1] and tokens >= 1, got {self.max_new_tokens_schedule}")
+            last = e[0]
+        if self.eval_k < 0:
+            raise ValueError(f"eval_k must be >= 0, got {self.eval_k}")
 
 
 @dataclass
@@ -138,11 +227,46 @@ class Trainer:
 
 
 @dataclass
+class Vllm:
+    """``engine=vllm``: options passed to :class:`train.engine.vllm_engine.VLLMEngine` (and on to
+    ``vllm.LLM``). Started vLLM rollout servers take theirs in ``rollout.server_args``."""
+
+    gpu_memory_utilization: float | None = None  # share of GPU memory for vLLM (weights + KV cache); None: vLLM's 0.9
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None             # context length; None: the model's
+    extra: dict[str, Any] = field(default_factory=dict)  # any other vllm.LLM keyword, e.g. {enforce_eager: true}
+
+    def __post_init__(self):
+        u = self.gpu_memory_utilization
+        if u is not None and not 0 < u <= 1:
+            raise ValueError(f"vllm.gpu_memory_utilization must be in (0, 1], got {u}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"vllm.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"vllm.max_model_len must be >= 1, got {self.max_model_len}")
+        named = {"gpu_memory_utilization", "tensor_parallel_size", "max_model_len", "dtype", "model"}
+        clash = sorted(named & set(self.extra))
+        if clash:
+            raise ValueError(f"vllm.extra sets {', '.join(clash)}: use vllm.<key> (dtype: the top-level dtype)")
+
+    def engine_kwargs(self, dtype: str) -> dict[str, Any]:
+        """The keyword arguments ``VLLMEngine(model_dir, **kwargs)`` gets."""
+        kw: dict[str, Any] = {"dtype": dtype, "tensor_parallel_size": self.tensor_parallel_size}
+        if self.gpu_memory_utilization is not None:
+            kw["gpu_memory_utilization"] = self.gpu_memory_utilization
+        if self.max_model_len is not None:
+            kw["max_model_len"] = self.max_model_len
+        kw.update(self.extra)
+        return kw
+
+
+@dataclass
 class RunConfig:
     out: str = "runs/cascade"
-    model: str | None = None          # a checkpoint directory; None: a fresh model from model_preset
+    model: str | None = None          # a checkpoint directory or HF Hub id org/name[@rev]; None: a fresh model_preset
     model_preset: str = "tiny-moe"
     engine: str = "torch"             # torch | vllm
+    vllm: Vllm = field(default_factory=Vllm)
     device: str = "cpu"
     dtype: str = "float32"            # float32 | bfloat16
     seed: int = 0
@@ -193,7 +317,7 @@ def _unshare(tree: dict) -> dict:
 
 
 # Mappings that a profile replaces whole rather than merges into: an environment mix is one value.
-REPLACED_WHOLE = ("envs", "env_kwargs")
+REPLACED_WHOLE = ("envs", "env_kwargs", "sources")
 
 
 def deep_merge(base: dict, over: dict) -> dict:
@@ -236,8 +360,10 @@ def load_run_config(overrides: dict[str, Any], base: Path | None = None) -> tupl
     cdir = configs_dir()
     tree = _read_yaml(base or cdir / "cascade.yaml")
     overrides = dict(overrides)
-    profile = overrides.pop("profile", None)
-    stage = overrides.pop("stage", None)
+    cfile = overrides.pop("config", None)
+    from_file = read_override_file(cfile) if cfile is not None else {}
+    profile = overrides.pop("profile", from_file.pop("profile", None))
+    stage = overrides.pop("stage", from_file.pop("stage", None))
     if profile:
         f = cdir / "profiles" / f"{profile}.yaml"
         if not f.exists():
@@ -249,14 +375,70 @@ def load_run_config(overrides: dict[str, Any], base: Path | None = None) -> tupl
             raise ConfigError(f"unknown stage {stage!r}; stages: {', '.join(tree.get('stages', {}))}")
         tree["order"] = [stage]
     top = {f for f in RunConfig.__dataclass_fields__}
-    for k, v in overrides.items():
-        head = k.split(".")[0]
-        if head not in top and stage is not None:
-            k = f"stages.{stage}.{k}"  # with stage=NAME, other keys are relative to that stage
-        _check_key_path(tree, k)
-        set_dotted(tree, k, v)
+    set_keys: list[str] = []
+    for source, over in ((cfile, from_file), (None, overrides)):  # the file first, the command line over it
+        for k, v in over.items():
+            head = k.split(".")[0]
+            if head not in top and stage is not None:
+                k = f"stages.{stage}.{k}"  # with stage=NAME, other keys are relative to that stage
+            try:
+                _check_key_path(tree, k)
+            except ConfigError as e:
+                raise ConfigError(f"{source}: {e}" if source else str(e)) from None
+            set_dotted(tree, k, v)
+            set_keys.append(k)
+    for k in set_keys:  # a mix given as an override (envs/sources) replaces the stage's configured phases
+        parts = k.split(".")
+        if len(parts) == 3 and parts[0] == "stages" and parts[2] in ("envs", "sources") and \
+                f"stages.{parts[1]}.phases" not in set_keys:
+            tree["stages"][parts[1]]["phases"] = []
     cfg = build(RunConfig, tree)
     return cfg, tree
+
+
+def read_override_file(path: str) -> dict[str, Any]:
+    """A user's YAML file of overrides (``config=FILE.yaml``) as dotted keys. It may nest
+    (``rl: {group_size: 8}``) or use dotted keys (``rl.group_size: 8``), like the command line;
+    ``profile`` and ``stage`` are taken as on the command line. A mapping the schema holds as one
+    value (``envs``, ``env_kwargs``, ``vllm.extra``, ...) replaces the configured one whole."""
+    p = Path(str(path))
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    out: dict[str, Any] = {}
+
+    def walk(node: dict, prefix: str) -> None:
+        for k, v in node.items():
+            key = f"{prefix}{k}"
+            if isinstance(v, dict) and v and _holds_fields(key):
+                walk(v, key + ".")
+            else:
+                out[key] = v
+
+    walk(_read_yaml(p), "")
+    return out
+
+
+def _holds_fields(key: str) -> bool:
+    """Whether the schema has named fields below ``key`` (a dataclass, or the ``stages`` mapping of
+    them), so a nested mapping there is a set of separate overrides; stage-relative keys
+    (``rl.group_size`` with ``stage=NAME``) resolve against :class:`StageConfig`."""
+    import dataclasses
+    import typing
+
+    parts = key.split(".")
+    cls: Any = RunConfig if parts[0] in RunConfig.__dataclass_fields__ else StageConfig
+    for p in parts:
+        if dataclasses.is_dataclass(cls):
+            cls = typing.get_type_hints(cls).get(p)
+        elif typing.get_origin(cls) is dict and typing.get_args(cls)[1:] and \
+                dataclasses.is_dataclass(typing.get_args(cls)[1]):
+            cls = typing.get_args(cls)[1]
+        else:
+            return False
+        if cls is None:
+            return False
+    return dataclasses.is_dataclass(cls) or (typing.get_origin(cls) is dict and
+                                             dataclasses.is_dataclass((typing.get_args(cls) or (0, 0))[1]))
 
 
 def _check_key_path(tree: dict, key: str) -> None:

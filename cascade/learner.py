@@ -48,8 +48,14 @@ class WorkerLearner:
             raise RuntimeError(f"cannot resume: the orchestrator's checkpoint is after update {start_update} but the "
                                f"trainer ranks have no complete checkpoint of it ({ck.parent}); remove "
                                f"{self.exchange} and the stage's checkpoints to start the stage again")
+        ref = getattr(rl_cfg, "kl_reference", None)  # the ranks run in the repository root: an absolute path
+        if ref:
+            from envs.hub import resolve_model
+
+            ref = str(resolve_model(ref, "KL reference").resolve())  # a directory, or a Hub id's cached snapshot
         cfg = RLUpdateConfig(loss=rl_cfg.loss, loss_cfg=rl_cfg.loss_cfg, optim=rl_cfg.optim,
-                             tokens_per_micro=tcfg.tokens_per_micro, dtype=dtype, pad_id=pad_id, sft_optim=sft_optim)
+                             tokens_per_micro=tcfg.tokens_per_micro, dtype=dtype, pad_id=pad_id, sft_optim=sft_optim,
+                             kl_reference=ref)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         conf = self.log_dir / "trainer-config.json"
         conf.write_text(json.dumps(config_dict(cfg), indent=1, default=list))

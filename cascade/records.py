@@ -22,13 +22,35 @@ def _scalars(d: dict, prefix: str = "") -> dict[str, float]:
     return out
 
 
+WANDB_ID_FILE = "wandb-run-id"
+
+
+def wandb_run_id(out: Path) -> str:
+    """The W&B run id of the run in ``out``: read from ``OUT/wandb-run-id``, made and written there
+    on first use, so that every resume of the run logs to the same W&B run."""
+    f = Path(out) / WANDB_ID_FILE
+    if f.exists() and f.read_text().strip():
+        return f.read_text().strip()
+    import secrets
+
+    rid = secrets.token_hex(4)  # 8 characters of [0-9a-f], as W&B's own ids are short lowercase strings
+    f.write_text(rid + "\n")
+    return rid
+
+
 class Records:
+    """``step_offsets`` (stage -> first step on the cascade's axis) place each stage's steps on one
+    axis for W&B, whose ``step`` must not go back; a record logged out of order (the pass-rate pool,
+    measured after the SFT steps but recorded at step 0) goes to the latest step already logged."""
+
     def __init__(self, out: Path, tensorboard: bool = False, wandb: bool = False, project: str = "cascade",
-                 config: dict | None = None):
+                 config: dict | None = None, step_offsets: dict[str, int] | None = None):
         self.path = Path(out) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(self.path, "a")
         self._tb = self._wb = None
+        self.step_offsets = dict(step_offsets or {})
+        self._wb_step = 0
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -41,7 +63,8 @@ class Records:
                 import wandb as wb
             except ImportError:
                 raise ValueError("logging.wandb=true needs the wandb package (pip install 'cascade-rl[wandb]')") from None
-            self._wb = wb.init(project=project, dir=str(out), config=config or {}, resume="allow")
+            self._wb = wb.init(project=project, dir=str(out), config=config or {}, id=wandb_run_id(out),
+                               resume="allow")
 
     def log(self, stage: str, phase: str, step: int, metrics: dict[str, Any]) -> None:
         rec = {**metrics, "stage": stage, "phase": phase, "step": int(step), "time": time.time()}
@@ -52,7 +75,8 @@ class Records:
             for k, v in flat.items():
                 self._tb.add_scalar(f"{stage}/{phase}/{k}", v, step)
         if self._wb is not None:
-            self._wb.log({f"{stage}/{phase}/{k}": v for k, v in flat.items()})
+            self._wb_step = max(self._wb_step, self.step_offsets.get(stage, 0) + int(step))
+            self._wb.log({f"{stage}/{phase}/{k}": v for k, v in flat.items()}, step=self._wb_step)
 
     def close(self) -> None:
         self._f.close()

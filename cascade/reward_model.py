@@ -11,12 +11,15 @@ from envs.base import Environment, Problem, Score
 
 
 class RewardModel:
-    """Any local ``AutoModelForSequenceClassification`` directory with one output (a scalar score)."""
+    """Any ``AutoModelForSequenceClassification`` with one output (a scalar score): a local directory
+    or a Hugging Face Hub id (``org/name``, through the HF cache and its offline rules)."""
 
     def __init__(self, path: str | Path, max_len: int = 2048, device: str = "cpu"):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        p = Path(path)
+        from envs.hub import resolve_model
+
+        p = resolve_model(path, "reward model")  # a local directory, or a Hub id through the HF cache
         if not (p / "config.json").exists():
             raise FileNotFoundError(f"reward model directory {str(p)!r} has no config.json")
         self.tok = AutoTokenizer.from_pretrained(str(p))
@@ -52,6 +55,12 @@ class GatedRewardEnv(Environment):
 
     def generate(self, seed: int, difficulty: int) -> Problem:
         return self.base.generate(seed, difficulty)
+
+    def heldout(self, seed: int, difficulty: int) -> Problem:
+        return self.base.heldout(seed, difficulty)
+
+    def heldout_texts(self) -> set[str]:
+        return self.base.heldout_texts() if hasattr(self.base, "heldout_texts") else set()
 
     def check(self, problem: Problem, response: str) -> Score:
         s = self.base.verify(problem, response)

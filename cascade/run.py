@@ -9,6 +9,7 @@ Run directory layout::
     OUT/stages/N-NAME/checkpoints/step-K/   periodic checkpoints (HF model + trainer state)
     OUT/stages/N-NAME/final/            the stage's hand-off: HF checkpoint + run_state.json
     OUT/tensorboard/                    with logging.tensorboard=true
+    OUT/wandb-run-id                    with logging.wandb=true: the W&B run a resume continues
 """
 from __future__ import annotations
 
@@ -17,19 +18,84 @@ from pathlib import Path
 
 import yaml
 
-USAGE = """usage: cascade run [stage=NAME] [profile=NAME] [model=PATH] [out=DIR] [key.sub=value ...]
+USAGE = """usage: cascade run [stage=NAME] [profile=NAME] [config=FILE.yaml] [model=PATH] [out=DIR] [key.sub=value ...]
+                   [print_config=true] [resume=false] [overwrite=true]
 
 Runs the four-stage cascade (warmup, rlve, math, behavior) or one stage. Keys follow
 configs/cascade.yaml; with stage=NAME, keys not at the top level are relative to that stage
-(e.g. `cascade run stage=math rl.group_size=8`). Rerunning the same command resumes."""
+(e.g. `cascade run stage=math rl.group_size=8`). config=FILE.yaml holds overrides (nested or
+dotted keys), applied after the profile and before the command line's.
+
+  print_config=true  print the resolved configuration (every key, as YAML) and exit
+  resume=false       start fresh; refused when out= holds a previous run
+  overwrite=true     start fresh, deleting the previous run's files in out= first
+
+Rerunning the same command resumes (resume=true, the default)."""
+
+# What a run writes directly under out= (what overwrite=true deletes; nothing else is touched).
+RUN_ENTRIES = ("config.yaml", "metrics.jsonl", "init-model", "stages", "exchange", "tensorboard", "wandb",
+               "wandb-run-id", "report.png")
+FLAGS = ("print_config", "resume", "overwrite")  # switches of this command, not configuration keys
+
+
+def _flags(overrides: dict) -> dict[str, bool]:
+    out = {"print_config": False, "resume": True, "overwrite": False}
+    for k in FLAGS:
+        if k in overrides:
+            v = overrides.pop(k)
+            if not isinstance(v, bool):
+                raise ValueError(f"{k} must be true or false, got {v!r}")
+            out[k] = v
+    return out
+
+
+def previous_run(out: Path) -> list[str]:
+    """The entries of an earlier run in ``out`` (empty: nothing to resume)."""
+    return [n for n in RUN_ENTRIES[:4] if (out / n).exists()]
+
+
+def start_fresh(out: Path, overwrite: bool, model: str | None = None) -> None:
+    """``resume=false``: refuse an ``out`` that holds a run; ``overwrite=true``: delete that run's files
+    (never the checkpoint ``model=`` names)."""
+    import shutil
+
+    found = previous_run(out)
+    if found and not overwrite:
+        raise ValueError(f"out={out} holds a previous run ({', '.join(found)}) and resume=false: pick another out=, "
+                         f"pass overwrite=true to delete it, or drop resume=false to continue it")
+    if model:
+        m = Path(model).resolve()
+        for n in RUN_ENTRIES:
+            if m == (out / n).resolve() or (out / n).resolve() in m.parents:
+                raise ValueError(f"overwrite=true would delete model={model} (it lies in out={out}); copy it elsewhere "
+                                 f"or pick another out=")
+    for n in RUN_ENTRIES:
+        p = out / n
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        elif p.exists() or p.is_symlink():
+            p.unlink()
+
+
+def step_offsets(cfg, names: list[str]) -> dict[str, int]:
+    """Each stage's first step on one axis over the whole cascade (W&B's ``step``): the steps (SFT +
+    RL) of the stages configured before it."""
+    out, at = {}, 0
+    for n in names:
+        out[n] = at
+        s = cfg.stages[n]
+        at += s.sft.steps + s.steps
+    return out
 
 
 def _initial_model(cfg, out: Path) -> Path:
     if cfg.model:
-        p = Path(cfg.model)
-        from train.model.hf_io import load_config
+        from envs.hub import resolve_model
+        from train.model.hf_io import check_loadable
 
-        load_config(p)  # fails now, with a one-line error, if the path is not a checkpoint
+        p = resolve_model(cfg.model)  # a local directory wins; else a Hub id through the HF cache (offline rules)
+
+        check_loadable(p)  # fails now, with a one-line error, if the path is not a checkpoint the backend loads
         return p
     init = out / "init-model"
     if not (init / "COMPLETE").exists():
@@ -38,6 +104,28 @@ def _initial_model(cfg, out: Path) -> Path:
         init_model(cfg.model_preset, init, seed=cfg.seed)
         (init / "COMPLETE").write_text("ok\n")
     return init
+
+
+def _check_model_refs(cfg) -> None:
+    """Reward models and KL references (local directories or Hub ids) and Hub datasets (an environment's
+    ``path``, ``sft.data``) fail now, in one line, when they cannot be had (not cached while offline, no
+    such directory), rather than when their stage starts."""
+    from envs.hub import is_hub_id, resolve_dataset, resolve_model
+
+    for name in cfg.order:
+        s = cfg.stages[name]
+        for what, ref in (("reward model", s.reward_model.path), ("KL reference", s.rl.kl_reference)):
+            if ref:
+                p = resolve_model(ref, what)
+                if not (p / "config.json").is_file():
+                    raise FileNotFoundError(f"stage {name}: {what} {ref!r} is not a checkpoint directory "
+                                            f"({str(p)!r} has no config.json)")
+        data = [(f"SFT data (stages.{name}.sft.data)", s.sft.data)]
+        data += [(f"dataset (stages.{name}.env_kwargs.{e}.path)", kw.get("path")) for e, kw in s.env_kwargs.items()
+                 if isinstance(kw, dict)]
+        for what, ref in data:
+            if isinstance(ref, str) and is_hub_id(ref):
+                resolve_dataset(ref, what)
 
 
 def _previous_final(cfg, out: Path, stage_index: int) -> Path | None:
@@ -57,22 +145,34 @@ def main(argv: list[str]) -> int:
         return 0
     from cascade.config import load_run_config, parse_overrides
 
-    cfg, tree = load_run_config(parse_overrides(argv))
+    overrides = parse_overrides(argv)
+    flags = _flags(overrides)
+    cfg, tree = load_run_config(overrides)
+    if flags["print_config"]:
+        import dataclasses
+
+        print(yaml.safe_dump(json.loads(json.dumps(dataclasses.asdict(cfg), default=str)), sort_keys=False), end="")
+        return 0
     out = Path(cfg.out)
+    if not flags["resume"] and not flags["overwrite"]:
+        start_fresh(out, False)  # refuse a previous run now, before any check takes time
     if cfg.threads > 0:
         import torch
 
         torch.set_num_threads(cfg.threads)
     if cfg.model:
         _initial_model(cfg, out)  # a bad model path fails here, before any work
-    from cascade.stage import expand_envs
+    _check_model_refs(cfg)
+    from cascade.stagedata import stage_mixes
 
-    for name in cfg.order:  # unknown environments fail here too
-        expand_envs(cfg.stages[name].envs)
+    for name in cfg.order:  # unknown environments (of the mix, its sources or its phases) fail here too
+        stage_mixes(cfg.stages[name])
     if cfg.rollout.urls:  # unreachable servers, or servers disagreeing on the model, fail here too
         from train.engine.remote import RemoteEngine
 
         RemoteEngine(cfg.rollout.urls, api_key=cfg.rollout.api_key, timeout=10.0).close()
+    if flags["overwrite"]:
+        start_fresh(out, True, cfg.model)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(tree, sort_keys=False))
 
@@ -83,8 +183,9 @@ def main(argv: list[str]) -> int:
     from cascade.stage import StageRunner
 
     console = Console(stderr=True)
-    records = Records(out, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project, tree)
     all_names = list(tree["stages"])
+    records = Records(out, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project, tree,
+                      step_offsets=step_offsets(cfg, all_names))
     summary = []
     progress = Progress(TextColumn("[bold]{task.description:>9}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console,
@@ -94,7 +195,8 @@ def main(argv: list[str]) -> int:
             for name in cfg.order:
                 index = all_names.index(name) if name in all_names else len(all_names)
                 prev = _previous_final(cfg, out, index)
-                src = Path(cfg.model) if cfg.model and name == cfg.order[0] else (prev or _initial_model(cfg, out))
+                first = cfg.model and name == cfg.order[0]  # model= (a directory, or a Hub id's cached snapshot)
+                src = _initial_model(cfg, out) if first else (prev or _initial_model(cfg, out))
                 runner = StageRunner(name, index, cfg.stages[name], cfg, out, records, progress)
                 final = runner.run(src)
                 summary.append(json.loads((final / "run_state.json").read_text()))

@@ -6,8 +6,8 @@ A stage starts from the previous stage's ``final/`` checkpoint (or the initial m
 """
 from __future__ import annotations
 
+import contextlib
 import copy
-import fnmatch
 import json
 import random
 import time
@@ -29,8 +29,10 @@ def expand_envs(spec: dict[str, float]) -> dict[str, float]:
     known = list_envs()
     out: dict[str, float] = {}
     for pat, w in spec.items():
-        if any(c in pat for c in "*?["):
-            hits = [e for e in known if fnmatch.fnmatch(e, pat)]
+        if any(c in pat for c in "*?[|"):
+            from envs.check import match_pattern  # "A|B": the first alternative that matches, logged
+
+            hits = match_pattern(pat, known)
             if not hits:
                 raise ConfigError(f"environment pattern {pat!r} matches nothing; `cascade envs list` shows the ids")
             for e in hits:
@@ -42,13 +44,22 @@ def expand_envs(spec: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def handed_over(start_dir: Path, key: str):
+    """``key`` of the run state a previous stage handed over in ``start_dir/run_state.json`` (its
+    ``final/``); None when the stage starts from a plain model or the key is absent."""
+    f = Path(start_dir) / "run_state.json"
+    if not f.exists():
+        return None
+    return json.loads(f.read_text()).get(key)
+
+
 def make_engine(rcfg: RunConfig, model_dir: Path, policy, tokenizer):
     if rcfg.engine == "vllm":
         try:
             from train.engine.vllm_engine import VLLMEngine
         except ImportError as e:
             raise ConfigError(f"engine=vllm needs vllm installed ({e}); see the README's vLLM section") from None
-        return VLLMEngine(str(model_dir), dtype=rcfg.dtype)
+        return VLLMEngine(str(model_dir), **rcfg.vllm.engine_kwargs(rcfg.dtype))
     from train.engine.torch_engine import TorchEngine
 
     return TorchEngine(copy.deepcopy(policy), tokenizer)
@@ -74,7 +85,9 @@ class StageRunner:
         from envs.curriculum import Curriculum
 
         s = self.scfg
-        weights = expand_envs(s.envs)
+        from cascade.stagedata import stage_mixes, union_mix
+
+        weights = union_mix(stage_mixes(s))  # every phase's environments (apply_phase sets the phase's mix)
         environments = {}
         if s.reward_model.path:
             from cascade.reward_model import GatedRewardEnv, RewardModel
@@ -104,17 +117,15 @@ class StageRunner:
         tok = load_tokenizer(src)
         from cascade.rollout import ServedEngine, served_engine
 
-        engine = served_engine(r, src, self.dir.parent.parent, self.dir / "logs") or make_engine(r, src, policy, tok)
+        slow_start = r.engine == "vllm" or r.rollout.servers > 0  # vLLM, or rollout servers to start
+        with self.phase("engine", None, "starting the rollout engine") if slow_start else contextlib.nullcontext():
+            engine = (served_engine(r, src, self.dir.parent.parent, self.dir / "logs")
+                      or make_engine(r, src, policy, tok))
         pipe = None  # PipelineRL around the trainer once RL starts, when max_staleness > 0
         rl = None
         try:
             curriculum = self.build_curriculum(tok)
-            mixer = None
-            if s.aggregation.fraction > 0:
-                from cascade.aggregation import AggregationMixer
-
-                a = s.aggregation
-                mixer = AggregationMixer(tok, a.fraction, a.tails, a.tail_tokens, a.template, a.buffer, r.seed + self.index)
+            mixer = self.make_mixer(tok)
             rl_cfg = copy.deepcopy(s.rl)
             rl_cfg.seed = r.seed + 7919 * (self.index + 1)
             if rl_cfg.optim.schedule != "constant" and not rl_cfg.optim.total_steps:
@@ -126,6 +137,9 @@ class StageRunner:
                                 system_prompt=rl_cfg.system_prompt, seed=r.seed + self.index)
             sft = SFTTrainer(policy, tok, sft_cfg) if s.sft.steps > 0 else None
             state = {"step": 0, "pool": None, "eval_before": None}
+            carried = handed_over(start_dir, "length_reward")  # p* and the c schedule run on across stages
+            if carried is not None:
+                rl.length_state.load_state_dict(carried)
             if latest is not None:
                 tstate, state = load_trainer_state(latest)
                 if state["pool"] is not None:
@@ -143,10 +157,14 @@ class StageRunner:
                 except RemoteError as e:
                     raise ConfigError(f"the rollout servers cannot load this run's weights ({e}); servers given by "
                                       f"rollout.urls must run with --weights-dir {engine.exchange}") from None
+            if mixer is not None and s.aggregation.expert and not mixer.expert:
+                self.expert_tails(mixer, curriculum, rl)
             held = self.eval_problems(curriculum)
             if state["eval_before"] is None:
-                state["eval_before"] = rl.evaluate(held)
-                self.records.log(self.name, "eval", 0, {"accuracy_before": state["eval_before"]})
+                ev = self.evaluate_k(rl, held, "before")
+                state["eval_before"], state["eval_before_families"] = ev["accuracy"], ev["families"]
+                self.records.log(self.name, "eval", 0, {"accuracy_before": ev["accuracy"], "eval_k": ev["k"],
+                                                        "accuracy_before_by_family": ev["families"]})
             total = self.total_steps()
             task = self.progress.add_task(self.name, total=total, completed=state["step"], info="") if self.progress else None
             sft_data = None
@@ -179,9 +197,11 @@ class StageRunner:
                         from train.rl.pipeline import Pipeline
 
                         pipe = Pipeline(rl)
+                    data = self.apply_phase(rl, curriculum, mixer, step - s.sft.steps)
                     m = pipe.step() if pipe is not None else rl.step()
+                    m.update(data)
                     if mixer is not None:
-                        m["aggregation_prompts"] = mixer.made
+                        m.update(mixer.metrics())
                     if isinstance(engine, ServedEngine):
                         m["prompts_resent"] = engine.remote.resent
                         m["server_restarts"] = engine.pool.restarts if engine.pool is not None else 0
@@ -204,8 +224,12 @@ class StageRunner:
 
                 load_into(policy, rl.learner.final())
             ckpt.wait()
-            after = rl.evaluate(held)
-            self.records.log(self.name, "eval", total, {"accuracy_before": state["eval_before"], "accuracy_after": after})
+            rl.cfg.sampling.max_new_tokens = s.rl.sampling.max_new_tokens  # evaluated as before the stage
+            after = self.evaluate_k(rl, held, "after")
+            self.records.log(self.name, "eval", total, {"accuracy_before": state["eval_before"],
+                                                        "accuracy_after": after["accuracy"], "eval_k": after["k"],
+                                                        "accuracy_before_by_family": state.get("eval_before_families"),
+                                                        "accuracy_after_by_family": after["families"]})
             self.write_final(policy, src, rl, sft, mixer, state, after)
         finally:
             if pipe is not None:
@@ -217,41 +241,212 @@ class StageRunner:
         return self.final
 
     # ------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def phase(self, what: str, total: int | None, info: str):
+        """A progress bar for one phase of the stage (``total=None``: a pulsing one); yields
+        ``advance(k)``. The bar goes when the phase ends."""
+        if self.progress is None:
+            yield lambda k=1: None
+            return
+        task = self.progress.add_task(what, total=total, info=f"{self.name}: {info}")
+        try:
+            yield lambda k=1: self.progress.advance(task, k)
+        finally:
+            self.progress.remove_task(task)
+
+    def chunk(self, rl, samples: int) -> int:
+        """Problems per engine call in the long phases (pool filter, evaluation): one RL step's rollouts."""
+        return max(1, rl.cfg.prompts_per_step * rl.cfg.group_size // max(samples, 1))
+
+    def evaluate(self, rl, held: list, when: str) -> float:
+        """Held-out accuracy (:meth:`evaluate_k`'s overall figure)."""
+        return self.evaluate_k(rl, held, when)["accuracy"]
+
+    def evaluate_k(self, rl, held: list, when: str) -> dict:
+        """avg@k on the held-out problems (``eval_k`` sampled answers each; 0: one greedy answer), overall
+        and per environment family (cascade/evaluation.py), with a progress bar: the problems go to the
+        engine one RL step's worth of rollouts at a time; prompts too long for the context are left out."""
+        from cascade.evaluation import avg_at_k
+
+        k = self.scfg.eval_k
+        what = f"avg@{k}" if k else "greedy"
+        with self.phase("eval", len(held), f"held-out accuracy ({what}) {when} the stage") as advance:
+            return avg_at_k(rl, held, k, seed=self.rcfg.seed + self.index, chunk=self.chunk(rl, max(k, 1)),
+                            advance=advance)
+
+    # -- stage data: phases, the response cap, aggregation sources ---------------------------------
+    def apply_phase(self, rl, curriculum, mixer, rl_step: int) -> dict:
+        """Before RL step ``rl_step``: the phase's mix and aggregation share, and the response cap of
+        ``max_new_tokens_schedule``; returns what to log."""
+        from cascade.stagedata import max_new_tokens_at, phase_at, set_mix, stage_mixes
+
+        s = self.scfg
+        out = {}
+        if s.phases:
+            idx, ph = phase_at(s, rl_step)
+            set_mix(curriculum, stage_mixes(s)[idx])
+            if mixer is not None:
+                mixer.fraction = s.aggregation.fraction if ph.aggregation is None else ph.aggregation
+            out["mix_phase"] = idx
+        if s.max_new_tokens_schedule:
+            if not rl.cfg.length_cfg.l_max:  # the length reward's l_max stays the constant it was (RECIPE.md)
+                rl.cfg.length_cfg.l_max = s.rl.sampling.max_new_tokens
+            rl.cfg.sampling.max_new_tokens = max_new_tokens_at(s, rl_step, s.rl.sampling.max_new_tokens)
+            out["max_new_tokens"] = rl.cfg.sampling.max_new_tokens
+        return out
+
+    def make_mixer(self, tok):
+        """The aggregation mixer (None when no aggregation prompts are configured, in any phase)."""
+        s, a = self.scfg, self.scfg.aggregation
+        if a.fraction <= 0 and not any(p.aggregation for p in s.phases):
+            return None
+        from cascade.aggregation import AggregationMixer
+        from train.rl.trainer import encode_prompt
+
+        def prompt_len(text: str) -> int:
+            return len(encode_prompt(tok, text, s.rl.chat_template, s.rl.system_prompt))
+
+        return AggregationMixer(tok, a.fraction, a.tails, a.tail_tokens, a.template, a.buffer, self.rcfg.seed + self.index,
+                                max_prompt_tokens=a.max_prompt_tokens, prompt_len=prompt_len,
+                                expert_fraction=a.expert_fraction if a.expert else 0.0,
+                                pacore_fraction=a.pacore_fraction)
+
+    def model_ref(self, ref: str) -> Path:
+        """A checkpoint named in the config: an earlier stage of this run (its ``final/``), a local
+        directory or an HF Hub id."""
+        from envs.hub import resolve_model
+
+        hits = sorted(self.dir.parent.glob(f"*-{ref}/final"))
+        if hits and is_complete(hits[-1]):
+            return hits[-1]
+        p = resolve_model(ref, "checkpoint")
+        if not (p / "config.json").is_file():
+            raise ConfigError(f"stage {self.name}: {ref!r} is neither a finished stage of this run nor a checkpoint "
+                              f"directory ({str(p)!r} has no config.json)")
+        return p
+
+    @contextlib.contextmanager
+    def other_engine(self, ref: str):
+        """An engine (and its tokenizer) on the checkpoint ``ref``, closed afterwards."""
+        from train.model.hf_io import load_pretrained
+        from train.tokenizer import load_tokenizer
+
+        r = self.rcfg
+        path = self.model_ref(ref)
+        model = load_pretrained(path, dtype=torch.bfloat16 if r.dtype == "bfloat16" else torch.float32, device=r.device)
+        tok = load_tokenizer(path)
+        engine = make_engine(r, path, model, tok)
+        try:
+            yield engine, tok
+        finally:
+            if hasattr(engine, "close"):
+                engine.close()
+
+    def expert_tails(self, mixer, curriculum, rl) -> None:
+        """Expert aggregation: rollouts of ``aggregation.expert`` on problems of the stage's mix, kept
+        by the mixer as tails of expert-aggregation prompts (once per stage; the mixer's state keeps them)."""
+        from cascade.aggregation import sample_rollouts
+
+        a = self.scfg.aggregation
+        picks = curriculum.sample(random.Random(self.rcfg.seed + 97 * self.index), a.expert_problems)
+        c = rl.cfg
+        with self.other_engine(a.expert) as (engine, etok), \
+                self.phase("expert", len(picks), f"expert rollouts from {a.expert}") as advance:
+            rolled = sample_rollouts(engine, etok, picks, a.expert_samples, c.sampling.params(a.expert_samples, self.rcfg.seed),
+                                     c.chat_template, c.system_prompt, chunk=self.chunk(rl, a.expert_samples),
+                                     advance=advance)
+        for e, p, comps in rolled:
+            mixer.remember_expert(e, p, comps)
+        self.records.log(self.name, "expert", 0, {"expert_problems": len(rolled), "expert_pool": len(mixer.expert)})
+
+    def aggregation_sft(self, tok, curriculum, n_other: int) -> list[tuple[str, str]]:
+        """SFT pairs for aggregation from ``sft.aggregation.teacher`` (cascade/aggregation.py), as many
+        as make ``fraction`` of the SFT examples beside the ``n_other`` others."""
+        from cascade.aggregation import aggregation_sft_pairs
+        from train.rl.trainer import encode_prompt
+
+        s = self.scfg
+        a = s.sft.aggregation
+        rc = s.rl
+        picks = curriculum.sample(random.Random(self.rcfg.seed + 53 * self.index), a.problems)
+        params = rc.sampling.params(a.samples, self.rcfg.seed + self.index)
+        if a.max_new_tokens:
+            params.max_tokens = a.max_new_tokens
+        with self.other_engine(a.teacher) as (engine, ttok), \
+                self.phase("sft data", len(picks), f"aggregation examples from {a.teacher}") as advance:
+            pairs, stats = aggregation_sft_pairs(
+                engine, ttok, picks, curriculum.envs.__getitem__, params, samples=a.samples, shuffles=a.shuffles,
+                tails=a.tails, tail_tokens=a.tail_tokens, template=a.template,
+                max_prompt_tokens=s.aggregation.max_prompt_tokens,
+                prompt_len=lambda t: len(encode_prompt(tok, t, rc.chat_template, rc.system_prompt)),
+                chat=rc.chat_template, system=rc.system_prompt, seed=self.rcfg.seed + self.index, advance=advance)
+        want = round(a.fraction / max(1e-9, 1 - a.fraction) * n_other) if a.fraction < 1 else len(pairs)
+        pairs = pairs[:max(want, 0)]
+        self.records.log(self.name, "sft_data", 0, {**stats, "aggregation_sft_examples": len(pairs)})
+        return pairs
+
     def eval_problems(self, curriculum):
         rng = random.Random(10_000 + self.index)
         ids = sorted(curriculum.envs)
         out = []
         for i in range(self.scfg.eval_problems):
             e = ids[i % len(ids)]
-            out.append((e, curriculum.envs[e].generate(10**9 + rng.getrandbits(30), 0)))
+            out.append((e, curriculum.envs[e].heldout(10**9 + rng.getrandbits(30), 0)))
+        return out
+
+    @staticmethod
+    def heldout_texts(curriculum) -> set[str]:
+        """Normalized texts of the problems the environments hold out for evaluation (``math`` datasets)."""
+        out: set[str] = set()
+        for env in (curriculum.envs.values() if curriculum is not None else ()):
+            if hasattr(env, "heldout_texts"):
+                out |= env.heldout_texts()
         return out
 
     def sft_examples(self, sft, tok, curriculum):
         from cascade.trim import trim_pairs
-        from train.rl.trainer import encode_prompt
-        from train.sft import load_pairs, reference_pairs
+        from envs.hub import normalize_text
+        from train.sft import load_pairs, prompt_ids, prompt_text, reference_pairs
 
         s = self.scfg.sft
+        extra = {}
         if s.data:
-            pairs = load_pairs(s.data)
+            pairs = load_pairs(s.data, s.columns, s.split, s.subset)
+            held = self.heldout_texts(curriculum)
+            if held:  # held-out evaluation never sees a prompt trained on, from SFT data either
+                n = len(pairs)
+                pairs = [pr for pr in pairs if normalize_text(prompt_text(pr[0])) not in held]
+                extra["dropped_heldout"] = n - len(pairs)
         else:
             env_ids = s.envs or [e for e in curriculum.envs if ":" not in e]
-            pairs = reference_pairs(env_ids, s.examples, seed=self.rcfg.seed + self.index, difficulties=s.difficulties,
-                                    env_kwargs=self.scfg.env_kwargs)
+            with self.phase("sft data", s.examples, "reference solutions") as advance:
+                pairs = reference_pairs(env_ids, s.examples, seed=self.rcfg.seed + self.index,
+                                        difficulties=s.difficulties, env_kwargs=self.scfg.env_kwargs, advance=advance)
+        if s.aggregation.teacher and s.aggregation.fraction > 0:  # C teacher tails -> the teacher's aggregated answer
+            pairs = list(pairs) + self.aggregation_sft(tok, curriculum, len(pairs))
         cfg = sft.cfg
-        pairs, dropped = trim_pairs(tok, pairs, cfg.max_len - 1,
-                                    lambda p: len(encode_prompt(tok, p, cfg.chat_template, cfg.system_prompt)))
-        if not pairs:
+        kept, dropped, encoded = [], 0, []
+        with self.phase("sft data", len(pairs), "trimming and tokenizing") as advance:
+            for i in range(0, len(pairs), 256):
+                part, d = trim_pairs(tok, pairs[i:i + 256], cfg.max_len - 1,
+                                     lambda p: len(prompt_ids(tok, p, cfg.chat_template, cfg.system_prompt)))
+                kept += part
+                dropped += d
+                encoded += sft.encode(part)
+                advance(min(256, len(pairs) - i))
+        if not kept:
             raise ConfigError(f"stage {self.name}: no SFT example fits sft.max_len={cfg.max_len}")
-        self.records.log(self.name, "sft_data", 0, {"examples": len(pairs), "dropped_by_trim": dropped})
-        return sft.encode(pairs)
+        self.records.log(self.name, "sft_data", 0, {"examples": len(kept), "dropped_by_trim": dropped, **extra})
+        return encoded
 
     def filter_pool(self, rl, curriculum) -> list:
         from cascade.pool import filter_by_pass_rate
 
         p = self.scfg.pool
         picks = curriculum.sample(random.Random(self.rcfg.seed + 31 * self.index), p.size)
-        kept, rates = filter_by_pass_rate(rl, picks, p.samples, p.max_pass_rate, p.min_pass_rate)
+        with self.phase("pool", len(picks), f"pass-rate filter, {p.samples} rollouts per problem") as advance:
+            kept, rates = filter_by_pass_rate(rl, picks, p.samples, p.max_pass_rate, p.min_pass_rate,
+                                              chunk=self.chunk(rl, p.samples), advance=advance)
         if not kept:
             kept = picks  # nothing in range: train on the whole pool rather than stop (logged)
         self.records.log(self.name, "pool", 0, {"pool_size": len(picks), "pool_kept": len(kept),
@@ -297,7 +492,7 @@ class StageRunner:
         _fault("before_checkpoint", state["step"])
         ckpt.save(state["step"], policy, src, self._trainer_state(rl, sft, mixer), dict(state))
 
-    def write_final(self, policy, src: Path, rl, sft, mixer, state: dict, after: float) -> None:
+    def write_final(self, policy, src: Path, rl, sft, mixer, state: dict, after: dict) -> None:
         import shutil
 
         from train.model.hf_io import save_pretrained
@@ -307,8 +502,10 @@ class StageRunner:
         save_pretrained(policy, tmp)
         copy_tokenizer(src, tmp)
         run_state = {"stage": self.name, "steps": state["step"], "started_from": str(src), "accuracy_before": state["eval_before"],
-                     "accuracy_after": after, "difficulty": rl.curriculum.difficulties(),
-                     "finished": time.time()}
+                     "accuracy_after": after["accuracy"], "eval_k": after["k"],
+                     "accuracy_before_by_family": state.get("eval_before_families"),
+                     "accuracy_after_by_family": after["families"], "difficulty": rl.curriculum.difficulties(),
+                     "length_reward": rl.length_state.state_dict(), "finished": time.time()}
         (tmp / "run_state.json").write_text(json.dumps(run_state, indent=2, default=str))
         torch.save(self._trainer_state(rl, sft, mixer), tmp / "trainer_state.pt")
         if self.final.exists():

@@ -123,6 +123,12 @@ class Environment:
         raise NotImplementedError
 
     # -- provided -----------------------------------------------------------------------------
+    def heldout(self, seed: int, difficulty: int) -> Problem:
+        """A problem for held-out evaluation. Procedural environments give ``generate``'s (the stage
+        evaluates on seeds training does not draw); environments over a fixed set of problems (the
+        ``math`` dataset) override it to draw only from a held-out split that ``generate`` never uses."""
+        return self.generate(seed, difficulty)
+
     def verify(self, problem: Problem, response: str) -> Score:
         """Score ``response``; never raises."""
         if not isinstance(response, str):
@@ -252,10 +258,12 @@ def get_env(name: str, **kwargs) -> Environment:
         return obj(**kwargs) if isinstance(obj, type) else obj
     _load_builtin()
     load_entry_points()
-    if name in _REGISTRY:
-        return _REGISTRY[name](**kwargs)
-    if name in _FACTORIES:
-        return _FACTORIES[name](**kwargs)
+    if name in _REGISTRY or name in _FACTORIES:
+        env = _REGISTRY[name](**kwargs) if name in _REGISTRY else _FACTORIES[name](**kwargs)
+        from envs.caps import apply  # recorded difficulty caps and the generation time bound
+
+        apply(name, env)
+        return env
     import difflib
 
     close = difflib.get_close_matches(name, list(_REGISTRY) + list(_FACTORIES), n=5)

@@ -5,17 +5,25 @@ was generated in between) and JSON-serialisable; the reference response verifies
 corruption verifies as correct; every reward is in [-1, 1]; every verify returns within the
 environment's ``verify_time_limit``. An environment with a ``no_reference_reason`` (no oracle
 answer exists) is exempt from "the reference verifies" only.
+
+:func:`check_ids` (``cascade envs check``) checks environments in worker processes, ``jobs`` at a
+time, with every ``generate`` under a time bound: a generator that exceeds it at difficulty ``d``
+is stopped (its worker killed), the environment is capped at ``d - 1`` and checked again below
+``d``; :func:`update_caps` records the caps where :func:`envs.base.get_env` reads them
+(``envs/caps.py``). Each result carries generation and verification timings.
 """
 from __future__ import annotations
 
 import fnmatch
 import json
+import os
 import time
+from dataclasses import dataclass, field
 from typing import Iterable
 
 from envs.base import Environment, Problem, Score, get_env, list_envs
 
-__all__ = ["self_check", "check_ids", "expand_ids"]
+__all__ = ["self_check", "check_ids", "check_one", "expand_ids", "CheckResult", "update_caps"]
 
 
 def _problem_key(p: Problem) -> str:
@@ -93,6 +101,31 @@ def _short(info: dict) -> str:
     return json.dumps(info, default=repr)[:300]
 
 
+_SAID: set[tuple[str, str]] = set()
+
+
+def match_pattern(pattern: str, known: Iterable[str], say: bool = True) -> list[str]:
+    """Ids in ``known`` matching ``pattern``: a ``*`` glob, or alternatives ``A|B|...`` of which the
+    first that matches anything is used (``"rlve/*|gym/*"``: RLVE-Gym's environments where the
+    package is installed, Cascade's own otherwise); with ``say``, prints which one was used."""
+    known = list(known)
+    alts = [a.strip() for a in pattern.split("|") if a.strip()]
+    for alt in alts:
+        hits = [i for i in known if fnmatch.fnmatchcase(i, alt)] if any(c in alt for c in "*?[") else \
+            [i for i in known if i == alt]
+        if hits:
+            if say and len(alts) > 1 and (pattern, alt) not in _SAID:
+                import sys
+
+                _SAID.add((pattern, alt))
+                skipped = alts[:alts.index(alt)]
+                why = f" ({', '.join(skipped)} matched nothing: package not installed?)" if skipped else ""
+                print(f"[envs] {pattern!r}: using {alt!r}, {len(hits)} environments{why}", file=sys.stderr,
+                      flush=True)
+            return hits
+    return []
+
+
 def expand_ids(patterns: Iterable[str] | None) -> list[str]:
     """Registered ids matching any of ``patterns`` (exact ids, ``*`` globs or ``pkg.mod:Class``)."""
     all_ids = list_envs()
@@ -103,8 +136,8 @@ def expand_ids(patterns: Iterable[str] | None) -> list[str]:
     for pat in patterns:
         if ":" in pat:
             hits = [pat]
-        elif any(ch in pat for ch in "*?["):
-            hits = [i for i in all_ids if fnmatch.fnmatchcase(i, pat)]
+        elif any(ch in pat for ch in "*?[|"):
+            hits = match_pattern(pat, all_ids)
         else:
             hits = [pat]  # get_env explains an unknown id
         if not hits:
@@ -113,28 +146,250 @@ def expand_ids(patterns: Iterable[str] | None) -> list[str]:
     return out
 
 
-def check_one(env_id: str, difficulties: list[int], seeds: list[int], env_kwargs: dict | None = None) -> tuple[str, list[str], float]:
-    """(id, failures, seconds) of one environment; an environment that fails to build is a failure."""
+def _instrument(env: Environment, stats: dict, notify=None) -> None:
+    """Time ``env``'s generate and verify calls into ``stats``; ``notify`` hears each generate start/end."""
+    gen, ver = env.generate, env.verify
+    stats.update(gen_n=0, gen_s=0.0, gen_max_s=0.0, ver_n=0, ver_s=0.0)
+
+    def generate(seed, difficulty):
+        if notify is not None:
+            notify(("gen", int(difficulty), int(seed)))
+        t = time.perf_counter()
+        try:
+            return gen(seed, difficulty)
+        finally:
+            dt = time.perf_counter() - t
+            stats["gen_n"] += 1
+            stats["gen_s"] += dt
+            stats["gen_max_s"] = max(stats["gen_max_s"], dt)
+            if notify is not None:
+                notify(("gen_end",))
+
+    def verify(problem, response):
+        t = time.perf_counter()
+        try:
+            return ver(problem, response)
+        finally:
+            stats["ver_n"] += 1
+            stats["ver_s"] += time.perf_counter() - t
+
+    env.generate, env.verify = generate, verify
+
+
+def _check_stats(env_id: str, difficulties: list[int], seeds: list[int], env_kwargs: dict | None = None,
+                 notify=None) -> tuple[str, list[str], float, dict]:
     t = time.perf_counter()
+    stats: dict = {}
     try:
         env = get_env(env_id, **(env_kwargs or {}))
     except Exception as e:  # noqa: BLE001
-        return env_id, [f"{env_id}: cannot build: {type(e).__name__}: {e}"], time.perf_counter() - t
-    return env_id, self_check(env, difficulties, seeds), time.perf_counter() - t
+        return env_id, [f"{env_id}: cannot build: {type(e).__name__}: {e}"], time.perf_counter() - t, stats
+    _instrument(env, stats, notify)
+    return env_id, self_check(env, difficulties, seeds), time.perf_counter() - t, stats
 
 
-def check_ids(ids: list[str], difficulties: list[int], seeds: list[int], jobs: int = 1,
-              env_kwargs: dict | None = None):
-    """Yield ``check_one`` results for ``ids``, in order, using ``jobs`` processes."""
-    if jobs <= 1 or len(ids) <= 1:
-        for i in ids:
-            yield check_one(i, difficulties, seeds, env_kwargs)
-        return
+def check_one(env_id: str, difficulties: list[int], seeds: list[int], env_kwargs: dict | None = None) -> tuple[str, list[str], float]:
+    """(id, failures, seconds) of one environment; an environment that fails to build is a failure."""
+    return _check_stats(env_id, difficulties, seeds, env_kwargs)[:3]
+
+
+# -- the supervised, parallel check ------------------------------------------------------------------
+@dataclass
+class CheckResult:
+    env_id: str
+    failures: list[str]
+    seconds: float
+    stats: dict = field(default_factory=dict)
+    cap: int | None = None  # highest difficulty whose generation kept within the time bound, if capped
+    cap_reason: str = ""
+
+
+def _worker(conn, env_kwargs) -> None:  # pragma: no cover - runs in a child process
+    os.environ["CASCADE_NO_DIFFICULTY_CAPS"] = "1"  # measure the generators themselves
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            return
+        env_id, diffs, seeds = msg
+        try:
+            res = _check_stats(env_id, diffs, seeds, env_kwargs, notify=conn.send)
+        except BaseException as e:  # noqa: BLE001
+            res = (env_id, [f"{env_id}: check crashed: {type(e).__name__}: {e}"], 0.0, {})
+        conn.send(("result",) + tuple(res))
+
+
+def _preload(ids: list[str]) -> None:
+    """Import the heavy third-party packages once in the parent, so forked workers share them."""
+    import importlib
+
+    for prefix, mods in (("rlve/", ("Gym.environments", "Gym.parameter_controllers")),
+                         ("rg/", ("reasoning_gym",)), ("rc/", ("reasoning_core",))):
+        if any(i.startswith(prefix) for i in ids):
+            for m in mods:
+                try:
+                    importlib.import_module(m)
+                except Exception:  # noqa: BLE001 - the worker reports the failure per environment
+                    pass
+
+
+class _Slot:
+    def __init__(self, ctx, env_kwargs):
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker, args=(child, env_kwargs), daemon=True)
+        self.proc.start()
+        child.close()
+        self.job = None  # (env_id, diffs, t0)
+        self.gen = None  # (difficulty, seed, t0) of the generate in progress
+
+    def kill(self) -> None:
+        try:
+            self.proc.kill()
+            self.proc.join(5)
+        except Exception:  # noqa: BLE001
+            pass
+        self.conn.close()
+
+
+def check_ids(ids: list[str], difficulties: list[int], seeds: list[int], jobs: int = 2,
+              env_kwargs: dict | None = None, gen_limit: float | None = None,
+              env_limit: float = 300.0, in_process: bool = False):
+    """Yield a :class:`CheckResult` per id (in completion order), checking ``jobs`` at a time.
+
+    Each environment runs in a worker process. One ``generate`` that takes longer than
+    ``gen_limit`` seconds (default: the environment's ``generate_time_limit``, else
+    :data:`envs.caps.GENERATE_TIME_LIMIT`) at difficulty ``d`` stops the worker; the environment
+    is then capped at ``d - 1`` (``CheckResult.cap``) and checked again on the difficulties below
+    ``d`` (a bound at the lowest difficulty checked is a failure). A whole check of one environment
+    longer than ``env_limit`` seconds is a failure. ``in_process=True`` checks in this process,
+    without time bounds.
+    """
     import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing.connection import wait
 
+    from envs import caps as _caps
+
+    diffs, seeds = sorted(set(int(d) for d in difficulties)), list(seeds)
+    if in_process:
+        for i in ids:
+            env_id, fails, dt, stats = _check_stats(i, diffs, seeds, env_kwargs)
+            yield CheckResult(env_id, fails, dt, stats)
+        return
+    default_limit = float(gen_limit) if gen_limit else None
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as ex:
-        futs = [ex.submit(check_one, i, difficulties, seeds, env_kwargs) for i in ids]
-        for f in futs:
-            yield f.result()
+    if ctx.get_start_method() == "fork":
+        _preload(ids)
+    pending = [(i, diffs) for i in ids]
+    first_t: dict[str, float] = {}
+    capped: dict[str, tuple[int, str]] = {}
+    limits: dict[str, float] = {}
+
+    def limit_of(env_id: str) -> float:
+        if default_limit:
+            return default_limit
+        if env_id not in limits:
+            lim = _caps.GENERATE_TIME_LIMIT
+            if ":" not in env_id:
+                try:
+                    from envs.base import _FACTORIES, _REGISTRY  # noqa: PLC0415
+
+                    obj = _REGISTRY.get(env_id) or getattr(_FACTORIES.get(env_id), "func", None)
+                    lim = float(getattr(obj, "generate_time_limit", None) or lim)
+                except Exception:  # noqa: BLE001
+                    pass
+            limits[env_id] = lim
+        return limits[env_id]
+
+    slots = [_Slot(ctx, env_kwargs) for _ in range(max(1, min(int(jobs), len(ids))))]
+    try:
+        while pending or any(s.job for s in slots):
+            for k, s in enumerate(slots):
+                if s.job is None and pending:
+                    env_id, ds = pending.pop(0)
+                    first_t.setdefault(env_id, time.perf_counter())
+                    try:
+                        s.conn.send((env_id, ds, seeds))
+                    except (BrokenPipeError, OSError):
+                        s.kill()
+                        slots[k] = s = _Slot(ctx, env_kwargs)
+                        s.conn.send((env_id, ds, seeds))
+                    s.job, s.gen = (env_id, ds, time.perf_counter()), None
+            busy = [s for s in slots if s.job]
+            ready = wait([s.conn for s in busy], timeout=0.2)
+            now = time.perf_counter()
+            for k, s in enumerate(slots):
+                if s.job is None:
+                    continue
+                env_id, ds, t0 = s.job
+                done = None
+                if s.conn in ready:
+                    try:
+                        while s.conn.poll():
+                            msg = s.conn.recv()
+                            if msg[0] == "gen":
+                                s.gen = (msg[1], msg[2], time.perf_counter())
+                            elif msg[0] == "gen_end":
+                                s.gen = None
+                            elif msg[0] == "result":
+                                done = msg
+                                break
+                    except (EOFError, OSError):
+                        done = ("result", env_id, [f"{env_id}: the check's worker died"], now - t0, {})
+                        s.kill()
+                        slots[k] = _Slot(ctx, env_kwargs)
+                if done is not None:
+                    _, _, fails, _, stats = done
+                    cap = capped.get(env_id)
+                    slots[k].job = None
+                    yield CheckResult(env_id, list(fails), time.perf_counter() - first_t[env_id], stats,
+                                      cap[0] if cap else None, cap[1] if cap else "")
+                    continue
+                lim = limit_of(env_id)
+                if s.gen is not None and now - s.gen[2] > lim:
+                    d, seed = s.gen[0], s.gen[1]
+                    s.kill()
+                    slots[k] = _Slot(ctx, env_kwargs)
+                    lower = [x for x in ds if x < d]
+                    reason = f"generate(seed={seed}, difficulty={d}) took over {lim:g}s"
+                    if not lower:
+                        yield CheckResult(env_id, [f"{env_id} d={d} seed={seed}: {reason} at the lowest "
+                                                   f"difficulty checked"], now - first_t[env_id], {},
+                                          d - 1 if d > 0 else None, reason)
+                        continue
+                    capped[env_id] = (d - 1, reason)
+                    pending.insert(0, (env_id, lower))
+                elif now - t0 > env_limit:
+                    s.kill()
+                    slots[k] = _Slot(ctx, env_kwargs)
+                    yield CheckResult(env_id, [f"{env_id}: the check took over {env_limit:g}s"],
+                                      now - first_t[env_id], {})
+    finally:
+        for s in slots:
+            try:
+                if s.proc.is_alive():
+                    s.conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for s in slots:
+            s.proc.join(2)
+            if s.proc.is_alive():
+                s.kill()
+
+
+def update_caps(results: list[CheckResult], difficulties: list[int], path=None, write: bool = True) -> dict:
+    """Caps after ``results``: the caps found are recorded; a recorded cap is dropped when the check
+    covered a higher difficulty without hitting the time bound. Written to ``path`` if ``write``."""
+    from envs import caps as _caps
+
+    caps = dict(_caps.load_caps(path))
+    top = max(difficulties)
+    for r in results:
+        if r.cap is not None and r.cap >= 0:
+            caps[r.env_id] = {"max_difficulty": int(r.cap), "reason": r.cap_reason}
+        elif r.cap is None and r.env_id in caps and caps[r.env_id]["max_difficulty"] < top and not r.failures:
+            del caps[r.env_id]  # every checked difficulty now generates in time
+    if write:
+        _caps.save_caps(caps, path)
+    return caps

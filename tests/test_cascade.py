@@ -90,6 +90,30 @@ def test_four_stages_each_start_from_the_previous(tiny_run):
     for prev, st in zip(names, states[1:]):
         assert st["started_from"] == str(out / "stages" / prev / "final")
     assert [s["steps"] for s in states] == [4, 2, 2, 2]
+    # the length reward's run state runs on across stages: one c schedule (tiny: 0.1 -> 1.0 over 18
+    # updates) whose position each final/ hands on, never restarted at a stage's start; behavioral RL
+    # has none. (The tiny policy may solve nothing, so the schedule may not have moved.)
+    from train.rl.shaping import LengthRewardConfig
+
+    rl_recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    coefs = [x["length_coef"] for x in rl_recs if x["phase"] == "rl" and "length_coef" in x]
+    sched = LengthRewardConfig(coef_start=0.1, coef=1.0, ramp_steps=18)
+    assert coefs == pytest.approx([sched.coef_at(i) for i in range(len(coefs))])
+    per_stage = [sum(1 for x in rl_recs if x["stage"] == n[2:] and "length_coef" in x) for n in names]
+    handed = [s["length_reward"]["steps"] for s in states]
+    assert handed == [sum(per_stage[:i + 1]) for i in range(4)] and per_stage[3] == 0
+    assert "rare_token_top1" in next(x for x in rl_recs if x["phase"] == "rl")
+    # stage data: the warm-up's response cap lifts at half its RL steps (tiny: 32 then 40 tokens); the math
+    # stage's two phases (tiny: 3 + 3 steps, scaled to the 2 run here) switch after its first RL step; every
+    # stage reports held-out avg@k per environment family
+    def rl_of(stage):
+        return [x for x in rl_recs if x["stage"] == stage and x["phase"] == "rl"]
+
+    assert [x["max_new_tokens"] for x in rl_of("warmup")] == [32, 40]
+    assert [x["mix_phase"] for x in rl_of("math")] == [0, 1] and "aggregation_pacore" in rl_of("math")[0]
+    assert {(x["stage"]) for x in rl_recs if x["phase"] == "pool"} == {"warmup", "math"}
+    assert states[0]["eval_k"] == 2 and set(states[0]["accuracy_after_by_family"]) == {"toy", "math", "gym"}
+    assert set(states[2]["accuracy_before_by_family"]) == {"math", "code"}
     # the hand-off opens in transformers
     from transformers import AutoModelForCausalLM
 

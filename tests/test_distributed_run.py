@@ -86,6 +86,21 @@ def test_servers_and_trainer_ranks_run_a_stage(warm_dir, tmp_path):
     assert not any(alive(p) for p in pids)
 
 
+def test_trainer_ranks_take_a_kl_penalty(warm_dir, tmp_path):
+    """rl.loss_cfg.kl_coef > 0 on TSP trainer ranks: the reference is the policy at the RL start (k3 is
+    0 at the first update, > 0 once the policy moved), the ranks report kl_ref, and their checkpoints
+    hold the frozen reference."""
+    out = tmp_path / "run"
+    r = cascade(f"out={out}", f"model={warm_dir}", *STAGE, "steps=3", "trainer.nproc=2", "trainer.tsp=2",
+                "rl.loss_cfg.kl_coef=0.5")
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = rl_records(out)
+    assert len(recs) == 3 and all("kl_ref" in x for x in recs), recs
+    assert abs(recs[0]["kl_ref"]) < 1e-6 and recs[-1]["kl_ref"] > 1e-7, [x["kl_ref"] for x in recs]
+    metas = [json.loads(p.read_text()) for p in (out / "exchange" / "trainer_ckpt").glob("step-*/meta.json")]
+    assert metas and all(m["kl_reference"] is True for m in metas)
+
+
 def test_kill_9_of_a_server_mid_run(warm_dir, tmp_path):
     """A rollout server killed mid-run: its prompts go to the other, it is restarted (catching up
     to the newest weights), the run completes with the same per-step sync guarantees."""

@@ -149,10 +149,10 @@ def test_math_dataset_env_errors(tmp_path):
         MathDatasetEnv(path=bad)
     with pytest.raises(FileNotFoundError):
         MathDatasetEnv(path=tmp_path / "missing.jsonl")
-    csv = tmp_path / "m.csv"
-    csv.write_text("problem,answer\n1+1?,2\n")
+    txt = tmp_path / "m.txt"
+    txt.write_text("problem,answer\n1+1?,2\n")
     with pytest.raises(ValueError, match="unsupported file type"):
-        MathDatasetEnv(path=csv)
+        MathDatasetEnv(path=txt)
 
 
 def test_math_dataset_without_levels_ignores_difficulty(tmp_path):
@@ -160,7 +160,8 @@ def test_math_dataset_without_levels_ignores_difficulty(tmp_path):
     f.write_text("\n".join(json.dumps({"problem": f"p{i}", "answer": str(i)}) for i in range(5)))
     env = MathDatasetEnv(path=f)
     assert env.max_difficulty is None
-    assert {env.generate(s, 0).meta["row"] for s in range(40)} == set(range(5))
+    assert len(env.rows) + len(env.heldout_rows) == 5 and env.heldout_rows  # a held-out split, even of 5
+    assert {env.generate(s, 0).meta["row"] for s in range(40)} == {r["row"] for r in env.rows}
 
 
 # -- reasoning-gym adapter -----------------------------------------------------------------------

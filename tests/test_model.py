@@ -153,3 +153,71 @@ def test_presets_have_the_promised_sizes(tiny_moe_dir):
     assert 1_000_000 <= n <= 10_000_000
     assert m.config.num_experts >= 4 and m.config.num_experts_per_tok == 2
     assert isinstance(m, CausalLM)
+
+
+# -- fp32 residual stream (ZAYA1's FP32 set) ----------------------------------------------------------
+
+
+def test_fp32_residual_is_the_hand_cast_forward_and_closer_to_fp32(tiny_dense_dir, tmp_path):
+    """With ``fp32_residual`` a bf16 model keeps the embedding output and every residual addition in
+    fp32 while each block computes in bf16; its logits are closer to the fp32 model's (same bf16-rounded
+    weights) than those of the all-bf16 stream."""
+    import copy
+
+    from train.model.modeling import rope_cos_sin
+
+    on = load_pretrained(tiny_dense_dir, dtype=torch.bfloat16).eval()
+    assert on.config.fp32_residual  # the default: on for bf16 runs
+    off = copy.deepcopy(on)
+    off.config.fp32_residual = False
+    ref = copy.deepcopy(on).float()  # the fp32 model with the same (bf16-rounded) weights
+    ids = torch.randint(5, on.config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got_on, got_off, want = on(ids), off(ids), ref(ids)
+        # the hand-cast reference: fp32 stream, bf16 blocks, results added in fp32
+        cfg = on.config
+        x = on.model.embed_tokens(ids).float()
+        cos, sin = rope_cos_sin(torch.arange(64).expand(4, 64), cfg.head_dim, cfg.rope_theta, torch.bfloat16)
+        for layer in on.model.layers:
+            x = x + layer.self_attn(layer.input_layernorm(x).to(torch.bfloat16), cos, sin, None).float()
+            x = x + layer.mlp(layer.post_attention_layernorm(x).to(torch.bfloat16)).float()
+        hand = on.logits(on.model.norm(x))
+    assert torch.equal(got_on, hand)
+    err_on, err_off = (got_on - want).abs().mean().item(), (got_off - want).abs().mean().item()
+    assert err_on < 0.85 * err_off, (err_on, err_off)
+    # a no-op in fp32; saved to config.json and read back (the engine's servers load the same option)
+    ref_off = copy.deepcopy(ref)
+    ref_off.config.fp32_residual = False
+    with torch.no_grad():
+        assert torch.equal(ref(ids), ref_off(ids))
+    save_pretrained(off, tmp_path / "off")
+    assert json.loads((tmp_path / "off" / "config.json").read_text())["fp32_residual"] is False
+    assert load_pretrained(tmp_path / "off").config.fp32_residual is False
+
+
+def test_bf16_engine_decode_matches_teacher_forcing(tiny_dense_dir):
+    """The torch engine decodes with the policy's own modeling code: a bf16 policy with the option on
+    samples with the log-probs its teacher-forced forward gives (within bf16 kernel-shape noise), and
+    nearer those than the log-probs of the all-bf16 stream (the engine applies the option too)."""
+    import copy
+
+    from train.engine import TorchEngine
+    from train.engine.base import SamplingParams
+    from train.tokenizer import load_tokenizer
+
+    m = load_pretrained(tiny_dense_dir, dtype=torch.bfloat16).eval()
+    off = copy.deepcopy(m)
+    off.config.fp32_residual = False
+    eng = TorchEngine(m, load_tokenizer(tiny_dense_dir))
+    prompts = [[5, 17, 300, 42, 9], [7, 8, 9], [100, 200, 300, 400, 500, 600], [11]]
+    comps = eng.generate(prompts, SamplingParams(temperature=1.0, max_tokens=24, seed=3, n=2))
+    d_on, d_off = [], []
+    for c in comps:
+        p, got = prompts[c.prompt_index], torch.tensor(c.logprobs)
+        assert len(c.token_ids) == 24
+        with torch.no_grad():
+            d_on.append((token_logprobs(m, torch.tensor([p + c.token_ids]))[0, len(p) - 1:] - got).abs())
+            d_off.append((token_logprobs(off, torch.tensor([p + c.token_ids]))[0, len(p) - 1:] - got).abs())
+    d_on, d_off = torch.cat(d_on), torch.cat(d_off)
+    assert d_on.max().item() < 0.02
+    assert d_on.mean().item() < 0.85 * d_off.mean().item(), (d_on.mean().item(), d_off.mean().item())

@@ -43,6 +43,10 @@ CONFIGS = {
     "dense-mha-bias": dict(num_key_value_heads=4, attention_bias=True),
     "dense-mqa-d32": dict(num_attention_heads=6, num_key_value_heads=1, head_dim=32),
     "dense-odd-head-dim": dict(head_dim=10),  # no vector specialisation: the plain loops
+    "qwen2-bias-no-qk-norm": dict(architecture="qwen2", attention_bias=True),
+    "llama-llama3-rope": dict(architecture="llama", num_key_value_heads=1, rope_theta=500000.0,
+                              rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 4}),
 }
 
 

@@ -2,7 +2,8 @@
 
 One gloo process group is spawned per world size (2 and 4); every check runs inside it and the
 ranks return their largest deviations to the parent, which asserts. fp32 throughout; forward
-logits and EVERY parameter gradient (gathered) must match within 1e-5.
+logits and EVERY parameter gradient (gathered) must match within 1e-5 (one bf16 check: the fp32
+residual stream, :func:`_check_bf16_residual`).
 """
 from __future__ import annotations
 
@@ -113,6 +114,39 @@ def _check_tp(W, out):
         out[key + ".grads"] = _grad_err(tp.gather_full(grads=True), ref)
 
 
+def _big_embedding_bf16(cfg, fp32_residual: bool):
+    """The test model in bf16 with embeddings scaled by 256 (exact in bf16): the blocks' outputs are
+    below half a bf16 ulp of the residual stream, so a bf16 stream rounds them away and an fp32 one
+    keeps them."""
+    from dataclasses import replace
+
+    m = _model(replace(cfg, fp32_residual=fp32_residual))
+    with torch.no_grad():
+        m.model.embed_tokens.weight.mul_(256.0)
+    return m.to(torch.bfloat16)
+
+
+def _check_bf16_residual(W, out):
+    """bf16 with ``fp32_residual``: TSP and TP+SP keep the residual stream in fp32 as the single-process
+    model does: their logits stay near the fp32 model's; without it all three lose the blocks' outputs."""
+    from train.parallel.tp import TPCausalLM
+    from train.parallel.tsp import TSPCausalLM
+
+    for name, cfg in _cfgs().items():
+        ids, _ = _batch()
+        with torch.no_grad():
+            want = _big_embedding_bf16(cfg, True).float()(ids)
+            for flag in (True, False):
+                m = _big_embedding_bf16(cfg, flag)
+                key = f"bf16res{W}.{name}.{'on' if flag else 'off'}"
+                out[key + ".single"] = (m(ids) - want).abs().max().item()
+                tsp = TSPCausalLM(m)
+                out[key + ".tsp"] = (tsp.gather_logits(tsp(ids), T) - want).abs().max().item()
+                if name == "moe":
+                    sp = TPCausalLM(m, sequence_parallel=True)
+                    out[key + ".sp"] = (sp.full_logits(ids) - want).abs().max().item()
+
+
 def _adamw_ref(cfg, batches, steps):
     """Single process: AdamW on the mean over replicas of each replica's mean loss."""
     ref = _model(cfg)
@@ -186,7 +220,8 @@ def run_checks(rank, world, port, path, checks) -> None:
 
 
 def _worker(rank, world, port, path):
-    run_checks(rank, world, port, path, [_check_tsp, _check_tp, _check_zero] + ([_check_dp_tsp] if world == 4 else []))
+    run_checks(rank, world, port, path, [_check_tsp, _check_tp, _check_zero, _check_bf16_residual]
+               + ([_check_dp_tsp] if world == 4 else []))
 
 
 def spawn(world: int, fn=_worker, *extra):
@@ -243,3 +278,13 @@ def test_dp_x_tsp_mesh(results):
         pytest.skip("the 2 x 2 mesh needs world size 4")
     _, vals = _values(results, "dp2xtsp2")
     assert vals["dp2xtsp2.params"] < TOL
+
+
+@pytest.mark.timeout(300)
+def test_bf16_fp32_residual_in_sharded_layouts(results):
+    W, vals = _values(results, "bf16res")
+    assert len(vals) == 2 * 2 + 2 * 3, vals  # on/off x (dense: single, tsp; moe: single, tsp, sp)
+    for name, parts in (("dense", ("single", "tsp")), ("moe", ("single", "tsp", "sp"))):
+        for part in parts:
+            on, off = vals[f"bf16res{W}.{name}.on.{part}"], vals[f"bf16res{W}.{name}.off.{part}"]
+            assert on < 0.25 * off, (name, part, on, off)

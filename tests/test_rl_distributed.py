@@ -4,7 +4,9 @@ reference step, and the torchrun trainer worker (train/rl/worker.py).
 One gloo world is spawned per world size (2 and 4); every check runs inside it and the ranks
 return their largest deviations to the parent, which asserts. fp32: parameters after two RL steps
 (AdamW with weight decay, warm-up, active clipping, several micro-batches, router replay) must
-match the reference within 1e-5.
+match the reference within 1e-5. A world of 2 checks the KL penalty (k3, k1) against the
+single-process step with a reference policy: the starting weights, an HF checkpoint, the post-SFT
+weights, and the same reference across a checkpoint and resume.
 """
 from __future__ import annotations
 
@@ -52,7 +54,8 @@ def make_batch(step: int, cfg, n: int = 8, seed: int = 0, temperature: float = 0
     return TrainBatch(step, samples, temperature=temperature)
 
 
-def rl_cfg(loss: str, **kw):
+def rl_cfg(loss: str, kl: tuple[float, str] | None = None, **kw):
+    """The test's RLUpdateConfig; ``kl``: (kl_coef, kl_type) of a KL penalty."""
     from train.optim import OptimConfig
     from train.parallel.rl_update import RLUpdateConfig
 
@@ -61,7 +64,8 @@ def rl_cfg(loss: str, **kw):
     # eps: Adam divides by |g| + eps, so on elements with a tiny gradient fp32 summation-order noise
     # (~1e-9 here) becomes update noise of about lr * noise / eps; 1e-6 keeps that far below TOL
     optim = OptimConfig(lr=1e-3, weight_decay=0.1, grad_clip=0.05, warmup_steps=2, eps=1e-6)
-    loss_cfg = LossConfig(gspo_clip_low=0.1, gspo_clip_high=0.1)  # a trust region some sequences fall in
+    kl_kw = {} if kl is None else {"kl_coef": kl[0], "kl_type": kl[1]}
+    loss_cfg = LossConfig(gspo_clip_low=0.1, gspo_clip_high=0.1, **kl_kw)  # a trust region some sequences fall in
     return RLUpdateConfig(loss=loss, loss_cfg=loss_cfg, optim=optim, tokens_per_micro=kw.pop("tokens_per_micro", 20),
                           **kw)
 
@@ -247,6 +251,255 @@ def test_bad_mesh_and_heads_raise_one_line(results):
         assert "\n" not in r["err.mesh"] + r["err.heads"]
 
 
+# ------------------------------------------------------------------------------ KL to a reference
+
+
+def _perturbed(cfg, seed: int = 3, scale: float = 0.05):
+    model = _model(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return model
+
+
+def _kl_reference_run(model, rcfg, batches, ref_model, first_step: int = 0):
+    """The single-process RL steps with KL to ``ref_model`` (a fresh AdamW): final weights and metrics."""
+    from train.parallel.rl_update import reference_optimizer, reference_update
+
+    opt = reference_optimizer(model, rcfg)
+    mets = [reference_update(model, opt, b, rcfg, first_step + i, ref_model) for i, b in enumerate(batches)]
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, mets
+
+
+def _err(got: dict, want: dict) -> float:
+    assert set(got) == set(want), set(got) ^ set(want)
+    return max((got[k] - want[k]).abs().max().item() for k in want)
+
+
+KL_CASES = [("moe", "k3", 20.0), ("dense", "k1", 0.5)]
+
+
+def _check_kl_fresh(world, out, shared):
+    """No SFT: the frozen reference is the starting policy; k3 and k1 on both meshes of 2 ranks equal
+    the single-process steps with KL to the starting weights (weights, loss and kl_ref per step)."""
+    from train.parallel.rl_update import RLUpdater
+
+    for name, kind, coef in KL_CASES:
+        cfg = _cfgs()[name]
+        rcfg = rl_cfg("dppo_tv", kl=(coef, kind))
+        batches = [make_batch(s, cfg) for s in range(2)]
+        want, ref_m = _kl_reference_run(_model(cfg), rcfg, batches, _model(cfg))
+        no_kl, _ = _kl_reference_run(_model(cfg), rl_cfg("dppo_tv"), batches, None)
+        key = f"kl.fresh.{name}.{kind}"
+        out[key + ".kl_effect"] = _err(want, no_kl)  # the KL term changed the update
+        out[key + ".kl_ref_step1"] = ref_m[1]["kl_ref"]
+        for dp, tsp in ((1, 2), (2, 1)):
+            up = RLUpdater(_model(cfg), rcfg, tsp=tsp, dp=dp)
+            mets = [up.step(b, i) for i, b in enumerate(batches)]
+            k = f"{key}.dp{dp}xtsp{tsp}"
+            out[k + ".params"] = _err(up.full_state_dict(), want)
+            out[k + ".loss"] = max(abs(m["loss"] - r["loss"]) for m, r in zip(mets, ref_m))
+            out[k + ".kl_ref"] = max(abs(m["kl_ref"] - r["kl_ref"]) for m, r in zip(mets, ref_m))
+            out[k + ".micro"] = max(m["micro_batches_max"] for m in mets)
+
+
+def _check_kl_hf_reference(world, out, shared):
+    """``kl_reference`` = an HF checkpoint (a perturbed policy), loaded and sharded like the policy on
+    each mesh (MoE; dense with tied embeddings); nothing of it goes into the checkpoint state."""
+    import torch.distributed as dist
+
+    from train.model.hf_io import save_pretrained
+    from train.parallel.rl_update import RLUpdater
+
+    for name in ("moe", "dense"):
+        cfg = _cfgs()[name]
+        ref_dir = Path(shared) / f"kl_ref_hf_{name}"
+        if dist.get_rank() == 0:
+            save_pretrained(_perturbed(cfg), ref_dir)
+        dist.barrier()
+        rcfg = rl_cfg("dppo_tv", kl=(0.5, "k3"), kl_reference=str(ref_dir))
+        batches = [make_batch(s, cfg) for s in range(2)]
+        want, ref_m = _kl_reference_run(_model(cfg), rcfg, batches, _perturbed(cfg))
+        wrong, _ = _kl_reference_run(_model(cfg), rcfg, batches, _model(cfg))  # KL to the starting weights instead
+        out[f"kl.hf.{name}.ref_matters"] = _err(want, wrong)
+        out[f"kl.hf.{name}.kl_ref_step0"] = ref_m[0]["kl_ref"]
+        for dp, tsp in ((1, 2), (2, 1)):
+            up = RLUpdater(_model(cfg), rcfg, tsp=tsp, dp=dp)
+            k = f"kl.hf.{name}.dp{dp}xtsp{tsp}"
+            out[k + ".saved_keys"] = float(sum(x.startswith("kl_ref") for x in up.state_tensors()))
+            mets = [up.step(b, i) for i, b in enumerate(batches)]
+            out[k + ".params"] = _err(up.full_state_dict(), want)
+            out[k + ".kl_ref"] = max(abs(m["kl_ref"] - r["kl_ref"]) for m, r in zip(mets, ref_m))
+
+
+def _check_kl_after_sft_and_resume(world, out, shared):
+    """SFT, then RL with KL: the reference is the post-SFT policy. On dp1 x tsp2 the run is checkpointed
+    inside the SFT phase (reference not taken yet) and after the first RL step, each time resumed into a
+    fresh updater built from the initial weights; dp2 x tsp1 runs through. Both equal the single-process
+    SFT steps followed by RL steps with KL to the post-SFT weights."""
+    import copy
+
+    from train.optim import OptimConfig
+    from train.parallel.rl_update import RLUpdater, reference_optimizer, reference_update
+    from train.rl.exchange import TrainBatch, TrainSample
+    from train.rl.worker import load_checkpoint, save_checkpoint
+    from train.sft import SFTConfig, SFTTrainer
+
+    cfg = _cfgs()["moe"]
+    sft_optim = OptimConfig(lr=3e-3, weight_decay=0.05, grad_clip=0.5, warmup_steps=1, eps=1e-6, betas=(0.8, 0.95))
+    rcfg = rl_cfg("dppo_tv", kl=(20.0, "k3"), sft_optim=sft_optim)
+    examples = [[(x.prompt_ids, x.completion_ids) for x in make_batch(s, cfg, seed=7).samples] for s in range(2)]
+    rl_batches = [make_batch(5 + s, cfg) for s in range(2)]
+    ref = _model(cfg)
+    sft = SFTTrainer(ref, None, SFTConfig(steps=2, batch_size=8, micro_batch_size=3, optim=sft_optim))
+    for ex in examples:
+        sft.step(ex)
+    after_sft = copy.deepcopy(ref)
+    want, ref_m = _kl_reference_run(ref, rcfg, rl_batches, copy.deepcopy(after_sft))
+    # what a reference taken at the wrong time would give: the initial weights, or those after RL step 1
+    wrong_start, _ = _kl_reference_run(copy.deepcopy(after_sft), rcfg, rl_batches, _model(cfg))
+    wrong_mid = copy.deepcopy(after_sft)
+    opt = reference_optimizer(wrong_mid, rcfg)
+    reference_update(wrong_mid, opt, rl_batches[0], rcfg, 0, after_sft)
+    reference_update(wrong_mid, opt, rl_batches[1], rcfg, 1, copy.deepcopy(wrong_mid))  # retaken at the resume
+    out["kl.sft.ref_start_matters"] = _err(want, wrong_start)
+    out["kl.sft.ref_mid_matters"] = _err(want, {k: v.detach() for k, v in wrong_mid.state_dict().items()})
+
+    def sft_batch(i):
+        return TrainBatch(i, [TrainSample(p, c, [0.0] * len(c), 0.0, True) for p, c in examples[i]], 1.0,
+                          {"kind": "sft", "schedule_step": i})
+
+    def rl_batch(k):
+        b = rl_batches[k]
+        return TrainBatch(2 + k, b.samples, b.temperature, {"kind": "rl", "schedule_step": k})
+
+    # dp2 x tsp1: straight through
+    up = RLUpdater(_model(cfg), rcfg, tsp=1, dp=2)
+    for i in range(2):
+        up.step(sft_batch(i), i)
+    mets = [up.step(rl_batch(k), 2 + k) for k in range(2)]
+    out["kl.sft.dp2xtsp1.params"] = _err(up.full_state_dict(), want)
+    out["kl.sft.dp2xtsp1.kl_ref"] = max(abs(m["kl_ref"] - r["kl_ref"]) for m, r in zip(mets, ref_m))
+    # dp1 x tsp2: checkpoint in the SFT phase, resume, one RL step, checkpoint, resume, one RL step
+    ex = Path(shared) / "kl_ckpt"
+    up = RLUpdater(_model(cfg), rcfg, tsp=2, dp=1)
+    for i in range(2):
+        up.step(sft_batch(i), i)
+    save_checkpoint(up, ex, 2, keep=5)
+    up = RLUpdater(_model(cfg), rcfg, tsp=2, dp=1)
+    out["kl.sft.resume1.step"] = float(load_checkpoint(up, ex))
+    out["kl.sft.resume1.taken"] = float(up.ref_taken)  # checkpointed before the RL start: not taken yet
+    m0 = up.step(rl_batch(0), 2)
+    save_checkpoint(up, ex, 3, keep=5)
+    up = RLUpdater(_model(cfg), rcfg, tsp=2, dp=1)
+    out["kl.sft.resume2.step"] = float(load_checkpoint(up, ex))
+    out["kl.sft.resume2.taken"] = float(up.ref_taken)
+    m1 = up.step(rl_batch(1), 3)
+    out["kl.sft.dp1xtsp2.params"] = _err(up.full_state_dict(), want)
+    out["kl.sft.dp1xtsp2.kl_ref"] = max(abs(m["kl_ref"] - r["kl_ref"]) for m, r in zip((m0, m1), ref_m))
+
+
+def _check_kl_off(world, out, shared):
+    """kl_coef = 0: no reference buffers, no reference forward, no kl_ref metric, nothing saved."""
+    from train.parallel.rl_update import RLUpdater
+
+    cfg = _cfgs()["moe"]
+    for dp, tsp in ((1, 2), (2, 1)):
+        up = RLUpdater(_model(cfg), rl_cfg("dppo_tv"), tsp=tsp, dp=dp)
+
+        def no_reference_forward(*a, **k):
+            raise AssertionError("kl_coef=0 runs no reference forward")
+
+        up._ref_logprobs = no_reference_forward
+        m = up.step(make_batch(0, cfg), 0)
+        k = f"kl.off.dp{dp}xtsp{tsp}"
+        out[k + ".ref_none"] = float(up.ref is None and not up.saves_reference)
+        out[k + ".keys"] = float(sum(x.startswith("kl_ref") for x in up.state_tensors()))
+        out[k + ".metric"] = float("kl_ref" in m)
+    # and a KL run allocates its frozen copy's buffers up front (a checkpoint load needs the keys)
+    up = RLUpdater(_model(cfg), rl_cfg("dppo_tv", kl=(0.1, "k3")), tsp=2, dp=1)
+    st = up.state_tensors()
+    out["kl.on.keys"] = float(sum(x.startswith("kl_ref.tsp") for x in st))
+    out["kl.on.shards"] = float(len(up.shards))
+    out["kl.on.taken"] = float(up.ref_taken)
+    # bf16 compute copy: the reference is kept in bf16 too, and the KL moves off 0 after the first step
+    up = RLUpdater(_model(cfg), rl_cfg("dppo_tv", kl=(0.5, "k3"), dtype="bfloat16"), tsp=2, dp=1)
+    m = [up.step(make_batch(s, cfg), s) for s in range(2)]
+    out["kl.bf16.ref_dtypes"] = float(all(v.dtype == torch.bfloat16 for v in up.ref.values()))
+    out["kl.bf16.kl_ref"] = m[1]["kl_ref"]
+
+
+def _kl_worker(rank, world, port, path, shared):
+    import functools
+
+    run_checks(rank, world, port, path, [functools.partial(f, shared=shared) for f in
+                                         (_check_kl_off, _check_kl_fresh, _check_kl_hf_reference,
+                                          _check_kl_after_sft_and_resume)])
+
+
+@pytest.fixture(scope="module")
+def kl_results(tmp_path_factory):
+    ranks = spawn(2, _kl_worker, str(tmp_path_factory.mktemp("kl")))
+    for r in ranks:
+        assert "error" not in r, r.get("trace")
+    return ranks
+
+
+@pytest.mark.timeout(400)
+def test_kl_sharded_equals_single_process_from_the_start(kl_results):
+    ranks = kl_results
+    for name, kind, _ in KL_CASES:
+        key = f"kl.fresh.{name}.{kind}"
+        assert _max(ranks, key + ".kl_effect") > 100 * TOL, key  # the KL term changed the weights
+        if kind == "k3":  # the policy moved away from its reference in the first step
+            assert _max(ranks, key + ".kl_ref_step1") > 0, key
+        for mesh in ("dp1xtsp2", "dp2xtsp1"):
+            for what in ("params", "loss", "kl_ref"):
+                k = f"{key}.{mesh}.{what}"
+                assert _max(ranks, k) < TOL, (k, _max(ranks, k))
+        assert _max(ranks, f"{key}.dp2xtsp1.micro") >= 2  # several packed micro-batches
+
+
+@pytest.mark.timeout(400)
+def test_kl_reference_checkpoint_sharded_like_the_policy(kl_results):
+    ranks = kl_results
+    for name in ("moe", "dense"):
+        key = f"kl.hf.{name}"
+        assert _max(ranks, key + ".ref_matters") > 100 * TOL and _max(ranks, key + ".kl_ref_step0") > 1e-3
+        for mesh in ("dp1xtsp2", "dp2xtsp1"):
+            for what in ("params", "kl_ref"):
+                k = f"{key}.{mesh}.{what}"
+                assert _max(ranks, k) < TOL, (k, _max(ranks, k))
+            assert _max(ranks, f"{key}.{mesh}.saved_keys") == 0  # the directory is the reference: not checkpointed
+
+
+@pytest.mark.timeout(400)
+def test_kl_reference_is_the_post_sft_policy_and_survives_resume(kl_results):
+    ranks = kl_results
+    assert _max(ranks, "kl.sft.ref_start_matters") > 100 * TOL
+    assert _max(ranks, "kl.sft.ref_mid_matters") > 100 * TOL
+    assert [r["kl.sft.resume1.step"] for r in ranks] == [2.0, 2.0]
+    assert [r["kl.sft.resume2.step"] for r in ranks] == [3.0, 3.0]
+    assert _max(ranks, "kl.sft.resume1.taken") == 0.0 and min(r["kl.sft.resume2.taken"] for r in ranks) == 1.0
+    for mesh in ("dp2xtsp1", "dp1xtsp2"):
+        for what in ("params", "kl_ref"):
+            k = f"kl.sft.{mesh}.{what}"
+            assert _max(ranks, k) < TOL, (k, _max(ranks, k))
+
+
+@pytest.mark.timeout(400)
+def test_kl_off_allocates_no_reference(kl_results):
+    ranks = kl_results
+    for mesh in ("dp1xtsp2", "dp2xtsp1"):
+        k = f"kl.off.{mesh}"
+        assert min(r[k + ".ref_none"] for r in ranks) == 1.0
+        assert _max(ranks, k + ".keys") == 0 and _max(ranks, k + ".metric") == 0
+    assert min(r["kl.on.keys"] for r in ranks) == ranks[0]["kl.on.shards"] > 0
+    assert _max(ranks, "kl.on.taken") == 0.0
+    assert min(r["kl.bf16.ref_dtypes"] for r in ranks) == 1.0 and 0 < _max(ranks, "kl.bf16.kl_ref") < 1
+
+
 # ------------------------------------------------------------------------------ torchrun worker
 
 
@@ -421,6 +674,12 @@ def test_worker_config_file_and_command(tmp_path):
     yml.write_text("loss: cispo\nloss_cfg: {cispo_clip_high: 2.0}\noptim: {lr: 1.0e-6, warmup_steps: 3}\n")
     cfg = load_config(yml, {})
     assert (cfg.loss, cfg.loss_cfg.cispo_clip_high, cfg.optim.warmup_steps) == ("cispo", 2.0, 3)
+    from train.rl.losses import LossConfig
+
+    path.write_text(json.dumps(config_dict(RLUpdateConfig(loss_cfg=LossConfig(kl_coef=0.1, kl_type="k1"),
+                                                          kl_reference="/ref/dir"))))
+    cfg = load_config(path, {})
+    assert (cfg.loss_cfg.kl_coef, cfg.loss_cfg.kl_type, cfg.kl_reference) == (0.1, "k1", "/ref/dir")
     path.write_text(json.dumps({"los": "gspo"}))
     with pytest.raises(ValueError, match="unknown config keys \\['los'\\]"):
         load_config(path, {})

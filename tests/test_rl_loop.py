@@ -85,12 +85,15 @@ def test_rl_raises_reward_and_held_out_accuracy(warm):
     rl = make_trainer(warm, prompts_per_step=16, optim=OptimConfig(lr=1e-3, warmup_steps=3))
     held = held_out(100)
     before = rl.evaluate(held, n=4, greedy=False, seed=7)
-    rewards = [rl.step()["reward_mean"] for _ in range(25)]
+    rewards = [rl.step()["reward_mean"] for _ in range(40)]
     after = rl.evaluate(held, n=4, greedy=False, seed=7)
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > first + 0.08, (first, last, rewards)
-    # measured: 0.545 -> 0.618; over trainer seeds 0-9 the held-out gain averages +0.095 (one of the
-    # ten seeds falls back at this learning rate), so the bound is set below the typical gain
+    # 40 steps, not 25: the tiny policy's trajectory depends on the machine's float rounding, and at
+    # 25 steps one machine (AMD EPYC) gave +0.075 in reward (CI's had passed). Measured at 40 steps on
+    # that machine, trainer seeds 0-3: reward +0.20/+0.17/+0.14/+0.20, held-out 0.545 ->
+    # 0.725/0.643/0.705/0.715 (seed 0 collapses to 0.02 at steps 16-17 and recovers), so both bounds
+    # sit well below the smallest gain seen
     assert after > before + 0.05, (before, after)
 
 
@@ -209,8 +212,9 @@ def test_several_updates_per_batch(warm):
 def test_repetition_gate_zeroes_reward(warm):
     rl = make_trainer(warm)
     ok = Score(1.0, True, True)
-    answer = "The answer is \\boxed{7}."
-    loop = "The answer is " + "ab" * 3000 + " \\boxed{7}."
+    enc = lambda text: warm[1].encode(text, add_special_tokens=False, verbose=False)  # noqa: E731
+    answer = enc("The answer is \\boxed{7}.")  # the gate reads the completion's token ids
+    loop = enc("The answer is " + "ab" * 3000 + " \\boxed{7}.")
     assert rl.reward_of(ok, answer) == 1.0
     assert rl.reward_of(ok, loop) == 0.0
     assert rl.reward_of(Score(0.0, False, True), answer) == 0.0
@@ -219,6 +223,7 @@ def test_repetition_gate_zeroes_reward(warm):
     graded = make_trainer(warm, reward="score")
     assert graded.reward_of(Score(0.5, False, True), answer) == 0.5
     assert graded.reward_of(Score(0.5, False, True), loop) == 0.0
+    assert graded.reward_of(Score(-1.0, False, False), loop) == -1.0  # never lifted above a plain wrong answer
 
 
 # -- configuration errors --------------------------------------------------------------------------

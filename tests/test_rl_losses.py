@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from train.rl import ADVANTAGES, LOSSES, LossConfig, Registry, compute_advantages, get_advantage, get_loss
-from train.rl.losses import AGG_MODES, aggregate, dppo_tv_mask, kl_estimate
+from train.rl.losses import AGG_MODES, aggregate, dppo_tv_mask, kl_estimate, seq_count
 
 D = torch.float64
 
@@ -246,7 +246,8 @@ def _ref_aggregate(vals, mask, mode, norm_len=None):
         elif norm_len:
             s = s / norm_len
         rows.append(s)
-    return sum(rows) / B
+    live = sum(1 for b in range(B) if mask[b].sum() > 0)  # fully masked rollouts do not count
+    return sum(rows) / max(live, 1)
 
 
 def _reference(name, lp, old, rollout, adv, mask, cfg):
@@ -268,6 +269,8 @@ def _reference(name, lp, old, rollout, adv, mask, cfg):
                     # GSPO-token objective (paper eq. 16), s_t = sg(s) pi_t / sg(pi_t)
                     s = s.detach() * torch.exp(lp[b, i] - lp[b, i].detach())
                 v = -torch.min(s * a, torch.clamp(s, 1 - lo, 1 + hi) * a)
+                if name != "gspo" and cfg.clip_ratio_c is not None and a < 0 and v > -a * cfg.clip_ratio_c:
+                    v = (-a * cfg.clip_ratio_c).detach()  # dual clip: constant cap
                 g = v
             elif name == "cispo":
                 w = float(r.detach().clamp(1 - cfg.cispo_clip_low, 1 + cfg.cispo_clip_high))
@@ -327,3 +330,99 @@ def test_reference_cases_exercise_clipping():
     for name, scale in (("ppo", 0.3), ("gspo", 1e-3), ("cispo", 0.3), ("dppo_tv", 0.3)):
         fracs = [get_loss(name)(*_random_batch(s, scale), cfg)[1]["clip_frac"] for s in range(3)]
         assert 0 < sum(fracs) / 3 < 1, (name, fracs)
+
+
+# ------------------------------------------------------------------------------------------------
+# breakages of issue 16: all-equal groups, signed rewards, fully masked rollouts, dual clip
+
+
+def test_grpo_all_equal_group_carries_its_bonus_undivided():
+    # group 1 all correct (std 0): the advantage is the length bonus alone, not bonus / eps (~4e5);
+    # group 2: mean 0.25, std 0.5, bonus in the numerator: (1 - 0.25 + 0.5) / 0.5 = 2.5
+    bonus = [0.375, 0.25, 0.0, -0.375, 0.5, 0, 0, 0]
+    adv = get_advantage("grpo")([1.0, 1, 1, 1, 1, 0, 0, 0], 4, eps=1e-12, bonus=bonus)
+    torch.testing.assert_close(adv, torch.tensor([0.375, 0.25, 0.0, -0.375, 2.5, -0.5, -0.5, -0.5]))
+    # equal non-binary rewards, with eps = 0 too (0.3 * 4 / 4 is not exactly 0.3 in float), and a
+    # group of one rollout: no scale, the bonus (or 0) alone
+    adv = get_advantage("grpo")([0.3, 0.3, 0.3, 0.7], torch.tensor([0, 0, 0, 1]), eps=0.0, bonus=[0.1, 0, 0, 0.2])
+    torch.testing.assert_close(adv, torch.tensor([0.1, 0.0, 0.0, 0.2]))
+    assert get_advantage("grpo")([0.3, 0.3, 0.3], 3, eps=0.0).tolist() == [0.0, 0.0, 0.0]
+
+
+def test_maxrl_refuses_negative_rewards():
+    # reward=score on [-1, 1]: the mean 0.025 made this [39, -37, -1, -1]
+    with pytest.raises(ValueError, match=r"maxrl needs rewards >= 0.*-0.9.*reward=correct"):
+        get_advantage("maxrl")([1.0, -0.9, 0.0, 0.0], 4)
+    with pytest.raises(ValueError, match="maxrl needs rewards >= 0"):
+        compute_advantages("maxrl", [0.5, 0.5, -0.25, 1.0], 2)
+
+
+def test_maxrl_non_binary_and_all_equal_rewards_by_hand():
+    # partial credit in [0, 1]: mean 0.5 -> (r - 0.5) / 0.5; scale-free: x10 rewards give the same
+    expected = torch.tensor([1.0, 0.0, -1.0, 0.0])
+    torch.testing.assert_close(get_advantage("maxrl")([1.0, 0.5, 0.0, 0.5], 4), expected)
+    torch.testing.assert_close(get_advantage("maxrl")([10.0, 5.0, 0.0, 5.0], 4), expected)
+    # equal positive rewards: only the bonus, over the mean: 0.1 / 0.2; all zero: 0, bonus included
+    adv = get_advantage("maxrl")([0.2, 0.2, 0.2, 0.2, 0, 0, 0, 0], 4, bonus=[0.1, 0, 0, 0, 0.3, 0, 0, 0])
+    torch.testing.assert_close(adv, torch.tensor([0.5, 0, 0, 0, 0, 0, 0, 0]))
+
+
+def test_seq_aggregation_excludes_fully_masked_rollouts():
+    tok = t([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    mask = t([[1, 1], [0, 0], [1, 0]])  # rollout 1 is fully masked (keep=False / overlong filtered)
+    assert aggregate(tok, mask, "seq_mean_token_sum").item() == pytest.approx((3.0 + 5.0) / 2)
+    assert aggregate(tok, mask, "seq_mean_token_mean").item() == pytest.approx((1.5 + 5.0) / 2)
+    assert aggregate(tok, mask, "token_mean").item() == pytest.approx(8.0 / 3)
+    assert aggregate(tok, torch.zeros_like(mask), "seq_mean_token_sum").item() == 0.0
+    assert seq_count(mask) == 2 and seq_count(torch.zeros_like(mask)) == 1
+    # through a loss: appending a fully masked rollout changes nothing (it used to scale by 2/3)
+    lp = _lp()
+    base = get_loss("drgrpo")(lp, OLD, None, ADV, MASK)[0]
+    pad = lambda x, v: torch.cat([x, torch.full((1, 2), v, dtype=D)])  # noqa: E731
+    lp3 = pad(_lp().detach(), math.log(0.5)).requires_grad_(True)
+    loss3, _ = get_loss("drgrpo")(lp3, pad(OLD, math.log(0.5)), None, t([1.0, -2.0, 5.0]), pad(MASK, 0.0))
+    assert loss3.item() == pytest.approx(base.item())
+
+
+# dual clip, clip [0.8, 1.28], c = 3: row 0 A = -1 with ratios [4, 2, 0.5]; row 1 A = +1 with ratio 4
+DUAL_LP = t([[math.log(4.0), math.log(2.0), math.log(0.5)], [math.log(4.0), 0.0, 0.0]])
+DUAL_MASK = t([[1, 1, 1], [1, 0, 0]])
+
+
+def test_dual_clip_by_hand():
+    old = torch.zeros(2, 3, dtype=D)
+    adv = t([-1.0, 1.0])
+    lp = DUAL_LP.clone().requires_grad_(True)
+    loss, m = get_loss("dapo")(lp, old, None, adv, DUAL_MASK, LossConfig(clip_ratio_c=3.0))
+    # PPO tokens max(-rA, -clip(r)A): [4, 2, 0.8 (clipped)], [-1.28 (clipped)]; the dual clip caps the
+    # A < 0 token at -A c = 3: [3, 2, 0.8], [-1.28]; token mean over 4
+    assert loss.item() == pytest.approx((3 + 2 + 0.8 - 1.28) / 4)
+    assert m["clip_frac_dual"] == pytest.approx(1 / 4)
+    assert m["clip_frac"] == pytest.approx(3 / 4)  # no gradient: the dual-clipped and the two clipped tokens
+    loss.backward()
+    # only the ratio-2 token keeps a gradient: d(-r A)/d logp = -r A = 2, over 4 tokens
+    torch.testing.assert_close(lp.grad, t([[0, 0.5, 0], [0, 0, 0]]))
+    # off by default (None): the ratio-4 token keeps loss 4 and its gradient
+    loss0, m0 = get_loss("dapo")(DUAL_LP, old, None, adv, DUAL_MASK)
+    assert loss0.item() == pytest.approx((4 + 2 + 0.8 - 1.28) / 4)
+    assert m0["clip_frac"] == pytest.approx(2 / 4) and "clip_frac_dual" not in m0
+    with pytest.raises(ValueError, match="clip_ratio_c .* must be > 1"):
+        LossConfig(clip_ratio_c=1.0)
+
+
+@pytest.mark.parametrize("name", ["ppo", "drgrpo", "dapo"])
+def test_dual_clip_matches_loop_reference(name):
+    cfg = LossConfig(clip_ratio_c=1.5)
+    duals = []
+    for seed in range(3):
+        lp, old, _, adv, mask = _random_batch(seed, 0.6)
+        x = lp.clone().requires_grad_(True)
+        loss, metrics = get_loss(name)(x, old, None, adv, mask, cfg)
+        loss.backward()
+        y = lp.clone().requires_grad_(True)
+        ref_val, ref_surrogate = _reference(name, y, old, None, adv, mask, cfg)
+        ref_surrogate.backward()
+        assert loss.item() == pytest.approx(float(ref_val.detach()), rel=1e-9, abs=1e-12)
+        torch.testing.assert_close(x.grad, y.grad, rtol=1e-9, atol=1e-12)
+        duals.append(metrics["clip_frac_dual"])
+    assert 0 < sum(duals) / 3 < 1, duals  # the random batches hit the dual clip and miss it

@@ -10,12 +10,18 @@ from train.model.config import ModelConfig
 
 
 def configs_dir() -> Path:
-    """The ``configs/`` folder (``$CASCADE_CONFIGS`` overrides)."""
+    """The ``configs/`` folder: ``$CASCADE_CONFIGS`` when set; else the copy an installed wheel carries
+    as package data (``cascade/_configs``, see pyproject.toml); else the repository's ``configs/`` (a
+    checkout or an editable install). The packaged copy comes first: a ``configs/`` that happens to sit
+    next to the packages in site-packages is someone else's."""
     env = os.environ.get("CASCADE_CONFIGS")
-    p = Path(env) if env else Path(__file__).resolve().parents[1] / "configs"
-    if not p.is_dir():
-        raise FileNotFoundError(f"configs directory {str(p)!r} not found; set CASCADE_CONFIGS")
-    return p
+    root = Path(__file__).resolve().parents[1]
+    candidates = [Path(env)] if env else [root / "cascade" / "_configs", root / "configs"]
+    for p in candidates:
+        if p.is_dir():
+            return p
+    raise FileNotFoundError(f"configs directory not found (looked in {', '.join(map(str, candidates))}); "
+                            f"set CASCADE_CONFIGS")
 
 
 def list_presets() -> list[str]:
@@ -41,6 +47,8 @@ def init_model(preset: str, out: str | Path, seed: int = 0, **overrides):
     out = Path(out)
     tok = build_tokenizer(out, vocab_size=spec.get("tokenizer", {}).get("vocab_size", 1024), seed=seed)
     m = dict(spec["model"])
+    if spec.get("model_type") in ("qwen2", "llama", "zaya"):  # the family; qwen3 / qwen3_moe is the default
+        m.setdefault("architecture", spec["model_type"])
     m.update(overrides)
     m.setdefault("vocab_size", len(tok))
     m.update(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)

@@ -1,8 +1,8 @@
 """Supervised fine-tuning on (prompt, response) pairs, the loss on response tokens only.
 
 Pairs come from environment reference solutions rendered as reasoning traces
-(:func:`reference_pairs`) or from a jsonl file with ``prompt`` and ``response`` columns
-(:func:`load_pairs`).
+(:func:`reference_pairs`) or from a file or Hugging Face dataset with ``prompt`` and ``response``
+columns or chat-format ``messages`` (:func:`load_pairs`).
 """
 from __future__ import annotations
 
@@ -35,8 +35,9 @@ def render_trace(reasoning: str, answer_text: str) -> str:
 
 
 def reference_pairs(env_ids: list[str], n: int, seed: int = 0, difficulties=(0,), think: bool = True,
-                    env_kwargs: dict | None = None) -> list[tuple[str, str]]:
-    """``n`` (prompt, response) pairs from the environments' reference solutions."""
+                    env_kwargs: dict | None = None, advance=None) -> list[tuple[str, str]]:
+    """``n`` (prompt, response) pairs from the environments' reference solutions (``advance(1)``
+    after each, for a progress bar)."""
     from envs.base import get_env
 
     rng = random.Random(seed)
@@ -50,29 +51,100 @@ def reference_pairs(env_ids: list[str], n: int, seed: int = 0, difficulties=(0,)
         reasoning = prob.meta.get("reasoning") if isinstance(prob.meta, dict) else None
         out.append((prob.prompt, render_trace(reasoning or "I solve the problem and check the answer.", ref)
                     if think else ref))
+        if advance is not None:
+            advance(1)
     return out
 
 
-def load_pairs(path: str | Path) -> list[tuple[str, str]]:
-    """(prompt, response) pairs from a jsonl file (or anything ``datasets`` reads) with those columns."""
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
+          "system": "system", "tool": "tool"}
+
+
+def _messages(value, where: str) -> tuple[list[dict], str]:
+    """A chat-format example (``[{"role", "content"}, ...]``; ShareGPT's ``from``/``value`` too) ->
+    (the context: every message before the last, the last, assistant, message's content)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError(f"{where}: messages is a string, not a JSON list of {{role, content}}") from None
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"{where}: messages must be a non-empty list of {{role, content}}, got {type(value).__name__}")
+    msgs = []
+    for m in value:
+        if not isinstance(m, dict):
+            raise ValueError(f"{where}: each message must be a mapping with role and content, got {m!r:.80}")
+        role = m.get("role", m.get("from"))
+        content = m.get("content", m.get("value"))
+        if role not in _ROLES or not isinstance(content, str):
+            raise ValueError(f"{where}: a message needs a role ({', '.join(sorted(set(_ROLES.values())))}) and "
+                             f"string content, got {m!r:.80}")
+        msgs.append({"role": _ROLES[role], "content": content})
+    if msgs[-1]["role"] != "assistant" or len(msgs) < 2:
+        raise ValueError(f"{where}: messages must end with an assistant message after at least one other "
+                         f"(the loss is on that last assistant message)")
+    return msgs[:-1], msgs[-1]["content"]
+
+
+def load_pairs(path: str | Path, columns: dict | str | None = None, split: str = "train",
+               subset: str | None = None) -> list[tuple[str | list[dict], str]]:
+    """SFT examples from a jsonl/json/parquet/csv file, a dataset directory or a Hugging Face dataset
+    ``org/name`` (``envs.hub``: the HF cache and offline rules), as (prompt, response) pairs.
+
+    Either ``prompt`` and ``response`` columns (a prompt is one user turn), or a ``messages`` column
+    in chat format (``[{"role": "system"|"user"|"assistant", "content": ...}, ...]``): the last
+    message is the assistant's response the loss is on, the messages before it (a list) the prompt.
+    ``columns`` maps these names to the data's (``{"prompt": "question", "response": "answer"}`` or
+    ``{"messages": "conversations"}``)."""
+    from envs.hub import load_table, parse_columns, table_rows
+
     p = Path(path)
-    if not p.exists():
+    if not p.exists() and (p.suffix.lower() in (".jsonl", ".json", ".parquet", ".csv")
+                           or str(path).startswith((".", "/"))):
         raise FileNotFoundError(f"SFT data file {str(p)!r} does not exist")
-    if p.suffix in (".jsonl", ".json"):
-        rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
-    else:
-        from datasets import load_dataset
+    cols = parse_columns(columns, ("prompt", "response", "messages"))
+    ds = load_table(path, split=split, subset=subset, what="SFT data")
+    if cols["messages"] in ds.column_names:
+        rows = table_rows(ds, {"messages": cols["messages"]}, ["messages"], path, "SFT data")
+        return [_messages(r["messages"], f"SFT data {str(path)!r} row {i}") for i, r in enumerate(rows)]
+    if not {cols["prompt"], cols["response"]} <= set(ds.column_names):
+        raise ValueError(f"SFT data {str(path)!r} needs columns 'prompt' and 'response', or 'messages' (chat format); "
+                         f"found {', '.join(ds.column_names)}; map them with columns.prompt=COLUMN,"
+                         f" columns.response=COLUMN or columns.messages=COLUMN")
+    rows = table_rows(ds, {"prompt": cols["prompt"], "response": cols["response"]}, ["prompt", "response"], path,
+                      "SFT data")
+    return [(str(r["prompt"]), str(r["response"])) for r in rows]
 
-        rows = list(load_dataset(p.suffix.lstrip("."), data_files=str(p), split="train"))
-    if rows and not {"prompt", "response"} <= set(rows[0]):
-        raise ValueError(f"SFT data {str(p)!r} needs columns 'prompt' and 'response'; found {sorted(rows[0])}")
-    return [(r["prompt"], r["response"]) for r in rows]
 
-
-def encode_pair(tokenizer, prompt: str, response: str, chat: bool, system: str | None) -> tuple[list[int], list[int]]:
+def prompt_ids(tokenizer, prompt: str | list[dict], chat: bool, system: str | None) -> list[int]:
+    """Token ids of an SFT prompt: one user turn (a string), or a chat context (a list of messages,
+    ``system`` added when it has no system message), ending with the assistant header."""
     from train.rl.trainer import encode_prompt
 
-    p = encode_prompt(tokenizer, prompt, chat, system)
+    if isinstance(prompt, str):
+        return encode_prompt(tokenizer, prompt, chat, system)
+    if not chat:
+        raise ValueError("SFT examples in chat format (messages) need the chat template (rl.chat_template=true)")
+    msgs = list(prompt)
+    if system and not any(m["role"] == "system" for m in msgs):
+        msgs = [{"role": "system", "content": system}] + msgs
+    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def prompt_text(prompt: str | list[dict]) -> str:
+    """The user's text of an SFT prompt (the last user message of a chat context)."""
+    if isinstance(prompt, str):
+        return prompt
+    users = [m["content"] for m in prompt if m["role"] == "user"]
+    return users[-1] if users else ""
+
+
+def encode_pair(tokenizer, prompt: str | list[dict], response: str, chat: bool,
+                system: str | None) -> tuple[list[int], list[int]]:
+    p = prompt_ids(tokenizer, prompt, chat, system)
     r = tokenizer.encode(response, add_special_tokens=False, verbose=False)
     if chat and tokenizer.eos_token_id is not None:
         r = r + [tokenizer.eos_token_id]

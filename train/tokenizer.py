@@ -84,10 +84,13 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 1024, seed: int = 0, 
 
 
 def load_tokenizer(path: str | Path):
-    """``AutoTokenizer.from_pretrained`` on a local directory, with a one-line error when it is not one."""
+    """``AutoTokenizer.from_pretrained`` on a local directory or a Hub id ``org/name`` (its snapshot in the
+    HF cache, :func:`envs.hub.resolve_model`), with a one-line error when it has no tokenizer."""
     from transformers import AutoTokenizer
 
-    p = Path(path)
+    from envs.hub import resolve_model
+
+    p = resolve_model(path, "tokenizer")
     if not p.is_dir() or not ((p / "tokenizer.json").exists() or (p / "tokenizer_config.json").exists()):
         raise FileNotFoundError(f"no tokenizer files in {str(p)!r}")
     return AutoTokenizer.from_pretrained(str(p))

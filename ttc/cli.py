@@ -52,19 +52,22 @@ def _solve_parser() -> argparse.ArgumentParser:
     d = ap.add_argument_group("problems")
     src = d.add_mutually_exclusive_group(required=True)
     src.add_argument("--problem", help="one problem text")
-    src.add_argument("--data", help="a jsonl/json/parquet file or a Hugging Face dataset name")
-    d.add_argument("--split", default="train", help="dataset split for a Hugging Face name")
+    src.add_argument("--data", help="a jsonl/json/parquet/csv file, a dataset directory or a Hugging Face dataset "
+                                    "org/name[@rev] (HF cache, HF_HUB_OFFLINE)")
+    d.add_argument("--split", default="train", help="dataset split for a Hugging Face name or dataset directory")
+    d.add_argument("--subset", default=None, help="dataset configuration (subset) of a Hugging Face name")
     d.add_argument("--column", default=None,
                    help="column mapping, e.g. problem=question,answer=solution (default: problem, answer)")
     d.add_argument("--answer", default=None, help="gold answer for --problem")
     d.add_argument("--limit", type=int, default=None, help="only the first N problems of --data")
     m = ap.add_argument_group("model")
-    m.add_argument("--model", help="checkpoint directory, or the served model name with --base-url")
+    m.add_argument("--model", help="checkpoint directory or Hugging Face id org/name[@rev] (HF cache, HF_HUB_OFFLINE), "
+                                   "or the served model name with --base-url")
     m.add_argument("--base-url", help="an OpenAI-compatible server (API key from OPENAI_API_KEY or CASCADE_API_KEY)")
     m.add_argument("--api", default="completions", choices=["completions", "chat"],
                    help="--base-url endpoint: token-id /v1/completions, or /v1/chat/completions (needs --tokenizer)")
     m.add_argument("--tokenizer",
-                   help="tokenizer directory for cutting tails with --base-url (default: the server's /tokenize)")
+                   help="tokenizer directory or Hub id for cutting tails with --base-url (default: the server's /tokenize)")
     m.add_argument("--engine", default="torch", choices=["torch", "vllm"])
     m.add_argument("--device", default=None)
     m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -106,6 +109,9 @@ def build_backend(a):
                    rpm=a.rpm, tpm=a.tpm, max_tokens_in_flight=a.max_tokens_in_flight)
     if not a.model:
         raise ValueError("give --model PATH (a checkpoint) or --base-url URL")
+    from envs.hub import resolve_model
+
+    a.model = str(resolve_model(a.model))  # a local directory wins; else a Hub id through the HF cache
     if not Path(a.model).is_dir():
         raise FileNotFoundError(f"checkpoint directory {a.model!r} not found")
     if a.engine == "vllm":
@@ -122,15 +128,9 @@ def build_backend(a):
 
 
 def parse_columns(spec: str | None) -> dict[str, str]:
-    cols = {"problem": "problem", "answer": "answer"}
-    for part in (spec or "").split(","):
-        if not part.strip():
-            continue
-        key, sep, col = part.partition("=")
-        if not sep or key.strip() not in cols or not col.strip():
-            raise ValueError(f"--column {spec!r}: expected problem=COLUMN,answer=COLUMN")
-        cols[key.strip()] = col.strip()
-    return cols
+    from envs.hub import parse_columns as parse
+
+    return parse(spec, ("problem", "answer"), flag="--column")
 
 
 def load_problems(a) -> list[dict]:
@@ -138,33 +138,12 @@ def load_problems(a) -> list[dict]:
         if not a.problem.strip():
             raise ValueError("--problem is empty")
         return [{"problem": a.problem, "answer": a.answer}]
-    cols = parse_columns(a.column)
-    import datasets
+    from envs.hub import load_rows
 
-    datasets.disable_progress_bars()
-    path = Path(a.data)
-    if path.is_file():
-        kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(path.suffix.lower())
-        if kind is None:
-            raise ValueError(f"--data {path}: unsupported file type {path.suffix!r}; use .jsonl, .json, .parquet, .csv")
-        ds = datasets.load_dataset(kind, data_files=str(path), split="train")
-    elif path.suffix.lower() in (".jsonl", ".json", ".parquet", ".csv") or a.data.startswith((".", "/")):
-        raise FileNotFoundError(f"--data file {a.data} not found")
-    else:
-        try:
-            ds = datasets.load_dataset(a.data, split=a.split)
-        except Exception as e:  # noqa: BLE001 - the hub's many errors: one line
-            raise ValueError(f"--data {a.data}: not a file, and loading it as a Hugging Face dataset failed: "
-                             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     need = ["problem"] + (["answer"] if "answer=" in (a.column or "") else [])  # answer is optional unless mapped
-    missing = [f"{k}={cols[k]}" if cols[k] != k else k for k in need if cols[k] not in ds.column_names]
-    if missing:
-        raise ValueError(f"--data {a.data} lacks column(s) {', '.join(missing)} (has: {', '.join(ds.column_names)}); "
-                         f"map them with --column problem=...,answer=...")
-    answers = ds[cols["answer"]] if cols["answer"] in ds.column_names else [None] * len(ds)
-    rows = [{"problem": str(p), "answer": None if g is None else str(g)} for p, g in zip(ds[cols["problem"]], answers)]
-    if not rows:
-        raise ValueError(f"--data {a.data} has no rows")
+    rows = load_rows(a.data, need, [k for k in ("answer",) if k not in need], parse_columns(a.column),
+                     split=a.split, subset=a.subset, what="--data", hint="--column ")
+    rows = [{"problem": str(r["problem"]), "answer": None if r["answer"] is None else str(r["answer"])} for r in rows]
     return rows[:a.limit] if a.limit is not None else rows
 
 
@@ -434,7 +413,7 @@ def solve_main(argv: list[str]) -> int:
 def serve_main(argv: list[str]) -> int:
     from train.engine.server import main as serve
 
-    return serve(argv)
+    return serve(argv, prog="ttc serve")
 
 
 COMMANDS = {"solve": solve_main, "serve": serve_main}

@@ -65,9 +65,18 @@ def load() -> bool:
         if shutil.which("ninja") is None and bindir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
         # -march=native: the build is for this CPU, so the CPU's features are part of its name
-        tag = hashlib.sha256(_SRC.read_bytes() + f"{torch.__version__} {torch.__file__}".encode()
+        code = _SRC.read_bytes()
+        tag = hashlib.sha256(code + f"{torch.__version__} {torch.__file__}".encode()
                              + " ".join(_CFLAGS).encode() + _cpu_flags().encode()).hexdigest()[:12]
-        cpp_extension.load(name=f"cascade_decode_cpu_{tag}", sources=[str(_SRC)], is_python_module=False,
+        name = f"cascade_decode_cpu_{tag}"
+        # The build compiles a copy kept in its own folder: installs of the same source at other paths
+        # (a checkout, a wheel) share the build instead of rebuilding each time the path changes.
+        src = Path(cpp_extension._get_build_directory(name, False)) / _SRC.name
+        if not src.is_file() or src.read_bytes() != code:
+            tmp = src.with_name(f".{src.name}.{os.getpid()}")
+            tmp.write_bytes(code)
+            os.replace(tmp, src)
+        cpp_extension.load(name=name, sources=[str(src)], is_python_module=False,
                            extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
         _STATE["ok"] = True
     except Exception as e:  # no compiler, no ninja, a failed build: the PyTorch step still works
@@ -80,7 +89,9 @@ def load() -> bool:
 
 def _standard(model) -> bool:
     """The architecture the ops implement: Cascade's CausalLM with its own attention and MLP/MoE
-    modules (a subclass or module swap that changes the computation keeps the PyTorch path)."""
+    modules (a subclass or module swap that changes the computation keeps the PyTorch path). Every
+    family of ``config.architecture`` is covered: q/k RMSNorm or none, q/k/v and o_proj biases, RoPE
+    scaling."""
     return (isinstance(model, CausalLM) and type(model).hidden_states is CausalLM.hidden_states
             and type(model).logits is CausalLM.logits
             and all(type(layer) is DecoderLayer and type(layer.self_attn) is Attention
@@ -89,7 +100,8 @@ def _standard(model) -> bool:
 
 def usable(model: CausalLM) -> bool:
     """Whether :class:`NativeDecoder` runs for this model (CPU, fp32, the standard architecture,
-    extension built, not disabled)."""
+    extension built, not disabled). fp32 only, so the model's ``fp32_residual`` option changes nothing
+    here; bf16 models keep the PyTorch step, which applies it."""
     return (enabled() and model.device.type == "cpu" and model.dtype == torch.float32 and _standard(model)
             and load())
 
@@ -110,8 +122,9 @@ class NativeDecoder:
             for layer in model.model.layers:
                 a, ln2 = layer.self_attn, layer.post_attention_layernorm
                 bias = None if a.q_proj.bias is None else torch.cat((a.q_proj.bias, a.k_proj.bias, a.v_proj.bias))
+                qk_norm = (a.q_norm.weight, a.k_norm.weight) if cfg.qk_norm else (None, None)  # Qwen2 / Llama: none
                 attn = (layer.input_layernorm.weight, torch.cat((a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)),
-                        bias, a.q_norm.weight, a.k_norm.weight)
+                        bias, *qk_norm)
                 attn_tail = (a.o_proj.weight, a.o_proj.bias, a.n_heads, a.n_kv, eps)
                 m = layer.mlp
                 if layer.is_moe:
@@ -154,7 +167,7 @@ class NativeDecoder:
             rows, slots, pos = flat // T, s + flat % T, pos[flat]
             flat_ids, counts = ids.reshape(-1)[flat], mask.sum(1)
         x = model.model.embed_tokens(flat_ids)
-        cos, sin = rope_cos_sin(pos[:, None], cfg.head_dim, cfg.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(pos[:, None], cfg.head_dim, cfg.rope_theta, x.dtype, cfg.rope_scaling)
         cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
         ops = torch.ops.cascade_native
         for i, (attn, attn_tail, mlp) in enumerate(self.layers):

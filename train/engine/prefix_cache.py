@@ -101,6 +101,8 @@ class PrefixCache:
         P = min(common_prefix_len(prompts), min(lens) - 1)  # every row keeps >= 1 token to prefill
         if B < 2 or P < self.min_prefix:
             return None
+        if model.config.architecture == "zaya":  # CCA's convolution would see the padding between prefix and suffix
+            return None
         self._check_weights(model)
         cfg, dev, dtype = model.config, model.device, model.dtype
         prefix = tuple(prompts[0][:P])
@@ -152,5 +154,7 @@ class PrefixCache:
 
 def enable_prefix_caching(engine, min_prefix: int = 8, max_entries: int = 8) -> PrefixCache:
     """Turn shared-prefix reuse on for a :class:`~train.engine.torch_engine.TorchEngine`."""
+    if getattr(engine.model, "is_transformers_fallback", False):
+        raise ValueError("shared-prefix caching needs Cascade's own model, not the transformers fallback")
     engine.prefix_cache = PrefixCache(min_prefix=min_prefix, max_entries=max_entries)
     return engine.prefix_cache

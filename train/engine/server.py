@@ -566,8 +566,8 @@ def serve_in_thread(engine, **kw) -> tuple[Server, str]:
     return srv, f"http://{host}:{port}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="serve", description="Serve a checkpoint over an OpenAI-compatible HTTP API.")
+def main(argv: list[str] | None = None, prog: str = "cascade serve") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description="Serve a checkpoint over an OpenAI-compatible HTTP API.")
     ap.add_argument("--model", required=True, help="checkpoint directory (weights + tokenizer)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)

@@ -2,8 +2,9 @@
 
 Prompts of different lengths are left-padded into one batch; each prompt is prefilled once and
 its cache fanned out to its ``n`` samples; finished rows leave the batch as soon as they stop.
-Runs on CPU and CUDA; fp32 models on CPU prefill, decode and sample through fused C++ ops
-(:mod:`train.engine.native`), everything else through the PyTorch model.
+Runs on CPU and CUDA; fp32 models on CPU (Qwen3, Qwen3-MoE, Qwen2, Llama) prefill, decode and sample
+through fused C++ ops (:mod:`train.engine.native`), everything else (bf16, GPU, and transformers-fallback
+models from :mod:`train.model.hf_fallback`) through the PyTorch model.
 
 Weight versions and in-flight updates. ``engine.version`` names the weights in use; every
 completion carries ``versions``, the version that sampled each of its tokens. ``load_weights(sd,
@@ -80,9 +81,11 @@ class TorchEngine:
         self.max_batch_rows = max_batch_rows
         cfg = model.config
         eos = set(eos_token_ids)
-        for e in (cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]):
-            if e is not None:
-                eos.add(int(e))
+        gen_eos = (getattr(cfg, "generation_config", None) or {}).get("eos_token_id")  # e.g. Qwen3's eos list
+        for ids in (cfg.eos_token_id, gen_eos):
+            for e in (ids if isinstance(ids, list) else [ids]):
+                if e is not None:
+                    eos.add(int(e))
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(int(tokenizer.eos_token_id))
         self.eos_token_ids = sorted(eos)
@@ -103,8 +106,10 @@ class TorchEngine:
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                         **kw) -> "TorchEngine":
+        from envs.hub import resolve_model
         from train.tokenizer import load_tokenizer
 
+        path = resolve_model(path)  # a local directory wins; else a Hub id through the HF cache (offline rules)
         model = load_pretrained(path, dtype=dtype, device=device)
         tok = load_tokenizer(path) if (Path(path) / "tokenizer.json").exists() else None
         return cls(model, tok, **kw)
@@ -224,7 +229,10 @@ class TorchEngine:
         for i, x in enumerate(seqs):
             inp[i, L - len(x):] = torch.tensor(x)
             mask[i, L - len(x):] = True
-        cache = KVCache.allocate(model.config, B, capacity, dev, model.dtype)
+        if hasattr(model, "allocate_cache"):  # a transformers model (train.model.hf_fallback) keeps its own cache
+            cache = model.allocate_cache(B, capacity, dev, model.dtype)
+        else:
+            cache = KVCache.allocate(model.config, B, capacity, dev, model.dtype)
         rec: list | None = [] if record else None
         if decoder is not None:  # fused C++ forward (fp32 on CPU)
             logits = decoder.forward(inp, cache, mask, record=rec)

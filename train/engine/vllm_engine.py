@@ -23,7 +23,8 @@ Weight sync. :meth:`load_weights` takes a state dict in HF checkpoint naming (pe
 weights, what ``hf_io.to_hf_state_dict`` gives) or Cascade's in-memory naming (fused experts,
 split here), checks names and shapes against the checkpoint, and reloads in place through the
 worker's ``reload_weights(weights_iterator=...)``; then it repairs the two CPU reload bugs
-(measured, see NOTES.md): the tied LM head keeps its old pre-packed weight until
+(measured: each gives wrong outputs after a reload; tests/test_vllm_engine.py): the tied LM head
+keeps its old pre-packed weight until
 ``dispatch_cpu_unquantized_gemm(lm_head, remove_weight=False)`` runs again, and the MoE experts'
 CPU pre-pack is skipped until ``fused_experts.process_weights_after_loading`` runs again. Finally
 the prefix cache is reset (its KV entries were computed with the old weights). ``last_sync_s``

@@ -2,16 +2,22 @@
 
 On disk, MoE experts use the per-expert naming that transformers writes and vLLM reads
 (``mlp.experts.{e}.gate_proj.weight``); in memory they are stacked (see ``modeling``).
-Files written here open with ``AutoModelForCausalLM.from_pretrained``.
+Files written here open with ``AutoModelForCausalLM.from_pretrained``: one ``model.safetensors``, or
+above ``max_shard_size`` (default 5 GB) shards ``model-0000i-of-0000n.safetensors`` with a
+``model.safetensors.index.json``; ``config.json`` carries ``transformers_version`` and
+``generation_config.json`` is the source checkpoint's (sampling defaults, eos list), carried in
+``ModelConfig.generation_config``. Loading builds the model on the meta device, allocates it once in
+the target dtype and streams each tensor from its shard into place (no second full copy in memory).
 """
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from train.model.config import ModelConfig
@@ -20,6 +26,10 @@ from train.model.modeling import CausalLM
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "vocab.json", "merges.txt", "generation_config.json")
+
+
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # bytes; transformers 4.x's default (5.x writes up to 50 GB per file)
+INDEX_FILE = "model.safetensors.index.json"
 
 
 class CheckpointError(ValueError):
@@ -44,11 +54,41 @@ def load_config(path: str | Path) -> ModelConfig:
         d = json.loads(f.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"corrupt config.json in {str(p)!r}: {e}") from None
-    return ModelConfig.from_hf(d)
+    cfg = ModelConfig.from_hf(d)
+    gen = p / "generation_config.json"
+    if gen.exists():
+        try:
+            cfg.generation_config = json.loads(gen.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"corrupt generation_config.json in {str(p)!r}: {e}") from None
+    return cfg
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string such as ``"5GB"``, ``"500MB"``, ``"2GiB"`` (as transformers reads them)."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", str(size), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"bad size {size!r}; expected bytes or e.g. '5GB', '500MB', '2GiB'")
+    unit = (m.group(2) or "B").upper()
+    mult = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+            "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    return int(float(m.group(1)) * mult)
+
+
+def transformers_version() -> str | None:
+    """The installed transformers version (without importing it), written to config.json."""
+    try:
+        from importlib.metadata import version
+
+        return version("transformers")
+    except Exception:  # noqa: BLE001 - not installed: leave the field out
+        return None
 
 
 def _weight_files(p: Path) -> list[Path]:
-    index = p / "model.safetensors.index.json"
+    index = p / INDEX_FILE
     if index.exists():
         try:
             names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -81,6 +121,8 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     for k, v in sd.items():
+        if k.endswith("rotary_emb.inv_freq"):  # a buffer older checkpoints saved; recomputed from the config
+            continue
         m = _EXPERT.match(k)
         if m:
             experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = v
@@ -123,13 +165,21 @@ def split_fused_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def to_hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
     """Cascade's parameters under the names a ``save_pretrained`` checkpoint uses (per expert)."""
     sd = model.state_dict()
+    if getattr(model, "is_transformers_fallback", False):  # already transformers' names
+        return sd
     if model.config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
+    if model.config.architecture == "zaya":  # transformers' ZayaForCausalLM reads and writes the fused experts
+        return sd
     return split_fused_experts(sd)
 
 
 def load_into(model: CausalLM, sd: dict[str, torch.Tensor], hf_names: bool = True) -> None:
     """Copy weights into ``model`` (strict: every parameter present, no stray names, shapes equal)."""
+    if getattr(model, "is_transformers_fallback", False):
+        from train.model.hf_fallback import load_weights_into
+
+        return load_weights_into(model, sd)
     own = from_hf_state_dict(sd, model.config) if hf_names else dict(sd)
     expected = model.state_dict()
     if model.config.tie_word_embeddings:
@@ -148,34 +198,179 @@ def load_into(model: CausalLM, sd: dict[str, torch.Tensor], hf_names: bool = Tru
             t.copy_(own[k])
 
 
-def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> CausalLM:
-    """A :class:`CausalLM` from an HF checkpoint directory (Cascade's own or a pretrained Qwen3/Qwen3-MoE)."""
-    cfg = load_config(path)
-    sd = read_state_dict(path)
+def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                    backend: str | None = None) -> CausalLM:
+    """A :class:`CausalLM` from an HF checkpoint directory (Cascade's own or a pretrained Qwen3 / Qwen3-MoE /
+    Qwen2 / Llama), sharded or not. The model is made on the meta device and allocated once, in ``dtype``
+    on ``device``; each tensor is then read from its shard and copied into place, so the peak memory is
+    the model plus one tensor (no full state dict beside it, no fp32 copy of a bf16 model).
+
+    ``backend`` (default ``$CASCADE_MODEL_BACKEND``, else ``cascade``): ``cascade`` (this model; other
+    architectures are refused), ``transformers`` (any causal LM through
+    :mod:`train.model.hf_fallback`, slower) or ``auto`` (this model where the config is supported, the
+    fallback otherwise)."""
+    from train.model.hf_fallback import load_transformers
+
+    cfg = check_loadable(path, backend)
+    if cfg is None:
+        return load_transformers(path, dtype, device)
+    files = _weight_files(Path(path))
     with torch.device("meta"):
         model = CausalLM(cfg)
-    model = model.to_empty(device=device)
+    model = model.to(dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    load_into(model, sd)
-    return model.to(dtype)
+    with torch.no_grad():  # buffers not saved in checkpoints (ZAYA1's per-step expert load counts) start at zero
+        for name, buf in model.named_buffers():
+            if name.endswith("load_counts"):
+                buf.zero_()
+    stream_into(model, files)
+    return model
+
+
+def check_loadable(path: str | Path, backend: str | None = None) -> ModelConfig | None:
+    """Check that ``path`` loads with ``backend`` (default ``$CASCADE_MODEL_BACKEND``, else ``cascade``;
+    see :func:`load_pretrained`), with a one-line error where not -> its :class:`ModelConfig`, or None
+    when it goes through the transformers fallback."""
+    from train.model.hf_fallback import BACKENDS
+
+    backend = backend or os.environ.get("CASCADE_MODEL_BACKEND", "").strip().lower() or "cascade"
+    if backend not in BACKENDS:
+        raise ValueError(f"model backend must be one of {list(BACKENDS)}, got {backend!r}")
+    if backend == "transformers":
+        if not (_require_dir(path) / "config.json").exists():
+            raise CheckpointError(f"checkpoint {str(path)!r} has no config.json")
+        return None
+    try:
+        return load_config(path)
+    except CheckpointError:
+        raise
+    except ValueError:  # an architecture or option Cascade's model does not implement
+        if backend != "auto":
+            raise
+        return None
+
+
+def stream_into(model: CausalLM, files: list[Path]) -> None:
+    """Copy the tensors of safetensors ``files`` (HF names, per-expert or fused experts) into ``model``
+    one at a time; strict as :func:`load_into` (every parameter present, no stray names, shapes equal)."""
+    cfg = model.config
+    params = model.state_dict()
+    if cfg.tie_word_embeddings:
+        params.pop("lm_head.weight", None)
+    seen: set[str] = set()
+    parts: dict[str, set] = {}  # fused expert tensor -> (expert, part) filled from per-expert names
+    extra: list[str] = []
+    with torch.no_grad():
+        for f in files:
+            try:
+                with safe_open(str(f), framework="pt", device="cpu") as sf:
+                    for k in sf.keys():
+                        if k.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and k == "lm_head.weight"):
+                            continue
+                        m = _EXPERT.match(k)
+                        if m:
+                            prefix, e, part = m.group(1), int(m.group(2)), m.group(3)
+                            name = f"{prefix}.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"
+                            if name not in params or e >= cfg.num_experts:
+                                extra.append(k)
+                                continue
+                            target = params[name][e]
+                            if part != "down_proj":
+                                half = target.shape[0] // 2
+                                target = target[:half] if part == "gate_proj" else target[half:]
+                            parts.setdefault(name, set()).add((e, part))
+                        elif k in params:
+                            name, target = k, params[k]
+                            seen.add(k)
+                        else:
+                            extra.append(k)
+                            continue
+                        t = sf.get_tensor(k)
+                        if tuple(t.shape) != tuple(target.shape):
+                            raise CheckpointError(f"shape mismatch for {k}: checkpoint {tuple(t.shape)} vs model "
+                                                  f"{tuple(target.shape)}")
+                        target.copy_(t)
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"corrupt weight file {str(f)!r}: {e}") from None
+    for name, got in parts.items():
+        need = cfg.num_experts * (1 if name.endswith("down_proj") else 2)
+        if len(got) == need:
+            seen.add(name)
+        elif name not in seen:
+            raise CheckpointError(f"{name}: {len(got)} of {need} per-expert tensors in the checkpoint")
+    missing = sorted(set(params) - seen)
+    if missing or extra:
+        raise CheckpointError(f"weights do not match the config: missing {missing[:8]}, unexpected {sorted(extra)[:8]}")
+
+
+def write_weights(sd: dict[str, torch.Tensor], path: str | Path, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> list[str]:
+    """Write ``sd`` as ``model.safetensors``, or, when larger than ``max_shard_size``, as shards
+    ``model-0000i-of-0000n.safetensors`` (tensors in order, a new shard when the next tensor would not
+    fit; a tensor larger than the limit alone) with ``model.safetensors.index.json`` as transformers
+    writes them. Weight files of an earlier save in ``path`` are removed first. -> the file names."""
+    p = Path(path)
+    limit = parse_size(max_shard_size)
+    for old in [p / "model.safetensors", p / INDEX_FILE, *p.glob("model-*-of-*.safetensors")]:
+        old.unlink(missing_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = total = 0
+    for k, v in sd.items():
+        n = v.numel() * v.element_size()
+        if shards[-1] and size + n > limit:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v.detach().contiguous().cpu()
+        size += n
+        total += n
+    if len(shards) == 1:
+        save_file(shards[0], str(p / "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for name, shard in zip(names, shards):
+        save_file(shard, str(p / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    (p / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return names
 
 
 def save_pretrained(model: CausalLM, path: str | Path, tokenizer_dir: str | Path | None = None, tokenizer=None,
-                    dtype: torch.dtype | None = None) -> Path:
-    """Write config.json, model.safetensors (and tokenizer files) to ``path``."""
+                    dtype: torch.dtype | None = None, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+                    generation_config: dict | None = None) -> Path:
+    """Write config.json, the safetensors weights (sharded above ``max_shard_size``), generation_config.json
+    (and tokenizer files) to ``path``. generation_config.json: ``generation_config`` if given, else the
+    one the model was loaded with (``model.config.generation_config``), else ``tokenizer_dir``'s, else
+    bos/eos/pad from the config."""
     p = Path(path)
     p.mkdir(parents=True, exist_ok=True)
-    cfg_d = model.config.to_hf()
-    sd = to_hf_state_dict(model)
-    if dtype is not None:
-        sd = {k: v.to(dtype) for k, v in sd.items()}
-    cfg_d["torch_dtype"] = str(next(iter(sd.values())).dtype).removeprefix("torch.")
-    save_file({k: v.detach().contiguous().cpu() for k, v in sd.items()}, str(p / "model.safetensors"),
-              metadata={"format": "pt"})
-    (p / "config.json").write_text(json.dumps(cfg_d, indent=2))
-    gen = {"bos_token_id": cfg_d["bos_token_id"], "eos_token_id": cfg_d["eos_token_id"],
-           "pad_token_id": cfg_d["pad_token_id"]}
+    version = transformers_version()
+    if getattr(model, "is_transformers_fallback", False):  # transformers writes it (sharded the same way)
+        for old in [p / "model.safetensors", p / INDEX_FILE, *p.glob("model-*-of-*.safetensors")]:
+            old.unlink(missing_ok=True)
+        kw = {} if dtype is None else {"state_dict": {k: v.to(dtype) for k, v in model.hf.state_dict().items()}}
+        model.hf.save_pretrained(str(p), max_shard_size=parse_size(max_shard_size), **kw)
+        cfg_d = {k: getattr(model.config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    else:
+        cfg_d = model.config.to_hf()
+        sd = to_hf_state_dict(model)
+        if dtype is not None:
+            sd = {k: v.to(dtype) for k, v in sd.items()}
+        cfg_d["torch_dtype"] = str(next(iter(sd.values())).dtype).removeprefix("torch.")
+        if version:
+            cfg_d["transformers_version"] = version
+        write_weights(sd, p, max_shard_size)
+        (p / "config.json").write_text(json.dumps(cfg_d, indent=2))
+    gen = generation_config or model.config.generation_config
+    src_gen = Path(tokenizer_dir) / "generation_config.json" if tokenizer_dir is not None else None
+    if gen is None and src_gen is not None and src_gen.exists():
+        gen = json.loads(src_gen.read_text())
+    gen = dict(gen or {})
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):  # the source's values win
+        if gen.get(k) is None and cfg_d[k] is not None:
+            gen[k] = cfg_d[k]
+    if version:
+        gen["transformers_version"] = version
     (p / "generation_config.json").write_text(json.dumps(gen, indent=2))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(p))

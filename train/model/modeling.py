@@ -1,4 +1,6 @@
-"""Cascade's policy: a decoder-only transformer weight-compatible with HF Qwen3 and Qwen3-MoE.
+"""Cascade's policy: a decoder-only transformer weight-compatible with HF Qwen3, Qwen3-MoE, Qwen2 and
+Llama (``config.architecture``: q/k norm for Qwen3, q/k/v biases for Qwen2, RoPE scaling ``linear`` and
+``llama3``), and ZAYA1 (``zaya``: its layers in :mod:`train.model.zaya`).
 
 Module and parameter names mirror ``transformers`` (``model.layers.N.self_attn.q_proj.weight``,
 MoE experts fused as ``mlp.experts.gate_up_proj [E, 2I, H]`` and ``mlp.experts.down_proj
@@ -7,7 +9,9 @@ written per expert (see :mod:`train.model.hf_io`). MoE experts run as grouped GE
 (``torch._grouped_mm``) over tokens sorted by expert.
 
 Norms, the router softmax, rotary tables and logits are computed in fp32 whatever the weight
-dtype (ZAYA1's stability measures).
+dtype, and with ``config.fp32_residual`` (the default) so is the residual stream: the embedding
+output and every residual addition stay fp32 while each block computes in the weights' dtype
+(ZAYA1's stability measures).
 """
 from __future__ import annotations
 
@@ -38,17 +42,40 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
 _INV_FREQ: dict[tuple, torch.Tensor] = {}
 
 
-def _inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
-    key = (head_dim, float(theta), str(device))
+def _inv_freq(head_dim: int, theta: float, device, scaling: dict | None = None) -> torch.Tensor:
+    key = (head_dim, float(theta), str(device), tuple(sorted((scaling or {}).items())))
     if key not in _INV_FREQ:
         with torch.inference_mode(False):  # a normal tensor even when first made during generation
-            _INV_FREQ[key] = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+            inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+            _INV_FREQ[key] = scaled_inv_freq(inv, scaling).to(device)
     return _INV_FREQ[key]
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin tables [B, T, head_dim] for integer ``positions`` [B, T] (HF's half-rotation layout)."""
-    freqs = positions.float()[..., None] * _inv_freq(head_dim, theta, positions.device)
+def scaled_inv_freq(inv: torch.Tensor, scaling: dict | None) -> torch.Tensor:
+    """RoPE inverse frequencies under ``scaling`` (None: unchanged): ``linear`` divides them by
+    ``factor``; ``llama3`` (Llama 3.1) divides the low frequencies by ``factor``, keeps the high ones and
+    interpolates between (as transformers' ``_compute_llama3_parameters``)."""
+    if not scaling:
+        return inv
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv / factor
+    import math
+
+    old = float(scaling["original_max_position_embeddings"])
+    lo, hi = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    wavelen = 2 * math.pi / inv
+    out = torch.where(wavelen > old / lo, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    mid = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+    return torch.where(mid, (1 - smooth) * out / factor + smooth * out, out)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                 scaling: dict | None = None):
+    """cos/sin tables [B, T, head_dim] for integer ``positions`` [B, T] (HF's half-rotation layout);
+    ``scaling``: ``config.rope_scaling``."""
+    freqs = positions.float()[..., None] * _inv_freq(head_dim, theta, positions.device, scaling)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -73,13 +100,20 @@ class KVCache:
     v: list[torch.Tensor]
     valid: torch.Tensor
     length: int = 0
+    # ZAYA1 (CCA) only, per layer: the last pre-conv q/k columns [B, C, K] and the last delayed value
+    # projection [B, Hk * D / 2]; written by the first forward into the cache
+    conv: list | None = None
+    vstate: list | None = None
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, batch: int, max_len: int, device, dtype) -> "KVCache":
         shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        return cls([torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)],
-                   [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)],
-                   torch.zeros(batch, max_len, dtype=torch.bool, device=device))
+        L = cfg.num_hidden_layers
+        zaya = cfg.architecture == "zaya"
+        return cls([torch.empty(shape, device=device, dtype=dtype) for _ in range(L)],
+                   [torch.empty(shape, device=device, dtype=dtype) for _ in range(L)],
+                   torch.zeros(batch, max_len, dtype=torch.bool, device=device),
+                   conv=[None] * L if zaya else None, vstate=[None] * L if zaya else None)
 
     @property
     def capacity(self) -> int:
@@ -87,8 +121,11 @@ class KVCache:
 
     def select(self, rows: torch.Tensor) -> "KVCache":
         """Keep (or repeat) the given batch rows, e.g. to drop finished sequences or fan out n samples."""
+        def sel(states):
+            return None if states is None else [None if t is None else t.index_select(0, rows) for t in states]
+
         return KVCache([k.index_select(0, rows) for k in self.k], [v.index_select(0, rows) for v in self.v],
-                       self.valid.index_select(0, rows), self.length)
+                       self.valid.index_select(0, rows), self.length, sel(self.conv), sel(self.vstate))
 
 
 @dataclass(frozen=True)
@@ -138,9 +175,10 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(h, self.n_heads * d, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(h, self.n_kv * d, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(h, self.n_kv * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * d, h, bias=cfg.attention_bias)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=cfg.o_proj_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None = None, layer: int = 0):
         """``mask``: None (causal), a boolean mask [B, 1, T, Tk], or :class:`Segments` (packed sequences in
@@ -152,8 +190,10 @@ class Attention(nn.Module):
         bias = None if self.q_proj.bias is None else torch.cat((self.q_proj.bias, self.k_proj.bias, self.v_proj.bias))
         qkv = F.linear(x, torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)), bias)
         qk = qkv[..., :(hq + hk) * d].view(B, T, hq + hk, d)
-        norm_w = torch.cat((self.q_norm.weight.expand(hq, d), self.k_norm.weight.expand(hk, d)))
-        qk = apply_rope((norm_w * rms_normalize(qk, self.q_norm.eps)).transpose(1, 2), cos, sin)
+        if self.cfg.qk_norm:
+            norm_w = torch.cat((self.q_norm.weight.expand(hq, d), self.k_norm.weight.expand(hk, d)))
+            qk = norm_w * rms_normalize(qk, self.q_norm.eps)
+        qk = apply_rope(qk.transpose(1, 2), cos, sin)
         q, k = qk[:, :hq], qk[:, hq:]
         v = qkv[..., (hq + hk) * d:].view(B, T, hk, d).transpose(1, 2)
         if cache is not None:
@@ -288,8 +328,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, cache=None, layer=0, replay=None, record=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
-        h = self.post_attention_layernorm(x)
+        """``x``: the residual stream, in the weights' dtype or fp32 (``fp32_residual``); each block
+        takes its normed input in the weights' dtype and its output is added in ``x``'s dtype."""
+        dt = self.self_attn.o_proj.weight.dtype
+        x = x + self.self_attn(self.input_layernorm(x).to(dt), cos, sin, mask, cache, layer)
+        h = self.post_attention_layernorm(x).to(dt)
         x = x + (self.mlp(h, replay, record) if self.is_moe else self.mlp(h))
         return x
 
@@ -298,7 +341,14 @@ class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        if cfg.architecture == "zaya":  # train/model/zaya.py; the embeddings are scaled on input
+            from train.model.zaya import ZayaDecoderLayer
+
+            self.layers = nn.ModuleList(ZayaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+            self.input_hidden_states_scale = nn.Parameter(torch.ones(cfg.hidden_size))
+            self.input_hidden_states_bias = nn.Parameter(torch.zeros(cfg.hidden_size))
+        else:
+            self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -335,7 +385,7 @@ class CausalLM(nn.Module):
     def init_weights(self, seed: int = 0, std: float = 0.02) -> "CausalLM":
         g = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(("norm.weight", "_scale", "qk_norm.temp")):  # norms, ZAYA1's residual scales, key temperature
                 p.fill_(1.0)
             elif name.endswith("bias"):
                 p.zero_()
@@ -392,7 +442,12 @@ class CausalLM(nn.Module):
             else:
                 position_ids = torch.arange(T, device=dev).expand(B, T)
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(position_ids, cfg.rope_dim, cfg.rope_theta, x.dtype, cfg.rope_scaling)
+        zaya = cfg.architecture == "zaya"
+        if zaya:
+            x = (x + self.model.input_hidden_states_bias) * self.model.input_hidden_states_scale
+        if cfg.fp32_residual:  # the residual stream in fp32 (a no-op for fp32 weights)
+            x = x.float()
         q_slots = torch.arange(start, start + T, device=dev)
         if cu_seqlens is not None:
             mask = seg
@@ -402,8 +457,11 @@ class CausalLM(nn.Module):
             mask = build_mask(attention_mask, q_slots, T)
         else:
             mask = None
+        if zaya:
+            x = self._zaya_layers(x, cos, sin, mask, cache, attention_mask, routed_experts, record_routing,
+                                  checkpoint_layers)
         moe_i = 0
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(() if zaya else self.model.layers):
             replay = None
             if layer.is_moe and routed_experts is not None:
                 replay = routed_experts[moe_i].reshape(B * T, -1)
@@ -415,6 +473,24 @@ class CausalLM(nn.Module):
         if cache is not None:
             cache.length = start + T
         return self.model.norm(x)
+
+    def _zaya_layers(self, x, cos, sin, mask, cache, attention_mask, routed_experts, record_routing, checkpoint_layers):
+        """The ZAYA1 decoder stack (train/model/zaya.py): the router state runs from layer to layer and CCA
+        zeroes padding before its convolutions (``valid``: this forward's real tokens, None when all real)."""
+        from train.model.zaya import checkpointed_layer
+
+        B, T = x.shape[:2]
+        valid = cache.valid[:, cache.length:cache.length + T] if cache is not None else attention_mask
+        if valid is not None and bool(valid.all()):
+            valid = None
+        state = None
+        for i, layer in enumerate(self.model.layers):
+            replay = None if routed_experts is None else routed_experts[i].reshape(B * T, -1)
+            if checkpoint_layers and torch.is_grad_enabled() and cache is None:
+                x, state = checkpointed_layer(layer, x, cos, sin, mask, replay, record_routing, state, valid)
+            else:
+                x, state = layer(x, cos, sin, mask, cache, i, replay, record_routing, state, valid)
+        return x
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits from hidden states (LM head in fp32)."""

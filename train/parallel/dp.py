@@ -12,6 +12,7 @@ parameters; with ``reduce_grads=False`` the gradients are assumed already synchr
 gradients reduce-scattered instead of all-reduced, replicated-parameter gradients summed over the
 model-parallel group, global-norm clipping, per-parameter weight decay, a learning rate per step,
 fp32 master weights under a low-precision compute copy, and state tensors for checkpoints.
+:class:`MeshMuon` adds Muon for the hidden weight matrices, each orthogonalised as the whole matrix.
 """
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ import math
 import torch
 import torch.distributed as dist
 
+from train.optim import adamw_step_, as_matrices, momentum_update, muon_direction, muon_lr_scale
 from train.parallel import comm
+from train.parallel.shard import ShardedLM
 
 
 class ZeroAdamW:
@@ -143,11 +146,15 @@ class MeshAdamW:
         self.steps = torch.zeros((), dtype=torch.int64, device=dev)
         self._acc: torch.Tensor | None = None
 
+    def configure(self, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+        """Set the hyper-parameters of the next steps (the state is kept)."""
+        self.betas, self.eps, self.weight_decay = tuple(betas), eps, weight_decay
+
     @torch.no_grad()
     def restart(self, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0) -> None:
         """A fresh AdamW (zero moments, step count 0) with these settings on the current master
         weights, as when a new phase (SFT, then RL) builds its own optimizer on the same policy."""
-        self.betas, self.eps, self.weight_decay = tuple(betas), eps, weight_decay
+        MeshAdamW.configure(self, betas, eps, weight_decay)
         self.exp_avg.zero_()
         self.exp_avg_sq.zero_()
         self.steps.zero_()
@@ -193,7 +200,7 @@ class MeshAdamW:
         norm = sq.sqrt()
         if max_norm > 0:
             g.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))
-        self._adamw(g, lr)
+        self._update(g, lr)
         buf = torch.zeros(self.chunk, dtype=self.params[0].dtype, device=g.device)
         buf[:self.hi - self.lo] = self.master
         with comm.tag("zero1.params"):
@@ -204,19 +211,21 @@ class MeshAdamW:
             off += p.numel()
         return float(norm)
 
+    def _update(self, g: torch.Tensor, lr: float) -> None:
+        """Apply the step to the master slice given its synchronised, clipped gradient ``g``."""
+        self._adamw(g, lr)
+
     def _adamw(self, g: torch.Tensor, lr: float) -> None:
         """``torch.optim.AdamW``'s single-tensor arithmetic on the master slice."""
-        b1, b2 = self.betas
         self.steps += 1
-        t = int(self.steps)
+        self._decay(lr)
+        adamw_step_(self.master, g, self.exp_avg, self.exp_avg_sq, int(self.steps), lr, self.betas, self.eps)
+
+    def _decay(self, lr: float) -> None:
+        """Decoupled weight decay of the decaying elements of the master slice."""
         if self.weight_decay:
             for a, b in self.decay_ranges:
                 self.master[a:b].mul_(1 - lr * self.weight_decay)
-        self.exp_avg.lerp_(g, 1 - b1)
-        self.exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
-        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
-        denom = (self.exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(self.eps)
-        self.master.addcdiv_(self.exp_avg, denom, value=-lr / bc1)
 
     @torch.no_grad()
     def full_master(self) -> dict[int, torch.Tensor]:
@@ -234,3 +243,129 @@ class MeshAdamW:
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The optimizer state of this rank (for checkpoints; load by copying into these tensors)."""
         return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "steps": self.steps}
+
+
+class MeshMuon(MeshAdamW):
+    """:class:`MeshAdamW` with Muon for the hidden weight matrices: :class:`train.optim.Muon` on a
+    DP x model-parallel mesh, equal to the single-process step up to float rounding.
+
+    ``params``: ``(parameter, kind, decay, row_blocks)``. ``kind`` says how the model-parallel
+    ranks' shards of the parameter join (:meth:`ShardedLM.assemble`'s kinds; ``rep``: every
+    model-parallel rank holds it whole, as every parameter with model-parallel degree 1);
+    ``row_blocks`` is :func:`train.optim.muon_row_blocks` of the parameter, None for AdamW.
+    ``muon``: :meth:`train.optim.OptimConfig.muon_settings` (None: AdamW on every element, for a
+    phase whose optimizer is AdamW).
+
+    Layout: the flat vector is [replicated Muon | replicated AdamW | sharded AdamW | sharded Muon],
+    so the replicated prefix stays contiguous and the AdamW elements of any data-parallel slice are
+    one range. The state tensors are :class:`MeshAdamW`'s, whatever the phase (a checkpoint's
+    shapes do not depend on it): on Muon elements ``exp_avg`` is the momentum buffer (used only
+    with momentum > 0) and ``exp_avg_sq`` is unused.
+
+    A step, after :class:`MeshAdamW`'s gradient synchronisation (SUM) and global-norm clipping:
+    1. decoupled weight decay on decaying elements; AdamW on the slice's AdamW range;
+    2. U = :func:`train.optim.momentum_update` of the slice's Muon elements (the gradient itself
+       with momentum 0);
+    3. U is all-gathered over ``dp_group``: each rank then has its model-parallel shard's full U;
+    4. the U shards of the sharded matrices are all-gathered over ``mp_group`` in one flat buffer
+       (padded to the largest rank's total) and joined into whole matrices;
+    5. each rank orthogonalises (:func:`train.optim.muon_direction`) the whole matrices that overlap
+       its data-parallel slice, takes its shard back (:meth:`ShardedLM.take`) and adds
+       ``-lr * muon_lr_scale(m, n) * O`` to its master slice.
+    Cost: U crosses DP once more (an fp32 all-gather: with the reduce-scatter, what an all-reduce
+    moves) and the Muon shards cross MP once; a matrix's Newton-Schulz is repeated on every
+    model-parallel rank (and on each data-parallel rank whose slice it overlaps) instead of being
+    split among them.
+    """
+
+    def __init__(self, params, mp_group=None, dp_group=None, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, muon: dict | None = None):
+        items, seen = [], set()
+        for p, kind, decay, rb in params:
+            if id(p) not in seen:
+                seen.add(id(p))
+                items.append((p, kind, bool(decay), rb))
+        rank_of = lambda t: (0 if t[3] is not None else 1) if t[1] == "rep" else (2 if t[3] is None else 3)  # noqa: E731
+        items.sort(key=rank_of)  # stable; MeshAdamW's own (stable) sort keeps this order
+        super().__init__([(p, kind == "rep", decay) for p, kind, decay, _ in items], mp_group, dp_group,
+                         betas, eps, weight_decay)
+        self.muon = muon
+        counts = [0, 0, 0, 0]
+        for t in items:
+            counts[rank_of(t)] += t[0].numel()
+        clip = lambda x: min(max(x - self.lo, 0), self.hi - self.lo)  # noqa: E731
+        self.adam_range = (clip(counts[0]), clip(counts[0] + counts[1] + counts[2]))
+        self.matrices: list[tuple[torch.nn.Parameter, int, int, str]] = []  # (param, flat offset, row_blocks, kind)
+        off = 0
+        for p, kind, _, rb in items:
+            if rb is not None:
+                self.matrices.append((p, off, rb, kind))
+            off += p.numel()
+        self.mp_size = dist.get_world_size(mp_group)
+        self.sharded = [i for i, m in enumerate(self.matrices) if m[3] != "rep" and self.mp_size > 1]
+        self.shard_shapes: list[list[tuple]] = []  # [mp rank][j]: shape of rank's shard of matrix sharded[j]
+        if self.sharded:
+            self.shard_shapes = [None] * self.mp_size
+            dist.all_gather_object(self.shard_shapes, [tuple(self.matrices[i][0].shape) for i in self.sharded],
+                                   group=mp_group)
+
+    def configure(self, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                  muon: dict | None = None) -> None:
+        super().configure(betas, eps, weight_decay)
+        self.muon = muon
+
+    def _update(self, g: torch.Tensor, lr: float) -> None:
+        s = self.muon
+        if s is None:  # an AdamW phase
+            return self._adamw(g, lr)
+        self.steps += 1
+        t, n = int(self.steps), self.hi - self.lo
+        self._decay(lr)
+        a, b = self.adam_range
+        if b > a:
+            adamw_step_(self.master[a:b], g[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b], t, lr, self.betas, self.eps)
+        buf = torch.zeros(self.chunk, dtype=torch.float32, device=g.device)
+        for x, y in ((0, a), (b, n)):  # the slice's Muon elements
+            if y > x:
+                buf[x:y] = momentum_update(g[x:y], self.exp_avg[x:y], s["momentum"], s["nesterov"])
+        with comm.tag("muon.update"):
+            full = comm.all_gather_raw(buf, self.dp_group, "all_gather.muon")[:self.total]
+        whole = self._gather_matrices(full)
+        for i, (p, off, rb, kind) in enumerate(self.matrices):
+            x, y = max(off, self.lo), min(off + p.numel(), self.hi)
+            if x >= y:
+                continue
+            U = whole[i] if i in whole else full[off:off + p.numel()].view(p.shape)
+            O = muon_direction(U, rb, s["ns_steps"], s["ns_dtype"])
+            if i in whole:
+                O = ShardedLM.take(O, kind, [sh[self.sharded.index(i)] for sh in self.shard_shapes], self.mp_rank)
+            rows, cols = as_matrices(U, rb).shape[-2:]
+            self.master[x - self.lo:y - self.lo].add_(O.reshape(-1)[x - off:y - off],
+                                                      alpha=-lr * muon_lr_scale(rows, cols, s["lr_scale"]))
+
+    def _gather_matrices(self, full: torch.Tensor) -> dict[int, torch.Tensor]:
+        """``{matrix index: whole U}`` of the model-parallel-sharded matrices (one all-gather of every
+        rank's shards of all of them; every rank of ``mp_group`` calls)."""
+        if not self.sharded:
+            return {}
+        numel = lambda shape: math.prod(shape)  # noqa: E731
+        sizes = [sum(numel(s) for s in shapes) for shapes in self.shard_shapes]
+        send = torch.zeros(max(sizes), dtype=torch.float32, device=full.device)
+        pos = 0
+        for i in self.sharded:
+            p, off = self.matrices[i][0], self.matrices[i][1]
+            send[pos:pos + p.numel()] = full[off:off + p.numel()]
+            pos += p.numel()
+        with comm.tag("muon.matrices"):
+            got = comm.all_gather_raw(send, self.mp_group, "all_gather.muon").view(self.mp_size, -1)
+        out, starts = {}, [0] * self.mp_size
+        for j, i in enumerate(self.sharded):
+            parts = []
+            for r in range(self.mp_size):
+                shape = self.shard_shapes[r][j]
+                parts.append(got[r, starts[r]:starts[r] + numel(shape)].view(shape))
+                starts[r] += numel(shape)
+            p, off, _, kind = self.matrices[i]
+            if max(off, self.lo) < min(off + p.numel(), self.hi):  # only the matrices this slice needs
+                out[i] = ShardedLM.assemble([{"w": x} for x in parts], {"w": kind})["w"]
+        return out

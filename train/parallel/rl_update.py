@@ -12,7 +12,7 @@ single-process :func:`reference_update` does, within float rounding:
   each to the least loaded rank); each rank packs its rollouts back to back into micro-batches
   of at most ``tokens_per_micro`` tokens (:mod:`train.rl.packing`); TSP ranks instead form padded
   micro-batches of rows of similar length under a padded-token budget. Rollouts with ``keep=False`` or no completion
-  contribute nothing and are not computed (they still count in the ``seq_*`` denominators);
+  contribute nothing, are not computed and do not count in the ``seq_*`` denominators (as verl);
 * TSP (degree D > 1): each rank computes the log-probs of its own tokens
   (:meth:`TSPCausalLM.token_logprobs`, temperature and router replay included); an
   all-gather whose backward just takes this rank's slice (:func:`comm.all_gather_replicated`)
@@ -23,7 +23,9 @@ single-process :func:`reference_update` does, within float rounding:
   over TSP, all gradients SUMMED (reduce-scatter) over DP, clipping by the global norm, AdamW
   with ``train.optim``'s parameter groups (no decay on norms and 1-D tensors) and its LR schedule
   (:func:`train.optim.lr_factor` at the given step), fp32 master weights and moments sharded
-  ZeRO-1 style over DP;
+  ZeRO-1 style over DP; with ``optim.name == "muon"`` (or ``sft_optim``'s) it is
+  :class:`train.parallel.dp.MeshMuon`: Muon on the matrices ``train.optim`` picks, each
+  orthogonalised as the whole matrix (gathered over DP and TSP), AdamW on the rest;
 * ``dtype="bfloat16"``: the model computes in bf16 (compute copy), gradients are accumulated in
   fp32, the master weights and AdamW state stay fp32.
 
@@ -34,6 +36,17 @@ schedule. Each phase has its own AdamW, as in the single-process stage (the SFT 
 the RL trainer's): when the kind of batch changes, the optimizer's moments restart on the
 current master weights. ``meta["schedule_step"]`` is the step within the phase (default: the
 ``step`` argument).
+
+KL to a reference policy (``loss_cfg.kl_coef > 0``; ZAYA1 uses none), as ``RLTrainer.update`` does it:
+every rank keeps a frozen copy of its own parameter shards (same layout and dtype as the policy's).
+With ``cfg.kl_reference`` (an HF checkpoint directory) it is loaded and sharded like the policy when
+the updater is built; otherwise it is a copy of the policy's shards as the first RL batch finds them
+(after any SFT phase: the RL start). The reference log-probs of each micro-batch come from a no-grad
+forward with the reference tensors swapped into the parameters (pointer swaps, no copies): same
+packing, temperature and router replay as the policy's; they go to the loss as ``ref_logprobs`` and
+the ``kl_ref`` metric is reported. The frozen copy is part of :meth:`RLUpdater.state_tensors`, so a
+resumed run keeps the reference it started its penalty from (an HF reference is reloaded instead).
+``kl_coef = 0`` allocates no reference and runs no extra forward.
 
 Metrics are those of ``RLTrainer.update``: the loss function's metrics weighted by each
 micro-batch's token count, ``loss`` (the global loss), ``entropy`` (token mean), ``grad_norm``
@@ -49,9 +62,9 @@ import torch
 import torch.distributed as dist
 
 from train.model.modeling import CausalLM, token_logprobs
-from train.optim import OptimConfig, build_optimizer, lr_factor
+from train.optim import OptimConfig, build_optimizer, lr_factor, muon_row_blocks
 from train.parallel import comm
-from train.parallel.dp import MeshAdamW
+from train.parallel.dp import MeshAdamW, MeshMuon
 from train.parallel.shard import make_mesh
 from train.parallel.tsp import TSPCausalLM, check_tsp_config, zigzag_index
 from train.rl.exchange import TrainBatch, TrainSample
@@ -70,6 +83,9 @@ class RLUpdateConfig:
     dtype: str = "float32"         # float32 | bfloat16 (compute copy; fp32 master and optimizer state)
     pad_id: int = 0
     sft_optim: OptimConfig | None = None  # the optimizer of SFT batches (meta kind "sft"); None: optim's
+    # KL reference with loss_cfg.kl_coef > 0: an HF checkpoint dir, or None: a frozen copy of the policy
+    # as the first RL batch finds it (after any SFT phase), kept in the checkpoints
+    kl_reference: str | None = None
 
     def __post_init__(self):
         try:
@@ -82,9 +98,8 @@ class RLUpdateConfig:
             self.optim = OptimConfig(**self.optim)
         if isinstance(self.sft_optim, dict):
             self.sft_optim = OptimConfig(**self.sft_optim)
-        if self.loss_cfg.kl_coef:
-            raise ValueError("loss_cfg.kl_coef > 0 needs reference log-probs, which a TrainBatch does not carry; "
-                             "set kl_coef=0")
+        if self.kl_reference and not self.loss_cfg.kl_coef:
+            raise ValueError("kl_reference is set but loss_cfg.kl_coef is 0: set kl_coef > 0 or drop kl_reference")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         if self.tokens_per_micro < 1:
@@ -134,11 +149,12 @@ def batch_tensors(samples: list[TrainSample], pad_id: int, device) -> RLTensors:
 
 
 def loss_denominator(samples: list[TrainSample], agg: str) -> float:
-    """The global aggregation count: completion tokens of kept rollouts (``token_mean``) or
-    rollouts (``seq_*``), as ``RLTrainer.update`` counts them."""
+    """The global aggregation count: completion tokens of kept rollouts (``token_mean``) or kept
+    rollouts with at least one completion token (``seq_*``; fully masked ones are excluded, as in
+    :func:`train.rl.losses.seq_count` and verl), as ``RLTrainer.update`` counts them."""
     if agg == "token_mean":
         return float(max(1, sum(len(s.completion_ids) for s in samples if s.keep)))
-    return float(max(1, len(samples)))
+    return float(max(1, sum(1 for s in samples if s.keep and s.completion_ids)))
 
 
 def token_budget_micro_batches(indices: list[int], lengths: list[int], budget: int) -> list[list[int]]:
@@ -179,6 +195,10 @@ class RLUpdater:
         world = dist.get_world_size()
         dp = world // tsp if dp is None else dp
         check_mesh(world, dp, tsp)
+        if model.config.architecture == "zaya":
+            from train.parallel.tsp import ZAYA_REFUSAL
+
+            raise ValueError(ZAYA_REFUSAL)
         if tsp > 1:
             check_tsp_config(model.config, tsp)
         self.cfg, self.tsp, self.dp = cfg, tsp, dp
@@ -196,22 +216,73 @@ class RLUpdater:
             self.shards = dict(model.named_parameters())  # tied weights appear once
             rep = set()
         o = cfg.optim
-        self.opt = MeshAdamW([(p, n in rep, not (p.ndim < 2 or "norm" in n)) for n, p in self.shards.items()],
-                             self.tsp_group, self.dp_group, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        decay = lambda n, p: not (p.ndim < 2 or "norm" in n)  # noqa: E731 (train.optim's groups)
+        if any(x is not None and x.name == "muon" for x in (o, cfg.sft_optim)):  # Muon: whole matrices
+            kind = lambda n: self.net.kinds[n] if tsp > 1 else "rep"  # noqa: E731
+            self.opt = MeshMuon([(p, kind(n), decay(n, p), muon_row_blocks(n, p)) for n, p in self.shards.items()],
+                                self.tsp_group, self.dp_group, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                                muon=o.muon_settings())
+        else:
+            self.opt = MeshAdamW([(p, n in rep, decay(n, p)) for n, p in self.shards.items()],
+                                 self.tsp_group, self.dp_group, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         self.phase: str | None = None  # the kind of the last batch ("rl" | "sft"); checkpointed
         self.net.to(DTYPES[cfg.dtype])
+        # KL reference (kl_coef > 0 only): this rank's frozen shards, laid out and typed as self.shards.
+        # The frozen copy's buffers exist from the start (a checkpoint load fills them in place);
+        # ref_taken says whether they hold the copy yet (checkpointed with them).
+        self.ref: dict[str, torch.Tensor] | None = None
+        self.ref_taken = torch.zeros((), dtype=torch.int64, device=self.device)
+        if cfg.loss_cfg.kl_coef:
+            if cfg.kl_reference:
+                self.ref = self._load_reference(cfg.kl_reference)
+                self.ref_taken.fill_(1)
+            else:
+                self.ref = {n: torch.zeros_like(p.data) for n, p in self.shards.items()}
+
+    def _load_reference(self, path: str) -> dict[str, torch.Tensor]:
+        """This rank's shards of the HF checkpoint at ``path``, sharded exactly as the policy."""
+        from envs.hub import resolve_model
+        from train.model.hf_io import load_pretrained
+
+        path = resolve_model(path, "KL reference")  # a directory, or a Hub id's snapshot in the HF cache
+        model = load_pretrained(path, dtype=DTYPES[self.cfg.dtype], device=self.device)  # the compute dtype
+        if self.tsp > 1:
+            check_tsp_config(model.config, self.tsp)
+            shards = {n: p.data for n, p in TSPCausalLM(model, self.tsp_group).named_shards().items()}
+        else:
+            shards = {n: p.data for n, p in model.named_parameters()}
+        if set(shards) != set(self.shards) or any(shards[n].shape != p.shape for n, p in self.shards.items()):
+            raise ValueError(f"kl_reference {path} does not have the policy's architecture (parameter names or "
+                             "shapes differ)")
+        return {n: shards[n].to(p.dtype) for n, p in self.shards.items()}  # (the loaded model is dropped)
+
+    @torch.no_grad()
+    def _take_reference(self) -> None:
+        for n, p in self.shards.items():
+            self.ref[n].copy_(p.data)
+        self.ref_taken.fill_(1)
+
+    def _swap_reference(self) -> None:
+        """Swap the reference tensors and the parameters' data (call twice to undo)."""
+        for n, p in self.shards.items():
+            p.data, self.ref[n] = self.ref[n], p.data
 
     def optim_config(self, kind: str) -> OptimConfig:
         return (self.cfg.sft_optim or self.cfg.optim) if kind == "sft" else self.cfg.optim
 
     def _enter(self, kind: str) -> None:
-        """A new phase gets a fresh AdamW with its own settings on the current master weights."""
+        """A new phase gets a fresh optimizer with its own settings on the current master weights;
+        the phase's settings are (re)applied every step (also after a resume inside a phase)."""
         if kind not in ("rl", "sft"):
             raise ValueError(f"unknown batch kind {kind!r}; expected 'rl' or 'sft'")
+        o = self.optim_config(kind)
         if kind != self.phase:
-            o = self.optim_config(kind)
             self.opt.restart(o.betas, o.eps, o.weight_decay)
             self.phase = kind
+        if kind == "rl" and self.ref is not None and not int(self.ref_taken):
+            self._take_reference()  # the first RL batch: the frozen copy of the RL start
+        extra = {"muon": o.muon_settings()} if isinstance(self.opt, MeshMuon) else {}
+        self.opt.configure(o.betas, o.eps, o.weight_decay, **extra)
 
     # -- one step -------------------------------------------------------------------------------
     def _logprobs(self, t: RLTensors, temperature: float, samples: list[TrainSample]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,6 +296,20 @@ class RLUpdater:
                                              return_entropy=True)
         full = gather_tokens(torch.stack([lp, ent.to(lp.dtype)], -1), t.input_ids.shape[1], self.tsp_group)
         return full[..., 0], full[..., 1].detach()
+
+    @torch.no_grad()
+    def _ref_logprobs(self, t: RLTensors, temperature: float, samples: list[TrainSample]) -> torch.Tensor:
+        """The reference policy's log-probs [B, T-1] of the rows (no grad): the policy's forward with the
+        reference tensors swapped into its parameters, then swapped back."""
+        self._swap_reference()
+        try:
+            if self.tsp == 1:
+                lps = packed_token_logprobs(self.net, samples, temperature, return_entropy=False)
+                return scatter_rows(lps, [len(s.prompt_ids) - 1 for s in samples], t.input_ids.shape[1] - 1)
+            lp, _ = self.net.token_logprobs(t.input_ids, t.attention_mask, temperature, t.routed_experts)
+            return gather_tokens(lp, t.input_ids.shape[1], self.tsp_group)
+        finally:
+            self._swap_reference()
 
     def step(self, batch: TrainBatch, step: int) -> dict[str, float]:
         """One optimizer step on ``batch``; ``step`` (0-based) sets the LR schedule's position
@@ -251,11 +336,15 @@ class RLUpdater:
         self.net.train()
         for rows in micro:
             t = batch_tensors([samples[i] for i in rows], cfg.pad_id, self.device)
+            ref = None
+            if not sft and self.ref is not None:  # the KL reference's log-probs, before the policy's forward
+                ref = self._ref_logprobs(t, temp, [samples[i] for i in rows])
             lp, ent = self._logprobs(t, temp, [samples[i] for i in rows])
             if sft:  # mean NLL of the response tokens of the whole batch
                 loss, mets = -(lp * t.mask).sum() / denom, {}
             else:
-                loss, mets = self.loss_fn(lp, t.mu, None, t.advantages, t.mask, cfg.loss_cfg, denom=denom)
+                loss, mets = self.loss_fn(lp, t.mu, None, t.advantages, t.mask, cfg.loss_cfg, ref_logprobs=ref,
+                                          denom=denom)
                 mets.update(mismatch_metrics(lp, t.mu, t.mask))  # this policy (before the step) vs the behaviour one
             loss.backward()
             self.opt.accumulate()
@@ -314,13 +403,22 @@ class RLUpdater:
         return model
 
     # -- checkpoints -----------------------------------------------------------------------------
+    @property
+    def saves_reference(self) -> bool:
+        """Whether the checkpoints hold a KL reference: the frozen copy (kl_coef > 0 without kl_reference)."""
+        return self.ref is not None and not self.cfg.kl_reference
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's model shards and optimizer state under keys that are unique to what the rank
         holds (model keys are shared by the DP replicas of the same TSP rank, which hold the same
-        values), for ``torch.distributed.checkpoint``: a resume needs the same mesh."""
+        values), for ``torch.distributed.checkpoint``: a resume needs the same mesh. With a frozen
+        KL reference, its shards (``kl_ref.tsp{r}.*``) and whether it was taken yet (``kl_ref_taken``)."""
         out = {f"model.tsp{self.tsp_rank}.{n}": p.data for n, p in self.shards.items()}
         for k, v in self.opt.state_tensors().items():
             out[f"optim.tsp{self.tsp_rank}.dp{self.dp_rank}.{k}"] = v
+        if self.saves_reference:
+            out.update({f"kl_ref.tsp{self.tsp_rank}.{n}": v for n, v in self.ref.items()})
+            out["kl_ref_taken"] = self.ref_taken
         return out
 
 
@@ -328,23 +426,33 @@ class RLUpdater:
 
 
 def reference_optimizer(model: CausalLM, cfg: RLUpdateConfig) -> torch.optim.Optimizer:
-    """``train.optim.build_optimizer``'s AdamW (no decay on norms and 1-D tensors)."""
+    """``train.optim.build_optimizer``'s optimizer: AdamW (no decay on norms and 1-D tensors), or
+    Muon on the matrices with AdamW on the rest when ``cfg.optim.name == "muon"``."""
     return build_optimizer(model, cfg.optim)[0]
 
 
 def reference_update(model: CausalLM, opt: torch.optim.Optimizer, batch: TrainBatch, cfg: RLUpdateConfig,
-                     step: int) -> dict[str, float]:
+                     step: int, ref_model: CausalLM | None = None) -> dict[str, float]:
     """The single-process RL step that :class:`RLUpdater` reproduces: the whole batch in one padded
-    forward (``modeling.token_logprobs``), the loss with the ratio against ``mu``, clipping by the
-    norm of all gradients, AdamW at ``lr * lr_factor(step)``. Returns (loss, grad_norm, lr)."""
+    forward (``modeling.token_logprobs``), the loss with the ratio against ``mu`` (and with
+    ``kl_coef > 0`` the KL to ``ref_model``'s log-probs, a no-grad forward of the same batch),
+    clipping by the norm of all gradients, AdamW at ``lr * lr_factor(step)``. Returns (loss,
+    grad_norm, lr, and kl_ref with KL)."""
     lr = cfg.optim.lr * lr_factor(step, cfg.optim)
     for g in opt.param_groups:
         g["lr"] = lr
     agg = effective_agg(cfg.loss, cfg.loss_cfg)
     t = batch_tensors(batch.samples, cfg.pad_id, model.device)
-    lp = token_logprobs(model, t.input_ids, t.attention_mask, batch.temperature or 1.0, t.routed_experts)
-    loss, _ = get_loss(cfg.loss)(lp, t.mu, None, t.advantages, t.mask, cfg.loss_cfg,
-                                 denom=loss_denominator(batch.samples, agg))
+    temp = batch.temperature or 1.0
+    ref = None
+    if cfg.loss_cfg.kl_coef:
+        if ref_model is None:
+            raise ValueError("kl_coef > 0 needs ref_model")
+        with torch.no_grad():
+            ref = token_logprobs(ref_model, t.input_ids, t.attention_mask, temp, t.routed_experts)
+    lp = token_logprobs(model, t.input_ids, t.attention_mask, temp, t.routed_experts)
+    loss, mets = get_loss(cfg.loss)(lp, t.mu, None, t.advantages, t.mask, cfg.loss_cfg, ref_logprobs=ref,
+                                    denom=loss_denominator(batch.samples, agg))
     opt.zero_grad(set_to_none=True)
     loss.backward()
     clip = cfg.optim.grad_clip
@@ -352,4 +460,7 @@ def reference_update(model: CausalLM, opt: torch.optim.Optimizer, batch: TrainBa
                                           clip if clip > 0 else float("inf"))
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return {"loss": float(loss.detach()), "grad_norm": float(norm), "lr": lr}
+    out = {"loss": float(loss.detach()), "grad_norm": float(norm), "lr": lr}
+    if "kl_ref" in mets:
+        out["kl_ref"] = mets["kl_ref"]
+    return out

@@ -158,6 +158,21 @@ class ShardedLM(nn.Module):
                 raise ValueError(f"unknown shard kind {kind!r}")
         return out
 
+    @staticmethod
+    def take(full: torch.Tensor, kind: str, shapes: list[tuple], r: int) -> torch.Tensor:
+        """Rank ``r``'s shard of the full tensor ``full`` (the inverse of :meth:`assemble`), given the
+        shapes of every rank's shard of it, in rank order."""
+        if kind == "rep":
+            return full
+        if kind == "expert_gate_up":  # gate rows then up rows of the rank's intermediate slice
+            inter, off, size = full.shape[1] // 2, sum(s[1] // 2 for s in shapes[:r]), shapes[r][1] // 2
+            return torch.cat([full[:, off:off + size], full[:, inter + off:inter + off + size]], 1)
+        dim = {"row": 0, "col": 1, "expert_down": 2}.get(kind)
+        if dim is None:
+            raise ValueError(f"unknown shard kind {kind!r}")
+        off = sum(s[dim] for s in shapes[:r])
+        return full.narrow(dim, off, shapes[r][dim])
+
     def gather_full(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """Every rank gets the full tensors (or gradients); for tests and checkpoints of small models."""
         shards = [None] * self.D

@@ -50,6 +50,8 @@ class TPCausalLM(ShardedLM):
         self.sp = sequence_parallel
         if cfg.attention_bias:
             raise ValueError("TP baseline does not support attention_bias=True")
+        if cfg.architecture != "qwen3" or cfg.rope_scaling:
+            raise ValueError(f"TP baseline supports Qwen3 / Qwen3-MoE with plain RoPE only, not {cfg.architecture} / rope_scaling")
         if cfg.num_attention_heads % D or cfg.num_key_value_heads % D:
             raise ValueError(f"TP needs num_attention_heads ({cfg.num_attention_heads}) and num_key_value_heads "
                              f"({cfg.num_key_value_heads}) divisible by D={D}")
@@ -145,12 +147,16 @@ class TPCausalLM(ShardedLM):
             x = F.embedding((ids - off).clamp(0, n - 1), emb) * inside.unsqueeze(-1).to(emb.dtype)
             x = self._leave(x)
         cos, sin = rope_cos_sin(torch.arange(Tp, device=ids.device)[None], cfg.head_dim, cfg.rope_theta, x.dtype)
+        dt = x.dtype  # the blocks compute in the weights' dtype; the residual stream may be fp32 (as CausalLM)
+        if cfg.fp32_residual:
+            x = x.float()
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
             with comm.tag(f"layer{i}.attn"):
-                x = x + self._attention(i, rms_norm(x, self._p[p + "input_layernorm.weight"], cfg.rms_norm_eps), cos, sin)
+                h = rms_norm(x, self._p[p + "input_layernorm.weight"], cfg.rms_norm_eps).to(dt)
+                x = x + self._attention(i, h, cos, sin)
             with comm.tag(f"layer{i}.mlp"):
-                x = x + self._mlp(i, rms_norm(x, self._p[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps))
+                x = x + self._mlp(i, rms_norm(x, self._p[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps).to(dt))
         h = rms_norm(x, self._p["model.norm.weight"], cfg.rms_norm_eps)
         head = emb if cfg.tie_word_embeddings else self._p["lm_head.weight"]
         with comm.tag("lm_head"):

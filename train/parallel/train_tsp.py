@@ -116,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--probe", action="store_true")
     a = ap.parse_args(argv)
+    from envs.hub import resolve_model
+
+    a.model = str(resolve_model(a.model))  # a local directory, or a Hub id's snapshot in the HF cache
     cuda = torch.cuda.is_available()
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")

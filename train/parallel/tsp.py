@@ -47,6 +47,10 @@ from train.parallel.shard import (ShardedLM, all_reduce_grads, expert_partial, e
                                   split_sizes)
 
 
+ZAYA_REFUSAL = ("the sharded core does not run zaya (ZAYA1): CCA's sequence convolutions need each shard's "
+                "preceding tokens and the router's balancing biases a global load; train it single-process")
+
+
 def zigzag_index(T: int, D: int, r: int) -> tuple[int, torch.Tensor]:
     """(padded length, global slots held by rank r): chunks r and 2D-1-r of size ceil(T/2D)."""
     c = -(-T // (2 * D))
@@ -55,8 +59,12 @@ def zigzag_index(T: int, D: int, r: int) -> tuple[int, torch.Tensor]:
 
 
 def check_tsp_config(cfg: ModelConfig, D: int) -> None:
+    if cfg.architecture == "zaya":
+        raise ValueError(ZAYA_REFUSAL)
     if cfg.attention_bias:
         raise ValueError("TSP does not support attention_bias=True")
+    if cfg.architecture != "qwen3" or cfg.rope_scaling:
+        raise ValueError(f"TSP supports Qwen3 / Qwen3-MoE with plain RoPE only, not {cfg.architecture} / rope_scaling")
     if cfg.num_attention_heads % D:
         raise ValueError(f"TSP needs num_attention_heads ({cfg.num_attention_heads}) divisible by D={D}")
     kv = cfg.num_key_value_heads
@@ -246,14 +254,17 @@ class TSPCausalLM(ShardedLM):
         with comm.tag("embed"):
             x = comm.ring_apply(self._embed_fn, (ids[:, slots],), [embed], self.group, self._vocab_shapes)
         cos, sin = rope_cos_sin(pos[:, slots], cfg.head_dim, cfg.rope_theta, x.dtype)
+        dt = x.dtype  # the blocks compute in the weights' dtype; the residual stream may be fp32
+        if cfg.fp32_residual:  # as CausalLM: embedding output and residual additions in fp32
+            x = x.float()
         moe_i = 0
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
             with comm.tag(f"layer{i}.attn"):
-                h = rms_norm(x, self._p[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+                h = rms_norm(x, self._p[p + "input_layernorm.weight"], cfg.rms_norm_eps).to(dt)
                 x = x + self._attention(i, h, cos, sin, key_valid, slots, order)
             with comm.tag(f"layer{i}.mlp"):
-                h = rms_norm(x, self._p[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+                h = rms_norm(x, self._p[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps).to(dt)
                 replay = None
                 if i in self._routers and routed_experts is not None:
                     full = F.pad(routed_experts[moe_i], (0, 0, 0, Tp - T))

@@ -11,13 +11,28 @@ Every estimator has the signature ``fn(rewards, groups, eps=1e-6, bonus=None) ->
 
 Estimators (``ADVANTAGES``):
 
-- ``grpo``: ``(r - mean) / (std + eps)``, std with Bessel's correction (as ``torch.std``);
-- ``drgrpo``: ``r - mean`` (Dr.GRPO drops the std);
-- ``maxrl``: ``(r - mean) / mean`` (ZAYA1 / MaxRL), 0 where ``mean <= eps`` (rewards are assumed
-  in ``[0, 1]``; a non-positive mean would flip or blow up the sign);
+- ``grpo``: ``(r - mean + bonus) / (std + eps)``, std with Bessel's correction (as ``torch.std``),
+  for any real rewards. A group whose rewards are all equal (``std <= eps``: all correct, all
+  wrong, or one rollout) has no reward scale to normalise by: its std is taken as 1, so its
+  advantages are its bonus alone (0 without one), the same value maxrl gives an all-correct
+  group. Dividing the bonus by ``eps`` instead would blow it up (a 0.375 length bonus became
+  ~4e5). The reward part ``(r - mean) / std`` is bounded by ``sqrt(G - 1)``; only the bonus
+  scales with ``1 / std``;
+- ``drgrpo``: ``r - mean + bonus`` (Dr.GRPO drops the std); any real rewards;
+- ``maxrl``: ``(r - mean + bonus) / mean`` (ZAYA1 / MaxRL). MaxRL is the policy gradient of
+  ``log E[r]`` (for 0/1 rewards, the log of the pass rate): ``grad log E[r] = E[(r - E r) grad
+  log pi] / E[r]``. That needs rewards >= 0 (for non-binary rewards in ``[0, 1]``, e.g. partial
+  credit, the same formula is the gradient of ``log E[r]``, and it does not depend on the
+  reward's scale). Negative rewards (``reward=score`` on ``[-1, 1]`` verifier scores, DAPO's
+  soft overlong penalty) raise ``ValueError``: the log of a signed mean is undefined and the
+  division flips or blows up (``[1, -0.9, 0, 0]`` gave ``[39, -37, -1, -1]``); use
+  ``reward=correct``, or grpo/drgrpo for signed rewards. A group with ``mean <= eps`` (all
+  rewards 0) gets advantage 0, its bonus included (the length bonus is 0 there anyway: it needs
+  ``r_i = 1``); a group of equal positive rewards gets ``bonus / mean``;
 - ``rloo``: ``r_i - mean_{j != i} r_j`` (leave-one-out baseline; groups need >= 2 rollouts).
 
-A group of one rollout gets advantage 0 (plus its bonus) under grpo, drgrpo and maxrl.
+A group of one rollout gets advantage 0 (plus its bonus; divided by its reward under maxrl)
+under grpo, drgrpo and maxrl.
 :func:`compute_advantages` dispatches by name and optionally whitens over the batch (off by default).
 """
 from __future__ import annotations
@@ -78,7 +93,13 @@ def grpo_advantage(rewards, groups, eps: float = 1e-6, bonus=None) -> Tensor:
     r, idx, k, count, total = _prepare(rewards, groups)
     mean = total / count
     var = group_sum((r - mean) ** 2, idx, k) / (count - 1).clamp(min=1)
-    return _plus(r - mean, bonus) / (var.sqrt() + eps)
+    std = var.sqrt()
+    # all-equal rewards: no scale to normalise by; the advantage is the bonus alone (see module doc)
+    lo = torch.full((k,), float("inf"), dtype=r.dtype, device=r.device).scatter_reduce(0, idx, r, "amin")[idx]
+    hi = torch.full((k,), float("-inf"), dtype=r.dtype, device=r.device).scatter_reduce(0, idx, r, "amax")[idx]
+    flat = (std <= eps) | (lo == hi)
+    scaled = _plus(r - mean, bonus) / torch.where(flat, 1.0, std + eps)
+    return torch.where(flat, _plus(torch.zeros_like(r), bonus), scaled)
 
 
 @ADVANTAGES.register("drgrpo")
@@ -90,6 +111,10 @@ def drgrpo_advantage(rewards, groups, eps: float = 1e-6, bonus=None) -> Tensor:
 @ADVANTAGES.register("maxrl")
 def maxrl_advantage(rewards, groups, eps: float = 1e-6, bonus=None) -> Tensor:
     r, _, _, count, total = _prepare(rewards, groups)
+    if r.numel() and float(r.min()) < 0:
+        raise ValueError(f"maxrl needs rewards >= 0 (it is the gradient of log E[r]); got a reward of "
+                         f"{float(r.min()):g}. Use reward=correct (0/1), or advantage=grpo or drgrpo for signed "
+                         "rewards (reward=score on [-1, 1], overlong penalties)")
     mean = total / count
     ok = mean > eps
     return torch.where(ok, _plus(r - mean, bonus) / torch.where(ok, mean, 1.0), 0.0)

@@ -14,14 +14,18 @@ Every loss has the signature::
 - ``mask`` ``[B, T]`` bool/float: 1 on response tokens that count;
 - ``ref_logprobs``: reference policy for the optional KL penalty (``cfg.kl_coef > 0``);
 - ``denom``: overrides the aggregation denominator (the number of tokens for ``token_mean``, of
-  rollouts for the ``seq_*`` modes), for gradient accumulation over micro-batches: pass the
-  count over the whole global batch so the micro-batch losses sum to the global loss.
+  rollouts with at least one unmasked token for the ``seq_*`` modes), for gradient accumulation
+  over micro-batches: pass the count over the whole global batch so the micro-batch losses sum to
+  the global loss.
 
 Losses (the aggregation in brackets is each loss's default, used when ``cfg.agg`` is None):
 
 - ``ppo`` / ``grpo`` [seq_mean_token_mean]: ``-min(r A, clip(r, 1-clip_low, 1+clip_high) A)``,
   with separate low/high clip (DAPO clip-higher); ``drgrpo`` is the same [seq_mean_token_sum];
-  ``dapo`` is the same [token_mean];
+  ``dapo`` is the same [token_mean]. Optional dual clip (``clip_ratio_c = c > 1``, verl's name;
+  off when None): on tokens with ``A < 0`` the loss is further capped at ``-A c``, i.e.
+  ``min(max(-r A, -clip(r) A), -c A)``, so a token whose ratio ran past ``c`` while its
+  advantage is negative stops pushing (and gets no gradient);
 - ``gspo`` [seq_mean_token_mean]: the sequence ratio ``s = exp(mean_t(logp - old))`` clipped to
   ``[1-gspo_clip_low, 1+gspo_clip_high]``, in the GSPO-token form
   ``s_t = sg(s) * exp(logp_t - sg(logp_t))`` (value ``s``, gradient ``s * grad logp_t``), which
@@ -41,11 +45,14 @@ IS weight ``w`` enters as ``sg(w) * exp(lr - sg(lr))``: value ``w``, gradient ``
 Common options (:class:`LossConfig`): truncated importance sampling against the engine
 (``tis_cap``: token weight ``min(exp(old - rollout), cap)``, stop-gradient, multiplying each
 token's loss, GSPO's included), a KL penalty to a
-reference policy (``kl_coef``, ``kl_type`` k1/k3; off by default, as in ZAYA1), and the
+reference policy (``kl_coef``, ``kl_type`` k1/k3; off by default, as in ZAYA1; the
+single-process trainer and the sharded one (:mod:`train.parallel.rl_update`) compute
+``ref_logprobs`` from ``kl_reference``), and the
 aggregation mode (:func:`aggregate`).
 
 Metrics: ``loss``, ``clip_frac`` (share of tokens whose gradient the clip/trust region removes or
-whose IS weight was clipped), ``approx_kl`` (k3 of old vs new), ``ratio_mean``, and when engine
+whose IS weight was clipped; with dual clip, the dual-clipped tokens too, which
+``clip_frac_dual`` counts on their own), ``approx_kl`` (k3 of old vs new), ``ratio_mean``, and when engine
 log-probs are given ``mismatch_kl`` (k3 of rollout vs old) and ``mismatch_max_abs``
 (max |old - rollout|); ``tis_capped_frac`` and ``kl_ref`` when those options are on.
 """
@@ -59,7 +66,8 @@ from torch import Tensor
 
 from train.rl import Registry
 
-__all__ = ["LossConfig", "LOSSES", "get_loss", "aggregate", "AGG_MODES", "kl_estimate", "mismatch_metrics"]
+__all__ = ["LossConfig", "LOSSES", "get_loss", "aggregate", "seq_count", "AGG_MODES", "kl_estimate",
+           "mismatch_metrics"]
 
 AGG_MODES = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
 KL_TYPES = ("k1", "k3")
@@ -81,6 +89,7 @@ class LossConfig:
     kl_coef: float = 0.0             # KL penalty to ref_logprobs; 0 = off
     kl_type: str = "k3"
     tis_cap: float | None = None     # truncated IS vs the engine: weight min(exp(old - rollout), cap)
+    clip_ratio_c: float | None = None  # PPO dual clip (ppo/grpo/drgrpo/dapo): A < 0 tokens capped at -A c; None = off
 
     def __post_init__(self):
         if self.agg is not None and self.agg not in AGG_MODES:
@@ -89,6 +98,8 @@ class LossConfig:
             raise ValueError(f"unknown kl_type {self.kl_type!r}; choose one of {', '.join(KL_TYPES)}")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ValueError(f"tis_cap must be positive, got {self.tis_cap}")
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
+            raise ValueError(f"clip_ratio_c (dual clip) must be > 1, got {self.clip_ratio_c}; None turns it off")
 
 
 LossFn = Callable[..., tuple[Tensor, dict]]
@@ -115,7 +126,10 @@ def aggregate(tok: Tensor, mask: Tensor, mode: str, norm_len: int | None = None,
     ``token_mean``: sum over all tokens / number of tokens (DAPO);
     ``seq_mean_token_sum``: sum within each rollout (divided by ``norm_len`` if given), mean over
     rollouts (Dr.GRPO, ZAYA1); ``seq_mean_token_mean``: mean within each rollout, mean over
-    rollouts (GRPO). ``denom`` replaces the token or rollout count (see module docstring).
+    rollouts (GRPO). The ``seq_*`` means are over the rollouts that have at least one unmasked
+    token: a fully masked rollout (dropped by overlong filtering, ``keep=False``, or empty) adds
+    nothing and does not dilute the others (as verl's ``agg_loss``). ``denom`` replaces the token
+    or rollout count (see module docstring; :func:`seq_count` counts rollouts the same way).
     """
     m = mask.to(tok.dtype)
     tok = tok * m
@@ -127,7 +141,13 @@ def aggregate(tok: Tensor, mask: Tensor, mode: str, norm_len: int | None = None,
         per_seq = tok.sum(-1) / m.sum(-1).clamp(min=1)
     else:
         raise ValueError(f"unknown loss agg {mode!r}; choose one of {', '.join(AGG_MODES)}")
-    return per_seq.sum() / (denom if denom is not None else per_seq.numel())
+    return per_seq.sum() / (denom if denom is not None else seq_count(m))
+
+
+def seq_count(mask: Tensor) -> int:
+    """Rollouts (rows of ``mask``) with at least one unmasked token, at least 1: the ``seq_*``
+    aggregation denominator."""
+    return max(1, int((mask.sum(-1) > 0).sum()))
 
 
 def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: str) -> Tensor:
@@ -231,14 +251,29 @@ def _frac(x: Tensor, b: _Batch) -> float:
 # the losses
 
 
+def _dual_clip(tok: Tensor, adv: Tensor, c: float) -> tuple[Tensor, Tensor]:
+    """PPO dual clip (Ye et al. 2020; verl's ``clip_ratio_c``): where ``A < 0`` the per-token loss
+    ``tok`` is capped at ``-A c`` (constant there, so no gradient); returns (loss, where capped)."""
+    cap = -adv * c
+    dual = (adv < 0) & (tok > cap)
+    return torch.where(dual, cap, tok), dual
+
+
 def _ppo_family(default_agg: str) -> LossFn:
     def loss_fn(logprobs, old_logprobs, rollout_logprobs, advantages, mask, cfg=None, *,
                 ref_logprobs=None, denom=None):
         cfg = cfg or LossConfig()
         b = _Batch.make(logprobs, old_logprobs, rollout_logprobs, advantages, mask)
         tok, clipped = _clipped_surrogate(b.log_ratio.exp(), b.adv, cfg.clip_low, cfg.clip_high)
-        return _finish(b, tok, {"clip_frac": _frac(clipped, b)}, cfg, default_agg, ref_logprobs, denom)
-    loss_fn.__doc__ = f"PPO clipped surrogate with low/high clip; default aggregation {default_agg}."
+        metrics = {}
+        if cfg.clip_ratio_c is not None:
+            tok, dual = _dual_clip(tok, b.adv, cfg.clip_ratio_c)
+            clipped = clipped | dual
+            metrics["clip_frac_dual"] = _frac(dual, b)
+        metrics["clip_frac"] = _frac(clipped, b)
+        return _finish(b, tok, metrics, cfg, default_agg, ref_logprobs, denom)
+    loss_fn.__doc__ = (f"PPO clipped surrogate with low/high clip and optional dual clip; default aggregation "
+                       f"{default_agg}.")
     loss_fn.default_agg = default_agg
     return loss_fn
 

@@ -1,7 +1,7 @@
 """The RL loop: curriculum -> engine rollouts -> verify -> gates -> advantages -> dynamic sampling
 -> policy loss -> optimizer step -> weight sync -> curriculum update.
 
-Each arrow is a plain call on plain data (see DESIGN.md). One :class:`RLTrainer` holds the policy,
+Each arrow is a plain call on plain data (see cascade/docs/DESIGN.md). One :class:`RLTrainer` holds the policy,
 its optimizer, an engine, a curriculum and the run's RNG; ``step()`` does one RL step and returns
 its metrics; ``state_dict()`` holds everything needed to resume (model weights are saved apart,
 in Hugging Face format).
@@ -21,9 +21,9 @@ from train.engine.base import Completion, SamplingParams
 from train.model.modeling import CausalLM
 from train.optim import OptimConfig, build_optimizer, clip_and_step, load_training_state, training_state
 from train.rl.advantages import compute_advantages
-from train.rl.losses import LossConfig, effective_agg, get_loss, mismatch_metrics
-from train.rl.shaping import (DynamicSampler, LengthRewardConfig, OverlongConfig, is_repetitive, length_bonus,
-                              linear_ramp, overlong_shaping)
+from train.rl.losses import LossConfig, effective_agg, get_loss, mismatch_metrics, seq_count
+from train.rl.shaping import (DynamicSampler, LengthRewardConfig, LengthRewardState, OverlongConfig, data_source,
+                              overlong_shaping, rare_token_fractions, repetition_gate)
 
 REWARD_MODES = ("correct", "score")
 RATIO_MODES = ("behaviour", "recompute")
@@ -52,16 +52,19 @@ class RLConfig:
     advantage: str = "maxrl"            # grpo | drgrpo | maxrl | rloo
     loss: str = "dppo_tv"               # see train.rl.losses
     loss_cfg: LossConfig = field(default_factory=LossConfig)
+    # KL penalty (loss_cfg.kl_coef > 0, off in ZAYA1): the reference policy. None: a frozen copy of
+    # the policy as the first RL update finds it (after any SFT warm-up), kept in state_dict() so a
+    # resume keeps it; else an HF checkpoint directory. kl_coef = 0 builds no reference at all.
+    kl_reference: str | None = None
     reward: str = "correct"             # correct: 1/0 full credit; score: the verifier's reward
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     dynamic_sampling: bool = True
     max_sampling_rounds: int = 4
-    length_reward: bool = False
+    length_reward: bool = False         # ZAYA1 eqs. 8-10, see LengthRewardConfig (l_max, T_l, T_acc, the c schedule)
     length_cfg: LengthRewardConfig = field(default_factory=LengthRewardConfig)
-    length_ramp_steps: int = 0
-    repetition_gate: bool = True
+    repetition_gate: bool = True        # ZAYA1 eq. 16: LZ77 ratio of the token-id bytes; reward -> min(reward, 0)
     repetition_threshold: float = 0.05
-    repetition_chunk: int = 2048
+    repetition_chunk_tokens: int = 512  # C, tokens per chunk (not given in the report; Cascade's choice)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     micro_batch_size: int = 32          # at most this many rollouts in one packed micro-batch
     tokens_per_micro: int = 16384       # token budget of a packed micro-batch (sequences back to back)
@@ -89,6 +92,9 @@ class RLConfig:
             raise ValueError(f"unknown reward mode {self.reward!r}; choose from {', '.join(REWARD_MODES)}")
         if self.group_size < 1 or self.prompts_per_step < 1:
             raise ValueError("group_size and prompts_per_step must be >= 1")
+        if self.repetition_chunk_tokens < 1 or not 0 < self.repetition_threshold < 1:
+            raise ValueError(f"repetition_chunk_tokens must be >= 1 (got {self.repetition_chunk_tokens}) and "
+                             f"repetition_threshold in (0, 1) (got {self.repetition_threshold})")
         if self.ratio_against not in RATIO_MODES:
             raise ValueError(f"unknown ratio_against {self.ratio_against!r}; choose from {', '.join(RATIO_MODES)}")
         if self.sync_every < 1 or self.max_staleness < 0 or self.min_ready_batches < 1:
@@ -101,6 +107,12 @@ class RLConfig:
         from train.rl.advantages import get_advantage
 
         get_advantage(self.advantage)
+        if self.kl_reference and not self.loss_cfg.kl_coef:
+            raise ValueError("kl_reference is set but loss_cfg.kl_coef is 0: set kl_coef > 0 or drop kl_reference")
+        ov = self.overlong
+        if self.advantage == "maxrl" and (ov.mode == "soft" or (ov.mode == "reward" and ov.truncated_reward < 0)):
+            raise ValueError(f"advantage maxrl needs rewards >= 0, but overlong mode {ov.mode!r} makes them negative; "
+                             "use overlong mode 'mask' (or 'reward' with truncated_reward >= 0), or advantage grpo")
 
 
 @dataclass
@@ -158,8 +170,13 @@ class RLTrainer:
         self.agg = effective_agg(cfg.loss, cfg.loss_cfg)
         self.synced_version = 0  # the weight version the engine was last given
         self.learner = None  # trainer ranks in other processes (cascade/learner.py); None: update in-process
+        # the length reward's run state (p* per data source, the cross-stage c schedule): checkpointed, and
+        # handed to the next stage by cascade/stage.py
+        self.length_state = LengthRewardState()
+        self.length_metrics: dict[str, float] = {}
         # router replay: ask the engine for its expert choices where it can give them
         self.replay = cfg.router_replay and policy.config.is_moe and _takes(engine.generate, "return_routed_experts")
+        self.ref_policy: CausalLM | None = None  # KL reference, built by reference_policy() when kl_coef > 0
 
     def env_of(self, env_id: str):
         """The curriculum's environment instance (configured with its kwargs), else one by id."""
@@ -170,10 +187,12 @@ class RLTrainer:
         return self.curriculum.envs[env_id]
 
     # -- rollouts -----------------------------------------------------------------------------
-    def reward_of(self, score: Score, text: str) -> float:
+    def reward_of(self, score: Score, token_ids) -> float:
+        """The rollout's reward: full credit 1/0 or the verifier's score, through the LZ77 repetition gate
+        on its completion token ids (a positive reward becomes 0; a negative one stays)."""
         r = (1.0 if score.correct else 0.0) if self.cfg.reward == "correct" else float(score.reward)
-        if self.cfg.repetition_gate and is_repetitive(text, self.cfg.repetition_threshold, self.cfg.repetition_chunk):
-            r = 0.0
+        if self.cfg.repetition_gate:
+            r = repetition_gate(r, token_ids, self.cfg.repetition_threshold, self.cfg.repetition_chunk_tokens)
         return r
 
     def rollout(self, n_prompts: int) -> list[Group]:
@@ -213,7 +232,7 @@ class RLTrainer:
             rs = []
             for c in comps[i * G:(i + 1) * G]:
                 score = env.verify(prob, c.text)
-                rs.append(Rollout(env_id, prob, prompts[i], c, score, self.reward_of(score, c.text)))
+                rs.append(Rollout(env_id, prob, prompts[i], c, score, self.reward_of(score, c.token_ids)))
             ov = cfg.overlong
             if ov.mode != "none":
                 r, keep = overlong_shaping([x.reward for x in rs], [len(x.completion.token_ids) for x in rs],
@@ -231,11 +250,11 @@ class RLTrainer:
         rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
         gid = torch.tensor([i for i, g in enumerate(groups) for _ in g.rollouts])
         bonus = None
-        if cfg.length_reward:
+        if cfg.length_reward:  # one step of the length reward's run state per call (once per update)
             lengths = [len(r.completion.token_ids) for g in groups for r in g.rollouts]
-            correct = [r.score.correct for g in groups for r in g.rollouts]
-            bonus = length_bonus(rewards, lengths, gid, cfg.length_cfg, correct=correct,
-                                 coef=linear_ramp(self.step_idx, cfg.length_ramp_steps, cfg.length_cfg.coef))
+            sources = [data_source(g.env_id, g.problem.meta) for g in groups for _ in g.rollouts]
+            bonus, self.length_metrics = self.length_state.bonus(
+                cfg.length_cfg, rewards, lengths, gid, sources, cfg.length_cfg.l_max or cfg.sampling.max_new_tokens)
         return compute_advantages(cfg.advantage, rewards, gid, bonus=bonus)
 
     def update(self, groups: list[Group]) -> dict[str, float]:
@@ -245,6 +264,10 @@ class RLTrainer:
         behaviour``) or the trainer's own log-probs before the update (``recompute``), see
         :class:`RLConfig`. ``mismatch_kl`` / ``mismatch_max_abs`` compare the behaviour log-probs with
         the trainer's at the start of the update (stale weights and engine numerics both show there).
+        With ``loss_cfg.kl_coef > 0`` the reference policy's log-probs (:meth:`reference_policy`) are
+        computed once per batch, without grad, and the loss adds ``kl_coef * KL`` per token. The
+        ``seq_*`` aggregations divide by the rollouts that have a loss token (``keep=False`` and empty
+        rollouts do not count).
         """
         cfg = self.cfg
         rolls = [r for g in groups for r in g.rollouts]
@@ -259,6 +282,8 @@ class RLTrainer:
         temp = cfg.sampling.temperature or 1.0
         behaviour = cfg.ratio_against == "behaviour"
         old_lp = None if behaviour else self._logprobs_no_grad(rolls, batch, temp)
+        # KL reference log-probs: once per batch, without grad (None and no reference model when kl_coef = 0)
+        ref_lp = self._logprobs_no_grad(rolls, batch, temp, self.reference_policy()) if cfg.loss_cfg.kl_coef else None
         self.policy.train()
         minis = micro_batches(n, -(-n // cfg.updates_per_batch))
         sums: dict[str, float] = {}  # token-weighted sums of the loss function's metrics
@@ -266,21 +291,23 @@ class RLTrainer:
         mismatch_max = None
         mis_sum = mis_w = 0.0
         for mi, mini in enumerate(minis):
-            denom = float(mask[mini].sum().clamp(min=1)) if self.agg == "token_mean" else float(mini.stop - mini.start)
+            denom = float(mask[mini].sum().clamp(min=1)) if self.agg == "token_mean" else float(seq_count(mask[mini]))
             for rows in self._packs(rolls, range(mini.start, mini.stop)):
                 lp, ent = self._packed_logprobs(rolls, rows, batch, temp)
                 W = lp.shape[1]
                 idx = torch.tensor(rows, device=mask.device)
                 m, mu = mask[idx, :W], rollout_lp[idx, :W]
+                ref = None if ref_lp is None else ref_lp[idx, :W]
                 if behaviour:
-                    loss, mets = self.loss_fn(lp, mu, None, adv[idx], m, cfg.loss_cfg, denom=denom)
+                    loss, mets = self.loss_fn(lp, mu, None, adv[idx], m, cfg.loss_cfg, ref_logprobs=ref, denom=denom)
                     if mi == 0:  # the trainer's current policy vs the behaviour policy, before any update
                         mm = mismatch_metrics(lp, mu, m)
                         mis_sum += mm["mismatch_kl"] * float(m.sum())
                         mis_w += float(m.sum())
                         mismatch_max = max(mismatch_max or 0.0, mm["mismatch_max_abs"])
                 else:
-                    loss, mets = self.loss_fn(lp, old_lp[idx, :W], mu, adv[idx], m, cfg.loss_cfg, denom=denom)
+                    loss, mets = self.loss_fn(lp, old_lp[idx, :W], mu, adv[idx], m, cfg.loss_cfg, ref_logprobs=ref,
+                                              denom=denom)
                 loss.backward()
                 loss_total += float(loss.detach())  # micro-batch losses add up to the mini-batch loss
                 mets.pop("loss", None)
@@ -315,7 +342,7 @@ class RLTrainer:
                 out.append([rows[j] for j in mb[k:k + self.cfg.micro_batch_size]])
         return out
 
-    def _packed_logprobs(self, rolls: list[Rollout], rows: list[int], batch, temp: float):
+    def _packed_logprobs(self, rolls: list[Rollout], rows: list[int], batch, temp: float, model=None):
         """Log-probs (with grad) and entropies of the completions of ``rows`` from one packed forward,
         laid out [len(rows), W] like ``batch.loss_mask`` with W = the longest of those rows - 1
         (router replay when the engine recorded the experts)."""
@@ -325,16 +352,16 @@ class RLTrainer:
         seqs = [_Seq(rolls[i].prompt_ids, rolls[i].completion.token_ids) for i in rows]
         routed = [rolls[i].completion.routed_experts for i in rows]
         routed = [stack_routing(r) for r in routed] if all(r is not None for r in routed) else None
-        lps, ents = packed_token_logprobs(self.policy, seqs, temp, routed_experts=routed)
+        lps, ents = packed_token_logprobs(self.policy if model is None else model, seqs, temp, routed_experts=routed)
         starts = [batch.prompt_lens[i] - 1 for i in rows]
         width = max(batch.prompt_lens[i] + batch.completion_lens[i] for i in rows) - 1
         return scatter_rows(lps, starts, width), scatter_rows(ents, starts, width)
 
     @torch.no_grad()
-    def _logprobs_no_grad(self, rolls: list[Rollout], batch, temp: float) -> torch.Tensor:
+    def _logprobs_no_grad(self, rolls: list[Rollout], batch, temp: float, model=None) -> torch.Tensor:
         out = torch.zeros(batch.loss_mask.shape, device=batch.loss_mask.device)
         for rows in self._packs(rolls, range(len(rolls))):
-            lp = self._packed_logprobs(rolls, rows, batch, temp)[0]
+            lp = self._packed_logprobs(rolls, rows, batch, temp, model)[0]
             out[torch.tensor(rows, device=out.device), :lp.shape[1]] = lp
         return out
 
@@ -390,6 +417,7 @@ class RLTrainer:
             "format_ok": _mean([float(r.score.format_ok) for r in rolls]),
             "response_len": _mean([len(r.completion.token_ids) for r in rolls]),
             "truncated_frac": _mean([float(r.completion.finish_reason == "length") for r in rolls]),
+            **rare_token_fractions([r.completion.token_ids for r in rolls], self.policy.config.vocab_size),
             "groups_sampled": len(sampled), "groups_dropped": dropped, "groups_trained": len(groups),
             "prompts_too_long": self.prompts_too_long,
             "rollout_tokens_per_s": gen_tokens / max(t_roll, 1e-9), "time_rollout_s": t_roll,
@@ -407,6 +435,7 @@ class RLTrainer:
                 m["advantage_abs_mean"] = float(adv.abs().mean())
             else:
                 m.update(self.update(groups))
+            m.update(self.length_metrics)
             trained_tokens = sum(len(r.prompt_ids) + len(r.completion.token_ids) for g in groups for r in g.rollouts)
             m["train_tokens_per_s"] = trained_tokens / max(time.perf_counter() - t1, 1e-9)
             self.step_idx += 1
@@ -443,15 +472,45 @@ class RLTrainer:
               for c in comps]
         return _mean([float(x) for x in ok])
 
+    def reference_policy(self) -> CausalLM:
+        """The frozen KL reference (``cfg.kl_reference``), built on first use: the checkpoint at that
+        path, else a copy of the policy as it is now (the first update: the RL start of the stage).
+        Its log-probs use the same temperature, packing and router replay as the policy's."""
+        if self.ref_policy is None:
+            if self.cfg.kl_reference:
+                from envs.hub import resolve_model
+                from train.model.hf_io import load_pretrained
+
+                ref = load_pretrained(resolve_model(self.cfg.kl_reference, "KL reference"),
+                                      dtype=next(self.policy.parameters()).dtype, device=self.policy.device)
+            else:
+                import copy
+
+                ref = copy.deepcopy(self.policy)
+            self.ref_policy = ref.eval().requires_grad_(False)
+        return self.ref_policy
+
     def state_dict(self) -> dict:
-        return {**training_state(self.step_idx, self.opt, self.sched, self.rng),
-                "curriculum": self.curriculum.state_dict(), "torch_rng": torch.get_rng_state()}
+        st = {**training_state(self.step_idx, self.opt, self.sched, self.rng),
+              "curriculum": self.curriculum.state_dict(), "torch_rng": torch.get_rng_state(),
+              "length_reward": self.length_state.state_dict()}
+        if self.ref_policy is not None and not self.cfg.kl_reference:  # a frozen copy: only this state holds it
+            st["kl_reference"] = {k: v.detach().to("cpu", copy=True) for k, v in self.ref_policy.state_dict().items()}
+        return st
 
     def load_state_dict(self, st: dict) -> None:
         self.step_idx = load_training_state(st, self.opt, self.sched, self.rng)
         self.synced_version = self.step_idx  # the engine starts from the checkpoint's weights
         self.curriculum.load_state_dict(st["curriculum"])
         torch.set_rng_state(st["torch_rng"])
+        if "length_reward" in st:  # absent in checkpoints written before the length reward had run state
+            self.length_state.load_state_dict(st["length_reward"])
+        if st.get("kl_reference") is not None:  # the frozen copy the run started its KL penalty from
+            import copy
+
+            ref = copy.deepcopy(self.policy)
+            ref.load_state_dict(st["kl_reference"])
+            self.ref_policy = ref.eval().requires_grad_(False)
 
 
 def _takes(fn, name: str) -> bool:

@@ -22,7 +22,8 @@ it. Files written (under ``DIR``):
   updates, the full weights (``CausalLM.state_dict()`` names, the training dtype), rank 0;
 * ``trainer_ckpt/step-000013/``: every ``--checkpoint-every`` updates, a sharded
   ``torch.distributed.checkpoint`` of every rank's model shards, fp32 master weights, AdamW
-  moments and the step, then ``meta.json`` and ``COMPLETE``; the newest complete one is resumed
+  moments, the frozen KL reference's shards (``kl_coef > 0`` without ``kl_reference``) and the
+  step, then ``meta.json`` and ``COMPLETE``; the newest complete one is resumed
   from on start (same mesh required), older ones pruned to ``--keep-checkpoints``;
 * ``final/``: at the end, an HF checkpoint of the fp32 master weights (tokenizer files copied
   from ``--model``) and ``final/COMPLETE``.
@@ -41,8 +42,8 @@ weights of a checkpoint inside the SFT phase go to ``sft/weights/v{i}``.
 It stops after ``--steps`` updates in all (counting those before a resume), or when ``DIR/STOP``
 exists. The RL loss and optimizer options come from ``--config`` (JSON or YAML holding the fields
 of :class:`RLUpdateConfig`: ``loss``, ``loss_cfg``, ``optim``, ``tokens_per_micro``, ``dtype``,
-``pad_id``), overridden by flags; :func:`launch_command` builds the command line for an
-orchestrator.
+``pad_id``, ``sft_optim``, ``kl_reference``), overridden by flags; :func:`launch_command` builds
+the command line for an orchestrator.
 """
 from __future__ import annotations
 
@@ -208,7 +209,7 @@ def save_checkpoint(up, exchange: Path, step: int, keep: int) -> Path:
     dcp.save(state, checkpoint_id=str(path))
     if dist.get_rank() == 0:
         meta = {"step": step, "dp": up.dp, "tsp": up.tsp, "world": dist.get_world_size(), "loss": up.cfg.loss,
-                "phase": up.phase}
+                "phase": up.phase, "kl_reference": up.saves_reference}
         _write_json(path / "meta.json", meta)
         (path / COMPLETE).write_text("ok\n")
         for old in complete_checkpoints(exchange)[:-keep] if keep > 0 else []:
@@ -231,6 +232,9 @@ def load_checkpoint(up, exchange: Path) -> int:
     if (meta["dp"], meta["tsp"]) != (up.dp, up.tsp):
         raise ValueError(f"checkpoint {path} was written by a dp={meta['dp']} x tsp={meta['tsp']} mesh; "
                          f"this run is dp={up.dp} x tsp={up.tsp}")
+    if up.saves_reference and not meta.get("kl_reference"):
+        raise ValueError(f"checkpoint {path} holds no KL reference (written with kl_coef=0 or with kl_reference set), "
+                         "but this run keeps a frozen copy as its reference: resume with the checkpoint's KL settings")
     state = dict(up.state_tensors(), step=torch.zeros((), dtype=torch.int64))
     dcp.load(state, checkpoint_id=str(path))
     up.phase = meta.get("phase", "rl")  # the optimizer state loaded is that phase's
@@ -243,7 +247,7 @@ def load_checkpoint(up, exchange: Path) -> int:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="train.rl.worker", description=__doc__.split("\n\n")[0])
     ap.add_argument("--exchange", required=True, help="the run's exchange directory")
-    ap.add_argument("--model", required=True, help="HF checkpoint of the initial policy (version 0)")
+    ap.add_argument("--model", required=True, help="HF checkpoint of the initial policy (version 0): a directory or Hub id")
     ap.add_argument("--steps", type=int, required=True, help="stop after this many updates in all")
     ap.add_argument("--tsp", type=int, default=1, help="TSP degree D (1: plain data parallel)")
     ap.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: world / D)")
@@ -281,6 +285,9 @@ def main(argv=None) -> int:
     from train.rl.exchange import publish_version, version_dir
 
     a = parse_args(argv)
+    from envs.hub import resolve_model
+
+    a.model = str(resolve_model(a.model))  # a local directory, or a Hub id's snapshot in the HF cache
     cfg = load_config(a.config, {"loss": a.loss, "tokens_per_micro": a.tokens_per_micro, "dtype": a.dtype,
                                  "optim.lr": a.lr, "optim.weight_decay": a.weight_decay,
                                  "optim.grad_clip": a.grad_clip, "optim.warmup_steps": a.warmup_steps,

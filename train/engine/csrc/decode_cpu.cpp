@@ -46,11 +46,15 @@ at::Tensor rms_rows(const at::Tensor& x, const at::Tensor& w, float eps) {
   return y;
 }
 
-// q/k norm then rotary embedding (HF half-rotation layout): out = x*cos + rotate_half(x)*sin.
+// q/k norm (w == nullptr: none, as Qwen2 and Llama) then rotary embedding (HF half-rotation layout):
+// out = x*cos + rotate_half(x)*sin.
 inline void norm_rope(const float* x, const float* w, const float* cos, const float* sin, float* out,
                       int64_t d, float eps, float scale) {
   float tmp[1024];
-  rms_row(x, w, tmp, d, eps);
+  if (w != nullptr)
+    rms_row(x, w, tmp, d, eps);
+  else
+    for (int64_t c = 0; c < d; ++c) tmp[c] = x[c];
   const int64_t h = d / 2;
   for (int64_t c = 0; c < h; ++c) {
     out[c] = (tmp[c] * cos[c] + (-tmp[c + h]) * sin[c]) * scale;
@@ -205,11 +209,18 @@ void weighted_sum(const float* p, const float* v, int64_t T, int64_t d, float* o
 // token attends to the keys of its row at slots <= its own where `valid` (its own slot always).
 // x [N, H]; wqkv [(hq+2hk)*d, H]; cos/sin [N, d]; kc, vc [B, hk, cap, d]; valid [B, cap] bool.
 at::Tensor attn_block(const at::Tensor& x, const at::Tensor& ln_w, const at::Tensor& wqkv,
-                      const c10::optional<at::Tensor>& bqkv, const at::Tensor& qn_w, const at::Tensor& kn_w,
+                      const c10::optional<at::Tensor>& bqkv, const c10::optional<at::Tensor>& qn_w,
+                      const c10::optional<at::Tensor>& kn_w,
                       const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kc, const at::Tensor& vc,
                       const at::Tensor& valid, const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& wo,
                       const c10::optional<at::Tensor>& bo, int64_t hq, int64_t hk, double eps_d) {
-  for (const at::Tensor* t : {&x, &ln_w, &wqkv, &qn_w, &kn_w, &cos, &sin, &kc, &vc, &wo}) check_f32(*t, "attn_block tensor");
+  for (const at::Tensor* t : {&x, &ln_w, &wqkv, &cos, &sin, &kc, &vc, &wo}) check_f32(*t, "attn_block tensor");
+  const bool qk_norm = qn_w.has_value() && qn_w->defined();
+  TORCH_CHECK(qk_norm == (kn_w.has_value() && kn_w->defined()), "attn_block: q_norm and k_norm weights go together");
+  if (qk_norm) {
+    check_f32(*qn_w, "attn_block q_norm");
+    check_f32(*kn_w, "attn_block k_norm");
+  }
   TORCH_CHECK(valid.scalar_type() == at::kBool && valid.is_contiguous(), "valid must be a contiguous bool tensor");
   TORCH_CHECK(rows.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && rows.is_contiguous() &&
               slots.is_contiguous(), "rows and slots must be contiguous int64 tensors");
@@ -231,7 +242,8 @@ at::Tensor attn_block(const at::Tensor& x, const at::Tensor& ln_w, const at::Ten
   at::Tensor qkv = bqkv.has_value() && bqkv->defined() ? at::addmm(*bqkv, h, wqkv.t()) : at::mm(h, wqkv.t());
   at::Tensor q = at::empty({N, hq, d}, x.options());
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  const float *qkvp = qkv.data_ptr<float>(), *qnw = qn_w.data_ptr<float>(), *knw = kn_w.data_ptr<float>();
+  const float *qkvp = qkv.data_ptr<float>(), *qnw = qk_norm ? qn_w->data_ptr<float>() : nullptr,
+              *knw = qk_norm ? kn_w->data_ptr<float>() : nullptr;
   const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
   const bool* vp = valid.data_ptr<bool>();
   float *kcp = kc.data_ptr<float>(), *vcp = vc.data_ptr<float>(), *qp = q.data_ptr<float>();
@@ -454,7 +466,7 @@ std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits, double 
 }  // namespace
 
 TORCH_LIBRARY(cascade_native, m) {
-  m.def("attn_block(Tensor x, Tensor ln_w, Tensor wqkv, Tensor? bqkv, Tensor qn_w, Tensor kn_w, Tensor cos, "
+  m.def("attn_block(Tensor x, Tensor ln_w, Tensor wqkv, Tensor? bqkv, Tensor? qn_w, Tensor? kn_w, Tensor cos, "
         "Tensor sin, Tensor(a!) kc, Tensor(b!) vc, Tensor valid, Tensor rows, Tensor slots, Tensor wo, Tensor? bo, "
         "int hq, int hk, "
         "float eps) -> Tensor");

@@ -1,0 +1,46 @@
+"""Stage evaluation as the ZAYA1 report evaluates: avg@k, the mean correctness of k sampled answers
+per held-out problem averaged over the problems, overall and per environment family (the id's part
+before ``/``: ``gym``, ``math``, ``code``, ...). ``k = 0`` scores one greedy answer instead."""
+from __future__ import annotations
+
+
+def family(env_id: str) -> str:
+    """The environment family of an id: ``gym/sudoku`` -> ``gym``; ``ifeval`` -> ``ifeval``."""
+    return env_id.split("/", 1)[0] if "/" in env_id and ":" not in env_id else env_id
+
+
+def avg_at_k(rl, problems: list, k: int, seed: int = 0, chunk: int = 0, advance=None) -> dict:
+    """avg@k of ``rl.engine`` (an :class:`~train.rl.trainer.RLTrainer` or anything with its
+    ``engine``, ``tokenizer``, ``cfg``, ``env_of`` and ``max_prompt_tokens``) on ``problems``
+    [(env_id, Problem)], sampled with the RL sampling settings (response cap included) at ``seed``.
+    Problems whose prompts do not fit the context are left out (``skipped``), as in training.
+    Returns ``{"accuracy", "k", "families": {family: avg@k}, "problems": {family: n}, "skipped"}``."""
+    from train.rl.trainer import encode_prompt
+
+    c = rl.cfg
+    enc = [(e, p, encode_prompt(rl.tokenizer, p.prompt, c.chat_template, c.system_prompt)) for e, p in problems]
+    params = c.sampling.params(max(k, 1), seed)
+    if k == 0:
+        params.temperature = 0.0
+    per_problem: list[tuple[str, float]] = []
+    size = chunk if chunk > 0 else max(len(enc), 1)
+    skipped = 0
+    for i in range(0, len(enc), size):  # chunks of the problems as given; prompts too long skipped within
+        part = [x for x in enc[i:i + size] if len(x[2]) <= rl.max_prompt_tokens]
+        skipped += len(enc[i:i + size]) - len(part)
+        comps = rl.engine.generate([x[2] for x in part], params) if part else []
+        right = [0] * len(part)
+        seen = [0] * len(part)
+        for comp in comps:
+            e, p, _ = part[comp.prompt_index]
+            seen[comp.prompt_index] += 1
+            right[comp.prompt_index] += bool(rl.env_of(e).verify(p, comp.text).correct)
+        per_problem += [(family(e), r / max(n, 1)) for (e, _, _), r, n in zip(part, right, seen)]
+        if advance is not None:
+            advance(len(enc[i:i + size]))
+    fams: dict[str, list[float]] = {}
+    for f, v in per_problem:
+        fams.setdefault(f, []).append(v)
+    return {"accuracy": sum(v for _, v in per_problem) / len(per_problem) if per_problem else 0.0, "k": k,
+            "families": {f: sum(vs) / len(vs) for f, vs in sorted(fams.items())},
+            "problems": {f: len(vs) for f, vs in sorted(fams.items())}, "skipped": skipped}

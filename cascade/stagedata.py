@@ -1,0 +1,93 @@
+"""A stage's data as the ZAYA1 report describes it: the mix as named sources (warm-up: puzzles /
+competition math / logic puzzles), phases that switch the mix at configured steps (stage 3: 384 +
+464 steps), and the response cap scheduled by the fraction of RL steps done (warm-up: 65K tokens
+for its first half). Plain functions of the :class:`~cascade.config.StageConfig`."""
+from __future__ import annotations
+
+from cascade.config import Phase, Source, StageConfig
+
+
+def mix_of(envs: dict[str, float], sources: dict[str, Source]) -> dict[str, float]:
+    """Environment weights of a mix given as ``envs`` (globs expanded) or as ``sources``: each
+    source's weight split equally over the environments its patterns match."""
+    from cascade.stage import expand_envs
+
+    if not sources:
+        return expand_envs(envs)
+    out: dict[str, float] = {}
+    for src in sources.values():
+        ids = expand_envs({pat: 1.0 for pat in src.envs})
+        for e in ids:
+            out[e] = out.get(e, 0.0) + float(src.weight) / len(ids)
+    return out
+
+
+def stage_mixes(s: StageConfig) -> list[dict[str, float]]:
+    """The mix of each phase in order (one entry, the stage's own mix, when there are no phases)."""
+    if not s.phases:
+        return [mix_of(s.envs, s.sources)]
+    if s.envs or s.sources:
+        mix_of(s.envs, s.sources)  # an unknown environment is named first
+        from train.dataclass_config import ConfigError
+
+        raise ConfigError("a stage with phases takes its mix from them; drop its envs/sources or set phases=[] "
+                          f"(phases: {[sorted(p.envs or p.sources) for p in s.phases]})")
+    return [mix_of(p.envs, p.sources) for p in s.phases]
+
+
+def union_mix(mixes: list[dict[str, float]]) -> dict[str, float]:
+    """Every environment of any phase, weighted by the sum of its normalised shares (what a curriculum
+    over the whole stage is built with, and what the pass-rate pool samples from)."""
+    out: dict[str, float] = {}
+    for m in mixes:
+        total = sum(m.values()) or 1.0
+        for e, w in m.items():
+            out[e] = out.get(e, 0.0) + w / total
+    return out
+
+
+def phase_starts(s: StageConfig) -> list[int]:
+    """The RL step at which each phase starts. Phases whose steps sum to the stage's ``steps`` switch
+    exactly at the configured steps; otherwise (a shortened run, e.g. the tiny profile) the
+    boundaries scale in proportion."""
+    if not s.phases:
+        return [0]
+    total = sum(p.steps for p in s.phases)
+    starts, acc = [], 0
+    for p in s.phases:
+        starts.append(acc if total == s.steps else (acc * s.steps) // total)
+        acc += p.steps
+    return starts
+
+
+def phase_at(s: StageConfig, rl_step: int) -> tuple[int, Phase | None]:
+    """(index, phase) in force at RL step ``rl_step`` (0-based); (0, None) without phases."""
+    if not s.phases:
+        return 0, None
+    idx = 0
+    for i, start in enumerate(phase_starts(s)):
+        if rl_step >= start:
+            idx = i
+    return idx, s.phases[idx]
+
+
+def max_new_tokens_at(s: StageConfig, rl_step: int, default: int) -> int:
+    """The response cap at RL step ``rl_step`` of ``s.steps``: the tokens of the last schedule entry
+    whose fraction has been reached, else ``default``."""
+    frac = rl_step / max(s.steps, 1)
+    cap = default
+    for f, tokens in s.max_new_tokens_schedule:
+        if frac >= f:
+            cap = int(tokens)
+    return cap
+
+
+def set_mix(curriculum, weights: dict[str, float]) -> None:
+    """Sample ``curriculum`` (a :class:`~envs.curriculum.Curriculum`, or a pool around one) with the
+    mix ``weights``; its environments outside the mix get weight 0 (kept, with their difficulty
+    state, for a later phase)."""
+    inner = getattr(curriculum, "curriculum", curriculum)
+    inner.weights = {e: float(weights.get(e, 0.0)) for e in inner.weights}
+    unknown = sorted(set(weights) - set(inner.weights))
+    if unknown:
+        raise ValueError(f"the mix names environments outside the stage's curriculum: {unknown}")

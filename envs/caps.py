@@ -1,0 +1,136 @@
+"""Time bounds on generation: recorded difficulty caps, and a bounded ``generate``.
+
+Some generators slow down without end as the difficulty grows (e.g. reasoning-gym's ``jugs``
+searches for puzzles with a minimum number of moves and may not return). Two safeguards:
+
+* **Caps found by the self-check.** ``cascade envs check`` runs every ``generate`` under a time
+  bound (:data:`GENERATE_TIME_LIMIT` seconds, or the environment's ``generate_time_limit``); an
+  environment whose generator exceeds it at difficulty ``d`` is capped at ``d - 1`` and the cap is
+  recorded in ``envs/difficulty_caps.json`` (``{id: {"max_difficulty", "reason", "limit_s"}}``).
+  :func:`envs.base.get_env` reads the file and lowers the environment's ``max_difficulty`` to the
+  cap, so curricula never schedule a capped level.
+* **A bound at run time.** Environments that set ``generate_time_limit`` (the third-party
+  adapters ``rg/``, ``rlve/``, ``rc/``) get a ``generate`` that waits at most that long; past it,
+  the problem is generated one level lower, and the level is capped for the rest of the process;
+  at difficulty 0 another seed is drawn (three times, then an error). The overdue call is abandoned in a daemon thread (a thread cannot be
+  killed; it may keep a core busy until it returns), so a run never stalls on one generator.
+
+``CASCADE_NO_DIFFICULTY_CAPS=1`` disables both (the self-check sets it to measure the generators
+themselves); ``CASCADE_DIFFICULTY_CAPS=PATH`` reads caps from another file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+__all__ = ["GENERATE_TIME_LIMIT", "caps_path", "load_caps", "save_caps", "apply", "bound_generate",
+           "GenerationTimeout"]
+
+GENERATE_TIME_LIMIT = 10.0  # seconds one generate may take (RLVE's own generator default)
+_DEFAULT_PATH = Path(__file__).with_name("difficulty_caps.json")
+_CACHE: dict[str, tuple[float, dict]] = {}
+
+
+class GenerationTimeout(TimeoutError):
+    pass
+
+
+def disabled() -> bool:
+    return os.environ.get("CASCADE_NO_DIFFICULTY_CAPS", "") not in ("", "0")
+
+
+def caps_path() -> Path:
+    return Path(os.environ.get("CASCADE_DIFFICULTY_CAPS") or _DEFAULT_PATH)
+
+
+def load_caps(path: str | Path | None = None) -> dict[str, dict]:
+    """``{env_id: {"max_difficulty", "reason", "limit_s"}}`` from the caps file ({} if none)."""
+    p = Path(path) if path is not None else caps_path()
+    try:
+        mtime = p.stat().st_mtime
+    except OSError:
+        return {}
+    hit = _CACHE.get(str(p))
+    if hit and hit[0] == mtime:
+        return hit[1]
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError):
+        data = {}
+    data = {k: v for k, v in data.items() if isinstance(v, dict) and isinstance(v.get("max_difficulty"), int)}
+    _CACHE[str(p)] = (mtime, data)
+    return data
+
+
+def save_caps(caps: dict[str, dict], path: str | Path | None = None) -> Path:
+    p = Path(path) if path is not None else caps_path()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(dict(sorted(caps.items())), indent=1) + "\n")
+    os.replace(tmp, p)
+    _CACHE.pop(str(p), None)
+    return p
+
+
+def _lower_cap(env, level: int) -> None:
+    cur = getattr(env, "max_difficulty", None)
+    try:
+        env.max_difficulty = level if cur is None else min(int(cur), level)
+    except AttributeError:  # a read-only max_difficulty
+        pass
+
+
+def bound_generate(env, limit: float) -> None:
+    """Give ``env`` (an instance) a ``generate`` that never waits more than ``limit`` seconds."""
+    inner = env.generate
+
+    def generate(seed: int, difficulty: int):
+        seed0, tries = seed, 0
+        d = int(difficulty)
+        cap = getattr(env, "max_difficulty", None)
+        if cap is not None:
+            d = min(d, int(cap))
+        while True:
+            box: dict = {}
+
+            def run(d=d):
+                try:
+                    box["p"] = inner(seed, d)
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    box["e"] = e
+
+            t = threading.Thread(target=run, daemon=True, name=f"generate {getattr(env, 'id', '')} d={d}")
+            t.start()
+            t.join(limit)
+            if not t.is_alive():
+                if "e" in box:
+                    raise box["e"]
+                return box["p"]
+            if d <= 0:
+                # the easiest level is slow for this seed: draw another problem, as RLVE's trainer
+                # does when its generator fails (the Problem carries the seed it was made from)
+                tries += 1
+                if tries > 3:
+                    raise GenerationTimeout(f"{getattr(env, 'id', env)}: generate took over {limit:g}s "
+                                            f"at difficulty 0 for seed {seed0} and 3 derived seeds")
+                seed = (int(seed0) * 1_000_003 + 7919 * tries) % (2 ** 62)
+                continue
+            _lower_cap(env, d - 1)  # this level is too slow here: do not schedule it again
+            d -= 1
+
+    generate.__wrapped__ = inner
+    env.generate = generate
+
+
+def apply(env_id: str, env) -> None:
+    """Apply the recorded cap of ``env_id`` and the run-time bound to a freshly built ``env``."""
+    if disabled():
+        return
+    cap = load_caps().get(env_id)
+    if cap is not None:
+        _lower_cap(env, int(cap["max_difficulty"]))
+    limit = getattr(env, "generate_time_limit", None)
+    if limit:
+        bound_generate(env, float(limit))

@@ -1,0 +1,250 @@
+"""reasoning-core's tasks as Cascade environments ``rc/<task>``.
+
+Every task of reasoning-core's shipped roster (``reasoning_core.list_tasks()``; the package
+``reasoning-core``, ``pip install 'cascade-rl[rc]'``) becomes an environment. Difficulty ``d`` is
+reasoning-core's own level: ``task.generate_example(level=d)`` sets the task config's level
+(``Config.set_level``). reasoning-core draws from the global ``random``/``numpy`` generators (it
+takes no seed), so ``generate(seed, d)`` seeds both with ``seed`` around the call and restores the
+caller's state afterwards: the problem is a function of ``(seed, d)``. A generation that
+reasoning-core fails is retried with derived seeds, then at the levels below.
+
+``verify`` extracts the answer (the last ``\\boxed{}`` or ``<answer>...</answer>`` after any
+thinking, as for ``rg/``) and scores it with the task's own ``score_answer`` through
+reasoning-core's dispatcher (``get_score_answer_fn``: the scorer reads only the entry, so a problem
+verifies in any process); the entry is rebuilt from the problem (its answer and reasoning-core's
+metadata, kept in ``meta["rc_metadata"]``). The score in [0, 1] is the reward; full credit is
+``correct``.
+
+Listing and registering do not import reasoning-core: the roster is cached per installed version
+(``$CASCADE_CACHE_DIR`` or ``~/.cache/cascade``). Tasks listed in ``EXCLUDED`` are not registered.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import random
+from collections import OrderedDict
+from pathlib import Path
+
+from envs.base import Environment, Problem, Score, last_boxed, register, strip_think
+
+__all__ = ["ReasoningCoreEnv", "catalog", "EXCLUDED", "available"]
+
+MAX_ANSWER_CHARS = 10_000
+_ENTRY_CACHE = 256
+
+# Tasks not registered, with the reason (found by `cascade envs check 'rc/*'`).
+EXCLUDED: dict[str, str] = {
+    "game_best_move": "generation imports pyggp, which reasoning-core does not declare (not even in its "
+                      "'gen' extra)",
+    "game_forced_win": "generation imports pyggp, which reasoning-core does not declare (not even in its "
+                       "'gen' extra)",
+    "metamath_core_select": "generation downloads the metamath database (set.mm) from the network",
+    "metamath_entailment": "generation downloads the metamath database (set.mm) from the network",
+}
+
+
+def available() -> bool:
+    try:
+        return importlib.util.find_spec("reasoning_core") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("CASCADE_CACHE_DIR") or Path.home() / ".cache" / "cascade")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("reasoning-core")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _build_catalog() -> dict[str, dict]:
+    import reasoning_core
+
+    rows = {r["name"]: r for r in reasoning_core.task_catalog()}
+    return {name: {"description": (rows.get(name, {}).get("summary") or f"reasoning-core {name}")[:160]}
+            for name in sorted(reasoning_core.list_tasks())}
+
+
+def catalog() -> dict[str, dict]:
+    """``{task: {"description"}}`` of reasoning-core's roster; {} if not installed."""
+    if not available():
+        return {}
+    path = _cache_dir() / f"reasoning_core-{_version()}.json"
+    try:
+        data = json.loads(path.read_text())
+        if isinstance(data, dict) and data:
+            return data
+    except (OSError, ValueError):
+        pass
+    data = _build_catalog()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=0, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return data
+
+
+def _balanced(s: str) -> bool:
+    depth = 0
+    for ch in s:
+        depth += (ch == "{") - (ch == "}")
+        if depth < 0:
+            return False
+    return depth == 0
+
+
+def _plain(x):
+    """JSON-safe copy (reasoning-core's metadata is an EasyDict of JSON values)."""
+    return json.loads(json.dumps(x, default=str))
+
+
+class ReasoningCoreEnv(Environment):
+    family = "rc"
+    verify_time_limit = 10.0
+    generate_time_limit = 10.0  # run-time bound on one generate (envs/caps.py)
+    max_difficulty = None  # reasoning-core's levels have no upper end
+
+    def __init__(self, name: str):
+        import reasoning_core
+
+        self.name = reasoning_core.match_task_name(name)
+        self.id = f"rc/{self.name}"
+        self.description = catalog().get(self.name, {}).get("description", "")
+        self._rc = reasoning_core
+        self._task_obj = None
+        self._scorer = None
+        self._entries: OrderedDict = OrderedDict()
+
+    def _task(self):
+        if self._task_obj is None:
+            import warnings
+
+            with warnings.catch_warnings():  # "tiktoken unavailable": lengths count words instead
+                warnings.simplefilter("ignore")
+                self._task_obj = self._rc.get_task(self.name)
+        return self._task_obj
+
+    def _generate_at(self, seed: int, level: int):
+        import numpy as np
+
+        from envs.rlve_adapter import _LOCAL, patch_random
+
+        task = self._task()
+        patch_random("reasoning_core")  # per-thread random streams (see envs/rlve_adapter.py)
+        py_state, np_state = random.getstate(), np.random.get_state()
+        prev = getattr(_LOCAL, "rng", None)
+        _LOCAL.rng = random.Random(seed)
+        random.seed(seed)
+        np.random.seed(seed % (2 ** 32))
+        try:
+            import warnings
+
+            with warnings.catch_warnings():  # off the main thread (envs/caps.py's bound) rc has no alarm
+                warnings.filterwarnings("ignore", message="timeout_retry")
+                return task.generate_example(level=level)
+        finally:
+            _LOCAL.rng = prev
+            random.setstate(py_state)
+            np.random.set_state(np_state)
+
+    def _item(self, seed: int, difficulty: int):
+        """(prompt, answer, metadata, level) for (seed, difficulty), cached."""
+        key = (int(seed), max(0, int(difficulty)))
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return self._entries[key]
+        got, err = None, None
+        for level in range(key[1], max(-1, key[1] - 3), -1):
+            for attempt in range(3):
+                s = key[0] if attempt == 0 else (key[0] * 1_000_003 + attempt) % (2 ** 63)
+                try:
+                    e = self._generate_at(s, level)
+                except Exception as ex:  # noqa: BLE001 - reasoning-core fails on some (seed, level)
+                    err = ex
+                    continue
+                meta = {k: v for k, v in dict(e.metadata).items() if k != "_time"}
+                got = (str(e.prompt), e.answer, _plain(meta), level)
+                break
+            if got is not None:
+                break
+        if got is None:
+            raise RuntimeError(f"reasoning-core {self.name} failed to generate at level {key[1]}: "
+                               f"{type(err).__name__}: {err}")
+        self._entries[key] = got
+        if len(self._entries) > _ENTRY_CACHE:
+            self._entries.popitem(last=False)
+        return got
+
+    # -- environment ---------------------------------------------------------------------------
+    def generate(self, seed: int, difficulty: int) -> Problem:
+        prompt, answer, meta, level = self._item(seed, difficulty)
+        if not isinstance(answer, (str, int, float)) and answer is not None:
+            answer = _plain(answer)
+        return self.problem(prompt, answer, seed, difficulty, rc_task=self.name, level=level,
+                            rc_metadata=meta)
+
+    def extract(self, response: str) -> str | None:
+        text = strip_think(response)
+        boxed = last_boxed(text)
+        bpos = text.rfind("\\boxed") if boxed is not None else -1
+        apos = text.rfind("<answer>")
+        if apos > bpos:
+            end = text.find("</answer>", apos)
+            if end >= 0:
+                return text[apos + len("<answer>"):end].strip()
+        return boxed
+
+    def format_answer(self, answer) -> str:
+        return "" if answer is None else str(answer)
+
+    def reference_response(self, problem: Problem) -> str:
+        ans = self.format_answer(problem.answer)
+        if _balanced(ans) and "\\boxed" not in ans:
+            return f"The answer is \\boxed{{{ans}}}"
+        return f"The answer is <answer>{ans}</answer>"
+
+    def corruptions(self, problem: Problem) -> list[str]:
+        return ["", "I don't know.", "\\boxed{}", "<answer>qx9 ### zz</answer>", "\\boxed{-98765.4321}"]
+
+    def check(self, problem: Problem, response: str) -> Score:
+        pred = self.extract(response)
+        if pred is None:
+            return Score.zero("no \\boxed{} or <answer> answer", format_ok=False)
+        limit = max(MAX_ANSWER_CHARS, 50 * len(self.format_answer(problem.answer)))
+        if len(pred) > limit:
+            return Score.zero("answer too long", format_ok=True, length=len(pred))
+        meta = problem.meta.get("rc_metadata")
+        if meta is None:  # a problem without its metadata: regenerate it
+            _, _, meta, _ = self._item(problem.seed, problem.difficulty)
+        from reasoning_core.template import Entry
+
+        entry = Entry(metadata=meta, answer=problem.answer)
+        entry.prompt = problem.prompt
+        if self._scorer is None:
+            self._scorer = self._rc.get_score_answer_fn(self.name)
+        value = float(self._scorer(pred, entry))
+        value = max(0.0, min(1.0, value)) if value == value else 0.0
+        return Score(value, value >= 1.0 - 1e-9, True, {"extracted": pred[:200], "rc_score": value})
+
+
+def _register_all() -> None:
+    for name, info in catalog().items():
+        if name in EXCLUDED:
+            continue
+        register(f"rc/{name}", factory=functools.partial(ReasoningCoreEnv, name),
+                 family="rc", description=info.get("description", ""))
+
+
+_register_all()

@@ -1,0 +1,289 @@
+"""The RLVE-Gym (``rlve/``) and reasoning-core (``rc/``) adapters, and the generation time bound of
+``cascade envs check`` (a slow generator is capped below the level where it exceeds the bound)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from envs import Environment, Problem, Score, get_env, list_envs, register
+from envs.caps import bound_generate, load_caps
+from envs.check import check_ids, match_pattern, update_caps
+from envs.cli import main as envs_main
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+# A sample of RLVE-Gym's environments (the full set is `cascade envs check 'rlve/*'`)
+RLVE_SAMPLE = ["AdditionTable", "Multiplication", "SumGCD", "CycleCounting", "BezoutIdentity", "TwoSAT"]
+RC_SAMPLE = ["arithmetics", "graph_pathfinding", "set_missing_element", "logic_qa"]
+GARBAGE = ["", "   ", "<answer>", "</answer><answer>", "<answer>\x00\ud800</answer>", "\\boxed{", "\\boxed{}}",
+           "<answer>" + "9" * 5000 + "</answer>", "<think><answer>1</answer>", "<answer>-1e999 nan inf</answer>",
+           "<answer>[[[[</answer>", "\\boxed{\\boxed{1}}", "Assistant: <answer>0</answer>", "x" * 50_000]
+
+
+# -- the generation time bound ---------------------------------------------------------------------
+@register("test/slow_gen")
+class _SlowGen(Environment):
+    """Instant up to difficulty 1; its generator sleeps far past any bound from difficulty 2."""
+
+    generate_time_limit = 0.5
+
+    def generate(self, seed, difficulty):
+        if difficulty >= 2:
+            time.sleep(30)
+        return self.problem(f"say {seed % 7}", str(seed % 7), seed, difficulty)
+
+    def check(self, problem, response):
+        ok = self.extract(response) == problem.answer
+        return Score(float(ok), ok, True)
+
+
+def test_slow_generator_is_capped_below_the_level_it_exceeds(tmp_path):
+    t = time.perf_counter()
+    results = list(check_ids(["test/slow_gen", "toy/add"], [0, 1, 2, 3], [0, 1], jobs=2, gen_limit=0.5))
+    assert time.perf_counter() - t < 60
+    by_id = {r.env_id: r for r in results}
+    slow = by_id["test/slow_gen"]
+    assert slow.failures == [] and slow.cap == 1 and "difficulty=2" in slow.cap_reason
+    assert by_id["toy/add"].cap is None and by_id["toy/add"].failures == []
+    caps_file = tmp_path / "caps.json"
+    caps = update_caps(results, [0, 1, 2, 3], caps_file)
+    assert caps == {"test/slow_gen": {"max_difficulty": 1, "reason": slow.cap_reason}}
+    assert load_caps(caps_file)["test/slow_gen"]["max_difficulty"] == 1
+    # the registry reads the recorded cap
+    old = os.environ.get("CASCADE_DIFFICULTY_CAPS")
+    os.environ["CASCADE_DIFFICULTY_CAPS"] = str(caps_file)
+    try:
+        assert get_env("test/slow_gen").max_difficulty == 1
+        assert get_env("toy/add").max_difficulty == type(get_env("toy/add")).max_difficulty  # no cap
+    finally:
+        if old is None:
+            del os.environ["CASCADE_DIFFICULTY_CAPS"]
+        else:
+            os.environ["CASCADE_DIFFICULTY_CAPS"] = old
+    # a later check that no longer needs the cap drops it
+    from envs.check import CheckResult
+
+    assert update_caps([CheckResult("test/slow_gen", [], 0.1)], [0, 1, 2, 3], caps_file) == {}
+
+
+def test_cli_check_records_the_cap(tmp_path, capsys):
+    caps_file = tmp_path / "caps.json"
+    assert envs_main(["check", "test/slow_gen", "--difficulties", "0-2", "--seeds", "1",
+                      "--gen-limit", "0.5", "--caps", str(caps_file)]) == 0
+    out = capsys.readouterr().out
+    assert "capped at difficulty 1" in out and "slowest 1 environments" in out
+    assert json.loads(caps_file.read_text())["test/slow_gen"]["max_difficulty"] == 1
+
+
+def test_run_time_bound_falls_back_to_a_lower_level():
+    env = _SlowGen()
+    bound_generate(env, 0.3)
+    t = time.perf_counter()
+    p = env.generate(5, 3)
+    assert time.perf_counter() - t < 3  # waited once at 3 and once at 2, not 30 s
+    assert p.difficulty == 1 and env.max_difficulty == 1
+    t = time.perf_counter()
+    assert env.generate(6, 4).difficulty == 1 and time.perf_counter() - t < 0.3  # the cap holds
+
+
+class _SlowSeed(_SlowGen):
+    """Slow at every level for seed 5 only."""
+
+    def generate(self, seed, difficulty):
+        if seed == 5:
+            time.sleep(30)
+        return self.problem(f"say {seed % 7}", str(seed % 7), seed, difficulty)
+
+
+def test_run_time_bound_draws_another_seed_at_the_easiest_level():
+    env = _SlowSeed()
+    bound_generate(env, 0.3)
+    t = time.perf_counter()
+    p = env.generate(5, 0)
+    assert time.perf_counter() - t < 2 and p.seed != 5 and p.difficulty == 0
+    assert env.verify(p, env.reference_response(p)).correct  # the problem carries the seed it came from
+
+
+def test_get_env_bounds_adapter_generators():
+    env = get_env("test/slow_gen")
+    assert getattr(env.generate, "__wrapped__", None) is not None  # the run-time bound is in place
+    assert env.generate(1, 0).prompt.startswith("say")
+
+
+def test_alternative_patterns_use_the_first_that_matches(capsys):
+    known = ["gym/a", "gym/b", "rlve/X"]
+    assert match_pattern("rlve/*|gym/*", known) == ["rlve/X"]
+    assert match_pattern("nothere/*|gym/*", known) == ["gym/a", "gym/b"]
+    assert "using 'gym/*'" in capsys.readouterr().err
+    assert match_pattern("nothere/*|none/*", known) == []
+
+
+def test_listing_imports_no_torch_nor_the_adapted_packages():
+    list_envs()  # the catalogue caches exist
+    code = ("import sys; from envs import list_envs; ids = list_envs(); "
+            "print(sum(i.startswith('rlve/') for i in ids), sum(i.startswith('rc/') for i in ids), "
+            "[m for m in ('torch', 'Gym', 'reasoning_core') if m in sys.modules])")
+    out = subprocess.run([PY, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    n_rlve, n_rc, mods = out.stdout.strip().split(" ", 2)
+    assert mods == "[]"
+    from envs import reasoning_core_adapter, rlve_adapter
+
+    assert int(n_rlve) == len(rlve_adapter.catalog()) - len(rlve_adapter.EXCLUDED) * rlve_adapter.available()
+    assert int(n_rc) == len(reasoning_core_adapter.catalog()) - \
+        len(reasoning_core_adapter.EXCLUDED) * reasoning_core_adapter.available()
+
+
+# -- RLVE-Gym ---------------------------------------------------------------------------------------
+def _rlve():
+    return pytest.importorskip("Gym.environments"), pytest.importorskip("Gym.parameter_controllers")
+
+
+def test_cli_lists_the_rlve_environments(capsys):
+    gym_envs, _ = _rlve()
+    assert envs_main(["list", "rlve/*", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    from envs.rlve_adapter import EXCLUDED
+
+    assert {r["id"] for r in rows} == {f"rlve/{n}" for n in gym_envs.identifier2environment} - \
+        {f"rlve/{n}" for n in EXCLUDED}
+    assert len(rows) >= 390 and all(r["family"] == "rlve" for r in rows)
+
+
+@pytest.mark.parametrize("name", RLVE_SAMPLE[:4])
+def test_rlve_difficulty_follows_rlves_controller(name):
+    _, controllers = _rlve()
+    env = get_env(f"rlve/{name}")
+    ctrl = controllers.identifier2controller[name]()
+    for d in range(4):
+        own = ctrl.get_parameter_list()
+        assert env.parameter_list(d) == own
+        for seed in range(3):
+            p = env.generate(seed, d)
+            assert p.meta["parameter"] in json.loads(json.dumps(own)), (d, p.meta["parameter"], own)
+        ctrl.update()
+    if name == "AdditionTable":  # N = 3 at level 0, one more per controller step
+        assert [env.generate(0, d).meta["parameter"]["N"] for d in range(4)] == [3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("name", RLVE_SAMPLE)
+def test_rlve_scorer_agrees_on_reference_and_wrong_answers(name):
+    gym_envs, _ = _rlve()
+    env = get_env(f"rlve/{name}")
+    for d, seed in ((0, 0), (2, 1), (3, 7)):
+        p = env.generate(seed, d)
+        assert p.prompt.endswith("Give your final answer between <answer> and </answer>.")
+        assert p.to_dict() == env.generate(seed, d).to_dict()
+        json.dumps(p.to_dict())
+        # RLVE's own generator, given the seed and parameter, poses the same problem
+        own = gym_envs.identifier2environment[name]()
+        assert own.generator(seed=p.meta["rlve_seed"], parameter=p.meta["parameter"])
+        assert p.prompt.startswith(own.prompt_generator())
+        ref = env.reference_response(p)
+        s = env.verify(p, "<think>let me see</think>" + ref)
+        assert s.correct and s.reward == own.verifier(f"<answer>{p.answer}</answer>")["reward"] >= 0.999
+        assert env.verify(p, f"\\boxed{{{p.answer}}}").correct  # the chat-template marker too
+        wrong = env.verify(p, "<answer>qx9 ### zz</answer>")
+        assert not wrong.correct and wrong.reward == own.verifier("<answer>qx9 ### zz</answer>")["reward"] < 1
+        assert env.verify(p, "I don't know.").reward == own.verifier("I don't know.")["reward"]
+        for g in GARBAGE:
+            s = env.verify(p, g)
+            assert isinstance(s, Score) and -1.0 <= s.reward <= 1.0
+        # a problem that went through JSON (another process) still verifies
+        q = Problem.from_dict(json.loads(json.dumps(p.to_dict())))
+        assert env.verify(q, ref).correct
+
+
+def test_rlve_generation_leaves_the_callers_random_state_alone():
+    import random
+
+    import numpy as np
+
+    _rlve()
+    env = get_env("rlve/Multiplication")
+    random.seed(123)
+    np.random.seed(123)
+    a, b = random.random(), np.random.rand()
+    random.seed(123)
+    np.random.seed(123)
+    env.generate(11, 2)
+    assert (random.random(), np.random.rand()) == (a, b)
+
+
+# -- reasoning-core ---------------------------------------------------------------------------------
+def _rc():
+    return pytest.importorskip("reasoning_core")
+
+
+@pytest.mark.parametrize("name", RC_SAMPLE)
+def test_rc_scorer_agrees_on_reference_and_wrong_answers(name):
+    rc = _rc()
+    from reasoning_core.template import Entry
+
+    env = get_env(f"rc/{name}")
+    assert env.family == "rc"
+    for d, seed in ((0, 0), (2, 3)):
+        p = env.generate(seed, d)
+        assert p.to_dict() == env.generate(seed, d).to_dict()
+        assert p.meta["level"] == d and p.meta["rc_metadata"]["_level"] == d  # reasoning-core's own level
+        assert p.prompt.endswith("Put your final answer within \\boxed{}.")
+        entry = Entry(metadata=p.meta["rc_metadata"], answer=p.answer)
+        assert rc.get_score_answer_fn(name)(p.answer, entry) == 1  # reasoning-core's own scorer
+        ref = env.reference_response(p)
+        s = env.verify(p, ref)
+        assert s.correct and s.reward == 1.0
+        assert env.verify(p, f"<answer>{p.answer}</answer>").correct
+        q = Problem.from_dict(json.loads(json.dumps(p.to_dict())))
+        assert env.verify(q, ref).correct
+        for bad in ("<answer>qx9 ### zz</answer>", "\\boxed{-98765.4321}"):
+            s = env.verify(p, bad)
+            assert not s.correct and s.reward == float(rc.get_score_answer_fn(name)(env.extract(bad), entry)) < 1
+        s = env.verify(p, "I don't know.")
+        assert not s.correct and s.reward == 0.0 and not s.format_ok
+        for g in GARBAGE:
+            s = env.verify(p, g)
+            assert isinstance(s, Score) and 0.0 <= s.reward <= 1.0
+
+
+def test_rc_difficulty_is_reasoning_cores_level():
+    _rc()
+    env = get_env("rc/arithmetics")
+    cfgs = [env.generate(0, d).meta["rc_metadata"]["_config"] for d in (0, 3)]
+    assert cfgs[0]["level"] == 0 and cfgs[1]["level"] == 3 and cfgs[0] != cfgs[1]
+    from reasoning_core import get_task
+
+    task = get_task("arithmetics")
+    task.config.set_level(3)
+    assert {k: v for k, v in task.config.to_dict().items() if k != "seed"} == \
+        {k: v for k, v in cfgs[1].items() if k != "seed"}
+
+
+def test_rc_excluded_tasks_are_named_with_reasons():
+    _rc()
+    from envs.reasoning_core_adapter import EXCLUDED
+
+    ids = set(list_envs())
+    for name, why in EXCLUDED.items():
+        assert f"rc/{name}" not in ids and why
+
+
+def test_tiny_rlve_stage_runs_on_the_rlve_gym_environments(tmp_path):
+    """`cascade run stage=rlve profile=tiny` with the recipe's `rlve/*|gym/*` choice takes RLVE-Gym's
+    environments when the package is installed, says so, and trains two steps on them."""
+    pytest.importorskip("Gym")
+    out = tmp_path / "run"
+    r = subprocess.run([PY, "-m", "cascade", "run", "stage=rlve", "profile=tiny", f"out={out}", "steps=2",
+                        'envs={"rlve/*|gym/*": 1}', "logging.progress=false"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "using 'rlve/*'" in r.stdout + r.stderr
+    state = json.loads((out / "stages" / "1-rlve" / "final" / "run_state.json").read_text())
+    assert state["steps"] == 2
+    assert len(state["difficulty"]) > 300 and all(k.startswith("rlve/") for k in state["difficulty"])

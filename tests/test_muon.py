@@ -1,0 +1,394 @@
+"""Muon (train/optim.py) and its sharded form (train/parallel/dp.py MeshMuon).
+
+Single process: Newton-Schulz against a loop written here, one Muon step against a hand-computed
+one (per expert matrix, gate and up apart), momentum 0 / EMA / Nesterov, parameter grouping,
+bf16 master weights, state_dict round trip, and torch.optim.Muon where torch has it. Sharded: a
+gloo world of 2 ranks runs RLUpdater with Muon on dp2 x tsp1 and dp1 x tsp2 meshes and compares
+the weights after two steps with the single-process reference step.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import random
+
+import pytest
+import torch
+
+from train.optim import (Muon, MasterWeights, OptimConfig, build_optimizer, clip_and_step, load_training_state,
+                         muon_row_blocks, newton_schulz, training_state)
+
+A, B, C = 3.4445, -4.7750, 2.0315
+TOL = 1e-5
+
+
+def ns_loop(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Reference quintic Newton-Schulz for ONE matrix, element by element as Keller Jordan writes it."""
+    X = G.double()
+    tall = X.shape[0] > X.shape[1]
+    if tall:
+        X = X.T
+    X = X / max(float(torch.linalg.matrix_norm(X)), 1e-7)
+    for _ in range(steps):
+        Gram = X @ X.T
+        poly = B * Gram + C * Gram @ Gram
+        X = A * X + poly @ X
+    return (X.T if tall else X).float()
+
+
+def tiny_moe():
+    from tests.test_parallel import _cfgs, _model
+
+    return _model(_cfgs()["moe"])
+
+
+def fill_grads(model, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for n, p in model.named_parameters():
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        out[n] = p.grad.detach().float().clone()
+    return out
+
+
+def matrices_of(name: str, t: torch.Tensor) -> list[torch.Tensor]:
+    """The matrices Muon must orthogonalise one by one, split by hand."""
+    if t.ndim == 2:
+        return [t]
+    if name.endswith("gate_up_proj"):
+        I = t.shape[1] // 2
+        return [m for e in range(t.shape[0]) for m in (t[e, :I], t[e, I:])]
+    return [t[e] for e in range(t.shape[0])]
+
+
+def join_like(name: str, mats: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    if like.ndim == 2:
+        return mats[0]
+    if name.endswith("gate_up_proj"):
+        return torch.stack([torch.cat(mats[2 * e:2 * e + 2], 0) for e in range(like.shape[0])])
+    return torch.stack(mats)
+
+
+# ------------------------------------------------------------------------------ Newton-Schulz
+
+
+@pytest.mark.parametrize("shape", [(8, 8), (5, 12), (12, 5), (64, 32)])
+def test_newton_schulz_matches_loop_and_orthogonalises(shape):
+    G = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    got = newton_schulz(G)
+    assert got.dtype == torch.float32 and got.shape == G.shape
+    assert (got - ns_loop(G)).abs().max() < 1e-5
+    s = torch.linalg.svdvals(got)
+    assert 0.6 < float(s.min()) and float(s.max()) < 1.25, s  # roughly orthogonal: U S' V^T, S' near 1
+    # invariant to the scale of G, and the same direction: <got, G> > 0
+    assert (newton_schulz(1e3 * G) - got).abs().max() < 1e-4
+    assert float((got * G).sum()) > 0
+    # batched = one by one; bf16 close to fp32
+    batch = torch.randn((3,) + shape, generator=torch.Generator().manual_seed(1))
+    nb = newton_schulz(batch)
+    for i in range(3):
+        assert (nb[i] - ns_loop(batch[i])).abs().max() < 1e-5
+    assert (newton_schulz(G, dtype=torch.bfloat16) - got).abs().max() < 0.1
+
+
+# ------------------------------------------------------------------------------ grouping and config
+
+
+def test_parameter_grouping():
+    model = tiny_moe()
+    names = {n: muon_row_blocks(n, p) for n, p in model.named_parameters()}
+    assert names["model.layers.0.self_attn.q_proj.weight"] == 1
+    assert names["model.layers.0.mlp.down_proj.weight"] == 1
+    assert names["model.layers.1.mlp.gate.weight"] == 1  # the router is a hidden matrix
+    assert names["model.layers.1.mlp.experts.gate_up_proj"] == 2  # per expert, gate and up apart
+    assert names["model.layers.1.mlp.experts.down_proj"] == 1
+    for n in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
+              "model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_norm.weight"):
+        assert names[n] is None, n
+    opt, _ = build_optimizer(model, OptimConfig(name="muon", lr=1e-3, weight_decay=0.1))
+    assert isinstance(opt, Muon)
+    byid = {id(p): n for n, p in model.named_parameters()}
+    muon = {byid[id(p)] for g in opt.param_groups if g["muon"] for p in g["params"]}
+    adam = {byid[id(p)] for g in opt.param_groups if not g["muon"] for p in g["params"]}
+    assert muon == {n for n, k in names.items() if k is not None}
+    assert adam == {n for n, k in names.items() if k is None}
+    decayed = {byid[id(p)] for g in opt.param_groups if g["weight_decay"] for p in g["params"]}
+    assert decayed == muon | {"model.embed_tokens.weight", "lm_head.weight"}
+    # AdamW is still the default and builds torch's AdamW
+    assert isinstance(build_optimizer(model, OptimConfig())[0], torch.optim.AdamW)
+
+
+def test_config_errors_name_the_choices():
+    with pytest.raises(ValueError, match="unknown optimizer name 'sgd'; choose from adamw, muon"):
+        OptimConfig(name="sgd")
+    with pytest.raises(ValueError, match="match_rms_adamw, original, none"):
+        OptimConfig(name="muon", muon_lr_scale="moonlight")
+    with pytest.raises(ValueError, match="float32, bfloat16"):
+        OptimConfig(name="muon", muon_ns_dtype="fp8")
+    with pytest.raises(ValueError, match="muon_nesterov=true needs muon_momentum > 0"):
+        OptimConfig(name="muon", muon_nesterov=True)
+    with pytest.raises(ValueError, match=r"muon_momentum must be in \[0, 1\)"):
+        OptimConfig(name="muon", muon_momentum=1.0)
+
+
+# ------------------------------------------------------------------------------ one step by hand
+
+
+def _hand_adamw(p0: torch.Tensor, grads: list[torch.Tensor], lr: float, wd: float, betas, eps) -> torch.Tensor:
+    p = p0.clone().requires_grad_(True)
+    opt = torch.optim.AdamW([p], lr=lr, betas=betas, eps=eps, weight_decay=wd)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    return p.detach()
+
+
+@pytest.mark.parametrize("scale", ["match_rms_adamw", "original"])
+def test_muon_steps_match_hand_computation(scale):
+    lr, wd = 1e-2, 0.1
+    cfg = OptimConfig(name="muon", lr=lr, weight_decay=wd, eps=1e-8, muon_lr_scale=scale)
+    model = tiny_moe()
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt, _ = build_optimizer(model, cfg)
+    grads = []
+    for s in range(2):
+        grads.append(fill_grads(model, s))
+        opt.step()
+    assert all("momentum_buffer" not in st for st in opt.state.values())  # momentum 0 keeps no buffer
+    for n, p in model.named_parameters():
+        k = muon_row_blocks(n, p)
+        if k is None:
+            wd_n = wd if p.ndim >= 2 else 0.0
+            want = _hand_adamw(start[n], [g[n] for g in grads], lr, wd_n, cfg.betas, cfg.eps)
+        else:
+            want = start[n].clone()
+            for g in grads:
+                mats = [ns_loop(m) for m in matrices_of(n, g[n])]
+                rows, cols = mats[0].shape
+                mult = 0.2 * math.sqrt(max(rows, cols)) if scale == "match_rms_adamw" else math.sqrt(max(1, rows / cols))
+                want = want * (1 - lr * wd) - lr * mult * join_like(n, mats, g[n])
+        assert (p.detach() - want).abs().max() < TOL, n
+        assert (p.detach() - start[n]).abs().max() > 1e-3, n  # and it moved
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_momentum(nesterov):
+    mom, lr = 0.9, 1e-2
+    W0 = torch.randn(6, 10, generator=torch.Generator().manual_seed(3))
+    G = [torch.randn(6, 10, generator=torch.Generator().manual_seed(10 + i)) for i in range(3)]
+    w = W0.clone().requires_grad_(True)
+    opt = Muon([{"params": [w], "muon": True}], lr=lr, momentum=mom, nesterov=nesterov)
+    buf, want = torch.zeros_like(W0), W0.clone()
+    for g in G:
+        w.grad = g.clone()
+        opt.step()
+        buf = mom * buf + (1 - mom) * g
+        u = (1 - mom) * g + mom * buf if nesterov else buf
+        want = want - lr * 0.2 * math.sqrt(10) * ns_loop(u)
+    assert (w.detach() - want).abs().max() < TOL
+    # momentum 0 differs from momentum 0.9 after the first step (the first steps coincide: NS is
+    # scale-free and buf_1 = 0.1 g_1)
+    w0 = W0.clone().requires_grad_(True)
+    opt0 = Muon([{"params": [w0], "muon": True}], lr=lr)
+    for g in G:
+        w0.grad = g.clone()
+        opt0.step()
+    assert (w0.detach() - w.detach()).abs().max() > 1e-3
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch without torch.optim.Muon")
+@pytest.mark.parametrize("scale", ["match_rms_adamw", "original"])
+def test_same_arithmetic_as_torch_muon(scale):
+    """torch.optim.Muon (bf16 Newton-Schulz, momentum 0.95, Nesterov) on 2-D weights: ours in bf16
+    gives the same steps (the same fused multiply-adds: bit-identical on CPU here; an unfused bf16
+    iteration differs by ~3% of the step, fp32 by ~1%)."""
+    g = torch.Generator().manual_seed(5)
+    W0 = [torch.randn(s, generator=g) for s in [(16, 24), (24, 16), (20, 20)]]
+    grads = [[torch.randn(w.shape, generator=g) for w in W0] for _ in range(3)]
+    ours = [w.clone().requires_grad_(True) for w in W0]
+    theirs = [w.clone().requires_grad_(True) for w in W0]
+    o1 = Muon([{"params": ours, "muon": True}], lr=0.05, weight_decay=0.1, momentum=0.95, nesterov=True,
+              lr_scale=scale, ns_dtype="bfloat16")
+    o2 = torch.optim.Muon(theirs, lr=0.05, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn=scale)
+    for gs in grads:
+        for a, b, gr in zip(ours, theirs, gs):
+            a.grad, b.grad = gr.clone(), gr.clone()
+        o1.step()
+        o2.step()
+    for a, b, w in zip(ours, theirs, W0):
+        moved = (b.detach() - w).abs().max()
+        assert moved > 1e-2
+        assert (a.detach() - b.detach()).abs().max() < 1e-3 * moved
+
+
+# ------------------------------------------------------------------------------ bf16 and resume
+
+
+def test_bf16_master_weights():
+    """A bf16 policy: Muon steps fp32 masters (the same step as on an fp32 copy of the bf16
+    weights) and writes them back rounded; updates below bf16's spacing accumulate in the masters."""
+    cfg = OptimConfig(name="muon", lr=1e-4, weight_decay=0.1)
+    m16 = tiny_moe().to(torch.bfloat16)
+    m32 = copy.deepcopy(m16).float()
+    o16, _ = build_optimizer(m16, cfg)
+    o32, _ = build_optimizer(m32, cfg)
+    assert isinstance(o16, MasterWeights) and isinstance(o16.opt, Muon)
+    for s in range(3):
+        fill_grads(m16, s)
+        for p16, p32 in zip(m16.parameters(), m32.parameters()):
+            p32.grad = p16.grad.float()
+        o16.step()
+        o32.step()
+    p16 = dict(m16.named_parameters())
+    for n, p in m32.named_parameters():
+        master = o16.master[id(p16[n])]
+        assert master.dtype == torch.float32
+        assert (master - p.detach()).abs().max() < 1e-6, n
+        assert torch.equal(p16[n].detach(), master.to(torch.bfloat16)), n
+    q = "model.layers.0.self_attn.q_proj.weight"  # lr 1e-4: each step is below bf16 spacing for most elements
+    start = tiny_moe().to(torch.bfloat16).state_dict()[q].float()
+    assert (o16.master[id(p16[q])] - start).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_state_dict_round_trip(dtype):
+    cfg = OptimConfig(name="muon", lr=1e-2, weight_decay=0.05, muon_momentum=0.9, muon_nesterov=True, warmup_steps=3)
+    model = tiny_moe().to(dtype)
+    opt, sched = build_optimizer(model, cfg)
+    rng = random.Random(0)
+    for s in range(2):
+        fill_grads(model, s)
+        clip_and_step(model, opt, sched, 1.0)
+    state = copy.deepcopy(training_state(2, opt, sched, rng))
+    weights = copy.deepcopy(model.state_dict())
+    fresh = tiny_moe().to(dtype)
+    fresh.load_state_dict(weights)
+    opt2, sched2 = build_optimizer(fresh, cfg)
+    assert load_training_state(state, opt2, sched2, random.Random(1)) == 2
+    inner = opt.opt if isinstance(opt, MasterWeights) else opt
+    assert any("momentum_buffer" in st for st in inner.state.values())
+    for m, o, sc in ((model, opt, sched), (fresh, opt2, sched2)):
+        fill_grads(m, 7)
+        clip_and_step(m, o, sc, 1.0)
+    for (n, a), b in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(a, b), n
+    # a resume without the optimizer state (momentum lost) takes a different step
+    lost = tiny_moe().to(dtype)
+    lost.load_state_dict(weights)
+    o3, s3 = build_optimizer(lost, cfg)
+    fill_grads(lost, 7)
+    clip_and_step(lost, o3, s3, 1.0)
+    assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), lost.parameters()))
+
+
+# ------------------------------------------------------------------------------ sharded == single process
+
+
+def _muon_rl_cfg(momentum: float):
+    from tests.test_rl_distributed import rl_cfg
+
+    rcfg = rl_cfg("dppo_tv")
+    o = rcfg.optim
+    rcfg.optim = OptimConfig(lr=o.lr, weight_decay=o.weight_decay, grad_clip=o.grad_clip, warmup_steps=o.warmup_steps,
+                             eps=o.eps, name="muon", muon_momentum=momentum, muon_nesterov=momentum > 0)
+    return rcfg
+
+
+def _check_sharded(world, out):
+    from tests.test_parallel import _cfgs, _model
+    from tests.test_rl_distributed import make_batch, reference_weights, rl_cfg
+    from train.parallel.dp import MeshMuon
+    from train.parallel.rl_update import RLUpdater
+
+    for dp, tsp in [(2, 1), (1, 2)]:
+        for name, momentum in [("moe", 0.0), ("dense", 0.9), ("moe", 0.9)]:
+            cfg = _cfgs()[name]
+            rcfg = _muon_rl_cfg(momentum)
+            batches = [make_batch(s, cfg) for s in range(3)]
+            want, _ = reference_weights(cfg, rcfg, batches)
+            up = RLUpdater(_model(cfg), rcfg, tsp=tsp, dp=dp)
+            assert isinstance(up.opt, MeshMuon)
+            for i, b in enumerate(batches):
+                up.step(b, i)
+            got = up.full_state_dict()
+            start = _model(cfg).state_dict()
+            key = f"dp{dp}xtsp{tsp}.{name}.m{momentum}"
+            out[key + ".params"] = max((got[k] - want[k]).abs().max().item() for k in want)
+            out[key + ".moved"] = min((want[k] - start[k]).abs().max().item() for k in want if "norm" not in k)
+    # the AdamW reference run on the same batches differs (Muon is not AdamW in disguise)
+    cfg = _cfgs()["moe"]
+    batches = [make_batch(s, cfg) for s in range(3)]
+    adam, _ = reference_weights(cfg, rl_cfg("dppo_tv"), batches)
+    muon, _ = reference_weights(cfg, _muon_rl_cfg(0.0), batches)
+    out["adam_vs_muon"] = max((adam[k] - muon[k]).abs().max().item() for k in adam)
+
+
+def _check_phases_and_resume(world, out):
+    """SFT batches with AdamW, then RL with Muon on the same mesh optimizer: equal to the
+    single-process SFTTrainer then a fresh Muon; then a resume (state tensors copied into a new
+    updater, as torch.distributed.checkpoint does) continues with the same steps."""
+    from tests.test_parallel import _cfgs, _model
+    from tests.test_rl_distributed import make_batch
+    from train.parallel.rl_update import RLUpdater, reference_optimizer, reference_update
+    from train.rl.exchange import TrainBatch, TrainSample
+    from train.sft import SFTConfig, SFTTrainer
+
+    cfg = _cfgs()["moe"]
+    sft_optim = OptimConfig(lr=3e-3, weight_decay=0.05, grad_clip=0.5, warmup_steps=1, eps=1e-6)
+    rcfg = _muon_rl_cfg(0.9)
+    rcfg.sft_optim = sft_optim
+    examples = [[(x.prompt_ids, x.completion_ids) for x in make_batch(s, cfg, seed=7).samples] for s in range(2)]
+    rl = [make_batch(5 + s, cfg) for s in range(3)]
+    ref = _model(cfg)
+    sft = SFTTrainer(ref, None, SFTConfig(steps=2, batch_size=8, micro_batch_size=3, optim=sft_optim))
+    for ex in examples:
+        sft.step(ex)
+    opt = reference_optimizer(ref, rcfg)
+    for i, b in enumerate(rl):
+        reference_update(ref, opt, b, rcfg, i)
+    want = ref.state_dict()
+    for dp, tsp in ((2, 1), (1, 2)):
+        up = RLUpdater(_model(cfg), rcfg, tsp=tsp, dp=dp)
+        for i, ex in enumerate(examples):
+            up.step(TrainBatch(i, [TrainSample(p, c, [0.0] * len(c), 0.0, True) for p, c in ex], 1.0,
+                               {"kind": "sft", "schedule_step": i}), i)
+        for i, b in enumerate(rl[:2]):
+            up.step(TrainBatch(2 + i, b.samples, b.temperature, {"kind": "rl", "schedule_step": i}), 2 + i)
+        # resume: a new updater gets this one's state tensors and phase, then both take the last step
+        again = RLUpdater(_model(cfg), rcfg, tsp=tsp, dp=dp)
+        for k, v in again.state_tensors().items():
+            v.copy_(up.state_tensors()[k])
+        again.phase = up.phase
+        for u in (up, again):
+            u.step(TrainBatch(4, rl[2].samples, rl[2].temperature, {"kind": "rl", "schedule_step": 2}), 4)
+        got, resumed = up.full_state_dict(), again.full_state_dict()
+        key = f"phases.dp{dp}xtsp{tsp}"
+        out[key + ".params"] = max((got[k] - want[k]).abs().max().item() for k in want)
+        out[key + ".resumed"] = max((got[k] - resumed[k]).abs().max().item() for k in want)
+
+
+def _worker(rank, world, port, path):
+    from tests.test_parallel import run_checks
+
+    run_checks(rank, world, port, path, [_check_sharded, _check_phases_and_resume])
+
+
+@pytest.mark.timeout(600)
+def test_sharded_muon_equals_single_process():
+    from tests.test_parallel import spawn
+
+    ranks = spawn(2, _worker)
+    for r in ranks:
+        assert "error" not in r, r.get("trace")
+    keys = [k for k in ranks[0] if k.endswith(".params") and not k.startswith("phases.")]
+    assert len(keys) == 6
+    for k in keys:
+        err = max(r[k] for r in ranks)
+        moved = min(r[k.replace(".params", ".moved")] for r in ranks)
+        assert moved > 1e-4, (k, moved)
+        assert err < TOL, (k, err)
+    assert ranks[0]["adam_vs_muon"] > 1e-3
+    for mesh in ("dp2xtsp1", "dp1xtsp2"):
+        for what in ("params", "resumed"):
+            k = f"phases.{mesh}.{what}"
+            assert max(r[k] for r in ranks) < TOL, (k, max(r[k] for r in ranks))

@@ -1,0 +1,219 @@
+"""The single-process RL update (train/rl/trainer.py): KL to a reference policy, the seq-mode
+denominator, and the sharded path's denominator and KL config (train/parallel/rl_update.py, cascade/learner.py).
+
+A random tiny-dense policy (no warm-up needed: these tests check the update's arithmetic against an
+independent per-rollout computation, not learning). Real rollouts from the torch engine; rewards
+are then set by hand.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from envs.curriculum import Curriculum
+from train.engine import TorchEngine
+from train.model.hf_io import load_pretrained, save_pretrained
+from train.model.modeling import token_logprobs
+from train.optim import OptimConfig
+from train.rl.advantages import compute_advantages
+from train.rl.losses import LossConfig
+from train.rl.trainer import RLConfig, RLTrainer, SamplingConfig
+from train.tokenizer import load_tokenizer
+
+ENV = "toy/max"
+
+
+def make_rl(model_dir, **overrides) -> RLTrainer:
+    policy = load_pretrained(model_dir)
+    tok = load_tokenizer(model_dir)
+    kw = dict(group_size=4, prompts_per_step=2, advantage="drgrpo", loss="drgrpo", chat_template=False,
+              dynamic_sampling=False, repetition_gate=False, sampling=SamplingConfig(max_new_tokens=6),
+              optim=OptimConfig(lr=1e-3, warmup_steps=0, grad_clip=0.0), micro_batch_size=3, seed=0)
+    kw.update(overrides)
+    cur = Curriculum([ENV], controller="fixed", seed=0, controller_kwargs={"difficulty": 1})
+    return RLTrainer(policy, tok, TorchEngine(copy.deepcopy(policy), tok), cur, RLConfig(**kw))
+
+
+def rollouts(rl: RLTrainer, rewards: list[float]):
+    """Two groups of real rollouts with the given rewards (in order)."""
+    groups = rl.rollout(2)
+    for r, x in zip(rewards, [x for g in groups for x in g.rollouts]):
+        x.reward = r
+    return groups
+
+
+def spy_grads(monkeypatch) -> dict:
+    """Record the gradients the optimizer steps on (grad_clip=0: no clipping)."""
+    import train.rl.trainer as trainer
+
+    grads: dict = {}
+    step = trainer.clip_and_step
+
+    def spy(model, *a, **k):
+        grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+        return step(model, *a, **k)
+
+    monkeypatch.setattr(trainer, "clip_and_step", spy)
+    return grads
+
+
+def row_logprobs(model, x, temp: float = 1.0) -> torch.Tensor:
+    """Log-probs of one rollout's completion tokens: one unpadded, unpacked forward."""
+    ids = torch.tensor([x.prompt_ids + x.completion.token_ids])
+    return token_logprobs(model, ids, None, temp)[0, len(x.prompt_ids) - 1:]
+
+
+def kl_by_hand(policy, ref, groups, coef: float, kind: str):
+    """coef * KL aggregated as seq_mean_token_sum (drgrpo), and the token-mean KL, one rollout at a time."""
+    per_seq, toks = [], []
+    for x in [x for g in groups for x in g.rollouts]:
+        if not x.completion.token_ids:
+            continue
+        lp = row_logprobs(policy, x)
+        d = row_logprobs(ref, x).detach() - lp
+        kl = -d if kind == "k1" else d.exp() - d - 1
+        per_seq.append(kl.sum())
+        toks.extend(kl.detach().tolist())
+    return coef * sum(per_seq) / len(per_seq), sum(toks) / len(toks)
+
+
+@pytest.mark.parametrize("kind", ["k3", "k1"])
+def test_kl_to_frozen_reference_value_and_gradient(tiny_dense_dir, kind, monkeypatch):
+    coef = 0.5
+    rl = make_rl(tiny_dense_dir, loss_cfg=LossConfig(kl_coef=coef, kl_type=kind))
+    groups = rollouts(rl, [1.0] * 8)  # equal rewards: advantages 0, the loss is the KL term alone
+    ref0 = {k: v.clone() for k, v in rl.reference_policy().state_dict().items()}  # frozen copy of the start
+    torch.manual_seed(1)
+    with torch.no_grad():  # move the policy away from its reference
+        for p in rl.policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    before = copy.deepcopy(rl.policy)
+    grads = spy_grads(monkeypatch)
+    m = rl.update(groups)
+    want, kl_tok = kl_by_hand(before, rl.ref_policy, groups, coef, kind)
+    assert abs(want.item()) > 1e-4  # the reference really differs from the policy (k1 may be < 0)
+    assert m["loss"] == pytest.approx(want.item(), rel=1e-4)
+    assert m["kl_ref"] == pytest.approx(kl_tok, rel=1e-4)
+    want.backward()
+    for n, p in before.named_parameters():
+        # float32, packed vs one row at a time: equal up to rounding relative to the tensor's scale
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-4 * float(p.grad.abs().max()))
+    # the reference stayed frozen through the update, and the policy moved
+    assert all(torch.equal(v, ref0[k]) for k, v in rl.ref_policy.state_dict().items())
+    assert not all(p.requires_grad for p in rl.ref_policy.parameters())
+    assert any(not torch.equal(p, q) for p, q in zip(rl.policy.parameters(), before.parameters()))
+
+
+def test_kl_reference_from_a_checkpoint_and_resume(tiny_dense_dir, tmp_path):
+    other = load_pretrained(tiny_dense_dir)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    save_pretrained(other, tmp_path / "ref", tiny_dense_dir)
+    rl = make_rl(tiny_dense_dir, loss_cfg=LossConfig(kl_coef=0.2), kl_reference=str(tmp_path / "ref"))
+    groups = rollouts(rl, [1.0] * 8)
+    before = copy.deepcopy(rl.policy)
+    m = rl.update(groups)
+    want, _ = kl_by_hand(before, other, groups, 0.2, "k3")
+    assert m["loss"] == pytest.approx(want.item(), rel=1e-4) and want.item() > 1e-4
+    assert "kl_reference" not in rl.state_dict()  # the checkpoint path is the reference; nothing to save
+    # a frozen copy is saved with the trainer state and comes back on resume, not rebuilt from the
+    # resumed (trained) weights
+    rl2 = make_rl(tiny_dense_dir, loss_cfg=LossConfig(kl_coef=0.2))
+    rl2.update(rollouts(rl2, [1.0, 0, 0, 0, 0, 1, 0, 0]))
+    st = rl2.state_dict()
+    rl3 = make_rl(tiny_dense_dir, loss_cfg=LossConfig(kl_coef=0.2))
+    rl3.policy.load_state_dict(rl2.policy.state_dict())
+    rl3.load_state_dict(st)
+    start = load_pretrained(tiny_dense_dir).state_dict()
+    assert all(torch.equal(v, start[k]) for k, v in rl3.reference_policy().state_dict().items())
+    assert any(not torch.equal(v, start[k]) for k, v in rl3.policy.state_dict().items())
+
+
+def test_kl_coef_zero_builds_no_reference(tiny_dense_dir):
+    rl = make_rl(tiny_dense_dir)
+
+    def no_extra_forward(*a, **k):
+        raise AssertionError("kl_coef=0 (ratio against behaviour) runs no no-grad forward")
+
+    rl._logprobs_no_grad = no_extra_forward
+    m = rl.update(rollouts(rl, [1.0, 0, 0, 0, 0, 1, 1, 0]))
+    assert rl.ref_policy is None and "kl_ref" not in m and "kl_reference" not in rl.state_dict()
+    with pytest.raises(ValueError, match="kl_reference is set but loss_cfg.kl_coef is 0"):
+        RLConfig(kl_reference="some/dir")
+
+
+def test_seq_denominator_excludes_masked_rollouts(tiny_dense_dir):
+    rl = make_rl(tiny_dense_dir)
+    rewards = [1.0, 0, 0, 0, 1, 1, 0, 0]
+    groups = rollouts(rl, rewards)
+    rolls = [x for g in groups for x in g.rollouts]
+    for x in rolls:  # behaviour log-probs = the trainer's own: every ratio is 1 (up to rounding)
+        with torch.no_grad():
+            x.completion.logprobs = row_logprobs(rl.policy, x).tolist()
+    rolls[1].keep = rolls[6].keep = False  # e.g. overlong-filtered: out of the loss and its denominator
+    adv = compute_advantages("drgrpo", torch.tensor(rewards), 4).tolist()
+    # drgrpo, seq_mean_token_sum with ratio 1: -sum_t A_i per kept rollout, over the 6 kept rollouts
+    kept = [i for i, x in enumerate(rolls) if x.keep and x.completion.token_ids]
+    want = sum(-adv[i] * len(rolls[i].completion.token_ids) for i in kept) / len(kept)
+    assert abs(want) > 0.05 and len(kept) == 6
+    m = rl.update(groups)
+    assert m["loss"] == pytest.approx(want, rel=1e-5)
+
+
+def test_sharded_denominator_and_kl_config():
+    from train.parallel.rl_update import RLUpdateConfig, loss_denominator
+    from train.rl.exchange import TrainSample
+
+    s = [TrainSample([1, 2], [3, 4, 5], [-1.0] * 3, 0.5), TrainSample([1], [3], [-1.0], 0.5, keep=False),
+         TrainSample([1, 2], [], [], 0.0), TrainSample([1], [7, 8], [-1.0] * 2, -0.5)]
+    assert loss_denominator(s, "seq_mean_token_sum") == 2.0  # was 4: the dropped and the empty rollout counted
+    assert loss_denominator(s, "seq_mean_token_mean") == 2.0
+    assert loss_denominator(s, "token_mean") == 5.0
+    # KL on the sharded trainer (tests/test_rl_distributed.py checks its steps): accepted, with or without
+    # a reference checkpoint; a reference without a KL term is a config error
+    assert RLUpdateConfig(loss_cfg=LossConfig(kl_coef=0.1)).kl_reference is None
+    assert RLUpdateConfig(loss_cfg=LossConfig(kl_coef=0.1), kl_reference="ref/dir").kl_reference == "ref/dir"
+    with pytest.raises(ValueError, match="kl_reference is set but loss_cfg.kl_coef is 0"):
+        RLUpdateConfig(kl_reference="ref/dir")
+
+
+def test_maxrl_config_refuses_negative_overlong_rewards():
+    from train.rl.shaping import OverlongConfig
+
+    with pytest.raises(ValueError, match="maxrl needs rewards >= 0"):
+        RLConfig(advantage="maxrl", overlong=OverlongConfig(mode="soft", max_len=10, buffer_len=4))
+    RLConfig(advantage="grpo", overlong=OverlongConfig(mode="soft", max_len=10, buffer_len=4))
+    RLConfig(advantage="maxrl", overlong=OverlongConfig(mode="mask"))
+
+
+def test_cascade_takes_kl_on_trainer_ranks_and_passes_the_reference(tmp_path, monkeypatch):
+    """KL with trainer.nproc > 1 is accepted, and the ranks' RLUpdateConfig gets kl_coef and the
+    reference directory (absolute: the ranks run in the repository root)."""
+    import json
+    import subprocess
+
+    from cascade.config import load_run_config
+    from cascade.learner import WorkerLearner
+
+    cfg, _ = load_run_config({"stage": "math", "rl.loss_cfg.kl_coef": 0.05, "rl.kl_reference": None})
+    assert cfg.stages["math"].rl.loss_cfg.kl_coef == 0.05
+    cfg, _ = load_run_config({"stage": "math", "rl.loss_cfg.kl_coef": 0.05, "trainer.nproc": 2})
+    assert cfg.trainer.nproc == 2 and cfg.stages["math"].rl.loss_cfg.kl_coef == 0.05
+
+    class NoProcess:  # the command is not run: only the config the ranks would read is checked
+        def __init__(self, cmd, **kw):
+            self.cmd = cmd
+
+    monkeypatch.setattr(subprocess, "Popen", NoProcess)
+    (tmp_path / "ref").mkdir()
+    monkeypatch.chdir(tmp_path)
+    rl = RLConfig(loss_cfg=LossConfig(kl_coef=0.05, kl_type="k1"), kl_reference="ref")
+    learner = WorkerLearner(tmp_path / "ex", tmp_path / "model", cfg.trainer, rl, 3, 0, tmp_path / "logs")
+    conf = json.loads((tmp_path / "logs" / "trainer-config.json").read_text())
+    assert conf["loss_cfg"]["kl_coef"] == 0.05 and conf["loss_cfg"]["kl_type"] == "k1"
+    assert conf["kl_reference"] == str(tmp_path / "ref")
+    assert "--config" in learner.proc.cmd

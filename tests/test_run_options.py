@@ -1,0 +1,471 @@
+"""What a user meets around ``cascade run`` and the CLI: ``config=FILE.yaml``, ``print_config``,
+``resume=false`` / ``overwrite=true``, W&B run identity across resumes, progress on the long phases,
+``engine=vllm`` options, the CLI's help and JSON outputs, and the declared dependencies."""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cascade(*args, cwd=None, env=None):
+    e = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    return subprocess.run([sys.executable, "-m", "cascade", *args], cwd=cwd or ROOT, env=e, capture_output=True,
+                          text=True, timeout=300)
+
+
+# -- config=FILE.yaml and print_config ------------------------------------------------------------
+def test_print_config_prints_every_key_and_does_no_work(tmp_path):
+    out = tmp_path / "run"
+    r = cascade("run", "profile=tiny", f"out={out}", "print_config=true")
+    assert r.returncode == 0, r.stderr
+    cfg = yaml.safe_load(r.stdout)
+    assert cfg["out"] == str(out)
+    assert cfg["order"] == ["warmup", "rlve", "math", "behavior"]
+    # defaults that no YAML file spells out are printed too (the resolved configuration)
+    assert cfg["trainer"]["tokens_per_micro"] == 16384
+    assert cfg["vllm"] == {"gpu_memory_utilization": None, "tensor_parallel_size": 1, "max_model_len": None,
+                           "extra": {}}
+    assert not out.exists()  # nothing was run, nothing written
+    # the printed configuration is itself a valid config file that resolves to the same configuration
+    f = tmp_path / "printed.yaml"
+    f.write_text(r.stdout)
+    again = cascade("run", f"config={f}", "print_config=true")
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == r.stdout
+
+
+def test_config_file_applies_after_the_profile_and_before_the_command_line(tmp_path):
+    f = tmp_path / "mine.yaml"
+    f.write_text("stage: math\n"
+                 "rl:\n  group_size: 3\n  optim: {lr: 3.0e-6}\n"   # nested, relative to the stage
+                 "checkpoint_every: 7\n"
+                 "vllm.max_model_len: 4096\n"                       # dotted, like the command line
+                 "logging: {wandb: true}\n"
+                 "envs: {toy/add: 1}\n")                            # a mapping held as one value: replaced whole
+    r = cascade("run", "profile=tiny", f"config={f}", "rl.group_size=5", "print_config=true")
+    assert r.returncode == 0, r.stderr
+    cfg = yaml.safe_load(r.stdout)
+    math = cfg["stages"]["math"]
+    assert cfg["order"] == ["math"]
+    assert math["rl"]["group_size"] == 5                  # the command line wins over the file
+    assert math["rl"]["optim"]["lr"] == pytest.approx(3e-6)
+    assert math["checkpoint_every"] == 7
+    assert math["envs"] == {"toy/add": 1.0}
+    assert cfg["vllm"]["max_model_len"] == 4096
+    assert cfg["logging"]["wandb"] is True and cfg["logging"]["progress"] is True  # siblings kept
+    tiny = yaml.safe_load(cascade("run", "profile=tiny", "print_config=true").stdout)
+    assert cfg["stages"]["rlve"] == tiny["stages"]["rlve"]  # other stages untouched
+
+
+@pytest.mark.parametrize("text, bad, valid", [
+    ("rl:\n  group_sz: 3\n", "stages.math.rl.group_sz", "group_size"),
+    ("logging:\n  wandbb: true\n", "logging.wandbb", "wandb_project"),
+    ("stages:\n  mathh: {steps: 3}\n", "mathh", "behavior"),
+])
+def test_a_bad_key_in_the_config_file_is_named_with_the_valid_ones(tmp_path, text, bad, valid):
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    r = cascade("run", "stage=math", f"config={f}", "print_config=true")
+    assert r.returncode == 2
+    err = r.stderr.strip()
+    assert str(f) in err and bad in err and valid in err and "Traceback" not in err
+    assert r.stdout == ""
+
+
+def test_config_file_errors_are_one_line(tmp_path):
+    r = cascade("run", f"config={tmp_path / 'missing.yaml'}", "print_config=true")
+    assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+    f = tmp_path / "list.yaml"
+    f.write_text("- a\n- b\n")
+    r = cascade("run", f"config={f}", "print_config=true")
+    assert r.returncode == 2 and "must hold a mapping" in r.stderr
+
+
+# -- resume=false / overwrite=true ----------------------------------------------------------------
+def _old_run(out: Path) -> None:
+    (out / "stages" / "0-warmup" / "final").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / "config.yaml").write_text("out: x\n")
+    (out / "wandb-run-id").write_text("abc123\n")
+    (out / "notes.txt").write_text("the user's own file\n")
+
+
+def test_resume_false_refuses_a_directory_holding_a_run(tmp_path):
+    out = tmp_path / "run"
+    _old_run(out)
+    r = cascade("run", "profile=tiny", f"out={out}", "resume=false")
+    assert r.returncode == 2
+    assert "holds a previous run" in r.stderr and "overwrite=true" in r.stderr and "out=" in r.stderr
+    assert (out / "metrics.jsonl").exists() and (out / "stages").exists()  # nothing touched
+    r = cascade("run", "profile=tiny", f"out={out}", "resume=maybe")
+    assert r.returncode == 2 and "resume must be true or false" in r.stderr
+
+
+def test_overwrite_deletes_only_the_runs_files(tmp_path):
+    from cascade.run import previous_run, start_fresh
+
+    out = tmp_path / "run"
+    _old_run(out)
+    with pytest.raises(ValueError, match="would delete model="):
+        start_fresh(out, True, model=str(out / "stages" / "0-warmup" / "final"))
+    assert previous_run(out)
+    start_fresh(out, True, model=str(tmp_path / "elsewhere"))
+    assert previous_run(out) == []
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    start_fresh(tmp_path / "new", False)  # resume=false on a fresh directory: nothing to refuse
+
+
+# -- W&B: one run across resumes, step on one axis ------------------------------------------------
+class _FakeWandb(types.ModuleType):
+    """Records init/log/finish calls as the wandb module would receive them."""
+
+    def __init__(self):
+        super().__init__("wandb")
+        self.inits, self.logs, self.finished = [], [], 0
+
+    def init(self, **kw):
+        self.inits.append(kw)
+        return self
+
+    def log(self, data, step=None, **kw):
+        assert step is not None, "wandb.log without step"
+        self.logs.append((step, dict(data)))
+
+    def finish(self):
+        self.finished += 1
+
+
+def test_wandb_keeps_one_run_id_across_resumes_and_logs_steps(tmp_path, monkeypatch):
+    from cascade.config import load_run_config
+    from cascade.records import Records
+    from cascade.run import step_offsets
+
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg, tree = load_run_config({"profile": "tiny", "stages.warmup.sft.steps": 2, "stages.warmup.steps": 3})
+    offsets = step_offsets(cfg, list(tree["stages"]))
+    assert offsets["warmup"] == 0 and offsets["rlve"] == 5
+    assert offsets["math"] == 5 + cfg.stages["rlve"].sft.steps + cfg.stages["rlve"].steps
+
+    out = tmp_path / "run"
+    rec = Records(out, wandb=True, project="p", config=tree, step_offsets=offsets)
+    rec.log("warmup", "eval", 0, {"accuracy_before": 0.1})
+    rec.log("warmup", "sft", 0, {"sft_loss": 2.0})
+    rec.log("warmup", "sft", 1, {"sft_loss": 1.5})
+    rec.log("warmup", "pool", 0, {"pool_kept": 7})   # measured after SFT, recorded at step 0
+    rec.log("warmup", "rl", 2, {"reward_mean": 0.5})
+    rec.close()                                      # the process ends (or is killed) here
+    rid = (out / "wandb-run-id").read_text().strip()
+    assert re.fullmatch(r"[0-9a-f]{8}", rid)
+    assert fake.inits[0]["id"] == rid and fake.inits[0]["resume"] == "allow" and fake.inits[0]["project"] == "p"
+
+    rec = Records(out, wandb=True, project="p", config=tree, step_offsets=offsets)  # `cascade run` again: resume
+    rec.log("warmup", "rl", 3, {"reward_mean": 0.6})
+    rec.log("rlve", "rl", 0, {"reward_mean": 0.2})
+    rec.close()
+    assert [i["id"] for i in fake.inits] == [rid, rid]  # the same W&B run, not a new one
+    steps = [s for s, _ in fake.logs]
+    assert steps == [0, 0, 1, 1, 2, 3, 5]
+    assert steps == sorted(steps)  # W&B drops a step that goes back
+    assert fake.logs[-1] == (5, {"rlve/rl/reward_mean": 0.2})
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 7  # metrics.jsonl keeps its own steps
+    assert fake.finished == 2
+
+
+# -- progress on the long phases -------------------------------------------------------------------
+class _Bars:
+    """The part of rich.progress.Progress a stage uses, recording what it shows."""
+
+    def __init__(self):
+        self.tasks, self.live = {}, set()
+
+    def add_task(self, description, total=None, completed=0, **fields):
+        tid = len(self.tasks)
+        self.tasks[tid] = {"description": description, "total": total, "completed": completed, **fields}
+        self.live.add(tid)
+        return tid
+
+    def advance(self, tid, k=1):
+        self.tasks[tid]["completed"] += k
+
+    def update(self, tid, **kw):
+        self.tasks[tid].update(kw)
+
+    def remove_task(self, tid):
+        self.live.discard(tid)
+
+
+class _Oracle:
+    """An engine that answers a chosen set of problems right: the reference response for a prompt
+    that holds one of them, a wrong answer otherwise."""
+
+    def __init__(self, tok, solve: dict[str, str]):
+        self.tok, self.solve, self.calls = tok, solve, []
+
+    def generate(self, prompts, params, **kw):
+        from train.engine.base import Completion
+
+        self.calls.append(len(prompts))
+        out = []
+        for i, p in enumerate(prompts):
+            hit = self.solve.get(self.tok.decode(p).strip(), "\\boxed{-1}")
+            for _ in range(params.n):
+                out.append(Completion([1], hit, [0.0], "stop", prompt_index=i))
+        return out
+
+
+def _stage(progress, scfg=None):
+    from cascade.config import RunConfig, StageConfig
+    from cascade.stage import StageRunner
+
+    return StageRunner("math", 2, scfg or StageConfig(), RunConfig(order=[]), Path("/nonexistent"), None, progress)
+
+
+def test_evaluation_and_pool_filter_show_progress_with_unchanged_results(tiny_dense_dir):
+    from cascade.pool import filter_by_pass_rate
+    from envs.base import get_env
+    from envs.curriculum import Curriculum
+    from train.model.hf_io import load_pretrained
+    from train.rl.trainer import RLConfig, RLTrainer
+    from train.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_dense_dir)
+    env = get_env("toy/add")
+    held = [("toy/add", env.generate(100 + i, 1)) for i in range(11)]
+    long = held[3][1]
+    held[3] = ("toy/add", dataclasses.replace(long, prompt=long.prompt + " pad" * 400))
+    solved = {p.prompt: env.reference_response(p) for i, (_, p) in enumerate(held) if i % 3 == 0}
+    eng = _Oracle(tok, solved)
+    cur = Curriculum(["toy/add"], controller="fixed", seed=0, controller_kwargs={"difficulty": 1})
+    rl = RLTrainer(load_pretrained(tiny_dense_dir), tok, eng, cur,
+                   RLConfig(group_size=2, prompts_per_step=2, chat_template=False, max_prompt_tokens=200))
+    one_call = rl.evaluate(held)
+    fits = [i for i in range(11) if i != 3]
+    assert one_call == pytest.approx(sum(i % 3 == 0 for i in fits) / len(fits))  # 3 of 10 (problem 3: too long)
+
+    bars = _Bars()
+    stage = _stage(bars)
+    eng.calls.clear()
+    assert stage.evaluate(rl, held, "before") == one_call
+    assert eng.calls == [3, 4, 3]             # one RL step's rollouts (2 x 2) per engine call, the long one skipped
+    (t,) = bars.tasks.values()
+    assert t["description"] == "eval" and t["total"] == 11 and t["completed"] == 11 and "math" in t["info"]
+    assert not bars.live                       # the bar goes when the phase ends
+
+    # pool filter: chunks of one RL step's rollouts, kept problems aligned even when one is skipped
+    eng.calls.clear()
+    seen = []
+    kept, rates = filter_by_pass_rate(rl, held, 2, max_pass_rate=0.5, chunk=stage.chunk(rl, 2), advance=seen.append)
+    assert eng.calls == [2, 1, 2, 2, 2, 1] and seen == [2, 2, 2, 2, 2, 1]
+    assert len(rates) == 10
+    assert [p.prompt for _, p in kept] == [held[i][1].prompt for i in fits if i % 3]
+
+
+def test_sft_data_building_shows_progress(tiny_dense_dir):
+    from cascade.config import SFTStage, StageConfig
+    from train.model.hf_io import load_pretrained
+    from train.sft import SFTConfig, SFTTrainer, reference_pairs
+    from train.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_dense_dir)
+    sft = SFTTrainer(load_pretrained(tiny_dense_dir), tok, SFTConfig(steps=1, max_len=512, chat_template=False))
+    bars = _Bars()
+    scfg = StageConfig(envs={"toy/add": 1.0}, sft=SFTStage(steps=1, examples=300, envs=["toy/add"]))
+    stage = _stage(bars, scfg)
+
+    class _Recs:
+        def __init__(self):
+            self.logged = []
+
+        def log(self, *a):
+            self.logged.append(a)
+
+    stage.records = _Recs()
+    enc = stage.sft_examples(sft, tok, None)
+    direct = sft.encode(reference_pairs(["toy/add"], 300, seed=stage.rcfg.seed + stage.index, difficulties=[0, 1, 2]))
+    assert enc == direct                        # the same examples as without the bars
+    assert [(t["total"], t["completed"]) for t in bars.tasks.values()] == [(300, 300), (300, 300)]
+    assert not bars.live
+    assert stage.records.logged[0][1] == "sft_data"
+
+
+# -- engine=vllm options ---------------------------------------------------------------------------
+def test_vllm_options_reach_the_engine_constructor(monkeypatch, tmp_path):
+    import inspect
+
+    import train.engine.vllm_engine as ve
+    from cascade.config import ConfigError, load_run_config
+    from cascade.stage import make_engine
+
+    got = {}
+
+    class Recorder:
+        def __init__(self, model_path, **kw):
+            got["path"], got["kw"] = model_path, kw
+
+    cfg, _ = load_run_config({"engine": "vllm", "dtype": "bfloat16", "vllm.gpu_memory_utilization": 0.45,
+                              "vllm.tensor_parallel_size": 2, "vllm.max_model_len": 8192,
+                              "vllm.extra": {"enforce_eager": True, "swap_space": 0}})
+    real = inspect.signature(ve.VLLMEngine.__init__).parameters
+    monkeypatch.setattr(ve, "VLLMEngine", Recorder)
+    make_engine(cfg, tmp_path, None, None)
+    assert got["path"] == str(tmp_path)
+    assert got["kw"] == {"dtype": "bfloat16", "gpu_memory_utilization": 0.45, "tensor_parallel_size": 2,
+                         "max_model_len": 8192, "enforce_eager": True, "swap_space": 0}
+    # the real constructor takes each: named, or through **llm_kwargs on to vllm.LLM
+    assert any(p.kind is p.VAR_KEYWORD for p in real.values())
+    for k in ("dtype", "gpu_memory_utilization", "max_model_len", "enforce_eager"):
+        assert k in real
+    cfg, _ = load_run_config({"engine": "vllm"})
+    make_engine(cfg, tmp_path, None, None)
+    assert got["kw"] == {"dtype": "float32", "tensor_parallel_size": 1}  # unset: vLLM's own defaults
+    for bad, msg in [({"vllm.gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+                     ({"vllm.tensor_parallel_size": 0}, "tensor_parallel_size"),
+                     ({"vllm.extra": {"max_model_len": 3}}, "use vllm.<key>"),
+                     ({"vllm.gpu_mem": 0.5}, "valid keys: extra, gpu_memory_utilization")]:
+        with pytest.raises(ConfigError, match=re.escape(msg)):
+            load_run_config(bad)
+
+
+# -- CLI help and JSON -----------------------------------------------------------------------------
+def test_subcommand_help_names_the_command_and_has_no_markup():
+    for cmd, usage in [("serve", "usage: cascade serve"), ("sandbox", "usage: cascade sandbox"),
+                       ("envs", "usage: cascade envs"), ("run", "usage: cascade run")]:
+        r = cascade(cmd, "--help")
+        assert r.returncode == 0, (cmd, r.stderr)
+        assert r.stdout.startswith(usage), (cmd, r.stdout[:80])
+        assert "``" not in r.stdout and "[bold" not in r.stdout and "[/" not in r.stdout, cmd
+    r = subprocess.run([sys.executable, "-m", "ttc", "serve", "--help"], cwd=ROOT, capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+    assert r.stdout.startswith("usage: ttc serve"), r.stdout[:80]
+    r = cascade("run", "--help")
+    for key in ("config=FILE.yaml", "print_config=true", "resume=false", "overwrite=true"):
+        assert key in r.stdout
+
+
+def test_envs_list_json_and_family_by_namespace():
+    r = cascade("envs", "list", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert len(rows) > 100 and {"id", "family", "description"} <= set(rows[0])
+    gym = [x["id"] for x in rows if x["id"].startswith("gym/")]
+    r = cascade("envs", "list", "--family", "gym", "--json")
+    assert r.returncode == 0, r.stderr
+    assert sorted(x["id"] for x in json.loads(r.stdout)) == sorted(gym) and gym
+    r = cascade("envs", "list", "gym/*", "--family", "graphs", "--json")
+    got = json.loads(r.stdout)
+    assert got and all(x["id"].startswith("gym/") and x["family"] == "graphs" for x in got)
+    r = cascade("envs", "list", "--family", "gymm")
+    assert r.returncode == 2 and "gym" in r.stderr and "graphs" in r.stderr  # names the families there are
+
+
+def test_output_piped_into_head_ends_quietly():
+    r = subprocess.run(f"{sys.executable} -m cascade envs list --json | head -1", shell=True, cwd=ROOT,
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+    assert r.stdout == "[\n" and "error" not in r.stderr and "Traceback" not in r.stderr
+
+
+# -- dependencies as used --------------------------------------------------------------------------
+def _requirements():
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    proj = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = {_norm(Requirement(r).name): Requirement(r) for r in proj["dependencies"]}
+    extras = {_norm(Requirement(r).name) for rs in proj["optional-dependencies"].values() for r in rs}
+    return core, extras
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _imports():
+    """(top-level module, at module level outside try?) for every import in the packages."""
+    local = {"cascade", "envs", "train", "ttc", "tests"}
+    out = []
+    for pkg in ("cascade", "envs", "train", "ttc"):
+        for f in (ROOT / pkg).rglob("*.py"):
+            tree = ast.parse(f.read_text())
+            guarded = set()
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.Try, ast.FunctionDef, ast.AsyncFunctionDef, ast.If)):
+                    guarded |= {id(n) for n in ast.walk(node) if n is not node}
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                else:
+                    continue
+                for n in names:
+                    top = n.split(".")[0]
+                    if top not in local and top not in sys.stdlib_module_names and top != "__future__":
+                        out.append((top, id(node) not in guarded, f.relative_to(ROOT)))
+    return out
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="tomllib")
+def test_declared_dependencies_are_the_ones_imported():
+    from importlib.metadata import packages_distributions
+
+    core, extras = _requirements()
+    dists = packages_distributions()
+    imported_core, missing = set(), []
+    for mod, top_level, where in _imports():
+        names = {_norm(d) for d in dists.get(mod, [])}
+        if not names:
+            continue  # an optional package not installed here (vllm, ...): declared in an extra, checked below
+        if top_level and not names & set(core):
+            missing.append(f"{mod} ({where}, imported at module level) is not a core dependency")
+        elif not names & (set(core) | extras):
+            missing.append(f"{mod} ({where}) is declared nowhere")
+        imported_core |= names & set(core)
+    assert not missing, missing
+    assert "numpy" in core
+    build_only = {"ninja"}  # torch's C++ extension builder runs it; never imported
+    unused = set(core) - imported_core - build_only
+    assert not unused, f"declared but never imported: {sorted(unused)}"
+    assert "omegaconf" not in core
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="tomllib")
+def test_transformers_floor_loads_the_tokenizers_cascade_saves(tmp_path):
+    """A saved tokenizer names its class; the declared transformers floor must have it."""
+    import transformers
+    from packaging.version import Version
+
+    from train.presets import init_model
+
+    init_model("tiny-dense", tmp_path, seed=0)
+    cls = json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"]
+    assert cls == "TokenizersBackend" and hasattr(transformers, cls)
+    core, _ = _requirements()
+    floors = [Version(s.version) for s in core["transformers"].specifier if s.operator in (">=", "==", "~=")]
+    assert floors and min(floors) >= Version("5.0")  # 4.x has no TokenizersBackend
+    assert Version(transformers.__version__) >= min(floors)
+    torch_spec = str(core["torch"].specifier)
+    assert "==" not in torch_spec and "+" not in torch_spec  # never pins a build over the one installed first
+
+
+def test_make_setup_shows_download_progress():
+    r = subprocess.run(["make", "-n", "setup", f"VENV={ROOT / 'no-such-venv'}"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    pips = [ln for ln in r.stdout.splitlines() if "pip install " in ln]
+    assert len(pips) == 2 and "torch==" in pips[0]  # torch first, with its pinned build
+    for ln in pips:
+        assert " -q" not in ln and "--quiet" not in ln and "--progress-bar off" not in ln

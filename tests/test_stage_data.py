@@ -1,0 +1,377 @@
+"""A stage's data as the ZAYA1 report describes it: source mixes, phases switching at the configured
+step, the response-cap schedule, pass-rate re-filtering on each stage's incoming checkpoint, bounded
+aggregation prompts (self, expert, PaCoRe), aggregation SFT examples from a teacher, and avg@k per
+environment family."""
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from cascade.aggregation import AggregationMixer, aggregation_sft_pairs, compact_message
+from cascade.config import Phase, PoolFilter, RunConfig, SFTStage, Source, StageConfig
+from envs.base import Problem, get_env
+from train.engine.base import Completion
+from train.rl.trainer import RLConfig, SamplingConfig, encode_prompt
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_dense_dir):
+    from train.tokenizer import load_tokenizer
+
+    return load_tokenizer(tiny_dense_dir)
+
+
+def n(tok, text):
+    return len(tok.encode(text, add_special_tokens=False))
+
+
+# -- mixes, phases, response caps -----------------------------------------------------------------------
+def test_sources_split_each_share_over_their_environments():
+    from cascade.stagedata import mix_of
+
+    mix = mix_of({}, {"puzzles": Source(54.4, ["gym/sudoku", "gym/n_queens"]), "math": Source(31.2, ["math/arith"]),
+                      "logic": Source(14.4, ["gym/knights_knaves"])})
+    assert mix == pytest.approx({"gym/sudoku": 27.2, "gym/n_queens": 27.2, "math/arith": 31.2,
+                                 "gym/knights_knaves": 14.4})
+    with pytest.raises(ValueError, match="both set"):
+        StageConfig(envs={"toy/add": 1}, sources={"a": Source(1, ["toy/add"])})
+
+
+def test_the_recipe_config_names_the_warmup_sources_and_the_two_math_phases():
+    from cascade.config import load_run_config
+    from cascade.stagedata import max_new_tokens_at, phase_starts, stage_mixes
+
+    cfg, _ = load_run_config({})
+    w, m = cfg.stages["warmup"], cfg.stages["math"]
+    assert {k: s.weight for k, s in w.sources.items()} == {"puzzles": 54.4, "competition_math": 31.2,
+                                                           "logic_puzzles": 14.4}
+    mix = stage_mixes(w)[0]
+    shares = {k: sum(mix[e] for e in s.envs) / sum(mix.values()) for k, s in w.sources.items()}
+    assert shares == pytest.approx({"puzzles": 0.544, "competition_math": 0.312, "logic_puzzles": 0.144})
+    assert [max_new_tokens_at(w, i, 81920) for i in (0, 115, 116, 231)] == [65536, 65536, 81920, 81920]
+    assert [p.steps for p in m.phases] == [384, 464] and phase_starts(m) == [0, 384]
+    assert m.aggregation.max_prompt_tokens == 20480 and m.pool.max_pass_rate == 0.75
+
+
+class _RL:
+    """What apply_phase touches of an RL trainer: its config."""
+
+    def __init__(self):
+        self.cfg = RLConfig(sampling=SamplingConfig(max_new_tokens=40))
+
+
+def test_phases_switch_the_mix_and_aggregation_share_at_the_configured_step(tok):
+    from cascade.pool import ProblemPool
+    from cascade.stage import StageRunner
+
+    s = StageConfig(steps=5, controller="fixed", sft=SFTStage(steps=2),
+                    phases=[Phase(3, {"toy/add": 1.0}), Phase(2, {"toy/max": 1.0, "math/arith": 1.0}, aggregation=0.5)],
+                    max_new_tokens_schedule=[[0.0, 24], [0.6, 40]], rl=RLConfig(sampling=SamplingConfig(max_new_tokens=40)))
+    s.aggregation.fraction = 0.1
+    stage = StageRunner("math", 2, s, RunConfig(order=[]), Path("/nonexistent"), None, None)
+    cur = stage.build_curriculum(tok)
+    assert set(cur.weights) == {"toy/add", "toy/max", "math/arith"}  # every phase's environments, one curriculum
+    mixer = stage.make_mixer(tok)
+    rl = _RL()
+    rng = random.Random(0)
+    seen, logged = [], []
+    for rl_step in range(s.steps):
+        logged.append(stage.apply_phase(rl, cur, mixer, rl_step))
+        seen.append({e for e, _ in cur.sample(rng, 40)})
+        assert mixer.fraction == (0.1 if rl_step < 3 else 0.5)
+    assert [x["mix_phase"] for x in logged] == [0, 0, 0, 1, 1]
+    assert seen[:3] == [{"toy/add"}] * 3 and seen[3:] == [{"toy/max", "math/arith"}] * 2
+    assert [x["max_new_tokens"] for x in logged] == [24, 24, 24, 40, 40]  # 3/5 = 0.6 of the RL steps: the cap lifts
+    # a pass-rate pool follows the phase's mix too
+    pool = ProblemPool(cur, [("toy/add", get_env("toy/add").generate(i, 0)) for i in range(3)] +
+                       [("toy/max", get_env("toy/max").generate(i, 0)) for i in range(3)])
+    stage.apply_phase(rl, pool, mixer, 0)
+    assert {e for e, _ in pool.sample(rng, 30)} == {"toy/add"}
+    stage.apply_phase(rl, pool, mixer, 4)
+    assert {e for e, _ in pool.sample(rng, 30)} == {"toy/max"}
+    # a shortened run scales the switch: 2 RL steps switch after the first
+    s.steps = 2
+    assert [stage.apply_phase(rl, cur, mixer, i)["mix_phase"] for i in range(2)] == [0, 1]
+
+
+# -- pass-rate re-filtering on the incoming checkpoint ----------------------------------------------------
+def _checksum(model) -> float:
+    return float(sum(p.detach().double().sum() for p in model.parameters()))
+
+
+class _Recs:
+    def __init__(self):
+        self.logged = []
+
+    def log(self, stage, phase, step, m):
+        self.logged.append((stage, phase, step, m))
+
+
+def test_pool_is_refiltered_at_each_stage_on_the_checkpoint_it_starts_from(tiny_dense_dir, tmp_path, monkeypatch):
+    import cascade.pool
+    from cascade.stage import StageRunner
+    from train.model.hf_io import load_pretrained
+    from train.optim import OptimConfig
+
+    measured = []
+    real = cascade.pool.filter_by_pass_rate
+
+    def spy(rl, picks, *a, **kw):
+        measured.append((_checksum(rl.engine.model), _checksum(rl.policy), len(picks)))
+        return real(rl, picks, *a, **kw)
+
+    monkeypatch.setattr(cascade.pool, "filter_by_pass_rate", spy)
+    rl_cfg = RLConfig(group_size=2, prompts_per_step=2, sampling=SamplingConfig(max_new_tokens=6), dynamic_sampling=False,
+                      length_reward=False, optim=OptimConfig(lr=1e-4))
+    recs = _Recs()
+    rcfg = RunConfig(order=[])
+    start = Path(tiny_dense_dir)
+    finals = []
+    for i, name in enumerate(["first", "second"]):
+        s = StageConfig(steps=1, envs={"toy/add": 1.0}, controller="fixed", rl=rl_cfg, eval_problems=2,
+                        pool=PoolFilter(size=4, samples=2, max_pass_rate=1.0),
+                        sft=SFTStage(steps=1 if i == 0 else 0, examples=8, batch_size=4, micro_batch_size=4,
+                                     max_len=64, difficulties=[0], optim=OptimConfig(lr=3e-2)))
+        start = StageRunner(name, i, s, rcfg, tmp_path, recs, None).run(start)
+        finals.append(start)
+    assert len(measured) == 2 and all(x[2] == 4 for x in measured)  # one filter per stage, at its RL start
+    incoming = _checksum(load_pretrained(finals[0]))
+    assert measured[1][0] == pytest.approx(incoming, rel=1e-9) == measured[1][1]  # stage 2: on stage 1's final/
+    assert incoming != pytest.approx(_checksum(load_pretrained(tiny_dense_dir)), rel=1e-9)
+    pools = [(st, m) for st, ph, _, m in recs.logged if ph == "pool"]
+    assert [st for st, _ in pools] == ["first", "second"] and all(m["pool_size"] == 4 for _, m in pools)
+
+
+# -- aggregation prompts: the cap, expert tails, PaCoRe messages -----------------------------------------
+class _C:
+    def __init__(self, tok, text, finish="stop"):
+        self.text, self.finish_reason = text, finish
+        self.token_ids = tok.encode(text, add_special_tokens=False)
+
+
+class _G:
+    def __init__(self, env_id, problem, comps):
+        class _R:
+            def __init__(self, c):
+                self.completion = c
+
+        self.env_id, self.problem, self.rollouts = env_id, problem, [_R(c) for c in comps]
+
+
+def _traces(tok, k, words=40):
+    return [_C(tok, "<think>" + " ".join(f"idea{i} step{j}" for j in range(words)) + f"</think> so \\boxed{{{40 + i}}}")
+            for i in range(k)]
+
+
+def test_aggregation_prompts_over_the_cap_are_trimmed_keeping_each_tail_end_or_dropped(tok):
+    def plen(text):
+        return len(encode_prompt(tok, text, True, None))
+
+    p = Problem("What is 6*7?", "42", "toy/add", 1, 0, {})
+    free = AggregationMixer(tok, 1.0, 2, 64, seed=0, prompt_len=plen)
+    free.remember([_G("toy/add", p, _traces(tok, 3))])
+    full = free.mix([("toy/add", p)])[0][1]
+    cap = plen(full.prompt) - 40
+    mixer = AggregationMixer(tok, 1.0, 2, 64, seed=0, max_prompt_tokens=cap, prompt_len=plen)
+    mixer.remember([_G("toy/add", p, _traces(tok, 3))])
+    made = [mixer.mix([("toy/add", p)])[0][1] for _ in range(6)]
+    for agg in made:
+        assert agg.meta["aggregation"] and plen(agg.prompt) <= cap
+        assert agg.prompt.startswith("What is 6*7?")
+        assert agg.prompt.count("</think> so \\boxed{") == 2  # both tails keep their ends, answers included
+    assert mixer.trimmed == 6 and mixer.dropped == 0
+    tiny = AggregationMixer(tok, 1.0, 2, 64, seed=0, max_prompt_tokens=plen(p.prompt) + 5, prompt_len=plen)
+    tiny.remember([_G("toy/add", p, _traces(tok, 3))])
+    assert tiny.mix([("toy/add", p)]) == [("toy/add", p)] and tiny.dropped == 1 and tiny.made == 0
+
+
+def test_expert_and_pacore_prompts_take_their_sources_and_keep_the_bounds(tok):
+    def plen(text):
+        return len(encode_prompt(tok, text, True, None))
+
+    p = Problem("What is 6*7?", "42", "toy/add", 1, 0, {})
+    q = Problem("What is 2+2?", "4", "toy/add", 2, 0, {})
+    own = [_C(tok, "<think>mine " * 30 + "</think> mine \\boxed{1}")] * 2
+    expert = [_C(tok, "<think>" + "expert thought " * 30 + "</think> The answer is \\boxed{42}."),
+              _C(tok, "<think>" + "expert unfinished " * 40, finish="length")]
+    cap = 260  # the RSA prompts need trimming to fit, the PaCoRe ones (answers, not tails) do not
+    mixer = AggregationMixer(tok, 1.0, 2, 24, seed=0, max_prompt_tokens=cap, prompt_len=plen,
+                             expert_fraction=1.0, pacore_fraction=0.5)
+    mixer.remember([_G("toy/add", q, own)])
+    mixer.remember_expert("toy/add", p, expert)
+    out = [mixer.mix([("toy/add", q)])[0][1] for _ in range(40)]
+    assert all(a.meta["tail_source"] == "expert" and a.prompt.startswith("What is 6*7?") for a in out)
+    assert all(plen(a.prompt) <= cap for a in out)
+    pacore = [a for a in out if a.meta["kind"] == "pacore"]
+    rsa = [a for a in out if a.meta["kind"] == "rsa"]
+    assert pacore and rsa and mixer.made_pacore == len(pacore) and mixer.made_expert == 40
+    assert mixer.trimmed == len(rsa) and mixer.dropped == 0
+    # PaCoRe messages: the finished rollout's answer (not its reasoning), the unfinished one's tail
+    msg_done = compact_message(expert[0].text, "stop", "TAIL", lambda t: tok.encode(t, add_special_tokens=False),
+                               tok.decode, 24)
+    assert msg_done == "The answer is \\boxed{42}."
+    for a in pacore:
+        assert "The answer is \\boxed{42}." in a.prompt and "expert thought" not in a.prompt
+        assert "expert unfinished" in a.prompt and "Continue from these messages" in a.prompt
+    for a in rsa:  # RSA tails: the last 24 tokens of each trace, cut from the front to fit
+        assert "</think> The answer is \\boxed{42}." in a.prompt
+    # self-aggregation when no expert is configured
+    own_only = AggregationMixer(tok, 1.0, 2, 24, seed=0, max_prompt_tokens=cap, prompt_len=plen, pacore_fraction=0.0)
+    own_only.remember([_G("toy/add", q, own)])
+    a = own_only.mix([("toy/add", p)])[0][1]
+    assert a.meta["tail_source"] == "self" and a.prompt.startswith("What is 2+2?") and "mine" in a.prompt
+    st = mixer.state_dict()
+    again = AggregationMixer(tok, 1.0, 2, 24, seed=1, max_prompt_tokens=cap, prompt_len=plen, expert_fraction=1.0,
+                             pacore_fraction=0.5)
+    again.load_state_dict(st)
+    assert list(again.expert) == list(mixer.expert) and again.made_pacore == mixer.made_pacore
+    assert again.mix([("toy/add", q)])[0][1].prompt == mixer.mix([("toy/add", q)])[0][1].prompt
+
+
+class _Teacher:
+    """A scripted teacher: a plain prompt gets traces ending in the right or a wrong answer; an
+    aggregation prompt gets the right answer when it shows a right tail, a wrong one otherwise."""
+
+    def __init__(self, tok):
+        self.tok, self.calls = tok, []
+
+    def generate(self, prompts, params, **kw):
+        out = []
+        for i, ids in enumerate(prompts):
+            text = self.tok.decode(ids)
+            self.calls.append(("agg" if "candidate solutions" in text else "solve", params.n))
+            a, b = [int(x) for x in text.split("What is ")[1].split("?")[0].split("+")]
+            for j in range(params.n):
+                if "candidate solutions" in text:
+                    ans = a + b if f"boxed{{{a + b}}}" in text else -1
+                    body = f"<think>comparing the candidates</think> \\boxed{{{ans}}}"
+                else:
+                    body = "<think>" + "work " * 30 + f"</think> \\boxed{{{a + b if j % 4 == 0 else a + b + 1}}}"
+                ct = self.tok.encode(body, add_special_tokens=False)
+                out.append(Completion(ct, body, [0.0] * len(ct), "stop", prompt_index=i))
+        return out
+
+
+def test_aggregation_sft_examples_are_teacher_answers_to_reshuffled_tails_within_bounds(tok):
+    from cascade.trim import trim_pairs
+
+    env = get_env("toy/add")
+    picks = [("toy/add", Problem(f"What is {a}+{a + 1}?", str(2 * a + 1), "toy/add", a, 0, {})) for a in range(1, 5)]
+
+    def plen(text):
+        return len(encode_prompt(tok, text, True, None))
+
+    # room for two tails of 9 tokens: the 12-token tails are cut from the front, their answers kept
+    cap = plen(AggregationMixer(tok, 1.0, 2, 12)._render(picks[0][1], ["", ""], False)) + 18
+    teacher = _Teacher(tok)
+    params = SamplingConfig(max_new_tokens=64).params(1, 0)
+    pairs, stats = aggregation_sft_pairs(teacher, tok, picks, lambda e: env, params, samples=4, shuffles=3, tails=2,
+                                         tail_tokens=12, max_prompt_tokens=cap, prompt_len=plen, seed=0)
+    assert ("solve", 4) in teacher.calls and ("agg", 1) in teacher.calls
+    assert stats["aggregation_sft_problems"] == 4 and stats["aggregation_sft_prompts"] == 12
+    assert stats["aggregation_sft_trimmed"] == 12 and stats["aggregation_sft_dropped"] == 0
+    # every prompt shows 2 tails (with their answers); only tails with a right one let the teacher answer right
+    assert 0 < stats["aggregation_sft_correct"] == len(pairs) < 12
+    for prompt, resp in pairs:
+        assert plen(prompt) <= cap and prompt.count("--- Candidate") == 2
+        a = int(prompt.split("What is ")[1].split("+")[0])
+        assert resp.endswith(f"\\boxed{{{2 * a + 1}}}") and f"boxed{{{2 * a + 1}}}" in prompt.split("Candidate 1")[1]
+    kept, dropped = trim_pairs(tok, pairs, cap + 12, plen)  # the SFT budget, answer-preserving
+    assert len(kept) + dropped == len(pairs)
+    assert all(plen(p) + n(tok, r) <= cap + 12 and r.endswith(f"\\boxed{{{2 * int(p.split('What is ')[1].split('+')[0]) + 1}}}")
+               for p, r in kept)
+
+
+# -- avg@k per environment family ---------------------------------------------------------------------------
+class _Scripted:
+    """Answers problem i's j-th sample right when ``right[i][j]``."""
+
+    def __init__(self, tok, refs, right):
+        self.tok, self.refs, self.right, self.params = tok, refs, right, []
+
+    def generate(self, prompts, params, **kw):
+        self.params.append(params)
+        out = []
+        for i, ids in enumerate(prompts):
+            key = next(k for k in self.refs if k in self.tok.decode(ids))
+            for j in range(params.n):
+                text = self.refs[key] if self.right[key][j] else "\\boxed{wrong}"
+                out.append(Completion([1], text, [0.0], "stop", prompt_index=i))
+        return out
+
+
+def test_avg_at_k_per_family_matches_hand_computed_values(tok):
+    from cascade.evaluation import avg_at_k, family
+
+    add, gcd = get_env("toy/add"), get_env("gym/gcd_lcm")
+    probs = [("toy/add", add.generate(1, 0)), ("toy/add", add.generate(2, 0)), ("gym/gcd_lcm", gcd.generate(3, 0))]
+    envs = {"toy/add": add, "gym/gcd_lcm": gcd}
+    refs = {p.prompt.split("\n")[0]: envs[e].reference_response(p) for e, p in probs}
+    keys = list(refs)
+    right = {keys[0]: [1, 0, 1, 0], keys[1]: [1, 1, 1, 1], keys[2]: [0, 0, 0, 1]}
+
+    class RL:
+        cfg = RLConfig(sampling=SamplingConfig(max_new_tokens=8, temperature=0.7))
+        tokenizer = tok
+        max_prompt_tokens = 10_000
+
+        @staticmethod
+        def env_of(e):
+            return envs[e]
+
+    RL.engine = _Scripted(tok, refs, right)
+    r = avg_at_k(RL, probs, 4, seed=5, chunk=2)
+    # toy: problem 1 solves 2 of 4, problem 2 4 of 4 -> (0.5 + 1) / 2; gym: 1 of 4; overall (0.5 + 1 + 0.25) / 3
+    assert r["families"] == pytest.approx({"toy": 0.75, "gym": 0.25})
+    assert r["accuracy"] == pytest.approx(1.75 / 3) and r["k"] == 4
+    assert r["problems"] == {"gym": 1, "toy": 2} and r["skipped"] == 0
+    assert [p.n for p in RL.engine.params] == [4, 4] and all(p.temperature == 0.7 and p.seed == 5
+                                                             for p in RL.engine.params)
+    g = avg_at_k(RL, probs, 0)  # k = 0: one greedy answer, the first scripted sample
+    assert g["families"] == pytest.approx({"toy": 1.0, "gym": 0.0}) and RL.engine.params[-1].temperature == 0.0
+    assert family("ifeval") == "ifeval" and family("rlve/Sorting") == "rlve"
+
+
+def test_a_stage_builds_teacher_sft_examples_and_expert_aggregation_from_named_checkpoints(tiny_dense_dir, tmp_path):
+    """The config keys end to end: sft.aggregation.teacher (an HF directory) and aggregation.expert (an
+    earlier stage of the run, by name), with avg@k per family in the records and run_state.json."""
+    import json
+
+    from cascade.stage import StageRunner
+    from train.optim import OptimConfig
+
+    rl_cfg = RLConfig(group_size=2, prompts_per_step=2, sampling=SamplingConfig(max_new_tokens=6), dynamic_sampling=False,
+                      length_reward=False, optim=OptimConfig(lr=1e-4))
+    recs = _Recs()
+    rcfg = RunConfig(order=[])
+    first = StageConfig(steps=1, envs={"toy/add": 1.0}, controller="fixed", rl=rl_cfg, eval_problems=2, eval_k=2,
+                        sft=SFTStage(steps=1, examples=8, batch_size=4, micro_batch_size=4, max_len=400, difficulties=[0]))
+    first.sft.aggregation.teacher, first.sft.aggregation.problems = str(tiny_dense_dir), 3
+    first.sft.aggregation.samples, first.sft.aggregation.tails, first.sft.aggregation.fraction = 2, 2, 0.5
+    final = StageRunner("first", 0, first, rcfg, tmp_path, recs, None).run(Path(tiny_dense_dir))
+    sft_data = [m for st, ph, _, m in recs.logged if ph == "sft_data" and "aggregation_sft_problems" in m]
+    assert sft_data and sft_data[0]["aggregation_sft_problems"] == 3 and sft_data[0]["aggregation_sft_prompts"] == 6
+    second = StageConfig(steps=2, envs={"toy/add": 1.0, "gym/gcd_lcm": 1.0}, controller="fixed", rl=rl_cfg,
+                         eval_problems=4, eval_k=2)
+    a = second.aggregation
+    a.fraction, a.tails, a.tail_tokens, a.expert, a.expert_problems, a.expert_samples = 1.0, 2, 4, "first", 3, 2
+    a.expert_fraction, a.pacore_fraction = 1.0, 0.5
+    out = StageRunner("second", 1, second, rcfg, tmp_path, recs, None).run(final)
+    expert = [m for st, ph, _, m in recs.logged if ph == "expert"]
+    assert expert == [{"expert_problems": 3, "expert_pool": 3}]
+    rl = [m for st, ph, _, m in recs.logged if st == "second" and ph == "rl"]
+    assert rl[-1]["aggregation_expert"] == rl[-1]["aggregation_prompts"] > 0  # every prompt from expert tails
+    st = json.loads((out / "run_state.json").read_text())
+    assert st["eval_k"] == 2 and set(st["accuracy_after_by_family"]) == {"toy", "gym"}
+    ev = [m for s_, ph, step, m in recs.logged if s_ == "second" and ph == "eval" and step > 0][0]
+    assert ev["accuracy_after_by_family"] == st["accuracy_after_by_family"]
+
+
+def test_a_mix_given_as_an_override_replaces_the_configured_phases():
+    from cascade.config import load_run_config
+
+    cfg, _ = load_run_config({"stage": "math", "envs": {"math/arith": 1}})
+    assert cfg.stages["math"].phases == [] and cfg.stages["math"].envs == {"math/arith": 1.0}
+    cfg, _ = load_run_config({"stages.math.steps": 10})
+    assert [p.steps for p in cfg.stages["math"].phases] == [384, 464]

@@ -1,0 +1,387 @@
+"""ZAYA1 (``zaya``: CCA attention, ZAYA1 router, residual scaling, partial RoPE) in Cascade's model,
+engine and trainers, against transformers' ``ZayaForCausalLM``. Every model is built locally."""
+import json
+
+import pytest
+import torch
+import transformers
+
+from train.engine import TorchEngine, native
+from train.engine.base import SamplingParams
+from train.model.config import ModelConfig
+from train.model.hf_io import load_pretrained, save_pretrained
+from train.model.modeling import CausalLM, token_logprobs
+from train.model.zaya import expert_loads, update_balancing_biases
+
+V = 160
+
+
+def hf_zaya(seed: int = 0, **kw):
+    """A tiny random ZayaForCausalLM, every weight spread out (conv, residual scales, key temperature,
+    balancing biases too) so that routing uses several experts and the skip class."""
+    torch.manual_seed(seed)
+    cfg = transformers.ZayaConfig(**{**dict(
+        vocab_size=V, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, moe_intermediate_size=32, num_experts=4, router_hidden_size=16, max_position_embeddings=256,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2), **kw})
+    model = transformers.ZayaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "_scale")):
+                p.uniform_(0.7, 1.3)
+            elif name.endswith("temp"):
+                p.uniform_(1.0, 2.0)
+            elif "out_proj" in name:
+                p.normal_(0.0, 1.0)
+            else:
+                p.normal_(0.0, 0.15)
+        for layer in model.model.layers:
+            layer.mlp.gate.balancing_biases.normal_(0.0, 0.02)
+            layer.mlp.gate.balancing_biases[-1] = -0.1
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def zdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("zaya") / "hf"
+    hf = hf_zaya()
+    hf.save_pretrained(d)
+    return d, hf
+
+
+def _routes(model, ids, **kw):
+    rec = []
+    with torch.no_grad():
+        model.hidden_states(ids, record_routing=rec, **kw)
+    return rec
+
+
+def test_logits_match_transformers_with_padding(zdir):
+    d, hf = zdir
+    ours = load_pretrained(d).eval()
+    assert isinstance(ours, CausalLM) and ours.config.model_type == "zaya" and ours.config.rope_dim == 8
+    ids = torch.randint(3, V, (3, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref, got = hf(ids).logits, ours(ids)
+    assert (got - ref).abs().max().item() < 1e-4
+    used = torch.cat([r.flatten() for r in _routes(ours, ids)]).unique()
+    assert len(used) >= 3, used  # several experts (the comparison is not of one expert)
+    # left padding: the padded rows' real tokens equal the unpadded run (transformers: same, with positions)
+    am = torch.ones(3, 24, dtype=torch.long)
+    am[1, :7] = 0
+    am[2, :15] = 0
+    pos = (am.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=am, position_ids=pos).logits
+        got = ours(ids, am)
+        alone = ours(ids[2:, 15:])
+    keep = am.bool()
+    assert (got - ref)[keep].abs().max().item() < 1e-4
+    assert (got[2, 15:] - alone[0]).abs().max().item() < 1e-4
+
+
+def test_cascade_save_opens_in_transformers_with_equal_logits(zdir, tmp_path):
+    d, hf = zdir
+    ours = load_pretrained(d)
+    with torch.no_grad():  # a change the round trip must carry, balancing biases included
+        ours.model.layers[0].mlp.gate.balancing_biases[0] += 0.5
+    save_pretrained(ours, tmp_path / "ours")
+    cfg = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert cfg["model_type"] == "zaya" and cfg["architectures"] == ["ZayaForCausalLM"]
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    assert type(back) is transformers.ZayaForCausalLM
+    assert back.model.layers[0].mlp.gate.balancing_biases[0].item() == pytest.approx(
+        hf.model.layers[0].mlp.gate.balancing_biases[0].item() + 0.5)
+    ids = torch.randint(3, V, (2, 17))
+    with torch.no_grad():
+        assert (back(ids).logits - ours(ids)).abs().max().item() < 1e-4
+    again = load_pretrained(tmp_path / "ours")
+    for k, v in ours.state_dict().items():
+        assert torch.equal(v, again.state_dict()[k]), k
+
+
+def test_bf16_keeps_balancing_biases_fp32_and_residual_fp32(zdir):
+    d, _ = zdir
+    m = load_pretrained(d, dtype=torch.bfloat16)
+    assert m.dtype == torch.bfloat16
+    assert all(l.mlp.gate.balancing_biases.dtype == torch.float32 for l in m.model.layers)
+    with torch.no_grad():
+        out = m.hidden_states(torch.randint(3, V, (1, 9)))
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+
+
+def test_init_model_preset_tiny_zaya_opens_in_transformers(tmp_path):
+    from train.model.modeling import count_parameters
+    from train.presets import init_model
+
+    model, tok = init_model("tiny-zaya", tmp_path / "z")
+    assert model.config.architecture == "zaya" and model.config.num_parameters() == count_parameters(model)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "z").eval()
+    assert back.config.model_type == "zaya"
+    ids = torch.randint(5, 1000, (2, 12))
+    with torch.no_grad():
+        assert (back(ids).logits - model(ids)).abs().max().item() < 1e-4
+
+
+def test_unsupported_zaya_options_refused():
+    with pytest.raises(ValueError, match="top-1"):
+        ModelConfig(architecture="zaya", num_experts=4, num_experts_per_tok=2).validate()
+    with pytest.raises(ValueError, match="hybrid_sliding"):
+        ModelConfig.from_hf({"model_type": "zaya", "vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 2,
+                             "layer_types": ["hybrid", "hybrid_sliding"], "sliding_window": 4})
+    with pytest.raises(ValueError, match="partial rotary"):
+        ModelConfig(architecture="qwen3", partial_rotary_factor=0.5).validate()
+
+
+@pytest.mark.parametrize("native_env", ["1", "0"])
+def test_engine_decode_with_kv_and_conv_state_equals_full_forward(zdir, native_env, monkeypatch):
+    """The torch engine decodes zaya with its KV cache plus CCA's convolution / delayed-value state:
+    greedy tokens == the full forward's argmax, logprobs == teacher forcing, routed experts == the
+    full forward's. The native CPU ops do not cover CCA: the engine takes the PyTorch step even when
+    they are enabled."""
+    monkeypatch.setenv("CASCADE_NATIVE_DECODE", native_env)
+    d, _ = zdir
+    m = load_pretrained(d).eval()
+    assert native.usable(m) is False
+    eng = TorchEngine(m, return_routed_experts=True)
+    prompts = [[5, 17, 100, 42, 9], [7], [100, 150, 30, 40, 50, 60, 70, 80]]
+    comps = eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, n=2))
+    assert len(comps) == 6
+    for c in comps:
+        p = prompts[c.prompt_index]
+        seq = torch.tensor([p + c.token_ids])
+        with torch.no_grad():
+            full = m(seq)[0]
+            lp = token_logprobs(m, seq)[0, len(p) - 1:]
+        assert full[len(p) - 1:-1].argmax(-1).tolist() == c.token_ids
+        assert (lp - torch.tensor(c.logprobs)).abs().max().item() < 1e-4
+        # per layer [1, P + C, 1]; the last slot (a token never fed back) repeats the previous row
+        assert len(c.routed_experts) == 3
+        for got, want in zip(c.routed_experts, _routes(m, seq)):
+            assert torch.equal(got[:, :-1], want[:, :-1])
+        with torch.no_grad():  # replaying them reproduces the forward
+            assert (m(seq, routed_experts=c.routed_experts)[0, :-1] - full[:-1]).abs().max().item() < 1e-5
+    assert len({tuple(c.token_ids) for c in comps}) > 1
+
+
+def test_sampled_decode_logprobs_equal_teacher_forcing(zdir):
+    d, _ = zdir
+    m = load_pretrained(d).eval()
+    comps = TorchEngine(m).generate([[5, 6, 7], [9]], SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True,
+                                                                     seed=3))
+    for c, p in zip(comps, [[5, 6, 7], [9]]):
+        with torch.no_grad():
+            lp = token_logprobs(m, torch.tensor([p + c.token_ids]))[0, len(p) - 1:]
+        assert (lp - torch.tensor(c.logprobs)).abs().max().item() < 1e-4
+
+
+def test_packed_sequences_restart_the_convolution(zdir):
+    """Packed rows (cu_seqlens) equal each sequence run alone, logits and gradients: CCA's convolution
+    and delayed value restart at every sequence start."""
+    d, _ = zdir
+    m = load_pretrained(d)
+    g = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(3, V, (n,), generator=g) for n in (7, 1, 12, 4)]
+    packed = torch.cat(seqs)[None]
+    cu = [0, 7, 8, 20, 24]
+    out = m(packed, cu_seqlens=cu)
+    alone = [m(s[None])[0] for s in seqs]
+    assert (out[0] - torch.cat(alone)).abs().max().item() < 1e-4
+    w = torch.randn_like(out)
+    (out * w).sum().backward()
+    gp = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    m.zero_grad()
+    (torch.cat(alone) * w[0]).sum().backward()
+    for n, p in m.named_parameters():
+        if p.grad is not None:
+            assert torch.allclose(gp[n], p.grad, atol=1e-4, rtol=1e-3), n
+    conv = m.model.layers[0].self_attn.qkv_proj.conv_qk_depthwise.weight
+    assert conv.grad is not None and conv.grad.abs().sum() > 0
+
+
+def test_checkpointed_layers_equal_plain_forward_and_backward(zdir):
+    d, _ = zdir
+    m = load_pretrained(d)
+    ids = torch.randint(3, V, (2, 15))
+    a = m(ids)
+    a.square().mean().backward()
+    g1 = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    m.zero_grad()
+    rec = []
+    b = m(ids, record_routing=rec, checkpoint_layers=True)
+    b.square().mean().backward()
+    assert len(rec) == 3 and (a - b).abs().max().item() < 1e-5
+    for n, p in m.named_parameters():
+        if p.grad is not None:
+            assert torch.allclose(g1[n], p.grad, atol=1e-5), n
+
+
+def test_router_replay_pins_the_trainers_routing(zdir):
+    """Expert ids recorded by the engine pin the trainer's top-1 routing: a trainer whose balancing
+    biases moved (so it would route differently) reproduces the engine's forward when replaying, and
+    the router still gets gradient through the (unbiased) gate probability."""
+    d, _ = zdir
+    eng_model = load_pretrained(d).eval()
+    comp = TorchEngine(eng_model, return_routed_experts=True).generate(
+        [[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0]
+    seq = torch.tensor([[5, 6, 7, 8] + comp.token_ids])
+    trainer = load_pretrained(d)
+    with torch.no_grad():
+        for layer in trainer.model.layers:
+            layer.mlp.gate.balancing_biases[:4] = torch.tensor([0.9, -0.9, 0.9, -0.9])
+        ref = eng_model(seq)
+        assert not torch.equal(_routes(trainer, seq)[0], _routes(eng_model, seq)[0])
+        assert (trainer(seq) - ref).abs().max().item() > 1e-3
+        got = trainer(seq, routed_experts=comp.routed_experts)
+    assert (got[0, :-1] - ref[0, :-1]).abs().max().item() < 1e-5
+    token_logprobs(trainer, seq, routed_experts=comp.routed_experts).sum().backward()
+    gate = trainer.model.layers[1].mlp.gate
+    assert gate.router_mlp.out_proj.weight.grad.abs().sum() > 0 and gate.router_states_scale.grad is not None
+    assert not gate.balancing_biases.requires_grad
+
+
+def test_balancing_bias_update_moves_towards_uniform_load(zdir):
+    d, _ = zdir
+    m = load_pretrained(d)
+    before = [l.mlp.gate.balancing_biases.clone() for l in m.model.layers]
+    routes = [torch.tensor([[[0], [0], [0], [1], [4], [4]]]), torch.tensor([[[2], [4], [3], [1], [0], [4]]]),
+              torch.tensor([[[1], [1], [1], [1], [1], [1]]])]
+    counts = expert_loads(routes, 4)
+    assert counts.tolist()[0] == [3, 1, 0, 0]  # the skip class (4) counts for no expert
+    load = update_balancing_biases(m, counts, rate=0.01)
+    assert torch.allclose(load[0], torch.tensor([0.75, 0.25, 0.0, 0.0]))
+    step = [l.mlp.gate.balancing_biases - b for l, b in zip(m.model.layers, before)]
+    assert torch.allclose(step[0], torch.tensor([-0.01, 0.0, 0.01, 0.01, 0.0]))  # expert 1 at 1/E
+    assert torch.allclose(step[1], torch.zeros(5))  # every load at 1/E: unchanged
+    assert torch.allclose(step[2], torch.tensor([0.01, -0.01, 0.01, 0.01, 0.0]))
+
+
+def _tok_and_policy(tmp_path):
+    from train.presets import init_model
+
+    model, tok = init_model("tiny-zaya", tmp_path / "z", seed=0)
+    return tok, load_pretrained(tmp_path / "z")
+
+
+def test_sft_steps_lower_the_loss_and_update_biases_from_the_batch_load(tmp_path):
+    from train.optim import OptimConfig
+    from train.sft import SFTConfig, SFTTrainer, reference_pairs
+
+    tok, model = _tok_and_policy(tmp_path)
+    assert model.config.router_bias_update_rate == 1e-3
+    sft = SFTTrainer(model, tok, SFTConfig(batch_size=16, chat_template=False, seed=0,
+                                           optim=OptimConfig(lr=3e-3, warmup_steps=2)))
+    enc = sft.encode(reference_pairs(["toy/max"], 200, seed=1, difficulties=(1,), think=False))
+    biases = lambda: torch.stack([l.mlp.gate.balancing_biases.clone() for l in model.model.layers])  # noqa: E731
+    b0 = biases()
+    batch = sft.sample_batch(enc)
+    losses = [sft.step(batch)["sft_loss"]]
+    step = biases() - b0
+    # every expert's bias moved by exactly one step of 1e-3, down where overloaded; the skip class stays
+    assert torch.allclose(step[:, :4].abs(), torch.full((4, 4), 1e-3)) and torch.equal(step[:, 4], torch.zeros(4))
+    assert all(float(l.mlp.gate.load_counts.sum()) == 0 for l in model.model.layers)  # reset after the step
+    losses += [sft.step(sft.sample_batch(enc))["sft_loss"] for _ in range(11)]
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.5, losses
+
+
+def test_rl_step_with_router_replay_and_weight_sync(tmp_path):
+    import copy
+
+    from envs.curriculum import Curriculum
+    from train.optim import OptimConfig
+    from train.rl.trainer import RLConfig, RLTrainer, SamplingConfig
+
+    tok, model = _tok_and_policy(tmp_path)
+    cur = Curriculum(["toy/max"], controller="fixed", seed=0, controller_kwargs={"difficulty": 1})
+    rl = RLTrainer(model, tok, TorchEngine(copy.deepcopy(model), tok), cur,
+                   RLConfig(group_size=4, prompts_per_step=4, chat_template=False, micro_batch_size=16,
+                            sampling=SamplingConfig(max_new_tokens=6), optim=OptimConfig(lr=1e-3), seed=0))
+    assert rl.replay  # zaya is MoE: the engine's expert choices pin the trainer's
+    b0 = model.model.layers[0].mlp.gate.balancing_biases.clone()
+    w0 = model.model.layers[0].self_attn.qkv_proj.conv_qk_grouped.weight.detach().clone()
+    groups = rl.rollout(4)  # a random policy scores 0 everywhere: give the rollouts distinct rewards
+    for g in groups:
+        for i, r in enumerate(g.rollouts):
+            r.reward = float(i % 2)
+    assert all(r.completion.routed_experts is not None for g in groups for r in g.rollouts)
+    m = rl.train_on(groups)
+    # the trainer (packed, replaying the engine's routes) scores the completions as the engine did
+    assert m["mismatch_max_abs"] < 1e-3 and m["grad_norm"] > 0
+    assert not torch.equal(w0, model.model.layers[0].self_attn.qkv_proj.conv_qk_grouped.weight)
+    assert not torch.equal(b0, model.model.layers[0].mlp.gate.balancing_biases)
+    for k, v in model.state_dict().items():  # balancing biases synced with the weights
+        assert torch.equal(v, rl.engine.model.state_dict()[k]), k
+
+
+def test_sharded_core_refuses_zaya_with_one_line(tmp_path):
+    """TSP (and the DP x TSP RL update, even at tsp=1, whose ranks would each move the balancing biases
+    from their own load) refuse zaya with a one-line error."""
+    import torch.distributed as dist
+
+    from train.parallel.rl_update import RLUpdateConfig, RLUpdater
+    from train.parallel.tsp import TSPCausalLM, check_tsp_config
+
+    cfg = ModelConfig(architecture="zaya", num_experts=4, num_experts_per_tok=1, num_hidden_layers=2)
+    with pytest.raises(ValueError, match="does not run zaya") as e:
+        check_tsp_config(cfg, 2)
+    assert "\n" not in str(e.value)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="does not run zaya"):
+            TSPCausalLM(CausalLM(cfg))
+        with pytest.raises(ValueError, match="does not run zaya"):
+            RLUpdater(CausalLM(cfg), RLUpdateConfig(), tsp=1)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tiny_cascade_stage_runs_a_zaya_policy(tmp_path):
+    """`cascade init-model --preset tiny-zaya` then `cascade run profile=tiny model=DIR` (the rlve stage,
+    two RL steps): the hand-off checkpoint is a zaya model that transformers opens."""
+    import subprocess
+    import sys
+
+    def cascade(*args):
+        r = subprocess.run([sys.executable, "-m", "cascade", *args], capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r
+
+    cascade("init-model", "--preset", "tiny-zaya", "--out", str(tmp_path / "m"))
+    cascade("run", "stage=rlve", "profile=tiny", f"model={tmp_path / 'm'}", f"out={tmp_path / 'run'}", "steps=2",
+            "eval_problems=4", "checkpoint_every=1")
+    final = tmp_path / "run" / "stages" / "1-rlve" / "final"
+    assert json.loads((final / "config.json").read_text())["model_type"] == "zaya"
+    steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert sum("reward_mean" in s for s in steps) == 2
+    back = transformers.AutoModelForCausalLM.from_pretrained(final).eval()
+    ids = torch.randint(5, 1000, (1, 9))
+    with torch.no_grad():
+        assert (back(ids).logits - load_pretrained(final)(ids)).abs().max().item() < 1e-4
+
+
+def test_cache_row_selection_carries_the_conv_state_and_prefix_cache_is_bypassed(zdir):
+    """Dropping / reordering rows of a decoding cache keeps each row's CCA state with it; the shared-prefix
+    KV cache (mid-row padding the convolution would see) is bypassed for zaya, outputs unchanged."""
+    from train.engine.prefix_cache import enable_prefix_caching
+    from train.model.modeling import KVCache
+
+    d, _ = zdir
+    m = load_pretrained(d).eval()
+    rows = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22]]
+    L = 5
+    ids = torch.tensor([[0] * (L - len(r)) + r for r in rows])
+    am = torch.tensor([[0] * (L - len(r)) + [1] * len(r) for r in rows])
+    nxt = torch.tensor([30, 31, 32])
+    with torch.inference_mode():
+        cache = KVCache.allocate(m.config, 3, 16, "cpu", torch.float32)
+        m.last_logits(ids, am, cache=cache)
+        sub = cache.select(torch.tensor([2, 0]))
+        got = m.last_logits(nxt[[2, 0], None], cache=sub)
+        want = torch.stack([m(torch.tensor([rows[i] + [int(nxt[i])]]))[0, -1] for i in (2, 0)])
+    assert (got - want).abs().max().item() < 1e-4
+    prompts = [[3] * 12 + [40 + i] for i in range(3)]  # a shared 12-token prefix
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    plain = [c.token_ids for c in TorchEngine(m).generate(prompts, sp)]
+    eng = TorchEngine(m)
+    pc = enable_prefix_caching(eng, min_prefix=4)
+    assert [c.token_ids for c in eng.generate(prompts, sp)] == plain and pc.stats.batches == 0
