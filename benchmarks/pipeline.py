@@ -17,22 +17,25 @@ fractions of the async run, the mean time of one rollout batch and one update in
     python benchmarks/pipeline.py --threads 1     # both runs on one intra-op thread
     python benchmarks/pipeline.py --servers 1     # async rollouts on a `cascade serve` process
 
-Measured on this project's 2-core CPU (2026-12-01, 8 warm steps per run):
+Measured on this project's 2-core CPU (2026-12-01, evening, quiet machine, 8 warm steps per run,
+code of commit e975fc4):
 
-| setting | runs | async speedup | sync steps/s | async steps/s |
-| --- | --- | --- | --- | --- |
-| 2 threads, 48 tokens (default) | 5 | 0.95, 1.13, 1.16, 1.37, 1.42 (median 1.16) | 1.04-1.46 | 1.21-1.53 |
-| 1 thread, 48 tokens | 2 | 1.58, 1.68 | 0.77-0.83 | 1.29-1.31 |
-| 2 threads, 128 tokens | 1 | 1.29 | 0.391 | 0.504 |
-| 2 threads, async on 1 server process (1 thread) | 1 | 0.66 | 0.989 | 0.649 |
+| setting | runs | async speedup | sync steps/s | async steps/s | rollout s / update s (sync) |
+| --- | --- | --- | --- | --- | --- |
+| 2 threads, 48 tokens (default) | 5 | 0.83, 0.83, 0.85, 0.90, 0.91 (median 0.85) | 2.15-2.67 | 1.90-2.26 | 0.09-0.13 / 0.28-0.34 |
+| 2 threads, 256 tokens, 16 stop tokens | 3 | 0.76, 0.78, 0.93 | 1.49-1.64 | 1.13-1.43 | 0.25-0.30 / 0.36-0.37 |
+| 1 thread, 48 tokens | 3 | 1.45, 1.59, 1.62 | 1.55-1.63 | 2.36-2.51 | 0.15-0.17 / 0.46-0.48 |
 
-max_lag_seen 2 and no group dropped as stale in every run. The issue's goal (>= 1.5) is met only
-with one intra-op thread, a regime that flatters the overlap: its synchronous baseline is slower
-than the 2-thread one. Against the best synchronous setting (2 threads) the pipeline gains little
-and varies from run to run (median 1.16x): each side alone already keeps both cores busy (sync:
-a rollout batch 0.27-0.35 s, an update 0.41-0.60 s), so running them together slows each; the
-ceiling is (rollout + train) / train, about 1.6. Rollouts over HTTP from a separate 1-thread
-server process lose here (one request per prompt, the server's batching window, one thread).
+max_lag_seen 2 and no group dropped as stale in every run; the two sides of each run generate the
+same response lengths (mean 47.1 of 48 tokens, 95% truncated, by default; mean 61.2, 1% truncated,
+with 16 stop tokens and 256 new tokens). The issue's goal (>= 1.5) is met only with one intra-op
+thread, a regime that flatters the overlap: its synchronous baseline is slower than the 2-thread
+one. Against the best synchronous setting (2 threads) the pipeline loses (median 0.85x): a rollout
+batch is about a quarter of a step in these runs, so the overlap could hide at most ~25%
+(ceiling (rollout + train) / train, 1.3-1.45), while running both sides at once on two cores slows
+the update, which alone already keeps both cores busy. Earlier figures (median 1.16x, rollout
+0.27-0.35 s / update 0.41-0.60 s) were measured on a loaded machine, where the sync baseline
+suffered more.
 """
 from __future__ import annotations
 

@@ -19,6 +19,15 @@ Prints one JSON line. Usage: python benchmarks/sandbox.py [--n 40] [--repeats 5]
   price each layer; ``run_phases_ms``: one run inside a ready start.
 
 Ratios are medians over ``--repeats`` interleaved repeats, with min and max.
+
+Measured on this project's 2-core CPU (2026-12-01, quiet machine, two runs, defaults):
+``ratio_seq`` 1.65 and 1.67 (7.2-7.6 ms bare, 11.8-12.7 ms sandboxed; goal <= 1.5: not met),
+``ratio_seq_cold`` 3.7-3.8, ``judge_ratio`` 0.63 and 0.60 (goal <= 1.3: met; 95-104 ms vs 159-162 ms
+for 20 tests), ``ratio_par`` 3.0-3.2. Sequential runs are CPU-bound on two cores: a start costs
+~12 ms of CPU (``start_phases_ms.cpu_in_sandbox``: bwrap's namespaces and mounts, then the
+supervisor's interpreter) made on the other core by the pool, plus ~8 ms for the run itself and ~2.5 ms to close, about 22 ms of CPU per program for
+two cores, against one ``python -S`` start (7 ms) bare. On a loaded machine (load 2-4) ratio_seq
+was 1.9-2.3.
 """
 from __future__ import annotations
 
