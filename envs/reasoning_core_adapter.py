@@ -23,16 +23,14 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-import os
 import random
 from collections import OrderedDict
-from pathlib import Path
 
-from envs.base import Environment, Problem, Score, last_boxed, register, strip_think
+from envs.adapted import BoxedOrTagged, cached_catalog, package_version
+from envs.base import Environment, Problem, Score, register
 
 __all__ = ["ReasoningCoreEnv", "catalog", "EXCLUDED", "available"]
 
-MAX_ANSWER_CHARS = 10_000
 _ENTRY_CACHE = 256
 
 # Tasks not registered, with the reason (found by `cascade envs check 'rc/*'`).
@@ -53,19 +51,6 @@ def available() -> bool:
         return False
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("CASCADE_CACHE_DIR") or Path.home() / ".cache" / "cascade")
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("reasoning-core")
-    except PackageNotFoundError:
-        return "unknown"
-
-
 def _build_catalog() -> dict[str, dict]:
     import reasoning_core
 
@@ -78,31 +63,7 @@ def catalog() -> dict[str, dict]:
     """``{task: {"description"}}`` of reasoning-core's roster; {} if not installed."""
     if not available():
         return {}
-    path = _cache_dir() / f"reasoning_core-{_version()}.json"
-    try:
-        data = json.loads(path.read_text())
-        if isinstance(data, dict) and data:
-            return data
-    except (OSError, ValueError):
-        pass
-    data = _build_catalog()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=0, sort_keys=True))
-        os.replace(tmp, path)
-    except OSError:
-        pass
-    return data
-
-
-def _balanced(s: str) -> bool:
-    depth = 0
-    for ch in s:
-        depth += (ch == "{") - (ch == "}")
-        if depth < 0:
-            return False
-    return depth == 0
+    return cached_catalog(f"reasoning_core-{package_version('reasoning-core')}.json", _build_catalog)
 
 
 def _plain(x):
@@ -110,7 +71,7 @@ def _plain(x):
     return json.loads(json.dumps(x, default=str))
 
 
-class ReasoningCoreEnv(Environment):
+class ReasoningCoreEnv(BoxedOrTagged, Environment):
     family = "rc"
     verify_time_limit = 10.0
     generate_time_limit = 10.0  # run-time bound on one generate (envs/caps.py)
@@ -195,36 +156,10 @@ class ReasoningCoreEnv(Environment):
         return self.problem(prompt, answer, seed, difficulty, rc_task=self.name, level=level,
                             rc_metadata=meta)
 
-    def extract(self, response: str) -> str | None:
-        text = strip_think(response)
-        boxed = last_boxed(text)
-        bpos = text.rfind("\\boxed") if boxed is not None else -1
-        apos = text.rfind("<answer>")
-        if apos > bpos:
-            end = text.find("</answer>", apos)
-            if end >= 0:
-                return text[apos + len("<answer>"):end].strip()
-        return boxed
-
-    def format_answer(self, answer) -> str:
-        return "" if answer is None else str(answer)
-
-    def reference_response(self, problem: Problem) -> str:
-        ans = self.format_answer(problem.answer)
-        if _balanced(ans) and "\\boxed" not in ans:
-            return f"The answer is \\boxed{{{ans}}}"
-        return f"The answer is <answer>{ans}</answer>"
-
-    def corruptions(self, problem: Problem) -> list[str]:
-        return ["", "I don't know.", "\\boxed{}", "<answer>qx9 ### zz</answer>", "\\boxed{-98765.4321}"]
-
     def check(self, problem: Problem, response: str) -> Score:
-        pred = self.extract(response)
-        if pred is None:
-            return Score.zero("no \\boxed{} or <answer> answer", format_ok=False)
-        limit = max(MAX_ANSWER_CHARS, 50 * len(self.format_answer(problem.answer)))
-        if len(pred) > limit:
-            return Score.zero("answer too long", format_ok=True, length=len(pred))
+        pred = self.extracted_or_zero(problem, response)
+        if isinstance(pred, Score):
+            return pred
         meta = problem.meta.get("rc_metadata")
         if meta is None:  # a problem without its metadata: regenerate it
             _, _, meta, _ = self._item(problem.seed, problem.difficulty)

@@ -24,11 +24,10 @@ import dataclasses
 import functools
 import importlib.util
 import json
-import os
 from collections import OrderedDict
-from pathlib import Path
 
-from envs.base import Environment, Problem, Score, last_boxed, register, strip_think
+from envs.adapted import BoxedOrTagged, cached_catalog, package_version
+from envs.base import Environment, Problem, Score, register
 
 __all__ = ["ReasoningGymEnv", "catalog", "NO_ORACLE", "EXCLUDED"]
 
@@ -50,23 +49,12 @@ NO_ORACLE = {
     "rush_hour": "no gold answer: reasoning-gym replays the proposed moves",
 }
 
-MAX_ANSWER_CHARS = 10_000
 _ENTRY_CACHE = 256
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("CASCADE_CACHE_DIR") or Path.home() / ".cache" / "cascade")
-
-
 def _version() -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    for dist in ("reasoning-gym", "reasoning_gym"):
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            continue
-    return None
+    v = package_version("reasoning-gym", "reasoning_gym")
+    return None if v == "unknown" else v
 
 
 def _build_catalog() -> dict[str, dict]:
@@ -88,35 +76,10 @@ def catalog() -> dict[str, dict]:
     """
     if importlib.util.find_spec("reasoning_gym") is None:
         return {}
-    ver = _version() or "unknown"
-    path = _cache_dir() / f"reasoning_gym-{ver}.json"
-    try:
-        data = json.loads(path.read_text())
-        if isinstance(data, dict) and data:
-            return data
-    except (OSError, ValueError):
-        pass
-    data = _build_catalog()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=0, sort_keys=True))
-        os.replace(tmp, path)
-    except OSError:
-        pass
-    return data
+    return cached_catalog(f"reasoning_gym-{_version() or 'unknown'}.json", _build_catalog)
 
 
-def _balanced(s: str) -> bool:
-    depth = 0
-    for ch in s:
-        depth += (ch == "{") - (ch == "}")
-        if depth < 0:
-            return False
-    return depth == 0
-
-
-class ReasoningGymEnv(Environment):
+class ReasoningGymEnv(BoxedOrTagged, Environment):
     family = "rg"
     verify_time_limit = 10.0
     generate_time_limit = 10.0  # run-time bound on one generate (envs/caps.py)
@@ -235,38 +198,10 @@ class ReasoningGymEnv(Environment):
         return self.problem(str(entry["question"]), answer, seed, difficulty,
                             dataset=self.name, level=level)
 
-    def extract(self, response: str) -> str | None:
-        text = strip_think(response)
-        boxed = last_boxed(text)
-        bpos = text.rfind("\\boxed") if boxed is not None else -1
-        apos = text.rfind("<answer>")
-        if apos > bpos:
-            end = text.find("</answer>", apos)
-            if end >= 0:
-                return text[apos + len("<answer>"):end].strip()
-        return boxed
-
-    def format_answer(self, answer) -> str:
-        return "" if answer is None else str(answer)
-
-    def reference_response(self, problem: Problem) -> str:
-        ans = self.format_answer(problem.answer)
-        if _balanced(ans) and "\\boxed" not in ans:
-            return f"The answer is \\boxed{{{ans}}}"
-        return f"The answer is <answer>{ans}</answer>"
-
-    def corruptions(self, problem: Problem) -> list[str]:
-        # An unrelated answer: several reasoning-gym scorers read only a prefix of the answer
-        # (a number, the first moves), so a perturbed gold answer may rightly still score 1.
-        return ["", "I don't know.", "\\boxed{}", "<answer>qx9 ### zz</answer>", "\\boxed{-98765.4321}"]
-
     def check(self, problem: Problem, response: str) -> Score:
-        pred = self.extract(response)
-        if pred is None:
-            return Score.zero("no \\boxed{} or <answer> answer", format_ok=False)
-        limit = max(MAX_ANSWER_CHARS, 50 * len(self.format_answer(problem.answer)))
-        if len(pred) > limit:
-            return Score.zero("answer too long", format_ok=True, length=len(pred))
+        pred = self.extracted_or_zero(problem, response)
+        if isinstance(pred, Score):
+            return pred
         ds, entry = self._item(problem.seed, problem.difficulty)
         if not problem.prompt.startswith(str(entry["question"])):
             # a few reasoning-gym generators are not reproducible across instances/processes

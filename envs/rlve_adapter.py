@@ -34,7 +34,6 @@ import copy
 import functools
 import importlib.util
 import json
-import os
 import random
 import sys
 import threading
@@ -42,12 +41,12 @@ from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
 
+from envs.adapted import MAX_ANSWER_CHARS, cached_catalog, package_version
 from envs.base import Environment, Problem, Score, last_boxed, register, strip_think
 
 __all__ = ["RLVEEnv", "catalog", "EXCLUDED", "available", "INSTRUCTION"]
 
 INSTRUCTION = "Give your final answer between <answer> and </answer>."
-MAX_ANSWER_CHARS = 10_000
 _ENTRY_CACHE = 256
 _MARKERS = ("<answer>", "</answer>")
 
@@ -65,19 +64,6 @@ def available() -> bool:
     except (ImportError, ValueError):
         return False
     return root is not None and (root / "environments" / "__init__.py").is_file()
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("CASCADE_CACHE_DIR") or Path.home() / ".cache" / "cascade")
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("rlve-gym")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def _gym_dir() -> Path | None:
@@ -145,22 +131,8 @@ def catalog() -> dict[str, dict]:
     """RLVE-Gym's environments (``{}`` if not installed), cached per installed version."""
     if not available():
         return {}
-    path = _cache_dir() / f"rlve_gym-{_version()}-{_stable_hash(str(_gym_dir()))}.json"
-    try:
-        data = json.loads(path.read_text())
-        if isinstance(data, dict) and data:
-            return data
-    except (OSError, ValueError):
-        pass
-    data = _build_catalog()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=0, sort_keys=True))
-        os.replace(tmp, path)
-    except OSError:
-        pass
-    return data
+    return cached_catalog(f"rlve_gym-{package_version('rlve-gym')}-{_stable_hash(str(_gym_dir()))}.json",
+                          _build_catalog)
 
 
 def _stable_hash(text: str) -> str:

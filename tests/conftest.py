@@ -56,3 +56,29 @@ def hf_random_model(kind: str, seed: int = 0, **kw):
             else:
                 p.normal_(0.0, 0.15)
     return model.eval()
+
+
+def pids_of_uid(uid: int) -> list[int]:
+    """Processes running as ``uid`` (the sandbox's own uid in the sandbox tests)."""
+    from pathlib import Path
+
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                owner = Path(f"/proc/{d}/status").read_text().split("\nUid:")[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if owner == str(uid):
+                out.append(int(d))
+    return out
+
+
+def assert_no_processes_of(uid: int, wait_s: float = 5.0) -> None:
+    """After a sandboxed run: nothing of ``uid`` outlives it (given ``wait_s`` to be reaped)."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while pids_of_uid(uid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pids_of_uid(uid) == [], "a sandboxed process outlived its run"

@@ -17,6 +17,7 @@ import pytest
 from envs.code import sandbox as sbx
 from envs.code.judge import Judge
 from envs.code.sandbox import Run, Sandbox, SandboxConfig
+from tests.conftest import assert_no_processes_of
 
 # a uid of our own, so that concurrent test sessions' sandboxes are not taken for our leftovers
 UID = 53000 + os.getpid() % 4000
@@ -161,26 +162,10 @@ int main(int argc, char** argv) {
 """
 
 
-def _uid_pids() -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                uid = Path(f"/proc/{d}/status").read_text().split("\nUid:")[1].split()[0]
-            except (OSError, IndexError):
-                continue
-            if uid == str(UID):
-                out.append(int(d))
-    return out
-
-
 @pytest.fixture(autouse=True)
 def no_leftovers():
     yield
-    deadline = time.monotonic() + 5.0
-    while _uid_pids() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _uid_pids() == [], "a sandboxed process outlived its run"
+    assert_no_processes_of(UID)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,101 @@
+"""What the adapters of outside environment packages share (``rg/`` reasoning-gym, ``rc/``
+reasoning-core, ``rlve/`` RLVE-Gym): the per-version roster cache that lets listing skip the
+package's import, and the answer handling of the ``\\boxed{}`` / ``<answer>...</answer>`` adapters.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+from envs.base import Problem, Score, last_boxed, strip_think
+
+MAX_ANSWER_CHARS = 10_000
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("CASCADE_CACHE_DIR") or Path.home() / ".cache" / "cascade")
+
+
+def package_version(*dists: str) -> str:
+    """The installed version of the first of ``dists`` that is installed, else ``"unknown"``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in dists:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def cached_catalog(file_name: str, build: Callable[[], dict[str, dict]]) -> dict[str, dict]:
+    """The roster in ``cache_dir()/file_name`` when present and readable; otherwise ``build()``,
+    written there atomically (a cache that cannot be written is skipped)."""
+    path = cache_dir() / file_name
+    try:
+        data = json.loads(path.read_text())
+        if isinstance(data, dict) and data:
+            return data
+    except (OSError, ValueError):
+        pass
+    data = build()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=0, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return data
+
+
+def balanced(s: str) -> bool:
+    """True if ``s``'s braces balance (it can sit inside ``\\boxed{...}``)."""
+    depth = 0
+    for ch in s:
+        depth += (ch == "{") - (ch == "}")
+        if depth < 0:
+            return False
+    return depth == 0
+
+
+class BoxedOrTagged:
+    """Answer handling for adapters whose answers go in the last ``\\boxed{}`` or
+    ``<answer>...</answer>`` (whichever comes last) after any thinking; mixed into an Environment."""
+
+    def extract(self, response: str) -> str | None:
+        text = strip_think(response)
+        boxed = last_boxed(text)
+        bpos = text.rfind("\\boxed") if boxed is not None else -1
+        apos = text.rfind("<answer>")
+        if apos > bpos:
+            end = text.find("</answer>", apos)
+            if end >= 0:
+                return text[apos + len("<answer>"):end].strip()
+        return boxed
+
+    def format_answer(self, answer) -> str:
+        return "" if answer is None else str(answer)
+
+    def reference_response(self, problem: Problem) -> str:
+        ans = self.format_answer(problem.answer)
+        if balanced(ans) and "\\boxed" not in ans:
+            return f"The answer is \\boxed{{{ans}}}"
+        return f"The answer is <answer>{ans}</answer>"
+
+    def corruptions(self, problem: Problem) -> list[str]:
+        # An unrelated answer: several scorers read only a prefix of the answer (a number, the
+        # first moves), so a perturbed gold answer may rightly still score 1.
+        return ["", "I don't know.", "\\boxed{}", "<answer>qx9 ### zz</answer>", "\\boxed{-98765.4321}"]
+
+    def extracted_or_zero(self, problem: Problem, response: str) -> str | Score:
+        """The extracted answer, or the zero Score of a response without one or with one too long."""
+        pred = self.extract(response)
+        if pred is None:
+            return Score.zero("no \\boxed{} or <answer> answer", format_ok=False)
+        limit = max(MAX_ANSWER_CHARS, 50 * len(self.format_answer(problem.answer)))
+        if len(pred) > limit:
+            return Score.zero("answer too long", format_ok=True, length=len(pred))
+        return pred
