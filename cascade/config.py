@@ -265,6 +265,7 @@ class RunConfig:
     out: str = "runs/cascade"
     model: str | None = None          # a checkpoint directory or HF Hub id org/name[@rev]; None: a fresh model_preset
     model_preset: str = "tiny-moe"
+    model_backend: str = ""           # cascade | auto | transformers; "": $CASCADE_MODEL_BACKEND, else cascade
     engine: str = "torch"             # torch | vllm
     vllm: Vllm = field(default_factory=Vllm)
     device: str = "cpu"
@@ -278,6 +279,8 @@ class RunConfig:
     trainer: Trainer = field(default_factory=Trainer)
 
     def __post_init__(self):
+        if self.model_backend not in ("", "cascade", "auto", "transformers"):
+            raise ValueError(f"model_backend must be cascade, auto or transformers, got {self.model_backend!r}")
         if self.engine not in ("torch", "vllm"):
             raise ValueError(f"unknown engine {self.engine!r}; choose torch or vllm")
         if self.dtype not in ("float32", "bfloat16"):

@@ -14,6 +14,7 @@ Run directory layout::
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import yaml
@@ -156,6 +157,8 @@ def main(argv: list[str]) -> int:
     out = Path(cfg.out)
     if not flags["resume"] and not flags["overwrite"]:
         start_fresh(out, False)  # refuse a previous run now, before any check takes time
+    if cfg.model_backend:  # every loader of this process and of the processes it starts (ranks, servers)
+        os.environ["CASCADE_MODEL_BACKEND"] = cfg.model_backend
     if cfg.threads > 0:
         import torch
 

@@ -1,6 +1,8 @@
 """Qwen2 and Llama in Cascade's own model, the transformers fallback for other causal LMs, and standard
 checkpoints (sharding, generation_config.json, transformers_version). Every model is built locally."""
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -382,3 +384,29 @@ def test_fallback_policy_runs_sft_and_rl_trainers(tmp_path):
     assert "reward_mean" in m
     for k, v in model.state_dict().items():
         assert torch.equal(v, rl.engine.model.state_dict()[k]), k
+
+
+def test_cascade_run_takes_another_architecture_with_model_backend_auto(tmp_path):
+    """`cascade run model=GPT2_DIR` is refused in one line naming the way out; with
+    `model_backend=auto` the same run trains its step through the transformers fallback."""
+    import subprocess
+    import sys
+
+    from train.tokenizer import build_tokenizer
+
+    d = tmp_path / "gpt2"
+    tok = build_tokenizer(d, vocab_size=1024, seed=0)
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=len(tok), n_embd=64, n_layer=2, n_head=4, n_positions=512,
+                                  bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "CASCADE_MODEL_BACKEND"}
+    args = [sys.executable, "-m", "cascade", "run", f"model={d}", "stage=rlve", "profile=tiny", "steps=1",
+            f"out={tmp_path / 'run'}", "logging.progress=false"]
+    r = subprocess.run(args, capture_output=True, text=True, cwd=root, env=env, timeout=300)
+    assert r.returncode == 2 and "model_backend=auto" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = subprocess.run(args + ["model_backend=auto"], capture_output=True, text=True, cwd=root, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    final = tmp_path / "run" / "stages" / "1-rlve" / "final"
+    assert transformers.AutoConfig.from_pretrained(final).model_type == "gpt2"

@@ -137,7 +137,8 @@ class ModelConfig:
         mt = d.get("model_type")
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {mt!r}; Cascade's policy supports {list(SUPPORTED_MODEL_TYPES)} "
-                             "(others: CASCADE_MODEL_BACKEND=auto runs them through transformers, slower)")
+                             "(others: model_backend=auto in cascade run, or CASCADE_MODEL_BACKEND=auto, runs them through "
+                             "transformers, slower)")
         if mt == "zaya":
             return cls._from_hf_zaya(d)
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
