@@ -196,21 +196,31 @@ class Attention(nn.Module):
         qk = apply_rope(qk.transpose(1, 2), cos, sin)
         q, k = qk[:, :hq], qk[:, hq:]
         v = qkv[..., (hq + hk) * d:].view(B, T, hk, d).transpose(1, 2)
-        if cache is not None:
-            s = cache.length
-            cache.k[layer][:, :, s:s + T] = k
-            cache.v[layer][:, :, s:s + T] = v
-            k, v = cache.k[layer][:, :, :s + T], cache.v[layer][:, :, :s + T]
-            if T == 1 and x.device.type in DECODE_MATMUL_DEVICES:
-                return self.o_proj(decode_attention(q, k, v, mask).reshape(B, 1, hq * d))
-        gqa = hk != hq  # grouped-query attention without materialising repeated K/V
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        elif type(mask) is Segments:
-            out = segment_attention(q, k, v, mask, gqa)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, hq * d))
+        return self.o_proj(cached_attention(q, k, v, mask, cache, layer))
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cache: "KVCache | None",
+                     layer: int) -> torch.Tensor:
+    """Attention of ``q`` [B, Hq, T, D] over ``k``/``v`` [B, Hk, T, D], appended to ``cache`` at its
+    write position first when one is given: one decoded token on CPU-like devices takes
+    :func:`decode_attention`, else SDPA (causal without a mask, or the mask) or
+    :func:`segment_attention` for packed sequences. Returns [B, T, Hq * D] (before ``o_proj``)."""
+    B, hq, T, d = q.shape
+    if cache is not None:
+        s = cache.length
+        cache.k[layer][:, :, s:s + T] = k
+        cache.v[layer][:, :, s:s + T] = v
+        k, v = cache.k[layer][:, :, :s + T], cache.v[layer][:, :, :s + T]
+        if T == 1 and q.device.type in DECODE_MATMUL_DEVICES:
+            return decode_attention(q, k, v, mask).reshape(B, 1, hq * d)
+    gqa = k.shape[1] != hq  # grouped-query attention without materialising repeated K/V
+    if mask is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    elif type(mask) is Segments:
+        out = segment_attention(q, k, v, mask, gqa)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return out.transpose(1, 2).reshape(B, T, hq * d)
 
 
 DECODE_MATMUL_DEVICES = {"cpu"}  # device types whose single-token decode uses decode_attention, not SDPA

@@ -147,30 +147,15 @@ class CCAAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
 
     def forward(self, x, cos, sin, mask, cache=None, layer: int = 0, valid=None):
-        from train.model.modeling import DECODE_MATMUL_DEVICES, Segments, apply_rope, decode_attention, segment_attention
+        from train.model.modeling import Segments, apply_rope, cached_attention
 
-        B, T, _ = x.shape
-        d, hq, hk, rd = self.cfg.head_dim, self.n_heads, self.n_kv, self.cfg.rope_dim
+        hq, rd = self.n_heads, self.cfg.rope_dim
         seg = mask if type(mask) is Segments else None
         q, k, v = self.qkv_proj(x, valid, seg, cache, layer)
         qk = self.qk_norm(torch.cat([q, k], 2), hq).transpose(1, 2)  # [B, Hq + Hk, T, D]
         qk = torch.cat([apply_rope(qk[..., :rd], cos, sin), qk[..., rd:]], -1)
         q, k, v = qk[:, :hq], qk[:, hq:], v.transpose(1, 2)
-        if cache is not None:
-            s = cache.length
-            cache.k[layer][:, :, s:s + T] = k
-            cache.v[layer][:, :, s:s + T] = v
-            k, v = cache.k[layer][:, :, :s + T], cache.v[layer][:, :, :s + T]
-            if T == 1 and x.device.type in DECODE_MATMUL_DEVICES:
-                return self.o_proj(decode_attention(q, k, v, mask).reshape(B, 1, hq * d))
-        gqa = hk != hq
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        elif seg is not None:
-            out = segment_attention(q, k, v, seg, gqa)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, hq * d))
+        return self.o_proj(cached_attention(q, k, v, mask, cache, layer))
 
 
 class RouterMLP(nn.Module):
