@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import random
 import time
@@ -79,15 +80,22 @@ class StageRunner:
     def total_steps(self) -> int:
         return self.scfg.sft.steps + self.scfg.steps
 
+    @functools.cached_property
+    def mixes(self) -> list[dict[str, float]]:
+        """The environment mix of each phase (cascade/stagedata.py), expanded once per stage."""
+        from cascade.stagedata import stage_mixes
+
+        return stage_mixes(self.scfg)
+
     # ------------------------------------------------------------------------------------------
     def build_curriculum(self, tokenizer):
         from envs.base import get_env
         from envs.curriculum import Curriculum
 
         s = self.scfg
-        from cascade.stagedata import stage_mixes, union_mix
+        from cascade.stagedata import union_mix
 
-        weights = union_mix(stage_mixes(s))  # every phase's environments (apply_phase sets the phase's mix)
+        weights = union_mix(self.mixes)  # every phase's environments (apply_phase sets the phase's mix)
         environments = {}
         if s.reward_model.path:
             from cascade.reward_model import GatedRewardEnv, RewardModel
@@ -278,13 +286,13 @@ class StageRunner:
     def apply_phase(self, rl, curriculum, mixer, rl_step: int) -> dict:
         """Before RL step ``rl_step``: the phase's mix and aggregation share, and the response cap of
         ``max_new_tokens_schedule``; returns what to log."""
-        from cascade.stagedata import max_new_tokens_at, phase_at, set_mix, stage_mixes
+        from cascade.stagedata import max_new_tokens_at, phase_at, set_mix
 
         s = self.scfg
         out = {}
         if s.phases:
             idx, ph = phase_at(s, rl_step)
-            set_mix(curriculum, stage_mixes(s)[idx])
+            set_mix(curriculum, self.mixes[idx])
             if mixer is not None:
                 mixer.fraction = s.aggregation.fraction if ph.aggregation is None else ph.aggregation
             out["mix_phase"] = idx
