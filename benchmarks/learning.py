@@ -23,12 +23,18 @@ in the boxed format but mostly with a wrong digit), which leaves RL the task its
 at 0.4 left some seeds after a long SFT plateau with a near-greedy policy that RL barely moved
 (seed 0: 280 SFT steps, +4 points). RL then runs 120 steps (maxrl, dppo_tv, lr 1e-3, 16 prompts x 8).
 
-Measured (defaults, 1 thread per seed, 2 shared cores, ``--seeds 0,1,2 --jobs 2``, 255 s wall), with
-the update packed by token budget and the ratio taken against the behaviour log-probs (2026-12-01):
-seed 0: 0.191 -> 0.853 (+66 points); seed 1: 0.168 -> 0.484 (+32); seed 2: 0.211 -> 0.703 (+49);
-gain median +49, min +32. The previous code (padded update, ratio against the trainer's own
-log-probs) gave +31 / +36 / +48 on the same seeds; tiny policies are chaotic across seeds, so
-read these as three samples, not a trend. ``--trace`` adds held-out evaluations during RL, which
+Measured on 2026-12-01 at commit 0860229 (the AdamW runs started just before two refactors that keep
+behaviour: ccb15ad, 0860229; defaults, 1 thread per seed, 2 cores, ``--seeds 0,1,2,3 --jobs 2``),
+held-out sampled accuracy before -> after RL, AdamW vs Muon (``--optim muon``) on the same seeds and
+the same SFT warm-up (AdamW):
+
+| RL optimizer | seed 0 | seed 1 | seed 2 | seed 3 | median gain | min gain | wall |
+| --- | --- | --- | --- | --- | --- | --- | --- |
+| AdamW | 0.191 -> 0.489 (+30) | 0.168 -> 0.346 (+18) | 0.211 -> 0.695 (+48) | 0.144 -> 0.761 (+62) | +39 | +18 | 208 s |
+| Muon  | 0.191 -> 0.535 (+34) | 0.168 -> 0.685 (+52) | 0.211 -> 0.667 (+46) | 0.144 -> 0.758 (+61) | +49 | +34 | 176 s |
+
+Tiny policies are chaotic across seeds (the AdamW seed 1 run misses ``--target-gain`` 0.2), so
+read these as four samples, not a trend. ``--trace`` adds held-out evaluations during RL, which
 shift the random streams, so traced runs give other (same-seed reproducible) numbers.
 """
 from __future__ import annotations

@@ -35,32 +35,33 @@ Every figure is measured outside the code under test, next to calc.py's formula:
   TCP actually do, which the measurement should match.
 
 Measured (``python benchmarks/parallel.py``: D=4, seq 4096, batch 1, H=128, L=2 (layer 0 dense,
-layer 1 MoE 4 experts top-2), V=512, 574,656 params, fp32, reps 3; 2 CPU cores SHARED with other
-developers working at the same time, 4 ranks on 2 cores, so seconds are oversubscribed and noisy):
+layer 1 MoE 4 experts top-2), V=512, 574,656 params, fp32, reps 3; 4 ranks on 2 CPU cores, so
+seconds are oversubscribed; re-measured 2026-12-01 at commit 0860229 on a quiet machine):
 
-    layout   wire bytes   formula      err     calibrated  err
-    tsp       71,919,308   58,421,760  +23.1%   71,666,091  +0.35%
-    tp       126,674,259  126,322,104   +0.3%  126,531,211  +0.11%
-    sp       190,066,600  126,546,360  +50.2%  189,947,470  +0.06%
-    dp        20,728,820   20,687,616   +0.2%   20,723,119  +0.03%
+    layout   wire bytes   formula      err     (calibrated count: within 0.29% for every layout)
+    tsp       71,877,720   58,421,760  +23.0%
+    tp       126,682,196  126,322,104   +0.3%
+    sp       190,072,616  126,546,360  +50.2%
+    dp        20,728,144   20,687,616   +0.2%
 
-    peak MiB per rank (recompute for all; resident + step) | no recompute | step s (recompute | none)
-    single   69.8 (6.7 + 63.2)   139.4   2.24  2.15
-    tsp      21.7 (1.8 + 20.0)    21.7   7.67  7.67
-    tp       52.7 (1.7 + 51.0)    68.1   3.50  4.80
-    sp       33.1 (1.8 + 31.4)    51.4   2.47  3.32
-    dp       67.7 (4.5 + 63.2)   136.6   5.87  4.25
+    peak MiB per rank (recompute for all) | no recompute | step s (recompute | none)
+    single   69.8   139.4   1.24  1.10
+    tsp      21.7    21.7   1.95  1.95
+    tp       52.7    68.0   1.13  0.93
+    sp       33.1    51.5   1.39  1.07
+    dp       69.5   136.5   2.98  2.15
 
-    tsp_mem_ratio 0.3115 (tp 0.755, sp 0.475, dp 0.970) at seq 4096 with equal recompute (an
-    earlier run of the same code: 0.3109; at seq 2048, 10.9 vs 38.0 MiB, 0.29). Step seconds
-    moved by 2x between two runs of the same code (TSP 3.77 s, then 7.67 s): the other
-    developers' load; compare seconds only within one run, and not as a property of TSP.
+    tsp_mem_ratio 0.3113 (tp 0.755, sp 0.474, dp 0.995) at seq 4096 with equal recompute (earlier
+    runs of the previous code: 0.3115, 0.3109). Step seconds depend on the machine's load (an
+    earlier, loaded run of the previous code: TSP 3.77 s, then 7.67 s); compare seconds only
+    within one run, and not as a property of TSP.
 
-Other traffic on ``lo`` was visible: TSP's three step windows read 79.1, 71.9 and 74.7 MB and
-TP's idle windows 0.01, 0.02 and 1.46 MB (another process), hence min over windows (idle min 0-104 B).
+On a loaded machine other traffic on ``lo`` was visible (an earlier run: TSP's step windows read
+79.1, 71.9 and 74.7 MB, TP's idle windows up to 1.46 MB), hence min over windows; in this run the
+windows agreed within 0.05% and idle windows read 0-104 B.
 
 Gaps over 10% between measured and formula, all explained by the calibration (the calibrated
-count matches within 0.4% for every layout): calc.py counts bandwidth-optimal (NCCL-style ring)
+count matches within 0.3% for every layout): calc.py counts bandwidth-optimal (NCCL-style ring)
 bytes, and gloo does not always move those.
 
 * reduce_scatter: gloo moves 2.00x the optimal bytes (consistent with an all-reduce of the whole
@@ -69,8 +70,8 @@ bytes, and gloo does not always move those.
   reduce-scatters (``reduce_scatter.bwd``) add to its gap.
 * reduce: gloo moves 1.25x = 1 + 1/D the optimal bytes at D=4 (consistent with a reduce-scatter
   then a gather of the blocks to the root; inferred from the bytes, gloo's source not read). TSP's weight-gradient reduces of the attention bundles (``reduce.bwd``).
-* Per call (all ranks together): all_reduce ~2.05 KB, all_gather ~8.2 KB, reduce_scatter
-  ~8.4 KB, broadcast and reduce ~1.03 KB, one p2p ring step ~1.34 KB: TCP/IP/link headers (66 B
+* Per call (all ranks together): all_reduce ~2.06 KB, all_gather ~8.2 KB, reduce_scatter
+  ~8.3 KB, broadcast and reduce ~1.03 KB, one p2p ring step ~1.38 KB: TCP/IP/link headers (66 B
   per segment and per ACK on ``lo``), and (inferred, not traced) gloo's per-message headers
   and control messages, per message (an all-gather over D=4 is 12 messages). TSP makes 109 calls per
   step at this size (36 ring steps, 32 broadcasts, 16 reduces, 16 all-gathers, 8 reduce-scatters,

@@ -26,13 +26,14 @@ the batch's length stats.
 
     python benchmarks/train.py [--preset tiny-moe] [--rollouts 64] [--repeats 3] [--device cpu] [--threads 1]
 
-Measured (CPU, 1 thread, 2 cores shared with other work, load 1.4-4; tiny-moe, 64 rollouts, budget 8192):
+Measured (CPU, 1 thread, 2 cores, load 1.2; tiny-moe, 64 rollouts, budget 8192; 2026-12-01, commit 0860229):
 default (log-normal median 256, sigma 1: 18,460 tokens, p50 208, p90 682, max 1366, 64.5% of padded slots
-are pad; 5 repeats): train 4129 tok/s, padded 1000, hf 922; train_ratio 4.48, packed_vs_padded 4.13.
-A narrow distribution (``--sigma 0.5``: max 524, 37.9% pad; 3 repeats), labelled as the regime where
-packing has least to remove: train 5013, padded 3227, hf 2930; train_ratio 1.71, packed_vs_padded 1.55.
+are pad; 3 repeats): train 8035 tok/s, padded 1907, hf 1835; train_ratio 4.38, packed_vs_padded 4.21.
+A narrow distribution (``--sigma 0.5``: 17,192 tokens, max 524, 37.9% pad; 3 repeats), labelled as the
+regime where packing has least to remove: train 7782, padded 4944, hf 4557; train_ratio 1.71,
+packed_vs_padded 1.57. (An earlier run on a loaded machine: 4.48 and 1.71 at about half these tok/s.)
 Packed costs about what padded costs per slot, so its gain is the padding it removes (plus the quadratic
-attention over pad); in the packed step, SDPA forward + backward is about a third of the time, GEMMs a
+attention over pad); in a profile of the earlier code's packed step, SDPA forward + backward was about a third of the time, GEMMs a
 third. With 2 threads on the loaded box, small ops ran 40x slower (OpenMP waits), hence ``--threads 1``.
 """
 from __future__ import annotations

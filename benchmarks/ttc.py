@@ -21,12 +21,13 @@ Measured on this project's 2-core CPU (2026-12-01, defaults, tiny-moe, 1 thread)
 
 | machine | prefix_speedup_toy | prefix_speedup_real (pairs min-max) | concurrency_speedup |
 | --- | --- | --- | --- |
-| quiet (load 1.6) | 1.44 | 1.03 (0.83-1.10) | 1.04 (1.35 s vs 1.30 s) |
-| loaded by other jobs (load 4) | 1.48 | 1.24 (1.07-1.41) | 1.62 (2.98 s vs 1.84 s) |
+| quiet, commit 0860229 | 1.45 | 1.10 (0.93-1.22) | 0.87 (1.45 s vs 1.67 s) |
+| quiet, commit e975fc4 (same ttc code) | 1.44 | 1.03 (0.83-1.10) | 1.04 (1.35 s vs 1.30 s) |
+| loaded by other jobs (load 4), e975fc4 | 1.48 | 1.24 (1.07-1.41) | 1.62 (2.98 s vs 1.84 s) |
 
 Neither goal of the issue (>= 1.3 at the realistic shape, >= 2 for concurrency) holds on the quiet
-machine. At the realistic shape decoding is 83% of the run (2.35 s of 2.85 s): reuse cuts the
-prefill 1.4x (0.48 -> 0.34 s) but cannot touch the decode, so the wall ratio is bounded near 1.05.
+machine. At the realistic shape decoding is 84% of the run (2.68 s of 3.18 s at 0860229): reuse
+cuts the prefill 1.4x (0.49 -> 0.35 s) but cannot touch the decode, so the wall ratio stays near 1.1.
 With 16 problems in flight the server batches 64 requests, but the tiny model's decode steps on
 2 cores cost nearly in proportion to the batch, so one problem at a time (4 requests) is already
 as fast; the loaded-machine gains come from hiding other jobs' stalls, not from the method.
