@@ -16,6 +16,7 @@ numbers (one intra-op thread; CPU).
     python benchmarks/learning.py                 # defaults: tiny-dense, toy/max difficulty 1, seed 0
     python benchmarks/learning.py --seed 1 --trace
     python benchmarks/learning.py --optim muon    # RL with Muon (momentum 0) instead of AdamW, same lr
+    python benchmarks/learning.py --optim muon --length-reward   # plus ZAYA1's length reward (eqs. 8-10)
     python benchmarks/learning.py --seeds 0,1,2 --jobs 2   # one line per seed, then a summary line
 
 The warm-up stops as soon as sampled accuracy on training problems reaches 0.2 (the policy answers
@@ -32,6 +33,7 @@ the same SFT warm-up (AdamW):
 | --- | --- | --- | --- | --- | --- | --- | --- |
 | AdamW | 0.191 -> 0.489 (+30) | 0.168 -> 0.346 (+18) | 0.211 -> 0.695 (+48) | 0.144 -> 0.761 (+62) | +39 | +18 | 208 s |
 | Muon  | 0.191 -> 0.535 (+34) | 0.168 -> 0.685 (+52) | 0.211 -> 0.667 (+46) | 0.144 -> 0.758 (+61) | +49 | +34 | 176 s |
+| Muon + ``--length-reward`` | 0.191 -> 0.536 (+34) | 0.168 -> 0.704 (+54) | 0.211 -> 0.695 (+48) | 0.144 -> 0.775 (+63) | +51 | +34 | 219 s |
 
 Tiny policies are chaotic across seeds (the AdamW seed 1 run misses ``--target-gain`` 0.2), so
 read these as four samples, not a trend. ``--trace`` adds held-out evaluations during RL, which
@@ -76,6 +78,7 @@ def run(args) -> dict:
     from train.engine import TorchEngine
     from train.optim import OptimConfig
     from train.presets import init_model
+    from train.rl.shaping import LengthRewardConfig
     from train.rl.trainer import RLConfig, RLTrainer, SamplingConfig
     from train.sft import SFTConfig, SFTTrainer, reference_pairs
 
@@ -109,7 +112,11 @@ def run(args) -> dict:
                    loss=args.loss, chat_template=False, micro_batch_size=args.group_size * args.prompts_per_step,
                    sampling=SamplingConfig(max_new_tokens=args.max_new_tokens),
                    optim=OptimConfig(lr=args.lr, warmup_steps=args.rl_warmup, name=args.optim,
-                                     muon_momentum=args.muon_momentum), seed=args.seed)
+                                     muon_momentum=args.muon_momentum), seed=args.seed,
+                   # ZAYA1's length reward (eqs. 8-10): l_max = max_new_tokens, T_l 2 tokens for 10-token
+                   # answers, c from 0.1 to 1.0 over the RL steps
+                   length_reward=args.length_reward,
+                   length_cfg=LengthRewardConfig(t_len=2, ramp_steps=args.rl_steps))
     curriculum = Curriculum([args.env], controller="fixed", seed=args.seed,
                             controller_kwargs={"difficulty": args.difficulty})
     rl = RLTrainer(model, tok, engine, curriculum, cfg, problem_hook=keep_held_out_unseen)
@@ -152,7 +159,7 @@ def run(args) -> dict:
     k = max(1, min(5, len(rewards) // 2))
     return {
         "benchmark": "learning", "env": args.env, "difficulty": args.difficulty, "preset": args.preset,
-        "seed": args.seed, "optim": args.optim,
+        "seed": args.seed, "optim": args.optim, "length_reward": args.length_reward,
         "metric": f"sampled_pass@1_T1_n{args.samples}", "held_out_problems": len(held),
         "accuracy_before": round(before[0], 4), "accuracy_after": round(after[0], 4),
         "gain": round(after[0] - before[0], 4),
@@ -239,6 +246,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rl-warmup", type=int, default=5)
     ap.add_argument("--optim", default="adamw", choices=["adamw", "muon"], help="the RL optimizer (SFT: AdamW)")
     ap.add_argument("--muon-momentum", type=float, default=0.0)
+    ap.add_argument("--length-reward", action="store_true",
+                    help="add ZAYA1's length reward to the advantages (off by default, as in the measured table)")
     ap.add_argument("--advantage", default="maxrl")
     ap.add_argument("--loss", default="dppo_tv")
     ap.add_argument("--group-size", type=int, default=8)
