@@ -63,6 +63,7 @@ class AggregationMixer:
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"aggregation.{name} must be in [0, 1], got {v}")
         self.tok, self.fraction, self.C, self.tau = tokenizer, fraction, tails, tail_tokens
+        self.eos = getattr(tokenizer, "eos_token_id", None)
         self.template = load_template(template)
         self.buffer = buffer
         self.rng = random.Random(seed)
@@ -81,7 +82,12 @@ class AggregationMixer:
         return self.tok.decode(ids, skip_special_tokens=False)
 
     def tail_text(self, token_ids: list[int]) -> str:
-        return self._decode(token_ids[-self.tau:])
+        """The last tau tokens of a rollout's trace; a final end-of-sequence token is not part of the
+        trace (as in ttc's ``MarkovianRSA.trace_ids``), so no EOS lands inside an aggregation prompt."""
+        ids = list(token_ids)
+        if ids and self.eos is not None and ids[-1] == self.eos:
+            ids = ids[:-1]
+        return self._decode(ids[-self.tau:])
 
     def _entry(self, completions) -> tuple[list[str], list[str]]:
         tails, messages = [], []

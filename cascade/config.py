@@ -27,7 +27,8 @@ class SFTStage:
     batch_size: int = 32
     micro_batch_size: int = 32
     max_len: int = 8192
-    envs: list[str] = field(default_factory=list)  # default: the stage's environments
+    envs: list[str] | dict[str, float] = field(default_factory=list)  # default: the stage's environments;
+    #                          a mapping {env: weight} draws the examples in those proportions
     difficulties: list[int] = field(default_factory=lambda: [0, 1, 2])
     data: str | None = None  # instead of reference traces: a jsonl/parquet/csv file or HF dataset org/name with
     #                          prompt/response or chat-format messages columns (train/sft.py load_pairs)
@@ -139,6 +140,7 @@ class StageConfig:
     checkpoint_every: int = 10
     eval_problems: int = 32           # held-out problems scored before and after the stage
     eval_k: int = 0                   # avg@k: k sampled answers per held-out problem (0: one greedy answer)
+    eval_difficulty: int | None = None  # the held-out problems' level; None: each environment's start level
     # the mix as named sources (ZAYA1 warm-up: puzzles / competition math / logic puzzles); instead of envs
     sources: dict[str, Source] = field(default_factory=dict)
     # stage 3's phases: [{steps, envs or sources, aggregation}], switching mixes at each phase's first step
@@ -169,6 +171,9 @@ class StageConfig:
             last = e[0]
         if self.eval_k < 0:
             raise ValueError(f"eval_k must be >= 0, got {self.eval_k}")
+        if self.eval_difficulty is not None and self.eval_difficulty < 0:
+            raise ValueError(f"eval_difficulty must be >= 0 (or null: each environment's start level), "
+                             f"got {self.eval_difficulty}")
 
 
 @dataclass

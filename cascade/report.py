@@ -7,7 +7,8 @@ from pathlib import Path
 
 from cascade.records import read_records
 
-PANELS = (("reward_mean", "reward"), ("accuracy", "accuracy (train rollouts)"), ("difficulty", "difficulty (max)"))
+PANELS = (("reward_mean", "reward"), ("accuracy", "accuracy (train rollouts)"), ("difficulty", "difficulty (max, mean --)"),
+          ("held_out", "held-out avg@k"))
 
 
 def _difficulty(v) -> float | None:
@@ -15,9 +16,17 @@ def _difficulty(v) -> float | None:
         vals = [_difficulty(x) for x in v.values()]
         vals = [x for x in vals if x is not None]
         return max(vals) if vals else None
-    if isinstance(v, (list, tuple)) and v:
+    if isinstance(v, (list, tuple)) and v:  # an RLVE window [low, high]
         return float(max(v))
     return float(v) if isinstance(v, (int, float)) else None
+
+
+def _mean_difficulty(v) -> float | None:
+    if not isinstance(v, dict) or not v:
+        return None
+    vals = [_difficulty(x) for x in v.values()]
+    vals = [x for x in vals if x is not None]
+    return sum(vals) / len(vals) if vals else None
 
 
 def summarize(run_dir: Path) -> list[dict]:
@@ -26,7 +35,7 @@ def summarize(run_dir: Path) -> list[dict]:
     for r in sorted(recs, key=lambda r: (r["time"])):
         s = stages.setdefault(r["stage"], {"stage": r["stage"], "sft_steps": 0, "rl_steps": 0, "reward": [],
                                              "accuracy": [], "accuracy_before": None, "accuracy_after": None,
-                                             "difficulty": None, "seconds": 0.0})
+                                             "difficulty": None, "difficulty_rose": None, "seconds": 0.0})
         if r["phase"] == "sft":
             s["sft_steps"] += 1
             s["sft_loss_last"] = r.get("sft_loss")
@@ -38,6 +47,12 @@ def summarize(run_dir: Path) -> list[dict]:
         elif r["phase"] == "eval":
             s["accuracy_before"] = r.get("accuracy_before", s["accuracy_before"])
             s["accuracy_after"] = r.get("accuracy_after", s["accuracy_after"])
+            if r.get("difficulty_end") is not None:
+                from cascade.run import difficulty_rise
+
+                rows, rose = difficulty_rise({"difficulty": r["difficulty_end"], "difficulty_max": r.get("difficulty_max"),
+                                              "difficulty_start": r.get("difficulty_start")})
+                s["difficulty_rose"] = f"{rose}/{len(rows)}"
         s["seconds"] += float(r.get("time_step_s", 0.0))
     out = []
     for s in stages.values():
@@ -54,16 +69,31 @@ def plot(run_dir: Path, png: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    recs = [r for r in read_records(run_dir) if r["phase"] == "rl"]
+    all_recs = read_records(run_dir)
+    recs = [r for r in all_recs if r["phase"] == "rl"]
+    evals = {r["stage"]: r for r in all_recs if r["phase"] == "eval" and r.get("accuracy_after") is not None}
     stage_order = list(dict.fromkeys(r["stage"] for r in sorted(recs, key=lambda r: r["time"])))
-    fig, axes = plt.subplots(len(PANELS), 1, figsize=(9, 8), sharex=True)
+    fig, axes = plt.subplots(len(PANELS), 1, figsize=(9, 10), sharex=True)
     offset = 0
+    nan = float("nan")
     for st in stage_order:
         rs = sorted((r for r in recs if r["stage"] == st), key=lambda r: r["step"])
         xs = [offset + i for i in range(len(rs))]
         for ax, (key, _) in zip(axes, PANELS):
+            if key == "held_out":  # the stage's held-out score before (first step) and after (last step)
+                ev = evals.get(st)
+                if ev is not None and xs:
+                    line, = ax.plot([xs[0], xs[-1]], [ev.get("accuracy_before", nan), ev["accuracy_after"]], marker="o")
+                    ax.annotate(f"{ev.get('accuracy_before', nan):.2f}->{ev['accuracy_after']:.2f}",
+                                (xs[-1], ev["accuracy_after"]), fontsize=7, ha="right", va="bottom")
+                else:
+                    ax.plot([], [])  # keeps the stage colours aligned across panels
+                continue
             ys = [_difficulty(r.get(key)) if key == "difficulty" else r.get(key) for r in rs]
-            ax.plot(xs, [y if y is not None else float("nan") for y in ys], marker=".", label=st)
+            line, = ax.plot(xs, [y if y is not None else nan for y in ys], marker=".", label=st)
+            if key == "difficulty":
+                mean = [_mean_difficulty(r.get(key)) for r in rs]
+                ax.plot(xs, [y if y is not None else nan for y in mean], ls="--", color=line.get_color())
         offset += len(rs)
         for ax in axes:
             ax.axvline(offset - 0.5, color="grey", lw=0.5, ls=":")
@@ -91,7 +121,7 @@ def main(argv: list[str]) -> int:
 
     t = Table(title=f"Cascade run {run}")
     for col in ("stage", "sft steps", "rl steps", "reward first -> last", "train acc", "held-out acc before -> after",
-                "max difficulty"):
+                "max difficulty", "difficulty rose"):
         t.add_column(col)
 
     def f(x):
@@ -99,7 +129,8 @@ def main(argv: list[str]) -> int:
 
     for s in rows:
         t.add_row(s["stage"], str(s["sft_steps"]), str(s["rl_steps"]), f"{f(s['reward_first'])} -> {f(s['reward_last'])}",
-                  f(s["accuracy_mean"]), f"{f(s['accuracy_before'])} -> {f(s['accuracy_after'])}", f(s["difficulty"]))
+                  f(s["accuracy_mean"]), f"{f(s['accuracy_before'])} -> {f(s['accuracy_after'])}", f(s["difficulty"]),
+                  s["difficulty_rose"] or "-")
     Console().print(t)
     png = plot(run, Path(a.png) if a.png else run / "report.png")
     print(json.dumps({"png": str(png), "stages": rows}, default=str))

@@ -206,8 +206,31 @@ def main(argv: list[str]) -> int:
     finally:
         records.close()
     for s in summary:
-        console.print(f"[green]{s['stage']:>9}[/green]: {s['steps']} steps, held-out accuracy "
-                      f"{s['accuracy_before']:.2f} -> {s['accuracy_after']:.2f}; difficulty {s['difficulty']}")
+        console.print(stage_line(s), highlight=False, soft_wrap=True)
     print(json.dumps({"out": str(out), "stages": [s["stage"] for s in summary],
                       "final": str(final) if summary else None}))
     return 0
+
+
+def difficulty_rise(s: dict) -> tuple[dict[str, tuple[int, int, int]], int]:
+    """Per environment (start, end, highest) level of a stage's ``run_state`` and how many ended above
+    their start."""
+    from cascade.stage import level
+
+    start, top = s.get("difficulty_start") or {}, s.get("difficulty_max") or {}
+    rows = {e: (int(start.get(e, 0)), level(v), int(top.get(e, level(v)))) for e, v in (s.get("difficulty") or {}).items()}
+    return rows, sum(end > st for st, end, _ in rows.values())
+
+
+def stage_line(s: dict) -> str:
+    """One line of the final table: held-out avg@k before -> after, and where each difficulty went."""
+    k = s.get("eval_k", 0)
+    metric = f"avg@{k}" if k else "greedy accuracy"
+    at = s.get("eval_difficulty")
+    rows, rose = difficulty_rise(s)
+    per_env = ", ".join(f"{e} {a}->{b}" + (f" (max {m})" if m > b else "") for e, (a, b, m) in rows.items())
+    shown = f": {per_env}" if len(rows) <= 8 else ""
+    return (f"{s['stage']:>9}: {s['steps']} steps, held-out {metric} {s['accuracy_before']:.2f} -> "
+            f"{s['accuracy_after']:.2f} ({'at difficulty ' + str(at) if at is not None else 'at the start levels'}); "
+            f"difficulty rose on {rose} of {len(rows)}{shown}")
+

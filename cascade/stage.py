@@ -66,6 +66,13 @@ def make_engine(rcfg: RunConfig, model_dir: Path, policy, tokenizer):
     return TorchEngine(copy.deepcopy(policy), tokenizer)
 
 
+def level(v) -> int:
+    """One difficulty level from a controller's summary (an RLVE window ``[low, high]``: ``low``)."""
+    if isinstance(v, (list, tuple)):
+        return int(v[0]) if v else 0
+    return int(v) if isinstance(v, (int, float)) else 0
+
+
 class StageRunner:
     def __init__(self, name: str, index: int, scfg: StageConfig, rcfg: RunConfig, out: Path, records, progress=None):
         self.name, self.index, self.scfg, self.rcfg = name, index, scfg, rcfg
@@ -133,6 +140,7 @@ class StageRunner:
         rl = None
         try:
             curriculum = self.build_curriculum(tok)
+            start_levels = self.start_levels(curriculum)  # before any resumed state moves the controllers
             mixer = self.make_mixer(tok)
             rl_cfg = copy.deepcopy(s.rl)
             rl_cfg.seed = r.seed + 7919 * (self.index + 1)
@@ -167,7 +175,9 @@ class StageRunner:
                                       f"rollout.urls must run with --weights-dir {engine.exchange}") from None
             if mixer is not None and s.aggregation.expert and not mixer.expert:
                 self.expert_tails(mixer, curriculum, rl)
-            held = self.eval_problems(curriculum)
+            held = self.eval_problems(curriculum, start_levels)
+            state.setdefault("difficulty_start", start_levels)
+            state.setdefault("difficulty_max", dict(start_levels))
             if state["eval_before"] is None:
                 ev = self.evaluate_k(rl, held, "before")
                 state["eval_before"], state["eval_before_families"] = ev["accuracy"], ev["families"]
@@ -214,6 +224,7 @@ class StageRunner:
                         m["prompts_resent"] = engine.remote.resent
                         m["server_restarts"] = engine.pool.restarts if engine.pool is not None else 0
                     self.records.log(self.name, "rl", step, m)
+                    self.track_difficulty(state, rl.curriculum.difficulties())
                     info = f"reward {m['reward_mean']:.2f} acc {m['accuracy']:.2f}"
                 state["step"] = step + 1
                 if self.progress:
@@ -237,7 +248,10 @@ class StageRunner:
             self.records.log(self.name, "eval", total, {"accuracy_before": state["eval_before"],
                                                         "accuracy_after": after["accuracy"], "eval_k": after["k"],
                                                         "accuracy_before_by_family": state.get("eval_before_families"),
-                                                        "accuracy_after_by_family": after["families"]})
+                                                        "accuracy_after_by_family": after["families"],
+                                                        "difficulty_start": state.get("difficulty_start"),
+                                                        "difficulty_end": rl.curriculum.difficulties(),
+                                                        "difficulty_max": state.get("difficulty_max")})
             self.write_final(policy, src, rl, sft, mixer, state, after)
         finally:
             if pipe is not None:
@@ -393,13 +407,30 @@ class StageRunner:
         self.records.log(self.name, "sft_data", 0, {**stats, "aggregation_sft_examples": len(pairs)})
         return pairs
 
-    def eval_problems(self, curriculum):
+    @staticmethod
+    def start_levels(curriculum) -> dict[str, int]:
+        """Each environment's difficulty level before RL moves it (an RLVE window's low end; 0 while a
+        controller calibrates its start)."""
+        return {e: level(v) for e, v in curriculum.difficulties().items()}
+
+    @staticmethod
+    def track_difficulty(state: dict, now: dict) -> None:
+        """The highest level each environment reached during the stage, in ``state["difficulty_max"]``."""
+        top = state.setdefault("difficulty_max", {})
+        for e, v in now.items():
+            top[e] = max(top.get(e, 0), level(v))
+
+    def eval_problems(self, curriculum, start_levels: dict[str, int]):
+        """The stage's held-out problems, at ``eval_difficulty`` or else at each environment's start level,
+        so that the scores before and after the stage are on the same problems."""
         rng = random.Random(10_000 + self.index)
         ids = sorted(curriculum.envs)
+        fixed = self.scfg.eval_difficulty
         out = []
         for i in range(self.scfg.eval_problems):
             e = ids[i % len(ids)]
-            out.append((e, curriculum.envs[e].heldout(10**9 + rng.getrandbits(30), 0)))
+            d = fixed if fixed is not None else start_levels.get(e, 0)
+            out.append((e, curriculum.envs[e].heldout(10**9 + rng.getrandbits(30), d)))
         return out
 
     @staticmethod
@@ -426,9 +457,10 @@ class StageRunner:
                 pairs = [pr for pr in pairs if normalize_text(prompt_text(pr[0])) not in held]
                 extra["dropped_heldout"] = n - len(pairs)
         else:
-            env_ids = s.envs or [e for e in curriculum.envs if ":" not in e]
+            env_ids = list(s.envs) or [e for e in curriculum.envs if ":" not in e]
+            weights = [float(s.envs[e]) for e in env_ids] if isinstance(s.envs, dict) else None
             with self.phase("sft data", s.examples, "reference solutions") as advance:
-                pairs = reference_pairs(env_ids, s.examples, seed=self.rcfg.seed + self.index,
+                pairs = reference_pairs(env_ids, s.examples, seed=self.rcfg.seed + self.index, weights=weights,
                                         difficulties=s.difficulties, env_kwargs=self.scfg.env_kwargs, advance=advance)
         if s.aggregation.teacher and s.aggregation.fraction > 0:  # C teacher tails -> the teacher's aggregated answer
             pairs = list(pairs) + self.aggregation_sft(tok, curriculum, len(pairs))
@@ -513,6 +545,8 @@ class StageRunner:
                      "accuracy_after": after["accuracy"], "eval_k": after["k"],
                      "accuracy_before_by_family": state.get("eval_before_families"),
                      "accuracy_after_by_family": after["families"], "difficulty": rl.curriculum.difficulties(),
+                     "difficulty_start": state.get("difficulty_start"), "difficulty_max": state.get("difficulty_max"),
+                     "eval_difficulty": self.scfg.eval_difficulty,
                      "length_reward": rl.length_state.state_dict(), "finished": time.time()}
         (tmp / "run_state.json").write_text(json.dumps(run_state, indent=2, default=str))
         torch.save(self._trainer_state(rl, sft, mixer), tmp / "trainer_state.pt")

@@ -46,11 +46,15 @@ class AddEnv(_IntAnswerEnv):
 
 @register("toy/max")
 class MaxEnv(_IntAnswerEnv):
-    """The largest of 2 + d numbers below 10."""
+    """The largest of 2 + d numbers: digits up to d = 3, then one more digit every 4 levels (below 100
+    for d = 4..7, below 1000 for d = 8..11, ...), so that answering the top value never gets easier: with
+    digits only, ``9`` would be right 1 - 0.9^(2 + d) of the time (52% at d = 5, 91% at d = 21)."""
 
-    description = "the largest of a list of digits; the list grows with difficulty"
+    description = "the largest of a list of numbers; the list grows with difficulty, the numbers every 4 levels"
 
     def generate(self, seed: int, difficulty: int) -> Problem:
         rng = self.rng(seed, difficulty)
-        xs = [rng.randint(0, 9) for _ in range(2 + int(difficulty))]
+        d = int(difficulty)
+        hi = 10 ** (1 + d // 4) - 1
+        xs = [rng.randint(0, hi) for _ in range(2 + d)]
         return self.problem("max " + " ".join(map(str, xs)), max(xs), seed, difficulty)

@@ -90,21 +90,21 @@ def test_four_stages_each_start_from_the_previous(tiny_run):
     for prev, st in zip(names, states[1:]):
         assert st["started_from"] == str(out / "stages" / prev / "final")
     assert [s["steps"] for s in states] == [4, 2, 2, 2]
-    # the length reward's run state runs on across stages: one c schedule (tiny: 0.1 -> 1.0 over 18
+    # the length reward's run state runs on across stages: one c schedule (tiny: 0.1 -> 1.0 over 100
     # updates) whose position each final/ hands on, never restarted at a stage's start; behavioral RL
     # has none. (The tiny policy may solve nothing, so the schedule may not have moved.)
     from train.rl.shaping import LengthRewardConfig
 
     rl_recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     coefs = [x["length_coef"] for x in rl_recs if x["phase"] == "rl" and "length_coef" in x]
-    sched = LengthRewardConfig(coef_start=0.1, coef=1.0, ramp_steps=18)
+    sched = LengthRewardConfig(coef_start=0.1, coef=1.0, ramp_steps=100)
     assert coefs == pytest.approx([sched.coef_at(i) for i in range(len(coefs))])
     per_stage = [sum(1 for x in rl_recs if x["stage"] == n[2:] and "length_coef" in x) for n in names]
     handed = [s["length_reward"]["steps"] for s in states]
     assert handed == [sum(per_stage[:i + 1]) for i in range(4)] and per_stage[3] == 0
     assert "rare_token_top1" in next(x for x in rl_recs if x["phase"] == "rl")
     # stage data: the warm-up's response cap lifts at half its RL steps (tiny: 32 then 40 tokens); the math
-    # stage's two phases (tiny: 3 + 3 steps, scaled to the 2 run here) switch after its first RL step; every
+    # stage's two phases (tiny: 25 + 25 steps, scaled to the 2 run here) switch after its first RL step; every
     # stage reports held-out avg@k per environment family
     def rl_of(stage):
         return [x for x in rl_recs if x["stage"] == stage and x["phase"] == "rl"]
@@ -112,8 +112,13 @@ def test_four_stages_each_start_from_the_previous(tiny_run):
     assert [x["max_new_tokens"] for x in rl_of("warmup")] == [32, 40]
     assert [x["mix_phase"] for x in rl_of("math")] == [0, 1] and "aggregation_pacore" in rl_of("math")[0]
     assert {(x["stage"]) for x in rl_recs if x["phase"] == "pool"} == {"warmup", "math"}
-    assert states[0]["eval_k"] == 2 and set(states[0]["accuracy_after_by_family"]) == {"toy", "math", "gym"}
-    assert set(states[2]["accuracy_before_by_family"]) == {"math", "code"}
+    assert states[0]["eval_k"] == 4 and set(states[0]["accuracy_after_by_family"]) == {"toy"}
+    assert set(states[2]["accuracy_before_by_family"]) == {"gym", "math", "code"}
+    # evaluation at each environment's start level; where each difficulty started, ended and peaked
+    assert states[1]["eval_difficulty"] is None
+    assert set(states[1]["difficulty_start"]) == set(states[1]["difficulty"]) == set(states[1]["difficulty_max"])
+    assert all(states[1]["difficulty_max"][e] >= max(states[1]["difficulty"][e], states[1]["difficulty_start"][e])
+               for e in states[1]["difficulty"])
     # the hand-off opens in transformers
     from transformers import AutoModelForCausalLM
 
@@ -122,7 +127,7 @@ def test_four_stages_each_start_from_the_previous(tiny_run):
     phases = {(x["stage"], x["phase"]) for x in recs}
     assert {("warmup", "sft"), ("warmup", "rl"), ("warmup", "pool"), ("rlve", "rl"), ("math", "rl"),
             ("behavior", "rl"), ("behavior", "eval")} <= phases
-    assert "held-out accuracy" in r.stderr
+    assert "held-out avg@4" in r.stderr and "difficulty rose on" in r.stderr
     # rerunning a finished run does no work and ends the same
     again = cascade("run", f"out={out}", *TINY, timeout=300)
     assert again.returncode == 0

@@ -469,3 +469,16 @@ def test_make_setup_shows_download_progress():
     assert len(pips) == 2 and "torch==" in pips[0]  # torch first, with its pinned build
     for ln in pips:
         assert " -q" not in ln and "--quiet" not in ln and "--progress-bar off" not in ln
+
+
+def test_small_profile_runs_every_stage(tmp_path):
+    """`profile=small` (the larger policy, longer stages) resolves and runs: one SFT and one RL step per stage."""
+    out = tmp_path / "run"
+    r = cascade("run", "profile=small", f"out={out}", "logging.progress=false", "stages.warmup.sft.steps=1",
+                "stages.warmup.sft.examples=64", "stages.warmup.pool.size=4", "stages.math.pool.size=4",
+                *[f"stages.{s}.{k}" for s in ("warmup", "rlve", "math", "behavior")
+                  for k in ("steps=1", "eval_problems=4")])
+    assert r.returncode == 0, r.stderr[-2000:]
+    state = json.loads((out / "stages" / "3-behavior" / "final" / "run_state.json").read_text())
+    assert state["steps"] == 1
+    assert json.loads((out / "init-model" / "config.json").read_text())["hidden_size"] == 256  # mini-moe

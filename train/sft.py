@@ -35,16 +35,20 @@ def render_trace(reasoning: str, answer_text: str) -> str:
 
 
 def reference_pairs(env_ids: list[str], n: int, seed: int = 0, difficulties=(0,), think: bool = True,
-                    env_kwargs: dict | None = None, advance=None) -> list[tuple[str, str]]:
-    """``n`` (prompt, response) pairs from the environments' reference solutions (``advance(1)``
-    after each, for a progress bar)."""
+                    env_kwargs: dict | None = None, advance=None, weights: list[float] | None = None
+                    ) -> list[tuple[str, str]]:
+    """``n`` (prompt, response) pairs from the environments' reference solutions, each from an
+    environment drawn uniformly or in proportion to ``weights`` (``advance(1)`` after each, for a
+    progress bar)."""
     from envs.base import get_env
 
+    if weights is not None and (len(weights) != len(env_ids) or min(weights) < 0 or sum(weights) <= 0):
+        raise ValueError(f"sft environment weights must be >= 0, one per environment, not all 0; got {weights}")
     rng = random.Random(seed)
     envs = {e: get_env(e, **((env_kwargs or {}).get(e, {}))) for e in env_ids}
     out = []
     for _ in range(n):
-        env_id = rng.choice(env_ids)
+        env_id = rng.choice(env_ids) if weights is None else rng.choices(env_ids, weights)[0]
         env = envs[env_id]
         prob = env.generate(rng.getrandbits(62), rng.choice(list(difficulties)))
         ref = env.reference_response(prob)
@@ -144,9 +148,11 @@ def prompt_text(prompt: str | list[dict]) -> str:
 
 def encode_pair(tokenizer, prompt: str | list[dict], response: str, chat: bool,
                 system: str | None) -> tuple[list[int], list[int]]:
+    """Prompt and response token ids; the response ends with the end-of-sequence token, with or without
+    a chat template (as TRL's SFT appends it), so that the policy learns to stop after its answer."""
     p = prompt_ids(tokenizer, prompt, chat, system)
     r = tokenizer.encode(response, add_special_tokens=False, verbose=False)
-    if chat and tokenizer.eos_token_id is not None:
+    if tokenizer.eos_token_id is not None and (not r or r[-1] != tokenizer.eos_token_id):
         r = r + [tokenizer.eos_token_id]
     return p, r
 

@@ -1,0 +1,374 @@
+"""Markovian RSA in miniature (issue 15, part 4): does RL on aggregation prompts teach a tiny policy to
+aggregate its own candidates?
+
+    python benchmarks/rsa_learning.py                       # defaults: toy/max difficulty 2, seeds 0,1,2, --jobs 2
+    python benchmarks/rsa_learning.py --seeds 0 --jobs 1 --trace   # one seed, progress on stderr
+    python benchmarks/rsa_learning.py --fraction 0.5 --rl-steps 80   # the second setting measured below
+
+Prints ONE JSON line per seed (every figure for both policies), then ONE summary line: medians over seeds
+``agg.single_acc``, ``agg.majority_acc``, ``agg.rsa_acc``, ``ablation.*`` (also ``*.rsa_majority_acc``,
+``*.pass_at_n``), ``rsa_gain_points`` (agg rsa - agg single, points; per seed too), ``rsa_vs_ablation_points``
+(agg rsa - ablation rsa) and ``goal_met`` (gain >= 10 points and agg rsa > ablation rsa, on the medians).
+
+Per seed (one process each, ``--jobs`` at once; one intra-op thread): a fresh ``tiny-dense`` policy is
+SFT'd on the task's reference traces (a fixed think block, then ``The answer is \\boxed{d}.``: about 24
+tokens with EOS, chat template on) until sampled accuracy on a probe of training problems reaches 0.2, as in
+``benchmarks/learning.py``. From that one start, two RL runs with the same budget (100 steps x 16 prompts x
+8 rollouts; maxrl, dppo_tv, Muon lr 2e-3; response cap = RSA's beta):
+
+- ``agg``: a ``cascade.aggregation.AggregationMixer`` (fraction 0.75, C = 4 tails of tau tokens) wired as
+  stage 3 wires it (``problem_hook=mixer.mix``, ``rollout_hook=mixer.remember``): that share of the sampled
+  problems become aggregation prompts showing tails of the policy's own earlier rollouts of the problem;
+- ``ablation``: the same mixer with fraction 0 (it makes no aggregation prompt).
+
+Then 64 held-out problems (disjoint by prompt from the SFT data and the RL stream: learning.py's
+``held_out_problems`` plus a swap hook) go through ``ttc.rsa.MarkovianRSA`` on an ``EngineBackend`` over
+the policy's engine: N=8, C=4, T=2, beta=28 tokens, tau=6 tokens (a tail keeps `` is \\boxed{d}.`` and
+drops the think block and the rest of the ~24-token trace), final-answer budget 8. ``single_acc`` is round
+0's mean accuracy over its N samples (one sample at T=1), ``majority_acc`` the majority vote over round 0's
+N, ``rsa_acc`` the mean accuracy over the final round's N; ``round1_shown_a_correct_tail`` is the share of
+round-1 aggregation prompts of which at least one shown tail was right (what a perfect picker would score in
+round 1). One ``Template`` object makes the training prompts (mixer) and RSA's: its ``solve`` is the bare
+problem (the env prompt as RL trains on it; the built-in templates add instructions RL never saw) and its
+``aggregate``/``candidate`` are ``compact`` (the math template's structure in fewer words: 148 tokens for
+C=4 instead of 338; ``--template math`` keeps the built-in wording). ``tests/test_rsa_learning.py`` checks
+that both paths give the policy the same token ids.
+
+Task: ``toy/max`` at difficulty 2 (the largest of 4 digits). Checking is easier than producing where it
+matters to an aggregator: every candidate answers with a digit of the list, so the largest of the C shown
+answers is right whenever any one of them is; choosing the largest of 4 boxed answers is a smaller problem
+than the task and needs nothing the task does not. After the warm-up the policy is partly right and its
+samples disagree (round-0 pass@8 0.66-0.92 against single 0.24-0.53 below), so there is room to aggregate.
+An exploratory run at difficulty 3 (5 digits; seed 0, lr 1e-3, tau 8, fraction 0.5, 80 steps, an earlier
+wording of the compact template) learned less: agg single 0.356 / rsa 0.313, ablation 0.346 / 0.285.
+
+Measured on 2026-12-02 with this code, ``--jobs 1`` because the machine's second core was busy. Figures are
+accuracies on the 64 held-out problems; "r1" is round 1's accuracy and "r1 ceiling" its perfect-picker
+bound; "cut" counts RSA traces (of 64 x 8 x 3 = 1,536) that hit beta.
+
+Defaults (fraction 0.75, 100 RL steps): 1,131 s wall for the three seeds (352 / 412 / 366 s; with ``--jobs 2``
+on two free cores seeds 0 and 1 run side by side, so about 13 min -- an estimate, not measured):
+
+| seed | agg single | agg maj. | agg rsa | agg r1 / ceiling | agg cut | abl. single | abl. maj. | abl. rsa | abl. cut |
+| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
+| 0 | 0.682 | 0.688 | 0.557 | 0.684 / 0.688 | 1535 | 0.824 | 0.828 | 0.440 | 355 |
+| 1 | 0.471 | 0.578 | 0.670 | 0.617 / 0.754 | 95 | 0.916 | 0.938 | 0.170 | 511 |
+| 2 | 0.248 | 0.250 | 0.258 | 0.279 / 0.596 | 0 | 0.289 | 0.328 | 0.123 | 653 |
+| median | 0.471 | 0.578 | 0.557 | | | 0.824 | 0.828 | 0.170 | |
+
+``rsa_gain_points`` -12.5 / +19.9 / +1.0 (median +1.0, min -12.5); ``rsa_vs_ablation_points`` +11.7 / +50.0 /
++13.5 (median +13.5, min +11.7). ``goal_met``: false -- the aggregation-trained policy's RSA beats the
+ablation's on every seed, but beats its own single-sample accuracy by >= 10 points on one seed of three.
+
+``--fraction 0.5 --rl-steps 80``: 868 s wall (283 / 300 / 282 s):
+
+| seed | agg single | agg maj. | agg rsa | agg r1 / ceiling | agg cut | abl. single | abl. maj. | abl. rsa | abl. cut |
+| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
+| 0 | 0.482 | 0.500 | 0.484 | 0.480 / 0.635 | 120 | 0.686 | 0.688 | 0.033 | 916 |
+| 1 | 0.527 | 0.578 | 0.463 | 0.508 / 0.875 | 17 | 0.791 | 0.828 | 0.344 | 720 |
+| 2 | 0.240 | 0.281 | 0.250 | 0.264 / 0.596 | 0 | 0.264 | 0.281 | 0.266 | 46 |
+| median | 0.482 | 0.500 | 0.463 | | | 0.686 | 0.688 | 0.266 | |
+
+``rsa_gain_points`` +0.2 / -6.4 / +1.0 (median +0.2, min -6.4); ``rsa_vs_ablation_points`` +45.1 / +11.9 /
+-1.6 (median +11.9, min -1.6). ``goal_met``: false.
+
+Why the goal is not met (what the figures say):
+
+- Training on aggregation prompts reliably teaches the policy to *read* them: the ablation, never trained
+  on such prompts, breaks on them (on five of six runs rsa 0.03-0.44 against single 0.29-0.92, with 355-916
+  of 1,536 traces cut at beta), while the agg policy answers them about as well as plain problems (round 1
+  at most 2 points below single, or above it). That is the rsa_vs_ablation margin, positive on 5 of 6 runs.
+- Learning to *pick* from them happened on one run of six: seed 1 at fraction 0.75 (round 1 0.617 against
+  single 0.471, rsa 0.670, above majority vote 0.578 too). On the other runs round 1 stays within 4 points
+  of single, and where the samples still disagree a perfect picker would score 15-37 points more (the r1
+  ceiling): the policy solves the problem again from the list and ignores the tails. 700-2,100 aggregation
+  prompts of reward alone are too little for a 0.8M-parameter policy to learn the copy-the-best-candidate
+  step reliably.
+- When RL takes off fast it removes the disagreement RSA needs: seed 0 at fraction 0.75 became deterministic
+  per problem (single 0.682, pass@8 0.688: one fixed shortcut right on 44 of 64 problems), and it also
+  stopped ending its traces (1,535 of 1,536 cut at beta; graded on the whole trace round 1 scores 0.684, so
+  the answers are there, but round 2 falls to 0.557: our reading is that a 6-token tail of a trace that runs
+  on past its answer no longer shows the answer). A seed-0 run with 160 steps of 8
+  prompts (fraction 0.5, agg policy only) ended the same way: single 0.682, majority 0.688, pass@8 0.688,
+  rsa 0.686. When RL does not take off (seed 2 in both settings: agg reward 0.24 -> 0.26) nothing is learned.
+- The aggregation share is paid for in single-sample accuracy: the ablation, all of whose RL went to plain
+  problems, ends at median single 0.824 (0.686 at fraction 0.5) against the agg policy's 0.471 (0.482).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root before benchmarks/ (envs.py)
+
+from benchmarks.learning import _seed_list, held_out_problems, unseen_hook  # noqa: E402
+
+
+def make_template(name: str):
+    """The RSA template of both training (AggregationMixer) and evaluation (MarkovianRSA).
+
+    ``solve`` is the bare problem: the env's prompt (which carries its ``\\boxed{}`` instruction) is
+    exactly what RL trains on, so RSA's round 0 samples the policy as RL left it. ``math``: the
+    built-in math template's aggregate and candidate texts (186 + 4 x 35 template tokens with the
+    tiny tokenizer); ``compact``: the same structure in fewer words (cheaper on 2 CPU cores)."""
+    from ttc.templates import MATH
+
+    if name == "math":
+        return replace(MATH, name="math-bare-solve", solve="{problem}").check()
+    if name == "compact":
+        return replace(MATH, name="compact", solve="{problem}", candidate="Candidate: {tail}\n",
+                       aggregate=("{problem}\n\nCandidate answers (any may be wrong):\n{candidates}"
+                                  "Check them and give the correct answer within \\boxed{{}}.")).check()
+    raise ValueError(f"unknown --template {name!r}; choose from compact, math")
+
+
+def _mean(xs):
+    xs = [float(x) for x in xs]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _r(xs):
+    m = _mean(xs)
+    return None if m is None else round(m, 4)
+
+
+def rsa_eval(engine, tok, held, args, template) -> dict:
+    """Markovian RSA on every held-out problem: single-sample accuracy (round 0's mean over N),
+    majority vote over round 0's N, and RSA's accuracy (mean over the final round's N)."""
+    from ttc.backends import EngineBackend
+    from ttc.rsa import MarkovianRSA, RSAConfig
+
+    cfg = RSAConfig(population=args.population, aggregate=args.aggregate, rounds=args.rounds, budget=args.budget,
+                    tail=args.tail, final_budget=args.final_budget, seed=args.seed + 5)
+    rsa = MarkovianRSA(EngineBackend(engine, tok), cfg, template, grader="exact")
+    single, major, final, final_major, pass_n, round1, reach, cut, gen = [], [], [], [], [], [], [], 0, 0
+    for _, p in held:
+        r = rsa.run(p.prompt, gold=str(p.answer), problem_key=p.prompt)
+        m = r.metrics
+        single.append(m["round_accuracy"][0])
+        major.append(m["round_majority_accuracy"][0])
+        final.append(m["mean_accuracy"])
+        final_major.append(m["majority_accuracy"])
+        pass_n.append(m["round_pass_at_k"][0][str(args.population)])
+        if args.rounds:
+            round1.append(m["round_accuracy"][1])
+            # the ceiling of a perfect picker in round 1: some of the C tails it was shown was right
+            reach.append(_mean([any(r.rounds[0][j].correct for j in c.parents) for c in r.rounds[1]]))
+        cut += sum(c.finish_reason == "length" for rnd in r.rounds for c in rnd)
+        gen += m["generated_tokens"]
+    return {"single_acc": _r(single), "majority_acc": _r(major), "rsa_acc": _r(final),
+            "rsa_majority_acc": _r(final_major), "pass_at_n": _r(pass_n), "round1_acc": _r(round1),
+            "round1_shown_a_correct_tail": _r(reach),
+            "cut_at_budget": cut, "generated_tokens": gen}
+
+
+def run(args) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    from cascade.aggregation import AggregationMixer
+    from envs.base import get_env
+    from envs.curriculum import Curriculum
+    from train.engine import TorchEngine
+    from train.optim import OptimConfig
+    from train.presets import init_model
+    from train.rl.trainer import RLConfig, RLTrainer, SamplingConfig
+    from train.sft import SFTConfig, SFTTrainer, reference_pairs
+
+    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.trace else (lambda *a: None)
+    template = make_template(args.template)
+    env = get_env(args.env)
+    held = held_out_problems(env, args.difficulty, args.held_out, args.seed)
+    reserved = {p.prompt for p in held}
+    held = [(args.env, p) for p in held]
+    keep_held_out_unseen = unseen_hook(env, reserved, args.seed + 2)
+
+    def rl_config():
+        return RLConfig(group_size=args.group_size, prompts_per_step=args.prompts_per_step, advantage="maxrl",
+                        loss="dppo_tv", chat_template=True, micro_batch_size=args.group_size * args.prompts_per_step,
+                        sampling=SamplingConfig(max_new_tokens=args.budget),
+                        optim=OptimConfig(lr=args.lr, warmup_steps=args.rl_warmup, name="muon", muon_momentum=0.0),
+                        seed=args.seed)
+
+    def curriculum():
+        return Curriculum([args.env], controller="fixed", seed=args.seed,
+                          controller_kwargs={"difficulty": args.difficulty})
+
+    t0 = time.perf_counter()
+    # 1. the common start: a fresh tiny policy, SFT on reference traces (a fixed think block, then the
+    # boxed answer) until sampled accuracy on training problems reaches --sft-target
+    with tempfile.TemporaryDirectory() as tmp:
+        model, tok = init_model(args.preset, tmp, seed=args.seed)
+    pairs = [pr for pr in reference_pairs([args.env], args.sft_examples, seed=args.seed + 1,
+                                          difficulties=(args.difficulty,), think=True) if pr[0] not in reserved]
+    sft = SFTTrainer(model, tok, SFTConfig(batch_size=args.sft_batch, micro_batch_size=args.sft_batch,
+                                           chat_template=True, seed=args.seed,
+                                           optim=OptimConfig(lr=args.sft_lr, warmup_steps=5)))
+    enc = sft.encode(pairs)
+    probe_rl = RLTrainer(model, tok, TorchEngine(copy.deepcopy(model), tok), curriculum(), rl_config())
+    probe = keep_held_out_unseen([(args.env, env.generate(10**11 + args.seed * 10**6 + i, args.difficulty))
+                                  for i in range(args.probe)])
+    probe_acc, sft_steps = 0.0, 0
+    while sft_steps < args.sft_steps:
+        sft.step(sft.sample_batch(enc))
+        sft_steps += 1
+        if sft_steps % args.sft_check == 0:
+            probe_rl.sync_weights()
+            probe_acc = probe_rl.evaluate(probe, n=2, greedy=False, seed=args.seed + 4)
+            log(f"seed {args.seed} SFT step {sft_steps}: probe sampled {probe_acc:.3f}")
+            if probe_acc >= args.sft_target:
+                break
+    start = copy.deepcopy(model.state_dict())
+    t_sft = time.perf_counter() - t0
+    del probe_rl
+
+    # 2. two RL runs from that start, the same budget (steps x prompts x group): with aggregation
+    # prompts built from the policy's own rollouts' tails (as stage 3), and without (the ablation:
+    # the same mixer, fraction 0)
+    out = {"benchmark": "rsa_learning", "env": args.env, "difficulty": args.difficulty, "seed": args.seed,
+           "sft_steps": sft_steps, "sft_probe_accuracy": round(probe_acc, 4)}
+    for name, fraction in (("agg", args.fraction), ("ablation", 0.0)):
+        if name not in args.policies:
+            continue
+        t1 = time.perf_counter()
+        model.load_state_dict(start)
+        policy = copy.deepcopy(model)
+        engine = TorchEngine(copy.deepcopy(policy), tok)
+        mixer = AggregationMixer(tok, fraction, args.aggregate, args.tail, template=template, seed=args.seed + 6)
+
+        def hook(picks, mixer=mixer):
+            return mixer.mix(keep_held_out_unseen(picks))
+
+        split = {"agg": [], "plain": []}  # rewards on aggregation prompts and on plain problems
+
+        def remember(groups, mixer=mixer, split=split):
+            for g in groups:
+                split["agg" if g.problem.meta.get("aggregation") else "plain"].extend(g.rewards)
+            mixer.remember(groups)
+
+        rl = RLTrainer(policy, tok, engine, curriculum(), rl_config(), problem_hook=hook, rollout_hook=remember)
+        rl.sync_weights()
+        rewards = []
+        for i in range(args.rl_steps):
+            m = rl.step()
+            rewards.append(m["reward_mean"])
+            if args.trace and (i + 1) % args.trace_every == 0:
+                mr = {k: sum(v[-400:]) / max(len(v[-400:]), 1) for k, v in split.items()}
+                log(f"seed {args.seed} {name} RL step {i + 1}: reward {m['reward_mean']:.3f} "
+                    f"(recent plain {mr['plain']:.3f}, aggregation {mr['agg']:.3f}) "
+                    f"aggregation prompts {mixer.made} ({time.perf_counter() - t1:.1f}s)")
+        t_rl = time.perf_counter() - t1
+        ev = rsa_eval(engine, tok, held, args, template)
+        k = max(1, min(10, len(rewards) // 2))
+        out[name] = {**ev, "aggregation_prompts": mixer.made, "aggregation_fraction": fraction,
+                     "rl_reward_first10": round(sum(rewards[:k]) / k, 4) if rewards else None,
+                     "rl_reward_last10": round(sum(rewards[-k:]) / k, 4) if rewards else None,
+                     "seconds_rl": round(t_rl, 1), "seconds_eval": round(time.perf_counter() - t1 - t_rl, 1)}
+        log(f"seed {args.seed} {name}: {out[name]}")
+    out.update({"rl_steps": args.rl_steps, "prompts_per_step": args.prompts_per_step, "group_size": args.group_size,
+                "held_out_problems": len(held), "template": args.template,
+                "rsa": {"N": args.population, "C": args.aggregate, "T": args.rounds, "budget": args.budget,
+                        "tail": args.tail, "final_budget": args.final_budget},
+                "seconds_sft": round(t_sft, 1), "seconds": round(time.perf_counter() - t0, 1)})
+    return out
+
+
+def _run_seed(args, seed: int) -> dict:
+    return run(argparse.Namespace(**{**vars(args), "seed": seed}))
+
+
+def run_seeds(args) -> list[dict]:
+    """One fresh process per seed (``--jobs`` at once; in this process when --jobs 1); prints each
+    seed's JSON line in seed order."""
+    if args.jobs == 1:
+        results = []
+        for s in args.seeds:
+            results.append(_run_seed(args, s))
+            print(json.dumps(results[-1]), flush=True)
+        return results
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = mp.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(args.jobs, len(args.seeds)), mp_context=ctx,
+                             max_tasks_per_child=1) as pool:
+        futures = [pool.submit(_run_seed, args, s) for s in args.seeds]
+        results = []
+        for f in futures:
+            results.append(f.result())
+            print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+FIGURES = ("single_acc", "majority_acc", "rsa_acc", "rsa_majority_acc", "pass_at_n")
+
+
+def summarize(results: list[dict], seconds: float) -> dict:
+    med = lambda xs: round(statistics.median(xs), 4)  # noqa: E731
+    out = {"benchmark": "rsa_learning_seeds", "env": results[0]["env"], "difficulty": results[0]["difficulty"],
+           "seeds": [r["seed"] for r in results], "statistic": "median over seeds"}
+    for pol in ("agg", "ablation"):
+        for f in FIGURES:
+            out[f"{pol}.{f}"] = med([r[pol][f] for r in results])
+    gain = [100 * (r["agg"]["rsa_acc"] - r["agg"]["single_acc"]) for r in results]
+    vs = [100 * (r["agg"]["rsa_acc"] - r["ablation"]["rsa_acc"]) for r in results]
+    out.update({"rsa_gain_points": round(statistics.median(gain), 1),
+                "rsa_gain_points_per_seed": [round(g, 1) for g in gain],
+                "rsa_vs_ablation_points": round(statistics.median(vs), 1),
+                "rsa_vs_ablation_points_per_seed": [round(v, 1) for v in vs]})
+    out["goal_met"] = bool(out["rsa_gain_points"] >= 10 and out["rsa_vs_ablation_points"] > 0)
+    out["seconds_wall"] = round(seconds, 1)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="tiny-dense")
+    ap.add_argument("--env", default="toy/max")
+    ap.add_argument("--difficulty", type=int, default=2)
+    ap.add_argument("--seeds", type=_seed_list, default=[0, 1, 2], help="comma-separated seeds")
+    ap.add_argument("--jobs", type=int, default=2, help="seeds run at once, one process each")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per seed")
+    ap.add_argument("--template", default="compact", choices=["compact", "math"])
+    ap.add_argument("--fraction", type=float, default=0.75, help="share of RL prompts turned into aggregation prompts")
+    ap.add_argument("--sft-steps", type=int, default=400)
+    ap.add_argument("--sft-target", type=float, default=0.2)
+    ap.add_argument("--sft-check", type=int, default=10)
+    ap.add_argument("--probe", type=int, default=64)
+    ap.add_argument("--sft-examples", type=int, default=2000)
+    ap.add_argument("--sft-batch", type=int, default=32)
+    ap.add_argument("--sft-lr", type=float, default=3e-3)
+    ap.add_argument("--rl-steps", type=int, default=100)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--rl-warmup", type=int, default=5)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--prompts-per-step", type=int, default=16)
+    ap.add_argument("--held-out", type=int, default=64)
+    ap.add_argument("--population", type=int, default=8, help="RSA N")
+    ap.add_argument("--aggregate", type=int, default=4, help="RSA C (also the tails per training aggregation prompt)")
+    ap.add_argument("--rounds", type=int, default=2, help="RSA T")
+    ap.add_argument("--budget", type=int, default=28, help="RSA beta (also RL's max_new_tokens)")
+    ap.add_argument("--tail", type=int, default=6, help="RSA tau (also the training tails' tokens)")
+    ap.add_argument("--final-budget", type=int, default=8)
+    ap.add_argument("--policies", default="agg,ablation", help=argparse.SUPPRESS)  # exploring: one policy only
+    ap.add_argument("--trace", action="store_true", help="progress on stderr")
+    ap.add_argument("--trace-every", type=int, default=10)
+    args = ap.parse_args(argv)
+    if args.jobs < 1:
+        raise SystemExit("rsa_learning.py: error: --jobs must be >= 1")
+    t0 = time.perf_counter()
+    results = run_seeds(args)
+    print(json.dumps(summarize(results, time.perf_counter() - t0)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
