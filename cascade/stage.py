@@ -420,9 +420,12 @@ class StageRunner:
         for e, v in now.items():
             top[e] = max(top.get(e, 0), level(v))
 
-    def eval_problems(self, curriculum, start_levels: dict[str, int]):
-        """The stage's held-out problems, at ``eval_difficulty`` or else at each environment's start level,
-        so that the scores before and after the stage are on the same problems."""
+    def eval_problems(self, curriculum, start_levels: dict[str, int] | None = None):
+        """The stage's held-out problems, at ``eval_difficulty`` or else at each environment's start level
+        (``start_levels``; default: the curriculum's levels now), so that the scores before and after the
+        stage are on the same problems."""
+        if start_levels is None:
+            start_levels = self.start_levels(curriculum)
         rng = random.Random(10_000 + self.index)
         ids = sorted(curriculum.envs)
         fixed = self.scfg.eval_difficulty

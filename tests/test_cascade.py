@@ -113,7 +113,7 @@ def test_four_stages_each_start_from_the_previous(tiny_run):
     assert [x["mix_phase"] for x in rl_of("math")] == [0, 1] and "aggregation_pacore" in rl_of("math")[0]
     assert {(x["stage"]) for x in rl_recs if x["phase"] == "pool"} == {"warmup", "math"}
     assert states[0]["eval_k"] == 4 and set(states[0]["accuracy_after_by_family"]) == {"toy"}
-    assert set(states[2]["accuracy_before_by_family"]) == {"gym", "math", "code"}
+    assert set(states[2]["accuracy_before_by_family"]) == {"toy", "math", "code"}
     # evaluation at each environment's start level; where each difficulty started, ended and peaked
     assert states[1]["eval_difficulty"] is None
     assert set(states[1]["difficulty_start"]) == set(states[1]["difficulty"]) == set(states[1]["difficulty_max"])

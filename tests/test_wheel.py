@@ -116,7 +116,7 @@ def test_installed_cascade_commands(venv):
     cascade = str(py.parent / "cascade")
     cfg = yaml.safe_load(_run([cascade, "run", "profile=tiny", "print_config=true"], cwd=work, env=env).stdout)
     assert cfg["model_preset"] == "tiny-moe" and cfg["order"] == ["warmup", "rlve", "math", "behavior"]
-    assert cfg["stages"]["warmup"]["steps"] == 12  # the tiny profile, over cascade.yaml
+    assert cfg["stages"]["warmup"]["steps"] == 30  # the tiny profile, over cascade.yaml
 
     _run([cascade, "init-model", "--preset", "tiny-dense", "--out", "m"], cwd=work, env=env)
     assert (work / "m" / "config.json").is_file()
