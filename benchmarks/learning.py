@@ -91,6 +91,41 @@ def unseen_hook(env, reserved: set[str], seed: int):
     return keep_held_out_unseen
 
 
+def fresh_policy_and_sft(args, reserved: set[str], chat: bool, think: bool):
+    """A fresh ``--preset`` policy and its tokenizer, an SFT trainer (AdamW at ``--sft-lr``) and the
+    encoded reference answers of ``--env`` at ``--difficulty``, held-out prompts (``reserved``) left out.
+    Returns (model, tokenizer, sft, encoded examples, the (prompt, response) pairs)."""
+    from train.optim import OptimConfig
+    from train.presets import init_model
+    from train.sft import SFTConfig, SFTTrainer, reference_pairs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model, tok = init_model(args.preset, tmp, seed=args.seed)
+    pairs = [pr for pr in reference_pairs([args.env], args.sft_examples, seed=args.seed + 1,
+                                          difficulties=(args.difficulty,), think=think) if pr[0] not in reserved]
+    sft = SFTTrainer(model, tok, SFTConfig(batch_size=args.sft_batch, micro_batch_size=args.sft_batch,
+                                           chat_template=chat, seed=args.seed,
+                                           optim=OptimConfig(lr=args.sft_lr, warmup_steps=5)))
+    return model, tok, sft, sft.encode(pairs), pairs
+
+
+def sft_until(sft, enc, args, rl, probe: list, log) -> tuple[int, float, dict]:
+    """SFT on ``enc`` until sampled accuracy on ``probe`` (training problems, never held-out ones; through
+    ``rl``'s engine, every ``--sft-check`` steps) reaches ``--sft-target`` (0: never), at most
+    ``--sft-steps``. Returns (steps run, the last probe accuracy, the last step's metrics)."""
+    m, acc, n = {}, 0.0, 0
+    while n < args.sft_steps:
+        m = sft.step(sft.sample_batch(enc))
+        n += 1
+        if args.sft_target and n % args.sft_check == 0:
+            rl.sync_weights()
+            acc = rl.evaluate(probe, n=2, greedy=False, seed=args.seed + 4)
+            log(f"seed {args.seed} SFT step {n}: loss {m['sft_loss']:.3f} probe sampled {acc:.3f}")
+            if acc >= args.sft_target:
+                break
+    return n, acc, m
+
+
 def run(args) -> dict:
     import torch
 
@@ -100,10 +135,8 @@ def run(args) -> dict:
     from envs.curriculum import Curriculum
     from train.engine import TorchEngine
     from train.optim import OptimConfig
-    from train.presets import init_model
     from train.rl.shaping import LengthRewardConfig
     from train.rl.trainer import RLConfig, RLTrainer, SamplingConfig
-    from train.sft import SFTConfig, SFTTrainer, reference_pairs
 
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.trace else (lambda *a: None)
     env = get_env(args.env)
@@ -111,14 +144,7 @@ def run(args) -> dict:
     reserved = {p.prompt for p in held}
     held = [(args.env, p) for p in held]
 
-    with tempfile.TemporaryDirectory() as tmp:
-        model, tok = init_model(args.preset, tmp, seed=args.seed)
-    pairs = [pr for pr in reference_pairs([args.env], args.sft_examples, seed=args.seed + 1,
-                                          difficulties=(args.difficulty,), think=False) if pr[0] not in reserved]
-    sft = SFTTrainer(model, tok, SFTConfig(batch_size=args.sft_batch, micro_batch_size=args.sft_batch,
-                                           chat_template=False, seed=args.seed,
-                                           optim=OptimConfig(lr=args.sft_lr, warmup_steps=5)))
-    enc = sft.encode(pairs)
+    model, tok, sft, enc, pairs = fresh_policy_and_sft(args, reserved, chat=False, think=False)
 
     keep_held_out_unseen = unseen_hook(env, reserved, args.seed + 2)
 
@@ -147,16 +173,7 @@ def run(args) -> dict:
     probe = keep_held_out_unseen([(args.env, env.generate(10**11 + args.seed * 10**6 + i, args.difficulty))
                                   for i in range(args.probe)])
     t0 = time.perf_counter()
-    m, probe_acc, sft_steps = {}, 0.0, 0
-    while sft_steps < args.sft_steps:
-        m = sft.step(sft.sample_batch(enc))
-        sft_steps += 1
-        if args.sft_target and sft_steps % args.sft_check == 0:
-            rl.sync_weights()
-            probe_acc = rl.evaluate(probe, n=2, greedy=False, seed=args.seed + 4)
-            log(f"SFT step {sft_steps}: loss {m['sft_loss']:.3f} probe sampled {probe_acc:.3f}")
-            if probe_acc >= args.sft_target:
-                break
+    sft_steps, probe_acc, m = sft_until(sft, enc, args, rl, probe, log)
     t_sft = time.perf_counter() - t0
     rl.sync_weights()
     before = evaluate()

@@ -101,14 +101,14 @@ import copy
 import json
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root before benchmarks/ (envs.py)
 
-from benchmarks.learning import _seed_list, held_out_problems, unseen_hook  # noqa: E402
+from benchmarks.learning import (  # noqa: E402
+    _seed_list, fresh_policy_and_sft, held_out_problems, sft_until, unseen_hook)
 
 
 def make_template(name: str):
@@ -179,9 +179,7 @@ def run(args) -> dict:
     from envs.curriculum import Curriculum
     from train.engine import TorchEngine
     from train.optim import OptimConfig
-    from train.presets import init_model
     from train.rl.trainer import RLConfig, RLTrainer, SamplingConfig
-    from train.sft import SFTConfig, SFTTrainer, reference_pairs
 
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.trace else (lambda *a: None)
     template = make_template(args.template)
@@ -205,27 +203,11 @@ def run(args) -> dict:
     t0 = time.perf_counter()
     # 1. the common start: a fresh tiny policy, SFT on reference traces (a fixed think block, then the
     # boxed answer) until sampled accuracy on training problems reaches --sft-target
-    with tempfile.TemporaryDirectory() as tmp:
-        model, tok = init_model(args.preset, tmp, seed=args.seed)
-    pairs = [pr for pr in reference_pairs([args.env], args.sft_examples, seed=args.seed + 1,
-                                          difficulties=(args.difficulty,), think=True) if pr[0] not in reserved]
-    sft = SFTTrainer(model, tok, SFTConfig(batch_size=args.sft_batch, micro_batch_size=args.sft_batch,
-                                           chat_template=True, seed=args.seed,
-                                           optim=OptimConfig(lr=args.sft_lr, warmup_steps=5)))
-    enc = sft.encode(pairs)
+    model, tok, sft, enc, _ = fresh_policy_and_sft(args, reserved, chat=True, think=True)
     probe_rl = RLTrainer(model, tok, TorchEngine(copy.deepcopy(model), tok), curriculum(), rl_config())
     probe = keep_held_out_unseen([(args.env, env.generate(10**11 + args.seed * 10**6 + i, args.difficulty))
                                   for i in range(args.probe)])
-    probe_acc, sft_steps = 0.0, 0
-    while sft_steps < args.sft_steps:
-        sft.step(sft.sample_batch(enc))
-        sft_steps += 1
-        if sft_steps % args.sft_check == 0:
-            probe_rl.sync_weights()
-            probe_acc = probe_rl.evaluate(probe, n=2, greedy=False, seed=args.seed + 4)
-            log(f"seed {args.seed} SFT step {sft_steps}: probe sampled {probe_acc:.3f}")
-            if probe_acc >= args.sft_target:
-                break
+    sft_steps, probe_acc, _ = sft_until(sft, enc, args, probe_rl, probe, log)
     start = copy.deepcopy(model.state_dict())
     t_sft = time.perf_counter() - t0
     del probe_rl
