@@ -83,7 +83,7 @@ def plot(run_dir: Path, png: Path) -> Path:
             if key == "held_out":  # the stage's held-out score before (first step) and after (last step)
                 ev = evals.get(st)
                 if ev is not None and xs:
-                    line, = ax.plot([xs[0], xs[-1]], [ev.get("accuracy_before", nan), ev["accuracy_after"]], marker="o")
+                    ax.plot([xs[0], xs[-1]], [ev.get("accuracy_before", nan), ev["accuracy_after"]], marker="o")
                     ax.annotate(f"{ev.get('accuracy_before', nan):.2f}->{ev['accuracy_after']:.2f}",
                                 (xs[-1], ev["accuracy_after"]), fontsize=7, ha="right", va="bottom")
                 else:

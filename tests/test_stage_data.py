@@ -375,3 +375,29 @@ def test_a_mix_given_as_an_override_replaces_the_configured_phases():
     assert cfg.stages["math"].phases == [] and cfg.stages["math"].envs == {"math/arith": 1.0}
     cfg, _ = load_run_config({"stages.math.steps": 10})
     assert [p.steps for p in cfg.stages["math"].phases] == [384, 464]
+
+
+def test_sft_env_weights_draw_examples_in_proportion():
+    """`sft.envs` as a mapping {env: weight}: reference answers drawn in those proportions (0: never)."""
+    from train.sft import reference_pairs
+
+    pairs = reference_pairs(["toy/max", "toy/add", "gym/catalan"], 400, seed=3, weights=[3.0, 1.0, 0.0], think=False)
+    maxes = sum(p.startswith("max ") for p, _ in pairs)
+    adds = sum("+" in p.split("\n")[0] for p, _ in pairs)
+    assert maxes + adds == 400 and 260 <= maxes <= 340  # 300 expected
+    with pytest.raises(ValueError, match="one per environment"):
+        reference_pairs(["toy/max"], 1, weights=[1.0, 2.0])
+
+
+def test_toy_max_ladder_never_gets_easier():
+    """toy/max: digits up to difficulty 3, then wider numbers every 4 levels, so 'the top value' stops paying."""
+    from envs.base import get_env
+
+    env = get_env("toy/max")
+    for d, hi in ((0, 9), (3, 9), (4, 99), (7, 99), (8, 999)):
+        xs = [int(x) for s in range(50) for x in env.generate(s, d).prompt.split("\n")[0].split()[1:]]
+        assert max(xs) <= hi and len(xs) == 50 * (2 + d)
+        if hi > 9:
+            assert max(xs) > 9
+    nines = sum(env.generate(s, 21).answer == 9 for s in range(200))
+    assert nines == 0  # digits only, 9 would win ~91% at d = 21
