@@ -5,9 +5,8 @@ difficulty ends above its start on at least half of its environments.
 The bounds sit below the worst of the seeds measured with this profile (README, "The tiny cascade":
 warm-up +0.75/+0.93, behavior +0.11/+0.05, RLVE rose on 3 of 3 on every seed), so the test fails
 when a change stops the recipe teaching, not when a seed is unlucky. The math stage is not held to a
-rise: on every measured seed its held-out avg@4 stayed flat (the tiny policy's toy/add answers are
-near-deterministic after the warm-up, so its groups agree and dynamic sampling drops them). One run
-of the whole profile: 6-10 minutes on 2 cores."""
+rise: on every measured seed its held-out avg@4 stayed flat (README says what was measured and why).
+One run of the whole profile: 6-10 minutes on 2 cores."""
 import json
 import os
 import subprocess
