@@ -11,10 +11,14 @@ PANELS = (("reward_mean", "reward"), ("accuracy", "accuracy (train rollouts)"), 
           ("held_out", "held-out avg@k"))
 
 
+def _levels(v: dict) -> list[float]:
+    """Each environment's level in a ``difficulty`` mapping (those that have one)."""
+    return [x for x in (_difficulty(y) for y in v.values()) if x is not None]
+
+
 def _difficulty(v) -> float | None:
     if isinstance(v, dict):
-        vals = [_difficulty(x) for x in v.values()]
-        vals = [x for x in vals if x is not None]
+        vals = _levels(v)
         return max(vals) if vals else None
     if isinstance(v, (list, tuple)) and v:  # an RLVE window [low, high]
         return float(max(v))
@@ -22,10 +26,7 @@ def _difficulty(v) -> float | None:
 
 
 def _mean_difficulty(v) -> float | None:
-    if not isinstance(v, dict) or not v:
-        return None
-    vals = [_difficulty(x) for x in v.values()]
-    vals = [x for x in vals if x is not None]
+    vals = _levels(v) if isinstance(v, dict) else []
     return sum(vals) / len(vals) if vals else None
 
 

@@ -416,7 +416,7 @@ class StageRunner:
     @staticmethod
     def track_difficulty(state: dict, now: dict) -> None:
         """The highest level each environment reached during the stage, in ``state["difficulty_max"]``."""
-        top = state.setdefault("difficulty_max", {})
+        top = state["difficulty_max"]  # set from the start levels when the stage starts
         for e, v in now.items():
             top[e] = max(top.get(e, 0), level(v))
 
