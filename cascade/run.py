@@ -96,7 +96,14 @@ def _initial_model(cfg, out: Path) -> Path:
 
         p = resolve_model(cfg.model)  # a local directory wins; else a Hub id through the HF cache (offline rules)
 
-        check_loadable(p)  # fails now, with a one-line error, if the path is not a checkpoint the backend loads
+        # fails now, with a one-line error, if the path is not a checkpoint the backend loads
+        if check_loadable(p) is None and cfg.trainer.distributed:  # the transformers fallback: not on the ranks
+            from train.model.hf_io import fallback_architecture
+
+            t = cfg.trainer
+            raise ValueError(f"model={cfg.model} ({fallback_architecture(p)}) would load through the transformers "
+                             f"fallback, which the sharded trainer ranks (trainer.nproc={t.nproc}, trainer.nnodes="
+                             f"{t.nnodes}) cannot run; use trainer.nproc=1 (and trainer.nnodes=1)")
         return p
     init = out / "init-model"
     if not (init / "COMPLETE").exists():

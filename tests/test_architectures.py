@@ -167,11 +167,15 @@ def test_init_model_presets_for_llama_and_qwen2(preset, kind, tmp_path):
         assert (back(ids).logits - model(ids)).abs().max().item() < 1e-4
 
 
-def test_tsp_refuses_other_families():
+def test_tsp_takes_qwen2_and_llama():
+    """TSP shards Qwen2's q/k/v biases and Llama's RoPE scaling (parity: tests/test_parallel.py); what it
+    still refuses is a head count it cannot split."""
     from train.parallel.tsp import check_tsp_config
 
-    with pytest.raises(ValueError, match="Qwen3"):
-        check_tsp_config(ModelConfig(architecture="llama"), 1)
+    check_tsp_config(ModelConfig(architecture="qwen2", attention_bias=True), 2)
+    check_tsp_config(ModelConfig(architecture="llama", attention_bias=True, rope_scaling=LLAMA3_ROPE), 2)
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        check_tsp_config(ModelConfig(architecture="llama", num_attention_heads=6, num_key_value_heads=2), 4)
 
 
 # -- the transformers fallback (GPT-2 built locally) ---------------------------------------------------
@@ -201,6 +205,26 @@ def test_fallback_is_refused_by_default_and_taken_on_request(gpt2_dir, monkeypat
     assert isinstance(load_pretrained(path.parent / "llama", backend="transformers"), TransformersCausalLM)
     with pytest.raises(ValueError, match="backend"):
         load_pretrained(path, backend="vllm")
+
+
+def test_distributed_trainer_refuses_a_fallback_policy_before_launching_ranks(gpt2_dir, tmp_path):
+    """`cascade run model=GPT2_DIR model_backend=auto trainer.nproc=2` fails at once, in one line naming the
+    architecture and trainer.nproc=1, before any trainer rank starts (no exchange directory, no trainer log):
+    the sharded ranks cannot shard the transformers fallback."""
+    import subprocess
+    import sys
+
+    path, _ = gpt2_dir
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "CASCADE_MODEL_BACKEND"}
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "cascade", "run", f"model={path}", "stage=rlve", "profile=tiny", "steps=1",
+                        f"out={out}", "logging.progress=false", "model_backend=auto", "trainer.nproc=2"],
+                       capture_output=True, text=True, cwd=root, env=env, timeout=300)
+    err = r.stderr.strip()
+    assert r.returncode == 2 and len(err.splitlines()) == 1, r.stderr
+    assert "gpt2" in err and "transformers fallback" in err and "trainer.nproc=1" in err, err
+    assert not (out / "exchange").exists() and not list(out.glob("stages/*/logs/trainer.log"))
 
 
 def test_fallback_logits_padding_and_packed_logprobs_match_transformers(gpt2_dir):

@@ -3,7 +3,8 @@
 One gloo process group is spawned per world size (2 and 4); every check runs inside it and the
 ranks return their largest deviations to the parent, which asserts. fp32 throughout; forward
 logits and EVERY parameter gradient (gathered) must match within 1e-5 (one bf16 check: the fp32
-residual stream, :func:`_check_bf16_residual`).
+residual stream, :func:`_check_bf16_residual`). Families: Qwen3 dense and MoE, Qwen2 (q/k/v biases, no
+q/k norm) and Llama 3 (llama3 RoPE scaling, biases on all four projections).
 """
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ EPS = 1e-4
 T = 13  # not a multiple of 2D for D = 2, 4
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8}  # with head_dim 8: two of four frequencies scaled, one smoothed
+
+
 def _cfgs():
     from train.model.config import ModelConfig
 
@@ -30,13 +35,25 @@ def _cfgs():
     dense = ModelConfig(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, **base)
     moe = ModelConfig(num_attention_heads=8, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=18, mlp_only_layers=[0], **base)  # layer 0 dense, layer 1 MoE
-    return {"dense": dense, "moe": moe}
+    # Qwen2: q/k/v biases, no o_proj bias, no q/k norm (2 kv heads: broadcast with their biases at D = 4)
+    qwen2 = ModelConfig(architecture="qwen2", attention_bias=True, num_attention_heads=4, num_key_value_heads=2, **base)
+    # Llama 3: no q/k norm, llama3 RoPE scaling, and (attention_bias) biases on all four projections
+    llama3 = ModelConfig(architecture="llama", attention_bias=True, rope_scaling=LLAMA3_ROPE, num_attention_heads=8,
+                         num_key_value_heads=4, tie_word_embeddings=True, **base)
+    return {"dense": dense, "moe": moe, "qwen2": qwen2, "llama3": llama3}
 
 
 def _model(cfg, seed=0):
+    """The test model, biases random too (``init_weights`` zeroes them, which would hide their gradients)."""
     from train.model.modeling import CausalLM
 
-    return CausalLM(cfg).init_weights(seed, std=0.2)
+    m = CausalLM(cfg).init_weights(seed, std=0.2)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return m
 
 
 def _batch(seed=1, B=2):
@@ -95,12 +112,16 @@ def _check_tsp(W, out):
                 out[key + ".logprobs"] = err.abs().max().item()
 
 
+def _tp_cfgs(W):
+    """The configs TP runs at world size W (Megatron: kv heads divisible by W)."""
+    return {n: c for n, c in _cfgs().items() if n != "dense" and c.num_key_value_heads % W == 0}
+
+
 def _check_tp(W, out):
     from train.parallel.tp import TPCausalLM
 
-    cfg = _cfgs()["moe"]
-    for sp in (False, True):
-        key = f"{'sp' if sp else 'tp'}{W}.moe"
+    for (name, cfg), sp in ((nc, sp) for nc in _tp_cfgs(W).items() for sp in (False, True)):
+        key = f"{'sp' if sp else 'tp'}{W}.{name}"
         ref = _model(cfg)
         ids, lm = _batch()
         loss, logits = _ref_loss(ref, ids, lm)
@@ -132,7 +153,7 @@ def _check_bf16_residual(W, out):
     from train.parallel.tp import TPCausalLM
     from train.parallel.tsp import TSPCausalLM
 
-    for name, cfg in _cfgs().items():
+    for name, cfg in ((n, _cfgs()[n]) for n in ("dense", "moe")):
         ids, _ = _batch()
         with torch.no_grad():
             want = _big_embedding_bf16(cfg, True).float()(ids)
@@ -250,7 +271,7 @@ def _values(results, prefix):
 @pytest.mark.timeout(300)
 def test_tsp_matches_single_process(results):
     W, vals = _values(results, "tsp")
-    assert len(vals) == 2 * 2 * 4, vals  # dense/moe x causal/mask x logits/loss/grads/logprobs
+    assert len(vals) == 4 * 2 * 4, vals  # dense/moe/qwen2/llama3 x causal/mask x logits/loss/grads/logprobs
     bad = {k: v for k, v in vals.items() if not v < TOL}
     assert not bad, bad
 
@@ -258,7 +279,7 @@ def test_tsp_matches_single_process(results):
 @pytest.mark.timeout(300)
 def test_tp_and_sp_match_single_process(results):
     W, vals = _values(results, ("tp", "sp"))
-    assert len(vals) == 6, vals
+    assert len(vals) == len(_tp_cfgs(W)) * 2 * 3, vals  # configs x TP/TP+SP x logits/loss/grads
     bad = {k: v for k, v in vals.items() if not v < TOL}
     assert not bad, bad
 

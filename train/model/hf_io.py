@@ -304,6 +304,127 @@ def stream_into(model: CausalLM, files: list[Path]) -> None:
         raise CheckpointError(f"weights do not match the config: missing {missing[:8]}, unexpected {sorted(extra)[:8]}")
 
 
+class CheckpointSlices:
+    """An HF checkpoint directory as a weight source for the sharded layouts
+    (:class:`train.parallel.tsp.TSPCausalLM`, :class:`train.parallel.tp.TPCausalLM`):
+    ``read(name, *index)`` returns ``tensor[index]`` of Cascade's in-memory tensor ``name`` (one slice
+    per leading dim, step 1) in ``dtype`` on ``device``, reading only those elements from the
+    safetensors files (``get_slice``), so a rank never materialises a full sharded parameter.
+
+    Names follow :func:`stream_into`: experts per expert on disk (``mlp.experts.{e}.gate_proj.weight``,
+    stacked here slice by slice) or fused (``mlp.experts.gate_up_proj``); ``rotary_emb.inv_freq`` is
+    skipped and with tied embeddings ``lm_head.weight`` is never read. Strict as :func:`stream_into`:
+    a missing parameter, a stray name or a shape unlike the config's is a :class:`CheckpointError`
+    when the reader is made. ``nbytes_read`` counts the bytes of every slice read."""
+
+    def __init__(self, path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 backend: str | None = None):
+        cfg = check_loadable(path, backend)
+        if cfg is None:
+            from train.parallel.shard import FALLBACK_REFUSAL
+
+            raise ValueError(FALLBACK_REFUSAL.format(arch=fallback_architecture(path)))
+        self.config, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.nbytes_read = 0
+        with torch.device("meta"):
+            shapes = {k: tuple(v.shape) for k, v in CausalLM(cfg).state_dict().items()}
+        if cfg.tie_word_embeddings:
+            shapes.pop("lm_head.weight", None)
+        self.shapes = shapes
+        self._files: dict[str, object] = {}  # file -> open safetensors handle
+        self._plain: dict[str, tuple[str, str]] = {}  # our name -> (file, key)
+        self._experts: dict[str, dict[tuple[int, str], tuple[str, str]]] = {}  # fused name -> (e, part) -> (file, key)
+        extra: list[str] = []
+        E = cfg.num_experts
+        for f in _weight_files(Path(path)):
+            try:
+                h = self._files[str(f)] = safe_open(str(f), framework="pt", device="cpu")
+                keys = list(h.keys())
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"corrupt weight file {str(f)!r}: {e}") from None
+            for k in keys:
+                if k.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and k == "lm_head.weight"):
+                    continue
+                m = _EXPERT.match(k)
+                if m:
+                    prefix, e, part = m.group(1), int(m.group(2)), m.group(3)
+                    name = f"{prefix}.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"
+                    if name not in shapes or e >= E:
+                        extra.append(k)
+                        continue
+                    full = shapes[name][1:]
+                    want = full if part == "down_proj" else (full[0] // 2, full[1])
+                    self._check_shape(str(f), k, want)
+                    self._experts.setdefault(name, {})[(e, part)] = (str(f), k)
+                elif k in shapes:
+                    self._check_shape(str(f), k, shapes[k])
+                    self._plain[k] = (str(f), k)
+                else:
+                    extra.append(k)
+        for name, got in self._experts.items():
+            need = E * (1 if name.endswith("down_proj") else 2)
+            if len(got) != need and name not in self._plain:
+                raise CheckpointError(f"{name}: {len(got)} of {need} per-expert tensors in the checkpoint")
+        missing = sorted(set(shapes) - set(self._plain) - set(self._experts))
+        if missing or extra:
+            raise CheckpointError(f"weights do not match the config: missing {missing[:8]}, unexpected {sorted(extra)[:8]}")
+
+    def _check_shape(self, f: str, k: str, want: tuple) -> None:
+        got = tuple(self._files[f].get_slice(k).get_shape())
+        if got != tuple(want):
+            raise CheckpointError(f"shape mismatch for {k}: checkpoint {got} vs model {tuple(want)}")
+
+    def _get(self, f: str, k: str, index: tuple) -> torch.Tensor:
+        t = self._files[f].get_slice(k)[index]
+        self.nbytes_read += t.numel() * t.element_size()
+        return t
+
+    def read(self, name: str, *index: slice) -> torch.Tensor:
+        shape = self.shapes[name]
+        idx = [slice(*sl.indices(n)[:2]) for sl, n in zip(index, shape)]
+        if any(sl.step not in (None, 1) for sl in index):
+            raise ValueError("CheckpointSlices.read takes slices of step 1")
+        idx += [slice(0, n) for n in shape[len(idx):]]
+        if name in self._plain:
+            t = self._get(*self._plain[name], tuple(idx))
+        elif name.endswith("gate_up_proj"):  # per expert: rows [a, b) of gate rows then up rows
+            (e0, e1), (a, b), rest = idx[0].indices(shape[0])[:2], idx[1].indices(shape[1])[:2], tuple(idx[2:])
+            half = shape[1] // 2
+            per = []
+            for e in range(e0, e1):
+                parts = []
+                if a < half and min(b, half) > a:
+                    parts.append(self._get(*self._experts[name][(e, "gate_proj")], (slice(a, min(b, half)),) + rest))
+                if b > half and b > max(a, half):
+                    parts.append(self._get(*self._experts[name][(e, "up_proj")],
+                                           (slice(max(a, half) - half, b - half),) + rest))
+                per.append(torch.cat(parts, 0) if parts else None)
+            t = self._stack(per, idx, shape)
+        else:  # down_proj per expert
+            e0, e1 = idx[0].indices(shape[0])[:2]
+            t = self._stack([self._get(*self._experts[name][(e, "down_proj")], tuple(idx[1:])) for e in range(e0, e1)],
+                            idx, shape)
+        return t.to(device=self.device, dtype=self.dtype)
+
+    @staticmethod
+    def _stack(per: list, idx: list, shape: tuple) -> torch.Tensor:
+        if per and all(p is not None for p in per):
+            return torch.stack(per)
+        return torch.empty([len(range(*sl.indices(n))) for sl, n in zip(idx, shape)])
+
+    def close(self) -> None:
+        self._files.clear()
+
+
+def fallback_architecture(path: str | Path) -> str:
+    """The ``model_type`` (else the ``architectures``) named by ``path``'s config.json, for messages."""
+    try:
+        d = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "unknown architecture"
+    return str(d.get("model_type") or (d.get("architectures") or ["unknown architecture"])[0])
+
+
 def write_weights(sd: dict[str, torch.Tensor], path: str | Path, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> list[str]:
     """Write ``sd`` as ``model.safetensors``, or, when larger than ``max_shard_size``, as shards
     ``model-0000i-of-0000n.safetensors`` (tensors in order, a new shard when the next tensor would not

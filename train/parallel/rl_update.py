@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -188,10 +189,18 @@ def check_mesh(world: int, dp: int, tsp: int) -> None:
 class RLUpdater:
     """RL optimizer steps of ``model`` on a ``dp x tsp`` mesh over the default process group
     (rank = d * tsp + t). ``model`` is the full fp32 policy on this rank's device, identical on
-    every rank; with ``tsp == 1`` it is trained in place, else its TSP shards are copied.
+    every rank (with ``tsp == 1`` it is trained in place, else its TSP shards are copied), or the
+    path of an HF checkpoint, loaded on ``device``: whole with ``tsp == 1``, else only this rank's
+    TSP slices are read (:class:`train.model.hf_io.CheckpointSlices`; the full model is never built).
     Every rank calls every method (they are collective)."""
 
-    def __init__(self, model: CausalLM, cfg: RLUpdateConfig, tsp: int = 1, dp: int | None = None):
+    def __init__(self, model: CausalLM | str | Path, cfg: RLUpdateConfig, tsp: int = 1, dp: int | None = None,
+                 device: str | torch.device | None = None):
+        if isinstance(model, (str, Path)):
+            from train.model.hf_io import CheckpointSlices, load_pretrained
+
+            dev = torch.device(device or "cpu")
+            model = CheckpointSlices(model, device=dev) if tsp > 1 else load_pretrained(model, device=dev)
         world = dist.get_world_size()
         dp = world // tsp if dp is None else dp
         check_mesh(world, dp, tsp)
@@ -242,15 +251,15 @@ class RLUpdater:
     def _load_reference(self, path: str) -> dict[str, torch.Tensor]:
         """This rank's shards of the HF checkpoint at ``path``, sharded exactly as the policy."""
         from envs.hub import resolve_model
-        from train.model.hf_io import load_pretrained
+        from train.model.hf_io import CheckpointSlices, load_pretrained
 
         path = resolve_model(path, "KL reference")  # a directory, or a Hub id's snapshot in the HF cache
-        model = load_pretrained(path, dtype=DTYPES[self.cfg.dtype], device=self.device)  # the compute dtype
-        if self.tsp > 1:
-            check_tsp_config(model.config, self.tsp)
-            shards = {n: p.data for n, p in TSPCausalLM(model, self.tsp_group).named_shards().items()}
+        dtype = DTYPES[self.cfg.dtype]  # the compute dtype
+        if self.tsp > 1:  # only this rank's slices are read
+            src = CheckpointSlices(path, dtype=dtype, device=self.device)
+            shards = {n: p.data for n, p in TSPCausalLM(src, self.tsp_group).named_shards().items()}
         else:
-            shards = {n: p.data for n, p in model.named_parameters()}
+            shards = {n: p.data for n, p in load_pretrained(path, dtype=dtype, device=self.device).named_parameters()}
         if set(shards) != set(self.shards) or any(shards[n].shape != p.shape for n, p in self.shards.items()):
             raise ValueError(f"kl_reference {path} does not have the policy's architecture (parameter names or "
                              "shapes differ)")

@@ -1,6 +1,7 @@
 """Shared helpers for the sharded layouts: uneven splits, process-group meshes, RMSNorm as a
-function, and the expert partial product used by TSP and TP (experts sliced along their
-intermediate dim)."""
+function, the expert partial product used by TSP and TP (experts sliced along their
+intermediate dim), and the weight sources a sharded model reads its slices from (a full model in
+memory, or a checkpoint read slice by slice: :class:`train.model.hf_io.CheckpointSlices`)."""
 from __future__ import annotations
 
 import torch
@@ -51,15 +52,45 @@ def expert_partial(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up:
     return torch.zeros_like(x).index_add_(0, token, y)
 
 
-def expert_slice(gate_up: torch.Tensor, down: torch.Tensor, off: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slice [off, off+size) of every expert's intermediate dim from full stacked weights."""
-    inter = down.shape[-1]
-    gu = torch.cat([gate_up[:, off:off + size], gate_up[:, inter + off:inter + off + size]], 1)
-    return gu, down[:, :, off:off + size]
+FALLBACK_REFUSAL = ("the sharded core (trainer.nproc > 1, TSP, TP) cannot shard a model loaded through the "
+                    "transformers fallback ({arch}); use trainer.nproc=1")
+
+
+class StateDictSource:
+    """A full state dict (Cascade's names) as a weight source: ``read(name, *index)`` is
+    ``sd[name][index]`` (a view). :class:`train.model.hf_io.CheckpointSlices` reads the same
+    slices from a checkpoint without materialising the rest."""
+
+    def __init__(self, config, sd: dict[str, torch.Tensor]):
+        self.config, self.sd = config, sd
+
+    def read(self, name: str, *index: slice) -> torch.Tensor:
+        return self.sd[name][index]
+
+
+def weight_source(model_or_source):
+    """The weight source of a sharded model's constructor: a :class:`CausalLM` (its weights, read as
+    slices of its state dict) or a source already (anything with ``config`` and ``read``)."""
+    if isinstance(model_or_source, nn.Module):
+        if getattr(model_or_source, "is_transformers_fallback", False):
+            arch = getattr(model_or_source.config, "model_type", type(model_or_source).__name__)
+            raise ValueError(FALLBACK_REFUSAL.format(arch=arch))
+        return StateDictSource(model_or_source.config,
+                               {k: v.detach() for k, v in model_or_source.state_dict().items()})
+    return model_or_source
+
+
+def read_expert_slice(src, prefix: str, off: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slice [off, off+size) of every expert's intermediate dim of ``prefix + "gate_up_proj"`` (its gate
+    rows, then its up rows) and ``"down_proj"``, read from a weight source (only those rows and columns)."""
+    inter, every = src.config.moe_intermediate_size, slice(None)
+    gate = src.read(prefix + "gate_up_proj", every, slice(off, off + size))
+    up = src.read(prefix + "gate_up_proj", every, slice(inter + off, inter + off + size))
+    return torch.cat([gate, up], 1), src.read(prefix + "down_proj", every, every, slice(off, off + size))
 
 
 def join_gate_up(gate_ups: list[torch.Tensor]) -> torch.Tensor:
-    """Full stacked ``gate_up_proj`` from the slices made by :func:`expert_slice`, in order
+    """Full stacked ``gate_up_proj`` from the slices made by :func:`read_expert_slice`, in order
     (``down_proj`` slices simply concatenate along dim 2)."""
     gates = [g[:, :g.shape[1] // 2] for g in gate_ups]
     ups = [g[:, g.shape[1] // 2:] for g in gate_ups]

@@ -7,6 +7,10 @@ the full, replicated sequence. MoE experts are sliced along the intermediate dim
 router is replicated and its weights enter the TP region through ``copy_to_tp``. The embedding
 and LM head are vocab-parallel, and the loss is a vocab-parallel cross-entropy, so no rank ever
 materialises full-vocabulary logits. Requires ``num_key_value_heads % D == 0`` (as Megatron).
+Qwen3, Qwen2 and Llama: q/k/v biases are column-parallel with their rows, an o_proj bias (Llama with
+``attention_bias``) is replicated and added after the reduction, q/k norm only where the family has
+it, RoPE with the config's scaling. Built from a full :class:`CausalLM` or, reading only this rank's
+slices of a checkpoint, from :class:`train.model.hf_io.CheckpointSlices` (:func:`tp_from_pretrained`).
 
 TP+SP: the same, except that between TP regions the activations are split along the sequence:
 ``all_gather_seq`` (backward reduce-scatter) replaces ``copy_to_tp`` and ``reduce_scatter_seq``
@@ -24,7 +28,9 @@ import torch.nn.functional as F
 
 from train.model.modeling import CausalLM, Router, apply_rope, rope_cos_sin
 from train.parallel import comm
-from train.parallel.shard import ShardedLM, all_reduce_grads, expert_partial, expert_slice, rms_norm, split_range
+from train.parallel.shard import (ShardedLM, StateDictSource, all_reduce_grads, expert_partial, read_expert_slice,
+                                  rms_norm, split_range, weight_source)
+from train.parallel.tsp import ZAYA_REFUSAL
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group, vocab_offset: int) -> torch.Tensor:
@@ -42,53 +48,62 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, gro
 
 
 class TPCausalLM(ShardedLM):
-    """The policy sharded over ``group`` in the Megatron TP layout (``sequence_parallel`` for TP+SP)."""
+    """The policy sharded over ``group`` in the Megatron TP layout (``sequence_parallel`` for TP+SP).
+    ``model``: a full :class:`CausalLM` or a weight source (:class:`train.model.hf_io.CheckpointSlices`:
+    only this rank's slices are read, :func:`tp_from_pretrained`), sliced by the same code."""
 
-    def __init__(self, model: CausalLM, group=None, sequence_parallel: bool = False):
-        super().__init__(model.config, group)
+    def __init__(self, model: CausalLM | StateDictSource, group=None, sequence_parallel: bool = False):
+        src = weight_source(model)
+        super().__init__(src.config, group)
         cfg, D, r = self.config, self.D, self.rank
         self.sp = sequence_parallel
-        if cfg.attention_bias:
-            raise ValueError("TP baseline does not support attention_bias=True")
-        if cfg.architecture != "qwen3" or cfg.rope_scaling:
-            raise ValueError(f"TP baseline supports Qwen3 / Qwen3-MoE with plain RoPE only, not {cfg.architecture} / rope_scaling")
+        if cfg.architecture == "zaya":
+            raise ValueError(ZAYA_REFUSAL)
         if cfg.num_attention_heads % D or cfg.num_key_value_heads % D:
             raise ValueError(f"TP needs num_attention_heads ({cfg.num_attention_heads}) and num_key_value_heads "
                              f"({cfg.num_key_value_heads}) divisible by D={D}")
         d = cfg.head_dim
         self.hq, self.kvh = cfg.num_attention_heads // D, cfg.num_key_value_heads // D
-        full = {k: v.detach() for k, v in model.state_dict().items()}
+        add, read = self._add, src.read
         vo, vn = split_range(cfg.vocab_size, D, r)
         self.vocab_offset = vo
-        self._add("model.embed_tokens.weight", full["model.embed_tokens.weight"][vo:vo + vn], "row")
+        add("model.embed_tokens.weight", read("model.embed_tokens.weight", slice(vo, vo + vn)), "row")
         if not cfg.tie_word_embeddings:
-            self._add("lm_head.weight", full["lm_head.weight"][vo:vo + vn], "row")
-        self._add("model.norm.weight", full["model.norm.weight"], "rep")
+            add("lm_head.weight", read("lm_head.weight", slice(vo, vo + vn)), "row")
+        add("model.norm.weight", read("model.norm.weight"), "rep")
+        norms = ("input_layernorm", "post_attention_layernorm") + (("self_attn.q_norm", "self_attn.k_norm")
+                                                                   if cfg.qk_norm else ())
         self._routers = {}
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
-            for n in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
-                self._add(p + n + ".weight", full[p + n + ".weight"], "rep")
+            for n in norms:
+                add(p + n + ".weight", read(p + n + ".weight"), "rep")
             q = slice(r * self.hq * d, (r + 1) * self.hq * d)
             kv = slice(r * self.kvh * d, (r + 1) * self.kvh * d)
-            self._add(p + "self_attn.q_proj.weight", full[p + "self_attn.q_proj.weight"][q], "row")
-            self._add(p + "self_attn.k_proj.weight", full[p + "self_attn.k_proj.weight"][kv], "row")
-            self._add(p + "self_attn.v_proj.weight", full[p + "self_attn.v_proj.weight"][kv], "row")
-            self._add(p + "self_attn.o_proj.weight", full[p + "self_attn.o_proj.weight"][:, q], "col")
+            add(p + "self_attn.q_proj.weight", read(p + "self_attn.q_proj.weight", q), "row")
+            add(p + "self_attn.k_proj.weight", read(p + "self_attn.k_proj.weight", kv), "row")
+            add(p + "self_attn.v_proj.weight", read(p + "self_attn.v_proj.weight", kv), "row")
+            add(p + "self_attn.o_proj.weight", read(p + "self_attn.o_proj.weight", slice(None), q), "col")
+            if cfg.attention_bias:  # column-parallel biases go with their rows
+                add(p + "self_attn.q_proj.bias", read(p + "self_attn.q_proj.bias", q), "row")
+                add(p + "self_attn.k_proj.bias", read(p + "self_attn.k_proj.bias", kv), "row")
+                add(p + "self_attn.v_proj.bias", read(p + "self_attn.v_proj.bias", kv), "row")
+            if cfg.o_proj_bias:  # the row-parallel o_proj's bias: added once, after the reduction
+                add(p + "self_attn.o_proj.bias", read(p + "self_attn.o_proj.bias"), "rep")
             if cfg.layer_is_moe(i):
-                self._add(p + "mlp.gate.weight", full[p + "mlp.gate.weight"], "rep")
+                add(p + "mlp.gate.weight", read(p + "mlp.gate.weight"), "rep")
                 io, isz = split_range(cfg.moe_intermediate_size, D, r)
-                gu, dn = expert_slice(full[p + "mlp.experts.gate_up_proj"], full[p + "mlp.experts.down_proj"], io, isz)
-                self._add(p + "mlp.experts.gate_up_proj", gu, "expert_gate_up")
-                self._add(p + "mlp.experts.down_proj", dn, "expert_down")
+                gu, dn = read_expert_slice(src, p + "mlp.experts.", io, isz)
+                add(p + "mlp.experts.gate_up_proj", gu, "expert_gate_up")
+                add(p + "mlp.experts.down_proj", dn, "expert_down")
                 router = Router(cfg)
                 router.weight = self._p[p + "mlp.gate.weight"]
                 self._routers[i] = router
             else:
                 io, isz = split_range(cfg.intermediate_size, D, r)
                 for n in ("gate_proj", "up_proj"):
-                    self._add(p + f"mlp.{n}.weight", full[p + f"mlp.{n}.weight"][io:io + isz], "row")
-                self._add(p + "mlp.down_proj.weight", full[p + "mlp.down_proj.weight"][:, io:io + isz], "col")
+                    add(p + f"mlp.{n}.weight", read(p + f"mlp.{n}.weight", slice(io, io + isz)), "row")
+                add(p + "mlp.down_proj.weight", read(p + "mlp.down_proj.weight", slice(None), slice(io, io + isz)), "col")
 
     # regions: enter (replicated or sequence-sharded -> full sequence), leave (partial sums -> back)
     def _enter(self, x):
@@ -100,18 +115,22 @@ class TPCausalLM(ShardedLM):
     def _attention(self, i, h, cos, sin):
         cfg, p = self.config, f"model.layers.{i}.self_attn."
         d, eps = cfg.head_dim, cfg.rms_norm_eps
+        bias = (lambda n: self._p[p + n + ".bias"]) if cfg.attention_bias else (lambda n: None)  # noqa: E731
         x = self._enter(h)  # [T, B, H]
         T, B, _ = x.shape
-        q = rms_norm(F.linear(x, self._p[p + "q_proj.weight"]).view(T, B, self.hq, d), self._p[p + "q_norm.weight"], eps)
-        k = rms_norm(F.linear(x, self._p[p + "k_proj.weight"]).view(T, B, self.kvh, d), self._p[p + "k_norm.weight"], eps)
-        v = F.linear(x, self._p[p + "v_proj.weight"]).view(T, B, self.kvh, d)
+        q = F.linear(x, self._p[p + "q_proj.weight"], bias("q_proj")).view(T, B, self.hq, d)
+        k = F.linear(x, self._p[p + "k_proj.weight"], bias("k_proj")).view(T, B, self.kvh, d)
+        if cfg.qk_norm:
+            q, k = rms_norm(q, self._p[p + "q_norm.weight"], eps), rms_norm(k, self._p[p + "k_norm.weight"], eps)
+        v = F.linear(x, self._p[p + "v_proj.weight"], bias("v_proj")).view(T, B, self.kvh, d)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [B, heads, T, d]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.hq != self.kvh:
             k, v = k.repeat_interleave(self.hq // self.kvh, 1), v.repeat_interleave(self.hq // self.kvh, 1)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         o = o.permute(2, 0, 1, 3).reshape(T, B, self.hq * d)
-        return self._leave(F.linear(o, self._p[p + "o_proj.weight"]))
+        out = self._leave(F.linear(o, self._p[p + "o_proj.weight"]))
+        return out + self._p[p + "o_proj.bias"] if cfg.o_proj_bias else out
 
     def _mlp(self, i, h):
         p = f"model.layers.{i}.mlp."
@@ -146,7 +165,8 @@ class TPCausalLM(ShardedLM):
             inside = (ids >= off) & (ids < off + n)
             x = F.embedding((ids - off).clamp(0, n - 1), emb) * inside.unsqueeze(-1).to(emb.dtype)
             x = self._leave(x)
-        cos, sin = rope_cos_sin(torch.arange(Tp, device=ids.device)[None], cfg.head_dim, cfg.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(torch.arange(Tp, device=ids.device)[None], cfg.rope_dim, cfg.rope_theta, x.dtype,
+                                cfg.rope_scaling)
         dt = x.dtype  # the blocks compute in the weights' dtype; the residual stream may be fp32 (as CausalLM)
         if cfg.fp32_residual:
             x = x.float()
@@ -187,3 +207,11 @@ class TPCausalLM(ShardedLM):
         names = [n for n, k in self.kinds.items() if k == "rep" and (self.sp or n.endswith(("q_norm.weight",
                                                                                              "k_norm.weight")))]
         all_reduce_grads([self._p[n] for n in names], self.group)
+
+
+def tp_from_pretrained(path, group=None, sequence_parallel: bool = False, dtype=torch.float32,
+                       device="cpu") -> TPCausalLM:
+    """This rank's TP (TP+SP) shards of the HF checkpoint at ``path``: only the rank's slices are read."""
+    from train.model.hf_io import CheckpointSlices
+
+    return TPCausalLM(CheckpointSlices(path, dtype=dtype, device=device), group, sequence_parallel)

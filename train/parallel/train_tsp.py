@@ -99,10 +99,9 @@ def batches(path: str | None, vocab: int, seq: int, batch: int, seed: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from train.model.hf_io import load_pretrained
     from train.parallel.dp import ZeroAdamW
     from train.parallel.shard import make_mesh
-    from train.parallel.tsp import TSPCausalLM
+    from train.parallel.tsp import tsp_from_pretrained
 
     ap = argparse.ArgumentParser(prog="train_tsp", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
@@ -131,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     D = world // a.dp
     tsp_group, dp_group = make_mesh(a.dp, D) if a.dp > 1 else (None, None)
     out = Path(a.out)
-    model = TSPCausalLM(load_pretrained(a.model, device=device), tsp_group, dp_group)
+    model = tsp_from_pretrained(a.model, tsp_group, dp_group, device=device)  # this rank's slices only
     dp_rank = rank // D
     opt = ZeroAdamW(model.parameters(), dp_group, lr=a.lr, weight_decay=0.0, reduce_grads=False) if dp_group \
         else torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)

@@ -16,6 +16,10 @@ Weights:
   For each group j the bundles are broadcast (:func:`comm.broadcast_apply`), every rank projects
   its own tokens, K/V are all-gathered along the sequence (zigzag order restored to global
   order), local queries attend, and the matching o_proj shard's output is accumulated locally.
+  Families: Qwen3 (q/k RMSNorm), Qwen2 and Llama (no q/k norm). With ``attention_bias`` the q/k/v
+  biases are sharded with their rows and travel in the same bundles (a kv head broadcast to other
+  groups carries its bias); an o_proj bias (Llama) is replicated and added once to each local
+  token's summed output. RoPE uses the config's scaling (``linear``, ``llama3``) at global positions.
 * Dense MLP: rank j owns a slice of the intermediate dim (gate/up rows, down columns); the
   slices travel around a ring (:func:`comm.ring_apply`) and partial outputs are summed locally.
 * MoE experts: sliced the same way - rank j owns a slice of EVERY expert's intermediate dim (not
@@ -25,9 +29,14 @@ Weights:
 * Embedding and LM head: vocab-sharded (rows), also circulated on the ring; the LM head ring
   concatenates the shards' logits so each rank gets full-vocabulary fp32 logits for its tokens.
   Tied embeddings use the same shard for both.
-* Replicated (small): RMSNorm weights (input/post-attention/final, q_norm, k_norm) and MoE
-  routers. Each rank's gradient covers only its tokens, so :meth:`TSPCausalLM.sync_grads`
+* Replicated (small): RMSNorm weights (input/post-attention/final, q_norm, k_norm), o_proj biases
+  and MoE routers. Each rank's gradient covers only its tokens, so :meth:`TSPCausalLM.sync_grads`
   all-reduces them with SUM.
+
+Loading: the constructor reads every shard from a weight source - a full :class:`CausalLM` (its
+state dict, sliced) or :class:`train.model.hf_io.CheckpointSlices`, which reads only this rank's
+slices from the safetensors files (:func:`tsp_from_pretrained`); the slicing code is the same.
+zaya is refused (:data:`ZAYA_REFUSAL`), and so is a transformers-fallback model.
 
 The loss is partitioned: each rank's loss covers its own tokens, normalised by the GLOBAL count,
 so the ranks' losses sum to the single-process loss and every backward collective matches.
@@ -43,8 +52,8 @@ import torch.nn.functional as F
 from train.model.config import ModelConfig
 from train.model.modeling import CausalLM, Router, apply_rope, rope_cos_sin, running_positions
 from train.parallel import comm
-from train.parallel.shard import (ShardedLM, all_reduce_grads, expert_partial, expert_slice, rms_norm, split_range,
-                                  split_sizes)
+from train.parallel.shard import (ShardedLM, StateDictSource, all_reduce_grads, expert_partial, read_expert_slice,
+                                  rms_norm, split_range, split_sizes, weight_source)
 
 
 ZAYA_REFUSAL = ("the sharded core does not run zaya (ZAYA1): CCA's sequence convolutions need each shard's "
@@ -61,10 +70,6 @@ def zigzag_index(T: int, D: int, r: int) -> tuple[int, torch.Tensor]:
 def check_tsp_config(cfg: ModelConfig, D: int) -> None:
     if cfg.architecture == "zaya":
         raise ValueError(ZAYA_REFUSAL)
-    if cfg.attention_bias:
-        raise ValueError("TSP does not support attention_bias=True")
-    if cfg.architecture != "qwen3" or cfg.rope_scaling:
-        raise ValueError(f"TSP supports Qwen3 / Qwen3-MoE with plain RoPE only, not {cfg.architecture} / rope_scaling")
     if cfg.num_attention_heads % D:
         raise ValueError(f"TSP needs num_attention_heads ({cfg.num_attention_heads}) divisible by D={D}")
     kv = cfg.num_key_value_heads
@@ -73,50 +78,60 @@ def check_tsp_config(cfg: ModelConfig, D: int) -> None:
 
 
 class TSPCausalLM(ShardedLM):
-    """The policy sharded over ``group`` (size D) in the TSP layout, built from a full
-    :class:`CausalLM` (its weights are copied; only this rank's shards are kept).
+    """The policy sharded over ``group`` (size D) in the TSP layout. ``model`` is a full
+    :class:`CausalLM` (only this rank's slices of its weights are copied) or a weight source such as
+    :class:`train.model.hf_io.CheckpointSlices` (only this rank's slices are read from the checkpoint:
+    :func:`tsp_from_pretrained`); the slicing is the same code either way.
 
     ``dp_group`` (optional) is the data-parallel axis of a 2D mesh: :meth:`sync_grads` also
     sums gradients over it and divides by its size."""
 
-    def __init__(self, model: CausalLM, group=None, dp_group=None):
-        super().__init__(model.config, group, dp_group)
+    def __init__(self, model: CausalLM | StateDictSource, group=None, dp_group=None):
+        src = weight_source(model)
+        super().__init__(src.config, group, dp_group)
         cfg, D, r = self.config, self.D, self.rank
         check_tsp_config(cfg, D)
         d = cfg.head_dim
         self.hq = cfg.num_attention_heads // D
         self.kvh = max(cfg.num_key_value_heads // D, 1)
-        full = {k: v.detach() for k, v in model.state_dict().items()}
-        add = self._add
+        add, read = self._add, src.read
 
         V = cfg.vocab_size
         vo, vn = split_range(V, D, r)
-        add("model.embed_tokens.weight", full["model.embed_tokens.weight"][vo:vo + vn], "row")
+        add("model.embed_tokens.weight", read("model.embed_tokens.weight", slice(vo, vo + vn)), "row")
         if not cfg.tie_word_embeddings:
-            add("lm_head.weight", full["lm_head.weight"][vo:vo + vn], "row")
-        add("model.norm.weight", full["model.norm.weight"], "rep")
+            add("lm_head.weight", read("lm_head.weight", slice(vo, vo + vn)), "row")
+        add("model.norm.weight", read("model.norm.weight"), "rep")
+        norms = ("input_layernorm", "post_attention_layernorm") + (("self_attn.q_norm", "self_attn.k_norm")
+                                                                   if cfg.qk_norm else ())
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
-            for n in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
-                add(p + n + ".weight", full[p + n + ".weight"], "rep")
+            for n in norms:
+                add(p + n + ".weight", read(p + n + ".weight"), "rep")
             rows = slice(r * self.hq * d, (r + 1) * self.hq * d)
-            add(p + "self_attn.q_proj.weight", full[p + "self_attn.q_proj.weight"][rows], "row")
-            add(p + "self_attn.o_proj.weight", full[p + "self_attn.o_proj.weight"][:, rows], "col")
             kv = self._own_kv_heads(r)
             kv_rows = slice(kv[0] * d, kv[1] * d)
-            add(p + "self_attn.k_proj.weight", full[p + "self_attn.k_proj.weight"][kv_rows], "row")
-            add(p + "self_attn.v_proj.weight", full[p + "self_attn.v_proj.weight"][kv_rows], "row")
+            add(p + "self_attn.q_proj.weight", read(p + "self_attn.q_proj.weight", rows), "row")
+            add(p + "self_attn.o_proj.weight", read(p + "self_attn.o_proj.weight", slice(None), rows), "col")
+            add(p + "self_attn.k_proj.weight", read(p + "self_attn.k_proj.weight", kv_rows), "row")
+            add(p + "self_attn.v_proj.weight", read(p + "self_attn.v_proj.weight", kv_rows), "row")
+            if cfg.attention_bias:  # q/k/v biases go with their rows (a broadcast kv head carries its bias)
+                add(p + "self_attn.q_proj.bias", read(p + "self_attn.q_proj.bias", rows), "row")
+                add(p + "self_attn.k_proj.bias", read(p + "self_attn.k_proj.bias", kv_rows), "row")
+                add(p + "self_attn.v_proj.bias", read(p + "self_attn.v_proj.bias", kv_rows), "row")
+            if cfg.o_proj_bias:  # added once to each local token's attention output
+                add(p + "self_attn.o_proj.bias", read(p + "self_attn.o_proj.bias"), "rep")
             if cfg.layer_is_moe(i):
-                add(p + "mlp.gate.weight", full[p + "mlp.gate.weight"], "rep")
+                add(p + "mlp.gate.weight", read(p + "mlp.gate.weight"), "rep")
                 io, isz = split_range(cfg.moe_intermediate_size, D, r)
-                gu, dn = expert_slice(full[p + "mlp.experts.gate_up_proj"], full[p + "mlp.experts.down_proj"], io, isz)
+                gu, dn = read_expert_slice(src, p + "mlp.experts.", io, isz)
                 add(p + "mlp.experts.gate_up_proj", gu, "expert_gate_up")
                 add(p + "mlp.experts.down_proj", dn, "expert_down")
             else:
                 io, isz = split_range(cfg.intermediate_size, D, r)
                 for n in ("gate_proj", "up_proj"):
-                    add(p + f"mlp.{n}.weight", full[p + f"mlp.{n}.weight"][io:io + isz], "row")
-                add(p + "mlp.down_proj.weight", full[p + "mlp.down_proj.weight"][:, io:io + isz], "col")
+                    add(p + f"mlp.{n}.weight", read(p + f"mlp.{n}.weight", slice(io, io + isz)), "row")
+                add(p + "mlp.down_proj.weight", read(p + "mlp.down_proj.weight", slice(None), slice(io, io + isz)), "col")
         self._routers = {}
         for i in range(cfg.num_hidden_layers):
             if cfg.layer_is_moe(i):
@@ -173,14 +188,23 @@ class TSPCausalLM(ShardedLM):
     def _expert_fn(x, w, idx, j, gu, dn):
         return expert_partial(x, w, idx, gu, dn)
 
-    def _attn_fn(self, x, cos, sin, qn, kn, key_valid, q_slots, order, wq, wo, wk, wv):
-        """One query-head group: project local tokens, gather K/V, attend, project out."""
+    def _attn_fn(self, x, cos, sin, qn, kn, key_valid, q_slots, order, *w):
+        """One query-head group: project local tokens, gather K/V, attend, project out. ``w``: the
+        group's q_proj (+ bias) and o_proj, then its k_proj (+ bias) and v_proj (+ bias)."""
         cfg, B, n = self.config, x.shape[0], x.shape[1]
         d, hq, kvh = cfg.head_dim, self.hq, self.kvh
         eps = cfg.rms_norm_eps
-        q = rms_norm(F.linear(x, wq).view(B, n, hq, d), qn, eps).transpose(1, 2)
-        k = rms_norm(F.linear(x, wk).view(B, n, kvh, d), kn, eps).transpose(1, 2)
-        v = F.linear(x, wv).view(B, n, kvh, d).transpose(1, 2)
+        if cfg.attention_bias:
+            wq, bq, wo, wk, bk, wv, bv = w
+        else:
+            (wq, wo, wk, wv), bq = w, None
+            bk = bv = None
+        q = F.linear(x, wq, bq).view(B, n, hq, d)
+        k = F.linear(x, wk, bk).view(B, n, kvh, d)
+        if qn is not None:
+            q, k = rms_norm(q, qn, eps), rms_norm(k, kn, eps)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = F.linear(x, wv, bv).view(B, n, kvh, d).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kv = torch.stack([k, v]).permute(3, 0, 1, 2, 4).contiguous()  # [n, 2, B, kvh, d]
         full = comm.all_gather_seq(kv, self.group)[order]  # global slot order
@@ -203,18 +227,24 @@ class TSPCausalLM(ShardedLM):
         return F.linear(o, wo)
 
     def _attention(self, i, x, cos, sin, key_valid, q_slots, order):
-        p, r, d, H = f"model.layers.{i}.self_attn.", self.rank, self.config.head_dim, self.config.hidden_size
-        qo_shapes = [(self.hq * d, H), (H, self.hq * d)]
-        kv_shapes = [(self.kvh * d, H), (self.kvh * d, H)]
-        qn, kn = self._p[p + "q_norm.weight"], self._p[p + "k_norm.weight"]
+        cfg, p, r = self.config, f"model.layers.{i}.self_attn.", self.rank
+        d, H, bias = cfg.head_dim, cfg.hidden_size, cfg.attention_bias
+        qo_shapes = [(self.hq * d, H)] + [(self.hq * d,)] * bias + [(H, self.hq * d)]
+        kv_shapes = [(self.kvh * d, H)] + [(self.kvh * d,)] * bias
+        kv_shapes = kv_shapes * 2
+        qo_names = ["q_proj.weight"] + ["q_proj.bias"] * bias + ["o_proj.weight"]
+        kv_names = ["k_proj.weight"] + ["k_proj.bias"] * bias + ["v_proj.weight"] + ["v_proj.bias"] * bias
+        qn, kn = (self._p[p + "q_norm.weight"], self._p[p + "k_norm.weight"]) if cfg.qk_norm else (None, None)
         out = None
         for j in range(self.D):
             src = self._kv_owner(j)
-            bundles = [(j, qo_shapes, [self._p[p + "q_proj.weight"], self._p[p + "o_proj.weight"]] if r == j else []),
-                       (src, kv_shapes, [self._p[p + "k_proj.weight"], self._p[p + "v_proj.weight"]] if r == src else [])]
+            bundles = [(j, qo_shapes, [self._p[p + n] for n in qo_names] if r == j else []),
+                       (src, kv_shapes, [self._p[p + n] for n in kv_names] if r == src else [])]
             y = comm.broadcast_apply(self._attn_fn, (x, cos, sin, qn, kn, key_valid, q_slots, order), bundles,
                                      self.group)
             out = y if out is None else out + y
+        if cfg.o_proj_bias:
+            out = out + self._p[p + "o_proj.bias"]
         return out
 
     def _mlp(self, i, x, replay):
@@ -253,7 +283,7 @@ class TSPCausalLM(ShardedLM):
         embed = self._p["model.embed_tokens.weight"]
         with comm.tag("embed"):
             x = comm.ring_apply(self._embed_fn, (ids[:, slots],), [embed], self.group, self._vocab_shapes)
-        cos, sin = rope_cos_sin(pos[:, slots], cfg.head_dim, cfg.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(pos[:, slots], cfg.rope_dim, cfg.rope_theta, x.dtype, cfg.rope_scaling)
         dt = x.dtype  # the blocks compute in the weights' dtype; the residual stream may be fp32
         if cfg.fp32_residual:  # as CausalLM: embedding output and residual additions in fp32
             x = x.float()
@@ -335,8 +365,8 @@ class TSPCausalLM(ShardedLM):
 
 
 def tsp_from_pretrained(path, group=None, dp_group=None, dtype=torch.float32, device="cpu") -> TSPCausalLM:
-    """Load an HF checkpoint and keep this rank's TSP shards."""
-    from train.model.hf_io import load_pretrained
+    """This rank's TSP shards of the HF checkpoint at ``path``, in ``dtype`` on ``device``: only the
+    rank's slices are read from the safetensors files (the full model is never built)."""
+    from train.model.hf_io import CheckpointSlices
 
-    return TSPCausalLM(load_pretrained(path, dtype=dtype, device=device), group, dp_group)
-
+    return TSPCausalLM(CheckpointSlices(path, dtype=dtype, device=device), group, dp_group)

@@ -280,7 +280,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    from train.model.hf_io import load_pretrained, save_pretrained
+    from train.model.hf_io import save_pretrained
     from train.parallel.rl_update import DTYPES, RLUpdater
     from train.rl.exchange import publish_version, version_dir
 
@@ -313,7 +313,7 @@ def main(argv=None) -> int:
             publish_version(*published_at(update), sd)
 
     try:
-        up = RLUpdater(load_pretrained(a.model, device=device), cfg, tsp=a.tsp, dp=a.dp)
+        up = RLUpdater(a.model, cfg, tsp=a.tsp, dp=a.dp, device=device)  # TSP ranks read their slices only
         step = load_checkpoint(up, exchange)
         if rank == 0:
             print(json.dumps({"worker": "start", "step": step, "dp": up.dp, "tsp": up.tsp, "device": str(device)}),
