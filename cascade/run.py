@@ -104,14 +104,22 @@ def _initial_model(cfg, out: Path) -> Path:
             raise ValueError(f"model={cfg.model} ({fallback_architecture(p)}) would load through the transformers "
                              f"fallback, which the sharded trainer ranks (trainer.nproc={t.nproc}, trainer.nnodes="
                              f"{t.nnodes}) cannot run; use trainer.nproc=1 (and trainer.nnodes=1)")
-        return p
-    init = out / "init-model"
-    if not (init / "COMPLETE").exists():
-        from train.presets import init_model
+    else:
+        p = out / "init-model"
+        if not (p / "COMPLETE").exists():
+            from train.presets import init_model
 
-        init_model(cfg.model_preset, init, seed=cfg.seed)
-        (init / "COMPLETE").write_text("ok\n")
-    return init
+            init_model(cfg.model_preset, p, seed=cfg.seed)
+            (p / "COMPLETE").write_text("ok\n")
+    if cfg.trainer.distributed:  # the architecture, heads and kv heads against the TSP degree, now
+        from train.model.hf_io import load_config
+        from train.parallel.tsp import check_tsp_config
+
+        try:
+            check_tsp_config(load_config(p), cfg.trainer.tsp)
+        except ValueError as e:
+            raise ValueError(f"trainer.tsp={cfg.trainer.tsp} does not fit the policy: {e}") from None
+    return p
 
 
 def _check_model_refs(cfg) -> None:

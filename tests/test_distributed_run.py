@@ -150,6 +150,7 @@ def test_kill_9_of_the_run_resumes_trainer_ranks_and_orchestrator_in_step(warm_d
 
 @pytest.mark.parametrize("args,needle", [
     (["trainer.nproc=2", "trainer.tsp=4"], "trainer.tsp=4 does not divide the trainer's world size 2"),
+    (["trainer.nproc=3", "trainer.tsp=3"], "trainer.tsp=3 does not fit the policy: TSP needs num_attention_heads"),
     (["trainer.nnodes=2"], "trainer.nnodes > 1 needs trainer.rdzv_endpoint"),
     (["rollout.urls=[http://127.0.0.1:9]", "rollout.api_key=k"], "127.0.0.1:9"),
     (["rollout.servers=1", "rollout.urls=[http://127.0.0.1:9]"], "not both"),

@@ -335,6 +335,20 @@ def test_sharded_core_refuses_zaya_with_one_line(tmp_path):
         dist.destroy_process_group()
 
 
+def test_cascade_run_refuses_a_zaya_policy_on_trainer_ranks_before_any_rank_starts(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "cascade", "run", "stage=rlve", "profile=tiny", "model_preset=tiny-zaya",
+                        f"out={out}", "trainer.nproc=2", "logging.progress=false"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "trainer.tsp=1 does not fit the policy: the sharded core does not run zaya" in r.stderr
+    assert r.stderr.strip().count("\n") == 0, r.stderr
+    assert not (out / "exchange").exists() and not (out / "stages").exists()
+
+
 def test_tiny_cascade_stage_runs_a_zaya_policy(tmp_path):
     """`cascade init-model --preset tiny-zaya` then `cascade run profile=tiny model=DIR` (the rlve stage,
     two RL steps): the hand-off checkpoint is a zaya model that transformers opens."""
