@@ -251,6 +251,20 @@ def check_loadable(path: str | Path, backend: str | None = None) -> ModelConfig 
         return None
 
 
+def checkpoint_key(k: str, cfg: ModelConfig, names) -> tuple | None:
+    """What safetensors key ``k`` is to a model of ``cfg`` whose tensors are ``names`` (Cascade's names):
+    None (skipped: a rotary buffer, or the LM head of tied embeddings), ``("expert", fused name, e,
+    part)`` for a per-expert HF tensor, ``("plain", k)`` or ``("extra", k)`` (no such tensor)."""
+    if k.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and k == "lm_head.weight"):
+        return None
+    m = _EXPERT.match(k)
+    if m:
+        prefix, e, part = m.group(1), int(m.group(2)), m.group(3)
+        name = f"{prefix}.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"
+        return ("expert", name, e, part) if name in names and e < cfg.num_experts else ("extra", k)
+    return ("plain", k) if k in names else ("extra", k)
+
+
 def stream_into(model: CausalLM, files: list[Path]) -> None:
     """Copy the tensors of safetensors ``files`` (HF names, per-expert or fused experts) into ``model``
     one at a time; strict as :func:`load_into` (every parameter present, no stray names, shapes equal)."""
@@ -266,21 +280,17 @@ def stream_into(model: CausalLM, files: list[Path]) -> None:
             try:
                 with safe_open(str(f), framework="pt", device="cpu") as sf:
                     for k in sf.keys():
-                        if k.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and k == "lm_head.weight"):
+                        what = checkpoint_key(k, cfg, params)
+                        if what is None:
                             continue
-                        m = _EXPERT.match(k)
-                        if m:
-                            prefix, e, part = m.group(1), int(m.group(2)), m.group(3)
-                            name = f"{prefix}.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"
-                            if name not in params or e >= cfg.num_experts:
-                                extra.append(k)
-                                continue
+                        if what[0] == "expert":
+                            _, name, e, part = what
                             target = params[name][e]
                             if part != "down_proj":
                                 half = target.shape[0] // 2
                                 target = target[:half] if part == "gate_proj" else target[half:]
                             parts.setdefault(name, set()).add((e, part))
-                        elif k in params:
+                        elif what[0] == "plain":
                             name, target = k, params[k]
                             seen.add(k)
                         else:
@@ -343,20 +353,16 @@ class CheckpointSlices:
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"corrupt weight file {str(f)!r}: {e}") from None
             for k in keys:
-                if k.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and k == "lm_head.weight"):
+                what = checkpoint_key(k, cfg, shapes)
+                if what is None:
                     continue
-                m = _EXPERT.match(k)
-                if m:
-                    prefix, e, part = m.group(1), int(m.group(2)), m.group(3)
-                    name = f"{prefix}.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"
-                    if name not in shapes or e >= E:
-                        extra.append(k)
-                        continue
+                if what[0] == "expert":
+                    _, name, e, part = what
                     full = shapes[name][1:]
                     want = full if part == "down_proj" else (full[0] // 2, full[1])
                     self._check_shape(str(f), k, want)
                     self._experts.setdefault(name, {})[(e, part)] = (str(f), k)
-                elif k in shapes:
+                elif what[0] == "plain":
                     self._check_shape(str(f), k, shapes[k])
                     self._plain[k] = (str(f), k)
                 else:
