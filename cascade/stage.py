@@ -423,15 +423,26 @@ class StageRunner:
     def eval_problems(self, curriculum, start_levels: dict[str, int] | None = None):
         """The stage's held-out problems, at ``eval_difficulty`` or else at each environment's start level
         (``start_levels``; default: the curriculum's levels now), so that the scores before and after the
-        stage are on the same problems."""
+        stage are on the same problems. Environments take shares of them in proportion to the stage's mix
+        (every phase's, as :func:`~cascade.stagedata.union_mix` weighs them), dealt by smooth weighted
+        round robin (equal weights take turns in name order)."""
+        from cascade.stagedata import union_mix
+
         if start_levels is None:
             start_levels = self.start_levels(curriculum)
         rng = random.Random(10_000 + self.index)
-        ids = sorted(curriculum.envs)
+        mix = union_mix(self.mixes)
+        weights = {e: mix.get(e, 0.0) for e in sorted(curriculum.envs)}
+        if not any(weights.values()):
+            weights = dict.fromkeys(weights, 1.0)
+        total, turn = sum(weights.values()), dict.fromkeys(weights, 0.0)
         fixed = self.scfg.eval_difficulty
         out = []
-        for i in range(self.scfg.eval_problems):
-            e = ids[i % len(ids)]
+        for _ in range(self.scfg.eval_problems):
+            for k, w in weights.items():
+                turn[k] += w
+            e = max(turn, key=lambda k: round(turn[k], 9))  # the first in name order on a tie
+            turn[e] -= total
             d = fixed if fixed is not None else start_levels.get(e, 0)
             out.append((e, curriculum.envs[e].heldout(10**9 + rng.getrandbits(30), d)))
         return out

@@ -33,13 +33,16 @@ class _IntAnswerEnv(Environment):
 
 @register("toy/add")
 class AddEnv(_IntAnswerEnv):
-    """a + b with operands of up to d + 1 digits."""
+    """a + b with operands up to 9, 19, 49, 99, 199, 499, 999, ... (a 1-2-5 series: three levels per
+    digit), so that each level is a step a small policy can take (one digit per level was a cliff: a
+    tiny policy at 0.3 on single digits scored 0.03 on two)."""
 
-    description = "add two numbers; operands grow one digit per difficulty level"
+    description = "add two numbers; the operands' bound grows 1-2-5 (9, 19, 49, 99, ...) with difficulty"
 
     def generate(self, seed: int, difficulty: int) -> Problem:
         rng = self.rng(seed, difficulty)
-        hi = 10 ** (int(difficulty) + 1) - 1
+        d = int(difficulty)
+        hi = (1, 2, 5)[d % 3] * 10 ** (d // 3 + 1) - 1
         a, b = rng.randint(0, hi), rng.randint(0, hi)
         return self.problem(f"{a}+{b}=", a + b, seed, difficulty)
 

@@ -15,6 +15,18 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """A module may define ``start_in_background(config)`` to start a long job (a whole tiny cascade run,
+    one thread) as soon as one of its tests is selected, so that the job runs on the second core while
+    the tests before it run; its fixtures then wait for it."""
+    if config.option.collectonly:
+        return
+    for mod in {item.module for item in items if hasattr(item, "module")}:
+        start = getattr(mod, "start_in_background", None)
+        if start is not None:
+            start(config)
+
+
 @pytest.fixture(scope="session")
 def tiny_moe_dir(tmp_path_factory):
     """A tiny-moe checkpoint written by ``cascade init-model`` (model + tokenizer)."""

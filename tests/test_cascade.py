@@ -12,7 +12,7 @@ from cascade.checkpoint import COMPLETE
 
 # every stage tiny: a couple of SFT and RL steps, a checkpoint every step
 TINY = ["profile=tiny", "logging.progress=false",
-        "stages.warmup.sft.steps=2", "stages.warmup.steps=2", "stages.warmup.pool.size=4",
+        "stages.warmup.sft.steps=2", "stages.warmup.steps=2", "stages.warmup.pool.size=4", "stages.math.pool.size=4",
         "stages.rlve.steps=2", "stages.math.steps=2", "stages.behavior.steps=2",
         "stages.warmup.checkpoint_every=1", "stages.rlve.checkpoint_every=1", "stages.math.checkpoint_every=1",
         "stages.behavior.checkpoint_every=1"]
@@ -104,7 +104,7 @@ def test_four_stages_each_start_from_the_previous(tiny_run):
     assert handed == [sum(per_stage[:i + 1]) for i in range(4)] and per_stage[3] == 0
     assert "rare_token_top1" in next(x for x in rl_recs if x["phase"] == "rl")
     # stage data: the warm-up's response cap lifts at half its RL steps (tiny: 32 then 40 tokens); the math
-    # stage's two phases (tiny: 25 + 25 steps, scaled to the 2 run here) switch after its first RL step; every
+    # stage's two phases (tiny: 40 + 40 steps, scaled to the 2 run here) switch after its first RL step; every
     # stage reports held-out avg@k per environment family
     def rl_of(stage):
         return [x for x in rl_recs if x["stage"] == stage and x["phase"] == "rl"]

@@ -61,6 +61,30 @@ class _RL:
         self.cfg = RLConfig(sampling=SamplingConfig(max_new_tokens=40))
 
 
+def test_held_out_problems_follow_the_stage_mix(tok):
+    """Held-out problems are shared out as the stage trains: a phased mix's union weights (6/8 + 6/9 for
+    toy/add), equal weights in turn by name, every share within one problem of its proportion."""
+    from cascade.stage import StageRunner
+    from cascade.stagedata import union_mix
+
+    s = StageConfig(steps=4, controller="fixed", eval_problems=64,
+                    phases=[Phase(2, {"toy/add": 6, "math/arith": 1, "toy/max": 1}),
+                            Phase(2, {"toy/add": 6, "math/arith": 1, "toy/max": 1, "gym/catalan": 1})])
+    stage = StageRunner("math", 2, s, RunConfig(order=[]), Path("/nonexistent"), None, None)
+    cur = stage.build_curriculum(tok)
+    held = stage.eval_problems(cur, {e: 0 for e in cur.envs})
+    counts = {e: sum(x == e for x, _ in held) for e in cur.envs}
+    mix = union_mix(stage.mixes)
+    for e, w in mix.items():
+        assert abs(counts[e] - 64 * w / sum(mix.values())) < 1, (counts, mix)
+    assert counts["toy/add"] == 45 and counts["gym/catalan"] == 4
+    assert held == stage.eval_problems(cur, {e: 0 for e in cur.envs})  # the same problems before and after
+    even = StageConfig(steps=1, controller="fixed", eval_problems=6, envs={"toy/max": 1, "toy/add": 1, "math/arith": 1})
+    runner = StageRunner("rlve", 1, even, RunConfig(order=[]), Path("/nonexistent"), None, None)
+    picks = [e for e, _ in runner.eval_problems(runner.build_curriculum(tok), {})]
+    assert picks == ["math/arith", "toy/add", "toy/max"] * 2
+
+
 def test_phases_switch_the_mix_and_aggregation_share_at_the_configured_step(tok):
     from cascade.pool import ProblemPool
     from cascade.stage import StageRunner
@@ -401,3 +425,18 @@ def test_toy_max_ladder_never_gets_easier():
             assert max(xs) > 9
     nines = sum(env.generate(s, 21).answer == 9 for s in range(200))
     assert nines == 0  # digits only, 9 would win ~91% at d = 21
+
+
+def test_toy_add_ladder_grows_in_small_steps():
+    """toy/add: operand bounds 9, 19, 49, 99, 199, ... (three levels per digit), each level's sums reaching above
+    the previous level's bound."""
+    from envs.base import get_env
+
+    env = get_env("toy/add")
+    bounds = [9, 19, 49, 99, 199, 499, 999]
+    for d, hi in enumerate(bounds):
+        ops = [[int(x) for x in env.generate(s, d).prompt.split("=")[0].split("+")] for s in range(200)]
+        assert max(max(o) for o in ops) <= hi
+        if d:
+            assert max(max(o) for o in ops) > bounds[d - 1]
+        assert all(env.verify(env.generate(s, d), f"\\boxed{{{sum(o)}}}").correct for s, o in enumerate(ops[:20]))
