@@ -27,7 +27,10 @@ for 20 tests), ``ratio_par`` 3.0-3.2. Sequential runs are CPU-bound on two cores
 ~12 ms of CPU (``start_phases_ms.cpu_in_sandbox``: bwrap's namespaces and mounts, then the
 supervisor's interpreter) made on the other core by the pool, plus ~8 ms for the run itself and ~2.5 ms to close, about 22 ms of CPU per program for
 two cores, against one ``python -S`` start (7 ms) bare. On a loaded machine (load 2-4) ratio_seq
-was 1.9-2.3.
+was 1.9-2.3. Re-run 2026-12-02 (same sandbox code, quiet machine, defaults, two runs): ratio_seq 1.52 and
+1.60 (min 1.42-1.44, max 1.53-1.82), ratio_seq_cold 3.1-3.3, judge_ratio 0.55 and 0.63, ratio_par
+3.0-3.2; cpu_ms 21-24 per sandboxed run against 8.4-8.7 bare. The goal of 1.5 is still not met on the
+median.
 """
 from __future__ import annotations
 
