@@ -282,18 +282,17 @@ def summarize(results: list[dict], seconds: float, goal_median: float = 20.0, go
     }
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def shared_args(ap: argparse.ArgumentParser, *, difficulty: int, seeds: list[int], rl_steps: int, lr: float,
+                held_out: int) -> None:
+    """The flags this benchmark and ``rsa_learning.py`` share (task, seeds, the SFT start, the RL budget,
+    the held-out set, tracing); the defaults that differ between the two are arguments."""
     ap.add_argument("--preset", default="tiny-dense")
     ap.add_argument("--env", default="toy/max")
-    ap.add_argument("--difficulty", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=None, help="run this one seed (its full JSON line) instead of --seeds")
-    ap.add_argument("--seeds", type=_seed_list, default=[0, 1, 2, 3, 4],
-                    help="comma-separated seeds (default 0,1,2,3,4): each seed's line on stderr, the summary on stdout")
+    ap.add_argument("--difficulty", type=int, default=difficulty)
+    ap.add_argument("--seeds", type=_seed_list, default=seeds,
+                    help=f"comma-separated seeds (default {','.join(map(str, seeds))}): each seed's line on stderr, "
+                         "the summary on stdout")
     ap.add_argument("--jobs", type=int, default=2, help="seeds run at once, one process each (default 2: both cores)")
-    ap.add_argument("--mode", default="sync", choices=["sync", "async"],
-                    help="async: the pipelined trainer (PipelineRL) generating up to --max-staleness versions ahead")
-    ap.add_argument("--max-staleness", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 is fastest for tiny models)")
     ap.add_argument("--sft-steps", type=int, default=400, help="most SFT steps")
     ap.add_argument("--sft-target", type=float, default=0.2,
@@ -303,9 +302,23 @@ def main(argv=None) -> int:
     ap.add_argument("--sft-examples", type=int, default=2000)
     ap.add_argument("--sft-batch", type=int, default=32)
     ap.add_argument("--sft-lr", type=float, default=3e-3)
-    ap.add_argument("--rl-steps", type=int, default=120)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--rl-steps", type=int, default=rl_steps)
+    ap.add_argument("--lr", type=float, default=lr)
     ap.add_argument("--rl-warmup", type=int, default=5)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--prompts-per-step", type=int, default=16)
+    ap.add_argument("--held-out", type=int, default=held_out)
+    ap.add_argument("--trace", action="store_true", help="progress on stderr")
+    ap.add_argument("--trace-every", type=int, default=10)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    shared_args(ap, difficulty=1, seeds=[0, 1, 2, 3, 4], rl_steps=120, lr=1e-3, held_out=200)
+    ap.add_argument("--seed", type=int, default=None, help="run this one seed (its full JSON line) instead of --seeds")
+    ap.add_argument("--mode", default="sync", choices=["sync", "async"],
+                    help="async: the pipelined trainer (PipelineRL) generating up to --max-staleness versions ahead")
+    ap.add_argument("--max-staleness", type=int, default=1)
     ap.add_argument("--optim", default="muon", choices=["adamw", "muon"],
                     help="the RL optimizer (the cascade's Muon, momentum 0, by default; SFT: AdamW)")
     ap.add_argument("--muon-momentum", type=float, default=0.0)
@@ -313,13 +326,8 @@ def main(argv=None) -> int:
                     help="ZAYA1's length reward on the advantages, as the cascade runs (--no-length-reward: off)")
     ap.add_argument("--advantage", default="maxrl")
     ap.add_argument("--loss", default="dppo_tv")
-    ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--prompts-per-step", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=10)
-    ap.add_argument("--held-out", type=int, default=200)
     ap.add_argument("--samples", type=int, default=4, help="sampled answers per held-out problem")
-    ap.add_argument("--trace", action="store_true", help="progress on stderr")
-    ap.add_argument("--trace-every", type=int, default=10)
     args = ap.parse_args(argv)
     if args.jobs < 1:
         raise SystemExit("learning.py: error: --jobs must be >= 1")

@@ -109,7 +109,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root before benchmarks/ (envs.py)
 
 from benchmarks.learning import (  # noqa: E402
-    _seed_list, fresh_policy_and_sft, held_out_problems, sft_until, unseen_hook)
+    fresh_policy_and_sft, held_out_problems, sft_until, shared_args, unseen_hook)
 
 
 def make_template(name: str):
@@ -314,27 +314,9 @@ def summarize(results: list[dict], seconds: float) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="tiny-dense")
-    ap.add_argument("--env", default="toy/max")
-    ap.add_argument("--difficulty", type=int, default=2)
-    ap.add_argument("--seeds", type=_seed_list, default=[0, 1, 2], help="comma-separated seeds")
-    ap.add_argument("--jobs", type=int, default=2, help="seeds run at once, one process each")
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per seed")
+    shared_args(ap, difficulty=2, seeds=[0, 1, 2], rl_steps=100, lr=2e-3, held_out=64)
     ap.add_argument("--template", default="compact", choices=["compact", "math"])
     ap.add_argument("--fraction", type=float, default=0.75, help="share of RL prompts turned into aggregation prompts")
-    ap.add_argument("--sft-steps", type=int, default=400)
-    ap.add_argument("--sft-target", type=float, default=0.2)
-    ap.add_argument("--sft-check", type=int, default=10)
-    ap.add_argument("--probe", type=int, default=64)
-    ap.add_argument("--sft-examples", type=int, default=2000)
-    ap.add_argument("--sft-batch", type=int, default=32)
-    ap.add_argument("--sft-lr", type=float, default=3e-3)
-    ap.add_argument("--rl-steps", type=int, default=100)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--rl-warmup", type=int, default=5)
-    ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--prompts-per-step", type=int, default=16)
-    ap.add_argument("--held-out", type=int, default=64)
     ap.add_argument("--population", type=int, default=8, help="RSA N")
     ap.add_argument("--aggregate", type=int, default=4, help="RSA C (also the tails per training aggregation prompt)")
     ap.add_argument("--rounds", type=int, default=2, help="RSA T")
@@ -342,8 +324,6 @@ def main(argv=None) -> int:
     ap.add_argument("--tail", type=int, default=6, help="RSA tau (also the training tails' tokens)")
     ap.add_argument("--final-budget", type=int, default=8)
     ap.add_argument("--policies", default="agg,ablation", help=argparse.SUPPRESS)  # exploring: one policy only
-    ap.add_argument("--trace", action="store_true", help="progress on stderr")
-    ap.add_argument("--trace-every", type=int, default=10)
     args = ap.parse_args(argv)
     if args.jobs < 1:
         raise SystemExit("rsa_learning.py: error: --jobs must be >= 1")
