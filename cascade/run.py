@@ -97,7 +97,8 @@ def _initial_model(cfg, out: Path) -> Path:
         p = resolve_model(cfg.model)  # a local directory wins; else a Hub id through the HF cache (offline rules)
 
         # fails now, with a one-line error, if the path is not a checkpoint the backend loads
-        if check_loadable(p) is None and cfg.trainer.distributed:  # the transformers fallback: not on the ranks
+        model_cfg = check_loadable(p)
+        if model_cfg is None and cfg.trainer.distributed:  # the transformers fallback: not on the ranks
             from train.model.hf_io import fallback_architecture
 
             t = cfg.trainer
@@ -105,7 +106,7 @@ def _initial_model(cfg, out: Path) -> Path:
                              f"fallback, which the sharded trainer ranks (trainer.nproc={t.nproc}, trainer.nnodes="
                              f"{t.nnodes}) cannot run; use trainer.nproc=1 (and trainer.nnodes=1)")
     else:
-        p = out / "init-model"
+        p, model_cfg = out / "init-model", None
         if not (p / "COMPLETE").exists():
             from train.presets import init_model
 
@@ -116,7 +117,7 @@ def _initial_model(cfg, out: Path) -> Path:
         from train.parallel.tsp import check_tsp_config
 
         try:
-            check_tsp_config(load_config(p), cfg.trainer.tsp)
+            check_tsp_config(model_cfg or load_config(p), cfg.trainer.tsp)
         except ValueError as e:
             raise ValueError(f"trainer.tsp={cfg.trainer.tsp} does not fit the policy: {e}") from None
     return p

@@ -431,10 +431,7 @@ class StageRunner:
         if start_levels is None:
             start_levels = self.start_levels(curriculum)
         rng = random.Random(10_000 + self.index)
-        mix = union_mix(self.mixes)
-        weights = {e: mix.get(e, 0.0) for e in sorted(curriculum.envs)}
-        if not any(weights.values()):
-            weights = dict.fromkeys(weights, 1.0)
+        weights = dict(sorted(union_mix(self.mixes).items()))  # the mix the curriculum is built from
         total, turn = sum(weights.values()), dict.fromkeys(weights, 0.0)
         fixed = self.scfg.eval_difficulty
         out = []
