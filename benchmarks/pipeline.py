@@ -17,25 +17,26 @@ fractions of the async run, the mean time of one rollout batch and one update in
     python benchmarks/pipeline.py --threads 1     # both runs on one intra-op thread
     python benchmarks/pipeline.py --servers 1     # async rollouts on a `cascade serve` process
 
-Measured on this project's 2-core CPU (2026-12-01, evening, quiet machine, 8 warm steps per run,
-commit 0860229):
+Measured on this project's 2-core CPU (2026-12-02, quiet machine, 8 warm steps per run, commit a75bba9;
+since 0860229 the code this runs changed only in how checkpoints load):
 
 | setting | runs | async speedup | sync steps/s | async steps/s | rollout s / update s (sync) |
 | --- | --- | --- | --- | --- | --- |
-| 2 threads, 48 tokens (default) | 3 | 0.86, 0.94, 0.94 (median 0.94) | 2.08-2.40 | 1.95-2.23 | 0.10-0.11 / 0.31-0.37 |
-| 2 threads, 256 tokens, 16 stop tokens | 3 | 0.78, 0.86, 0.87 | 1.32-1.61 | 1.15-1.38 | 0.26-0.34 / 0.36-0.42 |
-| 1 thread, 48 tokens | 3 | 1.10, 1.46, 1.48 | 1.26-1.67 | 1.84-2.23 | 0.15-0.22 / 0.45-0.57 |
+| 2 threads, 48 tokens (default) | 3 | 0.83, 0.88, 0.96 (median 0.88) | 1.54-1.91 | 1.47-1.58 | 0.16-0.20 / 0.36-0.45 |
+| 2 threads, 256 tokens, 16 stop tokens | 3 | 0.79, 0.81, 1.16 (median 0.81) | 0.86-1.14 | 0.90-0.99 | 0.44-0.60 / 0.43-0.57 |
+| 1 thread, 48 tokens | 3 | 1.42, 1.51, 1.67 (median 1.51) | 1.15-1.44 | 1.63-2.17 | 0.19-0.27 / 0.50-0.62 |
 
-(The same settings at commit e975fc4, an hour earlier: default 0.83-0.91 over 5 runs, median 0.85;
-256 tokens 0.76-0.93; 1 thread 1.45-1.62.)
+(At commit 0860229, 2026-12-01: default 0.86, 0.94, 0.94; 256 tokens 0.78-0.87; 1 thread 1.10-1.48. At
+e975fc4: default median 0.85 over 5 runs; 256 tokens 0.76-0.93; 1 thread 1.45-1.62.)
 
 max_lag_seen 2 and no group dropped as stale in every run; the two sides of each run generate the
 same response lengths (mean 47.1 of 48 tokens, 95% truncated, by default; mean 61.2, 1% truncated,
 with 16 stop tokens and 256 new tokens). The issue's goal (>= 1.5) is not met: one intra-op thread,
-a regime that flatters the overlap (its synchronous baseline is slower than the 2-thread one), comes
-closest (1.10-1.48 here, 1.45-1.62 at e975fc4). Against the best synchronous setting (2 threads) the pipeline loses (median 0.94x): a rollout
-batch is about a quarter of a step in these runs, so the overlap could hide at most ~25%
-(ceiling (rollout + train) / train, 1.3-1.4), while running both sides at once on two cores slows
+a regime that flatters the overlap (its synchronous baseline is slower than the 2-thread one), reaches
+it on the median (1.42-1.67 here), but its async steps/s (1.63-2.17) only match the 2-thread synchronous
+loop's (1.54-1.91). Against the best synchronous setting (2 threads) the pipeline loses (median 0.88x): a
+rollout batch is about a third of a step in these runs, so the overlap could hide at most ~30%
+(ceiling (rollout + train) / train, about 1.4), while running both sides at once on two cores slows
 the update, which alone already keeps both cores busy. Earlier figures (median 1.16x, rollout
 0.27-0.35 s / update 0.41-0.60 s) were measured on a loaded machine, where the sync baseline
 suffered more.

@@ -26,12 +26,14 @@ the batch's length stats.
 
     python benchmarks/train.py [--preset tiny-moe] [--rollouts 64] [--repeats 3] [--device cpu] [--threads 1]
 
-Measured (CPU, 1 thread, 2 cores, load 1.2; tiny-moe, 64 rollouts, budget 8192; 2026-12-01, commit 0860229):
+Measured (CPU, 1 thread, 2 cores, load 1.0; tiny-moe, 64 rollouts, budget 8192; 2026-12-02, commit a75bba9):
 default (log-normal median 256, sigma 1: 18,460 tokens, p50 208, p90 682, max 1366, 64.5% of padded slots
-are pad; 3 repeats): train 8035 tok/s, padded 1907, hf 1835; train_ratio 4.38, packed_vs_padded 4.21.
+are pad; 3 repeats): train 5804 tok/s, padded 1393, hf 1460; train_ratio 3.97, packed_vs_padded 4.17 (at
+0860229, 2026-12-01, load 1.2: 8035 / 1907 / 1835, ratio 4.38: the code this
+times did not change; tok/s vary from run to run on this machine, so compare ratios).
 A narrow distribution (``--sigma 0.5``: 17,192 tokens, max 524, 37.9% pad; 3 repeats), labelled as the
-regime where packing has least to remove: train 7782, padded 4944, hf 4557; train_ratio 1.71,
-packed_vs_padded 1.57. (An earlier run on a loaded machine: 4.48 and 1.71 at about half these tok/s.)
+regime where packing has least to remove: train 6459, padded 4379, hf 3725; train_ratio 1.73,
+packed_vs_padded 1.47 (at 0860229: 1.71 and 1.57). (An earlier run on a loaded machine: 4.48 and 1.71 at about half these tok/s.)
 Packed costs about what padded costs per slot, so its gain is the padding it removes (plus the quadratic
 attention over pad); in a profile of the earlier code's packed step, SDPA forward + backward was about a third of the time, GEMMs a
 third. With 2 threads on the loaded box, small ops ran 40x slower (OpenMP waits), hence ``--threads 1``.
