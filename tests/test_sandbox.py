@@ -83,6 +83,48 @@ def test_runtime_error_and_exit_codes(sb):
     assert v.status == "runtime_error" and v.signal == 11
 
 
+# how a program ends: the sandbox runs it in a child forked from its supervisor, which ends the way
+# ``python -S PROGRAM`` ends (checked against that, run bare on the same interpreter)
+ENDINGS = {
+    "plain": "print('a', end='')\n",
+    "unflushed_file": "import os\nf = os.fdopen(1, 'w')\nf.write('unflushed')\n",
+    "destructor": "class A:\n    def __del__(self):\n        print('del')\na = A()\nprint('main')\n",
+    "cycle": "class A:\n    def __del__(self):\n        print('cyc')\na = A()\na.me = a\n",
+    "atexit": "import atexit\natexit.register(print, 'bye')\nprint('x')\n",
+    "exit_message": "import sys\nprint('o')\nsys.exit('msg')\n",
+    "exit_codes": "import sys\nsys.exit(3)\n",
+    "exit_wraps": "import sys\nsys.exit(256 + 7)\n",
+    "exit_negative": "import sys\nsys.exit(-1)\n",
+    "exit_none": "raise SystemExit(None)\n",
+    "traceback": "def f():\n    raise ValueError('boom')\nprint('before')\nf()\n",
+    "chained": "try:\n    1/0\nexcept Exception as e:\n    raise KeyError('k') from e\n",
+    "thread_joined": ("import threading, time\ndef g():\n    time.sleep(0.2)\n    print('late')\n"
+                      "threading.Thread(target=g).start()\nprint('early')\n"),
+    "keyboard_interrupt": "print('x', flush=True)\nraise KeyboardInterrupt\n",
+    "atexit_raises": "import atexit\ndef h():\n    raise RuntimeError('in atexit')\natexit.register(h)\n",
+    "stdout_closed": "import sys\nprint('x')\nsys.stdout.close()\n",
+    "del_after_atexit": ("import atexit\nclass A:\n    def __del__(self):\n        print('del')\n"
+                         "a = A()\natexit.register(print, 'exit')\n"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ENDINGS))
+def test_a_program_ends_as_bare_python_ends(sb, tmp_path, name):
+    import subprocess
+    import sys
+
+    src = ENDINGS[name]
+    (tmp_path / "p.py").write_text(src)
+    py = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+    b = subprocess.run([py, "-S", str(tmp_path / "p.py")], capture_output=True, text=True, cwd=tmp_path, timeout=30)
+    v = sb.run(src)
+    assert v.stdout == b.stdout
+    assert (v.exit_code, v.signal) == ((b.returncode, None) if b.returncode >= 0 else (None, -b.returncode))
+    # the same traceback (frames counted from the program's own; paths differ) and last line
+    assert v.stderr.count('File "') == b.stderr.count('File "'), v.stderr
+    assert v.stderr.strip().splitlines()[-1:] == b.stderr.strip().splitlines()[-1:]
+
+
 def test_socket_to_internet_blocked(sb):
     prog = """
 import socket

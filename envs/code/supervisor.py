@@ -13,7 +13,7 @@ argv: CONTROL_FD UID GID. The host talks to it over CONTROL_FD (an AF_UNIX SOCK_
   child, which takes those as 0/1/2, drops to UID/GID (as root; every capability goes with it),
   empties the writable places (``/tmp``, POSIX message queues, System V IPC) of whatever an
   earlier run left there, sets the rlimits, closes every other descriptor and returns to the
-  module level, which compiles and runs PATH as ``__main__`` (so the interpreter exits the way a
+  module level, which compiles and runs PATH as ``__main__`` (and ends the way a
   fresh ``python PATH`` would: exit code, traceback, atexit, flushing).
 - host -> supervisor ``X`` + the same fields: as ``R``, but the child ``execve``s PATH (a binary:
   the C++ compiler, or a program it built) with ARGS, in the same clean environment, instead of
@@ -42,10 +42,10 @@ import time
 
 import _socket
 
-# run with python -S -c inside the sandbox: the program's code object is executed at the top level
-# of this script (so the interpreter ends the way ``python PROGRAM`` would)
+# run with python -S -c inside the sandbox: in a run's child, ``serve`` returns the function that runs
+# the program and ends the process (see ``_run_main``)
 STUB = ("import time; _t0 = time.monotonic(); import sys; sys.path.insert(0, '/sup'); "
-        "import cascade_supervisor as _s; _c = _s.serve(_t0); del _s, _t0; exec(_c, sys.modules['__main__'].__dict__)")
+        "import cascade_supervisor as _s; _r = _s.serve(_t0); del _s, _t0; _r()")
 
 _SETUP_S = 30.0     # a child must be set up within this (a loaded machine may be slow)
 _SWEEP_S = 10.0     # give up killing after this (a process stuck in the kernel)
@@ -248,7 +248,7 @@ def _wait_run(ctl, pid, sync_r, wall):
 
 def serve(t0: float):
     """Serve runs until the host closes the socket (then exit); in each run's child, return the
-    program's code object, with ``__main__`` set up for it."""
+    function that runs the program as ``__main__`` and ends the process (:func:`_run_main`)."""
     path = _serve(t0, int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
     sys.modules.pop("cascade_supervisor", None)
     if "/sup" in sys.path:
@@ -259,7 +259,86 @@ def serve(t0: float):
     m.__file__ = path
     m.__builtins__ = builtins
     sys.modules["__main__"] = m
-    return code
+    return lambda: _run_main(code, m)
+
+
+def _exit_status(e: SystemExit) -> int:
+    """The exit status ``python PROGRAM`` gives an uncaught SystemExit (as CPython's handler does)."""
+    code = e.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    try:
+        sys.stderr.write(str(code) + "\n")
+    except BaseException:
+        pass
+    return 1
+
+
+def _flush_std() -> bool:
+    ok = True
+    for f in (sys.stdout, sys.stderr):
+        try:
+            if f is not None and not f.closed:
+                f.flush()
+        except BaseException:
+            ok = False
+    return ok
+
+
+def _run_main(code, m) -> None:
+    """Run the program's code in module ``m`` (``__main__``), then end this process the way ``python
+    PROGRAM`` ends, in the same order: an uncaught exception's traceback (from the program's own frame)
+    and status 1, SystemExit's status; non-daemon threads joined (``threading._shutdown``); atexit
+    callbacks; stdout/stderr flushed (a failed flush: status 120); the program's globals released as
+    module teardown releases them (underscored names first; destructors run, unclosed files flush), a
+    collection, the streams flushed again; a KeyboardInterrupt ends by SIGINT. What is skipped is the
+    teardown of the interpreter itself: its objects are the supervisor's, shared with this forked
+    child page by page, and freeing them one by one (writing every page they sit on) costs more than
+    the whole run of a small program."""
+    sigint = False
+    try:
+        exec(code, m.__dict__)
+        status = 0
+    except SystemExit as e:
+        status = _exit_status(e)
+    except BaseException as e:
+        sigint = isinstance(e, KeyboardInterrupt)
+        tb = e.__traceback__.tb_next if e.__traceback__ is not None else None  # from the program's frame
+        try:
+            sys.excepthook(type(e), e.with_traceback(tb), tb)
+        except BaseException:
+            pass
+        status = 1
+    threading = sys.modules.get("threading")
+    if threading is not None:
+        try:
+            threading._shutdown()
+        except BaseException:
+            pass
+    import atexit
+
+    atexit._run_exitfuncs()
+    if not _flush_std():
+        status = 120
+    d = m.__dict__
+    for names in ([k for k in d if k.startswith("_") and k != "__builtins__"],
+                  [k for k in d if not k.startswith("_")]):
+        for k in names:
+            try:
+                d[k] = None
+            except BaseException:
+                pass
+    gc.collect()
+    if not _flush_std():
+        status = 120
+    if sigint:
+        import _signal
+
+        _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
+        os.kill(os.getpid(), _signal.SIGINT)
+    os._exit(status)
 
 
 def _serve(t0, ctl_fd, uid, gid):
