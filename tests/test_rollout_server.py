@@ -265,3 +265,47 @@ def test_kill_one_of_two_servers_mid_generate(setup, tmp_path):
             if p.poll() is None:
                 p.kill()
             p.wait(30)
+
+
+class _CountingEngine:
+    """An engine stand-in for the batcher: records the prompts of every generate call."""
+
+    def __init__(self):
+        self.calls: list[int] = []
+
+    def generate(self, prompts, params, seeds=None):
+        from train.engine.base import Completion
+
+        self.calls.append(len(prompts))
+        return [Completion([1], "x", [0.0], "length", i, len(p), list(p)) for i, p in enumerate(prompts)
+                for _ in range(params.n)]
+
+
+def test_batcher_window_slides_with_arrivals_up_to_its_cap():
+    from train.engine.server import Batcher
+
+    sp = SamplingParams(max_tokens=1)
+
+    def burst(batcher, n, gap):
+        threads = []
+        for i in range(n):
+            t = threading.Thread(target=batcher.submit, args=([[i + 1]], sp))
+            t.start()
+            threads.append(t)
+            time.sleep(gap)
+        for t in threads:
+            t.join(30)
+
+    # arrivals 20 ms apart, each within the 200 ms window of the one before: one batch, though the
+    # burst lasts longer than one window
+    eng = _CountingEngine()
+    b = Batcher(eng, window_s=0.2, max_wait_s=5.0)
+    burst(b, 16, 0.02)
+    b.close()
+    assert eng.calls == [16]
+    # the cap: a stream that never pauses is cut every max_wait_s
+    eng = _CountingEngine()
+    b = Batcher(eng, window_s=0.2, max_wait_s=0.3)
+    burst(b, 24, 0.05)
+    b.close()
+    assert sum(eng.calls) == 24 and len(eng.calls) >= 3

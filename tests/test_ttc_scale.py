@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import socket
 import signal
 import subprocess
 import sys
@@ -31,8 +32,9 @@ class FakeAPI(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, tokenizer, fail_500=0.0, fail_429=0.0, delay=0.0, max_choices=None, context=4096,
-                 models=("m1", "m2")):
-        super().__init__(("127.0.0.1", 0), _Handler)
+                 models=("m1", "m2"), handler=None):
+        self.connections: list[socket.socket] = []
+        super().__init__(("127.0.0.1", 0), handler or _Handler)
         self.tok, self.fail_500, self.fail_429, self.delay = tokenizer, fail_500, fail_429, delay
         self.max_choices, self.context, self.models = max_choices, context, models
         self.rng = random.Random(0)
@@ -48,6 +50,19 @@ class FakeAPI(ThreadingHTTPServer):
     def stop(self):
         self.shutdown()
         self.server_close()
+
+    def get_request(self):
+        sock, addr = super().get_request()
+        self.connections.append(sock)
+        return sock, addr
+
+    def close_idle(self) -> None:
+        """Close every client connection, as a server closes idle keep-alive connections."""
+        for c in self.connections:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def reply(self, prompt_text: str, seed: int, j: int, max_tokens: int) -> tuple[list[int], str, str]:
         rng = random.Random(derive_seed(seed, j))
@@ -319,5 +334,29 @@ def test_dataset_columns_and_the_chat_backend(tmp_path, capsys, tok, tiny_dense_
         assert recs[-1]["round_accuracy"] is not None and recs[-1]["usage"]["requests"] >= 2
         rc, _, err = _cli(capsys, args + ["--column", "problem=nope"])
         assert rc == 2 and "problem=nope" in err
+    finally:
+        srv.stop()
+
+
+class _KeepAliveHandler(_Handler):
+    protocol_version = "HTTP/1.1"
+
+
+def test_requests_keep_their_connection_and_survive_idle_closes(tok):
+    from train.engine import SamplingParams
+    from ttc.backends import OpenAIBackend
+
+    srv = FakeAPI(tok, handler=_KeepAliveHandler)
+    try:
+        be = OpenAIBackend(srv.url, model="m1", tokenizer=tok, concurrency=1, retries=0)
+        sp = SamplingParams(n=2, max_tokens=32, seed=1)
+        outs = [be.generate([[5, 6, 7]], sp) for _ in range(10)]
+        # /v1/models from this thread, then ten requests over the request worker's one connection
+        assert len(srv.connections) == 2 and srv.completions == 10
+        srv.close_idle()
+        again = be.generate([[5, 6, 7]], sp)  # the worker's connection is gone: sent again on a new one
+        assert [c.token_ids for c in again] == [c.token_ids for c in outs[0]]
+        assert len(srv.connections) == 3 and be.retried == 0 and srv.completions == 11
+        be.close()
     finally:
         srv.stop()

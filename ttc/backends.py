@@ -29,6 +29,7 @@ import socket
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -195,6 +196,89 @@ def vllm_backend(path, **kw) -> EngineBackend:
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 
 
+class HTTPStatusError(Exception):
+    """A response with status >= 400: ``code``, ``reason``, ``headers`` and the body's bytes."""
+
+    def __init__(self, code: int, reason: str, headers, body: bytes):
+        super().__init__(f"HTTP {code} {reason}")
+        self.code, self.reason, self.headers, self.body = code, reason, headers, body
+
+
+class Connections:
+    """HTTP/1.1 keep-alive to one server: one persistent connection per calling thread, so a request
+    pays no TCP (or TLS) handshake and the server no new connection and thread. A connection that
+    the server closed while idle is noticed on its next use and that request is sent once more on a
+    fresh connection (as urllib3 does; nothing was processed). Behind an HTTP(S) proxy configured in
+    the environment requests go through urllib (a connection per request) instead."""
+
+    def __init__(self, base_url: str, timeout: float):
+        u = urllib.parse.urlsplit(base_url)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise ValueError(f"base URL {base_url!r} is not http(s)://host[:port][/path]")
+        self.base_url, self.https, self.timeout = base_url, u.scheme == "https", timeout
+        self.host, self.port, self.prefix = u.hostname, u.port, u.path.rstrip("/")
+        self.proxied = bool(urllib.request.getproxies().get(u.scheme)) and not urllib.request.proxy_bypass(u.hostname)
+        self._local = threading.local()
+        self._all: list = []
+        self._lock = threading.Lock()
+
+    def _new(self):
+        cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
+        conn = cls(self.host, self.port, timeout=self.timeout)
+        with self._lock:
+            self._all.append(conn)
+        return conn
+
+    def request(self, method: str, path: str, data: bytes | None, headers: dict) -> bytes:
+        """The response body; raises :class:`HTTPStatusError` for a status >= 400 and the transport's
+        errors (``OSError``, ``http.client.HTTPException``) as they come."""
+        if self.proxied:
+            req = urllib.request.Request(self.base_url + path, data=data, headers=headers, method=method)
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                    return r.read()
+            except urllib.error.HTTPError as e:
+                raise HTTPStatusError(e.code, str(e.reason), e.headers, e.read()) from None
+        for fresh in (False, True):
+            conn = None if fresh else getattr(self._local, "conn", None)
+            reused = conn is not None
+            if conn is None:
+                conn = self._local.conn = self._new()
+            try:
+                conn.request(method, self.prefix + path, body=data, headers=headers)
+                r = conn.getresponse()
+                body = r.read()
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError,
+                    http.client.CannotSendRequest, http.client.BadStatusLine) as e:
+                self._drop(conn)
+                if reused:  # the server closed the idle connection: once more on a new one
+                    continue
+                raise e
+            except BaseException:
+                self._drop(conn)
+                raise
+            if r.will_close:
+                self._drop(conn)
+            if r.status >= 400:
+                raise HTTPStatusError(r.status, r.reason, r.headers, body)
+            return body
+        raise AssertionError("unreachable")
+
+    def _drop(self, conn) -> None:
+        conn.close()
+        if getattr(self._local, "conn", None) is conn:
+            self._local.conn = None
+        with self._lock:
+            if conn in self._all:
+                self._all.remove(conn)
+
+    def close(self) -> None:
+        with self._lock:
+            conns, self._all = self._all, []
+        for c in conns:
+            c.close()
+
+
 class ServerError(RuntimeError):
     """The server kept failing after all retries (or cannot be reached)."""
 
@@ -290,6 +374,7 @@ class OpenAIBackend:
         self._rpm, self._tpm = RateLimiter(rpm), RateLimiter(tpm)
         self.in_flight = Limiter(max_tokens_in_flight)
         self._pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="ttc-request")
+        self._http = Connections(self.base_url, timeout)
         models = self._call("GET", "/v1/models", None, retries=1)
         entries = {m.get("id"): m for m in models.get("data", [])}
         if model is None:
@@ -336,11 +421,9 @@ class OpenAIBackend:
                     self.retried += 1
                 time.sleep(delay)
             after = None
-            req = urllib.request.Request(self.base_url + path, data=data, headers=headers, method=method)
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                    return json.loads(r.read().decode())
-            except urllib.error.HTTPError as e:
+                return json.loads(self._http.request(method, path, data, headers).decode())
+            except HTTPStatusError as e:
                 msg = _error_message(e)
                 if e.code in RETRY_STATUS:
                     last = f"HTTP {e.code}: {msg}"
@@ -460,6 +543,7 @@ class OpenAIBackend:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._http.close()
 
 
 
@@ -514,9 +598,9 @@ class ChatBackend(OpenAIBackend):
         return choices, r.get("usage") or {}
 
 
-def _error_message(e: urllib.error.HTTPError) -> str:
+def _error_message(e: HTTPStatusError) -> str:
     try:
-        body = json.loads(e.read().decode() or "{}")
+        body = json.loads(e.body.decode() or "{}")
         err = body.get("error", body)
         return str(err.get("message", err) if isinstance(err, dict) else err)[:300]
     except Exception:  # noqa: BLE001 - any unreadable body: use the status text

@@ -87,10 +87,13 @@ def _batch_key(p: SamplingParams) -> tuple:
 class Batcher:
     """Runs the engine on one thread; requests that arrive within ``window_s`` of each other and
     share their sampling settings go through one ``generate`` call (per-prompt seeds keep every
-    request's samples what they would be alone)."""
+    request's samples what they would be alone). The window slides: each arrival keeps the batch
+    open ``window_s`` longer, up to ``max_wait_s`` after the first request (so a burst of clients
+    that connect a few ms apart, e.g. many problems starting a round at once, is one batch rather
+    than a batch of the first few followed by one of the rest)."""
 
-    def __init__(self, engine, window_s: float = 0.005, max_prompts: int = 256):
-        self.engine, self.window_s, self.max_prompts = engine, window_s, max_prompts
+    def __init__(self, engine, window_s: float = 0.005, max_prompts: int = 256, max_wait_s: float = 0.05):
+        self.engine, self.window_s, self.max_prompts, self.max_wait_s = engine, window_s, max_prompts, max_wait_s
         self.batches = 0
         self._q: queue.Queue = queue.Queue()
         self._rng = random.Random()
@@ -126,7 +129,8 @@ class Batcher:
             job = self._q.get()
             if job is None:
                 return
-            jobs, deadline = [job], time.monotonic() + self.window_s
+            t0 = time.monotonic()
+            jobs, deadline, cap = [job], t0 + self.window_s, t0 + max(self.window_s, self.max_wait_s)
             while sum(len(j.ids) for j in jobs) < self.max_prompts:
                 try:
                     nxt = self._q.get(timeout=max(0.0, deadline - time.monotonic()))
@@ -136,6 +140,7 @@ class Batcher:
                     self._q.put(None)
                     break
                 jobs.append(nxt)
+                deadline = min(cap, time.monotonic() + self.window_s)
             groups: dict[tuple, list[_Job]] = {}
             for j in jobs:
                 groups.setdefault((_batch_key(j.params), j.routed), []).append(j)
@@ -529,6 +534,9 @@ def _usage(prompt_ids: list[list[int]], outs) -> dict:
 
 class Server(ThreadingHTTPServer):
     daemon_threads = True
+    # the listen backlog (socketserver's default is 5): with more clients connecting at once than
+    # the backlog holds, the kernel drops their SYNs and each waits out a TCP retransmission (~1 s)
+    request_queue_size = 4096
 
     batcher: Batcher | None = None
     weights_dir: str | None = None
