@@ -143,11 +143,18 @@ def test_sharded_loader_is_strict_and_refuses_the_fallback(tmp_path, monkeypatch
     full = _model(_cfgs()["moe"]).state_dict()
     n = "model.layers.1.mlp.experts.gate_up_proj"
     assert torch.equal(src.read(n, slice(None), slice(3, 30)), full[n][:, 3:30])  # across the gate/up seam
+    with src:
+        assert src._files
+    assert not src._files  # the files are released once the reader is done
     sd = load_file(str(d / "model.safetensors"))
     sd.pop("model.layers.1.mlp.experts.3.up_proj.weight")
     save_file(sd, str(d / "model.safetensors"))
+    closed = []
+    real_close = CheckpointSlices.close
+    monkeypatch.setattr(CheckpointSlices, "close", lambda self: (closed.append(1), real_close(self)))
     with pytest.raises(CheckpointError, match="per-expert tensors"):
         CheckpointSlices(d)
+    assert closed  # a reader that fails to index its files releases them before raising
     with pytest.raises(ValueError, match="transformers fallback .*qwen3.*trainer.nproc=1") as e:
         CheckpointSlices(d, backend="transformers")
     assert "\n" not in str(e.value)

@@ -341,7 +341,14 @@ class CheckpointSlices:
         if cfg.tie_word_embeddings:
             shapes.pop("lm_head.weight", None)
         self.shapes = shapes
-        self._files: dict[str, object] = {}  # file -> open safetensors handle
+        self._files: dict[str, object] = {}  # file -> open safetensors handle (closed by close())
+        try:
+            self._index(path, cfg, shapes)
+        except BaseException:
+            self.close()
+            raise
+
+    def _index(self, path, cfg, shapes) -> None:
         self._plain: dict[str, tuple[str, str]] = {}  # our name -> (file, key)
         self._experts: dict[str, dict[tuple[int, str], tuple[str, str]]] = {}  # fused name -> (e, part) -> (file, key)
         extra: list[str] = []
@@ -419,7 +426,15 @@ class CheckpointSlices:
         return torch.empty([len(range(*sl.indices(n))) for sl, n in zip(idx, shape)])
 
     def close(self) -> None:
+        """Release the safetensors files (their mappings go with the handles): a reader is done once
+        the shards are built; ``with CheckpointSlices(...) as src:`` closes it on the way out."""
         self._files.clear()
+
+    def __enter__(self) -> "CheckpointSlices":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def fallback_architecture(path: str | Path) -> str:

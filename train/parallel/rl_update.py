@@ -218,6 +218,8 @@ class RLUpdater:
         self.device = model.device
         if tsp > 1:
             self.net = TSPCausalLM(model, self.tsp_group)
+            if hasattr(model, "read"):  # a CheckpointSlices reader: every shard is read now
+                model.close()
             self.shards = self.net.named_shards()
             rep = {n for n, k in self.net.kinds.items() if k == "rep"}
         else:
@@ -256,8 +258,8 @@ class RLUpdater:
         path = resolve_model(path, "KL reference")  # a directory, or a Hub id's snapshot in the HF cache
         dtype = DTYPES[self.cfg.dtype]  # the compute dtype
         if self.tsp > 1:  # only this rank's slices are read
-            src = CheckpointSlices(path, dtype=dtype, device=self.device)
-            shards = {n: p.data for n, p in TSPCausalLM(src, self.tsp_group).named_shards().items()}
+            with CheckpointSlices(path, dtype=dtype, device=self.device) as src:
+                shards = {n: p.data for n, p in TSPCausalLM(src, self.tsp_group).named_shards().items()}
         else:
             shards = {n: p.data for n, p in load_pretrained(path, dtype=dtype, device=self.device).named_parameters()}
         if set(shards) != set(self.shards) or any(shards[n].shape != p.shape for n, p in self.shards.items()):

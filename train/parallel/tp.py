@@ -214,4 +214,5 @@ def tp_from_pretrained(path, group=None, sequence_parallel: bool = False, dtype=
     """This rank's TP (TP+SP) shards of the HF checkpoint at ``path``: only the rank's slices are read."""
     from train.model.hf_io import CheckpointSlices
 
-    return TPCausalLM(CheckpointSlices(path, dtype=dtype, device=device), group, sequence_parallel)
+    with CheckpointSlices(path, dtype=dtype, device=device) as src:
+        return TPCausalLM(src, group, sequence_parallel)

@@ -369,4 +369,5 @@ def tsp_from_pretrained(path, group=None, dp_group=None, dtype=torch.float32, de
     rank's slices are read from the safetensors files (the full model is never built)."""
     from train.model.hf_io import CheckpointSlices
 
-    return TSPCausalLM(CheckpointSlices(path, dtype=dtype, device=device), group, dp_group)
+    with CheckpointSlices(path, dtype=dtype, device=device) as src:
+        return TSPCausalLM(src, group, dp_group)
