@@ -206,3 +206,25 @@ def test_a_start_lost_mid_session_costs_no_run(monkeypatch):
     # stopping early: the runs after it are not run
     vs = s.run_many({"main.py": NS}, [Run(), Run(), Run()], on_verdict=lambda i, v: i < 1)
     assert [v is not None for v in vs] == [True, True, False]
+
+
+def test_every_process_of_a_start_is_in_its_cgroup(sb):
+    """bwrap, its sandbox child and the supervisor all sit in the start's cgroup(s) (joined while
+    bwrap holds the child, before anything of the supervisor runs)."""
+    cell = sbx._Cell(sb)
+    try:
+        assert cell.cgroup is not None
+        tree, todo = set(), [cell.proc.pid]
+        while todo:  # bwrap's process tree on the host
+            p = todo.pop()
+            tree.add(p)
+            try:
+                kids = open(f"/proc/{p}/task/{p}/children").read().split()
+            except OSError:
+                kids = []
+            todo += [int(k) for k in kids]
+        assert len(tree) >= 3  # bwrap, its child (the pid namespace's init), the supervisor
+        for f in cell.cgroup.procs_files():
+            assert tree <= {int(x) for x in open(f).read().split()}, f
+    finally:
+        cell.close()

@@ -15,7 +15,9 @@ Layers (each detected once per process, see :func:`detect_layers`):
 - ``cgroup_pids`` / ``cgroup_memory``: a cgroup per sandbox start (v1, or v2 where a delegated
   subtree with the controllers exists) caps the number of processes and the total memory (runs
   of a start go one at a time, and nothing of one is left when the next begins), and gives each
-  run's peak memory.
+  run's peak memory. bwrap and its sandbox child join it while bwrap holds the child after its
+  namespaces and mounts (``--info-fd`` gives the child's pid, ``--block-fd`` holds it), before
+  seccomp and the supervisor: nothing of the supervisor or a run ever runs outside it.
 - ``seccomp``: a BPF filter (loaded by bwrap) makes ``socket()`` fail for every family but
   AF_UNIX and kills foreign-ABI system calls. The same filter serves the C++ compile step: g++,
   cc1plus, as, collect2 and ld use no socket (g++ talks to its children through pipes and, with
@@ -785,7 +787,8 @@ class _Cell:
         self.runs = 0
         self.mem_limit = None
         self.run_phases: dict[str, float] = {}  # of the last run: host-side steps (seconds)
-        fds: list[int] = []
+        fds: list[int] = []  # the sandbox's ends (closed here once bwrap has them)
+        host_fds: list[int] = []  # ours (closed when the start is made)
         try:
             os.chmod(self.box, 0o755)
             exe, prefix = _python_install(cfg)
@@ -798,15 +801,23 @@ class _Cell:
                 self.mem_limit = (cfg.memory_mb + cfg.tmpfs_mb + 32) << 20
                 # +1: the supervisor (the run's processes keep the budget they had with one start per run)
                 self.cgroup = _RunCgroup(ctrl_bases, self.mem_limit, cfg.max_processes + 1)
-                # the shell joins the cgroup(s) itself, then execs the sandbox: no race with forks
-                argv += ["/bin/sh", "-c", 'p=$$; while [ "$1" != -- ]; do echo $p > "$1" || exit 125; shift; done; '
-                         'shift; exec "$@"', "sh", *self.cgroup.procs_files(), "--"]
             t2 = time.perf_counter()
             self.phases["cgroup_create"] = t2 - t1
             self.ctl, inner = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             fds.append(inner.detach())
             argv += [_bwrap(), "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
                      "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
+            join = None
+            if self.cgroup is not None:
+                # bwrap reports its sandbox child's pid (--info-fd) and holds it (--block-fd) after
+                # its namespaces and mounts, before seccomp and the supervisor: the host moves bwrap
+                # and that child into the cgroup(s), then lets it go, so nothing it runs is outside
+                info_r, info_w = os.pipe()
+                block_r, block_w = os.pipe()
+                join = (info_r, block_w)
+                host_fds.extend(join)
+                fds += [info_w, block_r]
+                argv += ["--info-fd", str(info_w), "--block-fd", str(block_r)]
             if os.getuid() == 0:
                 # the supervisor stays root with these three only; each run drops to the uid (and loses them)
                 argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID",
@@ -835,19 +846,22 @@ class _Cell:
             for fd in fds:
                 os.close(fd)
             fds = []
+            if join is not None:
+                self._join_cgroup(*join)
             msg = self._recv(SETUP_TIMEOUT)
             t5 = time.perf_counter()
             if not msg.startswith(b"ready "):
                 raise SandboxError(f"the sandbox did not start: {self._errors() or msg[:200]!r}")
-            # the supervisor's first line ran at T0 (same monotonic clock): before it, sh + bwrap
-            # + interpreter start; after it, the supervisor's imports
+            # the supervisor's first line ran at T0 (same monotonic clock): before it, bwrap, the
+            # cgroup join and the interpreter start; after it, the supervisor's imports
             t0_in = float(msg.split()[1])
             now_mono, now_perf = time.monotonic(), time.perf_counter()
             t0_perf = now_perf - (now_mono - t0_in)
             self.phases["bwrap_and_interpreter"] = max(0.0, t0_perf - t4)
             self.phases["supervisor_ready"] = max(0.0, t5 - t0_perf)
             self.phases["total"] = t5 - t
-            if self.cgroup is not None:  # CPU of sh + bwrap + the supervisor's start, all cores
+            if self.cgroup is not None:  # CPU from the join (bwrap's set-up before it is not counted)
+                # to the supervisor being ready, all cores
                 cpu = self.cgroup.stats(peak=False).get("cpu_time")
                 if cpu is not None:
                     self.phases["cpu_in_sandbox"] = cpu
@@ -856,6 +870,37 @@ class _Cell:
                 os.close(fd)
             self.close()
             raise
+        finally:
+            for fd in host_fds:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+    def _join_cgroup(self, info_r: int, block_w: int) -> None:
+        """Read bwrap's ``child-pid`` from its info descriptor, write bwrap's pid and that child's into
+        every ``cgroup.procs`` of the start, then release the child (a byte on its block descriptor)."""
+        import json
+
+        buf, end, info = b"", time.monotonic() + SETUP_TIMEOUT, None
+        while info is None:
+            left = end - time.monotonic()
+            if left <= 0 or self.proc.poll() is not None:
+                raise SandboxError(f"the sandbox did not start: no child pid from bwrap ({self._errors()})")
+            if select.select([info_r], [], [], min(left, 0.5))[0]:
+                chunk = os.read(info_r, 4096)
+                if not chunk:
+                    raise SandboxError(f"the sandbox did not start: {self._errors() or 'bwrap ended'}")
+                buf += chunk
+                try:
+                    info = json.loads(buf)
+                except ValueError:
+                    continue
+        for f in self.cgroup.procs_files():
+            for pid in (self.proc.pid, int(info["child-pid"])):
+                if not _write(f, str(pid)):
+                    raise SandboxError(f"cannot move the sandbox ({pid}) into {f}")
+        os.write(block_w, b"x")
 
     def _errors(self) -> str:
         if self.errf is None:
