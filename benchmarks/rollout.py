@@ -162,11 +162,8 @@ def main(argv=None) -> int:
         res["engine_decode_ms_per_step"] = round(phases[best][1] / a.new_tokens * 1e3, 3)
         from train.engine import native
 
-        from train.model.hf_io import load_config
-
-        # fused C++ ops (CASCADE_NATIVE_DECODE=0: off); they do not implement zaya's CCA (PyTorch step there)
-        res["engine_native"] = (native.enabled() and native.load()
-                                and load_config(model_dir).architecture != "zaya")
+        # fused C++ ops (CASCADE_NATIVE_DECODE=0: off); for zaya they run the decoding steps (prefill in PyTorch)
+        res["engine_native"] = native.enabled() and native.load()
         res["load_avg_1m"] = round(os.getloadavg()[0], 2)
     sys.stdout.flush()
     print(json.dumps(res), file=json_out, flush=True)

@@ -137,12 +137,12 @@ def test_unsupported_zaya_options_refused():
 def test_engine_decode_with_kv_and_conv_state_equals_full_forward(zdir, native_env, monkeypatch):
     """The torch engine decodes zaya with its KV cache plus CCA's convolution / delayed-value state:
     greedy tokens == the full forward's argmax, logprobs == teacher forcing, routed experts == the
-    full forward's. The native CPU ops do not cover CCA: the engine takes the PyTorch step even when
-    they are enabled."""
+    full forward's; with the native CPU ops (ZayaNativeDecoder: native decoding steps) and without."""
     monkeypatch.setenv("CASCADE_NATIVE_DECODE", native_env)
     d, _ = zdir
     m = load_pretrained(d).eval()
-    assert native.usable(m) is False
+    assert native.usable(m) is (native_env == "1" and native.load())
+    assert isinstance(native.decoder(m), native.ZayaNativeDecoder) is native.usable(m)
     eng = TorchEngine(m, return_routed_experts=True)
     prompts = [[5, 17, 100, 42, 9], [7], [100, 150, 30, 40, 50, 60, 70, 80]]
     comps = eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, n=2))
@@ -399,3 +399,114 @@ def test_cache_row_selection_carries_the_conv_state_and_prefix_cache_is_bypassed
     eng = TorchEngine(m)
     pc = enable_prefix_caching(eng, min_prefix=4)
     assert [c.token_ids for c in eng.generate(prompts, sp)] == plain and pc.stats.batches == 0
+
+
+def _spread_zaya(**kw) -> CausalLM:
+    """A tiny random zaya CausalLM, weights spread out like :func:`hf_zaya` (several experts and the skip
+    class routed)."""
+    base = dict(architecture="zaya", vocab_size=V, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5, num_experts=4, num_experts_per_tok=1,
+                moe_intermediate_size=32, router_hidden_size=16, max_position_embeddings=256)
+    m = CausalLM(ModelConfig(**{**base, **kw})).init_weights(0, std=0.15).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith(("norm.weight", "_scale")):
+                p.uniform_(0.7, 1.3)
+            elif name.endswith("temp"):
+                p.uniform_(1.0, 2.0)
+            elif "out_proj" in name:
+                p.normal_(0.0, 1.0)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+        for layer in m.model.layers:
+            layer.mlp.gate.balancing_biases.normal_(0.0, 0.02)
+            layer.mlp.gate.balancing_biases[-1] = -0.1
+    return m
+
+
+@pytest.mark.skipif(not native.enabled(), reason="CASCADE_NATIVE_DECODE=0")
+@pytest.mark.parametrize("kw", [{}, dict(attention_bias=True), dict(cca_time0=3, cca_time1=2),
+                                dict(cca_time0=1, cca_time1=1), dict(num_key_value_heads=1, head_dim=32),
+                                dict(head_dim=24, num_key_value_heads=4)],
+                         ids=["base", "bias", "k3", "no-state", "mqa-d32", "mha-d24"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_zaya_step_equals_the_pytorch_step(kw, threads):
+    """ZayaNativeDecoder's fused decoding step against the PyTorch step from the same left-padded prefill:
+    logits and logprobs within 1e-5, greedy tokens and router classes (skip class included) identical,
+    KV cache, convolution state and delayed value equal; head sizes with and without the vectorised
+    grouped conv, no convolution state (cca_time 1, 1), biases."""
+    from train.model.modeling import KVCache
+
+    assert native.load(), native._STATE.get("error")
+    m = _spread_zaya(**kw)
+    dec = native.decoder(m)
+    assert isinstance(dec, native.ZayaNativeDecoder)
+    B, L, steps = 6, 9, 10
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, V, (B, L), generator=g)
+    mask = torch.ones(B, L, dtype=torch.bool)
+    for i in range(B):
+        mask[i, :min(2 * i, L - 1)] = False
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    classes = set()
+    try:
+        with torch.inference_mode():
+            ref_c = KVCache.allocate(m.config, B, L + steps, "cpu", torch.float32)
+            nat_c = KVCache.allocate(m.config, B, L + steps, "cpu", torch.float32)
+            rec_ref, rec_nat = [], []
+            ref = m.logits(m.hidden_states(ids, mask, cache=ref_c, record_routing=rec_ref)[:, -1])
+            out = dec.forward(ids, nat_c, mask, record=rec_nat)  # prefill: the PyTorch model
+            torch.testing.assert_close(out, ref, rtol=0, atol=0)
+            assert all(torch.equal(a[mask], b) for a, b in zip(rec_ref, rec_nat))
+            tok = ref.argmax(-1)
+            for _ in range(steps):
+                rec_ref, rec_nat = [], []
+                ref = m.logits(m.hidden_states(tok[:, None], cache=ref_c, record_routing=rec_ref)[:, -1])
+                out = dec.step(tok, nat_c, record=rec_nat)
+                torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(torch.log_softmax(out, -1), torch.log_softmax(ref, -1), rtol=1e-5, atol=1e-5)
+                assert torch.equal(out.argmax(-1), ref.argmax(-1))
+                for a, b in zip(rec_ref, rec_nat):
+                    assert torch.equal(a[:, 0], b)
+                    classes |= set(b.flatten().tolist())
+                tok = ref.argmax(-1)
+    finally:
+        torch.set_num_threads(old)
+    assert nat_c.length == ref_c.length and torch.equal(nat_c.valid, ref_c.valid)
+    keep = ref_c.valid[:, None, :, None]
+    for a, b in zip(ref_c.k + ref_c.v, nat_c.k + nat_c.v):
+        torch.testing.assert_close(a * keep, b * keep, rtol=1e-5, atol=1e-5)
+    for a, b in zip(ref_c.conv + ref_c.vstate, nat_c.conv + nat_c.vstate):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert len(classes) > 1
+
+
+@pytest.mark.skipif(not native.enabled(), reason="CASCADE_NATIVE_DECODE=0")
+def test_native_zaya_engine_matches_pytorch_engine_and_follows_weight_updates(zdir, monkeypatch):
+    """The engine with native zaya steps samples what it samples without them (greedy tokens equal, seeded
+    samples' logprobs close); after load_weights the native decoder uses the new weights."""
+    d, _ = zdir
+    m = load_pretrained(d).eval()
+    assert native.usable(m)
+    prompts = [[5, 17, 100, 42, 9], [7], [100, 150, 30, 40, 50, 60, 70, 80]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, n=2)
+
+    def both():
+        fast = TorchEngine(m).generate(prompts, greedy)
+        monkeypatch.setenv("CASCADE_NATIVE_DECODE", "0")
+        slow = TorchEngine(m).generate(prompts, greedy)
+        monkeypatch.delenv("CASCADE_NATIVE_DECODE")
+        for a, b in zip(fast, slow):
+            assert a.token_ids == b.token_ids
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+        return [c.token_ids for c in fast]
+
+    before = both()
+    other = hf_zaya(seed=1)
+    eng = TorchEngine(m)
+    eng.load_weights(other.state_dict())
+    after = [c.token_ids for c in eng.generate(prompts, greedy)]
+    assert after == both() and after != before

@@ -8,6 +8,8 @@ grouped and run in parallel, weighted combine) or dense MLP block per call, and 
 row; matrix products stay in ATen (the same MKL/oneDNN kernels), the glue is vectorised loops.
 :class:`~train.engine.TorchEngine` uses them for fp32 models on CPU; they compute what
 ``CausalLM.last_logits(ids, mask, cache=cache)`` computes (tests/test_native.py compares the two).
+ZAYA1 (:class:`ZayaNativeDecoder`): its decoding steps run as one op per CCA attention block and one
+per MoE block, its prefill in PyTorch (tests/test_zaya.py compares the steps with the PyTorch step).
 
 The extension is compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler with
 OpenMP, and ninja: ``make system-deps`` installs a compiler, the ``ninja`` package comes with
@@ -98,12 +100,42 @@ def _standard(model) -> bool:
                     and type(layer.mlp) is (SparseMoE if layer.is_moe else MLP) for layer in model.model.layers))
 
 
+def _standard_zaya(model) -> bool:
+    """A ZAYA1 model built of exactly the modules of train/model/zaya.py (what :class:`ZayaNativeDecoder`
+    implements)."""
+    from train.model.modeling import Experts, RMSNorm
+    from train.model.zaya import (CCAAttention, CCAProjection, QKNorm, ResidualScaling, RouterMLP, ZayaDecoderLayer,
+                                  ZayaMoE, ZayaRouter)
+
+    def ok(layer) -> bool:
+        a, m = layer.self_attn, layer.mlp
+        return (type(layer) is ZayaDecoderLayer and type(a) is CCAAttention and type(a.qkv_proj) is CCAProjection
+                and type(a.qk_norm) is QKNorm and type(m) is ZayaMoE and type(m.gate) is ZayaRouter
+                and type(m.gate.router_mlp) is RouterMLP and type(m.experts) is Experts
+                and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
+                and type(layer.post_attention_residual_scale) is ResidualScaling
+                and type(layer.post_mlp_residual_scale) is ResidualScaling)
+
+    return (isinstance(model, CausalLM) and model.config.architecture == "zaya"
+            and type(model).hidden_states is CausalLM.hidden_states and type(model).logits is CausalLM.logits
+            and type(model)._zaya_layers is CausalLM._zaya_layers and all(ok(layer) for layer in model.model.layers))
+
+
 def usable(model: CausalLM) -> bool:
-    """Whether :class:`NativeDecoder` runs for this model (CPU, fp32, the standard architecture,
-    extension built, not disabled). fp32 only, so the model's ``fp32_residual`` option changes nothing
-    here; bf16 models keep the PyTorch step, which applies it."""
-    return (enabled() and model.device.type == "cpu" and model.dtype == torch.float32 and _standard(model)
-            and load())
+    """Whether the native ops run for this model (CPU, fp32, the standard architecture, extension
+    built, not disabled): :class:`NativeDecoder`, or for ZAYA1 :class:`ZayaNativeDecoder` (native
+    decoding steps, PyTorch prefill). fp32 only, so the model's ``fp32_residual`` option changes
+    nothing here; bf16 models keep the PyTorch step, which applies it."""
+    return (enabled() and model.device.type == "cpu" and model.dtype == torch.float32
+            and (_standard(model) or _standard_zaya(model)) and load())
+
+
+def decoder(model: CausalLM):
+    """The native decoder for ``model`` (:class:`ZayaNativeDecoder` for ZAYA1, else
+    :class:`NativeDecoder`), or None where :func:`usable` says no (the PyTorch step then runs)."""
+    if not usable(model):
+        return None
+    return ZayaNativeDecoder(model) if model.config.architecture == "zaya" else NativeDecoder(model)
 
 
 class NativeDecoder:
@@ -187,3 +219,103 @@ class NativeDecoder:
     def step(self, tok: torch.Tensor, cache: KVCache, record: list | None = None) -> torch.Tensor:
         """One decoding step: logits [B, V] after appending ``tok`` [B] (one token per row)."""
         return self.forward(tok[:, None], cache, record=record)
+
+
+class ZayaNativeDecoder:
+    """ZAYA1 generation with native decoding steps: one fused op per CCA attention block
+    (projections, both convolutions over the carried state, residual paths, q/k L2 norm + key
+    temperature, partial RoPE, KV-cache and state updates, attention, ``o_proj``, residual scaling)
+    and one per MoE block (router with depth averaging, top-1 + balancing bias, experts, residual
+    scaling). Prefill (several tokens per row, padding) runs the PyTorch model, which writes the
+    same cache (KV, convolution state, delayed value). Derived weights (the stacked projections, the
+    conv weights as matrices, the q/k scales, the residual-scaling vectors) are built once at
+    construction: make one per generation call, and a new one when weights change (as for
+    :class:`NativeDecoder`). Only fp32 CPU models (see :func:`usable`)."""
+
+    def __init__(self, model: CausalLM):
+        if not load():
+            raise RuntimeError(f"the native decode extension is unavailable: {_STATE.get('error')}")
+        self.model, cfg = model, model.config
+        self.layers = []
+        with torch.inference_mode():
+            for layer in model.model.layers:
+                a, m = layer.self_attn, layer.mlp
+                pj = a.qkv_proj
+                lin = (pj.q_proj, pj.k_proj, pj.v_proj_current, pj.v_proj_delayed)
+                bias = None if pj.q_proj.bias is None else torch.cat([x.bias for x in lin])
+                G, d = a.n_heads + a.n_kv, a.cfg.head_dim
+                temp = a.qk_norm.temp
+                qk_scale = (torch.cat([temp.new_ones(a.n_heads), temp]).to(torch.float32) * a.qk_norm.scale).contiguous()
+                ra, rm = layer.post_attention_residual_scale, layer.post_mlp_residual_scale
+                rs = [torch.stack((r.hidden_states_scale, r.hidden_states_bias, r.residual_scale, r.residual_bias))
+                      for r in (ra, rm)]
+                attn = (layer.input_layernorm.weight, torch.cat([x.weight for x in lin]), bias,
+                        pj.conv_qk_depthwise.weight[:, 0].t().contiguous(), pj.conv_qk_depthwise.bias,
+                        # [C, d_in, k1] -> [G, k1, d_in, d_out]
+                        pj.conv_qk_grouped.weight.view(G, d, d, -1).permute(0, 3, 2, 1).contiguous(),
+                        pj.conv_qk_grouped.bias)
+                attn_tail = (a.o_proj.weight, a.o_proj.bias, rs[0], a.n_heads, a.n_kv, cfg.rms_norm_eps)
+                gt, mlp = m.gate, m.gate.router_mlp
+                moe = (layer.post_attention_layernorm.weight, gt.down_proj.weight, gt.down_proj.bias,
+                       gt.router_states_scale if gt.use_eda else None, mlp.norm.weight, mlp.fc1.weight, mlp.fc1.bias,
+                       mlp.fc2.weight, mlp.fc2.bias, mlp.out_proj.weight, gt.balancing_biases, m.experts.gate_up_proj,
+                       m.experts.down_proj, rs[1], cfg.rms_norm_eps)
+                self.layers.append((attn, qk_scale, attn_tail, moe))
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, cache: KVCache, mask: torch.Tensor | None = None,
+                record: list | None = None) -> torch.Tensor:
+        """fp32 logits [B, V] at the last real token of each row for tokens ``ids`` [B, T] appended at
+        ``cache.length`` (``mask`` [B, T]: real tokens, None = all), as ``NativeDecoder.forward``.
+        One token per row after a prefill: the native step; anything else: the PyTorch model.
+        ``record``: receives per layer the class ids [N, 1] (int64, N real tokens, row-major)."""
+        model = self.model
+        B, T = ids.shape
+        dense = mask is None or bool(mask.all())
+        if T == 1 and dense and cache.length > 0:
+            return self._step(ids[:, 0], cache, record)
+        rec: list | None = [] if record is not None else None
+        h = model.hidden_states(ids, mask, cache=cache, record_routing=rec)
+        if dense:
+            last = h[:, -1]
+        else:
+            mask = mask.to(torch.bool)
+            if not bool(mask.any(1).all()):
+                raise ValueError("every row needs at least one real token")
+            pos = torch.arange(T, device=mask.device).expand(B, T)
+            last = h[torch.arange(B, device=h.device), pos.masked_fill(~mask, -1).amax(1)]
+        if record is not None:
+            record.extend(r.reshape(B * T, -1) if dense else r[mask] for r in rec)
+        return model.logits(last)
+
+    def step(self, tok: torch.Tensor, cache: KVCache, record: list | None = None) -> torch.Tensor:
+        """One decoding step: logits [B, V] after appending ``tok`` [B] (one token per row)."""
+        return self.forward(tok[:, None], cache, record=record)
+
+    def _step(self, tok: torch.Tensor, cache: KVCache, record: list | None) -> torch.Tensor:
+        model, cfg = self.model, self.model.config
+        s = cache.length
+        if s + 1 > cache.capacity:
+            raise ValueError(f"KV cache overflow: {s + 1} > {cache.capacity}")
+        cache.valid[:, s] = True
+        pos = running_positions(cache.valid[:, :s + 1])[:, s:]
+        bb = model.model
+        x = (bb.embed_tokens(tok) + bb.input_hidden_states_bias) * bb.input_hidden_states_scale
+        cos, sin = rope_cos_sin(pos, cfg.rope_dim, cfg.rope_theta, x.dtype, cfg.rope_scaling)
+        cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
+        ops = torch.ops.cascade_native
+        state = None
+        for i, (attn, qk_scale, attn_tail, moe) in enumerate(self.layers):
+            conv = cache.conv[i]
+            if conv is not None and not conv.is_contiguous():
+                conv = cache.conv[i] = conv.contiguous()
+            if not cache.vstate[i].is_contiguous():
+                cache.vstate[i] = cache.vstate[i].contiguous()
+            x = ops.zaya_attn_step(x, *attn[:3], conv, *attn[3:], cache.vstate[i], qk_scale, cos, sin, cache.k[i],
+                                   cache.v[i], cache.valid, s, *attn_tail)
+            routed = None if record is None else torch.empty(x.shape[0], 1, dtype=torch.long)
+            x, state = ops.zaya_moe_step(x, *moe[:3], state if moe[3] is not None else None, *moe[3:], routed)
+            if record is not None:
+                record.append(routed)
+        cache.length = s + 1
+        return model.logits(bb.norm(x))

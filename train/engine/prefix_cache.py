@@ -80,7 +80,7 @@ class PrefixCache:
         from train.engine import native
 
         if self._decoder is None or self._decoder.model is not model:
-            self._decoder = native.NativeDecoder(model) if native.usable(model) else False
+            self._decoder = native.decoder(model) or False
         return self._decoder or None
 
     def _lookup(self, prefix: tuple[int, ...]):

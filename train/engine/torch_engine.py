@@ -3,8 +3,9 @@
 Prompts of different lengths are left-padded into one batch; each prompt is prefilled once and
 its cache fanned out to its ``n`` samples; finished rows leave the batch as soon as they stop.
 Runs on CPU and CUDA; fp32 models on CPU (Qwen3, Qwen3-MoE, Qwen2, Llama) prefill, decode and sample
-through fused C++ ops (:mod:`train.engine.native`), everything else (bf16, GPU, and transformers-fallback
-models from :mod:`train.model.hf_fallback`) through the PyTorch model.
+through fused C++ ops (:mod:`train.engine.native`), fp32 ZAYA1 on CPU decodes and samples through them
+(prefill in PyTorch), everything else (bf16, GPU, and transformers-fallback models from
+:mod:`train.model.hf_fallback`) through the PyTorch model.
 
 Weight versions and in-flight updates. ``engine.version`` names the weights in use; every
 completion carries ``versions``, the version that sampled each of its tokens. ``load_weights(sd,
@@ -270,7 +271,7 @@ class TorchEngine:
             self._take_pending()
         epoch, version = self._epoch, self.version
         # fused C++ forward for fp32 on CPU (train/engine/native.py), else the model's own
-        decoder = native.NativeDecoder(model) if native.usable(model) else None
+        decoder = native.decoder(model)
         t0 = time.perf_counter()
         cache, logits, proutes = self._prefill(prompts, L + max_new, decoder, record, prefix_ok=True)
         self.stats.prefill_tokens += sum(lens)
@@ -334,7 +335,7 @@ class TorchEngine:
                 self._take_pending()
             if self._epoch != epoch:
                 epoch, version = self._epoch, self.version
-                decoder = native.NativeDecoder(model) if native.usable(model) else None
+                decoder = native.decoder(model)
                 if self.refresh_kv_on_update:  # running rows re-prefilled under the new weights
                     seqs = [prompts[r // n] + tokens[r] for r in active]
                     cache, logits, fresh = self._prefill(seqs, cache.capacity, decoder, record, prefix_ok=False)

@@ -8,7 +8,8 @@
 // combine) is vectorised loops. Math and order of operations follow the Python model, in fp32.
 //
 // Built at first use by train/engine/native.py (torch.utils.cpp_extension); registered as
-// torch.ops.cascade_native.{attn_block, moe_block, mlp_block, sample_rows}.
+// torch.ops.cascade_native.{attn_block, moe_block, mlp_block, sample_rows} and, for ZAYA1 decoding steps,
+// {zaya_attn_step, zaya_moe_step}.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
@@ -463,6 +464,327 @@ std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits, double 
   return {tok, logp};
 }
 
+
+// ---- ZAYA1 (train/model/zaya.py): one decoding step (one new token per batch row) ---------------
+
+// Residual scaling in place: out = (out + rs[1]) * rs[0] + (x + rs[3]) * rs[2] (rs [4, H]:
+// hidden_states_scale, hidden_states_bias, residual_scale, residual_bias).
+void residual_scaling(float* out, const float* x, const float* rs, int64_t B, int64_t H) {
+  const float *hs = rs, *hb = rs + H, *rsc = rs + 2 * H, *rb = rs + 3 * H;
+  for (int64_t b = 0; b < B; ++b) {
+    float* o = out + b * H;
+    const float* xr = x + b * H;
+#pragma omp simd
+    for (int64_t c = 0; c < H; ++c) o[c] = (o[c] + hb[c]) * hs[c] + (xr[c] + rb[c]) * rsc[c];
+  }
+}
+
+// The grouped conv of ZAYA1's CCA for n rows (n a multiple of 4): dcv [n, k1, C] (the depthwise
+// conv's k1 outputs per channel), w [G, k1, d_in, d_out], bias [C] -> qk [n, C] (C = G * d). Head
+// sizes 16/32/64: four rows at a time with the accumulators in registers.
+template <int D>
+void grouped_conv_fixed(const float* dcv, const float* w, const float* bias, float* qk, int64_t n, int64_t G,
+                        int64_t k1) {
+  constexpr int NV = D / 16;
+  const int64_t C = G * D, stride = k1 * C;
+  for (int64_t gr = 0; gr < G; ++gr)
+    for (int64_t b0 = 0; b0 < n; b0 += 4) {
+      vf acc[4][NV] = {};
+      for (int64_t t = 0; t < k1; ++t)
+        for (int64_t ci = 0; ci < D; ++ci) {
+          const float* wr = w + ((gr * k1 + t) * D + ci) * D;
+          vf wv[NV];
+          for (int i = 0; i < NV; ++i) wv[i] = loadv(wr + 16 * i);
+          const int64_t col = t * C + gr * D + ci;
+          for (int r = 0; r < 4; ++r) {
+            const float a = dcv[(b0 + r) * stride + col];
+            for (int i = 0; i < NV; ++i) acc[r][i] += a * wv[i];
+          }
+        }
+      for (int r = 0; r < 4; ++r)
+        for (int i = 0; i < NV; ++i) {
+          const vf s = acc[r][i] + loadv(bias + gr * D + 16 * i);
+          __builtin_memcpy(qk + (b0 + r) * C + gr * D + 16 * i, &s, sizeof s);
+        }
+    }
+}
+
+void grouped_conv(const float* dcv, const float* w, const float* bias, float* qk, int64_t n, int64_t G, int64_t k1,
+                  int64_t d) {
+  switch (d) {
+    case 16: return grouped_conv_fixed<16>(dcv, w, bias, qk, n, G, k1);
+    case 32: return grouped_conv_fixed<32>(dcv, w, bias, qk, n, G, k1);
+    case 64: return grouped_conv_fixed<64>(dcv, w, bias, qk, n, G, k1);
+    default: break;
+  }
+  const int64_t C = G * d;
+  std::vector<float> acc(d);
+  for (int64_t b = 0; b < n; ++b)
+    for (int64_t gr = 0; gr < G; ++gr) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < k1; ++t)
+        for (int64_t ci = 0; ci < d; ++ci) {
+          const float a = dcv[(b * k1 + t) * C + gr * d + ci];
+          const float* wr = w + ((gr * k1 + t) * d + ci) * d;
+          for (int64_t o = 0; o < d; ++o) acc[o] += a * wr[o];
+        }
+      for (int64_t o = 0; o < d; ++o) qk[b * C + gr * d + o] = acc[o] + bias[gr * d + o];
+    }
+}
+
+// x_next = RS(x, o_proj(CCA attention(rms(x)))) for one new token per row, written at cache slot
+// `slot` of every row (decoding: all rows share the write position). wproj [hq*d + 2*hk*d, H]: q, k,
+// current and delayed value projections stacked; conv_state [B, C, K] (C = (hq+hk)*d, K = k0+k1-2;
+// absent when K == 0) and vstate [B, hk*d/2] are read and updated in place; dw_w [k0, C], dw_b [C]:
+// the depthwise conv (taps first); gw_w [G, k1, d_in, d_out], gw_b [C]: the grouped conv (one group
+// of d channels per head, G = hq + hk; conv1d's weight [C, d_in, k1] permuted);
+// qk_scale [hq+hk]: each head's scale after L2 normalisation (sqrt(d), times the key temperature for
+// key heads); cos/sin [B, rd] (RoPE on the first rd dims of each head); rs [4, H] residual scaling.
+at::Tensor zaya_attn_step(const at::Tensor& x, const at::Tensor& ln_w, const at::Tensor& wproj,
+                          const c10::optional<at::Tensor>& bproj, const c10::optional<at::Tensor>& conv_state,
+                          const at::Tensor& dw_w, const at::Tensor& dw_b, const at::Tensor& gw_w,
+                          const at::Tensor& gw_b, const at::Tensor& vstate, const at::Tensor& qk_scale,
+                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kc, const at::Tensor& vc,
+                          const at::Tensor& valid, int64_t slot, const at::Tensor& wo,
+                          const c10::optional<at::Tensor>& bo, const at::Tensor& rs, int64_t hq, int64_t hk,
+                          double eps_d) {
+  for (const at::Tensor* t : {&x, &ln_w, &wproj, &dw_w, &dw_b, &gw_w, &gw_b, &vstate, &qk_scale, &cos, &sin, &kc,
+                              &vc, &wo, &rs})
+    check_f32(*t, "zaya_attn_step tensor");
+  const bool has_bproj = bproj.has_value() && bproj->defined(), has_bo = bo.has_value() && bo->defined();
+  if (has_bproj) check_f32(*bproj, "zaya_attn_step bproj");
+  if (has_bo) check_f32(*bo, "zaya_attn_step bo");
+  TORCH_CHECK(valid.scalar_type() == at::kBool && valid.is_contiguous(), "valid must be a contiguous bool tensor");
+  const int64_t B = x.size(0), H = x.size(1), d = kc.size(3), cap = kc.size(2);
+  TORCH_CHECK(hk > 0 && hq % hk == 0 && kc.size(0) == B && kc.size(1) == hk && vc.sizes() == kc.sizes() &&
+                  d % 2 == 0 && d <= 1024,
+              "zaya_attn_step: bad head layout");
+  const int64_t g = hq / hk, G = hq + hk, C = G * d, half = hk * d / 2, P = hq * d + 2 * hk * d;
+  TORCH_CHECK(dw_w.dim() == 2 && gw_w.dim() == 4, "zaya_attn_step: dw_w [k0, C], gw_w [G, k1, d, d]");
+  const int64_t k0 = dw_w.size(0), k1 = gw_w.size(1), K = k0 + k1 - 2, rd = cos.size(1);
+  TORCH_CHECK(wproj.size(0) == P && wproj.size(1) == H && dw_w.size(1) == C && dw_b.numel() == C &&
+                  gw_w.size(0) == G && gw_w.size(2) == d && gw_w.size(3) == d && gw_b.numel() == C &&
+                  qk_scale.numel() == G &&
+                  vstate.size(0) == B && vstate.numel() == B * half && cos.size(0) == B && sin.sizes() == cos.sizes() &&
+                  rd % 2 == 0 && rd <= d && rs.size(0) == 4 && rs.size(1) == H && wo.size(1) == hq * d,
+              "zaya_attn_step: shapes do not match");
+  TORCH_CHECK(slot >= 0 && slot < cap && valid.size(0) == B && valid.size(1) == cap, "zaya_attn_step: slot ", slot,
+              " outside the cache [", B, ", ", cap, "]");
+  const bool has_state = conv_state.has_value() && conv_state->defined();
+  TORCH_CHECK(has_state == (K > 0), "zaya_attn_step: a convolution state goes with a look-back K > 0");
+  float* sp = nullptr;
+  if (has_state) {
+    check_f32(*conv_state, "zaya_attn_step conv_state");
+    TORCH_CHECK(conv_state->size(0) == B && conv_state->size(1) == C && conv_state->size(2) == K,
+                "zaya_attn_step: conv_state must be [B, C, K]");
+    sp = conv_state->data_ptr<float>();
+  }
+  const float eps = static_cast<float>(eps_d);
+  const float norm_eps = std::numeric_limits<float>::epsilon();  // F.normalize's eps in QKNorm (fp32)
+  at::Tensor h = rms_rows(x, ln_w, eps);
+  at::Tensor proj = has_bproj ? at::addmm(*bproj, h, wproj.t()) : at::mm(h, wproj.t());
+  const float *pp = proj.data_ptr<float>(), *dww = dw_w.data_ptr<float>(), *dwb = dw_b.data_ptr<float>(),
+              *gww = gw_w.data_ptr<float>(), *gwb = gw_b.data_ptr<float>(), *qs = qk_scale.data_ptr<float>(),
+              *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
+  float *vsp = vstate.data_ptr<float>(), *kcp = kc.data_ptr<float>(), *vcp = vc.data_ptr<float>();
+  at::Tensor q = at::empty({B, hq, d}, x.options());
+  float* qp = q.data_ptr<float>();
+  const float qscale = 1.0f / std::sqrt(static_cast<float>(d));
+  // 1. per row: the convolutions over (state, new column), residual paths, q/k norm + RoPE; the new
+  // key and value into the cache; the states moved on by one column
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    const int64_t n = end - begin, n4 = (n + 3) / 4 * 4;
+    std::vector<float> colT((K + 1) * C), dcv(n4 * k1 * C, 0.f), qk_all(n4 * C), qr(hq * d), kr(hk * d), head(d);
+    for (int64_t b = begin; b < end; ++b) {
+      const float* row = pp + b * P;
+      const float *xq = row, *xk = row + hq * d;
+      // the K + 1 columns [K + 1, C] (the state's, then the new one); the state moves on by one column
+      float* st = has_state ? sp + b * C * K : nullptr;
+      for (int64_t c = 0; c < C; ++c)
+        for (int64_t i = 0; i < K; ++i) colT[i * C + c] = st[c * K + i];
+      std::copy(xq, xq + hq * d, colT.data() + K * C);
+      std::copy(xk, xk + hk * d, colT.data() + K * C + hq * d);
+      for (int64_t c = 0; c < C; ++c)
+        for (int64_t i = 0; i < K; ++i) st[c * K + i] = colT[(i + 1) * C + c];
+      // depthwise conv: k1 outputs per channel, [k1, C] per row
+      for (int64_t l = 0; l < k1; ++l) {
+        float* out = dcv.data() + ((b - begin) * k1 + l) * C;
+        std::fill(out, out + C, 0.f);
+        for (int64_t i = 0; i < k0; ++i) {
+          const float *in = colT.data() + (l + i) * C, *w = dww + i * C;
+#pragma omp simd
+          for (int64_t c = 0; c < C; ++c) out[c] += in[c] * w[c];
+        }
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) out[c] = dwb[c] + out[c];
+      }
+    }
+    grouped_conv(dcv.data(), gww, gwb, qk_all.data(), n4, G, k1, d);
+    for (int64_t b = begin; b < end; ++b) {
+      const float* row = pp + b * P;
+      const float *xq = row, *xk = row + hq * d, *vcur = row + (hq + hk) * d, *vdel = vcur + half;
+      const float* qk = qk_all.data() + (b - begin) * C;
+      for (int64_t hh = 0; hh < hq; ++hh)  // residual paths: (q + its group's k) / 2, keys their group mean
+        for (int64_t e = 0; e < d; ++e) qr[hh * d + e] = (xq[hh * d + e] + xk[(hh / g) * d + e]) * 0.5f;
+      for (int64_t j = 0; j < hk; ++j)
+        for (int64_t e = 0; e < d; ++e) {
+          float s = 0.f;
+          for (int64_t gi = 0; gi < g; ++gi) s += qr[(j * g + gi) * d + e];
+          kr[j * d + e] = s / static_cast<float>(g);
+        }
+      const float *c_ = cp + b * rd, *sn = snp + b * rd;
+      for (int64_t hh = 0; hh < G; ++hh) {
+        const float* res = hh < hq ? qr.data() + hh * d : kr.data() + (hh - hq) * d;
+        float ss = 0.f;
+        for (int64_t e = 0; e < d; ++e) {
+          head[e] = qk[hh * d + e] + res[e];
+          ss += head[e] * head[e];
+        }
+        const float nrm = std::max(std::sqrt(ss), norm_eps);
+        for (int64_t e = 0; e < d; ++e) head[e] = head[e] / nrm * qs[hh];
+        float* out = hh < hq ? qp + (b * hq + hh) * d : kcp + ((b * hk + (hh - hq)) * cap + slot) * d;
+        const float sc = hh < hq ? qscale : 1.0f;  // queries pre-scaled for the dot products
+        const int64_t r2 = rd / 2;
+        for (int64_t e = 0; e < r2; ++e) {
+          out[e] = (head[e] * c_[e] + (-head[e + r2]) * sn[e]) * sc;
+          out[e + r2] = (head[e + r2] * c_[e + r2] + head[e] * sn[e + r2]) * sc;
+        }
+        for (int64_t e = rd; e < d; ++e) out[e] = head[e] * sc;
+      }
+      // value: the current projection, then the previous token's delayed one; heads of d over both
+      float* vs = vsp + b * half;
+      for (int64_t j = 0; j < hk; ++j) {
+        float* dst = vcp + ((b * hk + j) * cap + slot) * d;
+        for (int64_t e = 0; e < d; ++e) {
+          const int64_t i = j * d + e;
+          dst[e] = i < half ? vcur[i] : vs[i - half];
+        }
+      }
+      for (int64_t i = 0; i < half; ++i) vs[i] = vdel[i];
+    }
+  });
+  // 2. attention over slots <= slot where valid (its own slot always)
+  at::Tensor attn = at::empty({B, hq * d}, x.options());
+  float* ap = attn.data_ptr<float>();
+  const bool* vp = valid.data_ptr<bool>();
+  const int64_t Tk = slot + 1;
+  at::parallel_for(0, B * hk, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> score(Tk);
+    std::vector<char> vis(Tk);
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t b = it / hk, j = it % hk;
+      const bool* vrow = vp + b * cap;
+      for (int64_t t = 0; t < Tk; ++t) vis[t] = vrow[t];
+      vis[slot] = 1;
+      const float* kbase = kcp + (b * hk + j) * cap * d;
+      const float* vbase = vcp + (b * hk + j) * cap * d;
+      for (int64_t gi = 0; gi < g; ++gi) {
+        const int64_t hh = j * g + gi;
+        dots(qp + (b * hq + hh) * d, kbase, Tk, d, reinterpret_cast<const bool*>(vis.data()), score.data());
+        softmax_inplace(score.data(), Tk);
+        weighted_sum(score.data(), vbase, Tk, d, ap + (b * hq + hh) * d);
+      }
+    }
+  });
+  at::Tensor out = has_bo ? at::addmm(*bo, attn, wo.t()) : at::mm(attn, wo.t());
+  residual_scaling(out.data_ptr<float>(), x.data_ptr<float>(), rs.data_ptr<float>(), B, H);
+  return out;
+}
+
+// The ZAYA1 MoE block for one token per row: (x_next = RS(x, experts(rms(x))), router state r).
+// Router: r = down(rms(x)) (+ state * rss: depth averaging, all but the first layer), then
+// RMSNorm, fc1, GELU, fc2, GELU, out_proj over E + 1 classes, fp32 softmax; class = argmax of
+// probability + balancing bias; gate = the probability (0 for the skip class E, which computes
+// nothing). `routed` (optional int64 [B, 1]) receives the classes.
+std::tuple<at::Tensor, at::Tensor> zaya_moe_step(
+    const at::Tensor& x, const at::Tensor& ln_w, const at::Tensor& down_w, const at::Tensor& down_b,
+    const c10::optional<at::Tensor>& state, const c10::optional<at::Tensor>& rss, const at::Tensor& rn_w,
+    const at::Tensor& fc1_w, const at::Tensor& fc1_b, const at::Tensor& fc2_w, const at::Tensor& fc2_b,
+    const at::Tensor& out_w, const at::Tensor& bal, const at::Tensor& gate_up, const at::Tensor& down,
+    const at::Tensor& rs, double eps_d, const c10::optional<at::Tensor>& routed) {
+  for (const at::Tensor* t : {&x, &ln_w, &down_w, &down_b, &rn_w, &fc1_w, &fc1_b, &fc2_w, &fc2_b, &out_w, &bal,
+                              &gate_up, &down, &rs})
+    check_f32(*t, "zaya_moe_step tensor");
+  const int64_t B = x.size(0), H = x.size(1), E = gate_up.size(0), I = gate_up.size(1) / 2;
+  TORCH_CHECK(out_w.size(0) == E + 1 && bal.numel() == E + 1 && rs.size(0) == 4 && rs.size(1) == H,
+              "zaya_moe_step: shapes do not match");
+  const float eps = static_cast<float>(eps_d);
+  const bool record = routed.has_value() && routed->defined();
+  if (record)
+    TORCH_CHECK(routed->device().is_cpu() && routed->scalar_type() == at::kLong && routed->is_contiguous() &&
+                    routed->numel() == B,
+                "zaya_moe_step: routed must be a contiguous int64 CPU tensor [", B, ", 1]");
+  at::Tensor h = rms_rows(x, ln_w, eps);
+  at::Tensor r = at::addmm(down_b, h, down_w.t());
+  const bool eda = state.has_value() && state->defined();
+  if (eda) {
+    TORCH_CHECK(rss.has_value() && rss->defined(), "zaya_moe_step: a router state needs router_states_scale");
+    r = r + *state * *rss;
+  }
+  at::Tensor a = at::gelu(at::addmm(fc1_b, rms_rows(r, rn_w, eps), fc1_w.t()));
+  a = at::gelu(at::addmm(fc2_b, a, fc2_w.t()));
+  at::Tensor logits = at::mm(a, out_w.t()).contiguous();
+  const float *lp = logits.data_ptr<float>(), *bp = bal.data_ptr<float>();
+  std::vector<int64_t> idx(B);
+  std::vector<float> wt(B), probs(E + 1);
+  for (int64_t b = 0; b < B; ++b) {
+    const float* l = lp + b * (E + 1);
+    float m = l[0];
+    for (int64_t e = 1; e <= E; ++e) m = std::max(m, l[e]);
+    float sum = 0.f;
+    for (int64_t e = 0; e <= E; ++e) sum += (probs[e] = std::exp(l[e] - m));
+    int64_t best = 0;
+    for (int64_t e = 0; e <= E; ++e) {
+      probs[e] /= sum;
+      if (probs[e] + bp[e] > probs[best] + bp[best]) best = e;
+    }
+    idx[b] = best;
+    wt[b] = best == E ? 0.f : probs[best];
+  }
+  if (record) std::copy(idx.begin(), idx.end(), routed->data_ptr<int64_t>());
+  // tokens grouped by expert (token order within one; the skip class left out)
+  std::vector<int64_t> start(E + 2, 0), order(B);
+  for (int64_t b = 0; b < B; ++b) ++start[idx[b] + 1];
+  for (int64_t e = 0; e <= E; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> cursor(start.begin(), start.end() - 1);
+  for (int64_t b = 0; b < B; ++b) order[cursor[idx[b]]++] = b;
+  const int64_t N = start[E];  // routed to a real expert
+  at::Tensor out = at::zeros_like(x);
+  if (N > 0) {
+    at::Tensor tokens = at::from_blob(order.data(), {N}, x.options().dtype(at::kLong));
+    at::Tensor xe = h.index_select(0, tokens);
+    at::Tensor hb = at::empty({N, 2 * I}, x.options());
+    at::Tensor yb = at::empty({N, H}, x.options());
+    auto expert = [&](int64_t e) {
+      const int64_t s = start[e], n = start[e + 1] - s;
+      if (!n) return;
+      at::Tensor h_e = hb.narrow(0, s, n), y_e = yb.narrow(0, s, n);
+      at::mm_out(h_e, xe.narrow(0, s, n), gate_up[e].t());
+      at::Tensor act = at::silu(h_e.narrow(1, 0, I)).mul_(h_e.narrow(1, I, I));
+      at::mm_out(y_e, act, down[e].t());
+    };
+    const int64_t threads = at::get_num_threads();
+    if (threads == 1 || N >= 256 * E) {
+      for (int64_t e = 0; e < E; ++e) expert(e);
+    } else {
+      at::parallel_for(0, E, 1, [&](int64_t e0, int64_t e1) {
+        c10::InferenceMode guard;  // worker threads do not inherit the caller's grad mode
+        for (int64_t e = e0; e < e1; ++e) expert(e);
+      });
+    }
+    float* mp = out.data_ptr<float>();
+    const float* yp = yb.data_ptr<float>();
+    for (int64_t p = 0; p < N; ++p) {
+      const float w = wt[order[p]];
+      float* dst = mp + order[p] * H;
+      const float* src = yp + p * H;
+      for (int64_t c = 0; c < H; ++c) dst[c] = w * src[c];
+    }
+  }
+  residual_scaling(out.data_ptr<float>(), x.data_ptr<float>(), rs.data_ptr<float>(), B, H);
+  return {out, r};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(cascade_native, m) {
@@ -474,6 +796,13 @@ TORCH_LIBRARY(cascade_native, m) {
         "float eps, Tensor(a!)? routed=None) -> Tensor");
   m.def("mlp_block(Tensor x, Tensor ln_w, Tensor w_gate_up, Tensor w_down, float eps) -> Tensor");
   m.def("sample_rows(Tensor logits, float temperature, Tensor u) -> (Tensor, Tensor)");
+  m.def("zaya_attn_step(Tensor x, Tensor ln_w, Tensor wproj, Tensor? bproj, Tensor(a!)? conv_state, Tensor dw_w, "
+        "Tensor dw_b, Tensor gw_w, Tensor gw_b, Tensor(b!) vstate, Tensor qk_scale, Tensor cos, Tensor sin, "
+        "Tensor(c!) kc, Tensor(d!) vc, Tensor valid, int slot, Tensor wo, Tensor? bo, Tensor rs, int hq, int hk, "
+        "float eps) -> Tensor");
+  m.def("zaya_moe_step(Tensor x, Tensor ln_w, Tensor down_w, Tensor down_b, Tensor? state, Tensor? rss, "
+        "Tensor rn_w, Tensor fc1_w, Tensor fc1_b, Tensor fc2_w, Tensor fc2_b, Tensor out_w, Tensor bal, "
+        "Tensor gate_up, Tensor down, Tensor rs, float eps, Tensor(a!)? routed=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(cascade_native, CPU, m) {
@@ -481,4 +810,6 @@ TORCH_LIBRARY_IMPL(cascade_native, CPU, m) {
   m.impl("moe_block", moe_block);
   m.impl("mlp_block", mlp_block);
   m.impl("sample_rows", sample_rows);
+  m.impl("zaya_attn_step", zaya_attn_step);
+  m.impl("zaya_moe_step", zaya_moe_step);
 }
