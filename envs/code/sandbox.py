@@ -561,9 +561,10 @@ def _bind_args(exe: str, prefix: str, box: str, tmpfs_bytes: int, size_ok: bool)
     for f in ("/etc/ld.so.cache", "/etc/localtime"):
         if os.path.exists(f):
             a += ["--ro-bind", f, f]
-    for root in {prefix, os.path.dirname(exe)}:
-        if root == "/usr" or root.startswith("/usr/"):
-            continue
+    roots = {prefix, os.path.dirname(exe)}
+    for root in sorted(roots):
+        if root == "/usr" or root.startswith("/usr/") or any(root.startswith(r + "/") for r in roots):
+            continue  # under /usr, or inside the other root (the interpreter in its prefix's bin)
         parts = root.strip("/").split("/")
         for i in range(1, len(parts)):  # traversable parents (bwrap would make them 0700 otherwise)
             a += ["--perms", "0755", "--dir", "/" + "/".join(parts[:i])]
