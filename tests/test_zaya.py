@@ -24,7 +24,13 @@ def hf_zaya(seed: int = 0, **kw):
         vocab_size=V, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, moe_intermediate_size=32, num_experts=4, router_hidden_size=16, max_position_embeddings=256,
         pad_token_id=0, bos_token_id=1, eos_token_id=2), **kw})
-    model = transformers.ZayaForCausalLM(cfg)
+    return _spread(transformers.ZayaForCausalLM(cfg), lambda name, p: p.normal_(0.0, 0.15)).eval()
+
+
+def _spread(model, other):
+    """Spread a zaya model's weights out (norms and residual scales around 1, key temperatures 1-2,
+    router out_proj N(0, 1), ``other(name, p)`` for the rest, balancing biases set) so that routing
+    uses several experts and the skip class."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("norm.weight", "_scale")):
@@ -34,11 +40,11 @@ def hf_zaya(seed: int = 0, **kw):
             elif "out_proj" in name:
                 p.normal_(0.0, 1.0)
             else:
-                p.normal_(0.0, 0.15)
+                other(name, p)
         for layer in model.model.layers:
             layer.mlp.gate.balancing_biases.normal_(0.0, 0.02)
             layer.mlp.gate.balancing_biases[-1] = -0.1
-    return model.eval()
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -408,20 +414,7 @@ def _spread_zaya(**kw) -> CausalLM:
                 num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5, num_experts=4, num_experts_per_tok=1,
                 moe_intermediate_size=32, router_hidden_size=16, max_position_embeddings=256)
     m = CausalLM(ModelConfig(**{**base, **kw})).init_weights(0, std=0.15).eval()
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith(("norm.weight", "_scale")):
-                p.uniform_(0.7, 1.3)
-            elif name.endswith("temp"):
-                p.uniform_(1.0, 2.0)
-            elif "out_proj" in name:
-                p.normal_(0.0, 1.0)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.1)
-        for layer in m.model.layers:
-            layer.mlp.gate.balancing_biases.normal_(0.0, 0.02)
-            layer.mlp.gate.balancing_biases[-1] = -0.1
-    return m
+    return _spread(m, lambda name, p: p.normal_(0.0, 0.1) if name.endswith("bias") else None)
 
 
 @pytest.mark.skipif(not native.enabled(), reason="CASCADE_NATIVE_DECODE=0")

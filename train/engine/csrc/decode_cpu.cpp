@@ -209,6 +209,21 @@ void weighted_sum(const float* p, const float* v, int64_t T, int64_t d, float* o
 // tokens when prefilling). First every token's key and value are written to the cache, then each
 // token attends to the keys of its row at slots <= its own where `valid` (its own slot always).
 // x [N, H]; wqkv [(hq+2hk)*d, H]; cos/sin [N, d]; kc, vc [B, hk, cap, d]; valid [B, cap] bool.
+// One (query row, kv head) against the cache: the g query heads of kv head j (queries at q, heads
+// of width d, hq per row) attend to the first Tk slots of the cache row (kbase, vbase: [cap, d]) that
+// are valid in vrow, the current slot always; outputs at out. score and vis hold >= Tk entries.
+inline void attend_kv_head(const float* q, const float* kbase, const float* vbase, const bool* vrow, int64_t Tk,
+                           int64_t slot, int64_t d, int64_t g, int64_t j, float* out, float* score, char* vis) {
+  for (int64_t t = 0; t < Tk; ++t) vis[t] = vrow[t];
+  vis[slot] = 1;
+  for (int64_t gi = 0; gi < g; ++gi) {
+    const int64_t head = j * g + gi;
+    dots(q + head * d, kbase, Tk, d, reinterpret_cast<const bool*>(vis), score);
+    softmax_inplace(score, Tk);
+    weighted_sum(score, vbase, Tk, d, out + head * d);
+  }
+}
+
 at::Tensor attn_block(const at::Tensor& x, const at::Tensor& ln_w, const at::Tensor& wqkv,
                       const c10::optional<at::Tensor>& bqkv, const c10::optional<at::Tensor>& qn_w,
                       const c10::optional<at::Tensor>& kn_w,
@@ -270,18 +285,9 @@ at::Tensor attn_block(const at::Tensor& x, const at::Tensor& ln_w, const at::Ten
     std::vector<float> score(max_slot + 1);
     std::vector<char> vis(max_slot + 1);
     for (int64_t it = begin; it < end; ++it) {
-      const int64_t n = it / hk, j = it % hk, b = row_of[n], slot = slot_of[n], Tk = slot + 1;
-      const bool* vrow = vp + b * cap;
-      for (int64_t t = 0; t < Tk; ++t) vis[t] = vrow[t];
-      vis[slot] = 1;
-      const float* kbase = kcp + (b * hk + j) * cap * d;
-      const float* vbase = vcp + (b * hk + j) * cap * d;
-      for (int64_t gi = 0; gi < g; ++gi) {
-        const int64_t head = j * g + gi;
-        dots(qp + (n * hq + head) * d, kbase, Tk, d, reinterpret_cast<const bool*>(vis.data()), score.data());
-        softmax_inplace(score.data(), Tk);
-        weighted_sum(score.data(), vbase, Tk, d, ap + (n * hq + head) * d);
-      }
+      const int64_t n = it / hk, j = it % hk, b = row_of[n], slot = slot_of[n];
+      attend_kv_head(qp + n * hq * d, kcp + (b * hk + j) * cap * d, vcp + (b * hk + j) * cap * d, vp + b * cap,
+                     slot + 1, slot, d, g, j, ap + n * hq * d, score.data(), vis.data());
     }
   });
   at::Tensor res = bo.has_value() && bo->defined() ? x + *bo : x;
@@ -292,6 +298,18 @@ at::Tensor attn_block(const at::Tensor& x, const at::Tensor& ln_w, const at::Ten
 // and down [E, H, I] applied to the tokens routed to each, outputs combined with the router weights.
 // `routed` (optional, int64 [B, top_k]) receives each token's expert ids, highest weight first (the
 // order of torch.topk), for router replay.
+// Expert e's rows [start[e], start[e+1]) of the grouped tokens xe: gate/up product, silu(gate) * up,
+// down product, into hb [N, 2I] and yb [N, H] (rows grouped by expert).
+inline void expert_rows(const at::Tensor& xe, const at::Tensor& hb, const at::Tensor& yb, const at::Tensor& gate_up,
+                        const at::Tensor& down, const std::vector<int64_t>& start, int64_t e, int64_t I) {
+  const int64_t s = start[e], n = start[e + 1] - s;
+  if (!n) return;
+  at::Tensor h_e = hb.narrow(0, s, n), y_e = yb.narrow(0, s, n);
+  at::mm_out(h_e, xe.narrow(0, s, n), gate_up[e].t());
+  at::Tensor act = at::silu(h_e.narrow(1, 0, I)).mul_(h_e.narrow(1, I, I));
+  at::mm_out(y_e, act, down[e].t());
+}
+
 at::Tensor moe_block(const at::Tensor& x, const at::Tensor& ln_w, const at::Tensor& router_w,
                      const at::Tensor& gate_up, const at::Tensor& down, int64_t top_k, bool norm_topk,
                      double eps_d, const c10::optional<at::Tensor>& routed) {
@@ -343,14 +361,7 @@ at::Tensor moe_block(const at::Tensor& x, const at::Tensor& ln_w, const at::Tens
   at::Tensor xe = h.index_select(0, tokens);
   at::Tensor hb = at::empty({N, 2 * I}, x.options());
   at::Tensor yb = at::empty({N, H}, x.options());
-  auto expert = [&](int64_t e) {  // gate/up product, silu(gate) * up, down product for expert e's rows
-    const int64_t s = start[e], n = start[e + 1] - s;
-    if (!n) return;
-    at::Tensor h_e = hb.narrow(0, s, n), y_e = yb.narrow(0, s, n);
-    at::mm_out(h_e, xe.narrow(0, s, n), gate_up[e].t());
-    at::Tensor act = at::silu(h_e.narrow(1, 0, I)).mul_(h_e.narrow(1, I, I));
-    at::mm_out(y_e, act, down[e].t());
-  };
+  auto expert = [&](int64_t e) { expert_rows(xe, hb, yb, gate_up, down, start, e, I); };
   const int64_t threads = at::get_num_threads();
   if (threads == 1 || N >= 256 * E) {  // one thread, or products large enough to use all threads each
     for (int64_t e = 0; e < E; ++e) expert(e);
@@ -673,17 +684,8 @@ at::Tensor zaya_attn_step(const at::Tensor& x, const at::Tensor& ln_w, const at:
     std::vector<char> vis(Tk);
     for (int64_t it = begin; it < end; ++it) {
       const int64_t b = it / hk, j = it % hk;
-      const bool* vrow = vp + b * cap;
-      for (int64_t t = 0; t < Tk; ++t) vis[t] = vrow[t];
-      vis[slot] = 1;
-      const float* kbase = kcp + (b * hk + j) * cap * d;
-      const float* vbase = vcp + (b * hk + j) * cap * d;
-      for (int64_t gi = 0; gi < g; ++gi) {
-        const int64_t hh = j * g + gi;
-        dots(qp + (b * hq + hh) * d, kbase, Tk, d, reinterpret_cast<const bool*>(vis.data()), score.data());
-        softmax_inplace(score.data(), Tk);
-        weighted_sum(score.data(), vbase, Tk, d, ap + (b * hq + hh) * d);
-      }
+      attend_kv_head(qp + b * hq * d, kcp + (b * hk + j) * cap * d, vcp + (b * hk + j) * cap * d, vp + b * cap,
+                     Tk, slot, d, g, j, ap + b * hq * d, score.data(), vis.data());
     }
   });
   at::Tensor out = has_bo ? at::addmm(*bo, attn, wo.t()) : at::mm(attn, wo.t());
@@ -755,14 +757,7 @@ std::tuple<at::Tensor, at::Tensor> zaya_moe_step(
     at::Tensor xe = h.index_select(0, tokens);
     at::Tensor hb = at::empty({N, 2 * I}, x.options());
     at::Tensor yb = at::empty({N, H}, x.options());
-    auto expert = [&](int64_t e) {
-      const int64_t s = start[e], n = start[e + 1] - s;
-      if (!n) return;
-      at::Tensor h_e = hb.narrow(0, s, n), y_e = yb.narrow(0, s, n);
-      at::mm_out(h_e, xe.narrow(0, s, n), gate_up[e].t());
-      at::Tensor act = at::silu(h_e.narrow(1, 0, I)).mul_(h_e.narrow(1, I, I));
-      at::mm_out(y_e, act, down[e].t());
-    };
+    auto expert = [&](int64_t e) { expert_rows(xe, hb, yb, gate_up, down, start, e, I); };
     const int64_t threads = at::get_num_threads();
     if (threads == 1 || N >= 256 * E) {
       for (int64_t e = 0; e < E; ++e) expert(e);
