@@ -20,17 +20,25 @@ Prints one JSON line. Usage: python benchmarks/sandbox.py [--n 40] [--repeats 5]
 
 Ratios are medians over ``--repeats`` interleaved repeats, with min and max.
 
-Measured on this project's 2-core CPU (2026-12-01, quiet machine, two runs, defaults):
-``ratio_seq`` 1.65 and 1.67 (7.2-7.6 ms bare, 11.8-12.7 ms sandboxed; goal <= 1.5: not met),
-``ratio_seq_cold`` 3.7-3.8, ``judge_ratio`` 0.63 and 0.60 (goal <= 1.3: met; 95-104 ms vs 159-162 ms
-for 20 tests), ``ratio_par`` 3.0-3.2. Sequential runs are CPU-bound on two cores: a start costs
-~12 ms of CPU (``start_phases_ms.cpu_in_sandbox``: bwrap's namespaces and mounts, then the
-supervisor's interpreter) made on the other core by the pool, plus ~8 ms for the run itself and ~2.5 ms to close, about 22 ms of CPU per program for
-two cores, against one ``python -S`` start (7 ms) bare. On a loaded machine (load 2-4) ratio_seq
-was 1.9-2.3. Re-run 2026-12-02 (same sandbox code, quiet machine, defaults, two runs): ratio_seq 1.52 and
-1.60 (min 1.42-1.44, max 1.53-1.82), ratio_seq_cold 3.1-3.3, judge_ratio 0.55 and 0.63, ratio_par
-3.0-3.2; cpu_ms 21-24 per sandboxed run against 8.4-8.7 bare. The goal of 1.5 is still not met on the
-median.
+Measured on this project's 2-core CPU (2026-12-02, quiet machine, defaults), code of commit f847c05,
+three runs: ``ratio_seq`` 1.40, 1.43 and 1.28 (every repeat 1.19-1.46; 10.6-12.7 ms bare, 15.4-15.8 ms
+sandboxed: this machine ran ``python -S`` 30-40% slower than on 2026-12-01), ``ratio_seq_cold`` 2.7-3.0,
+``judge_ratio`` 0.45, 0.41, 0.46 (95-107 ms against 234-244 ms for 20 tests), ``ratio_par`` 2.4-2.7.
+Two earlier runs the same day, one bind mount more per start (commit b1979b4): ratio_seq 1.36 and 1.60
+(repeats 1.23-1.84). Side by side, two alternating runs each on a loaded machine: the code of
+2026-12-01 (commit 4f209f3) 1.45 and 1.76, with the fast exit alone (commit 4a58c74) 1.37 and 1.45.
+
+Where the time goes: a run inside a ready start is ~4.6-6 ms (``run_phases_ms``: fork and set-up
+~1.7-2.2, the program ~2.2-3.0), about half of a bare ``python -S``; the start is made on the other core
+by the pool: bwrap (namespaces and mounts, ~5-6 ms with the network namespace and seccomp, from
+``ablation_ms``), then the supervisor's interpreter (``cpu_in_sandbox`` 11-13 ms of CPU from the
+cgroup join on), ~2 ms to close. Sequential runs are bound by the CPU of two cores: 25-27 ms of CPU
+per sandboxed run against 10.6-12.6 bare (``cpu_ms``). What changed since 2026-12-01 (ratio_seq
+1.52-1.67 then): the run's child no longer tears down the interpreter at exit (Python's finalisation
+freed every object the child shares with the supervisor page by page: ~3 ms of a ~5 ms run; it now
+ends as ``python PROGRAM`` ends, tests/test_sandbox.py checks 17 endings against bare python), and the
+start has no ``sh`` layer (bwrap's ``--info-fd``/``--block-fd`` let the host move its processes into
+the cgroups).
 """
 from __future__ import annotations
 
