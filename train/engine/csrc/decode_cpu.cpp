@@ -310,6 +310,36 @@ inline void expert_rows(const at::Tensor& xe, const at::Tensor& hb, const at::Te
   at::mm_out(y_e, act, down[e].t());
 }
 
+// Every expert's rows (expert_rows), E experts over N grouped rows: one after another on one thread or
+// when the products are large enough to use all threads each; otherwise small products scale poorly
+// across threads, so experts run in parallel, one thread each, dealt to threads largest first so that
+// each thread gets about the same number of rows.
+void all_experts(const at::Tensor& xe, const at::Tensor& hb, const at::Tensor& yb, const at::Tensor& gate_up,
+                 const at::Tensor& down, const std::vector<int64_t>& start, int64_t E, int64_t N, int64_t I) {
+  auto expert = [&](int64_t e) { expert_rows(xe, hb, yb, gate_up, down, start, e, I); };
+  const int64_t threads = at::get_num_threads();
+  if (threads == 1 || N >= 256 * E) {
+    for (int64_t e = 0; e < E; ++e) expert(e);
+    return;
+  }
+  std::vector<int64_t> by_size(E);
+  for (int64_t e = 0; e < E; ++e) by_size[e] = e;
+  std::sort(by_size.begin(), by_size.end(),
+            [&](int64_t a, int64_t b) { return start[a + 1] - start[a] > start[b + 1] - start[b]; });
+  std::vector<std::vector<int64_t>> bins(threads);
+  std::vector<int64_t> load(threads, 0);
+  for (int64_t e : by_size) {
+    const int64_t t = std::min_element(load.begin(), load.end()) - load.begin();
+    bins[t].push_back(e);
+    load[t] += start[e + 1] - start[e];
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    c10::InferenceMode guard;  // worker threads do not inherit the caller's grad mode
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t e : bins[t]) expert(e);
+  });
+}
+
 at::Tensor moe_block(const at::Tensor& x, const at::Tensor& ln_w, const at::Tensor& router_w,
                      const at::Tensor& gate_up, const at::Tensor& down, int64_t top_k, bool norm_topk,
                      double eps_d, const c10::optional<at::Tensor>& routed) {
@@ -361,30 +391,7 @@ at::Tensor moe_block(const at::Tensor& x, const at::Tensor& ln_w, const at::Tens
   at::Tensor xe = h.index_select(0, tokens);
   at::Tensor hb = at::empty({N, 2 * I}, x.options());
   at::Tensor yb = at::empty({N, H}, x.options());
-  auto expert = [&](int64_t e) { expert_rows(xe, hb, yb, gate_up, down, start, e, I); };
-  const int64_t threads = at::get_num_threads();
-  if (threads == 1 || N >= 256 * E) {  // one thread, or products large enough to use all threads each
-    for (int64_t e = 0; e < E; ++e) expert(e);
-  } else {
-    // small products scale poorly across threads: experts run in parallel, one thread each, dealt
-    // to threads largest first so that each thread gets about the same number of rows
-    std::vector<int64_t> by_size(E);
-    for (int64_t e = 0; e < E; ++e) by_size[e] = e;
-    std::sort(by_size.begin(), by_size.end(),
-              [&](int64_t a, int64_t b) { return start[a + 1] - start[a] > start[b + 1] - start[b]; });
-    std::vector<std::vector<int64_t>> bins(threads);
-    std::vector<int64_t> load(threads, 0);
-    for (int64_t e : by_size) {
-      const int64_t t = std::min_element(load.begin(), load.end()) - load.begin();
-      bins[t].push_back(e);
-      load[t] += start[e + 1] - start[e];
-    }
-    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-      c10::InferenceMode guard;  // worker threads do not inherit the caller's grad mode
-      for (int64_t t = t0; t < t1; ++t)
-        for (int64_t e : bins[t]) expert(e);
-    });
-  }
+  all_experts(xe, hb, yb, gate_up, down, start, E, N, I);
   at::Tensor moe = at::zeros_like(x);
   float* mp = moe.data_ptr<float>();
   const float* yp = yb.data_ptr<float>();
@@ -757,16 +764,7 @@ std::tuple<at::Tensor, at::Tensor> zaya_moe_step(
     at::Tensor xe = h.index_select(0, tokens);
     at::Tensor hb = at::empty({N, 2 * I}, x.options());
     at::Tensor yb = at::empty({N, H}, x.options());
-    auto expert = [&](int64_t e) { expert_rows(xe, hb, yb, gate_up, down, start, e, I); };
-    const int64_t threads = at::get_num_threads();
-    if (threads == 1 || N >= 256 * E) {
-      for (int64_t e = 0; e < E; ++e) expert(e);
-    } else {
-      at::parallel_for(0, E, 1, [&](int64_t e0, int64_t e1) {
-        c10::InferenceMode guard;  // worker threads do not inherit the caller's grad mode
-        for (int64_t e = e0; e < e1; ++e) expert(e);
-      });
-    }
+    all_experts(xe, hb, yb, gate_up, down, start, E, N, I);
     float* mp = out.data_ptr<float>();
     const float* yp = yb.data_ptr<float>();
     for (int64_t p = 0; p < N; ++p) {
