@@ -21,10 +21,11 @@ Prints one JSON line. Usage: python benchmarks/ttc.py [--preset tiny-moe] [--rep
 
 Every figure is the median of ``--repeats`` warm runs, with min and max beside it.
 
-Measured on this project's 2-core CPU (2026-12-02, defaults, tiny-moe, 1 thread, quiet machine, three runs
-of the ttc and server code of commit 74ec0ce): ``concurrency_speedup`` 2.35, 1.98, 2.09 (one problem at a time
-4.8-6.7 s, 64 in flight 2.4-2.9 s); ``concurrency_speedup_short`` 1.51, 1.64, 1.95; ``prefix_speedup_toy``
-1.36, 1.36; ``prefix_speedup_real`` 1.04, 1.03 (per-pair ratios 0.90-1.07, 0.78-1.22).
+Measured on this project's 2-core CPU (2026-12-02, defaults, tiny-moe, 1 thread, quiet machine, commit
+6df95ac, three runs): ``concurrency_speedup`` 2.16, 2.23, 2.16 (one problem at a time 5.3-6.2 s, 64 in
+flight 2.5-2.8 s); ``concurrency_speedup_short`` 1.87, 1.92, 1.61; same results both sides every time.
+One run of the prefix shapes, same commit: ``prefix_speedup_toy`` 1.23, ``prefix_speedup_real`` 1.09 (per-pair
+ratios 0.95-1.09), ``prefix_speedup_long`` 1.19 (pairs 1.06-1.38); same outputs with and without reuse.
 
 Concurrency was 0.87-1.04 (short shape) on 2026-12-01: the server's listen backlog was socketserver's
 default 5, so 64 clients connecting at once lost SYNs and waited out TCP retransmissions (~1 s idle
@@ -33,15 +34,16 @@ on the first request's clock, so a round's requests that trickled in over ~90 ms
 batches; the round checkpoints deep-copied every token list. Now: backlog 4096, one keep-alive
 connection per client worker, a window that slides with arrivals (capped at 50 ms), and the engine
 batches a round of all 16 problems as one generate call (64 rows). What is left is the engine's own
-batching economy on 2 cores: decoding costs ~0.10 ms per row and step at 64 rows against ~0.38 at
-4 rows, while prefill costs the same per token (~30-38 us) at any batch.
+batching economy on 2 cores: decoding cost ~0.10 ms per row and step at 64 rows against ~0.38 at
+4 rows, while prefill cost the same per token (~30-38 us) at any batch (the engine timed alone, tiny-moe,
+1 thread, 290-token prompts; before commit 15e5214 refactored the native ops without changing them).
 
 The prefix-reuse goal (>= 1.3 at the realistic shape) is not met: at beta=640, tau=64 decoding is
-~87% of the run (4.26 s of 4.91 s); reuse cuts the prefill 1.4x (0.60 -> 0.42 s, 4,800 of 12,554
-prompt tokens not recomputed) but cannot touch the decode, so the wall ratio stays near 1.0-1.1.
-A long problem does not change that (one run, 2026-12-02, code of commit 0756d6a: ``prefix_speedup_long``
-1.09, pairs 0.98-1.41; real 1.07, toy 1.78): 20,955 of 30,727 prompt tokens are not recomputed and the
-prefill halves (2.75 -> 1.35 s), but decoding over the longer context grows too (6.9 s of 9.7 s).
+~89% of the run (6.19 s of 6.93 s in the run above); reuse cuts the prefill 1.4x (0.72 -> 0.51 s, 4,800
+of 12,554 prompt tokens not recomputed) but cannot touch the decode, so the wall ratio stays near 1.0-1.1
+(1.04 and 1.03 in two earlier runs that day). A long problem (1,200 words) helps only a little: 20,955 of
+30,727 prompt tokens are not recomputed and the prefill falls 2.4x (3.00 -> 1.25 s), but decoding over the
+longer context grows too (9.1 s of 12.1 s): 1.19 here, 1.09 in an earlier run that day.
 """
 from __future__ import annotations
 
