@@ -40,6 +40,8 @@ upper bounds):
 | sync  | 0.190 -> 0.473 (+28.2) | 0.163 -> 0.748 (+58.5) | 0.209 -> 0.758 (+54.9) | 0.165 -> 0.794 (+62.9) | 0.253 -> 0.903 (+65.0) | +58.5 | +28.2 | 432 s |
 | async | 0.190 -> 0.510 (+32.0) | 0.163 -> 0.689 (+52.6) | 0.209 -> 0.739 (+53.0) | 0.165 -> 0.795 (+63.0) | 0.253 -> 0.903 (+65.0) | +53.0 | +32.0 | 449 s |
 
+Seed 1 rerun at commit 6df95ac (after the native decode ops were refactored and the zaya steps added)
+reproduced its rows exactly: sync 0.1625 -> 0.7475, async 0.1625 -> 0.6887.
 Each seed takes 70-87 s (SFT 30-60 steps, then RL); async trains on rollouts 0.99 versions behind on
 average. Before the SFT learned to stop (end-of-sequence on plain prompts), the same recipe on seeds
 0-3 gave a median of +51 and a minimum of +34 points with rollouts running to the cap. Tiny policies

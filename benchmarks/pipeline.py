@@ -26,6 +26,10 @@ since 0860229 the code this runs changed only in how checkpoints load):
 | 2 threads, 256 tokens, 16 stop tokens | 3 | 0.79, 0.81, 1.16 (median 0.81) | 0.86-1.14 | 0.90-0.99 | 0.44-0.60 / 0.43-0.57 |
 | 1 thread, 48 tokens | 3 | 1.42, 1.51, 1.67 (median 1.51) | 1.15-1.44 | 1.63-2.17 | 0.19-0.27 / 0.50-0.62 |
 
+Re-run at commit 6df95ac (2026-12-02, quiet machine; the engine's native ops refactored and the rollout
+server's batching changed since a75bba9), default setting, 3 runs: 0.98, 1.05, 1.10 (median 1.05, min 0.98;
+sync 1.50-1.54 steps/s, async 1.51-1.69; rollout 0.21-0.23 s / update 0.43-0.44 s).
+
 (At commit 0860229, 2026-12-01: default 0.86, 0.94, 0.94; 256 tokens 0.78-0.87; 1 thread 1.10-1.48. At
 e975fc4: default median 0.85 over 5 runs; 256 tokens 0.76-0.93; 1 thread 1.45-1.62.)
 
@@ -34,7 +38,8 @@ same response lengths (mean 47.1 of 48 tokens, 95% truncated, by default; mean 6
 with 16 stop tokens and 256 new tokens). The issue's goal (>= 1.5) is not met: one intra-op thread,
 a regime that flatters the overlap (its synchronous baseline is slower than the 2-thread one), reaches
 it on the median (1.42-1.67 here), but its async steps/s (1.63-2.17) only match the 2-thread synchronous
-loop's (1.54-1.91). Against the best synchronous setting (2 threads) the pipeline loses (median 0.88x): a
+loop's (1.54-1.91). Against the best synchronous setting (2 threads) the pipeline does not gain (median 0.88x at a75bba9, 1.05x
+at 6df95ac): a
 rollout batch is about a third of a step in these runs, so the overlap could hide at most ~30%
 (ceiling (rollout + train) / train, about 1.4), while running both sides at once on two cores slows
 the update, which alone already keeps both cores busy. Earlier figures (median 1.16x, rollout

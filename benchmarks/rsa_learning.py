@@ -58,7 +58,8 @@ on two free cores seeds 0 and 1 run side by side, so about 13 min -- an estimate
 
 Seed 0 rerun at commit 5ec7c26 (after the shared SFT helpers) reproduced its row exactly (382 s); seeds 1
 and 2 rerun side by side (``--seeds 1,2 --jobs 2``) on 2026-12-02 after this session's changes reproduced
-theirs exactly (423 / 409 s).
+theirs exactly (423 / 409 s); seed 2 rerun at commit 6df95ac (the native decode ops refactored, zaya steps
+added) reproduced its row exactly again (402 s).
 ``rsa_gain_points`` -12.5 / +19.9 / +1.0 (median +1.0, min -12.5); ``rsa_vs_ablation_points`` +11.7 / +50.0 /
 +13.5 (median +13.5, min +11.7). ``goal_met``: false -- the aggregation-trained policy's RSA beats the
 ablation's on every seed, but beats its own single-sample accuracy by >= 10 points on one seed of three.
