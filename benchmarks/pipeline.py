@@ -89,6 +89,20 @@ def trainer(model_dir: Path, seed: int, new_tokens: int, engine=None, stop=(), *
     return RLTrainer(model, tok, engine or TorchEngine(copy.deepcopy(model), tok), cur, cfg)
 
 
+def step_apart(rl, rollout_threads: int, update_threads: int) -> tuple[float, float]:
+    """(rollout s, update s) of one synchronous step, the rollout on ``rollout_threads`` intra-op
+    threads and the update on ``update_threads``, each alone on the machine."""
+    import torch
+
+    torch.set_num_threads(rollout_threads)
+    t = time.perf_counter()
+    groups, _ = rl.collect()
+    t1 = time.perf_counter()
+    torch.set_num_threads(update_threads)
+    rl.train_on(groups)
+    return t1 - t, time.perf_counter() - t1
+
+
 def timed(step, steps: int, warmup: int) -> tuple[float, list[dict]]:
     ms = []
     for _ in range(warmup):
@@ -124,6 +138,14 @@ def main() -> None:
         stop = stop_ids(Path(d), a.stop_tokens) if a.stop_tokens else []
         sync = trainer(Path(d), a.seed, a.new_tokens, stop=stop)
         sync_sps, sync_ms = timed(sync.step, a.steps, a.warmup)
+        split = apart = None
+        if not a.servers and a.threads >= 2:
+            # what overlap can give at best on these cores: each side alone on its share of the threads
+            # (the split the pipeline uses), one after the other; the pipeline's step can be no shorter
+            # than the longer of the two
+            split = (a.threads // 2, a.threads - a.threads // 2)
+            apart = [step_apart(sync, *split) for _ in range(a.steps)]
+            torch.set_num_threads(a.threads)
         engine = None
         if a.servers:
             from cascade.rollout import ServedEngine, ServerPool
@@ -151,6 +173,18 @@ def main() -> None:
         "sync_truncated_frac": round(statistics.mean(m["truncated_frac"] for m in sync_ms), 3),
         "async_response_len_mean": round(statistics.mean(m["response_len"] for m in async_ms), 1),
         "groups_dropped_stale": sum(m["groups_dropped_stale"] for m in async_ms),
+        "async_threads": list(pipe.threads) if pipe.threads else None,
+        # the pipeline's best: one step per max(rollout alone, update alone) on their thread shares
+        "split_rollout_s": round(statistics.mean(r for r, _ in apart), 3) if apart else None,
+        "split_train_s": round(statistics.mean(u for _, u in apart), 3) if apart else None,
+        "overlap_ceiling": round(1 / sync_sps / max(statistics.mean(r for r, _ in apart),
+                                                    statistics.mean(u for _, u in apart)), 3) if apart else None,
+        # the best over any rollout:update mix (at the mix where both sides take equally long alone):
+        # 1/a + 1/b, a and b each side's speed-up from its thread share to all the threads
+        "overlap_ceiling_any_mix": round(statistics.mean(m["time_rollout_s"] for m in sync_ms)
+                                         / statistics.mean(r for r, _ in apart)
+                                         + statistics.mean(m["time_train_s"] for m in sync_ms)
+                                         / statistics.mean(u for _, u in apart), 3) if apart else None,
         "steps": a.steps, "warmup": a.warmup, "threads": a.threads, "model": "tiny-moe",
         "rollouts_per_step": 64, "new_tokens": a.new_tokens, "stop_tokens": a.stop_tokens, "async_rollout_servers": a.servers,
     }))

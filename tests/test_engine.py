@@ -74,6 +74,26 @@ def test_same_seed_same_samples_and_batch_invariance(engine):
             assert [x.token_ids for x in alone] == [x.token_ids for x in batch[2 * i:2 * i + 2]]
 
 
+def test_rows_finishing_at_different_steps_keep_their_own_cache(engine):
+    """Rows that stop at many different steps leave the batch one by one (the KV cache compacts in
+    place each time): every completion's log-probs still equal teacher forcing on its own sequence, and
+    each prompt alone samples the same tokens."""
+    prompts = [engine.tokenizer.encode(t) for t in ("2+2?", "Sort 5 3 9 1.", "Hi", "Name a prime", "x", "Why?")]
+    V = engine.model.config.vocab_size
+    sp = SamplingParams(n=3, temperature=1.0, max_tokens=24, seed=7, stop_token_ids=list(range(0, V, 6)))
+    outs = engine.generate(prompts, sp)
+    lengths = [len(c.token_ids) for c in outs]
+    assert len(set(lengths)) >= 5 and {c.finish_reason for c in outs} == {"stop", "length"}, lengths
+    for c in outs:
+        seq = torch.tensor([c.prompt_token_ids + c.token_ids])
+        with torch.no_grad():
+            ref = token_logprobs(engine.model, seq)[0, len(c.prompt_token_ids) - 1:]
+        assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
+    for i in (0, 3, 5):
+        alone = TorchEngine._generate_chunk(engine, [prompts[i]], i, sp, 7)
+        assert [x.token_ids for x in alone] == [x.token_ids for x in outs[3 * i:3 * i + 3]]
+
+
 def test_sampling_controls(engine):
     p = _prompts(engine)[:2]
     greedy = engine.generate(p, SamplingParams(temperature=0, max_tokens=8))

@@ -63,6 +63,35 @@ def test_bounded_staleness_overlaps_and_never_trains_older_groups(warm):
     assert rl.step_idx == 6
 
 
+def test_rollout_and_update_threads_are_split_on_cpu(warm):
+    """With the engine and the update in this process, the rollout thread and the update each run on
+    their share of torch's intra-op threads (default half each; rl.rollout_threads sets the rollout's),
+    restored when the pipeline closes; max_staleness 0 (nothing overlaps) keeps them all."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        for overrides, want in (({}, (2, 2)), (dict(rollout_threads=1), (1, 3)), (dict(rollout_threads=4), (4, 4)),
+                                (dict(max_staleness=0), (4, 4))):
+            kw = {**dict(max_staleness=1, min_ready_batches=1, sync_every=1), **overrides}
+            rl = make_trainer(warm, seed=5, **kw)
+            seen = {"rollout": set(), "update": set()}
+            rl.engine.step_hook = lambda step: seen["rollout"].add(torch.get_num_threads())
+            update = rl.update
+
+            def spy(groups, update=update, seen=seen):
+                seen["update"].add(torch.get_num_threads())
+                return update(groups)
+
+            rl.update = spy
+            run_pipeline(rl, 2)
+            assert (seen["rollout"], seen["update"]) == ({want[0]}, {want[1]}), overrides
+            assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(n)
+    with pytest.raises(ValueError, match="rollout_threads"):
+        RLConfig(rollout_threads=-1)
+
+
 def test_sync_every_must_fit_the_staleness_bound():
     with pytest.raises(ValueError, match="max_staleness"):
         RLConfig(max_staleness=1, sync_every=3)

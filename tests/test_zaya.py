@@ -398,7 +398,10 @@ def test_cache_row_selection_carries_the_conv_state_and_prefix_cache_is_bypassed
         sub = cache.select(torch.tensor([2, 0]))
         got = m.last_logits(nxt[[2, 0], None], cache=sub)
         want = torch.stack([m(torch.tensor([rows[i] + [int(nxt[i])]]))[0, -1] for i in (2, 0)])
+        kept = cache.keep(torch.tensor([0, 2]))  # in place (finished rows dropped), states move too
+        got_kept = m.last_logits(nxt[[0, 2], None], cache=kept)
     assert (got - want).abs().max().item() < 1e-4
+    assert kept.k[0].data_ptr() == cache.k[0].data_ptr() and (got_kept - want[[1, 0]]).abs().max().item() < 1e-4
     prompts = [[3] * 12 + [40 + i] for i in range(3)]  # a shared 12-token prefix
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     plain = [c.token_ids for c in TorchEngine(m).generate(prompts, sp)]

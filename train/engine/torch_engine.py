@@ -74,6 +74,7 @@ class TorchEngine:
     """
 
     supports_inflight_update = True  # load_weights from another thread lands between decode steps
+    computes_here = True  # generates on this process's CPU threads / device (PipelineRL splits the threads)
 
     def __init__(self, model: CausalLM, tokenizer=None, max_batch_rows: int = 256, eos_token_ids: Sequence[int] = (),
                  version: int = 0, return_routed_experts: bool = False, refresh_kv_on_update: bool = True):
@@ -327,7 +328,7 @@ class TorchEngine:
                 if not keep:
                     break
                 sel = torch.tensor(keep, device=dev)
-                cache = cache.select(sel)
+                cache = cache.keep(sel)
                 active = [active[j] for j in keep]
                 tok = tok.index_select(0, sel)
             # step boundary: weights posted by another thread are taken here

@@ -116,6 +116,8 @@ class TransformersCache:
                 past.batch_select_indices(rows)
         return TransformersCache(self.valid.index_select(0, rows), self.length, past)
 
+    keep = select  # dropping finished rows: transformers' caches select in place their own way
+
 
 class TransformersCausalLM(nn.Module):
     """A transformers causal LM with :class:`~train.model.modeling.CausalLM`'s interface. ``state_dict`` /

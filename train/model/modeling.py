@@ -120,12 +120,36 @@ class KVCache:
         return self.valid.shape[1]
 
     def select(self, rows: torch.Tensor) -> "KVCache":
-        """Keep (or repeat) the given batch rows, e.g. to drop finished sequences or fan out n samples."""
+        """A new cache of the given batch rows (kept or repeated, e.g. to fan out n samples); only the
+        written key/value slots (``:length``) are copied, the rest is allocated unwritten."""
         def sel(states):
             return None if states is None else [None if t is None else t.index_select(0, rows) for t in states]
 
-        return KVCache([k.index_select(0, rows) for k in self.k], [v.index_select(0, rows) for v in self.v],
+        def written(t):
+            out = t.new_empty((rows.numel(), *t.shape[1:]))
+            torch.index_select(t[:, :, :self.length], 0, rows, out=out[:, :, :self.length])
+            return out
+
+        return KVCache([written(k) for k in self.k], [written(v) for v in self.v],
                        self.valid.index_select(0, rows), self.length, sel(self.conv), sel(self.vstate))
+
+    def keep(self, rows: torch.Tensor) -> "KVCache":
+        """Keep a subset of the batch rows (``rows`` ascending, e.g. dropping finished sequences) in
+        place: their written slots move to the front rows of the same storage, and the returned cache
+        views it (no allocation, so no fresh pages to fault in on every finished sequence)."""
+        n, T = rows.numel(), self.length
+
+        def front(t, cols=None):
+            src = t.index_select(0, rows) if cols is None else t[:, :, :cols].index_select(0, rows)
+            dst = t[:n] if cols is None else t[:n, :, :cols]
+            dst.copy_(src)
+            return t[:n]
+
+        def sel(states):
+            return None if states is None else [None if t is None else front(t) for t in states]
+
+        return KVCache([front(k, T) for k in self.k], [front(v, T) for v in self.v], front(self.valid), T,
+                       sel(self.conv), sel(self.vstate))
 
 
 @dataclass(frozen=True)

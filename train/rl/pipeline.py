@@ -20,6 +20,12 @@ Engines that swap weights between decode steps (``supports_inflight_update``) ta
 while a ``generate`` call runs, so one completion may span versions; for other engines the swap
 waits for the current ``generate`` call to return.
 
+Threads: when the engine generates in this process's CPU threads and the update runs here too (no
+trainer ranks, no rollout servers, no GPU), the rollout thread and the update would each start a
+pool of torch's intra-op threads on the same cores; both slow down (on 2 cores, 2 + 2 threads made
+a balanced step 15-25% slower than 1 + 1). :func:`thread_split` gives the rollout thread
+``rl.rollout_threads`` of them (default: half) and the update the rest, restored by :meth:`Pipeline.close`.
+
 The buffer is not checkpointed (as in PipelineRL): on resume the producer starts afresh from the
 checkpoint's RNG and curriculum; :meth:`Pipeline.paused` gives a consistent snapshot for saving.
 """
@@ -32,6 +38,21 @@ from contextlib import contextmanager
 from typing import Any
 
 from train.rl.trainer import Group, RLTrainer, group_version
+
+
+def thread_split(rl: RLTrainer) -> tuple[int, int] | None:
+    """(rollout threads, update threads) for a pipeline around ``rl``, or None to leave both on all
+    of torch's threads: the engine or the update runs elsewhere (servers, trainer ranks, a GPU)."""
+    import torch
+
+    engine = getattr(rl.engine, "engine", rl.engine)  # through LockedEngine
+    n, k = torch.get_num_threads(), rl.cfg.rollout_threads
+    on_cpu = torch.device(rl.policy.device).type == "cpu"
+    if not rl.cfg.max_staleness or not getattr(engine, "computes_here", False) or rl.learner is not None \
+            or not on_cpu:  # max_staleness 0: nothing overlaps (and the synchronous loop's threads stay)
+        return None
+    k = k or n // 2
+    return None if k < 1 or k >= n else (k, n - k)
 
 
 class RolloutBuffer:
@@ -96,6 +117,12 @@ class Pipeline:
         self._since = time.perf_counter()
         if not getattr(rl.engine, "supports_inflight_update", False):
             rl.engine = LockedEngine(rl.engine)
+        import torch
+
+        self._threads_before = torch.get_num_threads()
+        self.threads = thread_split(rl)
+        if self.threads is not None:
+            torch.set_num_threads(self.threads[1])  # this (the update's) thread; the producer sets its own
         self._thread = threading.Thread(target=self._produce, name="rollout-producer", daemon=True)
         self._thread.start()
 
@@ -111,6 +138,10 @@ class Pipeline:
 
     def _produce(self) -> None:
         cond = self.buffer.cond
+        if self.threads is not None:
+            import torch
+
+            torch.set_num_threads(self.threads[0])  # per thread (OpenMP's and MKL's settings are thread-local)
         try:
             while not self._stop.is_set():
                 with cond:
@@ -190,6 +221,10 @@ class Pipeline:
         with self.buffer.cond:
             self.buffer.cond.notify_all()
         self._thread.join()
+        if self.threads is not None:
+            import torch
+
+            torch.set_num_threads(self._threads_before)
         if isinstance(self.rl.engine, LockedEngine):
             self.rl.engine = self.rl.engine.engine
 

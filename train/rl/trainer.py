@@ -81,6 +81,10 @@ class RLConfig:
     max_staleness: int = 0
     min_ready_batches: int = 2          # the trainer pulls once this many batches are buffered
     buffer_groups: int = 0              # buffer capacity in groups (oldest evicted); 0: (max_staleness + 2) batches
+    # PipelineRL on CPU with the engine and the update in this process: intra-op threads of the rollout
+    # thread, the update keeping the rest (two thread pools on the same cores slow both); 0: half of
+    # torch's threads when there are >= 2, else no split; >= torch's threads: no split.
+    rollout_threads: int = 0
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     system_prompt: str | None = None
     chat_template: bool = True
@@ -97,6 +101,8 @@ class RLConfig:
                              f"repetition_threshold in (0, 1) (got {self.repetition_threshold})")
         if self.ratio_against not in RATIO_MODES:
             raise ValueError(f"unknown ratio_against {self.ratio_against!r}; choose from {', '.join(RATIO_MODES)}")
+        if self.rollout_threads < 0:
+            raise ValueError(f"rollout_threads must be >= 0 (0: split torch's threads in half), got {self.rollout_threads}")
         if self.sync_every < 1 or self.max_staleness < 0 or self.min_ready_batches < 1:
             raise ValueError("sync_every and min_ready_batches must be >= 1 and max_staleness >= 0")
         if self.max_staleness and self.max_staleness < self.sync_every - 1:
