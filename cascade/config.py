@@ -200,10 +200,17 @@ class Rollout:
     backend: str = "cascade"          # started servers: cascade | vllm
     python: str | None = None         # their interpreter; default: this one (cascade), .venv-vllm/bin/python if present (vllm)
     server_args: str = ""             # extra flags for started servers, shell-split (e.g. "--gpu-memory-utilization 0.5")
+    # how weight versions reach the servers: files (each server reads and hashes the version published
+    # in OUT/exchange) or broadcast (over a process group with the trainer: NCCL on GPU, gloo on CPU;
+    # the files are still written, for resume and restarted servers, and are the fallback)
+    weight_transport: str = "files"
+    group_host: str = "127.0.0.1"     # broadcast: the address the servers reach this process at
 
     def __post_init__(self):
         if self.backend not in ("cascade", "vllm"):
             raise ValueError(f"unknown rollout.backend {self.backend!r}; choose cascade or vllm")
+        if self.weight_transport not in ("files", "broadcast"):
+            raise ValueError(f"unknown rollout.weight_transport {self.weight_transport!r}; choose files or broadcast")
         import shlex
 
         try:

@@ -15,6 +15,8 @@ complete version, and its in-flight prompts go to the other servers meanwhile
 """
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 import os
 import secrets
 import shutil
@@ -24,6 +26,9 @@ import time
 from pathlib import Path
 
 from train.dataclass_config import ConfigError
+
+log = logging.getLogger(__name__)
+TRANSPORTS = ("files", "broadcast")
 from train.parallel.comm import free_port
 
 
@@ -79,6 +84,11 @@ class ServerPool:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
         self.restarts = 0
+        # Every server is started from this one thread, alive until close(): a child's parent-death
+        # signal fires when the *thread* that forked it exits, so a server restarted from a request
+        # thread (RemoteEngine's, when it finds a server down) would be killed as soon as that
+        # thread finished.
+        self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-server-spawner")
         try:
             for k in range(n):
                 self._start(f"http://127.0.0.1:{free_port()}", k)
@@ -109,9 +119,11 @@ class ServerPool:
         cmd += self.server_args
         log = open(self.log_dir / f"server-{k}.log", "ab")
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads))
-        self.procs[url] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                           cwd=str(ROOT), preexec_fn=_die_with_parent)
-        log.close()
+        try:
+            self.procs[url] = self._spawner.submit(subprocess.Popen, cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                   env=env, cwd=str(ROOT), preexec_fn=_die_with_parent).result()
+        finally:
+            log.close()
 
     def _wait(self, url: str) -> None:
         import urllib.request
@@ -161,6 +173,7 @@ class ServerPool:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        self._spawner.shutdown()
 
 
 class ServedEngine:
@@ -170,17 +183,28 @@ class ServedEngine:
     supports_inflight_update = True  # servers swap weights between decode steps
 
     def __init__(self, urls: list[str], exchange: Path, api_key: str | None, pool: ServerPool | None = None,
-                 per_server: int = 8, timeout_s: float = 600.0):
+                 per_server: int = 8, timeout_s: float = 600.0, transport: str = "files",
+                 group_host: str = "127.0.0.1", group_device="cpu", group_timeout_s: float = 120.0):
         from train.engine.remote import RemoteEngine
 
+        if transport not in TRANSPORTS:
+            raise ConfigError(f"unknown rollout.weight_transport {transport!r}; choose from {', '.join(TRANSPORTS)}")
         self.exchange, self.pool = Path(exchange), pool
         self.remote = RemoteEngine(urls, api_key=api_key, timeout=timeout_s, per_server=per_server,
                                    on_server_down=self._down)
         self.version = 0
+        self.broadcaster = None
+        self.broadcast_failures = 0  # versions that went by files because the group failed
+        if transport == "broadcast":
+            from train.rl.weight_group import Broadcaster
+
+            self.broadcaster = Broadcaster(self.remote, group_host, group_device, group_timeout_s)
 
     def _down(self, url: str) -> bool:
         if self.pool is None or not self.pool.restart(url):
             return False
+        if self.broadcaster is not None:  # a new process at the same URL: the next version forms a new group
+            self.broadcaster.close()
         if self.version is not None:  # the restarted server catches up with the newest version
             try:
                 self.remote._conn(url).call("POST", "/v1/load_weights", {"version": self.version})
@@ -195,6 +219,18 @@ class ServedEngine:
         from train.rl.exchange import publish_version
 
         version = self.version + 1 if version is None else int(version)
+        if self.broadcaster is not None:
+            from train.rl.weight_group import WeightGroupError
+
+            try:  # the servers take the version over the group, then the files are the durable record
+                self.broadcaster.push(state_dict, version)
+            except WeightGroupError as e:
+                self.broadcast_failures += 1
+                log.warning("weight broadcast failed (%s); version %d goes by files", e, version)
+            else:
+                publish_version(self.exchange, version, state_dict)
+                self.version = version
+                return
         publish_version(self.exchange, version, state_dict)
         self.load_published(version)
 
@@ -204,6 +240,8 @@ class ServedEngine:
         self.remote.load_version(version)
 
     def close(self) -> None:
+        if self.broadcaster is not None:
+            self.broadcaster.close()
         self.remote.close()
         if self.pool is not None:
             self.pool.close()
@@ -230,17 +268,22 @@ def served_engine(rcfg, model_dir: Path, out: Path, log_dir: Path) -> ServedEngi
     exchange = Path(out) / "exchange"
     shutil.rmtree(exchange / "weights", ignore_errors=True)
     exchange.mkdir(parents=True, exist_ok=True)
+    if r.weight_transport == "broadcast" and rcfg.trainer.distributed:
+        raise ConfigError("rollout.weight_transport=broadcast needs the update in the cascade process; trainer ranks "
+                          "(trainer.nproc > 1) publish versions as files: set rollout.weight_transport=files")
+    group = dict(transport=r.weight_transport, group_host=r.group_host,
+                 group_device="cpu" if rcfg.device == "cpu" else rcfg.device)
     if r.urls:
         if not r.api_key:
             raise ConfigError("rollout.urls needs rollout.api_key: the servers' --api-key, for POST /v1/load_weights")
-        return ServedEngine(list(r.urls), exchange, r.api_key, per_server=r.per_server)
+        return ServedEngine(list(r.urls), exchange, r.api_key, per_server=r.per_server, **group)
     key = r.api_key or secrets.token_hex(16)
     pool = ServerPool(r.servers, model_dir, exchange, key, r.threads, log_dir, r.startup_timeout_s, rcfg.dtype,
                       None if rcfg.device == "cpu" else rcfg.device, backend=r.backend, python=r.python,
                       server_args=r.server_args)
     try:
         cls = VLLMServedEngine if r.backend == "vllm" else ServedEngine
-        return cls(pool.urls, exchange, key, pool, per_server=r.per_server)
+        return cls(pool.urls, exchange, key, pool, per_server=r.per_server, **group)
     except BaseException:
         pool.close()
         raise

@@ -223,6 +223,8 @@ class StageRunner:
                     if isinstance(engine, ServedEngine):
                         m["prompts_resent"] = engine.remote.resent
                         m["server_restarts"] = engine.pool.restarts if engine.pool is not None else 0
+                        if engine.broadcaster is not None:
+                            m["weight_broadcast_failures"] = engine.broadcast_failures
                     self.records.log(self.name, "rl", step, m)
                     self.track_difficulty(state, rl.curriculum.difficulties())
                     info = f"reward {m['reward_mean']:.2f} acc {m['accuracy']:.2f}"

@@ -68,7 +68,7 @@ def setup(tiny_moe_dir, tmp_path_factory):
 
 def test_load_weights_endpoint(setup):
     url, ref = setup["urls"][0], setup["ref"]
-    assert call(url, "/v1/weights") == (200, {"version": 0})
+    assert call(url, "/v1/weights") == (200, {"version": 0, "group_members": 1})
     assert call(url, "/v1/load_weights", {"version": 1}, key=None)[0] == 401
     assert call(url, "/v1/load_weights", {"version": 1}, key="wrong")[0] == 401
     for body, msg in [({"path": "/etc"}, "not a weight version"), ({"path": "../../weights/v000001"}, "not a weight"),
@@ -78,7 +78,7 @@ def test_load_weights_endpoint(setup):
                       ({"version": 1, "path": "v000001"}, "exactly one")]:
         code, b = call(url, "/v1/load_weights", body)
         assert code == 400 and msg in b["error"]["message"] and "\n" not in b["error"]["message"], (body, b)
-        assert call(url, "/v1/weights") == (200, {"version": 0})
+        assert call(url, "/v1/weights") == (200, {"version": 0, "group_members": 1})
     # the good version, by number and by path (relative to the weights directory)
     assert call(url, "/v1/load_weights", {"version": 1}) == (200, {"version": 1})
     assert call(url, "/v1/load_weights", {"path": "v000001"}) == (200, {"version": 1})
@@ -91,7 +91,7 @@ def test_load_weights_endpoint(setup):
     # a corrupt version is refused and the server keeps serving version 1
     code, b = call(url, "/v1/load_weights", {"version": 2})
     assert code == 400 and "checksum" in b["error"]["message"]
-    assert call(url, "/v1/weights")[1] == {"version": 1}
+    assert call(url, "/v1/weights")[1] == {"version": 1, "group_members": 1}
     assert call(url, "/v1/completions", req)[1]["choices"][0]["token_ids"] == want.token_ids
 
 
@@ -164,7 +164,8 @@ def test_remote_engine_matches_in_process(setup):
     for a, b in zip(got, want):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason and a.prompt_index == b.prompt_index
         assert a.prompt_token_ids == b.prompt_token_ids and a.versions == b.versions == [1] * len(b.token_ids)
-        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-6)
+        # each server batches its own subset of rows: the expert GEMMs then round differently (~1e-6)
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
         assert all(torch.equal(x, y) for x, y in zip(a.routed_experts, b.routed_experts))
     assert all(n > 0 for n in remote.requests.values())  # both servers took prompts
     # params.seed alone: deterministic, whichever server runs a prompt

@@ -56,6 +56,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from train.engine.base import ContextLengthError, SamplingParams
 
 
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _apply(engine, sd: dict, version: int) -> None:
+    if "version" in inspect.signature(engine.load_weights).parameters:
+        engine.load_weights(sd, version=version)
+    else:  # an engine that does not number its weights (vLLM)
+        engine.load_weights(sd)
+
+
 class BadRequest(ValueError):
     pass
 
@@ -239,7 +250,8 @@ class Handler(BaseHTTPRequestHandler):
         elif self.path.rstrip("/") in ("/health", "/v1/health"):
             self._send(200, {"status": "ok"})
         elif self.path.rstrip("/") == "/v1/weights":
-            self._send(200, {"version": getattr(self.server.engine, "version", None)})
+            # group_members: how many ranks this server contributes to a weight group (train.rl.weight_group)
+            self._send(200, {"version": getattr(self.server.engine, "version", None), "group_members": 1})
         else:
             self._error(404, f"no route GET {self.path}")
 
@@ -255,7 +267,7 @@ class Handler(BaseHTTPRequestHandler):
             return self._error(400, f"invalid JSON body: {e}")
         route = {"/v1/completions": self.completions, "/v1/chat/completions": self.chat,
                  "/tokenize": self.tokenize, "/detokenize": self.detokenize,
-                 "/v1/load_weights": self.load_weights}.get(self.path.rstrip("/"))
+                 "/v1/load_weights": self.load_weights, "/v1/weights_group": self.weights_group}.get(self.path.rstrip("/"))
         if route is None:
             return self._error(404, f"no route POST {self.path}")
         try:
@@ -405,11 +417,41 @@ class Handler(BaseHTTPRequestHandler):
             emit({**head, "choices": [], "usage": resp["usage"]})
         emit("[DONE]")
 
-    def load_weights(self, body: dict) -> dict:
-        """Load a published weight version from the run's exchange directory, in flight."""
+    def weights_group(self, body: dict) -> dict:
+        """Join the trainer's weight group (``{"host", "port", "rank", "world_size", "name"}``), leaving
+        any earlier one; blocks until every member joined."""
         s = self.server
         if not s.api_key or s.weights_dir is None:
             raise Forbidden("weight loading is off: start the server with --weights-dir and --api-key")
+        from train.rl.weight_group import join
+
+        try:
+            host, port, rank, world, name = (body[k] for k in ("host", "port", "rank", "world_size", "name"))
+            if not all(isinstance(x, int) and not isinstance(x, bool) for x in (port, rank, world)) or \
+                    not 0 < rank < world or not isinstance(host, str) or not isinstance(name, str):
+                raise ValueError
+        except (KeyError, ValueError):
+            raise BadRequest('weights_group needs "host", "port", "rank" (1 <= rank < world_size), '
+                             '"world_size" and "name"') from None
+        with s.load_lock:
+            if s.weight_group is not None:
+                s.weight_group.close()
+                s.weight_group = None
+            try:
+                s.weight_group = join(host, port, rank, world, name, device=s.engine.model.device,
+                                      timeout_s=float(body.get("timeout_s", 120)))
+            except Exception as e:  # noqa: BLE001
+                raise BadRequest(f"cannot join the weight group: {_first_line(e)}") from None
+        return {"joined": name, "rank": rank}
+
+    def load_weights(self, body: dict) -> dict:
+        """Load a weight version in flight: published in the run's exchange directory, or (with
+        ``"broadcast"``: its layout) arriving over the weight group this server joined."""
+        s = self.server
+        if not s.api_key or s.weights_dir is None:
+            raise Forbidden("weight loading is off: start the server with --weights-dir and --api-key")
+        if "broadcast" in body:
+            return self._load_broadcast(body)
         version, path = body.get("version"), body.get("path")
         if (version is None) == (path is None):
             raise BadRequest('load_weights needs exactly one of "version" (an int) or "path"')
@@ -422,14 +464,32 @@ class Handler(BaseHTTPRequestHandler):
         with s.load_lock:  # one load at a time: reading and hashing happen here, not on the engine's thread
             try:
                 v, sd = load_version(s.weights_dir, version=version, path=path)
-                if "version" in inspect.signature(s.engine.load_weights).parameters:
-                    s.engine.load_weights(sd, version=v)
-                else:  # an engine that does not number its weights (vLLM)
-                    s.engine.load_weights(sd)
+                _apply(s.engine, sd, v)
             except Exception as e:  # noqa: BLE001 - any failure leaves the old weights in use
-                msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                msg = _first_line(e)
                 raise BadRequest(f"cannot load weights: {msg}") from None
         return {"version": getattr(s.engine, "version", v)}
+
+    def _load_broadcast(self, body: dict) -> dict:
+        s, version = self.server, body.get("version")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise BadRequest(f"version must be a non-negative int, got {version!r}")
+        from train.rl.weight_group import receive
+
+        with s.load_lock:
+            if s.weight_group is None:
+                raise BadRequest("cannot load weights: this server has not joined a weight group")
+            try:
+                sd = receive(s.weight_group, body["broadcast"])
+            except Exception as e:  # noqa: BLE001 - the group is broken or the version corrupt: old weights stay
+                s.weight_group.close()
+                s.weight_group = None
+                raise BadRequest(f"cannot load weights: {_first_line(e)}") from None
+            try:
+                _apply(s.engine, sd, version)
+            except Exception as e:  # noqa: BLE001
+                raise BadRequest(f"cannot load weights: {_first_line(e)}") from None
+        return {"version": getattr(s.engine, "version", version)}
 
     def tokenize(self, body: dict) -> dict:
         tok = self.server.engine.tokenizer
@@ -540,6 +600,7 @@ class Server(ThreadingHTTPServer):
 
     batcher: Batcher | None = None
     weights_dir: str | None = None
+    weight_group = None  # train.rl.weight_group.Group once the trainer formed one
 
     def server_close(self) -> None:
         super().server_close()

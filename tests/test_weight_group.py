@@ -1,0 +1,139 @@
+"""Weight versions over a process group (train/rl/weight_group.py): the packing and checksums on a
+real gloo group, and `cascade serve` subprocesses taking versions from the trainer's broadcast, one
+of them killed and restarted in between (the group is formed again), the files still written."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+import torch
+
+from cascade.rollout import ServedEngine, ServerPool
+from train.engine import SamplingParams, TorchEngine
+from train.rl.exchange import complete_versions
+from train.rl.weight_group import Group, WeightGroupError, join, plan, receive, send
+
+KEY = "k-group"
+
+
+def _group(world: int) -> list[Group]:
+    """A weight group of ``world`` members in this process (threads), as the trainer and servers form it."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, world, True, wait_for_workers=False)
+    out: dict[int, Group] = {}
+    threads = [threading.Thread(target=lambda r=r: out.__setitem__(r, join("127.0.0.1", store.port, r, world, "t")))
+               for r in range(1, world)]
+    for t in threads:
+        t.start()
+    out[0] = join("127.0.0.1", store.port, 0, world, "t", store=store)
+    for t in threads:
+        t.join()
+    return [out[r] for r in range(world)]
+
+
+def _broadcast(groups, sd, layout, corrupt: bool = False) -> list:
+    """Rank 0 sends ``sd``; every other rank receives: [state dict or exception] per receiver."""
+    got: list = [None] * (len(groups) - 1)
+
+    def recv(i):
+        try:
+            got[i] = receive(groups[i + 1], layout)
+        except Exception as e:  # noqa: BLE001 - returned to the test
+            got[i] = e
+
+    threads = [threading.Thread(target=recv, args=(i,)) for i in range(len(got))]
+    for t in threads:
+        t.start()
+    if corrupt:  # one byte of the first tensor flipped on the wire: checksums taken before it
+        import train.rl.weight_group as wg
+
+        real, calls = wg.checksum, []
+
+        def flip_after_sum(buf):
+            s = real(buf)
+            if not calls:
+                buf[0] ^= 1
+            calls.append(1)
+            return s
+
+        wg.checksum = flip_after_sum
+        try:
+            send(groups[0], sd, layout)
+        finally:
+            wg.checksum = real
+    else:
+        send(groups[0], sd, layout)
+    for t in threads:
+        t.join()
+    return got
+
+
+def test_packed_buckets_arrive_bit_exact_and_a_bad_checksum_is_refused():
+    g = torch.Generator().manual_seed(0)
+    sd = {"w": torch.randn(33, 7, generator=g), "b16": torch.randn(5, 3, generator=g).bfloat16(),
+          "ids": torch.arange(11), "mask": torch.tensor([True, False, True]), "scalar": torch.tensor(2.5),
+          "empty": torch.zeros(0, 4), "h16": torch.randn(9, generator=g).half()}
+    sd["tied"] = sd["w"]
+    layout = plan(sd, bucket_bytes=512)  # several buckets
+    assert len(layout["buckets"]) >= 3 and all(off % 16 == 0 for *_, off in layout["tensors"])
+    groups = _group(3)
+    try:
+        for got in _broadcast(groups, sd, layout):
+            assert set(got) == set(sd)
+            for k, v in sd.items():
+                assert got[k].dtype == v.dtype and got[k].shape == v.shape and torch.equal(got[k], v), k
+        for err in _broadcast(groups, sd, layout, corrupt=True):
+            assert isinstance(err, WeightGroupError) and "checksum mismatch in bucket(s) [0]" in str(err)
+    finally:
+        for gr in groups:
+            gr.close()
+    for bad in ({"tensors": [], "buckets": []}, {"tensors": [["w", "float32", [4], 0, 8]], "buckets": [16]},
+                {"tensors": [["w", "complex64", [1], 0, 0]], "buckets": [16]}):
+        with pytest.raises(WeightGroupError):
+            receive(Group(None, 1, 2, torch.device("cpu")), bad)  # refused before any collective
+
+
+def _perturbed(model_dir, seed):
+    eng = TorchEngine.from_pretrained(model_dir)
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in eng.model.state_dict().items()}
+
+
+def _reference(model_dir, sd, prompts, sp):
+    eng = TorchEngine.from_pretrained(model_dir)
+    eng.model.load_state_dict(sd)
+    return [c.token_ids for c in eng.generate(prompts, sp)]
+
+
+def test_servers_take_broadcast_versions_and_a_restarted_one_rejoins(tiny_moe_dir, tmp_path):
+    exchange = tmp_path / "exchange"
+    exchange.mkdir()
+    pool = ServerPool(2, tiny_moe_dir, exchange, KEY, 1, tmp_path / "logs")
+    eng = ServedEngine(pool.urls, exchange, KEY, pool, transport="broadcast")
+    prompts, sp = [[5, 17, 33, 2], [120, 4, 8], [9, 31, 64]], SamplingParams(temperature=0.0, max_tokens=8)
+    try:
+        sd1 = _perturbed(tiny_moe_dir, 1)
+        eng.load_weights(sd1, version=1)
+        assert eng.broadcast_failures == 0 and eng.broadcaster.formed == 1
+        for u in pool.urls:
+            assert eng.remote._conn(u).call("GET", "/v1/weights")["version"] == 1
+        out = eng.generate(prompts, sp)
+        assert [c.token_ids for c in out] == _reference(tiny_moe_dir, sd1, prompts, sp)
+        assert {v for c in out for v in c.versions} == {1}
+        assert complete_versions(exchange) == [1]  # the durable record is written too
+        os.kill(pool.procs[pool.urls[0]].pid, signal.SIGKILL)  # restarted by the pool, catching up from files
+        pool.procs[pool.urls[0]].wait()
+        assert [c.token_ids for c in eng.generate(prompts * 4, sp)] == _reference(tiny_moe_dir, sd1, prompts, sp) * 4
+        assert pool.restarts == 1
+        sd2 = _perturbed(tiny_moe_dir, 2)
+        eng.load_weights(sd2, version=2)
+        assert eng.broadcast_failures == 0 and eng.broadcaster.formed == 2, (pool.urls, {u: p.poll() for u, p in pool.procs.items()})
+        out = eng.generate(prompts * 4, sp)
+        assert [c.token_ids for c in out] == _reference(tiny_moe_dir, sd2, prompts, sp) * 4
+        assert {v for c in out for v in c.versions} == {2}
+        assert pool.restarts == 1 and all(p.poll() is None for p in pool.procs.values())  # the restarted one lives on
+    finally:
+        eng.close()

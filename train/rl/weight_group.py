@@ -1,0 +1,272 @@
+"""Weight versions over a process group: the trainer broadcasts a version's tensors to the rollout
+servers (NCCL on GPU, gloo on CPU) instead of every server reading and hashing the version's files.
+
+The group is the trainer (rank 0) and the servers' members (a torch server: 1; a vLLM server: one
+per worker, ``rank_offset + worker rank``), rendezvousing through a ``TCPStore`` that the trainer
+opens (``host``, a free port). It is separate from any trainer process group (its own
+``ProcessGroupGloo`` / ``ProcessGroupNCCL`` over a prefixed store), so a run's trainer ranks and its
+servers need share nothing else.
+
+One version on the wire: the trainer sends the layout (every tensor's name, dtype, shape, bucket and
+byte offset: :func:`plan`) in the server's ``POST /v1/load_weights`` body, then broadcasts the tensors
+packed as raw bytes into buckets of at most ``bucket_bytes`` (one collective per bucket, not per
+tensor; memory on either side: one bucket), then one int64 tensor with each bucket's checksum (the
+sum of its bytes as int32 words, exact on any device in any order). A server applies the version
+only when every bucket arrived and every checksum matches; otherwise it refuses and keeps serving
+the old weights, as with a file version whose sha256 does not match. The file path stays the
+durable record (resume, servers that restart and catch up) and the fallback when the group fails.
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+
+ALIGN = 16  # every tensor starts at a multiple of this many bytes in its bucket (any dtype's view)
+BUCKET_BYTES = 256 << 20
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
+                                                      torch.int64, torch.int32, torch.int16, torch.int8,
+                                                      torch.uint8, torch.bool)}
+
+
+class WeightGroupError(RuntimeError):
+    """The group could not be formed, a transfer failed, or a checksum did not match."""
+
+
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def plan(state_dict: dict[str, torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> dict:
+    """The layout of a state dict on the wire: ``{"tensors": [[name, dtype, shape, bucket, offset],
+    ...], "buckets": [nbytes, ...]}`` (JSON-able; offsets aligned to 16 bytes, bucket sizes too)."""
+    tensors, buckets, used = [], [], None
+    for name, t in state_dict.items():
+        dt = str(t.dtype).removeprefix("torch.")
+        if dt not in _DTYPES:
+            raise WeightGroupError(f"{name}: dtype {t.dtype} cannot travel over the weight group")
+        n = -(-_nbytes(t.shape, t.dtype) // ALIGN) * ALIGN
+        if used is None or (used + n > bucket_bytes and used > 0):
+            buckets.append(0)
+            used = 0
+        tensors.append([name, dt, list(t.shape), len(buckets) - 1, used])
+        used += n
+        buckets[-1] = used
+    return {"tensors": tensors, "buckets": [max(b, ALIGN) for b in buckets]}
+
+
+def checksum(buf: torch.Tensor) -> torch.Tensor:
+    """Sum of a byte buffer's int32 words, as int64 (exact and order-independent: < 2^63 for any
+    buffer under 8 GiB)."""
+    return buf.view(torch.int32).sum(dtype=torch.int64)
+
+
+def _check_layout(layout) -> None:
+    if not isinstance(layout, dict) or not isinstance(layout.get("tensors"), list) or \
+            not isinstance(layout.get("buckets"), list) or not layout["buckets"]:
+        raise WeightGroupError('the broadcast layout needs "tensors" and "buckets" lists')
+    for b in layout["buckets"]:
+        if isinstance(b, bool) or not isinstance(b, int) or b <= 0 or b % ALIGN:
+            raise WeightGroupError(f"bad bucket size {b!r}")
+    for entry in layout["tensors"]:
+        try:
+            name, dt, shape, bucket, off = entry
+            end = off + _nbytes(shape, _DTYPES[dt])
+            ok = isinstance(name, str) and 0 <= bucket < len(layout["buckets"]) and off % ALIGN == 0 \
+                and 0 <= off and end <= layout["buckets"][bucket] and all(int(s) >= 0 for s in shape)
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise WeightGroupError(f"bad tensor entry in the broadcast layout: {entry!r}"[:200])
+
+
+@dataclass
+class Group:
+    """One member's handle on the weight group."""
+
+    pg: object
+    rank: int
+    world_size: int
+    device: torch.device
+
+    def broadcast(self, t: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([t], opts).wait()
+
+    def close(self) -> None:
+        shutdown = getattr(self.pg, "shutdown", None)
+        if shutdown is not None:
+            try:
+                shutdown()
+            except Exception:  # noqa: BLE001 - a broken group is dropped either way
+                pass
+
+
+def backend_for(device) -> str:
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def join(host: str, port: int, rank: int, world_size: int, name: str, device="cpu", store=None,
+         timeout_s: float = 300.0) -> Group:
+    """Become ``rank`` of the weight group ``name`` (rank 0 passes the ``TCPStore`` it opened; the
+    others connect to ``host:port``). Blocks until all ``world_size`` members joined."""
+    import torch.distributed as dist
+
+    device = torch.device(device)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        store = dist.TCPStore(host, int(port), int(world_size), False, timeout=timeout)
+    prefixed = dist.PrefixStore(f"cascade-weights/{name}", store)
+    if backend_for(device) == "nccl":
+        torch.cuda.set_device(device)
+        pg = dist.ProcessGroupNCCL(prefixed, int(rank), int(world_size), dist.ProcessGroupNCCL.Options())
+    else:
+        pg = dist.ProcessGroupGloo(prefixed, int(rank), int(world_size), timeout)
+    return Group(pg, int(rank), int(world_size), device)
+
+
+def send(group: Group, state_dict: dict[str, torch.Tensor], layout: dict) -> None:
+    """Rank 0: broadcast ``state_dict`` packed per ``layout`` (from :func:`plan`), then the checksums."""
+    by_bucket: dict[int, list] = {}
+    for (name, _, _, bucket, off) in layout["tensors"]:
+        by_bucket.setdefault(bucket, []).append((name, off))
+    sums = torch.zeros(len(layout["buckets"]), dtype=torch.int64, device=group.device)
+    for b, nbytes in enumerate(layout["buckets"]):
+        buf = torch.zeros(nbytes, dtype=torch.uint8, device=group.device)
+        for name, off in by_bucket.get(b, []):
+            src = state_dict[name].detach().contiguous().reshape(-1).view(torch.uint8)
+            buf[off:off + src.numel()].copy_(src)
+        sums[b] = checksum(buf)
+        group.broadcast(buf)
+        del buf
+    group.broadcast(sums)
+
+
+def receive(group: Group, layout: dict) -> dict[str, torch.Tensor]:
+    """A server member: the state dict broadcast per ``layout``, on the group's device; raises
+    :class:`WeightGroupError` if a checksum does not match (nothing is applied by this function)."""
+    _check_layout(layout)
+    bufs = []
+    for nbytes in layout["buckets"]:
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
+        group.broadcast(buf)
+        bufs.append(buf)
+    sums = torch.empty(len(bufs), dtype=torch.int64, device=group.device)
+    group.broadcast(sums)
+    got = torch.stack([checksum(b) for b in bufs])
+    if not torch.equal(got, sums):
+        bad = [i for i, ok in enumerate((got == sums).tolist()) if not ok]
+        raise WeightGroupError(f"checksum mismatch in bucket(s) {bad} of the broadcast version")
+    out = {}
+    for (name, dt, shape, bucket, off) in layout["tensors"]:
+        dtype = _DTYPES[dt]
+        out[name] = bufs[bucket][off:off + _nbytes(shape, dtype)].view(dtype).reshape(shape)
+    return out
+
+
+class Broadcaster:
+    """The trainer's side (rank 0) of a weight group with the live servers of a
+    :class:`train.engine.remote.RemoteEngine`: :meth:`push` sends one version to all of them. The group
+    is formed on first use and again whenever the set of live servers changed (a server restarted or
+    left); any failure closes it and raises :class:`WeightGroupError` (the caller falls back to files)."""
+
+    def __init__(self, remote, host: str = "127.0.0.1", device="cpu", timeout_s: float = 120.0,
+                 bucket_bytes: int = BUCKET_BYTES):
+        self.remote, self.host, self.device = remote, host, torch.device(device)
+        self.timeout_s, self.bucket_bytes = timeout_s, bucket_bytes
+        self.group: Group | None = None
+        self.members: tuple[str, ...] = ()
+        self.formed = 0  # groups formed so far (also names them)
+
+    def _call(self, url: str, method: str, path: str, body: dict | None = None) -> dict:
+        c = self.remote._conn(url, timeout=self.timeout_s + 30)  # the server answers once the collective is done
+        try:
+            return c.call(method, path, body)
+        finally:
+            c.close()
+
+    def _on_all(self, urls, call) -> tuple[dict, list]:
+        """Start ``call(url)`` for every url, each in its own thread: ({url: result or exception}, threads)."""
+        import threading
+
+        out: dict = {}
+
+        def one(u):
+            try:
+                out[u] = call(u)
+            except Exception as e:  # noqa: BLE001 - collected and raised by the caller
+                out[u] = e
+
+        threads = [threading.Thread(target=one, args=(u,), daemon=True) for u in urls]
+        for t in threads:
+            t.start()
+        return out, threads
+
+    def _finish(self, out: dict, threads, what: str) -> dict:
+        for t in threads:
+            t.join()
+        bad = {u: r for u, r in out.items() if isinstance(r, Exception)}
+        if bad:
+            self.close()
+            raise WeightGroupError(f"{what}: " + "; ".join(f"{u}: {str(e).strip()[:200]}" for u, e in bad.items()))
+        return out
+
+    def _form(self) -> None:
+        import secrets
+
+        import torch.distributed as dist
+
+        self.close()
+        urls = tuple(sorted(self.remote.alive))
+        if not urls:
+            raise WeightGroupError("no live server to form a weight group with")
+        members = self._finish(*self._on_all(urls, lambda u: int(self._call(u, "GET", "/v1/weights")
+                                                             .get("group_members", 0))), "weight group sizes")
+        if any(k < 1 for k in members.values()):
+            raise WeightGroupError(f"servers without weight-group support: {[u for u, k in members.items() if k < 1]}")
+        world = 1 + sum(members.values())
+        store = dist.TCPStore(self.host, 0, world, True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=self.timeout_s))
+        name = f"{self.formed}-{secrets.token_hex(4)}"
+        self.formed += 1
+        offsets, r = {}, 1
+        for u in urls:
+            offsets[u], r = r, r + members[u]
+        body = {"host": self.host, "port": store.port, "world_size": world, "name": name, "timeout_s": self.timeout_s}
+        pending = self._on_all(urls, lambda u: self._call(u, "POST", "/v1/weights_group", {**body, "rank": offsets[u]}))
+        try:
+            group = join(self.host, store.port, 0, world, name, self.device, store=store, timeout_s=self.timeout_s)
+        except Exception as e:
+            self._finish(*pending, "joining the weight group")
+            raise WeightGroupError(f"forming the weight group: {e}") from None
+        self._finish(*pending, "joining the weight group")
+        self.group, self.members, self._store = group, urls, store
+
+    def push(self, state_dict: dict[str, torch.Tensor], version: int) -> dict[str, int]:
+        """Every live server loads ``state_dict`` as ``version``; {url: version it reports}."""
+        if self.group is None or self.members != tuple(sorted(self.remote.alive)):
+            self._form()
+        layout = plan(state_dict, self.bucket_bytes)
+        body = {"version": int(version), "broadcast": layout}
+        pending = self._on_all(self.members, lambda u: self._call(u, "POST", "/v1/load_weights", body))
+        try:
+            send(self.group, {k: v.to(self.device) for k, v in state_dict.items()}, layout)
+        except Exception as e:
+            self._finish(*pending, "broadcasting weights")
+            self.close()
+            raise WeightGroupError(f"broadcasting weights: {e}") from None
+        out = self._finish(*pending, "broadcasting weights")
+        return {u: int(r["version"]) for u, r in out.items()}
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+        self.group, self.members = None, ()
