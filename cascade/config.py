@@ -201,8 +201,9 @@ class Rollout:
     python: str | None = None         # their interpreter; default: this one (cascade), .venv-vllm/bin/python if present (vllm)
     server_args: str = ""             # extra flags for started servers, shell-split (e.g. "--gpu-memory-utilization 0.5")
     # how weight versions reach the servers: files (each server reads and hashes the version published
-    # in OUT/exchange) or broadcast (over a process group with the trainer: NCCL on GPU, gloo on CPU;
-    # the files are still written, for resume and restarted servers, and are the fallback)
+    # in OUT/exchange) or broadcast (over a process group with the cascade process, which holds each
+    # version: NCCL on GPU, gloo on CPU; the files are still written, for resume and restarted
+    # servers, and are the fallback)
     weight_transport: str = "files"
     group_host: str = "127.0.0.1"     # broadcast: the address the servers reach this process at
 

@@ -219,23 +219,35 @@ class ServedEngine:
         from train.rl.exchange import publish_version
 
         version = self.version + 1 if version is None else int(version)
-        if self.broadcaster is not None:
-            from train.rl.weight_group import WeightGroupError
-
-            try:  # the servers take the version over the group, then the files are the durable record
-                self.broadcaster.push(state_dict, version)
-            except WeightGroupError as e:
-                self.broadcast_failures += 1
-                log.warning("weight broadcast failed (%s); version %d goes by files", e, version)
-            else:
-                publish_version(self.exchange, version, state_dict)
-                self.version = version
-                return
+        if self._broadcast(state_dict, version):  # then the files are the durable record
+            publish_version(self.exchange, version, state_dict)
+            self.version = version
+            return
         publish_version(self.exchange, version, state_dict)
         self.load_published(version)
 
-    def load_published(self, version: int) -> None:
-        """Every server loads ``version``, already published in the exchange directory by the trainer ranks."""
+    def _broadcast(self, state_dict, version: int) -> bool:
+        """Every live server takes ``version`` over the weight group; False (counted) when there is no
+        group or it failed, and the version must go by files."""
+        if self.broadcaster is None:
+            return False
+        from train.rl.weight_group import WeightGroupError
+
+        try:
+            self.broadcaster.push(state_dict, version)
+            return True
+        except WeightGroupError as e:
+            self.broadcast_failures += 1
+            log.warning("weight broadcast failed (%s); version %d goes by files", e, version)
+            return False
+
+    def load_published(self, version: int, state_dict=None) -> None:
+        """Every server loads ``version``, already published in the exchange directory by the trainer
+        ranks; with ``rollout.weight_transport=broadcast`` and ``state_dict`` (that version, in this
+        process's memory) they take it over the weight group instead."""
+        if state_dict is not None and self._broadcast(state_dict, version):
+            self.version = version
+            return
         self.version = version  # first: a server restarted meanwhile catches up to this one
         self.remote.load_version(version)
 
@@ -268,9 +280,6 @@ def served_engine(rcfg, model_dir: Path, out: Path, log_dir: Path) -> ServedEngi
     exchange = Path(out) / "exchange"
     shutil.rmtree(exchange / "weights", ignore_errors=True)
     exchange.mkdir(parents=True, exist_ok=True)
-    if r.weight_transport == "broadcast" and rcfg.trainer.distributed:
-        raise ConfigError("rollout.weight_transport=broadcast needs the update in the cascade process; trainer ranks "
-                          "(trainer.nproc > 1) publish versions as files: set rollout.weight_transport=files")
     group = dict(transport=r.weight_transport, group_host=r.group_host,
                  group_device="cpu" if rcfg.device == "cpu" else rcfg.device)
     if r.urls:

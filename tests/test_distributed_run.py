@@ -63,17 +63,21 @@ def alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
-def test_servers_and_trainer_ranks_run_a_stage(warm_dir, tmp_path):
+@pytest.mark.parametrize("transport", ["files", "broadcast"])
+def test_servers_and_trainer_ranks_run_a_stage(warm_dir, tmp_path, transport):
     """Two rollout servers, two TSP trainer ranks: every step's behaviour log-probs equal the trainer's
-    (the servers serve exactly the weights the ranks published), the policy moves, and the final
-    checkpoint holds the ranks' final weights. Nothing is left running."""
+    (the servers serve exactly the weights the ranks published: read from the files, or broadcast over
+    a gloo weight group by the cascade process), the policy moves, and the final checkpoint holds the
+    ranks' final weights. Nothing is left running."""
     out = tmp_path / "run"
     r = cascade(f"out={out}", f"model={warm_dir}", *STAGE, "steps=3", "rollout.servers=2", "trainer.nproc=2",
-                "trainer.tsp=2")
+                "trainer.tsp=2", f"rollout.weight_transport={transport}")
     assert r.returncode == 0, r.stderr[-3000:]
     recs = rl_records(out)
     assert len(recs) == 3 and all(x["groups_trained"] == 8 for x in recs)
     assert all(x["mismatch_kl"] < 1e-6 and x["version_lag_max"] == 0 for x in recs), recs
+    if transport == "broadcast":
+        assert all(x["weight_broadcast_failures"] == 0 for x in recs), recs
     assert all(x["grad_norm"] > 0 for x in recs)
     from train.model.hf_io import read_state_dict
 

@@ -235,6 +235,30 @@ def test_reload_during_a_running_request(server, state):
             assert err < TOL, (ver, err)
 
 
+def test_broadcast_reload_over_a_weight_group(server, state):
+    """rollout.weight_transport=broadcast against vLLM: the worker joins the trainer's gloo group, takes the
+    version from the broadcast (checksums verified) and serves it; the files are written as well."""
+    from cascade.rollout import VLLMServedEngine
+    from train.rl.exchange import complete_versions
+
+    url, ckpt, exchange = server
+    code, obj = _call("GET", url, "/v1/weights")
+    assert code == 200 and obj["group_members"] == 1
+    m5 = load_pretrained(ckpt)
+    m5.load_state_dict(_perturbed(state["m1"], seed=5))
+    eng = VLLMServedEngine([url], exchange, KEY, transport="broadcast")
+    try:
+        eng.load_weights(m5.state_dict(), version=5)
+        assert eng.broadcast_failures == 0 and eng.broadcaster.formed == 1
+        assert _served_version(url) == 5 and 5 in complete_versions(exchange)
+        got = eng.generate(PROMPTS, GREEDY)
+        ref = TorchEngine(m5, TorchEngine.from_pretrained(ckpt).tokenizer)
+        assert [c.token_ids for c in got] == [c.token_ids for c in ref.generate(PROMPTS, GREEDY)]
+        assert _check_against(m5, got) < TOL and all(c.versions == [5] * len(c.token_ids) for c in got)
+    finally:
+        eng.close()
+
+
 def test_token_versions_from_spans():
     from vllm.outputs import WeightVersionSpan
 

@@ -105,17 +105,56 @@ class CascadeWeightsExtension:
             from train.rl.exchange import load_version
 
             v, sd = load_version(root, version=version, path=path)
-            mc = self.model_runner.model_config
-            model_dir = Path(str(mc.model))
-            shapes = None
-            if model_dir.is_dir():
-                from train.engine.vllm_engine import checkpoint_shapes
-
-                shapes = checkpoint_shapes(model_dir)
-            tied = bool(getattr(mc.hf_config, "tie_word_embeddings", False))
-            self._cascade_staged = (v, checkpoint_names(sd, shapes, tied))
-            return {"version": v}
+            return self._cascade_stage(v, sd)
         except Exception as e:  # noqa: BLE001 - reported to the API process as a one-line refusal
+            return {"error": _one_line(e)}
+
+    def _cascade_stage(self, v: int, sd: dict) -> dict:
+        mc = self.model_runner.model_config
+        model_dir = Path(str(mc.model))
+        shapes = None
+        if model_dir.is_dir():
+            from train.engine.vllm_engine import checkpoint_shapes
+
+            shapes = checkpoint_shapes(model_dir)
+        tied = bool(getattr(mc.hf_config, "tie_word_embeddings", False))
+        self._cascade_staged = (v, checkpoint_names(sd, shapes, tied))
+        return {"version": v}
+
+    _cascade_group = None
+
+    def cascade_join_group(self, host: str, port: int, rank_offset: int, world_size: int, name: str,
+                           timeout_s: float) -> dict:
+        """Join the trainer's weight group (train.rl.weight_group) as rank ``rank_offset`` + this
+        worker's rank, on this worker's device (NCCL on GPU, gloo on CPU)."""
+        from train.rl.weight_group import join
+
+        if self._cascade_group is not None:
+            self._cascade_group.close()
+            self._cascade_group = None
+        try:
+            self._cascade_group = join(host, port, rank_offset + int(self.rank), world_size, name,
+                                       device=self.device, timeout_s=timeout_s)
+            return {"rank": self._cascade_group.rank}
+        except Exception as e:  # noqa: BLE001
+            return {"error": _one_line(e)}
+
+    def cascade_stage_broadcast(self, version: int, layout: dict) -> dict:
+        """Receive a version over the weight group (checksums verified), check it and stage it."""
+        self._cascade_staged = None
+        if self._cascade_group is None:
+            return {"error": "this server has not joined a weight group"}
+        try:
+            from train.rl.weight_group import receive
+
+            sd = receive(self._cascade_group, layout)
+        except Exception as e:  # noqa: BLE001 - the group is broken or the version corrupt
+            self._cascade_group.close()
+            self._cascade_group = None
+            return {"error": _one_line(e)}
+        try:
+            return self._cascade_stage(int(version), sd)
+        except Exception as e:  # noqa: BLE001
             return {"error": _one_line(e)}
 
     def cascade_apply_staged(self) -> dict:
@@ -143,6 +182,7 @@ class CascadeState:
         self.weights_dir, self.api_keys, self.version = weights_dir, api_keys, version
         self.lock = asyncio.Lock()
         self.loads = 0
+        self.members: int | None = None  # workers, asked once
 
 
 def _error(code: int, msg: str):
@@ -160,8 +200,6 @@ def _authorized(request, state: CascadeState) -> bool:
 
 async def load_weights_route(request: Request):
     """``POST /v1/load_weights``: see the module docstring."""
-    from fastapi.responses import JSONResponse
-
     state: CascadeState = request.app.state.cascade
     if not state.api_keys or not _authorized(request, state):
         return _error(401, "invalid API key")
@@ -174,15 +212,26 @@ async def load_weights_route(request: Request):
     if not isinstance(body, dict):
         return _error(400, "the request body must be a JSON object")
     version, path = body.get("version"), body.get("path")
+    if "broadcast" in body:  # the tensors arrive over the weight group this server joined
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            return _error(400, f"version must be a non-negative int, got {version!r}")
+        return await _load(request, state, "cascade_stage_broadcast", (version, body["broadcast"]))
     if (version is None) == (path is None):
         return _error(400, 'load_weights needs exactly one of "version" (an int) or "path"')
     if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
         return _error(400, f"version must be a non-negative int, got {version!r}")
     if path is not None and not isinstance(path, str):
         return _error(400, f"path must be a string, got {path!r}")
+    return await _load(request, state, "cascade_stage_version", (state.weights_dir, version, path))
+
+
+async def _load(request, state: CascadeState, stage: str, args: tuple):
+    """Stage a version in every worker (``stage``: from files or from the weight group), then apply it."""
+    from fastapi.responses import JSONResponse
+
     engine = request.app.state.engine_client
     async with state.lock:  # one load at a time
-        staged = await engine.collective_rpc("cascade_stage_version", args=(state.weights_dir, version, path))
+        staged = await engine.collective_rpc(stage, args=args)
         errors = [s["error"] for s in staged if "error" in s]
         got = {s["version"] for s in staged if "version" in s}
         if errors or len(got) != 1:
@@ -205,13 +254,42 @@ async def load_weights_route(request: Request):
 
 
 async def weights_route(request: Request):
-    """``GET /v1/weights``: the version served."""
+    """``GET /v1/weights``: the version served and how many ranks (workers) this server brings to a weight group."""
     from fastapi.responses import JSONResponse
 
     state: CascadeState = request.app.state.cascade
     if state.api_keys and not _authorized(request, state):
         return _error(401, "invalid API key")
-    return JSONResponse({"version": state.version})
+    if state.members is None:
+        state.members = len(await request.app.state.engine_client.collective_rpc("cascade_discard_staged"))
+    return JSONResponse({"version": state.version, "group_members": state.members})
+
+
+async def weights_group_route(request: Request):
+    """``POST /v1/weights_group``: every worker joins the trainer's weight group (train.rl.weight_group)."""
+    from fastapi.responses import JSONResponse
+
+    state: CascadeState = request.app.state.cascade
+    if not state.api_keys or not _authorized(request, state):
+        return _error(401, "invalid API key")
+    if state.weights_dir is None:
+        return _error(403, "weight loading is off: start the server with --weights-dir and --api-key")
+    try:
+        body = await request.json()
+        host, port, rank, world, name = (body[k] for k in ("host", "port", "rank", "world_size", "name"))
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (port, rank, world)) or \
+                not 0 < rank < world or not isinstance(host, str) or not isinstance(name, str):
+            raise ValueError
+        timeout_s = float(body.get("timeout_s", 120))
+    except (ValueError, KeyError, TypeError):
+        return _error(400, 'weights_group needs "host", "port", "rank" (1 <= rank < world_size), "world_size" and "name"')
+    engine = request.app.state.engine_client
+    async with state.lock:
+        joined = await engine.collective_rpc("cascade_join_group", args=(host, port, rank, world, name, timeout_s))
+    errors = [j["error"] for j in joined if "error" in j]
+    if errors:
+        return _error(400, f"cannot join the weight group: {errors[0]}")
+    return JSONResponse({"joined": name, "ranks": sorted(j["rank"] for j in joined)})
 
 
 def token_versions(spans, n_tokens: int) -> list[int] | None:
@@ -267,6 +345,7 @@ def install(weights_dir: str | None, api_keys: list[str], version: int) -> None:
         app = orig_build(*a, **kw)
         app.add_api_route("/v1/load_weights", load_weights_route, methods=["POST"])
         app.add_api_route("/v1/weights", weights_route, methods=["GET"])
+        app.add_api_route("/v1/weights_group", weights_group_route, methods=["POST"])
         return app
 
     async def init_app_state(engine_client, state, *a, **kw):

@@ -390,8 +390,8 @@ class RLTrainer:
 
             sd = self.learner.weights(self.step_idx)
             load_into(self.policy, sd)
-            if hasattr(self.engine, "load_published"):
-                self.engine.load_published(self.step_idx)
+            if hasattr(self.engine, "load_published"):  # the servers read it, or take it by broadcast
+                self.engine.load_published(self.step_idx, sd)
             else:
                 load_weights(self.engine, sd, self.step_idx)
         self.synced_version = self.step_idx
