@@ -22,6 +22,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -195,16 +196,45 @@ class ServedEngine:
         self.version = 0
         self.broadcaster = None
         self.broadcast_failures = 0  # versions that went by files because the group failed
+        self._writer: threading.Thread | None = None  # broadcast: the durable copy of the last version
+        self._write_error: BaseException | None = None
         if transport == "broadcast":
             from train.rl.weight_group import Broadcaster
 
             self.broadcaster = Broadcaster(self.remote, group_host, group_device, group_timeout_s)
+
+    def _publish_behind(self, state_dict, version: int) -> None:
+        """Write ``version``'s files on a background thread (one at a time) from a snapshot taken now:
+        the servers already serve it; the files are for resume and servers that restart."""
+        from train.rl.exchange import publish_version
+
+        self.wait_published()
+        snap = {k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()}
+
+        def write():
+            try:
+                publish_version(self.exchange, version, snap)
+            except BaseException as e:  # noqa: BLE001 - raised by the next wait_published()
+                self._write_error = e
+
+        self._writer = threading.Thread(target=write, name=f"publish-v{version}", daemon=True)
+        self._writer.start()
+
+    def wait_published(self) -> None:
+        """Wait until the files of the last broadcast version are complete."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._write_error is not None:
+            e, self._write_error = self._write_error, None
+            raise RuntimeError(f"writing a weight version to {self.exchange} failed: {e}") from e
 
     def _down(self, url: str) -> bool:
         if self.pool is None or not self.pool.restart(url):
             return False
         if self.broadcaster is not None:  # a new process at the same URL: the next version forms a new group
             self.broadcaster.close()
+            self.wait_published()  # the version to catch up with is on disk
         if self.version is not None:  # the restarted server catches up with the newest version
             try:
                 self.remote._conn(url).call("POST", "/v1/load_weights", {"version": self.version})
@@ -219,10 +249,11 @@ class ServedEngine:
         from train.rl.exchange import publish_version
 
         version = self.version + 1 if version is None else int(version)
-        if self._broadcast(state_dict, version):  # then the files are the durable record
-            publish_version(self.exchange, version, state_dict)
+        if self._broadcast(state_dict, version):  # then the files, the durable record, behind it
+            self._publish_behind(state_dict, version)
             self.version = version
             return
+        self.wait_published()
         publish_version(self.exchange, version, state_dict)
         self.load_published(version)
 
@@ -254,6 +285,7 @@ class ServedEngine:
     def close(self) -> None:
         if self.broadcaster is not None:
             self.broadcaster.close()
+            self.wait_published()
         self.remote.close()
         if self.pool is not None:
             self.pool.close()

@@ -641,6 +641,33 @@ def test_torchrun_worker_resumes_after_kill(worker_setup):
     assert _max_err(_final_weights(ex), ref3) < TOL
 
 
+@pytest.mark.timeout(400)
+def test_torchrun_worker_resumes_on_another_data_parallel_degree(worker_setup):
+    """A run checkpointed on DP 2 resumes on DP 1 (each rank's optimizer slice cut from the old slices),
+    one checkpointed on DP 1 resumes on DP 2, and both end with the uninterrupted reference's weights;
+    a different TSP degree is refused with a one-line error before any step."""
+    from train.rl.exchange import write_batch
+
+    root, batches, (_, ref3) = worker_setup
+    for first, then in ((2, 1), (1, 2)):
+        ex = root / f"run_dp{first}to{then}" / "exchange"
+        ex.mkdir(parents=True)
+        for b in batches:
+            write_batch(ex, b)
+        proc, log = _start_worker(ex, root / "init", 2, tsp=1, dp=first, extra=["--checkpoint-every", "1"])
+        _finish(proc, log)
+        proc, log = _start_worker(ex, root / "init", 3, tsp=1, dp=then, extra=["--checkpoint-every", "1"])
+        _finish(proc, log)
+        text = Path(log.name).read_text()
+        assert '"worker": "start", "step": 2' in text, text[-3000:]
+        assert _max_err(_final_weights(ex), ref3) < TOL, (first, then)
+    proc, log = _start_worker(ex, root / "init", 4, tsp=2, dp=1)
+    assert proc.wait(timeout=300) != 0
+    log.close()
+    assert "a resume may change the data-parallel degree, not the TSP degree: set trainer.tsp=1" in \
+        Path(log.name).read_text()
+
+
 # ------------------------------------------------------------------------------ plain functions
 
 

@@ -250,6 +250,7 @@ def test_broadcast_reload_over_a_weight_group(server, state):
     try:
         eng.load_weights(m5.state_dict(), version=5)
         assert eng.broadcast_failures == 0 and eng.broadcaster.formed == 1
+        eng.wait_published()
         assert _served_version(url) == 5 and 5 in complete_versions(exchange)
         got = eng.generate(PROMPTS, GREEDY)
         ref = TorchEngine(m5, TorchEngine.from_pretrained(ckpt).tokenizer)

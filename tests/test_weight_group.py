@@ -123,7 +123,8 @@ def test_servers_take_broadcast_versions_and_a_restarted_one_rejoins(tiny_moe_di
         out = eng.generate(prompts, sp)
         assert [c.token_ids for c in out] == _reference(tiny_moe_dir, sd1, prompts, sp)
         assert {v for c in out for v in c.versions} == {1}
-        assert complete_versions(exchange) == [1]  # the durable record is written too
+        eng.wait_published()  # the durable record is written behind the broadcast
+        assert complete_versions(exchange) == [1]
         os.kill(pool.procs[pool.urls[0]].pid, signal.SIGKILL)  # restarted by the pool, catching up from files
         pool.procs[pool.urls[0]].wait()
         assert [c.token_ids for c in eng.generate(prompts * 4, sp)] == _reference(tiny_moe_dir, sd1, prompts, sp) * 4

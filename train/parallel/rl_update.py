@@ -422,7 +422,8 @@ class RLUpdater:
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's model shards and optimizer state under keys that are unique to what the rank
         holds (model keys are shared by the DP replicas of the same TSP rank, which hold the same
-        values), for ``torch.distributed.checkpoint``: a resume needs the same mesh. With a frozen
+        values), for ``torch.distributed.checkpoint``: a resume needs the same TSP degree
+        (:func:`train.rl.worker.load_checkpoint` reslices the optimizer for another DP degree). With a frozen
         KL reference, its shards (``kl_ref.tsp{r}.*``) and whether it was taken yet (``kl_ref_taken``)."""
         out = {f"model.tsp{self.tsp_rank}.{n}": p.data for n, p in self.shards.items()}
         for k, v in self.opt.state_tensors().items():

@@ -24,7 +24,8 @@ it. Files written (under ``DIR``):
   ``torch.distributed.checkpoint`` of every rank's model shards, fp32 master weights, AdamW
   moments, the frozen KL reference's shards (``kl_coef > 0`` without ``kl_reference``) and the
   step, then ``meta.json`` and ``COMPLETE``; the newest complete one is resumed
-  from on start (same mesh required), older ones pruned to ``--keep-checkpoints``;
+  from on start (the same TSP degree; the DP degree may differ: :func:`load_checkpoint`), older
+  ones pruned to ``--keep-checkpoints``;
 * ``final/``: at the end, an HF checkpoint of the fp32 master weights (tokenizer files copied
   from ``--model``) and ``final/COMPLETE``.
 
@@ -219,7 +220,9 @@ def save_checkpoint(up, exchange: Path, step: int, keep: int) -> Path:
 
 
 def load_checkpoint(up, exchange: Path) -> int:
-    """Restore the newest complete checkpoint into ``up``; returns its step (0 when there is none)."""
+    """Restore the newest complete checkpoint into ``up``; returns its step (0 when there is none).
+    The model shards are keyed by TSP rank (the TSP degree must be the checkpoint's); the optimizer
+    slices by TSP and DP rank, and a run on another DP degree cuts its slices from the old ones."""
     import torch.distributed.checkpoint as dcp
 
     steps = complete_checkpoints(exchange)
@@ -229,16 +232,55 @@ def load_checkpoint(up, exchange: Path) -> int:
         return 0
     path = exchange / CKPT_DIR / f"step-{box[0]:06d}"
     meta = json.loads((path / "meta.json").read_text())
-    if (meta["dp"], meta["tsp"]) != (up.dp, up.tsp):
-        raise ValueError(f"checkpoint {path} was written by a dp={meta['dp']} x tsp={meta['tsp']} mesh; "
-                         f"this run is dp={up.dp} x tsp={up.tsp}")
+    if meta["tsp"] != up.tsp:
+        raise ValueError(f"checkpoint {path} was written with tsp={meta['tsp']}; this run has tsp={up.tsp} (a resume "
+                         f"may change the data-parallel degree, not the TSP degree: set trainer.tsp={meta['tsp']})")
     if up.saves_reference and not meta.get("kl_reference"):
         raise ValueError(f"checkpoint {path} holds no KL reference (written with kl_coef=0 or with kl_reference set), "
                          "but this run keeps a frozen copy as its reference: resume with the checkpoint's KL settings")
     state = dict(up.state_tensors(), step=torch.zeros((), dtype=torch.int64))
-    dcp.load(state, checkpoint_id=str(path))
+    reshard = {}
+    if meta["dp"] != up.dp:  # this rank's optimizer slices, cut from the slices of the checkpoint's mesh
+        reshard = _old_dp_slices(up, meta["dp"])
+        state = {k: v for k, v in state.items() if not k.startswith("optim.")}
+        state.update({k: t for k, (t, _, _) in reshard.items()})
+    dcp.load(state, checkpoint_id=str(path))  # one call on every rank (a collective), whatever each asks for
+    if reshard:
+        _fill_from_old_slices(up, reshard)
     up.phase = meta.get("phase", "rl")  # the optimizer state loaded is that phase's
     return int(state["step"])
+
+
+def _old_dp_slices(up, old_dp: int) -> dict[str, tuple[torch.Tensor, int, int]]:
+    """The checkpoint tensors (written by ``old_dp`` data-parallel ranks) that this rank's optimizer
+    slice overlaps: ``{key: (empty tensor to load into, old slice start, old slice end)}``. The flat
+    optimizer vector of a TSP rank is cut into ``ceil(total / dp)``-element slices, one per DP rank."""
+    opt, t = up.opt, up.tsp_rank
+    chunk = -(-opt.total // old_dp)
+    out = {}
+    for k, v in opt.state_tensors().items():
+        if v.dim() == 0:  # the step count, equal on every rank
+            out[f"optim.tsp{t}.dp0.{k}"] = (torch.zeros_like(v), -1, -1)
+            continue
+        for d in range(old_dp):
+            lo, hi = min(d * chunk, opt.total), min(d * chunk + chunk, opt.total)
+            if lo < min(hi, opt.hi) and max(lo, opt.lo) < hi:
+                out[f"optim.tsp{t}.dp{d}.{k}"] = (torch.empty(hi - lo, dtype=v.dtype, device=v.device), lo, hi)
+    return out
+
+
+def _fill_from_old_slices(up, loaded: dict[str, tuple[torch.Tensor, int, int]]) -> None:
+    """Copy the overlap of each loaded old slice into this rank's optimizer state."""
+    opt = up.opt
+    mine = opt.state_tensors()
+    for key, (t, lo, hi) in loaded.items():
+        name = key.rsplit(".", 1)[1]
+        dst = mine[name]
+        if lo < 0:
+            dst.copy_(t)
+            continue
+        a, b = max(lo, opt.lo), min(hi, opt.hi)
+        dst[a - opt.lo:b - opt.lo].copy_(t[a - lo:b - lo])
 
 
 # ----------------------------------------------------------------------------------------- main

@@ -1,0 +1,94 @@
+"""Weight sync to rollout servers: versions as files vs broadcast over a process group.
+
+A policy preset, ``--servers`` `cascade serve` processes (started as ``cascade run rollout.servers=N``
+starts them), and the trainer side of each transport (:class:`cascade.rollout.ServedEngine`):
+
+- ``files`` (``rollout.weight_transport=files``): the trainer publishes the version (safetensors write,
+  sha256, fsync, completion marker), then every server reads it, re-hashes it and loads it;
+- ``broadcast`` (``rollout.weight_transport=broadcast``): the trainer broadcasts the tensors over a
+  gloo group in checksummed buckets and every server loads them; the durable files are written
+  behind it on a background thread (``broadcast_files_done_s``: from the call until those files are
+  complete).
+
+Timed here, wall clock around ``load_weights(state_dict, version)``: the trainer's stall until every
+server serves the version (both transports wait for all servers' answers). ``--repeats`` versions per
+transport after one warm-up version each, alternating the transports so that drift hits both; each
+version is new weights (perturbed), as in training.
+
+Prints ONE JSON line: ``files_sync_s`` and ``broadcast_sync_s`` (medians; min and max beside),
+``sync_speedup`` (files / broadcast, of the medians), the model's bytes, servers, preset.
+
+    python benchmarks/weights.py                        # tiny-moe (6.6 MB), 2 servers
+    python benchmarks/weights.py --preset small-moe     # 228 MB
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="tiny-moe")
+    ap.add_argument("--servers", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    a = ap.parse_args()
+    import torch
+
+    from cascade.rollout import ServedEngine, ServerPool
+    from train.presets import init_model
+
+    with tempfile.TemporaryDirectory() as d:
+        d = Path(d)
+        model, _ = init_model(a.preset, d / "model", seed=0)
+        sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+        exchange = d / "exchange"
+        exchange.mkdir()
+        pool = ServerPool(a.servers, d / "model", exchange, "bench", 1, d / "logs")
+        engines = {t: ServedEngine(pool.urls, exchange, "bench", transport=t) for t in ("files", "broadcast")}
+        times: dict[str, list[float]] = {t: [] for t in engines}
+        behind: list[float] = []
+        version = 0
+        try:
+            for r in range(a.repeats + 1):
+                for t, eng in engines.items():
+                    version += 1
+                    for v in sd.values():  # new weights each version
+                        v.add_(1e-3)
+                    t0 = time.perf_counter()
+                    eng.load_weights(sd, version=version)
+                    dt = time.perf_counter() - t0
+                    if t == "broadcast":
+                        t1 = time.perf_counter()
+                        eng.wait_published()
+                        if r:
+                            behind.append(time.perf_counter() - t1 + dt)
+                    if r:  # the first version of each transport warms up (and forms the group)
+                        times[t].append(dt)
+            failures = engines["broadcast"].broadcast_failures
+        finally:
+            for eng in engines.values():
+                eng.close()
+            pool.close()
+    med = {t: statistics.median(v) for t, v in times.items()}
+    print(json.dumps({
+        "files_sync_s": round(med["files"], 4), "broadcast_sync_s": round(med["broadcast"], 4),
+        "sync_speedup": round(med["files"] / med["broadcast"], 3),
+        "files_sync_s_min_max": [round(min(times["files"]), 4), round(max(times["files"]), 4)],
+        "broadcast_sync_s_min_max": [round(min(times["broadcast"]), 4), round(max(times["broadcast"]), 4)],
+        "broadcast_files_done_s": round(statistics.median(behind), 4),
+        "broadcast_failures": failures, "model_bytes": nbytes, "servers": a.servers, "preset": a.preset,
+        "repeats": a.repeats, "torch_threads": torch.get_num_threads(),
+    }))
+
+
+if __name__ == "__main__":
+    main()
