@@ -22,10 +22,12 @@ Prints one JSON line. Usage: python benchmarks/ttc.py [--preset tiny-moe] [--rep
 Every figure is the median of ``--repeats`` warm runs, with min and max beside it.
 
 Measured on this project's 2-core CPU (2026-12-02, defaults, tiny-moe, 1 thread, quiet machine, commit
-6df95ac, three runs): ``concurrency_speedup`` 2.16, 2.23, 2.16 (one problem at a time 5.3-6.2 s, 64 in
-flight 2.5-2.8 s); ``concurrency_speedup_short`` 1.87, 1.92, 1.61; same results both sides every time.
-One run of the prefix shapes, same commit: ``prefix_speedup_toy`` 1.23, ``prefix_speedup_real`` 1.09 (per-pair
-ratios 0.95-1.09), ``prefix_speedup_long`` 1.19 (pairs 1.06-1.38); same outputs with and without reuse.
+8cf883a: finished rows leave the KV cache in place; three runs): ``concurrency_speedup`` 2.10, 2.11, 2.07
+(one problem at a time 3.7-4.0 s, 64 in flight 1.77-1.91 s); ``concurrency_speedup_short`` 1.75, 1.66,
+1.65; ``prefix_speedup_toy`` 1.38, 1.41, 1.37; ``prefix_speedup_real`` 1.04, 1.02, 1.03 (per-pair ratios
+0.98-1.06); ``prefix_speedup_long`` 1.23, 1.19, 1.23 (pairs 1.15-1.27); same results and outputs both
+sides every time. (At 6df95ac on the previous machine: concurrency 2.16-2.23, short 1.61-1.92, toy 1.23,
+real 1.09, long 1.19, one run of the prefix shapes.)
 
 Concurrency was 0.87-1.04 (short shape) on 2026-12-01: the server's listen backlog was socketserver's
 default 5, so 64 clients connecting at once lost SYNs and waited out TCP retransmissions (~1 s idle
@@ -39,11 +41,11 @@ batching economy on 2 cores: decoding cost ~0.10 ms per row and step at 64 rows 
 1 thread, 290-token prompts; before commit 15e5214 refactored the native ops without changing them).
 
 The prefix-reuse goal (>= 1.3 at the realistic shape) is not met: at beta=640, tau=64 decoding is
-~89% of the run (6.19 s of 6.93 s in the run above); reuse cuts the prefill 1.4x (0.72 -> 0.51 s, 4,800
-of 12,554 prompt tokens not recomputed) but cannot touch the decode, so the wall ratio stays near 1.0-1.1
-(1.04 and 1.03 in two earlier runs that day). A long problem (1,200 words) helps only a little: 20,955 of
-30,727 prompt tokens are not recomputed and the prefill falls 2.4x (3.00 -> 1.25 s), but decoding over the
-longer context grows too (9.1 s of 12.1 s): 1.19 here, 1.09 in an earlier run that day.
+~85% of the run (2.84-2.94 s of 3.37-3.48 s in the runs above); reuse cuts the prefill 1.3x (0.51-0.53 ->
+0.39-0.41 s, 4,800 of 12,554 prompt tokens not recomputed) but cannot touch the decode, so the wall ratio
+stays near 1.0-1.1, and even a free prefill would give at most 1.18. A long problem (1,200 words) helps
+only a little: 20,955 of 30,727 prompt tokens are not recomputed and the prefill falls 2.2x (2.37-2.53 ->
+1.06-1.10 s), but decoding over the longer context grows too (4.7-4.9 s of 7.1-7.4 s): 1.19-1.23.
 """
 from __future__ import annotations
 

@@ -27,10 +27,10 @@ import time
 from pathlib import Path
 
 from train.dataclass_config import ConfigError
+from train.parallel.comm import free_port
 
 log = logging.getLogger(__name__)
-TRANSPORTS = ("files", "broadcast")
-from train.parallel.comm import free_port
+TRANSPORTS = ("files", "broadcast")  # rollout.weight_transport
 
 
 def _die_with_parent() -> None:

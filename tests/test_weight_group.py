@@ -138,3 +138,28 @@ def test_servers_take_broadcast_versions_and_a_restarted_one_rejoins(tiny_moe_di
         assert pool.restarts == 1 and all(p.poll() is None for p in pool.procs.values())  # the restarted one lives on
     finally:
         eng.close()
+
+
+def test_weights_group_requests_are_checked(tiny_moe_dir, tmp_path):
+    """Joining needs the key and weight loading on; a malformed body, or a broadcast load before any
+    group, is a one-line 400 and the server keeps serving version 0."""
+    from tests.test_rollout_server import call
+    from train.engine.server import serve_in_thread
+
+    srv, url = serve_in_thread(TorchEngine.from_pretrained(tiny_moe_dir), api_key="k", weights_dir=tmp_path)
+    off, url_off = serve_in_thread(TorchEngine.from_pretrained(tiny_moe_dir), api_key="k")
+    try:
+        good = {"host": "127.0.0.1", "port": 1, "rank": 1, "world_size": 2, "name": "x"}
+        assert call(url, "/v1/weights_group", good, key="wrong")[0] == 401
+        assert call(url_off, "/v1/weights_group", good, key="k")[0] == 403
+        for bad in ({}, {**good, "rank": 0}, {**good, "rank": 2}, {**good, "port": "1"}, {**good, "timeout_s": -1}):
+            code, obj = call(url, "/v1/weights_group", bad, key="k")
+            assert code == 400 and "weights_group needs" in obj["error"]["message"], (bad, obj)
+        layout = plan({"w": torch.zeros(3)})
+        code, obj = call(url, "/v1/load_weights", {"version": 1, "broadcast": layout}, key="k")
+        assert code == 400 and "has not joined a weight group" in obj["error"]["message"]
+        assert call(url, "/v1/weights", key="k")[1]["version"] == 0
+    finally:
+        for s in (srv, off):
+            s.shutdown()
+            s.server_close()

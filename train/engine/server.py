@@ -423,23 +423,19 @@ class Handler(BaseHTTPRequestHandler):
         s = self.server
         if not s.api_key or s.weights_dir is None:
             raise Forbidden("weight loading is off: start the server with --weights-dir and --api-key")
-        from train.rl.weight_group import join
+        from train.rl.weight_group import join, join_request
 
         try:
-            host, port, rank, world, name = (body[k] for k in ("host", "port", "rank", "world_size", "name"))
-            if not all(isinstance(x, int) and not isinstance(x, bool) for x in (port, rank, world)) or \
-                    not 0 < rank < world or not isinstance(host, str) or not isinstance(name, str):
-                raise ValueError
-        except (KeyError, ValueError):
-            raise BadRequest('weights_group needs "host", "port", "rank" (1 <= rank < world_size), '
-                             '"world_size" and "name"') from None
+            host, port, rank, world, name, timeout_s = join_request(body)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
         with s.load_lock:
             if s.weight_group is not None:
                 s.weight_group.close()
                 s.weight_group = None
             try:
-                s.weight_group = join(host, port, rank, world, name, device=s.engine.model.device,
-                                      timeout_s=float(body.get("timeout_s", 120)))
+                device = getattr(getattr(s.engine, "model", None), "device", "cpu")
+                s.weight_group = join(host, port, rank, world, name, device=device, timeout_s=timeout_s)
             except Exception as e:  # noqa: BLE001
                 raise BadRequest(f"cannot join the weight group: {_first_line(e)}") from None
         return {"joined": name, "rank": rank}

@@ -274,15 +274,12 @@ async def weights_group_route(request: Request):
         return _error(401, "invalid API key")
     if state.weights_dir is None:
         return _error(403, "weight loading is off: start the server with --weights-dir and --api-key")
+    from train.rl.weight_group import join_request
+
     try:
-        body = await request.json()
-        host, port, rank, world, name = (body[k] for k in ("host", "port", "rank", "world_size", "name"))
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (port, rank, world)) or \
-                not 0 < rank < world or not isinstance(host, str) or not isinstance(name, str):
-            raise ValueError
-        timeout_s = float(body.get("timeout_s", 120))
-    except (ValueError, KeyError, TypeError):
-        return _error(400, 'weights_group needs "host", "port", "rank" (1 <= rank < world_size), "world_size" and "name"')
+        host, port, rank, world, name, timeout_s = join_request(await request.json())
+    except ValueError as e:
+        return _error(400, _one_line(e))
     engine = request.app.state.engine_client
     async with state.lock:
         joined = await engine.collective_rpc("cascade_join_group", args=(host, port, rank, world, name, timeout_s))

@@ -66,6 +66,22 @@ def checksum(buf: torch.Tensor) -> torch.Tensor:
     return buf.view(torch.int32).sum(dtype=torch.int64)
 
 
+def join_request(body) -> tuple[str, int, int, int, str, float]:
+    """(host, port, rank, world_size, name, timeout_s) of a server's ``POST /v1/weights_group`` body,
+    or ValueError with a one-line message."""
+    try:
+        host, port, rank, world, name = (body[k] for k in ("host", "port", "rank", "world_size", "name"))
+        timeout_s = float(body.get("timeout_s", 120))
+        ok = all(isinstance(x, int) and not isinstance(x, bool) for x in (port, rank, world)) and \
+            0 < rank < world and isinstance(host, str) and isinstance(name, str) and timeout_s > 0
+    except (KeyError, TypeError, ValueError, AttributeError):
+        ok = False
+    if not ok:
+        raise ValueError('weights_group needs "host", "port", "rank" (1 <= rank < world_size), "world_size" and '
+                         '"name" (and optionally "timeout_s" > 0)')
+    return host, port, rank, world, name, timeout_s
+
+
 def _check_layout(layout) -> None:
     if not isinstance(layout, dict) or not isinstance(layout.get("tensors"), list) or \
             not isinstance(layout.get("buckets"), list) or not layout["buckets"]:
