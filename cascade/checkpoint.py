@@ -14,11 +14,11 @@ import os
 import re
 import shutil
 import signal
-import threading
 from pathlib import Path
 
 import torch
 
+from train.background import Behind
 from train.model.hf_io import TOKENIZER_FILES, save_pretrained
 
 COMPLETE = "COMPLETE"
@@ -59,8 +59,7 @@ class Checkpointer:
     def __init__(self, root: str | Path, keep: int = 2):
         self.root = Path(root)
         self.keep = keep
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._behind = Behind("checkpoint write", daemon=False)
         self.root.mkdir(parents=True, exist_ok=True)
         self.clean()
 
@@ -107,26 +106,14 @@ class Checkpointer:
             for old in self.complete()[:-self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
 
-        def run():
-            try:
-                write()
-            except BaseException as e:  # surfaced by wait()
-                self._error = e
-
         if sync:
             write()
         else:
-            self._thread = threading.Thread(target=run, name=f"checkpoint-{step}", daemon=False)
-            self._thread.start()
+            self._behind.start(write, f"checkpoint-{step}")
         return final
 
     def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            e, self._error = self._error, None
-            raise RuntimeError(f"checkpoint write failed: {e}") from e
+        self._behind.wait()
 
 
 def load_trainer_state(path: Path) -> tuple[dict, dict]:

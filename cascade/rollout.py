@@ -22,10 +22,10 @@ import secrets
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
+from train.background import Behind
 from train.dataclass_config import ConfigError
 from train.parallel.comm import free_port
 
@@ -196,8 +196,7 @@ class ServedEngine:
         self.version = 0
         self.broadcaster = None
         self.broadcast_failures = 0  # versions that went by files because the group failed
-        self._writer: threading.Thread | None = None  # broadcast: the durable copy of the last version
-        self._write_error: BaseException | None = None
+        self._behind = Behind(f"writing a weight version to {self.exchange}")  # broadcast: the durable copy
         if transport == "broadcast":
             from train.rl.weight_group import Broadcaster
 
@@ -210,24 +209,11 @@ class ServedEngine:
 
         self.wait_published()
         snap = {k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()}
-
-        def write():
-            try:
-                publish_version(self.exchange, version, snap)
-            except BaseException as e:  # noqa: BLE001 - raised by the next wait_published()
-                self._write_error = e
-
-        self._writer = threading.Thread(target=write, name=f"publish-v{version}", daemon=True)
-        self._writer.start()
+        self._behind.start(lambda: publish_version(self.exchange, version, snap), f"publish-v{version}")
 
     def wait_published(self) -> None:
-        """Wait until the files of the last broadcast version are complete."""
-        if self._writer is not None:
-            self._writer.join()
-            self._writer = None
-        if self._write_error is not None:
-            e, self._write_error = self._write_error, None
-            raise RuntimeError(f"writing a weight version to {self.exchange} failed: {e}") from e
+        """Wait until the files of the last broadcast version are complete (raises if writing failed)."""
+        self._behind.wait()
 
     def _down(self, url: str) -> bool:
         if self.pool is None or not self.pool.restart(url):

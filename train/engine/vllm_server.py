@@ -198,13 +198,20 @@ def _authorized(request, state: CascadeState) -> bool:
     return any(got == f"Bearer {k}" for k in state.api_keys)
 
 
-async def load_weights_route(request: Request):
-    """``POST /v1/load_weights``: see the module docstring."""
-    state: CascadeState = request.app.state.cascade
+def _refused(request, state: CascadeState):
+    """The error response for a weight request without the key, or with weight loading off; else None."""
     if not state.api_keys or not _authorized(request, state):
         return _error(401, "invalid API key")
     if state.weights_dir is None:
         return _error(403, "weight loading is off: start the server with --weights-dir and --api-key")
+    return None
+
+
+async def load_weights_route(request: Request):
+    """``POST /v1/load_weights``: see the module docstring."""
+    state: CascadeState = request.app.state.cascade
+    if (refused := _refused(request, state)) is not None:
+        return refused
     try:
         body = await request.json()
     except ValueError as e:
@@ -270,10 +277,8 @@ async def weights_group_route(request: Request):
     from fastapi.responses import JSONResponse
 
     state: CascadeState = request.app.state.cascade
-    if not state.api_keys or not _authorized(request, state):
-        return _error(401, "invalid API key")
-    if state.weights_dir is None:
-        return _error(403, "weight loading is off: start the server with --weights-dir and --api-key")
+    if (refused := _refused(request, state)) is not None:
+        return refused
     from train.rl.weight_group import join_request
 
     try:
