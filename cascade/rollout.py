@@ -201,6 +201,8 @@ class ServedEngine:
             from train.rl.weight_group import Broadcaster
 
             self.broadcaster = Broadcaster(self.remote, group_host, group_device, group_timeout_s)
+        # broadcast: the newest version in host memory, for a restarted server that cannot read its files
+        self._last: tuple[int, dict] | None = None
 
     def _publish_behind(self, state_dict, version: int) -> None:
         """Write ``version``'s files on a background thread (one at a time) from a snapshot taken now:
@@ -209,6 +211,7 @@ class ServedEngine:
 
         self.wait_published()
         snap = {k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()}
+        self._last = (version, snap)
         self._behind.start(lambda: publish_version(self.exchange, version, snap), f"publish-v{version}")
 
     def wait_published(self) -> None:
@@ -224,9 +227,22 @@ class ServedEngine:
         if self.version is not None:  # the restarted server catches up with the newest version
             try:
                 self.remote._conn(url).call("POST", "/v1/load_weights", {"version": self.version})
-            except Exception:  # noqa: BLE001 - it stays out of the pool; the others go on
-                return False
+            except Exception:  # noqa: BLE001 - else it stays out of the pool; the others go on
+                return self._catch_up_by_broadcast(url)
         return True
+
+    def _catch_up_by_broadcast(self, url: str) -> bool:
+        """A restarted server that cannot read the newest version's files (another host) takes it over
+        a group formed with it alone (the next version forms one with every server again)."""
+        if self.broadcaster is None or self._last is None or self._last[0] != self.version:
+            return False
+        from train.rl.weight_group import WeightGroupError
+
+        try:
+            self.broadcaster.push(self._last[1], self._last[0], urls=[url])
+            return True
+        except WeightGroupError:
+            return False
 
     def generate(self, prompts, params, seeds=None, return_routed_experts: bool = False):
         return self.remote.generate(prompts, params, seeds=seeds, return_routed_experts=return_routed_experts)
@@ -263,7 +279,7 @@ class ServedEngine:
         ranks; with ``rollout.weight_transport=broadcast`` and ``state_dict`` (that version, in this
         process's memory) they take it over the weight group instead."""
         if state_dict is not None and self._broadcast(state_dict, version):
-            self.version = version
+            self.version, self._last = version, (version, state_dict)
             return
         self.version = version  # first: a server restarted meanwhile catches up to this one
         self.remote.load_version(version)

@@ -4,6 +4,7 @@ of them killed and restarted in between (the group is formed again), the files s
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 
@@ -136,6 +137,16 @@ def test_servers_take_broadcast_versions_and_a_restarted_one_rejoins(tiny_moe_di
         assert [c.token_ids for c in out] == _reference(tiny_moe_dir, sd2, prompts, sp) * 4
         assert {v for c in out for v in c.versions} == {2}
         assert pool.restarts == 1 and all(p.poll() is None for p in pool.procs.values())  # the restarted one lives on
+        # a server that cannot read the run's files (another host): restarted, it takes the newest version
+        # over a group formed with it alone
+        eng.wait_published()
+        shutil.rmtree(exchange / "weights")
+        os.kill(pool.procs[pool.urls[1]].pid, signal.SIGKILL)
+        pool.procs[pool.urls[1]].wait()
+        out = eng.generate(prompts * 4, sp)
+        assert [c.token_ids for c in out] == _reference(tiny_moe_dir, sd2, prompts, sp) * 4
+        assert {v for c in out for v in c.versions} == {2} and pool.restarts == 2 and eng.broadcaster.formed == 3
+        assert eng.remote._conn(pool.urls[1]).call("GET", "/v1/weights")["version"] == 2
     finally:
         eng.close()
 

@@ -235,13 +235,12 @@ class Broadcaster:
             raise WeightGroupError(f"{what}: " + "; ".join(f"{u}: {str(e).strip()[:200]}" for u, e in bad.items()))
         return out
 
-    def _form(self) -> None:
+    def _form(self, urls: tuple[str, ...]) -> None:
         import secrets
 
         import torch.distributed as dist
 
         self.close()
-        urls = tuple(sorted(self.remote.alive))
         if not urls:
             raise WeightGroupError("no live server to form a weight group with")
         members = self._finish(*self._on_all(urls, lambda u: int(self._call(u, "GET", "/v1/weights")
@@ -266,10 +265,12 @@ class Broadcaster:
         self._finish(*pending, "joining the weight group")
         self.group, self.members, self._store = group, urls, store
 
-    def push(self, state_dict: dict[str, torch.Tensor], version: int) -> dict[str, int]:
-        """Every live server loads ``state_dict`` as ``version``; {url: version it reports}."""
-        if self.group is None or self.members != tuple(sorted(self.remote.alive)):
-            self._form()
+    def push(self, state_dict: dict[str, torch.Tensor], version: int, urls=None) -> dict[str, int]:
+        """Every live server (or those at ``urls``) loads ``state_dict`` as ``version``; {url: version
+        it reports}."""
+        urls = tuple(sorted(self.remote.alive if urls is None else urls))
+        if self.group is None or self.members != urls:
+            self._form(urls)
         layout = plan(state_dict, self.bucket_bytes)
         body = {"version": int(version), "broadcast": layout}
         pending = self._on_all(self.members, lambda u: self._call(u, "POST", "/v1/load_weights", body))
