@@ -82,19 +82,24 @@ def run(rl: RLTrainer, steps: int) -> list[dict]:
 
 
 def test_rl_raises_reward_and_held_out_accuracy(warm):
-    rl = make_trainer(warm, prompts_per_step=16, optim=OptimConfig(lr=1e-3, warmup_steps=3))
+    """Two trainer seeds, 40 RL steps each: held-out accuracy rises in both, and the training reward
+    (last 5 steps against the first 5) rises by more than 0.08 on average over the two.
+
+    The tiny policy's trajectory depends on the machine's float rounding: one seed alone is a coin the
+    machine flips. Measured (trainer seeds 0 / 1 / 2): on an AMD EPYC, reward +0.20 / +0.17 / +0.14,
+    held-out 0.545 -> 0.725 / 0.643 / 0.705; on an Intel Xeon (2026-12-02), reward +0.075 / +0.28 /
+    +0.14, held-out 0.590 -> 0.698 / 0.715 / 0.745 (seed 0 collapses to reward ~0 at steps 11-19 and
+    recovers), so the bounds sit below the smallest gains seen."""
     held = held_out(100)
-    before = rl.evaluate(held, n=4, greedy=False, seed=7)
-    rewards = [rl.step()["reward_mean"] for _ in range(40)]
-    after = rl.evaluate(held, n=4, greedy=False, seed=7)
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert last > first + 0.08, (first, last, rewards)
-    # 40 steps, not 25: the tiny policy's trajectory depends on the machine's float rounding, and at
-    # 25 steps one machine (AMD EPYC) gave +0.075 in reward (CI's had passed). Measured at 40 steps on
-    # that machine, trainer seeds 0-3: reward +0.20/+0.17/+0.14/+0.20, held-out 0.545 ->
-    # 0.725/0.643/0.705/0.715 (seed 0 collapses to 0.02 at steps 16-17 and recovers), so both bounds
-    # sit well below the smallest gain seen
-    assert after > before + 0.05, (before, after)
+    gains = []
+    for seed in (0, 1):
+        rl = make_trainer(warm, seed=seed, prompts_per_step=16, optim=OptimConfig(lr=1e-3, warmup_steps=3))
+        before = rl.evaluate(held, n=4, greedy=False, seed=7)
+        rewards = [rl.step()["reward_mean"] for _ in range(40)]
+        after = rl.evaluate(held, n=4, greedy=False, seed=7)
+        assert after > before + 0.05, (seed, before, after)
+        gains.append(sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5)
+    assert sum(gains) / 2 > 0.08, gains
 
 
 # -- engine / trainer agreement ----------------------------------------------------------------------
