@@ -36,8 +36,12 @@ absolute) and the key as ``Authorization: Bearer KEY``. It loads only from that 
 answers 4xx with a one-line message (401 without the key, 403 when loading is off, 400 otherwise)
 and the old weights stay. The engine takes the new weights in flight (``engine.load_weights(sd, version=N)``:
 the torch engine applies them between two decoding steps; requests running continue), and the
-answer is ``{"version": N}`` once they are in use.
-The standard library is all it needs.
+answer is ``{"version": N}`` once they are in use. Instead of files, versions can arrive over a
+process group with the trainer (:mod:`train.rl.weight_group`): ``POST /v1/weights_group`` with
+``{"host", "port", "rank", "world_size", "name"}`` joins it (``GET /v1/weights`` says this server
+brings 1 rank), and ``POST /v1/load_weights`` with ``{"version": N, "broadcast": layout}`` receives
+version N over it, checksums verified, and applies it the same way.
+The standard library is all it needs (torch.distributed for the weight group).
 """
 from __future__ import annotations
 

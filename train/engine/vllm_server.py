@@ -23,7 +23,12 @@ Added routes, with the contract of :mod:`train.engine.server`:
   the served checkpoint. Only when every worker has the version staged are the weights applied;
   otherwise the answer is 400 with a one-line message and the old weights keep serving (401
   without the key, 403 when loading is off). The answer is ``{"version": N}`` once N is in use.
-- ``GET /v1/weights``: ``{"version": N}``, the version served.
+- ``GET /v1/weights``: ``{"version": N, "group_members": W}``, the version served and the number of
+  workers (the ranks this server brings to a weight group).
+- ``POST /v1/weights_group`` ``{"host", "port", "rank", "world_size", "name"}`` (same key): every
+  worker joins the trainer's weight group (:mod:`train.rl.weight_group`; NCCL on GPU, gloo on CPU)
+  as rank ``rank`` + its own rank; ``POST /v1/load_weights`` with ``{"version": N, "broadcast":
+  layout}`` then receives version N over it (checksums verified) and applies it as above.
 
 In-flight requests during a reload. The staging (reading + hashing + checking) runs in the
 workers between two engine steps (generation waits meanwhile; each worker holds one host-memory copy
@@ -168,6 +173,10 @@ class CascadeWeightsExtension:
         info = _w_reload(self, sd, False)
         return {"version": v, **info}
 
+    def cascade_rank(self) -> int:
+        """This worker's rank (the API process counts its workers with it)."""
+        return int(self.rank)
+
     def cascade_discard_staged(self) -> None:
         self._cascade_staged = None
 
@@ -268,7 +277,7 @@ async def weights_route(request: Request):
     if state.api_keys and not _authorized(request, state):
         return _error(401, "invalid API key")
     if state.members is None:
-        state.members = len(await request.app.state.engine_client.collective_rpc("cascade_discard_staged"))
+        state.members = len(await request.app.state.engine_client.collective_rpc("cascade_rank"))
     return JSONResponse({"version": state.version, "group_members": state.members})
 
 
