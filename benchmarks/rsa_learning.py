@@ -64,6 +64,20 @@ added) reproduced its row exactly again (402 s).
 +13.5 (median +13.5, min +11.7). ``goal_met``: false -- the aggregation-trained policy's RSA beats the
 ablation's on every seed, but beats its own single-sample accuracy by >= 10 points on one seed of three.
 
+On another machine (2026-12-02, a fresh 2-core CPU, commit 984f348, defaults, ``--jobs 2``: 455 s wall,
+213 / 288 / 238 s per seed) the same seeds take other trajectories (the float kernels differ; the code's
+tokens do not: ``benchmarks/learning.py`` seed 1 gives the same figures there with the code before and
+after that day's engine change):
+
+| seed | agg single | agg maj. | agg rsa | agg r1 / ceiling | agg cut | abl. single | abl. maj. | abl. rsa | abl. cut |
+| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
+| 0 | 0.685 | 0.688 | 0.684 | 0.688 / 0.688 | 1 | 0.797 | 0.828 | 0.480 | 502 |
+| 1 | 0.449 | 0.469 | 0.387 | 0.447 / 0.773 | 1530 | 0.742 | 0.844 | 0.000 | 1027 |
+| 2 | 0.283 | 0.312 | 0.254 | 0.260 / 0.516 | 16 | 0.260 | 0.250 | 0.193 | 62 |
+
+``rsa_gain_points`` -0.2 / -6.2 / -2.9 (median -2.9, min -6.2); ``rsa_vs_ablation_points`` +20.3 / +38.7 /
++6.1 (median +20.3, min +6.1); ``goal_met`` false.
+
 ``--fraction 0.5 --rl-steps 80``: 868 s wall (283 / 300 / 282 s):
 
 | seed | agg single | agg maj. | agg rsa | agg r1 / ceiling | agg cut | abl. single | abl. maj. | abl. rsa | abl. cut |
