@@ -143,13 +143,13 @@ def main() -> None:
         stop = stop_ids(Path(d), a.stop_tokens) if a.stop_tokens else []
         sync = trainer(Path(d), a.seed, a.new_tokens, stop=stop)
         sync_sps, sync_ms = timed(sync.step, a.steps, a.warmup)
-        split = apart = None
+        apart_r = apart_u = None
         if not a.servers and a.threads >= 2:
             # what overlap can give at best on these cores: each side alone on its share of the threads
             # (the split the pipeline uses), one after the other; the pipeline's step can be no shorter
             # than the longer of the two
-            split = (a.threads // 2, a.threads - a.threads // 2)
-            apart = [step_apart(sync, *split) for _ in range(a.steps)]
+            apart = [step_apart(sync, a.threads // 2, a.threads - a.threads // 2) for _ in range(a.steps)]
+            apart_r, apart_u = (statistics.mean(x) for x in zip(*apart))
             torch.set_num_threads(a.threads)
         engine = None
         if a.servers:
@@ -166,30 +166,27 @@ def main() -> None:
             pipe.close()
             if engine is not None:
                 engine.close()
+    sync_r = statistics.mean(m["time_rollout_s"] for m in sync_ms)
+    sync_u = statistics.mean(m["time_train_s"] for m in sync_ms)
     print(json.dumps({
         "sync_steps_per_s": round(sync_sps, 3), "async_steps_per_s": round(async_sps, 3),
         "async_speedup": round(async_sps / sync_sps, 3),
         "max_lag_seen": max(m["version_lag_max"] for m in async_ms),
         "async_rollout_busy_frac": round(statistics.mean(m["rollout_busy_frac"] for m in async_ms), 3),
         "async_trainer_busy_frac": round(statistics.mean(m["trainer_busy_frac"] for m in async_ms), 3),
-        "sync_rollout_s": round(statistics.mean(m["time_rollout_s"] for m in sync_ms), 3),
-        "sync_train_s": round(statistics.mean(m["time_train_s"] for m in sync_ms), 3),
+        "sync_rollout_s": round(sync_r, 3), "sync_train_s": round(sync_u, 3),
         "sync_response_len_mean": round(statistics.mean(m["response_len"] for m in sync_ms), 1),
         "sync_truncated_frac": round(statistics.mean(m["truncated_frac"] for m in sync_ms), 3),
         "async_response_len_mean": round(statistics.mean(m["response_len"] for m in async_ms), 1),
         "groups_dropped_stale": sum(m["groups_dropped_stale"] for m in async_ms),
         "async_threads": list(pipe.threads) if pipe.threads else None,
         # the pipeline's best: one step per max(rollout alone, update alone) on their thread shares
-        "split_rollout_s": round(statistics.mean(r for r, _ in apart), 3) if apart else None,
-        "split_train_s": round(statistics.mean(u for _, u in apart), 3) if apart else None,
-        "overlap_ceiling": round(1 / sync_sps / max(statistics.mean(r for r, _ in apart),
-                                                    statistics.mean(u for _, u in apart)), 3) if apart else None,
+        "split_rollout_s": round(apart_r, 3) if apart_r else None,
+        "split_train_s": round(apart_u, 3) if apart_u else None,
+        "overlap_ceiling": round(1 / sync_sps / max(apart_r, apart_u), 3) if apart_r else None,
         # the best over any rollout:update mix (at the mix where both sides take equally long alone):
         # 1/a + 1/b, a and b each side's speed-up from its thread share to all the threads
-        "overlap_ceiling_any_mix": round(statistics.mean(m["time_rollout_s"] for m in sync_ms)
-                                         / statistics.mean(r for r, _ in apart)
-                                         + statistics.mean(m["time_train_s"] for m in sync_ms)
-                                         / statistics.mean(u for _, u in apart), 3) if apart else None,
+        "overlap_ceiling_any_mix": round(sync_r / apart_r + sync_u / apart_u, 3) if apart_r else None,
         "steps": a.steps, "warmup": a.warmup, "threads": a.threads, "model": "tiny-moe",
         "rollouts_per_step": 64, "new_tokens": a.new_tokens, "stop_tokens": a.stop_tokens, "async_rollout_servers": a.servers,
     }))

@@ -421,12 +421,17 @@ class Handler(BaseHTTPRequestHandler):
             emit({**head, "choices": [], "usage": resp["usage"]})
         emit("[DONE]")
 
-    def weights_group(self, body: dict) -> dict:
-        """Join the trainer's weight group (``{"host", "port", "rank", "world_size", "name"}``), leaving
-        any earlier one; blocks until every member joined."""
+    def _loading_on(self):
+        """The server, if it loads weights (an API key and a run's exchange directory), else Forbidden."""
         s = self.server
         if not s.api_key or s.weights_dir is None:
             raise Forbidden("weight loading is off: start the server with --weights-dir and --api-key")
+        return s
+
+    def weights_group(self, body: dict) -> dict:
+        """Join the trainer's weight group (``{"host", "port", "rank", "world_size", "name"}``), leaving
+        any earlier one; blocks until every member joined."""
+        s = self._loading_on()
         from train.rl.weight_group import join, join_request
 
         try:
@@ -447,19 +452,15 @@ class Handler(BaseHTTPRequestHandler):
     def load_weights(self, body: dict) -> dict:
         """Load a weight version in flight: published in the run's exchange directory, or (with
         ``"broadcast"``: its layout) arriving over the weight group this server joined."""
-        s = self.server
-        if not s.api_key or s.weights_dir is None:
-            raise Forbidden("weight loading is off: start the server with --weights-dir and --api-key")
+        s = self._loading_on()
+        from train.rl.exchange import load_request, load_version
+
+        try:
+            version, path = load_request(body)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
         if "broadcast" in body:
-            return self._load_broadcast(body)
-        version, path = body.get("version"), body.get("path")
-        if (version is None) == (path is None):
-            raise BadRequest('load_weights needs exactly one of "version" (an int) or "path"')
-        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
-            raise BadRequest(f"version must be a non-negative int, got {version!r}")
-        if path is not None and not isinstance(path, str):
-            raise BadRequest(f"path must be a string, got {path!r}")
-        from train.rl.exchange import load_version
+            return self._load_broadcast(version, body["broadcast"])
 
         with s.load_lock:  # one load at a time: reading and hashing happen here, not on the engine's thread
             try:
@@ -470,17 +471,15 @@ class Handler(BaseHTTPRequestHandler):
                 raise BadRequest(f"cannot load weights: {msg}") from None
         return {"version": getattr(s.engine, "version", v)}
 
-    def _load_broadcast(self, body: dict) -> dict:
-        s, version = self.server, body.get("version")
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise BadRequest(f"version must be a non-negative int, got {version!r}")
+    def _load_broadcast(self, version: int, layout) -> dict:
         from train.rl.weight_group import receive
 
+        s = self.server
         with s.load_lock:
             if s.weight_group is None:
                 raise BadRequest("cannot load weights: this server has not joined a weight group")
             try:
-                sd = receive(s.weight_group, body["broadcast"])
+                sd = receive(s.weight_group, layout)
             except Exception as e:  # noqa: BLE001 - the group is broken or the version corrupt: old weights stay
                 s.weight_group.close()
                 s.weight_group = None

@@ -227,17 +227,14 @@ async def load_weights_route(request: Request):
         return _error(400, f"invalid JSON body: {_one_line(e)}")
     if not isinstance(body, dict):
         return _error(400, "the request body must be a JSON object")
-    version, path = body.get("version"), body.get("path")
+    from train.rl.exchange import load_request
+
+    try:
+        version, path = load_request(body)
+    except ValueError as e:
+        return _error(400, _one_line(e))
     if "broadcast" in body:  # the tensors arrive over the weight group this server joined
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            return _error(400, f"version must be a non-negative int, got {version!r}")
         return await _load(request, state, "cascade_stage_broadcast", (version, body["broadcast"]))
-    if (version is None) == (path is None):
-        return _error(400, 'load_weights needs exactly one of "version" (an int) or "path"')
-    if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
-        return _error(400, f"version must be a non-negative int, got {version!r}")
-    if path is not None and not isinstance(path, str):
-        return _error(400, f"path must be a string, got {path!r}")
     return await _load(request, state, "cascade_stage_version", (state.weights_dir, version, path))
 
 

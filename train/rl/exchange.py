@@ -32,6 +32,23 @@ class WeightVersionError(ValueError):
     """A weight version is missing, incomplete, outside the run's weight directory, or corrupt."""
 
 
+def load_request(body: dict) -> tuple[int | None, str | None]:
+    """(version, path) of a rollout server's ``POST /v1/load_weights`` body, or ValueError with a
+    one-line message: exactly one of ``version`` (a non-negative int) or ``path`` (a string), or, with
+    ``broadcast`` (the version arrives over the weight group), ``version``."""
+    version, path = body.get("version"), body.get("path")
+    if "broadcast" in body:
+        path = None
+    elif (version is None) == (path is None):
+        raise ValueError('load_weights needs exactly one of "version" (an int) or "path"')
+    if (version is not None or "broadcast" in body) and \
+            (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+        raise ValueError(f"version must be a non-negative int, got {version!r}")
+    if path is not None and not isinstance(path, str):
+        raise ValueError(f"path must be a string, got {path!r}")
+    return version, path
+
+
 # ------------------------------------------------------------------------------------------------
 # training batches
 
