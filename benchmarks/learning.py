@@ -31,29 +31,19 @@ training problems reaches 0.2 (the policy answers in the boxed format but mostly
 which leaves RL the task itself to learn; stopping at 0.4 left some seeds after a long SFT plateau with
 a near-greedy policy that RL barely moved.
 
-Measured on 2026-12-02 with this code (defaults; held-out sampled accuracy before -> after RL, 200
-problems x 4 samples; ``--jobs 1`` while a cascade run held the other core, so the walls are
-upper bounds):
-
-| mode | seed 0 | seed 1 | seed 2 | seed 3 | seed 4 | median gain | min gain | wall |
-| --- | --- | --- | --- | --- | --- | --- | --- | --- |
-| sync  | 0.190 -> 0.473 (+28.2) | 0.163 -> 0.748 (+58.5) | 0.209 -> 0.758 (+54.9) | 0.165 -> 0.794 (+62.9) | 0.253 -> 0.903 (+65.0) | +58.5 | +28.2 | 432 s |
-| async | 0.190 -> 0.510 (+32.0) | 0.163 -> 0.689 (+52.6) | 0.209 -> 0.739 (+53.0) | 0.165 -> 0.795 (+63.0) | 0.253 -> 0.903 (+65.0) | +53.0 | +32.0 | 449 s |
-
-Seed 1 rerun at commit 6df95ac (after the native decode ops were refactored and the zaya steps added)
-reproduced its rows exactly: sync 0.1625 -> 0.7475, async 0.1625 -> 0.6887.
-
-On another machine (2026-12-02, a fresh 2-core CPU, commit c5a7e1e, ``--jobs 2``) the same seeds give
-other trajectories (the float kernels differ; seed 1 sync gave 0.1625 -> 0.76 there with the code of
-a2dc83c and of c5a7e1e alike, so the change is the machine's, not the code's):
+Measured on 2026-12-02 (a fresh 2-core CPU, commit c5a7e1e, defaults, ``--jobs 2``; held-out sampled
+accuracy before -> after RL, 200 problems x 4 samples):
 
 | mode | seed 0 | seed 1 | seed 2 | seed 3 | seed 4 | median gain | min gain | wall |
 | --- | --- | --- | --- | --- | --- | --- | --- | --- |
 | sync  | 0.190 -> 0.479 (+28.9) | 0.163 -> 0.760 (+59.8) | 0.336 -> 0.696 (+36.0) | 0.165 -> 0.786 (+62.1) | 0.253 -> 0.908 (+65.5) | +59.8 | +28.9 | 149 s |
 | async | 0.190 -> 0.506 (+31.6) | 0.163 -> 0.733 (+57.0) | 0.336 -> 0.679 (+34.2) | 0.165 -> 0.815 (+65.0) | 0.253 -> 0.898 (+64.5) | +57.0 | +31.6 | 150 s |
-Each seed takes 70-87 s (SFT 30-60 steps, then RL); async trains on rollouts 0.99 versions behind on
-average. Before the SFT learned to stop (end-of-sequence on plain prompts), the same recipe on seeds
-0-3 gave a median of +51 and a minimum of +34 points with rollouts running to the cap. Tiny policies
+
+The trajectories depend on the machine's float kernels: on another CPU the same seeds gave other
+figures (git history has them); on this one seed 1 gives the same figures with the code before and
+after that day's engine change.
+Each seed takes 37-53 s there (SFT, then RL); async trains on rollouts 0.99 versions behind on
+average. Tiny policies
 are chaotic across seeds: read these as five samples; ``--trace`` adds held-out evaluations during RL,
 which shift the random streams, so traced runs give other (same-seed reproducible) numbers.
 """

@@ -23,33 +23,28 @@ ceilings measured on the synchronous trainer, each side timed alone on its share
 sides alone), and ``overlap_ceiling_any_mix``, the best at any rollout:update mix (1/a + 1/b, a and b
 each side's speed-up from its share to all the threads: where both sides take equally long alone).
 
-Measured on this project's 2-core CPU (2026-12-02, quiet machine, 8 warm steps per run, code of
-commit 4fa396b: rows that finish leave the KV cache in place, the pipeline splits the threads):
+Measured on this project's 2-core CPU (2026-12-02, quiet machine, 8 warm steps per run, commit e6feb3e):
 
 | setting | runs | async speedup | overlap ceiling | ceiling, any mix | sync steps/s | async steps/s | rollout s / update s (sync) |
 | --- | --- | --- | --- | --- | --- | --- | --- |
-| 2 threads, 48 tokens (default) | 3 | 0.93, 0.88, 0.88 (median 0.88) | 0.92, 0.88, 0.87 | 1.44, 1.39, 1.39 | 2.80-2.91 | 2.53-2.60 | 0.09 / 0.25-0.26 |
-| 2 threads, 256 tokens, 16 stop tokens | 3 | 1.11, 1.13, 1.12 (median 1.12) | 1.05, 1.12, 1.08 | 1.32, 1.36, 1.35 | 1.79-1.82 | 2.01-2.03 | 0.24-0.25 / 0.31 |
-| 1 thread, 48 tokens (no split) | 3 | 1.26, 1.38, 1.34 (median 1.34) | - | - | 1.75-1.87 | 2.36-2.42 | 0.13 / 0.41-0.44 |
+| 2 threads, 48 tokens (default) | 3 | 0.86, 0.87, 0.81 (median 0.86) | 0.85, 0.85, 0.84 | 1.32, 1.34, 1.34 | 3.07-3.14 | 2.50-2.74 | 0.08-0.09 / 0.23-0.24 |
+| 2 threads, 256 tokens, 16 stop tokens | 3 | 1.19, 1.13, 1.13 (median 1.13) | 1.09, 1.08, 1.06 | 1.37, 1.33, 1.32 | 1.80-1.86 | 2.06-2.13 | 0.24-0.25 / 0.29-0.31 |
+| 1 thread, 48 tokens (no split) | 3 | 1.29, 1.24, 1.45 (median 1.29) | - | - | 1.80-2.11 | 2.60-2.72 | 0.12-0.13 / 0.36-0.42 |
 
 max_lag_seen 2 and no group dropped as stale in every run; the two sides of each run generate the
 same response lengths (mean 47.1 of 48 tokens, 95% truncated, by default; mean 61.2, 1% truncated,
 with 16 stop tokens and 256 new tokens).
 
-The issue's goal (>= 1.5 against the best synchronous setting) is not met, and on these two cores it
-cannot be by overlap: the pipeline reaches its ceiling in every run (speedup within 0.06 of
-``overlap_ceiling``), and the ceiling over any mix of rollout and update work is 1.32-1.44, because
-each side runs 1.3-1.4x (rollout) and 1.5-1.7x (update) faster on both cores than on one: giving one
-core to each costs what the overlap wins. By default the update is three times the rollout (the
-update alone on one core, 0.39 s, is longer than a whole synchronous step on two, 0.35 s), so the
-pipeline loses 12%; with long-tailed responses the two are closer and it gains 12%. One thread
-for both loops, a regime that flatters the overlap (its synchronous baseline is slower than the
-2-thread one), gives 1.34x, but its async steps/s (2.36-2.42) stay below the 2-thread synchronous
-loop's (2.80-2.91). Before the thread split (2 + 2 threads on 2 cores) a long-tailed step was 15-25%
-slower; before finished rows left the KV cache in place, a long-tailed rollout batch took 0.50 s
-on one thread instead of 0.31 s (``index_select`` copies of the whole cache were a third of it).
-(Earlier figures, code of a75bba9-6df95ac: default median 0.88-1.05; 256 tokens 0.79-1.16; 1 thread
-1.42-1.67; those baselines had slower rollouts.)
+The goal (>= 1.5 against the best synchronous setting) is not met, and on these two cores it cannot
+be by overlap: the pipeline reaches its ceiling in every run (speedup within 0.1 of
+``overlap_ceiling``, above it in four runs of six: the ceiling's one-side timings are noisy too), and
+the ceiling over any mix of rollout and update work is 1.32-1.37, because each side runs 1.3-1.4x
+(rollout) and 1.6-1.7x (update) faster on both cores than on one: giving one core to each costs what
+the overlap wins. By default the update is nearly three times the rollout (the update alone on one
+core, 0.38-0.39 s, is longer than a whole synchronous step on two, 0.32-0.33 s), so the pipeline loses
+14%; with long-tailed responses the two are closer and it gains 13%. One thread for both loops, a
+regime that flatters the overlap (its synchronous baseline is slower than the 2-thread one), gives
+1.29x, but its async steps/s (2.60-2.72) stay below the 2-thread synchronous loop's (3.07-3.14).
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ aggregate its own candidates?
 
     python benchmarks/rsa_learning.py                       # defaults: toy/max difficulty 2, seeds 0,1,2, --jobs 2
     python benchmarks/rsa_learning.py --seeds 0 --jobs 1 --trace   # one seed, progress on stderr
-    python benchmarks/rsa_learning.py --fraction 0.5 --rl-steps 80   # the second setting measured below
+    python benchmarks/rsa_learning.py --fraction 0.5 --rl-steps 80   # another share of aggregation prompts
 
 Prints ONE JSON line per seed (every figure for both policies), then ONE summary line: medians over seeds
 ``agg.single_acc``, ``agg.majority_acc``, ``agg.rsa_acc``, ``ablation.*`` (also ``*.rsa_majority_acc``,
@@ -38,36 +38,15 @@ Task: ``toy/max`` at difficulty 2 (the largest of 4 digits). Checking is easier 
 matters to an aggregator: every candidate answers with a digit of the list, so the largest of the C shown
 answers is right whenever any one of them is; choosing the largest of 4 boxed answers is a smaller problem
 than the task and needs nothing the task does not. After the warm-up the policy is partly right and its
-samples disagree (round-0 pass@8 0.66-0.92 against single 0.24-0.53 below), so there is room to aggregate.
-An exploratory run at difficulty 3 (5 digits; seed 0, lr 1e-3, tau 8, fraction 0.5, 80 steps, an earlier
-wording of the compact template) learned less: agg single 0.356 / rsa 0.313, ablation 0.346 / 0.285.
+samples disagree (after RL, round-0 pass@8 0.578-0.891 against single 0.260-0.797 below), so there is
+room to aggregate.
 
-Measured on 2026-12-02 with this code, ``--jobs 1`` because the machine's second core was busy. Figures are
-accuracies on the 64 held-out problems; "r1" is round 1's accuracy and "r1 ceiling" its perfect-picker
-bound; "cut" counts RSA traces (of 64 x 8 x 3 = 1,536) that hit beta.
+Figures are accuracies on the 64 held-out problems; "r1" is round 1's accuracy and "r1 ceiling" its
+perfect-picker bound; "cut" counts RSA traces (of 64 x 8 x 3 = 1,536) that hit beta.
 
-Defaults (fraction 0.75, 100 RL steps): 1,131 s wall for the three seeds (352 / 412 / 366 s; with ``--jobs 2``
-on two free cores seeds 0 and 1 run side by side, so about 13 min -- an estimate, not measured):
-
-| seed | agg single | agg maj. | agg rsa | agg r1 / ceiling | agg cut | abl. single | abl. maj. | abl. rsa | abl. cut |
-| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
-| 0 | 0.682 | 0.688 | 0.557 | 0.684 / 0.688 | 1535 | 0.824 | 0.828 | 0.440 | 355 |
-| 1 | 0.471 | 0.578 | 0.670 | 0.617 / 0.754 | 95 | 0.916 | 0.938 | 0.170 | 511 |
-| 2 | 0.248 | 0.250 | 0.258 | 0.279 / 0.596 | 0 | 0.289 | 0.328 | 0.123 | 653 |
-| median | 0.471 | 0.578 | 0.557 | | | 0.824 | 0.828 | 0.170 | |
-
-Seed 0 rerun at commit 5ec7c26 (after the shared SFT helpers) reproduced its row exactly (382 s); seeds 1
-and 2 rerun side by side (``--seeds 1,2 --jobs 2``) on 2026-12-02 after this session's changes reproduced
-theirs exactly (423 / 409 s); seed 2 rerun at commit 6df95ac (the native decode ops refactored, zaya steps
-added) reproduced its row exactly again (402 s).
-``rsa_gain_points`` -12.5 / +19.9 / +1.0 (median +1.0, min -12.5); ``rsa_vs_ablation_points`` +11.7 / +50.0 /
-+13.5 (median +13.5, min +11.7). ``goal_met``: false -- the aggregation-trained policy's RSA beats the
-ablation's on every seed, but beats its own single-sample accuracy by >= 10 points on one seed of three.
-
-On another machine (2026-12-02, a fresh 2-core CPU, commit 984f348, defaults, ``--jobs 2``: 455 s wall,
-213 / 288 / 238 s per seed) the same seeds take other trajectories (the float kernels differ; the code's
-tokens do not: ``benchmarks/learning.py`` seed 1 gives the same figures there with the code before and
-after that day's engine change):
+Measured on 2026-12-02 (a fresh 2-core CPU, commit 984f348, defaults, ``--jobs 2``: 455 s wall, 213 /
+288 / 238 s per seed; trajectories depend on the machine's float kernels, and another CPU gave other
+figures, in git history):
 
 | seed | agg single | agg maj. | agg rsa | agg r1 / ceiling | agg cut | abl. single | abl. maj. | abl. rsa | abl. cut |
 | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
@@ -78,39 +57,22 @@ after that day's engine change):
 ``rsa_gain_points`` -0.2 / -6.2 / -2.9 (median -2.9, min -6.2); ``rsa_vs_ablation_points`` +20.3 / +38.7 /
 +6.1 (median +20.3, min +6.1); ``goal_met`` false.
 
-``--fraction 0.5 --rl-steps 80``: 868 s wall (283 / 300 / 282 s):
-
-| seed | agg single | agg maj. | agg rsa | agg r1 / ceiling | agg cut | abl. single | abl. maj. | abl. rsa | abl. cut |
-| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
-| 0 | 0.482 | 0.500 | 0.484 | 0.480 / 0.635 | 120 | 0.686 | 0.688 | 0.033 | 916 |
-| 1 | 0.527 | 0.578 | 0.463 | 0.508 / 0.875 | 17 | 0.791 | 0.828 | 0.344 | 720 |
-| 2 | 0.240 | 0.281 | 0.250 | 0.264 / 0.596 | 0 | 0.264 | 0.281 | 0.266 | 46 |
-| median | 0.482 | 0.500 | 0.463 | | | 0.686 | 0.688 | 0.266 | |
-
-``rsa_gain_points`` +0.2 / -6.4 / +1.0 (median +0.2, min -6.4); ``rsa_vs_ablation_points`` +45.1 / +11.9 /
--1.6 (median +11.9, min -1.6). ``goal_met``: false.
-
 Why the goal is not met (what the figures say):
 
-- Training on aggregation prompts reliably teaches the policy to *read* them: the ablation, never trained
-  on such prompts, breaks on them (on five of six runs rsa 0.03-0.44 against single 0.29-0.92, with 355-916
-  of 1,536 traces cut at beta), while the agg policy answers them about as well as plain problems (round 1
-  at most 2 points below single, or above it). That is the rsa_vs_ablation margin, positive on 5 of 6 runs.
-- Learning to *pick* from them happened on one run of six: seed 1 at fraction 0.75 (round 1 0.617 against
-  single 0.471, rsa 0.670, above majority vote 0.578 too). On the other runs round 1 stays within 4 points
-  of single, and where the samples still disagree a perfect picker would score 15-37 points more (the r1
-  ceiling): the policy solves the problem again from the list and ignores the tails. 700-2,100 aggregation
-  prompts of reward alone are too little for a 0.8M-parameter policy to learn the copy-the-best-candidate
-  step reliably.
-- When RL takes off fast it removes the disagreement RSA needs: seed 0 at fraction 0.75 became deterministic
-  per problem (single 0.682, pass@8 0.688: one fixed shortcut right on 44 of 64 problems), and it also
-  stopped ending its traces (1,535 of 1,536 cut at beta; graded on the whole trace round 1 scores 0.684, so
-  the answers are there, but round 2 falls to 0.557: our reading is that a 6-token tail of a trace that runs
-  on past its answer no longer shows the answer). A seed-0 run with 160 steps of 8
-  prompts (fraction 0.5, agg policy only) ended the same way: single 0.682, majority 0.688, pass@8 0.688,
-  rsa 0.686. When RL does not take off (seed 2 in both settings: agg reward 0.24 -> 0.26) nothing is learned.
+- Training on aggregation prompts teaches the policy to *read* them: the ablation, never trained on such
+  prompts, breaks on them (rsa 0.000-0.480 against single 0.260-0.797, with 62-1,027 of 1,536 traces cut
+  at beta), while the agg policy answers them about as well as plain problems (round 1 0.688 / 0.447 /
+  0.260 against single 0.685 / 0.449 / 0.283). That is the rsa_vs_ablation margin, positive on every seed.
+- Learning to *pick* from them did not happen: round 1 is never above single, though a perfect picker
+  would score 32 and 23 points more on seeds 1 and 2 (the r1 ceiling): the policy solves the problem
+  again from the list and ignores the tails. 1,665-2,347 aggregation prompts of reward alone are too
+  little for a 0.8M-parameter policy to learn the copy-the-best-candidate step.
+- When RL takes off fast it removes the disagreement RSA needs: seed 0 became deterministic per problem
+  (single 0.685, pass@8 0.688). Seed 1 stopped ending its traces (1,530 of 1,536 cut at beta) and round 2
+  falls below round 1 (0.387 against 0.447): our reading is that a 6-token tail of a trace that runs on
+  past its answer no longer shows the answer. Seed 2's RL barely took off (agg reward 0.23 -> 0.29).
 - The aggregation share is paid for in single-sample accuracy: the ablation, all of whose RL went to plain
-  problems, ends at median single 0.824 (0.686 at fraction 0.5) against the agg policy's 0.471 (0.482).
+  problems, ends at median single 0.742 against the agg policy's 0.449.
 """
 from __future__ import annotations
 

@@ -26,14 +26,12 @@ the batch's length stats.
 
     python benchmarks/train.py [--preset tiny-moe] [--rollouts 64] [--repeats 3] [--device cpu] [--threads 1]
 
-Measured (CPU, 1 thread, 2 cores, load 1.0; tiny-moe, 64 rollouts, budget 8192; 2026-12-02, commit a75bba9):
+Measured (CPU, 1 thread, 2 cores, load 1.0; tiny-moe, 64 rollouts, budget 8192; 2026-12-02, commit e6feb3e):
 default (log-normal median 256, sigma 1: 18,460 tokens, p50 208, p90 682, max 1366, 64.5% of padded slots
-are pad; 3 repeats): train 5804 tok/s, padded 1393, hf 1460; train_ratio 3.97, packed_vs_padded 4.17 (at
-0860229, 2026-12-01, load 1.2: 8035 / 1907 / 1835, ratio 4.38: the code this
-times did not change; tok/s vary from run to run on this machine, so compare ratios).
-A narrow distribution (``--sigma 0.5``: 17,192 tokens, max 524, 37.9% pad; 3 repeats), labelled as the
-regime where packing has least to remove: train 6459, padded 4379, hf 3725; train_ratio 1.73,
-packed_vs_padded 1.47 (at 0860229: 1.71 and 1.57). (An earlier run on a loaded machine: 4.48 and 1.71 at about half these tok/s.)
+are pad; 3 repeats each, 3 runs): train 10.3-10.5k tok/s, padded 2.55-2.65k, hf 2.57-2.73k; train_ratio
+3.97, 3.84, 4.06 (median 3.97), packed_vs_padded 3.92, 3.96, 4.08. A narrow distribution (``--sigma 0.5``:
+17,192 tokens, max 524, 37.9% pad; one run), labelled as the regime where packing has least to remove:
+train 11.1k, padded 6.7k, hf 6.7k; train_ratio 1.66, packed_vs_padded 1.65.
 Packed costs about what padded costs per slot, so its gain is the padding it removes (plus the quadratic
 attention over pad); in a profile of the earlier code's packed step, SDPA forward + backward was about a third of the time, GEMMs a
 third. With 2 threads on the loaded box, small ops ran 40x slower (OpenMP waits), hence ``--threads 1``.

@@ -22,30 +22,24 @@ Prints one JSON line. Usage: python benchmarks/ttc.py [--preset tiny-moe] [--rep
 Every figure is the median of ``--repeats`` warm runs, with min and max beside it.
 
 Measured on this project's 2-core CPU (2026-12-02, defaults, tiny-moe, 1 thread, quiet machine, commit
-8cf883a: finished rows leave the KV cache in place; three runs): ``concurrency_speedup`` 2.10, 2.11, 2.07
-(one problem at a time 3.7-4.0 s, 64 in flight 1.77-1.91 s); ``concurrency_speedup_short`` 1.75, 1.66,
-1.65; ``prefix_speedup_toy`` 1.38, 1.41, 1.37; ``prefix_speedup_real`` 1.04, 1.02, 1.03 (per-pair ratios
-0.98-1.06); ``prefix_speedup_long`` 1.23, 1.19, 1.23 (pairs 1.15-1.27); same results and outputs both
-sides every time. (At 6df95ac on the previous machine: concurrency 2.16-2.23, short 1.61-1.92, toy 1.23,
-real 1.09, long 1.19, one run of the prefix shapes.)
+e6feb3e, three runs): ``concurrency_speedup`` 2.17, 2.21, 2.13 (one problem at a time 3.73-3.80 s, 64 in
+flight 1.69-1.78 s); ``concurrency_speedup_short`` 1.72, 1.67, 1.75; ``prefix_speedup_toy`` 1.37, 1.33,
+1.37; ``prefix_speedup_real`` 1.02, 1.04, 1.04 (per-pair ratios 1.02-1.05); ``prefix_speedup_long``
+1.24, 1.21, 1.23 (pairs 1.21-1.26); same results and outputs both sides every time.
 
-Concurrency was 0.87-1.04 (short shape) on 2026-12-01: the server's listen backlog was socketserver's
-default 5, so 64 clients connecting at once lost SYNs and waited out TCP retransmissions (~1 s idle
-gaps on the server); the client opened a connection per request; the batcher closed its 5 ms window
-on the first request's clock, so a round's requests that trickled in over ~90 ms ran as two or more
-batches; the round checkpoints deep-copied every token list. Now: backlog 4096, one keep-alive
-connection per client worker, a window that slides with arrivals (capped at 50 ms), and the engine
-batches a round of all 16 problems as one generate call (64 rows). What is left is the engine's own
-batching economy on 2 cores: decoding cost ~0.10 ms per row and step at 64 rows against ~0.38 at
-4 rows, while prefill cost the same per token (~30-38 us) at any batch (the engine timed alone, tiny-moe,
-1 thread, 290-token prompts; before commit 15e5214 refactored the native ops without changing them).
+What makes concurrency pay: the server's listen backlog (4096; socketserver's default 5 dropped the
+SYNs of 64 clients connecting at once), one keep-alive connection per client worker, a batching window
+that slides with arrivals (capped at 50 ms) so that a round's requests are one batch, and the engine
+decoding all 16 problems' rows of a round in one generate call. What limits it is the engine's own
+batching economy on 2 cores: a decoding step costs far less per row at 64 rows than at 4, while prefill
+costs about the same per token at any batch.
 
 The prefix-reuse goal (>= 1.3 at the realistic shape) is not met: at beta=640, tau=64 decoding is
-~85% of the run (2.84-2.94 s of 3.37-3.48 s in the runs above); reuse cuts the prefill 1.3x (0.51-0.53 ->
-0.39-0.41 s, 4,800 of 12,554 prompt tokens not recomputed) but cannot touch the decode, so the wall ratio
-stays near 1.0-1.1, and even a free prefill would give at most 1.18. A long problem (1,200 words) helps
-only a little: 20,955 of 30,727 prompt tokens are not recomputed and the prefill falls 2.2x (2.37-2.53 ->
-1.06-1.10 s), but decoding over the longer context grows too (4.7-4.9 s of 7.1-7.4 s): 1.19-1.23.
+~85% of the run (2.92-2.97 s of 3.44-3.48 s in the runs above); reuse cuts the prefill 1.3x (0.50-0.53 ->
+0.39 s, 4,800 of 12,554 prompt tokens not recomputed) but cannot touch the decode, so the wall ratio
+stays near 1.0-1.1, and even a free prefill would give at most 1.17. A long problem (1,200 words) helps
+only a little: 20,955 of 30,727 prompt tokens are not recomputed and the prefill falls 2.3x (2.33-2.35 ->
+1.03-1.04 s), but decoding over the longer context grows too (4.8-4.9 s of 7.1-7.3 s): 1.21-1.24.
 """
 from __future__ import annotations
 

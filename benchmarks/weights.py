@@ -21,15 +21,13 @@ Prints ONE JSON line: ``files_sync_s`` and ``broadcast_sync_s`` (medians; min an
     python benchmarks/weights.py                        # tiny-moe (6.6 MB), 2 servers
     python benchmarks/weights.py --preset small-moe     # 228 MB
 
-Measured on this project's 2-core CPU (2026-12-02, 2 servers, 5 warm versions per transport, 3 runs
-each at commit ebc89a6 and 3 more at 4d9cbe2, whose changes to this path only refactored it):
+Measured on this project's 2-core CPU (2026-12-02, commit e6feb3e, 2 servers, 5 warm versions per
+transport, 3 runs each):
 
-| preset | commit | files_sync_s (median per run) | broadcast_sync_s | sync_speedup | files done behind |
-| --- | --- | --- | --- | --- | --- |
-| tiny-moe (6.6 MB) | ebc89a6 | 0.026, 0.023, 0.024 | 0.027, 0.023, 0.021 | 0.96, 0.98, 1.13 | 0.037-0.042 s |
-| tiny-moe (6.6 MB) | 4d9cbe2 | 0.026, 0.021, 0.023 | 0.037, 0.020, 0.025 | 0.70, 1.04, 0.90 | 0.034-0.067 s |
-| small-moe (228 MB) | ebc89a6 | 0.58, 0.59, 0.55 | 1.23, 1.04, 0.97 | 0.47, 0.57, 0.57 | 1.33-1.62 s |
-| small-moe (228 MB) | 4d9cbe2 | 0.52, 0.65, 0.55 | 0.98, 1.34, 1.40 | 0.53, 0.48, 0.39 | 1.30-1.74 s |
+| preset | files_sync_s (median per run) | broadcast_sync_s | sync_speedup | files done behind |
+| --- | --- | --- | --- | --- |
+| tiny-moe (6.6 MB) | 0.021, 0.021, 0.021 | 0.021, 0.019, 0.026 | 1.02, 1.09, 0.82 | 0.032-0.036 s |
+| small-moe (228 MB) | 0.52, 0.53, 0.55 | 1.32, 1.46, 1.35 | 0.39, 0.36, 0.41 | 1.66-1.79 s |
 
 On one host the files win at 228 MB: they pass through the page cache (written once, each server
 maps and re-hashes them), while the broadcast copies every byte through loopback TCP to each server

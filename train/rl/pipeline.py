@@ -23,7 +23,7 @@ waits for the current ``generate`` call to return.
 Threads: when the engine generates in this process's CPU threads and the update runs here too (no
 trainer ranks, no rollout servers, no GPU), the rollout thread and the update would each start a
 pool of torch's intra-op threads on the same cores; both slow down (on 2 cores, 2 + 2 threads made
-a long-tailed step ~15% slower than 1 + 1: 1.60 against 1.86-1.90 steps/s). :func:`thread_split` gives the rollout thread
+a long-tailed step 10-16% slower than 1 + 1: 1.75-1.77 against 1.96-2.09 steps/s). :func:`thread_split` gives the rollout thread
 ``rl.rollout_threads`` of them (default: half) and the update the rest, restored by :meth:`Pipeline.close`.
 
 The buffer is not checkpointed (as in PipelineRL): on resume the producer starts afresh from the
