@@ -503,11 +503,11 @@ def test_kl_off_allocates_no_reference(kl_results):
 # ------------------------------------------------------------------------------ torchrun worker
 
 
-def _start_worker(exchange: Path, model_dir: Path, steps: int, tsp: int, dp: int, extra=()):
+def _start_worker(exchange: Path, model_dir: Path, steps: int, tsp: int, dp: int, extra=(), rcfg=None):
     from train.rl.worker import config_dict, launch_command
 
     cfg_path = exchange.parent / "rl.json"
-    cfg_path.write_text(json.dumps(config_dict(rl_cfg("dppo_tv"))))
+    cfg_path.write_text(json.dumps(config_dict(rcfg or rl_cfg("dppo_tv"))))
     cmd = launch_command(exchange, model_dir, tsp * dp, steps, cfg_path, tsp=tsp, port=free_port(),
                          extra=["--dp", str(dp), "--sync-every", "1", "--poll", "0.02", "--max-wait", "150",
                                 *extra])
@@ -641,30 +641,41 @@ def test_torchrun_worker_resumes_after_kill(worker_setup):
     assert _max_err(_final_weights(ex), ref3) < TOL
 
 
-@pytest.mark.timeout(400)
-def test_torchrun_worker_resumes_on_another_data_parallel_degree(worker_setup):
-    """A run checkpointed on DP 2 resumes on DP 1 (each rank's optimizer slice cut from the old slices),
-    one checkpointed on DP 1 resumes on DP 2, and both end with the uninterrupted reference's weights;
-    a different TSP degree is refused with a one-line error before any step."""
+@pytest.mark.timeout(500)
+def test_torchrun_worker_resumes_on_another_mesh(worker_setup):
+    """A run checkpointed on DP 2 x TSP 1 resumes on TSP 2 (with a frozen KL reference, resharded
+    too), one checkpointed on TSP 2 resumes on DP 2: each rank rebuilds its shards and optimizer
+    slice from the checkpoint's layout, and both end with the uninterrupted reference's weights. A
+    checkpoint that records no layout (an older one) is refused on another TSP degree, in one line."""
+    from train.rl.worker import CKPT_DIR
     from train.rl.exchange import write_batch
 
     root, batches, (_, ref3) = worker_setup
-    for first, then in ((2, 1), (1, 2)):
-        ex = root / f"run_dp{first}to{then}" / "exchange"
+    kl = rl_cfg("dppo_tv", kl=(20.0, "k3"))
+    cfg = _cfgs()["moe"]
+    ref_kl = _kl_reference_run(_model(cfg), kl, batches, _model(cfg))[0]  # KL to the starting policy
+    assert _max_err(ref_kl, ref3) > 100 * TOL  # the KL term (so its reference) matters
+    for (t0, d0), (t1, d1), rcfg, want in (((1, 2), (2, 1), kl, ref_kl), ((2, 1), (1, 2), None, ref3)):
+        ex = root / f"run_tsp{t0}dp{d0}to{t1}dp{d1}" / "exchange"
         ex.mkdir(parents=True)
         for b in batches:
             write_batch(ex, b)
-        proc, log = _start_worker(ex, root / "init", 2, tsp=1, dp=first, extra=["--checkpoint-every", "1"])
+        proc, log = _start_worker(ex, root / "init", 2, tsp=t0, dp=d0, extra=["--checkpoint-every", "1"], rcfg=rcfg)
         _finish(proc, log)
-        proc, log = _start_worker(ex, root / "init", 3, tsp=1, dp=then, extra=["--checkpoint-every", "1"])
+        proc, log = _start_worker(ex, root / "init", 3, tsp=t1, dp=d1, extra=["--checkpoint-every", "1"], rcfg=rcfg)
         _finish(proc, log)
         text = Path(log.name).read_text()
         assert '"worker": "start", "step": 2' in text, text[-3000:]
-        assert _max_err(_final_weights(ex), ref3) < TOL, (first, then)
+        assert _max_err(_final_weights(ex), want) < TOL, (t0, d0, t1, d1)
+    meta_path = ex / CKPT_DIR / "step-000003" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    assert [len(lay) for lay in meta["layout"]] == [len(dict(_model(cfg).named_parameters()))]  # every parameter
+    del meta["layout"]
+    meta_path.write_text(json.dumps(meta))
     proc, log = _start_worker(ex, root / "init", 4, tsp=2, dp=1)
     assert proc.wait(timeout=300) != 0
     log.close()
-    assert "a resume may change the data-parallel degree, not the TSP degree: set trainer.tsp=1" in \
+    assert "records no parameter layout, so it resumes only on its TSP degree: set trainer.tsp=1" in \
         Path(log.name).read_text()
 
 

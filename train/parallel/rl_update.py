@@ -419,11 +419,22 @@ class RLUpdater:
         """Whether the checkpoints hold a KL reference: the frozen copy (kl_coef > 0 without kl_reference)."""
         return self.ref is not None and not self.cfg.kl_reference
 
+    def shard_kind(self, name: str) -> str:
+        """How the TSP ranks' shards of parameter ``name`` join (:meth:`ShardedLM.assemble`'s kinds;
+        ``rep`` for every parameter when ``tsp == 1``)."""
+        return self.net.kinds[name] if self.tsp > 1 else "rep"
+
+    def layout(self) -> list[list]:
+        """This rank's flat optimizer vector, in order: ``[name, shard shape, kind]`` per parameter
+        (recorded in checkpoints, so that a run on another mesh can find every element)."""
+        name_of = {id(p): n for n, p in self.shards.items()}
+        return [[name_of[id(p)], list(p.shape), self.shard_kind(name_of[id(p)])] for p in self.opt.params]
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's model shards and optimizer state under keys that are unique to what the rank
         holds (model keys are shared by the DP replicas of the same TSP rank, which hold the same
-        values), for ``torch.distributed.checkpoint``: a resume needs the same TSP degree
-        (:func:`train.rl.worker.load_checkpoint` reslices the optimizer for another DP degree). With a frozen
+        values), for ``torch.distributed.checkpoint`` (:func:`train.rl.worker.load_checkpoint`
+        reshards them for another mesh from the checkpoint's :meth:`layout`). With a frozen
         KL reference, its shards (``kl_ref.tsp{r}.*``) and whether it was taken yet (``kl_ref_taken``)."""
         out = {f"model.tsp{self.tsp_rank}.{n}": p.data for n, p in self.shards.items()}
         for k, v in self.opt.state_tensors().items():

@@ -24,7 +24,7 @@ it. Files written (under ``DIR``):
   ``torch.distributed.checkpoint`` of every rank's model shards, fp32 master weights, AdamW
   moments, the frozen KL reference's shards (``kl_coef > 0`` without ``kl_reference``) and the
   step, then ``meta.json`` and ``COMPLETE``; the newest complete one is resumed
-  from on start (the same TSP degree; the DP degree may differ: :func:`load_checkpoint`), older
+  from on start (on any mesh: :func:`load_checkpoint` reshards for other TSP and DP degrees), older
   ones pruned to ``--keep-checkpoints``;
 * ``final/``: at the end, an HF checkpoint of the fp32 master weights (tokenizer files copied
   from ``--model``) and ``final/COMPLETE``.
@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import shutil
 import sys
@@ -208,9 +209,11 @@ def save_checkpoint(up, exchange: Path, step: int, keep: int) -> Path:
     dist.barrier()
     state = dict(up.state_tensors(), step=torch.tensor(step, dtype=torch.int64))
     dcp.save(state, checkpoint_id=str(path))
+    layouts: list = [None] * up.tsp
+    dist.all_gather_object(layouts, up.layout(), group=up.tsp_group)
     if dist.get_rank() == 0:
         meta = {"step": step, "dp": up.dp, "tsp": up.tsp, "world": dist.get_world_size(), "loss": up.cfg.loss,
-                "phase": up.phase, "kl_reference": up.saves_reference}
+                "phase": up.phase, "kl_reference": up.saves_reference, "layout": layouts}
         _write_json(path / "meta.json", meta)
         (path / COMPLETE).write_text("ok\n")
         for old in complete_checkpoints(exchange)[:-keep] if keep > 0 else []:
@@ -221,8 +224,11 @@ def save_checkpoint(up, exchange: Path, step: int, keep: int) -> Path:
 
 def load_checkpoint(up, exchange: Path) -> int:
     """Restore the newest complete checkpoint into ``up``; returns its step (0 when there is none).
-    The model shards are keyed by TSP rank (the TSP degree must be the checkpoint's); the optimizer
-    slices by TSP and DP rank, and a run on another DP degree cuts its slices from the old ones."""
+    On the checkpoint's mesh every rank loads its own tensors. On another mesh (TSP and/or DP degree)
+    each rank rebuilds its shards and optimizer slice from the checkpoint's layout (:class:`_OldMesh`):
+    it reads the old slices that its parameters overlap (host memory: at most the whole optimizer
+    state), joins each parameter's old shards, takes its new shard and sets the weights from the
+    fp32 master copy."""
     import torch.distributed.checkpoint as dcp
 
     steps = complete_checkpoints(exchange)
@@ -232,55 +238,130 @@ def load_checkpoint(up, exchange: Path) -> int:
         return 0
     path = exchange / CKPT_DIR / f"step-{box[0]:06d}"
     meta = json.loads((path / "meta.json").read_text())
-    if meta["tsp"] != up.tsp:
-        raise ValueError(f"checkpoint {path} was written with tsp={meta['tsp']}; this run has tsp={up.tsp} (a resume "
-                         f"may change the data-parallel degree, not the TSP degree: set trainer.tsp={meta['tsp']})")
     if up.saves_reference and not meta.get("kl_reference"):
         raise ValueError(f"checkpoint {path} holds no KL reference (written with kl_coef=0 or with kl_reference set), "
                          "but this run keeps a frozen copy as its reference: resume with the checkpoint's KL settings")
     state = dict(up.state_tensors(), step=torch.zeros((), dtype=torch.int64))
-    reshard = {}
-    if meta["dp"] != up.dp:  # this rank's optimizer slices, cut from the slices of the checkpoint's mesh
-        reshard = _old_dp_slices(up, meta["dp"])
-        state = {k: v for k, v in state.items() if not k.startswith("optim.")}
-        state.update({k: t for k, (t, _, _) in reshard.items()})
+    old = None
+    if (meta["tsp"], meta["dp"]) != (up.tsp, up.dp):
+        layouts = meta.get("layout")
+        if layouts is None:  # written before checkpoints recorded their layout: the same TSP degree has ours
+            if meta["tsp"] != up.tsp:
+                raise ValueError(f"checkpoint {path} (tsp={meta['tsp']}) records no parameter layout, so it resumes "
+                                 f"only on its TSP degree: set trainer.tsp={meta['tsp']}")
+            layouts = [None] * up.tsp
+            dist.all_gather_object(layouts, up.layout(), group=up.tsp_group)
+        old = _OldMesh(layouts, meta["dp"], meta["tsp"] != up.tsp, path)
+        state = {k: v for k, v in state.items() if not k.startswith(("optim.", "model."))}
+        if old.tsp_changed:
+            state = {k: v for k, v in state.items() if not k.startswith("kl_ref.")}
+        state.update(old.requests(up))
     dcp.load(state, checkpoint_id=str(path))  # one call on every rank (a collective), whatever each asks for
-    if reshard:
-        _fill_from_old_slices(up, reshard)
+    if old is not None:
+        old.apply(up, state)
     up.phase = meta.get("phase", "rl")  # the optimizer state loaded is that phase's
     return int(state["step"])
 
 
-def _old_dp_slices(up, old_dp: int) -> dict[str, tuple[torch.Tensor, int, int]]:
-    """The checkpoint tensors (written by ``old_dp`` data-parallel ranks) that this rank's optimizer
-    slice overlaps: ``{key: (empty tensor to load into, old slice start, old slice end)}``. The flat
-    optimizer vector of a TSP rank is cut into ``ceil(total / dp)``-element slices, one per DP rank."""
-    opt, t = up.opt, up.tsp_rank
-    chunk = -(-opt.total // old_dp)
-    out = {}
-    for k, v in opt.state_tensors().items():
-        if v.dim() == 0:  # the step count, equal on every rank
-            out[f"optim.tsp{t}.dp0.{k}"] = (torch.zeros_like(v), -1, -1)
-            continue
-        for d in range(old_dp):
-            lo, hi = min(d * chunk, opt.total), min(d * chunk + chunk, opt.total)
-            if lo < min(hi, opt.hi) and max(lo, opt.lo) < hi:
-                out[f"optim.tsp{t}.dp{d}.{k}"] = (torch.empty(hi - lo, dtype=v.dtype, device=v.device), lo, hi)
-    return out
+class _OldMesh:
+    """A checkpoint's mesh, from its layout (``layouts[t]``: TSP rank ``t``'s :meth:`RLUpdater.layout`)
+    and DP degree: where each element of each parameter's state lies among the old slices. The flat
+    optimizer vector of old TSP rank ``t`` is cut into ``ceil(total / dp)``-element slices, one per DP
+    rank (``optim.tsp{t}.dp{d}.*``); ``model.tsp{t}.*`` and ``kl_ref.tsp{t}.*`` hold its whole shards."""
 
+    STATE = ("master", "exp_avg", "exp_avg_sq")
 
-def _fill_from_old_slices(up, loaded: dict[str, tuple[torch.Tensor, int, int]]) -> None:
-    """Copy the overlap of each loaded old slice into this rank's optimizer state."""
-    opt = up.opt
-    mine = opt.state_tensors()
-    for key, (t, lo, hi) in loaded.items():
-        name = key.rsplit(".", 1)[1]
-        dst = mine[name]
-        if lo < 0:
-            dst.copy_(t)
-            continue
-        a, b = max(lo, opt.lo), min(hi, opt.hi)
-        dst[a - opt.lo:b - opt.lo].copy_(t[a - lo:b - lo])
+    def __init__(self, layouts: list[list], dp: int, tsp_changed: bool, path: Path):
+        self.dp, self.tsp_changed = dp, tsp_changed
+        self.at: list[dict[str, tuple[int, tuple, str]]] = []  # [t] {name: (offset, shape, kind)}
+        self.total: list[int] = []
+        for lay in layouts:
+            off, where = 0, {}
+            for name, shape, kind in lay:
+                where[name] = (off, tuple(shape), kind)
+                off += math.prod(shape)
+            self.at.append(where)
+            self.total.append(off)
+        self.path = path
+
+    def _slices(self, t: int, a: int, b: int) -> list[tuple[int, int, int]]:
+        """``(d, lo, hi)`` of old TSP rank ``t``'s DP slices that overlap ``[a, b)``."""
+        chunk = -(-self.total[t] // self.dp)
+        return [(d, d * chunk, min(d * chunk + chunk, self.total[t])) for d in range(self.dp)
+                if d * chunk < b and a < min(d * chunk + chunk, self.total[t])]
+
+    def _owners(self, name: str) -> range:
+        """The old TSP ranks whose shards of ``name`` make the whole (one when it was replicated)."""
+        return range(1 if self.at[0][name][2] == "rep" else len(self.at))
+
+    def _mine(self, up) -> list[tuple[str, int, int]]:
+        """``(name, new offset, numel)`` of the parameters that this rank's optimizer slice overlaps."""
+        out, off = [], 0
+        for name, shape, _ in up.layout():
+            n = math.prod(shape)
+            if off < up.opt.hi and up.opt.lo < off + n:
+                out.append((name, off, n))
+            off += n
+        return out
+
+    def requests(self, up) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors this rank needs, as empty host tensors for ``dcp.load`` to fill."""
+        names = set(n for n, _, _ in up.layout())
+        if any(set(w) != names for w in self.at):
+            raise ValueError(f"checkpoint {self.path} holds other parameters than this policy's (another model?)")
+        self.new_shapes = [None] * up.tsp  # every new TSP rank's shard shape of each parameter
+        dist.all_gather_object(self.new_shapes, {n: tuple(p.shape) for n, p in up.shards.items()},
+                               group=up.tsp_group)
+        out = {"optim.tsp0.dp0.steps": torch.zeros((), dtype=torch.int64)}  # equal on every rank
+        for name, _, _ in self._mine(up):
+            for t in self._owners(name):
+                off, shape, _ = self.at[t][name]
+                for d, lo, hi in self._slices(t, off, off + math.prod(shape)):
+                    for k in self.STATE:
+                        out.setdefault(f"optim.tsp{t}.dp{d}.{k}", torch.empty(hi - lo, dtype=torch.float32))
+        if self.tsp_changed and up.saves_reference:
+            dtype = next(iter(up.ref.values())).dtype
+            for name in up.shards:
+                for t in self._owners(name):
+                    out[f"kl_ref.tsp{t}.{name}"] = torch.empty(self.at[t][name][1], dtype=dtype)
+        return out
+
+    def _whole(self, name: str, parts: list[torch.Tensor], up, kind_new: str) -> torch.Tensor:
+        """This rank's new shard of a parameter-shaped tensor given the old TSP ranks' shards of it."""
+        from train.parallel.shard import ShardedLM
+
+        whole = ShardedLM.assemble([{name: x} for x in parts], {name: self.at[0][name][2]})[name]
+        return ShardedLM.take(whole, kind_new, [s[name] for s in self.new_shapes], up.tsp_rank)
+
+    def _flat(self, state: dict, t: int, k: str, a: int, b: int) -> torch.Tensor:
+        """Elements ``[a, b)`` of old TSP rank ``t``'s flat state vector ``k``, from its loaded slices."""
+        out = torch.empty(b - a, dtype=torch.float32)
+        for d, lo, hi in self._slices(t, a, b):
+            x, y = max(a, lo), min(b, hi)
+            out[x - a:y - a] = state[f"optim.tsp{t}.dp{d}.{k}"][x - lo:y - lo]
+        return out
+
+    @torch.no_grad()
+    def apply(self, up, state: dict) -> None:
+        opt = up.opt
+        mine = opt.state_tensors()
+        mine["steps"].copy_(state["optim.tsp0.dp0.steps"])
+        for name, off, n in self._mine(up):
+            x, y = max(off, opt.lo), min(off + n, opt.hi)
+            for k in self.STATE:
+                parts = []
+                for t in self._owners(name):
+                    o, shape, _ = self.at[t][name]
+                    parts.append(self._flat(state, t, k, o, o + math.prod(shape)).view(shape))
+                new = self._whole(name, parts, up, up.shard_kind(name)).reshape(-1)
+                mine[k][x - opt.lo:y - opt.lo].copy_(new[x - off:y - off])
+        master = opt.full_master()  # the compute weights are the master copy in their dtype
+        for p in opt.params:
+            p.data.copy_(master[id(p)])
+        if self.tsp_changed and up.saves_reference:
+            for name, ref in up.ref.items():
+                parts = [state[f"kl_ref.tsp{t}.{name}"] for t in self._owners(name)]
+                ref.copy_(self._whole(name, parts, up, up.shard_kind(name)))
 
 
 # ----------------------------------------------------------------------------------------- main
