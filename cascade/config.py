@@ -14,6 +14,7 @@ from train.dataclass_config import ConfigError, build
 from train.optim import OptimConfig
 from train.presets import configs_dir
 from train.rl.trainer import RLConfig
+from train.rl.weight_group import TRANSPORTS
 
 STAGE_NAMES = ("warmup", "rlve", "math", "behavior")
 
@@ -210,8 +211,9 @@ class Rollout:
     def __post_init__(self):
         if self.backend not in ("cascade", "vllm"):
             raise ValueError(f"unknown rollout.backend {self.backend!r}; choose cascade or vllm")
-        if self.weight_transport not in ("files", "broadcast"):
-            raise ValueError(f"unknown rollout.weight_transport {self.weight_transport!r}; choose files or broadcast")
+        if self.weight_transport not in TRANSPORTS:
+            raise ValueError(f"unknown rollout.weight_transport {self.weight_transport!r}; choose from "
+                             f"{', '.join(TRANSPORTS)}")
         import shlex
 
         try:

@@ -28,9 +28,9 @@ from pathlib import Path
 from train.background import Behind
 from train.dataclass_config import ConfigError
 from train.parallel.comm import free_port
+from train.rl.weight_group import TRANSPORTS
 
 log = logging.getLogger(__name__)
-TRANSPORTS = ("files", "broadcast")  # rollout.weight_transport
 
 
 def _die_with_parent() -> None:

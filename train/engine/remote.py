@@ -102,6 +102,26 @@ class _Conn:
         return obj
 
 
+def fan_out(urls, call: Callable, wait: bool = True) -> tuple[dict, list[threading.Thread]]:
+    """Run ``call(url)`` for every url, each on its own thread; returns ``({url: result or the
+    exception it raised}, threads)``. With ``wait=False`` it returns at once, and the dict is
+    complete once the caller has joined the threads."""
+    out: dict = {}
+
+    def one(u):
+        try:
+            out[u] = call(u)
+        except Exception as e:  # noqa: BLE001 - collected for the caller
+            out[u] = e
+
+    threads = [threading.Thread(target=one, args=(u,), daemon=True) for u in urls]
+    for t in threads:
+        t.start()
+    for t in threads if wait else ():
+        t.join()
+    return out, threads
+
+
 class RemoteEngine:
     """Generation on one or more servers of :mod:`train.engine.server` (see the module docstring).
 
@@ -185,29 +205,22 @@ class RemoteEngine:
             raise ValueError("load_version needs exactly one of version or path")
         body = {"version": int(version)} if version is not None else {"path": str(path)}
         urls = sorted(self.alive)
-        results: dict[str, object] = {}
 
         def one(u):
             c = self._conn(u)
             try:
-                results[u] = int(c.call("POST", "/v1/load_weights", body)["version"])
-            except (_ServerDown, RemoteError) as e:
-                results[u] = e
+                return int(c.call("POST", "/v1/load_weights", body)["version"])
             finally:
                 c.close()
 
-        threads = [threading.Thread(target=one, args=(u,), daemon=True) for u in urls]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        results = fan_out(urls, one)[0]
         for u in [u for u, r in results.items() if isinstance(r, _ServerDown)]:  # died: as in generate
             with self._lock:
                 self.alive.discard(u)
             if self._restarted(u):
                 with self._lock:
                     self.alive.add(u)
-                one(u)
+                results.update(fan_out([u], one)[0])
             else:
                 del results[u]
         if not results:

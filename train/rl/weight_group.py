@@ -23,8 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
+from train.engine.remote import fan_out
+
 ALIGN = 16  # every tensor starts at a multiple of this many bytes in its bucket (any dtype's view)
 BUCKET_BYTES = 256 << 20
+TRANSPORTS = ("files", "broadcast")  # how weight versions reach rollout servers (rollout.weight_transport)
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
                                                       torch.int64, torch.int32, torch.int16, torch.int8,
@@ -209,23 +212,6 @@ class Broadcaster:
         finally:
             c.close()
 
-    def _on_all(self, urls, call) -> tuple[dict, list]:
-        """Start ``call(url)`` for every url, each in its own thread: ({url: result or exception}, threads)."""
-        import threading
-
-        out: dict = {}
-
-        def one(u):
-            try:
-                out[u] = call(u)
-            except Exception as e:  # noqa: BLE001 - collected and raised by the caller
-                out[u] = e
-
-        threads = [threading.Thread(target=one, args=(u,), daemon=True) for u in urls]
-        for t in threads:
-            t.start()
-        return out, threads
-
     def _finish(self, out: dict, threads, what: str) -> dict:
         for t in threads:
             t.join()
@@ -243,8 +229,8 @@ class Broadcaster:
         self.close()
         if not urls:
             raise WeightGroupError("no live server to form a weight group with")
-        members = self._finish(*self._on_all(urls, lambda u: int(self._call(u, "GET", "/v1/weights")
-                                                             .get("group_members", 0))), "weight group sizes")
+        sizes = fan_out(urls, lambda u: int(self._call(u, "GET", "/v1/weights").get("group_members", 0)))
+        members = self._finish(*sizes, "weight group sizes")
         if any(k < 1 for k in members.values()):
             raise WeightGroupError(f"servers without weight-group support: {[u for u, k in members.items() if k < 1]}")
         world = 1 + sum(members.values())
@@ -256,7 +242,8 @@ class Broadcaster:
         for u in urls:
             offsets[u], r = r, r + members[u]
         body = {"host": self.host, "port": store.port, "world_size": world, "name": name, "timeout_s": self.timeout_s}
-        pending = self._on_all(urls, lambda u: self._call(u, "POST", "/v1/weights_group", {**body, "rank": offsets[u]}))
+        pending = fan_out(urls, lambda u: self._call(u, "POST", "/v1/weights_group", {**body, "rank": offsets[u]}),
+                          wait=False)  # they block until rank 0 joins
         try:
             group = join(self.host, store.port, 0, world, name, self.device, store=store, timeout_s=self.timeout_s)
         except Exception as e:
@@ -273,7 +260,7 @@ class Broadcaster:
             self._form(urls)
         layout = plan(state_dict, self.bucket_bytes)
         body = {"version": int(version), "broadcast": layout}
-        pending = self._on_all(self.members, lambda u: self._call(u, "POST", "/v1/load_weights", body))
+        pending = fan_out(self.members, lambda u: self._call(u, "POST", "/v1/load_weights", body), wait=False)
         try:
             send(self.group, {k: v.to(self.device) for k, v in state_dict.items()}, layout)
         except Exception as e:
