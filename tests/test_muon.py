@@ -4,7 +4,8 @@ Single process: Newton-Schulz against a loop written here, one Muon step against
 one (per expert matrix, gate and up apart), momentum 0 / EMA / Nesterov, parameter grouping,
 bf16 master weights, state_dict round trip, and torch.optim.Muon where torch has it. Sharded: a
 gloo world of 2 ranks runs RLUpdater with Muon on dp2 x tsp1 and dp1 x tsp2 meshes and compares
-the weights after two steps with the single-process reference step.
+the weights after two steps with the single-process reference step; on dp1 x tsp2 each matrix is
+orthogonalised once per step, by one of the two ranks.
 """
 from __future__ import annotations
 
@@ -371,6 +372,135 @@ def _worker(rank, world, port, path):
     from tests.test_parallel import run_checks
 
     run_checks(rank, world, port, path, [_check_sharded, _check_phases_and_resume])
+
+
+def _check_owners(world, out):
+    """dp1 x tsp2: ``muon_direction`` calls of this rank (a counting wrapper in train.parallel.dp),
+    the matrices and steps, the distance to the single-process reference and the collectives of
+    the Muon exchange."""
+    import train.parallel.dp as dp_mod
+    from tests.test_parallel import _cfgs, _model
+    from tests.test_rl_distributed import make_batch, reference_weights
+    from train.parallel import comm
+    from train.parallel.rl_update import RLUpdater
+
+    real, calls = dp_mod.muon_direction, []
+
+    def counting(*args, **kw):
+        calls.append(tuple(args[0].shape))
+        return real(*args, **kw)
+
+    dp_mod.muon_direction = counting
+    try:
+        for name, momentum in (("moe", 0.0), ("dense", 0.9)):
+            cfg, rcfg = _cfgs()[name], _muon_rl_cfg(momentum)
+            batches = [make_batch(s, cfg) for s in range(2)]
+            want, _ = reference_weights(cfg, rcfg, batches)
+            up = RLUpdater(_model(cfg), rcfg, tsp=2, dp=1)
+            calls.clear()
+            with comm.track() as t:
+                for i, b in enumerate(batches):
+                    up.step(b, i)
+            got = up.full_state_dict()
+            ops = t.by("tag/op")
+            key = f"owners.{name}"
+            out[key + ".calls"] = len(calls)
+            out[key + ".matrices"] = len(up.opt.matrices)
+            out[key + ".steps"] = len(batches)
+            out[key + ".params"] = max((got[k] - want[k]).abs().max().item() for k in want)
+            out[key + ".all_to_all"] = ops.get("muon.matrices/all_to_all.muon", [0, 0, 0])[2]
+            out[key + ".all_gather"] = ops.get("muon.matrices/all_gather.muon", [0, 0, 0])[2]
+    finally:
+        dp_mod.muon_direction = real
+
+
+def _owners_worker(rank, world, port, path):
+    from tests.test_parallel import run_checks
+
+    run_checks(rank, world, port, path, [_check_owners])
+
+
+@pytest.mark.timeout(300)
+def test_sharded_muon_orthogonalises_each_matrix_once():
+    """On dp1 x tsp2 each whole matrix is orthogonalised by one TSP rank (its owner) per step, the
+    work split between the ranks, and the weights still equal the single-process reference."""
+    from tests.test_parallel import spawn
+
+    ranks = spawn(2, _owners_worker)
+    for r in ranks:
+        assert "error" not in r, r.get("trace")
+    for name in ("moe", "dense"):
+        key = f"owners.{name}"
+        steps, n = ranks[0][key + ".steps"], ranks[0][key + ".matrices"]
+        assert n > 2 and all(r[key + ".matrices"] == n for r in ranks)
+        calls = [r[key + ".calls"] for r in ranks]
+        assert sum(calls) == steps * n, (name, calls, steps, n)  # every matrix exactly once per step
+        assert all(0 < c < steps * n for c in calls), (name, calls)  # each rank only some of them
+        for r in ranks:
+            assert r[key + ".params"] < TOL, (name, r[key + ".params"])
+            assert r[key + ".all_to_all"] == 2 * steps  # U shards to the owners, O back
+            assert r[key + ".all_gather"] == 0
+
+
+def _check_owners_4(world, out):
+    """Four ranks: dp2 x tsp2 with an intermediate size that gives the TSP ranks unequal slices, and
+    dp1 x tsp4 (moe): the weights against the single-process reference, this rank's
+    ``muon_direction`` calls and the number of matrices its TSP group orthogonalises."""
+    import dataclasses
+
+    import train.parallel.dp as dp_mod
+    from tests.test_parallel import _cfgs, _model
+    from tests.test_rl_distributed import make_batch, reference_weights
+    from train.parallel.rl_update import RLUpdater
+
+    real, calls = dp_mod.muon_direction, []
+
+    def counting(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+
+    dp_mod.muon_direction = counting
+    odd = dataclasses.replace(_cfgs()["dense"], intermediate_size=43)
+    try:
+        for name, cfg, dp, tsp, momentum in (("odd", odd, 2, 2, 0.9), ("moe", _cfgs()["moe"], 1, 4, 0.0)):
+            rcfg = _muon_rl_cfg(momentum)
+            batches = [make_batch(s, cfg) for s in range(2)]
+            want, _ = reference_weights(cfg, rcfg, batches)
+            up = RLUpdater(_model(cfg), rcfg, tsp=tsp, dp=dp)
+            calls.clear()
+            for i, b in enumerate(batches):
+                up.step(b, i)
+            got = up.full_state_dict()
+            key = f"owners4.{name}.dp{dp}xtsp{tsp}"
+            out[key + ".params"] = max((got[k] - want[k]).abs().max().item() for k in want)
+            out[key + ".calls"] = len(calls) / len(batches)
+            out[key + ".group_matrices"] = len(up.opt.owner)  # those some rank of its TSP group needs
+            out[key + ".dp_rank"] = up.dp_rank
+    finally:
+        dp_mod.muon_direction = real
+
+
+def _owners_worker_4(rank, world, port, path):
+    from tests.test_parallel import run_checks
+
+    run_checks(rank, world, port, path, [_check_owners_4])
+
+
+@pytest.mark.timeout(300)
+def test_sharded_muon_owners_on_four_ranks():
+    """dp2 x tsp2 (unequal slices across the TSP ranks) and dp1 x tsp4: equal to the single-process
+    reference, and in each TSP group every matrix that the group needs is orthogonalised once."""
+    from tests.test_parallel import spawn
+
+    ranks = spawn(4, _owners_worker_4)
+    for r in ranks:
+        assert "error" not in r, r.get("trace")
+    for key in ("owners4.odd.dp2xtsp2", "owners4.moe.dp1xtsp4"):
+        assert max(r[key + ".params"] for r in ranks) < TOL, key
+        for d in {r[key + ".dp_rank"] for r in ranks}:
+            group = [r for r in ranks if r[key + ".dp_rank"] == d]
+            assert sum(r[key + ".calls"] for r in group) == group[0][key + ".group_matrices"] > 0, (key, d)
+            assert all(r[key + ".calls"] < r[key + ".group_matrices"] for r in group), (key, d)
 
 
 @pytest.mark.timeout(600)

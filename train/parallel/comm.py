@@ -18,7 +18,8 @@ Byte accounting (:class:`CommTracker`) uses the bandwidth-optimal algorithm for 
 all-gather of ``n`` bytes per rank: (D-1)n sent and received; reduce-scatter of ``N`` bytes:
 (D-1)/D N; all-reduce: 2(D-1)/D N; broadcast of ``N`` (a chain starting at src): src sends N,
 the chain's last rank (src-1 mod D) receives N, the others send and receive N; reduce is the
-reverse chain; point-to-point: what is sent and received. All reductions use SUM (never AVG).
+reverse chain; point-to-point and all-to-all: what is sent to and received from the other ranks
+(a rank's block for itself is not counted). All reductions use SUM (never AVG).
 """
 from __future__ import annotations
 
@@ -186,6 +187,23 @@ def reduce_raw(x: torch.Tensor, dst: int, group, op_tag: str = "reduce", tag_: s
     r, s = _chain_bytes(nbytes(x), _rank(group), dst, D)  # the broadcast chain, reversed
     _record(op_tag, s, r, tag_)
     return x
+
+
+def all_to_all_raw(x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], group,
+                   op_tag: str = "all_to_all", tag_: str | None = None) -> torch.Tensor:
+    """All-to-all of flat ``x``: its consecutive blocks of ``send_splits[j]`` elements go to group
+    rank j; returns the blocks received, ``recv_splits[j]`` elements from rank j, in rank order."""
+    D, r = _size(group), _rank(group)
+    x = x.contiguous()
+    out = torch.empty((sum(recv_splits),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    if D == 1:
+        return out.copy_(x)
+    dist.all_to_all_single(out, x, list(recv_splits), list(send_splits), group=group)
+    per = x.element_size()
+    for d in x.shape[1:]:
+        per *= d
+    _record(op_tag, (sum(send_splits) - send_splits[r]) * per, (sum(recv_splits) - recv_splits[r]) * per, tag_)
+    return out
 
 
 def sendrecv(send: torch.Tensor | None, to: int, recv: torch.Tensor | None, frm: int, group, tag_: str,

@@ -12,7 +12,8 @@ parameters; with ``reduce_grads=False`` the gradients are assumed already synchr
 gradients reduce-scattered instead of all-reduced, replicated-parameter gradients summed over the
 model-parallel group, global-norm clipping, per-parameter weight decay, a learning rate per step,
 fp32 master weights under a low-precision compute copy, and state tensors for checkpoints.
-:class:`MeshMuon` adds Muon for the hidden weight matrices, each orthogonalised as the whole matrix.
+:class:`MeshMuon` adds Muon for the hidden weight matrices, each orthogonalised as the whole matrix,
+once per model-parallel group, by the rank that owns it.
 """
 from __future__ import annotations
 
@@ -267,15 +268,26 @@ class MeshMuon(MeshAdamW):
     2. U = :func:`train.optim.momentum_update` of the slice's Muon elements (the gradient itself
        with momentum 0);
     3. U is all-gathered over ``dp_group``: each rank then has its model-parallel shard's full U;
-    4. the U shards of the sharded matrices are all-gathered over ``mp_group`` in one flat buffer
-       (padded to the largest rank's total) and joined into whole matrices;
-    5. each rank orthogonalises (:func:`train.optim.muon_direction`) the whole matrices that overlap
-       its data-parallel slice, takes its shard back (:meth:`ShardedLM.take`) and adds
-       ``-lr * muon_lr_scale(m, n) * O`` to its master slice.
+    4. each whole matrix has one owner in ``mp_group``, fixed at construction: the matrices that some
+       rank of the group needs (those overlapping its data-parallel slice; the ranks' slices and
+       shard shapes are exchanged once with ``all_gather_object``) go, largest Newton-Schulz cost
+       first (blocks * rows * cols * min(rows, cols)), to the least loaded rank; every rank sends
+       its U shard of each sharded matrix to the matrix's owner (one ``all_to_all`` over
+       ``mp_group``; a replicated matrix's owner has its whole U already);
+    5. the owner joins the shards (:meth:`ShardedLM.assemble`) and orthogonalises the whole matrix
+       once (:func:`train.optim.muon_direction`); a second ``all_to_all`` gives each rank the part
+       of O it needs: the range of its shard (:meth:`ShardedLM.take`; all of O for a replicated
+       matrix) that its data-parallel slice holds;
+    6. each rank adds ``-lr * muon_lr_scale(m, n) * O`` to its master slice.
+    With ``mp_group`` of size 1 steps 4-5 exchange nothing: each rank orthogonalises the matrices
+    its slice overlaps.
     Cost: U crosses DP once more (an fp32 all-gather: with the reduce-scatter, what an all-reduce
-    moves) and the Muon shards cross MP once; a matrix's Newton-Schulz is repeated on every
-    model-parallel rank (and on each data-parallel rank whose slice it overlaps) instead of being
-    split among them.
+    moves). Over MP (degree D, W elements of sharded matrices, balanced owners) a rank sends about
+    (D-1)/D^2 W of U shards to the owners and as much O back (less with DP > 1: only the ranges
+    the slices hold), 2(D-1)/D^2 W in all against an all-gather's (D-1)/D W: the same at D = 2,
+    half at D = 4. Each matrix's Newton-Schulz runs once per model-parallel group, the matrices
+    split among its ranks by cost, so a rank does about 1/D of it (it is still repeated on each
+    data-parallel rank whose slice the matrix overlaps).
     """
 
     def __init__(self, params, mp_group=None, dp_group=None, betas=(0.9, 0.999), eps: float = 1e-8,
@@ -302,12 +314,66 @@ class MeshMuon(MeshAdamW):
                 self.matrices.append((p, off, rb, kind))
             off += p.numel()
         self.mp_size = dist.get_world_size(mp_group)
-        self.sharded = [i for i, m in enumerate(self.matrices) if m[3] != "rep" and self.mp_size > 1]
-        self.shard_shapes: list[list[tuple]] = []  # [mp rank][j]: shape of rank's shard of matrix sharded[j]
-        if self.sharded:
-            self.shard_shapes = [None] * self.mp_size
-            dist.all_gather_object(self.shard_shapes, [tuple(self.matrices[i][0].shape) for i in self.sharded],
-                                   group=mp_group)
+        self._plan()
+
+    def _plan(self) -> None:
+        """Who orthogonalises which matrix, and what the two exchanges of a step move (fixed at
+        construction; every rank of ``mp_group`` computes the same plan from the same gathered
+        facts: each rank's slice and, per matrix, its shard's shape and flat offset)."""
+        D, me = self.mp_size, self.mp_rank
+        mine = (self.lo, self.hi, [(tuple(p.shape), off) for p, off, _, _ in self.matrices])
+        metas = [mine] * D  # D > 1 without matrices: nothing to plan
+        if D > 1 and self.matrices:
+            metas = [None] * D
+            dist.all_gather_object(metas, mine, group=self.mp_group)
+            if any(len(m[2]) != len(self.matrices) for m in metas):
+                raise ValueError("MeshMuon: the model-parallel ranks hold different numbers of Muon matrices")
+        self.shapes = [[metas[r][2][i][0] for r in range(D)] for i in range(len(self.matrices))]  # [i][r]
+        # rng[r][i]: the range [x, y) of rank r's shard of matrix i (flattened) that r's data-parallel
+        # slice holds (None: none); lo, hi and the offsets are r's own (shard sizes may differ)
+        rng: list[list[tuple[int, int] | None]] = []
+        for lo, hi, mats in metas:
+            row = []
+            for shape, off in mats:
+                x, y = max(off, lo), min(off + math.prod(shape), hi)
+                row.append((x - off, y - off) if x < y else None)
+            rng.append(row)
+        self.dims, cost = [], []  # (rows, cols) of each whole matrix's blocks; Newton-Schulz cost
+        for i, (_, _, rb, kind) in enumerate(self.matrices):
+            if kind == "rep" or D == 1:
+                whole = self.shapes[i][me]
+            else:
+                whole = ShardedLM.assemble([{"w": torch.empty(sh, device="meta")} for sh in self.shapes[i]],
+                                           {"w": kind})["w"].shape
+            blocks, rows, cols = as_matrices(torch.empty(whole, device="meta"), rb).shape
+            self.dims.append((rows, cols))
+            cost.append(blocks * rows * cols * min(rows, cols))
+        needed = [i for i in range(len(self.matrices)) if any(rng[r][i] for r in range(D))]
+        # owners: largest cost first (ties by index) to the least loaded rank, preferring one that
+        # needs the matrix, then the lowest rank
+        load, self.owner = [0] * D, {}
+        for i in sorted(needed, key=lambda i: (-cost[i], i)):
+            d = min(range(D), key=lambda r: (load[r], rng[r][i] is None, r))
+            self.owner[i] = d
+            load[d] += cost[i]
+        self.own = [i for i in needed if self.owner[i] == me]  # the matrices this rank orthogonalises
+        self.need = {i: rng[me][i] for i in needed if rng[me][i] is not None}  # what this rank applies
+        rep = lambda i: self.matrices[i][3] == "rep" or D == 1  # noqa: E731  # the owner has the whole U
+        # exchange 1: each rank's U shard of a sharded matrix to its owner; 2: each rank's range of O
+        self.send_u = [[i for i in needed if self.owner[i] == d and d != me and not rep(i)] for d in range(D)]
+        self.recv_u = [[i for i in self.own if r != me and not rep(i)] for r in range(D)]
+        self.send_o = [[i for i in self.own if r != me and rng[r][i] is not None] for r in range(D)]
+        self.recv_o = [[i for i in self.need if self.owner[i] == d and d != me] for d in range(D)]
+        numel = lambda i, r: math.prod(self.shapes[i][r])  # noqa: E731
+        span = lambda i, r: rng[r][i][1] - rng[r][i][0]  # noqa: E731
+        self.split_u = ([sum(numel(i, me) for i in ms) for ms in self.send_u],
+                        [sum(numel(i, r) for i in ms) for r, ms in enumerate(self.recv_u)])
+        self.split_o = ([sum(span(i, r) for i in ms) for r, ms in enumerate(self.send_o)],
+                        [sum(span(i, me) for i in ms) for ms in self.recv_o])
+        self.rng = rng
+        # whether anything crosses at all: the same answer on every rank (a function of the gathered facts)
+        self.exchange_u = any(self.owner[i] != r and not rep(i) for i in needed for r in range(D))
+        self.exchange_o = any(self.owner[i] != r and rng[r][i] is not None for i in needed for r in range(D))
 
     def configure(self, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                   muon: dict | None = None) -> None:
@@ -330,42 +396,48 @@ class MeshMuon(MeshAdamW):
                 buf[x:y] = momentum_update(g[x:y], self.exp_avg[x:y], s["momentum"], s["nesterov"])
         with comm.tag("muon.update"):
             full = comm.all_gather_raw(buf, self.dp_group, "all_gather.muon")[:self.total]
-        whole = self._gather_matrices(full)
-        for i, (p, off, rb, kind) in enumerate(self.matrices):
-            x, y = max(off, self.lo), min(off + p.numel(), self.hi)
-            if x >= y:
-                continue
-            U = whole[i] if i in whole else full[off:off + p.numel()].view(p.shape)
-            O = muon_direction(U, rb, s["ns_steps"], s["ns_dtype"])
-            if i in whole:
-                O = ShardedLM.take(O, kind, [sh[self.sharded.index(i)] for sh in self.shard_shapes], self.mp_rank)
-            rows, cols = as_matrices(U, rb).shape[-2:]
-            self.master[x - self.lo:y - self.lo].add_(O.reshape(-1)[x - off:y - off],
-                                                      alpha=-lr * muon_lr_scale(rows, cols, s["lr_scale"]))
+        D, me, dev = self.mp_size, self.mp_rank, g.device
+        U_of = lambda i: full[self.matrices[i][1]:self.matrices[i][1] + self.matrices[i][0].numel()]  # noqa: E731
+        cat = lambda ts: torch.cat(ts) if ts else torch.zeros(0, dtype=torch.float32, device=dev)  # noqa: E731
+        got = None
+        if self.exchange_u:  # every rank's U shards to the owners of their matrices
+            with comm.tag("muon.matrices"):
+                got = comm.all_to_all_raw(cat([U_of(i) for ms in self.send_u for i in ms]), *self.split_u,
+                                          self.mp_group, "all_to_all.muon")
+        pos = [sum(self.split_u[1][:r]) for r in range(D)]
+        O_of = {}
+        for i in self.own:  # orthogonalise each owned matrix once
+            p, _, rb, kind = self.matrices[i]
+            U = U_of(i).view(p.shape)
+            if kind != "rep" and D > 1:
+                parts = []
+                for r in range(D):
+                    if r == me:
+                        parts.append(U)
+                    else:
+                        k = math.prod(self.shapes[i][r])
+                        parts.append(got[pos[r]:pos[r] + k].view(self.shapes[i][r]))
+                        pos[r] += k
+                U = ShardedLM.assemble([{"w": x} for x in parts], {"w": kind})["w"]
+            O_of[i] = muon_direction(U, rb, s["ns_steps"], s["ns_dtype"])
 
-    def _gather_matrices(self, full: torch.Tensor) -> dict[int, torch.Tensor]:
-        """``{matrix index: whole U}`` of the model-parallel-sharded matrices (one all-gather of every
-        rank's shards of all of them; every rank of ``mp_group`` calls)."""
-        if not self.sharded:
-            return {}
-        numel = lambda shape: math.prod(shape)  # noqa: E731
-        sizes = [sum(numel(s) for s in shapes) for shapes in self.shard_shapes]
-        send = torch.zeros(max(sizes), dtype=torch.float32, device=full.device)
-        pos = 0
-        for i in self.sharded:
-            p, off = self.matrices[i][0], self.matrices[i][1]
-            send[pos:pos + p.numel()] = full[off:off + p.numel()]
-            pos += p.numel()
-        with comm.tag("muon.matrices"):
-            got = comm.all_gather_raw(send, self.mp_group, "all_gather.muon").view(self.mp_size, -1)
-        out, starts = {}, [0] * self.mp_size
-        for j, i in enumerate(self.sharded):
-            parts = []
-            for r in range(self.mp_size):
-                shape = self.shard_shapes[r][j]
-                parts.append(got[r, starts[r]:starts[r] + numel(shape)].view(shape))
-                starts[r] += numel(shape)
-            p, off, _, kind = self.matrices[i]
-            if max(off, self.lo) < min(off + p.numel(), self.hi):  # only the matrices this slice needs
-                out[i] = ShardedLM.assemble([{"w": x} for x in parts], {"w": kind})["w"]
-        return out
+        def piece(i: int, r: int) -> torch.Tensor:  # rank r's part of O: its shard's range in r's slice
+            x, y = self.rng[r][i]
+            return ShardedLM.take(O_of[i], self.matrices[i][3], self.shapes[i], r).reshape(-1)[x:y]
+
+        back = None
+        if self.exchange_o:  # each rank its part of the orthogonalised matrices
+            with comm.tag("muon.matrices"):
+                back = comm.all_to_all_raw(cat([piece(i, r) for r, ms in enumerate(self.send_o) for i in ms]),
+                                           *self.split_o, self.mp_group, "all_to_all.muon")
+        pos = [sum(self.split_o[1][:r]) for r in range(D)]
+        for i, (x, y) in self.need.items():
+            d = self.owner[i]
+            if d == me:
+                o = piece(i, me)
+            else:
+                o = back[pos[d]:pos[d] + y - x]
+                pos[d] += y - x
+            off = self.matrices[i][1]
+            rows, cols = self.dims[i]
+            self.master[off + x - self.lo:off + y - self.lo].add_(o, alpha=-lr * muon_lr_scale(rows, cols, s["lr_scale"]))

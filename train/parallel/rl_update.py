@@ -25,7 +25,8 @@ single-process :func:`reference_update` does, within float rounding:
   (:func:`train.optim.lr_factor` at the given step), fp32 master weights and moments sharded
   ZeRO-1 style over DP; with ``optim.name == "muon"`` (or ``sft_optim``'s) it is
   :class:`train.parallel.dp.MeshMuon`: Muon on the matrices ``train.optim`` picks, each
-  orthogonalised as the whole matrix (gathered over DP and TSP), AdamW on the rest;
+  orthogonalised as the whole matrix (its update gathered over DP, its TSP shards sent to the one
+  TSP rank that owns it, which orthogonalises it once and sends each rank its part), AdamW on the rest;
 * ``dtype="bfloat16"``: the model computes in bf16 (compute copy), gradients are accumulated in
   fp32, the master weights and AdamW state stay fp32.
 
@@ -229,10 +230,9 @@ class RLUpdater:
         o = cfg.optim
         decay = lambda n, p: not (p.ndim < 2 or "norm" in n)  # noqa: E731 (train.optim's groups)
         if any(x is not None and x.name == "muon" for x in (o, cfg.sft_optim)):  # Muon: whole matrices
-            kind = lambda n: self.net.kinds[n] if tsp > 1 else "rep"  # noqa: E731
-            self.opt = MeshMuon([(p, kind(n), decay(n, p), muon_row_blocks(n, p)) for n, p in self.shards.items()],
-                                self.tsp_group, self.dp_group, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                                muon=o.muon_settings())
+            self.opt = MeshMuon([(p, self.shard_kind(n), decay(n, p), muon_row_blocks(n, p))
+                                 for n, p in self.shards.items()], self.tsp_group, self.dp_group,
+                                betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, muon=o.muon_settings())
         else:
             self.opt = MeshAdamW([(p, n in rep, decay(n, p)) for n, p in self.shards.items()],
                                  self.tsp_group, self.dp_group, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
