@@ -11,6 +11,7 @@ weights, and the same reference across a checkpoint and resume.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -677,6 +678,55 @@ def test_torchrun_worker_resumes_on_another_mesh(worker_setup):
     log.close()
     assert "records no parameter layout, so it resumes only on its TSP degree: set trainer.tsp=1" in \
         Path(log.name).read_text()
+
+
+def _check_reordered_resume(world, out, shared):
+    """One rank: a checkpoint written with AdamW resumed by a Muon updater (its flat optimizer vector
+    orders the parameters otherwise): every parameter's master weights, moments and weights land
+    under its name; the same updater type loads directly."""
+    from tests.test_muon import _muon_rl_cfg
+    from train.rl.worker import load_checkpoint, save_checkpoint
+    from train.parallel.rl_update import RLUpdater
+
+    cfg = _cfgs()["moe"]
+    ex = Path(shared) / "reorder"
+    adam = RLUpdater(_model(cfg), rl_cfg("dppo_tv"))
+    for i in range(2):
+        adam.step(make_batch(i, cfg), i)
+    save_checkpoint(adam, ex, 2, keep=1)
+
+    def by_name(up):
+        out, off = {}, 0
+        st = up.opt.state_tensors()
+        for name, shape, _ in up.layout():
+            n = math.prod(shape)
+            out[name] = {k: st[k][off:off + n].clone() for k in ("master", "exp_avg", "exp_avg_sq")}
+            out[name]["weight"] = up.shards[name].detach().reshape(-1).float().clone()
+            off += n
+        return out
+
+    want = by_name(adam)
+    for kind, rcfg in (("muon", _muon_rl_cfg(0.9)), ("adamw", rl_cfg("dppo_tv"))):
+        up = RLUpdater(_model(cfg), rcfg)
+        out[f"reorder.{kind}.differs"] = float(up.layout() != adam.layout())
+        out[f"reorder.{kind}.step"] = float(load_checkpoint(up, ex))
+        got = by_name(up)
+        out[f"reorder.{kind}.err"] = max((got[n][k] - want[n][k]).abs().max().item() for n in want for k in want[n])
+        out[f"reorder.{kind}.steps"] = float(up.opt.steps)
+
+
+def _reorder_worker(rank, world, port, path, shared):
+    run_checks(rank, world, port, path, [lambda w, o: _check_reordered_resume(w, o, shared)])
+
+
+def test_resume_with_another_parameter_order(tmp_path):
+    ranks = spawn(1, _reorder_worker, str(tmp_path))
+    r = ranks[0]
+    assert "error" not in r, r.get("trace")
+    assert r["reorder.muon.differs"] == 1.0 and r["reorder.adamw.differs"] == 0.0
+    for kind in ("muon", "adamw"):
+        assert r[f"reorder.{kind}.step"] == 2.0 and r[f"reorder.{kind}.steps"] == 2.0
+        assert r[f"reorder.{kind}.err"] == 0.0, (kind, r[f"reorder.{kind}.err"])
 
 
 # ------------------------------------------------------------------------------ plain functions

@@ -224,11 +224,12 @@ def save_checkpoint(up, exchange: Path, step: int, keep: int) -> Path:
 
 def load_checkpoint(up, exchange: Path) -> int:
     """Restore the newest complete checkpoint into ``up``; returns its step (0 when there is none).
-    On the checkpoint's mesh every rank loads its own tensors. On another mesh (TSP and/or DP degree)
-    each rank rebuilds its shards and optimizer slice from the checkpoint's layout (:class:`_OldMesh`):
-    it reads the old slices that its parameters overlap (host memory: at most the whole optimizer
-    state), joins each parameter's old shards, takes its new shard and sets the weights from the
-    fp32 master copy."""
+    On the checkpoint's mesh and layout every rank loads its own tensors. On another mesh (TSP and/or
+    DP degree), or with the parameters in another order in the flat optimizer vector (AdamW's and
+    Muon's orders differ), each rank rebuilds its shards and optimizer slice from the checkpoint's
+    layout (:class:`_OldMesh`): it reads the old slices that its parameters overlap (host memory: at
+    most the whole optimizer state), joins each parameter's old shards, takes its new shard and sets
+    the weights from the fp32 master copy."""
     import torch.distributed.checkpoint as dcp
 
     steps = complete_checkpoints(exchange)
@@ -243,7 +244,11 @@ def load_checkpoint(up, exchange: Path) -> int:
                          "but this run keeps a frozen copy as its reference: resume with the checkpoint's KL settings")
     state = dict(up.state_tensors(), step=torch.zeros((), dtype=torch.int64))
     old = None
-    if (meta["tsp"], meta["dp"]) != (up.tsp, up.dp):
+    # another mesh, or the same one laid out otherwise (AdamW then Muon: another parameter order)
+    differs = meta.get("layout") is not None and meta["tsp"] == up.tsp and meta["layout"][up.tsp_rank] != up.layout()
+    votes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(votes, differs)  # every rank takes the same path
+    if (meta["tsp"], meta["dp"]) != (up.tsp, up.dp) or any(votes):
         layouts = meta.get("layout")
         if layouts is None:  # written before checkpoints recorded their layout: the same TSP degree has ours
             if meta["tsp"] != up.tsp:
