@@ -5,6 +5,8 @@ have mixed rewards and every update moves the weights.
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -84,12 +86,43 @@ def test_rollout_and_update_threads_are_split_on_cpu(warm):
 
             rl.update = spy
             run_pipeline(rl, 2)
-            assert (seen["rollout"], seen["update"]) == ({want[0]}, {want[1]}), overrides
+            assert seen["rollout"] == {want[0]}, overrides
+            assert seen["update"] and seen["update"] <= {want[1], 4}, overrides  # 4: borrowed (below)
             assert torch.get_num_threads() == 4
     finally:
         torch.set_num_threads(n)
     with pytest.raises(ValueError, match="rollout_threads"):
         RLConfig(rollout_threads=-1)
+
+
+def test_update_borrows_the_producers_threads_while_it_waits(warm):
+    """While the producer waits (as far ahead as staleness allows), every chunk of the update (forward,
+    backward, optimizer step) runs on all of torch's threads; when the producer generates, on the
+    update's share."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        rl = make_trainer(warm, seed=5, max_staleness=1, min_ready_batches=1, sync_every=1)
+        pipe = Pipeline(rl)
+        try:
+            seen, lend = [], rl.between_kernels
+            rl.between_kernels = lambda: (lend(), seen.append(torch.get_num_threads()))
+            t0 = time.monotonic()
+            while not pipe._idle.is_set():  # two batches made: it waits for the trainer's first step
+                assert time.monotonic() - t0 < 120
+                time.sleep(0.01)
+            pipe.step()  # the producer cannot start another batch before this step ends
+            assert len(seen) >= 3 and set(seen) == {4}, seen
+            assert pipe.lent == len(seen)
+            with pipe.buffer.cond:  # (the producer marks itself idle only under this lock)
+                pipe._idle.clear()
+                lend()
+                assert torch.get_num_threads() == 2
+        finally:
+            pipe.close()
+        assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(n)
 
 
 def test_sync_every_must_fit_the_staleness_bound():

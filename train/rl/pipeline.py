@@ -24,7 +24,9 @@ Threads: when the engine generates in this process's CPU threads and the update 
 trainer ranks, no rollout servers, no GPU), the rollout thread and the update would each start a
 pool of torch's intra-op threads on the same cores; both slow down (on 2 cores, 2 + 2 threads made
 a long-tailed step 10-16% slower than 1 + 1: 1.75-1.77 against 1.96-2.09 steps/s). :func:`thread_split` gives the rollout thread
-``rl.rollout_threads`` of them (default: half) and the update the rest, restored by :meth:`Pipeline.close`.
+``rl.rollout_threads`` of them (default: half) and the update the rest, restored by :meth:`Pipeline.close`;
+while the producer waits (it is as far ahead as staleness allows) the update borrows its threads,
+chunk by chunk (:meth:`Pipeline.lend_threads`).
 
 The buffer is not checkpointed (as in PipelineRL): on resume the producer starts afresh from the
 checkpoint's RNG and curriculum; :meth:`Pipeline.paused` gives a consistent snapshot for saving.
@@ -119,8 +121,11 @@ class Pipeline:
             rl.engine = LockedEngine(rl.engine)
         self._threads_before = torch.get_num_threads()
         self.threads = thread_split(rl)
+        self.lent = 0  # update chunks that ran on the producer's threads too (it was waiting)
         if self.threads is not None:
             torch.set_num_threads(self.threads[1])  # this (the update's) thread; the producer sets its own
+            self._update_threads = self.threads[1]
+            rl.between_kernels = self.lend_threads
         self._thread = threading.Thread(target=self._produce, name="rollout-producer", daemon=True)
         self._thread.start()
 
@@ -163,6 +168,16 @@ class Pipeline:
             self._idle.set()
 
     # -- trainer ---------------------------------------------------------------------------------
+    def lend_threads(self) -> None:
+        """Before each chunk of the update (a forward, a backward, an optimizer step): all of torch's
+        threads while the producer waits (the buffer is as far ahead as staleness allows), else the
+        update's share. A batch the producer starts meanwhile shares the cores until the next chunk."""
+        n = sum(self.threads) if self._idle.is_set() else self.threads[1]
+        if n != self._update_threads:
+            torch.set_num_threads(n)
+            self._update_threads = n
+        self.lent += n > self.threads[1]
+
     def _ready(self) -> bool:
         return len(self.buffer) >= self.min_ready * self.batch or \
             len(self._pending) >= self.min_ready  # batches that dynamic sampling left short
@@ -219,6 +234,7 @@ class Pipeline:
         self._thread.join()
         if self.threads is not None:
             torch.set_num_threads(self._threads_before)
+            self.rl.between_kernels = lambda: None
         if isinstance(self.rl.engine, LockedEngine):
             self.rl.engine = self.rl.engine.engine
 

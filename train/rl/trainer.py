@@ -183,6 +183,9 @@ class RLTrainer:
         # router replay: ask the engine for its expert choices where it can give them
         self.replay = cfg.router_replay and policy.config.is_moe and _takes(engine.generate, "return_routed_experts")
         self.ref_policy: CausalLM | None = None  # KL reference, built by reference_policy() when kl_coef > 0
+        # called before each forward, backward and optimizer step of an update (the pipeline resizes the
+        # update's thread pool there: train.rl.pipeline.Pipeline.lend_threads)
+        self.between_kernels: Callable[[], None] = lambda: None
 
     def env_of(self, env_id: str):
         """The curriculum's environment instance (configured with its kwargs), else one by id."""
@@ -299,6 +302,7 @@ class RLTrainer:
         for mi, mini in enumerate(minis):
             denom = float(mask[mini].sum().clamp(min=1)) if self.agg == "token_mean" else float(seq_count(mask[mini]))
             for rows in self._packs(rolls, range(mini.start, mini.stop)):
+                self.between_kernels()
                 lp, ent = self._packed_logprobs(rolls, rows, batch, temp)
                 W = lp.shape[1]
                 idx = torch.tensor(rows, device=mask.device)
@@ -314,6 +318,7 @@ class RLTrainer:
                 else:
                     loss, mets = self.loss_fn(lp, old_lp[idx, :W], mu, adv[idx], m, cfg.loss_cfg, ref_logprobs=ref,
                                               denom=denom)
+                self.between_kernels()
                 loss.backward()
                 loss_total += float(loss.detach())  # micro-batch losses add up to the mini-batch loss
                 mets.pop("loss", None)
@@ -324,6 +329,7 @@ class RLTrainer:
                     sums[k] = sums.get(k, 0.0) + v * w
                 weight += w
                 ent_sum += float((ent * m).sum())
+            self.between_kernels()
             grad_norm = clip_and_step(self.policy, self.opt, self.sched, cfg.optim.grad_clip)
         self.policy.eval()
         metrics = {k: v / max(weight, 1.0) for k, v in sums.items()}
@@ -367,6 +373,7 @@ class RLTrainer:
     def _logprobs_no_grad(self, rolls: list[Rollout], batch, temp: float, model=None) -> torch.Tensor:
         out = torch.zeros(batch.loss_mask.shape, device=batch.loss_mask.device)
         for rows in self._packs(rolls, range(len(rolls))):
+            self.between_kernels()
             lp = self._packed_logprobs(rolls, rows, batch, temp, model)[0]
             out[torch.tensor(rows, device=out.device), :lp.shape[1]] = lp
         return out
