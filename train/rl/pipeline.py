@@ -22,9 +22,9 @@ waits for the current ``generate`` call to return.
 
 Threads: when the engine generates in this process's CPU threads and the update runs here too (no
 trainer ranks, no rollout servers, no GPU), the rollout thread and the update would each start a
-pool of torch's intra-op threads on the same cores; both slow down (on 2 cores, 2 + 2 threads made
-a long-tailed step 10-16% slower than 1 + 1: 1.75-1.77 against 1.96-2.09 steps/s). :func:`thread_split` gives the rollout thread
-``rl.rollout_threads`` of them (default: half) and the update the rest, restored by :meth:`Pipeline.close`;
+pool of torch's intra-op threads on the same cores, and both slow down. :func:`thread_split` gives the
+rollout thread ``rl.rollout_threads`` of them (default: half) and the update the rest, restored by
+:meth:`Pipeline.close`;
 while the producer waits (it is as far ahead as staleness allows) the update borrows its threads,
 chunk by chunk (:meth:`Pipeline.lend_threads`).
 
