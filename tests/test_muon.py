@@ -374,83 +374,14 @@ def _worker(rank, world, port, path):
     run_checks(rank, world, port, path, [_check_sharded, _check_phases_and_resume])
 
 
-def _check_owners(world, out):
-    """dp1 x tsp2: ``muon_direction`` calls of this rank (a counting wrapper in train.parallel.dp),
-    the matrices and steps, the distance to the single-process reference and the collectives of
-    the Muon exchange."""
+def _muon_runs(cases):
+    """For each ``(cfg, dp, tsp, momentum)``: Muon on that mesh for two steps, counting this rank's
+    ``muon_direction`` calls (a wrapper in train.parallel.dp) and tracking the collectives; yields
+    (updater, calls per step, largest distance to the single-process reference, collectives by tag/op)."""
     import train.parallel.dp as dp_mod
-    from tests.test_parallel import _cfgs, _model
+    from tests.test_parallel import _model
     from tests.test_rl_distributed import make_batch, reference_weights
     from train.parallel import comm
-    from train.parallel.rl_update import RLUpdater
-
-    real, calls = dp_mod.muon_direction, []
-
-    def counting(*args, **kw):
-        calls.append(tuple(args[0].shape))
-        return real(*args, **kw)
-
-    dp_mod.muon_direction = counting
-    try:
-        for name, momentum in (("moe", 0.0), ("dense", 0.9)):
-            cfg, rcfg = _cfgs()[name], _muon_rl_cfg(momentum)
-            batches = [make_batch(s, cfg) for s in range(2)]
-            want, _ = reference_weights(cfg, rcfg, batches)
-            up = RLUpdater(_model(cfg), rcfg, tsp=2, dp=1)
-            calls.clear()
-            with comm.track() as t:
-                for i, b in enumerate(batches):
-                    up.step(b, i)
-            got = up.full_state_dict()
-            ops = t.by("tag/op")
-            key = f"owners.{name}"
-            out[key + ".calls"] = len(calls)
-            out[key + ".matrices"] = len(up.opt.matrices)
-            out[key + ".steps"] = len(batches)
-            out[key + ".params"] = max((got[k] - want[k]).abs().max().item() for k in want)
-            out[key + ".all_to_all"] = ops.get("muon.matrices/all_to_all.muon", [0, 0, 0])[2]
-            out[key + ".all_gather"] = ops.get("muon.matrices/all_gather.muon", [0, 0, 0])[2]
-    finally:
-        dp_mod.muon_direction = real
-
-
-def _owners_worker(rank, world, port, path):
-    from tests.test_parallel import run_checks
-
-    run_checks(rank, world, port, path, [_check_owners])
-
-
-@pytest.mark.timeout(300)
-def test_sharded_muon_orthogonalises_each_matrix_once():
-    """On dp1 x tsp2 each whole matrix is orthogonalised by one TSP rank (its owner) per step, the
-    work split between the ranks, and the weights still equal the single-process reference."""
-    from tests.test_parallel import spawn
-
-    ranks = spawn(2, _owners_worker)
-    for r in ranks:
-        assert "error" not in r, r.get("trace")
-    for name in ("moe", "dense"):
-        key = f"owners.{name}"
-        steps, n = ranks[0][key + ".steps"], ranks[0][key + ".matrices"]
-        assert n > 2 and all(r[key + ".matrices"] == n for r in ranks)
-        calls = [r[key + ".calls"] for r in ranks]
-        assert sum(calls) == steps * n, (name, calls, steps, n)  # every matrix exactly once per step
-        assert all(0 < c < steps * n for c in calls), (name, calls)  # each rank only some of them
-        for r in ranks:
-            assert r[key + ".params"] < TOL, (name, r[key + ".params"])
-            assert r[key + ".all_to_all"] == 2 * steps  # U shards to the owners, O back
-            assert r[key + ".all_gather"] == 0
-
-
-def _check_owners_4(world, out):
-    """Four ranks: dp2 x tsp2 with an intermediate size that gives the TSP ranks unequal slices, and
-    dp1 x tsp4 (moe): the weights against the single-process reference, this rank's
-    ``muon_direction`` calls and the number of matrices its TSP group orthogonalises."""
-    import dataclasses
-
-    import train.parallel.dp as dp_mod
-    from tests.test_parallel import _cfgs, _model
-    from tests.test_rl_distributed import make_batch, reference_weights
     from train.parallel.rl_update import RLUpdater
 
     real, calls = dp_mod.muon_direction, []
@@ -460,30 +391,76 @@ def _check_owners_4(world, out):
         return real(*args, **kw)
 
     dp_mod.muon_direction = counting
-    odd = dataclasses.replace(_cfgs()["dense"], intermediate_size=43)
     try:
-        for name, cfg, dp, tsp, momentum in (("odd", odd, 2, 2, 0.9), ("moe", _cfgs()["moe"], 1, 4, 0.0)):
+        for cfg, dp, tsp, momentum in cases:
             rcfg = _muon_rl_cfg(momentum)
             batches = [make_batch(s, cfg) for s in range(2)]
             want, _ = reference_weights(cfg, rcfg, batches)
             up = RLUpdater(_model(cfg), rcfg, tsp=tsp, dp=dp)
             calls.clear()
-            for i, b in enumerate(batches):
-                up.step(b, i)
+            with comm.track() as t:
+                for i, b in enumerate(batches):
+                    up.step(b, i)
             got = up.full_state_dict()
-            key = f"owners4.{name}.dp{dp}xtsp{tsp}"
-            out[key + ".params"] = max((got[k] - want[k]).abs().max().item() for k in want)
-            out[key + ".calls"] = len(calls) / len(batches)
-            out[key + ".group_matrices"] = len(up.opt.owner)  # those some rank of its TSP group needs
-            out[key + ".dp_rank"] = up.dp_rank
+            yield (up, len(calls) / len(batches), max((got[k] - want[k]).abs().max().item() for k in want),
+                   t.by("tag/op"))
     finally:
         dp_mod.muon_direction = real
 
 
-def _owners_worker_4(rank, world, port, path):
+def _check_owners(world, out):
+    """dp1 x tsp2, moe (momentum 0) and dense (0.9): calls, matrices, distance to the reference and
+    the collectives of the Muon exchange."""
+    from tests.test_parallel import _cfgs
+
+    cases = [(_cfgs()["moe"], 1, 2, 0.0), (_cfgs()["dense"], 1, 2, 0.9)]
+    for name, (up, calls, err, ops) in zip(("moe", "dense"), _muon_runs(cases)):
+        key = f"owners.{name}"
+        out[key + ".calls"], out[key + ".matrices"], out[key + ".params"] = calls, len(up.opt.matrices), err
+        out[key + ".all_to_all"] = ops.get("muon.matrices/all_to_all.muon", [0, 0, 0])[2]
+        out[key + ".all_gather"] = ops.get("muon.matrices/all_gather.muon", [0, 0, 0])[2]
+
+
+def _check_owners_4(world, out):
+    """Four ranks: dp2 x tsp2 with an intermediate size that gives the TSP ranks unequal slices, and
+    dp1 x tsp4 (moe): distance to the reference, calls, and the matrices the rank's TSP group needs."""
+    import dataclasses
+
+    from tests.test_parallel import _cfgs
+
+    odd = dataclasses.replace(_cfgs()["dense"], intermediate_size=43)
+    cases = [(odd, 2, 2, 0.9), (_cfgs()["moe"], 1, 4, 0.0)]
+    for key, (up, calls, err, _) in zip(("owners4.odd.dp2xtsp2", "owners4.moe.dp1xtsp4"), _muon_runs(cases)):
+        out[key + ".params"], out[key + ".calls"], out[key + ".dp_rank"] = err, calls, up.dp_rank
+        out[key + ".group_matrices"] = len(up.opt.owner)  # those some rank of its TSP group needs
+
+
+def _checks_worker(rank, world, port, path, check):
     from tests.test_parallel import run_checks
 
-    run_checks(rank, world, port, path, [_check_owners_4])
+    run_checks(rank, world, port, path, [check])
+
+
+@pytest.mark.timeout(300)
+def test_sharded_muon_orthogonalises_each_matrix_once():
+    """On dp1 x tsp2 each whole matrix is orthogonalised by one TSP rank (its owner) per step, the
+    work split between the ranks, and the weights still equal the single-process reference."""
+    from tests.test_parallel import spawn
+
+    ranks = spawn(2, _checks_worker, _check_owners)
+    for r in ranks:
+        assert "error" not in r, r.get("trace")
+    for name in ("moe", "dense"):
+        key = f"owners.{name}"
+        n = ranks[0][key + ".matrices"]
+        assert n > 2 and all(r[key + ".matrices"] == n for r in ranks)
+        calls = [r[key + ".calls"] for r in ranks]
+        assert sum(calls) == n, (name, calls, n)  # every matrix exactly once per step
+        assert all(0 < c < n for c in calls), (name, calls)  # each rank only some of them
+        for r in ranks:
+            assert r[key + ".params"] < TOL, (name, r[key + ".params"])
+            assert r[key + ".all_to_all"] == 2 * 2  # 2 steps x (U shards to the owners, O back)
+            assert r[key + ".all_gather"] == 0
 
 
 @pytest.mark.timeout(300)
@@ -492,7 +469,7 @@ def test_sharded_muon_owners_on_four_ranks():
     reference, and in each TSP group every matrix that the group needs is orthogonalised once."""
     from tests.test_parallel import spawn
 
-    ranks = spawn(4, _owners_worker_4)
+    ranks = spawn(4, _checks_worker, _check_owners_4)
     for r in ranks:
         assert "error" not in r, r.get("trace")
     for key in ("owners4.odd.dp2xtsp2", "owners4.moe.dp1xtsp4"):
