@@ -24,9 +24,8 @@ Threads: when the engine generates in this process's CPU threads and the update 
 trainer ranks, no rollout servers, no GPU), the rollout thread and the update would each start a
 pool of torch's intra-op threads on the same cores, and both slow down. :func:`thread_split` gives the
 rollout thread ``rl.rollout_threads`` of them (default: half) and the update the rest, restored by
-:meth:`Pipeline.close`;
-while the producer waits (it is as far ahead as staleness allows) the update borrows its threads,
-chunk by chunk (:meth:`Pipeline.lend_threads`).
+:meth:`Pipeline.close`; while the producer waits (it is as far ahead as staleness allows) the update
+borrows its threads, chunk by chunk (:meth:`Pipeline.lend_threads`; ``Pipeline.lent`` counts those chunks).
 
 The buffer is not checkpointed (as in PipelineRL): on resume the producer starts afresh from the
 checkpoint's RNG and curriculum; :meth:`Pipeline.paused` gives a consistent snapshot for saving.
