@@ -31,19 +31,17 @@ training problems reaches 0.2 (the policy answers in the boxed format but mostly
 which leaves RL the task itself to learn; stopping at 0.4 left some seeds after a long SFT plateau with
 a near-greedy policy that RL barely moved.
 
-Measured on 2026-12-02 (a fresh 2-core CPU, commit c5a7e1e, defaults, ``--jobs 2``; held-out sampled
-accuracy before -> after RL, 200 problems x 4 samples):
+Measured on 2026-12-02 (another fresh 2-core CPU, slower than the last one, commit e925322, defaults,
+``--jobs 2``; held-out sampled accuracy before -> after RL, 200 problems x 4 samples):
 
 | mode | seed 0 | seed 1 | seed 2 | seed 3 | seed 4 | median gain | min gain | wall |
 | --- | --- | --- | --- | --- | --- | --- | --- | --- |
-| sync  | 0.190 -> 0.479 (+28.9) | 0.163 -> 0.760 (+59.8) | 0.336 -> 0.696 (+36.0) | 0.165 -> 0.786 (+62.1) | 0.253 -> 0.908 (+65.5) | +59.8 | +28.9 | 149 s |
-| async | 0.190 -> 0.506 (+31.6) | 0.163 -> 0.733 (+57.0) | 0.336 -> 0.679 (+34.2) | 0.165 -> 0.815 (+65.0) | 0.253 -> 0.898 (+64.5) | +57.0 | +31.6 | 150 s |
+| sync  | 0.190 -> 0.504 (+31.4) | 0.163 -> 0.746 (+58.4) | 0.336 -> 0.699 (+36.2) | 0.165 -> 0.750 (+58.5) | 0.253 -> 0.899 (+64.6) | +58.4 | +31.4 | 247 s |
+| async | 0.190 -> 0.494 (+30.4) | 0.163 -> 0.754 (+59.1) | 0.336 -> 0.689 (+35.2) | 0.165 -> 0.820 (+65.5) | 0.253 -> 0.891 (+63.9) | +59.1 | +30.4 | 232 s |
 
-The trajectories depend on the machine's float kernels: on another CPU the same seeds gave other
-figures (git history has them); on this one seed 1 gives the same figures with the code before and
-after that day's engine change.
-Each seed takes 37-53 s there (SFT, then RL); async trains on rollouts 0.99 versions behind on
-average. Tiny policies
+The trajectories depend on the machine's float kernels: on other CPUs the same seeds gave other
+figures (git history has them). A seed takes up to 84 s here (SFT, then RL); async trains on
+rollouts 0.99 versions behind on average. Tiny policies
 are chaotic across seeds: read these as five samples; ``--trace`` adds held-out evaluations during RL,
 which shift the random streams, so traced runs give other (same-seed reproducible) numbers.
 """

@@ -38,41 +38,42 @@ Task: ``toy/max`` at difficulty 2 (the largest of 4 digits). Checking is easier 
 matters to an aggregator: every candidate answers with a digit of the list, so the largest of the C shown
 answers is right whenever any one of them is; choosing the largest of 4 boxed answers is a smaller problem
 than the task and needs nothing the task does not. After the warm-up the policy is partly right and its
-samples disagree (after RL, round-0 pass@8 0.578-0.891 against single 0.260-0.797 below), so there is
+samples disagree (after RL, round-0 pass@8 0.688-0.891 against single 0.279-0.754 below), so there is
 room to aggregate.
 
 Figures are accuracies on the 64 held-out problems; "r1" is round 1's accuracy and "r1 ceiling" its
 perfect-picker bound; "cut" counts RSA traces (of 64 x 8 x 3 = 1,536) that hit beta.
 
-Measured on 2026-12-02 (a fresh 2-core CPU, commit 984f348, defaults, ``--jobs 2``: 455 s wall, 213 /
-288 / 238 s per seed; trajectories depend on the machine's float kernels, and another CPU gave other
-figures, in git history):
+Measured on 2026-12-02 (another fresh 2-core CPU, commit e925322, defaults, ``--jobs 2``: 579 s wall,
+272 / 398 / 301 s per seed; trajectories depend on the machine's float kernels, and other CPUs gave
+other figures, in git history):
 
 | seed | agg single | agg maj. | agg rsa | agg r1 / ceiling | agg cut | abl. single | abl. maj. | abl. rsa | abl. cut |
 | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
-| 0 | 0.685 | 0.688 | 0.684 | 0.688 / 0.688 | 1 | 0.797 | 0.828 | 0.480 | 502 |
-| 1 | 0.449 | 0.469 | 0.387 | 0.447 / 0.773 | 1530 | 0.742 | 0.844 | 0.000 | 1027 |
-| 2 | 0.283 | 0.312 | 0.254 | 0.260 / 0.516 | 16 | 0.260 | 0.250 | 0.193 | 62 |
+| 0 | 0.680 | 0.688 | 0.682 | 0.684 / 0.688 | 0 | 0.688 | 0.688 | 0.012 | 1009 |
+| 1 | 0.467 | 0.469 | 0.004 | 0.430 / 0.775 | 1023 | 0.754 | 0.844 | 0.000 | 1534 |
+| 2 | 0.301 | 0.328 | 0.270 | 0.270 / 0.666 | 1 | 0.279 | 0.328 | 0.246 | 24 |
 
-``rsa_gain_points`` -0.2 / -6.2 / -2.9 (median -2.9, min -6.2); ``rsa_vs_ablation_points`` +20.3 / +38.7 /
-+6.1 (median +20.3, min +6.1); ``goal_met`` false.
+``rsa_gain_points`` +0.2 / -46.3 / -3.1 (median -3.1, min -46.3); ``rsa_vs_ablation_points`` +67.0 /
++0.4 / +2.3 (median +2.3, min +0.4); ``goal_met`` false.
 
 Why the goal is not met (what the figures say):
 
-- Training on aggregation prompts teaches the policy to *read* them: the ablation, never trained on such
-  prompts, breaks on them (rsa 0.000-0.480 against single 0.260-0.797, with 62-1,027 of 1,536 traces cut
-  at beta), while the agg policy answers them about as well as plain problems (round 1 0.688 / 0.447 /
-  0.260 against single 0.685 / 0.449 / 0.283). That is the rsa_vs_ablation margin, positive on every seed.
+- Training on aggregation prompts teaches the policy to *read* them where RL takes hold: on seed 0 the
+  ablation, never trained on such prompts, breaks on them (rsa 0.012, 1,009 of 1,536 traces cut at
+  beta) while the agg policy answers them as well as plain problems (round 1 0.684 against single
+  0.680). On seed 1 both break (agg rsa 0.004 with 1,023 traces cut, ablation 0.000 with 1,534): the
+  agg policy's round 1 still answers (0.430) but its traces stop ending, and round 2 reads tails that no
+  longer show an answer. Seed 2's RL barely took off (agg reward 0.23 -> 0.26) and the two policies
+  are alike.
 - Learning to *pick* from them did not happen: round 1 is never above single, though a perfect picker
-  would score 32 and 23 points more on seeds 1 and 2 (the r1 ceiling): the policy solves the problem
-  again from the list and ignores the tails. 1,665-2,347 aggregation prompts of reward alone are too
+  would score 35 and 37 points more on seeds 1 and 2 (the r1 ceiling): the policy solves the problem
+  again from the list and ignores the tails. 1,655-2,169 aggregation prompts of reward alone are too
   little for a 0.8M-parameter policy to learn the copy-the-best-candidate step.
 - When RL takes off fast it removes the disagreement RSA needs: seed 0 became deterministic per problem
-  (single 0.685, pass@8 0.688). Seed 1 stopped ending its traces (1,530 of 1,536 cut at beta) and round 2
-  falls below round 1 (0.387 against 0.447): our reading is that a 6-token tail of a trace that runs on
-  past its answer no longer shows the answer. Seed 2's RL barely took off (agg reward 0.23 -> 0.29).
-- The aggregation share is paid for in single-sample accuracy: the ablation, all of whose RL went to plain
-  problems, ends at median single 0.742 against the agg policy's 0.449.
+  (single 0.680, pass@8 0.688).
+- The aggregation share is paid for in single-sample accuracy on seed 1: the ablation, all of whose RL
+  went to plain problems, ends at single 0.754 against the agg policy's 0.467.
 """
 from __future__ import annotations
 

@@ -21,13 +21,13 @@ Prints ONE JSON line: ``files_sync_s`` and ``broadcast_sync_s`` (medians; min an
     python benchmarks/weights.py                        # tiny-moe (6.6 MB), 2 servers
     python benchmarks/weights.py --preset small-moe     # 228 MB
 
-Measured on this project's 2-core CPU (2026-12-02, commit e6feb3e, 2 servers, 5 warm versions per
-transport, 3 runs each):
+Measured on this project's 2-core CPU (2026-12-02, a slower machine than the earlier figures in git history,
+commit e925322, 2 servers, 5 warm versions per transport; tiny-moe 3 runs, small-moe 2 runs):
 
 | preset | files_sync_s (median per run) | broadcast_sync_s | sync_speedup | files done behind |
 | --- | --- | --- | --- | --- |
-| tiny-moe (6.6 MB) | 0.021, 0.021, 0.021 | 0.021, 0.019, 0.026 | 1.02, 1.09, 0.82 | 0.032-0.036 s |
-| small-moe (228 MB) | 0.52, 0.53, 0.55 | 1.32, 1.46, 1.35 | 0.39, 0.36, 0.41 | 1.66-1.79 s |
+| tiny-moe (6.6 MB) | 0.036, 0.039, 0.033 | 0.047, 0.048, 0.031 | 0.75, 0.83, 1.04 | 0.050-0.072 s |
+| small-moe (228 MB) | 0.85, 0.73 | 2.01, 0.98 | 0.42, 0.74 | 1.44-2.67 s |
 
 On one host the files win at 228 MB: they pass through the page cache (written once, each server
 maps and re-hashes them), while the broadcast copies every byte through loopback TCP to each server
