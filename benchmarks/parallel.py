@@ -36,34 +36,31 @@ Every figure is measured outside the code under test, next to calc.py's formula:
 
 Measured (``python benchmarks/parallel.py``: D=4, seq 4096, batch 1, H=128, L=2 (layer 0 dense,
 layer 1 MoE 4 experts top-2), V=512, 574,656 params, fp32, reps 3; 4 ranks on 2 CPU cores, so
-seconds are oversubscribed; re-measured 2026-12-02 after the sharded layouts learned per-rank
-checkpoint slices and q/k/v biases (measured at commit 650e10c; Qwen3's computation and
-collectives are unchanged), quiet machine):
+seconds are oversubscribed; re-measured 2026-12-02 at commit 4f976af on a fresh machine, quiet):
 
-    layout   wire bytes   formula      err     (calibrated count: within 0.32% for every layout)
-    tsp       71,893,592   58,421,760  +23.1%
-    tp       126,682,196  126,322,104   +0.3%
-    sp       190,071,872  126,546,360  +50.2%
-    dp        20,729,132   20,687,616   +0.2%
+    layout   wire bytes   formula      err     (calibrated count: within 0.30% for every layout)
+    tsp       71,877,964   58,421,760  +23.0%
+    tp       126,680,788  126,322,104   +0.3%
+    sp       190,073,240  126,546,360  +50.2%
+    dp        20,728,976   20,687,616   +0.2%
 
     peak MiB per rank (recompute for all) | no recompute | step s (recompute | none)
-    single   69.7   139.4   1.55  1.17
-    tsp      21.8    21.8   2.54  2.54
-    tp       52.7    67.9   1.19  1.10
-    sp       33.0    51.4   1.24  1.17
-    dp       69.3   136.4   3.30  2.50
+    single   69.7   139.6   1.14  0.77
+    tsp      21.7    21.7   1.83  1.83
+    tp       52.7    68.0   0.95  0.90
+    sp       35.0    51.5   1.05  0.91
+    dp       67.5   136.7   2.22  1.66
 
-    tsp_mem_ratio 0.3130 (tp 0.755, sp 0.474, dp 0.994) at seq 4096 with equal recompute (at 0860229,
-    before these changes: 0.3113; earlier runs 0.3115, 0.3109). Step seconds depend on the machine's
-    load (an earlier, loaded run: TSP 3.77 s, then 7.67 s); compare seconds only within one run, and
-    not as a property of TSP.
+    tsp_mem_ratio 0.3105 (tp 0.756, sp 0.501, dp 0.968) at seq 4096 with equal recompute. Step seconds
+    depend on the machine and its load; compare seconds only within one run, and not as a property
+    of TSP.
 
 On a loaded machine other traffic on ``lo`` was visible (an earlier run: TSP's step windows read
 79.1, 71.9 and 74.7 MB, TP's idle windows up to 1.46 MB), hence min over windows; in this run the
-windows agreed within 0.13% and idle windows read 0-156 B.
+windows agreed within 0.03% and idle windows read 0-208 B.
 
 Gaps over 10% between measured and formula, all explained by the calibration (the calibrated
-count matches within 0.32% for every layout): calc.py counts bandwidth-optimal (NCCL-style ring)
+count matches within 0.30% for every layout): calc.py counts bandwidth-optimal (NCCL-style ring)
 bytes, and gloo does not always move those.
 
 * reduce_scatter: gloo moves 2.00x the optimal bytes (consistent with an all-reduce of the whole
