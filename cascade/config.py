@@ -233,7 +233,7 @@ class Trainer:
     rdzv_endpoint: str | None = None  # HOST:PORT of the c10d rendezvous, with nnodes > 1
     rdzv_id: str = "cascade"
     tsp: int = 1
-    tokens_per_micro: int = 16384     # padded tokens (rows x longest row) per micro-batch on a rank
+    tokens_per_micro: int = 16384     # tokens per packed micro-batch on a rank (a longer rollout gets its own)
     timeout_s: float = 3600.0         # longest wait for the ranks (an update, a version, a checkpoint)
 
     @property

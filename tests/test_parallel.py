@@ -110,6 +110,37 @@ def _check_tsp(W, out):
                 if am is not None:
                     err = err[am.bool()[:, slots[inside]]]
                 out[key + ".logprobs"] = err.abs().max().item()
+    # a packed row: sequences back to back (6 + 1 + 10 tokens: the long one straddles zigzag chunks), against
+    # each sequence run on its own; the sequences' last tokens (whose next token starts another) are not scored
+    lens = [6, 1, 10]
+    cu = [0, 6, 7, 17]
+    scored = torch.tensor([p for a, b in zip(cu, cu[1:]) for p in range(a, b - 1)])
+    for name, cfg in _cfgs().items():
+        key = f"tsp{W}.{name}.packed"
+        ref = _model(cfg)
+        g = torch.Generator().manual_seed(3)
+        seqs = [torch.randint(0, 50, (n,), generator=g) for n in lens]
+        row = torch.cat(seqs)[None]
+        logits = [ref(x[None])[0] for x in seqs]
+        want = torch.cat([torch.log_softmax(z[:-1], -1).gather(-1, x[1:, None]).squeeze(-1) for z, x in zip(logits, seqs)])
+        loss = -want.sum() / len(scored)
+        loss.backward()
+        tsp = TSPCausalLM(ref)
+        lp, slots = tsp.token_logprobs(row, cu_seqlens=cu)
+        valid = torch.isin(slots, scored)
+        local = -(lp[0] * valid).sum() / len(scored)
+        local.backward()
+        tsp.sync_grads()
+        total = local.detach().clone()
+        torch.distributed.all_reduce(total)
+        with torch.no_grad():
+            full = tsp.gather_logits(tsp(row, cu_seqlens=cu), row.shape[1])[0]
+        want_at = torch.zeros(row.shape[1])
+        want_at[scored] = want.detach()
+        out[key + ".logits"] = (full - torch.cat(logits).detach()).abs().max().item()
+        out[key + ".loss"] = abs(total.item() - loss.item())
+        out[key + ".grads"] = _grad_err(tsp.gather_full(grads=True), ref)
+        out[key + ".logprobs"] = (lp[0][valid] - want_at[slots[valid]]).abs().max().item()
 
 
 def _tp_cfgs(W):
@@ -271,7 +302,8 @@ def _values(results, prefix):
 @pytest.mark.timeout(300)
 def test_tsp_matches_single_process(results):
     W, vals = _values(results, "tsp")
-    assert len(vals) == 4 * 2 * 4, vals  # dense/moe/qwen2/llama3 x causal/mask x logits/loss/grads/logprobs
+    # dense/moe/qwen2/llama3 x causal/mask/packed x logits/loss/grads/logprobs
+    assert len(vals) == 4 * 3 * 4, vals
     bad = {k: v for k, v in vals.items() if not v < TOL}
     assert not bad, bad
 

@@ -10,13 +10,14 @@ single-process :func:`reference_update` does, within float rounding:
   counts them), so the micro-batch losses of all ranks sum to the loss of the whole batch;
 * DP: the rollouts are dealt to the data-parallel ranks balanced by token count (longest first,
   each to the least loaded rank); each rank packs its rollouts back to back into micro-batches
-  of at most ``tokens_per_micro`` tokens (:mod:`train.rl.packing`); TSP ranks instead form padded
-  micro-batches of rows of similar length under a padded-token budget. Rollouts with ``keep=False`` or no completion
+  of at most ``tokens_per_micro`` tokens (:mod:`train.rl.packing`), one row per micro-batch with
+  positions restarting per rollout and no attention across rollouts, on TSP ranks too (the packed
+  row is what the TSP group partitions). Rollouts with ``keep=False`` or no completion
   contribute nothing, are not computed and do not count in the ``seq_*`` denominators (as verl);
-* TSP (degree D > 1): each rank computes the log-probs of its own tokens
+* TSP (degree D > 1): each rank computes the log-probs of its own tokens of the packed row
   (:meth:`TSPCausalLM.token_logprobs`, temperature and router replay included); an
   all-gather whose backward just takes this rank's slice (:func:`comm.all_gather_replicated`)
-  reassembles the full ``[B, T-1]`` tensor on every rank, and every rank computes the identical,
+  reassembles the whole row's on every rank, and every rank computes the identical,
   replicated loss. Whole sequences are present, so sequence-level losses (GSPO, per-rollout
   means) are exact. D = 1 is plain data parallelism on the unsharded :class:`CausalLM`;
 * the optimizer is :class:`train.parallel.dp.MeshAdamW`: replicated-parameter gradients SUMMED
@@ -70,7 +71,7 @@ from train.parallel.dp import MeshAdamW, MeshMuon
 from train.parallel.shard import make_mesh
 from train.parallel.tsp import TSPCausalLM, check_tsp_config, zigzag_index
 from train.rl.exchange import TrainBatch, TrainSample
-from train.rl.packing import balance_across_ranks, pack_by_tokens, packed_token_logprobs, scatter_rows
+from train.rl.packing import balance_across_ranks, pack_by_tokens, pack_row, packed_token_logprobs, scatter_rows
 from train.rl.losses import LossConfig, effective_agg, get_loss, mismatch_metrics
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -81,7 +82,7 @@ class RLUpdateConfig:
     loss: str = "dppo_tv"
     loss_cfg: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    tokens_per_micro: int = 4096   # tokens per micro-batch: packed (tsp 1), or padded rows x longest row (TSP)
+    tokens_per_micro: int = 4096   # tokens per packed micro-batch (a longer rollout gets one of its own)
     dtype: str = "float32"         # float32 | bfloat16 (compute copy; fp32 master and optimizer state)
     pad_id: int = 0
     sft_optim: OptimConfig | None = None  # the optimizer of SFT batches (meta kind "sft"); None: optim's
@@ -121,8 +122,9 @@ class RLTensors:
     routed_experts: list[torch.Tensor] | None  # per MoE layer [B, T, k] (router replay)
 
 
-def batch_tensors(samples: list[TrainSample], pad_id: int, device) -> RLTensors:
-    """Right-padded training tensors of ``samples`` (prompts of at least one token)."""
+def batch_tensors(samples: list[TrainSample], pad_id: int, device, routing: bool = True) -> RLTensors:
+    """Right-padded training tensors of ``samples`` (prompts of at least one token); ``routing=False``
+    leaves out the padded routed experts (the packed forward takes them from the samples)."""
     from train.batching import make_batch
 
     if any(not s.prompt_ids for s in samples):
@@ -132,7 +134,7 @@ def batch_tensors(samples: list[TrainSample], pad_id: int, device) -> RLTensors:
     mu = b.scatter_completion([s.logprobs for s in samples])
     routed = None
     have = [s.routed_experts is not None for s in samples]
-    if any(have):
+    if routing and any(have):
         if not all(have):
             raise ValueError("routed_experts must be given for every sample of a batch or for none")
         B, T = b.input_ids.shape
@@ -157,17 +159,6 @@ def loss_denominator(samples: list[TrainSample], agg: str) -> float:
     if agg == "token_mean":
         return float(max(1, sum(len(s.completion_ids) for s in samples if s.keep)))
     return float(max(1, sum(1 for s in samples if s.keep and s.completion_ids)))
-
-
-def token_budget_micro_batches(indices: list[int], lengths: list[int], budget: int) -> list[list[int]]:
-    """Rows sorted longest first, cut so that rows x longest row <= ``budget`` (one row at least)."""
-    out: list[list[int]] = []
-    for i in sorted(indices, key=lambda i: (-lengths[i], i)):
-        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= budget:
-            out[-1].append(i)
-        else:
-            out.append([i])
-    return out
 
 
 def gather_tokens(local: torch.Tensor, T: int, group) -> torch.Tensor:
@@ -296,17 +287,27 @@ class RLUpdater:
         self.opt.configure(o.betas, o.eps, o.weight_decay, **extra)
 
     # -- one step -------------------------------------------------------------------------------
-    def _logprobs(self, t: RLTensors, temperature: float, samples: list[TrainSample]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probs [B, T-1] with grad, entropy [B, T-1]) of the rows, the same on every TSP rank.
-        Without TSP the rows run packed back to back (train/rl/packing.py); TSP ranks take them padded."""
+    def _packed(self, samples: list[TrainSample], temperature: float, entropy: bool):
+        """Per-sample completion log-probs (and entropies) from one packed forward of the rows: the
+        unsharded model's (train/rl/packing.py) or the TSP group's, every TSP rank getting all of them."""
         if self.tsp == 1:
-            lps, ents = packed_token_logprobs(self.net, samples, temperature)
-            starts, W = [len(s.prompt_ids) - 1 for s in samples], t.input_ids.shape[1] - 1
-            return scatter_rows(lps, starts, W), scatter_rows(ents, starts, W)
-        lp, _, ent = self.net.token_logprobs(t.input_ids, t.attention_mask, temperature, t.routed_experts,
-                                             return_entropy=True)
-        full = gather_tokens(torch.stack([lp, ent.to(lp.dtype)], -1), t.input_ids.shape[1], self.tsp_group)
-        return full[..., 0], full[..., 1].detach()
+            return packed_token_logprobs(self.net, samples, temperature, return_entropy=entropy)
+        row = pack_row(samples, self.device)
+        N = row.input_ids.numel()
+        out = self.net.token_logprobs(row.input_ids[None], None, temperature, row.routed_experts,
+                                      return_entropy=entropy, cu_seqlens=row.cu_seqlens)
+        local = torch.stack([out[0], out[2].to(out[0].dtype)], -1) if entropy else out[0]
+        full = gather_tokens(local, N, self.tsp_group)[0].index_select(0, row.scored)
+        if not entropy:
+            return list(torch.split(full, row.counts))
+        return list(torch.split(full[:, 0], row.counts)), list(torch.split(full[:, 1].detach(), row.counts))
+
+    def _logprobs(self, t: RLTensors, temperature: float, samples: list[TrainSample]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs [B, T-1] with grad, entropy [B, T-1]) of the rows, the same on every TSP rank,
+        computed packed (the padded ``t`` gives only the layout)."""
+        lps, ents = self._packed(samples, temperature, True)
+        starts, W = [len(s.prompt_ids) - 1 for s in samples], t.input_ids.shape[1] - 1
+        return scatter_rows(lps, starts, W), scatter_rows(ents, starts, W)
 
     @torch.no_grad()
     def _ref_logprobs(self, t: RLTensors, temperature: float, samples: list[TrainSample]) -> torch.Tensor:
@@ -314,11 +315,8 @@ class RLUpdater:
         reference tensors swapped into its parameters, then swapped back."""
         self._swap_reference()
         try:
-            if self.tsp == 1:
-                lps = packed_token_logprobs(self.net, samples, temperature, return_entropy=False)
-                return scatter_rows(lps, [len(s.prompt_ids) - 1 for s in samples], t.input_ids.shape[1] - 1)
-            lp, _ = self.net.token_logprobs(t.input_ids, t.attention_mask, temperature, t.routed_experts)
-            return gather_tokens(lp, t.input_ids.shape[1], self.tsp_group)
+            lps = self._packed(samples, temperature, False)
+            return scatter_rows(lps, [len(s.prompt_ids) - 1 for s in samples], t.input_ids.shape[1] - 1)
         finally:
             self._swap_reference()
 
@@ -336,17 +334,14 @@ class RLUpdater:
         live = [i for i, s in enumerate(samples) if s.keep and s.completion_ids]
         lengths = [s.num_tokens for s in samples]
         mine = [live[i] for i in balance_across_ranks([lengths[i] for i in live], self.dp)[self.dp_rank]]
-        if self.tsp == 1:  # packed: the budget counts real tokens
-            micro = [[mine[j] for j in mb] for mb in pack_by_tokens([lengths[i] for i in mine], cfg.tokens_per_micro)]
-        else:
-            micro = token_budget_micro_batches(mine, lengths, cfg.tokens_per_micro)
+        micro = [[mine[j] for j in mb] for mb in pack_by_tokens([lengths[i] for i in mine], cfg.tokens_per_micro)]
         temp = 1.0 if sft else (batch.temperature or 1.0)
         sums: dict[str, float] = {}
         weight = loss_total = ent_sum = 0.0
         mismatch = 0.0
         self.net.train()
         for rows in micro:
-            t = batch_tensors([samples[i] for i in rows], cfg.pad_id, self.device)
+            t = batch_tensors([samples[i] for i in rows], cfg.pad_id, self.device, routing=False)
             ref = None
             if not sft and self.ref is not None:  # the KL reference's log-probs, before the policy's forward
                 ref = self._ref_logprobs(t, temp, [samples[i] for i in rows])

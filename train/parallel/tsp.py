@@ -8,6 +8,11 @@ dropped) is cut into 2D chunks of c tokens; rank r holds chunks r and 2D-1-r. Po
 global (RoPE, causal mask), so a rank's early chunk attends to few keys and its late chunk to
 many: every rank does the same attention work, c^2 (2D+1) query-key pairs per head.
 
+Packed rows (``cu_seqlens``, as :meth:`CausalLM.hidden_states`): one row [1, T] holding several
+sequences back to back is partitioned the same way; positions restart per sequence and a query
+attends only to earlier keys of its own sequence (each chunk's keys start at the first key of its
+first query's sequence, so a chunk pays for at most its own length beyond the real query-key pairs).
+
 Weights:
 * Attention: query heads in D groups (``num_attention_heads % D == 0``); rank j owns group j's
   q_proj rows and o_proj columns. KV heads: with ``num_key_value_heads >= D`` (a multiple of
@@ -65,6 +70,19 @@ def zigzag_index(T: int, D: int, r: int) -> tuple[int, torch.Tensor]:
     c = -(-T // (2 * D))
     a, b = r, 2 * D - 1 - r
     return 2 * D * c, torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])
+
+
+def packed_segment_starts(cu_seqlens, T: int, Tp: int, B: int, attention_mask, device) -> torch.Tensor:
+    """[Tp] long: the first slot of each slot's sequence for a packed row with boundaries ``cu_seqlens``
+    (0, ..., T); the padding slots T..Tp-1 form one more sequence."""
+    cu = [int(c) for c in cu_seqlens]
+    if B != 1 or attention_mask is not None:
+        raise ValueError(f"a packed row (cu_seqlens) is one row [1, T] without an attention mask, got {B} rows"
+                         + (" and a mask" if attention_mask is not None else ""))
+    if not cu or cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to the row's length {T}, got {cu[:8]}{'...' if len(cu) > 8 else ''}")
+    bounds = torch.tensor(cu + [Tp], dtype=torch.long, device=device)
+    return torch.repeat_interleave(bounds[:-1], bounds[1:] - bounds[:-1], output_size=Tp)
 
 
 def check_tsp_config(cfg: ModelConfig, D: int) -> None:
@@ -188,9 +206,10 @@ class TSPCausalLM(ShardedLM):
     def _expert_fn(x, w, idx, j, gu, dn):
         return expert_partial(x, w, idx, gu, dn)
 
-    def _attn_fn(self, x, cos, sin, qn, kn, key_valid, q_slots, order, *w):
+    def _attn_fn(self, x, cos, sin, qn, kn, key_valid, seg_start, q_slots, order, *w):
         """One query-head group: project local tokens, gather K/V, attend, project out. ``w``: the
-        group's q_proj (+ bias) and o_proj, then its k_proj (+ bias) and v_proj (+ bias)."""
+        group's q_proj (+ bias) and o_proj, then its k_proj (+ bias) and v_proj (+ bias).
+        ``seg_start`` [Tp] (packed rows): the first slot of each slot's sequence."""
         cfg, B, n = self.config, x.shape[0], x.shape[1]
         d, hq, kvh = cfg.head_dim, self.hq, self.kvh
         eps = cfg.rms_norm_eps
@@ -216,17 +235,21 @@ class TSPCausalLM(ShardedLM):
         for half in range(2):
             qs = q_slots[half * c:(half + 1) * c]
             end = int(qs[-1]) + 1  # keys beyond the chunk's last slot are all in the future
-            ks = torch.arange(end, device=x.device)
+            # packed: no key before the first query's sequence (slots ascend within a chunk)
+            begin = int(seg_start[qs[0]]) if seg_start is not None else 0
+            ks = torch.arange(begin, end, device=x.device)
             m = (ks[None, :] <= qs[:, None])[None]
             if key_valid is not None:
-                m = m & key_valid[:, None, :end]
+                m = m & key_valid[:, None, begin:end]
+            if seg_start is not None:  # no attention across sequences
+                m = m & (ks[None, :] >= seg_start[qs][:, None])[None]
             m = (m | (ks[None, :] == qs[:, None])[None])[:, None]
-            outs.append(F.scaled_dot_product_attention(q[:, :, half * c:(half + 1) * c], K[:, :, :end],
-                                                       Vv[:, :, :end], attn_mask=m))
+            outs.append(F.scaled_dot_product_attention(q[:, :, half * c:(half + 1) * c], K[:, :, begin:end],
+                                                       Vv[:, :, begin:end], attn_mask=m))
         o = torch.cat(outs, 2).transpose(1, 2).reshape(B, n, hq * d)
         return F.linear(o, wo)
 
-    def _attention(self, i, x, cos, sin, key_valid, q_slots, order):
+    def _attention(self, i, x, cos, sin, key_valid, seg_start, q_slots, order):
         cfg, p, r = self.config, f"model.layers.{i}.self_attn.", self.rank
         d, H, bias = cfg.head_dim, cfg.hidden_size, cfg.attention_bias
         qo_shapes = [(self.hq * d, H)] + [(self.hq * d,)] * bias + [(H, self.hq * d)]
@@ -240,7 +263,7 @@ class TSPCausalLM(ShardedLM):
             src = self._kv_owner(j)
             bundles = [(j, qo_shapes, [self._p[p + n] for n in qo_names] if r == j else []),
                        (src, kv_shapes, [self._p[p + n] for n in kv_names] if r == src else [])]
-            y = comm.broadcast_apply(self._attn_fn, (x, cos, sin, qn, kn, key_valid, q_slots, order), bundles,
+            y = comm.broadcast_apply(self._attn_fn, (x, cos, sin, qn, kn, key_valid, seg_start, q_slots, order), bundles,
                                      self.group)
             out = y if out is None else out + y
         if cfg.o_proj_bias:
@@ -260,19 +283,25 @@ class TSPCausalLM(ShardedLM):
         return y.view(B, n, H)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                routed_experts: list[torch.Tensor] | None = None) -> torch.Tensor:
+                routed_experts: list[torch.Tensor] | None = None, cu_seqlens=None) -> torch.Tensor:
         """fp32 logits [B, n_local, V] of this rank's tokens (global slots: :meth:`local_slots`).
 
         ``input_ids`` [B, T] and ``attention_mask`` [B, T] (1 = real token; padding anywhere) are
         the FULL batch, identical on every rank of the group; ``routed_experts`` (per MoE layer,
-        [B, T, k]) replays the expert choice."""
+        [B, T, k]) replays the expert choice. ``cu_seqlens`` (0, end of sequence 1, ..., T): one
+        packed row (B = 1, no attention mask) of sequences back to back, positions restarting per
+        sequence and no attention across them."""
         cfg, D = self.config, self.D
         B, T = input_ids.shape
         Tp, slots = zigzag_index(T, D, self.rank)
         dev = input_ids.device
         slots = slots.to(dev)
         ids = F.pad(input_ids, (0, Tp - T))
-        if attention_mask is not None:
+        seg_start = None
+        if cu_seqlens is not None:
+            seg_start = packed_segment_starts(cu_seqlens, T, Tp, B, attention_mask, dev)
+            key_valid, pos = None, (torch.arange(Tp, device=dev) - seg_start)[None]
+        elif attention_mask is not None:
             key_valid = F.pad(attention_mask.to(torch.bool), (0, Tp - T))
             pos = running_positions(key_valid)
             if bool(attention_mask.all()):
@@ -292,7 +321,7 @@ class TSPCausalLM(ShardedLM):
             p = f"model.layers.{i}."
             with comm.tag(f"layer{i}.attn"):
                 h = rms_norm(x, self._p[p + "input_layernorm.weight"], cfg.rms_norm_eps).to(dt)
-                x = x + self._attention(i, h, cos, sin, key_valid, slots, order)
+                x = x + self._attention(i, h, cos, sin, key_valid, seg_start, slots, order)
             with comm.tag(f"layer{i}.mlp"):
                 h = rms_norm(x, self._p[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps).to(dt)
                 replay = None
@@ -308,7 +337,7 @@ class TSPCausalLM(ShardedLM):
 
     # ---------------------------------------------------------------------------- losses
     def token_logprobs(self, input_ids, attention_mask=None, temperature: float = 1.0, routed_experts=None,
-                       return_entropy: bool = False):
+                       return_entropy: bool = False, cu_seqlens=None):
         """Per-token log-probabilities for the RL loss, partitioned like the tokens.
 
         Returns ``(logp [B, n_local], slots [n_local])``: ``logp[:, i]`` is log p(input_ids[:, s+1]
@@ -316,9 +345,11 @@ class TSPCausalLM(ShardedLM):
         ``modeling.token_logprobs(...)[:, s]``. Entries with ``s >= T-1`` are zeros (no next token).
         A loss built from these must sum over this rank's tokens only, with GLOBAL normalisers, and
         :meth:`sync_grads` after backward. With ``return_entropy`` a third item holds the entropy
-        of each local position's distribution [B, n_local] (no gradient)."""
+        of each local position's distribution [B, n_local] (no gradient). ``cu_seqlens``: a packed
+        row (see :meth:`forward`); the value at a sequence's last token (whose next token starts the
+        following sequence) means nothing and must be masked by the loss."""
         B, T = input_ids.shape
-        logits = self(input_ids, attention_mask, routed_experts)
+        logits = self(input_ids, attention_mask, routed_experts, cu_seqlens)
         if temperature and temperature != 1.0:
             logits = logits / temperature
         slots = self.local_slots(T).to(input_ids.device)

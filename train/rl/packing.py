@@ -13,6 +13,7 @@ so the fp32 [tokens, vocab] logits never exist at once, in forward or backward.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -177,6 +178,51 @@ def _per_layer_routing(r, length: int) -> list[torch.Tensor]:
     return out
 
 
+@dataclass
+class PackedRow:
+    """Sequences back to back in one row, as :func:`packed_token_logprobs` and the TSP ranks feed it
+    to the model."""
+
+    input_ids: torch.Tensor                     # [N] every sequence's tokens, back to back
+    cu_seqlens: list[int]                       # 0, end of sequence 1, ..., N
+    scored: torch.Tensor                        # [S] positions whose NEXT token is scored, sequence by sequence
+    counts: list[int]                           # scored tokens per sequence (sum S)
+    routed_experts: list[torch.Tensor] | None   # per MoE layer [1, N, k] (router replay), or None
+
+
+def pack_row(samples_or_token_lists: Sequence, device, routed_experts: Sequence | None = None) -> PackedRow:
+    """The :class:`PackedRow` of the given samples (their completion tokens scored) or token lists
+    (tokens 1..L-1 scored); routed experts as in :func:`packed_token_logprobs`."""
+    seqs = [_sequence(s) for s in samples_or_token_lists]
+    if any(len(ids) == 0 for ids, _ in seqs):
+        raise ValueError("an empty sequence cannot be packed")
+    if routed_experts is None:
+        own = [getattr(s, "routed_experts", None) for s in samples_or_token_lists]
+        if all(r is not None for r in own):
+            routed_experts = own
+        elif any(r is not None for r in own):
+            raise ValueError("some samples carry routed experts and some do not; replay needs all or none")
+    if routed_experts is not None and len(routed_experts) != len(seqs):
+        raise ValueError(f"{len(routed_experts)} routed-expert entries for {len(seqs)} sequences")
+    ids: list[int] = []
+    pos: list[int] = []
+    cu = [0]
+    counts = []
+    for toks, first in seqs:
+        o = len(ids)
+        ids.extend(toks)
+        pos.extend(range(o + first - 1, o + len(toks) - 1))
+        counts.append(max(0, len(toks) - first))
+        cu.append(len(ids))
+    replay = None
+    if routed_experts is not None:
+        per_seq = [_per_layer_routing(r, len(t)) for r, (t, _) in zip(routed_experts, seqs)]
+        replay = [torch.cat([p[i] for p in per_seq]).to(device=device, dtype=torch.long)[None]
+                  for i in range(len(per_seq[0]))]
+    return PackedRow(torch.tensor(ids, dtype=torch.long, device=device), cu,
+                     torch.tensor(pos, dtype=torch.long, device=device), counts, replay)
+
+
 def packed_token_logprobs(model: CausalLM, samples_or_token_lists: Sequence, temperature: float = 1.0,
                           routed_experts: Sequence | None = None, return_entropy: bool = True,
                           chunk_tokens: int | None = None, checkpoint_layers: bool = False):
@@ -194,45 +240,16 @@ def packed_token_logprobs(model: CausalLM, samples_or_token_lists: Sequence, tem
     sample has one. ``chunk_tokens``: rows of the LM head + log-softmax at a time (see
     :func:`chunked_token_logprobs`); ``checkpoint_layers``: activation checkpointing of decoder layers.
     """
-    seqs = [_sequence(s) for s in samples_or_token_lists]
-    if not seqs:
+    if not len(samples_or_token_lists):
         return ([], []) if return_entropy else []
-    if any(len(ids) == 0 for ids, _ in seqs):
-        raise ValueError("an empty sequence cannot be packed")
-    dev = model.device
-    if routed_experts is None:
-        own = [getattr(s, "routed_experts", None) for s in samples_or_token_lists]
-        if all(r is not None for r in own):
-            routed_experts = own
-        elif any(r is not None for r in own):
-            raise ValueError("some samples carry routed experts and some do not; replay needs all or none")
-    if routed_experts is not None and len(routed_experts) != len(seqs):
-        raise ValueError(f"{len(routed_experts)} routed-expert entries for {len(seqs)} sequences")
-
-    ids: list[int] = []
-    pos: list[int] = []
-    cu = [0]
-    counts = []
-    for toks, first in seqs:
-        o = len(ids)
-        ids.extend(toks)
-        pos.extend(range(o + first - 1, o + len(toks) - 1))
-        counts.append(max(0, len(toks) - first))
-        cu.append(len(ids))
-    input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-    pos_t = torch.tensor(pos, dtype=torch.long, device=dev)
-    replay = None
-    if routed_experts is not None:
-        per_seq = [_per_layer_routing(r, len(t)) for r, (t, _) in zip(routed_experts, seqs)]
-        replay = [torch.cat([p[i] for p in per_seq]).to(device=dev, dtype=torch.long)[None]
-                  for i in range(len(per_seq[0]))]
-    h = model.hidden_states(input_ids[None], routed_experts=replay, cu_seqlens=cu,
+    row = pack_row(samples_or_token_lists, model.device, routed_experts)
+    h = model.hidden_states(row.input_ids[None], routed_experts=row.routed_experts, cu_seqlens=row.cu_seqlens,
                             checkpoint_layers=checkpoint_layers)[0]
-    out = chunked_token_logprobs(h.index_select(0, pos_t), model.lm_head.weight, input_ids[pos_t + 1], temperature,
-                                 chunk_tokens, return_entropy)
+    out = chunked_token_logprobs(h.index_select(0, row.scored), model.lm_head.weight, row.input_ids[row.scored + 1],
+                                 temperature, chunk_tokens, return_entropy)
     if not return_entropy:
-        return list(torch.split(out, counts))
-    return list(torch.split(out[0], counts)), list(torch.split(out[1], counts))
+        return list(torch.split(out, row.counts))
+    return list(torch.split(out[0], row.counts)), list(torch.split(out[1], row.counts))
 
 
 def scatter_rows(values: Sequence[torch.Tensor], starts: Sequence[int], width: int) -> torch.Tensor:
