@@ -102,14 +102,18 @@ def _check_tsp(W, out):
             out[key + ".logits"] = (full - logits.detach())[keep].abs().max().item()
             out[key + ".loss"] = abs(total.item() - loss.item())
             out[key + ".grads"] = _grad_err(tsp.gather_full(grads=True), ref)
-            with torch.no_grad():
-                lp, slots = tsp.token_logprobs(ids, am)
-                want = token_logprobs(ref, ids, am)
+            with torch.no_grad():  # at a temperature, with entropies (the LM head shard by shard)
+                lp, slots, ent = tsp.token_logprobs(ids, am, temperature=0.7, return_entropy=True)
+                want = token_logprobs(ref, ids, am, temperature=0.7)
+                all_lp = torch.log_softmax(ref(ids, am)[:, :-1] / 0.7, -1)
+                want_ent = -(all_lp.exp() * all_lp).sum(-1)
                 inside = slots < T - 1
                 err = (lp[:, inside] - want[:, slots[inside]])
+                err_ent = (ent[:, inside] - want_ent[:, slots[inside]])
                 if am is not None:
                     err = err[am.bool()[:, slots[inside]]]
-                out[key + ".logprobs"] = err.abs().max().item()
+                    err_ent = err_ent[am.bool()[:, slots[inside]]]
+                out[key + ".logprobs"] = max(err.abs().max().item(), err_ent.abs().max().item())
     # a packed row: sequences back to back (6 + 1 + 10 tokens: the long one straddles zigzag chunks), against
     # each sequence run on its own; the sequences' last tokens (whose next token starts another) are not scored
     lens = [6, 1, 10]
@@ -126,7 +130,7 @@ def _check_tsp(W, out):
         loss = -want.sum() / len(scored)
         loss.backward()
         tsp = TSPCausalLM(ref)
-        lp, slots = tsp.token_logprobs(row, cu_seqlens=cu)
+        lp, slots = tsp.token_logprobs(row, cu_seqlens=cu, chunk_tokens=3)  # the LM head 3 rows at a time
         valid = torch.isin(slots, scored)
         local = -(lp[0] * valid).sum() / len(scored)
         local.backward()

@@ -109,6 +109,20 @@ def _check_updates(world, out):
             out[key + ".micro"] = max(m["micro_batches_max"] for m in mets)
             out[key + ".clip_frac"] = mets[0]["clip_frac"]
             out[key + ".grad_norm_abs"] = mets[0]["grad_norm"]
+    if world == 2:  # activation checkpointing on DP ranks: the same step, each decoder layer run twice
+        cfg, calls = _cfgs()["moe"], {}
+        batches = [make_batch(s, cfg) for s in range(2)]
+        got = {}
+        for ckpt in (False, True):
+            model = _model(cfg)
+            calls[ckpt] = 0
+            model.model.layers[0].register_forward_pre_hook(lambda *a, c=ckpt: calls.__setitem__(c, calls[c] + 1))
+            up = RLUpdater(model, rl_cfg("dppo_tv", activation_checkpointing=ckpt), tsp=1, dp=2)
+            for i, b in enumerate(batches):
+                up.step(b, i)
+            got[ckpt] = up.full_state_dict()
+        out["ckpt.weights_err"] = max((got[True][k] - got[False][k]).abs().max().item() for k in got[False])
+        out["ckpt.calls_ratio"] = calls[True] / max(1, calls[False])
 
 
 def _check_bf16(world, out):
@@ -219,6 +233,15 @@ def test_sharded_rl_step_equals_reference(results):
         assert _max(ranks, base + ".loss") < TOL, (k, _max(ranks, base + ".loss"))
         assert _max(ranks, base + ".grad_norm") < 1e-4, (k, _max(ranks, base + ".grad_norm"))
         assert _max(ranks, base + ".micro") >= 2, k  # the token budget did cut micro-batches
+
+
+@pytest.mark.timeout(400)
+def test_activation_checkpointing_on_dp_ranks(results):
+    world, ranks = results
+    if world != 2:
+        pytest.skip("run on the 2-rank world")
+    assert _max(ranks, "ckpt.weights_err") < 1e-6
+    assert min(r["ckpt.calls_ratio"] for r in ranks) == 2.0
 
 
 @pytest.mark.timeout(400)

@@ -173,6 +173,23 @@ def test_resume_equals_uninterrupted_run(warm, tmp_path):
 # -- dynamic sampling, several updates per batch, gates ------------------------------------------------
 
 
+def test_activation_checkpointing_recomputes_and_changes_nothing(warm):
+    """rl.activation_checkpointing: the same step (weights within fp32 rounding), and every decoder layer
+    of the policy is entered twice per micro-batch (forward, then recomputed in backward: a pre-hook, since
+    the recomputation stops once it has what backward needs) instead of once."""
+    out = {}
+    for ckpt in (False, True):
+        rl = make_trainer(warm, activation_checkpointing=ckpt)
+        calls = [0]
+        rl.policy.model.layers[0].register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+        m = rl.step()
+        out[ckpt] = ({k: v.detach().clone() for k, v in rl.policy.state_dict().items()}, calls[0], m)
+    (off, n_off, m_off), (on, n_on, m_on) = out[False], out[True]
+    assert n_off >= 1 and n_on == 2 * n_off, (n_off, n_on)
+    assert m_on["loss"] == pytest.approx(m_off["loss"], abs=1e-6)
+    assert max((on[k] - off[k]).abs().max().item() for k in off) < 1e-6
+
+
 def test_dynamic_sampling_drops_all_equal_groups(warm):
     seen = []
     rl = make_trainer(warm, group_size=4)

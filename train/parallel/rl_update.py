@@ -89,6 +89,8 @@ class RLUpdateConfig:
     # KL reference with loss_cfg.kl_coef > 0: an HF checkpoint dir, or None: a frozen copy of the policy
     # as the first RL batch finds it (after any SFT phase), kept in the checkpoints
     kl_reference: str | None = None
+    # tsp 1: recompute each decoder layer in backward (the TSP layout always recomputes its blocks)
+    activation_checkpointing: bool = False
 
     def __post_init__(self):
         try:
@@ -291,7 +293,8 @@ class RLUpdater:
         """Per-sample completion log-probs (and entropies) from one packed forward of the rows: the
         unsharded model's (train/rl/packing.py) or the TSP group's, every TSP rank getting all of them."""
         if self.tsp == 1:
-            return packed_token_logprobs(self.net, samples, temperature, return_entropy=entropy)
+            return packed_token_logprobs(self.net, samples, temperature, return_entropy=entropy,
+                                         checkpoint_layers=self.cfg.activation_checkpointing)
         row = pack_row(samples, self.device)
         N = row.input_ids.numel()
         out = self.net.token_logprobs(row.input_ids[None], None, temperature, row.routed_experts,

@@ -32,8 +32,12 @@ Weights:
   its own tokens, the load is balanced whatever the router does, and no token all-to-all is
   needed; the grouped GEMMs keep their shape with intermediate I/D.
 * Embedding and LM head: vocab-sharded (rows), also circulated on the ring; the LM head ring
-  concatenates the shards' logits so each rank gets full-vocabulary fp32 logits for its tokens.
-  Tied embeddings use the same shard for both.
+  concatenates the shards' logits so each rank gets full-vocabulary fp32 logits for its tokens
+  (:meth:`TSPCausalLM.forward`). The log-probs of the loss (:meth:`TSPCausalLM.token_logprobs`)
+  never make them: each shard arriving on the ring gives, chunk of rows by chunk of rows, its own
+  log-sum-exp, target logit and softmax-weighted mean logit (:class:`_VocabShardStats`; backward
+  recomputes each chunk), and those combine exactly into log-probs and entropies, so no rank holds
+  more than [chunk, V/D] fp32 logits at once. Tied embeddings use the same shard for both.
 * Replicated (small): RMSNorm weights (input/post-attention/final, q_norm, k_norm), o_proj biases
   and MoE routers. Each rank's gradient covers only its tokens, so :meth:`TSPCausalLM.sync_grads`
   all-reduces them with SUM.
@@ -50,6 +54,8 @@ Weight-streaming functions save only their inputs and recompute per-shard partia
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -59,6 +65,7 @@ from train.model.modeling import CausalLM, Router, apply_rope, rope_cos_sin, run
 from train.parallel import comm
 from train.parallel.shard import (ShardedLM, StateDictSource, all_reduce_grads, expert_partial, read_expert_slice,
                                   rms_norm, split_range, split_sizes, weight_source)
+from train.rl.packing import chunk_logits, default_chunk
 
 
 ZAYA_REFUSAL = ("the sharded core does not run zaya (ZAYA1): CCA's sequence convolutions need each shard's "
@@ -70,6 +77,60 @@ def zigzag_index(T: int, D: int, r: int) -> tuple[int, torch.Tensor]:
     c = -(-T // (2 * D))
     a, b = r, 2 * D - 1 - r
     return 2 * D * c, torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])
+
+
+class _VocabShardStats(torch.autograd.Function):
+    """For logits z = h @ w^T / temperature over one vocab shard (rows ``off .. off + V_j`` of the
+    vocabulary): per row the shard's log-sum-exp, the target's logit (0 where the target lies in
+    another shard) and, without gradient, the shard-softmax-weighted mean logit, computed ``chunk``
+    rows at a time; backward recomputes each chunk's logits, so only [chunk, V_j] fp32 buffers live."""
+
+    @staticmethod
+    def forward(ctx, h, w, targets, off: int, temperature: float, chunk: int):
+        N, Vj = h.shape[0], w.shape[0]
+        wf = w.float()
+        lse = torch.empty(N, dtype=torch.float32, device=h.device)
+        tgt = torch.zeros(N, dtype=torch.float32, device=h.device)
+        mean = torch.empty(N, dtype=torch.float32, device=h.device)
+        local = targets - off
+        inside = (local >= 0) & (local < Vj)
+        idx = local.clamp(0, max(Vj - 1, 0))
+        for s in range(0, N, chunk):
+            e = min(N, s + chunk)
+            z = chunk_logits(h[s:e], wf, temperature)
+            m = torch.logsumexp(z, dim=-1)
+            lse[s:e] = m
+            tgt[s:e] = torch.where(inside[s:e], z.gather(1, idx[s:e, None]).squeeze(1), 0.0)
+            mean[s:e] = (torch.softmax(z, dim=-1) * z).sum(-1)
+        ctx.save_for_backward(h, w, idx, inside, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(mean)
+        return lse, tgt, mean
+
+    @staticmethod
+    def backward(ctx, g_lse, g_tgt, _g_mean):
+        h, w, idx, inside, lse = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        T, chunk, N = ctx.temperature, ctx.chunk, h.shape[0]
+        wf = w.float()
+        gh = torch.empty(h.shape, dtype=torch.float32, device=h.device) if need_h else None
+        gw = torch.zeros(wf.shape, dtype=torch.float32, device=h.device) if need_w else None
+        zero = torch.zeros(N, dtype=torch.float32, device=h.device)
+        g_lse = zero if g_lse is None else g_lse.float()
+        g_tgt = zero if g_tgt is None else g_tgt.float() * inside
+        for s in range(0, N, chunk):
+            e = min(N, s + chunk)
+            hc = h[s:e].float()
+            # d lse / d z = softmax(z); d tgt / d z = onehot(target) inside the shard; z = h w^T / T
+            dz = torch.exp(chunk_logits(hc, wf, T) - lse[s:e, None]).mul_(g_lse[s:e, None])
+            dz.scatter_add_(1, idx[s:e, None], g_tgt[s:e, None])
+            if T != 1.0:
+                dz.div_(T)
+            if need_h:
+                gh[s:e] = dz @ wf
+            if need_w:
+                gw.addmm_(dz.t(), hc)
+        return (gh.to(h.dtype) if need_h else None, gw.to(w.dtype) if need_w else None, None, None, None, None)
 
 
 def packed_segment_starts(cu_seqlens, T: int, Tp: int, B: int, attention_mask, device) -> torch.Tensor:
@@ -282,15 +343,9 @@ class TSPCausalLM(ShardedLM):
         y = comm.ring_apply(self._expert_fn, (flat, w, idx), own, self.group, self._expert_shapes)
         return y.view(B, n, H)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                routed_experts: list[torch.Tensor] | None = None, cu_seqlens=None) -> torch.Tensor:
-        """fp32 logits [B, n_local, V] of this rank's tokens (global slots: :meth:`local_slots`).
-
-        ``input_ids`` [B, T] and ``attention_mask`` [B, T] (1 = real token; padding anywhere) are
-        the FULL batch, identical on every rank of the group; ``routed_experts`` (per MoE layer,
-        [B, T, k]) replays the expert choice. ``cu_seqlens`` (0, end of sequence 1, ..., T): one
-        packed row (B = 1, no attention mask) of sequences back to back, positions restarting per
-        sequence and no attention across them."""
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                      routed_experts: list[torch.Tensor] | None = None, cu_seqlens=None) -> torch.Tensor:
+        """The final-norm hidden states [B, n_local, H] of this rank's tokens (see :meth:`forward`)."""
         cfg, D = self.config, self.D
         B, T = input_ids.shape
         Tp, slots = zigzag_index(T, D, self.rank)
@@ -330,14 +385,27 @@ class TSPCausalLM(ShardedLM):
                     replay = full[:, slots].reshape(B * len(slots), -1)
                 moe_i += int(i in self._routers)
                 x = x + self._mlp(i, h, replay)
-        h = rms_norm(x, self._p["model.norm.weight"], cfg.rms_norm_eps)
-        head = embed if cfg.tie_word_embeddings else self._p["lm_head.weight"]
+        return rms_norm(x, self._p["model.norm.weight"], cfg.rms_norm_eps)
+
+    def _head(self) -> torch.Tensor:
+        return self._p["model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"]
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                routed_experts: list[torch.Tensor] | None = None, cu_seqlens=None) -> torch.Tensor:
+        """fp32 logits [B, n_local, V] of this rank's tokens (global slots: :meth:`local_slots`).
+
+        ``input_ids`` [B, T] and ``attention_mask`` [B, T] (1 = real token; padding anywhere) are
+        the FULL batch, identical on every rank of the group; ``routed_experts`` (per MoE layer,
+        [B, T, k]) replays the expert choice. ``cu_seqlens`` (0, end of sequence 1, ..., T): one
+        packed row (B = 1, no attention mask) of sequences back to back, positions restarting per
+        sequence and no attention across them."""
+        h = self.hidden_states(input_ids, attention_mask, routed_experts, cu_seqlens)
         with comm.tag("lm_head"):
-            return comm.ring_apply(self._head_fn, (h,), [head], self.group, self._vocab_shapes, concat=True)
+            return comm.ring_apply(self._head_fn, (h,), [self._head()], self.group, self._vocab_shapes, concat=True)
 
     # ---------------------------------------------------------------------------- losses
     def token_logprobs(self, input_ids, attention_mask=None, temperature: float = 1.0, routed_experts=None,
-                       return_entropy: bool = False, cu_seqlens=None):
+                       return_entropy: bool = False, cu_seqlens=None, chunk_tokens: int | None = None):
         """Per-token log-probabilities for the RL loss, partitioned like the tokens.
 
         Returns ``(logp [B, n_local], slots [n_local])``: ``logp[:, i]`` is log p(input_ids[:, s+1]
@@ -347,21 +415,33 @@ class TSPCausalLM(ShardedLM):
         :meth:`sync_grads` after backward. With ``return_entropy`` a third item holds the entropy
         of each local position's distribution [B, n_local] (no gradient). ``cu_seqlens``: a packed
         row (see :meth:`forward`); the value at a sequence's last token (whose next token starts the
-        following sequence) means nothing and must be masked by the loss."""
+        following sequence) means nothing and must be masked by the loss. ``chunk_tokens``: rows of
+        LM-head logits at a time (default: about 16M fp32 logits per chunk of a vocab shard)."""
         B, T = input_ids.shape
-        logits = self(input_ids, attention_mask, routed_experts, cu_seqlens)
-        if temperature and temperature != 1.0:
-            logits = logits / temperature
+        h = self.hidden_states(input_ids, attention_mask, routed_experts, cu_seqlens)
         slots = self.local_slots(T).to(input_ids.device)
         nxt = F.pad(input_ids, (0, len(slots) * self.D - T + 1))[:, slots + 1]
-        all_logp = torch.log_softmax(logits, -1)
-        logp = all_logp.gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
+        H, n = h.shape[-1], h.shape[0] * h.shape[1]
+        temperature = float(temperature) if temperature else 1.0
+        chunk = int(chunk_tokens) if chunk_tokens else default_chunk(max(split_sizes(self.config.vocab_size, self.D)))
+        with comm.tag("lm_head"):  # per shard j: [n, D, 3] with (lse_j, target logit, mean logit) at j
+            stats = comm.ring_apply(functools.partial(self._head_stats_fn, temperature, chunk),
+                                    (h.reshape(n, H), nxt.reshape(n)), [self._head()], self.group, self._vocab_shapes)
+        lse_j, tgt_j, mean_j = stats.unbind(-1)
+        lse = torch.logsumexp(lse_j, dim=-1)
+        logp = (tgt_j.sum(-1) - lse).view(B, -1)
         logp = logp * (slots < T - 1).to(logp.dtype)
         if return_entropy:
-            with torch.no_grad():
-                ent = -(all_logp.exp() * all_logp).sum(-1)
+            with torch.no_grad():  # H = lse - sum_v p_v z_v, the sum taken shard by shard
+                ent = (lse - (torch.exp(lse_j - lse[:, None]) * mean_j).sum(-1)).view(B, -1)
             return logp, slots, ent
         return logp, slots
+
+    def _head_stats_fn(self, temperature, chunk, h, targets, j, w):
+        off = split_range(self.config.vocab_size, self.D, j)[0]
+        lse, tgt, mean = _VocabShardStats.apply(h, w, targets, off, temperature, chunk)
+        out = torch.zeros(h.shape[0], self.D, 3, dtype=torch.float32, device=h.device)
+        return out.index_copy(1, torch.tensor([j], device=h.device), torch.stack([lse, tgt, mean], -1)[:, None])
 
     def sft_loss(self, input_ids, loss_mask=None, attention_mask=None):
         """Next-token cross-entropy, mean over the GLOBAL number of predicted tokens.

@@ -88,7 +88,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         ent = torch.empty(N, dtype=torch.float32, device=h.device) if want_entropy else None
         for s in range(0, N, chunk):
             e = min(N, s + chunk)
-            z = _chunk_logits(h[s:e], wf, temperature)
+            z = chunk_logits(h[s:e], wf, temperature)
             m = torch.logsumexp(z, dim=-1)
             lse[s:e] = m
             lp[s:e] = z.gather(1, targets[s:e, None]).squeeze(1) - m
@@ -117,7 +117,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             hc = h[s:e].float()
             g = g_lp[s:e, None]
             # d lp / d z = onehot(target) - softmax(z), and z = h W^T / T
-            dz = torch.exp(_chunk_logits(hc, wf, T) - lse[s:e, None]).mul_(-g)
+            dz = torch.exp(chunk_logits(hc, wf, T) - lse[s:e, None]).mul_(-g)
             dz.scatter_add_(1, targets[s:e, None], g)
             if T != 1.0:
                 dz.div_(T)
@@ -128,7 +128,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
         return (gh.to(h.dtype) if need_h else None, gw.to(w.dtype) if need_w else None, None, None, None, None)
 
 
-def _chunk_logits(h: torch.Tensor, wf: torch.Tensor, temperature: float) -> torch.Tensor:
+def chunk_logits(h: torch.Tensor, wf: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 logits of the rows ``h`` under the fp32 LM-head weight ``wf``, divided by ``temperature``."""
     z = F.linear(h.float(), wf)
     return z / temperature if temperature != 1.0 else z
 

@@ -68,6 +68,10 @@ class RLConfig:
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     micro_batch_size: int = 32          # at most this many rollouts in one packed micro-batch
     tokens_per_micro: int = 16384       # token budget of a packed micro-batch (sequences back to back)
+    # recompute each decoder layer in backward instead of keeping its activations (less memory, one
+    # more forward of the layers per micro-batch); also on the trainer ranks with trainer.tsp = 1
+    # (TSP ranks always recompute their blocks)
+    activation_checkpointing: bool = False
     router_replay: bool = True          # MoE: the trainer routes each token to the experts the engine chose
     updates_per_batch: int = 1          # optimizer steps per rollout batch (mini-batches)
     sync_every: int = 1                 # weight sync to the engine every k optimizer steps
@@ -364,7 +368,8 @@ class RLTrainer:
         seqs = [_Seq(rolls[i].prompt_ids, rolls[i].completion.token_ids) for i in rows]
         routed = [rolls[i].completion.routed_experts for i in rows]
         routed = [stack_routing(r) for r in routed] if all(r is not None for r in routed) else None
-        lps, ents = packed_token_logprobs(self.policy if model is None else model, seqs, temp, routed_experts=routed)
+        lps, ents = packed_token_logprobs(self.policy if model is None else model, seqs, temp, routed_experts=routed,
+                                          checkpoint_layers=self.cfg.activation_checkpointing)
         starts = [batch.prompt_lens[i] - 1 for i in rows]
         width = max(batch.prompt_lens[i] + batch.completion_lens[i] for i in rows) - 1
         return scatter_rows(lps, starts, width), scatter_rows(ents, starts, width)

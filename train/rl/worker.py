@@ -43,7 +43,7 @@ weights of a checkpoint inside the SFT phase go to ``sft/weights/v{i}``.
 It stops after ``--steps`` updates in all (counting those before a resume), or when ``DIR/STOP``
 exists. The RL loss and optimizer options come from ``--config`` (JSON or YAML holding the fields
 of :class:`RLUpdateConfig`: ``loss``, ``loss_cfg``, ``optim``, ``tokens_per_micro``, ``dtype``,
-``pad_id``, ``sft_optim``, ``kl_reference``), overridden by flags; :func:`launch_command` builds
+``pad_id``, ``sft_optim``, ``kl_reference``, ``activation_checkpointing``), overridden by flags; :func:`launch_command` builds
 the command line for an orchestrator.
 """
 from __future__ import annotations
