@@ -125,6 +125,49 @@ def _check_updates(world, out):
         out["ckpt.calls_ratio"] = calls[True] / max(1, calls[False])
 
 
+def _zaya_cfg():
+    from train.model.config import ModelConfig
+
+    # a fast balancing rate, so that the second step routes by biases the first step's load moved
+    return ModelConfig(architecture="zaya", vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=1, moe_intermediate_size=16,
+                       router_hidden_size=8, partial_rotary_factor=0.5, router_bias_update_rate=0.05)
+
+
+def _check_zaya_dp(world, out):
+    """ZAYA1 on data-parallel ranks (tsp 1): two RL steps equal the single-process steps, balancing biases
+    included (moved by the load of the whole batch, all ranks' tokens)."""
+    from train.parallel.rl_update import RLUpdater
+
+    cfg = _zaya_cfg()
+    rcfg = rl_cfg("dppo_tv")
+    batches = [make_batch(s, cfg) for s in range(2)]
+    for b in batches:  # routed by the policy (and its biases), every rollout trained on
+        for smp in b.samples:
+            smp.routed_experts, smp.keep = None, True
+    want, _ = reference_weights(cfg, rcfg, batches)
+    up = RLUpdater(_model(cfg), rcfg, tsp=1, dp=world)
+    up.step(batches[0], 0)
+    # the biases go through a checkpoint: saved after step 1, restored into fresh ranks that take step 2
+    import tempfile
+
+    import torch.distributed as dist
+
+    from train.rl.worker import load_checkpoint, save_checkpoint
+
+    box = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    save_checkpoint(up, Path(box[0]), 1, keep=2)
+    up = RLUpdater(_model(cfg), rcfg, tsp=1, dp=world)
+    out["zaya.resumed_step"] = float(load_checkpoint(up, Path(box[0])))
+    up.step(batches[1], 1)
+    got = up.full_state_dict()
+    biases = [k for k in want if k.endswith("balancing_biases")]
+    assert set(got) == set(want) and biases, set(got) ^ set(want)
+    out["zaya.params_err"] = max((got[k] - want[k]).abs().max().item() for k in want)
+    out["zaya.biases_moved"] = max((want[k] - _model(cfg).state_dict()[k]).abs().max().item() for k in biases)
+
+
 def _check_bf16(world, out):
     """bf16 compute copy: fp32 master and moments, and a step close to the fp32 reference."""
     from train.parallel.rl_update import RLUpdater
@@ -204,7 +247,7 @@ def _check_errors(world, out):
 
 
 def _worker(rank, world, port, path):
-    run_checks(rank, world, port, path, ([_check_errors, _check_sft_then_rl] if world == 2 else [])
+    run_checks(rank, world, port, path, ([_check_errors, _check_sft_then_rl, _check_zaya_dp] if world == 2 else [])
                + [_check_updates, _check_bf16])
 
 
@@ -233,6 +276,16 @@ def test_sharded_rl_step_equals_reference(results):
         assert _max(ranks, base + ".loss") < TOL, (k, _max(ranks, base + ".loss"))
         assert _max(ranks, base + ".grad_norm") < 1e-4, (k, _max(ranks, base + ".grad_norm"))
         assert _max(ranks, base + ".micro") >= 2, k  # the token budget did cut micro-batches
+
+
+@pytest.mark.timeout(400)
+def test_zaya_on_data_parallel_ranks_equals_single_process(results):
+    world, ranks = results
+    if world != 2:
+        pytest.skip("run on the 2-rank world")
+    assert _max(ranks, "zaya.biases_moved") >= 0.05  # the balancing step ran (rate 0.05)
+    assert _max(ranks, "zaya.resumed_step") == 1.0
+    assert _max(ranks, "zaya.params_err") < TOL
 
 
 @pytest.mark.timeout(400)

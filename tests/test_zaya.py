@@ -319,9 +319,9 @@ def test_rl_step_with_router_replay_and_weight_sync(tmp_path):
         assert torch.equal(v, rl.engine.model.state_dict()[k]), k
 
 
-def test_sharded_core_refuses_zaya_with_one_line(tmp_path):
-    """TSP (and the DP x TSP RL update, even at tsp=1, whose ranks would each move the balancing biases
-    from their own load) refuse zaya with a one-line error."""
+def test_sharded_core_refuses_zaya_tsp_with_one_line_and_takes_it_data_parallel(tmp_path):
+    """TSP (D > 1) refuses zaya with a one-line error; the RL update at tsp=1 (data parallel) takes it
+    (tests/test_rl_distributed.py::test_zaya_on_data_parallel_ranks_equals_single_process)."""
     import torch.distributed as dist
 
     from train.parallel.rl_update import RLUpdateConfig, RLUpdater
@@ -330,34 +330,37 @@ def test_sharded_core_refuses_zaya_with_one_line(tmp_path):
     cfg = ModelConfig(architecture="zaya", num_experts=4, num_experts_per_tok=1, num_hidden_layers=2)
     with pytest.raises(ValueError, match="does not run zaya") as e:
         check_tsp_config(cfg, 2)
-    assert "\n" not in str(e.value)
+    assert "\n" not in str(e.value) and "trainer.tsp=1" in str(e.value)
+    check_tsp_config(cfg, 1)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
         with pytest.raises(ValueError, match="does not run zaya"):
             TSPCausalLM(CausalLM(cfg))
-        with pytest.raises(ValueError, match="does not run zaya"):
-            RLUpdater(CausalLM(cfg), RLUpdateConfig(), tsp=1)
+        up = RLUpdater(CausalLM(cfg), RLUpdateConfig(), tsp=1)
+        assert sorted(up.buffers) == [f"model.layers.{i}.mlp.gate.balancing_biases" for i in range(2)]
     finally:
         dist.destroy_process_group()
 
 
-def test_cascade_run_refuses_a_zaya_policy_on_trainer_ranks_before_any_rank_starts(tmp_path):
+def test_cascade_run_refuses_a_zaya_policy_on_tsp_ranks_before_any_rank_starts(tmp_path):
     import subprocess
     import sys
 
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "cascade", "run", "stage=rlve", "profile=tiny", "model_preset=tiny-zaya",
-                        f"out={out}", "trainer.nproc=2", "logging.progress=false"], capture_output=True, text=True,
-                       timeout=300)
+                        f"out={out}", "trainer.nproc=2", "trainer.tsp=2", "logging.progress=false"],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
-    assert "trainer.tsp=1 does not fit the policy: the sharded core does not run zaya" in r.stderr
+    assert "trainer.tsp=2 does not fit the policy: the sharded core does not run zaya" in r.stderr
     assert r.stderr.strip().count("\n") == 0, r.stderr
     assert not (out / "exchange").exists() and not (out / "stages").exists()
 
 
-def test_tiny_cascade_stage_runs_a_zaya_policy(tmp_path):
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_tiny_cascade_stage_runs_a_zaya_policy(tmp_path, nproc):
     """`cascade init-model --preset tiny-zaya` then `cascade run profile=tiny model=DIR` (the rlve stage,
-    two RL steps): the hand-off checkpoint is a zaya model that transformers opens."""
+    two RL steps), in one process or with the update on 2 data-parallel trainer ranks: the hand-off
+    checkpoint is a zaya model that transformers opens, its balancing biases moved by the updates."""
     import subprocess
     import sys
 
@@ -368,11 +371,18 @@ def test_tiny_cascade_stage_runs_a_zaya_policy(tmp_path):
 
     cascade("init-model", "--preset", "tiny-zaya", "--out", str(tmp_path / "m"))
     cascade("run", "stage=rlve", "profile=tiny", f"model={tmp_path / 'm'}", f"out={tmp_path / 'run'}", "steps=2",
-            "eval_problems=4", "checkpoint_every=1")
+            "eval_problems=4", "checkpoint_every=1", f"trainer.nproc={nproc}",
+            "rl.dynamic_sampling=false")  # a random policy's groups all score 0: train on them all the same
     final = tmp_path / "run" / "stages" / "1-rlve" / "final"
     assert json.loads((final / "config.json").read_text())["model_type"] == "zaya"
+    before, after = load_pretrained(tmp_path / "m").state_dict(), load_pretrained(final).state_dict()
+    moved = [k for k in after if k.endswith("balancing_biases") and not torch.equal(before[k], after[k])]
+    assert moved, "no balancing bias moved"
+    if nproc == 2:
+        log = (tmp_path / "run").rglob("trainer.log")
+        assert any('"dp": 2' in f.read_text() for f in log)
     steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert sum("reward_mean" in s for s in steps) == 2
+    assert sum("reward_mean" in s for s in steps) == 2 and all(s["groups_trained"] for s in steps if "reward_mean" in s)
     back = transformers.AutoModelForCausalLM.from_pretrained(final).eval()
     ids = torch.randint(5, 1000, (1, 9))
     with torch.no_grad():

@@ -50,6 +50,12 @@ the ``kl_ref`` metric is reported. The frozen copy is part of :meth:`RLUpdater.s
 resumed run keeps the reference it started its penalty from (an HF reference is reloaded instead).
 ``kl_coef = 0`` allocates no reference and runs no extra forward.
 
+ZAYA1 (``zaya``) trains on data-parallel ranks (tsp = 1; TSP refuses it): after each optimizer step every
+replica moves its router balancing biases by the load of the whole batch (the counts all-reduced over
+DP, :func:`train.model.zaya.balance_router_biases`), as the single-process trainers do after theirs;
+the biases are checkpointed (``buffers.*``) and published with the weights. A KL reference's forward
+routes with the current biases.
+
 Metrics are those of ``RLTrainer.update``: the loss function's metrics weighted by each
 micro-batch's token count, ``loss`` (the global loss), ``entropy`` (token mean), ``grad_norm``
 (before clipping), ``lr`` (the one applied in this step), ``advantage_abs_mean``; reduced over
@@ -65,6 +71,7 @@ import torch
 import torch.distributed as dist
 
 from train.model.modeling import CausalLM, token_logprobs
+from train.model.zaya import balance_router_biases
 from train.optim import OptimConfig, build_optimizer, lr_factor, muon_row_blocks
 from train.parallel import comm
 from train.parallel.dp import MeshAdamW, MeshMuon
@@ -198,10 +205,6 @@ class RLUpdater:
         world = dist.get_world_size()
         dp = world // tsp if dp is None else dp
         check_mesh(world, dp, tsp)
-        if model.config.architecture == "zaya":
-            from train.parallel.tsp import ZAYA_REFUSAL
-
-            raise ValueError(ZAYA_REFUSAL)
         if tsp > 1:
             check_tsp_config(model.config, tsp)
         self.cfg, self.tsp, self.dp = cfg, tsp, dp
@@ -220,6 +223,10 @@ class RLUpdater:
             self.net = model
             self.shards = dict(model.named_parameters())  # tied weights appear once
             rep = set()
+        # state that is not a parameter (a zaya policy's balancing biases, fp32, moved after each step
+        # from the global load): checkpointed and published with the weights (see :attr:`buffers`)
+        params = {n for n, _ in self.net.named_parameters(remove_duplicate=False)}
+        self._buffer_names = set(self.net.state_dict()) - params if tsp == 1 else set()
         o = cfg.optim
         decay = lambda n, p: not (p.ndim < 2 or "norm" in n)  # noqa: E731 (train.optim's groups)
         if any(x is not None and x.name == "muon" for x in (o, cfg.sft_optim)):  # Muon: whole matrices
@@ -242,6 +249,12 @@ class RLUpdater:
                 self.ref_taken.fill_(1)
             else:
                 self.ref = {n: torch.zeros_like(p.data) for n, p in self.shards.items()}
+
+    @property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The model's state that is not a parameter (a zaya policy's balancing biases), the live tensors
+        (looked up each time: moving the model to another dtype replaces them)."""
+        return {n: t for n, t in self.net.state_dict(keep_vars=True).items() if n in self._buffer_names}
 
     def _load_reference(self, path: str) -> dict[str, torch.Tensor]:
         """This rank's shards of the HF checkpoint at ``path``, sharded exactly as the policy."""
@@ -368,6 +381,8 @@ class RLUpdater:
         self.net.eval()
         lr = optim.lr * lr_factor(step, optim)
         grad_norm = self.opt.step(lr, optim.grad_clip)
+        # ZAYA1 (tsp 1): every replica moves its balancing biases by the load of the whole batch (all DP ranks)
+        balance_router_biases(self.net, self.dp_group)
         # every TSP rank computed the same metrics: count TSP rank 0 of each DP replica
         mine_m = (sums, weight, loss_total, ent_sum, mismatch, len(micro)) if self.tsp_rank == 0 else None
         parts: list = [None] * dist.get_world_size()
@@ -401,6 +416,7 @@ class RLUpdater:
             full = TSPCausalLM.assemble(parts, self.net.kinds)
         if self.config.tie_word_embeddings:
             full["lm_head.weight"] = full["model.embed_tokens.weight"]
+        full.update({n: b.detach().to("cpu").clone() for n, b in self.buffers.items()})  # (kept in their dtype)
         return full
 
     def to_causal_lm(self) -> CausalLM:
@@ -433,8 +449,10 @@ class RLUpdater:
         holds (model keys are shared by the DP replicas of the same TSP rank, which hold the same
         values), for ``torch.distributed.checkpoint`` (:func:`train.rl.worker.load_checkpoint`
         reshards them for another mesh from the checkpoint's :meth:`layout`). With a frozen
-        KL reference, its shards (``kl_ref.tsp{r}.*``) and whether it was taken yet (``kl_ref_taken``)."""
+        KL reference, its shards (``kl_ref.tsp{r}.*``) and whether it was taken yet (``kl_ref_taken``).
+        A zaya policy's balancing biases (``buffers.*``) are the same on every rank."""
         out = {f"model.tsp{self.tsp_rank}.{n}": p.data for n, p in self.shards.items()}
+        out.update({f"buffers.{n}": b for n, b in self.buffers.items()})
         for k, v in self.opt.state_tensors().items():
             out[f"optim.tsp{self.tsp_rank}.dp{self.dp_rank}.{k}"] = v
         if self.saves_reference:
@@ -481,6 +499,7 @@ def reference_update(model: CausalLM, opt: torch.optim.Optimizer, batch: TrainBa
                                           clip if clip > 0 else float("inf"))
     opt.step()
     opt.zero_grad(set_to_none=True)
+    balance_router_biases(model)  # ZAYA1's balancing biases, as train.optim.clip_and_step
     out = {"loss": float(loss.detach()), "grad_norm": float(norm), "lr": lr}
     if "kl_ref" in mets:
         out["kl_ref"] = mets["kl_ref"]

@@ -45,7 +45,8 @@ Weights:
 Loading: the constructor reads every shard from a weight source - a full :class:`CausalLM` (its
 state dict, sliced) or :class:`train.model.hf_io.CheckpointSlices`, which reads only this rank's
 slices from the safetensors files (:func:`tsp_from_pretrained`); the slicing code is the same.
-zaya is refused (:data:`ZAYA_REFUSAL`), and so is a transformers-fallback model.
+zaya is refused (:data:`ZAYA_REFUSAL`; its data-parallel training runs on the unsharded model), and so
+is a transformers-fallback model.
 
 The loss is partitioned: each rank's loss covers its own tokens, normalised by the GLOBAL count,
 so the ranks' losses sum to the single-process loss and every backward collective matches.
@@ -68,8 +69,8 @@ from train.parallel.shard import (ShardedLM, StateDictSource, all_reduce_grads, 
 from train.rl.packing import chunk_logits, default_chunk
 
 
-ZAYA_REFUSAL = ("the sharded core does not run zaya (ZAYA1): CCA's sequence convolutions need each shard's "
-                "preceding tokens and the router's balancing biases a global load; train it single-process")
+ZAYA_REFUSAL = ("the sharded core does not run zaya (ZAYA1) sharded by tensor or sequence: CCA's sequence "
+                "convolutions need each shard's preceding tokens; use trainer.tsp=1 (data-parallel ranks) or one process")
 
 
 def zigzag_index(T: int, D: int, r: int) -> tuple[int, torch.Tensor]:
@@ -147,7 +148,9 @@ def packed_segment_starts(cu_seqlens, T: int, Tp: int, B: int, attention_mask, d
 
 
 def check_tsp_config(cfg: ModelConfig, D: int) -> None:
-    if cfg.architecture == "zaya":
+    """One-line errors for a policy that TSP degree ``D`` cannot shard (D = 1: plain data parallelism,
+    which runs any Cascade architecture, zaya included)."""
+    if cfg.architecture == "zaya" and D > 1:
         raise ValueError(ZAYA_REFUSAL)
     if cfg.num_attention_heads % D:
         raise ValueError(f"TSP needs num_attention_heads ({cfg.num_attention_heads}) divisible by D={D}")
@@ -169,6 +172,8 @@ class TSPCausalLM(ShardedLM):
         src = weight_source(model)
         super().__init__(src.config, group, dp_group)
         cfg, D, r = self.config, self.D, self.rank
+        if cfg.architecture == "zaya":
+            raise ValueError(ZAYA_REFUSAL)
         check_tsp_config(cfg, D)
         d = cfg.head_dim
         self.hq = cfg.num_attention_heads // D
