@@ -156,8 +156,10 @@ class StageRunner:
             carried = handed_over(start_dir, "length_reward")  # p* and the c schedule run on across stages
             if carried is not None:
                 rl.length_state.load_state_dict(carried)
+            pipe_state = None
             if latest is not None:
                 tstate, state = load_trainer_state(latest)
+                pipe_state = tstate.get("pipeline")
                 if state["pool"] is not None:
                     rl.curriculum = self.pool_of(curriculum, state["pool"])
                 rl.load_state_dict(tstate["rl"])
@@ -214,7 +216,8 @@ class StageRunner:
                     if pipe is None and rl_cfg.max_staleness > 0:
                         from train.rl.pipeline import Pipeline
 
-                        pipe = Pipeline(rl)
+                        pipe = Pipeline(rl, pipe_state)  # a resumed run's waiting groups first
+                        pipe_state = None
                     data = self.apply_phase(rl, curriculum, mixer, step - s.sft.steps)
                     m = pipe.step() if pipe is not None else rl.step()
                     m.update(data)
@@ -234,7 +237,7 @@ class StageRunner:
                 if state["step"] % s.checkpoint_every == 0 and state["step"] < total:
                     if pipe is not None:
                         with pipe.paused():
-                            self.save(ckpt, policy, src, rl, sft, mixer, state)
+                            self.save(ckpt, policy, src, rl, sft, mixer, state, pipe)
                     else:
                         self.save(ckpt, policy, src, rl, sft, mixer, state)
             if pipe is not None:
@@ -513,9 +516,10 @@ class StageRunner:
 
         return ProblemPool(curriculum, [(e, Problem.from_dict(p)) for e, p in pool])
 
-    def _trainer_state(self, rl, sft, mixer) -> dict:
+    def _trainer_state(self, rl, sft, mixer, pipe=None) -> dict:
         return {"rl": rl.state_dict(), "sft": sft.state_dict() if sft else None,
-                "mixer": mixer.state_dict() if mixer else None}
+                "mixer": mixer.state_dict() if mixer else None,
+                "pipeline": pipe.state() if pipe is not None else None}  # (taken inside pipe.paused())
 
     @staticmethod
     def updates_done(rl, sft) -> int:
@@ -535,7 +539,7 @@ class StageRunner:
                              self.updates_done(rl, sft), self.dir / "logs", r.dtype, rl.pad_id, r.device,
                              sft_steps=s.sft.steps, sft_optim=s.sft.optim)
 
-    def save(self, ckpt: Checkpointer, policy, src: Path, rl, sft, mixer, state: dict) -> None:
+    def save(self, ckpt: Checkpointer, policy, src: Path, rl, sft, mixer, state: dict, pipe=None) -> None:
         from cascade.checkpoint import _fault
 
         if rl.learner is not None:  # the ranks checkpoint the same update; this copy of the policy takes its weights
@@ -543,7 +547,7 @@ class StageRunner:
 
             load_into(policy, rl.learner.checkpoint(self.updates_done(rl, sft)))
         _fault("before_checkpoint", state["step"])
-        ckpt.save(state["step"], policy, src, self._trainer_state(rl, sft, mixer), dict(state))
+        ckpt.save(state["step"], policy, src, self._trainer_state(rl, sft, mixer, pipe), dict(state))
 
     def write_final(self, policy, src: Path, rl, sft, mixer, state: dict, after: dict) -> None:
         import shutil

@@ -26,7 +26,7 @@ def cascade(*args, env=None, timeout=900):
 
 @pytest.mark.parametrize("args,needle", [
     (["stage=nope"], "unknown stage 'nope'"),
-    (["stages.math.rl.group_sz=3"], "'group_sz' is not valid at stages.math.rl; valid keys: advantage"),
+    (["stages.math.rl.group_sz=3"], "'group_sz' is not valid at stages.math.rl; valid keys: activation_checkpointing, advantage"),
     (["stage=math", "rl.group_size=many"], "stages.math.rl.group_size: expected an integer, got 'many'"),
     (["stages.warmup.steps=1.5"], "expected an integer"),
     (["model=/nonexistent/ckpt"], "does not exist"),
@@ -154,6 +154,26 @@ def _complete_checkpoints_load(stage_dir: Path):
         load_pretrained(p)
         load_trainer_state(p)
     return [p.name for p in ck.complete()]
+
+
+def test_pipelined_run_checkpoints_its_buffer_and_resumes(tmp_path):
+    """rl.max_staleness=2: a checkpoint holds the rollout groups produced and not yet trained on; a run killed
+    after it resumes from it (trainer_state.pt's ``pipeline``) and ends with every step."""
+    from cascade.checkpoint import load_trainer_state
+
+    out = tmp_path / "run"
+    args = ["run", "stage=warmup", f"out={out}", "profile=tiny", "logging.progress=false", "rl.max_staleness=2",
+            "rl.dynamic_sampling=false",
+            "stages.warmup.sft.steps=0", "stages.warmup.steps=5", "stages.warmup.checkpoint_every=2"]
+    stage = out / "stages" / "0-warmup"
+    r = cascade(*args, env={"CASCADE_FAULT": "before_checkpoint:4"})
+    assert r.returncode == -signal.SIGKILL
+    assert _complete_checkpoints_load(stage) == ["step-00000002"]
+    pipe = load_trainer_state(stage / "checkpoints" / "step-00000002")[0]["pipeline"]
+    assert pipe["ahead"] >= 1 and len(pipe["pending"]) == pipe["ahead"] and pipe["queue"]
+    r = cascade(*args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((stage / "final" / "run_state.json").read_text())["steps"] == 5
 
 
 def test_sigkill_mid_stage_and_during_checkpoint_write_then_resume(tmp_path):

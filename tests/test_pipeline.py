@@ -65,6 +65,48 @@ def test_bounded_staleness_overlaps_and_never_trains_older_groups(warm):
     assert rl.step_idx == 6
 
 
+def test_checkpointed_buffer_resumes_with_the_waiting_groups(warm, tmp_path):
+    """A checkpoint taken inside ``paused()`` holds the groups produced and not yet trained on; a
+    pipeline started from it (after a torch.save / torch.load round trip, as cascade's checkpoints do)
+    trains exactly those groups first, in order, with their versions and rollout metrics."""
+    kw = dict(seed=6, max_staleness=2, min_ready_batches=2, sync_every=1)
+    rl = make_trainer(warm, **kw)
+    pipe = Pipeline(rl)
+    try:
+        for _ in range(2):
+            pipe.step()
+        with pipe.paused():
+            torch.save({"pipeline": pipe.state(), "rl": rl.state_dict(), "policy": _params(rl)}, tmp_path / "ck.pt")
+    finally:
+        pipe.close()
+    ck = torch.load(tmp_path / "ck.pt", weights_only=False)
+    st = ck["pipeline"]
+    assert st["ahead"] >= 1 and len(st["pending"]) == st["ahead"] and len(st["queue"]) >= rl.cfg.prompts_per_step
+    waiting = [(v, g.problem.prompt, [r.completion.token_ids for r in g.rollouts]) for v, g in st["queue"]]
+
+    again = make_trainer(warm, **kw)
+    again.policy.load_state_dict(ck["policy"])
+    again.load_state_dict(ck["rl"])
+    again.sync_weights()
+    trained = []
+    update = again.update
+
+    def spy(groups):
+        trained.append([(group_version(g), g.problem.prompt, [r.completion.token_ids for r in g.rollouts])
+                        for g in groups])
+        return update(groups)
+
+    again.update = spy
+    pipe = Pipeline(again, st)
+    try:
+        m = pipe.step()
+    finally:
+        pipe.close()
+    assert again.step_idx == 3 and m["step"] == 2
+    assert trained[0] == waiting[:len(trained[0])] and len(trained[0]) == rl.cfg.prompts_per_step
+    assert m["groups_sampled"] == st["pending"][0]["groups_sampled"]
+
+
 def test_rollout_and_update_threads_are_split_on_cpu(warm):
     """With the engine and the update in this process, the rollout thread and the update each run on
     their share of torch's intra-op threads (default half each; rl.rollout_threads sets the rollout's),

@@ -27,8 +27,11 @@ rollout thread ``rl.rollout_threads`` of them (default: half) and the update the
 :meth:`Pipeline.close`; while the producer waits (it is as far ahead as staleness allows) the update
 borrows its threads, chunk by chunk (:meth:`Pipeline.lend_threads`; ``Pipeline.lent`` counts those chunks).
 
-The buffer is not checkpointed (as in PipelineRL): on resume the producer starts afresh from the
-checkpoint's RNG and curriculum; :meth:`Pipeline.paused` gives a consistent snapshot for saving.
+Checkpoints: inside :meth:`Pipeline.paused` (no batch in progress) the RNG and curriculum are a
+consistent snapshot, and :meth:`Pipeline.state` holds what the producer made from them that the trainer
+has not consumed yet (the buffered groups with their versions, each produced batch's rollout
+metrics, the counters). ``Pipeline(rl, state)`` starts from it, so a resumed run trains the groups
+that were waiting, in order, instead of skipping their prompts (PipelineRL drops them).
 """
 from __future__ import annotations
 
@@ -101,7 +104,7 @@ class Pipeline:
     groups dropped as stale or evicted, the version lag of the trained tokens (mean, max,
     histogram) and the rollout / trainer busy fractions since the previous step."""
 
-    def __init__(self, rl: RLTrainer):
+    def __init__(self, rl: RLTrainer, state: dict | None = None):
         self.rl, cfg = rl, rl.cfg
         self.max_staleness, self.batch = cfg.max_staleness, cfg.prompts_per_step
         # the trainer can wait for at most the batches the producer may run ahead
@@ -116,6 +119,8 @@ class Pipeline:
         self._error: BaseException | None = None
         self._busy_roll = self._busy_train = 0.0
         self._since = time.perf_counter()
+        if state is not None:
+            self._load_state(state)
         if not getattr(rl.engine, "supports_inflight_update", False):
             rl.engine = LockedEngine(rl.engine)
         self._threads_before = torch.get_num_threads()
@@ -212,6 +217,25 @@ class Pipeline:
         m["difficulty"] = difficulty
         m["time_step_s"] = time.perf_counter() - t0
         return m
+
+    def state(self) -> dict[str, Any]:
+        """What was produced and not yet trained on (call inside :meth:`paused`): the buffered
+        ``(version, group)`` pairs oldest first, the rollout metrics of each batch not yet consumed,
+        how many batches ahead of the trainer that is, and the buffer's drop counters."""
+        if not self._idle.is_set():
+            raise RuntimeError("Pipeline.state() needs the producer paused (inside Pipeline.paused())")
+        with self.buffer.cond:
+            return {"queue": list(self.buffer._q), "pending": [dict(m) for m in self._pending],
+                    "ahead": self._produced - self._done, "evicted": self.buffer.evicted,
+                    "dropped_stale": self.buffer.dropped_stale}
+
+    def _load_state(self, st: dict[str, Any]) -> None:
+        if len(st["pending"]) != st["ahead"]:
+            raise ValueError(f"pipeline state: {len(st['pending'])} batches of metrics for {st['ahead']} batches ahead")
+        self.buffer._q = deque(st["queue"])
+        self._pending = deque(st["pending"])
+        self._produced, self._done = int(st["ahead"]), 0
+        self.buffer.evicted, self.buffer.dropped_stale = int(st["evicted"]), int(st["dropped_stale"])
 
     @contextmanager
     def paused(self):
