@@ -35,7 +35,7 @@ Weights:
   concatenates the shards' logits so each rank gets full-vocabulary fp32 logits for its tokens
   (:meth:`TSPCausalLM.forward`). The log-probs of the loss (:meth:`TSPCausalLM.token_logprobs`)
   never make them: each shard arriving on the ring gives, chunk of rows by chunk of rows, its own
-  log-sum-exp, target logit and softmax-weighted mean logit (:class:`_VocabShardStats`; backward
+  log-sum-exp, target logit and softmax-weighted mean logit (:func:`train.rl.packing.logit_stats`; backward
   recomputes each chunk), and those combine exactly into log-probs and entropies, so no rank holds
   more than [chunk, V/D] fp32 logits at once. Tied embeddings use the same shard for both.
 * Replicated (small): RMSNorm weights (input/post-attention/final, q_norm, k_norm), o_proj biases
@@ -66,7 +66,7 @@ from train.model.modeling import CausalLM, Router, apply_rope, rope_cos_sin, run
 from train.parallel import comm
 from train.parallel.shard import (ShardedLM, StateDictSource, all_reduce_grads, expert_partial, read_expert_slice,
                                   rms_norm, split_range, split_sizes, weight_source)
-from train.rl.packing import chunk_logits, default_chunk
+from train.rl.packing import default_chunk, logit_stats
 
 
 ZAYA_REFUSAL = ("the sharded core does not run zaya (ZAYA1) sharded by tensor or sequence: CCA's sequence "
@@ -78,60 +78,6 @@ def zigzag_index(T: int, D: int, r: int) -> tuple[int, torch.Tensor]:
     c = -(-T // (2 * D))
     a, b = r, 2 * D - 1 - r
     return 2 * D * c, torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])
-
-
-class _VocabShardStats(torch.autograd.Function):
-    """For logits z = h @ w^T / temperature over one vocab shard (rows ``off .. off + V_j`` of the
-    vocabulary): per row the shard's log-sum-exp, the target's logit (0 where the target lies in
-    another shard) and, without gradient, the shard-softmax-weighted mean logit, computed ``chunk``
-    rows at a time; backward recomputes each chunk's logits, so only [chunk, V_j] fp32 buffers live."""
-
-    @staticmethod
-    def forward(ctx, h, w, targets, off: int, temperature: float, chunk: int):
-        N, Vj = h.shape[0], w.shape[0]
-        wf = w.float()
-        lse = torch.empty(N, dtype=torch.float32, device=h.device)
-        tgt = torch.zeros(N, dtype=torch.float32, device=h.device)
-        mean = torch.empty(N, dtype=torch.float32, device=h.device)
-        local = targets - off
-        inside = (local >= 0) & (local < Vj)
-        idx = local.clamp(0, max(Vj - 1, 0))
-        for s in range(0, N, chunk):
-            e = min(N, s + chunk)
-            z = chunk_logits(h[s:e], wf, temperature)
-            m = torch.logsumexp(z, dim=-1)
-            lse[s:e] = m
-            tgt[s:e] = torch.where(inside[s:e], z.gather(1, idx[s:e, None]).squeeze(1), 0.0)
-            mean[s:e] = (torch.softmax(z, dim=-1) * z).sum(-1)
-        ctx.save_for_backward(h, w, idx, inside, lse)
-        ctx.temperature, ctx.chunk = temperature, chunk
-        ctx.mark_non_differentiable(mean)
-        return lse, tgt, mean
-
-    @staticmethod
-    def backward(ctx, g_lse, g_tgt, _g_mean):
-        h, w, idx, inside, lse = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        T, chunk, N = ctx.temperature, ctx.chunk, h.shape[0]
-        wf = w.float()
-        gh = torch.empty(h.shape, dtype=torch.float32, device=h.device) if need_h else None
-        gw = torch.zeros(wf.shape, dtype=torch.float32, device=h.device) if need_w else None
-        zero = torch.zeros(N, dtype=torch.float32, device=h.device)
-        g_lse = zero if g_lse is None else g_lse.float()
-        g_tgt = zero if g_tgt is None else g_tgt.float() * inside
-        for s in range(0, N, chunk):
-            e = min(N, s + chunk)
-            hc = h[s:e].float()
-            # d lse / d z = softmax(z); d tgt / d z = onehot(target) inside the shard; z = h w^T / T
-            dz = torch.exp(chunk_logits(hc, wf, T) - lse[s:e, None]).mul_(g_lse[s:e, None])
-            dz.scatter_add_(1, idx[s:e, None], g_tgt[s:e, None])
-            if T != 1.0:
-                dz.div_(T)
-            if need_h:
-                gh[s:e] = dz @ wf
-            if need_w:
-                gw.addmm_(dz.t(), hc)
-        return (gh.to(h.dtype) if need_h else None, gw.to(w.dtype) if need_w else None, None, None, None, None)
 
 
 def packed_segment_starts(cu_seqlens, T: int, Tp: int, B: int, attention_mask, device) -> torch.Tensor:
@@ -430,7 +376,7 @@ class TSPCausalLM(ShardedLM):
         temperature = float(temperature) if temperature else 1.0
         chunk = int(chunk_tokens) if chunk_tokens else default_chunk(max(split_sizes(self.config.vocab_size, self.D)))
         with comm.tag("lm_head"):  # per shard j: [n, D, 3] with (lse_j, target logit, mean logit) at j
-            stats = comm.ring_apply(functools.partial(self._head_stats_fn, temperature, chunk),
+            stats = comm.ring_apply(functools.partial(self._head_stats_fn, temperature, chunk, return_entropy),
                                     (h.reshape(n, H), nxt.reshape(n)), [self._head()], self.group, self._vocab_shapes)
         lse_j, tgt_j, mean_j = stats.unbind(-1)
         lse = torch.logsumexp(lse_j, dim=-1)
@@ -442,9 +388,11 @@ class TSPCausalLM(ShardedLM):
             return logp, slots, ent
         return logp, slots
 
-    def _head_stats_fn(self, temperature, chunk, h, targets, j, w):
+    def _head_stats_fn(self, temperature, chunk, want_mean, h, targets, j, w):
         off = split_range(self.config.vocab_size, self.D, j)[0]
-        lse, tgt, mean = _VocabShardStats.apply(h, w, targets, off, temperature, chunk)
+        lse, tgt, mean = logit_stats(h, w, targets, off, temperature, chunk, want_mean)
+        if not want_mean:
+            mean = torch.zeros_like(lse)
         out = torch.zeros(h.shape[0], self.D, 3, dtype=torch.float32, device=h.device)
         return out.index_copy(1, torch.tensor([j], device=h.device), torch.stack([lse, tgt, mean], -1)[:, None])
 

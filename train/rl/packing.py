@@ -74,58 +74,75 @@ def balance_across_ranks(lengths: Sequence[int], world: int) -> list[list[int]]:
 # chunked LM head + log-softmax
 
 
-class _ChunkedLogprobs(torch.autograd.Function):
-    """log softmax(h @ W^T / temperature)[target] row by row in chunks; backward recomputes each
-    chunk's logits, so only [chunk, vocab] fp32 buffers are ever alive. The entropy output is
-    returned without gradient."""
+class _LogitStats(torch.autograd.Function):
+    """For logits z = h @ w^T / temperature over the vocabulary rows ``off .. off + V_w`` (the whole
+    vocabulary, or one shard of it): per row the log-sum-exp, the target's logit (0 where the target
+    lies outside these rows) and, without gradient and only when asked, the softmax-weighted mean logit.
+    Computed ``chunk`` rows at a time; backward recomputes each chunk's logits, so only [chunk, V_w]
+    fp32 buffers are ever alive. Log-probs are ``target - lse`` and entropies ``lse - mean``, over
+    shards after combining their log-sum-exps (:class:`train.parallel.tsp.TSPCausalLM`)."""
 
     @staticmethod
-    def forward(ctx, h, w, targets, temperature: float, chunk: int, want_entropy: bool):
-        N = h.shape[0]
+    def forward(ctx, h, w, targets, off: int, temperature: float, chunk: int, want_mean: bool):
+        N, Vw = h.shape[0], w.shape[0]
         wf = w.float()
-        lp = torch.empty(N, dtype=torch.float32, device=h.device)
         lse = torch.empty(N, dtype=torch.float32, device=h.device)
-        ent = torch.empty(N, dtype=torch.float32, device=h.device) if want_entropy else None
+        tgt = torch.zeros(N, dtype=torch.float32, device=h.device)
+        mean = torch.zeros(N if want_mean else 0, dtype=torch.float32, device=h.device)
+        local = targets - off
+        inside = (local >= 0) & (local < Vw)
+        idx = local.clamp(0, max(Vw - 1, 0))
         for s in range(0, N, chunk):
             e = min(N, s + chunk)
             z = chunk_logits(h[s:e], wf, temperature)
             m = torch.logsumexp(z, dim=-1)
             lse[s:e] = m
-            lp[s:e] = z.gather(1, targets[s:e, None]).squeeze(1) - m
-            if want_entropy:
-                ent[s:e] = m - (torch.softmax(z, dim=-1) * z).sum(-1)
-        ctx.save_for_backward(h, w, targets, lse)
+            tgt[s:e] = torch.where(inside[s:e], z.gather(1, idx[s:e, None]).squeeze(1), 0.0)
+            if want_mean:
+                mean[s:e] = (torch.softmax(z, dim=-1) * z).sum(-1)
+        ctx.save_for_backward(h, w, idx, inside, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
-        if ent is None:
-            ent = torch.zeros(0, dtype=torch.float32, device=h.device)
-        ctx.mark_non_differentiable(ent)
-        return lp, ent
+        ctx.mark_non_differentiable(mean)
+        return lse, tgt, mean
 
     @staticmethod
-    def backward(ctx, g_lp, _g_ent):
-        h, w, targets, lse = ctx.saved_tensors
+    def backward(ctx, g_lse, g_tgt, _g_mean):
+        h, w, idx, inside, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if g_lp is None or not (need_h or need_w):
-            return None, None, None, None, None, None
+        if (g_lse is None and g_tgt is None) or not (need_h or need_w):
+            return None, None, None, None, None, None, None
         T, chunk, N = ctx.temperature, ctx.chunk, h.shape[0]
         wf = w.float()
         gh = torch.empty(h.shape, dtype=torch.float32, device=h.device) if need_h else None
         gw = torch.zeros(wf.shape, dtype=torch.float32, device=h.device) if need_w else None
-        g_lp = g_lp.float()
+        zero = torch.zeros(N, dtype=torch.float32, device=h.device)
+        g_lse = zero if g_lse is None else g_lse.float()
+        g_tgt = zero if g_tgt is None else g_tgt.float() * inside
         for s in range(0, N, chunk):
             e = min(N, s + chunk)
             hc = h[s:e].float()
-            g = g_lp[s:e, None]
-            # d lp / d z = onehot(target) - softmax(z), and z = h W^T / T
-            dz = torch.exp(chunk_logits(hc, wf, T) - lse[s:e, None]).mul_(-g)
-            dz.scatter_add_(1, targets[s:e, None], g)
+            # d lse / d z = softmax(z); d tgt / d z = onehot(target) inside these rows; z = h w^T / T
+            dz = torch.exp(chunk_logits(hc, wf, T) - lse[s:e, None]).mul_(g_lse[s:e, None])
+            dz.scatter_add_(1, idx[s:e, None], g_tgt[s:e, None])
             if T != 1.0:
                 dz.div_(T)
             if need_h:
                 gh[s:e] = dz @ wf
             if need_w:
                 gw.addmm_(dz.t(), hc)
-        return (gh.to(h.dtype) if need_h else None, gw.to(w.dtype) if need_w else None, None, None, None, None)
+        return (gh.to(h.dtype) if need_h else None, gw.to(w.dtype) if need_w else None,
+                None, None, None, None, None)
+
+
+def logit_stats(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, off: int = 0, temperature: float = 1.0,
+                chunk_tokens: int | None = None, want_mean: bool = False):
+    """``(lse, target logit, mean logit)`` [N] each of ``softmax(h @ weight^T / temperature)`` over the
+    vocabulary rows ``off .. off + len(weight)`` (see :class:`_LogitStats`); ``chunk_tokens`` rows of
+    logits at a time (default: about 16M logits a chunk); the mean is empty without ``want_mean``."""
+    temperature = float(temperature) if temperature else 1.0
+    chunk = int(chunk_tokens) if chunk_tokens else default_chunk(weight.shape[0])
+    return _LogitStats.apply(h, weight, targets.to(device=h.device, dtype=torch.long), int(off), temperature,
+                             max(1, chunk), bool(want_mean))
 
 
 def chunk_logits(h: torch.Tensor, wf: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -144,11 +161,9 @@ def chunked_token_logprobs(h: torch.Tensor, weight: torch.Tensor, targets: torch
     states ``h`` [N, H] and LM-head ``weight`` [V, H] (fp32 logits whatever their dtype), computed
     ``chunk_tokens`` rows at a time in forward and backward (default: about 16M logits a chunk). With
     ``return_entropy`` also the entropy [N] of each row's distribution (no gradient)."""
-    temperature = float(temperature) if temperature else 1.0
-    chunk = int(chunk_tokens) if chunk_tokens else default_chunk(weight.shape[0])
-    lp, ent = _ChunkedLogprobs.apply(h, weight, targets.to(device=h.device, dtype=torch.long), temperature,
-                                     max(1, chunk), bool(return_entropy))
-    return (lp, ent) if return_entropy else lp
+    lse, tgt, mean = logit_stats(h, weight, targets, 0, temperature, chunk_tokens, return_entropy)
+    lp = tgt - lse
+    return (lp, (lse - mean).detach()) if return_entropy else lp
 
 
 # ------------------------------------------------------------------------------------------------
