@@ -282,26 +282,34 @@ def test_plugin_package_registers_through_entry_points(tmp_path):
 
 
 # -- every registered environment ------------------------------------------------------------------
+def _self_check_grid(env_id: str) -> list[str]:
+    """One environment's points (see the test below): the failures."""
+    from envs.check import check_one
+
+    _, fails, dt = check_one(env_id, [0], [0])
+    if fails or env_id.startswith("rg/"):
+        return fails
+    if dt > 0.5:
+        return check_one(env_id, [3], [1])[1]
+    _, fails, dt = check_one(env_id, list(range(1, 6)), [0])
+    if not fails and dt < 0.3:
+        fails += check_one(env_id, list(range(6)), [1, 2])[1]
+    return fails
+
+
 def test_every_registered_environment_passes_the_self_check():
     """`cascade envs check` over the whole registry: every difficulty 0-5 at seed 0, then seeds 1 and 2
     too where those six points took under 0.3 s; where one point already takes seconds (reasoning-gym,
     sandboxed code) fewer points. (The 18-point grid for every environment took ~100 s of this suite,
-    half of it reasoning-core's, whose points get slower with difficulty.)"""
-    from envs.check import check_one, expand_ids
+    half of it reasoning-core's, whose points get slower with difficulty.) Two worker processes share
+    the environments (this suite's machines have two cores)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from envs.check import expand_ids
 
     ids = expand_ids(None)
     assert {"math", "math/arith", "ifeval"} <= set(ids)
-    failures = []
-    for env_id in ids:
-        _, fails, dt = check_one(env_id, [0], [0])
-        failures += fails
-        if fails or env_id.startswith("rg/"):
-            continue
-        if dt > 0.5:
-            failures += check_one(env_id, [3], [1])[1]
-            continue
-        _, fails, dt = check_one(env_id, list(range(1, 6)), [0])
-        failures += fails
-        if not fails and dt < 0.3:
-            failures += check_one(env_id, list(range(6)), [1, 2])[1]
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as ex:
+        failures = [f for fails in ex.map(_self_check_grid, ids, chunksize=4) for f in fails]
     assert not failures, "\n".join(failures[:40])
