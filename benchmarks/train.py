@@ -32,9 +32,11 @@ are pad; 3 repeats each, 3 runs): train 10.3-10.5k tok/s, padded 2.55-2.65k, hf 
 3.97, 3.84, 4.06 (median 3.97), packed_vs_padded 3.92, 3.96, 4.08. A narrow distribution (``--sigma 0.5``:
 17,192 tokens, max 524, 37.9% pad; one run), labelled as the regime where packing has least to remove:
 train 11.1k, padded 6.7k, hf 6.7k; train_ratio 1.66, packed_vs_padded 1.65.
-Re-run on 2026-12-02 at commit a98c40b (packing refactored into ``pack_row``, the same operations) on
-another machine, about half as fast (one run, defaults, ``--threads 1``, load 1.0): train 5.7k tok/s,
-padded 1.41k, hf 1.45k; train_ratio 3.96, packed_vs_padded 4.09.
+Re-run on 2026-12-02 on another machine, about half as fast (defaults, ``--threads 1``, load 1.0), at
+commit a98c40b (packing refactored into ``pack_row``, the same operations): train 5.7k tok/s, padded
+1.41k, hf 1.45k, train_ratio 3.96, packed_vs_padded 4.09; and at 33fa95f (the chunked LM head through
+``logit_stats``, the same arithmetic): train 6.4k, padded 1.53k, hf 1.35k, train_ratio 4.74,
+packed_vs_padded 4.18 (one run each: hf's rate moved 7% between them).
 Packed costs about what padded costs per slot, so its gain is the padding it removes (plus the quadratic
 attention over pad); in a profile of the earlier code's packed step, SDPA forward + backward was about a third of the time, GEMMs a
 third. With 2 threads on the loaded box, small ops ran 40x slower (OpenMP waits), hence ``--threads 1``.
