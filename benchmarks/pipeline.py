@@ -38,6 +38,12 @@ same runs with train/rl/pipeline.py of commit dc20a80 (a fixed split), interleav
 | 2 threads, 256 tokens, 16 stop tokens | 6 | 1.07, 1.18, 1.73, 0.95, 1.35, 1.37 | 1.27, 0.95 | 1.15, 1.18, 1.39, 1.08, 1.38, 1.08 (1.17, 1.08) | 1.13-1.35 (3 runs) | 1.43-1.64 (3 runs) | 0.89-1.35 | 1.21-1.54 | 0.33-0.50 / 0.43-0.52 |
 | 1 thread, 48 tokens (no split, nothing to lend) | 3 | 1.32, 1.19, 1.38 | 1.32, 1.19 | - | - | - | 1.27-1.63 | 1.76-1.94 | 0.16-0.19 / 0.46-0.59 |
 
+Re-run on 2026-12-02 at commit f457256 on another machine (this session's: the trainer's arithmetic
+unchanged, bitwise, since 1317269), default setting, 4 runs one after another: async speedup 0.88, 1.47,
+1.01, 0.99 (median 1.00, min 0.88); sync steps/s 1.05-1.53, async 1.32-1.55; overlap ceiling 0.85-1.35;
+ceiling at any mix 1.20-1.89; rollout s / update s (sync) 0.21-0.31 / 0.44-0.64. The synchronous
+baseline's own rate moved 1.5x between runs, which moves the ratio as much as the pipeline does.
+
 max_lag_seen 2 and no group dropped as stale in every run; the two sides of each run generate the
 same response lengths (mean 47.1 of 48 tokens by default; 61.2 with 16 stop tokens and 256 new
 tokens).
