@@ -31,16 +31,19 @@ training problems reaches 0.2 (the policy answers in the boxed format but mostly
 which leaves RL the task itself to learn; stopping at 0.4 left some seeds after a long SFT plateau with
 a near-greedy policy that RL barely moved.
 
-Measured on 2026-12-02 (another fresh 2-core CPU, slower than the last one, commit e925322, defaults,
-``--jobs 2``; held-out sampled accuracy before -> after RL, 200 problems x 4 samples):
+Measured on 2026-12-02 (this session's fresh 2-core CPU, commit ff81563, defaults, ``--jobs 2``;
+held-out sampled accuracy before -> after RL, 200 problems x 4 samples):
 
 | mode | seed 0 | seed 1 | seed 2 | seed 3 | seed 4 | median gain | min gain | wall |
 | --- | --- | --- | --- | --- | --- | --- | --- | --- |
-| sync  | 0.190 -> 0.504 (+31.4) | 0.163 -> 0.746 (+58.4) | 0.336 -> 0.699 (+36.2) | 0.165 -> 0.750 (+58.5) | 0.253 -> 0.899 (+64.6) | +58.4 | +31.4 | 247 s |
-| async | 0.190 -> 0.494 (+30.4) | 0.163 -> 0.754 (+59.1) | 0.336 -> 0.689 (+35.2) | 0.165 -> 0.820 (+65.5) | 0.253 -> 0.891 (+63.9) | +59.1 | +30.4 | 232 s |
+| sync  | 0.190 -> 0.473 (+28.2) | 0.163 -> 0.748 (+58.5) | 0.209 -> 0.758 (+54.9) | 0.165 -> 0.794 (+62.9) | 0.253 -> 0.903 (+65.0) | +58.5 | +28.2 | 221 s |
+| async | 0.190 -> 0.510 (+32.0) | 0.163 -> 0.689 (+52.6) | 0.209 -> 0.739 (+53.0) | 0.165 -> 0.795 (+63.0) | 0.253 -> 0.903 (+65.0) | +53.0 | +32.0 | 217 s |
+
+(At e925322 on the previous session's machine: sync median +58.4, min +31.4; async +59.1 / +30.4; seed 2's
+SFT warm-up ended there at 0.336 held-out, here at 0.209.)
 
 The trajectories depend on the machine's float kernels: on other CPUs the same seeds gave other
-figures (git history has them). A seed takes up to 84 s here (SFT, then RL); async trains on
+figures (git history has them). A seed takes up to 78 s here (SFT, then RL); async trains on
 rollouts 0.99 versions behind on average. Tiny policies
 are chaotic across seeds: read these as five samples; ``--trace`` adds held-out evaluations during RL,
 which shift the random streams, so traced runs give other (same-seed reproducible) numbers.

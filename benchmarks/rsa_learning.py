@@ -38,42 +38,40 @@ Task: ``toy/max`` at difficulty 2 (the largest of 4 digits). Checking is easier 
 matters to an aggregator: every candidate answers with a digit of the list, so the largest of the C shown
 answers is right whenever any one of them is; choosing the largest of 4 boxed answers is a smaller problem
 than the task and needs nothing the task does not. After the warm-up the policy is partly right and its
-samples disagree (after RL, round-0 pass@8 0.688-0.891 against single 0.279-0.754 below), so there is
+samples disagree (after RL, round-0 pass@8 0.688-0.953 against single 0.248-0.916 below), so there is
 room to aggregate.
 
 Figures are accuracies on the 64 held-out problems; "r1" is round 1's accuracy and "r1 ceiling" its
 perfect-picker bound; "cut" counts RSA traces (of 64 x 8 x 3 = 1,536) that hit beta.
 
-Measured on 2026-12-02 (another fresh 2-core CPU, commit e925322, defaults, ``--jobs 2``: 579 s wall,
-272 / 398 / 301 s per seed; trajectories depend on the machine's float kernels, and other CPUs gave
-other figures, in git history):
+Measured on 2026-12-02 (this session's fresh 2-core CPU, commit ff81563, defaults, ``--jobs 2``: 720 s
+wall, 360 / 375 / 353 s per seed; trajectories depend on the machine's float kernels, and other CPUs
+and earlier commits gave other figures, in git history):
 
 | seed | agg single | agg maj. | agg rsa | agg r1 / ceiling | agg cut | abl. single | abl. maj. | abl. rsa | abl. cut |
 | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
-| 0 | 0.680 | 0.688 | 0.682 | 0.684 / 0.688 | 0 | 0.688 | 0.688 | 0.012 | 1009 |
-| 1 | 0.467 | 0.469 | 0.004 | 0.430 / 0.775 | 1023 | 0.754 | 0.844 | 0.000 | 1534 |
-| 2 | 0.301 | 0.328 | 0.270 | 0.270 / 0.666 | 1 | 0.279 | 0.328 | 0.246 | 24 |
+| 0 | 0.682 | 0.688 | 0.557 | 0.684 / 0.688 | 1535 | 0.824 | 0.828 | 0.440 | 355 |
+| 1 | 0.471 | 0.578 | 0.670 | 0.617 / 0.754 | 95 | 0.916 | 0.938 | 0.170 | 511 |
+| 2 | 0.248 | 0.250 | 0.258 | 0.279 / 0.596 | 0 | 0.289 | 0.328 | 0.123 | 653 |
 
-``rsa_gain_points`` +0.2 / -46.3 / -3.1 (median -3.1, min -46.3); ``rsa_vs_ablation_points`` +67.0 /
-+0.4 / +2.3 (median +2.3, min +0.4); ``goal_met`` false.
+``rsa_gain_points`` -12.5 / +19.9 / +1.0 (median +1.0, min -12.5); ``rsa_vs_ablation_points`` +11.7 /
++50.0 / +13.5 (median +13.5, min +11.7); ``goal_met`` false (the goal is RSA over the policy's own
+single sample: median +10). At e925322 on the previous session's machine the same seeds gave
+``rsa_gain_points`` median -3.1, min -46.3, and against the ablation median +2.3, min +0.4.
 
 Why the goal is not met (what the figures say):
 
-- Training on aggregation prompts teaches the policy to *read* them where RL takes hold: on seed 0 the
-  ablation, never trained on such prompts, breaks on them (rsa 0.012, 1,009 of 1,536 traces cut at
-  beta) while the agg policy answers them as well as plain problems (round 1 0.684 against single
-  0.680). On seed 1 both break (agg rsa 0.004 with 1,023 traces cut, ablation 0.000 with 1,534): the
-  agg policy's round 1 still answers (0.430) but its traces stop ending, and round 2 reads tails that no
-  longer show an answer. Seed 2's RL barely took off (agg reward 0.23 -> 0.26) and the two policies
-  are alike.
-- Learning to *pick* from them did not happen: round 1 is never above single, though a perfect picker
-  would score 35 and 37 points more on seeds 1 and 2 (the r1 ceiling): the policy solves the problem
-  again from the list and ignores the tails. 1,655-2,169 aggregation prompts of reward alone are too
-  little for a 0.8M-parameter policy to learn the copy-the-best-candidate step.
-- When RL takes off fast it removes the disagreement RSA needs: seed 0 became deterministic per problem
-  (single 0.680, pass@8 0.688).
-- The aggregation share is paid for in single-sample accuracy on seed 1: the ablation, all of whose RL
-  went to plain problems, ends at single 0.754 against the agg policy's 0.467.
+- Training on aggregation prompts teaches the policy to *read* them: the ablation, never trained on
+  such prompts, loses on them on every seed (rsa 0.123-0.440 against single 0.289-0.916, with 355-653
+  of 1,536 traces cut at beta), while the agg policy's round 1 answers them at least as well as plain
+  problems (0.617-0.684 and 0.279 against single 0.682, 0.471, 0.248).
+- Picking from them happened on one seed: on seed 1 round 1 (0.617) and RSA (0.670) beat single
+  (0.471) and majority (0.578), +19.9 points. On seed 0 RL made the policy deterministic per problem
+  (single 0.682, pass@8 0.688: nothing left to aggregate) and in later rounds nearly every trace ran
+  to beta (1,535 cut), so RSA fell to 0.557. Seed 2's RL barely took off (agg reward 0.24 -> 0.26).
+- The aggregation share is paid for in single-sample accuracy: the ablation, all of whose RL went to
+  plain problems, ends at single 0.824 and 0.916 on seeds 0 and 1 against the agg policy's 0.682 and
+  0.471. 1,372-2,142 aggregation prompts of reward alone are little for a 0.8M-parameter policy.
 """
 from __future__ import annotations
 
