@@ -130,8 +130,12 @@ def _check_tsp(W, out):
         loss = -want.sum() / len(scored)
         loss.backward()
         tsp = TSPCausalLM(ref)
-        lp, slots = tsp.token_logprobs(row, cu_seqlens=cu, chunk_tokens=3)  # the LM head 3 rows at a time
+        # the LM head 3 rows at a time, on this rank's scored positions only
+        mask = torch.zeros(row.shape, dtype=torch.bool)
+        mask[0, scored] = True
+        lp, slots = tsp.token_logprobs(row, cu_seqlens=cu, chunk_tokens=3, scored=mask)
         valid = torch.isin(slots, scored)
+        out[key + ".unscored_nonzero"] = int((lp[0][~valid] != 0).sum())
         local = -(lp[0] * valid).sum() / len(scored)
         local.backward()
         tsp.sync_grads()
@@ -306,8 +310,9 @@ def _values(results, prefix):
 @pytest.mark.timeout(300)
 def test_tsp_matches_single_process(results):
     W, vals = _values(results, "tsp")
-    # dense/moe/qwen2/llama3 x causal/mask/packed x logits/loss/grads/logprobs
-    assert len(vals) == 4 * 3 * 4, vals
+    # dense/moe/qwen2/llama3 x causal/mask/packed x logits/loss/grads/logprobs, and per config the count of
+    # nonzero log-probs at unscored positions of the packed row (the LM head skips them: must be 0)
+    assert len(vals) == 4 * 3 * 4 + 4, vals
     bad = {k: v for k, v in vals.items() if not v < TOL}
     assert not bad, bad
 

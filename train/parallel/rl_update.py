@@ -310,8 +310,9 @@ class RLUpdater:
                                          checkpoint_layers=self.cfg.activation_checkpointing)
         row = pack_row(samples, self.device)
         N = row.input_ids.numel()
+        scored = torch.zeros(N, dtype=torch.bool, device=row.input_ids.device).index_fill_(0, row.scored, True)
         out = self.net.token_logprobs(row.input_ids[None], None, temperature, row.routed_experts,
-                                      return_entropy=entropy, cu_seqlens=row.cu_seqlens)
+                                      return_entropy=entropy, cu_seqlens=row.cu_seqlens, scored=scored[None])
         local = torch.stack([out[0], out[2].to(out[0].dtype)], -1) if entropy else out[0]
         full = gather_tokens(local, N, self.tsp_group)[0].index_select(0, row.scored)
         if not entropy:

@@ -356,7 +356,8 @@ class TSPCausalLM(ShardedLM):
 
     # ---------------------------------------------------------------------------- losses
     def token_logprobs(self, input_ids, attention_mask=None, temperature: float = 1.0, routed_experts=None,
-                       return_entropy: bool = False, cu_seqlens=None, chunk_tokens: int | None = None):
+                       return_entropy: bool = False, cu_seqlens=None, chunk_tokens: int | None = None,
+                       scored: torch.Tensor | None = None):
         """Per-token log-probabilities for the RL loss, partitioned like the tokens.
 
         Returns ``(logp [B, n_local], slots [n_local])``: ``logp[:, i]`` is log p(input_ids[:, s+1]
@@ -367,24 +368,33 @@ class TSPCausalLM(ShardedLM):
         of each local position's distribution [B, n_local] (no gradient). ``cu_seqlens``: a packed
         row (see :meth:`forward`); the value at a sequence's last token (whose next token starts the
         following sequence) means nothing and must be masked by the loss. ``chunk_tokens``: rows of
-        LM-head logits at a time (default: about 16M fp32 logits per chunk of a vocab shard)."""
+        LM-head logits at a time (default: about 16M fp32 logits per chunk of a vocab shard).
+        ``scored`` [B, T] (bool): the positions whose log-probs are wanted (an RL batch's completion
+        positions); the LM head runs on this rank's scored positions only, the others are zeros."""
         B, T = input_ids.shape
         h = self.hidden_states(input_ids, attention_mask, routed_experts, cu_seqlens)
         slots = self.local_slots(T).to(input_ids.device)
         nxt = F.pad(input_ids, (0, len(slots) * self.D - T + 1))[:, slots + 1]
         H, n = h.shape[-1], h.shape[0] * h.shape[1]
+        h, nxt = h.reshape(n, H), nxt.reshape(n)
+        want = (slots < T).expand(B, -1)
+        if scored is not None:
+            want = want & F.pad(scored.to(torch.bool), (0, len(slots) * self.D - T))[:, slots]
+        sel = want.reshape(n).nonzero().squeeze(1)  # this rank's rows for the LM head
         temperature = float(temperature) if temperature else 1.0
         chunk = int(chunk_tokens) if chunk_tokens else default_chunk(max(split_sizes(self.config.vocab_size, self.D)))
-        with comm.tag("lm_head"):  # per shard j: [n, D, 3] with (lse_j, target logit, mean logit) at j
+        with comm.tag("lm_head"):  # per shard j: [rows, D, 3] with (lse_j, target logit, mean logit) at j
             stats = comm.ring_apply(functools.partial(self._head_stats_fn, temperature, chunk, return_entropy),
-                                    (h.reshape(n, H), nxt.reshape(n)), [self._head()], self.group, self._vocab_shapes)
+                                    (h.index_select(0, sel), nxt.index_select(0, sel)), [self._head()], self.group,
+                                    self._vocab_shapes)
         lse_j, tgt_j, mean_j = stats.unbind(-1)
         lse = torch.logsumexp(lse_j, dim=-1)
-        logp = (tgt_j.sum(-1) - lse).view(B, -1)
+        logp = torch.zeros(n, dtype=lse.dtype, device=lse.device).index_copy(0, sel, tgt_j.sum(-1) - lse).view(B, -1)
         logp = logp * (slots < T - 1).to(logp.dtype)
         if return_entropy:
             with torch.no_grad():  # H = lse - sum_v p_v z_v, the sum taken shard by shard
-                ent = (lse - (torch.exp(lse_j - lse[:, None]) * mean_j).sum(-1)).view(B, -1)
+                ent = lse - (torch.exp(lse_j - lse[:, None]) * mean_j).sum(-1)
+                ent = torch.zeros(n, dtype=ent.dtype, device=ent.device).index_copy(0, sel, ent).view(B, -1)
             return logp, slots, ent
         return logp, slots
 

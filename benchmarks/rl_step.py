@@ -1,0 +1,162 @@
+"""One RL update step on the sharded core (TSP over gloo ranks) vs the same step in one process.
+
+The batch is what an RL step trains on: ``--rollouts`` rollouts (default 64) drawn as
+benchmarks/train.py draws them (total lengths log-normal, median 256, clipped to 32 .. 2048; prompts of
+16 .. 96 tokens), or with ``--prompt N`` every prompt N tokens long (long system prompts or few-shot
+examples: the regime where prompt tokens, which the LM head skips, are most of the batch). Packed into
+micro-batches of ``--budget`` tokens (``trainer.tokens_per_micro``). The policy is a small dense model
+(hidden 128, 2 layers, vocabulary ``--vocab``, default 8192: the LM head is much of the work, as in
+real policies whose vocabularies are 150K wide).
+
+Two runs from the same weights, on the same cores: TSP with D = ``--tsp`` ranks (one intra-op thread
+each: ``trainer.nproc=D trainer.tsp=D``), and the same ``RLUpdater`` in one process with D threads
+(``trainer.nproc=1``). Each takes ``--steps`` steps (the first untimed); seconds are wall clock around
+``step()`` measured here, the slowest rank's, the ranks starting together.
+
+Prints one JSON line: ``tokens`` (trained, prompt + completion), ``scored_tokens`` (completion tokens:
+the LM head runs only on these), ``tsp_step_s`` and ``single_step_s`` (medians of the warm steps, with
+every warm step listed), ``tsp_tok_s``, ``single_tok_s`` and ``tsp_vs_single`` (the single-process
+step time over TSP's: above 1 means TSP is faster on these cores).
+
+    python benchmarks/rl_step.py                    # TSP D=2 against one process with 2 threads
+    python benchmarks/rl_step.py --prompt 512     # prompt tokens most of the batch
+
+Measured on this project's 2-core CPU (2026-12-03, defaults: 64 rollouts, vocab 8192, budget 4096; two
+runs of each setting, interleaved with the same script on commit 3d2b6e2, whose TSP LM head ran on every
+position, prompt tokens included, where the single-process trainer already skipped them; the machine was
+busy enough that the same setting moved by up to 25% between runs):
+
+| batch | tokens (scored) | TSP step s | TSP step s at 3d2b6e2 | one process s | tsp_vs_single |
+| --- | --- | --- | --- | --- | --- |
+| default (prompts 16..96) | 26,005 (22,341) | 7.68, 7.10 | 8.26, 8.69 | 4.61, 5.11 | 0.60, 0.72 |
+| ``--prompt 512`` | 55,109 (22,341) | 10.11, 12.55 | 18.49, 18.21 | 5.42, 7.22 | 0.54, 0.58 |
+
+Running the TSP LM head on completion positions only made the TSP step 1.45-1.83x faster with long
+prompts and 1.08-1.22x with short ones (pairs of runs above).
+
+TSP is a memory layout first (each rank holds 1/D of the weights and activations, see
+benchmarks/parallel.py); on 2 CPU cores it pays for its weight ring with gloo transfers that one
+process does not make, so ``tsp_vs_single`` below 1 is expected here.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+
+def make_batch(a):
+    """benchmarks/train.py's rollouts (its module is loaded by path: its name is the ``train`` package's)."""
+    import importlib.util
+    import random
+
+    from train.rl.exchange import TrainBatch, TrainSample
+
+    spec = importlib.util.spec_from_file_location("bench_train", Path(__file__).with_name("train.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rng = random.Random(a.seed + 1)
+    samples = []
+    for p, c, adv in bench.make_rollouts(a.rollouts, a.vocab, 32, 2048, 256.0, 1.0, a.seed):
+        if a.prompt:
+            p = [rng.randrange(3, a.vocab) for _ in range(a.prompt)]
+        samples.append(TrainSample(p, c, [-9.0] * len(c), adv, True))
+    return TrainBatch(0, samples)
+
+
+def make_model(a):
+    from train.model.config import ModelConfig
+    from train.model.modeling import CausalLM
+
+    cfg = ModelConfig(vocab_size=a.vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2, head_dim=32,
+                      num_attention_heads=4, num_key_value_heads=2)
+    return CausalLM(cfg).init_weights(0)
+
+
+def timed_steps(up, batch, steps: int, barrier=None) -> list[float]:
+    out = []
+    for s in range(steps):
+        if barrier is not None:
+            barrier()
+        t = time.perf_counter()
+        up.step(batch, s)
+        if barrier is not None:
+            barrier()
+        out.append(time.perf_counter() - t)
+    return out[1:]  # the first step is a warm-up
+
+
+def _rank(rank, world, port, a, q):
+    import torch.distributed as dist
+
+    from train.parallel.rl_update import RLUpdateConfig, RLUpdater
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        up = RLUpdater(make_model(a), RLUpdateConfig(tokens_per_micro=a.budget), tsp=world)
+        ts = timed_steps(up, make_batch(a), a.steps, dist.barrier)
+        if rank == 0:
+            q.put(ts)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tsp", type=int, default=2)
+    ap.add_argument("--rollouts", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=0, help="every prompt this many tokens (0: train.py's 16..96)")
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--budget", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    import torch.multiprocessing as mp
+
+    from train.parallel.comm import free_port
+    from train.parallel.rl_update import RLUpdateConfig, RLUpdater
+
+    batch = make_batch(a)
+    tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in batch.samples)
+    scored = sum(len(s.completion_ids) for s in batch.samples)
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_rank, args=(r, a.tsp, port, a, q)) for port in [free_port()] for r in range(a.tsp)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    if any(p.exitcode for p in procs):
+        raise SystemExit(f"a TSP rank failed: exit codes {[p.exitcode for p in procs]}")
+    tsp = q.get()
+    import torch.distributed as dist
+
+    torch.set_num_threads(a.tsp)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        single = timed_steps(RLUpdater(make_model(a), RLUpdateConfig(tokens_per_micro=a.budget)), batch, a.steps)
+    finally:
+        dist.destroy_process_group()
+    t_tsp, t_one = statistics.median(tsp), statistics.median(single)
+    print(json.dumps({
+        "tsp": a.tsp, "rollouts": a.rollouts, "prompt": a.prompt, "vocab": a.vocab, "budget": a.budget,
+        "tokens": tokens, "scored_tokens": scored,
+        "tsp_step_s": round(t_tsp, 3), "tsp_steps_s": [round(x, 3) for x in tsp],
+        "single_step_s": round(t_one, 3), "single_steps_s": [round(x, 3) for x in single],
+        "tsp_tok_s": round(tokens / t_tsp, 1), "single_tok_s": round(tokens / t_one, 1),
+        "tsp_vs_single": round(t_one / t_tsp, 3), "threads_single": a.tsp, "threads_per_rank": 1}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
