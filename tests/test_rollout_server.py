@@ -68,7 +68,7 @@ def setup(tiny_moe_dir, tmp_path_factory):
 
 def test_load_weights_endpoint(setup):
     url, ref = setup["urls"][0], setup["ref"]
-    assert call(url, "/v1/weights") == (200, {"version": 0, "group_members": 1})
+    assert call(url, "/v1/weights") == (200, {"version": 0, "group_members": 1, "group_devices": ["cpu"]})
     assert call(url, "/v1/load_weights", {"version": 1}, key=None)[0] == 401
     assert call(url, "/v1/load_weights", {"version": 1}, key="wrong")[0] == 401
     for body, msg in [({"path": "/etc"}, "not a weight version"), ({"path": "../../weights/v000001"}, "not a weight"),
@@ -78,7 +78,7 @@ def test_load_weights_endpoint(setup):
                       ({"version": 1, "path": "v000001"}, "exactly one")]:
         code, b = call(url, "/v1/load_weights", body)
         assert code == 400 and msg in b["error"]["message"] and "\n" not in b["error"]["message"], (body, b)
-        assert call(url, "/v1/weights") == (200, {"version": 0, "group_members": 1})
+        assert call(url, "/v1/weights") == (200, {"version": 0, "group_members": 1, "group_devices": ["cpu"]})
     # the good version, by number and by path (relative to the weights directory)
     assert call(url, "/v1/load_weights", {"version": 1}) == (200, {"version": 1})
     assert call(url, "/v1/load_weights", {"path": "v000001"}) == (200, {"version": 1})
@@ -91,7 +91,7 @@ def test_load_weights_endpoint(setup):
     # a corrupt version is refused and the server keeps serving version 1
     code, b = call(url, "/v1/load_weights", {"version": 2})
     assert code == 400 and "checksum" in b["error"]["message"]
-    assert call(url, "/v1/weights")[1] == {"version": 1, "group_members": 1}
+    assert call(url, "/v1/weights")[1] == {"version": 1, "group_members": 1, "group_devices": ["cpu"]}
     assert call(url, "/v1/completions", req)[1]["choices"][0]["token_ids"] == want.token_ids
 
 

@@ -14,7 +14,7 @@ import torch
 from cascade.rollout import ServedEngine, ServerPool
 from train.engine import SamplingParams, TorchEngine
 from train.rl.exchange import complete_versions
-from train.rl.weight_group import Group, WeightGroupError, join, plan, receive, send
+from train.rl.weight_group import Group, WeightGroupError, choose_backend, device_tag, join, plan, receive, send
 
 KEY = "k-group"
 
@@ -163,7 +163,8 @@ def test_weights_group_requests_are_checked(tiny_moe_dir, tmp_path):
         good = {"host": "127.0.0.1", "port": 1, "rank": 1, "world_size": 2, "name": "x"}
         assert call(url, "/v1/weights_group", good, key="wrong")[0] == 401
         assert call(url_off, "/v1/weights_group", good, key="k")[0] == 403
-        for bad in ({}, {**good, "rank": 0}, {**good, "rank": 2}, {**good, "port": "1"}, {**good, "timeout_s": -1}):
+        for bad in ({}, {**good, "rank": 0}, {**good, "rank": 2}, {**good, "port": "1"}, {**good, "timeout_s": -1},
+                    {**good, "backend": "mpi"}):
             code, obj = call(url, "/v1/weights_group", bad, key="k")
             assert code == 400 and "weights_group needs" in obj["error"]["message"], (bad, obj)
         layout = plan({"w": torch.zeros(3)})
@@ -174,3 +175,22 @@ def test_weights_group_requests_are_checked(tiny_moe_dir, tmp_path):
         for s in (srv, off):
             s.shutdown()
             s.server_close()
+
+
+def test_rank_0_chooses_one_backend_for_every_member():
+    """NCCL only when every member, the trainer included, has a GPU of its own; a CPU member, one that
+    did not say (an older server), or two members on one GPU (NCCL refuses them) give gloo, whose
+    buffers stay on CPU whatever the member's device."""
+    a, b = "cuda:GPU-aaaa", "cuda:GPU-bbbb"
+    assert choose_backend(a, [b]) == "nccl"
+    assert choose_backend(a, [b, "cuda:GPU-cccc"]) == "nccl"
+    assert choose_backend(a, [a]) == "gloo"          # a server on the trainer's GPU
+    assert choose_backend(a, [b, b]) == "gloo"       # two workers on one GPU
+    assert choose_backend("cpu", [b]) == "gloo"      # a CPU trainer feeding GPU servers
+    assert choose_backend(a, ["cpu"]) == "gloo"
+    assert choose_backend(a, ["?"]) == "gloo"
+    assert device_tag("cpu") == device_tag(torch.device("cpu")) == "cpu"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        join("127.0.0.1", 1, 1, 2, "x", backend="mpi")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        join("127.0.0.1", 1, 1, 2, "x", device="cpu", backend="nccl", store=object())

@@ -38,8 +38,8 @@ and the old weights stay. The engine takes the new weights in flight (``engine.l
 the torch engine applies them between two decoding steps; requests running continue), and the
 answer is ``{"version": N}`` once they are in use. Instead of files, versions can arrive over a
 process group with the trainer (:mod:`train.rl.weight_group`): ``POST /v1/weights_group`` with
-``{"host", "port", "rank", "world_size", "name"}`` joins it (``GET /v1/weights`` says this server
-brings 1 rank), and ``POST /v1/load_weights`` with ``{"version": N, "broadcast": layout}`` receives
+``{"host", "port", "rank", "world_size", "name", "backend"}`` joins it (``GET /v1/weights`` says this
+server brings 1 rank, and its device), and ``POST /v1/load_weights`` with ``{"version": N, "broadcast": layout}`` receives
 version N over it, checksums verified, and applies it the same way.
 The standard library is all it needs (torch.distributed for the weight group).
 """
@@ -255,7 +255,11 @@ class Handler(BaseHTTPRequestHandler):
             self._send(200, {"status": "ok"})
         elif self.path.rstrip("/") == "/v1/weights":
             # group_members: how many ranks this server contributes to a weight group (train.rl.weight_group)
-            self._send(200, {"version": getattr(self.server.engine, "version", None), "group_members": 1})
+            # group_devices: the device each of them joins on (train.rl.weight_group.device_tag)
+            from train.rl.weight_group import device_tag
+
+            self._send(200, {"version": getattr(self.server.engine, "version", None), "group_members": 1,
+                             "group_devices": [device_tag(self._device())]})
         else:
             self._error(404, f"no route GET {self.path}")
 
@@ -428,6 +432,9 @@ class Handler(BaseHTTPRequestHandler):
             raise Forbidden("weight loading is off: start the server with --weights-dir and --api-key")
         return s
 
+    def _device(self):
+        return getattr(getattr(self.server.engine, "model", None), "device", "cpu")
+
     def weights_group(self, body: dict) -> dict:
         """Join the trainer's weight group (``{"host", "port", "rank", "world_size", "name"}``), leaving
         any earlier one; blocks until every member joined."""
@@ -435,7 +442,7 @@ class Handler(BaseHTTPRequestHandler):
         from train.rl.weight_group import join, join_request
 
         try:
-            host, port, rank, world, name, timeout_s = join_request(body)
+            host, port, rank, world, name, timeout_s, backend = join_request(body)
         except ValueError as e:
             raise BadRequest(str(e)) from None
         with s.load_lock:
@@ -443,8 +450,8 @@ class Handler(BaseHTTPRequestHandler):
                 s.weight_group.close()
                 s.weight_group = None
             try:
-                device = getattr(getattr(s.engine, "model", None), "device", "cpu")
-                s.weight_group = join(host, port, rank, world, name, device=device, timeout_s=timeout_s)
+                s.weight_group = join(host, port, rank, world, name, device=self._device(), timeout_s=timeout_s,
+                                      backend=backend)
             except Exception as e:  # noqa: BLE001
                 raise BadRequest(f"cannot join the weight group: {_first_line(e)}") from None
         return {"joined": name, "rank": rank}

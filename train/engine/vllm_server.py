@@ -23,11 +23,13 @@ Added routes, with the contract of :mod:`train.engine.server`:
   the served checkpoint. Only when every worker has the version staged are the weights applied;
   otherwise the answer is 400 with a one-line message and the old weights keep serving (401
   without the key, 403 when loading is off). The answer is ``{"version": N}`` once N is in use.
-- ``GET /v1/weights``: ``{"version": N, "group_members": W}``, the version served and the number of
-  workers (the ranks this server brings to a weight group).
-- ``POST /v1/weights_group`` ``{"host", "port", "rank", "world_size", "name"}`` (same key): every
-  worker joins the trainer's weight group (:mod:`train.rl.weight_group`; NCCL on GPU, gloo on CPU)
-  as rank ``rank`` + its own rank; ``POST /v1/load_weights`` with ``{"version": N, "broadcast":
+- ``GET /v1/weights``: ``{"version": N, "group_members": W, "group_devices": [...]}``, the version
+  served, the number of workers (the ranks this server brings to a weight group) and the device each
+  joins on (``cpu`` or ``cuda:<GPU uuid>``).
+- ``POST /v1/weights_group`` ``{"host", "port", "rank", "world_size", "name", "backend"}`` (same key):
+  every worker joins the trainer's weight group (:mod:`train.rl.weight_group`) as rank ``rank`` + its
+  own rank, with the backend the trainer chose from everyone's devices (NCCL when each member has a
+  GPU of its own, else gloo); ``POST /v1/load_weights`` with ``{"version": N, "broadcast":
   layout}`` then receives version N over it (checksums verified) and applies it as above.
 
 In-flight requests during a reload. The staging (reading + hashing + checking) runs in the
@@ -129,9 +131,10 @@ class CascadeWeightsExtension:
     _cascade_group = None
 
     def cascade_join_group(self, host: str, port: int, rank_offset: int, world_size: int, name: str,
-                           timeout_s: float) -> dict:
+                           timeout_s: float, backend: str | None = None) -> dict:
         """Join the trainer's weight group (train.rl.weight_group) as rank ``rank_offset`` + this
-        worker's rank, on this worker's device (NCCL on GPU, gloo on CPU)."""
+        worker's rank, on this worker's device, with the backend the trainer chose (NCCL when every
+        member has a GPU of its own, else gloo)."""
         from train.rl.weight_group import join
 
         if self._cascade_group is not None:
@@ -139,7 +142,7 @@ class CascadeWeightsExtension:
             self._cascade_group = None
         try:
             self._cascade_group = join(host, port, rank_offset + int(self.rank), world_size, name,
-                                       device=self.device, timeout_s=timeout_s)
+                                       device=self.device, timeout_s=timeout_s, backend=backend)
             return {"rank": self._cascade_group.rank}
         except Exception as e:  # noqa: BLE001
             return {"error": _one_line(e)}
@@ -173,9 +176,11 @@ class CascadeWeightsExtension:
         info = _w_reload(self, sd, False)
         return {"version": v, **info}
 
-    def cascade_rank(self) -> int:
-        """This worker's rank (the API process counts its workers with it)."""
-        return int(self.rank)
+    def cascade_device_tag(self) -> str:
+        """The device this worker joins a weight group on (train.rl.weight_group.device_tag)."""
+        from train.rl.weight_group import device_tag
+
+        return device_tag(self.device)
 
     def cascade_discard_staged(self) -> None:
         self._cascade_staged = None
@@ -192,6 +197,7 @@ class CascadeState:
         self.lock = asyncio.Lock()
         self.loads = 0
         self.members: int | None = None  # workers, asked once
+        self.devices: list[str] = []  # their weight-group device tags, asked with them
 
 
 def _error(code: int, msg: str):
@@ -274,8 +280,9 @@ async def weights_route(request: Request):
     if state.api_keys and not _authorized(request, state):
         return _error(401, "invalid API key")
     if state.members is None:
-        state.members = len(await request.app.state.engine_client.collective_rpc("cascade_rank"))
-    return JSONResponse({"version": state.version, "group_members": state.members})
+        state.devices = list(await request.app.state.engine_client.collective_rpc("cascade_device_tag"))
+        state.members = len(state.devices)
+    return JSONResponse({"version": state.version, "group_members": state.members, "group_devices": state.devices})
 
 
 async def weights_group_route(request: Request):
@@ -288,12 +295,13 @@ async def weights_group_route(request: Request):
     from train.rl.weight_group import join_request
 
     try:
-        host, port, rank, world, name, timeout_s = join_request(await request.json())
+        host, port, rank, world, name, timeout_s, backend = join_request(await request.json())
     except ValueError as e:
         return _error(400, _one_line(e))
     engine = request.app.state.engine_client
     async with state.lock:
-        joined = await engine.collective_rpc("cascade_join_group", args=(host, port, rank, world, name, timeout_s))
+        joined = await engine.collective_rpc("cascade_join_group",
+                                             args=(host, port, rank, world, name, timeout_s, backend))
     errors = [j["error"] for j in joined if "error" in j]
     if errors:
         return _error(400, f"cannot join the weight group: {errors[0]}")

@@ -303,16 +303,27 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, H]; idx, weights [N, k] -> [N, H]."""
-        k = idx.shape[1]
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        token = order // k
-        offs = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0).to(torch.int32)
-        h = grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs)
-        a = F.silu(h[:, :self.inter]) * h[:, self.inter:]
-        y = grouped_mm(a.contiguous(), self.down_proj.transpose(1, 2), offs)
-        y = y * weights.reshape(-1)[order].unsqueeze(1).to(y.dtype)
-        return torch.zeros_like(x).index_add_(0, token, y)
+        return expert_mlp(x, weights, idx, self.gate_up_proj, self.down_proj)
+
+
+def expert_mlp(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor,
+               down: torch.Tensor) -> torch.Tensor:
+    """The routed experts' SwiGLU MLPs, weighted and summed per token: x [N, H]; w, idx [N, k] (routing
+    weights, expert ids); gate_up [E, 2I, H] (gate rows then up rows); down [E, H, I]. Tokens are grouped
+    by expert for two grouped GEMMs. The experts' token counts are a scatter-add, not ``bincount``
+    (which reads the largest id back to the host on CUDA)."""
+    E, two_i, _ = gate_up.shape
+    inter, k = two_i // 2, idx.shape[1]
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token = order // k
+    counts = torch.zeros(E, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    h = grouped_mm(x[token], gate_up.transpose(1, 2), offs)
+    a = F.silu(h[:, :inter]) * h[:, inter:]
+    y = grouped_mm(a.contiguous(), down.transpose(1, 2), offs)
+    y = y * w.reshape(-1)[order].unsqueeze(1).to(y.dtype)
+    return torch.zeros_like(x).index_add_(0, token, y)
 
 
 class Router(nn.Module):

@@ -366,7 +366,7 @@ def gather_from_tp(x, group, sizes):
 def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """One flat buffer holding ``tensors`` (one message per shard)."""
     if not tensors:
-        return torch.empty(0)
+        raise ValueError("nothing to pack: a weight shard bundle holds at least one tensor")
     return torch.cat([t.reshape(-1) for t in tensors])
 
 
@@ -555,7 +555,7 @@ class BroadcastApply(torch.autograd.Function):
                 in_grads.append(None)
         w_grads, i = [], k
         for src, shp, n in zip(ctx.srcs, ctx.shapes, ctx.n_own):
-            gs = [g if g is not None else torch.zeros(s, dtype=ws[0].dtype) for g, s in zip(grads[i:i + len(shp)], shp)]
+            gs = [g if g is not None else torch.zeros(s, dtype=ws[0].dtype, device=ws[0].device) for g, s in zip(grads[i:i + len(shp)], shp)]
             i += len(shp)
             flat = reduce_raw(pack(gs).contiguous(), src, group, "reduce.bwd", ctx.tag)
             if src == r:

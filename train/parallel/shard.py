@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from train.model.modeling import CausalLM, grouped_mm
+from train.model.modeling import CausalLM, expert_mlp
 
 
 def split_sizes(n: int, D: int) -> list[int]:
@@ -33,23 +33,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def expert_partial(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor,
                    down: torch.Tensor) -> torch.Tensor:
-    """The MoE output contributed by one slice of every expert's intermediate dim.
-
-    x [N, H]; w, idx [N, k] (routing weights, expert ids); gate_up [E, 2*Ij, H] (gate rows then up
-    rows of the slice); down [E, H, Ij]. Summing over slices gives the full experts' output,
-    because silu(g) * u is elementwise in the intermediate dim and down_proj sums over it."""
-    E, two_i, _ = gate_up.shape
-    inter = two_i // 2
-    k = idx.shape[1]
-    flat = idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    token = order // k
-    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
-    h = grouped_mm(x[token], gate_up.transpose(1, 2), offs)
-    a = F.silu(h[:, :inter]) * h[:, inter:]
-    y = grouped_mm(a.contiguous(), down.transpose(1, 2), offs)
-    y = y * w.reshape(-1)[order].unsqueeze(1).to(y.dtype)
-    return torch.zeros_like(x).index_add_(0, token, y)
+    """The MoE output contributed by one slice of every expert's intermediate dim (the experts' MLP,
+    :func:`train.model.modeling.expert_mlp`, on gate_up [E, 2*Ij, H] and down [E, H, Ij]). Summing over
+    slices gives the full experts' output, because silu(g) * u is elementwise in the intermediate dim
+    and down_proj sums over it."""
+    return expert_mlp(x, w, idx, gate_up, down)
 
 
 FALLBACK_REFUSAL = ("the sharded core (trainer.nproc > 1, TSP, TP) cannot shard a model loaded through the "
@@ -205,9 +193,11 @@ class ShardedLM(nn.Module):
         return full.narrow(dim, off, shapes[r][dim])
 
     def gather_full(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        """Every rank gets the full tensors (or gradients); for tests and checkpoints of small models."""
+        """Every rank gets the full tensors (or gradients), on CPU; for tests and checkpoints of small models."""
         shards = [None] * self.D
-        dist.all_gather_object(shards, self.shard_state_dict(grads), group=self.group)
+        # on CPU: all_gather_object unpickles a CUDA tensor onto the device it came from (another rank's GPU)
+        mine = {k: v.cpu() for k, v in self.shard_state_dict(grads).items()}
+        dist.all_gather_object(shards, mine, group=self.group)
         return self.assemble(shards, self.kinds)
 
     def to_causal_lm(self) -> "CausalLM":

@@ -218,10 +218,11 @@ class TSPCausalLM(ShardedLM):
     def _expert_fn(x, w, idx, j, gu, dn):
         return expert_partial(x, w, idx, gu, dn)
 
-    def _attn_fn(self, x, cos, sin, qn, kn, key_valid, seg_start, q_slots, order, *w):
+    def _attn_fn(self, spans, x, cos, sin, qn, kn, key_valid, seg_start, q_slots, order, *w):
         """One query-head group: project local tokens, gather K/V, attend, project out. ``w``: the
         group's q_proj (+ bias) and o_proj, then its k_proj (+ bias) and v_proj (+ bias).
-        ``seg_start`` [Tp] (packed rows): the first slot of each slot's sequence."""
+        ``seg_start`` [Tp] (packed rows): the first slot of each slot's sequence. ``spans``: per zigzag
+        chunk the (first, last + 1) key slot its queries can see, known on the host (no device reads)."""
         cfg, B, n = self.config, x.shape[0], x.shape[1]
         d, hq, kvh = cfg.head_dim, self.hq, self.kvh
         eps = cfg.rms_norm_eps
@@ -246,9 +247,7 @@ class TSPCausalLM(ShardedLM):
         outs = []
         for half in range(2):
             qs = q_slots[half * c:(half + 1) * c]
-            end = int(qs[-1]) + 1  # keys beyond the chunk's last slot are all in the future
-            # packed: no key before the first query's sequence (slots ascend within a chunk)
-            begin = int(seg_start[qs[0]]) if seg_start is not None else 0
+            begin, end = spans[half]
             ks = torch.arange(begin, end, device=x.device)
             m = (ks[None, :] <= qs[:, None])[None]
             if key_valid is not None:
@@ -261,7 +260,7 @@ class TSPCausalLM(ShardedLM):
         o = torch.cat(outs, 2).transpose(1, 2).reshape(B, n, hq * d)
         return F.linear(o, wo)
 
-    def _attention(self, i, x, cos, sin, key_valid, seg_start, q_slots, order):
+    def _attention(self, i, x, cos, sin, key_valid, seg_start, q_slots, order, spans):
         cfg, p, r = self.config, f"model.layers.{i}.self_attn.", self.rank
         d, H, bias = cfg.head_dim, cfg.hidden_size, cfg.attention_bias
         qo_shapes = [(self.hq * d, H)] + [(self.hq * d,)] * bias + [(H, self.hq * d)]
@@ -275,7 +274,8 @@ class TSPCausalLM(ShardedLM):
             src = self._kv_owner(j)
             bundles = [(j, qo_shapes, [self._p[p + n] for n in qo_names] if r == j else []),
                        (src, kv_shapes, [self._p[p + n] for n in kv_names] if r == src else [])]
-            y = comm.broadcast_apply(self._attn_fn, (x, cos, sin, qn, kn, key_valid, seg_start, q_slots, order), bundles,
+            y = comm.broadcast_apply(functools.partial(self._attn_fn, spans),
+                                     (x, cos, sin, qn, kn, key_valid, seg_start, q_slots, order), bundles,
                                      self.group)
             out = y if out is None else out + y
         if cfg.o_proj_bias:
@@ -299,13 +299,14 @@ class TSPCausalLM(ShardedLM):
         """The final-norm hidden states [B, n_local, H] of this rank's tokens (see :meth:`forward`)."""
         cfg, D = self.config, self.D
         B, T = input_ids.shape
-        Tp, slots = zigzag_index(T, D, self.rank)
+        Tp, host_slots = zigzag_index(T, D, self.rank)
         dev = input_ids.device
-        slots = slots.to(dev)
+        slots = host_slots.to(dev)
         ids = F.pad(input_ids, (0, Tp - T))
-        seg_start = None
+        seg_start = host_starts = None
         if cu_seqlens is not None:
-            seg_start = packed_segment_starts(cu_seqlens, T, Tp, B, attention_mask, dev)
+            host_starts = packed_segment_starts(cu_seqlens, T, Tp, B, attention_mask, "cpu")
+            seg_start = host_starts.to(dev)
             key_valid, pos = None, (torch.arange(Tp, device=dev) - seg_start)[None]
         elif attention_mask is not None:
             key_valid = F.pad(attention_mask.to(torch.bool), (0, Tp - T))
@@ -314,6 +315,11 @@ class TSPCausalLM(ShardedLM):
                 key_valid = None
         else:
             key_valid, pos = None, torch.arange(Tp, device=dev).expand(B, Tp)
+        # per zigzag chunk, the key slots its queries can see: up to its last slot (later keys are all in
+        # the future), from the first query's sequence start in a packed row (slots ascend within a chunk)
+        c = len(host_slots) // 2
+        spans = tuple((0 if host_starts is None else int(host_starts[host_slots[h * c]]),
+                       int(host_slots[(h + 1) * c - 1]) + 1) for h in range(2))
         order = torch.argsort(torch.cat([zigzag_index(T, D, j)[1] for j in range(D)])).to(dev)
         embed = self._p["model.embed_tokens.weight"]
         with comm.tag("embed"):
@@ -327,7 +333,7 @@ class TSPCausalLM(ShardedLM):
             p = f"model.layers.{i}."
             with comm.tag(f"layer{i}.attn"):
                 h = rms_norm(x, self._p[p + "input_layernorm.weight"], cfg.rms_norm_eps).to(dt)
-                x = x + self._attention(i, h, cos, sin, key_valid, seg_start, slots, order)
+                x = x + self._attention(i, h, cos, sin, key_valid, seg_start, slots, order, spans)
             with comm.tag(f"layer{i}.mlp"):
                 h = rms_norm(x, self._p[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps).to(dt)
                 replay = None

@@ -69,20 +69,22 @@ def checksum(buf: torch.Tensor) -> torch.Tensor:
     return buf.view(torch.int32).sum(dtype=torch.int64)
 
 
-def join_request(body) -> tuple[str, int, int, int, str, float]:
-    """(host, port, rank, world_size, name, timeout_s) of a server's ``POST /v1/weights_group`` body,
-    or ValueError with a one-line message."""
+def join_request(body) -> tuple[str, int, int, int, str, float, str | None]:
+    """(host, port, rank, world_size, name, timeout_s, backend) of a server's ``POST /v1/weights_group``
+    body, or ValueError with a one-line message."""
     try:
         host, port, rank, world, name = (body[k] for k in ("host", "port", "rank", "world_size", "name"))
         timeout_s = float(body.get("timeout_s", 120))
+        backend = body.get("backend")
         ok = all(isinstance(x, int) and not isinstance(x, bool) for x in (port, rank, world)) and \
-            0 < rank < world and isinstance(host, str) and isinstance(name, str) and timeout_s > 0
+            0 < rank < world and isinstance(host, str) and isinstance(name, str) and timeout_s > 0 and \
+            (backend is None or backend in BACKENDS)
     except (KeyError, TypeError, ValueError, AttributeError):
         ok = False
     if not ok:
         raise ValueError('weights_group needs "host", "port", "rank" (1 <= rank < world_size), "world_size" and '
-                         '"name" (and optionally "timeout_s" > 0)')
-    return host, port, rank, world, name, timeout_s
+                         f'"name" (and optionally "timeout_s" > 0 and "backend", one of {list(BACKENDS)})')
+    return host, port, rank, world, name, timeout_s, backend
 
 
 def _check_layout(layout) -> None:
@@ -129,22 +131,59 @@ class Group:
                 pass
 
 
+BACKENDS = ("gloo", "nccl")
+
+
 def backend_for(device) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
+def _indexed(device) -> torch.device:
+    """``device`` with its index (``cuda`` alone means the current CUDA device)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def device_tag(device) -> str:
+    """What a member brings to a weight group: ``cpu``, or ``cuda:<GPU uuid>`` (which physical GPU)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "cpu"
+    return f"cuda:{torch.cuda.get_device_properties(_indexed(device).index).uuid}"
+
+
+def choose_backend(own: str, members: list) -> str:
+    """The weight group's backend, chosen by rank 0 for every member (one group has one backend):
+    NCCL when every member, rank 0 included, is on its own GPU; else gloo (tensors staged on CPU),
+    as when some member is on CPU, did not say (an older server), or shares a GPU with another (NCCL
+    refuses two ranks on one GPU)."""
+    tags = [own, *members]
+    if all(isinstance(t, str) and t.startswith("cuda:") for t in tags) and len(set(tags)) == len(tags):
+        return "nccl"
+    return "gloo"
+
+
 def join(host: str, port: int, rank: int, world_size: int, name: str, device="cpu", store=None,
-         timeout_s: float = 300.0) -> Group:
+         timeout_s: float = 300.0, backend: str | None = None) -> Group:
     """Become ``rank`` of the weight group ``name`` (rank 0 passes the ``TCPStore`` it opened; the
-    others connect to ``host:port``). Blocks until all ``world_size`` members joined."""
+    others connect to ``host:port``). Blocks until all ``world_size`` members joined. ``backend``
+    (rank 0's :func:`choose_backend`, sent to every member; default: the device's own) ``gloo``
+    keeps the group's buffers on CPU whatever ``device`` is."""
     import torch.distributed as dist
 
-    device = torch.device(device)
+    backend = backend or backend_for(device)
+    if backend not in BACKENDS:
+        raise ValueError(f"weight group backend must be one of {BACKENDS}, got {backend!r}")
+    device = _indexed(device) if backend == "nccl" else torch.device("cpu")
+    if device.type != ("cuda" if backend == "nccl" else "cpu"):
+        raise ValueError(f"an NCCL weight group needs a CUDA device, this member is on {device}")
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
         store = dist.TCPStore(host, int(port), int(world_size), False, timeout=timeout)
     prefixed = dist.PrefixStore(f"cascade-weights/{name}", store)
-    if backend_for(device) == "nccl":
+    if backend == "nccl":
         torch.cuda.set_device(device)
         pg = dist.ProcessGroupNCCL(prefixed, int(rank), int(world_size), dist.ProcessGroupNCCL.Options())
     else:
@@ -229,8 +268,10 @@ class Broadcaster:
         self.close()
         if not urls:
             raise WeightGroupError("no live server to form a weight group with")
-        sizes = fan_out(urls, lambda u: int(self._call(u, "GET", "/v1/weights").get("group_members", 0)))
-        members = self._finish(*sizes, "weight group sizes")
+        info = self._finish(*fan_out(urls, lambda u: self._call(u, "GET", "/v1/weights")), "weight group sizes")
+        members = {u: int(i.get("group_members", 0)) for u, i in info.items()}
+        devices = [d for u in urls for d in (info[u].get("group_devices") or ["?"] * max(members[u], 1))]
+        backend = choose_backend(device_tag(self.device), devices)
         if any(k < 1 for k in members.values()):
             raise WeightGroupError(f"servers without weight-group support: {[u for u, k in members.items() if k < 1]}")
         world = 1 + sum(members.values())
@@ -241,11 +282,13 @@ class Broadcaster:
         offsets, r = {}, 1
         for u in urls:
             offsets[u], r = r, r + members[u]
-        body = {"host": self.host, "port": store.port, "world_size": world, "name": name, "timeout_s": self.timeout_s}
+        body = {"host": self.host, "port": store.port, "world_size": world, "name": name, "timeout_s": self.timeout_s,
+                "backend": backend}
         pending = fan_out(urls, lambda u: self._call(u, "POST", "/v1/weights_group", {**body, "rank": offsets[u]}),
                           wait=False)  # they block until rank 0 joins
         try:
-            group = join(self.host, store.port, 0, world, name, self.device, store=store, timeout_s=self.timeout_s)
+            group = join(self.host, store.port, 0, world, name, self.device, store=store, timeout_s=self.timeout_s,
+                         backend=backend)
         except Exception as e:
             self._finish(*pending, "joining the weight group")
             raise WeightGroupError(f"forming the weight group: {e}") from None
@@ -262,7 +305,7 @@ class Broadcaster:
         body = {"version": int(version), "broadcast": layout}
         pending = fan_out(self.members, lambda u: self._call(u, "POST", "/v1/load_weights", body), wait=False)
         try:
-            send(self.group, {k: v.to(self.device) for k, v in state_dict.items()}, layout)
+            send(self.group, state_dict, layout)  # packed into buckets on the group's device
         except Exception as e:
             self._finish(*pending, "broadcasting weights")
             self.close()
