@@ -243,7 +243,7 @@ def test_broadcast_reload_over_a_weight_group(server, state):
 
     url, ckpt, exchange = server
     code, obj = _call("GET", url, "/v1/weights")
-    assert code == 200 and obj["group_members"] == 1
+    assert code == 200 and obj["group_members"] == 1 and obj["group_devices"] == ["cpu"]
     m5 = load_pretrained(ckpt)
     m5.load_state_dict(_perturbed(state["m1"], seed=5))
     eng = VLLMServedEngine([url], exchange, KEY, transport="broadcast")

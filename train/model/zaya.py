@@ -231,7 +231,9 @@ class ZayaMoE(nn.Module):
             # a checkpointed layer's recomputation counts its tokens twice, which leaves the load fractions alone)
             ids = idx[:, 0] if valid is None else idx[:, 0][valid.reshape(-1)]
             with torch.no_grad():
-                self.gate.load_counts += torch.bincount(ids, minlength=self.gate.num_experts + 1)[:-1].float()
+                n = torch.zeros(self.gate.num_experts + 1, device=ids.device).scatter_add_(0, ids, torch.ones_like(
+                    ids, dtype=torch.float32))  # not bincount: no host sync on CUDA
+                self.gate.load_counts += n[:-1]
         eidx = idx.masked_fill(idx == self.gate.num_experts, 0)  # skip: expert 0 at weight 0 (as transformers)
         return self.experts(flat, eidx, w).view(B, T, H), r.view(B, T, -1)
 
