@@ -1,4 +1,4 @@
-"""One RL update step on the sharded core (TSP over gloo ranks) vs the same step in one process.
+"""One RL update step on the sharded core (a DP x TSP mesh of gloo ranks) vs the same step in one process.
 
 The batch is what an RL step trains on: ``--rollouts`` rollouts (default 64) drawn as
 benchmarks/train.py draws them (total lengths log-normal, median 256, clipped to 32 .. 2048; prompts of
@@ -8,35 +8,43 @@ micro-batches of ``--budget`` tokens (``trainer.tokens_per_micro``). The policy 
 (hidden 128, 2 layers, vocabulary ``--vocab``, default 8192: the LM head is much of the work, as in
 real policies whose vocabularies are 150K wide).
 
-Two runs from the same weights, on the same cores: TSP with D = ``--tsp`` ranks (one intra-op thread
-each: ``trainer.nproc=D trainer.tsp=D``), and the same ``RLUpdater`` in one process with D threads
-(``trainer.nproc=1``). Each takes ``--steps`` steps (the first untimed); seconds are wall clock around
-``step()`` measured here, the slowest rank's, the ranks starting together.
+Two runs from the same weights, on the same cores: the mesh of ``--dp`` x ``--tsp`` ranks (one intra-op
+thread each: ``trainer.nproc=dp*tsp trainer.tsp=tsp``; default TSP D=2), and the same ``RLUpdater`` in
+one process with as many threads (``trainer.nproc=1``). Each takes ``--steps`` steps (the first
+untimed); seconds are wall clock around ``step()`` measured here, the slowest rank's, the ranks
+starting together.
 
 Prints one JSON line: ``tokens`` (trained, prompt + completion), ``scored_tokens`` (completion tokens:
-the LM head runs only on these), ``tsp_step_s`` and ``single_step_s`` (medians of the warm steps, with
-every warm step listed), ``tsp_tok_s``, ``single_tok_s`` and ``tsp_vs_single`` (the single-process
-step time over TSP's: above 1 means TSP is faster on these cores).
+the LM head runs only on these), ``ranks_step_s`` and ``single_step_s`` (medians of the warm steps,
+with every warm step listed), ``ranks_tok_s``, ``single_tok_s`` and ``ranks_vs_single`` (the
+single-process step time over the mesh's: above 1 means the ranks are faster on these cores).
 
     python benchmarks/rl_step.py                    # TSP D=2 against one process with 2 threads
-    python benchmarks/rl_step.py --prompt 512     # prompt tokens most of the batch
+    python benchmarks/rl_step.py --prompt 512       # prompt tokens most of the batch
+    python benchmarks/rl_step.py --tsp 1 --dp 2     # plain data parallel (ZeRO-1) on 2 ranks
 
 Measured on this project's 2-core CPU (2026-12-03, defaults: 64 rollouts, vocab 8192, budget 4096; two
 runs of each setting, interleaved with the same script on commit 3d2b6e2, whose TSP LM head ran on every
 position, prompt tokens included, where the single-process trainer already skipped them; the machine was
 busy enough that the same setting moved by up to 25% between runs):
 
-| batch | tokens (scored) | TSP step s | TSP step s at 3d2b6e2 | one process s | tsp_vs_single |
+| batch | tokens (scored) | TSP step s | TSP step s at 3d2b6e2 | one process s | ranks_vs_single |
 | --- | --- | --- | --- | --- | --- |
 | default (prompts 16..96) | 26,005 (22,341) | 7.68, 7.10 | 8.26, 8.69 | 4.61, 5.11 | 0.60, 0.72 |
 | ``--prompt 512`` | 55,109 (22,341) | 10.11, 12.55 | 18.49, 18.21 | 5.42, 7.22 | 0.54, 0.58 |
 
 Running the TSP LM head on completion positions only made the TSP step 1.45-1.83x faster with long
-prompts and 1.08-1.22x with short ones (pairs of runs above).
+prompts and 1.08-1.22x with short ones (pairs of runs above, commit 099dc61).
+
+Plain data parallel on the same cores (``--tsp 1 --dp 2``, commit 146e6d5 plus this script's ``--dp``,
+three runs interleaved with two of the default TSP D=2): ``ranks_vs_single`` 1.21, 1.37, 1.15 (DP step
+4.05-4.65 s against 4.85-5.54 s in one process), TSP D=2 0.57 and 0.64 in the same session. On CPU cores
+DP is the layout that pays: each rank runs half the rollouts on its own core, where one process's two
+intra-op threads scale poorly on this model's small matrices.
 
 TSP is a memory layout first (each rank holds 1/D of the weights and activations, see
 benchmarks/parallel.py); on 2 CPU cores it pays for its weight ring with gloo transfers that one
-process does not make, so ``tsp_vs_single`` below 1 is expected here.
+process does not make, so ``ranks_vs_single`` below 1 is expected here.
 """
 from __future__ import annotations
 
@@ -103,7 +111,7 @@ def _rank(rank, world, port, a, q):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        up = RLUpdater(make_model(a), RLUpdateConfig(tokens_per_micro=a.budget), tsp=world)
+        up = RLUpdater(make_model(a), RLUpdateConfig(tokens_per_micro=a.budget), tsp=a.tsp)
         ts = timed_steps(up, make_batch(a), a.steps, dist.barrier)
         if rank == 0:
             q.put(ts)
@@ -113,7 +121,8 @@ def _rank(rank, world, port, a, q):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tsp", type=int, default=2)
+    ap.add_argument("--tsp", type=int, default=2, help="TSP degree (1: plain data parallel)")
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel degree (ranks: dp x tsp)")
     ap.add_argument("--rollouts", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=0, help="every prompt this many tokens (0: train.py's 16..96)")
     ap.add_argument("--vocab", type=int, default=8192)
@@ -131,30 +140,31 @@ def main(argv=None) -> int:
     scored = sum(len(s.completion_ids) for s in batch.samples)
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_rank, args=(r, a.tsp, port, a, q)) for port in [free_port()] for r in range(a.tsp)]
+    world = a.dp * a.tsp
+    procs = [ctx.Process(target=_rank, args=(r, world, port, a, q)) for port in [free_port()] for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
         p.join()
     if any(p.exitcode for p in procs):
-        raise SystemExit(f"a TSP rank failed: exit codes {[p.exitcode for p in procs]}")
-    tsp = q.get()
+        raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+    mesh = q.get()
     import torch.distributed as dist
 
-    torch.set_num_threads(a.tsp)
+    torch.set_num_threads(world)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         single = timed_steps(RLUpdater(make_model(a), RLUpdateConfig(tokens_per_micro=a.budget)), batch, a.steps)
     finally:
         dist.destroy_process_group()
-    t_tsp, t_one = statistics.median(tsp), statistics.median(single)
+    t_mesh, t_one = statistics.median(mesh), statistics.median(single)
     print(json.dumps({
-        "tsp": a.tsp, "rollouts": a.rollouts, "prompt": a.prompt, "vocab": a.vocab, "budget": a.budget,
+        "tsp": a.tsp, "dp": a.dp, "rollouts": a.rollouts, "prompt": a.prompt, "vocab": a.vocab, "budget": a.budget,
         "tokens": tokens, "scored_tokens": scored,
-        "tsp_step_s": round(t_tsp, 3), "tsp_steps_s": [round(x, 3) for x in tsp],
+        "ranks_step_s": round(t_mesh, 3), "ranks_steps_s": [round(x, 3) for x in mesh],
         "single_step_s": round(t_one, 3), "single_steps_s": [round(x, 3) for x in single],
-        "tsp_tok_s": round(tokens / t_tsp, 1), "single_tok_s": round(tokens / t_one, 1),
-        "tsp_vs_single": round(t_one / t_tsp, 3), "threads_single": a.tsp, "threads_per_rank": 1}))
+        "ranks_tok_s": round(tokens / t_mesh, 1), "single_tok_s": round(tokens / t_one, 1),
+        "ranks_vs_single": round(t_one / t_mesh, 3), "threads_single": world, "threads_per_rank": 1}))
     return 0
 
 
