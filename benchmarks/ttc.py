@@ -40,6 +40,15 @@ The prefix-reuse goal (>= 1.3 at the realistic shape) is not met: at beta=640, t
 stays near 1.0-1.1, and even a free prefill would give at most 1.17. A long problem (1,200 words) helps
 only a little: 20,955 of 30,727 prompt tokens are not recomputed and the prefill falls 2.3x (2.33-2.35 ->
 1.03-1.04 s), but decoding over the longer context grows too (4.8-4.9 s of 7.1-7.3 s): 1.21-1.24.
+
+Where the decode goes (measured 2026-12-03 at commit ec03ccd with a script outside the repository: the
+native decoder's ``step`` for 8 rows, tiny-moe, 1 thread, best of 3 x 100 steps): 1.24 ms a step at 32
+tokens of context, 1.97 at 300, 3.17 at 600, 3.42 at 900, 3.76 at 1,200. At these contexts attention
+over the cache is most of a step, and the shared question is a third (aggregation rounds) to a half
+(round 0) of that context, read once per row. An attention kernel that reads a shared prefix once for
+all the rows holding it (Hydragen-style: the rows' queries against the prefix's keys as one matrix
+product, merged with each row's own suffix by log-sum-exp) is what could move ``prefix_speedup_real``;
+it is not built.
 """
 from __future__ import annotations
 
