@@ -39,8 +39,8 @@ the torch engine applies them between two decoding steps; requests running conti
 answer is ``{"version": N}`` once they are in use. Instead of files, versions can arrive over a
 process group with the trainer (:mod:`train.rl.weight_group`): ``POST /v1/weights_group`` with
 ``{"host", "port", "rank", "world_size", "name", "backend"}`` joins it (``GET /v1/weights`` says this
-server brings 1 rank, and its device), and ``POST /v1/load_weights`` with ``{"version": N, "broadcast": layout}`` receives
-version N over it, checksums verified, and applies it the same way.
+server brings 1 rank, and its device), and ``POST /v1/load_weights`` with ``{"version": N, "broadcast":
+layout}`` receives version N over it, checksums verified, and applies it the same way.
 The standard library is all it needs (torch.distributed for the weight group).
 """
 from __future__ import annotations

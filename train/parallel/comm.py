@@ -555,7 +555,8 @@ class BroadcastApply(torch.autograd.Function):
                 in_grads.append(None)
         w_grads, i = [], k
         for src, shp, n in zip(ctx.srcs, ctx.shapes, ctx.n_own):
-            gs = [g if g is not None else torch.zeros(s, dtype=ws[0].dtype, device=ws[0].device) for g, s in zip(grads[i:i + len(shp)], shp)]
+            gs = [g if g is not None else torch.zeros(s, dtype=ws[0].dtype, device=ws[0].device)
+                  for g, s in zip(grads[i:i + len(shp)], shp)]
             i += len(shp)
             flat = reduce_raw(pack(gs).contiguous(), src, group, "reduce.bwd", ctx.tag)
             if src == r:
