@@ -42,13 +42,21 @@ only a little: 20,955 of 30,727 prompt tokens are not recomputed and the prefill
 1.03-1.04 s), but decoding over the longer context grows too (4.8-4.9 s of 7.1-7.3 s): 1.21-1.24.
 
 Where the decode goes (measured 2026-12-03 at commit ec03ccd with a script outside the repository: the
-native decoder's ``step`` for 8 rows, tiny-moe, 1 thread, best of 3 x 100 steps): 1.24 ms a step at 32
-tokens of context, 1.97 at 300, 3.17 at 600, 3.42 at 900, 3.76 at 1,200. At these contexts attention
-over the cache is most of a step, and the shared question is a third (aggregation rounds) to a half
-(round 0) of that context, read once per row. An attention kernel that reads a shared prefix once for
-all the rows holding it (Hydragen-style: the rows' queries against the prefix's keys as one matrix
-product, merged with each row's own suffix by log-sum-exp) is what could move ``prefix_speedup_real``;
-it is not built.
+native decoder's ``step`` for 8 rows, tiny-moe, 1 thread, best of 3 x 100 steps; two runs an hour
+apart): 1.10-1.24 ms a step at 32 tokens of context, 1.35-1.97 at 300, 2.14-3.17 at 600, 2.70-3.42 at
+900: attention over the cache is much of a long-context step, and the shared question is a third
+(aggregation rounds) to a half (round 0) of that context.
+
+Since then the native ops read a prefix that every row holds once for all rows (``KVCache.shared``:
+the prefix cache's copied prefix, or one prompt fanned out to ``n`` samples, which the round-0 solve
+request is on both sides): per KV head the rows' queries against one copy of its keys and values, as
+two matrix products. ``shared_prefix_step`` measures decoding steps with it against row by row on the
+same cache (``--skip-steps`` skips it); three runs at the commit after 1e2da25: 8 rows, 300 shared +
+300 own tokens 1.09, 1.19, 1.05x; 600 + 300 1.28, 1.39, 1.38x; 300 + 600 0.89, 1.24, 1.03x; 32 rows,
+600 + 300 1.45, 1.43, 1.36x. In the RSA runs this moves too little to show through this machine's
+noise: interleaved with 1e2da25 (before it), ``prefix_speedup_real`` 1.03, 1.12, 1.16 against 0.99,
+1.16 and ``prefix_speedup_long`` 1.31, 1.25, 0.97 against 1.11, 1.03, the same configuration's decode
+seconds moving 3.1-5.2 s between runs. The goal (1.3 at the realistic shape) is not met.
 """
 from __future__ import annotations
 
@@ -141,6 +149,40 @@ def prefix_shape(path, device, problem, budget, tail, repeats) -> dict:
             "same_outputs": off.tokens() == on.tokens()}
 
 
+def shared_prefix_steps(path, steps: int = 50, repeats: int = 3) -> dict:
+    """Decoding steps of the native ops with a prefix every row holds read once for all rows
+    (``KVCache.shared``) vs row by row (``shared = 0``) on the same cache contents: 8 and 32 rows,
+    a 300- or 600-token shared prefix then 300 or 600 tokens of each row's own. Best of ``repeats``
+    (alternating the two) of the mean over ``steps`` steps, ms."""
+    from train.engine import native
+    from train.model.hf_io import load_pretrained
+    from train.model.modeling import KVCache
+
+    m = load_pretrained(path).eval()
+    dec = native.decoder(m)
+    if dec is None:
+        return {}
+    cfg, g, out = m.config, torch.Generator().manual_seed(0), {}
+    for B, P, S in ((8, 300, 300), (8, 600, 300), (8, 300, 600), (32, 600, 300)):
+        ms: dict[int, list[float]] = {0: [], P: []}
+        for shared in [0, P] * repeats:
+            cache = KVCache.allocate(cfg, B, P + S + steps + 8, "cpu", torch.float32)
+            with torch.inference_mode():
+                dec.forward(torch.randint(3, cfg.vocab_size, (1, P), generator=g).expand(B, P).contiguous(), cache)
+                dec.forward(torch.randint(3, cfg.vocab_size, (B, S), generator=g), cache)
+                cache.shared = shared
+                tok = torch.randint(3, cfg.vocab_size, (B,), generator=g)
+                for _ in range(3):
+                    dec.step(tok, cache)
+                t = time.perf_counter()
+                for _ in range(steps):
+                    dec.step(tok, cache)
+                ms[shared].append((time.perf_counter() - t) / steps * 1e3)
+        out[f"B{B}_prefix{P}_own{S}"] = {"row_by_row_ms": round(min(ms[0]), 3), "shared_ms": round(min(ms[P]), 3),
+                                         "speedup": round(min(ms[0]) / min(ms[P]), 3)}
+    return out
+
+
 def _free_port() -> int:
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -219,6 +261,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest on a shared machine)")
     ap.add_argument("--skip-prefix", action="store_true")
     ap.add_argument("--skip-concurrency", action="store_true")
+    ap.add_argument("--skip-steps", action="store_true", help="skip the shared-prefix decoding-step comparison")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     rng = random.Random(0)
@@ -236,6 +279,8 @@ def main() -> None:
                 long_problem = " ".join(rng.choice(WORDS) for _ in range(a.long_problem_words)) + ". Find the answer."
                 long = prefix_shape(d, a.device, long_problem, 640, 64, a.repeats)
                 out.update(prefix_speedup_long=long["speedup_wall"], prefix_long=long)
+        if not a.skip_steps and a.device == "cpu":
+            out["shared_prefix_step"] = shared_prefix_steps(d)
         if not a.skip_concurrency:
             c = concurrency(d, a.threads, a.repeats, {"decode": (128, 16), "short": (32, 8)})
             out.update(concurrency_speedup=c["decode"]["concurrency_speedup"],

@@ -116,6 +116,73 @@ def test_long_context_softmax_and_rows_of_different_lengths():
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["moe-gqa", "dense-mqa-d32", "dense-odd-head-dim", "qwen2-bias-no-qk-norm"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_shared_prefix_is_read_once_and_gives_the_models_logits(kind, threads, monkeypatch):
+    """A prefix copied to every row (KVCache.shared, as the prefix cache lays it out: prefix, padding,
+    suffix) takes the batched attention path: suffix prefill and decoding steps give the PyTorch model's
+    logits (which attends row by row), and the path is really taken (disabling it changes nothing else)."""
+    m = _model(**CONFIGS[kind])
+    B, P, Ls = 4, 40, 5
+    g = torch.Generator().manual_seed(3)
+    prefix = torch.randint(0, 203, (1, P), generator=g)
+    suffix = torch.randint(0, 203, (B, Ls), generator=g)
+    mask = torch.ones(B, Ls, dtype=torch.bool)
+    for i in range(B):
+        mask[i, :i] = False  # suffixes of different lengths, left-padded after the prefix
+    calls = []
+    real = torch.ops.cascade_native.attn_block
+
+    def spy(*args):
+        calls.append(args[-1])
+        return real(*args)
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            ref_cache = KVCache.allocate(m.config, B, P + Ls + 8, "cpu", torch.float32)
+            m.hidden_states(prefix.expand(B, P), cache=ref_cache)
+            ref = m.last_logits(suffix, mask, cache=ref_cache)
+            one = KVCache.allocate(m.config, 1, P, "cpu", torch.float32)
+            dec = native.NativeDecoder(m)
+            dec.forward(prefix, one)
+            cache = KVCache.allocate(m.config, B, P + Ls + 8, "cpu", torch.float32)
+            for layer in range(m.config.num_hidden_layers):
+                cache.k[layer][:, :, :P] = one.k[layer]
+                cache.v[layer][:, :, :P] = one.v[layer]
+            cache.valid[:, :P] = True
+            cache.length = cache.shared = P
+            monkeypatch.setattr(torch.ops.cascade_native, "attn_block", spy, raising=False)
+            torch.testing.assert_close(dec.forward(suffix, cache, mask), ref, rtol=1e-5, atol=1e-5)
+            tok = ref.argmax(-1)
+            for _ in range(4):
+                ref = m.last_logits(tok[:, None], cache=ref_cache)
+                torch.testing.assert_close(dec.step(tok, cache), ref, rtol=1e-5, atol=1e-5)
+                tok = ref.argmax(-1)
+            kept = cache.keep(torch.tensor([1, 3]))  # finished rows dropped: the rest still share the prefix
+            ref = m.last_logits(tok[[1, 3], None], cache=ref_cache.keep(torch.tensor([1, 3])))
+            torch.testing.assert_close(dec.step(tok[[1, 3]], kept), ref, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(old)
+    assert calls and all(c == P for c in calls), calls[:8]
+
+
+def test_one_prompt_fanned_out_shares_it():
+    """n samples of one unpadded prompt (KVCache.select of one row) share the whole prompt; a padded
+    batch does not."""
+    m = _model(**CONFIGS["moe-gqa"])
+    with torch.inference_mode():
+        c = KVCache.allocate(m.config, 1, 30, "cpu", torch.float32)
+        m.hidden_states(torch.randint(0, 203, (1, 20)), cache=c)
+        assert c.select(torch.zeros(4, dtype=torch.long)).shared == 20
+        two = KVCache.allocate(m.config, 2, 30, "cpu", torch.float32)
+        mask = torch.ones(2, 20, dtype=torch.bool)
+        mask[1, :3] = False
+        m.hidden_states(torch.randint(0, 203, (2, 20)), mask, cache=two)
+        assert two.select(torch.tensor([0, 0, 1, 1])).shared == 0
+
+
 def test_engine_generates_the_same_with_and_without_native(tiny_moe_dir, monkeypatch):
     """Greedy tokens equal; seeded samples equal (same uniforms, same inverse transform); logprobs close."""
     eng = TorchEngine.from_pretrained(tiny_moe_dir)

@@ -8,6 +8,10 @@ grouped and run in parallel, weighted combine) or dense MLP block per call, and 
 row; matrix products stay in ATen (the same MKL/oneDNN kernels), the glue is vectorised loops.
 :class:`~train.engine.TorchEngine` uses them for fp32 models on CPU; they compute what
 ``CausalLM.last_logits(ids, mask, cache=cache)`` computes (tests/test_native.py compares the two).
+A cache whose first ``shared`` slots every row holds alike (:attr:`KVCache.shared`: a prefix the
+prefix cache copied to every row, or one prompt fanned out to ``n`` samples) is attended to for all
+rows at once there: per KV head, the rows' queries against one copy of those keys and values as two
+matrix products, merged with each row's own slots in one softmax.
 ZAYA1 (:class:`ZayaNativeDecoder`): its decoding steps run as one op per CCA attention block and one
 per MoE block, its prefill in PyTorch (tests/test_zaya.py compares the steps with the PyTorch step).
 
@@ -37,6 +41,7 @@ _STATE: dict = {}
 
 
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+SHARED_MIN = 16  # shortest shared prefix (KVCache.shared) worth the batched attention path
 
 
 def _cpu_flags() -> str:
@@ -202,8 +207,10 @@ class NativeDecoder:
         cos, sin = rope_cos_sin(pos[:, None], cfg.head_dim, cfg.rope_theta, x.dtype, cfg.rope_scaling)
         cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
         ops = torch.ops.cascade_native
+        # a prefix every row holds (KVCache.shared): its keys and values read once for all rows
+        shared = cache.shared if B >= 2 and cache.shared >= SHARED_MIN and s >= cache.shared else 0
         for i, (attn, attn_tail, mlp) in enumerate(self.layers):
-            x = ops.attn_block(x, *attn, cos, sin, cache.k[i], cache.v[i], cache.valid, rows, slots, *attn_tail)
+            x = ops.attn_block(x, *attn, cos, sin, cache.k[i], cache.v[i], cache.valid, rows, slots, *attn_tail, shared)
             if mlp[0] == "moe":
                 routed = None if record is None else torch.empty(x.shape[0], mlp[5], dtype=torch.long)
                 x = ops.moe_block(x, *mlp[1:], routed)

@@ -15,7 +15,10 @@ Entries are invalidated when any model parameter changes in place (``load_weight
 steps on a shared model): the cache compares the parameters' version counters on every call.
 
 The prefix and the suffixes run through the same forward as the engine's plain prefill: the fused
-C++ ops of :mod:`train.engine.native` for fp32 models on CPU, the PyTorch model elsewhere.
+C++ ops of :mod:`train.engine.native` for fp32 models on CPU, the PyTorch model elsewhere. The cache
+is marked ``shared = P`` (:class:`~train.model.modeling.KVCache`): there the native ops attend to the
+prefix for all rows at once (the rows' queries against one copy of its keys and values, two matrix
+products per KV head), in the suffix prefill and in every decoding step, rather than row by row.
 
 Use: ``enable_prefix_caching(engine)``; ``engine.prefix_cache.stats`` counts hits and the prefill
 tokens that were not recomputed.
@@ -135,7 +138,7 @@ class PrefixCache:
             cache.k[layer][:, :, :P] = one.k[layer][:, :, :P]
             cache.v[layer][:, :, :P] = one.v[layer][:, :, :P]
         cache.valid[:, :P] = True
-        cache.length = P
+        cache.length = cache.shared = P  # the decoder reads the prefix once for all rows
         inp = torch.full((B, Ls), int(cfg.pad_token_id or 0), dtype=torch.long)
         mask = torch.zeros(B, Ls, dtype=torch.bool)
         for i, p in enumerate(prompts):

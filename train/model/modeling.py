@@ -104,6 +104,9 @@ class KVCache:
     # projection [B, Hk * D / 2]; written by the first forward into the cache
     conv: list | None = None
     vstate: list | None = None
+    # slots 0..shared-1 hold the same keys and values in every row, all valid (a shared prefix copied to
+    # every row, or one prompt fanned out to n samples): the native decoder reads them once for all rows
+    shared: int = 0
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, batch: int, max_len: int, device, dtype) -> "KVCache":
@@ -130,8 +133,11 @@ class KVCache:
             torch.index_select(t[:, :, :self.length], 0, rows, out=out[:, :, :self.length])
             return out
 
+        shared = self.shared
+        if self.valid.shape[0] == 1 and bool(self.valid[0, :self.length].all()):
+            shared = self.length  # copies of one unpadded row: everything written so far is shared
         return KVCache([written(k) for k in self.k], [written(v) for v in self.v],
-                       self.valid.index_select(0, rows), self.length, sel(self.conv), sel(self.vstate))
+                       self.valid.index_select(0, rows), self.length, sel(self.conv), sel(self.vstate), shared)
 
     def keep(self, rows: torch.Tensor) -> "KVCache":
         """Keep a subset of the batch rows (``rows`` ascending, e.g. dropping finished sequences) in
@@ -149,7 +155,7 @@ class KVCache:
             return None if states is None else [None if t is None else front(t) for t in states]
 
         return KVCache([front(k, T) for k in self.k], [front(v, T) for v in self.v], front(self.valid), T,
-                       sel(self.conv), sel(self.vstate))
+                       sel(self.conv), sel(self.vstate), self.shared)
 
 
 @dataclass(frozen=True)

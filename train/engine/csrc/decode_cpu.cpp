@@ -224,12 +224,67 @@ inline void attend_kv_head(const float* q, const float* kbase, const float* vbas
   }
 }
 
+// Attention when the first `shared` cache slots hold the same keys and values in every row, all valid
+// (a prefix computed once and copied to every row: train/engine/prefix_cache.py), and every token sits
+// at a slot >= shared. The shared part is done for all tokens at once, per kv head, as two matrix
+// products against row 0's copy (Hydragen-style: the prefix is read once, not once per row); each
+// token's own slots shared..slot as in attend_kv_head; one softmax over both parts. q [N, hq, d]
+// (pre-scaled); out [N, hq * d].
+void shared_prefix_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const bool* vp,
+                             const int64_t* row_of, const int64_t* slot_of, int64_t N, int64_t hk, int64_t g,
+                             int64_t d, int64_t cap, int64_t shared, at::Tensor& out) {
+  const int64_t hq = hk * g;
+  // scores against the shared keys: per kv head j, [N * g, shared] (rows: token n, head j*g + gi)
+  at::Tensor qg = q.view({N, hk, g, d}).permute({1, 0, 2, 3}).reshape({hk, N * g, d});
+  at::Tensor kp = kc.select(0, 0).narrow(1, 0, shared);  // [hk, shared, d]
+  at::Tensor vsh = vc.select(0, 0).narrow(1, 0, shared);
+  at::Tensor sp = at::bmm(qg, kp.transpose(1, 2)).contiguous();  // [hk, N * g, shared]
+  float* spp = sp.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
+  const float *kcp = kc.data_ptr<float>(), *vcp = vc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  int64_t max_own = 1;
+  for (int64_t n = 0; n < N; ++n) {
+    TORCH_CHECK(slot_of[n] >= shared, "attn_block: token ", n, " at slot ", slot_of[n], " inside the shared prefix (",
+                shared, " slots)");
+    max_own = std::max(max_own, slot_of[n] - shared + 1);
+  }
+  // own slots: scores, then one softmax over shared + own scores; the own part's weighted sum into out
+  at::parallel_for(0, N * hk, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> score(max_own);
+    std::vector<char> vis(max_own);
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t n = it / hk, j = it % hk, b = row_of[n], slot = slot_of[n], T = slot - shared + 1;
+      const bool* vrow = vp + b * cap + shared;
+      for (int64_t t = 0; t < T; ++t) vis[t] = vrow[t];
+      vis[T - 1] = 1;
+      const float* kbase = kcp + ((b * hk + j) * cap + shared) * d;
+      const float* vbase = vcp + ((b * hk + j) * cap + shared) * d;
+      for (int64_t gi = 0; gi < g; ++gi) {
+        const int64_t head = j * g + gi;
+        float* srow = spp + (j * N * g + n * g + gi) * shared;
+        dots(qp + (n * hq + head) * d, kbase, T, d, reinterpret_cast<const bool*>(vis.data()), score.data());
+        float m = srow[0];
+        for (int64_t t = 1; t < shared; ++t) m = std::max(m, srow[t]);
+        for (int64_t t = 0; t < T; ++t) m = std::max(m, score[t]);
+        const float inv = 1.0f / (exp_shift_sum(srow, shared, m) + exp_shift_sum(score.data(), T, m));
+        for (int64_t t = 0; t < shared; ++t) srow[t] *= inv;
+        for (int64_t t = 0; t < T; ++t) score[t] *= inv;
+        weighted_sum(score.data(), vbase, T, d, op + (n * hq + head) * d);
+      }
+    }
+  });
+  // plus the shared values weighted by their probabilities, per kv head as one matrix product
+  at::Tensor o = out.view({N, hk, g, d});
+  o.add_(at::bmm(sp, vsh).view({hk, N, g, d}).permute({1, 0, 2, 3}));
+}
+
 at::Tensor attn_block(const at::Tensor& x, const at::Tensor& ln_w, const at::Tensor& wqkv,
                       const c10::optional<at::Tensor>& bqkv, const c10::optional<at::Tensor>& qn_w,
                       const c10::optional<at::Tensor>& kn_w,
                       const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kc, const at::Tensor& vc,
                       const at::Tensor& valid, const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& wo,
-                      const c10::optional<at::Tensor>& bo, int64_t hq, int64_t hk, double eps_d) {
+                      const c10::optional<at::Tensor>& bo, int64_t hq, int64_t hk, double eps_d, int64_t shared) {
   for (const at::Tensor* t : {&x, &ln_w, &wqkv, &cos, &sin, &kc, &vc, &wo}) check_f32(*t, "attn_block tensor");
   const bool qk_norm = qn_w.has_value() && qn_w->defined();
   TORCH_CHECK(qk_norm == (kn_w.has_value() && kn_w->defined()), "attn_block: q_norm and k_norm weights go together");
@@ -281,6 +336,11 @@ at::Tensor attn_block(const at::Tensor& x, const at::Tensor& ln_w, const at::Ten
   // 2. per (token, kv head): scores of its query heads, softmax, weighted sum of the values
   at::Tensor attn = at::empty({N, hq * d}, x.options());
   float* ap = attn.data_ptr<float>();
+  if (shared > 0) {
+    shared_prefix_attention(q, kc, vc, vp, row_of, slot_of, N, hk, g, d, cap, shared, attn);
+    at::Tensor res = bo.has_value() && bo->defined() ? x + *bo : x;
+    return at::addmm(res, attn, wo.t());
+  }
   at::parallel_for(0, N * hk, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> score(max_slot + 1);
     std::vector<char> vis(max_slot + 1);
@@ -784,7 +844,7 @@ TORCH_LIBRARY(cascade_native, m) {
   m.def("attn_block(Tensor x, Tensor ln_w, Tensor wqkv, Tensor? bqkv, Tensor? qn_w, Tensor? kn_w, Tensor cos, "
         "Tensor sin, Tensor(a!) kc, Tensor(b!) vc, Tensor valid, Tensor rows, Tensor slots, Tensor wo, Tensor? bo, "
         "int hq, int hk, "
-        "float eps) -> Tensor");
+        "float eps, int shared=0) -> Tensor");
   m.def("moe_block(Tensor x, Tensor ln_w, Tensor router_w, Tensor gate_up, Tensor down, int top_k, bool norm_topk, "
         "float eps, Tensor(a!)? routed=None) -> Tensor");
   m.def("mlp_block(Tensor x, Tensor ln_w, Tensor w_gate_up, Tensor w_down, float eps) -> Tensor");
