@@ -51,7 +51,7 @@ Since then the native ops read a prefix that every row holds once for all rows (
 the prefix cache's copied prefix, or one prompt fanned out to ``n`` samples, which the round-0 solve
 request is on both sides): per KV head the rows' queries against one copy of its keys and values, as
 two matrix products. ``shared_prefix_step`` measures decoding steps with it against row by row on the
-same cache (``--skip-steps`` skips it); three runs at the commit after 1e2da25: 8 rows, 300 shared +
+same cache (``--skip-steps`` skips it); three runs at 0f88c3d: 8 rows, 300 shared +
 300 own tokens 1.09, 1.19, 1.05x; 600 + 300 1.28, 1.39, 1.38x; 300 + 600 0.89, 1.24, 1.03x; 32 rows,
 600 + 300 1.45, 1.43, 1.36x. In the RSA runs this moves too little to show through this machine's
 noise: interleaved with 1e2da25 (before it), ``prefix_speedup_real`` 1.03, 1.12, 1.16 against 0.99,
