@@ -4,7 +4,7 @@ One gloo process group is spawned per world size (2 and 4); every check runs ins
 ranks return their largest deviations to the parent, which asserts. fp32 throughout; forward
 logits and EVERY parameter gradient (gathered) must match within 1e-5 (one bf16 check: the fp32
 residual stream, :func:`_check_bf16_residual`). Families: Qwen3 dense and MoE, Qwen2 (q/k/v biases, no
-q/k norm) and Llama 3 (llama3 RoPE scaling, biases on all four projections).
+q/k norm), Llama 3 (llama3 RoPE scaling, biases on all four projections) and, in TSP, ZAYA1.
 """
 from __future__ import annotations
 
@@ -40,7 +40,13 @@ def _cfgs():
     # Llama 3: no q/k norm, llama3 RoPE scaling, and (attention_bias) biases on all four projections
     llama3 = ModelConfig(architecture="llama", attention_bias=True, rope_scaling=LLAMA3_ROPE, num_attention_heads=8,
                          num_key_value_heads=4, tie_word_embeddings=True, **base)
-    return {"dense": dense, "moe": moe, "qwen2": qwen2, "llama3": llama3}
+    # ZAYA1: CCA (q/k convolutions of look-back 3 > the 2-slot zigzag chunks at D = 4, so a halo spans
+    # chunks of several ranks; the delayed value), top-1 routing with a skip class, router state across
+    # layers, residual scalings; biases on every projection
+    zaya = ModelConfig(architecture="zaya", num_attention_heads=8, num_key_value_heads=4, num_experts=4,
+                       num_experts_per_tok=1, moe_intermediate_size=18, router_hidden_size=8, partial_rotary_factor=0.5,
+                       cca_time0=2, cca_time1=3, attention_bias=True, **base)
+    return {"dense": dense, "moe": moe, "qwen2": qwen2, "llama3": llama3, "zaya": zaya}
 
 
 def _model(cfg, seed=0):
@@ -51,8 +57,13 @@ def _model(cfg, seed=0):
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for n, p in m.named_parameters():
-            if n.endswith(".bias"):
+            if n.endswith((".bias", "_bias")):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+            elif n.endswith(("_scale", ".temp")):  # zaya's residual scales and key temperatures: not all ones
+                p.add_(torch.randn(p.shape, generator=g) * 0.2)
+        for n, b in m.named_buffers():
+            if n.endswith("balancing_biases"):  # zaya: routing that the biases decide
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
     return m
 
 
@@ -153,7 +164,7 @@ def _check_tsp(W, out):
 
 def _tp_cfgs(W):
     """The configs TP runs at world size W (Megatron: kv heads divisible by W)."""
-    return {n: c for n, c in _cfgs().items() if n != "dense" and c.num_key_value_heads % W == 0}
+    return {n: c for n, c in _cfgs().items() if n not in ("dense", "zaya") and c.num_key_value_heads % W == 0}
 
 
 def _check_tp(W, out):
@@ -310,9 +321,9 @@ def _values(results, prefix):
 @pytest.mark.timeout(300)
 def test_tsp_matches_single_process(results):
     W, vals = _values(results, "tsp")
-    # dense/moe/qwen2/llama3 x causal/mask/packed x logits/loss/grads/logprobs, and per config the count of
-    # nonzero log-probs at unscored positions of the packed row (the LM head skips them: must be 0)
-    assert len(vals) == 4 * 3 * 4 + 4, vals
+    # dense/moe/qwen2/llama3/zaya x causal/mask/packed x logits/loss/grads/logprobs, and per config the count
+    # of nonzero log-probs at unscored positions of the packed row (the LM head skips them: must be 0)
+    assert len(vals) == 5 * 3 * 4 + 5, vals
     bad = {k: v for k, v in vals.items() if not v < TOL}
     assert not bad, bad
 

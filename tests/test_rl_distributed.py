@@ -134,19 +134,23 @@ def _zaya_cfg():
                        router_hidden_size=8, partial_rotary_factor=0.5, router_bias_update_rate=0.05)
 
 
-def _check_zaya_dp(world, out):
-    """ZAYA1 on data-parallel ranks (tsp 1): two RL steps equal the single-process steps, balancing biases
-    included (moved by the load of the whole batch, all ranks' tokens)."""
+def _check_zaya(world, out, tsp=1, replay=False):
+    """ZAYA1 on a dp x tsp mesh: two RL steps equal the single-process steps, balancing biases included
+    (moved by the load of the whole batch: every rank's tokens, summed over the TSP and DP groups), with the
+    policy's own routing or (``replay``) the rollouts' recorded experts pinning it."""
     from train.parallel.rl_update import RLUpdater
 
     cfg = _zaya_cfg()
     rcfg = rl_cfg("dppo_tv")
     batches = [make_batch(s, cfg) for s in range(2)]
-    for b in batches:  # routed by the policy (and its biases), every rollout trained on
+    for b in batches:  # routed by the policy (and its biases) unless replayed, every rollout trained on
         for smp in b.samples:
-            smp.routed_experts, smp.keep = None, True
+            smp.keep = True
+            if not replay:
+                smp.routed_experts = None
     want, _ = reference_weights(cfg, rcfg, batches)
-    up = RLUpdater(_model(cfg), rcfg, tsp=1, dp=world)
+    key = f"zaya.tsp{tsp}.dp{world // tsp}"
+    up = RLUpdater(_model(cfg), rcfg, tsp=tsp)
     up.step(batches[0], 0)
     # the biases go through a checkpoint: saved after step 1, restored into fresh ranks that take step 2
     import tempfile
@@ -158,14 +162,23 @@ def _check_zaya_dp(world, out):
     box = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     save_checkpoint(up, Path(box[0]), 1, keep=2)
-    up = RLUpdater(_model(cfg), rcfg, tsp=1, dp=world)
-    out["zaya.resumed_step"] = float(load_checkpoint(up, Path(box[0])))
+    up = RLUpdater(_model(cfg), rcfg, tsp=tsp)
+    out[key + ".resumed_step"] = float(load_checkpoint(up, Path(box[0])))
     up.step(batches[1], 1)
     got = up.full_state_dict()
     biases = [k for k in want if k.endswith("balancing_biases")]
     assert set(got) == set(want) and biases, set(got) ^ set(want)
-    out["zaya.params_err"] = max((got[k] - want[k]).abs().max().item() for k in want)
-    out["zaya.biases_moved"] = max((want[k] - _model(cfg).state_dict()[k]).abs().max().item() for k in biases)
+    out[key + ".params_err"] = max((got[k] - want[k]).abs().max().item() for k in want)
+    out[key + ".biases_moved"] = max((want[k] - _model(cfg).state_dict()[k]).abs().max().item() for k in biases)
+    out[key + ".biases_err"] = max((got[k] - want[k]).abs().max().item() for k in biases)
+
+
+def _check_zaya_dp(world, out):
+    _check_zaya(world, out)
+
+
+def _check_zaya_tsp(world, out):
+    _check_zaya(world, out, tsp=2, replay=world == 2)
 
 
 def _check_bf16(world, out):
@@ -248,7 +261,7 @@ def _check_errors(world, out):
 
 def _worker(rank, world, port, path):
     run_checks(rank, world, port, path, ([_check_errors, _check_sft_then_rl, _check_zaya_dp] if world == 2 else [])
-               + [_check_updates, _check_bf16])
+               + [_check_updates, _check_bf16, _check_zaya_tsp])
 
 
 @pytest.fixture(scope="module", params=[2, 4])
@@ -279,13 +292,17 @@ def test_sharded_rl_step_equals_reference(results):
 
 
 @pytest.mark.timeout(400)
-def test_zaya_on_data_parallel_ranks_equals_single_process(results):
+def test_zaya_rl_steps_on_the_mesh_equal_single_process(results):
+    """ZAYA1 on data-parallel ranks (2 ranks), on TSP 2 with router replay (2 ranks), on DP 2 x TSP 2 (4 ranks)."""
     world, ranks = results
-    if world != 2:
-        pytest.skip("run on the 2-rank world")
-    assert _max(ranks, "zaya.biases_moved") >= 0.05  # the balancing step ran (rate 0.05)
-    assert _max(ranks, "zaya.resumed_step") == 1.0
-    assert _max(ranks, "zaya.params_err") < TOL
+    meshes = ["tsp1.dp2", "tsp2.dp1"] if world == 2 else ["tsp2.dp2"]
+    seen = {".".join(k.split(".")[1:3]) for k in ranks[0] if k.startswith("zaya.")}
+    assert sorted(seen) == sorted(meshes), seen
+    for m in meshes:
+        assert _max(ranks, f"zaya.{m}.biases_moved") >= 0.05, m  # the balancing step ran (rate 0.05)
+        assert _max(ranks, f"zaya.{m}.resumed_step") == 1.0, m
+        assert _max(ranks, f"zaya.{m}.params_err") < TOL, (m, _max(ranks, f"zaya.{m}.params_err"))
+        assert _max(ranks, f"zaya.{m}.biases_err") == 0.0, m
 
 
 @pytest.mark.timeout(400)

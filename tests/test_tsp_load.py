@@ -6,7 +6,8 @@ bit, the shards cut from the full model; and every read that reaches the safeten
 recorded (``safe_open`` wrapped in the ranks): no sharded parameter is ever read whole, and the
 elements read add up to exactly the rank's shards. Checkpoints: Qwen3 dense with tied embeddings,
 Qwen3-MoE with per-expert names split over several files, the same MoE with fused expert tensors
-(transformers 5's naming), and Qwen2 with q/k/v biases.
+(transformers 5's naming), Qwen2 with q/k/v biases, and ZAYA1 (CCA's convolution channels read as two
+slices, the value projections' rows, the routers' balancing biases).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def _checkpoints(root) -> dict[str, str]:
     cfgs = _cfgs()
     out = {}
     for name, cfg, kw in (("dense", cfgs["dense"], {}), ("moe", cfgs["moe"], {"max_shard_size": 20_000}),
-                          ("qwen2", cfgs["qwen2"], {})):
+                          ("qwen2", cfgs["qwen2"], {}), ("zaya", cfgs["zaya"], {})):
         d = root / name
         save_pretrained(_model(cfg), d, **kw)
         out[name] = str(d)
@@ -100,11 +101,17 @@ def _check_loading(W, out, ckpts):
             for k, n, full in _Recorder.reads:
                 m = _EXPERT.match(k)
                 ours = f"{m.group(1)}.{'down_proj' if m.group(3) == 'down_proj' else 'gate_up_proj'}" if m else k
-                if got.kinds[ours] != "rep":
+                # (a zaya router's balancing biases: a replicated buffer; zaya's value projections: at D = 2 with 4
+                # KV heads rank 0's value rows are the whole current-token projection, rank 1's the delayed one)
+                if got.kinds.get(ours, "rep") != "rep" and ".v_proj_" not in ours:
                     frac = max(frac, n / full)
             out[key + ".max_read_fraction"] = frac
             out[key + ".read_elements"] = sum(n for _, n, _ in _Recorder.reads)
-            out[key + ".shard_elements"] = sum(p.numel() for p in b.values())
+            buffers = got.model_buffers() if lay == "tsp" else {}
+            out[key + ".shard_elements"] = sum(p.numel() for p in list(b.values()) + list(buffers.values()))
+            if buffers:
+                out[key + ".unequal"] += sorted(n for n, t in want.model_buffers().items()
+                                                if not torch.equal(t, buffers[n]))
 
 
 def _worker(rank, world, port, path, ckpts):
@@ -119,7 +126,7 @@ def test_rank_reads_only_its_slices_and_gets_the_same_shards(tmp_path):
     for r in ranks:
         assert "error" not in r, r.get("trace")
     keys = {k.rsplit(".", 1)[0] for k in ranks[0]}
-    assert keys == {"tsp.dense", "tsp.moe", "tsp.moe_fused", "tsp.qwen2", "tp.moe", "tp.moe_fused"}, keys
+    assert keys == {"tsp.dense", "tsp.moe", "tsp.moe_fused", "tsp.qwen2", "tsp.zaya", "tp.moe", "tp.moe_fused"}, keys
     for r in ranks:
         for k in keys:
             assert r[k + ".same_names"], k

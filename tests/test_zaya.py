@@ -319,48 +319,53 @@ def test_rl_step_with_router_replay_and_weight_sync(tmp_path):
         assert torch.equal(v, rl.engine.model.state_dict()[k]), k
 
 
-def test_sharded_core_refuses_zaya_tsp_with_one_line_and_takes_it_data_parallel(tmp_path):
-    """TSP (D > 1) refuses zaya with a one-line error; the RL update at tsp=1 (data parallel) takes it
-    (tests/test_rl_distributed.py::test_zaya_on_data_parallel_ranks_equals_single_process)."""
+def test_tsp_degree_must_divide_zaya_kv_heads(tmp_path):
+    """TSP shards zaya by whole KV heads: a degree that does not divide them is a one-line error; the
+    sharded model and the RL update take the rest (tests/test_parallel.py and tests/test_rl_distributed.py
+    compare them with the single-process model)."""
     import torch.distributed as dist
 
     from train.parallel.rl_update import RLUpdateConfig, RLUpdater
     from train.parallel.tsp import TSPCausalLM, check_tsp_config
 
-    cfg = ModelConfig(architecture="zaya", num_experts=4, num_experts_per_tok=1, num_hidden_layers=2)
-    with pytest.raises(ValueError, match="does not run zaya") as e:
-        check_tsp_config(cfg, 2)
-    assert "\n" not in str(e.value) and "trainer.tsp=1" in str(e.value)
+    cfg = ModelConfig(architecture="zaya", num_experts=4, num_experts_per_tok=1, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(ValueError, match=r"needs num_key_value_heads \(2\) divisible by D=4") as e:
+        check_tsp_config(cfg, 4)
+    assert "\n" not in str(e.value)
+    check_tsp_config(cfg, 2)
     check_tsp_config(cfg, 1)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
-        with pytest.raises(ValueError, match="does not run zaya"):
-            TSPCausalLM(CausalLM(cfg))
+        names = [f"model.layers.{i}.mlp.gate.balancing_biases" for i in range(2)]
+        assert sorted(TSPCausalLM(CausalLM(cfg)).model_buffers()) == names
         up = RLUpdater(CausalLM(cfg), RLUpdateConfig(), tsp=1)
-        assert sorted(up.buffers) == [f"model.layers.{i}.mlp.gate.balancing_biases" for i in range(2)]
+        assert sorted(up.buffers) == names
     finally:
         dist.destroy_process_group()
 
 
-def test_cascade_run_refuses_a_zaya_policy_on_tsp_ranks_before_any_rank_starts(tmp_path):
+def test_cascade_run_refuses_a_tsp_degree_that_splits_zaya_kv_heads_before_any_rank_starts(tmp_path):
     import subprocess
     import sys
 
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "cascade", "run", "stage=rlve", "profile=tiny", "model_preset=tiny-zaya",
-                        f"out={out}", "trainer.nproc=2", "trainer.tsp=2", "logging.progress=false"],
+                        f"out={out}", "trainer.nproc=4", "trainer.tsp=4", "logging.progress=false"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
-    assert "trainer.tsp=2 does not fit the policy: the sharded core does not run zaya" in r.stderr
+    assert ("trainer.tsp=4 does not fit the policy: TSP of zaya (ZAYA1) needs num_key_value_heads (2) divisible "
+            "by D=4") in r.stderr
     assert r.stderr.strip().count("\n") == 0, r.stderr
     assert not (out / "exchange").exists() and not (out / "stages").exists()
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_tiny_cascade_stage_runs_a_zaya_policy(tmp_path, nproc):
+@pytest.mark.parametrize("nproc,tsp", [(1, 1), (2, 1), (2, 2)])
+def test_tiny_cascade_stage_runs_a_zaya_policy(tmp_path, nproc, tsp):
     """`cascade init-model --preset tiny-zaya` then `cascade run profile=tiny model=DIR` (the rlve stage,
-    two RL steps), in one process or with the update on 2 data-parallel trainer ranks: the hand-off
-    checkpoint is a zaya model that transformers opens, its balancing biases moved by the updates."""
+    two RL steps), in one process, with the update on 2 data-parallel trainer ranks, or on TSP 2 (CCA
+    sharded by KV heads): the hand-off checkpoint is a zaya model that transformers opens, its balancing
+    biases moved by the updates."""
     import subprocess
     import sys
 
@@ -371,7 +376,7 @@ def test_tiny_cascade_stage_runs_a_zaya_policy(tmp_path, nproc):
 
     cascade("init-model", "--preset", "tiny-zaya", "--out", str(tmp_path / "m"))
     cascade("run", "stage=rlve", "profile=tiny", f"model={tmp_path / 'm'}", f"out={tmp_path / 'run'}", "steps=2",
-            "eval_problems=4", "checkpoint_every=1", f"trainer.nproc={nproc}",
+            "eval_problems=4", "checkpoint_every=1", f"trainer.nproc={nproc}", f"trainer.tsp={tsp}",
             "rl.dynamic_sampling=false")  # a random policy's groups all score 0: train on them all the same
     final = tmp_path / "run" / "stages" / "1-rlve" / "final"
     assert json.loads((final / "config.json").read_text())["model_type"] == "zaya"
@@ -380,7 +385,7 @@ def test_tiny_cascade_stage_runs_a_zaya_policy(tmp_path, nproc):
     assert moved, "no balancing bias moved"
     if nproc == 2:
         log = (tmp_path / "run").rglob("trainer.log")
-        assert any('"dp": 2' in f.read_text() for f in log)
+        assert any(f'"dp": {nproc // tsp}' in f.read_text() and f'"tsp": {tsp}' in f.read_text() for f in log)
     steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert sum("reward_mean" in s for s in steps) == 2 and all(s["groups_trained"] for s in steps if "reward_mean" in s)
     back = transformers.AutoModelForCausalLM.from_pretrained(final).eval()

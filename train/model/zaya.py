@@ -38,10 +38,35 @@ class ResidualScaling(nn.Module):
         self.residual_bias = nn.Parameter(torch.zeros(h))
 
     def forward(self, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """In ``residual``'s dtype promoted to fp32 where the residual stream is fp32."""
-        dt = torch.promote_types(residual.dtype, out.dtype)
-        o = (out.to(dt) + self.hidden_states_bias.to(dt)) * self.hidden_states_scale.to(dt)
-        return o + (residual.to(dt) + self.residual_bias.to(dt)) * self.residual_scale.to(dt)
+        return residual_scaling(out, residual, self.hidden_states_scale, self.hidden_states_bias,
+                                self.residual_scale, self.residual_bias)
+
+
+def residual_scaling(out, residual, hs_scale, hs_bias, res_scale, res_bias) -> torch.Tensor:
+    """``(out + hs_bias) * hs_scale + (residual + res_bias) * res_scale`` in ``residual``'s dtype promoted
+    to fp32 where the residual stream is fp32."""
+    dt = torch.promote_types(residual.dtype, out.dtype)
+    o = (out.to(dt) + hs_bias.to(dt)) * hs_scale.to(dt)
+    return o + (residual.to(dt) + res_bias.to(dt)) * res_scale.to(dt)
+
+
+def cca_conv(p: torch.Tensor, dw_w: torch.Tensor, dw_b: torch.Tensor, gw_w: torch.Tensor, gw_b: torch.Tensor,
+             groups: int, K: int, lengths: list[int] | None = None) -> torch.Tensor:
+    """CCA's two causal convolutions over p [B, C, T] (pre-conv q/k columns): depthwise (``dw_w`` [C, 1, k0]),
+    then grouped (``gw_w`` [C, C / groups, k1], one group per head). Each packed sequence of ``lengths``
+    (default: the whole row) sees K = k0 + k1 - 2 zero columns before it. -> [B, C, T]."""
+    C, T = p.shape[1], p.shape[-1]
+
+    def conv(x):
+        return F.conv1d(F.conv1d(x, dw_w, dw_b, groups=C), gw_w, gw_b, groups=groups)
+
+    if lengths is None or len(lengths) < 2:
+        return conv(F.pad(p, (K, 0)))
+    lens = torch.tensor(lengths, device=p.device)
+    sid = torch.repeat_interleave(torch.arange(len(lens), device=p.device), lens, output_size=T)
+    idx = torch.arange(T, device=p.device) + K * (sid + 1)
+    buf = p.new_zeros(p.shape[0], C, T + K * len(lens)).index_copy(2, idx, p)
+    return conv(buf)[..., idx - K]
 
 
 class CCAProjection(nn.Module):
@@ -62,17 +87,15 @@ class CCAProjection(nn.Module):
     def _conv(self, p: torch.Tensor, state: torch.Tensor | None, seg) -> torch.Tensor:
         """p [B, C, T] (pre-conv q/k) -> conv output [B, C, T]; ``state`` [B, C, K]: the previous K
         columns (decoding), else zeros; ``seg``: packed sequences, each preceded by K zero columns."""
-        K = self.K
+        dw, gw = self.conv_qk_depthwise, self.conv_qk_grouped
         if seg is not None and len(seg.bounds) > 2:
-            lens = torch.tensor(seg.lengths, device=p.device)
-            sid = torch.repeat_interleave(torch.arange(len(lens), device=p.device), lens, output_size=p.shape[-1])
-            idx = torch.arange(p.shape[-1], device=p.device) + K * (sid + 1)
-            buf = p.new_zeros(p.shape[0], p.shape[1], p.shape[-1] + K * len(lens)).index_copy(2, idx, p)
-            return self.conv_qk_grouped(self.conv_qk_depthwise(buf))[..., idx - K]
-        p = torch.cat([state, p], -1) if state is not None else F.pad(p, (K, 0))
-        if p.shape[-1] - K == 1 and not torch.is_grad_enabled():  # a decoding step: the same sums without conv1d
-            return self._conv_step(p)
-        return self.conv_qk_grouped(self.conv_qk_depthwise(p))
+            return cca_conv(p, dw.weight, dw.bias, gw.weight, gw.bias, self.hq + self.hk, self.K, seg.lengths)
+        if state is not None:
+            p = torch.cat([state, p], -1)
+            if p.shape[-1] - self.K == 1 and not torch.is_grad_enabled():  # a decoding step: the same sums, no conv1d
+                return self._conv_step(p)
+            return gw(dw(p))
+        return cca_conv(p, dw.weight, dw.bias, gw.weight, gw.bias, self.hq + self.hk, self.K)
 
     def _conv_step(self, p: torch.Tensor) -> torch.Tensor:
         """Both convolutions for one new column: p [B, C, K + 1] -> [B, C, 1] (elementwise depthwise
@@ -130,11 +153,15 @@ class QKNorm(nn.Module):
         self.temp = nn.Parameter(torch.zeros(cfg.num_key_value_heads))
 
     def forward(self, qk: torch.Tensor, hq: int) -> torch.Tensor:
-        """qk [B, T, Hq + Hk, D] (query heads, then key heads): every head L2-normalised to sqrt(D) (fp32
-        norms), the key heads times ``temp``."""
-        eps = torch.finfo(qk.dtype).eps
-        s = torch.cat([self.temp.new_ones(hq), self.temp]).to(torch.float32) * self.scale
-        return (F.normalize(qk.float(), dim=-1, eps=eps) * s[:, None]).to(qk.dtype)
+        return qk_normalize(qk, self.temp, hq)
+
+
+def qk_normalize(qk: torch.Tensor, temp: torch.Tensor, hq: int) -> torch.Tensor:
+    """qk [B, T, Hq + Hk, D] (query heads, then key heads): every head L2-normalised to sqrt(D) (fp32
+    norms), the key heads times their temperature ``temp`` [Hk]."""
+    eps = torch.finfo(qk.dtype).eps
+    s = torch.cat([temp.new_ones(hq), temp]).to(torch.float32) * qk.shape[-1] ** 0.5
+    return (F.normalize(qk.float(), dim=-1, eps=eps) * s[:, None]).to(qk.dtype)
 
 
 class CCAAttention(nn.Module):
@@ -229,13 +256,19 @@ class ZayaMoE(nn.Module):
             record.append(idx.view(B, T, 1))
         if self.training and torch.is_grad_enabled():  # the load the balancing biases follow (real tokens only;
             # a checkpointed layer's recomputation counts its tokens twice, which leaves the load fractions alone)
-            ids = idx[:, 0] if valid is None else idx[:, 0][valid.reshape(-1)]
-            with torch.no_grad():
-                n = torch.zeros(self.gate.num_experts + 1, device=ids.device).scatter_add_(0, ids, torch.ones_like(
-                    ids, dtype=torch.float32))  # not bincount: no host sync on CUDA
-                self.gate.load_counts += n[:-1]
+            count_load(self.gate, idx, valid)
         eidx = idx.masked_fill(idx == self.gate.num_experts, 0)  # skip: expert 0 at weight 0 (as transformers)
         return self.experts(flat, eidx, w).view(B, T, H), r.view(B, T, -1)
+
+
+@torch.no_grad()
+def count_load(gate: ZayaRouter, idx: torch.Tensor, valid: torch.Tensor | None) -> None:
+    """Add the tokens routed to each expert (class ids ``idx`` [N, 1]; ``valid``: the real tokens, any
+    shape of N elements, or None) to ``gate.load_counts``; the skip class counts for no expert."""
+    ids = idx[:, 0] if valid is None else idx[:, 0][valid.reshape(-1)]
+    n = torch.zeros(gate.num_experts + 1, device=ids.device).scatter_add_(0, ids, torch.ones_like(
+        ids, dtype=torch.float32))  # not bincount: no host sync on CUDA
+    gate.load_counts += n[:-1]
 
 
 class ZayaDecoderLayer(nn.Module):
@@ -283,15 +316,25 @@ def checkpointed_layer(layer: ZayaDecoderLayer, x, cos, sin, mask, replay, recor
     return checkpoint(run, x, state, use_reentrant=False)
 
 
+def router_gates(model) -> list[ZayaRouter]:
+    """A zaya policy's routers, layer by layer: a :class:`~train.model.modeling.CausalLM`'s, or a sharded
+    model's (``zaya_gates``: the TSP layout's replicated routers)."""
+    gates = getattr(model, "zaya_gates", None)
+    if gates is not None:
+        return list(gates)
+    return [layer.mlp.gate for layer in model.model.layers if isinstance(layer, ZayaDecoderLayer)]
+
+
 def balance_router_biases(model, group=None) -> torch.Tensor | None:
     """After an optimizer step: move a zaya model's balancing biases by its ``router_bias_update_rate``
     towards load 1/E, from the tokens its training forwards routed since the last call (summed over
-    ``group``, the data-parallel ranks, when given), and reset the counts. No-op (None) for other
+    ``group``, the ranks that saw other tokens of the batch - a process group or a sequence of them, e.g.
+    the TSP and the data-parallel groups - when given), and reset the counts. No-op (None) for other
     models, a zero rate, or no training tokens seen. -> the per-layer loads [n_layers, E]."""
     cfg = getattr(model, "config", None)
     if getattr(cfg, "architecture", None) != "zaya":
         return None
-    gates = [layer.mlp.gate for layer in model.model.layers]
+    gates = router_gates(model)
     counts = torch.stack([g.load_counts for g in gates])
     for g in gates:
         g.load_counts.zero_()
@@ -317,19 +360,22 @@ def expert_loads(routes: list[torch.Tensor], num_experts: int, mask: torch.Tenso
 def update_balancing_biases(model, counts: torch.Tensor, rate: float = 1e-3, group=None) -> torch.Tensor:
     """The ZAYA1 balancing control rule: per layer, each expert's bias moves by ``rate`` towards load
     1/E: ``b_e += rate * sign(1/E - load_e)`` with ``load_e`` the expert's share of the routed tokens of
-    the *global* batch (``counts`` [n_layers, E] summed over ``group`` with an all-reduce when given).
+    the *global* batch (``counts`` [n_layers, E] summed over ``group`` - a process group or a sequence of
+    them - with all-reduces when given).
     The skip class's bias is left as it is. Biases are buffers: no gradient reaches them. -> the loads."""
     counts = counts.detach().float().clone()
     if group is not None:
         import torch.distributed as dist
 
-        dist.all_reduce(counts, group=group)
+        for g in (group if isinstance(group, (list, tuple)) else (group,)):
+            if g is not None:
+                dist.all_reduce(counts, group=g)
     E = counts.shape[1]
     load = counts / counts.sum(1, keepdim=True).clamp_min(1.0)
-    layers = [l for l in model.model.layers if isinstance(l, ZayaDecoderLayer)]
-    if len(layers) != counts.shape[0]:
-        raise ValueError(f"counts for {counts.shape[0]} layers; the model has {len(layers)} zaya layers")
-    for layer, ld in zip(layers, load):
-        b = layer.mlp.gate.balancing_biases
+    gates = router_gates(model)
+    if len(gates) != counts.shape[0]:
+        raise ValueError(f"counts for {counts.shape[0]} layers; the model has {len(gates)} zaya layers")
+    for gate, ld in zip(gates, load):
+        b = gate.balancing_biases
         b[:E] += rate * torch.sign(1.0 / E - ld).to(b.device, b.dtype)
     return load

@@ -50,11 +50,12 @@ the ``kl_ref`` metric is reported. The frozen copy is part of :meth:`RLUpdater.s
 resumed run keeps the reference it started its penalty from (an HF reference is reloaded instead).
 ``kl_coef = 0`` allocates no reference and runs no extra forward.
 
-ZAYA1 (``zaya``) trains on data-parallel ranks (tsp = 1; TSP refuses it): after each optimizer step every
-replica moves its router balancing biases by the load of the whole batch (the counts all-reduced over
-DP, :func:`train.model.zaya.balance_router_biases`), as the single-process trainers do after theirs;
-the biases are checkpointed (``buffers.*``) and published with the weights. A KL reference's forward
-routes with the current biases.
+ZAYA1 (``zaya``) trains on any mesh whose TSP degree divides its KV heads (ZAYA1's 2: tsp 1 or 2; see
+:mod:`train.parallel.tsp` for CCA's halo): after each optimizer step every rank moves its router
+balancing biases by the load of the whole batch (the counts of every rank's real tokens all-reduced
+over TSP and DP, :func:`train.model.zaya.balance_router_biases`), as the single-process trainers do after
+theirs; the biases are checkpointed (``buffers.*``) and published with the weights. A KL reference's
+forward routes with the current biases.
 
 Metrics are those of ``RLTrainer.update``: the loss function's metrics weighted by each
 micro-batch's token count, ``loss`` (the global loss), ``entropy`` (token mean), ``grad_norm``
@@ -226,7 +227,7 @@ class RLUpdater:
         # state that is not a parameter (a zaya policy's balancing biases, fp32, moved after each step
         # from the global load): checkpointed and published with the weights (see :attr:`buffers`)
         params = {n for n, _ in self.net.named_parameters(remove_duplicate=False)}
-        self._buffer_names = set(self.net.state_dict()) - params if tsp == 1 else set()
+        self._buffer_names = set(self.net.state_dict()) - params if tsp == 1 else set(self.net.model_buffers())
         o = cfg.optim
         decay = lambda n, p: not (p.ndim < 2 or "norm" in n)  # noqa: E731 (train.optim's groups)
         if any(x is not None and x.name == "muon" for x in (o, cfg.sft_optim)):  # Muon: whole matrices
@@ -254,6 +255,8 @@ class RLUpdater:
     def buffers(self) -> dict[str, torch.Tensor]:
         """The model's state that is not a parameter (a zaya policy's balancing biases), the live tensors
         (looked up each time: moving the model to another dtype replaces them)."""
+        if self.tsp > 1:
+            return self.net.model_buffers()
         return {n: t for n, t in self.net.state_dict(keep_vars=True).items() if n in self._buffer_names}
 
     def _load_reference(self, path: str) -> dict[str, torch.Tensor]:
@@ -382,8 +385,8 @@ class RLUpdater:
         self.net.eval()
         lr = optim.lr * lr_factor(step, optim)
         grad_norm = self.opt.step(lr, optim.grad_clip)
-        # ZAYA1 (tsp 1): every replica moves its balancing biases by the load of the whole batch (all DP ranks)
-        balance_router_biases(self.net, self.dp_group)
+        # ZAYA1: every rank moves its balancing biases by the load of the whole batch (all TSP and DP ranks)
+        balance_router_biases(self.net, (self.tsp_group, self.dp_group) if self.tsp > 1 else self.dp_group)
         # every TSP rank computed the same metrics: count TSP rank 0 of each DP replica
         mine_m = (sums, weight, loss_total, ent_sum, mismatch, len(micro)) if self.tsp_rank == 0 else None
         parts: list = [None] * dist.get_world_size()

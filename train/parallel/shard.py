@@ -126,7 +126,9 @@ def all_reduce_grads(params, group, divide: int = 1) -> None:
 class ShardedLM(nn.Module):
     """Bookkeeping shared by the sharded layouts: parameters kept under the policy's names with a
     kind that says how the ranks' shards join (``rep``: replicated; ``row``/``col``: concatenated
-    along dim 0/1; ``expert_gate_up``/``expert_down``: slices of every expert's intermediate dim)."""
+    along dim 0/1; ``expert_gate_up``/``expert_down``: slices of every expert's intermediate dim;
+    ``qk_rows:m``: rows of two parts, each shard's first m rows in the first part (a zaya CCA
+    convolution's query channels, then its key channels))."""
 
     def __init__(self, cfg, group=None, dp_group=None):
         super().__init__()
@@ -173,6 +175,9 @@ class ShardedLM(nn.Module):
                 out[n] = join_gate_up(parts)
             elif kind == "expert_down":
                 out[n] = torch.cat(parts, 2)
+            elif kind.startswith("qk_rows:"):  # each shard: its first m rows in part 1, the rest in part 2
+                m = int(kind.split(":")[1])
+                out[n] = torch.cat([x[:m] for x in parts] + [x[m:] for x in parts], 0)
             else:
                 raise ValueError(f"unknown shard kind {kind!r}")
         return out
@@ -186,6 +191,10 @@ class ShardedLM(nn.Module):
         if kind == "expert_gate_up":  # gate rows then up rows of the rank's intermediate slice
             inter, off, size = full.shape[1] // 2, sum(s[1] // 2 for s in shapes[:r]), shapes[r][1] // 2
             return torch.cat([full[:, off:off + size], full[:, inter + off:inter + off + size]], 1)
+        if kind.startswith("qk_rows:"):  # m rows of part 1 (m per shard), then the shard's rows of part 2
+            m = int(kind.split(":")[1])
+            second = m * len(shapes) + sum(s[0] - m for s in shapes[:r])
+            return torch.cat([full[m * r:m * (r + 1)], full[second:second + shapes[r][0] - m]])
         dim = {"row": 0, "col": 1, "expert_down": 2}.get(kind)
         if dim is None:
             raise ValueError(f"unknown shard kind {kind!r}")

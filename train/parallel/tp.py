@@ -30,7 +30,9 @@ from train.model.modeling import CausalLM, Router, apply_rope, rope_cos_sin
 from train.parallel import comm
 from train.parallel.shard import (ShardedLM, StateDictSource, all_reduce_grads, expert_partial, read_expert_slice,
                                   rms_norm, split_range, weight_source)
-from train.parallel.tsp import ZAYA_REFUSAL
+
+ZAYA_REFUSAL = ("the TP layout does not run zaya (ZAYA1): CCA's sequence convolutions need each shard's preceding "
+                "tokens, which only the TSP layout exchanges; use TSPCausalLM (trainer.tsp) or data parallelism")
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group, vocab_offset: int) -> torch.Tensor:

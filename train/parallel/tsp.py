@@ -38,6 +38,19 @@ Weights:
   log-sum-exp, target logit and softmax-weighted mean logit (:func:`train.rl.packing.logit_stats`; backward
   recomputes each chunk), and those combine exactly into log-probs and entropies, so no rank holds
   more than [chunk, V/D] fp32 logits at once. Tied embeddings use the same shard for both.
+* ZAYA1 (``zaya``, :mod:`train.model.zaya`): CCA's head groups as above, each rank owning whole KV heads
+  (``num_key_value_heads % D == 0``: ZAYA1's 2 KV heads allow D = 2) with their query heads' q rows, the
+  k and both value-projection rows, the two convolutions' channels (query part, then key part: shard
+  kind ``qk_rows``) and the key temperatures. CCA mixes q/k along the sequence (two causal convolutions
+  of look-back K = cca_time0 + cca_time1 - 2) and takes half of each value from the previous token, so
+  each layer first exchanges a halo: every rank all-gathers the last max(K, 1) normed inputs of each of
+  its chunks, and each chunk is computed with the max(K, 1) tokens before it prepended (zeros before the
+  row; packed sequences restart the convolution and the delayed value, as the single-process model);
+  the halo's gradient returns by the all-gather's reduce-scatter. The router (down-projection, depth
+  averaging state carried from layer to layer per token, router MLP) and the residual scalings are
+  replicated; the balancing biases are buffers of the replicated routers (:attr:`TSPCausalLM.zaya_gates`),
+  moved after each step by the load of every rank's real tokens (:func:`train.model.zaya.balance_router_biases`
+  with the TSP and data-parallel groups).
 * Replicated (small): RMSNorm weights (input/post-attention/final, q_norm, k_norm), o_proj biases
   and MoE routers. Each rank's gradient covers only its tokens, so :meth:`TSPCausalLM.sync_grads`
   all-reduces them with SUM.
@@ -45,8 +58,7 @@ Weights:
 Loading: the constructor reads every shard from a weight source - a full :class:`CausalLM` (its
 state dict, sliced) or :class:`train.model.hf_io.CheckpointSlices`, which reads only this rank's
 slices from the safetensors files (:func:`tsp_from_pretrained`); the slicing code is the same.
-zaya is refused (:data:`ZAYA_REFUSAL`; its data-parallel training runs on the unsharded model), and so
-is a transformers-fallback model.
+A transformers-fallback model is refused.
 
 The loss is partitioned: each rank's loss covers its own tokens, normalised by the GLOBAL count,
 so the ranks' losses sum to the single-process loss and every backward collective matches.
@@ -56,21 +68,24 @@ Weight-streaming functions save only their inputs and recompute per-shard partia
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from train.model.config import ModelConfig
 from train.model.modeling import CausalLM, Router, apply_rope, rope_cos_sin, running_positions
+from train.model.zaya import ZayaRouter, cca_conv, count_load, qk_normalize, residual_scaling
 from train.parallel import comm
 from train.parallel.shard import (ShardedLM, StateDictSource, all_reduce_grads, expert_partial, read_expert_slice,
                                   rms_norm, split_range, split_sizes, weight_source)
 from train.rl.packing import default_chunk, logit_stats
 
 
-ZAYA_REFUSAL = ("the sharded core does not run zaya (ZAYA1) sharded by tensor or sequence: CCA's sequence "
-                "convolutions need each shard's preceding tokens; use trainer.tsp=1 (data-parallel ranks) or one process")
+ZAYA_KV_REFUSAL = ("TSP of zaya (ZAYA1) needs num_key_value_heads ({kv}) divisible by D={D}: CCA mixes each KV "
+                   "head's query heads, so every rank's head group must hold whole KV heads")
 
 
 def zigzag_index(T: int, D: int, r: int) -> tuple[int, torch.Tensor]:
@@ -95,14 +110,51 @@ def packed_segment_starts(cu_seqlens, T: int, Tp: int, B: int, attention_mask, d
 
 def check_tsp_config(cfg: ModelConfig, D: int) -> None:
     """One-line errors for a policy that TSP degree ``D`` cannot shard (D = 1: plain data parallelism,
-    which runs any Cascade architecture, zaya included)."""
-    if cfg.architecture == "zaya" and D > 1:
-        raise ValueError(ZAYA_REFUSAL)
+    which runs any Cascade architecture)."""
+    if cfg.architecture == "zaya" and cfg.num_key_value_heads % D:
+        raise ValueError(ZAYA_KV_REFUSAL.format(kv=cfg.num_key_value_heads, D=D))
     if cfg.num_attention_heads % D:
         raise ValueError(f"TSP needs num_attention_heads ({cfg.num_attention_heads}) divisible by D={D}")
     kv = cfg.num_key_value_heads
     if kv % D and D % kv:
         raise ValueError(f"TSP needs num_key_value_heads ({kv}) to be a multiple or a divisor of D={D}")
+
+
+@dataclass
+class HaloPlan:
+    """Where a zaya layer's halo comes from and how each rank's two chunks are laid out with it (host-side,
+    once per forward): each chunk is computed as a stream of ``Kh + c`` columns, the ``Kh = max(K, 1)``
+    tokens before it then its own ``c``; the two streams lie back to back (2 (Kh + c) columns)."""
+
+    Kh: int                   # halo length per chunk
+    t: int                    # tail length each rank shares per chunk: min(c, Kh)
+    src: torch.Tensor         # [2 * Kh] long: each halo column's row in the gathered tails (D * 2t = zeros)
+    lengths: list[int]        # the streams' segments (a new one at each sequence start and at each stream)
+    cols: torch.Tensor        # [2c] long: the chunks' own columns in the streams
+    starts: torch.Tensor      # [2c] bool: own columns that start a sequence (the delayed value restarts)
+
+
+def halo_plan(cfg: ModelConfig, D: int, r: int, c: int, host_starts: list[int] | None, device) -> HaloPlan:
+    """The :class:`HaloPlan` of rank ``r`` (zigzag chunks r and 2D-1-r of ``c`` slots); ``host_starts``
+    (packed rows): the first slot of each slot's sequence."""
+    Kh = max(cfg.cca_time0 + cfg.cca_time1 - 2, 1)
+    t = min(c, Kh)
+    src, sid = [], []
+    for m in (r, 2 * D - 1 - r):
+        for g in range(m * c - Kh, m * c):
+            if g < 0:  # before the row: a zero row, a segment of its own
+                src.append(D * 2 * t)
+                continue
+            mm = g // c  # the chunk holding slot g, its owner and half; g lies in that chunk's last t slots
+            owner, half = (mm, 0) if mm < D else (2 * D - 1 - mm, 1)
+            src.append(owner * 2 * t + half * t + g - mm * c - (c - t))
+        sid += [(-1 if g < 0 else 0 if host_starts is None else host_starts[g]) for g in range(m * c - Kh, (m + 1) * c)]
+    L = Kh + c
+    first = [u == 0 or u == L or sid[u] != sid[u - 1] for u in range(2 * L)]
+    bounds = [u for u in range(2 * L) if first[u]] + [2 * L]
+    cols = [h * L + Kh + i for h in range(2) for i in range(c)]
+    return HaloPlan(Kh, t, torch.tensor(src, device=device), [b - a for a, b in zip(bounds, bounds[1:])],
+                    torch.tensor(cols, device=device), torch.tensor([first[u] for u in cols], device=device))
 
 
 class TSPCausalLM(ShardedLM):
@@ -118,8 +170,6 @@ class TSPCausalLM(ShardedLM):
         src = weight_source(model)
         super().__init__(src.config, group, dp_group)
         cfg, D, r = self.config, self.D, self.rank
-        if cfg.architecture == "zaya":
-            raise ValueError(ZAYA_REFUSAL)
         check_tsp_config(cfg, D)
         d = cfg.head_dim
         self.hq = cfg.num_attention_heads // D
@@ -132,6 +182,10 @@ class TSPCausalLM(ShardedLM):
         if not cfg.tie_word_embeddings:
             add("lm_head.weight", read("lm_head.weight", slice(vo, vo + vn)), "row")
         add("model.norm.weight", read("model.norm.weight"), "rep")
+        self.zaya_gates = None
+        if cfg.architecture == "zaya":
+            self._init_zaya(src)
+            return
         norms = ("input_layernorm", "post_attention_layernorm") + (("self_attn.q_norm", "self_attn.k_norm")
                                                                    if cfg.qk_norm else ())
         for i in range(cfg.num_hidden_layers):
@@ -238,17 +292,25 @@ class TSPCausalLM(ShardedLM):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = F.linear(x, wv, bv).view(B, n, kvh, d).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return F.linear(self._attend(spans, q, k, v, key_valid, seg_start, q_slots, order), wo)
+
+    def _attend(self, spans, q, k, v, key_valid, seg_start, q_slots, order):
+        """Local queries q [B, hq, n, d] over the whole sequence's keys: k, v [B, kvh, n, d] of this rank's
+        tokens are all-gathered along the sequence; -> [B, n, hq * d] (before the group's o_proj)."""
+        B, hq, n, d = q.shape
+        kvh = k.shape[1]
         kv = torch.stack([k, v]).permute(3, 0, 1, 2, 4).contiguous()  # [n, 2, B, kvh, d]
         full = comm.all_gather_seq(kv, self.group)[order]  # global slot order
         K, Vv = full[:, 0].permute(1, 2, 0, 3), full[:, 1].permute(1, 2, 0, 3)  # [B, kvh, Tp, d]
         if hq != kvh:
             K, Vv = K.repeat_interleave(hq // kvh, 1), Vv.repeat_interleave(hq // kvh, 1)
         c = n // 2
+        dev = q.device
         outs = []
         for half in range(2):
             qs = q_slots[half * c:(half + 1) * c]
             begin, end = spans[half]
-            ks = torch.arange(begin, end, device=x.device)
+            ks = torch.arange(begin, end, device=dev)
             m = (ks[None, :] <= qs[:, None])[None]
             if key_valid is not None:
                 m = m & key_valid[:, None, begin:end]
@@ -257,8 +319,7 @@ class TSPCausalLM(ShardedLM):
             m = (m | (ks[None, :] == qs[:, None])[None])[:, None]
             outs.append(F.scaled_dot_product_attention(q[:, :, half * c:(half + 1) * c], K[:, :, begin:end],
                                                        Vv[:, :, begin:end], attn_mask=m))
-        o = torch.cat(outs, 2).transpose(1, 2).reshape(B, n, hq * d)
-        return F.linear(o, wo)
+        return torch.cat(outs, 2).transpose(1, 2).reshape(B, n, hq * d)
 
     def _attention(self, i, x, cos, sin, key_valid, seg_start, q_slots, order, spans):
         cfg, p, r = self.config, f"model.layers.{i}.self_attn.", self.rank
@@ -294,6 +355,176 @@ class TSPCausalLM(ShardedLM):
         y = comm.ring_apply(self._expert_fn, (flat, w, idx), own, self.group, self._expert_shapes)
         return y.view(B, n, H)
 
+    # ---------------------------------------------------------------------------- ZAYA1
+    def _init_zaya(self, src) -> None:
+        """This rank's shards of a zaya policy (see the module's docstring)."""
+        cfg, D, r, add, read = self.config, self.D, self.rank, self._add, src.read
+        d, g, kvh, hq = cfg.head_dim, self.hq, self.kvh, cfg.num_attention_heads
+        for n in ("input_hidden_states_scale", "input_hidden_states_bias"):
+            add(f"model.{n}", read(f"model.{n}"), "rep")
+        qrows, krows = slice(r * g * d, (r + 1) * g * d), slice(r * kvh * d, (r + 1) * kvh * d)
+        heads = slice(r * kvh, (r + 1) * kvh)
+        vrows = self._value_rows(r)
+        channels = (qrows, slice(hq * d + krows.start, hq * d + krows.stop))  # the convolutions' q, then k channels
+        io, isz = split_range(cfg.moe_intermediate_size, D, r)
+        self.zaya_gates = nn.ModuleList()
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            a, pr = p + "self_attn.", p + "self_attn.qkv_proj."
+            rep = [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"] + [
+                f"{p}{s}.{n}" for s in ("post_attention_residual_scale", "post_mlp_residual_scale")
+                for n in ("hidden_states_scale", "hidden_states_bias", "residual_scale", "residual_bias")]
+            for n in rep:
+                add(n, read(n), "rep")
+            for n, rows in (("q_proj", qrows), ("k_proj", krows), ("v_proj_current", vrows[0]),
+                            ("v_proj_delayed", vrows[1])):
+                add(f"{pr}{n}.weight", read(f"{pr}{n}.weight", rows), "row")
+                if cfg.attention_bias:
+                    add(f"{pr}{n}.bias", read(f"{pr}{n}.bias", rows), "row")
+            for n in (f"{c}.{w}" for c in ("conv_qk_depthwise", "conv_qk_grouped") for w in ("weight", "bias")):
+                add(pr + n, torch.cat([read(pr + n, ch) for ch in channels]), f"qk_rows:{g * d}")
+            add(a + "qk_norm.temp", read(a + "qk_norm.temp", heads), "row")
+            add(a + "o_proj.weight", read(a + "o_proj.weight", slice(None), qrows), "col")
+            if cfg.attention_bias:  # added once to each local token's attention output
+                add(a + "o_proj.bias", read(a + "o_proj.bias"), "rep")
+            gate = ZayaRouter(cfg, i)  # replicated; its parameters are this model's "rep" shards
+            for n, _ in list(gate.named_parameters()):
+                add(p + "mlp.gate." + n, read(p + "mlp.gate." + n), "rep")
+                *path, leaf = n.split(".")
+                setattr(functools.reduce(getattr, path, gate), leaf, self._p[p + "mlp.gate." + n])
+            gate.balancing_biases.copy_(read(p + "mlp.gate.balancing_biases").float())
+            self.zaya_gates.append(gate)
+            gu, dn = read_expert_slice(src, p + "mlp.experts.", io, isz)
+            add(p + "mlp.experts.gate_up_proj", gu, "expert_gate_up")
+            add(p + "mlp.experts.down_proj", dn, "expert_down")
+
+    def _value_rows(self, j: int) -> tuple[slice, slice]:
+        """Group j's rows of ``v_proj_current`` and of ``v_proj_delayed`` (either may be empty): KV head h's
+        value is rows [h d, (h + 1) d) of the two projections' outputs laid end to end (current, then
+        delayed: with 2 KV heads, head 0's value is the current token's projection, head 1's the previous
+        token's), so the group's KV heads take their rows from either or both."""
+        d, kvh, half = self.config.head_dim, self.kvh, self.config.num_key_value_heads * self.config.head_dim // 2
+        a, b = j * kvh * d, (j + 1) * kvh * d
+        return slice(min(a, half), min(b, half)), slice(max(a, half) - half, max(b, half) - half)
+
+    def model_buffers(self) -> dict[str, torch.Tensor]:
+        """State that is not a parameter under the policy's names: a zaya policy's balancing biases (the same
+        on every rank), the live tensors."""
+        return {f"model.layers.{i}.mlp.gate.balancing_biases": g.balancing_biases
+                for i, g in enumerate(self.zaya_gates or ())}
+
+    def _with_halo(self, x: torch.Tensor, plan: HaloPlan) -> torch.Tensor:
+        """x [B, 2c, H] (this rank's chunks) -> [B, 2 (Kh + c), H]: each chunk with the Kh tokens before it
+        (other ranks' chunk tails through an all-gather, zeros before the row) prepended."""
+        B, n, H = x.shape
+        c, t = n // 2, plan.t
+        tails = torch.cat([x[:, c - t:c], x[:, n - t:]], 1).transpose(0, 1).contiguous()  # [2t, B, H]
+        every = comm.all_gather_seq(tails, self.group)  # [D * 2t, B, H], rank by rank
+        every = torch.cat([every, every.new_zeros(1, B, H)])
+        halo = every.index_select(0, plan.src).view(2, plan.Kh, B, H).permute(2, 0, 1, 3)
+        return torch.cat([halo, x.view(B, 2, c, H)], 2).reshape(B, -1, H)
+
+    def _cca_shapes(self, j: int) -> list[tuple]:
+        cfg = self.config
+        d, g, kvh, H, bias = cfg.head_dim, self.hq, self.kvh, cfg.hidden_size, cfg.attention_bias
+        C = (g + kvh) * d
+        vc, vd = self._value_rows(j)
+        proj = [(g * d, H), (kvh * d, H), (vc.stop - vc.start, H), (vd.stop - vd.start, H)]
+        if bias:
+            proj = [x for w in proj for x in (w, (w[0],))]
+        return proj + [(C, 1, cfg.cca_time0), (C,), (C, d, cfg.cca_time1), (C,), (kvh,), (H, g * d)]
+
+    def _cca_fn(self, spans, plan, xs, cos, sin, key_valid, seg_start, q_slots, order, *w):
+        """One head group of CCA on this rank's chunks: ``xs`` [B, 2 (Kh + c), H] (the chunks with their
+        halos, padding zeroed); projections, the two convolutions, the delayed value, q/k normalisation and
+        RoPE, then attention over the gathered keys (:meth:`_attend`) and the group's o_proj."""
+        cfg, B = self.config, xs.shape[0]
+        d, g, kvh, rd = cfg.head_dim, self.hq, self.kvh, cfg.rope_dim
+        if cfg.attention_bias:
+            wq, bq, wk, bk, wc, bc, wd, bd, dw, dwb, gw, gwb, temp, wo = w
+            bias = torch.cat([bq, bk, bc, bd])
+        else:
+            (wq, wk, wc, wd, dw, dwb, gw, gwb, temp, wo), bias, bd = w, None, None
+        cols, n = plan.cols, plan.cols.numel()
+        xq, xk, vc, vd = F.linear(xs, torch.cat([wq, wk, wc, wd]), bias).split([g * d, kvh * d, len(wc), len(wd)], -1)
+        qr = xq[:, cols].view(B, n, g, d)
+        qr = (qr + xk[:, cols].view(B, n, kvh, 1, d).expand(B, n, kvh, g // kvh, d).reshape(B, n, g, d)) * 0.5
+        kr = qr.view(B, n, kvh, g // kvh, d).mean(-2)
+        qk = cca_conv(torch.cat([xq, xk], -1).transpose(1, 2), dw, dwb, gw, gwb, g + kvh,
+                      cfg.cca_time0 + cfg.cca_time1 - 2, plan.lengths).transpose(1, 2)[:, cols]
+        q = qk[..., :g * d].reshape(B, n, g, d) + qr
+        k = qk[..., g * d:].reshape(B, n, kvh, d) + kr
+        v0 = bd if bd is not None else vd.new_zeros(vd.shape[-1])  # the delayed projection of a zero token
+        prev = torch.where(plan.starts[None, :, None], v0.to(vd.dtype), vd[:, cols - 1])
+        v = torch.cat([vc[:, cols], prev], -1).view(B, n, kvh, d).transpose(1, 2)
+        qk = qk_normalize(torch.cat([q, k], 2), temp, g).transpose(1, 2)  # [B, g + kvh, n, d]
+        qk = torch.cat([apply_rope(qk[..., :rd], cos, sin), qk[..., rd:]], -1)
+        return F.linear(self._attend(spans, qk[:, :g], qk[:, g:], v, key_valid, seg_start, q_slots, order), wo)
+
+    def _cca(self, i, x, valid, cos, sin, key_valid, seg_start, q_slots, order, spans, plan):
+        cfg, r = self.config, self.rank
+        p = f"model.layers.{i}.self_attn."
+        if valid is not None:  # padding zeroed before the projections, as the single-process model
+            x = x * valid[:, :, None].to(x.dtype)
+        xs = self._with_halo(x, plan)
+        names = [f"qkv_proj.{n}.{w}" for n in ("q_proj", "k_proj", "v_proj_current", "v_proj_delayed")
+                 for w in (("weight", "bias") if cfg.attention_bias else ("weight",))]
+        names += [f"qkv_proj.{n}" for n in ("conv_qk_depthwise.weight", "conv_qk_depthwise.bias",
+                                           "conv_qk_grouped.weight", "conv_qk_grouped.bias")]
+        names += ["qk_norm.temp", "o_proj.weight"]
+        out = None
+        for j in range(self.D):
+            bundles = [(j, self._cca_shapes(j), [self._p[p + n] for n in names] if r == j else [])]
+            y = comm.broadcast_apply(functools.partial(self._cca_fn, spans, plan),
+                                     (xs, cos, sin, key_valid, seg_start, q_slots, order), bundles, self.group)
+            out = y if out is None else out + y
+        if cfg.attention_bias:
+            out = out + self._p[p + "o_proj.bias"]
+        return out
+
+    def _zaya_moe(self, i, x, state, replay, real):
+        """The ZAYA1 MoE on this rank's tokens: the replicated router (its state carried from the previous
+        layer, per token), top-1 of E experts or skip, the experts' intermediate slices on the ring.
+        ``real`` [B, n] (bool): the tokens whose routing counts for the balancing biases."""
+        B, n, H = x.shape
+        flat, gate = x.reshape(-1, H), self.zaya_gates[i]
+        _, w, idx, r = gate(flat, None if state is None else state.reshape(B * n, -1), replay)
+        if self.training and torch.is_grad_enabled():
+            count_load(gate, idx, real)
+        idx = idx.masked_fill(idx == gate.num_experts, 0)  # skip: expert 0 at weight 0 (as the single-process model)
+        p = f"model.layers.{i}.mlp."
+        own = [self._p[p + "experts.gate_up_proj"], self._p[p + "experts.down_proj"]]
+        y = comm.ring_apply(self._expert_fn, (flat, w, idx), own, self.group, self._expert_shapes)
+        return y.view(B, n, H), r.view(B, n, -1)
+
+    def _zaya_layers(self, x, cos, sin, key_valid, seg_start, slots, order, spans, host_starts, T, routed_experts):
+        """The ZAYA1 decoder stack on this rank's tokens (``x``: the scaled embeddings, residual dtype)."""
+        cfg, (B, n, _) = self.config, x.shape
+        Tp, dt = n * self.D, self._p["model.layers.0.self_attn.o_proj.weight"].dtype
+        plan = halo_plan(cfg, self.D, self.rank, n // 2, host_starts, x.device)
+        valid = None if key_valid is None else key_valid[:, slots]
+        real = (slots < T)[None].expand(B, -1)
+        if valid is not None:
+            real = real & valid
+        eps, state = cfg.rms_norm_eps, None
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            scales = {s: [self._p[f"{p}{s}.{k}"] for k in ("hidden_states_scale", "hidden_states_bias",
+                                                        "residual_scale", "residual_bias")]
+                      for s in ("post_attention_residual_scale", "post_mlp_residual_scale")}
+            with comm.tag(f"layer{i}.attn"):
+                h = rms_norm(x, self._p[p + "input_layernorm.weight"], eps).to(dt)
+                a = self._cca(i, h, valid, cos, sin, key_valid, seg_start, slots, order, spans, plan)
+                x = residual_scaling(a, x, *scales["post_attention_residual_scale"])
+            with comm.tag(f"layer{i}.mlp"):
+                h = rms_norm(x, self._p[p + "post_attention_layernorm.weight"], eps).to(dt)
+                replay = None
+                if routed_experts is not None:
+                    replay = F.pad(routed_experts[i], (0, 0, 0, Tp - T))[:, slots].reshape(B * n, -1)
+                m, state = self._zaya_moe(i, h, state, replay, real)
+                x = residual_scaling(m, x, *scales["post_mlp_residual_scale"])
+        return x
+
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                       routed_experts: list[torch.Tensor] | None = None, cu_seqlens=None) -> torch.Tensor:
         """The final-norm hidden states [B, n_local, H] of this rank's tokens (see :meth:`forward`)."""
@@ -326,10 +557,16 @@ class TSPCausalLM(ShardedLM):
             x = comm.ring_apply(self._embed_fn, (ids[:, slots],), [embed], self.group, self._vocab_shapes)
         cos, sin = rope_cos_sin(pos[:, slots], cfg.rope_dim, cfg.rope_theta, x.dtype, cfg.rope_scaling)
         dt = x.dtype  # the blocks compute in the weights' dtype; the residual stream may be fp32
+        zaya = self.zaya_gates is not None
+        if zaya:  # ZAYA1 scales its embeddings on input
+            x = (x + self._p["model.input_hidden_states_bias"]) * self._p["model.input_hidden_states_scale"]
         if cfg.fp32_residual:  # as CausalLM: embedding output and residual additions in fp32
             x = x.float()
+        if zaya:
+            x = self._zaya_layers(x, cos, sin, key_valid, seg_start, slots, order, spans,
+                                  None if host_starts is None else host_starts.tolist(), T, routed_experts)
         moe_i = 0
-        for i in range(cfg.num_hidden_layers):
+        for i in range(0 if zaya else cfg.num_hidden_layers):
             p = f"model.layers.{i}."
             with comm.tag(f"layer{i}.attn"):
                 h = rms_norm(x, self._p[p + "input_layernorm.weight"], cfg.rms_norm_eps).to(dt)
