@@ -22,6 +22,7 @@ single-process step time over the mesh's: above 1 means the ranks are faster on 
     python benchmarks/rl_step.py                    # TSP D=2 against one process with 2 threads
     python benchmarks/rl_step.py --prompt 512       # prompt tokens most of the batch
     python benchmarks/rl_step.py --tsp 1 --dp 2     # plain data parallel (ZeRO-1) on 2 ranks
+    python benchmarks/rl_step.py --arch zaya        # ZAYA1's layers (CCA, top-1 experts) on TSP D=2
 
 Measured on this project's 2-core CPU (2026-12-03, defaults: 64 rollouts, vocab 8192, budget 4096; two
 runs of each setting, interleaved with the same script on commit 3d2b6e2, whose TSP LM head ran on every
@@ -41,6 +42,12 @@ three runs interleaved with two of the default TSP D=2): ``ranks_vs_single`` 1.2
 4.05-4.65 s against 4.85-5.54 s in one process), TSP D=2 0.57 and 0.64 in the same session. On CPU cores
 DP is the layout that pays: each rank runs half the rollouts on its own core, where one process's two
 intra-op threads scale poorly on this model's small matrices.
+
+ZAYA1's layers at the same width (``--arch zaya``: CCA with its halo exchange, 4 experts top-1, commit
+595fea3 plus this flag; two runs, one interleaved with the dense default): TSP D=2 step 6.81, 7.58 s
+against 4.44, 4.86 s in one process, ``ranks_vs_single`` 0.65, 0.64 (dense in the same session: 6.70
+against 4.15 s, 0.62). The halo (max(K, 1) = 2 tokens per chunk per layer) costs no more than the
+ratio's noise.
 
 TSP is a memory layout first (each rank holds 1/D of the weights and activations, see
 benchmarks/parallel.py); on 2 CPU cores it pays for its weight ring with gloo transfers that one
@@ -84,8 +91,13 @@ def make_model(a):
     from train.model.config import ModelConfig
     from train.model.modeling import CausalLM
 
-    cfg = ModelConfig(vocab_size=a.vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2, head_dim=32,
-                      num_attention_heads=4, num_key_value_heads=2)
+    shape = dict(vocab_size=a.vocab, hidden_size=128, num_hidden_layers=2, head_dim=32, num_attention_heads=4,
+                 num_key_value_heads=2)
+    if a.arch == "zaya":  # ZAYA1's layers at the same width: CCA, 4 experts top-1 (+ skip), router width 32
+        cfg = ModelConfig(architecture="zaya", num_experts=4, num_experts_per_tok=1, moe_intermediate_size=256,
+                          router_hidden_size=32, partial_rotary_factor=0.5, **shape)
+    else:
+        cfg = ModelConfig(intermediate_size=256, **shape)
     return CausalLM(cfg).init_weights(0)
 
 
@@ -129,6 +141,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--arch", choices=("dense", "zaya"), default="dense",
+                    help="the policy: a small Qwen3 dense model, or ZAYA1's layers at the same width")
     a = ap.parse_args(argv)
     import torch.multiprocessing as mp
 
@@ -159,7 +173,7 @@ def main(argv=None) -> int:
         dist.destroy_process_group()
     t_mesh, t_one = statistics.median(mesh), statistics.median(single)
     print(json.dumps({
-        "tsp": a.tsp, "dp": a.dp, "rollouts": a.rollouts, "prompt": a.prompt, "vocab": a.vocab, "budget": a.budget,
+        "arch": a.arch, "tsp": a.tsp, "dp": a.dp, "rollouts": a.rollouts, "prompt": a.prompt, "vocab": a.vocab, "budget": a.budget,
         "tokens": tokens, "scored_tokens": scored,
         "ranks_step_s": round(t_mesh, 3), "ranks_steps_s": [round(x, 3) for x in mesh],
         "single_step_s": round(t_one, 3), "single_steps_s": [round(x, 3) for x in single],
