@@ -46,7 +46,11 @@ def _cfgs():
     zaya = ModelConfig(architecture="zaya", num_attention_heads=8, num_key_value_heads=4, num_experts=4,
                        num_experts_per_tok=1, moe_intermediate_size=18, router_hidden_size=8, partial_rotary_factor=0.5,
                        cca_time0=2, cca_time1=3, attention_bias=True, **base)
-    return {"dense": dense, "moe": moe, "qwen2": qwen2, "llama3": llama3, "zaya": zaya}
+    # ZAYA1's 2 KV heads (no biases): at D = 4 two ranks share each KV head (their query heads form one unit)
+    zaya2 = ModelConfig(architecture="zaya", num_attention_heads=8, num_key_value_heads=2, num_experts=4,
+                        num_experts_per_tok=1, moe_intermediate_size=18, router_hidden_size=8,
+                        partial_rotary_factor=0.5, **base)
+    return {"dense": dense, "moe": moe, "qwen2": qwen2, "llama3": llama3, "zaya": zaya, "zaya2": zaya2}
 
 
 def _model(cfg, seed=0):
@@ -164,7 +168,8 @@ def _check_tsp(W, out):
 
 def _tp_cfgs(W):
     """The configs TP runs at world size W (Megatron: kv heads divisible by W)."""
-    return {n: c for n, c in _cfgs().items() if n not in ("dense", "zaya") and c.num_key_value_heads % W == 0}
+    return {n: c for n, c in _cfgs().items()
+            if n != "dense" and c.architecture != "zaya" and c.num_key_value_heads % W == 0}
 
 
 def _check_tp(W, out):
@@ -321,9 +326,9 @@ def _values(results, prefix):
 @pytest.mark.timeout(300)
 def test_tsp_matches_single_process(results):
     W, vals = _values(results, "tsp")
-    # dense/moe/qwen2/llama3/zaya x causal/mask/packed x logits/loss/grads/logprobs, and per config the count
-    # of nonzero log-probs at unscored positions of the packed row (the LM head skips them: must be 0)
-    assert len(vals) == 5 * 3 * 4 + 5, vals
+    # dense/moe/qwen2/llama3/zaya/zaya2 x causal/mask/packed x logits/loss/grads/logprobs, and per config the
+    # count of nonzero log-probs at unscored positions of the packed row (the LM head skips them: must be 0)
+    assert len(vals) == 6 * 3 * 4 + 6, vals
     bad = {k: v for k, v in vals.items() if not v < TOL}
     assert not bad, bad
 

@@ -179,6 +179,8 @@ def _check_zaya_dp(world, out):
 
 def _check_zaya_tsp(world, out):
     _check_zaya(world, out, tsp=2, replay=world == 2)
+    if world == 4:  # ZAYA1's 2 KV heads on 4 TSP ranks: two ranks share each KV head
+        _check_zaya(world, out, tsp=4, replay=True)
 
 
 def _check_bf16(world, out):
@@ -293,9 +295,10 @@ def test_sharded_rl_step_equals_reference(results):
 
 @pytest.mark.timeout(400)
 def test_zaya_rl_steps_on_the_mesh_equal_single_process(results):
-    """ZAYA1 on data-parallel ranks (2 ranks), on TSP 2 with router replay (2 ranks), on DP 2 x TSP 2 (4 ranks)."""
+    """ZAYA1 on data-parallel ranks (2 ranks), on TSP 2 with router replay (2 ranks), on DP 2 x TSP 2 and on
+    TSP 4 (4 ranks, 2 KV heads: two ranks share each)."""
     world, ranks = results
-    meshes = ["tsp1.dp2", "tsp2.dp1"] if world == 2 else ["tsp2.dp2"]
+    meshes = ["tsp1.dp2", "tsp2.dp1"] if world == 2 else ["tsp2.dp2", "tsp4.dp1"]
     seen = {".".join(k.split(".")[1:3]) for k in ranks[0] if k.startswith("zaya.")}
     assert sorted(seen) == sorted(meshes), seen
     for m in meshes:

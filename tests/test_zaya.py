@@ -319,10 +319,11 @@ def test_rl_step_with_router_replay_and_weight_sync(tmp_path):
         assert torch.equal(v, rl.engine.model.state_dict()[k]), k
 
 
-def test_tsp_degree_must_divide_zaya_kv_heads(tmp_path):
-    """TSP shards zaya by whole KV heads: a degree that does not divide them is a one-line error; the
-    sharded model and the RL update take the rest (tests/test_parallel.py and tests/test_rl_distributed.py
-    compare them with the single-process model)."""
+def test_tsp_takes_zaya_and_refuses_degrees_its_heads_do_not_fit(tmp_path):
+    """TSP shards zaya by head groups (ranks share a KV head when there are fewer KV heads than ranks); a
+    degree that does not fit the heads is a one-line error; the sharded model and the RL update hold the
+    routers' balancing biases (tests/test_parallel.py and tests/test_rl_distributed.py compare them with
+    the single-process model)."""
     import torch.distributed as dist
 
     from train.parallel.rl_update import RLUpdateConfig, RLUpdater
@@ -330,11 +331,11 @@ def test_tsp_degree_must_divide_zaya_kv_heads(tmp_path):
 
     cfg = ModelConfig(architecture="zaya", num_experts=4, num_experts_per_tok=1, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2)
-    with pytest.raises(ValueError, match=r"needs num_key_value_heads \(2\) divisible by D=4") as e:
-        check_tsp_config(cfg, 4)
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) divisible by D=3") as e:
+        check_tsp_config(cfg, 3)
     assert "\n" not in str(e.value)
-    check_tsp_config(cfg, 2)
-    check_tsp_config(cfg, 1)
+    for D in (1, 2, 4):
+        check_tsp_config(cfg, D)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
         names = [f"model.layers.{i}.mlp.gate.balancing_biases" for i in range(2)]
@@ -345,17 +346,16 @@ def test_tsp_degree_must_divide_zaya_kv_heads(tmp_path):
         dist.destroy_process_group()
 
 
-def test_cascade_run_refuses_a_tsp_degree_that_splits_zaya_kv_heads_before_any_rank_starts(tmp_path):
+def test_cascade_run_refuses_a_tsp_degree_that_splits_zaya_heads_before_any_rank_starts(tmp_path):
     import subprocess
     import sys
 
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "cascade", "run", "stage=rlve", "profile=tiny", "model_preset=tiny-zaya",
-                        f"out={out}", "trainer.nproc=4", "trainer.tsp=4", "logging.progress=false"],
+                        f"out={out}", "trainer.nproc=3", "trainer.tsp=3", "logging.progress=false"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
-    assert ("trainer.tsp=4 does not fit the policy: TSP of zaya (ZAYA1) needs num_key_value_heads (2) divisible "
-            "by D=4") in r.stderr
+    assert "trainer.tsp=3 does not fit the policy: TSP needs num_attention_heads (4) divisible by D=3" in r.stderr
     assert r.stderr.strip().count("\n") == 0, r.stderr
     assert not (out / "exchange").exists() and not (out / "stages").exists()
 

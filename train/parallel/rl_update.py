@@ -50,8 +50,8 @@ the ``kl_ref`` metric is reported. The frozen copy is part of :meth:`RLUpdater.s
 resumed run keeps the reference it started its penalty from (an HF reference is reloaded instead).
 ``kl_coef = 0`` allocates no reference and runs no extra forward.
 
-ZAYA1 (``zaya``) trains on any mesh whose TSP degree divides its KV heads (ZAYA1's 2: tsp 1 or 2; see
-:mod:`train.parallel.tsp` for CCA's halo): after each optimizer step every rank moves its router
+ZAYA1 (``zaya``) trains on any mesh (see :mod:`train.parallel.tsp` for CCA's head units and halo): after
+each optimizer step every rank moves its router
 balancing biases by the load of the whole batch (the counts of every rank's real tokens all-reduced
 over TSP and DP, :func:`train.model.zaya.balance_router_biases`), as the single-process trainers do after
 theirs; the biases are checkpointed (``buffers.*``) and published with the weights. A KL reference's

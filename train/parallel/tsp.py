@@ -38,19 +38,23 @@ Weights:
   log-sum-exp, target logit and softmax-weighted mean logit (:func:`train.rl.packing.logit_stats`; backward
   recomputes each chunk), and those combine exactly into log-probs and entropies, so no rank holds
   more than [chunk, V/D] fp32 logits at once. Tied embeddings use the same shard for both.
-* ZAYA1 (``zaya``, :mod:`train.model.zaya`): CCA's head groups as above, each rank owning whole KV heads
-  (``num_key_value_heads % D == 0``: ZAYA1's 2 KV heads allow D = 2) with their query heads' q rows, the
-  k and both value-projection rows, the two convolutions' channels (query part, then key part: shard
-  kind ``qk_rows``) and the key temperatures. CCA mixes q/k along the sequence (two causal convolutions
-  of look-back K = cca_time0 + cca_time1 - 2) and takes half of each value from the previous token, so
-  each layer first exchanges a halo: every rank all-gathers the last max(K, 1) normed inputs of each of
-  its chunks, and each chunk is computed with the max(K, 1) tokens before it prepended (zeros before the
-  row; packed sequences restart the convolution and the delayed value, as the single-process model);
-  the halo's gradient returns by the all-gather's reduce-scatter. The router (down-projection, depth
-  averaging state carried from layer to layer per token, router MLP) and the residual scalings are
-  replicated; the balancing biases are buffers of the replicated routers (:attr:`TSPCausalLM.zaya_gates`),
-  moved after each step by the load of every rank's real tokens (:func:`train.model.zaya.balance_router_biases`
-  with the TSP and data-parallel groups).
+* ZAYA1 (``zaya``, :mod:`train.model.zaya`): CCA's heads grouped as above. Rank j owns its query heads' q
+  rows, convolution channels and o_proj columns, and the KV part of the KV heads it owns (k rows, the
+  value rows, which lie in the current-token or the delayed projection by head, the convolutions' key
+  channels, the key temperatures; a conv shard's rows are its query channels then its key channels:
+  shard kind ``qk_rows``). CCA's key is the mean over a KV head's query heads, so the forward runs in
+  units of whole KV heads (:meth:`TSPCausalLM._cca_units`): one rank's group when every rank owns KV
+  heads, else one KV head with the ranks that share it (ZAYA1's 2 KV heads on D = 4 or 8 ranks), each
+  unit's query bundles and KV bundle broadcast from their owners. CCA mixes q/k along the sequence (two
+  causal convolutions of look-back K = cca_time0 + cca_time1 - 2) and projects half of the values from
+  the previous token, so each layer first exchanges a halo: every rank all-gathers the last max(K, 1)
+  normed inputs of each of its chunks, and each chunk is computed with the max(K, 1) tokens before it
+  prepended (zeros before the row; packed sequences restart the convolution and the delayed value, as
+  the single-process model); the halo's gradient returns by the all-gather's reduce-scatter. The router
+  (down-projection, depth-averaging state carried from layer to layer per token, router MLP) and the
+  residual scalings are replicated; the balancing biases are buffers of the replicated routers
+  (:attr:`TSPCausalLM.zaya_gates`), moved after each step by the load of every rank's real tokens
+  (:func:`train.model.zaya.balance_router_biases` with the TSP and data-parallel groups).
 * Replicated (small): RMSNorm weights (input/post-attention/final, q_norm, k_norm), o_proj biases
   and MoE routers. Each rank's gradient covers only its tokens, so :meth:`TSPCausalLM.sync_grads`
   all-reduces them with SUM.
@@ -84,10 +88,6 @@ from train.parallel.shard import (ShardedLM, StateDictSource, all_reduce_grads, 
 from train.rl.packing import default_chunk, logit_stats
 
 
-ZAYA_KV_REFUSAL = ("TSP of zaya (ZAYA1) needs num_key_value_heads ({kv}) divisible by D={D}: CCA mixes each KV "
-                   "head's query heads, so every rank's head group must hold whole KV heads")
-
-
 def zigzag_index(T: int, D: int, r: int) -> tuple[int, torch.Tensor]:
     """(padded length, global slots held by rank r): chunks r and 2D-1-r of size ceil(T/2D)."""
     c = -(-T // (2 * D))
@@ -111,8 +111,6 @@ def packed_segment_starts(cu_seqlens, T: int, Tp: int, B: int, attention_mask, d
 def check_tsp_config(cfg: ModelConfig, D: int) -> None:
     """One-line errors for a policy that TSP degree ``D`` cannot shard (D = 1: plain data parallelism,
     which runs any Cascade architecture)."""
-    if cfg.architecture == "zaya" and cfg.num_key_value_heads % D:
-        raise ValueError(ZAYA_KV_REFUSAL.format(kv=cfg.num_key_value_heads, D=D))
     if cfg.num_attention_heads % D:
         raise ValueError(f"TSP needs num_attention_heads ({cfg.num_attention_heads}) divisible by D={D}")
     kv = cfg.num_key_value_heads
@@ -362,9 +360,9 @@ class TSPCausalLM(ShardedLM):
         d, g, kvh, hq = cfg.head_dim, self.hq, self.kvh, cfg.num_attention_heads
         for n in ("input_hidden_states_scale", "input_hidden_states_bias"):
             add(f"model.{n}", read(f"model.{n}"), "rep")
-        qrows, krows = slice(r * g * d, (r + 1) * g * d), slice(r * kvh * d, (r + 1) * kvh * d)
-        heads = slice(r * kvh, (r + 1) * kvh)
-        vrows = self._value_rows(r)
+        h0, h1 = self._own_kv_heads(r)  # (none on a rank that shares a KV head it does not own)
+        qrows, krows, heads = slice(r * g * d, (r + 1) * g * d), slice(h0 * d, h1 * d), slice(h0, h1)
+        vrows = self._value_rows(h0, h1)
         channels = (qrows, slice(hq * d + krows.start, hq * d + krows.stop))  # the convolutions' q, then k channels
         io, isz = split_range(cfg.moe_intermediate_size, D, r)
         self.zaya_gates = nn.ModuleList()
@@ -398,14 +396,25 @@ class TSPCausalLM(ShardedLM):
             add(p + "mlp.experts.gate_up_proj", gu, "expert_gate_up")
             add(p + "mlp.experts.down_proj", dn, "expert_down")
 
-    def _value_rows(self, j: int) -> tuple[slice, slice]:
-        """Group j's rows of ``v_proj_current`` and of ``v_proj_delayed`` (either may be empty): KV head h's
-        value is rows [h d, (h + 1) d) of the two projections' outputs laid end to end (current, then
-        delayed: with 2 KV heads, head 0's value is the current token's projection, head 1's the previous
-        token's), so the group's KV heads take their rows from either or both."""
-        d, kvh, half = self.config.head_dim, self.kvh, self.config.num_key_value_heads * self.config.head_dim // 2
-        a, b = j * kvh * d, (j + 1) * kvh * d
+    def _value_rows(self, h0: int, h1: int) -> tuple[slice, slice]:
+        """KV heads [h0, h1)'s rows of ``v_proj_current`` and of ``v_proj_delayed`` (either may be empty): KV
+        head h's value is rows [h d, (h + 1) d) of the two projections' outputs laid end to end (current,
+        then delayed: with 2 KV heads, head 0's value is the current token's projection, head 1's the
+        previous token's), so a rank's KV heads take their rows from either or both."""
+        d, half = self.config.head_dim, self.config.num_key_value_heads * self.config.head_dim // 2
+        a, b = h0 * d, h1 * d
         return slice(min(a, half), min(b, half)), slice(max(a, half) - half, max(b, half) - half)
+
+    def _cca_units(self) -> list[tuple[list[int], int]]:
+        """CCA's work units, one forward step each: (the ranks whose query heads it takes, the rank that owns
+        its KV heads). CCA mixes each KV head's query heads (the key is their mean), so a unit holds whole
+        KV heads with all their query heads: one rank's group when each rank owns KV heads
+        (``num_key_value_heads >= D``), else one KV head with the D / num_key_value_heads ranks sharing it."""
+        kv, D = self.config.num_key_value_heads, self.D
+        if kv >= D:
+            return [([j], j) for j in range(D)]
+        per = D // kv
+        return [(list(range(u * per, (u + 1) * per)), u * per) for u in range(kv)]
 
     def model_buffers(self) -> dict[str, torch.Tensor]:
         """State that is not a parameter under the policy's names: a zaya policy's balancing biases (the same
@@ -424,34 +433,60 @@ class TSPCausalLM(ShardedLM):
         halo = every.index_select(0, plan.src).view(2, plan.Kh, B, H).permute(2, 0, 1, 3)
         return torch.cat([halo, x.view(B, 2, c, H)], 2).reshape(B, -1, H)
 
-    def _cca_shapes(self, j: int) -> list[tuple]:
-        cfg = self.config
-        d, g, kvh, H, bias = cfg.head_dim, self.hq, self.kvh, cfg.hidden_size, cfg.attention_bias
-        C = (g + kvh) * d
-        vc, vd = self._value_rows(j)
-        proj = [(g * d, H), (kvh * d, H), (vc.stop - vc.start, H), (vd.stop - vd.start, H)]
-        if bias:
-            proj = [x for w in proj for x in (w, (w[0],))]
-        return proj + [(C, 1, cfg.cca_time0), (C,), (C, d, cfg.cca_time1), (C,), (kvh,), (H, g * d)]
-
-    def _cca_fn(self, spans, plan, xs, cos, sin, key_valid, seg_start, q_slots, order, *w):
-        """One head group of CCA on this rank's chunks: ``xs`` [B, 2 (Kh + c), H] (the chunks with their
-        halos, padding zeroed); projections, the two convolutions, the delayed value, q/k normalisation and
-        RoPE, then attention over the gathered keys (:meth:`_attend`) and the group's o_proj."""
-        cfg, B = self.config, xs.shape[0]
-        d, g, kvh, rd = cfg.head_dim, self.hq, self.kvh, cfg.rope_dim
-        if cfg.attention_bias:
-            wq, bq, wk, bk, wc, bc, wd, bd, dw, dwb, gw, gwb, temp, wo = w
-            bias = torch.cat([bq, bk, bc, bd])
+    def _cca_bundles(self, i: int, j: int, kv: bool) -> tuple[list[tuple], list[torch.Tensor]]:
+        """(shapes, tensors) of rank j's bundle for layer i's CCA: its query part (q rows, the convolutions'
+        query channels, o_proj columns) or (``kv``) its KV part (k rows, value rows, the convolutions' key
+        channels, key temperatures). Tensors only on rank j (views of its shards), else empty."""
+        cfg, p = self.config, f"model.layers.{i}.self_attn."
+        d, H, bias, m = cfg.head_dim, cfg.hidden_size, cfg.attention_bias, self.hq * cfg.head_dim
+        conv = [f"qkv_proj.{c}.{w}" for c in ("conv_qk_depthwise", "conv_qk_grouped") for w in ("weight", "bias")]
+        if kv:
+            h0, h1 = self._own_kv_heads(j)
+            vc, vd = self._value_rows(h0, h1)
+            c = (h1 - h0) * d
+            rows = [("k_proj", c), ("v_proj_current", vc.stop - vc.start), ("v_proj_delayed", vd.stop - vd.start)]
+            part, tail = slice(m, None), [("qk_norm.temp", (h1 - h0,))]
         else:
-            (wq, wk, wc, wd, dw, dwb, gw, gwb, temp, wo), bias, bd = w, None, None
+            rows, c, part, tail = [("q_proj", m)], m, slice(None, m), [("o_proj.weight", (H, m))]
+        names = [(f"qkv_proj.{n}.weight", (k, H)) for n, k in rows]
+        if bias:
+            names = [x for (n, shp) in names for x in ((n, shp), (n[:-len("weight")] + "bias", (shp[0],)))]
+        names += list(zip(conv, [(c, 1, cfg.cca_time0), (c,), (c, d, cfg.cca_time1), (c,)])) + tail
+        mine = []
+        if self.rank == j:
+            mine = [self._p[p + n][part] if n in conv else self._p[p + n] for n, _ in names]
+        return [shp for _, shp in names], mine
+
+    def _cca_fn(self, spans, plan, nq, xs, cos, sin, key_valid, seg_start, q_slots, order, *w):
+        """One unit of CCA (:meth:`_cca_units`) on this rank's chunks: ``xs`` [B, 2 (Kh + c), H] (the chunks with
+        their halos, padding zeroed); ``w``: the query bundles of the unit's ``nq`` ranks, then its KV bundle
+        (:meth:`_cca_bundles`). Projections, the two convolutions, the delayed value, q/k normalisation
+        and RoPE, then attention over the gathered keys (:meth:`_attend`) and the unit's o_proj columns."""
+        cfg, B, bias = self.config, xs.shape[0], self.config.attention_bias
+        d, rd, k = cfg.head_dim, cfg.rope_dim, 7 if cfg.attention_bias else 6
+        qb = [w[u * k:(u + 1) * k] for u in range(nq)]
+        kb = w[nq * k:]
+        if bias:
+            wk, bk, wc, bc, wd, bd, *kconv, temp = kb
+        else:
+            (wk, wc, wd, *kconv, temp), bk = kb, None
+            bc = bd = None
+
+        def join(idx, dim=0):
+            return torch.cat([b[idx] for b in qb], dim)
+
+        off = 1 + bias  # a query bundle: q_proj weight (+ bias), four conv tensors, o_proj weight
+        wq, wo = join(0), join(-1, 1)
+        convs = [torch.cat([join(off + c), kconv[c]]) for c in range(4)]
+        g, kvh = len(wq) // d, len(wk) // d
+        b = torch.cat([join(1), bk, bc, bd]) if bias else None
         cols, n = plan.cols, plan.cols.numel()
-        xq, xk, vc, vd = F.linear(xs, torch.cat([wq, wk, wc, wd]), bias).split([g * d, kvh * d, len(wc), len(wd)], -1)
+        xq, xk, vc, vd = F.linear(xs, torch.cat([wq, wk, wc, wd]), b).split([g * d, kvh * d, len(wc), len(wd)], -1)
         qr = xq[:, cols].view(B, n, g, d)
         qr = (qr + xk[:, cols].view(B, n, kvh, 1, d).expand(B, n, kvh, g // kvh, d).reshape(B, n, g, d)) * 0.5
         kr = qr.view(B, n, kvh, g // kvh, d).mean(-2)
-        qk = cca_conv(torch.cat([xq, xk], -1).transpose(1, 2), dw, dwb, gw, gwb, g + kvh,
-                      cfg.cca_time0 + cfg.cca_time1 - 2, plan.lengths).transpose(1, 2)[:, cols]
+        qk = cca_conv(torch.cat([xq, xk], -1).transpose(1, 2), *convs, g + kvh, cfg.cca_time0 + cfg.cca_time1 - 2,
+                      plan.lengths).transpose(1, 2)[:, cols]
         q = qk[..., :g * d].reshape(B, n, g, d) + qr
         k = qk[..., g * d:].reshape(B, n, kvh, d) + kr
         v0 = bd if bd is not None else vd.new_zeros(vd.shape[-1])  # the delayed projection of a zero token
@@ -462,24 +497,18 @@ class TSPCausalLM(ShardedLM):
         return F.linear(self._attend(spans, qk[:, :g], qk[:, g:], v, key_valid, seg_start, q_slots, order), wo)
 
     def _cca(self, i, x, valid, cos, sin, key_valid, seg_start, q_slots, order, spans, plan):
-        cfg, r = self.config, self.rank
-        p = f"model.layers.{i}.self_attn."
         if valid is not None:  # padding zeroed before the projections, as the single-process model
             x = x * valid[:, :, None].to(x.dtype)
         xs = self._with_halo(x, plan)
-        names = [f"qkv_proj.{n}.{w}" for n in ("q_proj", "k_proj", "v_proj_current", "v_proj_delayed")
-                 for w in (("weight", "bias") if cfg.attention_bias else ("weight",))]
-        names += [f"qkv_proj.{n}" for n in ("conv_qk_depthwise.weight", "conv_qk_depthwise.bias",
-                                           "conv_qk_grouped.weight", "conv_qk_grouped.bias")]
-        names += ["qk_norm.temp", "o_proj.weight"]
         out = None
-        for j in range(self.D):
-            bundles = [(j, self._cca_shapes(j), [self._p[p + n] for n in names] if r == j else [])]
-            y = comm.broadcast_apply(functools.partial(self._cca_fn, spans, plan),
+        for ranks, owner in self._cca_units():
+            bundles = [(j, *self._cca_bundles(i, j, False)) for j in ranks]
+            bundles.append((owner, *self._cca_bundles(i, owner, True)))
+            y = comm.broadcast_apply(functools.partial(self._cca_fn, spans, plan, len(ranks)),
                                      (xs, cos, sin, key_valid, seg_start, q_slots, order), bundles, self.group)
             out = y if out is None else out + y
-        if cfg.attention_bias:
-            out = out + self._p[p + "o_proj.bias"]
+        if self.config.attention_bias:
+            out = out + self._p[f"model.layers.{i}.self_attn.o_proj.bias"]
         return out
 
     def _zaya_moe(self, i, x, state, replay, real):
