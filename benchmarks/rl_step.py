@@ -43,11 +43,12 @@ three runs interleaved with two of the default TSP D=2): ``ranks_vs_single`` 1.2
 DP is the layout that pays: each rank runs half the rollouts on its own core, where one process's two
 intra-op threads scale poorly on this model's small matrices.
 
-ZAYA1's layers at the same width (``--arch zaya``: CCA with its halo exchange, 4 experts top-1, commit
-595fea3 plus this flag; two runs, one interleaved with the dense default): TSP D=2 step 6.81, 7.58 s
-against 4.44, 4.86 s in one process, ``ranks_vs_single`` 0.65, 0.64 (dense in the same session: 6.70
-against 4.15 s, 0.62). The halo (max(K, 1) = 2 tokens per chunk per layer) costs no more than the
-ratio's noise.
+ZAYA1's layers at the same width (``--arch zaya``: CCA with its halo exchange, 4 experts top-1; runs
+interleaved with the dense default): at commit 595fea3 plus this flag, TSP D=2 step 6.81, 7.58 s against
+4.44, 4.86 s in one process, ``ranks_vs_single`` 0.65, 0.64 (dense 0.62 in the same session); at 6ae6d3a
+(query and KV bundles broadcast separately, so that ranks can share a KV head) 8.67, 6.72 s against 4.65,
+4.29 s, 0.54, 0.64 (dense 0.65 between them). The halo (max(K, 1) = 2 tokens per chunk per layer) costs
+no more than the ratio's noise.
 
 TSP is a memory layout first (each rank holds 1/D of the weights and activations, see
 benchmarks/parallel.py); on 2 CPU cores it pays for its weight ring with gloo transfers that one
