@@ -51,11 +51,11 @@ resumed run keeps the reference it started its penalty from (an HF reference is 
 ``kl_coef = 0`` allocates no reference and runs no extra forward.
 
 ZAYA1 (``zaya``) trains on any mesh (see :mod:`train.parallel.tsp` for CCA's head units and halo): after
-each optimizer step every rank moves its router
-balancing biases by the load of the whole batch (the counts of every rank's real tokens all-reduced
-over TSP and DP, :func:`train.model.zaya.balance_router_biases`), as the single-process trainers do after
-theirs; the biases are checkpointed (``buffers.*``) and published with the weights. A KL reference's
-forward routes with the current biases.
+each optimizer step every rank moves its router balancing biases by the load of the whole batch (the
+counts of every rank's real tokens all-reduced over TSP and DP,
+:func:`train.model.zaya.balance_router_biases`), as the single-process trainers do after theirs; the
+biases are checkpointed (``buffers.*``) and published with the weights. A KL reference's forward routes
+with the current biases.
 
 Metrics are those of ``RLTrainer.update``: the loss function's metrics weighted by each
 micro-batch's token count, ``loss`` (the global loss), ``entropy`` (token mean), ``grad_norm``
@@ -225,9 +225,10 @@ class RLUpdater:
             self.shards = dict(model.named_parameters())  # tied weights appear once
             rep = set()
         # state that is not a parameter (a zaya policy's balancing biases, fp32, moved after each step
-        # from the global load): checkpointed and published with the weights (see :attr:`buffers`)
+        # from the global load): checkpointed and published with the weights (see :attr:`buffers`; the TSP
+        # model names its own, TSPCausalLM.model_buffers)
         params = {n for n, _ in self.net.named_parameters(remove_duplicate=False)}
-        self._buffer_names = set(self.net.state_dict()) - params if tsp == 1 else set(self.net.model_buffers())
+        self._buffer_names = set(self.net.state_dict()) - params if tsp == 1 else set()
         o = cfg.optim
         decay = lambda n, p: not (p.ndim < 2 or "norm" in n)  # noqa: E731 (train.optim's groups)
         if any(x is not None and x.name == "muon" for x in (o, cfg.sft_optim)):  # Muon: whole matrices
