@@ -36,33 +36,34 @@ Every figure is measured outside the code under test, next to calc.py's formula:
 
 Measured (``python benchmarks/parallel.py``: D=4, seq 4096, batch 1, H=128, L=2 (layer 0 dense,
 layer 1 MoE 4 experts top-2), V=512, 574,656 params, fp32, reps 3; 4 ranks on 2 CPU cores, so
-seconds are oversubscribed; re-measured 2026-12-02 at commit ff81563 (TSP packing, the TSP LM head
-through ``logit_stats``) on a fresh machine, quiet):
+seconds are oversubscribed; re-measured 2026-12-03 at commit 4aaf4ad (the TSP attention shared with
+zaya's as one ``_attend``; the previous figures, commit ff81563 on 2026-12-02, agreed within 0.1% in
+bytes and 1.3% in peak memory):
 
-    layout   wire bytes   formula      err     (calibrated count: within 0.32% for every layout)
-    tsp       71,894,467   58,421,760  +23.1%
-    tp       126,681,556  126,322,104   +0.3%
-    sp       190,071,820  126,546,360  +50.2%
+    layout   wire bytes   formula      err     (calibrated count: within 0.30% for every layout)
+    tsp       71,877,346   58,421,760  +23.0%
+    tp       126,681,584  126,322,104   +0.3%
+    sp       190,072,772  126,546,360  +50.2%
     dp        20,728,924   20,687,616   +0.2%
 
     peak MiB per rank (recompute for all) | no recompute | step s (recompute | none)
-    single   69.5   139.1   1.43  1.13
-    tsp      21.8    21.8   2.17  2.17
-    tp       52.7    67.9   1.16  1.15
-    sp       33.1    51.4   1.42  1.17
-    dp       67.6   136.5   3.12  2.55
+    single   69.6   139.2   1.55  1.12
+    tsp      21.5    21.5   2.40  2.40
+    tp       52.7    68.0   1.48  1.19
+    sp       33.1    51.5   1.50  1.27
+    dp       67.6   136.5   3.57  2.91
 
-    tsp_mem_ratio 0.3137 (tp 0.758, sp 0.476, dp 0.973) at seq 4096 with equal recompute. Step seconds
+    tsp_mem_ratio 0.3092 (tp 0.758, sp 0.476, dp 0.972) at seq 4096 with equal recompute. Step seconds
     depend on the machine and its load; compare seconds only within one run, and not as a property
     of TSP.
 
 On a loaded machine other traffic on ``lo`` was visible (an earlier run: TSP's step windows read
 79.1, 71.9 and 74.7 MB, TP's idle windows up to 1.46 MB), hence min over windows; in this run the
-windows agreed within 0.03% and idle windows read 0-52 B. At V=512 a rank's full-vocabulary logits
+windows agreed within 0.003% and idle windows read 0-104 B. At V=512 a rank's full-vocabulary logits
 are 2 MiB, so chunking the TSP LM head changes little here (TSP's peak was 21.7 MiB at 4f976af).
 
 Gaps over 10% between measured and formula, all explained by the calibration (the calibrated
-count matches within 0.32% for every layout): calc.py counts bandwidth-optimal (NCCL-style ring)
+count matches within 0.32% for every layout, 0.30% at 4aaf4ad): calc.py counts bandwidth-optimal (NCCL-style ring)
 bytes, and gloo does not always move those.
 
 * reduce_scatter: gloo moves 2.00x the optimal bytes (consistent with an all-reduce of the whole

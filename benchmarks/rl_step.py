@@ -50,6 +50,11 @@ interleaved with the dense default): at commit 595fea3 plus this flag, TSP D=2 s
 4.29 s, 0.54, 0.64 (dense 0.65 between them). The halo (max(K, 1) = 2 tokens per chunk per layer) costs
 no more than the ratio's noise.
 
+Re-run at 4aaf4ad (TSP attention refactored into one ``_attend`` shared with zaya; one run each, in
+this order): default TSP D=2 8.56 s against 5.49 s (0.64), ``--tsp 1 --dp 2`` 4.24 s against 5.49 s
+(1.29), ``--prompt 512`` TSP 12.82 s against 7.19 s (0.56), default again 7.84 s against 4.97 s (0.63),
+``--arch zaya`` 9.15 s against 5.22 s (0.57): inside the ranges above.
+
 TSP is a memory layout first (each rank holds 1/D of the weights and activations, see
 benchmarks/parallel.py); on 2 CPU cores it pays for its weight ring with gloo transfers that one
 process does not make, so ``ranks_vs_single`` below 1 is expected here.
