@@ -143,9 +143,8 @@ def _check_zaya(world, out, tsp=1, replay=False):
     cfg = _zaya_cfg()
     rcfg = rl_cfg("dppo_tv")
     batches = [make_batch(s, cfg) for s in range(2)]
-    for b in batches:  # routed by the policy (and its biases) unless replayed, every rollout trained on
-        for smp in b.samples:
-            smp.keep = True
+    for b in batches:  # routed by the policy (and its biases) unless replayed; the dropped rollout's tokens not
+        for smp in b.samples:  # counted in the load (not forwarded, on either side)
             if not replay:
                 smp.routed_experts = None
     want, _ = reference_weights(cfg, rcfg, batches)

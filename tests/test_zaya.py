@@ -319,6 +319,36 @@ def test_rl_step_with_router_replay_and_weight_sync(tmp_path):
         assert torch.equal(v, rl.engine.model.state_dict()[k]), k
 
 
+def test_dropped_rollouts_are_not_forwarded_so_the_router_load_skips_them(tmp_path, monkeypatch):
+    """A rollout with ``keep=False`` (overlong-filtered) or no completion has no loss token: the trainer does
+    not forward it, so the balancing biases follow the load of the trained tokens only, as on trainer ranks
+    (RLUpdater; tests/test_rl_distributed.py compares the two)."""
+    import copy
+
+    import train.model.zaya as zaya
+    from envs.curriculum import Curriculum
+    from train.optim import OptimConfig
+    from train.rl.trainer import RLConfig, RLTrainer, SamplingConfig
+
+    tok, model = _tok_and_policy(tmp_path)
+    cur = Curriculum(["toy/max"], controller="fixed", seed=0, controller_kwargs={"difficulty": 1})
+    rl = RLTrainer(model, tok, TorchEngine(copy.deepcopy(model), tok), cur,
+                   RLConfig(group_size=4, prompts_per_step=2, chat_template=False, micro_batch_size=16,
+                            sampling=SamplingConfig(max_new_tokens=6), optim=OptimConfig(lr=1e-3), seed=0))
+    groups = rl.rollout(2)
+    rolls = [r for g in groups for r in g.rollouts]
+    for i, r in enumerate(rolls):
+        r.reward = float(i % 2)
+    rolls[1].keep = False
+    counted = []
+    real = zaya.count_load
+    monkeypatch.setattr(zaya, "count_load", lambda gate, idx, valid: (
+        counted.append(int(idx.shape[0] if valid is None else valid.sum())), real(gate, idx, valid))[1])
+    rl.train_on(groups)
+    trained = sum(len(r.prompt_ids) + len(r.completion.token_ids) for r in rolls if r.keep)
+    assert sum(counted) == trained * model.config.num_hidden_layers, (counted, trained)
+
+
 def test_tsp_takes_zaya_and_refuses_degrees_its_heads_do_not_fit(tmp_path):
     """TSP shards zaya by head groups (ranks share a KV head when there are fewer KV heads than ranks); a
     degree that does not fit the heads is a one-line error; the sharded model and the RL update hold the
@@ -360,12 +390,12 @@ def test_cascade_run_refuses_a_tsp_degree_that_splits_zaya_heads_before_any_rank
     assert not (out / "exchange").exists() and not (out / "stages").exists()
 
 
-@pytest.mark.parametrize("nproc,tsp", [(1, 1), (2, 1), (2, 2)])
+@pytest.mark.parametrize("nproc,tsp", [(1, 1), (2, 2)])
 def test_tiny_cascade_stage_runs_a_zaya_policy(tmp_path, nproc, tsp):
     """`cascade init-model --preset tiny-zaya` then `cascade run profile=tiny model=DIR` (the rlve stage,
-    two RL steps), in one process, with the update on 2 data-parallel trainer ranks, or on TSP 2 (CCA
-    sharded by KV heads): the hand-off checkpoint is a zaya model that transformers opens, its balancing
-    biases moved by the updates."""
+    two RL steps), in one process or with the update on TSP 2 trainer ranks (CCA sharded by KV heads;
+    data-parallel ranks: tests/test_rl_distributed.py): the hand-off checkpoint is a zaya model that
+    transformers opens, its balancing biases moved by the updates."""
     import subprocess
     import sys
 

@@ -477,8 +477,9 @@ def reference_optimizer(model: CausalLM, cfg: RLUpdateConfig) -> torch.optim.Opt
 
 def reference_update(model: CausalLM, opt: torch.optim.Optimizer, batch: TrainBatch, cfg: RLUpdateConfig,
                      step: int, ref_model: CausalLM | None = None) -> dict[str, float]:
-    """The single-process RL step that :class:`RLUpdater` reproduces: the whole batch in one padded
-    forward (``modeling.token_logprobs``), the loss with the ratio against ``mu`` (and with
+    """The single-process RL step that :class:`RLUpdater` reproduces: the batch's samples that have a loss
+    token (``keep`` and a completion; a zaya router counts no others) in one padded forward
+    (``modeling.token_logprobs``), the loss with the ratio against ``mu`` (and with
     ``kl_coef > 0`` the KL to ``ref_model``'s log-probs, a no-grad forward of the same batch),
     clipping by the norm of all gradients, AdamW at ``lr * lr_factor(step)``. Returns (loss,
     grad_norm, lr, and kl_ref with KL)."""
@@ -486,7 +487,8 @@ def reference_update(model: CausalLM, opt: torch.optim.Optimizer, batch: TrainBa
     for g in opt.param_groups:
         g["lr"] = lr
     agg = effective_agg(cfg.loss, cfg.loss_cfg)
-    t = batch_tensors(batch.samples, cfg.pad_id, model.device)
+    live = [s for s in batch.samples if s.keep and s.completion_ids]
+    t = batch_tensors(live, cfg.pad_id, model.device)
     temp = batch.temperature or 1.0
     ref = None
     if cfg.loss_cfg.kl_coef:

@@ -305,7 +305,10 @@ class RLTrainer:
         mis_sum = mis_w = 0.0
         for mi, mini in enumerate(minis):
             denom = float(mask[mini].sum().clamp(min=1)) if self.agg == "token_mean" else float(seq_count(mask[mini]))
-            for rows in self._packs(rolls, range(mini.start, mini.stop)):
+            # rollouts without a loss token (dropped, empty) are not forwarded: nothing to learn from them, and
+            # a zaya router must not count their tokens (RLUpdater skips them too)
+            live = [i for i in range(mini.start, mini.stop) if rolls[i].keep and rolls[i].completion.token_ids]
+            for rows in self._packs(rolls, live):
                 self.between_kernels()
                 lp, ent = self._packed_logprobs(rolls, rows, batch, temp)
                 W = lp.shape[1]
