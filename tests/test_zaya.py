@@ -260,6 +260,9 @@ def test_balancing_bias_update_moves_towards_uniform_load(zdir):
     assert torch.allclose(step[0], torch.tensor([-0.01, 0.0, 0.01, 0.01, 0.0]))  # expert 1 at 1/E
     assert torch.allclose(step[1], torch.zeros(5))  # every load at 1/E: unchanged
     assert torch.allclose(step[2], torch.tensor([0.01, -0.01, 0.01, 0.01, 0.0]))
+    now = [l.mlp.gate.balancing_biases.clone() for l in m.model.layers]
+    update_balancing_biases(m, torch.zeros_like(counts), rate=0.01)  # no token at all (a batch all dropped)
+    assert all(torch.equal(l.mlp.gate.balancing_biases, b) for l, b in zip(m.model.layers, now))
 
 
 def _tok_and_policy(tmp_path):

@@ -361,7 +361,7 @@ def update_balancing_biases(model, counts: torch.Tensor, rate: float = 1e-3, gro
     """The ZAYA1 balancing control rule: per layer, each expert's bias moves by ``rate`` towards load
     1/E: ``b_e += rate * sign(1/E - load_e)`` with ``load_e`` the expert's share of the routed tokens of
     the *global* batch (``counts`` [n_layers, E] summed over ``group`` - a process group or a sequence of
-    them - with all-reduces when given).
+    them - with all-reduces when given); a batch without a single counted token moves nothing.
     The skip class's bias is left as it is. Biases are buffers: no gradient reaches them. -> the loads."""
     counts = counts.detach().float().clone()
     if group is not None:
@@ -372,10 +372,11 @@ def update_balancing_biases(model, counts: torch.Tensor, rate: float = 1e-3, gro
                 dist.all_reduce(counts, group=g)
     E = counts.shape[1]
     load = counts / counts.sum(1, keepdim=True).clamp_min(1.0)
+    seen = (counts.sum() > 0).float()  # no token anywhere (every rollout dropped): nothing to follow (no host sync)
     gates = router_gates(model)
     if len(gates) != counts.shape[0]:
         raise ValueError(f"counts for {counts.shape[0]} layers; the model has {len(gates)} zaya layers")
     for gate, ld in zip(gates, load):
         b = gate.balancing_biases
-        b[:E] += rate * torch.sign(1.0 / E - ld).to(b.device, b.dtype)
+        b[:E] += (rate * seen * torch.sign(1.0 / E - ld)).to(b.device, b.dtype)
     return load
