@@ -39,7 +39,9 @@ class WorkerLearner:
         from train.parallel.rl_update import RLUpdateConfig
         from train.rl.worker import CKPT_DIR, config_dict, launch_command
 
-        self.exchange, self.log_dir = Path(exchange), Path(log_dir)
+        # the ranks run in the repository root: every path they are given absolute
+        self.exchange, self.log_dir = Path(exchange).absolute(), Path(log_dir).absolute()
+        model_dir = Path(model_dir).absolute()
         self.timeout = tcfg.timeout_s
         self.sft_steps = sft_steps
         self._clear_after(start_update, CKPT_DIR)

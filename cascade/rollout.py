@@ -77,8 +77,11 @@ class ServerPool:
 
         if backend not in ("cascade", "vllm"):
             raise ConfigError(f"unknown rollout.backend {backend!r}; choose cascade or vllm")
-        self.model_dir, self.exchange, self.api_key, self.threads = Path(model_dir), Path(exchange), api_key, threads
-        self.log_dir, self.timeout, self.dtype, self.device = Path(log_dir), startup_timeout_s, dtype, device
+        # the servers run in the repository root: local paths absolute (a model given as a Hub id stays one)
+        model_dir = Path(model_dir).absolute() if Path(model_dir).exists() else Path(model_dir)
+        self.model_dir, self.exchange = model_dir, Path(exchange).absolute()
+        self.api_key, self.threads = api_key, threads
+        self.log_dir, self.timeout, self.dtype, self.device = Path(log_dir).absolute(), startup_timeout_s, dtype, device
         self.backend = backend
         self.python = vllm_python(python) if backend == "vllm" else (python or sys.executable)
         self.server_args = shlex.split(server_args) if isinstance(server_args, str) else list(server_args)
@@ -190,7 +193,7 @@ class ServedEngine:
 
         if transport not in TRANSPORTS:
             raise ConfigError(f"unknown rollout.weight_transport {transport!r}; choose from {', '.join(TRANSPORTS)}")
-        self.exchange, self.pool = Path(exchange), pool
+        self.exchange, self.pool = Path(exchange).absolute(), pool  # servers name versions by absolute path
         self.remote = RemoteEngine(urls, api_key=api_key, timeout=timeout_s, per_server=per_server,
                                    on_server_down=self._down)
         self.version = 0

@@ -170,7 +170,7 @@ def main(argv: list[str]) -> int:
 
         print(yaml.safe_dump(json.loads(json.dumps(dataclasses.asdict(cfg), default=str)), sort_keys=False), end="")
         return 0
-    out = Path(cfg.out)
+    out = Path(cfg.out).absolute()  # the trainer ranks and servers it starts run in another directory
     if not flags["resume"] and not flags["overwrite"]:
         start_fresh(out, False)  # refuse a previous run now, before any check takes time
     if cfg.model_backend:  # every loader of this process and of the processes it starts (ranks, servers)

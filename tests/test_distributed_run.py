@@ -36,12 +36,12 @@ def warm_dir(warm, tmp_path_factory):
     return d
 
 
-def cascade(*args, env=None, timeout=600, wait=True):
+def cascade(*args, env=None, timeout=600, wait=True, cwd=None):
     e = dict(os.environ, **(env or {}))
     cmd = [sys.executable, "-m", "cascade", "run", *args]
     if not wait:
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e, cwd=cwd)
 
 
 def rl_records(out):
@@ -71,11 +71,14 @@ def test_servers_and_trainer_ranks_run_a_stage(warm_dir, tmp_path, transport):
     ranks' final weights. Nothing is left running. The broadcast run also takes a KL penalty
     (rl.loss_cfg.kl_coef > 0) on the ranks: the reference is the policy at the RL start (k3 is 0 at the
     first update, > 0 once the policy moved), the ranks report kl_ref, and their checkpoints hold the
-    frozen reference."""
+    frozen reference. The files run names its out= and model= relative to where it starts (the ranks and
+    servers run elsewhere)."""
     out = tmp_path / "run"
     kl = ["rl.loss_cfg.kl_coef=0.5"] if transport == "broadcast" else []
-    r = cascade(f"out={out}", f"model={warm_dir}", *STAGE, "steps=3", "rollout.servers=2", "trainer.nproc=2",
-                "trainer.tsp=2", f"rollout.weight_transport={transport}", *kl)
+    where = ["out=run", f"model={os.path.relpath(warm_dir, tmp_path)}"] if transport == "files" else [
+        f"out={out}", f"model={warm_dir}"]
+    r = cascade(*where, *STAGE, "steps=3", "rollout.servers=2", "trainer.nproc=2", "trainer.tsp=2",
+                f"rollout.weight_transport={transport}", *kl, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     recs = rl_records(out)
     assert len(recs) == 3 and all(x["groups_trained"] == 8 for x in recs)
