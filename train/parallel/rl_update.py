@@ -168,7 +168,7 @@ def loss_denominator(samples: list[TrainSample], agg: str) -> float:
     :func:`train.rl.losses.seq_count` and verl), as ``RLTrainer.update`` counts them."""
     if agg == "token_mean":
         return float(max(1, sum(len(s.completion_ids) for s in samples if s.keep)))
-    return float(max(1, sum(1 for s in samples if s.keep and s.completion_ids)))
+    return float(max(1, sum(1 for s in samples if s.trained)))
 
 
 def gather_tokens(local: torch.Tensor, T: int, group) -> torch.Tensor:
@@ -352,7 +352,7 @@ class RLUpdater:
         step = int(batch.meta.get("schedule_step", step))
         samples = batch.samples
         denom = loss_denominator(samples, "token_mean" if sft else self.agg)
-        live = [i for i, s in enumerate(samples) if s.keep and s.completion_ids]
+        live = [i for i, s in enumerate(samples) if s.trained]
         lengths = [s.num_tokens for s in samples]
         mine = [live[i] for i in balance_across_ranks([lengths[i] for i in live], self.dp)[self.dp_rank]]
         micro = [[mine[j] for j in mb] for mb in pack_by_tokens([lengths[i] for i in mine], cfg.tokens_per_micro)]
@@ -487,8 +487,7 @@ def reference_update(model: CausalLM, opt: torch.optim.Optimizer, batch: TrainBa
     for g in opt.param_groups:
         g["lr"] = lr
     agg = effective_agg(cfg.loss, cfg.loss_cfg)
-    live = [s for s in batch.samples if s.keep and s.completion_ids]
-    t = batch_tensors(live, cfg.pad_id, model.device)
+    t = batch_tensors([s for s in batch.samples if s.trained], cfg.pad_id, model.device)
     temp = batch.temperature or 1.0
     ref = None
     if cfg.loss_cfg.kl_coef:

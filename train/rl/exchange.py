@@ -81,6 +81,11 @@ class TrainSample:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
 
+    @property
+    def trained(self) -> bool:
+        """Whether the sample has a loss token (kept, with a completion): the others are not forwarded."""
+        return bool(self.keep and self.completion_ids)
+
 
 @dataclass
 class TrainBatch:
