@@ -43,6 +43,10 @@ unchanged, bitwise, since 1317269), default setting, 4 runs one after another: a
 1.01, 0.99 (median 1.00, min 0.88); sync steps/s 1.05-1.53, async 1.32-1.55; overlap ceiling 0.85-1.35;
 ceiling at any mix 1.20-1.89; rollout s / update s (sync) 0.21-0.31 / 0.44-0.64. The synchronous
 baseline's own rate moved 1.5x between runs, which moves the ratio as much as the pipeline does.
+Re-run on 2026-12-03 at commit 5e45654 (the trainer skips rollouts without a loss token, which these
+batches do not have: the same arithmetic), default setting, 3 runs one after another: async speedup 0.95,
+1.07, 1.23 (median 1.07, min 0.95); sync steps/s 1.29-1.39, async 1.32-1.58; ceiling at any mix 1.44-1.84;
+max_lag_seen 2.
 
 With the rollouts on a ``cascade serve`` process (``--servers 1``, one thread there, the trainer's two here;
 commit 146e6d5, one run): async speedup 0.57 (sync 1.79 steps/s, async 1.01), the trainer busy 99.8% of

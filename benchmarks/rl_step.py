@@ -53,7 +53,10 @@ no more than the ratio's noise.
 Re-run at 4aaf4ad (TSP attention refactored into one ``_attend`` shared with zaya; one run each, in
 this order): default TSP D=2 8.56 s against 5.49 s (0.64), ``--tsp 1 --dp 2`` 4.24 s against 5.49 s
 (1.29), ``--prompt 512`` TSP 12.82 s against 7.19 s (0.56), default again 7.84 s against 4.97 s (0.63),
-``--arch zaya`` 9.15 s against 5.22 s (0.57): inside the ranges above.
+``--arch zaya`` 9.15 s against 5.22 s (0.57): inside the ranges above. Re-run at 5e45654 (RLUpdater's
+buffer names, the balancing rule's no-token case, the reference step skipping dropped rollouts; one run
+each): ``--arch zaya`` 10.49 s against 6.74 s (0.64), default 9.67 s against 6.33 s (0.66), ``--tsp 1 --dp 2``
+5.57 s against 6.80 s (1.22): inside the ranges above.
 
 TSP is a memory layout first (each rank holds 1/D of the weights and activations, see
 benchmarks/parallel.py); on 2 CPU cores it pays for its weight ring with gloo transfers that one
