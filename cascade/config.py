@@ -26,7 +26,8 @@ class SFTStage:
     steps: int = 0
     examples: int = 1024
     batch_size: int = 32
-    micro_batch_size: int = 32
+    micro_batch_size: int = 32       # examples packed back to back into micro-batches of at most this many
+    tokens_per_micro: int = 16384    # ... and at most this many tokens
     max_len: int = 8192
     envs: list[str] | dict[str, float] = field(default_factory=list)  # default: the stage's environments;
     #                          a mapping {env: weight} draws the examples in those proportions
@@ -172,6 +173,8 @@ class StageConfig:
             last = e[0]
         if self.eval_k < 0:
             raise ValueError(f"eval_k must be >= 0, got {self.eval_k}")
+        if self.sft.steps > 0 and min(self.sft.batch_size, self.sft.micro_batch_size, self.sft.tokens_per_micro) < 1:
+            raise ValueError("sft.batch_size, sft.micro_batch_size and sft.tokens_per_micro must be >= 1")
         if self.eval_difficulty is not None and self.eval_difficulty < 0:
             raise ValueError(f"eval_difficulty must be >= 0 (or null: each environment's start level), "
                              f"got {self.eval_difficulty}")

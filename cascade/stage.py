@@ -149,6 +149,7 @@ class StageRunner:
             rl = RLTrainer(policy, tok, engine, curriculum, rl_cfg,
                            problem_hook=mixer.mix if mixer else None, rollout_hook=mixer.remember if mixer else None)
             sft_cfg = SFTConfig(steps=s.sft.steps, batch_size=s.sft.batch_size, micro_batch_size=s.sft.micro_batch_size,
+                                tokens_per_micro=s.sft.tokens_per_micro,
                                 optim=s.sft.optim, max_len=s.sft.max_len, chat_template=rl_cfg.chat_template,
                                 system_prompt=rl_cfg.system_prompt, seed=r.seed + self.index)
             sft = SFTTrainer(policy, tok, sft_cfg) if s.sft.steps > 0 else None

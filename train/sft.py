@@ -12,8 +12,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from train.batching import index_batch, make_batch, micro_batches
-from train.model.modeling import CausalLM, token_logprobs
+import torch
+
+from train.model.modeling import CausalLM
 from train.optim import OptimConfig, build_optimizer, clip_and_step, load_training_state, training_state
 
 
@@ -21,7 +22,8 @@ from train.optim import OptimConfig, build_optimizer, clip_and_step, load_traini
 class SFTConfig:
     steps: int = 100
     batch_size: int = 32
-    micro_batch_size: int = 32
+    micro_batch_size: int = 32       # at most this many examples in one packed micro-batch
+    tokens_per_micro: int = 16384    # token budget of a packed micro-batch (examples back to back)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=10))
     max_len: int = 1024
     chat_template: bool = True
@@ -157,6 +159,14 @@ def encode_pair(tokenizer, prompt: str | list[dict], response: str, chat: bool,
     return p, r
 
 
+@dataclass
+class _Pair:
+    """An encoded example as :func:`train.rl.packing.packed_token_logprobs` scores it (its response)."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+
+
 class SFTTrainer:
     def __init__(self, policy: CausalLM, tokenizer, cfg: SFTConfig):
         self.policy, self.tokenizer, self.cfg = policy, tokenizer, cfg
@@ -168,6 +178,9 @@ class SFTTrainer:
         out = []
         for pr, rs in pairs:
             p, r = encode_pair(self.tokenizer, pr, rs, self.cfg.chat_template, self.cfg.system_prompt)
+            if not p:
+                raise ValueError(f"an SFT example's prompt encodes to no tokens ({str(pr)[:60]!r}): its first response "
+                                 "token would have nothing to be predicted from")
             if len(p) + len(r) > self.cfg.max_len:
                 raise ValueError(f"an SFT example has {len(p) + len(r)} tokens > max_len {self.cfg.max_len}; "
                                  f"trim the data (cascade.trim) or raise max_len")
@@ -175,24 +188,28 @@ class SFTTrainer:
         return out
 
     def step(self, examples: list[tuple[list[int], list[int]]]) -> dict[str, float]:
-        """One optimizer step on encoded (prompt ids, response ids) examples; mean token NLL."""
+        """One optimizer step on encoded (prompt ids, response ids) examples; mean token NLL.
+
+        Examples are packed back to back into micro-batches of at most ``tokens_per_micro`` tokens and
+        ``micro_batch_size`` examples (:mod:`train.rl.packing`, as the RL trainer and the trainer ranks
+        pack): no compute goes to padding, and the LM head runs on the response positions only."""
+        from train.rl.packing import pack_micro_batches, packed_token_logprobs
+
         t0 = time.perf_counter()
-        pad = int(self.policy.config.pad_token_id or 0)
-        batch = make_batch([p for p, _ in examples], [r for _, r in examples], pad).to(self.policy.device)
-        total = float(batch.loss_mask.sum().clamp(min=1))
+        total = max(1, sum(len(r) for _, r in examples))
         self.policy.train()
         loss_sum = 0.0
-        for s in micro_batches(len(examples), self.cfg.micro_batch_size):
-            b = index_batch(batch, s)
-            lp = token_logprobs(self.policy, b.input_ids, b.attention_mask)
-            loss = -(lp * b.loss_mask).sum() / total
+        for rows in pack_micro_batches([len(p) + len(r) for p, r in examples], self.cfg.tokens_per_micro,
+                                       self.cfg.micro_batch_size):
+            lps = packed_token_logprobs(self.policy, [_Pair(*examples[i]) for i in rows], return_entropy=False)
+            loss = -torch.cat(lps).sum() / total
             loss.backward()
             loss_sum += float(loss.detach())
         gn = clip_and_step(self.policy, self.opt, self.sched, self.cfg.optim.grad_clip)
         self.policy.eval()
         self.step_idx += 1
         return {"step": self.step_idx - 1, "sft_loss": loss_sum, "grad_norm": gn, "lr": self.sched.get_last_lr()[0],
-                "tokens": int(total), "time_step_s": time.perf_counter() - t0}
+                "tokens": total, "time_step_s": time.perf_counter() - t0}
 
     def sample_batch(self, encoded: list) -> list:
         return [encoded[self.rng.randrange(len(encoded))] for _ in range(self.cfg.batch_size)]

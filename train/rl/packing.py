@@ -53,6 +53,13 @@ def pack_by_tokens(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
+def pack_micro_batches(lengths: Sequence[int], budget: int, max_rows: int) -> list[list[int]]:
+    """:func:`pack_by_tokens`, each micro-batch then cut into runs of at most ``max_rows`` samples (the
+    single-process trainers' ``micro_batch_size``): indices into ``lengths``."""
+    rows = max(1, int(max_rows))
+    return [mb[k:k + rows] for mb in pack_by_tokens(lengths, budget) for k in range(0, len(mb), rows)]
+
+
 def balance_across_ranks(lengths: Sequence[int], world: int) -> list[list[int]]:
     """Sample indices split over ``world`` data-parallel ranks with balanced token counts (longest
     first onto the rank holding the fewest tokens, ties to the fewest samples, then the lowest rank).

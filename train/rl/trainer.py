@@ -351,15 +351,12 @@ class RLTrainer:
     def _packs(self, rolls: list[Rollout], rows) -> list[list[int]]:
         """Rows grouped into packed micro-batches: at most ``tokens_per_micro`` tokens and
         ``micro_batch_size`` rollouts each."""
-        from train.rl.packing import pack_by_tokens
+        from train.rl.packing import pack_micro_batches
 
         rows = list(rows)
         lengths = [len(rolls[i].prompt_ids) + len(rolls[i].completion.token_ids) for i in rows]
-        out = []
-        for mb in pack_by_tokens(lengths, self.cfg.tokens_per_micro):
-            for k in range(0, len(mb), max(1, self.cfg.micro_batch_size)):
-                out.append([rows[j] for j in mb[k:k + self.cfg.micro_batch_size]])
-        return out
+        return [[rows[j] for j in mb]
+                for mb in pack_micro_batches(lengths, self.cfg.tokens_per_micro, self.cfg.micro_batch_size)]
 
     def _packed_logprobs(self, rolls: list[Rollout], rows: list[int], batch, temp: float, model=None):
         """Log-probs (with grad) and entropies of the completions of ``rows`` from one packed forward,

@@ -1,0 +1,110 @@
+"""The SFT warm-up's step, packed (``SFTTrainer.step``) vs padded (the right-padded micro-batches it
+used before, as a TRL-style trainer without packing builds them), on the tiny cascade's SFT data.
+
+Data: ``--examples`` reference answers of the tiny profile's SFT mix (``configs/profiles/tiny.yaml``:
+toy/max 2, toy/add 4, gym/catalan 1, gym/derangements 1, ifeval 2; difficulties 0-1), chat template, as
+``cascade run profile=tiny`` encodes them; a fresh ``--preset`` policy (tiny-moe, the profile's). Both
+trainers start from the same weights and take the same ``--steps`` batches of ``--batch`` examples
+(seeded draws), one step each in turn (so load from other processes hits both alike); the first
+``--warmup`` steps are not timed. The padded reference here is the previous ``SFTTrainer.step``:
+``make_batch`` (right padding to the batch's longest), ``micro_batch_size`` rows at a time,
+``token_logprobs`` with the attention mask, the same loss (response-token NLL summed over the batch /
+its response tokens) and the same AdamW.
+
+Prints ONE JSON line: ``packed_step_s`` and ``padded_step_s`` (medians of the timed steps, wall clock
+around each call, measured here), ``speedup`` (padded / packed), ``padding_frac`` (pad share of the
+padded batches), the mean example length, and ``max_param_diff`` (largest |difference| of any parameter
+after all steps: the two compute the same update up to float summation order).
+
+    python benchmarks/sft.py [--steps 24] [--batch 32] [--threads 1]
+
+Measured (2026-12-03, commit after 62e002e, this project's 2-core CPU, 1 thread, defaults): see the
+README's "Sequence packing" bullet for the figures quoted from this script.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+TINY_SFT_ENVS = {"toy/max": 2, "toy/add": 4, "gym/catalan": 1, "gym/derangements": 1, "ifeval": 2}
+
+
+def padded_step(tr, examples) -> None:
+    """The SFT step on right-padded micro-batches (the reference)."""
+    from train.batching import index_batch, make_batch, micro_batches
+    from train.model.modeling import token_logprobs
+    from train.optim import clip_and_step
+
+    batch = make_batch([p for p, _ in examples], [r for _, r in examples], 0)
+    total = float(batch.loss_mask.sum().clamp(min=1))
+    tr.policy.train()
+    for s in micro_batches(len(examples), tr.cfg.micro_batch_size):
+        b = index_batch(batch, s)
+        lp = token_logprobs(tr.policy, b.input_ids, b.attention_mask)
+        (-(lp * b.loss_mask).sum() / total).backward()
+    clip_and_step(tr.policy, tr.opt, tr.sched, tr.cfg.optim.grad_clip)
+    tr.policy.eval()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="tiny-moe")
+    ap.add_argument("--examples", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--micro", type=int, default=32, help="micro_batch_size (rows) for both")
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+
+    import torch
+
+    from train.optim import OptimConfig
+    from train.presets import init_model
+    from train.sft import SFTConfig, SFTTrainer, encode_pair, reference_pairs
+
+    torch.set_num_threads(a.threads)
+    with tempfile.TemporaryDirectory() as d:
+        model, tok = init_model(a.preset, Path(d) / "m", seed=a.seed)
+    pairs = reference_pairs(list(TINY_SFT_ENVS), a.examples, seed=a.seed, weights=list(TINY_SFT_ENVS.values()),
+                            difficulties=[0, 1])
+    enc = [encode_pair(tok, p, r, True, None) for p, r in pairs]
+    cfg = SFTConfig(batch_size=a.batch, micro_batch_size=a.micro, max_len=512,
+                    optim=OptimConfig(lr=1e-3, warmup_steps=5))
+    packed, padded = SFTTrainer(copy.deepcopy(model), tok, cfg), SFTTrainer(copy.deepcopy(model), tok, cfg)
+    rng = random.Random(a.seed)
+    batches = [[enc[rng.randrange(len(enc))] for _ in range(a.batch)] for _ in range(a.steps)]
+    t_packed, t_padded, real, slots = [], [], 0, 0
+    for i, b in enumerate(batches):
+        t = time.perf_counter()
+        packed.step(b)
+        dt_packed = time.perf_counter() - t
+        t = time.perf_counter()
+        padded_step(padded, b)
+        dt_padded = time.perf_counter() - t
+        lens = [len(p) + len(r) for p, r in b]
+        real, slots = real + sum(lens), slots + len(lens) * max(lens)
+        if i >= a.warmup:
+            t_packed.append(dt_packed)
+            t_padded.append(dt_padded)
+    with torch.no_grad():
+        diff = max(float((p - q).abs().max()) for p, q in zip(packed.policy.parameters(), padded.policy.parameters()))
+    pk, pd = statistics.median(t_packed), statistics.median(t_padded)
+    print(json.dumps({"packed_step_s": round(pk, 4), "padded_step_s": round(pd, 4), "speedup": round(pd / pk, 3),
+                      "padding_frac": round(1 - real / slots, 3), "mean_example_tokens": round(real / (a.batch * a.steps), 1),
+                      "max_param_diff": diff, "steps_timed": len(t_packed), "batch": a.batch, "threads": a.threads,
+                      "preset": a.preset}))
+
+
+if __name__ == "__main__":
+    main()
