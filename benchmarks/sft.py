@@ -18,8 +18,10 @@ after all steps: the two compute the same update up to float summation order).
 
     python benchmarks/sft.py [--steps 24] [--batch 32] [--threads 1]
 
-Measured (2026-12-03, commit after 62e002e, this project's 2-core CPU, 1 thread, defaults): see the
-README's "Sequence packing" bullet for the figures quoted from this script.
+Measured (2026-12-03, commit 0af2c6d, this project's 2-core CPU, 1 thread, defaults, one run, nothing else
+running): packed 0.361 s per step, padded 1.037 s, speedup 2.88; padding_frac 0.603 (mean example 81.3
+tokens); max_param_diff 2.3e-06 after 24 steps. Before this commit ``SFTTrainer.step`` was the padded
+column: the tiny cascade's 360 SFT steps took 359 s of its 650 s (profiled with py-spy at 62e002e).
 """
 from __future__ import annotations
 
