@@ -159,14 +159,6 @@ def encode_pair(tokenizer, prompt: str | list[dict], response: str, chat: bool,
     return p, r
 
 
-@dataclass
-class _Pair:
-    """An encoded example as :func:`train.rl.packing.packed_token_logprobs` scores it (its response)."""
-
-    prompt_ids: list[int]
-    completion_ids: list[int]
-
-
 class SFTTrainer:
     def __init__(self, policy: CausalLM, tokenizer, cfg: SFTConfig):
         self.policy, self.tokenizer, self.cfg = policy, tokenizer, cfg
@@ -193,7 +185,7 @@ class SFTTrainer:
         Examples are packed back to back into micro-batches of at most ``tokens_per_micro`` tokens and
         ``micro_batch_size`` examples (:mod:`train.rl.packing`, as the RL trainer and the trainer ranks
         pack): no compute goes to padding, and the LM head runs on the response positions only."""
-        from train.rl.packing import pack_micro_batches, packed_token_logprobs
+        from train.rl.packing import Pair, pack_micro_batches, packed_token_logprobs
 
         t0 = time.perf_counter()
         total = max(1, sum(len(r) for _, r in examples))
@@ -201,7 +193,7 @@ class SFTTrainer:
         loss_sum = 0.0
         for rows in pack_micro_batches([len(p) + len(r) for p, r in examples], self.cfg.tokens_per_micro,
                                        self.cfg.micro_batch_size):
-            lps = packed_token_logprobs(self.policy, [_Pair(*examples[i]) for i in rows], return_entropy=False)
+            lps = packed_token_logprobs(self.policy, [Pair(*examples[i]) for i in rows], return_entropy=False)
             loss = -torch.cat(lps).sum() / total
             loss.backward()
             loss_sum += float(loss.detach())

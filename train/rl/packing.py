@@ -202,6 +202,14 @@ def _per_layer_routing(r, length: int) -> list[torch.Tensor]:
 
 
 @dataclass
+class Pair:
+    """A (prompt, completion) pair of token ids as the packing functions take it (its completion scored)."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+
+
+@dataclass
 class PackedRow:
     """Sequences back to back in one row, as :func:`packed_token_logprobs` and the TSP ranks feed it
     to the model."""

@@ -147,14 +147,6 @@ class Group:
         return [r.reward for r in self.rollouts]
 
 
-@dataclass
-class _Seq:
-    """A (prompt, completion) pair as the packing functions take it."""
-
-    prompt_ids: list[int]
-    completion_ids: list[int]
-
-
 def encode_prompt(tokenizer, text: str, chat: bool = True, system: str | None = None) -> list[int]:
     if chat:
         from train.tokenizer import chat_prompt_ids
@@ -363,9 +355,9 @@ class RLTrainer:
         laid out [len(rows), W] like ``batch.loss_mask`` with W = the longest of those rows - 1
         (router replay when the engine recorded the experts)."""
         from train.rl.exchange import stack_routing
-        from train.rl.packing import packed_token_logprobs, scatter_rows
+        from train.rl.packing import Pair, packed_token_logprobs, scatter_rows
 
-        seqs = [_Seq(rolls[i].prompt_ids, rolls[i].completion.token_ids) for i in rows]
+        seqs = [Pair(rolls[i].prompt_ids, rolls[i].completion.token_ids) for i in rows]
         routed = [rolls[i].completion.routed_experts for i in rows]
         routed = [stack_routing(r) for r in routed] if all(r is not None for r in routed) else None
         lps, ents = packed_token_logprobs(self.policy if model is None else model, seqs, temp, routed_experts=routed,
