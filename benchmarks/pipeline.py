@@ -47,6 +47,11 @@ Re-run on 2026-12-03 at commit 5e45654 (the trainer skips rollouts without a los
 batches do not have: the same arithmetic), default setting, 3 runs one after another: async speedup 0.95,
 1.07, 1.23 (median 1.07, min 0.95); sync steps/s 1.29-1.39, async 1.32-1.58; ceiling at any mix 1.44-1.84;
 max_lag_seen 2.
+Re-run on 2026-12-03 at commit 9d0c4d7 (the trainer's micro-batches now come from
+``train.rl.packing.pack_micro_batches``: the same grouping), default setting, one run, part of it beside a
+test run on the same cores (so both loops were slower than above): async speedup 1.28 (sync 0.745 steps/s,
+async 0.951); overlap ceiling 2.03 and ceiling at any mix 2.78, inflated by that load on the timed-alone
+sides; max_lag_seen 2. Not a figure for the goal: the three unloaded runs above are.
 
 With the rollouts on a ``cascade serve`` process (``--servers 1``, one thread there, the trainer's two here;
 commit 146e6d5, one run): async speedup 0.57 (sync 1.79 steps/s, async 1.01), the trainer busy 99.8% of

@@ -56,7 +56,8 @@ this order): default TSP D=2 8.56 s against 5.49 s (0.64), ``--tsp 1 --dp 2`` 4.
 ``--arch zaya`` 9.15 s against 5.22 s (0.57): inside the ranges above. Re-run at 5e45654 (RLUpdater's
 buffer names, the balancing rule's no-token case, the reference step skipping dropped rollouts; one run
 each): ``--arch zaya`` 10.49 s against 6.74 s (0.64), default 9.67 s against 6.33 s (0.66), ``--tsp 1 --dp 2``
-5.57 s against 6.80 s (1.22): inside the ranges above.
+5.57 s against 6.80 s (1.22): inside the ranges above. Re-run at 9d0c4d7 (``TrainSample.trained``; one run,
+default): TSP D=2 9.11 s against 5.67 s (0.62), inside the range; ``--arch zaya`` and ``--dp 2`` not re-run.
 
 TSP is a memory layout first (each rank holds 1/D of the weights and activations, see
 benchmarks/parallel.py); on 2 CPU cores it pays for its weight ring with gloo transfers that one
