@@ -38,40 +38,43 @@ Task: ``toy/max`` at difficulty 2 (the largest of 4 digits). Checking is easier 
 matters to an aggregator: every candidate answers with a digit of the list, so the largest of the C shown
 answers is right whenever any one of them is; choosing the largest of 4 boxed answers is a smaller problem
 than the task and needs nothing the task does not. After the warm-up the policy is partly right and its
-samples disagree (after RL, round-0 pass@8 0.688-0.953 against single 0.248-0.916 below), so there is
+samples disagree (after RL, round-0 pass@8 0.656-0.938 against single 0.334-0.824 below), so there is
 room to aggregate.
 
 Figures are accuracies on the 64 held-out problems; "r1" is round 1's accuracy and "r1 ceiling" its
 perfect-picker bound; "cut" counts RSA traces (of 64 x 8 x 3 = 1,536) that hit beta.
 
-Measured on 2026-12-02 (this session's fresh 2-core CPU, commit ff81563, defaults, ``--jobs 2``: 720 s
-wall, 360 / 375 / 353 s per seed; trajectories depend on the machine's float kernels, and other CPUs
-and earlier commits gave other figures, in git history):
+Measured on 2026-12-03 (2-core CPU, commit 08a6f4d: the SFT warm-up packs its examples since 0af2c6d,
+which changes the SFT start; defaults, ``--jobs 2``: 797 s wall, 398 / 507 / 391 s per seed; that seed 2 ran
+with an engine change not kept, so it was run again alone at 08a6f4d: 403 s, the same figures; trajectories depend on the machine's
+float kernels, and other CPUs and earlier commits gave other figures, in git history):
 
 | seed | agg single | agg maj. | agg rsa | agg r1 / ceiling | agg cut | abl. single | abl. maj. | abl. rsa | abl. cut |
 | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
-| 0 | 0.682 | 0.688 | 0.557 | 0.684 / 0.688 | 1535 | 0.824 | 0.828 | 0.440 | 355 |
-| 1 | 0.471 | 0.578 | 0.670 | 0.617 / 0.754 | 95 | 0.916 | 0.938 | 0.170 | 511 |
-| 2 | 0.248 | 0.250 | 0.258 | 0.279 / 0.596 | 0 | 0.289 | 0.328 | 0.123 | 653 |
+| 0 | 0.508 | 0.562 | 0.615 | 0.631 / 0.639 | 15 | 0.824 | 0.828 | 0.690 | 77 |
+| 1 | 0.721 | 0.734 | 0.713 | 0.719 / 0.830 | 1 | 0.787 | 0.828 | 0.002 | 1022 |
+| 2 | 0.334 | 0.344 | 0.354 | 0.346 / 0.654 | 4 | 0.565 | 0.641 | 0.275 | 0 |
 
-``rsa_gain_points`` -12.5 / +19.9 / +1.0 (median +1.0, min -12.5); ``rsa_vs_ablation_points`` +11.7 /
-+50.0 / +13.5 (median +13.5, min +11.7); ``goal_met`` false (the goal is RSA over the policy's own
-single sample: median +10). At e925322 on the previous session's machine the same seeds gave
-``rsa_gain_points`` median -3.1, min -46.3, and against the ablation median +2.3, min +0.4.
+``rsa_gain_points`` +10.7 / -0.8 / +1.9 (median +1.9, min -0.8); ``rsa_vs_ablation_points`` -7.4 /
++71.1 / +7.8 (median +7.8, min -7.4); ``goal_met`` false (the goal is RSA over the policy's own
+single sample: median +10). At ff81563 (SFT on padded batches; the previous session's machine) the same
+seeds gave ``rsa_gain_points`` -12.5 / +19.9 / +1.0 and against the ablation +11.7 / +50.0 / +13.5; at
+e925322 median -3.1 (min -46.3) and +2.3 (min +0.4).
 
 Why the goal is not met (what the figures say):
 
 - Training on aggregation prompts teaches the policy to *read* them: the ablation, never trained on
-  such prompts, loses on them on every seed (rsa 0.123-0.440 against single 0.289-0.916, with 355-653
-  of 1,536 traces cut at beta), while the agg policy's round 1 answers them at least as well as plain
-  problems (0.617-0.684 and 0.279 against single 0.682, 0.471, 0.248).
-- Picking from them happened on one seed: on seed 1 round 1 (0.617) and RSA (0.670) beat single
-  (0.471) and majority (0.578), +19.9 points. On seed 0 RL made the policy deterministic per problem
-  (single 0.682, pass@8 0.688: nothing left to aggregate) and in later rounds nearly every trace ran
-  to beta (1,535 cut), so RSA fell to 0.557. Seed 2's RL barely took off (agg reward 0.24 -> 0.26).
+  such prompts, loses on them on every seed (rsa 0.002-0.690 against its single 0.565-0.824; on seed 1
+  1,022 of 1,536 traces ran to beta), while the agg policy's round 1 answers them at least as well as
+  plain problems (0.631 / 0.719 / 0.346 against single 0.508 / 0.721 / 0.334).
+- Picking from them happened on one seed: on seed 0 round 1 (0.631, its perfect-picker ceiling 0.639)
+  and RSA (0.615) beat single (0.508) and majority (0.562), +10.7 points. On seeds 1 and 2 a shown
+  tail was right far more often than round 1 was (ceiling 0.830 and 0.654 against 0.719 and 0.346):
+  the policy answers an aggregation prompt about as it answers the bare problem, without choosing
+  the largest shown answer. Seed 2's RL barely took off (agg reward 0.23 -> 0.32 over the run).
 - The aggregation share is paid for in single-sample accuracy: the ablation, all of whose RL went to
-  plain problems, ends at single 0.824 and 0.916 on seeds 0 and 1 against the agg policy's 0.682 and
-  0.471. 1,372-2,142 aggregation prompts of reward alone are little for a 0.8M-parameter policy.
+  plain problems, ends at single 0.824 / 0.787 / 0.565 against the agg policy's 0.508 / 0.721 / 0.334.
+  1,629-1,874 aggregation prompts of reward alone are little for a 0.8M-parameter policy.
 """
 from __future__ import annotations
 
