@@ -46,6 +46,15 @@ def tiny_dense_dir(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def warm(tmp_path_factory):
+    """The SFT-warmed tiny dense policy of tests/test_rl_loop.py, computed once for every module that
+    trains from it."""
+    from tests.test_rl_loop import warm_start
+
+    return warm_start(tmp_path_factory)
+
+
 def hf_random_model(kind: str, seed: int = 0, **kw):
     """A tiny random Qwen3 / Qwen3-MoE model made with transformers, weights spread out so that
     attention and routing are far from uniform."""

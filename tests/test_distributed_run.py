@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from tests.test_rl_loop import one_thread, warm  # noqa: F401 (fixtures)
+from tests.test_rl_loop import one_thread  # noqa: F401 (fixture)
 
 STAGE = ["stage=rlve", "profile=tiny", "logging.progress=false", "envs={toy/max: 1}", "controller=fixed",
          "controller_kwargs={difficulty: 1}", "rl.chat_template=false", "rl.sampling.max_new_tokens=10",

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from envs.base import Problem, Score
-from tests.test_rl_loop import make_trainer, one_thread, warm  # noqa: F401 (fixtures)
+from tests.test_rl_loop import make_trainer, one_thread  # noqa: F401 (fixture)
 from train.engine.base import Completion
 from train.optim import OptimConfig
 from train.rl.pipeline import Pipeline, RolloutBuffer

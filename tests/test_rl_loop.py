@@ -1,6 +1,6 @@
 """Acceptance tests of the RL loop (train/rl/trainer.py) on CPU with a tiny dense policy.
 
-One module-scoped warm start: a fresh ``tiny-dense`` model, SFT on ``toy/max`` reference answers
+One warm start for the session (conftest.py's ``warm``): a fresh ``tiny-dense`` model, SFT on ``toy/max`` reference answers
 for a few steps (enough to learn the answer format and part of the task). Every test builds its
 own trainer, engine and curriculum from a copy of those weights, so tests do not interact.
 Torch runs on one intra-op thread here (restored afterwards): tiny models train 10-30x faster
@@ -40,16 +40,22 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-@pytest.fixture(scope="module")
-def warm(tmp_path_factory, one_thread):
-    """(state_dict, tokenizer) of the policy after a short SFT warm-up."""
-    torch.manual_seed(SEED)
-    model, tok = init_model("tiny-dense", tmp_path_factory.mktemp("rl-loop-init"), seed=SEED)
-    sft = SFTTrainer(model, tok, SFTConfig(batch_size=32, chat_template=False, seed=SEED,
-                                           optim=OptimConfig(lr=3e-3, warmup_steps=5)))
-    enc = sft.encode(reference_pairs([ENV], 2000, seed=SEED + 1, difficulties=(DIFFICULTY,), think=False))
-    for _ in range(SFT_STEPS):
-        sft.step(sft.sample_batch(enc))
+def warm_start(tmp_path_factory):
+    """(state_dict, tokenizer, model) of the policy after a short SFT warm-up, on one intra-op thread.
+    The session fixture ``warm`` (conftest.py) computes it once for this module, test_pipeline.py and
+    test_distributed_run.py; tests copy the model, never change it."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(SEED)
+        model, tok = init_model("tiny-dense", tmp_path_factory.mktemp("rl-loop-init"), seed=SEED)
+        sft = SFTTrainer(model, tok, SFTConfig(batch_size=32, chat_template=False, seed=SEED,
+                                               optim=OptimConfig(lr=3e-3, warmup_steps=5)))
+        enc = sft.encode(reference_pairs([ENV], 2000, seed=SEED + 1, difficulties=(DIFFICULTY,), think=False))
+        for _ in range(SFT_STEPS):
+            sft.step(sft.sample_batch(enc))
+    finally:
+        torch.set_num_threads(n)
     return copy.deepcopy(model.state_dict()), tok, model
 
 
