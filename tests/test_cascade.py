@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from cascade.checkpoint import COMPLETE
+from tests.conftest import cascade_here
 
 # every stage tiny: a couple of SFT and RL steps, a checkpoint every step
 TINY = ["profile=tiny", "logging.progress=false",
@@ -36,7 +37,7 @@ def cascade(*args, env=None, timeout=900):
 ])
 def test_bad_configs_fail_before_any_work(tmp_path, args, needle):
     out = tmp_path / "run"
-    r = cascade("run", f"out={out}", *args)
+    r = cascade_here("run", f"out={out}", *args)  # the entry point's code in this process (tests/conftest.py)
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
     assert not (out / "stages").exists()

@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 
+from tests.conftest import cascade_here
 from tests.test_rl_loop import one_thread  # noqa: F401 (fixture)
 
 STAGE = ["stage=rlve", "profile=tiny", "logging.progress=false", "envs={toy/max: 1}", "controller=fixed",
@@ -160,7 +161,7 @@ def test_kill_9_of_the_run_resumes_trainer_ranks_and_orchestrator_in_step(warm_d
 ])
 def test_bad_layouts_fail_before_any_work(warm_dir, tmp_path, args, needle):
     out = tmp_path / "run"
-    r = cascade(f"out={out}", f"model={warm_dir}", *STAGE, *args, timeout=120)
+    r = cascade_here("run", f"out={out}", f"model={warm_dir}", *STAGE, *args)  # the entry point's code, in this process
     assert r.returncode == 2, r.stderr[-2000:]
     assert needle in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
     assert not list((out / "stages").glob("*/checkpoints/*"))

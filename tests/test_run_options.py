@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.conftest import cascade_here
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -25,10 +27,15 @@ def cascade(*args, cwd=None, env=None):
                           text=True, timeout=300)
 
 
+def here(*args):
+    """``cascade ARGS`` in this process (tests/conftest.py): for calls that only print or refuse a config."""
+    return cascade_here(*args, cwd=ROOT)
+
+
 # -- config=FILE.yaml and print_config ------------------------------------------------------------
 def test_print_config_prints_every_key_and_does_no_work(tmp_path):
     out = tmp_path / "run"
-    r = cascade("run", "profile=tiny", f"out={out}", "print_config=true")
+    r = here("run", "profile=tiny", f"out={out}", "print_config=true")
     assert r.returncode == 0, r.stderr
     cfg = yaml.safe_load(r.stdout)
     assert cfg["out"] == str(out)
@@ -41,7 +48,7 @@ def test_print_config_prints_every_key_and_does_no_work(tmp_path):
     # the printed configuration is itself a valid config file that resolves to the same configuration
     f = tmp_path / "printed.yaml"
     f.write_text(r.stdout)
-    again = cascade("run", f"config={f}", "print_config=true")
+    again = here("run", f"config={f}", "print_config=true")
     assert again.returncode == 0, again.stderr
     assert again.stdout == r.stdout
 
@@ -54,7 +61,7 @@ def test_config_file_applies_after_the_profile_and_before_the_command_line(tmp_p
                  "vllm.max_model_len: 4096\n"                       # dotted, like the command line
                  "logging: {wandb: true}\n"
                  "envs: {toy/add: 1}\n")                            # a mapping held as one value: replaced whole
-    r = cascade("run", "profile=tiny", f"config={f}", "rl.group_size=5", "print_config=true")
+    r = here("run", "profile=tiny", f"config={f}", "rl.group_size=5", "print_config=true")
     assert r.returncode == 0, r.stderr
     cfg = yaml.safe_load(r.stdout)
     math = cfg["stages"]["math"]
@@ -65,7 +72,7 @@ def test_config_file_applies_after_the_profile_and_before_the_command_line(tmp_p
     assert math["envs"] == {"toy/add": 1.0}
     assert cfg["vllm"]["max_model_len"] == 4096
     assert cfg["logging"]["wandb"] is True and cfg["logging"]["progress"] is True  # siblings kept
-    tiny = yaml.safe_load(cascade("run", "profile=tiny", "print_config=true").stdout)
+    tiny = yaml.safe_load(here("run", "profile=tiny", "print_config=true").stdout)
     assert cfg["stages"]["rlve"] == tiny["stages"]["rlve"]  # other stages untouched
 
 
@@ -77,7 +84,7 @@ def test_config_file_applies_after_the_profile_and_before_the_command_line(tmp_p
 def test_a_bad_key_in_the_config_file_is_named_with_the_valid_ones(tmp_path, text, bad, valid):
     f = tmp_path / "bad.yaml"
     f.write_text(text)
-    r = cascade("run", "stage=math", f"config={f}", "print_config=true")
+    r = here("run", "stage=math", f"config={f}", "print_config=true")
     assert r.returncode == 2
     err = r.stderr.strip()
     assert str(f) in err and bad in err and valid in err and "Traceback" not in err
@@ -85,11 +92,11 @@ def test_a_bad_key_in_the_config_file_is_named_with_the_valid_ones(tmp_path, tex
 
 
 def test_config_file_errors_are_one_line(tmp_path):
-    r = cascade("run", f"config={tmp_path / 'missing.yaml'}", "print_config=true")
+    r = here("run", f"config={tmp_path / 'missing.yaml'}", "print_config=true")
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
     f = tmp_path / "list.yaml"
     f.write_text("- a\n- b\n")
-    r = cascade("run", f"config={f}", "print_config=true")
+    r = here("run", f"config={f}", "print_config=true")
     assert r.returncode == 2 and "must hold a mapping" in r.stderr
 
 
@@ -105,11 +112,11 @@ def _old_run(out: Path) -> None:
 def test_resume_false_refuses_a_directory_holding_a_run(tmp_path):
     out = tmp_path / "run"
     _old_run(out)
-    r = cascade("run", "profile=tiny", f"out={out}", "resume=false")
+    r = here("run", "profile=tiny", f"out={out}", "resume=false")
     assert r.returncode == 2
     assert "holds a previous run" in r.stderr and "overwrite=true" in r.stderr and "out=" in r.stderr
     assert (out / "metrics.jsonl").exists() and (out / "stages").exists()  # nothing touched
-    r = cascade("run", "profile=tiny", f"out={out}", "resume=maybe")
+    r = here("run", "profile=tiny", f"out={out}", "resume=maybe")
     assert r.returncode == 2 and "resume must be true or false" in r.stderr
 
 
