@@ -57,7 +57,11 @@ this order): default TSP D=2 8.56 s against 5.49 s (0.64), ``--tsp 1 --dp 2`` 4.
 buffer names, the balancing rule's no-token case, the reference step skipping dropped rollouts; one run
 each): ``--arch zaya`` 10.49 s against 6.74 s (0.64), default 9.67 s against 6.33 s (0.66), ``--tsp 1 --dp 2``
 5.57 s against 6.80 s (1.22): inside the ranges above. Re-run at 9d0c4d7 (``TrainSample.trained``; one run,
-default): TSP D=2 9.11 s against 5.67 s (0.62), inside the range; ``--arch zaya`` and ``--dp 2`` not re-run.
+default): TSP D=2 9.11 s against 5.67 s (0.62), inside the range. Re-run at fd54a0c (the same code as 9d0c4d7
+for these steps; three runs of ``--tsp 1 --dp 2``, two of ``--arch zaya``, interleaved): ``--tsp 1 --dp 2``
+4.99, 4.90, 5.33 s against 5.25, 5.63, 5.88 s (1.05, 1.15, 1.10: below the earlier 1.15-1.37, the one-process
+step this time as fast as the ranks'), ``--arch zaya`` 9.02, 9.46 s against 6.23, 6.63 s (0.69, 0.70: above
+the earlier 0.54-0.65; the same setting moved by up to 25% between runs on this machine before).
 
 TSP is a memory layout first (each rank holds 1/D of the weights and activations, see
 benchmarks/parallel.py); on 2 CPU cores it pays for its weight ring with gloo transfers that one

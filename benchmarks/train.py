@@ -36,7 +36,9 @@ Re-run on 2026-12-02 on another machine, about half as fast (defaults, ``--threa
 commit a98c40b (packing refactored into ``pack_row``, the same operations): train 5.7k tok/s, padded
 1.41k, hf 1.45k, train_ratio 3.96, packed_vs_padded 4.09; and at 33fa95f (the chunked LM head through
 ``logit_stats``, the same arithmetic): train 6.4k, padded 1.53k, hf 1.35k, train_ratio 4.74,
-packed_vs_padded 4.18 (one run each: hf's rate moved 7% between them).
+packed_vs_padded 4.18 (one run each: hf's rate moved 7% between them). Re-run at fd54a0c (the packing of
+the trainer's micro-batches shared with the SFT warm-up since 0af2c6d; this script's path computes the same):
+train 6.1k, padded 1.45k, hf 1.30k, train_ratio 4.68, packed_vs_padded 4.18 (one run, load 1.1).
 Packed costs about what padded costs per slot, so its gain is the padding it removes (plus the quadratic
 attention over pad); in a profile of the earlier code's packed step, SDPA forward + backward was about a third of the time, GEMMs a
 third. With 2 threads on the loaded box, small ops ran 40x slower (OpenMP waits), hence ``--threads 1``.
