@@ -17,15 +17,22 @@ fractions of the async run, the mean time of one rollout batch and one update in
     python benchmarks/pipeline.py --threads 1     # both runs on one intra-op thread
     python benchmarks/pipeline.py --servers 1     # async rollouts on a `cascade serve` process
 
-Also printed: ``async_threads`` (the pipeline's split of torch's threads: rollout, update) and two
+Also printed: ``async_threads`` (the pipeline's split of torch's threads: rollout, update) and three
 ceilings measured on the synchronous trainer, each side timed alone on its share of the threads:
-``overlap_ceiling``, the best the pipeline can do at this mix (sync step time / the longer of the two
-sides alone), and ``overlap_ceiling_any_mix``, the best at any rollout:update mix (1/a + 1/b, a and b
-each side's speed-up from its share to all the threads: where both sides take equally long alone).
+``overlap_ceiling``, the best a fixed split can do at this mix (sync step time / the longer of the two
+sides alone); ``overlap_ceiling_lending``, the best any schedule can do at this mix (both sides on
+their shares until the shorter ends, then the rest of the longer on all the threads:
+:func:`lending_step`); and ``overlap_ceiling_any_mix``, the best at any rollout:update mix (1/a + 1/b,
+a and b each side's speed-up from its share to all the threads: where both sides take equally long
+alone).
 
 The update borrows the rollout thread's share whenever the producer waits (train/rl/pipeline.py,
-``Pipeline.lend_threads``), so the pipeline can beat ``overlap_ceiling`` (a fixed split); no schedule
-of the two sides on these cores beats ``overlap_ceiling_any_mix``.
+``Pipeline.lend_threads``), so the pipeline can beat ``overlap_ceiling`` (a fixed split) and at best
+reach ``overlap_ceiling_lending``; no workload's mix on these cores beats ``overlap_ceiling_any_mix``.
+The GIL is not what holds the overlap back: py-spy ``--gil`` (100 Hz) over a default run (2026-12-03)
+found it held 1.3 s by the main thread's timed steps of both loops (about 15 s) and 0.85 s by the
+producer thread: at most 2.1 s of the pipelined loop's ~7 s, so rollouts in another process would
+free little.
 
 Measured on this project's 2-core CPU (2026-12-02, another machine than the previous figures': its
 synchronous steps are about half as fast, and run-to-run noise is large: the synchronous rate of one
@@ -58,6 +65,13 @@ commit 146e6d5, one run): async speedup 0.57 (sync 1.79 steps/s, async 1.01), th
 the time: three threads on two cores, and every step's version published through files for the server
 to reload (``sync_every=1``), cost more than the overlap wins on this machine.
 
+With ``overlap_ceiling_lending`` (added at 8dc7021; runs one after another, quiet machine): default
+setting, async speedup 1.14, 0.88, 1.16 against a lending ceiling of 1.26, 1.12, 1.28 (any mix 1.51, 1.19,
+1.51; rollout s / update s in the sync run 0.17-0.24 / 0.38-0.48); 256 tokens with 16 stop tokens, 0.94 and
+1.71 against 1.32 and 1.60 (any mix 1.36, 1.67): in that second run the synchronous baseline was slow
+(0.78 steps/s against 1.19 in the first, the rollout 0.68 s against 0.39), which lifts the ratio above
+a ceiling taken from sides timed at other moments.
+
 max_lag_seen 2 and no group dropped as stale in every run; the two sides of each run generate the
 same response lengths (mean 47.1 of 48 tokens by default; 61.2 with 16 stop tokens and 256 new
 tokens).
@@ -67,8 +81,10 @@ default and 1.27 with long-tailed responses (one run of twelve above 1.5). Lendi
 threads to the update lifted the default setting from a median 0.96 to 1.24, above the fixed
 split's ceiling (0.91-1.09: by default the update takes about 2.5x the rollout, so with a fixed
 split the rollout thread idles most of the time); with long-tailed responses, where the two sides
-are closer, the difference (median 1.27 against 1.17) is inside the noise. The bound on these two
-cores is ``overlap_ceiling_any_mix``, 1.39-1.71 here (1.32-1.37 on the previous machine): each side
+are closer, the difference (median 1.27 against 1.17) is inside the noise. At the default mix no
+schedule on these cores reaches 1.5: ``overlap_ceiling_lending`` is 1.12-1.28, and the pipeline reaches
+0.79-0.91 of it; the bound for a workload whose sides take equally long alone is
+``overlap_ceiling_any_mix``, 1.19-1.71 over these runs (1.32-1.37 on the previous machine): each side
 runs only part-faster on two cores than on one, and giving one core to each costs most of what
 overlapping wins. One thread for both loops, a regime that flatters the overlap (its synchronous
 baseline is slower than the 2-thread one), gives 1.32x.
@@ -140,6 +156,15 @@ def timed(step, steps: int, warmup: int) -> tuple[float, list[dict]]:
     return steps / (time.perf_counter() - t), ms[warmup:]
 
 
+def lending_step(r_share: float, u_share: float, r_all: float, u_all: float) -> float:
+    """The shortest step two sides can take on these cores at this mix: each alone takes ``*_share``
+    seconds on its share of the threads and ``*_all`` on all of them; both run together until the
+    shorter ends, then the longer runs what is left of it on all the threads."""
+    if r_share <= u_share:
+        return r_share + (1 - r_share / u_share) * u_all
+    return u_share + (1 - u_share / r_share) * r_all
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=8)
@@ -206,6 +231,10 @@ def main() -> None:
         "split_rollout_s": round(apart_r, 3) if apart_r else None,
         "split_train_s": round(apart_u, 3) if apart_u else None,
         "overlap_ceiling": round(1 / sync_sps / max(apart_r, apart_u), 3) if apart_r else None,
+        # the best at this mix when a side that is done lends its threads (Pipeline.lend_threads): both
+        # sides on their shares until the shorter ends, the rest of the longer on all the threads
+        "overlap_ceiling_lending": round(1 / sync_sps / lending_step(apart_r, apart_u, sync_r, sync_u), 3)
+        if apart_r else None,
         # the best over any rollout:update mix (at the mix where both sides take equally long alone):
         # 1/a + 1/b, a and b each side's speed-up from its thread share to all the threads
         "overlap_ceiling_any_mix": round(sync_r / apart_r + sync_u / apart_u, 3) if apart_r else None,
