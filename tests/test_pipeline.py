@@ -305,3 +305,16 @@ def test_bf16_master_weights_take_up_weights_changed_elsewhere():
 
     assert run(resync=True) == pytest.approx(2.0, abs=0.02)
     assert run(resync=False) == pytest.approx(1.0, abs=0.02)  # the bug the resync prevents
+
+
+def test_lending_ceiling_of_the_pipeline_benchmark():
+    """benchmarks/pipeline.py's ``overlap_ceiling_lending`` step, by hand: rollout 0.2 s and update 0.55 s
+    on one thread each, 0.16 s and 0.42 s on both. Together for 0.2 s (the update 0.2/0.55 done), then the
+    update's remaining 0.35/0.55 on both threads: 0.2 + 0.42 * 0.35/0.55 = 0.4673 s; the other way round
+    alike; two sides whose share is as fast as all the threads overlap completely."""
+    from benchmarks.pipeline import lending_step
+
+    assert lending_step(0.2, 0.55, 0.16, 0.42) == pytest.approx(0.2 + 0.42 * 0.35 / 0.55)
+    assert lending_step(0.55, 0.2, 0.42, 0.16) == pytest.approx(0.2 + 0.42 * 0.35 / 0.55)
+    assert lending_step(0.3, 0.3, 0.3, 0.3) == pytest.approx(0.3)
+    assert lending_step(0.2, 0.5, 0.2, 0.5) == pytest.approx(0.5)
