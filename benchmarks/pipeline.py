@@ -65,8 +65,8 @@ commit 146e6d5, one run): async speedup 0.57 (sync 1.79 steps/s, async 1.01), th
 the time: three threads on two cores, and every step's version published through files for the server
 to reload (``sync_every=1``), cost more than the overlap wins on this machine.
 
-With ``overlap_ceiling_lending`` (added at 8dc7021; runs one after another, quiet machine): default
-setting, async speedup 1.14, 0.88, 1.16 against a lending ceiling of 1.26, 1.12, 1.28 (any mix 1.51, 1.19,
+With ``overlap_ceiling_lending`` (commit 8dc7021 plus this field, added in 1ff29ba; runs one after
+another): default setting, async speedup 1.14, 0.88, 1.16 against a lending ceiling of 1.26, 1.12, 1.28 (any mix 1.51, 1.19,
 1.51; rollout s / update s in the sync run 0.17-0.24 / 0.38-0.48); 256 tokens with 16 stop tokens, 0.94 and
 1.71 against 1.32 and 1.60 (any mix 1.36, 1.67): in that second run the synchronous baseline was slow
 (0.78 steps/s against 1.19 in the first, the rollout 0.68 s against 0.39), which lifts the ratio above
