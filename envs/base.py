@@ -123,6 +123,11 @@ class Environment:
         raise NotImplementedError
 
     # -- provided -----------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """One-time work before the first ``generate`` (e.g. importing a third-party task's modules).
+        Idempotent. The generation time bounds (:mod:`envs.caps`, the self-check) call it before
+        their clock starts, so a slow first import is not taken for a slow generator."""
+
     def heldout(self, seed: int, difficulty: int) -> Problem:
         """A problem for held-out evaluation. Procedural environments give ``generate``'s (the stage
         evaluates on seeds training does not draw); environments over a fixed set of problems (the

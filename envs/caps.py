@@ -12,8 +12,10 @@ searches for puzzles with a minimum number of moves and may not return). Two saf
 * **A bound at run time.** Environments that set ``generate_time_limit`` (the third-party
   adapters ``rg/``, ``rlve/``, ``rc/``) get a ``generate`` that waits at most that long; past it,
   the problem is generated one level lower, and the level is capped for the rest of the process;
-  at difficulty 0 another seed is drawn (three times, then an error). The overdue call is abandoned in a daemon thread (a thread cannot be
-  killed; it may keep a core busy until it returns), so a run never stalls on one generator.
+  at difficulty 0 another seed is drawn (three times, then an error). The environment's one-time
+  ``prepare()`` (importing a third-party task) runs before the clock starts. The overdue call is
+  abandoned in a daemon thread (a thread cannot be killed; it may keep a core busy until it
+  returns), so a run never stalls on one generator.
 
 ``CASCADE_NO_DIFFICULTY_CAPS=1`` disables both (the self-check sets it to measure the generators
 themselves); ``CASCADE_DIFFICULTY_CAPS=PATH`` reads caps from another file.
@@ -87,6 +89,7 @@ def bound_generate(env, limit: float) -> None:
     inner = env.generate
 
     def generate(seed: int, difficulty: int):
+        env.prepare()  # one-time loading is not generation: before the clock starts
         seed0, tries = seed, 0
         d = int(difficulty)
         cap = getattr(env, "max_difficulty", None)

@@ -184,6 +184,10 @@ def _check_stats(env_id: str, difficulties: list[int], seeds: list[int], env_kwa
         env = get_env(env_id, **(env_kwargs or {}))
     except Exception as e:  # noqa: BLE001
         return env_id, [f"{env_id}: cannot build: {type(e).__name__}: {e}"], time.perf_counter() - t, stats
+    try:
+        env.prepare()  # one-time loading, not timed as a generate
+    except Exception as e:  # noqa: BLE001
+        return env_id, [f"{env_id}: cannot prepare: {type(e).__name__}: {e}"], time.perf_counter() - t, stats
     _instrument(env, stats, notify)
     return env_id, self_check(env, difficulties, seeds), time.perf_counter() - t, stats
 

@@ -97,6 +97,9 @@ class ReasoningCoreEnv(BoxedOrTagged, Environment):
                 self._task_obj = self._rc.get_task(self.name)
         return self._task_obj
 
+    def prepare(self) -> None:
+        self._task()  # importing the task's modules takes seconds: outside the generation time bound
+
     def _generate_at(self, seed: int, level: int):
         import numpy as np
 

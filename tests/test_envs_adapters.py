@@ -111,6 +111,33 @@ def test_run_time_bound_draws_another_seed_at_the_easiest_level():
     assert env.verify(p, env.reference_response(p)).correct  # the problem carries the seed it came from
 
 
+@register("test/slow_prepare")
+class _SlowPrepare(_SlowGen):
+    """A slow one-time load (as reasoning-core's task imports) and a fast generator at every level."""
+
+    def __init__(self):
+        self.prepared = 0
+
+    def prepare(self):
+        if not self.prepared:
+            time.sleep(1.0)
+        self.prepared += 1
+
+    def generate(self, seed, difficulty):
+        assert self.prepared, "generate before prepare"
+        return self.problem(f"say {seed % 7}", str(seed % 7), seed, difficulty)
+
+
+def test_one_time_preparation_is_not_taken_for_a_slow_generator():
+    env = _SlowPrepare()
+    bound_generate(env, 0.3)
+    p = env.generate(5, 3)  # the 1 s load exceeds the bound, but runs before its clock
+    assert (p.seed, p.difficulty, env.max_difficulty) == (5, 3, None)
+    results = list(check_ids(["test/slow_prepare"], [0, 3], [0], jobs=1, gen_limit=0.3))
+    assert results[0].failures == [] and results[0].cap is None
+    assert results[0].stats["gen_max_s"] < 0.3 <= results[0].seconds
+
+
 def test_get_env_bounds_adapter_generators():
     env = get_env("test/slow_gen")
     assert getattr(env.generate, "__wrapped__", None) is not None  # the run-time bound is in place
