@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from envs.base import Problem, Score, last_boxed, strip_think
+from envs.base import Problem, Score, last_boxed_span, strip_think
 
 MAX_ANSWER_CHARS = 10_000
 
@@ -61,20 +61,33 @@ def balanced(s: str) -> bool:
     return depth == 0
 
 
+_TAG = ("<answer>", "</answer>")
+
+
+def last_tagged_or_boxed(text: str) -> str | None:
+    """The content of the last complete ``<answer>...</answer>`` (as written) or ``\\boxed{...}``
+    (stripped) in ``text``, whichever comes later; None if there is neither."""
+    bpos, boxed = last_boxed_span(text) or (-1, None)
+    apos = text.rfind(_TAG[0])
+    if apos > bpos:
+        end = text.find(_TAG[1], apos)
+        if end >= 0:
+            return text[apos + len(_TAG[0]):end]
+        # an unclosed last <answer>: the last complete one before it, if any (the last opening
+        # before the last closing; one search each, however many unclosed openings there are)
+        apos = text.rfind(_TAG[0], 0, max(0, text.rfind(_TAG[1])))
+        if apos > bpos:
+            return text[apos + len(_TAG[0]):text.find(_TAG[1], apos)]
+    return boxed
+
+
 class BoxedOrTagged:
     """Answer handling for adapters whose answers go in the last ``\\boxed{}`` or
     ``<answer>...</answer>`` (whichever comes last) after any thinking; mixed into an Environment."""
 
     def extract(self, response: str) -> str | None:
-        text = strip_think(response)
-        boxed = last_boxed(text)
-        bpos = text.rfind("\\boxed") if boxed is not None else -1
-        apos = text.rfind("<answer>")
-        if apos > bpos:
-            end = text.find("</answer>", apos)
-            if end >= 0:
-                return text[apos + len("<answer>"):end].strip()
-        return boxed
+        got = last_tagged_or_boxed(strip_think(response))
+        return None if got is None else got.strip()
 
     def format_answer(self, answer) -> str:
         return "" if answer is None else str(answer)

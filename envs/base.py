@@ -16,7 +16,7 @@ from typing import Any, Callable, ClassVar
 
 __all__ = [
     "Problem", "Score", "Environment", "register", "get_env", "get_env_class", "list_envs",
-    "load_entry_points", "last_boxed", "UnknownEnvironmentError", "env_info",
+    "load_entry_points", "last_boxed", "last_boxed_span", "UnknownEnvironmentError", "env_info",
 ]
 
 
@@ -54,33 +54,42 @@ class Score:
 
 
 _BOXED = "\\boxed"
+_BRACE = re.compile(r"[{}]")
+_SPACES = re.compile(r" *")
+
+
+def last_boxed_span(text: str) -> tuple[int, str] | None:
+    """``(start, content)`` of the last ``\\boxed{...}`` in ``text`` whose braces balance, or None.
+
+    Linear in the length of the text (one pass pairs every brace after the first ``\\boxed``, so an
+    output of thousands of unclosed ``\\boxed{`` costs no more than its length); never raises."""
+    if not isinstance(text, str):
+        return None
+    first = text.find(_BOXED)
+    if first < 0:
+        return None
+    close: dict[int, int] = {}  # position of each "{" -> its matching "}"
+    opened: list[int] = []
+    for m in _BRACE.finditer(text, first):
+        if m.group() == "{":
+            opened.append(m.start())
+        elif opened:
+            close[opened.pop()] = m.start()
+    idx = text.rfind(_BOXED)
+    while idx >= 0:
+        j = _SPACES.match(text, idx + len(_BOXED)).end()
+        k = close.get(j)
+        if k is not None:
+            return idx, text[j + 1:k].strip()
+        idx = text.rfind(_BOXED, 0, idx)
+    return None
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` in ``text`` (balanced braces), or None.
-
-    Linear in the length of the text; never raises on any string.
-    """
-    if not isinstance(text, str):
-        return None
-    idx = text.rfind(_BOXED)
-    while idx >= 0:
-        j = idx + len(_BOXED)
-        while j < len(text) and text[j] == " ":
-            j += 1
-        if j < len(text) and text[j] == "{":
-            depth, k = 0, j
-            while k < len(text):
-                c = text[k]
-                if c == "{":
-                    depth += 1
-                elif c == "}":
-                    depth -= 1
-                    if depth == 0:
-                        return text[j + 1:k].strip()
-                k += 1
-        idx = text.rfind(_BOXED, 0, idx)
-    return None
+    """Content of the last ``\\boxed{...}`` in ``text`` (balanced braces), or None (see
+    :func:`last_boxed_span`)."""
+    span = last_boxed_span(text)
+    return None if span is None else span[1]
 
 
 _THINK_END = re.compile(r"</think>", re.IGNORECASE)

@@ -41,14 +41,14 @@ from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
 
-from envs.adapted import MAX_ANSWER_CHARS, cached_catalog, package_version
-from envs.base import Environment, Problem, Score, last_boxed, register, strip_think
+from envs.adapted import _TAG, MAX_ANSWER_CHARS, cached_catalog, last_tagged_or_boxed, package_version
+from envs.base import Environment, Problem, Score, register, strip_think
 
 __all__ = ["RLVEEnv", "catalog", "EXCLUDED", "available", "INSTRUCTION"]
 
 INSTRUCTION = "Give your final answer between <answer> and </answer>."
 _ENTRY_CACHE = 256
-_MARKERS = ("<answer>", "</answer>")
+_MARKERS = _TAG  # ("<answer>", "</answer>"): the tag RLVE's processors read
 
 # Environments not registered, with the reason (found by `cascade envs check 'rlve/*'`).
 EXCLUDED: dict[str, str] = {
@@ -196,25 +196,6 @@ def _jsonable(x):
         return json.loads(json.dumps(x, default=repr))
 
 
-def _extract(text: str) -> str | None:
-    """The last ``<answer>...</answer>`` or ``\\boxed{...}`` in ``text``, whichever comes later."""
-    boxed = last_boxed(text)
-    bpos = text.rfind("\\boxed") if boxed is not None else -1
-    apos = text.rfind(_MARKERS[0])
-    if apos > bpos:
-        end = text.find(_MARKERS[1], apos)
-        if end >= 0:
-            return text[apos + len(_MARKERS[0]):end]
-        # an unclosed last <answer>: the last complete one, if any, before it
-        apos = text.rfind(_MARKERS[0], 0, apos)
-        while apos >= 0:
-            end = text.find(_MARKERS[1], apos)
-            if end >= 0:
-                return text[apos + len(_MARKERS[0]):end] if apos > bpos else boxed
-            apos = text.rfind(_MARKERS[0], 0, apos)
-    return boxed
-
-
 class RLVEEnv(Environment):
     family = "rlve"
     instruction = INSTRUCTION
@@ -311,7 +292,7 @@ class RLVEEnv(Environment):
         return "" if answer is None else str(answer)
 
     def extract(self, response: str) -> str | None:
-        return _extract(strip_think(response))
+        return last_tagged_or_boxed(strip_think(response))
 
     def reference_response(self, problem: Problem) -> str:
         return f"{_MARKERS[0]}{self.format_answer(problem.answer)}{_MARKERS[1]}"
@@ -322,7 +303,7 @@ class RLVEEnv(Environment):
 
     def check(self, problem: Problem, response: str) -> Score:
         text = strip_think(response)
-        pred = _extract(text)
+        pred = last_tagged_or_boxed(text)
         if pred is not None:
             limit = max(MAX_ANSWER_CHARS, 50 * len(self.format_answer(problem.answer)))
             if len(pred) > limit:

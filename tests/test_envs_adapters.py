@@ -111,7 +111,6 @@ def test_run_time_bound_draws_another_seed_at_the_easiest_level():
     assert env.verify(p, env.reference_response(p)).correct  # the problem carries the seed it came from
 
 
-@register("test/slow_prepare")
 class _SlowPrepare(_SlowGen):
     """A slow one-time load (as reasoning-core's task imports) and a fast generator at every level."""
 
@@ -133,7 +132,7 @@ def test_one_time_preparation_is_not_taken_for_a_slow_generator():
     bound_generate(env, 0.3)
     p = env.generate(5, 3)  # the 1 s load exceeds the bound, but runs before its clock
     assert (p.seed, p.difficulty, env.max_difficulty) == (5, 3, None)
-    results = list(check_ids(["test/slow_prepare"], [0, 3], [0], jobs=1, gen_limit=0.3))
+    results = list(check_ids([f"{__name__}:_SlowPrepare"], [0, 3], [0], jobs=1, gen_limit=0.3))
     assert results[0].failures == [] and results[0].cap is None
     assert results[0].stats["gen_max_s"] < 0.3 <= results[0].seconds
 

@@ -320,3 +320,56 @@ def test_every_registered_environment_passes_the_self_check():
         failures = [f for fails in ex.map(_self_check_grid, [i for i in ids if i in fresh], chunksize=4) for f in fails]
     failures += [f for i in ids if i not in fresh for f in _self_check_grid(i)]
     assert not failures, "\n".join(failures[:40])
+
+
+def _last_boxed_by_scanning(text):
+    """The reference: from the last ``\\boxed`` backwards, the first whose braces close (depth count)."""
+    idx = text.rfind("\\boxed")
+    while idx >= 0:
+        j = idx + len("\\boxed")
+        while j < len(text) and text[j] == " ":
+            j += 1
+        if j < len(text) and text[j] == "{":
+            depth = 0
+            for k in range(j, len(text)):
+                depth += (text[k] == "{") - (text[k] == "}")
+                if depth == 0:
+                    return idx, text[j + 1:k].strip()
+        idx = text.rfind("\\boxed", 0, idx)
+    return None
+
+
+def test_last_boxed_agrees_with_a_brace_scan_and_stays_linear():
+    import random
+
+    from envs.base import last_boxed, last_boxed_span
+
+    rng = random.Random(0)
+    parts = ["\\boxed", "\\boxed ", "{", "}", " ", "x", "12", "\\box", "ed{"]
+    for _ in range(3000):
+        text = "".join(rng.choice(parts) for _ in range(rng.randint(0, 30)))
+        assert last_boxed_span(text) == _last_boxed_by_scanning(text), text
+        assert last_boxed(text) == (None if last_boxed_span(text) is None else last_boxed_span(text)[1])
+    assert last_boxed("a \\boxed{1} b \\boxed{ {2} } c \\boxed{3") == "{2}"
+    assert last_boxed_span("}} \\boxed  {x}") == (3, "x") and last_boxed(None) is None
+    # a degenerate output of unclosed \boxed{ (a collapsed policy): the scan above is quadratic in
+    # them (28 KB took 10 s); one pass over the braces is not
+    t = time.perf_counter()
+    assert last_boxed("\\boxed{" * 40_000) is None and last_boxed("\\boxed{" * 40_000 + "}") == ""
+    assert time.perf_counter() - t < 5
+
+
+def test_answer_tags_and_boxes_take_whichever_complete_one_comes_last():
+    from envs.adapted import BoxedOrTagged, last_tagged_or_boxed
+
+    cases = {
+        "<answer>1</answer> \\boxed{2}": "2",
+        "\\boxed{2} <answer>1</answer>": "1",
+        "\\boxed{2} <answer>1</answer> \\boxed{3": "1",  # the last \boxed is unclosed: the tag is later
+        "<answer>1</answer> \\boxed{2} <answer>3": "2",
+        "\\boxed{2} <answer>1</answer> <answer>3": "1",
+        "<answer>" * 50_000: None,
+    }
+    for text, want in cases.items():
+        assert BoxedOrTagged().extract(text) == want, text[:80]
+        assert last_tagged_or_boxed(" " + text + " ") == (None if want is None else want)
