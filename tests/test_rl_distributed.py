@@ -86,6 +86,30 @@ def reference_weights(cfg, rcfg, batches) -> dict[str, torch.Tensor]:
 CASES = [("moe", "dppo_tv"), ("dense", "gspo"), ("moe", "gspo"), ("dense", "dapo")]
 
 
+def _payload_checked(up, out, key):
+    """``up.full_state_dict()``, recording in ``out[key + ".payload"]`` the bytes each rank pickled into
+    the gather over its shards, over those shards' own bytes (a view pickles its whole storage)."""
+    import io
+    import pickle
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    sizes = []
+    real = dist.all_gather_object
+
+    def spy(parts, obj, *a, **k):
+        f = io.BytesIO()
+        pickle.Pickler(f).dump(obj)
+        sizes.append(f.tell() / max(1, sum(t.numel() * t.element_size() for t in obj.values())))
+        return real(parts, obj, *a, **k)
+
+    with mock.patch.object(dist, "all_gather_object", spy):
+        got = up.full_state_dict()
+    out[key + ".payload"] = max(sizes, default=1.0)
+    return got
+
+
 def _check_updates(world, out):
     from train.parallel.rl_update import RLUpdater
 
@@ -98,7 +122,7 @@ def _check_updates(world, out):
             want, ref_m = reference_weights(cfg, rcfg, batches)
             up = RLUpdater(_model(cfg), rcfg, tsp=tsp, dp=dp)
             mets = [up.step(b, i) for i, b in enumerate(batches)]
-            got = up.full_state_dict()
+            got = _payload_checked(up, out, f"dp{dp}xtsp{tsp}.{name}.{loss}")
             key = f"dp{dp}xtsp{tsp}.{name}.{loss}"
             assert set(got) == set(want), (set(got) ^ set(want))
             out[key + ".params"] = max((got[k] - want[k]).abs().max().item() for k in want)
@@ -290,6 +314,7 @@ def test_sharded_rl_step_equals_reference(results):
         assert _max(ranks, base + ".loss") < TOL, (k, _max(ranks, base + ".loss"))
         assert _max(ranks, base + ".grad_norm") < 1e-4, (k, _max(ranks, base + ".grad_norm"))
         assert _max(ranks, base + ".micro") >= 2, k  # the token budget did cut micro-batches
+        assert _max(ranks, base + ".payload") < 1.5, k  # gathered weights pickle their own bytes only
 
 
 @pytest.mark.timeout(400)
