@@ -412,9 +412,9 @@ class RLUpdater:
         names (``lm_head.weight`` included when tied). Collective: every rank calls; every rank
         gets the result (gathered through pickled objects: for checkpoints of modest models)."""
         master = self.opt.full_master()
-        # a copy each: the master tensors are views of one flat vector, and pickling a view (below)
-        # pickles its whole storage (every parameter would carry the rank's full shard)
-        mine = {n: master[id(p)].to("cpu", dtype, copy=True) for n, p in self.shards.items()}
+        # on TSP ranks a copy each: the master tensors are views of one flat vector, and pickling a view
+        # (below) pickles its whole storage (every parameter would carry the rank's full shard)
+        mine = {n: master[id(p)].to("cpu", dtype, copy=self.tsp > 1) for n, p in self.shards.items()}
         if self.tsp == 1:
             full = mine
         else:
