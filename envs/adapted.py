@@ -61,23 +61,23 @@ def balanced(s: str) -> bool:
     return depth == 0
 
 
-_TAG = ("<answer>", "</answer>")
+ANSWER_TAG = ("<answer>", "</answer>")
 
 
 def last_tagged_or_boxed(text: str) -> str | None:
     """The content of the last complete ``<answer>...</answer>`` (as written) or ``\\boxed{...}``
     (stripped) in ``text``, whichever comes later; None if there is neither."""
     bpos, boxed = last_boxed_span(text) or (-1, None)
-    apos = text.rfind(_TAG[0])
+    apos = text.rfind(ANSWER_TAG[0])
     if apos > bpos:
-        end = text.find(_TAG[1], apos)
+        end = text.find(ANSWER_TAG[1], apos)
         if end >= 0:
-            return text[apos + len(_TAG[0]):end]
+            return text[apos + len(ANSWER_TAG[0]):end]
         # an unclosed last <answer>: the last complete one before it, if any (the last opening
         # before the last closing; one search each, however many unclosed openings there are)
-        apos = text.rfind(_TAG[0], 0, max(0, text.rfind(_TAG[1])))
+        apos = text.rfind(ANSWER_TAG[0], 0, max(0, text.rfind(ANSWER_TAG[1])))
         if apos > bpos:
-            return text[apos + len(_TAG[0]):text.find(_TAG[1], apos)]
+            return text[apos + len(ANSWER_TAG[0]):text.find(ANSWER_TAG[1], apos)]
     return boxed
 
 

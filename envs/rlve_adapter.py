@@ -41,14 +41,14 @@ from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
 
-from envs.adapted import _TAG, MAX_ANSWER_CHARS, cached_catalog, last_tagged_or_boxed, package_version
+from envs.adapted import ANSWER_TAG, MAX_ANSWER_CHARS, cached_catalog, last_tagged_or_boxed, package_version
 from envs.base import Environment, Problem, Score, register, strip_think
 
 __all__ = ["RLVEEnv", "catalog", "EXCLUDED", "available", "INSTRUCTION"]
 
 INSTRUCTION = "Give your final answer between <answer> and </answer>."
 _ENTRY_CACHE = 256
-_MARKERS = _TAG  # ("<answer>", "</answer>"): the tag RLVE's processors read
+_MARKERS = ANSWER_TAG  # ("<answer>", "</answer>"): the tag RLVE's processors read
 
 # Environments not registered, with the reason (found by `cascade envs check 'rlve/*'`).
 EXCLUDED: dict[str, str] = {
