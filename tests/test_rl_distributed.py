@@ -122,8 +122,8 @@ def _check_updates(world, out):
             want, ref_m = reference_weights(cfg, rcfg, batches)
             up = RLUpdater(_model(cfg), rcfg, tsp=tsp, dp=dp)
             mets = [up.step(b, i) for i, b in enumerate(batches)]
-            got = _payload_checked(up, out, f"dp{dp}xtsp{tsp}.{name}.{loss}")
             key = f"dp{dp}xtsp{tsp}.{name}.{loss}"
+            got = _payload_checked(up, out, key)
             assert set(got) == set(want), (set(got) ^ set(want))
             out[key + ".params"] = max((got[k] - want[k]).abs().max().item() for k in want)
             out[key + ".moved"] = max((want[k] - _model(cfg).state_dict()[k]).abs().max().item() for k in want)
