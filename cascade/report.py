@@ -120,10 +120,14 @@ def main(argv: list[str]) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"Cascade run {run}")
-    for col in ("stage", "sft steps", "rl steps", "reward first -> last", "train acc", "held-out acc before -> after",
-                "max difficulty", "difficulty rose"):
-        t.add_column(col)
+    # Short headers, so that the table fits the 80 columns rich assumes when stdout is not a terminal;
+    # the caption says what each column is.
+    t = Table(title=f"Cascade run {run}",
+              caption="SFT, RL: steps; reward: first -> last RL step; acc: mean training accuracy; held-out: "
+                      "avg@4 before -> after; max diff: highest difficulty reached; rose: environments whose "
+                      "difficulty rose")
+    for col in ("stage", "SFT", "RL", "reward", "acc", "held-out", "max diff", "rose"):
+        t.add_column(col, no_wrap=col in ("reward", "held-out"))
 
     def f(x):
         return "-" if x is None else f"{x:.2f}"
