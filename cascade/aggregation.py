@@ -21,7 +21,7 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import Callable
 
-from envs.base import Problem
+from envs.base import Problem, verify_all, verify_workers
 from ttc.templates import load_template
 
 _MESSAGE = "--- Message {index} ---\n{tail}\n\n"
@@ -227,11 +227,12 @@ def aggregation_sft_pairs(engine, tokenizer, picks: list[tuple[str, Problem]], e
                           shuffles: int, tails: int, tail_tokens: int, template: str = "math",
                           max_prompt_tokens: int = 0, prompt_len=None, chat: bool = True,
                           system: str | None = None, seed: int = 0, chunk: int = 0,
-                          advance=None) -> tuple[list[tuple[str, str]], dict]:
+                          advance=None, workers: int = 0) -> tuple[list[tuple[str, str]], dict]:
     """SFT examples for aggregation from a teacher (``engine``): its ``samples`` rollouts of each
     problem, reshuffled ``shuffles`` times into aggregation prompts of ``tails`` tails (at most
     ``max_prompt_tokens`` as the policy sees them, by ``prompt_len``), each answered once by the
-    teacher; the answers the problem's verifier accepts become (prompt, response) pairs."""
+    teacher; the answers the problem's verifier accepts become (prompt, response) pairs (verified
+    ``workers`` at a time where the environment allows: :func:`envs.base.verify_all`)."""
     mixer = AggregationMixer(tokenizer, 1.0, tails, tail_tokens, template, seed=seed,
                              max_prompt_tokens=max_prompt_tokens, prompt_len=prompt_len)
     rolled = sample_rollouts(engine, tokenizer, picks, samples, params, chat, system, chunk=chunk, advance=advance)
@@ -245,7 +246,9 @@ def aggregation_sft_pairs(engine, tokenizer, picks: list[tuple[str, Problem]], e
             if agg is not None:
                 prompts.append((e, agg))
     answered = sample_rollouts(engine, tokenizer, prompts, 1, params, chat, system, chunk=chunk)
-    pairs = [(p.prompt, cs[0].text) for e, p, cs in answered if cs and env_of(e).verify(p, cs[0].text).correct]
+    answered = [(e, p, cs[0].text) for e, p, cs in answered if cs]
+    scores = verify_all([(env_of(e), p, text) for e, p, text in answered], verify_workers(workers))
+    pairs = [(p.prompt, text) for (_, p, text), s in zip(answered, scores) if s.correct]
     stats = {"aggregation_sft_problems": len(rolled), "aggregation_sft_prompts": len(prompts),
              "aggregation_sft_correct": len(pairs), "aggregation_sft_trimmed": mixer.trimmed,
              "aggregation_sft_dropped": mixer.dropped}

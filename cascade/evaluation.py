@@ -15,6 +15,7 @@ def avg_at_k(rl, problems: list, k: int, seed: int = 0, chunk: int = 0, advance=
     [(env_id, Problem)], sampled with the RL sampling settings (response cap included) at ``seed``.
     Problems whose prompts do not fit the context are left out (``skipped``), as in training.
     Returns ``{"accuracy", "k", "families": {family: avg@k}, "problems": {family: n}, "skipped"}``."""
+    from envs.base import verify_all, verify_workers
     from train.rl.trainer import encode_prompt
 
     c = rl.cfg
@@ -31,10 +32,11 @@ def avg_at_k(rl, problems: list, k: int, seed: int = 0, chunk: int = 0, advance=
         comps = rl.engine.generate([x[2] for x in part], params) if part else []
         right = [0] * len(part)
         seen = [0] * len(part)
-        for comp in comps:
-            e, p, _ = part[comp.prompt_index]
+        scores = verify_all([(rl.env_of(part[comp.prompt_index][0]), part[comp.prompt_index][1], comp.text)
+                             for comp in comps], verify_workers(c.verify_workers))
+        for comp, score in zip(comps, scores):
             seen[comp.prompt_index] += 1
-            right[comp.prompt_index] += bool(rl.env_of(e).verify(p, comp.text).correct)
+            right[comp.prompt_index] += bool(score.correct)
         per_problem += [(family(e), r / max(n, 1)) for (e, _, _), r, n in zip(part, right, seen)]
         if advance is not None:
             advance(len(enc[i:i + size]))

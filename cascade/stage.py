@@ -407,7 +407,8 @@ class StageRunner:
                 tails=a.tails, tail_tokens=a.tail_tokens, template=a.template,
                 max_prompt_tokens=s.aggregation.max_prompt_tokens,
                 prompt_len=lambda t: len(encode_prompt(tok, t, rc.chat_template, rc.system_prompt)),
-                chat=rc.chat_template, system=rc.system_prompt, seed=self.rcfg.seed + self.index, advance=advance)
+                chat=rc.chat_template, system=rc.system_prompt, seed=self.rcfg.seed + self.index, advance=advance,
+                workers=rc.verify_workers)
         want = round(a.fraction / max(1e-9, 1 - a.fraction) * n_other) if a.fraction < 1 else len(pairs)
         pairs = pairs[:max(want, 0)]
         self.records.log(self.name, "sft_data", 0, {**stats, "aggregation_sft_examples": len(pairs)})

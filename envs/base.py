@@ -9,10 +9,12 @@ model response against it. ``verify`` never raises: any exception inside an envi
 from __future__ import annotations
 
 import importlib
+import os
 import random
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Iterable
 
 __all__ = [
     "Problem", "Score", "Environment", "register", "get_env", "get_env_class", "list_envs",
@@ -123,6 +125,10 @@ class Environment:
     # following, where "no commas" holds for any comma-free text). Fuzz tests then require only
     # valid, bounded scores and zero credit for an empty response.
     free_form: ClassVar[bool] = False
+    # True when ``check`` spends its time waiting on other processes (a sandbox, a pool of worker
+    # processes) and is safe to call from several threads at once: :func:`verify_all` then verifies
+    # several of this environment's responses at a time.
+    concurrent_verify: ClassVar[bool] = False
 
     # -- to implement -------------------------------------------------------------------------
     def generate(self, seed: int, difficulty: int) -> Problem:
@@ -181,6 +187,33 @@ class Environment:
         """Build a Problem of this environment, appending the answer instruction."""
         text = prompt if not self.instruction else f"{prompt}\n\n{self.instruction}"
         return Problem(text, answer, self.id, int(seed), int(difficulty), meta)
+
+
+def verify_all(items: Iterable[tuple[Environment, Problem, str]], workers: int = 1) -> list[Score]:
+    """``env.verify(problem, response)`` of every ``(env, problem, response)``, in order.
+
+    Those of environments with ``concurrent_verify`` run ``workers`` at a time in threads, while the
+    others run here, one after another; with ``workers <= 1`` (or fewer than two such items) all run
+    here. The scores are the same either way: ``verify`` depends only on its arguments."""
+    items = list(items)
+    conc = [i for i, (env, _, _) in enumerate(items) if env.concurrent_verify] if workers > 1 else []
+    if len(conc) < 2:
+        return [env.verify(p, r) for env, p, r in items]
+    out: list[Score | None] = [None] * len(items)
+    with ThreadPoolExecutor(min(workers, len(conc)), thread_name_prefix="cascade-verify") as ex:
+        futs = {i: ex.submit(items[i][0].verify, items[i][1], items[i][2]) for i in conc}
+        for i, (env, p, r) in enumerate(items):
+            if i not in futs:
+                out[i] = env.verify(p, r)
+        for i, f in futs.items():
+            out[i] = f.result()
+    return out
+
+
+def verify_workers(n: int) -> int:
+    """Threads for :func:`verify_all` from a config value: ``n`` itself when positive, else (0: auto)
+    one per core, at most 8 (each may hold a sandboxed program or a math worker process)."""
+    return n if n > 0 else max(1, min(8, os.cpu_count() or 1))
 
 
 class UnknownEnvironmentError(KeyError):

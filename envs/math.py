@@ -202,6 +202,7 @@ class _MathBase(Environment):
     # on a busy machine)
     verify_time_limit = DEFAULT_TIMEOUT + 12.0
     timeout: float = DEFAULT_TIMEOUT
+    concurrent_verify = True  # math_equal waits on a worker process; each calling thread takes its own
 
     def check(self, problem: Problem, response: str) -> Score:
         pred = self.extract(response)

@@ -22,7 +22,7 @@ SEEDS = builtin_seeds()
 
 @pytest.fixture(scope="module")
 def judge() -> Judge:
-    return Judge(sbx.default_sandbox(sbx.SandboxConfig(time_limit=5.0)), workers=2)
+    return Judge(sbx.default_sandbox(sbx.SandboxConfig(time_limit=5.0)))
 
 
 def test_at_least_30_seeds_with_the_full_schema():
@@ -121,8 +121,7 @@ def test_judge_stdio_limits_early_stop_and_total_time(judge):
     assert j.status == "memory_limit"
     j = judge.judge("while True:\n    print('y' * 100)", tests[:1], time_limit=3.0)
     assert j.status == "output_limit"
-    j = Judge(judge.sandbox, workers=1).judge("import time\ntime.sleep(0.4)\nprint(2 * int(input()))",
-                                              tests, total_timeout=1.0)
+    j = judge.judge("import time\ntime.sleep(0.4)\nprint(2 * int(input()))", tests, total_timeout=1.0)
     assert 1 <= j.passed < 4 and j.results[-1].status == "skipped" and j.wall_time < 2.5
 
 
@@ -270,3 +269,24 @@ def test_cli_runs_and_judges_cpp(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["status"] == "compile_error" and out["language"] == "cpp"
     assert "'x' was not declared" in out["results"][0]["detail"].replace("‘", "'").replace("’", "'")
+
+
+def test_responses_verified_in_threads_score_as_one_at_a_time():
+    """A batch of code/solve responses (references, wrong programs, a time-out, no code) through
+    envs.base.verify_all with 3 threads: the same scores as one after another, in order."""
+    from envs import get_env, verify_all
+
+    env = get_env("code/solve")
+    items = []
+    for seed in range(6):
+        p = env.generate(seed, 1 + seed % 3)
+        s = env.seed_of(p)
+        items += [(env, p, env.reference_response(p)), (env, p, f"```python\n{s.wrong[0]}\n```"),
+                  (env, p, "no code")]
+    items.append((env, items[0][1], "```python\nwhile True:\n    pass\n```"))
+    alone = [env.verify(p, r) for _, p, r in items]
+    together = verify_all(items, workers=3)
+    assert [(s.reward, s.correct, s.info.get("status")) for s in together] == \
+        [(s.reward, s.correct, s.info.get("status")) for s in alone]
+    assert [s.correct for s in alone] == [True, False, False] * 6 + [False]
+    assert alone[-1].info["status"] == "time_limit"

@@ -374,3 +374,51 @@ def test_answer_tags_and_boxes_take_whichever_complete_one_comes_last():
     for text, want in cases.items():
         assert BoxedOrTagged().extract(text) == want, text[:80]
         assert last_tagged_or_boxed(" " + text + " ") == want
+
+
+# -- verifying many responses at once ---------------------------------------------------------
+class _Waiting(Environment):
+    """A verifier that waits on something else (as the sandbox and the math workers do): each check
+    meets ``barrier``, which opens only when ``parties`` checks are inside it at the same time."""
+
+    concurrent_verify = True
+
+    def __init__(self, parties: int):
+        self.barrier = threading.Barrier(parties, timeout=20)
+        self.threads: set[str] = set()
+
+    def generate(self, seed, difficulty):
+        return self.problem(f"{seed}?", str(seed), seed, difficulty)
+
+    def check(self, problem, response):
+        self.threads.add(threading.current_thread().name)
+        self.barrier.wait()
+        ok = response == problem.answer
+        return Score(float(ok), ok, True)
+
+
+class _Plain(_Waiting):
+    concurrent_verify = False
+
+    def check(self, problem, response):
+        self.threads.add(threading.current_thread().name)
+        ok = response == problem.answer
+        return Score(float(ok), ok, True)
+
+
+def test_verify_all_runs_waiting_verifiers_workers_at_a_time_and_keeps_the_order():
+    from envs import verify_all, verify_workers
+
+    wait, plain = _Waiting(4), _Plain(1)
+    items = [(wait if i % 3 else plain, wait.generate(i, 0), str(i) if i % 2 else "no") for i in range(13)]
+    scores = verify_all(items, workers=4)  # 8 waiting checks pass a 4-party barrier twice: 4 at a time
+    assert [s.correct for s in scores] == [bool(i % 2) for i in range(13)]
+    assert wait.barrier.n_waiting == 0 and not wait.barrier.broken
+    assert len(wait.threads) == 4 and all(t.startswith("cascade-verify") for t in wait.threads)
+    assert plain.threads == {threading.current_thread().name}  # the others run here, one after another
+    one = _Waiting(1)  # workers=1: every check here (a barrier of 2 would time out)
+    assert [s.correct for s in verify_all([(one, one.generate(i, 0), str(i)) for i in range(3)], 1)] == [True] * 3
+    assert one.threads == {threading.current_thread().name}
+    assert verify_workers(3) == 3 and 1 <= verify_workers(0) <= 8
+    assert {type(get_env(e)).concurrent_verify for e in ("code/solve", "code/arc", "math/arith")} == {True}
+    assert not get_env("toy/add").concurrent_verify and not get_env("ifeval").concurrent_verify

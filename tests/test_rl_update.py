@@ -217,3 +217,35 @@ def test_cascade_takes_kl_on_trainer_ranks_and_passes_the_reference(tmp_path, mo
     assert conf["loss_cfg"]["kl_coef"] == 0.05 and conf["loss_cfg"]["kl_type"] == "k1"
     assert conf["kl_reference"] == str(tmp_path / "ref")
     assert "--config" in learner.proc.cmd
+
+
+def test_rollouts_of_waiting_verifiers_are_verified_verify_workers_at_a_time(tiny_dense_dir):
+    """``rl.verify_workers``: the trainer verifies the rollouts of an environment that waits on other
+    processes (``concurrent_verify``) that many at a time (a 2-party barrier inside ``check`` opens
+    only then), with the same rewards as one at a time; a negative value is refused."""
+    import threading
+
+    from envs import get_env
+
+    base = type(get_env(ENV))
+
+    class Waiting(base):
+        concurrent_verify = True
+        barrier = threading.Barrier(2, timeout=20)
+        threads: set = set()
+
+        def check(self, problem, response):
+            Waiting.threads.add(threading.current_thread().name)
+            Waiting.barrier.wait()
+            return super().check(problem, response)
+
+    rewards = {}
+    for workers in (1, 2):
+        rl = make_rl(tiny_dense_dir, verify_workers=workers)
+        if workers == 2:
+            rl.curriculum.envs[ENV] = Waiting()
+        rewards[workers] = [(x.completion.token_ids, x.reward) for g in rl.rollout(2) for x in g.rollouts]
+    assert rewards[1] == rewards[2] and len(rewards[2]) == 8
+    assert Waiting.threads and all(t.startswith("cascade-verify") for t in Waiting.threads)
+    with pytest.raises(ValueError, match="verify_workers must be >= 0"):
+        RLConfig(verify_workers=-1)

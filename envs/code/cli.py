@@ -3,7 +3,7 @@
     cascade sandbox run PROGRAM.py|PROGRAM.cpp [--stdin FILE] [--time-limit S] [--memory-mb M]
                         [--language python|cpp] [--compile-time-limit S] [--allow-weaker]
     cascade sandbox judge PROGRAM.py|PROGRAM.cpp --tests FILE.jsonl [--time-limit S] [--memory-mb M]
-                          [--float-tol X] [--stop-on-failure] [--workers N] [--allow-weaker]
+                          [--float-tol X] [--stop-on-failure] [--allow-weaker]
     cascade sandbox layers
 
 The language is read from the file's extension (.cpp/.cc/.cxx: C++, compiled by g++ inside the
@@ -58,7 +58,6 @@ def _parser() -> argparse.ArgumentParser:
     j.add_argument("--tests", required=True, help="JSONL: {input, output} | {fn, args, expected} | {code}")
     j.add_argument("--float-tol", type=float, default=None)
     j.add_argument("--stop-on-failure", action="store_true")
-    j.add_argument("--workers", type=int, default=None)
     sub.add_parser("layers", help="which isolation layers this machine has")
     return p
 
@@ -79,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             out = sb.run(program, data, language=language).to_dict()
         else:
             tests = load_tests(a.tests)
-            j = Judge(sb, workers=a.workers, float_tol=a.float_tol)
+            j = Judge(sb, float_tol=a.float_tol)
             out = j.judge(program, tests, stop_on_failure=a.stop_on_failure, language=language).to_dict()
     except SandboxError as e:
         raise ValueError(str(e)) from None

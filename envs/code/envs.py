@@ -97,11 +97,12 @@ class CodeEnv(Environment):
     family = "code"
     max_difficulty = 3
     verify_time_limit = 60.0
+    concurrent_verify = True  # the judge waits on a sandbox start; `_failing` is locked
     instruction = ""
 
     def __init__(self, seeds_path: str | None = None, *, include_builtin: bool = True,
                  seeds: list[Seed] | None = None, sandbox: SandboxConfig | None = None,
-                 workers: int | None = None, reward: str = "binary", language: str = "python",
+                 reward: str = "binary", language: str = "python",
                  languages: tuple[str, ...] | list[str] = LANGUAGES):
         if reward not in ("binary", "fraction"):
             raise ValueError(f"reward must be 'binary' or 'fraction', not {reward!r}")
@@ -126,7 +127,6 @@ class CodeEnv(Environment):
         self.seeds = sorted(pool, key=lambda s: s.id)
         self.by_id = {s.id: s for s in self.seeds}
         self.sandbox_config = sandbox or SandboxConfig(time_limit=2.0, memory_mb=512)
-        self.workers = workers
         self.reward_mode = reward
         self._judge: Judge | None = None
         self._lock = threading.Lock()
@@ -136,7 +136,7 @@ class CodeEnv(Environment):
     @property
     def judge(self) -> Judge:
         if self._judge is None:
-            self._judge = Judge(default_sandbox(self.sandbox_config), workers=self.workers)
+            self._judge = Judge(default_sandbox(self.sandbox_config))
         return self._judge
 
     def tier(self, difficulty: int) -> int:
@@ -191,7 +191,7 @@ class CodeEnv(Environment):
         binary = self.reward_mode == "binary"
         judge = self.judge
         if s.float_tol != judge.float_tol:
-            judge = Judge(judge.sandbox, workers=judge.workers, float_tol=s.float_tol)
+            judge = Judge(judge.sandbox, float_tol=s.float_tol)
         j = judge.judge(code, tests, stop_on_failure=binary, time_limit=s.time_limit,
                         total_timeout=self.verify_time_limit * 0.8, language=language)
         ok = j.accepted

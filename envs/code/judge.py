@@ -31,7 +31,6 @@ import json
 import math
 import secrets
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -225,18 +224,13 @@ _HARNESS_FILES = {"call": ("_judge_call.py", _CALL_HARNESS), "assert": ("_judge_
 
 
 class Judge:
-    """Runs a program against tests, all of them in one sandbox start (see the module docstring).
+    """Runs a program against tests, all of them in one sandbox start (see the module docstring),
+    one after another. Safe to use from several threads at once (each judgement has its own start):
+    that is how environments verify several responses at a time (``envs.base.verify_all``)."""
 
-    ``workers``: how many judgements callers may run at once (:meth:`judge_many`); one program's
-    tests run one after another in its start."""
-
-    def __init__(self, sandbox: Sandbox | None = None, *, workers: int | None = None,
-                 time_limit: float | None = None, memory_mb: int | None = None,
-                 float_tol: float | None = None):
-        import os
-
+    def __init__(self, sandbox: Sandbox | None = None, *, time_limit: float | None = None,
+                 memory_mb: int | None = None, float_tol: float | None = None):
         self.sandbox = sandbox or default_sandbox(SandboxConfig())
-        self.workers = max(1, int(workers or os.cpu_count() or 1))
         self.time_limit = time_limit
         self.memory_mb = memory_mb
         self.float_tol = float_tol
@@ -266,13 +260,6 @@ class Judge:
                 raise ValueError(f"unknown test kind {t.kind!r}")
             nonces.append(nonce)
         return files, runs, nonces
-
-    def run_one(self, program: str, test: TestCase, index: int = 0, time_limit: float | None = None,
-                language: str = "python") -> TestResult:
-        tl = time_limit if time_limit is not None else self.time_limit
-        files, runs, nonces = self._runs(program, [TestCase.from_dict(test)], tl, language)
-        v = self.sandbox.run_many(files, runs)[0]
-        return self._grade(v, test, nonces[0], index)
 
     def _grade(self, v: Verdict, test: TestCase, nonce: str, index: int) -> TestResult:
         vd = v.to_dict(excerpt=400)
@@ -342,11 +329,3 @@ class Judge:
         status = "accepted" if passed == len(cases) and cases else (first_bad.status if first_bad else "skipped")
         return Judgement(status, passed, len(cases), done, time.monotonic() - t0, language,
                          compiled[0] if compiled else None)
-
-    def judge_many(self, items: list[tuple[str, list]], **kw) -> list[Judgement]:
-        """Judge many (program, tests) pairs, ``workers`` at a time (one sandbox start each);
-        ``language=`` (in ``kw``) applies to all of them."""
-        if self.workers == 1 or len(items) <= 1:
-            return [self.judge(p, t, **kw) for p, t in items]
-        with ThreadPoolExecutor(min(self.workers, len(items))) as ex:
-            return list(ex.map(lambda it: self.judge(it[0], it[1], **kw), items))

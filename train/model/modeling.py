@@ -596,13 +596,3 @@ def token_logprobs(model: CausalLM, input_ids: torch.Tensor, attention_mask: tor
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-
-
-def model_flops_per_token(cfg: ModelConfig) -> float:
-    """Approximate forward FLOPs per token (2 x active parameters), for throughput reports."""
-    active = cfg.num_parameters()
-    if cfg.is_moe:
-        per = 3 * cfg.hidden_size * cfg.moe_intermediate_size
-        n_moe = sum(cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers))
-        active -= n_moe * per * (cfg.num_experts - cfg.num_experts_per_tok)
-    return 2.0 * active

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from envs.base import Problem, Score
+from envs.base import Problem, Score, verify_all, verify_workers
 from train.batching import make_batch, micro_batches
 from train.engine.base import Completion, SamplingParams
 from train.model.modeling import CausalLM
@@ -93,6 +93,9 @@ class RLConfig:
     system_prompt: str | None = None
     chat_template: bool = True
     max_prompt_tokens: int = 0          # longer prompts are skipped (and count as failed); 0: context - max_new_tokens
+    # threads verifying responses of environments that wait on other processes (sandboxed code, math
+    # workers: envs.base.verify_all); 0: one per core, at most 8; 1: one response at a time
+    verify_workers: int = 0
     seed: int = 0
 
     def __post_init__(self):
@@ -105,6 +108,8 @@ class RLConfig:
                              f"repetition_threshold in (0, 1) (got {self.repetition_threshold})")
         if self.ratio_against not in RATIO_MODES:
             raise ValueError(f"unknown ratio_against {self.ratio_against!r}; choose from {', '.join(RATIO_MODES)}")
+        if self.verify_workers < 0:
+            raise ValueError(f"verify_workers must be >= 0 (0: one per core, at most 8), got {self.verify_workers}")
         if self.rollout_threads < 0:
             raise ValueError(f"rollout_threads must be >= 0 (0: split torch's threads in half), got {self.rollout_threads}")
         if self.sync_every < 1 or self.max_staleness < 0 or self.min_ready_batches < 1:
@@ -231,13 +236,12 @@ class RLTrainer:
         for c in comps:  # engines that do not track versions per token sampled all of it with v0
             if c.versions is None:
                 c.versions = [v0] * len(c.token_ids)
+        scores = self.verify([(env_id, prob, c.text) for i, (env_id, prob) in enumerate(picks)
+                              for c in comps[i * G:(i + 1) * G]])
         groups = []
         for i, (env_id, prob) in enumerate(picks):
-            env = self.env_of(env_id)
-            rs = []
-            for c in comps[i * G:(i + 1) * G]:
-                score = env.verify(prob, c.text)
-                rs.append(Rollout(env_id, prob, prompts[i], c, score, self.reward_of(score, c.token_ids)))
+            rs = [Rollout(env_id, prob, prompts[i], c, score, self.reward_of(score, c.token_ids))
+                  for c, score in zip(comps[i * G:(i + 1) * G], scores[i * G:(i + 1) * G])]
             ov = cfg.overlong
             if ov.mode != "none":
                 r, keep = overlong_shaping([x.reward for x in rs], [len(x.completion.token_ids) for x in rs],
@@ -478,9 +482,13 @@ class RLTrainer:
         if greedy:
             sp.temperature = 0.0
         comps = self.engine.generate(prompts, sp)
-        ok = [self.env_of(problems[c.prompt_index][0]).verify(problems[c.prompt_index][1], c.text).correct
-              for c in comps]
-        return _mean([float(x) for x in ok])
+        scores = self.verify([(*problems[c.prompt_index], c.text) for c in comps])
+        return _mean([float(x.correct) for x in scores])
+
+    def verify(self, items: list[tuple[str, Problem, str]]) -> list[Score]:
+        """Scores of ``(env id, problem, response)`` items, in order; environments that wait on other
+        processes verify ``cfg.verify_workers`` at a time (:func:`envs.base.verify_all`)."""
+        return verify_all([(self.env_of(e), p, r) for e, p, r in items], verify_workers(self.cfg.verify_workers))
 
     def reference_policy(self) -> CausalLM:
         """The frozen KL reference (``cfg.kl_reference``), built on first use: the checkpoint at that
