@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 class FakeAPI(ThreadingHTTPServer):
     """Scripted completions: the reply depends only on the request's seed and prompt (the answer
     is ``7`` or ``8``); answers 429 (with Retry-After) and 500 at random, at most ``max_choices``
-    choices per response, and records requests, seeds and the peak of requests in flight."""
+    choices per response, and records requests (and when they arrive), seeds and the peak of requests
+    in flight."""
 
     daemon_threads = True
 
@@ -41,6 +42,7 @@ class FakeAPI(ThreadingHTTPServer):
         self.lock = threading.Lock()
         self.in_flight = self.peak = 0
         self.completions = self.errors = 0
+        self.arrivals: list[float] = []  # time.monotonic() of every POST
         self.poison = "POISON"
         self.eos = tokenizer.eos_token_id
         self.thread = threading.Thread(target=self.serve_forever, daemon=True)
@@ -108,6 +110,7 @@ class _Handler(BaseHTTPRequestHandler):
         s: FakeAPI = self.server
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
         with s.lock:
+            s.arrivals.append(time.monotonic())
             s.in_flight += 1
             s.peak = max(s.peak, s.in_flight)
             r = s.rng.random()
@@ -360,3 +363,30 @@ def test_requests_keep_their_connection_and_survive_idle_closes(tok):
         be.close()
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("limit", ["rpm", "tpm"])
+def test_requests_and_tokens_per_window_stay_under_the_rate_limits(tok, limit):
+    """``rpm``/``tpm`` (``--rpm``/``--tpm``; here over a 0.6 s window instead of a minute): 10 one-sample
+    requests from 8 workers at once; the server sees at most 4 (rpm 4) or 2 (tpm 80, each request
+    weighing 3 prompt + 32 max tokens) in any stretch shorter than the window, and the last arrives
+    after the window has turned over as often as the limit demands."""
+    from train.engine import SamplingParams
+    from ttc.backends import OpenAIBackend
+
+    srv = FakeAPI(tok)
+    per_window = {"rpm": 4, "tpm": 2}[limit]
+    window = 0.6
+    try:
+        be = OpenAIBackend(srv.url, model="m1", tokenizer=tok, concurrency=8, retries=0, rate_window=window,
+                           **({"rpm": 4} if limit == "rpm" else {"tpm": 80}))
+        t0 = time.monotonic()
+        outs = be.generate([[5, 6, i] for i in range(10)], SamplingParams(n=1, max_tokens=32, seed=1))
+        be.close()
+    finally:
+        srv.stop()
+    assert len(outs) == 10 and srv.completions == 10
+    t = sorted(srv.arrivals)
+    # any per_window + 1 consecutive arrivals span at least the window (less the transit jitter)
+    assert min(t[i + per_window] - t[i] for i in range(len(t) - per_window)) > window - 0.15, t
+    assert t[-1] - t0 >= (-(-10 // per_window) - 1) * window - 0.15

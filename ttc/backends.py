@@ -350,7 +350,8 @@ class OpenAIBackend:
 
     Robustness: every request goes through one pool of ``concurrency`` workers shared by all callers
     (problems in flight), so at most ``concurrency`` requests (and, with ``max_tokens_in_flight``,
-    prompt + max_tokens tokens) are in flight; ``rpm``/``tpm`` cap requests and tokens per minute.
+    prompt + max_tokens tokens) are in flight; ``rpm``/``tpm`` cap requests and tokens (prompt +
+    max_tokens, counted when a request is sent) per ``rate_window`` seconds (60: per minute), sliding.
     Failures (408/409/425/429/5xx, connection errors, timeouts) are retried with full-jitter
     exponential backoff (``backoff * 2**k``, capped at ``backoff_max``), or after the server's
     ``Retry-After``, for at most ``retries`` retries and ``horizon`` seconds per request. A request
@@ -361,7 +362,8 @@ class OpenAIBackend:
     def __init__(self, base_url: str, model: str | None = None, tokenizer=None, api_key: str | None = None,
                  concurrency: int = 16, retries: int = 8, backoff: float = 0.5, timeout: float = 600.0,
                  horizon: float = 900.0, backoff_max: float = 60.0, max_n: int | None = None,
-                 rpm: float | None = None, tpm: float | None = None, max_tokens_in_flight: int | None = None):
+                 rpm: float | None = None, tpm: float | None = None, max_tokens_in_flight: int | None = None,
+                 rate_window: float = 60.0):
         url = base_url.rstrip("/")
         self.base_url = url[:-3] if url.endswith("/v1") else url
         self.api_key = api_key if api_key is not None else (os.environ.get("OPENAI_API_KEY")
@@ -371,7 +373,7 @@ class OpenAIBackend:
         self.retried = 0  # requests that were sent again after a failure
         self.requests = 0
         self._count_lock = threading.Lock()
-        self._rpm, self._tpm = RateLimiter(rpm), RateLimiter(tpm)
+        self._rpm, self._tpm = RateLimiter(rpm, rate_window), RateLimiter(tpm, rate_window)
         self.in_flight = Limiter(max_tokens_in_flight)
         self._pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="ttc-request")
         self._http = Connections(self.base_url, timeout)
