@@ -89,10 +89,16 @@ def _own_cpuacct() -> str:
 
 
 def _drop_cpuacct() -> None:
+    """Move this process, and what it started that still lives (math-verify workers, sandbox starts
+    kept ready), back to where they were, and remove the group."""
     if _CPUACCT:
         d, base = _CPUACCT
-        with open(os.path.join(base, "cgroup.procs"), "w") as f:
-            f.write(str(os.getpid()))
+        for pid in [os.getpid(), *map(int, open(os.path.join(d, "cgroup.procs")).read().split())]:
+            try:
+                with open(os.path.join(base, "cgroup.procs"), "w") as f:
+                    f.write(str(pid))
+            except OSError:  # it ended meanwhile
+                pass
         os.rmdir(d)
 
 

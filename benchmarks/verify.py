@@ -12,22 +12,21 @@ Two batches of ``--rollouts`` responses, as one RL step of the math stage would 
 For each batch: ``seq_s`` (``workers=1``: every response here, one after another, as the trainer did
 before ``verify_workers``) and ``threads_s`` per worker count, wall time of ``verify_all`` over the
 whole batch, measured here; ``speedup`` their ratio; ``cores_busy`` the CPU seconds of this process
-and its finished children (the sandbox starts) per wall second of the pass; ``same_scores`` whether every score (reward,
-correct, judge status) agrees with the sequential pass. One untimed pass of each setting first (the
+and everything it starts (a cpuacct cgroup of its own where it may make one, as in
+benchmarks/sandbox.py: the sandbox's pid namespaces escape rusage) per wall second of the pass;
+``same_scores`` whether every score (reward, correct, judge status) agrees with the sequential pass. One untimed pass of each setting first (the
 sandbox's warm pool fills, math workers start); then ``--repeats`` interleaved passes, median with
 min and max beside it.
 
-Measured on this project's 2-core CPU (2026-12-04, commit 5801168 plus this change, defaults, three runs):
-``code`` 0.91, 0.93, 1.15 s one at a time against 0.79, 0.82, 1.09 s with 2 threads (1.15x, 1.14x,
-1.06x) and 0.79, 0.79, 0.90 s with 4 (1.16x, 1.18x, 1.27x); ``math`` 0.22, 0.29, 0.24 s against 0.10,
-0.12, 0.14 s with 2 threads (2.30x, 2.43x, 1.73x) and 0.12, 0.13, 0.15 s with 4; the same scores
-every time. Math answers wait on math-verify worker processes, so threads overlap the waits (a
-worker per thread). The sandbox gains little on these two cores although ``cores_busy`` says the
-machine is mostly idle during the pass (0.36-0.45; the starts made ahead by the sandbox's warm pool
-are counted when they end, so this undercounts): the warm pool's size does not change it (warm 2, 4,
-8 starts gave 0.80, 0.73, 0.79 s at 2 threads in one run), bwrap's own start is ~3 ms and runs 1.8x
-faster two at a time (``bwrap --unshare-net true``), and where the rest goes is not yet found. How it scales
-with more cores was not measured (no such machine was lent).
+Measured on this project's 2-core CPU (2026-12-04, commits a88caf3 / 626b988, defaults, five runs):
+``code`` one at a time 0.91, 0.93, 1.15, 1.00, 1.07 s, with 2 threads 1.15x, 1.14x, 1.06x, 1.09x, 1.16x
+and with 4 1.16x, 1.18x, 1.27x, 1.10x, 1.13x; ``math`` 0.22-0.34 s one at a time, with 2 threads 2.30x,
+2.43x, 1.73x, 1.78x, 2.39x and with 4 1.59-2.22x; the same scores every time. Why (``cores_busy``, the
+last two runs): both batches are bound by the CPU of these two cores. One code response at a time
+already keeps 1.60-1.62 cores busy (the sandbox's warm pool makes the next starts on the other core
+while a program runs), and threads take it to 1.84-1.87; one math answer at a time keeps one core
+busy (the caller waits on its math-verify worker), and threads, a worker each, take it to 1.88-1.97.
+How it scales with more cores was not measured (no such machine was lent).
 """
 from __future__ import annotations
 
@@ -39,6 +38,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from sandbox import _cpu, _drop_cpuacct, _own_cpuacct  # noqa: E402  (benchmarks/sandbox.py)
 
 
 def code_batch(n: int):
@@ -71,13 +73,6 @@ def math_batch(n: int):
     return items
 
 
-def cpu() -> float:
-    """CPU seconds of this process and its reaped children (sandbox starts, math workers' are not:
-    those live on)."""
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
-
-
 def key(scores):
     return [(s.reward, s.correct, s.info.get("status")) for s in scores]
 
@@ -88,34 +83,45 @@ def main() -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
+    out = {"rollouts": a.rollouts, "cores": os.cpu_count(), "repeats": a.repeats,
+           "cpu_source": "cgroup cpuacct" if _own_cpuacct() else "rusage (misses the sandbox's pid namespace)"}
+    try:
+        for name, build in (("code", code_batch), ("math", math_batch)):
+            out[name] = measure(build(a.rollouts), a.workers, a.repeats)
+    finally:
+        from envs.code.sandbox import _close_pools
+
+        _close_pools()  # the starts kept ready hold cgroups inside ours
+        _drop_cpuacct()
+    print(json.dumps(out))
+
+
+def measure(items, workers: list[int], repeats: int) -> dict:
+    """Timings of verify_all over ``items`` one at a time and at each of ``workers`` (see the module docstring)."""
     from envs import verify_all
 
-    out = {"rollouts": a.rollouts, "cores": os.cpu_count(), "repeats": a.repeats}
-    for name, build in (("code", code_batch), ("math", math_batch)):
-        items = build(a.rollouts)
-        settings = [1, *a.workers]
-        ref = None
-        times: dict[int, list[float]] = {w: [] for w in settings}
-        busy: dict[int, list[float]] = {w: [] for w in settings}
-        same = True
-        for rep in range(a.repeats + 1):
-            for w in settings:
-                c0, t0 = cpu(), time.perf_counter()
-                scores = verify_all(items, workers=w)
-                dt = time.perf_counter() - t0
-                ref = ref or key(scores)
-                same &= key(scores) == ref
-                if rep:
-                    times[w].append(dt)
-                    busy[w].append((cpu() - c0) / dt)
-        med = {w: statistics.median(ts) for w, ts in times.items()}
-        out[name] = {"seq_s": round(med[1], 3),
-                     "threads_s": {str(w): round(med[w], 3) for w in a.workers},
-                     "speedup": {str(w): round(med[1] / med[w], 2) for w in a.workers},
-                     "range_s": {str(w): [round(min(ts), 3), round(max(ts), 3)] for w, ts in times.items()},
-                     "cores_busy": {str(w): round(statistics.median(b), 2) for w, b in busy.items()},
-                     "correct": sum(c for _, c, _ in ref), "same_scores": same}
-    print(json.dumps(out))
+    settings = [1, *workers]
+    ref = None
+    times: dict[int, list[float]] = {w: [] for w in settings}
+    busy: dict[int, list[float]] = {w: [] for w in settings}
+    same = True
+    for rep in range(repeats + 1):
+        for w in settings:
+            c0, t0 = _cpu(), time.perf_counter()
+            scores = verify_all(items, workers=w)
+            dt = time.perf_counter() - t0
+            ref = ref or key(scores)
+            same &= key(scores) == ref
+            if rep:
+                times[w].append(dt)
+                busy[w].append((_cpu() - c0) / dt)
+    med = {w: statistics.median(ts) for w, ts in times.items()}
+    return {"seq_s": round(med[1], 3),
+            "threads_s": {str(w): round(med[w], 3) for w in workers},
+            "speedup": {str(w): round(med[1] / med[w], 2) for w in workers},
+            "range_s": {str(w): [round(min(ts), 3), round(max(ts), 3)] for w, ts in times.items()},
+            "cores_busy": {str(w): round(statistics.median(b), 2) for w, b in busy.items()},
+            "correct": sum(c for _, c, _ in ref), "same_scores": same}
 
 
 if __name__ == "__main__":
