@@ -118,6 +118,8 @@ def test_engine_logprobs_equal_trainer_after_each_sync(warm):
     for step in range(3):
         m = rl.step()
         assert m["groups_trained"] > 0 and "time_sync_s" in m
+        assert 0 < m["time_generate_s"] and 0 < m["time_verify_s"]
+        assert m["time_generate_s"] + m["time_verify_s"] <= m["time_rollout_s"] <= m["time_step_s"]
         if step > 0:  # rollouts of this step came from the weights synced after the previous one
             assert m["mismatch_max_abs"] < 1e-4, m["mismatch_max_abs"]
         for temp in (1.0, 0.7):

@@ -174,6 +174,7 @@ class RLTrainer:
         ctx = policy.config.max_position_embeddings
         self.max_prompt_tokens = cfg.max_prompt_tokens or max(ctx - cfg.sampling.max_new_tokens, ctx // 2)
         self.prompts_too_long = 0
+        self.rollout_times = {"generate": 0.0, "verify": 0.0}  # seconds in rollout(), since collect() began
         self.agg = effective_agg(cfg.loss, cfg.loss_cfg)
         self.synced_version = 0  # the weight version the engine was last given
         self.learner = None  # trainer ranks in other processes (cascade/learner.py); None: update in-process
@@ -232,12 +233,16 @@ class RLTrainer:
             return []
         v0 = engine_version(self.engine, self.synced_version)
         kw = {"return_routed_experts": True} if self.replay else {}
+        t0 = time.perf_counter()
         comps = self.engine.generate(prompts, cfg.sampling.params(G, self.rng.getrandbits(62)), **kw)
+        t1 = time.perf_counter()
         for c in comps:  # engines that do not track versions per token sampled all of it with v0
             if c.versions is None:
                 c.versions = [v0] * len(c.token_ids)
         scores = self.verify([(env_id, prob, c.text) for i, (env_id, prob) in enumerate(picks)
                               for c in comps[i * G:(i + 1) * G]])
+        self.rollout_times["generate"] += t1 - t0
+        self.rollout_times["verify"] += time.perf_counter() - t1
         groups = []
         for i, (env_id, prob) in enumerate(picks):
             rs = [Rollout(env_id, prob, prompts[i], c, score, self.reward_of(score, c.token_ids))
@@ -410,6 +415,7 @@ class RLTrainer:
         metrics over everything sampled. Uses the run's RNG and curriculum, nothing of the trainer."""
         cfg = self.cfg
         t0 = time.perf_counter()
+        self.rollout_times = {"generate": 0.0, "verify": 0.0}
         sampled: list[Group] = []
 
         def sample(k: int) -> list[Group]:
@@ -435,6 +441,8 @@ class RLTrainer:
             "groups_sampled": len(sampled), "groups_dropped": dropped, "groups_trained": len(groups),
             "prompts_too_long": self.prompts_too_long,
             "rollout_tokens_per_s": gen_tokens / max(t_roll, 1e-9), "time_rollout_s": t_roll,
+            # of which generation and verification (the rest: sampling problems, gates, shaping)
+            "time_generate_s": self.rollout_times["generate"], "time_verify_s": self.rollout_times["verify"],
         }
 
     def train_on(self, groups: list[Group]) -> dict[str, Any]:
