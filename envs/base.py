@@ -19,6 +19,7 @@ from typing import Any, Callable, ClassVar, Iterable
 __all__ = [
     "Problem", "Score", "Environment", "register", "get_env", "get_env_class", "list_envs",
     "load_entry_points", "last_boxed", "last_boxed_span", "UnknownEnvironmentError", "env_info",
+    "verify_all", "verify_workers",
 ]
 
 
