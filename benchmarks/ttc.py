@@ -18,8 +18,16 @@ Prints one JSON line. Usage: python benchmarks/ttc.py [--preset tiny-moe] [--rep
   ``concurrency_speedup_short`` the same at beta=32, tau=8, where the prefill of the ~300-token
   aggregation prompts (which batching does not cheapen: its cost is per token) is most of the work;
   ``same_results`` says whether both runs gave the same answers.
+- ``local_concurrency_speedup``: the decode-bound shape on the engine in this process (``ttc solve --model
+  DIR``), ``--problems-in-flight 16`` against 1: the problems' rounds go through one batcher (the one ``ttc
+  serve`` uses), each prompt with its own seed.
 
 Every figure is the median of ``--repeats`` warm runs, with min and max beside it.
+
+``local_concurrency_speedup`` (2026-12-04, this 2-core CPU, one run of 3 repeats): 2.90 (one problem at a time
+7.70 s, 16 in flight 2.66 s; same results); with the code before the batcher (commit f75bb53, whose local
+engine took the problems' calls one at a time, 2 repeats) 16 in flight gave 1.00 (5.54 against 5.52 s). The
+same run measured ``concurrency_speedup`` 2.47 and ``concurrency_speedup_short`` 1.73 against ``ttc serve``.
 
 Measured on this project's 2-core CPU (2026-12-02, defaults, tiny-moe, 1 thread, quiet machine, commit
 e6feb3e, three runs): ``concurrency_speedup`` 2.17, 2.21, 2.13 (one problem at a time 3.73-3.80 s, 64 in
@@ -191,18 +199,24 @@ def _free_port() -> int:
     return port
 
 
-def concurrency(path, threads: int, repeats: int, shapes: dict[str, tuple[int, int]]) -> dict:
-    """Both sides against one ``ttc serve``, for each shape name -> (beta, tau)."""
+def concurrency(path, threads: int, repeats: int, shapes: dict[str, tuple[int, int]], local: bool = False) -> dict:
+    """Both sides against one ``ttc serve`` (or, ``local``, on the engine in this process: 16 problems
+    in flight against 1), for each shape name -> (beta, tau)."""
     from ttc.cli import main as ttc_main
 
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    srv = subprocess.Popen([sys.executable, "-m", "ttc", "serve", "--model", str(path), "--port", str(port),
-                            "--served-model-name", "tiny", "--threads", str(threads), "--device", "cpu"],
-                           cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    srv = None
+    if local:
+        target, many = ["--model", str(path), "--device", "cpu"], ["--problems-in-flight", "16"]
+    else:
+        port = _free_port()
+        env = {**os.environ, "PYTHONPATH": ROOT}
+        srv = subprocess.Popen([sys.executable, "-m", "ttc", "serve", "--model", str(path), "--port", str(port),
+                                "--served-model-name", "tiny", "--threads", str(threads), "--device", "cpu"],
+                               cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+        target, many = ["--base-url", url, "--model", "tiny", "--tokenizer", str(path), "--concurrency", "64"], []
     try:
-        for _ in range(600):
+        for _ in range(0 if local else 600):
             try:
                 urllib.request.urlopen(url + "/v1/models", timeout=1).read()
                 break
@@ -217,10 +231,10 @@ def concurrency(path, threads: int, repeats: int, shapes: dict[str, tuple[int, i
                     f.write(json.dumps({"problem": f"Problem {i}: {words}. Find the answer.", "answer": "1"}) + "\n")
 
             def run(extra: list[str], out: str, beta: int, tau: int) -> tuple[float, list]:
-                args = ["solve", "--data", data, "--base-url", url, "--model", "tiny", "--tokenizer", str(path),
+                args = ["solve", "--data", data, *target,
                         "--population", "4", "--aggregate", "2", "--rounds", "1", "--budget", str(beta),
                         "--tail", str(tau), "--final-budget", "0", "--seed", "0", "--out", out, "--no-progress",
-                        "--concurrency", "64", *extra]
+                        *extra]
                 t = time.perf_counter()
                 with contextlib.redirect_stdout(io.StringIO()):
                     rc = ttc_main(args)
@@ -232,21 +246,23 @@ def concurrency(path, threads: int, repeats: int, shapes: dict[str, tuple[int, i
 
             res = {}
             for name, (beta, tau) in shapes.items():
-                run([], os.path.join(d, "warm.jsonl"), beta, tau)  # warm-up (server and client)
+                run(many, os.path.join(d, "warm.jsonl"), beta, tau)  # warm-up (server and client)
                 seq, par, ans = [], [], []
                 for k in range(repeats):
                     w, a1 = run(["--problems-in-flight", "1"], os.path.join(d, f"seq{k}.jsonl"), beta, tau)
                     seq.append(w)
-                    w, a2 = run([], os.path.join(d, f"par{k}.jsonl"), beta, tau)
+                    w, a2 = run(many, os.path.join(d, f"par{k}.jsonl"), beta, tau)
                     par.append(w)
                     ans.append(a1 == a2)
                 res[name] = {"problems": 16, "N": 4, "C": 2, "T": 1, "beta": beta, "tau": tau,
-                             "one_at_a_time_wall_s": _stats(seq), "concurrency_64_wall_s": _stats(par),
+                             "one_at_a_time_wall_s": _stats(seq),
+                             ("in_flight_16_wall_s" if local else "concurrency_64_wall_s"): _stats(par),
                              "concurrency_speedup": round(statistics.median(seq) / statistics.median(par), 3),
                              "same_results": all(ans)}
     finally:
-        srv.terminate()
-        srv.wait()
+        if srv is not None:
+            srv.terminate()
+            srv.wait()
     return res
 
 
@@ -285,6 +301,8 @@ def main() -> None:
             c = concurrency(d, a.threads, a.repeats, {"decode": (128, 16), "short": (32, 8)})
             out.update(concurrency_speedup=c["decode"]["concurrency_speedup"],
                        concurrency_speedup_short=c["short"]["concurrency_speedup"], concurrency=c)
+            c = concurrency(d, a.threads, a.repeats, {"decode": (128, 16)}, local=True)
+            out.update(local_concurrency_speedup=c["decode"]["concurrency_speedup"], local_concurrency=c)
     print(json.dumps(out))
 
 

@@ -451,3 +451,29 @@ def test_pass_at_k_and_problem_dependent_draws(tok):
     m = r1.metrics
     assert set(m["pass_at_k"]) == {"1", "2", "4"} and m["pass_at_k"]["4"] == m["pass_at_n"]
     assert len(m["round_majority_accuracy"]) == len(m["round_pass_at_k"]) == 2
+
+
+def test_problems_in_flight_on_a_local_engine_share_batched_calls(engine):
+    """``--problems-in-flight`` on a local engine: problems run in threads over one EngineBackend,
+    whose batcher merges their rounds into fewer engine calls, each prompt with its own seed, so
+    every problem's prompts and samples are those of the problem run alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    problems = [PROBLEM, "What is 6 times 7?", "Compute 50 - 8.", "Add 40 and 2."]
+    alone, calls = [], 0
+    for p in problems:
+        be = EngineBackend(engine)
+        alone.append(run_rsa(be, p, RSAConfig(**SMALL), gold="42"))
+        calls += be._batcher.batches
+        be._batcher.close()  # (be.close() would close the shared engine too)
+    be = EngineBackend(engine)
+    with ThreadPoolExecutor(len(problems)) as ex:
+        together = list(ex.map(lambda p: run_rsa(be, p, RSAConfig(**SMALL), gold="42"), problems))
+    batches = be._batcher.batches
+    be._batcher.close()
+    for a, b in zip(alone, together):
+        assert [(p.stage, p.round, p.prompt_ids, p.seed, p.n) for p in b.prompts] == \
+            [(p.stage, p.round, p.prompt_ids, p.seed, p.n) for p in a.prompts]
+        assert [[c.token_ids for c in r] for r in b.rounds] == [[c.token_ids for c in r] for r in a.rounds]
+        assert [c.token_ids for c in b.final] == [c.token_ids for c in a.final]
+    assert batches < calls, (batches, calls)

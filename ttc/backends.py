@@ -102,7 +102,12 @@ class HFTokenizerSide:
 
 
 class EngineBackend(HFTokenizerSide):
-    """Any object with the Engine contract and a ``tokenizer`` attribute."""
+    """Any object with the Engine contract and a ``tokenizer`` attribute.
+
+    Problems in flight share the engine: with an engine that takes per-prompt seeds, their calls
+    that arrive together and share sampling settings run as one batched ``generate`` (the batcher
+    of ``ttc serve``, :class:`train.engine.server.Batcher`), each prompt with its own seed, so every
+    problem's samples are what they would be alone; other calls take the engine one at a time."""
 
     def __init__(self, engine, tokenizer=None):
         self.engine = engine
@@ -113,6 +118,7 @@ class EngineBackend(HFTokenizerSide):
         except (TypeError, ValueError):
             self._takes_seeds = False
         self._lock = threading.Lock()  # problems in flight share the engine one call at a time
+        self._batcher = None
 
     def context_length(self) -> int | None:
         n = getattr(self.engine, "context_length", None)
@@ -132,6 +138,13 @@ class EngineBackend(HFTokenizerSide):
         return ident
 
     def generate(self, prompts, params: SamplingParams, seeds=None) -> list[Completion]:
+        if seeds is not None and self._takes_seeds:
+            with self._lock:
+                if self._batcher is None:
+                    from train.engine.server import Batcher
+
+                    self._batcher = Batcher(self.engine, lock=self._lock)
+            return self._batcher.submit(list(prompts), params, seeds=list(seeds))
         with self._lock:
             return self._generate(prompts, params, seeds)
 
@@ -148,6 +161,8 @@ class EngineBackend(HFTokenizerSide):
         return out
 
     def close(self) -> None:
+        if self._batcher is not None:
+            self._batcher.close()
         close = getattr(self.engine, "close", None)
         if close is not None:
             close()

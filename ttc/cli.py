@@ -77,7 +77,8 @@ def _solve_parser() -> argparse.ArgumentParser:
     r.add_argument("--concurrency", type=int, default=16,
                    help="requests in flight at most, over all problems")
     r.add_argument("--problems-in-flight", type=int, default=None,
-                   help="problems run at once (default: --concurrency with --base-url, 1 on a local engine)")
+                   help="problems run at once (default: --concurrency with --base-url, 1 on a local engine, "
+                        "where the rounds of problems in flight run as one batched engine call)")
     r.add_argument("--max-tokens-in-flight", type=int, default=None,
                    help="cap on prompt + max_tokens of the requests in flight")
     r.add_argument("--rpm", type=float, default=None, help="requests per minute at most")

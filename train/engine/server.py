@@ -87,7 +87,7 @@ class NotFound(LookupError):
 class _Job:
     ids: list[list[int]]
     params: SamplingParams
-    seed: int
+    seeds: list[int]  # one per prompt
     routed: bool = False  # return_routed_experts
     done: threading.Event = field(default_factory=threading.Event)
     result: list | None = None
@@ -105,19 +105,28 @@ class Batcher:
     request's samples what they would be alone). The window slides: each arrival keeps the batch
     open ``window_s`` longer, up to ``max_wait_s`` after the first request (so a burst of clients
     that connect a few ms apart, e.g. many problems starting a round at once, is one batch rather
-    than a batch of the first few followed by one of the rest)."""
+    than a batch of the first few followed by one of the rest). ``lock``, when given, is held around
+    every ``generate`` call (callers that also use the engine directly hold it too)."""
 
-    def __init__(self, engine, window_s: float = 0.005, max_prompts: int = 256, max_wait_s: float = 0.05):
+    def __init__(self, engine, window_s: float = 0.005, max_prompts: int = 256, max_wait_s: float = 0.05,
+                 lock: threading.Lock | None = None):
         self.engine, self.window_s, self.max_prompts, self.max_wait_s = engine, window_s, max_prompts, max_wait_s
+        self.lock = lock or threading.Lock()
         self.batches = 0
         self._q: queue.Queue = queue.Queue()
         self._rng = random.Random()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="engine-batcher")
         self._thread.start()
 
-    def submit(self, ids: list[list[int]], params: SamplingParams, return_routed_experts: bool = False):
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
-        job = _Job(ids, params, seed, bool(return_routed_experts))
+    def submit(self, ids: list[list[int]], params: SamplingParams, return_routed_experts: bool = False,
+               seeds: list[int] | None = None):
+        """The completions of ``ids`` (``params.n`` each, in order), prompt i sampled with ``seeds[i]``;
+        without ``seeds`` every prompt gets ``params.seed`` (a random one when that is None)."""
+        if seeds is None:
+            seeds = [params.seed if params.seed is not None else self._rng.getrandbits(31)] * len(ids)
+        elif len(seeds) != len(ids):
+            raise ValueError(f"{len(seeds)} seeds for {len(ids)} prompts")
+        job = _Job(ids, params, [int(s) for s in seeds], bool(return_routed_experts))
         self._q.put(job)
         job.done.wait()
         if job.error is not None:
@@ -130,14 +139,18 @@ class Batcher:
     def _run(self, jobs: list[_Job]) -> None:
         p = jobs[0].params
         prompts = [x for j in jobs for x in j.ids]
-        seeds = [j.seed for j in jobs for _ in j.ids]
+        seeds = [s for j in jobs for s in j.seeds]
         kw = {"return_routed_experts": True} if jobs[0].routed else {}
-        outs = self.engine.generate(prompts, p, seeds=seeds, **kw)
+        with self.lock:
+            outs = self.engine.generate(prompts, p, seeds=seeds, **kw)
         self.batches += 1
-        k = 0
+        k = first = 0
         for j in jobs:
             m = len(j.ids) * p.n
             j.result, k = outs[k:k + m], k + m
+            for c in j.result:  # indices into this job's prompts, as if it had run alone
+                c.prompt_index -= first
+            first += len(j.ids)
 
     def _loop(self) -> None:
         while True:
