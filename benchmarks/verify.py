@@ -14,9 +14,9 @@ before ``verify_workers``) and ``threads_s`` per worker count, wall time of ``ve
 whole batch, measured here; ``speedup`` their ratio; ``cores_busy`` the CPU seconds of this process
 and everything it starts (a cpuacct cgroup of its own where it may make one, as in
 benchmarks/sandbox.py: the sandbox's pid namespaces escape rusage) per wall second of the pass;
-``same_scores`` whether every score (reward, correct, judge status) agrees with the sequential pass. One untimed pass of each setting first (the
-sandbox's warm pool fills, math workers start); then ``--repeats`` interleaved passes, median with
-min and max beside it.
+``same_scores`` whether every score (reward, correct, judge status) agrees with the sequential pass.
+One untimed pass of each setting first (the sandbox's warm pool fills, math workers start); then
+``--repeats`` interleaved passes, median with min and max beside it.
 
 Measured on this project's 2-core CPU (2026-12-04, commits a88caf3 / 626b988, defaults, five runs):
 ``code`` one at a time 0.91, 0.93, 1.15, 1.00, 1.07 s, with 2 threads 1.15x, 1.14x, 1.06x, 1.09x, 1.16x

@@ -310,3 +310,35 @@ def test_batcher_window_slides_with_arrivals_up_to_its_cap():
     burst(b, 24, 0.05)
     b.close()
     assert sum(eng.calls) == 24 and len(eng.calls) >= 3
+
+
+def test_batched_jobs_keep_their_own_seeds_and_prompt_indices():
+    """Jobs merged into one generate call: the engine gets each job's per-prompt seeds (or the
+    request seed for every prompt of a job without them), and each job's completions index its own
+    prompts, as if it had run alone."""
+    from train.engine.server import Batcher
+
+    class Seeds(_CountingEngine):
+        def generate(self, prompts, params, seeds=None):
+            self.seeds = list(seeds)
+            return super().generate(prompts, params, seeds)
+
+    eng = Seeds()
+    b = Batcher(eng, window_s=0.5, max_wait_s=5.0)
+    out = {}
+    jobs = {"a": ([[1], [2], [3]], SamplingParams(max_tokens=1, n=2, seed=9), [11, 12, 13]),
+            "b": ([[4], [5]], SamplingParams(max_tokens=1, n=2, seed=7), None)}
+    threads = [threading.Thread(target=lambda k, j: out.__setitem__(k, b.submit(j[0], j[1], seeds=j[2])), args=(k, j))
+               for k, j in jobs.items()]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)  # "a" first, so the merged call's order is known
+    for t in threads:
+        t.join(30)
+    b.close()
+    assert eng.calls == [5] and eng.seeds == [11, 12, 13, 7, 7]
+    assert [c.prompt_index for c in out["a"]] == [0, 0, 1, 1, 2, 2]
+    assert [c.prompt_index for c in out["b"]] == [0, 0, 1, 1]
+    assert [c.prompt_token_ids for c in out["b"]] == [[4], [4], [5], [5]]
+    with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
+        Batcher(eng).submit([[1], [2], [3]], SamplingParams(max_tokens=1), seeds=[1, 2])
