@@ -65,6 +65,9 @@ same cache (``--skip-steps`` skips it); three runs at 0f88c3d: 8 rows, 300 share
 noise: interleaved with 1e2da25 (before it), ``prefix_speedup_real`` 1.03, 1.12, 1.16 against 0.99,
 1.16 and ``prefix_speedup_long`` 1.31, 1.25, 0.97 against 1.11, 1.03, the same configuration's decode
 seconds moving 3.1-5.2 s between runs. The goal (1.3 at the realistic shape) is not met.
+Re-run on 2026-12-04 at 209ecb6 (the engine backend's calls now go through the batcher), one run:
+``prefix_speedup_toy`` 1.37, ``prefix_speedup_real`` 1.11 (pairs 0.94-1.11), ``prefix_speedup_long`` 1.35
+(pairs 1.16-1.47), same outputs both sides.
 """
 from __future__ import annotations
 
