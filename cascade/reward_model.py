@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from envs.base import Environment, Problem, Score
+from envs.base import Environment, Problem, Score, bounded
 
 
 class RewardModel:
@@ -41,6 +41,24 @@ class RewardModel:
         enc = self.tok(self.text(prompt, response), return_tensors="pt", truncation=True, max_length=self.max_len)
         return float(self.model(**{k: v.to(self.device) for k, v in enc.items()}).logits[0, 0])
 
+    @torch.no_grad()
+    def score_many(self, pairs: list[tuple[str, str]], batch_size: int = 16) -> list[float]:
+        """:meth:`score` of every (prompt, response), ``batch_size`` sequences per padded forward (the
+        model reads each sequence's last non-pad token); one at a time without a pad token."""
+        if self.tok.pad_token_id is None or self.model.config.pad_token_id is None:
+            return [self.score(p, r) for p, r in pairs]
+        texts = [self.text(p, r) for p, r in pairs]
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))  # similar lengths share a batch
+        out = [0.0] * len(texts)
+        for k in range(0, len(order), batch_size):
+            part = order[k:k + batch_size]
+            enc = self.tok([texts[i] for i in part], return_tensors="pt", truncation=True, max_length=self.max_len,
+                           padding=True)
+            logits = self.model(**{n: v.to(self.device) for n, v in enc.items()}).logits[:, 0].float().tolist()
+            for i, v in zip(part, logits):
+                out[i] = v
+        return out
+
 
 class GatedRewardEnv(Environment):
     """Wraps an instruction-following environment: reward = sigmoid(scale * RM score) when every
@@ -64,9 +82,20 @@ class GatedRewardEnv(Environment):
 
     def check(self, problem: Problem, response: str) -> Score:
         s = self.base.verify(problem, response)
+        return self._gated(s, self.rm.score(problem.prompt, response) if s.correct else None)
+
+    def verify_many(self, items: list[tuple[Problem, str]]) -> list[Score]:
+        """The checker on each response, then one batched reward-model pass over those that follow
+        their instructions."""
+        base = [self.base.verify(p, r) for p, r in items]
+        ok = [i for i, s in enumerate(base) if s.correct]
+        raws = dict(zip(ok, self.rm.score_many([(items[i][0].prompt, items[i][1]) for i in ok]))) if ok else {}
+        return [bounded(self._gated(s, raws.get(i))) if isinstance(r, str) else self.verify(p, r)
+                for i, (s, (p, r)) in enumerate(zip(base, items))]
+
+    def _gated(self, s: Score, raw: float | None) -> Score:
         if not s.correct:
             return Score(0.0, False, s.format_ok, {**s.info, "gate": "instructions not followed"})
-        raw = self.rm.score(problem.prompt, response)
         return Score(1.0 / (1.0 + math.exp(-self.scale * raw)), True, True, {**s.info, "rm_score": raw})
 
     def reference_response(self, problem: Problem) -> str:

@@ -19,7 +19,7 @@ from typing import Any, Callable, ClassVar, Iterable
 __all__ = [
     "Problem", "Score", "Environment", "register", "get_env", "get_env_class", "list_envs",
     "load_entry_points", "last_boxed", "last_boxed_span", "UnknownEnvironmentError", "env_info",
-    "verify_all", "verify_workers",
+    "verify_all", "verify_workers", "bounded",
 ]
 
 
@@ -158,11 +158,13 @@ class Environment:
             s = self.check(problem, response)
         except Exception as e:  # noqa: BLE001 - a verifier must never crash on model output
             return Score.zero("verifier error", error=f"{type(e).__name__}: {e}"[:500])
-        reward = float(s.reward)
-        if reward != reward:  # NaN
-            reward = 0.0
-        s.reward = max(-1.0, min(1.0, reward))
-        return s
+        return bounded(s)
+
+    def verify_many(self, items: list[tuple[Problem, str]]) -> list[Score]:
+        """``verify`` of every ``(problem, response)``, in order. Environments that can score many
+        responses at once (one batched forward of a reward model) override it; the scores must be
+        ``verify``'s. :func:`verify_all` falls back to ``verify`` one by one if an override raises."""
+        return [self.verify(p, r) for p, r in items]
 
     def extract(self, response: str) -> str | None:
         """The answer part of a response: the last ``\\boxed{}`` after any thinking."""
@@ -190,22 +192,40 @@ class Environment:
         return Problem(text, answer, self.id, int(seed), int(difficulty), meta)
 
 
+def bounded(s: Score) -> Score:
+    """``s`` with its reward in [-1, 1] (NaN -> 0), as ``verify`` returns it."""
+    reward = float(s.reward)
+    s.reward = 0.0 if reward != reward else max(-1.0, min(1.0, reward))
+    return s
+
+
 def verify_all(items: Iterable[tuple[Environment, Problem, str]], workers: int = 1) -> list[Score]:
     """``env.verify(problem, response)`` of every ``(env, problem, response)``, in order.
 
-    Those of environments with ``concurrent_verify`` run ``workers`` at a time in threads, while the
-    others run here, one after another; with ``workers <= 1`` (or fewer than two such items) all run
-    here. The scores are the same either way: ``verify`` depends only on its arguments."""
+    Those of environments with ``concurrent_verify`` run ``workers`` at a time in threads; the others
+    run here, each environment's together through its ``verify_many`` (one batch for a reward
+    model). With ``workers <= 1`` (or fewer than two concurrent items) all run here. The scores are
+    the same either way: ``verify`` depends only on its arguments."""
     items = list(items)
     conc = [i for i, (env, _, _) in enumerate(items) if env.concurrent_verify] if workers > 1 else []
-    if len(conc) < 2:
-        return [env.verify(p, r) for env, p, r in items]
+    conc = conc if len(conc) >= 2 else []
     out: list[Score | None] = [None] * len(items)
-    with ThreadPoolExecutor(min(workers, len(conc)), thread_name_prefix="cascade-verify") as ex:
+    with ThreadPoolExecutor(max(1, min(workers, len(conc))), thread_name_prefix="cascade-verify") as ex:
         futs = {i: ex.submit(items[i][0].verify, items[i][1], items[i][2]) for i in conc}
-        for i, (env, p, r) in enumerate(items):
+        here: dict[int, list[int]] = {}
+        for i, (env, _, _) in enumerate(items):
             if i not in futs:
-                out[i] = env.verify(p, r)
+                here.setdefault(id(env), []).append(i)
+        for idx in here.values():
+            env, pairs = items[idx[0]][0], [(items[i][1], items[i][2]) for i in idx]
+            try:
+                scores = env.verify_many(pairs)
+                if len(scores) != len(pairs):
+                    raise ValueError(f"verify_many gave {len(scores)} scores for {len(pairs)} responses")
+            except Exception:  # noqa: BLE001 - an override that fails: verify one by one (never raises)
+                scores = [env.verify(p, r) for p, r in pairs]
+            for i, s in zip(idx, scores):
+                out[i] = s
         for i, f in futs.items():
             out[i] = f.result()
     return out

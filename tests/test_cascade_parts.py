@@ -99,3 +99,23 @@ def test_reward_model_score_is_gated_by_the_instruction_checker(tmp_path, tiny_d
     assert s.correct and 0.0 < s.reward < 1.0 and "rm_score" in s.info
     bad = env.verify(prob, "")
     assert not bad.correct and bad.reward == 0.0
+
+    # a batch: the checker on each response, one padded reward-model pass over those that pass, and
+    # the same scores as verify one by one (responses of different lengths share a padded forward)
+    from envs import verify_all
+
+    items = []
+    for seed in range(6):
+        p = env.generate(seed, seed % 3)
+        ref = base.reference_response(p)
+        items += [(env, p, ref), (env, p, ref + " " + "and so on " * (seed * 7)), (env, p, ""), (env, p, None)]
+    calls = []
+    many = rm.score_many
+    rm.score_many = lambda pairs, **kw: calls.append(len(pairs)) or many(pairs, **kw)
+    together = verify_all(items, workers=2)
+    alone = [env.verify(p, r) for _, p, r in items]
+    assert len(calls) == 1 and calls[0] == sum(s.correct for s in alone) >= 6
+    assert [(s.correct, s.format_ok) for s in together] == [(s.correct, s.format_ok) for s in alone]
+    assert [s.reward for s in together] == pytest.approx([s.reward for s in alone], abs=1e-5)
+    assert [s.info.get("rm_score") for s in together] == pytest.approx([s.info.get("rm_score") for s in alone],
+                                                                          abs=1e-4)

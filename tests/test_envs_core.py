@@ -422,3 +422,24 @@ def test_verify_all_runs_waiting_verifiers_workers_at_a_time_and_keeps_the_order
     assert verify_workers(3) == 3 and 1 <= verify_workers(0) <= 8
     assert {type(get_env(e)).concurrent_verify for e in ("code/solve", "code/arc", "math/arith")} == {True}
     assert not get_env("toy/add").concurrent_verify and not get_env("ifeval").concurrent_verify
+
+
+def test_verify_all_hands_each_environment_its_responses_at_once_and_survives_a_failing_override():
+    from envs import verify_all
+
+    class Batched(_Plain):
+        calls: list = []
+
+        def verify_many(self, items):
+            Batched.calls.append(len(items))
+            return [self.verify(p, r) for p, r in items]
+
+    class Broken(_Plain):
+        def verify_many(self, items):
+            raise RuntimeError("batched scoring failed")
+
+    a, b, c = Batched(1), Broken(1), _Plain(1)
+    items = [(env, env.generate(i, 0), str(i) if i % 2 else "no") for i in range(9) for env in (a, b, c)]
+    scores = verify_all(items)
+    assert [s.correct for s in scores] == [bool(i % 2) for i in range(9) for _ in range(3)]
+    assert Batched.calls == [9]  # one call with all of its nine responses, in order
