@@ -120,10 +120,25 @@ def test_cached_prefill_runs_on_the_engines_own_forward(pair, monkeypatch):
     sp = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=11)
     _same(plain.generate(prompts, sp), cached.generate(prompts, sp))
     if native.usable(cached.model):
-        assert isinstance(cached.prefix_cache._decoder, native.NativeDecoder)
+        assert isinstance(cached.prefix_cache._native(cached.model), native.NativeDecoder)
     monkeypatch.setenv("CASCADE_NATIVE_DECODE", "0")
     cached.prefix_cache._decoder = None
     cached.prefix_cache.clear()
-    _same(plain.generate(prompts, sp), cached.generate(prompts, sp))
-    assert cached.prefix_cache._decoder is False
+    for _ in range(2):  # the second call finds the stored "no native forward" (it crashed on it once)
+        _same(plain.generate(prompts, sp), cached.generate(prompts, sp))
+    assert cached.prefix_cache._native(cached.model) is None
     cached.prefix_cache._decoder = None
+
+
+def test_bfloat16_engine_reuses_prefixes_in_pytorch(tiny_dense_dir):
+    """No native forward for bf16: the cached prefill runs in PyTorch, call after call, and gives the
+    plain engine's tokens."""
+    plain = TorchEngine.from_pretrained(tiny_dense_dir, dtype=torch.bfloat16)
+    cached = TorchEngine.from_pretrained(tiny_dense_dir, dtype=torch.bfloat16)
+    enable_prefix_caching(cached, min_prefix=4)
+    _, prompts = _prompts(plain.tokenizer)
+    sp = SamplingParams(temperature=0, max_tokens=6)
+    for _ in range(2):
+        a, b = plain.generate(prompts, sp), cached.generate(prompts, sp)
+        assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    assert cached.prefix_cache.stats.batches == 2

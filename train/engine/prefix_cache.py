@@ -64,7 +64,7 @@ class PrefixCache:
         self.max_entries = max_entries
         self._lru: OrderedDict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = OrderedDict()
         self._fingerprint = None
-        self._decoder = None  # the native forward, rebuilt when the weights change
+        self._decoder = None  # (model, its native forward or None), rebuilt when the weights change
         self.stats = PrefixCacheStats()
 
     def clear(self) -> None:
@@ -82,9 +82,9 @@ class PrefixCache:
         (fp32 on CPU), so that the cached path is never the slower one; else None (PyTorch)."""
         from train.engine import native
 
-        if self._decoder is None or self._decoder.model is not model:
-            self._decoder = native.decoder(model) or False
-        return self._decoder or None
+        if self._decoder is None or self._decoder[0] is not model:
+            self._decoder = (model, native.decoder(model))
+        return self._decoder[1]
 
     def _lookup(self, prefix: tuple[int, ...]):
         best = None
