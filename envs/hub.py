@@ -129,7 +129,16 @@ def load_table(ref: str | os.PathLike, split: str = "train", subset: str | None 
         if kind is None:
             raise ValueError(f"{what} {str(ref)!r}: unsupported file type {p.suffix!r}; "
                              f"use {', '.join(TABLE_SUFFIXES)}")
-        return datasets.load_dataset(kind, data_files=str(p), split="train")
+        if p.stat().st_size == 0:
+            raise ValueError(f"{what} {str(ref)!r} has no rows (the file is empty)")
+        level = datasets.logging.get_verbosity()
+        datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # it logs the error we raise below
+        try:
+            return datasets.load_dataset(kind, data_files=str(p), split="train")
+        except Exception as e:  # noqa: BLE001 - datasets wraps the parser's error: name the file and the cause
+            raise ValueError(f"{what} {str(ref)!r} cannot be read as {kind}: {_root_cause(e)}") from None
+        finally:
+            datasets.logging.set_verbosity(level)
     if not p.is_dir():
         raise FileNotFoundError(f"{what} {str(ref)!r} not found (not a file, a directory or a Hub id org/name)")
     try:
@@ -138,6 +147,18 @@ def load_table(ref: str | os.PathLike, split: str = "train", subset: str | None 
         first = str(e.args[0] if e.args else e).splitlines()[0]
         raise ValueError(f"{what} {str(ref)!r} (split {split!r}{f', subset {subset!r}' if subset else ''}): "
                          f"{first}") from None
+
+
+def _root_cause(e: BaseException) -> str:
+    """The first line of the first error with a message of its own in ``e``'s chain (datasets wraps a
+    parser's error in ``DatasetGenerationError``)."""
+    first = e
+    while e is not None:
+        msg = str(e).strip()
+        if msg and not msg.startswith("An error occurred while generating"):
+            return f"{type(e).__name__}: {msg.splitlines()[0]}"
+        e = e.__cause__ or e.__context__
+    return type(first).__name__
 
 
 def parse_columns(spec: str | dict | None, keys: Iterable[str], flag: str = "columns") -> dict[str, str]:

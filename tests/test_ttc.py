@@ -269,6 +269,7 @@ def test_config_and_template_errors(tmp_path, tok):
         RSAConfig(budget=8, tail=9).resolved()
     with pytest.raises(ValueError, match="aggregate C=5 exceeds the population N=4"):
         RSAConfig(population=4, aggregate=5, tail=8).resolved()
+    assert RSAConfig(rounds=0, population=2, aggregate=4, budget=8, tail=4096).resolved().rounds == 0  # no tails
     with pytest.raises(ValueError, match="unknown variant"):
         RSAConfig(variant="beam").resolved()
     f = tmp_path / "t.yaml"
@@ -302,6 +303,11 @@ def test_cli_errors_are_one_line(tmp_path, capsys, tiny_dense_dir):
     s.bind(("127.0.0.1", 0))
     closed = s.getsockname()[1]
     s.close()
+    bad_yaml, empty, not_json, null_problem = (tmp_path / n for n in ("t.yaml", "e.jsonl", "j.jsonl", "n.jsonl"))
+    bad_yaml.write_text("foo: [unclosed\n")
+    empty.write_text("")
+    not_json.write_text('{"problem": "a"}\nnot json\n{"problem": "b"}\n')
+    null_problem.write_text('{"problem": "a"}\n{"problem": null}\n')
     cases = [
         (["--data", bad, "--model", tiny_dense_dir], "lacks column(s) problem"),
         (["--problem", "1+1", "--base-url", f"http://127.0.0.1:{closed}", "--model", "m", "--retries", "0"],
@@ -309,6 +315,17 @@ def test_cli_errors_are_one_line(tmp_path, capsys, tiny_dense_dir):
         (["--problem", "1+1", "--model", tiny_dense_dir, "--budget", "8", "--tail", "16"], "tail tau=16 exceeds"),
         (["--problem", "1+1", "--model", tiny_dense_dir, "--population", "2", "--aggregate", "3"], "aggregate C=3"),
         (["--problem", "1+1", "--model", tmp_path / "missing"], "not found"),
+        (["--data", bad, "--model", tiny_dense_dir, "--limit", "0"], "--limit must be >= 1"),
+        (["--problem", "1+1", "--model", tiny_dense_dir, "--threads", "-2"], "--threads must be >= 1"),
+        (["--problem", "1+1", "--model", tiny_dense_dir, "--retries", "-1"], "--retries must be >= 0"),
+        (["--problem", "1+1", "--model", tiny_dense_dir, "--rpm", "0"], "--rpm must be > 0"),
+        (["--problem", "1+1", "--model", tiny_dense_dir, "--device", "bogus"], "not a device torch knows"),
+        (["--data", bad, "--answer", "2", "--model", tiny_dense_dir], "--answer is the gold answer of --problem"),
+        (["--problem", "1+1", "--model", tiny_dense_dir, "--out", tmp_path], "is a directory"),
+        (["--problem", "1+1", "--model", tiny_dense_dir, "--template", bad_yaml], "is not valid YAML"),
+        (["--data", empty, "--model", tiny_dense_dir], "has no rows (the file is empty)"),
+        (["--data", not_json, "--model", tiny_dense_dir], "cannot be read as json: ArrowInvalid"),
+        (["--data", null_problem, "--model", tiny_dense_dir], "row 1's problem is None"),
     ]
     for args, msg in cases:
         rc, out, err = _cli(capsys, "solve", "--rounds", "1", *args)
@@ -341,6 +358,21 @@ def test_cli_writes_results_and_resumes(tmp_path, capsys, tiny_dense_dir):
     # a resume with other settings is refused
     rc, _, err = _cli(capsys, *common, "--resume", "--seed", "4")
     assert rc == 2 and "different settings" in err
+    # a smaller --limit: the summary is of this run's problems; the other result stays in the file
+    rc, stdout, err = _cli(capsys, *common, "--resume", "--limit", "1")
+    assert rc == 0 and "1 result(s)" in err and json.loads(stdout.splitlines()[-1])["problems"] == 1
+    assert [json.loads(line) for line in out.read_text().splitlines()][:2] == second[:2]
+    # other data into the same file is refused, and the file is kept
+    other = tmp_path / "o.jsonl"
+    other.write_text(json.dumps({"problem": "9+9?", "answer": "18"}) + "\n")
+    rc, _, err = _cli(capsys, *[other if x == data else x for x in common], "--resume")
+    assert rc == 2 and "holds a result for another problem 0" in err
+    assert [json.loads(line) for line in out.read_text().splitlines()][:2] == second[:2]
+    # --save-traces: a fresh run replaces the file (it appended to the last run's)
+    traces = tmp_path / "t.jsonl"
+    for _ in range(2):
+        assert _cli(capsys, *common, "--save-traces", traces)[0] == 0
+        assert [json.loads(line)["type"] for line in traces.read_text().splitlines()].count("round") == 4
 
 
 class RoundScript(HFTokenizerSide):

@@ -208,6 +208,8 @@ def test_twenty_problems_through_429s_and_500s_with_a_cap_on_requests_in_flight(
     # n=4 was topped up from responses of at most 3 choices; every population is complete
     rounds = [r for r in _lines(traces) if r["type"] == "round"]
     assert len(rounds) == 40 and all(len(r["population"]) == 4 for r in rounds)
+    for p in rounds[-1]["prompts"]:  # prompts and tails as token ids and as text
+        assert p["prompt_text"] == tok.decode(p["prompt_ids"]) and len(p["forwarded_text"]) == len(p["forwarded"])
     # subsets and seeds differ across problems
     parents = {r["index"]: [p["parents"] for p in r["prompts"]] for r in rounds if r["round"] == 1}
     assert len({json.dumps(v) for v in parents.values()}) > 10
@@ -315,6 +317,41 @@ def test_resume_after_kill_9_loses_at_most_one_round(tmp_path, tok, tiny_dense_d
     strip = lambda rs: sorted(({k: v for k, v in r.items() if k not in ("wall_s",)} for r in rs[:-1]),  # noqa: E731
                               key=lambda r: r["index"])
     assert strip(_lines(out)) == strip(_lines(out2))
+
+
+def test_ctrl_c_stops_cleanly_and_resume_goes_on(tmp_path, tiny_dense_dir):
+    """SIGINT mid-run of a local engine: a one-line message, exit 130 (no traceback, no abort from a thread
+    left in native code), and --resume finishes the run."""
+    data = _data(tmp_path / "d.jsonl", 3)
+    out = tmp_path / "r.jsonl"
+    ckpt = out.with_name(out.name + ".rounds.jsonl")
+    args = ["solve", "--data", str(data), "--model", str(tiny_dense_dir), "--population", "4", "--aggregate", "2",
+            "--rounds", "3", "--budget", "96", "--tail", "8", "--threads", "1", "--out", str(out), "--no-progress"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.Popen([sys.executable, "-m", "ttc", *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (ckpt.exists() and ckpt.read_text().strip()):
+        assert p.poll() is None, p.stderr.read().decode()
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    err = p.communicate(timeout=60)[1].decode()
+    assert p.returncode == 130 and err.strip() == "ttc solve: interrupted; rerun with --resume to go on", err
+    r = subprocess.run([sys.executable, "-m", "ttc", *args, "--resume"], cwd=ROOT, env=env, capture_output=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    assert sorted(x["index"] for x in _lines(out) if x["type"] == "problem") == [0, 1, 2]
+
+
+def test_a_model_the_server_does_not_list_is_refused_before_any_request(tmp_path, capsys, tok, tiny_dense_dir):
+    srv = FakeAPI(tok)
+    try:
+        args = _args(srv.url, tiny_dense_dir, _data(tmp_path / "d.jsonl", 2), tmp_path / "r.jsonl")
+        args[args.index("--model") + 1] = "nope"
+        rc, _, err = _cli(capsys, args)
+    finally:
+        srv.stop()
+    assert rc == 2 and "does not serve model 'nope'" in err and "'m1', 'm2'" in err and srv.completions == 0
 
 
 def test_dataset_columns_and_the_chat_backend(tmp_path, capsys, tok, tiny_dense_dir):

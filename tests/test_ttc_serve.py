@@ -97,6 +97,13 @@ def test_bad_requests(server):
         ("/v1/completions", {"prompt": "x", "n": "many"}, "n must be"),
         ("/detokenize", {"tokens": "abc"}, "list of token ids"),
         ("/v1/chat/completions", {"messages": []}, "non-empty"),
+        ("/v1/completions", {"prompt": [1, 99999], "max_tokens": 2}, "token id 99999"),
+        ("/v1/completions", {"prompt": [-1], "max_tokens": 2, "stream": True}, "token id -1"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 2.7}, "max_tokens must be an integer"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": True}, "max_tokens must be an integer"),
+        ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": [{}]}, "stop_token_ids"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "role 'wizard'"),
     ]:
         code, b = call(url, path, body)
         assert code == 400 and msg in b["error"]["message"], (path, b)

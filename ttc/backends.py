@@ -170,16 +170,12 @@ class EngineBackend(HFTokenizerSide):
 
 def torch_backend(path, device: str | None = None, dtype: str = "float32", prefix_cache: bool = True) -> EngineBackend:
     """The built-in torch engine on a local checkpoint, with shared-prefix KV reuse on by default."""
-    import torch
-
     from train.engine.prefix_cache import enable_prefix_caching
-    from train.engine.torch_engine import TorchEngine
+    from train.engine.torch_engine import DTYPES, TorchEngine, engine_device
 
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if dtype not in dtypes:
-        raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(dtypes)}")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    eng = TorchEngine.from_pretrained(path, device=device, dtype=dtypes[dtype])
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    eng = TorchEngine.from_pretrained(path, device=engine_device(device), dtype=DTYPES[dtype])
     if eng.tokenizer is None:
         raise ValueError(f"checkpoint {path} has no tokenizer files; RSA cuts tails with the policy's tokenizer")
     if prefix_cache:
@@ -383,6 +379,8 @@ class OpenAIBackend:
         self.base_url = url[:-3] if url.endswith("/v1") else url
         self.api_key = api_key if api_key is not None else (os.environ.get("OPENAI_API_KEY")
                                                             or os.environ.get("CASCADE_API_KEY"))
+        if retries < 0 or backoff < 0:
+            raise ValueError(f"retries and backoff must be >= 0, got {retries} and {backoff}")
         self.concurrency, self.retries, self.backoff, self.timeout = max(1, concurrency), retries, backoff, timeout
         self.horizon, self.backoff_max, self.max_n = horizon, backoff_max, max_n
         self.retried = 0  # requests that were sent again after a failure
@@ -398,6 +396,9 @@ class OpenAIBackend:
             if not entries:
                 raise ValueError(f"server {self.base_url} lists no models; pass --model NAME")
             model = next(iter(entries))
+        elif entries and model not in entries:
+            raise ValueError(f"server {self.base_url} does not serve model {model!r} (its /v1/models lists "
+                             f"{', '.join(map(repr, list(entries)[:8]))}); pass --model with one of them")
         self.model = model
         mml = (entries.get(model) or {}).get("max_model_len")
         self._context = int(mml) if isinstance(mml, (int, float)) and mml > 0 else None
@@ -447,7 +448,7 @@ class OpenAIBackend:
                     after = retry_after(e.headers.get("Retry-After") if e.headers else None)
                     continue
                 if e.code == 404:
-                    raise ValueError(f"server {self.base_url} has no {path} ({msg})") from None
+                    raise ValueError(f"server {self.base_url} answered 404 to {path}: {msg}") from None
                 raise ValueError(f"server rejected {path}: HTTP {e.code}: {msg}") from None
             except (urllib.error.URLError, ConnectionError, http.client.HTTPException, socket.timeout, OSError,
                     json.JSONDecodeError) as e:

@@ -24,8 +24,19 @@ commands:
 `ttc COMMAND --help` for details."""
 
 
+class _Help(argparse.HelpFormatter):
+    """Help that shows each option's default, unless it has none or its help already says it."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        if not any(action.default is x for x in (None, False, argparse.SUPPRESS)) and "default" not in h:
+            h += (" " if h else "") + "(default: %(default)s)"
+        return h
+
+
 def _solve_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="ttc solve", description="Markovian RSA with AIME/HMMT-style evaluation.")
+    ap = argparse.ArgumentParser(prog="ttc solve", description="Markovian RSA with AIME/HMMT-style evaluation.",
+                                 formatter_class=_Help)
     g = ap.add_argument_group("algorithm")
     g.add_argument("--rounds", type=int, default=2, help="T, aggregation rounds after round 0 (0: parallel sampling)")
     g.add_argument("--tail", type=int, default=4096, help="tau, tokens of each trace forwarded")
@@ -36,13 +47,15 @@ def _solve_parser() -> argparse.ArgumentParser:
                    help="tokens to finish a final trace cut at beta (default beta; 0: off)")
     g.add_argument("--anchor", type=int, default=0,
                    help="delethink: tokens kept from the start of each chain in every later chunk")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1: off)")
+    g.add_argument("--top-k", type=int, default=0, help="top-k sampling (0: off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="min-p sampling (0: off)")
+    g.add_argument("--seed", type=int, default=0, help="seeds every subset and sample (per problem)")
     g.add_argument("--template", default="math", help="math | code | generic | PATH (YAML/JSON overrides)")
-    g.add_argument("--variant", default="rsa", choices=VARIANTS)
+    g.add_argument("--variant", default="rsa", choices=VARIANTS,
+                   help="rsa (tails), full (whole traces), delethink (chunked chains), pacore (a finished "
+                   "candidate forwards its answer)")
     g.add_argument("--grader", default=None, choices=["math", "exact"],
                    help="answer equivalence (default: math for the math template, else exact)")
     g.add_argument("--context", type=int, default=None,
@@ -65,12 +78,14 @@ def _solve_parser() -> argparse.ArgumentParser:
                                    "or the served model name with --base-url")
     m.add_argument("--base-url", help="an OpenAI-compatible server (API key from OPENAI_API_KEY or CASCADE_API_KEY)")
     m.add_argument("--api", default="completions", choices=["completions", "chat"],
-                   help="--base-url endpoint: token-id /v1/completions, or /v1/chat/completions (needs --tokenizer)")
+                   help="--base-url endpoint: token-id /v1/completions, or /v1/chat/completions (needs --tokenizer; "
+                   "token counts are then the local tokenizer's, the server's in usage)")
     m.add_argument("--tokenizer",
                    help="tokenizer directory or Hub id for cutting tails with --base-url (default: the server's /tokenize)")
-    m.add_argument("--engine", default="torch", choices=["torch", "vllm"])
-    m.add_argument("--device", default=None)
-    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    m.add_argument("--engine", default="torch", choices=["torch", "vllm"], help="local engine for --model")
+    m.add_argument("--device", default=None, help="torch engine: cpu, cuda, cuda:1, ... (default: cuda if any)")
+    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="torch engine: weights and activations")
     m.add_argument("--no-prefix-cache", action="store_true", help="torch engine: turn shared-prefix KV reuse off")
     m.add_argument("--threads", type=int, default=None, help="torch engine: CPU threads (torch.set_num_threads)")
     r = ap.add_argument_group("requests (--base-url)")
@@ -88,15 +103,16 @@ def _solve_parser() -> argparse.ArgumentParser:
     r.add_argument("--backoff", type=float, default=0.5,
                    help="first retry waits up to this many seconds (full jitter, doubling, at most 60 s)")
     r.add_argument("--retry-horizon", type=float, default=900.0, help="seconds a request may keep retrying")
-    r.add_argument("--request-timeout", type=float, default=3600.0)
+    r.add_argument("--request-timeout", type=float, default=3600.0, help="seconds to wait for one response")
     o = ap.add_argument_group("output")
     o.add_argument("--out", help="results jsonl: one line per problem, then a summary line "
                                  "(rounds are checkpointed in OUT.rounds.jsonl while the run goes)")
     o.add_argument("--resume", action="store_true", help="skip problems already in --out, resume rounds in progress")
-    o.add_argument("--save-traces", help="jsonl of every round: populations, prompts, tails (token ids and text)")
+    o.add_argument("--save-traces", help="jsonl of every round: populations, prompts, tails (token ids and text); "
+                   "a fresh run replaces it, --resume appends")
     o.add_argument("--price-in", type=float, default=None, help="price per 1M prompt tokens (cost from usage)")
     o.add_argument("--price-out", type=float, default=None, help="price per 1M completion tokens")
-    o.add_argument("--no-progress", action="store_true")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap
 
 
@@ -144,8 +160,12 @@ def load_problems(a) -> list[dict]:
     need = ["problem"] + (["answer"] if "answer=" in (a.column or "") else [])  # answer is optional unless mapped
     rows = load_rows(a.data, need, [k for k in ("answer",) if k not in need], parse_columns(a.column),
                      split=a.split, subset=a.subset, what="--data", hint="--column ")
-    rows = [{"problem": str(r["problem"]), "answer": None if r["answer"] is None else str(r["answer"])} for r in rows]
-    return rows[:a.limit] if a.limit is not None else rows
+    rows = rows[:a.limit] if a.limit is not None else rows
+    for i, r in enumerate(rows):
+        q = r["problem"]
+        if q is None or isinstance(q, (list, dict)) or not str(q).strip():
+            raise ValueError(f"--data {a.data!r}: row {i}'s problem is {q!r}; every row needs a problem text")
+    return [{"problem": str(r["problem"]), "answer": None if r["answer"] is None else str(r["answer"])} for r in rows]
 
 
 def run_key(cfg: RSAConfig, template, grader, model: dict | None = None, extra: dict | None = None) -> str:
@@ -288,10 +308,18 @@ def solve_main(argv: list[str]) -> int:
     template = load_template(a.template)
     if a.resume and not a.out:
         raise ValueError("--resume needs --out (the results file to resume from)")
-    for name in ("concurrency", "problems_in_flight", "max_n", "context"):
-        v = getattr(a, name)
-        if v is not None and v < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    for names, low, strict in ((("concurrency", "problems_in_flight", "max_n", "context", "limit", "threads",
+                                 "max_tokens_in_flight"), 1, False),
+                               (("retries", "backoff", "price_in", "price_out"), 0, False),
+                               (("rpm", "tpm", "retry_horizon", "request_timeout"), 0, True)):
+        for name in names:
+            v = getattr(a, name)
+            if v is not None and (v <= low if strict else v < low):
+                raise ValueError(f"--{name.replace('_', '-')} must be {'>' if strict else '>='} {low}, got {v}")
+    if a.answer is not None and a.problem is None:
+        raise ValueError("--answer is the gold answer of --problem; a --data file's come from its answer column")
+    if a.out and Path(a.out).is_dir():
+        raise ValueError(f"--out {a.out!r} is a directory; give a file path (results jsonl)")
     problems = load_problems(a)
 
     from ttc.backends import ServerError
@@ -316,21 +344,40 @@ def solve_main(argv: list[str]) -> int:
         ckpt = out.with_name(out.name + ".rounds.jsonl") if out is not None else None
         records: list[dict] = []
         partial: dict = {}
+        keys = [_problem_key(p["problem"]) for p in problems]
+        kept: list[dict] = []  # records of problems past this run's end (a smaller --limit): kept, not summarized
         if out is not None and a.resume and out.exists():
-            records = sorted(read_results(out, key), key=lambda r: r["index"])
+            for r in sorted(read_results(out, key), key=lambda r: r["index"]):
+                if r["index"] >= len(problems):
+                    kept.append(r)
+                elif r["problem_key"] != keys[r["index"]]:
+                    raise ValueError(f"{out} holds a result for another problem {r['index']} ({r['problem'][:40]!r}): "
+                                     f"it was written from other data; use another --out or drop --resume")
+                else:
+                    records.append(r)
+        if kept:
+            print(f"ttc solve: {len(kept)} result(s) in {out} are of problems after this run's {len(problems)}: "
+                  f"kept in the file, left out of the summary", file=sys.stderr)
         if ckpt is not None and a.resume and ckpt.exists():
             partial = read_checkpoints(ckpt, key)
         done = {(r["index"], r["problem_key"]) for r in records}
-        todo = [(i, p) for i, p in enumerate(problems) if (i, _problem_key(p["problem"])) not in done]
+        todo = [(i, p) for i, p in enumerate(problems) if (i, keys[i]) not in done]
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = out.with_name(out.name + ".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in records))  # earlier problems, without the old summary
+            # earlier problems, without the old summary
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in sorted(records + kept, key=lambda r: r["index"])))
             os.replace(tmp, out)
             if not a.resume and ckpt.exists():
                 ckpt.unlink()
+        if a.save_traces and not a.resume:
+            Path(a.save_traces).write_text("")  # a fresh run's traces replace the last run's
         results, checkpoints = _Writer(out), _Writer(ckpt)
         traces = _Writer(Path(a.save_traces)) if a.save_traces else _Writer(None)
+
+        def with_text(r: dict) -> dict:
+            return {**r, "prompt_text": backend.decode(r["prompt_ids"]),
+                    "forwarded_text": [backend.decode(t) for t in r.get("forwarded") or []]}
         lock = threading.Lock()
         in_flight = a.problems_in_flight or (a.concurrency if a.base_url else 1)
         try:
@@ -352,8 +399,9 @@ def solve_main(argv: list[str]) -> int:
                     def on_round(t: int, rec: dict) -> None:
                         base = {"run_key": key, "index": i, "problem_key": pk, "round": t}
                         checkpoints.write({**base, "record": rec})
-                        traces.write({"type": "round", **base, "population": rec["population"],
-                                      "prompts": rec["prompts"]})
+                        if a.save_traces:
+                            traces.write({"type": "round", **base, "population": rec["population"],
+                                          "prompts": [with_text(r) for r in rec["prompts"]]})
                         with lock:
                             tokens[0] += rec["tokens"]["generated"]
                             live[i] = f"round {t}/{cfg.rounds} {tokens[0]} tok"
@@ -370,7 +418,7 @@ def solve_main(argv: list[str]) -> int:
                         rec = {**base, "status": "ok", **res.metrics,
                                "cost": cost(res.metrics.get("usage"), a.price_in, a.price_out)}
                         if a.save_traces:
-                            fin = [vars(r) for r in res.prompts if r.stage == "final"]
+                            fin = [with_text(vars(r)) for r in res.prompts if r.stage == "final"]
                             traces.write({"type": "final", "run_key": key, "index": i, "problem_key": pk,
                                           "prompts": fin, "responses": [c.response for c in res.final],
                                           "answers": res.metrics["answers"],
@@ -437,6 +485,13 @@ def main(argv: list[str] | None = None) -> int:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"ttc {name}: error: {str(msg).splitlines()[0] if str(msg) else type(e).__name__}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # every finished round is already on disk (fsynced line by line); leave without unwinding: the
+        # engine's thread may be inside native code, and interpreter teardown around it can abort
+        print(f"ttc {name}: interrupted" + ("; rerun with --resume to go on" if name == "solve" else ""),
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(130)
 
 
 if __name__ == "__main__":

@@ -102,9 +102,9 @@ class RSAConfig:
             c.tail = c.budget
         if c.variant == "delethink":
             c.aggregate = 1
-        if c.tail > c.budget:
+        if c.rounds and c.tail > c.budget:  # rounds=0 is parallel sampling: no tails, no aggregation
             raise ValueError(f"tail tau={c.tail} exceeds the thinking budget beta={c.budget}; need tau <= beta")
-        if c.aggregate > c.population:
+        if c.rounds and c.aggregate > c.population:
             raise ValueError(f"aggregate C={c.aggregate} exceeds the population N={c.population}; "
                              f"tails are drawn without replacement")
         if c.anchor < 0:

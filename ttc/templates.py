@@ -119,12 +119,13 @@ def load_template(spec: str | Template) -> Template:
     if not p.is_file():
         raise ValueError(f"unknown template {spec!r}: use one of {', '.join(BUILTIN)} or a YAML/JSON file")
     text = p.read_text()
-    if p.suffix.lower() == ".json":
-        data = json.loads(text)
-    else:
-        import yaml
+    import yaml
 
-        data = yaml.safe_load(text)
+    try:
+        data = json.loads(text) if p.suffix.lower() == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ValueError(f"template file {p} is not valid {'JSON' if p.suffix.lower() == '.json' else 'YAML'}: "
+                         f"{' '.join(str(e).split())}") from None
     if not isinstance(data, dict):
         raise ValueError(f"template file {p}: expected a mapping of {', '.join(_KEYS)}")
     base_name = data.pop("base", "generic")

@@ -62,14 +62,18 @@ class ContextLengthError(ValueError):
     """A prompt (plus what must be generated) does not fit the model's context."""
 
 
-def check_prompts(ids: Sequence[list[int]], context_length: int, seeds: Sequence[int] | None = None) -> None:
-    """Every prompt non-empty and short enough that at least one token can be generated; per-prompt
-    ``seeds``, when given, one per prompt."""
+def check_prompts(ids: Sequence[list[int]], context_length: int, seeds: Sequence[int] | None = None,
+                  vocab_size: int | None = None) -> None:
+    """Every prompt non-empty, of token ids in ``[0, vocab_size)`` (when given) and short enough that at
+    least one token can be generated; per-prompt ``seeds``, when given, one per prompt."""
     if seeds is not None and len(seeds) != len(ids):
         raise ValueError(f"got {len(seeds)} seeds for {len(ids)} prompts")
     for i, x in enumerate(ids):
         if not x:
             raise ValueError(f"prompt {i} is empty")
+        if vocab_size is not None and (min(x) < 0 or max(x) >= vocab_size):
+            bad = next(t for t in x if not 0 <= t < vocab_size)
+            raise ValueError(f"prompt {i} has token id {bad}; the model's ids are 0..{vocab_size - 1}")
         if len(x) >= context_length:
             raise ContextLengthError(f"prompt {i} has {len(x)} tokens; the model's context limit is "
                                      f"{context_length} (at least one token must be generated)")

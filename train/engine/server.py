@@ -133,8 +133,12 @@ class Batcher:
             raise job.error
         return job.result
 
-    def close(self) -> None:
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop the engine thread after the calls already queued, waiting up to ``timeout`` s for it
+        (a thread left inside the engine's native code at interpreter exit can abort the process)."""
         self._q.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     def _run(self, jobs: list[_Job]) -> None:
         p = jobs[0].params
@@ -185,6 +189,16 @@ class Batcher:
                     j.done.set()
 
 
+def _whole(v) -> int:
+    """An integer field as OpenAI-compatible servers read it (pydantic's lax mode): an int, a float
+    without a fraction, or a string of digits; a bool, 2.7 or "x" is a TypeError/ValueError."""
+    if isinstance(v, bool):
+        raise TypeError(v)
+    if isinstance(v, float) and not v.is_integer():
+        raise ValueError(v)
+    return int(v)
+
+
 def _params(body: dict, default_max: int = 16) -> SamplingParams:
     def get(name, default, cast):
         v = body.get(name)
@@ -192,22 +206,25 @@ def _params(body: dict, default_max: int = 16) -> SamplingParams:
             return default
         try:
             return cast(v)
-        except (TypeError, ValueError):
-            raise BadRequest(f"{name} must be a {cast.__name__}, got {v!r}") from None
+        except (TypeError, ValueError, OverflowError):
+            kind = {_whole: "an integer", float: "a number"}.get(cast, "a list of integers")
+            raise BadRequest(f"{name} must be {kind}, got {v!r}") from None
+
+    if body.get("echo"):
+        raise BadRequest("echo is not supported by this server")
 
     stop = body.get("stop") or []
     if isinstance(stop, str):
         stop = [stop]
-    top_k = get("top_k", 0, int)
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    top_k = get("top_k", 0, _whole)
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     try:
-        return SamplingParams(n=get("n", 1, int), temperature=get("temperature", 1.0, float),
+        return SamplingParams(n=get("n", 1, _whole), temperature=get("temperature", 1.0, float),
                               top_p=get("top_p", 1.0, float), top_k=max(0, top_k), min_p=get("min_p", 0.0, float),
-                              max_tokens=int(max_tokens) if max_tokens is not None else default_max,
-                              stop=[str(s) for s in stop],
-                              stop_token_ids=[int(t) for t in body.get("stop_token_ids") or []],
-                              seed=get("seed", None, int), ignore_eos=bool(body.get("ignore_eos", False)))
-    except ValueError as e:
+                              max_tokens=get(name, default_max, _whole), stop=[str(s) for s in stop],
+                              stop_token_ids=get("stop_token_ids", [], lambda v: [_whole(t) for t in v]),
+                              seed=get("seed", None, _whole), ignore_eos=bool(body.get("ignore_eos", False)))
+    except (TypeError, ValueError) as e:
         raise BadRequest(str(e)) from None
 
 
@@ -538,10 +555,15 @@ def _int_field(body: dict, name: str) -> int:
     return v
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def _plain_message(m) -> dict:
     """A chat message with its content as text (OpenAI content parts joined; only text parts)."""
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise BadRequest("each message must be an object with a 'role' and 'content'")
+    if m["role"] not in ROLES:
+        raise BadRequest(f"message role {m['role']!r} is not one of {', '.join(ROLES)}")
     content = m.get("content")
     if isinstance(content, list):
         texts = []
@@ -676,8 +698,10 @@ def main(argv: list[str] | None = None, prog: str = "cascade serve") -> int:
     import torch
 
     from train.engine.prefix_cache import enable_prefix_caching
-    from train.engine.torch_engine import TorchEngine
+    from train.engine.torch_engine import DTYPES, TorchEngine, engine_device
 
+    if not 0 <= a.port <= 65535:
+        raise ValueError(f"--port must be in 0-65535 (0: any free port), got {a.port}")
     if a.weights_dir is not None and not a.api_key:
         raise ValueError("--weights-dir needs --api-key (weight loading over HTTP must be authenticated)")
     if a.weights_dir is not None and not Path(a.weights_dir).is_dir():
@@ -686,9 +710,8 @@ def main(argv: list[str] | None = None, prog: str = "cascade serve") -> int:
         if a.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {a.threads}")
         torch.set_num_threads(a.threads)
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    eng = TorchEngine.from_pretrained(a.model, device=device, dtype=dtypes[a.dtype], version=a.weights_version)
+    eng = TorchEngine.from_pretrained(a.model, device=engine_device(a.device), dtype=DTYPES[a.dtype],
+                                      version=a.weights_version)
     if not a.no_prefix_cache:
         enable_prefix_caching(eng)
     name = a.served_model_name or Path(a.model).resolve().name

@@ -43,6 +43,23 @@ from train.model.hf_io import load_into, load_pretrained
 from train.model.modeling import CausalLM, KVCache
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def engine_device(spec: str | None) -> str:
+    """The device of a command's ``--device``: ``spec`` checked (a one-line ValueError for a name torch
+    does not know or a GPU this machine lacks), or cuda where there is one, else cpu."""
+    if not spec:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(spec)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {spec!r} is not a device torch knows (cpu, cuda, cuda:1, ...)") from None
+    if dev.type == "cuda" and not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
+        raise ValueError(f"--device {spec!r}: this machine's torch sees {torch.cuda.device_count()} CUDA device(s)")
+    return spec
+
+
 @dataclass
 class EngineStats:
     prefill_tokens: int = 0
@@ -141,7 +158,7 @@ class TorchEngine:
         ``return_routed_experts`` (default: the engine's setting) fills ``Completion.routed_experts``."""
         ids = self.encode(prompts)
         ctx = self.context_length
-        check_prompts(ids, ctx, seeds)
+        check_prompts(ids, ctx, seeds, vocab_size=self.model.config.vocab_size)
         record = self.return_routed_experts if return_routed_experts is None else bool(return_routed_experts)
         if record and not self.model.config.is_moe:
             raise ValueError("return_routed_experts needs an MoE model; this one has no MoE layers")
