@@ -44,6 +44,7 @@ class WorkerLearner:
         model_dir = Path(model_dir).absolute()
         self.timeout = tcfg.timeout_s
         self.sft_steps = sft_steps
+        self.exchange.mkdir(parents=True, exist_ok=True)  # a stage may end before it sends the ranks anything
         self._clear_after(start_update, CKPT_DIR)
         ck = self.exchange / CKPT_DIR / f"step-{start_update:06d}" / "COMPLETE"
         if start_update > 0 and not ck.exists():

@@ -102,6 +102,22 @@ def test_servers_and_trainer_ranks_run_a_stage(warm_dir, tmp_path, transport):
     assert not any(alive(p) for p in pids)
 
 
+def test_a_stage_that_sends_the_ranks_no_update_ends_cleanly(warm_dir, tmp_path):
+    """Every group dropped (a policy that cannot answer in 2 tokens: reward 0 everywhere), so no batch
+    reaches the ranks: the stage still ends, with the starting weights as its final checkpoint (it
+    failed writing the ranks' stop file into an exchange directory nothing had created)."""
+    out = tmp_path / "run"
+    r = cascade(f"out={out}", f"model={warm_dir}", *STAGE, "steps=2", "rl.sampling.max_new_tokens=2", "rl.dynamic_sampling=true",
+                "eval_problems=2", "trainer.nproc=2", "trainer.tsp=1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [x["groups_trained"] for x in rl_records(out)] == [0, 0]
+    fin = final_weights(out)
+    from train.model.hf_io import read_state_dict
+
+    start = read_state_dict(warm_dir)
+    assert all(torch.equal(fin[k], start[k]) for k in start)
+
+
 def test_kill_9_of_a_server_mid_run(warm_dir, tmp_path):
     """A rollout server killed mid-run: its prompts go to the other, it is restarted (catching up
     to the newest weights), the run completes with the same per-step sync guarantees."""
