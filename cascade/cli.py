@@ -19,7 +19,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 # Errors that are the user's to fix: printed as one line, exit code 2 (CASCADE_DEBUG=1 shows the traceback).
-USER_ERRORS = (ValueError, KeyError, FileNotFoundError, NotADirectoryError, TypeError, ConnectionError)
+USER_ERRORS = (ValueError, KeyError, FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError,
+               PermissionError, TypeError, ConnectionError)
 
 
 def _usage() -> str:

@@ -171,6 +171,16 @@ class StageConfig:
                 raise ValueError(f"max_new_tokens_schedule: expected [[from_fraction, tokens], ...] with fractions "
                                  f"rising in [0, 1] and tokens >= 1, got {self.max_new_tokens_schedule}")
             last = e[0]
+        for name, v, low in (("steps", self.steps, 0), ("sft.steps", self.sft.steps, 0),
+                             ("checkpoint_every", self.checkpoint_every, 1), ("eval_problems", self.eval_problems, 0)):
+            if v < low:
+                raise ValueError(f"{name} must be >= {low}, got {v}")
+        from envs.curriculum import CONTROLLERS, SAMPLING_MODES
+
+        if self.controller not in CONTROLLERS:
+            raise ValueError(f"unknown difficulty controller {self.controller!r}; choose from {', '.join(CONTROLLERS)}")
+        if self.sampling_mode not in SAMPLING_MODES:
+            raise ValueError(f"unknown sampling_mode {self.sampling_mode!r}; choose from {', '.join(SAMPLING_MODES)}")
         if self.eval_k < 0:
             raise ValueError(f"eval_k must be >= 0, got {self.eval_k}")
         if self.sft.steps > 0 and min(self.sft.batch_size, self.sft.micro_batch_size, self.sft.tokens_per_micro) < 1:
@@ -303,6 +313,7 @@ class RunConfig:
             raise ValueError(f"unknown engine {self.engine!r}; choose torch or vllm")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"unknown dtype {self.dtype!r}; choose float32 or bfloat16")
+
         if self.rollout.servers < 0 or self.rollout.threads < 1 or self.rollout.per_server < 1:
             raise ValueError("rollout.servers must be >= 0, rollout.threads and rollout.per_server >= 1")
         if self.rollout.servers and self.rollout.urls:

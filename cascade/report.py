@@ -48,6 +48,7 @@ def summarize(run_dir: Path) -> list[dict]:
         elif r["phase"] == "eval":
             s["accuracy_before"] = r.get("accuracy_before", s["accuracy_before"])
             s["accuracy_after"] = r.get("accuracy_after", s["accuracy_after"])
+            s["eval_k"] = r.get("eval_k", s.get("eval_k"))
             if r.get("difficulty_end") is not None:
                 from cascade.run import difficulty_rise
 
@@ -101,13 +102,23 @@ def plot(run_dir: Path, png: Path) -> Path:
     for ax, (_, title) in zip(axes, PANELS):
         ax.set_ylabel(title)
         ax.grid(alpha=0.3)
-    axes[0].legend(loc="best", fontsize=8)
+    if stage_order:
+        axes[0].legend(loc="best", fontsize=8)
     axes[-1].set_xlabel("RL step (stages in order)")
     fig.suptitle(f"Cascade run {run_dir}")
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
     return png
+
+
+def _avg_at(rows: list[dict]) -> str:
+    """What the held-out column scores: avg@k with the stages' k (0: greedy accuracy)."""
+    ks = {s["stage"]: int(s["eval_k"]) for s in rows if s.get("eval_k") is not None}
+    name = {k: f"avg@{k}" if k else "greedy accuracy" for k in ks.values()}
+    if len(name) <= 1:
+        return next(iter(name.values()), "avg@k")
+    return "avg@k (" + ", ".join(f"{n} {name[k]}" for n, k in ks.items()) + ")"
 
 
 def main(argv: list[str]) -> int:
@@ -117,6 +128,8 @@ def main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     run = Path(a.run_dir)
     rows = summarize(run)
+    if not rows:
+        raise ValueError(f"{run}: no step records yet (nothing in metrics.jsonl to report)")
     from rich.console import Console
     from rich.table import Table
 
@@ -124,8 +137,8 @@ def main(argv: list[str]) -> int:
     # the caption says what each column is.
     t = Table(title=f"Cascade run {run}",
               caption="SFT, RL: steps; reward: first -> last RL step; acc: mean training accuracy; held-out: "
-                      "avg@4 before -> after; max diff: highest difficulty reached; rose: environments whose "
-                      "difficulty rose")
+                      f"{_avg_at(rows)} before -> after; max diff: highest difficulty reached; rose: environments "
+                      "whose difficulty rose")
     for col in ("stage", "SFT", "RL", "reward", "acc", "held-out", "max diff", "rose"):
         t.add_column(col, no_wrap=col in ("reward", "held-out"))
 

@@ -123,6 +123,20 @@ def _initial_model(cfg, out: Path) -> Path:
     return p
 
 
+def _check_machine(cfg) -> None:
+    """What the config asks of this machine, before any work: a device torch knows and has, and vLLM
+    for engine=vllm."""
+    from train.engine.torch_engine import engine_device
+
+    engine_device(cfg.device, "device=")
+    if cfg.engine == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise ValueError("engine=vllm: vLLM is not installed for this Python (on CPU: scripts/setup_vllm_cpu.sh, "
+                              "then .venv-vllm/bin/cascade)")
+
+
 def _check_model_refs(cfg) -> None:
     """Reward models and KL references (local directories or Hub ids) and Hub datasets (an environment's
     ``path``, ``sft.data``) fail now, in one line, when they cannot be had (not cached while offline, no
@@ -143,6 +157,34 @@ def _check_model_refs(cfg) -> None:
         for what, ref in data:
             if isinstance(ref, str) and is_hub_id(ref):
                 resolve_dataset(ref, what)
+
+
+def _flat(tree, prefix: str = "") -> dict:
+    if not isinstance(tree, dict) or not tree:
+        return {prefix[:-1]: tree}
+    return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}{key}.").items()}
+
+
+def _warn_changed(out: Path, tree: dict) -> None:
+    """A rerun in a run directory whose config.yaml holds other settings: say which changed, and that
+    stages which already finished keep what they ran (they are not run again)."""
+    import sys
+
+    from cascade.checkpoint import is_complete
+
+    try:
+        old = yaml.safe_load((out / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return
+    a, b = _flat(old if isinstance(old, dict) else {}), _flat(tree)
+    changed = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    if not changed:
+        return
+    shown = ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in changed[:6]) + (" ..." if len(changed) > 6 else "")
+    done = sorted(d.name.split("-", 1)[1] for d in (out / "stages").glob("*-*") if is_complete(d / "final"))
+    hit = [n for n in done if any(k.startswith(f"stages.{n}.") for k in changed)]
+    note = (f"; finished stage(s) {', '.join(hit)} keep what they ran (overwrite=true starts over)" if hit else "")
+    print(f"cascade run: settings differ from the last run in {out}: {shown}{note}", file=sys.stderr)
 
 
 def _previous_final(cfg, out: Path, stage_index: int) -> Path | None:
@@ -171,6 +213,9 @@ def main(argv: list[str]) -> int:
         print(yaml.safe_dump(json.loads(json.dumps(dataclasses.asdict(cfg), default=str)), sort_keys=False), end="")
         return 0
     out = Path(cfg.out).absolute()  # the trainer ranks and servers it starts run in another directory
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out={cfg.out} is a file, not a run directory")
+    _check_machine(cfg)
     if not flags["resume"] and not flags["overwrite"]:
         start_fresh(out, False)  # refuse a previous run now, before any check takes time
     if cfg.model_backend:  # every loader of this process and of the processes it starts (ranks, servers)
@@ -193,6 +238,7 @@ def main(argv: list[str]) -> int:
     if flags["overwrite"]:
         start_fresh(out, True, cfg.model)
     out.mkdir(parents=True, exist_ok=True)
+    _warn_changed(out, tree)
     (out / "config.yaml").write_text(yaml.safe_dump(tree, sort_keys=False))
 
     from rich.console import Console
@@ -246,7 +292,8 @@ def stage_line(s: dict) -> str:
     rows, rose = difficulty_rise(s)
     per_env = ", ".join(f"{e} {a}->{b}" + (f" (max {m})" if m > b else "") for e, (a, b, m) in rows.items())
     shown = f": {per_env}" if len(rows) <= 8 else ""
-    return (f"{s['stage']:>9}: {s['steps']} steps, held-out {metric} {s['accuracy_before']:.2f} -> "
-            f"{s['accuracy_after']:.2f} ({'at difficulty ' + str(at) if at is not None else 'at the start levels'}); "
-            f"difficulty rose on {rose} of {len(rows)}{shown}")
+    held = (f"held-out {metric} {s['accuracy_before']:.2f} -> {s['accuracy_after']:.2f} "
+            f"({'at difficulty ' + str(at) if at is not None else 'at the start levels'})"
+            if s.get("accuracy_before_by_family", True) else "no held-out problems (eval_problems=0)")
+    return f"{s['stage']:>9}: {s['steps']} steps, {held}; difficulty rose on {rose} of {len(rows)}{shown}"
 

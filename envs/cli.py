@@ -58,7 +58,7 @@ def _parse_args_kv(items: list[str] | None) -> dict:
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="cascade envs", description="list, show and self-check environments")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{list,show,check}")
     p = sub.add_parser("list", help="list registered environments")
     p.add_argument("patterns", nargs="*", help="ids or '*' globs to show (default: all)")
     p.add_argument("--family", help="only this family or id namespace (e.g. graphs, math, gym, rg, ifeval)")

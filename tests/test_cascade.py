@@ -144,6 +144,28 @@ def test_report_writes_a_summary_and_a_plot(tiny_run):
     assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
     assert [s["stage"] for s in info["stages"]] == ["warmup", "rlve", "math", "behavior"]
     assert info["stages"][0]["sft_steps"] == 2 and info["stages"][0]["rl_steps"] == 2
+    assert "avg@4 before" in " ".join(r.stdout.split())
+    empty = out.parent / "empty-run"
+    empty.mkdir()
+    (empty / "metrics.jsonl").write_text("")
+    r = cascade("report", str(empty))
+    assert r.returncode == 2 and "no step records yet" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_report_names_the_k_of_each_stages_held_out_score(tmp_path, capsys):
+    from cascade.report import main
+
+    recs = [{"stage": st, "phase": "rl", "step": 0, "time": i, "reward_mean": 0.5, "accuracy": 0.5} for i, st in
+            enumerate(("rlve", "math"))]
+    recs += [{"stage": st, "phase": "eval", "step": 0, "time": 5 + i, "accuracy_before": 0.1, "accuracy_after": 0.2,
+              "eval_k": k} for i, (st, k) in enumerate((("rlve", 2), ("math", 0)))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert main([str(tmp_path)]) == 0
+    assert "avg@k (rlve avg@2, math greedy accuracy) before" in " ".join(capsys.readouterr().out.split())
+    recs[-1]["eval_k"] = 2
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert main([str(tmp_path)]) == 0
+    assert "avg@2 before" in " ".join(capsys.readouterr().out.split())
 
 
 def _complete_checkpoints_load(stage_dir: Path):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import json
 import os
@@ -98,6 +99,79 @@ def test_config_file_errors_are_one_line(tmp_path):
     f.write_text("- a\n- b\n")
     r = here("run", f"config={f}", "print_config=true")
     assert r.returncode == 2 and "must hold a mapping" in r.stderr
+
+
+@pytest.mark.parametrize("override, msg", [
+    ("steps=-3", "steps must be >= 0, got -3"), ("sft.steps=-2", "sft.steps must be >= 0"),
+    ("checkpoint_every=0", "checkpoint_every must be >= 1"), ("eval_problems=-1", "eval_problems must be >= 0"),
+    ("controller=bogus", "unknown difficulty controller 'bogus'; choose from rlve"),
+    ("sampling_mode=bogus", "unknown sampling_mode 'bogus'"),
+    ("rl.sampling.temperature=-1", "temperature must be >= 0"),
+])
+def test_bad_values_fail_when_the_config_is_read(override, msg):
+    """Before anything is written (print_config=true catches them too)."""
+    from cascade.config import ConfigError, load_run_config, parse_overrides
+
+    with pytest.raises(ConfigError, match=re.escape(msg)):
+        load_run_config(parse_overrides(["stage=rlve", "profile=tiny", override]))
+
+
+@pytest.mark.parametrize("override, msg", [
+    ("device=quantum", "device='quantum' is not a device torch knows"),
+    ("device=cuda:99", "device='cuda:99': this machine's torch sees"),
+    ("engine=vllm", "engine=vllm: vLLM is not installed"),
+    ("out=FILE", "is a file, not a run directory"),
+])
+def test_what_the_machine_lacks_fails_before_any_work(tmp_path, override, msg):
+    import importlib.util
+
+    from cascade.run import main
+
+    if override == "engine=vllm" and importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    (tmp_path / "FILE").write_text("")
+    out = tmp_path / "run"
+    override = override.replace("FILE", str(tmp_path / "FILE"))
+    args = ["stage=rlve", "profile=tiny", f"out={out}", override] if not override.startswith("out=") else \
+        ["stage=rlve", "profile=tiny", override]
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        main(args)
+    assert not out.exists()
+
+
+def test_other_commands_refuse_bad_input_in_one_line(tmp_path, capsys):
+    from cascade.cli import main
+
+    f = tmp_path / "a-file"
+    f.write_text("")
+    for argv, msg in [(["init-model", "--preset", "tiny-dense", "--out", str(f)], "File exists"),
+                      (["sandbox", "run", str(tmp_path)], "is a directory, not a file"),
+                      (["calc", "--preset", "tiny-moe", "--hidden", "256", "--seq", "128", "--D", "2"],
+                       "give the model one way"),
+                      (["calc", "--preset", "tiny-moe", "--seq", "128", "--D", "2", "--bytes", "0"], "--bytes"),
+                      (["sandbox"], "required: {run,judge,layers}")]:
+        with pytest.raises(SystemExit) if argv == ["sandbox"] else contextlib.nullcontext():
+            assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err, (argv, err)
+
+
+def test_a_rerun_with_other_settings_says_what_changed(tmp_path, capsys):
+    import yaml as y
+
+    from cascade.run import _warn_changed
+
+    old = {"out": "x", "stages": {"rlve": {"steps": 3, "rl": {"group_size": 8}}, "math": {"steps": 4}}}
+    (tmp_path / "config.yaml").write_text(y.safe_dump(old))
+    (tmp_path / "stages" / "1-rlve" / "final").mkdir(parents=True)
+    (tmp_path / "stages" / "1-rlve" / "final" / "COMPLETE").write_text("ok\n")
+    _warn_changed(tmp_path, old)
+    assert capsys.readouterr().err == ""
+    new = {"out": "x", "stages": {"rlve": {"steps": 5, "rl": {"group_size": 8}}, "math": {"steps": 6}}}
+    _warn_changed(tmp_path, new)
+    err = capsys.readouterr().err
+    assert "stages.math.steps: 4 -> 6, stages.rlve.steps: 3 -> 5" in err
+    assert "finished stage(s) rlve keep what they ran" in err and err.count("\n") == 1
 
 
 # -- resume=false / overwrite=true ----------------------------------------------------------------

@@ -273,8 +273,9 @@ def test_fork_bomb_contained(sb):
 def test_memory_bomb(sb):
     v = sb.run("x = []\nwhile True:\n    x.append(bytearray(8 << 20))\n")
     assert v.status == "memory_limit", v
+    assert "memory" in v.limits_hit, v.limits_hit
     v = sb.run("x = bytearray(2 << 30)")
-    assert v.status == "memory_limit"
+    assert v.status == "memory_limit" and v.limits_hit == ["memory"], v.limits_hit
     v = sb.run("x = bytearray(100 << 20)\nfor i in range(0, len(x), 4096):\n    x[i] = 1\nprint('ok')")
     assert v.status == "ok" and v.peak_memory_bytes >= 100 << 20
 

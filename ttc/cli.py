@@ -481,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(COMMANDS[name](rest) or 0)
-    except (ValueError, KeyError, FileNotFoundError, NotADirectoryError, ServerError, ConnectionError) as e:
+    except (ValueError, KeyError, FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError,
+            PermissionError, ServerError, ConnectionError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"ttc {name}: error: {str(msg).splitlines()[0] if str(msg) else type(e).__name__}", file=sys.stderr)
         return 2

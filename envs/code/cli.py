@@ -26,6 +26,10 @@ def _read(path: str, what: str) -> str:
             return f.read()
     except FileNotFoundError:
         raise FileNotFoundError(f"{what} {path!r} not found") from None
+    except IsADirectoryError:
+        raise ValueError(f"{what} {path!r} is a directory, not a file") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} {path!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def _config(a) -> SandboxConfig:
@@ -41,7 +45,7 @@ def _config(a) -> SandboxConfig:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cascade sandbox", description=__doc__.split("\n\n")[0].replace("``", ""))
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,judge,layers}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--time-limit", type=float, default=None, help="wall seconds per run (default 5)")
     common.add_argument("--memory-mb", type=int, default=None, help="memory per run in MiB (default 512)")

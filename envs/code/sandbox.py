@@ -1501,8 +1501,10 @@ class Sandbox:
                            "drain_and_stats": t_end - t_done, "total": t_end - t_begin}
         if sig == signal.SIGXCPU or (cpu_time >= cpu_s and sig == signal.SIGKILL):
             limits.append("cpu_time")
-        return Verdict(status=classify(rc_exit=exit_code, sig=sig, limits=limits, stderr=stderr_text),
-                       exit_code=exit_code, signal=sig, stdout=bytes(out).decode("utf-8", "replace"),
+        status = classify(rc_exit=exit_code, sig=sig, limits=limits, stderr=stderr_text)
+        if status == "memory_limit":  # the address-space limit (MemoryError, bad_alloc), not only an OOM kill
+            limits.append("memory")
+        return Verdict(status=status, exit_code=exit_code, signal=sig, stdout=bytes(out).decode("utf-8", "replace"),
                        stderr=stderr_text, wall_time=wall_time, cpu_time=cpu_time, peak_memory_bytes=peak,
                        limits_hit=sorted(set(limits)), layers=layers)
 
@@ -1731,6 +1733,8 @@ class Sandbox:
         if sig in (signal.SIGXCPU,) or (cpu_time >= cpu_s and sig == signal.SIGKILL):
             limits.append("cpu_time")
         status = classify(rc_exit=exit_code, sig=sig, limits=limits, stderr=stderr_text)
+        if status == "memory_limit":
+            limits.append("memory")
         return Verdict(status=status, exit_code=exit_code, signal=sig,
                        stdout=bytes(out).decode("utf-8", "replace"), stderr=stderr_text,
                        wall_time=wall_time, cpu_time=cpu_time, peak_memory_bytes=peak,

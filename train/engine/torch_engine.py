@@ -46,17 +46,17 @@ from train.model.modeling import CausalLM, KVCache
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def engine_device(spec: str | None) -> str:
-    """The device of a command's ``--device``: ``spec`` checked (a one-line ValueError for a name torch
-    does not know or a GPU this machine lacks), or cuda where there is one, else cpu."""
+def engine_device(spec: str | None, name: str = "--device ") -> str:
+    """The device a command's ``--device`` (``name``) names: ``spec`` checked (a one-line ValueError for
+    a name torch does not know or a GPU this machine lacks), or cuda where there is one, else cpu."""
     if not spec:
         return "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dev = torch.device(spec)
     except (RuntimeError, ValueError):
-        raise ValueError(f"--device {spec!r} is not a device torch knows (cpu, cuda, cuda:1, ...)") from None
+        raise ValueError(f"{name}{spec!r} is not a device torch knows (cpu, cuda, cuda:1, ...)") from None
     if dev.type == "cuda" and not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
-        raise ValueError(f"--device {spec!r}: this machine's torch sees {torch.cuda.device_count()} CUDA device(s)")
+        raise ValueError(f"{name}{spec!r}: this machine's torch sees {torch.cuda.device_count()} CUDA device(s)")
     return spec
 
 

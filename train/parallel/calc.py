@@ -12,7 +12,7 @@ The activation model counts the tensors autograd keeps per layer (see ``_act_*``
 estimate that the benchmark checks against ``saved_tensors_hooks`` measurements. fp32 logits.
 
 ``cascade calc --hidden 4096 --layers 32 --heads 32 --kv-heads 8 --ffn 14336 --seq 131072 --D 8``
-or ``cascade calc --preset tiny-moe --D 4`` or ``cascade calc --config DIR/config.json``.
+or ``cascade calc --preset tiny-moe --seq 4096 --D 4`` or ``cascade calc --config DIR/config.json``.
 
 Rollout:trainer sizing of an RL run (``cascade calc rollout``, :func:`rollout_sizing`): one step
 generates ``G = prompts x group x response`` tokens and trains on ``T = prompts x group x (prompt +
@@ -226,7 +226,13 @@ def _add_model_args(ap: argparse.ArgumentParser) -> None:
 
 
 def model_config(a: argparse.Namespace, max_pos: int = 4096) -> ModelConfig:
-    """The model of ``--preset``, ``--config`` or the size flags."""
+    """The model of ``--preset``, ``--config`` or the size flags (one of the three)."""
+    sizes = [f"--{k.replace('_', '-')}" for k in ("hidden", "layers", "heads", "kv_heads", "head_dim", "ffn", "vocab",
+                                                  "experts", "topk", "moe_ffn") if getattr(a, k, None) is not None]
+    given = [f for f, v in (("--preset", a.preset), ("--config", a.config)) if v] + (["size flags"] if sizes else [])
+    if len(given) > 1:
+        raise ValueError(f"give the model one way: --preset, --config or the size flags, not {' and '.join(given)}"
+                         + (f" ({', '.join(sizes)})" if sizes else ""))
     if a.preset:
         from train.presets import load_preset
 
@@ -425,9 +431,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bytes", type=int, default=2, help="bytes per element (2 = bf16, 4 = fp32)")
     ap.add_argument("--json", action="store_true", help="print the table as JSON")
     a = ap.parse_args(argv)
-    if a.D < 1 or a.seq < 2:
-        raise ValueError("--D must be >= 1 and --seq >= 2")
+    if a.D < 1 or a.seq < 2 or a.batch < 1 or a.bytes < 1:
+        raise ValueError("--D, --batch and --bytes must be >= 1 and --seq >= 2")
     cfg = model_config(a, max_pos=a.seq)
+    if cfg.num_attention_heads % a.D or cfg.num_key_value_heads % a.D:
+        print(f"cascade calc: note: D={a.D} does not divide the {cfg.num_attention_heads} heads / "
+              f"{cfg.num_key_value_heads} KV heads: the TSP and TP rows are not runnable layouts (a run refuses them)",
+              file=sys.stderr)
     s = Shape(cfg, a.seq, a.batch, a.D, a.bytes)
     rows = table(s)
     if a.json:

@@ -39,6 +39,9 @@ class SamplingConfig:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)  # besides the tokenizer's EOS (as vLLM's)
 
+    def __post_init__(self):
+        self.params(1, None)  # the engine's own checks (temperature >= 0, top_p in (0, 1], ...), before any work
+
     def params(self, n: int, seed: int | None) -> SamplingParams:
         return SamplingParams(n=n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               min_p=self.min_p, max_tokens=self.max_new_tokens, stop=list(self.stop),
