@@ -337,3 +337,19 @@ def test_answer_formats_models_commonly_use():
     from collections import Counter
     powers = " \\cdot ".join(f"{q}^{{{e}}}" for q, e in sorted(Counter(p.answer).items()))
     assert env.verify(p, boxed(powers)).correct
+
+
+def test_counting_answers_equal_the_exact_counts_reduced():
+    """Catalan numbers and derangements are computed modulo the prime as they go (the exact big
+    integers took minutes at difficulty 50); the answers equal the exact counts reduced."""
+    from envs.gym._util import MOD
+
+    for d in range(0, 12):
+        for seed in range(4):
+            p = get_env("gym/catalan").generate(seed, d)
+            n = int(re.search(r"of (\d+) pairs", p.prompt).group(1))
+            assert int(p.answer) == math.comb(2 * n, n) // (n + 1) % MOD
+            p = get_env("gym/derangements").generate(seed, d)
+            n = int(re.search(r"of (\d+) elements", p.prompt).group(1))
+            exact = sum((-1) ** k * math.factorial(n) // math.factorial(k) for k in range(n + 1))
+            assert int(p.answer) == exact % MOD
