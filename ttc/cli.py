@@ -378,6 +378,7 @@ def solve_main(argv: list[str]) -> int:
         def with_text(r: dict) -> dict:
             return {**r, "prompt_text": backend.decode(r["prompt_ids"]),
                     "forwarded_text": [backend.decode(t) for t in r.get("forwarded") or []]}
+
         lock = threading.Lock()
         in_flight = a.problems_in_flight or (a.concurrency if a.base_url else 1)
         try:
