@@ -158,6 +158,9 @@ class Environment:
             s = self.check(problem, response)
         except Exception as e:  # noqa: BLE001 - a verifier must never crash on model output
             return Score.zero("verifier error", error=f"{type(e).__name__}: {e}"[:500])
+        if not isinstance(s, Score):
+            return Score.zero("verifier error", error=f"{type(self).__name__}.check returned {type(s).__name__}, "
+                                                      f"not a Score")
         return bounded(s)
 
     def verify_many(self, items: list[tuple[Problem, str]]) -> list[Score]:
@@ -263,8 +266,10 @@ def register(env_id: str, *, factory: Callable[[], Environment] | None = None,
         return factory
 
     def deco(cls: type[Environment]) -> type[Environment]:
-        if env_id in _REGISTRY and _REGISTRY[env_id] is not cls:
-            raise ValueError(f"environment id {env_id!r} is already registered by {_REGISTRY[env_id]!r}")
+        _load_builtin()  # the built-in ids load lazily: a clash with one shows here, not at the next lookup
+        if (env_id in _REGISTRY and _REGISTRY[env_id] is not cls) or env_id in _FACTORIES:
+            raise ValueError(f"cannot register {cls.__module__}.{cls.__qualname__} as {env_id!r}: the id is taken by "
+                             f"{_REGISTRY.get(env_id) or _FACTORIES[env_id]!r}; choose another id")
         cls.id = env_id
         _REGISTRY[env_id] = cls
         return cls
@@ -323,7 +328,10 @@ def get_env(name: str, **kwargs) -> Environment:
             obj = getattr(importlib.import_module(mod), attr)
         except (ImportError, AttributeError) as e:
             raise UnknownEnvironmentError(f"cannot load environment {name!r}: {e}") from None
-        return obj(**kwargs) if isinstance(obj, type) else obj
+        env = obj(**kwargs) if isinstance(obj, type) else obj
+        if not getattr(env, "id", ""):
+            env.id = name  # an unregistered class: its problems name it, and its seeds are its own
+        return env
     _load_builtin()
     load_entry_points()
     if name in _REGISTRY or name in _FACTORIES:

@@ -107,7 +107,8 @@ def test_a_stage_that_sends_the_ranks_no_update_ends_cleanly(warm_dir, tmp_path)
     reaches the ranks: the stage still ends, with the starting weights as its final checkpoint (it
     failed writing the ranks' stop file into an exchange directory nothing had created)."""
     out = tmp_path / "run"
-    r = cascade(f"out={out}", f"model={warm_dir}", *STAGE, "steps=2", "rl.sampling.max_new_tokens=2", "rl.dynamic_sampling=true",
+    r = cascade(f"out={out}", f"model={warm_dir}", *STAGE, "steps=2", "rl.sampling.max_new_tokens=2",
+                "rl.dynamic_sampling=true",
                 "eval_problems=2", "trainer.nproc=2", "trainer.tsp=1")
     assert r.returncode == 0, r.stderr[-3000:]
     assert [x["groups_trained"] for x in rl_records(out)] == [0, 0]

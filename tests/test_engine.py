@@ -1,4 +1,5 @@
 """The torch generation engine: greedy = recomputation, logprobs = teacher forcing, seeds, batching."""
+import re
 import subprocess
 import sys
 
@@ -190,3 +191,24 @@ def test_cli_errors_are_one_line(tmp_path, tiny_dense_dir):
     assert r.returncode == 2 and "does not exist" in r.stderr and r.stderr.count("\n") == 1
     r = _cli("generate", "--model", str(tiny_dense_dir), "--raw", "--prompt", "word " * 4200)
     assert r.returncode == 2 and "context limit" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_sampling_params_refuse_what_the_samplers_cannot_do():
+    """NaN or overflowing temperatures and negative top-k fail where they are set (they crashed deep in a
+    sampler, or gave NaN log-probs); top_k=-1 means off, as in vLLM."""
+    for kw, msg in [({"temperature": float("nan")}, "temperature must be 0 (greedy) or >= 1e-05"),
+                    ({"temperature": 1e-40}, "temperature must be 0 (greedy) or >= 1e-05"),
+                    ({"top_k": -2}, "top_k must be >= 0")]:
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            SamplingParams(**kw)
+    assert SamplingParams(top_k=-1).top_k == 0 and SamplingParams(temperature=1e-5).temperature == 1e-5
+
+
+def test_a_tokenizer_without_a_chat_template_says_how_to_go_on(tiny_dense_dir):
+    from train.tokenizer import chat_prompt_ids, load_tokenizer
+
+    tok = load_tokenizer(tiny_dense_dir)
+    assert chat_prompt_ids(tok, "hi")  # the saved template
+    tok.chat_template = None
+    with pytest.raises(ValueError, match=re.escape("no chat template (chat_template.jinja): use rl.chat_template")):
+        chat_prompt_ids(tok, "hi")

@@ -443,3 +443,35 @@ def test_verify_all_hands_each_environment_its_responses_at_once_and_survives_a_
     scores = verify_all(items)
     assert [s.correct for s in scores] == [bool(i % 2) for i in range(9) for _ in range(3)]
     assert Batched.calls == [9]  # one call with all of its nine responses, in order
+
+
+def test_a_check_that_returns_no_score_is_a_verifier_error_not_a_crash():
+    class Wrong(Environment):
+        def generate(self, seed, difficulty):
+            return self.problem(f"Q{seed}", "a", seed, difficulty)
+
+        def check(self, problem, response):
+            return 1.0
+
+    w = Wrong()
+    s = w.verify(w.generate(1, 0), "\\boxed{a}")
+    assert s.reward == 0.0 and not s.correct and "returned float, not a Score" in s.info["error"]
+
+
+def test_registering_a_taken_id_fails_at_the_decorator_and_dotted_paths_get_their_name(tmp_path, monkeypatch):
+    from envs import register
+
+    class Clash(Environment):
+        pass
+
+    with pytest.raises(ValueError, match="cannot register .*Clash as 'gym/sudoku': the id is taken by"):
+        register("gym/sudoku")(Clash)
+    assert get_env("toy/add").id == "toy/add"  # the registry is intact
+    (tmp_path / "unregistered_env_mod.py").write_text(
+        "from envs import Environment\n"
+        "class Parity(Environment):\n"
+        "    def generate(self, seed, difficulty):\n"
+        "        return self.problem(str(self.rng(seed, difficulty).random()), 'yes', seed, difficulty)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = get_env("unregistered_env_mod:Parity")
+    assert env.id == "unregistered_env_mod:Parity" and env.generate(0, 0).env_id == env.id

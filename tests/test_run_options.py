@@ -106,7 +106,8 @@ def test_config_file_errors_are_one_line(tmp_path):
     ("checkpoint_every=0", "checkpoint_every must be >= 1"), ("eval_problems=-1", "eval_problems must be >= 0"),
     ("controller=bogus", "unknown difficulty controller 'bogus'; choose from rlve"),
     ("sampling_mode=bogus", "unknown sampling_mode 'bogus'"),
-    ("rl.sampling.temperature=-1", "temperature must be >= 0"),
+    ("rl.sampling.temperature=-1", "temperature must be 0 (greedy) or >= 1e-05"),
+    ("rl.sampling.top_k=-2", "top_k must be >= 0 (0 or -1: off)"),
 ])
 def test_bad_values_fail_when_the_config_is_read(override, msg):
     """Before anything is written (print_config=true catches them too)."""

@@ -134,10 +134,9 @@ def prompt_ids(tokenizer, prompt: str | list[dict], chat: bool, system: str | No
     msgs = list(prompt)
     if system and not any(m["role"] == "system" for m in msgs):
         msgs = [{"role": "system", "content": system}] + msgs
-    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return list(ids)
+    from train.tokenizer import chat_ids
+
+    return chat_ids(tokenizer, msgs)
 
 
 def prompt_text(prompt: str | list[dict]) -> str:

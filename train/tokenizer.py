@@ -99,6 +99,15 @@ def load_tokenizer(path: str | Path):
 def chat_prompt_ids(tokenizer, prompt: str, system: str | None = None) -> list[int]:
     """Token ids of a one-turn chat prompt ending with the assistant header."""
     msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return chat_ids(tokenizer, msgs)
+
+
+def chat_ids(tokenizer, msgs: list[dict]) -> list[int]:
+    """Token ids of chat ``msgs`` ending with the assistant header; a one-line error when the
+    tokenizer has no chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template (chat_template.jinja): use rl.chat_template=false "
+                         "(cascade run) or --raw (cascade generate) for plain-text prompts")
     ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]

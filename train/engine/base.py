@@ -9,12 +9,15 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence, runtime_checkable
 
 
+MIN_TEMPERATURE = 1e-5  # vLLM's sampling epsilon: the smallest temperature that is not greedy
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # 0: off
+    top_k: int = 0  # 0 (or -1, as vLLM): off
     min_p: float = 0.0
     max_tokens: int = 128
     stop: list[str] = field(default_factory=list)
@@ -25,8 +28,13 @@ class SamplingParams:
     def __post_init__(self):
         if self.n < 1:
             raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE):  # NaN fails both
+            raise ValueError(f"SamplingParams.temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g} (logits / "
+                             f"temperature overflow below that), got {self.temperature}")
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0 (0 or -1: off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:

@@ -220,7 +220,7 @@ def _params(body: dict, default_max: int = 16) -> SamplingParams:
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     try:
         return SamplingParams(n=get("n", 1, _whole), temperature=get("temperature", 1.0, float),
-                              top_p=get("top_p", 1.0, float), top_k=max(0, top_k), min_p=get("min_p", 0.0, float),
+                              top_p=get("top_p", 1.0, float), top_k=top_k, min_p=get("min_p", 0.0, float),
                               max_tokens=get(name, default_max, _whole), stop=[str(s) for s in stop],
                               stop_token_ids=get("stop_token_ids", [], lambda v: [_whole(t) for t in v]),
                               seed=get("seed", None, _whole), ignore_eos=bool(body.get("ignore_eos", False)))
