@@ -48,7 +48,7 @@ class WorkerLearner:
         self._clear_after(start_update, CKPT_DIR)
         ck = self.exchange / CKPT_DIR / f"step-{start_update:06d}" / "COMPLETE"
         if start_update > 0 and not ck.exists():
-            raise RuntimeError(f"cannot resume: the orchestrator's checkpoint is after update {start_update} but the "
+            raise ValueError(f"cannot resume: the orchestrator's checkpoint is after update {start_update} but the "
                                f"trainer ranks have no complete checkpoint of it ({ck.parent}); remove "
                                f"{self.exchange} and the stage's checkpoints to start the stage again")
         ref = getattr(rl_cfg, "kl_reference", None)  # the ranks run in the repository root: an absolute path

@@ -160,6 +160,7 @@ class StageRunner:
             pipe_state = None
             if latest is not None:
                 tstate, state = load_trainer_state(latest)
+                self.check_same_trainer(state, latest)
                 pipe_state = tstate.get("pipeline")
                 if state["pool"] is not None:
                     rl.curriculum = self.pool_of(curriculum, state["pool"])
@@ -549,7 +550,22 @@ class StageRunner:
 
             load_into(policy, rl.learner.checkpoint(self.updates_done(rl, sft)))
         _fault("before_checkpoint", state["step"])
+        state["trainer_ranks"] = self.rcfg.trainer.distributed  # where the optimizer state of this checkpoint lives
         ckpt.save(state["step"], policy, src, self._trainer_state(rl, sft, mixer, pipe), dict(state))
+
+    def check_same_trainer(self, state: dict, latest: Path) -> None:
+        """A checkpoint's optimizer state lives where its updates ran: on the trainer ranks (their sharded
+        checkpoints in OUT/exchange) or in this process (trainer_state.pt). Resuming on the other side
+        would restart the optimizer and its schedule unseen: refuse it in one line."""
+        ranks, now = state.get("trainer_ranks"), self.rcfg.trainer.distributed
+        if ranks is None or ranks == now:
+            return
+        where = ("trainer ranks (trainer.nproc/nnodes > 1), which hold its optimizer state in OUT/exchange: resume "
+                 "with trainer ranks again (any mesh)" if ranks else
+                 "this process (trainer.nproc=1), whose optimizer state the ranks do not read: resume with "
+                 "trainer.nproc=1 trainer.nnodes=1")
+        raise ValueError(f"stage {self.name}: checkpoint {latest.name} was taken by {where}, or pass overwrite=true "
+                         f"to start the run over")
 
     def write_final(self, policy, src: Path, rl, sft, mixer, state: dict, after: dict) -> None:
         import shutil

@@ -168,6 +168,20 @@ def test_report_names_the_k_of_each_stages_held_out_score(tmp_path, capsys):
     assert "avg@2 before" in " ".join(capsys.readouterr().out.split())
 
 
+def test_a_checkpoint_is_resumed_only_where_its_optimizer_state_lives(tmp_path):
+    """Taken in this process, resumed on trainer ranks (or the other way): refused in one line, not resumed
+    with a fresh optimizer and schedule."""
+    out = tmp_path / "run"
+    args = ["run", "stage=rlve", f"out={out}", "profile=tiny", "logging.progress=false", "steps=3",
+            "checkpoint_every=1", "eval_problems=2"]
+    r = cascade(*args, env={"CASCADE_FAULT": "before_checkpoint:2"})
+    assert r.returncode == -signal.SIGKILL
+    r = cascade(*args, "trainer.nproc=2")
+    assert r.returncode == 2 and "checkpoint step-00000001 was taken by this process" in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().count("\n") <= 1  # the settings note, then the error
+    assert cascade(*args).returncode == 0  # resumed where it was taken
+
+
 def _complete_checkpoints_load(stage_dir: Path):
     from cascade.checkpoint import Checkpointer, load_trainer_state
     from train.model.hf_io import load_pretrained

@@ -65,6 +65,26 @@ def test_bounded_staleness_overlaps_and_never_trains_older_groups(warm):
     assert rl.step_idx == 6
 
 
+def test_every_evicted_group_is_counted_in_some_steps_metrics(warm):
+    """A buffer of one batch while the producer runs two ahead: groups are evicted while the trainer
+    waits as well as while it updates; the per-step counts add up to the buffer's (they missed the
+    first kind). A buffer smaller than a batch is refused."""
+    rl = make_trainer(warm, seed=5, max_staleness=2, min_ready_batches=1, sync_every=1, buffer_groups=8)
+    pipe = Pipeline(rl)
+    try:
+        ms = [pipe.step() for _ in range(4)]
+        time.sleep(0.5)  # the producer fills (and evicts) before the next step, while nothing is reported
+        ms.append(pipe.step())
+        with pipe.paused():
+            total = pipe.buffer.evicted
+    finally:
+        pipe.close()
+    counted = sum(m["groups_evicted"] for m in ms)
+    assert counted == pipe._reported[1] > 0 and total >= counted  # all up to the last step's metrics
+    with pytest.raises(ValueError, match="holds less than one batch"):
+        RLConfig(prompts_per_step=8, buffer_groups=4)
+
+
 def test_checkpointed_buffer_resumes_with_the_waiting_groups(warm, tmp_path):
     """A checkpoint taken inside ``paused()`` holds the groups produced and not yet trained on; a
     pipeline started from it (after a torch.save / torch.load round trip, as cascade's checkpoints do)

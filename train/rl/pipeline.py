@@ -121,6 +121,7 @@ class Pipeline:
         self._since = time.perf_counter()
         if state is not None:
             self._load_state(state)
+        self._reported = (self.buffer.dropped_stale, self.buffer.evicted)  # counts up to the last step's metrics
         if not getattr(rl.engine, "supports_inflight_update", False):
             rl.engine = LockedEngine(rl.engine)
         self._threads_before = torch.get_num_threads()
@@ -195,7 +196,6 @@ class Pipeline:
             if self._error is not None:
                 raise RuntimeError(f"rollout producer failed: {self._error}") from self._error
             fill = len(self.buffer) / self.buffer.capacity
-            stale0, evicted0 = self.buffer.dropped_stale, self.buffer.evicted
             groups = self.buffer.take(self.batch, rl.step_idx, self.max_staleness)
             rollout_metrics = self._pending.popleft()
         m: dict[str, Any] = {"step": rl.step_idx, **rollout_metrics}
@@ -206,6 +206,9 @@ class Pipeline:
         with cond:
             self._busy_train += time.perf_counter() - t1
             wall = max(time.perf_counter() - self._since, 1e-9)
+            # since the last step's metrics: evictions while the trainer waited for the buffer count too
+            stale0, evicted0 = self._reported
+            self._reported = (self.buffer.dropped_stale, self.buffer.evicted)
             m.update(buffer_fill=fill, groups_dropped_stale=self.buffer.dropped_stale - stale0,
                      groups_evicted=self.buffer.evicted - evicted0, policy_version=rl.step_idx,
                      rollout_busy_frac=min(1.0, self._busy_roll / wall),

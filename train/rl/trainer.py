@@ -117,6 +117,9 @@ class RLConfig:
             raise ValueError(f"rollout_threads must be >= 0 (0: split torch's threads in half), got {self.rollout_threads}")
         if self.sync_every < 1 or self.max_staleness < 0 or self.min_ready_batches < 1:
             raise ValueError("sync_every and min_ready_batches must be >= 1 and max_staleness >= 0")
+        if self.buffer_groups and self.buffer_groups < self.prompts_per_step:
+            raise ValueError(f"buffer_groups={self.buffer_groups} holds less than one batch (prompts_per_step="
+                             f"{self.prompts_per_step}); raise it, or 0 for (max_staleness + 2) batches")
         if self.max_staleness and self.max_staleness < self.sync_every - 1:
             raise ValueError(f"max_staleness={self.max_staleness} with sync_every={self.sync_every}: rollouts are "
                              f"up to sync_every - 1 = {self.sync_every - 1} versions old between syncs; raise "
