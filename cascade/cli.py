@@ -6,6 +6,8 @@ import importlib
 import os
 import sys
 
+from train.errors import RunFailure
+
 # name -> ("module:function", one-line help). Each function takes argv (list[str]) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "run": ("cascade.run:main", "run one stage (stage=NAME) or the whole cascade, with key=value overrides"),
@@ -19,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 # Errors that are the user's to fix: printed as one line, exit code 2 (CASCADE_DEBUG=1 shows the traceback).
+RESUME_HINT = "\n(the same command resumes from the last complete checkpoint)"
 USER_ERRORS = (ValueError, KeyError, FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError,
                PermissionError, TypeError, ConnectionError)
 
@@ -50,6 +53,14 @@ def dispatch(table: dict[str, tuple[str, str]], argv: list[str], usage: str, pro
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"{prog} {name}: error: {msg}", file=sys.stderr)
         return 2
+    except RunFailure as e:  # a server or the trainer ranks went away: what and where to look, no traceback
+        if os.environ.get("CASCADE_DEBUG"):
+            raise
+        print(f"{prog} {name}: failed: {e}" + (RESUME_HINT if name == "run" else ""), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # the run's finally blocks have stopped its servers and ranks by now
+        print(f"{prog} {name}: interrupted" + (RESUME_HINT if name == "run" else ""), file=sys.stderr)
+        return 130
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -220,10 +220,15 @@ class Rollout:
     # servers, and are the fallback)
     weight_transport: str = "files"
     group_host: str = "127.0.0.1"     # broadcast: the address the servers reach this process at
+    # broadcast: longest wait for the weight group (forming it, one version's collective); a member that
+    # died costs this much once before the version goes by files and the group is formed again
+    group_timeout_s: float = 120.0
 
     def __post_init__(self):
         if self.backend not in ("cascade", "vllm"):
             raise ValueError(f"unknown rollout.backend {self.backend!r}; choose cascade or vllm")
+        if self.group_timeout_s <= 0:
+            raise ValueError(f"rollout.group_timeout_s must be > 0, got {self.group_timeout_s}")
         if self.weight_transport not in TRANSPORTS:
             raise ValueError(f"unknown rollout.weight_transport {self.weight_transport!r}; choose from "
                              f"{', '.join(TRANSPORTS)}")

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from train.errors import RunFailure
 from train.rl.exchange import TrainBatch, TrainSample, batch_path, load_version, stack_routing, version_dir
 
 
@@ -104,10 +105,11 @@ class WorkerLearner:
         t0 = time.monotonic()
         while not done():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the trainer ranks exited (code {self.proc.returncode}) while the orchestrator "
-                                   f"waited for {what}; last lines of {self.log}:\n{self.tail()}")
+                raise RunFailure(f"the trainer ranks exited (code {self.proc.returncode}) while the orchestrator "
+                                 f"waited for {what}; see {self.log}; its last lines:\n{self.tail()}")
             if self.timeout and time.monotonic() - t0 > self.timeout:
-                raise TimeoutError(f"no {what} from the trainer ranks after {self.timeout:.0f} s; see {self.log}")
+                raise RunFailure(f"the trainer ranks sent nothing for {self.timeout:.0f} s (trainer.timeout_s) while "
+                                 f"the orchestrator waited for {what}; see {self.log}")
             time.sleep(0.02)
 
     def tail(self, n: int = 3000) -> str:

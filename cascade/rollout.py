@@ -317,7 +317,7 @@ def served_engine(rcfg, model_dir: Path, out: Path, log_dir: Path) -> ServedEngi
     exchange = Path(out) / "exchange"
     shutil.rmtree(exchange / "weights", ignore_errors=True)
     exchange.mkdir(parents=True, exist_ok=True)
-    group = dict(transport=r.weight_transport, group_host=r.group_host,
+    group = dict(transport=r.weight_transport, group_host=r.group_host, group_timeout_s=r.group_timeout_s,
                  group_device="cpu" if rcfg.device == "cpu" else rcfg.device)
     if r.urls:
         if not r.api_key:

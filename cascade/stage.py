@@ -176,7 +176,8 @@ class StageRunner:
                     rl.sync_weights()
                 except RemoteError as e:
                     raise ConfigError(f"the rollout servers cannot load this run's weights ({e}); servers given by "
-                                      f"rollout.urls must run with --weights-dir {engine.exchange}") from None
+                                      f"rollout.urls must serve this run's policy (the same architecture and "
+                                      f"sizes) with --weights-dir {engine.exchange}") from None
             if mixer is not None and s.aggregation.expert and not mixer.expert:
                 self.expert_tails(mixer, curriculum, rl)
             held = self.eval_problems(curriculum, start_levels)
@@ -227,6 +228,7 @@ class StageRunner:
                         m.update(mixer.metrics())
                     if isinstance(engine, ServedEngine):
                         m["prompts_resent"] = engine.remote.resent
+                        m["servers_up"] = len(engine.remote.alive)
                         m["server_restarts"] = engine.pool.restarts if engine.pool is not None else 0
                         if engine.broadcaster is not None:
                             m["weight_broadcast_failures"] = engine.broadcast_failures

@@ -157,6 +157,30 @@ def test_other_commands_refuse_bad_input_in_one_line(tmp_path, capsys):
         assert msg in err and "Traceback" not in err, (argv, err)
 
 
+def _fails(argv):
+    from train.engine.remote import RemoteError
+
+    raise RemoteError("every rollout server went down; 8 of 8 prompts unanswered")
+
+
+def _interrupted(argv):
+    raise KeyboardInterrupt
+
+
+def test_a_run_that_fails_outside_this_process_or_is_interrupted_ends_without_a_traceback(capsys):
+    """A server or the trainer ranks gone (RunFailure), or Ctrl-C: what happened and that the same command
+    resumes, exit 1 / 130 (they were tracebacks of up to 80 lines)."""
+    from cascade.cli import dispatch
+
+    table = {"run": ("tests.test_run_options:_fails", ""), "stop": ("tests.test_run_options:_interrupted", "")}
+    assert dispatch(table, ["run"], "", "cascade") == 1
+    err = capsys.readouterr().err
+    assert err.startswith("cascade run: failed: every rollout server went down") and "resumes" in err
+    assert "Traceback" not in err and err.count("\n") == 2
+    assert dispatch(table, ["stop"], "", "cascade") == 130
+    assert capsys.readouterr().err == "cascade stop: interrupted\n"
+
+
 def test_a_rerun_with_other_settings_says_what_changed(tmp_path, capsys):
     import yaml as y
 

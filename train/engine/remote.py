@@ -37,12 +37,13 @@ from typing import Callable, Sequence
 
 from train.engine.base import Completion, SamplingParams
 from train.engine.sampling import row_seed
+from train.errors import RunFailure
 
 _DOWN = (ConnectionError, socket.timeout, TimeoutError, http.client.RemoteDisconnected,
          http.client.BadStatusLine, http.client.IncompleteRead, OSError)
 
 
-class RemoteError(RuntimeError):
+class RemoteError(RunFailure):
     """A server answered with an error, or no server is left."""
 
 
