@@ -187,6 +187,15 @@ def _warn_changed(out: Path, tree: dict) -> None:
     print(f"cascade run: settings differ from the last run in {out}: {shown}{note}", file=sys.stderr)
 
 
+def _all_finished(cfg, tree: dict, out: Path) -> bool:
+    """Whether every stage of this invocation's order has its final checkpoint in ``out``."""
+    from cascade.checkpoint import is_complete
+
+    names = list(tree["stages"])
+    return all(is_complete(out / "stages" / f"{names.index(n) if n in names else len(names)}-{n}" / "final")
+               for n in cfg.order)
+
+
 def _previous_final(cfg, out: Path, stage_index: int) -> Path | None:
     """The hand-off checkpoint of the latest earlier stage that finished in this run directory."""
     from cascade.checkpoint import is_complete
@@ -231,7 +240,8 @@ def main(argv: list[str]) -> int:
 
     for name in cfg.order:  # unknown environments (of the mix, its sources or its phases) fail here too
         stage_mixes(cfg.stages[name])
-    if cfg.rollout.urls:  # unreachable servers, or servers disagreeing on the model, fail here too
+    if cfg.rollout.urls and not _all_finished(cfg, tree, out):  # unreachable servers, or servers disagreeing on
+        # the model, fail here too (a rerun of a finished run needs none: it only prints what the stages did)
         from train.engine.remote import RemoteEngine
 
         RemoteEngine(cfg.rollout.urls, api_key=cfg.rollout.api_key, timeout=10.0).close()

@@ -157,6 +157,19 @@ def test_other_commands_refuse_bad_input_in_one_line(tmp_path, capsys):
         assert msg in err and "Traceback" not in err, (argv, err)
 
 
+def test_a_finished_run_needs_no_rollout_servers_to_be_rerun(tmp_path):
+    from cascade.config import load_run_config, parse_overrides
+    from cascade.run import _all_finished
+
+    cfg, tree = load_run_config(parse_overrides(["stage=rlve", "profile=tiny", "rollout.urls=[http://127.0.0.1:1]",
+                                                 "rollout.api_key=K"]))
+    assert not _all_finished(cfg, tree, tmp_path)  # so the servers are checked before any work
+    final = tmp_path / "stages" / f"{list(tree['stages']).index('rlve')}-rlve" / "final"
+    final.mkdir(parents=True)
+    (final / "COMPLETE").write_text("ok\n")
+    assert _all_finished(cfg, tree, tmp_path)  # nothing left to run: gone servers are not an error
+
+
 def _fails(argv):
     from train.engine.remote import RemoteError
 
