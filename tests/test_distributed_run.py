@@ -197,5 +197,6 @@ def test_servers_on_another_weights_directory_are_refused_before_training(warm_d
     finally:
         pool.close()
     assert r.returncode == 2, r.stderr[-2000:]
-    assert f"must run with --weights-dir {out / 'exchange'}" in r.stderr and r.stderr.strip().count("\n") == 0
+    assert f"must serve this run's policy (the same architecture and sizes) with --weights-dir {out / 'exchange'}" \
+        in r.stderr and r.stderr.strip().count("\n") == 0
     assert not list((out / "stages").glob("*/checkpoints/*")) and not rl_records(out)
