@@ -76,6 +76,11 @@ max_lag_seen 2 and no group dropped as stale in every run; the two sides of each
 same response lengths (mean 47.1 of 48 tokens by default; 61.2 with 16 stop tokens and 256 new
 tokens).
 
+Re-run at d52fa63 (2026-12-04: the trainer verifies through ``envs.verify_all``, the pipeline counts evictions made
+while the trainer waits; the same arithmetic), default setting, 3 runs one after another: async speedup 0.85, 1.04,
+0.96 (median 0.96, min 0.85); sync steps/s 1.84-2.20, async 1.88-2.07; ``overlap_ceiling_lending`` 1.17, 1.27, 1.24;
+ceiling at any mix 1.38-1.52; rollout s / update s (sync) 0.13-0.17 / 0.32-0.37; max_lag_seen 2.
+
 The goal (>= 1.5 against the best synchronous setting, here 2 threads) is not met: median 1.24 by
 default and 1.27 with long-tailed responses (one run of twelve above 1.5). Lending the producer's
 threads to the update lifted the default setting from a median 0.96 to 1.24, above the fixed

@@ -28,6 +28,9 @@ Every figure is the median of ``--repeats`` warm runs, with min and max beside i
 7.70 s, 16 in flight 2.66 s; same results); with the code before the batcher (commit f75bb53, whose local
 engine took the problems' calls one at a time, 2 repeats) 16 in flight gave 1.00 (5.54 against 5.52 s). The
 same run measured ``concurrency_speedup`` 2.47 and ``concurrency_speedup_short`` 1.73 against ``ttc serve``.
+Re-run at d52fa63 (2026-12-04, after this session's input checks in the engine and the batcher's close; one run of 3
+repeats): ``local_concurrency_speedup`` 2.00 (4.66 -> 2.33 s), ``concurrency_speedup`` 2.15 (6.18 -> 2.88 s; one
+problem at a time ranged 5.44-7.44 s), ``concurrency_speedup_short`` 1.74; same results both ways.
 
 Measured on this project's 2-core CPU (2026-12-02, defaults, tiny-moe, 1 thread, quiet machine, commit
 e6feb3e, three runs): ``concurrency_speedup`` 2.17, 2.21, 2.13 (one problem at a time 3.73-3.80 s, 64 in
@@ -67,7 +70,8 @@ noise: interleaved with 1e2da25 (before it), ``prefix_speedup_real`` 1.03, 1.12,
 seconds moving 3.1-5.2 s between runs. The goal (1.3 at the realistic shape) is not met.
 Re-run on 2026-12-04 at 209ecb6 (the engine backend's calls now go through the batcher), one run:
 ``prefix_speedup_toy`` 1.37, ``prefix_speedup_real`` 1.11 (pairs 0.94-1.11), ``prefix_speedup_long`` 1.35
-(pairs 1.16-1.47), same outputs both sides.
+(pairs 1.16-1.47), same outputs both sides. Re-run at d52fa63, one run: toy 1.52, real 1.09 (3.56 -> 3.26 s; decode
+2.99 of 3.56 s uncached), long 1.37 (7.36 -> 5.36 s), same outputs both sides.
 """
 from __future__ import annotations
 

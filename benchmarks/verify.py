@@ -31,6 +31,8 @@ already keeps 1.60-1.62 cores busy (the sandbox's warm pool makes the next start
 while a program runs), and threads take it to 1.84-1.87; one math answer at a time keeps one core
 busy (the caller waits on its math-verify worker), and threads, a worker each, take it to 1.88-1.97.
 How it scales with more cores was not measured (no such machine was lent).
+Re-run at d52fa63 (one run): ``code`` 0.92 s one at a time, 1.13x with 2 threads, 1.14x with 4 (cores busy 1.62,
+1.83, 1.87); ``math`` 0.21 s, 2.06x with 2, 1.63x with 4; ``reward_model`` 0.112 -> 0.064 s (1.76x); same scores.
 ``reward_model`` (one run, 2026-12-04): 0.116 s one at a time, 0.063 s batched (1.84x; 38 of 64 scored by the
 model), same scores; a model this small is mostly per-call overhead, and a real reward model on a GPU was
 not measured.
