@@ -394,7 +394,7 @@ def solve_main(argv: list[str]) -> int:
                     prog.update(task, description=desc)
 
                 def one(i: int, p: dict) -> None:
-                    pk = _problem_key(p["problem"])
+                    pk = keys[i]  # computed once above
                     tokens = [0]
 
                     def on_round(t: int, rec: dict) -> None:
