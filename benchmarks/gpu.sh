@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The GPU checks and measurements, as one script for a machine with a CUDA GPU (CI has none).
+#
+#   bash benchmarks/gpu.sh            # logs and JSON lines under $OUT (default /tmp/cascade-gpu)
+#
+# Runs tests/test_cuda.py (the CUDA / NCCL paths against CPU references), then
+# benchmarks/train.py (packed trainer vs transformers, tiny-moe and small-moe) and
+# benchmarks/ttc.py's prefix-reuse comparison on cuda. Uses the python3 on PATH with the torch
+# already installed there; packages it lacks can be put as wheels in .whl/ (installed with
+# --no-deps into /tmp/site). Each part has its own time limit, so one hang costs only its share.
+set -u
+OUT=${OUT:-/tmp/cascade-gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+nvidia-smi -L
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
+
+part() {  # part NAME SECONDS CMD...: run CMD under a time limit, log to $OUT/NAME.log, keep going
+  local name=$1 secs=$2; shift 2
+  local t0=$SECONDS
+  timeout -k 10 "$secs" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: exit $rc in $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
+  grep -E '^\{|passed|failed|error|max \|param|mismatch_kl per|version_lag_max per' "$OUT/$name.log" | tail -n 12 \
+    | cut -c1-1500 | tee -a "$OUT/summary.txt"
+}
+
+part test_cuda "${TEST_S:-240}" python3 -m pytest tests/test_cuda.py -v -s -p no:cacheprovider -p no:randomly
+part train_tiny "${TRAIN_S:-100}" python3 benchmarks/train.py --device cuda --preset tiny-moe --repeats 5
+part train_small "${TRAIN_S:-100}" python3 benchmarks/train.py --device cuda --preset small-moe --repeats 3
+part ttc_prefix "${TTC_S:-120}" python3 benchmarks/ttc.py --device cuda --skip-concurrency --repeats 3

@@ -1,0 +1,201 @@
+"""The CUDA / NCCL paths, on a machine with a GPU (skipped without one; CI has none).
+
+Everything else in the suite runs on CPU with gloo; these run the same code on ``cuda:0``:
+the sharded RL update in an NCCL world against the single-process reference step on CPU (fp32,
+two steps), the torch engine's sampled log-probs and router replay against the trainer's
+teacher-forced ones on the GPU, the HF-format model's logits against transformers' on the GPU, and
+the torchrun trainer worker (NCCL) killed and resumed from its sharded checkpoint, and ``cascade
+run`` with a rollout server and the weight broadcast on the same GPU, and with the in-process
+PipelineRL loop. One GPU allows an NCCL world of one rank only (NCCL refuses two ranks on one device,
+and ``cascade run`` keeps a one-rank trainer in its own process), so the multi-rank meshes stay
+tested on gloo.
+
+    pytest tests/test_cuda.py        # on a GPU machine
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+
+from tests.test_distributed_run import warm_dir  # noqa: F401 (fixture)
+from tests.test_rl_distributed import worker_setup  # noqa: F401 (fixture)
+
+# CASCADE_TEST_DEVICE=cpu runs the same checks on CPU with gloo (to check the tests themselves)
+DEV = torch.device(os.environ.get("CASCADE_TEST_DEVICE", "cuda:0"))
+pytestmark = pytest.mark.skipif(DEV.type == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32():
+    """No TF32 in matmuls: the comparisons below are fp32 against fp32."""
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def test_sharded_rl_update_in_an_nccl_world_equals_the_cpu_reference():
+    """RLUpdater on cuda:0 in an NCCL world of one rank (every collective of the DP x TSP code runs on
+    NCCL with CUDA tensors) ends two RL steps with the CPU single-process reference's weights."""
+    import torch.distributed as dist
+
+    from tests.test_parallel import _cfgs, _model
+    from tests.test_rl_distributed import CASES, make_batch, reference_weights, rl_cfg
+    from train.parallel.comm import free_port
+    from train.parallel.rl_update import RLUpdater
+
+    dist.init_process_group("nccl" if DEV.type == "cuda" else "gloo", rank=0, world_size=1,
+                            init_method=f"tcp://127.0.0.1:{free_port()}", device_id=DEV if DEV.type == "cuda" else None)
+    try:
+        errs = {}
+        for name, loss in CASES:
+            cfg = _cfgs()[name]
+            rcfg = rl_cfg(loss)
+            batches = [make_batch(s, cfg) for s in range(2)]
+            want, ref_m = reference_weights(cfg, rcfg, batches)
+            up = RLUpdater(_model(cfg).to(DEV), rcfg, tsp=1, dp=1)
+            mets = [up.step(b, i) for i, b in enumerate(batches)]
+            got = up.full_state_dict()
+            assert set(got) == set(want)
+            moved = max((want[k] - _model(cfg).state_dict()[k]).abs().max().item() for k in want)
+            errs[f"{name}.{loss}"] = max((got[k].cpu() - want[k]).abs().max().item() for k in want)
+            assert moved > 1e-4, moved
+            assert all(abs(m["loss"] - r["loss"]) < 1e-5 for m, r in zip(mets, ref_m)), (mets, ref_m)
+        print("cuda vs cpu reference, max |param diff|:", json.dumps(errs))
+        assert max(errs.values()) < 1e-5, errs
+    finally:
+        dist.destroy_process_group()
+
+
+def _moe(seed=0):
+    from tests.test_engine_inflight import _model
+
+    m = _model(seed, num_experts=4, num_experts_per_tok=1, norm_topk_prob=True, mlp_only_layers=[])
+    return m
+
+
+def _teacher(model, prompt, completion, temperature, routed=None):
+    from train.model.modeling import token_logprobs
+
+    seq = torch.tensor([prompt + completion], device=DEV)
+    with torch.no_grad():
+        return token_logprobs(model, seq, temperature=temperature, routed_experts=routed)[0, len(prompt) - 1:].cpu()
+
+
+def test_engine_logprobs_and_router_replay_on_the_gpu():
+    """The torch engine on cuda:0: its sampled tokens' log-probs equal the trainer's teacher-forced
+    ones on the GPU; with the trainer's router perturbed, only replaying the engine's recorded expert
+    ids keeps them equal."""
+    from tests.test_engine_inflight import PROMPTS
+    from train.engine import SamplingParams, TorchEngine
+
+    m = _moe().to(DEV)
+    eng = TorchEngine(copy.deepcopy(m), return_routed_experts=True)
+    outs = eng.generate(PROMPTS, SamplingParams(n=2, temperature=0.9, max_tokens=10, seed=2))
+    trainer = copy.deepcopy(m)
+    for c in outs:
+        torch.testing.assert_close(_teacher(trainer, c.prompt_token_ids, c.token_ids, 0.9, c.routed_experts),
+                                   torch.tensor(c.logprobs), rtol=0, atol=1e-4)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for layer in trainer.model.layers:
+            layer.mlp.gate.weight.add_((torch.randn(layer.mlp.gate.weight.shape, generator=g) * 0.3).to(DEV))
+    worst = 0.0
+    for c in outs:
+        lp = torch.tensor(c.logprobs)
+        torch.testing.assert_close(_teacher(trainer, c.prompt_token_ids, c.token_ids, 0.9, c.routed_experts), lp,
+                                   rtol=0, atol=1e-4)
+        worst = max(worst, float((_teacher(trainer, c.prompt_token_ids, c.token_ids, 0.9) - lp).abs().max()))
+    assert worst > 1e-2, worst
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_logits_match_transformers_on_the_gpu(kind, tmp_path):
+    from tests.conftest import hf_random_model
+    from train.model.hf_io import load_pretrained
+
+    hf = hf_random_model(kind, tie_word_embeddings=(kind == "dense"))
+    hf.save_pretrained(tmp_path / "hf")
+    hf = hf.to(DEV).eval()
+    ours = load_pretrained(tmp_path / "hf", device=DEV).eval()
+    ids = torch.randint(0, 320, (3, 23), generator=torch.Generator().manual_seed(1)).to(DEV)
+    am = torch.ones(3, 23, dtype=torch.long, device=DEV)
+    am[1, :7] = 0
+    am[2, 19:] = 0
+    with torch.no_grad():
+        assert (ours(ids) - hf(ids).logits).abs().max().item() < 1e-4
+        keep = am.bool()
+        assert (ours(ids, attention_mask=am) - hf(ids, attention_mask=am).logits)[keep].abs().max().item() < 1e-4
+
+
+def _rl(out):
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["phase"] == "rl"]
+
+
+def test_torchrun_worker_on_the_gpu_resumes_after_kill_9(worker_setup):
+    """train/rl/worker.py under torchrun on cuda:0 (NCCL world of one rank): killed with SIGKILL after
+    its step-2 checkpoint (torch.distributed.checkpoint of GPU tensors), restarted, it resumes there and
+    publishes final weights equal to the CPU single-process reference after three steps."""
+    from tests.test_rl_distributed import TOL, _final_weights, _finish, _kill_tree, _max_err, _start_worker, _wait_for
+    from train.rl.exchange import write_batch
+
+    root, batches, (_, ref3) = worker_setup
+    ex = root / "run_cuda" / "exchange"
+    ex.mkdir(parents=True)
+    extra = ["--checkpoint-every", "1", "--device", DEV.type]
+    proc, log = _start_worker(ex, root / "init", 3, tsp=1, dp=1, extra=extra)
+    try:
+        write_batch(ex, batches[0])
+        write_batch(ex, batches[1])
+        _wait_for(ex / "trainer_ckpt" / "step-000002" / "COMPLETE", proc)
+    finally:
+        _kill_tree(proc.pid)
+        proc.wait()
+        log.close()
+    write_batch(ex, batches[2])
+    proc, log = _start_worker(ex, root / "init", 3, tsp=1, dp=1, extra=extra)
+    _finish(proc, log)
+    text = open(log.name).read()
+    assert '"worker": "start", "step": 2' in text, text[-3000:]
+    assert f'"device": "{DEV}"' in text or f'"device": "{DEV.type}"' in text, text[-3000:]
+    err = _max_err(_final_weights(ex), ref3)
+    print("worker on", DEV, "vs cpu reference, max |param diff|:", err)
+    assert err < TOL
+
+
+def test_cascade_run_with_a_server_and_the_broadcast_on_the_gpu(warm_dir, tmp_path):
+    """``cascade run device=cuda`` with a rollout server on the same GPU and the weight broadcast (gloo
+    through host memory: the run and the server share a device): the server's behaviour log-probs equal
+    the trainer's, no broadcast fails, the policy moves."""
+    from tests.test_distributed_run import STAGE, cascade, final_weights
+    from train.model.hf_io import read_state_dict
+
+    out = tmp_path / "run"
+    r = cascade(f"out={out}", f"model={warm_dir}", *STAGE, "steps=3", f"device={DEV.type}", "rollout.servers=1",
+                "rollout.weight_transport=broadcast", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = _rl(out)
+    print("mismatch_kl per step:", [x["mismatch_kl"] for x in recs])
+    assert len(recs) == 3 and all(x["groups_trained"] == 8 for x in recs)
+    assert all(x["mismatch_kl"] < 1e-5 and x["version_lag_max"] == 0 for x in recs), recs
+    assert all(x["weight_broadcast_failures"] == 0 for x in recs), recs
+    assert any(not torch.equal(v, read_state_dict(warm_dir)[k]) for k, v in final_weights(out).items())
+
+
+def test_cascade_run_pipelined_in_one_process_on_the_gpu(warm_dir, tmp_path):
+    """The in-process PipelineRL loop on cuda:0 (``rl.max_staleness=2``): no trained token is more
+    than 2 versions old, and the stage ends with its final checkpoint."""
+    from tests.test_distributed_run import STAGE, cascade
+
+    out = tmp_path / "run"
+    r = cascade(f"out={out}", f"model={warm_dir}", *STAGE, "steps=4", f"device={DEV.type}", "rl.max_staleness=2",
+                "rl.sync_every=1", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = _rl(out)
+    print("version_lag_max per step:", [x["version_lag_max"] for x in recs])
+    assert len(recs) == 4 and max(x["version_lag_max"] for x in recs) <= 2
+    assert (out / "stages" / "1-rlve" / "final" / "config.json").exists()
