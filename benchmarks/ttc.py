@@ -156,12 +156,14 @@ def prefix_shape(path, device, problem, budget, tail, repeats) -> dict:
         off.run()
         on.run()
     ratios = [a / b for a, b in zip(off.walls, on.walls)]
-    return {"N": 8, "C": 4, "T": 2, "beta": budget, "tau": tail, "no_prefix_cache": off.report(),
+    res = {"N": 8, "C": 4, "T": 2, "beta": budget, "tau": tail, "no_prefix_cache": off.report(),
             "prefix_cache": on.report(),
             "speedup_wall": round(statistics.median(off.walls) / statistics.median(on.walls), 3),
             "speedup_wall_pairs": _stats(ratios),
             "speedup_prefill": round(statistics.median(off.prefill) / max(statistics.median(on.prefill), 1e-9), 3),
             "same_outputs": off.tokens() == on.tokens()}
+    print(f"# beta={budget} tau={tail}: {json.dumps(res)}", file=sys.stderr, flush=True)  # progress; the JSON line ends
+    return res
 
 
 def shared_prefix_steps(path, steps: int = 50, repeats: int = 3) -> dict:

@@ -483,6 +483,8 @@ class CausalLM(nn.Module):
             raise ValueError(f"KV cache overflow: {start + T} > {cache.capacity}")
         if attention_mask is not None:
             attention_mask = attention_mask.to(torch.bool)
+        if routed_experts is not None:  # replayed ids recorded elsewhere (an engine's CPU-held rollouts): one copy here
+            routed_experts = [None if r is None else r.to(dev) for r in routed_experts]
         if cache is not None:
             cache.valid[:, start:start + T] = True if attention_mask is None else attention_mask
         if position_ids is None:
