@@ -29,7 +29,8 @@ part() {  # part NAME SECONDS CMD...: run CMD under a time limit, log to $OUT/NA
     | cut -c1-1500 | tee -a "$OUT/summary.txt"
 }
 
-part test_cuda "${TEST_S:-240}" python3 -m pytest tests/test_cuda.py -v -s -p no:cacheprovider ${TEST_K:+-k "$TEST_K"}
+sel=(); [ -z "${TEST_K:-}" ] || sel=(-k "$TEST_K")  # TEST_K: a pytest -k selection
+part test_cuda "${TEST_S:-240}" python3 -m pytest tests/test_cuda.py -v -s -p no:cacheprovider "${sel[@]}"
 [ -n "${SKIP_TRAIN:-}" ] || part train_tiny "${TRAIN_S:-100}" python3 benchmarks/train.py --device cuda --preset tiny-moe --repeats 5
 [ -n "${SKIP_TRAIN:-}" ] || part train_small "${TRAIN_S:-100}" python3 benchmarks/train.py --device cuda --preset small-moe --repeats 3
 # the torch engine on cuda decodes a tiny model step by step (launch-bound): one repeat, no long problem
