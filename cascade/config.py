@@ -223,12 +223,16 @@ class Rollout:
     # broadcast: longest wait for the weight group (forming it, one version's collective); a member that
     # died costs this much once before the version goes by files and the group is formed again
     group_timeout_s: float = 120.0
+    # a server out of the pool (down, not restarted by this run: rollout.urls) is probed this often;
+    # one that answers again loads the newest weights and rejoins
+    readmit_s: float = 10.0
 
     def __post_init__(self):
         if self.backend not in ("cascade", "vllm"):
             raise ValueError(f"unknown rollout.backend {self.backend!r}; choose cascade or vllm")
-        if self.group_timeout_s <= 0:
-            raise ValueError(f"rollout.group_timeout_s must be > 0, got {self.group_timeout_s}")
+        if self.group_timeout_s <= 0 or self.readmit_s <= 0:
+            raise ValueError(f"rollout.group_timeout_s and rollout.readmit_s must be > 0, got {self.group_timeout_s} "
+                             f"and {self.readmit_s}")
         if self.weight_transport not in TRANSPORTS:
             raise ValueError(f"unknown rollout.weight_transport {self.weight_transport!r}; choose from "
                              f"{', '.join(TRANSPORTS)}")

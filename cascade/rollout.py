@@ -188,14 +188,15 @@ class ServedEngine:
 
     def __init__(self, urls: list[str], exchange: Path, api_key: str | None, pool: ServerPool | None = None,
                  per_server: int = 8, timeout_s: float = 600.0, transport: str = "files",
-                 group_host: str = "127.0.0.1", group_device="cpu", group_timeout_s: float = 120.0):
+                 group_host: str = "127.0.0.1", group_device="cpu", group_timeout_s: float = 120.0,
+                 readmit_s: float = 10.0):
         from train.engine.remote import RemoteEngine
 
         if transport not in TRANSPORTS:
             raise ConfigError(f"unknown rollout.weight_transport {transport!r}; choose from {', '.join(TRANSPORTS)}")
         self.exchange, self.pool = Path(exchange).absolute(), pool  # servers name versions by absolute path
         self.remote = RemoteEngine(urls, api_key=api_key, timeout=timeout_s, per_server=per_server,
-                                   on_server_down=self._down)
+                                   on_server_down=self._down, on_server_back=self._catch_up, readmit_s=readmit_s)
         self.version = 0
         self.broadcaster = None
         self.broadcast_failures = 0  # versions that went by files because the group failed
@@ -222,16 +223,23 @@ class ServedEngine:
         self._behind.wait()
 
     def _down(self, url: str) -> bool:
-        if self.pool is None or not self.pool.restart(url):
-            return False
+        """A server went down: restart it when this run started it, then catch it up."""
+        return self.pool is not None and self.pool.restart(url) and self._catch_up(url)
+
+    def _catch_up(self, url: str) -> bool:
+        """A server back at ``url`` (restarted here, or by whoever runs it) loads the newest version
+        before it rejoins; False leaves it out of the pool (the others go on)."""
         if self.broadcaster is not None:  # a new process at the same URL: the next version forms a new group
             self.broadcaster.close()
             self.wait_published()  # the version to catch up with is on disk
-        if self.version is not None:  # the restarted server catches up with the newest version
-            try:
-                self.remote._conn(url).call("POST", "/v1/load_weights", {"version": self.version})
-            except Exception:  # noqa: BLE001 - else it stays out of the pool; the others go on
-                return self._catch_up_by_broadcast(url)
+        c = self.remote._conn(url)
+        try:
+            if c.call("GET", "/v1/weights").get("version") != self.version:
+                c.call("POST", "/v1/load_weights", {"version": self.version})
+        except Exception:  # noqa: BLE001 - its files out of reach (another host): over a group of its own
+            return self._catch_up_by_broadcast(url)
+        finally:
+            c.close()
         return True
 
     def _catch_up_by_broadcast(self, url: str) -> bool:
@@ -318,7 +326,7 @@ def served_engine(rcfg, model_dir: Path, out: Path, log_dir: Path) -> ServedEngi
     shutil.rmtree(exchange / "weights", ignore_errors=True)
     exchange.mkdir(parents=True, exist_ok=True)
     group = dict(transport=r.weight_transport, group_host=r.group_host, group_timeout_s=r.group_timeout_s,
-                 group_device="cpu" if rcfg.device == "cpu" else rcfg.device)
+                 group_device="cpu" if rcfg.device == "cpu" else rcfg.device, readmit_s=r.readmit_s)
     if r.urls:
         if not r.api_key:
             raise ConfigError("rollout.urls needs rollout.api_key: the servers' --api-key, for POST /v1/load_weights")

@@ -230,6 +230,7 @@ class StageRunner:
                         m["prompts_resent"] = engine.remote.resent
                         m["servers_up"] = len(engine.remote.alive)
                         m["server_restarts"] = engine.pool.restarts if engine.pool is not None else 0
+                        m["servers_readmitted"] = engine.remote.readmitted
                         if engine.broadcaster is not None:
                             m["weight_broadcast_failures"] = engine.broadcast_failures
                     self.records.log(self.name, "rl", step, m)

@@ -342,3 +342,45 @@ def test_batched_jobs_keep_their_own_seeds_and_prompt_indices():
     assert [c.prompt_token_ids for c in out["b"]] == [[4], [4], [5], [5]]
     with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
         Batcher(eng).submit([[1], [2], [3]], SamplingParams(max_tokens=1), seeds=[1, 2])
+
+
+def test_a_url_server_that_comes_back_rejoins_with_the_newest_weights(setup, tmp_path):
+    """Servers given by URL (not started by the run): one killed with kill -9 leaves the pool; restarted
+    at its port by whoever runs it (on the checkpoint's weights, version 0), the background probe finds
+    it, it loads the run's newest version, and it takes prompts again; its samples are those of that
+    version. Without the run's weights directory it could not catch up and stays out."""
+    from cascade.rollout import ServedEngine
+
+    procs = _start_servers(setup["dir"], setup["root"], [0, 0])
+    try:
+        urls = [u for _, u in procs]
+        se = ServedEngine(urls, setup["root"], KEY, per_server=2, readmit_s=0.2)
+        se.load_published(1)
+        prompts = [PROMPTS[i % 4] + [i] for i in range(8)]
+        seeds = list(range(200, 208))
+        sp = SamplingParams(n=1, temperature=1.0, max_tokens=6, ignore_eos=True)
+        victim, vurl = procs[0]
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(30)
+        se.generate(prompts, sp, seeds=seeds)
+        assert se.remote.alive == {urls[1]} and se.remote.readmitted == 0
+        procs.extend(_start_servers(setup["dir"], setup["root"], [int(vurl.rsplit(":", 1)[1])]))
+        assert call(vurl, "/v1/weights")[1]["version"] == 0
+        deadline = time.monotonic() + 60
+        while vurl not in se.remote.alive and time.monotonic() < deadline:
+            time.sleep(0.3)
+            se.generate(prompts[:1], sp, seeds=seeds[:1])  # each call rejoins what the probe found back
+        assert se.remote.alive == set(urls) and se.remote.readmitted == 1
+        assert call(vurl, "/v1/weights")[1]["version"] == 1
+        before = se.remote.requests[vurl]
+        got = se.generate(prompts, sp, seeds=seeds)
+        assert se.remote.requests[vurl] > before
+        ref = setup["ref"]
+        ref.load_weights(setup["sd1"], version=1)
+        assert [c.token_ids for c in got] == [c.token_ids for c in ref.generate(prompts, sp, seeds=seeds)]
+        assert all(set(c.versions) == {1} for c in got)
+    finally:
+        for p, _ in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(30)

@@ -21,8 +21,12 @@ directory (``POST /v1/load_weights``, which needs the servers' API key); servers
 Fault tolerance. A server that refuses or drops a connection (killed, restarted) is taken out of the
 pool; its in-flight prompts are sent again to the servers left, and ``on_server_down(url)`` is
 called (a caller that started the server may restart it at the same URL; when the hook returns
-True the server is checked and used again). A request the server answers with 4xx is an
-error of the request and raises. Only the standard library is used.
+True the server is checked and used again). A server out of the pool is probed in the background
+at most every ``readmit_s`` seconds (``GET /v1/models``, as at the start): one that answers again
+with the expected model (restarted at its URL by whoever runs it) rejoins from the next ``generate``
+or ``load_version`` call, after ``on_server_back(url)`` (the caller's catch-up to the newest weights)
+returns True; ``readmitted`` counts them. A request the server answers with 4xx is an error of the
+request and raises. Only the standard library is used.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ import queue
 import random
 import socket
 import threading
+import time
 import urllib.parse
 from typing import Callable, Sequence
 
@@ -129,11 +134,13 @@ class RemoteEngine:
     ``urls``: server base URLs (``http://host:port``, with or without ``/v1``); ``api_key``: their
     bearer token; ``model``: the served model name every server must report (default: whatever the
     first one serves, and all must agree); ``timeout``: seconds per request; ``per_server``:
-    requests in flight per server; ``on_server_down(url) -> bool``: see the module docstring."""
+    requests in flight per server; ``on_server_down(url) -> bool``, ``on_server_back(url) -> bool``
+    and ``readmit_s``: see the module docstring."""
 
     def __init__(self, urls: Sequence[str] | str, api_key: str | None = None, model: str | None = None,
                  timeout: float = 600.0, per_server: int = 8,
-                 on_server_down: Callable[[str], bool | None] | None = None):
+                 on_server_down: Callable[[str], bool | None] | None = None,
+                 on_server_back: Callable[[str], bool] | None = None, readmit_s: float = 10.0):
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise ValueError("RemoteEngine needs at least one server URL")
@@ -142,8 +149,10 @@ class RemoteEngine:
         self.urls = [u.rstrip("/") for u in urls]
         if len(set(self.urls)) != len(self.urls):
             raise ValueError(f"duplicate server URLs in {self.urls}")
+        if readmit_s <= 0:
+            raise ValueError(f"readmit_s must be > 0, got {readmit_s}")
         self.api_key, self.timeout, self.per_server = api_key, timeout, per_server
-        self.on_server_down = on_server_down
+        self.on_server_down, self.on_server_back, self.readmit_s = on_server_down, on_server_back, readmit_s
         self.tokenizer = None
         self.model = model
         self.context_length = None
@@ -154,14 +163,18 @@ class RemoteEngine:
         self.requests: dict[str, int] = {u: 0 for u in self.urls}  # requests sent per server
         self._seed_rng = random.Random()
         self._lock = threading.Lock()
+        self.readmitted = 0  # servers that came back and rejoined the pool
+        self._back: list[str] = []  # probed back, caught up, waiting to rejoin at the next call
+        self._probe: threading.Thread | None = None
+        self._probed_at = 0.0
 
     # -- servers ---------------------------------------------------------------------------------
     def _conn(self, url: str, timeout: float | None = None) -> _Conn:
         return _Conn(url, self.api_key, self.timeout if timeout is None else timeout)
 
-    def _check(self, url: str) -> None:
+    def _check(self, url: str, timeout: float = 30.0) -> None:
         """The server answers and serves the expected model (one-line errors)."""
-        c = self._conn(url, timeout=min(self.timeout, 30.0))
+        c = self._conn(url, timeout=min(self.timeout, timeout))
         try:
             models = c.call("GET", "/v1/models")
         except _ServerDown as e:
@@ -181,6 +194,33 @@ class RemoteEngine:
         ctx = next((m.get("max_model_len") for m in cards if m.get("id") == self.model), None)
         if ctx is not None:
             self.context_length = ctx if self.context_length is None else min(self.context_length, ctx)
+
+    def _readmit(self) -> None:
+        """Rejoin the servers the background probe found back; start a probe of the servers out of the
+        pool when the last began ``readmit_s`` ago or more (the calling thread never waits on one)."""
+        with self._lock:
+            back, self._back = self._back, []
+            for u in back:
+                self.alive.add(u)
+            self.readmitted += len(back)
+            down = [u for u in self.urls if u not in self.alive]
+            if not down or (self._probe is not None and self._probe.is_alive()) \
+                    or time.monotonic() - self._probed_at < self.readmit_s:
+                return
+            self._probed_at = time.monotonic()
+            self._probe = threading.Thread(target=self._probe_down, args=(down,), daemon=True, name="remote-readmit")
+            self._probe.start()
+
+    def _probe_down(self, urls: list[str]) -> None:
+        for u in urls:
+            try:
+                self._check(u, timeout=5.0)
+                ok = self.on_server_back is None or bool(self.on_server_back(u))
+            except Exception:  # noqa: BLE001 - still down, or back with something else: probed again later
+                ok = False
+            if ok:
+                with self._lock:
+                    self._back.append(u)
 
     def health(self) -> dict[str, dict]:
         """Per server: ``{"ok": bool, "version": int | None, "error": str | None}``."""
@@ -205,6 +245,7 @@ class RemoteEngine:
         if (version is None) == (path is None):
             raise ValueError("load_version needs exactly one of version or path")
         body = {"version": int(version)} if version is not None else {"path": str(path)}
+        self._readmit()
         urls = sorted(self.alive)
 
         def one(u):
@@ -257,6 +298,7 @@ class RemoteEngine:
         results: list[list[Completion] | None] = [None] * len(prompts)
         state = {"left": len(prompts), "error": None}
         cond = threading.Condition()
+        self._readmit()
         servers = sorted(self.alive)
         if not servers:
             raise RemoteError("no rollout server is alive")
