@@ -47,8 +47,12 @@ On a GPU (one H200, torch 2.11+cu130, transformers 5.17, 2026-12-04, commit dbed
 ``bash benchmarks/gpu.sh``): tiny-moe (``--repeats 5``) train 55.1k tok/s, padded 70.9k, hf 53.7k: train_ratio
 1.03, packed_vs_padded 0.78; small-moe (57M parameters, ``--repeats 3``, 29,286 tokens) train 35.3k, padded
 32.9k, hf 29.6k: train_ratio 1.19, packed_vs_padded 1.07. The GPU runs the pad slots nearly free at
-these sizes, and the packed attention is one SDPA call per sequence (64 small launches per layer, each
-way), so the CPU's ratio does not carry over; a varlen attention kernel would be the next step there.
+these sizes, and the packed attention was one SDPA call per sequence (64 small launches per layer, each
+way), so the CPU's ratio does not carry over in fp32. In bf16 (``--dtype bfloat16``, the same H200, commit
+after d41e7e5 that added the varlen path, one run): small-moe train 162.5k tok/s (steps 160.6-172.6k) with the
+packed attention as one varlen FlashAttention call (``train.model.modeling.uses_varlen``), 151.2k
+(133.9-152.1k) with one SDPA call per sequence (``CASCADE_VARLEN=0``, the same script run separately: 1.07x),
+padded 98.6k, hf 66.6k: train_ratio 2.44, packed_vs_padded 1.65.
 """
 from __future__ import annotations
 
@@ -137,6 +141,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="timed steps per implementation; the median is reported")
     ap.add_argument("--only", default="train,padded,hf", help="comma-separated subset of train,padded,hf")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="parameters and activations of all three (bfloat16: on a GPU the packed attention is one "
+                         "varlen FlashAttention call)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (0: torch's default). On a shared CPU box 2 threads measure "
                          "OpenMP waiting on descheduled threads (40x slower small ops at load 4 on 2 cores)")
@@ -158,8 +165,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / a.preset
         init_model(a.preset, model_dir, seed=a.seed)
-        ours = load_pretrained(model_dir, dtype=torch.float32).to(dev)
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(dev) if "hf" in only else None
+        dtype = getattr(torch, a.dtype)
+        ours = load_pretrained(model_dir, dtype=dtype).to(dev)
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(dev) if "hf" in only else None
     cfg = ours.config
     rolls = make_rollouts(a.rollouts, cfg.vocab_size, a.min_len, a.max_len, a.median_len, a.sigma, a.seed)
     lengths = [len(p) + len(c) for p, c, _ in rolls]
@@ -225,7 +233,8 @@ def main(argv=None) -> int:
 
     names = {"train": "train", "padded": "padded", "hf": "hf_train"}
     res = {"benchmark": "train", "model": a.preset, "params": sum(p.numel() for p in ours.parameters()),
-           "device": str(dev), "rollouts": a.rollouts, "real_tokens": real_tokens, "completion_tokens": n_completion,
+           "device": str(dev), "dtype": a.dtype, "rollouts": a.rollouts, "real_tokens": real_tokens,
+           "completion_tokens": n_completion,
            "lengths": stats, "length_dist": f"lognormal(median {a.median_len:g}, sigma {a.sigma:g}) "
                                            f"clipped to [{a.min_len}, {a.max_len}]",
            "token_budget": a.token_budget, "packed_micro_batches": len(packs), "rows": a.rows,

@@ -15,6 +15,9 @@ output and every residual addition stay fp32 while each block computes in the we
 """
 from __future__ import annotations
 
+import functools
+import inspect
+import os
 from dataclasses import dataclass
 
 import torch
@@ -185,11 +188,43 @@ class Segments:
         return (torch.arange(n, device=device) - torch.repeat_interleave(starts, lens, output_size=n))[None]
 
 
+@functools.lru_cache(maxsize=None)
+def _varlen() -> tuple | None:
+    """torch's FlashAttention varlen entry (``torch.nn.attention.varlen.varlen_attn``, torch >= 2.10) and
+    the keywords this torch version spells causal and GQA with, or None (older torch, or
+    ``CASCADE_VARLEN=0``)."""
+    if os.environ.get("CASCADE_VARLEN", "1") == "0":
+        return None
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    return varlen_attn, kw, "enable_gqa" in params
+
+
+def uses_varlen(q: torch.Tensor) -> bool:
+    """Whether :func:`segment_attention` takes one varlen FlashAttention call for ``q``: CUDA, fp16 or bf16,
+    head_dim <= 256, and a torch that has the kernel."""
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and _varlen() is not None
+
+
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments, gqa: bool) -> torch.Tensor:
     """Causal attention within each packed sequence: q [1, Hq, N, D], k, v [1, Hkv, N, D] -> [1, Hq, N, D].
-    One fused SDPA call per sequence over slices (no N x N mask; no work across sequences)."""
+    On a GPU in fp16/bf16 one varlen FlashAttention call over all sequences (:func:`uses_varlen`; the
+    kernel takes fewer K/V heads as they are); else one fused SDPA call per sequence over slices (no
+    N x N mask; no work across sequences)."""
     if len(seg.bounds) == 2:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if uses_varlen(q):
+        fn, kw, takes_gqa = _varlen()
+        if takes_gqa:
+            kw = dict(kw, enable_gqa=gqa)
+        cu = torch.tensor(seg.bounds, dtype=torch.int32).to(q.device, non_blocking=True)
+        longest = max(seg.lengths)
+        out = fn(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, longest, longest, **kw)
+        return out.transpose(0, 1)[None]
     # split (not slicing): its backward is one concatenation, not a full-size zero tensor per sequence
     lens = seg.lengths
     return torch.cat([F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
