@@ -48,8 +48,8 @@ On a GPU (one H200, torch 2.11+cu130, transformers 5.17, 2026-12-04, commit dbed
 1.03, packed_vs_padded 0.78; small-moe (57M parameters, ``--repeats 3``, 29,286 tokens) train 35.3k, padded
 32.9k, hf 29.6k: train_ratio 1.19, packed_vs_padded 1.07. The GPU runs the pad slots nearly free at
 these sizes, and the packed attention was one SDPA call per sequence (64 small launches per layer, each
-way), so the CPU's ratio does not carry over in fp32. In bf16 (``--dtype bfloat16``, the same H200, commit
-after d41e7e5 that added the varlen path, one run): small-moe train 162.5k tok/s (steps 160.6-172.6k) with the
+way), so the CPU's ratio does not carry over in fp32. In bf16 (``--dtype bfloat16``, the same H200, the code of
+d6556d8, which added the varlen path, one run): small-moe train 162.5k tok/s (steps 160.6-172.6k) with the
 packed attention as one varlen FlashAttention call (``train.model.modeling.uses_varlen``), 151.2k
 (133.9-152.1k) with one SDPA call per sequence (``CASCADE_VARLEN=0``, the same script run separately: 1.07x),
 padded 98.6k, hf 66.6k: train_ratio 2.44, packed_vs_padded 1.65.
