@@ -11,7 +11,9 @@ def init_model_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="cascade init-model", description="Write a fresh policy checkpoint (HF format).")
     ap.add_argument("--preset", required=True, help=f"one of: {', '.join(list_presets())}")
     ap.add_argument("--out", required=True, help="output directory")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seeds the weights and the corpus the byte-level BPE tokenizer is trained on (different "
+                         "seeds give different vocabularies of the same size)")
     a = ap.parse_args(argv)
     model, tok = init_model(a.preset, a.out, seed=a.seed)
     from train.model.modeling import count_parameters
