@@ -230,7 +230,7 @@ class ServedEngine:
         """A server back at ``url`` (restarted here, or by whoever runs it) loads the newest version
         before it rejoins; False leaves it out of the pool (the others go on)."""
         if self.broadcaster is not None:  # a new process at the same URL: the next version forms a new group
-            self.broadcaster.close()
+            self.broadcaster.reform()
             self.wait_published()  # the version to catch up with is on disk
         c = self.remote._conn(url)
         try:

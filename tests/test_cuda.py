@@ -2,7 +2,7 @@
 
 Everything else in the suite runs on CPU with gloo; these run the same code on ``cuda:0``:
 the sharded RL update in an NCCL world against the single-process reference step on CPU (fp32,
-two steps), the torch engine's sampled log-probs and router replay against the trainer's
+two steps), bf16 packed attention as one varlen FlashAttention call, the torch engine's sampled log-probs and router replay against the trainer's
 teacher-forced ones on the GPU, the HF-format model's logits against transformers' on the GPU, and
 the torchrun trainer worker (NCCL) killed and resumed from its sharded checkpoint, and ``cascade
 run`` with a rollout server and the weight broadcast on the same GPU, and with the in-process

@@ -19,6 +19,7 @@ durable record (resume, servers that restart and catch up) and the fallback when
 from __future__ import annotations
 
 import datetime
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -243,6 +244,7 @@ class Broadcaster:
         self.group: Group | None = None
         self.members: tuple[str, ...] = ()
         self.formed = 0  # groups formed so far (also names them)
+        self._pushing = threading.Lock()  # one push at a time (a server's catch-up runs on another thread)
 
     def _call(self, url: str, method: str, path: str, body: dict | None = None) -> dict:
         c = self.remote._conn(url, timeout=self.timeout_s + 30)  # the server answers once the collective is done
@@ -298,6 +300,10 @@ class Broadcaster:
     def push(self, state_dict: dict[str, torch.Tensor], version: int, urls=None) -> dict[str, int]:
         """Every live server (or those at ``urls``) loads ``state_dict`` as ``version``; {url: version
         it reports}."""
+        with self._pushing:
+            return self._push(state_dict, version, urls)
+
+    def _push(self, state_dict, version: int, urls) -> dict[str, int]:
         urls = tuple(sorted(self.remote.alive if urls is None else urls))
         if self.group is None or self.members != urls:
             self._form(urls)
@@ -312,6 +318,11 @@ class Broadcaster:
             raise WeightGroupError(f"broadcasting weights: {e}") from None
         out = self._finish(*pending, "broadcasting weights")
         return {u: int(r["version"]) for u, r in out.items()}
+
+    def reform(self) -> None:
+        """The next :meth:`push` forms the group again (a member is a new process at the same URL). Safe
+        from another thread than the one pushing: a push under way finishes on the group it has."""
+        self.members = ()
 
     def close(self) -> None:
         if self.group is not None:
