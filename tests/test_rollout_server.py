@@ -384,3 +384,48 @@ def test_a_url_server_that_comes_back_rejoins_with_the_newest_weights(setup, tmp
             if p.poll() is None:
                 p.kill()
             p.wait(30)
+
+
+def test_a_url_server_that_comes_back_rejoins_the_weight_broadcast(setup, tmp_path):
+    """The same with ``rollout.weight_transport=broadcast``: the server back at its URL catches up from
+    the files written behind the broadcast, and the next version forms the weight group again with
+    it: both servers serve that version, no broadcast fell back to files."""
+    from cascade.rollout import ServedEngine
+
+    ex = tmp_path / "exchange"
+    ex.mkdir()
+    procs = _start_servers(setup["dir"], ex, [0, 0])
+    se = None
+    try:
+        urls = [u for _, u in procs]
+        se = ServedEngine(urls, ex, KEY, per_server=2, transport="broadcast", readmit_s=0.2, group_timeout_s=30)
+        se.load_weights(setup["sd1"], version=1)
+        victim, vurl = procs[0]
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(30)
+        sp = SamplingParams(n=1, temperature=1.0, max_tokens=4, ignore_eos=True)
+        se.generate([PROMPTS[0]], sp, seeds=[1])
+        procs.extend(_start_servers(setup["dir"], ex, [int(vurl.rsplit(":", 1)[1])]))
+        deadline = time.monotonic() + 60
+        while vurl not in se.remote.alive and time.monotonic() < deadline:
+            time.sleep(0.3)
+            se.generate([PROMPTS[0]], sp, seeds=[1])
+        assert se.remote.alive == set(urls) and call(vurl, "/v1/weights")[1]["version"] == 1
+        sd2 = _new_weights(setup["ref"], 7)
+        se.load_weights(sd2, version=2)
+        assert {u: call(u, "/v1/weights")[1]["version"] for u in urls} == {u: 2 for u in urls}
+        assert se.broadcast_failures == 0 and se.broadcaster.members == tuple(sorted(urls))
+        prompts, seeds = [PROMPTS[i % 4] + [i] for i in range(6)], list(range(6))
+        got = se.generate(prompts, sp, seeds=seeds)
+        assert se.remote.requests[vurl] > 0 and all(set(c.versions) == {2} for c in got)
+        ref = setup["ref"]
+        ref.load_weights(sd2, version=2)
+        assert [c.token_ids for c in got] == [c.token_ids for c in ref.generate(prompts, sp, seeds=seeds)]
+    finally:
+        if se is not None:
+            se.broadcaster.close()
+            se.wait_published()
+        for p, _ in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(30)
