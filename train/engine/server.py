@@ -688,7 +688,8 @@ def main(argv: list[str] | None = None, prog: str = "cascade serve") -> int:
     ap.add_argument("--no-prefix-cache", action="store_true", help="turn shared-prefix KV reuse off")
     ap.add_argument("--api-key", default=None, help="require this bearer token")
     ap.add_argument("--weights-dir", default=None,
-                    help="a run's exchange directory (RUN/exchange): turns POST /v1/load_weights on (needs --api-key)")
+                    help="a run's exchange directory (RUN/exchange; created if missing): turns POST /v1/load_weights on "
+                         "(needs --api-key)")
     ap.add_argument("--weights-version", type=int, default=0, help="the version number of the starting weights")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("-v", "--verbose", action="store_true", help="log every request")
@@ -704,8 +705,10 @@ def main(argv: list[str] | None = None, prog: str = "cascade serve") -> int:
         raise ValueError(f"--port must be in 0-65535 (0: any free port), got {a.port}")
     if a.weights_dir is not None and not a.api_key:
         raise ValueError("--weights-dir needs --api-key (weight loading over HTTP must be authenticated)")
-    if a.weights_dir is not None and not Path(a.weights_dir).is_dir():
-        raise ValueError(f"--weights-dir {a.weights_dir!r} is not a directory")
+    if a.weights_dir is not None:  # a server may start before the run that writes there: created if missing
+        if Path(a.weights_dir).exists() and not Path(a.weights_dir).is_dir():
+            raise ValueError(f"--weights-dir {a.weights_dir!r} is not a directory")
+        Path(a.weights_dir).mkdir(parents=True, exist_ok=True)
     if a.threads is not None:
         if a.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {a.threads}")
