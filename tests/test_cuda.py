@@ -224,3 +224,19 @@ def test_cascade_run_pipelined_in_one_process_on_the_gpu(warm_dir, tmp_path):
     print("version_lag_max per step:", [x["version_lag_max"] for x in recs])
     assert len(recs) == 4 and max(x["version_lag_max"] for x in recs) <= 2
     assert (out / "stages" / "1-rlve" / "final" / "config.json").exists()
+
+
+def test_cascade_run_in_bf16_on_the_gpu(warm_dir, tmp_path):
+    """``cascade run device=cuda dtype=bfloat16``: the policy computes in bf16 (on the GPU the packed
+    attention is the varlen kernel) with fp32 master weights; the stage trains and ends."""
+    from tests.test_distributed_run import STAGE, cascade
+
+    out = tmp_path / "run"
+    r = cascade(f"out={out}", f"model={warm_dir}", *STAGE, "steps=3", f"device={DEV.type}", "dtype=bfloat16",
+                cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = _rl(out)
+    print("bf16 grad_norm per step:", [x["grad_norm"] for x in recs])
+    assert len(recs) == 3 and all(x["grad_norm"] > 0 and x["grad_norm"] == x["grad_norm"] for x in recs)
+    assert (out / "stages" / "1-rlve" / "final" / "config.json").exists()
+
