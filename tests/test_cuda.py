@@ -157,8 +157,15 @@ def test_logits_match_transformers_on_the_gpu(kind, tmp_path):
         assert (ours(ids, attention_mask=am) - hf(ids, attention_mask=am).logits)[keep].abs().max().item() < 1e-4
 
 
-def _rl(out):
-    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["phase"] == "rl"]
+def _stage(warm_dir, tmp_path, *args):
+    """``cascade run`` of test_distributed_run's RLVE stage from the warm policy on DEV with ``args``;
+    returns the run directory and its RL step records."""
+    from tests.test_distributed_run import STAGE, cascade, rl_records
+
+    out = tmp_path / "run"
+    r = cascade(f"out={out}", f"model={warm_dir}", *STAGE, f"device={DEV.type}", *args, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out, rl_records(out)
 
 
 def test_torchrun_worker_on_the_gpu_resumes_after_kill_9(worker_setup):
@@ -196,14 +203,10 @@ def test_cascade_run_with_a_server_and_the_broadcast_on_the_gpu(warm_dir, tmp_pa
     """``cascade run device=cuda`` with a rollout server on the same GPU and the weight broadcast (gloo
     through host memory: the run and the server share a device): the server's behaviour log-probs equal
     the trainer's, no broadcast fails, the policy moves."""
-    from tests.test_distributed_run import STAGE, cascade, final_weights
+    from tests.test_distributed_run import final_weights
     from train.model.hf_io import read_state_dict
 
-    out = tmp_path / "run"
-    r = cascade(f"out={out}", f"model={warm_dir}", *STAGE, "steps=3", f"device={DEV.type}", "rollout.servers=1",
-                "rollout.weight_transport=broadcast", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    recs = _rl(out)
+    out, recs = _stage(warm_dir, tmp_path, "steps=3", "rollout.servers=1", "rollout.weight_transport=broadcast")
     print("mismatch_kl per step:", [x["mismatch_kl"] for x in recs])
     assert len(recs) == 3 and all(x["groups_trained"] == 8 for x in recs)
     assert all(x["mismatch_kl"] < 1e-5 and x["version_lag_max"] == 0 for x in recs), recs
@@ -214,13 +217,7 @@ def test_cascade_run_with_a_server_and_the_broadcast_on_the_gpu(warm_dir, tmp_pa
 def test_cascade_run_pipelined_in_one_process_on_the_gpu(warm_dir, tmp_path):
     """The in-process PipelineRL loop on cuda:0 (``rl.max_staleness=2``): no trained token is more
     than 2 versions old, and the stage ends with its final checkpoint."""
-    from tests.test_distributed_run import STAGE, cascade
-
-    out = tmp_path / "run"
-    r = cascade(f"out={out}", f"model={warm_dir}", *STAGE, "steps=4", f"device={DEV.type}", "rl.max_staleness=2",
-                "rl.sync_every=1", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    recs = _rl(out)
+    out, recs = _stage(warm_dir, tmp_path, "steps=4", "rl.max_staleness=2", "rl.sync_every=1")
     print("version_lag_max per step:", [x["version_lag_max"] for x in recs])
     assert len(recs) == 4 and max(x["version_lag_max"] for x in recs) <= 2
     assert (out / "stages" / "1-rlve" / "final" / "config.json").exists()
@@ -229,13 +226,7 @@ def test_cascade_run_pipelined_in_one_process_on_the_gpu(warm_dir, tmp_path):
 def test_cascade_run_in_bf16_on_the_gpu(warm_dir, tmp_path):
     """``cascade run device=cuda dtype=bfloat16``: the policy computes in bf16 (on the GPU the packed
     attention is the varlen kernel) with fp32 master weights; the stage trains and ends."""
-    from tests.test_distributed_run import STAGE, cascade
-
-    out = tmp_path / "run"
-    r = cascade(f"out={out}", f"model={warm_dir}", *STAGE, "steps=3", f"device={DEV.type}", "dtype=bfloat16",
-                cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    recs = _rl(out)
+    out, recs = _stage(warm_dir, tmp_path, "steps=3", "dtype=bfloat16")
     print("bf16 grad_norm per step:", [x["grad_norm"] for x in recs])
     assert len(recs) == 3 and all(x["grad_norm"] > 0 and x["grad_norm"] == x["grad_norm"] for x in recs)
     assert (out / "stages" / "1-rlve" / "final" / "config.json").exists()
