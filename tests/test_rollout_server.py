@@ -348,7 +348,7 @@ def test_a_url_server_that_comes_back_rejoins_with_the_newest_weights(setup, tmp
     """Servers given by URL (not started by the run): one killed with kill -9 leaves the pool; restarted
     at its port by whoever runs it (on the checkpoint's weights, version 0), the background probe finds
     it, it loads the run's newest version, and it takes prompts again; its samples are those of that
-    version. Without the run's weights directory it could not catch up and stays out."""
+    version."""
     from cascade.rollout import ServedEngine
 
     procs = _start_servers(setup["dir"], setup["root"], [0, 0])
