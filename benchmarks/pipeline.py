@@ -80,6 +80,10 @@ Re-run at d52fa63 (2026-12-04: the trainer verifies through ``envs.verify_all``,
 while the trainer waits; the same arithmetic), default setting, 3 runs one after another: async speedup 0.85, 1.04,
 0.96 (median 0.96, min 0.85); sync steps/s 1.84-2.20, async 1.88-2.07; ``overlap_ceiling_lending`` 1.17, 1.27, 1.24;
 ceiling at any mix 1.38-1.52; rollout s / update s (sync) 0.13-0.17 / 0.32-0.37; max_lag_seen 2.
+Re-run at 686a1e4 (2026-12-04: router-replay ids moved to the model's device in the forward, a no-op here;
+the same arithmetic), default setting, 3 runs one after another: async speedup 0.97, 0.93, 0.90 (median 0.93,
+min 0.90); sync steps/s 1.75-1.99, async 1.56-1.84; ``overlap_ceiling_lending`` 1.15, 1.19, 1.18; ceiling at any
+mix 1.25-1.36; max_lag_seen 2.
 
 The goal (>= 1.5 against the best synchronous setting, here 2 threads) is not met: median 1.24 by
 default and 1.27 with long-tailed responses (one run of twelve above 1.5). Lending the producer's

@@ -38,7 +38,9 @@ commit a98c40b (packing refactored into ``pack_row``, the same operations): trai
 ``logit_stats``, the same arithmetic): train 6.4k, padded 1.53k, hf 1.35k, train_ratio 4.74,
 packed_vs_padded 4.18 (one run each: hf's rate moved 7% between them). Re-run at fd54a0c (the packing of
 the trainer's micro-batches shared with the SFT warm-up since 0af2c6d; this script's path computes the same):
-train 6.1k, padded 1.45k, hf 1.30k, train_ratio 4.68, packed_vs_padded 4.18 (one run, load 1.1).
+train 6.1k, padded 1.45k, hf 1.30k, train_ratio 4.68, packed_vs_padded 4.18 (one run, load 1.1). Re-run at
+686a1e4 (router-replay ids moved to the model's device in the forward; the varlen attention is CUDA-only, so the
+same CPU arithmetic): train 5.4k, padded 1.40k, hf 1.33k, train_ratio 4.02, packed_vs_padded 3.82 (one run).
 Packed costs about what padded costs per slot, so its gain is the padding it removes (plus the quadratic
 attention over pad); in a profile of the earlier code's packed step, SDPA forward + backward was about a third of the time, GEMMs a
 third. With 2 threads on the loaded box, small ops ran 40x slower (OpenMP waits), hence ``--threads 1``.
