@@ -71,7 +71,9 @@ seconds moving 3.1-5.2 s between runs. The goal (1.3 at the realistic shape) is 
 Re-run on 2026-12-04 at 209ecb6 (the engine backend's calls now go through the batcher), one run:
 ``prefix_speedup_toy`` 1.37, ``prefix_speedup_real`` 1.11 (pairs 0.94-1.11), ``prefix_speedup_long`` 1.35
 (pairs 1.16-1.47), same outputs both sides. Re-run at d52fa63, one run: toy 1.52, real 1.09 (3.56 -> 3.26 s; decode
-2.99 of 3.56 s uncached), long 1.37 (7.36 -> 5.36 s), same outputs both sides.
+2.99 of 3.56 s uncached), long 1.37 (7.36 -> 5.36 s), same outputs both sides. Re-run at 686a1e4 (``--skip-concurrency``,
+3 repeats; the model's forward moved router-replay ids to its device, a no-op here): toy 1.43, real 1.06 (pairs
+1.01-1.10; uncached 5.57 s of which decode 4.91 s), long 1.27, same outputs both sides.
 On a GPU (one H200, ``--device cuda --repeats 1 --long-problem-words 0`` via ``bash benchmarks/gpu.sh``, commit
 d41e7e5): toy 0.98 (0.57 s), real 1.17 (11.72 -> 10.05 s, of which prefill 0.03 s each side: the tiny model
 decodes launch-bound at ~9 ms a step, so the difference is decoding, not the prefix); the two sides' outputs
