@@ -30,8 +30,10 @@ commit e925322, 2 servers, 5 warm versions per transport; tiny-moe 3 runs, small
 | small-moe (228 MB) | 0.85, 0.73 | 2.01, 0.98 | 0.42, 0.74 | 1.44-2.67 s |
 | tiny-moe, at 2b5dded (2026-12-03) | 0.036, 0.033 | 0.036, 0.038 | 1.01, 0.87 | 0.056-0.057 s |
 | small-moe, at 2b5dded | 0.59, 0.63 | 2.61, 1.46 | 0.23, 0.43 | 2.71-2.99 s |
+| tiny-moe, at 6f2893e (2026-12-04: one push at a time, a catch-up re-forms the group) | 0.033, 0.034 | 0.049, 0.041 | 0.67, 0.83 | 0.065-0.070 s |
 
-(The 2b5dded rows: one session later, after the weight group's backend choice and absolute paths changed
+(small-moe was not re-run at 6f2893e: its figures are 2b5dded's, before the push lock, which adds one
+uncontended lock per version. The 2b5dded rows: one session later, after the weight group's backend choice and absolute paths changed
 ``cascade/rollout.py``; the broadcast of 228 MB moved 1.8x between its two runs.)
 
 On one host the files win at 228 MB: they pass through the page cache (written once, each server
