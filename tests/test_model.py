@@ -221,3 +221,15 @@ def test_bf16_engine_decode_matches_teacher_forcing(tiny_dense_dir):
     d_on, d_off = torch.cat(d_on), torch.cat(d_off)
     assert d_on.max().item() < 0.02
     assert d_on.mean().item() < 0.85 * d_off.mean().item(), (d_on.mean().item(), d_off.mean().item())
+
+
+def test_segments_cu_seqlens_made_once_per_device():
+    """The packed attention's varlen bounds: int32 ``cu_seqlens``, one tensor per device that every
+    layer reads (not rebuilt per layer)."""
+    from train.model.modeling import Segments
+
+    seg = Segments.of([0, 3, 10, 11], 11)
+    cu = seg.cu_seqlens("cpu")
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 10, 11]
+    assert seg.cu_seqlens(torch.device("cpu")) is cu
+    assert seg == Segments.of([0, 3, 10, 11], 11)  # the cache is not part of equality

@@ -180,6 +180,14 @@ class Segments:
     def lengths(self) -> list[int]:
         return [e - s for s, e in zip(self.bounds, self.bounds[1:])]
 
+    def cu_seqlens(self, device) -> torch.Tensor:
+        """``bounds`` as an int32 tensor on ``device`` (what varlen kernels take), made once per device:
+        every layer's attention reads the same one."""
+        key = f"_cu_seqlens:{torch.device(device)}"
+        if key not in self.__dict__:  # a cache beside the frozen fields, not one of them
+            self.__dict__[key] = torch.tensor(self.bounds, dtype=torch.int32).to(device)
+        return self.__dict__[key]
+
     def positions(self, device) -> torch.Tensor:
         """Rotary positions [1, N], restarting at 0 for each sequence."""
         lens = torch.tensor(self.lengths, device=device)
@@ -221,8 +229,7 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Se
         fn, kw, takes_gqa = _varlen()
         if takes_gqa:
             kw = dict(kw, enable_gqa=gqa)
-        cu = torch.tensor(seg.bounds, dtype=torch.int32).to(q.device, non_blocking=True)
-        longest = max(seg.lengths)
+        cu, longest = seg.cu_seqlens(q.device), max(seg.lengths)
         out = fn(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, longest, longest, **kw)
         return out.transpose(0, 1)[None]
     # split (not slicing): its backward is one concatenation, not a full-size zero tensor per sequence
