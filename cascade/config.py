@@ -226,13 +226,16 @@ class Rollout:
     # a server out of the pool (down, not restarted by this run: rollout.urls) is probed this often;
     # one that answers again loads the newest weights and rejoins
     readmit_s: float = 10.0
+    # rollout.urls: when every server is down at once (restarted by whoever runs them), the run waits
+    # this long for one to come back before it fails (its last checkpoint resumes it); 0: fail at once
+    down_wait_s: float = 300.0
 
     def __post_init__(self):
         if self.backend not in ("cascade", "vllm"):
             raise ValueError(f"unknown rollout.backend {self.backend!r}; choose cascade or vllm")
-        if self.group_timeout_s <= 0 or self.readmit_s <= 0:
-            raise ValueError(f"rollout.group_timeout_s and rollout.readmit_s must be > 0, got {self.group_timeout_s} "
-                             f"and {self.readmit_s}")
+        if self.group_timeout_s <= 0 or self.readmit_s <= 0 or self.down_wait_s < 0:
+            raise ValueError(f"rollout.group_timeout_s and rollout.readmit_s must be > 0 and rollout.down_wait_s "
+                             f">= 0, got {self.group_timeout_s}, {self.readmit_s} and {self.down_wait_s}")
         if self.weight_transport not in TRANSPORTS:
             raise ValueError(f"unknown rollout.weight_transport {self.weight_transport!r}; choose from "
                              f"{', '.join(TRANSPORTS)}")

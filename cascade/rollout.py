@@ -189,14 +189,15 @@ class ServedEngine:
     def __init__(self, urls: list[str], exchange: Path, api_key: str | None, pool: ServerPool | None = None,
                  per_server: int = 8, timeout_s: float = 600.0, transport: str = "files",
                  group_host: str = "127.0.0.1", group_device="cpu", group_timeout_s: float = 120.0,
-                 readmit_s: float = 10.0):
+                 readmit_s: float = 10.0, down_wait_s: float = 0.0):
         from train.engine.remote import RemoteEngine
 
         if transport not in TRANSPORTS:
             raise ConfigError(f"unknown rollout.weight_transport {transport!r}; choose from {', '.join(TRANSPORTS)}")
         self.exchange, self.pool = Path(exchange).absolute(), pool  # servers name versions by absolute path
         self.remote = RemoteEngine(urls, api_key=api_key, timeout=timeout_s, per_server=per_server,
-                                   on_server_down=self._down, on_server_back=self._catch_up, readmit_s=readmit_s)
+                                   on_server_down=self._down, on_server_back=self._catch_up, readmit_s=readmit_s,
+                                   down_wait_s=down_wait_s)
         self.version = 0
         self.broadcaster = None
         self.broadcast_failures = 0  # versions that went by files because the group failed
@@ -330,7 +331,8 @@ def served_engine(rcfg, model_dir: Path, out: Path, log_dir: Path) -> ServedEngi
     if r.urls:
         if not r.api_key:
             raise ConfigError("rollout.urls needs rollout.api_key: the servers' --api-key, for POST /v1/load_weights")
-        return ServedEngine(list(r.urls), exchange, r.api_key, per_server=r.per_server, **group)
+        return ServedEngine(list(r.urls), exchange, r.api_key, per_server=r.per_server, down_wait_s=r.down_wait_s,
+                            **group)
     key = r.api_key or secrets.token_hex(16)
     pool = ServerPool(r.servers, model_dir, exchange, key, r.threads, log_dir, r.startup_timeout_s, rcfg.dtype,
                       None if rcfg.device == "cpu" else rcfg.device, backend=r.backend, python=r.python,

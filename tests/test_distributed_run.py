@@ -175,6 +175,7 @@ def test_kill_9_of_the_run_resumes_trainer_ranks_and_orchestrator_in_step(warm_d
     (["trainer.nnodes=2"], "trainer.nnodes > 1 needs trainer.rdzv_endpoint"),
     (["rollout.urls=[http://127.0.0.1:9]", "rollout.api_key=k"], "127.0.0.1:9"),
     (["rollout.servers=1", "rollout.urls=[http://127.0.0.1:9]"], "not both"),
+    (["rollout.down_wait_s=-1"], "rollout.down_wait_s >= 0, got 120.0, 10.0 and -1"),
 ])
 def test_bad_layouts_fail_before_any_work(warm_dir, tmp_path, args, needle):
     out = tmp_path / "run"

@@ -68,7 +68,10 @@ def setup(tiny_moe_dir, tmp_path_factory):
 
 def test_load_weights_endpoint(setup):
     url, ref = setup["urls"][0], setup["ref"]
-    assert call(url, "/v1/weights") == (200, {"version": 0, "group_members": 1, "group_devices": ["cpu"]})
+    inst = setup["servers"][0][0].instance  # this server process's id, in every answer
+    assert call(url, "/v1/weights") == (200, {"version": 0, "group_members": 1, "group_devices": ["cpu"],
+                                              "instance": inst})
+    assert call(url, "/v1/models")[1]["instance"] == inst
     assert call(url, "/v1/load_weights", {"version": 1}, key=None)[0] == 401
     assert call(url, "/v1/load_weights", {"version": 1}, key="wrong")[0] == 401
     for body, msg in [({"path": "/etc"}, "not a weight version"), ({"path": "../../weights/v000001"}, "not a weight"),
@@ -78,7 +81,7 @@ def test_load_weights_endpoint(setup):
                       ({"version": 1, "path": "v000001"}, "exactly one")]:
         code, b = call(url, "/v1/load_weights", body)
         assert code == 400 and msg in b["error"]["message"] and "\n" not in b["error"]["message"], (body, b)
-        assert call(url, "/v1/weights") == (200, {"version": 0, "group_members": 1, "group_devices": ["cpu"]})
+        assert call(url, "/v1/weights")[1]["version"] == 0
     # the good version, by number and by path (relative to the weights directory)
     assert call(url, "/v1/load_weights", {"version": 1}) == (200, {"version": 1})
     assert call(url, "/v1/load_weights", {"path": "v000001"}) == (200, {"version": 1})
@@ -86,12 +89,12 @@ def test_load_weights_endpoint(setup):
     req = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "logprobs": 1}
     code, body = call(url, "/v1/completions", req)
     want = ref.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=6))[0]
-    assert code == 200 and body["choices"][0]["token_ids"] == want.token_ids
+    assert code == 200 and body["choices"][0]["token_ids"] == want.token_ids and body["instance"] == inst
     assert body["choices"][0]["versions"] == [1] * len(want.token_ids)
     # a corrupt version is refused and the server keeps serving version 1
     code, b = call(url, "/v1/load_weights", {"version": 2})
     assert code == 400 and "checksum" in b["error"]["message"]
-    assert call(url, "/v1/weights")[1] == {"version": 1, "group_members": 1, "group_devices": ["cpu"]}
+    assert call(url, "/v1/weights")[1] == {"version": 1, "group_members": 1, "group_devices": ["cpu"], "instance": inst}
     assert call(url, "/v1/completions", req)[1]["choices"][0]["token_ids"] == want.token_ids
 
 
@@ -261,6 +264,17 @@ def test_kill_one_of_two_servers_mid_generate(setup, tmp_path):
         procs[-1][0].wait(30)
         with pytest.raises(RemoteError, match="every rollout server went down"):
             remote.generate(prompts[:2], SamplingParams(max_tokens=3))
+        # with down_wait_s, a call waits for a server to come back (restarted by whoever runs it) instead
+        remote.down_wait_s, remote.readmit_s = 120.0, 0.2
+        remote.on_server_back = lambda u: call(u, "/v1/load_weights", {"version": 1}) == (200, {"version": 1})
+        t = threading.Thread(target=lambda: out.__setitem__("w", remote.generate(prompts[:4], sp, seeds=seeds[:4])))
+        t.start()
+        time.sleep(1.0)
+        assert t.is_alive() and not remote.alive  # waiting
+        procs.extend(_start_servers(setup["dir"], setup["root"], [int(urls[1].rsplit(":", 1)[1])]))
+        t.join(120)
+        assert not t.is_alive() and remote.alive == {urls[1]} and remote.readmitted == 1
+        assert [c.token_ids for c in out["w"]] == [c.token_ids for c in want[:8]]
     finally:
         for p, _ in procs:
             if p.poll() is None:
@@ -386,6 +400,41 @@ def test_a_url_server_that_comes_back_rejoins_with_the_newest_weights(setup, tmp
             p.wait(30)
 
 
+def test_a_server_restarted_between_two_calls_catches_up_before_its_samples_count(setup, tmp_path):
+    """kill -9 and a restart at the same port between two ``generate`` calls, so no request ever fails:
+    the new process (back on version 0) is told by the ``instance`` id of its answers; its answers are
+    dropped, it loads the run's newest version, and every sample of the call is that version's."""
+    from cascade.rollout import ServedEngine
+
+    procs = _start_servers(setup["dir"], setup["root"], [0, 0])
+    try:
+        urls = [u for _, u in procs]
+        se = ServedEngine(urls, setup["root"], KEY, per_server=2, readmit_s=0.2)
+        se.load_published(1)
+        victim, vurl = procs[0]
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(30)
+        procs.extend(_start_servers(setup["dir"], setup["root"], [int(vurl.rsplit(":", 1)[1])]))
+        assert call(vurl, "/v1/weights")[1]["version"] == 0
+        prompts, seeds = [PROMPTS[i % 4] + [i] for i in range(8)], list(range(300, 308))
+        sp = SamplingParams(n=1, temperature=1.0, max_tokens=6, ignore_eos=True)
+        got = se.generate(prompts, sp, seeds=seeds)
+        assert se.remote.alive == set(urls) and se.remote.readmitted == 1 and se.remote.resent >= 1
+        assert call(vurl, "/v1/weights")[1]["version"] == 1
+        assert all(set(c.versions) == {1} for c in got)
+        ref = setup["ref"]
+        ref.load_weights(setup["sd1"], version=1)
+        assert [c.token_ids for c in got] == [c.token_ids for c in ref.generate(prompts, sp, seeds=seeds)]
+        before = se.remote.requests[vurl]
+        se.generate(prompts, sp, seeds=seeds)
+        assert se.remote.requests[vurl] > before and se.remote.readmitted == 1  # admitted once
+    finally:
+        for p, _ in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(30)
+
+
 def test_a_url_server_that_comes_back_rejoins_the_weight_broadcast(setup, tmp_path):
     """The same with ``rollout.weight_transport=broadcast``: the server back at its URL catches up from
     the files written behind the broadcast, and the next version forms the weight group again with
@@ -404,7 +453,8 @@ def test_a_url_server_that_comes_back_rejoins_the_weight_broadcast(setup, tmp_pa
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait(30)
         sp = SamplingParams(n=1, temperature=1.0, max_tokens=4, ignore_eos=True)
-        se.generate([PROMPTS[0]], sp, seeds=[1])
+        se.generate([PROMPTS[i % 4] + [i] for i in range(8)], sp, seeds=list(range(8)))  # some go to the victim
+        assert vurl not in se.remote.alive
         procs.extend(_start_servers(setup["dir"], ex, [int(vurl.rsplit(":", 1)[1])]))
         deadline = time.monotonic() + 60
         while vurl not in se.remote.alive and time.monotonic() < deadline:

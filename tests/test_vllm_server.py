@@ -132,6 +132,9 @@ def test_generates_like_the_torch_engine(server, state):
         long_prompts, SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True), seeds=list(range(16)))
     assert len(outs) == 16 and _check_against(ref.model, outs) < TOL
     assert _served_version(url) == 0
+    # the server process's id, in /v1/weights and every completions answer: the engine took it as admitted
+    inst = _call("GET", url, "/v1/weights")[1]["instance"]
+    assert isinstance(inst, str) and len(inst) == 32 and eng._instances[eng.urls[0]] == inst
     state["v0_greedy"] = [c.token_ids for c in got]
 
 

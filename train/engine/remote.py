@@ -25,13 +25,20 @@ True the server is checked and used again). A server out of the pool is probed i
 at most every ``readmit_s`` seconds (``GET /v1/models``, as at the start): one that answers again
 with the expected model (restarted at its URL by whoever runs it) rejoins from the next ``generate``
 or ``load_version`` call, after ``on_server_back(url)`` (the caller's catch-up to the newest weights)
-returns True; ``readmitted`` counts them. A request the server answers with 4xx is an error of the
-request and raises. Only the standard library is used.
+returns True; ``readmitted`` counts them. When every server is out of the pool, a call waits up to
+``down_wait_s`` (default 0) for one to come back before it raises; the prompts it already has
+answers for are kept. A server restarted at its URL between two requests (never
+seen down) is told by the ``instance`` id in its answers (Cascade's servers, ours over vLLM too): the
+answer, sampled by weights the run did not give it, is dropped and its prompt sent again, and the
+server takes prompts again after ``on_server_back(url)`` returns True (counted in ``readmitted``),
+else it leaves the pool. A request the server answers with 4xx is an error of the request and
+raises. Only the standard library is used.
 """
 from __future__ import annotations
 
 import http.client
 import json
+import logging
 import queue
 import random
 import socket
@@ -43,6 +50,8 @@ from typing import Callable, Sequence
 from train.engine.base import Completion, SamplingParams
 from train.engine.sampling import row_seed
 from train.errors import RunFailure
+
+log = logging.getLogger(__name__)
 
 _DOWN = (ConnectionError, socket.timeout, TimeoutError, http.client.RemoteDisconnected,
          http.client.BadStatusLine, http.client.IncompleteRead, OSError)
@@ -135,12 +144,13 @@ class RemoteEngine:
     bearer token; ``model``: the served model name every server must report (default: whatever the
     first one serves, and all must agree); ``timeout``: seconds per request; ``per_server``:
     requests in flight per server; ``on_server_down(url) -> bool``, ``on_server_back(url) -> bool``
-    and ``readmit_s``: see the module docstring."""
+    ``readmit_s`` and ``down_wait_s``: see the module docstring."""
 
     def __init__(self, urls: Sequence[str] | str, api_key: str | None = None, model: str | None = None,
                  timeout: float = 600.0, per_server: int = 8,
                  on_server_down: Callable[[str], bool | None] | None = None,
-                 on_server_back: Callable[[str], bool] | None = None, readmit_s: float = 10.0):
+                 on_server_back: Callable[[str], bool] | None = None, readmit_s: float = 10.0,
+                 down_wait_s: float = 0.0):
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise ValueError("RemoteEngine needs at least one server URL")
@@ -149,13 +159,16 @@ class RemoteEngine:
         self.urls = [u.rstrip("/") for u in urls]
         if len(set(self.urls)) != len(self.urls):
             raise ValueError(f"duplicate server URLs in {self.urls}")
-        if readmit_s <= 0:
-            raise ValueError(f"readmit_s must be > 0, got {readmit_s}")
+        if readmit_s <= 0 or down_wait_s < 0:
+            raise ValueError(f"readmit_s must be > 0 and down_wait_s >= 0, got {readmit_s} and {down_wait_s}")
+        self.down_wait_s = down_wait_s
         self.api_key, self.timeout, self.per_server = api_key, timeout, per_server
         self.on_server_down, self.on_server_back, self.readmit_s = on_server_down, on_server_back, readmit_s
         self.tokenizer = None
         self.model = model
         self.context_length = None
+        self._instances: dict[str, str | None] = {}  # url -> the server process admitted there
+        self._rejoin_lock = threading.Lock()
         for u in self.urls:
             self._check(u)
         self.alive = set(self.urls)
@@ -183,6 +196,7 @@ class RemoteEngine:
             raise ConnectionError(f"rollout server {url} refused /v1/models: {e}") from None
         finally:
             c.close()
+        self._instances[url] = models.get("instance")
         cards = models.get("data") or []
         names = [m.get("id") for m in cards]
         if self.model is None:
@@ -245,8 +259,7 @@ class RemoteEngine:
         if (version is None) == (path is None):
             raise ValueError("load_version needs exactly one of version or path")
         body = {"version": int(version)} if version is not None else {"path": str(path)}
-        self._readmit()
-        urls = sorted(self.alive)
+        urls = self._live_servers("no rollout server left to load weights")
 
         def one(u):
             c = self._conn(u)
@@ -298,11 +311,7 @@ class RemoteEngine:
         results: list[list[Completion] | None] = [None] * len(prompts)
         state = {"left": len(prompts), "error": None}
         cond = threading.Condition()
-        self._readmit()
-        servers = sorted(self.alive)
-        if not servers:
-            raise RemoteError("no rollout server is alive")
-        live = {u: self.per_server for u in servers}  # workers still running per server
+        live: dict[str, int] = {}  # workers still running per server
 
         def finished() -> bool:
             return state["left"] == 0 or state["error"] is not None or not any(live.values())
@@ -322,6 +331,17 @@ class RemoteEngine:
                         self.requests[url] += 1
                     try:
                         obj = conn.call("POST", "/v1/completions", body)
+                        if not self._same_instance(url, obj.get("instance")):  # restarted unseen: sampled by
+                            with cond:  # weights the run did not give it; sent again once it caught up
+                                todo.put(i)
+                                self.resent += 1
+                                cond.notify_all()
+                            if self._rejoined(url, obj.get("instance")):
+                                continue
+                            with cond:
+                                self.alive.discard(url)
+                                cond.notify_all()
+                            return
                         outs = _completions(obj, i, return_routed_experts)
                     except _ServerDown:
                         with cond:
@@ -350,18 +370,66 @@ class RemoteEngine:
                     live[url] -= 1
                     cond.notify_all()
 
-        threads = [threading.Thread(target=worker, args=(u,), daemon=True, name=f"remote-{u}")
-                   for u in servers for _ in range(self.per_server)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if state["error"] is not None:
-            raise state["error"]
-        if state["left"]:
-            raise RemoteError(f"every rollout server went down; {state['left']} of {len(prompts)} prompts unanswered "
-                              f"(servers: {', '.join(self.urls)})")
-        return [c for outs in results for c in outs]
+        what = "no rollout server is alive"
+        while True:  # a round per set of live servers: again when every one went down and one came back
+            servers = self._live_servers(what)
+            live.update({u: self.per_server for u in servers})
+            threads = [threading.Thread(target=worker, args=(u,), daemon=True, name=f"remote-{u}")
+                       for u in servers for _ in range(self.per_server)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if state["error"] is not None:
+                raise state["error"]
+            if not state["left"]:
+                return [c for outs in results for c in outs]
+            what = f"every rollout server went down; {state['left']} of {len(prompts)} prompts unanswered"
+
+    def _live_servers(self, what: str) -> list[str]:
+        """The servers in the pool; when none is, wait up to ``down_wait_s`` for one to come back
+        (probed every ``readmit_s``), else raise :class:`RemoteError` saying ``what``."""
+        deadline = time.monotonic() + self.down_wait_s
+        warned = False
+        while True:
+            self._readmit()
+            if self.alive:
+                return sorted(self.alive)
+            if time.monotonic() >= deadline:
+                waited = f"; none came back in {self.down_wait_s:g} s" if self.down_wait_s > 0 else ""
+                raise RemoteError(f"{what} (servers: {', '.join(self.urls)}{waited})")
+            if not warned:
+                log.warning("%s; waiting up to %g s for one to come back", what, self.down_wait_s)
+                warned = True
+            time.sleep(min(0.5, self.readmit_s))
+
+    def _same_instance(self, url: str, instance) -> bool:
+        """The answer came from the server process admitted at ``url`` (or the server names none; the
+        first answer of a server whose ``/v1/models`` names none, as vLLM's, names the one admitted)."""
+        if instance is None:
+            return True
+        with self._lock:
+            known = self._instances.get(url)
+            if known is None:
+                self._instances[url] = instance
+                return True
+            return instance == known
+
+    def _rejoined(self, url: str, instance: str) -> bool:
+        """The server at ``url`` is a new process (``instance``), restarted between two requests: True
+        once ``on_server_back(url)`` caught it up (done once, whichever worker saw it first)."""
+        with self._rejoin_lock:
+            if self._instances.get(url) == instance:
+                return True
+            try:
+                ok = self.on_server_back is None or bool(self.on_server_back(url))
+            except Exception:  # noqa: BLE001 - it cannot catch up: out of the pool, probed again later
+                ok = False
+            if ok:
+                with self._lock:
+                    self._instances[url] = instance
+                    self.readmitted += 1
+            return ok
 
     def _restarted(self, url: str) -> bool:
         """Tell the hook that ``url`` went down; True when it says it restarted the server and the

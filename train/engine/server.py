@@ -11,7 +11,9 @@ besides the text, ``logprobs.token_logprobs``, ``versions`` (the weight version 
 token, where the engine tracks it) and, when the request sets ``return_routed_experts: true``,
 ``routed_experts``: the expert ids of every token of prompt + completion as nested lists
 ``[P + C, n_moe_layers, k]`` (the compact form of :func:`train.rl.exchange.stack_routing`);
-``usage`` counts prompt tokens once per prompt.
+``usage`` counts prompt tokens once per prompt. ``/v1/models``, ``/v1/weights`` and each completions
+answer carry ``instance``, an id of the server process (new at each start): a client tells by it
+that the server at a URL was restarted between two of its requests (and lost its weight version).
 
 For OpenAI clients: ``"stream": true`` answers server-sent events (``text_completion`` /
 ``chat.completion.chunk`` chunks, ``stream_options.include_usage``, then ``[DONE]``); the engine
@@ -280,7 +282,7 @@ class Handler(BaseHTTPRequestHandler):
             s = self.server
             card = {"id": s.model_name, "object": "model", "created": s.created, "owned_by": "cascade",
                     "max_model_len": s.engine.context_length}
-            self._send(200, {"object": "list", "data": [card]})
+            self._send(200, {"object": "list", "data": [card], "instance": s.instance})
         elif self.path.rstrip("/") in ("/health", "/v1/health"):
             self._send(200, {"status": "ok"})
         elif self.path.rstrip("/") == "/v1/weights":
@@ -289,7 +291,7 @@ class Handler(BaseHTTPRequestHandler):
             from train.rl.weight_group import device_tag
 
             self._send(200, {"version": getattr(self.server.engine, "version", None), "group_members": 1,
-                             "group_devices": [device_tag(self._device())]})
+                             "group_devices": [device_tag(self._device())], "instance": self.server.instance})
         else:
             self._error(404, f"no route GET {self.path}")
 
@@ -366,7 +368,8 @@ class Handler(BaseHTTPRequestHandler):
                                   "text_offset": offsets}
             choices.append(ch)
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": self.server.model_name, "choices": choices, "usage": _usage(prompt_ids, outs)}
+                "model": self.server.model_name, "choices": choices, "usage": _usage(prompt_ids, outs),
+                "instance": self.server.instance}
 
     def chat(self, body: dict) -> dict:
         self._model_check(body)
@@ -665,6 +668,7 @@ def make_server(engine, model_name: str = "cascade", host: str = "127.0.0.1", po
     srv.load_lock = threading.Lock()
     srv.batcher = Batcher(engine, window_s=batch_window_s)
     srv.created = int(time.time())
+    srv.instance = uuid.uuid4().hex  # this process: a client tells a restart at the same URL by it
     return srv
 
 

@@ -23,9 +23,10 @@ Added routes, with the contract of :mod:`train.engine.server`:
   the served checkpoint. Only when every worker has the version staged are the weights applied;
   otherwise the answer is 400 with a one-line message and the old weights keep serving (401
   without the key, 403 when loading is off). The answer is ``{"version": N}`` once N is in use.
-- ``GET /v1/weights``: ``{"version": N, "group_members": W, "group_devices": [...]}``, the version
-  served, the number of workers (the ranks this server brings to a weight group) and the device each
-  joins on (``cpu`` or ``cuda:<GPU uuid>``).
+- ``GET /v1/weights``: ``{"version": N, "group_members": W, "group_devices": [...], "instance": ID}``,
+  the version served, the number of workers (the ranks this server brings to a weight group), the
+  device each joins on (``cpu`` or ``cuda:<GPU uuid>``) and the server process's id (new at each
+  start; completions answers carry it too, so a client tells a restart at the same URL).
 - ``POST /v1/weights_group`` ``{"host", "port", "rank", "world_size", "name", "backend"}`` (same key):
   every worker joins the trainer's weight group (:mod:`train.rl.weight_group`) as rank ``rank`` + its
   own rank, with the backend the trainer chose from everyone's devices (NCCL when each member has a
@@ -65,6 +66,7 @@ returned through this server.
 from __future__ import annotations
 
 import sys
+import uuid
 from pathlib import Path
 
 try:  # vLLM's environment has FastAPI; the routes' annotation must resolve at module level
@@ -282,7 +284,8 @@ async def weights_route(request: Request):
     if state.members is None:
         state.devices = list(await request.app.state.engine_client.collective_rpc("cascade_device_tag"))
         state.members = len(state.devices)
-    return JSONResponse({"version": state.version, "group_members": state.members, "group_devices": state.devices})
+    return JSONResponse({"version": state.version, "group_members": state.members, "group_devices": state.devices,
+                         "instance": INSTANCE})
 
 
 async def weights_group_route(request: Request):
@@ -308,6 +311,9 @@ async def weights_group_route(request: Request):
     return JSONResponse({"joined": name, "ranks": sorted(j["rank"] for j in joined)})
 
 
+INSTANCE = uuid.uuid4().hex  # this server process (as train.engine.server's ``instance``)
+
+
 def token_versions(spans, n_tokens: int) -> list[int] | None:
     """vLLM's ``WeightVersionSpan`` list -> one int version per output token (None when a span is
     missing or not labelled with an int)."""
@@ -325,7 +331,8 @@ def token_versions(spans, n_tokens: int) -> list[int] | None:
 
 
 def _patch_completions() -> None:
-    """Each non-streaming ``/v1/completions`` choice gets ``versions`` (per completion token)."""
+    """Each non-streaming ``/v1/completions`` choice gets ``versions`` (per completion token), and the
+    answer the server process's ``instance`` id."""
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 
     orig = OpenAIServingCompletion.request_output_to_completion_response
@@ -334,6 +341,7 @@ def _patch_completions() -> None:
 
     def wrapped(self, final_res_batch, request, *args, **kwargs):
         resp = orig(self, final_res_batch, request, *args, **kwargs)
+        resp.instance = INSTANCE
         if getattr(request, "echo", False):
             return resp
         outs = [o for r in final_res_batch for o in r.outputs]
