@@ -256,6 +256,12 @@ class ServedEngine:
         except WeightGroupError:
             return False
 
+    @property
+    def records_routing(self) -> bool:
+        """The servers return routed experts (Cascade's do; vLLM's, given by ``rollout.urls``, do not:
+        then the trainer does not replay routing, as with :class:`VLLMServedEngine`)."""
+        return "vllm" not in self.remote.owned_by.values()
+
     def generate(self, prompts, params, seeds=None, return_routed_experts: bool = False):
         return self.remote.generate(prompts, params, seeds=seeds, return_routed_experts=return_routed_experts)
 

@@ -11,6 +11,7 @@ Runs in the vLLM environment: ``.venv-vllm/bin/pytest -m vllm tests/test_vllm_se
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -272,3 +273,24 @@ def test_token_versions_from_spans():
     assert token_versions([WeightVersionSpan("default", 0, 3)], 3) is None
     assert token_versions([WeightVersionSpan("3", 0, 2)], 3) is None  # a token without a label
     assert token_versions(None, 2) is None
+
+
+def test_cascade_run_on_a_vllm_server_given_by_url(server):
+    """``cascade run rollout.urls=[...]`` on a running vLLM server (the MoE policy's run directory is
+    the server's --weights-dir): the engine tells a vLLM server by its model card, so the trainer does
+    not ask it for routed experts (it has none to give) and the run trains and reloads it."""
+    from cascade.rollout import ServedEngine
+
+    url, ckpt, exchange = server
+    se = ServedEngine([url], exchange, KEY)
+    assert se.remote.owned_by == {url: "vllm"} and not se.records_routing
+    se.close()
+    out = exchange.parent
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    r = subprocess.run([sys.executable, "-m", "cascade", "run", "stage=rlve", "profile=tiny", f"out={out}",
+                        f"model={ckpt}", "steps=3", f"rollout.urls=[{url}]", f"rollout.api_key={KEY}",
+                        "rl.dynamic_sampling=false", "logging.progress=false"], capture_output=True, text=True, timeout=900, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rl = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rl = [x for x in rl if x["phase"] == "rl"]
+    assert len(rl) == 3 and _served_version(url) >= 1

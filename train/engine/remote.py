@@ -168,6 +168,7 @@ class RemoteEngine:
         self.model = model
         self.context_length = None
         self._instances: dict[str, str | None] = {}  # url -> the server process admitted there
+        self.owned_by: dict[str, str | None] = {}  # url -> its model card's owned_by (cascade, vllm)
         self._rejoin_lock = threading.Lock()
         for u in self.urls:
             self._check(u)
@@ -198,6 +199,7 @@ class RemoteEngine:
             c.close()
         self._instances[url] = models.get("instance")
         cards = models.get("data") or []
+        self.owned_by[url] = next((m.get("owned_by") for m in cards), None)  # "vllm" for vLLM's server
         names = [m.get("id") for m in cards]
         if self.model is None:
             if not names:

@@ -189,7 +189,8 @@ class RLTrainer:
         self.length_state = LengthRewardState()
         self.length_metrics: dict[str, float] = {}
         # router replay: ask the engine for its expert choices where it can give them
-        self.replay = cfg.router_replay and policy.config.is_moe and _takes(engine.generate, "return_routed_experts")
+        self.replay = (cfg.router_replay and policy.config.is_moe and _takes(engine.generate, "return_routed_experts")
+                       and getattr(engine, "records_routing", True))
         self.ref_policy: CausalLM | None = None  # KL reference, built by reference_policy() when kl_coef > 0
         # called before each forward, backward and optimizer step of an update (the pipeline resizes the
         # update's thread pool there: train.rl.pipeline.Pipeline.lend_threads)
