@@ -27,11 +27,11 @@ with the expected model (restarted at its URL by whoever runs it) rejoins from t
 or ``load_version`` call, after ``on_server_back(url)`` (the caller's catch-up to the newest weights)
 returns True; ``readmitted`` counts them. When every server is out of the pool, a call waits up to
 ``down_wait_s`` (default 0) for one to come back before it raises; the prompts it already has
-answers for are kept. A server restarted at its URL between two requests (never
-seen down) is told by the ``instance`` id in its answers (Cascade's servers, ours over vLLM too): the
-answer, sampled by weights the run did not give it, is dropped and its prompt sent again, and the
-server takes prompts again after ``on_server_back(url)`` returns True (counted in ``readmitted``),
-else it leaves the pool. A request the server answers with 4xx is an error of the request and
+answers for are kept. A server restarted at its URL between two requests (never seen down) is told
+by the ``instance`` id in its answers (:mod:`train.engine.server` and :mod:`train.engine.vllm_server`
+give one): the answer, sampled by weights the run did not give it, is dropped and its prompt sent
+again, and the server takes prompts again after ``on_server_back(url)`` returns True (counted in
+``readmitted``), else it leaves the pool. A request the server answers with 4xx is an error of the request and
 raises. Only the standard library is used.
 """
 from __future__ import annotations
