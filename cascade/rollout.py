@@ -232,11 +232,16 @@ class ServedEngine:
         before it rejoins; False leaves it out of the pool (the others go on)."""
         if self.broadcaster is not None:  # a new process at the same URL: the next version forms a new group
             self.broadcaster.reform()
-            self.wait_published()  # the version to catch up with is on disk
         c = self.remote._conn(url)
         try:
-            if c.call("GET", "/v1/weights").get("version") != self.version:
-                c.call("POST", "/v1/load_weights", {"version": self.version})
+            while True:  # a version the run gives out meanwhile may reach the server before this one: again
+                target = self.version
+                if self.broadcaster is not None:
+                    self.wait_published()  # the version to catch up with is on disk
+                if c.call("GET", "/v1/weights").get("version") != target:
+                    c.call("POST", "/v1/load_weights", {"version": target})
+                if self.version == target:
+                    break
         except Exception:  # noqa: BLE001 - its files out of reach (another host): over a group of its own
             return self._catch_up_by_broadcast(url)
         finally:

@@ -435,6 +435,44 @@ def test_a_server_restarted_between_two_calls_catches_up_before_its_samples_coun
             p.wait(30)
 
 
+def test_a_catch_up_ends_on_a_version_given_out_meanwhile(setup, tmp_path):
+    """A server's catch-up reads the run's version (1), and the run gives out version 2 to the pool
+    before the catch-up's load reaches the server (which then goes back to 1): the catch-up sees the
+    run moved on and loads again, so the server ends on the newest version."""
+    from cascade.rollout import ServedEngine
+
+    ex = tmp_path / "exchange"
+    publish_version(ex, 1, setup["sd1"])
+    publish_version(ex, 2, _new_weights(setup["ref"], 3))
+    srv, url = serve_in_thread(TorchEngine.from_pretrained(setup["dir"]), model_name="tiny", api_key=KEY,
+                               weights_dir=ex)
+    try:
+        se = ServedEngine([url], ex, KEY)
+        se.version = 1
+        conn, posted = se.remote._conn, []
+
+        def racing(u, timeout=None):
+            c = conn(u, timeout)
+            call_ = c.call
+
+            def call(method, path, body=None):
+                if path == "/v1/load_weights":
+                    posted.append(body["version"])
+                    if se.version == 1:
+                        se.load_published(2)  # the run's next version reaches the server first
+                return call_(method, path, body)
+
+            c.call = call
+            return c
+
+        se.remote._conn = racing
+        assert se._catch_up(url)
+        assert posted == [1, 2, 2] and call(url, "/v1/weights")[1]["version"] == 2
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
 def test_a_url_server_that_comes_back_rejoins_the_weight_broadcast(setup, tmp_path):
     """The same with ``rollout.weight_transport=broadcast``: the server back at its URL catches up from
     the files written behind the broadcast, and the next version forms the weight group again with
