@@ -215,6 +215,21 @@ def _start_servers(model_dir, root, ports):
     return out
 
 
+def _stop(procs):
+    for p, _ in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(30)
+
+
+def _assert_version_1_samples(setup, got, prompts, sp, seeds):
+    """``got`` are the in-process reference's samples on version 1's weights, all tagged version 1."""
+    ref = setup["ref"]
+    ref.load_weights(setup["sd1"], version=1)
+    assert [c.token_ids for c in got] == [c.token_ids for c in ref.generate(prompts, sp, seeds=seeds)]
+    assert all(set(c.versions) == {1} for c in got)
+
+
 def test_kill_one_of_two_servers_mid_generate(setup, tmp_path):
     procs = _start_servers(setup["dir"], setup["root"], [0, 0])
     try:
@@ -276,10 +291,7 @@ def test_kill_one_of_two_servers_mid_generate(setup, tmp_path):
         assert not t.is_alive() and remote.alive == {urls[1]} and remote.readmitted == 1
         assert [c.token_ids for c in out["w"]] == [c.token_ids for c in want[:8]]
     finally:
-        for p, _ in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(30)
+        _stop(procs)
 
 
 class _CountingEngine:
@@ -389,15 +401,9 @@ def test_a_url_server_that_comes_back_rejoins_with_the_newest_weights(setup, tmp
         before = se.remote.requests[vurl]
         got = se.generate(prompts, sp, seeds=seeds)
         assert se.remote.requests[vurl] > before
-        ref = setup["ref"]
-        ref.load_weights(setup["sd1"], version=1)
-        assert [c.token_ids for c in got] == [c.token_ids for c in ref.generate(prompts, sp, seeds=seeds)]
-        assert all(set(c.versions) == {1} for c in got)
+        _assert_version_1_samples(setup, got, prompts, sp, seeds)
     finally:
-        for p, _ in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(30)
+        _stop(procs)
 
 
 def test_a_server_restarted_between_two_calls_catches_up_before_its_samples_count(setup, tmp_path):
@@ -421,18 +427,12 @@ def test_a_server_restarted_between_two_calls_catches_up_before_its_samples_coun
         got = se.generate(prompts, sp, seeds=seeds)
         assert se.remote.alive == set(urls) and se.remote.readmitted == 1 and se.remote.resent >= 1
         assert call(vurl, "/v1/weights")[1]["version"] == 1
-        assert all(set(c.versions) == {1} for c in got)
-        ref = setup["ref"]
-        ref.load_weights(setup["sd1"], version=1)
-        assert [c.token_ids for c in got] == [c.token_ids for c in ref.generate(prompts, sp, seeds=seeds)]
+        _assert_version_1_samples(setup, got, prompts, sp, seeds)
         before = se.remote.requests[vurl]
         se.generate(prompts, sp, seeds=seeds)
         assert se.remote.requests[vurl] > before and se.remote.readmitted == 1  # admitted once
     finally:
-        for p, _ in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(30)
+        _stop(procs)
 
 
 def test_a_catch_up_ends_on_a_version_given_out_meanwhile(setup, tmp_path):
