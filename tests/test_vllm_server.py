@@ -289,7 +289,8 @@ def test_cascade_run_on_a_vllm_server_given_by_url(server):
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     r = subprocess.run([sys.executable, "-m", "cascade", "run", "stage=rlve", "profile=tiny", f"out={out}",
                         f"model={ckpt}", "steps=3", f"rollout.urls=[{url}]", f"rollout.api_key={KEY}",
-                        "rl.dynamic_sampling=false", "logging.progress=false"], capture_output=True, text=True, timeout=900, env=env)
+                        "rl.dynamic_sampling=false", "logging.progress=false"],
+                       capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     rl = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     rl = [x for x in rl if x["phase"] == "rl"]
