@@ -141,6 +141,47 @@ def test_kill_9_of_a_server_mid_run(warm_dir, tmp_path):
     assert victim not in json.loads(servers.read_text()).values()
 
 
+def _rank_pids(out) -> list[int]:
+    """The trainer ranks of the run at ``out`` (train.rl.worker processes, not their torchrun agent)."""
+    want = f"--exchange\0{out / 'exchange'}\0"
+    pids = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = open(f"/proc/{d}/cmdline").read()
+        except OSError:
+            continue
+        if "\0-u\0-m\0train.rl.worker\0" in cmd and want in cmd:
+            pids.append(int(d))
+    return sorted(pids)
+
+
+def test_kill_9_of_one_trainer_rank_fails_the_run_at_once(warm_dir, tmp_path):
+    """One trainer rank killed mid-run: torchrun stops the other, the orchestrator sees the ranks gone
+    and the command fails at once, its first line naming the ranks and their log, with the last complete
+    checkpoint kept (which the same command resumes, as the test below shows) and no rank left."""
+    out = tmp_path / "run"
+    p = cascade(f"out={out}", f"model={warm_dir}", *STAGE, "steps=40", "trainer.nproc=2", wait=False)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 300 and p.poll() is None:
+        if (out / "metrics.jsonl").exists() and len(rl_records(out)) >= 3:
+            break
+        time.sleep(0.2)
+    ranks = _rank_pids(out)
+    assert len(ranks) == 2, ranks
+    os.kill(ranks[1], signal.SIGKILL)
+    t1 = time.monotonic()
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 1 and time.monotonic() - t1 < 60, err[-3000:]
+    first = err.strip().splitlines()[0]
+    assert first.startswith("cascade run: failed: the trainer ranks exited") and "trainer.log" in first, first
+    assert err.strip().endswith("(the same command resumes from the last complete checkpoint)")
+    assert list((out / "stages" / "1-rlve" / "checkpoints").glob("step-*/COMPLETE"))
+    deadline = time.monotonic() + 10
+    while any(alive(r) for r in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(r) for r in ranks)
+
+
 def test_kill_9_of_the_run_resumes_trainer_ranks_and_orchestrator_in_step(warm_dir, tmp_path):
     """A stage of 3 SFT steps then 3 RL steps, both on the trainer ranks. The whole run SIGKILLed
     just before the checkpoint of step 4 (trainer ranks notice and stop): rerunning resumes
