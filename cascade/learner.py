@@ -21,8 +21,10 @@ scripts/slurm/cascade_rl.sbatch).
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -75,6 +77,7 @@ class WorkerLearner:
                              rdzv_endpoint=tcfg.rdzv_endpoint, rdzv_id=tcfg.rdzv_id)
         (self.log_dir / "trainer-command.txt").write_text(shlex.join(cmd) + "\n")
         self.log = self.log_dir / "trainer.log"
+        self._silent = False  # the ranks stopped answering: close() kills them without asking them to stop
         with open(self.log, "ab") as f:
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
                                          cwd=str(Path(__file__).resolve().parents[1]))
@@ -108,6 +111,7 @@ class WorkerLearner:
                 raise RunFailure(f"the trainer ranks exited (code {self.proc.returncode}) while the orchestrator "
                                  f"waited for {what}; see {self.log}; its last lines:\n{self.tail()}")
             if self.timeout and time.monotonic() - t0 > self.timeout:
+                self._silent = True
                 raise RunFailure(f"the trainer ranks sent nothing for {self.timeout:.0f} s (trainer.timeout_s) while "
                                  f"the orchestrator waited for {what}; see {self.log}")
             time.sleep(0.02)
@@ -172,13 +176,43 @@ class WorkerLearner:
         return read_state_dict(self.exchange / "final")
 
     def close(self) -> None:
+        """Stop the ranks: asked to (STOP, up to 60 s), else, or at once when they went silent (a rank
+        hung, the others blocked in a collective with it), killed: the torchrun agent and every rank."""
         if self.proc.poll() is None:
-            (self.exchange / "STOP").write_text("")
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                import os
-                import signal
+            if not self._silent:
+                (self.exchange / "STOP").write_text("")
+                try:
+                    self.proc.wait(timeout=60)
+                    return
+                except subprocess.TimeoutExpired:
+                    pass
+            ranks = _descendants(self.proc.pid)  # torchrun starts each rank in a session of its own,
+            os.killpg(self.proc.pid, signal.SIGKILL)  # out of the agent's process group
+            for pid in ranks:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.proc.wait()
 
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc; none where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = [d for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return []
+    for d in entries:
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out

@@ -182,6 +182,37 @@ def test_kill_9_of_one_trainer_rank_fails_the_run_at_once(warm_dir, tmp_path):
     assert not any(alive(r) for r in ranks)
 
 
+def test_a_hung_trainer_rank_fails_the_run_after_trainer_timeout_s_and_no_rank_is_left(warm_dir, tmp_path):
+    """One rank stopped (SIGSTOP: a hung GPU, a frozen host), the other blocked in a collective with it:
+    after ``trainer.timeout_s`` of silence the command fails in one line, and the torchrun agent and
+    both ranks are killed (torchrun puts each rank in a session of its own, out of the agent's
+    process group: they were left behind before, the stopped one for good)."""
+    out = tmp_path / "run"
+    p = cascade(f"out={out}", f"model={warm_dir}", *STAGE, "steps=40", "trainer.nproc=2", "trainer.timeout_s=5",
+                wait=False)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 300 and p.poll() is None:
+        if (out / "metrics.jsonl").exists() and len(rl_records(out)) >= 3:
+            break
+        time.sleep(0.2)
+    ranks = _rank_pids(out)
+    assert len(ranks) == 2, ranks
+    os.kill(ranks[1], signal.SIGSTOP)
+    t1 = time.monotonic()
+    try:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 1 and time.monotonic() - t1 < 40, err[-3000:]
+        assert err.startswith("cascade run: failed: the trainer ranks sent nothing for 5 s (trainer.timeout_s)"), err
+        deadline = time.monotonic() + 10
+        while any(alive(r) for r in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(r) for r in ranks)
+    finally:
+        for r in ranks:
+            if alive(r):
+                os.kill(r, signal.SIGKILL)
+
+
 def test_kill_9_of_the_run_resumes_trainer_ranks_and_orchestrator_in_step(warm_dir, tmp_path):
     """A stage of 3 SFT steps then 3 RL steps, both on the trainer ranks. The whole run SIGKILLed
     just before the checkpoint of step 4 (trainer ranks notice and stop): rerunning resumes
