@@ -155,12 +155,17 @@ def _rank_pids(out) -> list[int]:
     return sorted(pids)
 
 
-def test_kill_9_of_one_trainer_rank_fails_the_run_at_once(warm_dir, tmp_path):
-    """One trainer rank killed mid-run: torchrun stops the other, the orchestrator sees the ranks gone
-    and the command fails at once, its first line naming the ranks and their log, with the last complete
-    checkpoint kept (which the same command resumes, as the test below shows) and no rank left."""
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill-9", "hung"])
+def test_one_trainer_rank_killed_or_hung_fails_the_run_and_no_rank_is_left(warm_dir, tmp_path, sig):
+    """One trainer rank killed mid-run (torchrun stops the other: the run fails at once) or stopped
+    (SIGSTOP: a hung GPU, a frozen host; the other rank blocks in a collective with it: the run fails
+    after ``trainer.timeout_s`` of silence). The command's first line says which and names the ranks'
+    log, the last complete checkpoint is kept (the same command resumes it, as the test below shows),
+    and no rank is left: the torchrun agent and every rank are killed (torchrun puts each rank in a
+    session of its own, out of the agent's process group: hung ones were left behind before)."""
     out = tmp_path / "run"
-    p = cascade(f"out={out}", f"model={warm_dir}", *STAGE, "steps=40", "trainer.nproc=2", wait=False)
+    hung = ["trainer.timeout_s=5"] if sig == signal.SIGSTOP else []
+    p = cascade(f"out={out}", f"model={warm_dir}", *STAGE, "steps=40", "trainer.nproc=2", *hung, wait=False)
     t0 = time.monotonic()
     while time.monotonic() - t0 < 300 and p.poll() is None:
         if (out / "metrics.jsonl").exists() and len(rl_records(out)) >= 3:
@@ -168,41 +173,16 @@ def test_kill_9_of_one_trainer_rank_fails_the_run_at_once(warm_dir, tmp_path):
         time.sleep(0.2)
     ranks = _rank_pids(out)
     assert len(ranks) == 2, ranks
-    os.kill(ranks[1], signal.SIGKILL)
-    t1 = time.monotonic()
-    _, err = p.communicate(timeout=120)
-    assert p.returncode == 1 and time.monotonic() - t1 < 60, err[-3000:]
-    first = err.strip().splitlines()[0]
-    assert first.startswith("cascade run: failed: the trainer ranks exited") and "trainer.log" in first, first
-    assert err.strip().endswith("(the same command resumes from the last complete checkpoint)")
-    assert list((out / "stages" / "1-rlve" / "checkpoints").glob("step-*/COMPLETE"))
-    deadline = time.monotonic() + 10
-    while any(alive(r) for r in ranks) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(alive(r) for r in ranks)
-
-
-def test_a_hung_trainer_rank_fails_the_run_after_trainer_timeout_s_and_no_rank_is_left(warm_dir, tmp_path):
-    """One rank stopped (SIGSTOP: a hung GPU, a frozen host), the other blocked in a collective with it:
-    after ``trainer.timeout_s`` of silence the command fails in one line, and the torchrun agent and
-    both ranks are killed (torchrun puts each rank in a session of its own, out of the agent's
-    process group: they were left behind before, the stopped one for good)."""
-    out = tmp_path / "run"
-    p = cascade(f"out={out}", f"model={warm_dir}", *STAGE, "steps=40", "trainer.nproc=2", "trainer.timeout_s=5",
-                wait=False)
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 300 and p.poll() is None:
-        if (out / "metrics.jsonl").exists() and len(rl_records(out)) >= 3:
-            break
-        time.sleep(0.2)
-    ranks = _rank_pids(out)
-    assert len(ranks) == 2, ranks
-    os.kill(ranks[1], signal.SIGSTOP)
+    os.kill(ranks[1], sig)
     t1 = time.monotonic()
     try:
         _, err = p.communicate(timeout=120)
         assert p.returncode == 1 and time.monotonic() - t1 < 40, err[-3000:]
-        assert err.startswith("cascade run: failed: the trainer ranks sent nothing for 5 s (trainer.timeout_s)"), err
+        first = err.strip().splitlines()[0]
+        why = "sent nothing for 5 s (trainer.timeout_s)" if hung else "exited"
+        assert first.startswith(f"cascade run: failed: the trainer ranks {why}") and "trainer.log" in first, first
+        assert err.strip().endswith("(the same command resumes from the last complete checkpoint)")
+        assert list((out / "stages" / "1-rlve" / "checkpoints").glob("step-*/COMPLETE"))
         deadline = time.monotonic() + 10
         while any(alive(r) for r in ranks) and time.monotonic() < deadline:
             time.sleep(0.1)
