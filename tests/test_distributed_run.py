@@ -164,7 +164,7 @@ def test_one_trainer_rank_killed_or_hung_fails_the_run_and_no_rank_is_left(warm_
     and no rank is left: the torchrun agent and every rank are killed (torchrun puts each rank in a
     session of its own, out of the agent's process group: hung ones were left behind before)."""
     out = tmp_path / "run"
-    hung = ["trainer.timeout_s=5"] if sig == signal.SIGSTOP else []
+    hung = ["trainer.timeout_s=20"] if sig == signal.SIGSTOP else []  # not less: the ranks' start counts (CI)
     p = cascade(f"out={out}", f"model={warm_dir}", *STAGE, "steps=40", "trainer.nproc=2", *hung, wait=False)
     t0 = time.monotonic()
     while time.monotonic() - t0 < 300 and p.poll() is None:
@@ -172,14 +172,14 @@ def test_one_trainer_rank_killed_or_hung_fails_the_run_and_no_rank_is_left(warm_
             break
         time.sleep(0.2)
     ranks = _rank_pids(out)
-    assert len(ranks) == 2, ranks
+    assert len(ranks) == 2, (ranks, p.poll() is None or p.communicate()[1][-3000:])
     os.kill(ranks[1], sig)
     t1 = time.monotonic()
     try:
         _, err = p.communicate(timeout=120)
-        assert p.returncode == 1 and time.monotonic() - t1 < 40, err[-3000:]
+        assert p.returncode == 1 and time.monotonic() - t1 < 60, err[-3000:]
         first = err.strip().splitlines()[0]
-        why = "sent nothing for 5 s (trainer.timeout_s)" if hung else "exited"
+        why = "sent nothing for 20 s (trainer.timeout_s)" if hung else "exited"
         assert first.startswith(f"cascade run: failed: the trainer ranks {why}") and "trainer.log" in first, first
         assert err.strip().endswith("(the same command resumes from the last complete checkpoint)")
         assert list((out / "stages" / "1-rlve" / "checkpoints").glob("step-*/COMPLETE"))
