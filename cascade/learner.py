@@ -186,33 +186,28 @@ class WorkerLearner:
                     return
                 except subprocess.TimeoutExpired:
                     pass
-            ranks = _descendants(self.proc.pid)  # torchrun starts each rank in a session of its own,
-            os.killpg(self.proc.pid, signal.SIGKILL)  # out of the agent's process group
-            for pid in ranks:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            kill_tree(self.proc.pid)
             self.proc.wait()
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (from /proc; none where there is no /proc)."""
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it, found through /proc (torchrun starts each rank in a
+    session of its own, out of the agent's process group, so ``killpg`` does not reach them)."""
     children: dict[int, list[int]] = {}
-    try:
-        entries = [d for d in os.listdir("/proc") if d.isdigit()]
-    except OSError:
-        return []
-    for d in entries:
+    for d in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
         try:
             with open(f"/proc/{d}/stat") as f:
                 ppid = int(f.read().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             continue
         children.setdefault(ppid, []).append(int(d))
-    out, todo = [], [pid]
+    todo, tree = [pid], []
     while todo:
-        kids = children.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, []))
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

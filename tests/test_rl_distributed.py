@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ TOL = 1e-5
 
 from tests.test_parallel import _cfgs, _model, run_checks, spawn  # noqa: E402 (shared helpers)
 from train.parallel.comm import free_port  # noqa: E402
+from cascade.learner import kill_tree  # noqa: E402
 
 
 def make_batch(step: int, cfg, n: int = 8, seed: int = 0, temperature: float = 0.9):
@@ -637,34 +637,12 @@ def _start_worker(exchange: Path, model_dir: Path, steps: int, tsp: int, dp: int
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log
 
 
-def _kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and all its descendants (torchrun starts each rank in a session of its own)."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    todo, tree = [pid], []
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo.extend(children.get(p, []))
-    for p in tree:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def _finish(proc, log, timeout=200):
     try:
         rc = proc.wait(timeout=timeout)
     finally:
         if proc.poll() is None:
-            _kill_tree(proc.pid)
+            kill_tree(proc.pid)
             proc.wait()
         log.close()
     assert rc == 0, Path(log.name).read_text()[-4000:]
@@ -743,7 +721,7 @@ def test_torchrun_worker_resumes_after_kill(worker_setup):
         write_batch(ex, batches[1])
         _wait_for(ex / "trainer_ckpt" / "step-000002" / "COMPLETE", proc)
     finally:
-        _kill_tree(proc.pid)  # the agent and every rank, like a lost node
+        kill_tree(proc.pid)  # the agent and every rank, like a lost node
         proc.wait()
         log.close()
     time.sleep(0.5)  # the killed ranks' processes are reaped
