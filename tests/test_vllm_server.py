@@ -242,7 +242,7 @@ def test_reload_during_a_running_request(server, state):
 def test_broadcast_reload_over_a_weight_group(server, state):
     """rollout.weight_transport=broadcast against vLLM: the worker joins the trainer's gloo group, takes the
     version from the broadcast (checksums verified) and serves it; the files are written as well."""
-    from cascade.rollout import VLLMServedEngine
+    from cascade.rollout import ServedEngine
     from train.rl.exchange import complete_versions
 
     url, ckpt, exchange = server
@@ -250,7 +250,7 @@ def test_broadcast_reload_over_a_weight_group(server, state):
     assert code == 200 and obj["group_members"] == 1 and obj["group_devices"] == ["cpu"]
     m5 = load_pretrained(ckpt)
     m5.load_state_dict(_perturbed(state["m1"], seed=5))
-    eng = VLLMServedEngine([url], exchange, KEY, transport="broadcast")
+    eng = ServedEngine([url], exchange, KEY, transport="broadcast")
     try:
         eng.load_weights(m5.state_dict(), version=5)
         assert eng.broadcast_failures == 0 and eng.broadcaster.formed == 1
