@@ -47,6 +47,8 @@ held-out sampled accuracy before -> after RL, 200 problems x 4 samples):
 | async at d51fac0 (alone) | 0.190 -> 0.515 (+32.5) | 0.163 -> 0.775 (+61.3) | 0.209 -> 0.686 (+47.8) | 0.165 -> 0.772 (+60.8) | 0.254 -> 0.904 (+65.0) | +60.8 | +32.5 | 252 s |
 | sync at 216bf09 (2026-12-04; trainer verifying through ``envs.verify_all``, router-replay ids moved to the model's device) | 0.190 -> 0.496 (+30.6) | 0.163 -> 0.734 (+57.1) | 0.209 -> 0.724 (+51.5) | 0.165 -> 0.845 (+68.0) | 0.254 -> 0.906 (+65.2) | +57.1 | +30.6 | 316 s |
 | async at 216bf09 (alone) | 0.190 -> 0.515 (+32.5) | 0.163 -> 0.775 (+61.3) | 0.209 -> 0.686 (+47.8) | 0.165 -> 0.773 (+60.8) | 0.254 -> 0.903 (+64.9) | +60.8 | +32.5 | 280 s |
+| sync at 4a224e4 (2026-12-04, later: the trainer skips routing replay for engines that cannot record it; in-process the same) | 0.190 -> 0.496 (+30.6) | 0.163 -> 0.734 (+57.1) | 0.209 -> 0.724 (+51.5) | 0.165 -> 0.845 (+68.0) | 0.254 -> 0.906 (+65.2) | +57.1 | +30.6 | 277 s |
+| async at 4a224e4 (alone) | 0.190 -> 0.515 (+32.5) | 0.163 -> 0.775 (+61.3) | 0.209 -> 0.686 (+47.8) | 0.165 -> 0.773 (+60.8) | 0.254 -> 0.903 (+64.9) | +60.8 | +32.5 | 203 s |
 
 (At e925322 on the previous session's machine: sync median +58.4, min +31.4; async +59.1 / +30.4; seed 2's
 SFT warm-up ended there at 0.336 held-out, here at 0.209.)

@@ -84,6 +84,10 @@ Re-run at 686a1e4 (2026-12-04: router-replay ids moved to the model's device in 
 the same arithmetic), default setting, 3 runs one after another: async speedup 0.97, 0.93, 0.90 (median 0.93,
 min 0.90); sync steps/s 1.75-1.99, async 1.56-1.84; ``overlap_ceiling_lending`` 1.15, 1.19, 1.18; ceiling at any
 mix 1.25-1.36; max_lag_seen 2.
+Re-run at 4a224e4 (2026-12-04: the trainer skips routing replay for engines that cannot record it, a no-op
+in-process; the same arithmetic), default setting, 3 runs one after another: async speedup 1.13, 1.36, 0.91
+(median 1.13, min 0.91); sync steps/s 1.42-2.13, async 1.92-2.00; ``overlap_ceiling_lending`` 1.26, 1.46, 1.14;
+ceiling at any mix 1.24-2.05; max_lag_seen 2.
 
 The goal (>= 1.5 against the best synchronous setting, here 2 threads) is not met: median 1.24 by
 default and 1.27 with long-tailed responses (one run of twelve above 1.5). Lending the producer's
