@@ -172,7 +172,8 @@ def test_torchrun_worker_on_the_gpu_resumes_after_kill_9(worker_setup):
     """train/rl/worker.py under torchrun on cuda:0 (NCCL world of one rank): killed with SIGKILL after
     its step-2 checkpoint (torch.distributed.checkpoint of GPU tensors), restarted, it resumes there and
     publishes final weights equal to the CPU single-process reference after three steps."""
-    from tests.test_rl_distributed import TOL, _final_weights, _finish, _kill_tree, _max_err, _start_worker, _wait_for
+    from tests.test_rl_distributed import TOL, _final_weights, _finish, _max_err, _start_worker, _wait_for
+    from cascade.learner import kill_tree
     from train.rl.exchange import write_batch
 
     root, batches, (_, ref3) = worker_setup
@@ -185,7 +186,7 @@ def test_torchrun_worker_on_the_gpu_resumes_after_kill_9(worker_setup):
         write_batch(ex, batches[1])
         _wait_for(ex / "trainer_ckpt" / "step-000002" / "COMPLETE", proc)
     finally:
-        _kill_tree(proc.pid)
+        kill_tree(proc.pid)
         proc.wait()
         log.close()
     write_batch(ex, batches[2])

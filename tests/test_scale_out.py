@@ -21,9 +21,10 @@ from pathlib import Path
 
 import pytest
 
+from cascade.learner import kill_tree
 from train.parallel.comm import free_port
 
-from tests.test_rl_distributed import (ROOT, TOL, _final_weights, _finish, _kill_tree, _max_err, rl_cfg,
+from tests.test_rl_distributed import (ROOT, TOL, _final_weights, _finish, _max_err, rl_cfg,
                                        worker_setup)  # noqa: F401  (worker_setup is a fixture)
 
 SBATCH = ROOT / "scripts" / "slurm" / "cascade_rl.sbatch"
@@ -67,7 +68,7 @@ def test_two_node_worker_equals_reference(worker_setup, tsp, dp):  # noqa: F811
     finally:
         for proc, log in agents:  # a failed agent leaves the other waiting at a collective
             if proc.poll() is None:
-                _kill_tree(proc.pid)
+                kill_tree(proc.pid)
                 proc.wait()
             log.close()
     assert complete_versions(ex) == [1, 2, 3]
