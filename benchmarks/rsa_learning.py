@@ -59,7 +59,9 @@ float kernels, and other CPUs and earlier commits gave other figures, in git his
 +71.1 / +7.8 (median +7.8, min -7.4); ``goal_met`` false (the goal is RSA over the policy's own
 single sample: median +10). Re-run at 216bf09 (2026-12-04: the trainer verifies through ``envs.verify_all``,
 router-replay ids moved to the model's device; defaults, 763 s wall): every seed's ``rsa_gain_points`` and
-``rsa_vs_ablation_points`` the same (+10.7 / -0.8 / +1.9, median +1.9; -7.4 / +71.1 / +7.8, median +7.8). At ff81563 (SFT on padded batches; the previous session's machine) the same
+``rsa_vs_ablation_points`` the same (+10.7 / -0.8 / +1.9, median +1.9; -7.4 / +71.1 / +7.8, median +7.8). Re-run at d634d38
+(2026-12-04: the trainer skips routing replay with vLLM servers, a no-op here; defaults, 632 s wall): the same
+figures again, seed by seed. At ff81563 (SFT on padded batches; the previous session's machine) the same
 seeds gave ``rsa_gain_points`` -12.5 / +19.9 / +1.0 and against the ablation +11.7 / +50.0 / +13.5; at
 e925322 median -3.1 (min -46.3) and +2.3 (min +0.4).
 
