@@ -141,8 +141,9 @@ def test_kill_9_of_a_server_mid_run(warm_dir, tmp_path):
     assert victim not in json.loads(servers.read_text()).values()
 
 
-def _rank_pids(out) -> list[int]:
-    """The trainer ranks of the run at ``out`` (train.rl.worker processes, not their torchrun agent)."""
+def _rank_pids(out, agent: bool = False) -> list[int]:
+    """The trainer ranks of the run at ``out`` (train.rl.worker processes; with ``agent``, their torchrun
+    agent too). A zombie's cmdline reads empty: only live processes are listed."""
     want = f"--exchange\0{out / 'exchange'}\0"
     pids = []
     for d in filter(str.isdigit, os.listdir("/proc")):
@@ -150,7 +151,7 @@ def _rank_pids(out) -> list[int]:
             cmd = open(f"/proc/{d}/cmdline").read()
         except OSError:
             continue
-        if "\0-u\0-m\0train.rl.worker\0" in cmd and want in cmd:
+        if want in cmd and (agent or "\0-u\0-m\0train.rl.worker\0" in cmd):
             pids.append(int(d))
     return sorted(pids)
 
@@ -198,7 +199,8 @@ def test_kill_9_of_the_run_resumes_trainer_ranks_and_orchestrator_in_step(warm_d
     just before the checkpoint of step 4 (trainer ranks notice and stop): rerunning resumes
     orchestrator and ranks from step 2, inside SFT (model, optimizer, curriculum, RNG), and ends
     with the same weights as an uninterrupted run, also when the rerun puts the two ranks on
-    another mesh (DP 2 -> TSP 2: the ranks reshard the checkpoint)."""
+    another mesh (DP 2 -> TSP 2: the ranks reshard the checkpoint). No rank or torchrun agent outlives the
+    killed orchestrator."""
     args = [f"model={warm_dir}", *STAGE, "steps=3", "trainer.nproc=2", "trainer.tsp=1", "sft.steps=3",
             "sft.examples=64", "sft.batch_size=8", "sft.max_len=128", "sft.optim.lr=1e-3"]
     ref, out = tmp_path / "ref", tmp_path / "run"
@@ -206,7 +208,10 @@ def test_kill_9_of_the_run_resumes_trainer_ranks_and_orchestrator_in_step(warm_d
     assert r.returncode == 0, r.stderr[-3000:]
     r = cascade(f"out={out}", *args, env={"CASCADE_FAULT": "before_checkpoint:4"})
     assert r.returncode == -signal.SIGKILL
-    time.sleep(1.0)  # the orphaned ranks see the orchestrator gone and exit
+    deadline = time.monotonic() + 30  # the orphaned ranks see the orchestrator gone and exit, and their agent
+    while _rank_pids(out, agent=True) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _rank_pids(out, agent=True)
     assert not (out / "exchange" / "final").exists()
     r = cascade(f"out={out}", *[x.replace("trainer.tsp=1", "trainer.tsp=2") for x in args])
     assert r.returncode == 0, r.stderr[-3000:]
