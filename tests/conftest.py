@@ -105,6 +105,15 @@ def hf_random_model(kind: str, seed: int = 0, **kw):
     return model.eval()
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie is dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def pids_of_uid(uid: int) -> list[int]:
     """Processes running as ``uid`` (the sandbox's own uid in the sandbox tests)."""
     from pathlib import Path

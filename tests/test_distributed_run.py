@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import cascade_here
+from tests.conftest import alive, cascade_here
 from tests.test_rl_loop import one_thread  # noqa: F401 (fixture)
 
 STAGE = ["stage=rlve", "profile=tiny", "logging.progress=false", "envs={toy/max: 1}", "controller=fixed",
@@ -53,15 +53,6 @@ def final_weights(out):
     from train.model.hf_io import read_state_dict
 
     return read_state_dict(out / "stages" / "1-rlve" / "final")
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead
-        return f.read().split(")")[-1].split()[0] != "Z"
 
 
 @pytest.mark.parametrize("transport", ["files", "broadcast"])

@@ -23,6 +23,8 @@ from train.engine.remote import RemoteEngine, RemoteError
 from train.engine.server import serve_in_thread
 from train.rl.exchange import WEIGHTS_FILE, publish_version, stack_routing, version_dir
 
+from tests.conftest import alive
+
 KEY = "s3cret"
 PROMPTS = [[5, 17, 33, 2, 90, 11, 7], [120, 4, 8], [9, 9, 31, 64, 150, 3, 77, 18, 42, 1, 6], [300, 301, 302, 303]]
 
@@ -517,3 +519,42 @@ def test_a_url_server_that_comes_back_rejoins_the_weight_broadcast(setup, tmp_pa
             if p.poll() is None:
                 p.kill()
             p.wait(30)
+
+
+def test_servers_a_run_started_die_with_it(tiny_moe_dir, tmp_path):
+    """A process that started rollout servers (``cascade run`` with ``rollout.servers``) killed with
+    ``kill -9``: its servers get the parent-death signal and exit, the one restarted from a request
+    thread that has since ended too (the signal follows the thread that forked a child: servers are
+    forked from one spawner thread that lives as long as the pool)."""
+    script = f"""
+import threading, time
+from pathlib import Path
+from cascade.rollout import ServerPool
+pool = ServerPool(2, Path({str(tiny_moe_dir)!r}), Path({str(tmp_path / 'ex')!r}), "k", 1, Path({str(tmp_path / 'logs')!r}))
+t = threading.Thread(target=pool.restart, args=(pool.urls[0],))
+t.start(); t.join()
+time.sleep(0.5)
+print(*[p.pid for p in pool.procs.values()], *[p.poll() for p in pool.procs.values()], flush=True)
+time.sleep(600)
+"""
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              cwd=str(Path(__file__).resolve().parents[1]))
+    pids = []
+    try:
+        line = parent.stdout.readline().split()
+        assert len(line) == 4, line
+        pids = [int(x) for x in line[:2]]
+        assert line[2:] == ["None", "None"]  # both alive after the restarting thread ended
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(30)
+        deadline = time.monotonic() + 30
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(p) for p in pids)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(30)
+        for p in pids:
+            if alive(p):
+                os.kill(p, signal.SIGKILL)
