@@ -111,11 +111,14 @@ def test_a_stage_that_sends_the_ranks_no_update_ends_cleanly(warm_dir, tmp_path)
 
 
 def test_kill_9_of_a_server_mid_run(warm_dir, tmp_path):
-    """A rollout server killed mid-run: its prompts go to the other, it is restarted (catching up
-    to the newest weights), the run completes with the same per-step sync guarantees."""
+    """All three roles pipelined (two servers, two trainer ranks, ``rl.max_staleness=1``), and a rollout
+    server killed mid-run: its prompts go to the other, it is restarted (catching up to the newest
+    weights), the run completes; trained groups lag the policy (the pipeline overlaps) but never by
+    more than one version, the ratio is taken against the behaviour log-probs (not identically 1), and
+    the stage's final checkpoint holds the ranks' final weights."""
     out = tmp_path / "run"
     p = cascade(f"out={out}", f"model={warm_dir}", *STAGE, "steps=5", "rollout.servers=2", "rl.max_staleness=1",
-                wait=False)
+                "trainer.nproc=2", "trainer.tsp=1", wait=False)
     servers = out / "stages" / "1-rlve" / "logs" / "servers.json"
     t0 = time.monotonic()
     while time.monotonic() - t0 < 300 and p.poll() is None:
@@ -128,8 +131,13 @@ def test_kill_9_of_a_server_mid_run(warm_dir, tmp_path):
     assert p.returncode == 0, err[-3000:]
     recs = rl_records(out)
     assert len(recs) == 5 and recs[-1]["server_restarts"] >= 1 and recs[-1]["servers_up"] == 2
-    assert all(x["version_lag_max"] <= 1 for x in recs)
+    assert all(x["version_lag_max"] <= 1 for x in recs) and any(x["version_lag_max"] == 1 for x in recs), recs
+    assert any(x["mismatch_kl"] > 1e-6 and x["ratio_mean"] != 1.0 for x in recs if x["version_lag_max"]), recs
     assert victim not in json.loads(servers.read_text()).values()
+    from train.model.hf_io import read_state_dict
+
+    fin, ranks = final_weights(out), read_state_dict(out / "exchange" / "final")
+    assert set(fin) == set(ranks) and all(torch.equal(fin[k], ranks[k]) for k in fin)
 
 
 def _rank_pids(out, agent: bool = False) -> list[int]:
