@@ -40,7 +40,7 @@ class WorkerLearner:
                  dtype: str = "float32", pad_id: int = 0, device: str = "cpu", sft_steps: int = 0, sft_optim=None):
         """``steps``: RL updates; ``start_update``: updates already done (SFT and RL) at a resume."""
         from train.parallel.rl_update import RLUpdateConfig
-        from train.rl.worker import CKPT_DIR, config_dict, launch_command
+        from train.rl.worker import CKPT_DIR, config_dict, launch_command, process_start
 
         # the ranks run in the repository root: every path they are given absolute
         self.exchange, self.log_dir = Path(exchange).absolute(), Path(log_dir).absolute()
@@ -72,6 +72,8 @@ class WorkerLearner:
 
         extra = ["--sync-every", str(rl_cfg.sync_every), "--sft-steps", str(sft_steps), "--device", "cuda" if device.startswith("cuda") else "cpu",
                  "--orchestrator-pid", str(os.getpid()), "--orchestrator-host", socket.gethostname()]
+        if (start := process_start()) is not None:
+            extra += ["--orchestrator-start", start]
         cmd = launch_command(self.exchange, model_dir, tcfg.nproc, sft_steps + steps, conf, tsp=tcfg.tsp,
                              port=None if tcfg.nnodes > 1 else free_port(), extra=extra, nnodes=tcfg.nnodes,
                              rdzv_endpoint=tcfg.rdzv_endpoint, rdzv_id=tcfg.rdzv_id)

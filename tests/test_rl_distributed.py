@@ -869,3 +869,30 @@ def test_worker_config_file_and_command(tmp_path):
     tail = cmd[cmd.index("train.rl.worker") + 1:]
     assert tail == ["--exchange", "EX", "--model", "CKPT", "--steps", "7", "--tsp", "2", "--config", str(path),
                     "--dp", "2"]
+
+
+def test_the_ranks_tell_a_dead_orchestrator_also_as_a_zombie_or_by_a_reused_pid():
+    """The ranks stop when the orchestrator has died: no such pid, a zombie (killed, its parent has not
+    reaped it yet: kill(pid, 0) still succeeds), or a process that took its pid later (another start
+    time). A live orchestrator, or one on another host, is not gone."""
+    import signal
+    import socket
+
+    from train.rl.worker import _gone, process_start
+
+    me, host = os.getpid(), socket.gethostname()
+    assert not _gone(me, host, process_start()) and not _gone(me, "another-host", "0")
+    assert _gone(me, host, str(int(process_start()) + 1))  # same pid, another process
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        start = process_start(child.pid)
+        assert start is not None and not _gone(child.pid, host, start)
+        os.kill(child.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while process_start(child.pid) and open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert _gone(child.pid, host, start) and _gone(child.pid)  # a zombie
+    finally:
+        child.wait()
+    assert _gone(child.pid, host, start)  # reaped: no such pid

@@ -137,6 +137,7 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 CHECKPOINT = "checkpoint"  # what _poll returns for a checkpoint request
+ORPHANED = "orphaned"  # what _poll returns when the orchestrator has died
 
 
 def request_path(exchange: str | Path, step: int) -> Path:
@@ -144,8 +145,20 @@ def request_path(exchange: str | Path, step: int) -> Path:
     return Path(exchange) / "ckpt_requests" / f"step-{step:06d}"
 
 
-def _gone(pid: int | None, host: str | None = None) -> bool:
-    """Whether the orchestrator process ``pid`` on ``host`` has died (checked only on that host)."""
+def process_start(pid: int | str = "self") -> str | None:
+    """When process ``pid`` started (clock ticks after boot, field 22 of ``/proc/PID/stat``), None where
+    there is no /proc: with the pid, it names one process even after the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _gone(pid: int | None, host: str | None = None, start: str | None = None) -> bool:
+    """Whether the orchestrator process ``pid`` (started at ``start``, :func:`process_start`) on ``host``
+    has died (checked only on that host): no such process, a zombie (killed, not yet reaped by its
+    parent), or another process that took the pid since."""
     import socket
 
     if not pid or (host and host != socket.gethostname()):
@@ -155,13 +168,19 @@ def _gone(pid: int | None, host: str | None = None) -> bool:
     except ProcessLookupError:
         return True
     except PermissionError:
-        return False
-    return False
+        pass
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return False  # no /proc: kill(pid, 0) found it
+    return fields[0] == "Z" or (start is not None and fields[19] != start)
 
 
-def _poll(exchange: Path, step: int, poll_s: float, max_wait_s: float, device, parent: tuple = (None, None)):
-    """Rank 0 waits for batch ``step``, a checkpoint request for ``step`` updates, or STOP, and
-    broadcasts the outcome: the batch, :data:`CHECKPOINT`, or None to stop."""
+def _poll(exchange: Path, step: int, poll_s: float, max_wait_s: float, device, parent: tuple = (None, None, None)):
+    """Rank 0 waits for batch ``step``, a checkpoint request for ``step`` updates, STOP, or the death of
+    the orchestrator ``parent`` (pid, host, start: see :func:`_gone`), and broadcasts the outcome: the
+    batch, :data:`CHECKPOINT`, None to stop, or :data:`ORPHANED` (every rank sees the same)."""
     from train.rl.exchange import read_batch
 
     t0 = time.monotonic()
@@ -169,8 +188,10 @@ def _poll(exchange: Path, step: int, poll_s: float, max_wait_s: float, device, p
     while True:
         code = torch.zeros((), dtype=torch.int32, device=device)
         if dist.get_rank() == 0:
-            if (exchange / "STOP").exists() or _gone(*parent):
+            if (exchange / "STOP").exists():
                 code.fill_(2)
+            elif _gone(*parent):
+                code.fill_(5)
             elif request_path(exchange, step).exists():
                 code.fill_(4)
             elif (batch := read_batch(exchange, step)) is not None:
@@ -183,6 +204,8 @@ def _poll(exchange: Path, step: int, poll_s: float, max_wait_s: float, device, p
             raise TimeoutError(f"no batch for step {step} under {exchange} after {max_wait_s:.0f} s")
         if code == 2:
             return None
+        if code == 5:
+            return ORPHANED
         if code == 4:
             return CHECKPOINT
         if code == 1:
@@ -400,6 +423,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="stop (as with STOP) when this process has died (checked where rank 0 runs on "
                          "--orchestrator-host)")
     ap.add_argument("--orchestrator-host", default=None, help="host name of --orchestrator-pid (default: any)")
+    ap.add_argument("--orchestrator-start", default=None,
+                    help="start time of --orchestrator-pid (/proc/PID/stat field 22): a process that took its "
+                         "pid later is not it")
     a = ap.parse_args(argv)
     if a.steps < 0 or a.sync_every < 1 or a.checkpoint_every < 0 or a.tsp < 1 or not 0 <= a.sft_steps <= a.steps:
         ap.error("--steps >= 0, --sync-every >= 1, --checkpoint-every >= 0, --tsp >= 1 and "
@@ -447,12 +473,12 @@ def main(argv=None) -> int:
             print(json.dumps({"worker": "start", "step": step, "dp": up.dp, "tsp": up.tsp, "device": str(device)}),
                   flush=True)
         while step < a.steps:
-            parent = (a.orchestrator_pid, a.orchestrator_host)
+            parent = (a.orchestrator_pid, a.orchestrator_host, a.orchestrator_start)
             batch = _poll(exchange, step, a.poll, a.max_wait, device, parent)
+            if batch is ORPHANED:  # leave no final/ that a resumed run could mistake
+                dist.barrier()
+                return 0
             if batch is None:
-                if _gone(*parent):  # orphaned: leave no final/ that a resumed run could mistake
-                    dist.barrier()
-                    return 0
                 break
             if batch is CHECKPOINT:  # the orchestrator checkpoints after `step` updates: state and weights
                 box = [(version_dir(*published_at(step)) / COMPLETE).exists()]  # already published by a sync?
