@@ -88,6 +88,7 @@ class ServerPool:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
         self.restarts = 0
+        self.closed = False  # closing: a server that went down because of it is not restarted
         # Every server is started from this one thread, alive until close(): a child's parent-death
         # signal fires when the *thread* that forked it exits, so a server restarted from a request
         # thread (RemoteEngine's, when it finds a server down) would be killed as soon as that
@@ -154,20 +155,27 @@ class ServerPool:
         (self.log_dir / "servers.json").write_text(json.dumps({u: p.pid for u, p in self.procs.items()}))
 
     def restart(self, url: str) -> bool:
-        """Start the server at ``url`` again (it died); it then loads the newest published version."""
-        if url not in self.procs:
+        """Start the server at ``url`` again (it died); it then loads the newest published version. False
+        when the pool is closing (the run stopped it)."""
+        if url not in self.procs or self.closed:
             return False
         p = self.procs[url]
         if p.poll() is None:
             p.kill()
         p.wait()
-        self._start(url)
-        self._wait(url)
+        try:
+            self._start(url)
+            self._wait(url)
+        except Exception:
+            if self.closed:
+                return False
+            raise
         self.restarts += 1
         self._write_pids()
         return True
 
     def close(self) -> None:
+        self.closed = True
         for p in self.procs.values():
             if p.poll() is None:
                 p.terminate()

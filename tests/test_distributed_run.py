@@ -140,6 +140,27 @@ def test_kill_9_of_a_server_mid_run(warm_dir, tmp_path):
     assert set(fin) == set(ranks) and all(torch.equal(fin[k], ranks[k]) for k in fin)
 
 
+def test_sigterm_stops_a_run_like_ctrl_c(warm_dir, tmp_path):
+    """SIGTERM (a scheduler's preemption or time limit) unwinds ``cascade run`` as Ctrl-C does: its rollout
+    server is stopped by the run, the command says so in one line with the resume hint and exits 143 (the
+    default action ended it at once, exit -15, with no word), and the last complete checkpoint is kept."""
+    out = tmp_path / "run"
+    p = cascade(f"out={out}", f"model={warm_dir}", *STAGE, "steps=40", "rollout.servers=1", wait=False)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 300 and p.poll() is None:
+        if (out / "metrics.jsonl").exists() and len(rl_records(out)) >= 3:
+            break
+        time.sleep(0.2)
+    pids = json.loads((out / "stages" / "1-rlve" / "logs" / "servers.json").read_text()).values()
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 143, (p.returncode, err[-3000:])
+    assert err.strip().splitlines() == ["cascade run: terminated (SIGTERM)",
+                                        "(the same command resumes from the last complete checkpoint)"], err[-3000:]
+    assert not any(alive(x) for x in pids)
+    assert list((out / "stages" / "1-rlve" / "checkpoints").glob("step-*/COMPLETE"))
+
+
 def _rank_pids(out, agent: bool = False) -> list[int]:
     """The trainer ranks of the run at ``out`` (train.rl.worker processes; with ``agent``, their torchrun
     agent too). A zombie's cmdline reads empty: only live processes are listed."""

@@ -436,7 +436,11 @@ class RemoteEngine:
     def _restarted(self, url: str) -> bool:
         """Tell the hook that ``url`` went down; True when it says it restarted the server and the
         server answers again."""
-        if self.on_server_down is None or not self.on_server_down(url):
+        try:
+            if self.on_server_down is None or not self.on_server_down(url):
+                return False
+        except Exception as e:  # noqa: BLE001 - it could not start again: out of the pool, probed later
+            log.warning("rollout server %s did not come back: %s", url, e)
             return False
         try:
             self._check(url)
