@@ -878,6 +878,7 @@ def test_the_ranks_tell_a_dead_orchestrator_also_as_a_zombie_or_by_a_reused_pid(
     import signal
     import socket
 
+    from tests.conftest import alive
     from train.rl.worker import _gone, process_start
 
     me, host = os.getpid(), socket.gethostname()
@@ -889,7 +890,7 @@ def test_the_ranks_tell_a_dead_orchestrator_also_as_a_zombie_or_by_a_reused_pid(
         assert start is not None and not _gone(child.pid, host, start)
         os.kill(child.pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while process_start(child.pid) and open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        while alive(child.pid):  # until it is a zombie (not reaped: this test is its parent)
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert _gone(child.pid, host, start) and _gone(child.pid)  # a zombie

@@ -145,14 +145,21 @@ def request_path(exchange: str | Path, step: int) -> Path:
     return Path(exchange) / "ckpt_requests" / f"step-{step:06d}"
 
 
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (the state first), None where unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields if len(fields) > 19 else None
+
+
 def process_start(pid: int | str = "self") -> str | None:
     """When process ``pid`` started (clock ticks after boot, field 22 of ``/proc/PID/stat``), None where
     there is no /proc: with the pid, it names one process even after the pid is reused."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
+    fields = _stat(pid)
+    return fields[19] if fields else None
 
 
 def _gone(pid: int | None, host: str | None = None, start: str | None = None) -> bool:
@@ -169,10 +176,8 @@ def _gone(pid: int | None, host: str | None = None, start: str | None = None) ->
         return True
     except PermissionError:
         pass
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+    fields = _stat(pid)
+    if fields is None:
         return False  # no /proc: kill(pid, 0) found it
     return fields[0] == "Z" or (start is not None and fields[19] != start)
 
@@ -420,7 +425,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-wait", type=float, default=0.0, help="give up waiting for a batch after this (0: never)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--orchestrator-pid", type=int, default=None,
-                    help="stop (as with STOP) when this process has died (checked where rank 0 runs on "
+                    help="stop, writing no final/, when this process has died (checked where rank 0 runs, on "
                          "--orchestrator-host)")
     ap.add_argument("--orchestrator-host", default=None, help="host name of --orchestrator-pid (default: any)")
     ap.add_argument("--orchestrator-start", default=None,
