@@ -64,6 +64,9 @@ With the rollouts on a ``cascade serve`` process (``--servers 1``, one thread th
 commit 146e6d5, one run): async speedup 0.57 (sync 1.79 steps/s, async 1.01), the trainer busy 99.8% of
 the time: three threads on two cores, and every step's version published through files for the server
 to reload (``sync_every=1``), cost more than the overlap wins on this machine.
+Re-run at 53d95e8 (2026-12-04; the server pool and the remote engine changed only around restarts and
+closing), two runs: async speedup 0.44 and 0.40 (sync 2.20 and 1.97 steps/s, async 0.96 and 0.79), the
+trainer busy 99.7-99.8%, max_lag_seen 2: the same picture.
 
 With ``overlap_ceiling_lending`` (commit 8dc7021 plus this field, added in 1ff29ba; runs one after
 another): default setting, async speedup 1.14, 0.88, 1.16 against a lending ceiling of 1.26, 1.12, 1.28 (any mix 1.51, 1.19,

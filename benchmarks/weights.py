@@ -33,8 +33,9 @@ commit e925322, 2 servers, 5 warm versions per transport; tiny-moe 3 runs, small
 | tiny-moe, at 6f2893e (2026-12-04: one push at a time, a catch-up re-forms the group) | 0.033, 0.034 | 0.049, 0.041 | 0.67, 0.83 | 0.065-0.070 s |
 | tiny-moe, at c03259d (2026-12-04, later: reloads wait for a server when all are down, catch-ups loop to the newest) | 0.0253, 0.0255 | 0.0260, 0.0216 | 0.97, 1.18 | 0.037-0.044 s |
 | tiny-moe, at e2e6beb (one ServedEngine class for Cascade's and vLLM's servers) | 0.0272, 0.0289 | 0.0231, 0.0273 | 1.18, 1.06 | 0.038-0.043 s |
+| tiny-moe, at 53d95e8 (a closing pool restarts no server; a failed restart leaves the pool) | 0.0269, 0.0285 | 0.0271, 0.0236 | 0.99, 1.21 | 0.040-0.042 s |
 
-(small-moe was not re-run at 6f2893e, c03259d or e2e6beb: its figures are 2b5dded's, before the push lock, which adds one
+(small-moe was not re-run at 6f2893e, c03259d, e2e6beb or 53d95e8: its figures are 2b5dded's, before the push lock, which adds one
 uncontended lock per version. The 2b5dded rows: one session later, after the weight group's backend choice and absolute paths changed
 ``cascade/rollout.py``; the broadcast of 228 MB moved 1.8x between its two runs.)
 
