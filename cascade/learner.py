@@ -195,14 +195,12 @@ class WorkerLearner:
 def kill_tree(pid: int) -> None:
     """SIGKILL ``pid`` and every process below it, found through /proc (torchrun starts each rank in a
     session of its own, out of the agent's process group, so ``killpg`` does not reach them)."""
+    from train.rl.worker import proc_stat
+
     children: dict[int, list[int]] = {}
     for d in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(d))
+        if (fields := proc_stat(d)) is not None:
+            children.setdefault(int(fields[1]), []).append(int(d))  # field 4: the parent's pid
     todo, tree = [pid], []
     while todo:
         p = todo.pop()

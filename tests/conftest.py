@@ -105,13 +105,21 @@ def hf_random_model(kind: str, seed: int = 0, **kw):
     return model.eval()
 
 
+def wait_until(done, timeout: float, every: float = 0.1) -> None:
+    """Call ``done()`` every ``every`` seconds until it is true or ``timeout`` seconds have passed."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline:
+        time.sleep(every)
+
+
 def alive(pid: int) -> bool:
     """Whether process ``pid`` runs (a zombie is dead)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
+    from train.rl.worker import proc_stat
+
+    fields = proc_stat(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def pids_of_uid(uid: int) -> list[int]:

@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import alive, cascade_here
+from tests.conftest import alive, cascade_here, wait_until
 from tests.test_rl_loop import one_thread  # noqa: F401 (fixture)
 
 STAGE = ["stage=rlve", "profile=tiny", "logging.progress=false", "envs={toy/max: 1}", "controller=fixed",
@@ -47,6 +47,12 @@ def cascade(*args, env=None, timeout=600, wait=True, cwd=None):
 
 def rl_records(out):
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["phase"] == "rl"]
+
+
+def wait_for_rl_records(p, out, n: int) -> None:
+    """Until the run ``p`` writing to ``out`` has recorded ``n`` RL steps (or ended; at most 300 s)."""
+    wait_until(lambda: p.poll() is not None or (out / "metrics.jsonl").exists() and len(rl_records(out)) >= n,
+               300, every=0.2)
 
 
 def final_weights(out):
@@ -120,11 +126,7 @@ def test_kill_9_of_a_server_mid_run(warm_dir, tmp_path):
     p = cascade(f"out={out}", f"model={warm_dir}", *STAGE, "steps=5", "rollout.servers=2", "rl.max_staleness=1",
                 "trainer.nproc=2", "trainer.tsp=1", wait=False)
     servers = out / "stages" / "1-rlve" / "logs" / "servers.json"
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 300 and p.poll() is None:
-        if (out / "metrics.jsonl").exists() and rl_records(out) and servers.exists():
-            break
-        time.sleep(0.2)
+    wait_for_rl_records(p, out, 1)  # (the servers are up, and servers.json written, before the first step)
     victim = list(json.loads(servers.read_text()).values())[0]
     os.kill(victim, signal.SIGKILL)
     _, err = p.communicate(timeout=600)
@@ -146,11 +148,7 @@ def test_sigterm_stops_a_run_like_ctrl_c(warm_dir, tmp_path):
     default action ended it at once, exit -15, with no word), and the last complete checkpoint is kept."""
     out = tmp_path / "run"
     p = cascade(f"out={out}", f"model={warm_dir}", *STAGE, "steps=40", "rollout.servers=1", wait=False)
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 300 and p.poll() is None:
-        if (out / "metrics.jsonl").exists() and len(rl_records(out)) >= 3:
-            break
-        time.sleep(0.2)
+    wait_for_rl_records(p, out, 3)
     pids = json.loads((out / "stages" / "1-rlve" / "logs" / "servers.json").read_text()).values()
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=120)
@@ -187,11 +185,7 @@ def test_one_trainer_rank_killed_or_hung_fails_the_run_and_no_rank_is_left(warm_
     out = tmp_path / "run"
     hung = ["trainer.timeout_s=20"] if sig == signal.SIGSTOP else []  # not less: the ranks' start counts (CI)
     p = cascade(f"out={out}", f"model={warm_dir}", *STAGE, "steps=40", "trainer.nproc=2", *hung, wait=False)
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 300 and p.poll() is None:
-        if (out / "metrics.jsonl").exists() and len(rl_records(out)) >= 3:
-            break
-        time.sleep(0.2)
+    wait_for_rl_records(p, out, 3)
     ranks = _rank_pids(out)
     assert len(ranks) == 2, (ranks, p.poll() is None or p.communicate()[1][-3000:])
     os.kill(ranks[1], sig)
@@ -204,9 +198,7 @@ def test_one_trainer_rank_killed_or_hung_fails_the_run_and_no_rank_is_left(warm_
         assert first.startswith(f"cascade run: failed: the trainer ranks {why}") and "trainer.log" in first, first
         assert err.strip().endswith("(the same command resumes from the last complete checkpoint)")
         assert list((out / "stages" / "1-rlve" / "checkpoints").glob("step-*/COMPLETE"))
-        deadline = time.monotonic() + 10
-        while any(alive(r) for r in ranks) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: not any(alive(r) for r in ranks), 10)
         assert not any(alive(r) for r in ranks)
     finally:
         for r in ranks:
@@ -228,9 +220,7 @@ def test_kill_9_of_the_run_resumes_trainer_ranks_and_orchestrator_in_step(warm_d
     assert r.returncode == 0, r.stderr[-3000:]
     r = cascade(f"out={out}", *args, env={"CASCADE_FAULT": "before_checkpoint:4"})
     assert r.returncode == -signal.SIGKILL
-    deadline = time.monotonic() + 30  # the orphaned ranks see the orchestrator gone and exit, and their agent
-    while _rank_pids(out, agent=True) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: not _rank_pids(out, agent=True), 30, every=0.2)  # orphaned ranks and agent exit
     assert not _rank_pids(out, agent=True)
     assert not (out / "exchange" / "final").exists()
     r = cascade(f"out={out}", *[x.replace("trainer.tsp=1", "trainer.tsp=2") for x in args])

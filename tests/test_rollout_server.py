@@ -23,7 +23,7 @@ from train.engine.remote import RemoteEngine, RemoteError
 from train.engine.server import serve_in_thread
 from train.rl.exchange import WEIGHTS_FILE, publish_version, stack_routing, version_dir
 
-from tests.conftest import alive
+from tests.conftest import alive, wait_until
 
 KEY = "s3cret"
 PROMPTS = [[5, 17, 33, 2, 90, 11, 7], [120, 4, 8], [9, 9, 31, 64, 150, 3, 77, 18, 42, 1, 6], [300, 301, 302, 303]]
@@ -547,9 +547,7 @@ time.sleep(600)
         assert line[2:] == ["None", "None"]  # both alive after the restarting thread ended
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait(30)
-        deadline = time.monotonic() + 30
-        while any(alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_until(lambda: not any(alive(p) for p in pids), 30, every=0.2)
         assert not any(alive(p) for p in pids)
     finally:
         if parent.poll() is None:

@@ -145,7 +145,7 @@ def request_path(exchange: str | Path, step: int) -> Path:
     return Path(exchange) / "ckpt_requests" / f"step-{step:06d}"
 
 
-def _stat(pid: int | str) -> list[str] | None:
+def proc_stat(pid: int | str) -> list[str] | None:
     """The fields of ``/proc/PID/stat`` after the command name (the state first), None where unreadable."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -158,7 +158,7 @@ def _stat(pid: int | str) -> list[str] | None:
 def process_start(pid: int | str = "self") -> str | None:
     """When process ``pid`` started (clock ticks after boot, field 22 of ``/proc/PID/stat``), None where
     there is no /proc: with the pid, it names one process even after the pid is reused."""
-    fields = _stat(pid)
+    fields = proc_stat(pid)
     return fields[19] if fields else None
 
 
@@ -176,7 +176,7 @@ def _gone(pid: int | None, host: str | None = None, start: str | None = None) ->
         return True
     except PermissionError:
         pass
-    fields = _stat(pid)
+    fields = proc_stat(pid)
     if fields is None:
         return False  # no /proc: kill(pid, 0) found it
     return fields[0] == "Z" or (start is not None and fields[19] != start)
