@@ -31,6 +31,9 @@ same run measured ``concurrency_speedup`` 2.47 and ``concurrency_speedup_short``
 Re-run at d52fa63 (2026-12-04, after this session's input checks in the engine and the batcher's close; one run of 3
 repeats): ``local_concurrency_speedup`` 2.00 (4.66 -> 2.33 s), ``concurrency_speedup`` 2.15 (6.18 -> 2.88 s; one
 problem at a time ranged 5.44-7.44 s), ``concurrency_speedup_short`` 1.74; same results both ways.
+Re-run at 34ec7af (2026-12-04, after ``ttc serve`` began to put its ``instance`` id in every answer; one run of 3
+repeats): ``concurrency_speedup`` 2.48 (7.60 -> 3.07 s), ``concurrency_speedup_short`` 2.04 (3.03 -> 1.49 s),
+``local_concurrency_speedup`` 2.61 (7.94 -> 3.04 s); same results both ways.
 
 Measured on this project's 2-core CPU (2026-12-02, defaults, tiny-moe, 1 thread, quiet machine, commit
 e6feb3e, three runs): ``concurrency_speedup`` 2.17, 2.21, 2.13 (one problem at a time 3.73-3.80 s, 64 in
@@ -64,7 +67,7 @@ request is on both sides): per KV head the rows' queries against one copy of its
 two matrix products. ``shared_prefix_step`` measures decoding steps with it against row by row on the
 same cache (``--skip-steps`` skips it); three runs at 0f88c3d: 8 rows, 300 shared +
 300 own tokens 1.09, 1.19, 1.05x; 600 + 300 1.28, 1.39, 1.38x; 300 + 600 0.89, 1.24, 1.03x; 32 rows,
-600 + 300 1.45, 1.43, 1.36x. In the RSA runs this moves too little to show through this machine's
+600 + 300 1.45, 1.43, 1.36x; one run at 34ec7af: 1.00, 1.03, 1.21, 1.31x. In the RSA runs this moves too little to show through this machine's
 noise: interleaved with 1e2da25 (before it), ``prefix_speedup_real`` 1.03, 1.12, 1.16 against 0.99,
 1.16 and ``prefix_speedup_long`` 1.31, 1.25, 0.97 against 1.11, 1.03, the same configuration's decode
 seconds moving 3.1-5.2 s between runs. The goal (1.3 at the realistic shape) is not met.
@@ -74,6 +77,10 @@ Re-run on 2026-12-04 at 209ecb6 (the engine backend's calls now go through the b
 2.99 of 3.56 s uncached), long 1.37 (7.36 -> 5.36 s), same outputs both sides. Re-run at 686a1e4 (``--skip-concurrency``,
 3 repeats; the model's forward moved router-replay ids to its device, a no-op here): toy 1.43, real 1.06 (pairs
 1.01-1.10; uncached 5.57 s of which decode 4.91 s), long 1.27, same outputs both sides.
+Re-run at 34ec7af (the code on this path unchanged since 686a1e4), two runs: 3 repeats: toy 1.63, real 0.89 (pairs
+0.76-1.00; decode 4.79 s uncached, 5.59 s cached, within this machine's noise: see the next run), long 1.20
+(pairs 1.06-1.32); ``--repeats 5 --long-problem-words 0``: toy 1.37, real 1.01 (pairs 0.87-1.32; the uncached side's
+decode alone ranged 3.83-5.37 s over its five repeats). Same outputs both sides in both runs.
 On a GPU (one H200, ``--device cuda --repeats 1 --long-problem-words 0`` via ``bash benchmarks/gpu.sh``, commit
 d41e7e5): toy 0.98 (0.57 s), real 1.17 (11.72 -> 10.05 s, of which prefill 0.03 s each side: the tiny model
 decodes launch-bound at ~9 ms a step, so the difference is decoding, not the prefix); the two sides' outputs
