@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import importlib
 import os
-import signal
 import sys
-import threading
 
-from train.errors import RunFailure
+from train.errors import RunFailure, Terminated, sigterm_interrupts
 
 # name -> ("module:function", one-line help). Each function takes argv (list[str]) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -34,15 +32,6 @@ def _usage() -> str:
     return f"usage: cascade COMMAND [ARGS]\n\ncommands:\n{rows}\n\n`cascade COMMAND --help` for details."
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (a scheduler's preemption or time limit, ``kill``) during ``run``: stopped as Ctrl-C stops it."""
-
-
-def _on_sigterm(signum, frame):
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
-    raise Terminated
-
-
 def dispatch(table: dict[str, tuple[str, str]], argv: list[str], usage: str, prog: str) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage)
@@ -54,32 +43,28 @@ def dispatch(table: dict[str, tuple[str, str]], argv: list[str], usage: str, pro
     mod, _, fn = table[name][0].partition(":")
     func = getattr(importlib.import_module(mod), fn)
     # `run`: SIGTERM unwinds like Ctrl-C (finally blocks stop servers and ranks) instead of ending at once
-    on_term = name == "run" and threading.current_thread() is threading.main_thread()
-    old_term = signal.signal(signal.SIGTERM, _on_sigterm) if on_term else None
-    try:
-        return int(func(rest) or 0)
-    except BrokenPipeError:  # output piped into `head` and the like, which stopped reading: end quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-    except USER_ERRORS as e:
-        if os.environ.get("CASCADE_DEBUG"):
-            raise
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"{prog} {name}: error: {msg}", file=sys.stderr)
-        return 2
-    except RunFailure as e:  # a server or the trainer ranks went away: what and where to look, no traceback
-        if os.environ.get("CASCADE_DEBUG"):
-            raise
-        print(f"{prog} {name}: failed: {e}" + (RESUME_HINT if name == "run" else ""), file=sys.stderr)
-        return 1
-    except KeyboardInterrupt as e:  # the run's finally blocks have stopped its servers and ranks by now
-        term = isinstance(e, Terminated)
-        print(f"{prog} {name}: " + ("terminated (SIGTERM)" if term else "interrupted")
-              + (RESUME_HINT if name == "run" else ""), file=sys.stderr)
-        return 143 if term else 130
-    finally:
-        if on_term:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if old_term is None else old_term)
+    with sigterm_interrupts(name == "run"):
+        try:
+            return int(func(rest) or 0)
+        except BrokenPipeError:  # output piped into `head` and the like, which stopped reading: end quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
+        except USER_ERRORS as e:
+            if os.environ.get("CASCADE_DEBUG"):
+                raise
+            msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+            print(f"{prog} {name}: error: {msg}", file=sys.stderr)
+            return 2
+        except RunFailure as e:  # a server or the trainer ranks went away: what and where to look, no traceback
+            if os.environ.get("CASCADE_DEBUG"):
+                raise
+            print(f"{prog} {name}: failed: {e}" + (RESUME_HINT if name == "run" else ""), file=sys.stderr)
+            return 1
+        except KeyboardInterrupt as e:  # the run's finally blocks have stopped its servers and ranks by now
+            term = isinstance(e, Terminated)
+            print(f"{prog} {name}: " + ("terminated (SIGTERM)" if term else "interrupted")
+                  + (RESUME_HINT if name == "run" else ""), file=sys.stderr)
+            return 143 if term else 130
 
 
 def main(argv: list[str] | None = None) -> int:

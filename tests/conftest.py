@@ -139,10 +139,16 @@ def pids_of_uid(uid: int) -> list[int]:
 
 
 def assert_no_processes_of(uid: int, wait_s: float = 5.0) -> None:
-    """After a sandboxed run: nothing of ``uid`` outlives it (given ``wait_s`` to be reaped)."""
-    import time
+    """After a sandboxed run: nothing of ``uid`` outlives it (given ``wait_s`` to be reaped: a killed
+    process may take a moment to vanish on a loaded machine)."""
+    from pathlib import Path
 
-    deadline = time.monotonic() + wait_s
-    while pids_of_uid(uid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert pids_of_uid(uid) == [], "a sandboxed process outlived its run"
+    def cmdline(pid: int) -> str:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+        except OSError:
+            return "?"
+
+    wait_until(lambda: not pids_of_uid(uid), wait_s, every=0.05)
+    left = {p: cmdline(p) for p in pids_of_uid(uid)}
+    assert left == {}, f"a sandboxed process outlived its run: {left}"

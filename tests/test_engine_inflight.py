@@ -2,11 +2,11 @@
 (native C++ path and PyTorch path)."""
 import copy
 import threading
-import time
 
 import pytest
 import torch
 
+from tests.conftest import wait_until
 from tests.test_native import _model as native_model
 
 from train.engine import SamplingParams, TorchEngine, native
@@ -75,9 +75,7 @@ def _updated_in_flight(eng, new_sd, at_step, version, errors):
         if step == at_step:
             loader["t"] = threading.Thread(target=load)
             loader["t"].start()
-            deadline = time.monotonic() + 30
-            while not eng.update_pending and loader["t"].is_alive() and time.monotonic() < deadline:
-                time.sleep(0.001)
+            wait_until(lambda: eng.update_pending or not loader["t"].is_alive(), 30, every=0.001)
 
     return hook, loader
 

@@ -140,9 +140,7 @@ def test_routed_experts_and_in_flight_load_over_http(setup):
             got["t"] = threading.Thread(target=lambda: got.setdefault("r", call(url, "/v1/load_weights",
                                                                                {"version": 1})))
             got["t"].start()
-            deadline = time.monotonic() + 60
-            while not eng.update_pending and got["t"].is_alive() and time.monotonic() < deadline:
-                time.sleep(0.002)
+            wait_until(lambda: eng.update_pending or not got["t"].is_alive(), 60, every=0.002)
 
     eng.step_hook = hook
     try:
@@ -246,9 +244,7 @@ def test_kill_one_of_two_servers_mid_generate(setup, tmp_path):
         t = threading.Thread(target=lambda: out.setdefault("r", remote.generate(prompts, sp, seeds=seeds)))
         t.start()
         victim, vurl = procs[0]
-        deadline = time.monotonic() + 60
-        while remote.requests[vurl] < 2 and time.monotonic() < deadline:
-            time.sleep(0.005)
+        wait_until(lambda: remote.requests[vurl] >= 2, 60, every=0.005)
         os.kill(victim.pid, signal.SIGKILL)  # kill -9 with requests in flight
         t.join(300)
         assert not t.is_alive() and downs == [vurl] and remote.alive == {urls[1]} and remote.resent >= 1
@@ -269,8 +265,7 @@ def test_kill_one_of_two_servers_mid_generate(setup, tmp_path):
         before = remote.requests[urls[1]]
         t = threading.Thread(target=lambda: out.__setitem__("r", remote.generate(prompts[:6], sp, seeds=seeds[:6])))
         t.start()
-        while remote.requests[urls[1]] < before + 2 and time.monotonic() < deadline + 60:
-            time.sleep(0.005)
+        wait_until(lambda: remote.requests[urls[1]] >= before + 2, 60, every=0.005)
         os.kill(procs[1][0].pid, signal.SIGKILL)  # the only server left
         t.join(300)
         assert not t.is_alive() and downs == [vurl, urls[1]] and remote.alive == {urls[1]}

@@ -14,6 +14,7 @@ import pytest
 
 from envs.code import sandbox as sbx
 from envs.code.sandbox import Sandbox, SandboxConfig, SandboxUnavailable
+from tests.conftest import assert_no_processes_of, pids_of_uid
 
 # a uid of our own (not the default 65534), so that sandboxes run concurrently by other test
 # sessions on this machine cannot be mistaken for leftovers of ours
@@ -31,37 +32,10 @@ def sb() -> Sandbox:
     return s
 
 
-def _sandbox_uid_pids() -> list[int]:
-    """Host processes running as this session's sandbox uid (there must be none between runs)."""
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            status = Path(f"/proc/{d}/status").read_text()
-        except OSError:
-            continue
-        for line in status.splitlines():
-            if line.startswith("Uid:") and str(CFG.uid) in line.split()[1:2]:
-                out.append(int(d))
-    return out
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
-    except OSError:
-        return "?"
-
-
 @pytest.fixture(autouse=True)
 def no_leftovers():
     yield
-    deadline = time.monotonic() + 5.0  # a killed process may take a moment to vanish on a loaded machine
-    while _sandbox_uid_pids() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    left = {p: _cmdline(p) for p in _sandbox_uid_pids()}
-    assert left == {}, f"a sandboxed process outlived its run: {left}"
+    assert_no_processes_of(CFG.uid)
 
 
 def test_all_layers_present_and_plain_run(sb):
@@ -367,10 +341,10 @@ print("parent done")
     v = sb.run(prog, time_limit=5.0)
     assert v.status == "ok" and v.stdout.strip() == "parent done"
     assert time.monotonic() - t < 2.0  # did not wait for the daemon
-    assert _sandbox_uid_pids() == []
+    assert pids_of_uid(UID) == []
     time.sleep(2.3)
     assert not marker.exists()
-    assert _sandbox_uid_pids() == []
+    assert pids_of_uid(UID) == []
 
 
 def test_large_stdin(sb):

@@ -480,20 +480,24 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"ttc: unknown command {name!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
+    from train.errors import Terminated, sigterm_interrupts
+
     try:
-        return int(COMMANDS[name](rest) or 0)
+        with sigterm_interrupts(name == "solve"):  # a scheduler's SIGTERM stops a sweep as Ctrl-C does
+            return int(COMMANDS[name](rest) or 0)
     except (ValueError, KeyError, FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError,
             PermissionError, ServerError, ConnectionError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"ttc {name}: error: {str(msg).splitlines()[0] if str(msg) else type(e).__name__}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         # every finished round is already on disk (fsynced line by line); leave without unwinding: the
         # engine's thread may be inside native code, and interpreter teardown around it can abort
-        print(f"ttc {name}: interrupted" + ("; rerun with --resume to go on" if name == "solve" else ""),
-              file=sys.stderr, flush=True)
+        term = isinstance(e, Terminated)
+        print(f"ttc {name}: " + ("terminated (SIGTERM)" if term else "interrupted")
+              + ("; rerun with --resume to go on" if name == "solve" else ""), file=sys.stderr, flush=True)
         sys.stdout.flush()
-        os._exit(130)
+        os._exit(143 if term else 130)
 
 
 if __name__ == "__main__":
