@@ -2,7 +2,8 @@
 
 Everything else in the suite runs on CPU with gloo; these run the same code on ``cuda:0``:
 the sharded RL update in an NCCL world against the single-process reference step on CPU (fp32,
-two steps), bf16 packed attention as one varlen FlashAttention call, the torch engine's sampled log-probs and router replay against the trainer's
+two steps), bf16 packed attention as one varlen FlashAttention call (and the per-sequence path for head
+sizes FlashAttention refuses), a ZAYA1 policy on the TSP core, the torch engine's sampled log-probs and router replay against the trainer's
 teacher-forced ones on the GPU, the HF-format model's logits against transformers' on the GPU, and
 the torchrun trainer worker (NCCL) killed and resumed from its sharded checkpoint, and ``cascade
 run`` with a rollout server and the weight broadcast on the same GPU, and with the in-process
@@ -72,17 +73,19 @@ def test_sharded_rl_update_in_an_nccl_world_equals_the_cpu_reference():
         dist.destroy_process_group()
 
 
-def test_packed_attention_takes_one_varlen_kernel_in_bf16():
+@pytest.mark.parametrize("d", [64, 10])
+def test_packed_attention_takes_one_varlen_kernel_in_bf16(d):
     """bf16 packed attention on the GPU is one varlen FlashAttention call (GQA heads as they are); its
-    output and gradients match per-sequence attention computed in fp32 from the same inputs."""
+    output and gradients match per-sequence attention computed in fp32 from the same inputs. A head size
+    FlashAttention refuses (not a multiple of 8) takes the per-sequence path instead of raising."""
     from train.model.modeling import Segments, segment_attention, uses_varlen
 
     g = torch.Generator().manual_seed(0)
     lens = [5, 130, 1, 64, 300]
-    N, hq, hk, d = sum(lens), 8, 2, 64
+    N, hq, hk = sum(lens), 8, 2
     seg = Segments.of([0, *torch.tensor(lens).cumsum(0).tolist()], N)
     q, k, v = (torch.randn(1, h, N, d, generator=g).to(DEV, torch.bfloat16).requires_grad_() for h in (hq, hk, hk))
-    assert uses_varlen(q) == (DEV.type == "cuda")
+    assert uses_varlen(q) == (DEV.type == "cuda" and d % 8 == 0)
     out = segment_attention(q, k, v, seg, gqa=True)
     dout = torch.randn(out.shape, generator=g).to(DEV, torch.bfloat16)
     grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -92,8 +95,45 @@ def test_packed_attention_takes_one_varlen_kernel_in_bf16():
     ref_grads = torch.autograd.grad(ref, (q32, k32, v32), dout.float())
     rel = lambda a, b: float((a.float() - b).norm() / b.norm())  # noqa: E731
     errs = [rel(out, ref)] + [rel(a, b) for a, b in zip(grads, ref_grads)]
-    print("bf16 packed attention vs fp32 per sequence, relative errors (out, dq, dk, dv):", errs)
+    print(f"bf16 packed attention (head_dim {d}) vs fp32 per sequence, relative errors (out, dq, dk, dv):", errs)
     assert max(errs) < 2e-2, errs
+
+
+def test_tsp_zaya_policy_trains_on_the_gpu():
+    """A ZAYA1 policy on the TSP core (one rank, NCCL): its routers' balancing biases and load counts live on
+    the GPU with its shards (they were left on the CPU, so the first routed forward raised), the log-probs
+    equal the single-process model's, and the forward counts the real tokens' experts (at most one per token
+    and layer: padding and the skip class count for none)."""
+    import torch.distributed as dist
+
+    from tests.test_parallel import _model
+    from tests.test_rl_distributed import _zaya_cfg
+    from train.model.modeling import token_logprobs
+    from train.parallel.comm import free_port
+    from train.parallel.tsp import TSPCausalLM
+
+    dist.init_process_group("nccl" if DEV.type == "cuda" else "gloo", rank=0, world_size=1,
+                            init_method=f"tcp://127.0.0.1:{free_port()}", device_id=DEV if DEV.type == "cuda" else None)
+    try:
+        ref = _model(_zaya_cfg()).to(DEV)
+        tsp = TSPCausalLM(ref)
+        devices = {t.device for t in [*tsp.parameters(), *tsp.buffers(), *tsp.model_buffers().values()]}
+        assert devices == {DEV}, devices
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, 50, (2, 12), generator=g).to(DEV)
+        am = torch.ones_like(ids)
+        am[0, :3] = 0  # left padding: not counted in the load
+        lp, slots = tsp.token_logprobs(ids, am)
+        want = token_logprobs(ref, ids, am)
+        inside = slots < ids.shape[1] - 1
+        real = am.bool()[:, slots[inside]]
+        err = (lp[:, inside] - want[:, slots[inside]])[real].abs().max().item()
+        assert err < 1e-4, err
+        lp[:, inside][real].sum().backward()  # (the backward runs on the GPU too)
+        counts = sum(gate.load_counts.sum().item() for gate in tsp.zaya_gates)
+        assert counts <= int(am.sum()) * len(tsp.zaya_gates) and counts > 0, counts
+    finally:
+        dist.destroy_process_group()
 
 
 def _moe(seed=0):

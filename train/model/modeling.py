@@ -214,8 +214,9 @@ def _varlen() -> tuple | None:
 
 def uses_varlen(q: torch.Tensor) -> bool:
     """Whether :func:`segment_attention` takes one varlen FlashAttention call for ``q``: CUDA, fp16 or bf16,
-    head_dim <= 256, and a torch that has the kernel."""
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and _varlen() is not None
+    head_dim a multiple of 8 up to 256 (FlashAttention refuses others), and a torch that has the kernel."""
+    d = q.shape[-1]
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d <= 256 and d % 8 == 0 and _varlen() is not None
 
 
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments, gqa: bool) -> torch.Tensor:

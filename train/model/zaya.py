@@ -265,9 +265,10 @@ class ZayaMoE(nn.Module):
 def count_load(gate: ZayaRouter, idx: torch.Tensor, valid: torch.Tensor | None) -> None:
     """Add the tokens routed to each expert (class ids ``idx`` [N, 1]; ``valid``: the real tokens, any
     shape of N elements, or None) to ``gate.load_counts``; the skip class counts for no expert."""
-    ids = idx[:, 0] if valid is None else idx[:, 0][valid.reshape(-1)]
-    n = torch.zeros(gate.num_experts + 1, device=ids.device).scatter_add_(0, ids, torch.ones_like(
-        ids, dtype=torch.float32))  # not bincount: no host sync on CUDA
+    ids = idx[:, 0]
+    ones = torch.ones_like(ids, dtype=torch.float32) if valid is None else valid.reshape(-1).to(torch.float32)
+    # not bincount, and padding weighted 0 rather than masked out: no host sync on CUDA
+    n = torch.zeros(gate.num_experts + 1, device=ids.device).scatter_add_(0, ids, ones)
     gate.load_counts += n[:-1]
 
 

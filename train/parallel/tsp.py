@@ -385,7 +385,8 @@ class TSPCausalLM(ShardedLM):
             add(a + "o_proj.weight", read(a + "o_proj.weight", slice(None), qrows), "col")
             if cfg.attention_bias:  # added once to each local token's attention output
                 add(a + "o_proj.bias", read(a + "o_proj.bias"), "rep")
-            gate = ZayaRouter(cfg, i)  # replicated; its parameters are this model's "rep" shards
+            # replicated; its parameters are this model's "rep" shards, its buffers on their device
+            gate = ZayaRouter(cfg, i).to(self._p["model.embed_tokens.weight"].device)
             for n, _ in list(gate.named_parameters()):
                 add(p + "mlp.gate." + n, read(p + "mlp.gate." + n), "rep")
                 *path, leaf = n.split(".")
