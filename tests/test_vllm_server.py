@@ -79,6 +79,16 @@ def test_vllm_python_says_when_vllm_is_missing(tmp_path):
         vllm_python(str(tmp_path / "nope" / "python"))
 
 
+@pytest.mark.parametrize("flag", [["--data-parallel-size", "2"], ["--api-server-count", "2"]], ids=["dp", "api"])
+def test_layouts_whose_weight_routes_reach_one_replica_are_refused(tmp_path, flag):
+    """Data-parallel replicas (or API servers) behind one server: a reload or a weight-group join would reach
+    one replica only (and duplicate weight-group ranks). Refused in one line before any engine starts."""
+    r = subprocess.run([sys.executable, "-m", "train.engine.vllm_server", "--model", str(tmp_path), *flag],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "start more servers for more throughput" in r.stderr and flag[0] in r.stderr, r.stderr[-2000:]
+
+
 def _call(method: str, url: str, path: str, body: dict | None = None, key: str | None = KEY) -> tuple[int, dict]:
     req = urllib.request.Request(url + path, method=method, data=None if body is None else json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json",

@@ -435,8 +435,10 @@ def main(argv: list[str] | None = None) -> int:
     if mine.weights_version < 0:
         print(f"vllm_server: --weights-version must be >= 0, got {mine.weights_version}", file=sys.stderr)
         return 2
-    if args.headless or getattr(args, "grpc", False) or (args.api_server_count or 1) != 1:
-        print("vllm_server: runs one HTTP API-server process (no --headless, --grpc or --api-server-count > 1); "
+    if args.headless or getattr(args, "grpc", False) or (args.api_server_count or 1) != 1 \
+            or (getattr(args, "data_parallel_size", 1) or 1) != 1:
+        print("vllm_server: runs one HTTP API-server process over one engine (no --headless, --grpc, "
+              "--api-server-count > 1 or --data-parallel-size > 1: its weight routes reach one replica); "
               "start more servers for more throughput", file=sys.stderr)
         return 2
     args.api_server_count = 1

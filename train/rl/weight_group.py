@@ -186,7 +186,9 @@ def join(host: str, port: int, rank: int, world_size: int, name: str, device="cp
     prefixed = dist.PrefixStore(f"cascade-weights/{name}", store)
     if backend == "nccl":
         torch.cuda.set_device(device)
-        pg = dist.ProcessGroupNCCL(prefixed, int(rank), int(world_size), dist.ProcessGroupNCCL.Options())
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout  # as torch's own init does (NCCL's default is 10 minutes)
+        pg = dist.ProcessGroupNCCL(prefixed, int(rank), int(world_size), opts)
     else:
         pg = dist.ProcessGroupGloo(prefixed, int(rank), int(world_size), timeout)
     return Group(pg, int(rank), int(world_size), device)
@@ -210,17 +212,21 @@ def send(group: Group, state_dict: dict[str, torch.Tensor], layout: dict) -> Non
 
 
 def receive(group: Group, layout: dict) -> dict[str, torch.Tensor]:
-    """A server member: the state dict broadcast per ``layout``, on the group's device; raises
-    :class:`WeightGroupError` if a checksum does not match (nothing is applied by this function)."""
+    """A server member: the state dict broadcast per ``layout``, on the host (each bucket leaves the GPU
+    as it arrives: a server's GPU is given to its model and KV cache, with no room for a second, unsharded
+    copy of the policy); raises :class:`WeightGroupError` if a checksum does not match (nothing is applied
+    by this function)."""
     _check_layout(layout)
-    bufs = []
+    bufs, got = [], []
     for nbytes in layout["buckets"]:
         buf = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
         group.broadcast(buf)
-        bufs.append(buf)
+        got.append(checksum(buf))
+        bufs.append(buf.cpu())
+        del buf
     sums = torch.empty(len(bufs), dtype=torch.int64, device=group.device)
     group.broadcast(sums)
-    got = torch.stack([checksum(b) for b in bufs])
+    got, sums = torch.stack(got).cpu(), sums.cpu()
     if not torch.equal(got, sums):
         bad = [i for i, ok in enumerate((got == sums).tolist()) if not ok]
         raise WeightGroupError(f"checksum mismatch in bucket(s) {bad} of the broadcast version")
