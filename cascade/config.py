@@ -214,6 +214,10 @@ class Rollout:
     backend: str = "cascade"          # started servers: cascade | vllm
     python: str | None = None         # their interpreter; default: this one (cascade), .venv-vllm/bin/python if present (vllm)
     server_args: str = ""             # extra flags for started servers, shell-split (e.g. "--gpu-memory-utilization 0.5")
+    # GPU ids for the started servers, split evenly in order (server k sees its slice as CUDA_VISIBLE_DEVICES:
+    # [2, 3, 4, 5] with servers=2 gives "2,3" and "4,5", for vLLM's --tensor-parallel-size 2); default: every
+    # server inherits this process's GPUs (several vLLM servers would then all take the first one)
+    gpus: list[int] = field(default_factory=list)
     # how weight versions reach the servers: files (each server reads and hashes the version published
     # in OUT/exchange) or broadcast (over a process group with the cascade process, which holds each
     # version: NCCL on GPU, gloo on CPU; the files are still written, for resume and restarted
@@ -236,6 +240,10 @@ class Rollout:
         if self.group_timeout_s <= 0 or self.readmit_s <= 0 or self.down_wait_s < 0:
             raise ValueError(f"rollout.group_timeout_s and rollout.readmit_s must be > 0 and rollout.down_wait_s "
                              f">= 0, got {self.group_timeout_s}, {self.readmit_s} and {self.down_wait_s}")
+        if self.gpus and (not self.servers or len(self.gpus) % self.servers or len(set(self.gpus)) < len(self.gpus)
+                          or min(self.gpus) < 0):
+            raise ValueError(f"rollout.gpus={list(self.gpus)} must be distinct GPU ids, as many for each of the "
+                             f"rollout.servers={self.servers} servers cascade run starts")
         if self.weight_transport not in TRANSPORTS:
             raise ValueError(f"unknown rollout.weight_transport {self.weight_transport!r}; choose from "
                              f"{', '.join(TRANSPORTS)}")

@@ -72,7 +72,8 @@ class ServerPool:
 
     def __init__(self, n: int, model_dir: Path, exchange: Path, api_key: str, threads: int, log_dir: Path,
                  startup_timeout_s: float = 180.0, dtype: str = "float32", device: str | None = None,
-                 backend: str = "cascade", python: str | None = None, server_args: str | list[str] = ""):
+                 backend: str = "cascade", python: str | None = None, server_args: str | list[str] = "",
+                 gpus: list[int] | None = None):
         import shlex
 
         if backend not in ("cascade", "vllm"):
@@ -85,6 +86,10 @@ class ServerPool:
         self.backend = backend
         self.python = vllm_python(python) if backend == "vllm" else (python or sys.executable)
         self.server_args = shlex.split(server_args) if isinstance(server_args, str) else list(server_args)
+        self.n = n
+        self.gpus = list(gpus or [])  # server k sees its slice of these (rollout.gpus) as CUDA_VISIBLE_DEVICES
+        if self.gpus and len(self.gpus) % n:
+            raise ConfigError(f"rollout.gpus={self.gpus} does not split evenly among {n} servers")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
         self.restarts = 0
@@ -119,11 +124,14 @@ class ServerPool:
             cmd = [self.python, "-m", "train.engine.server", "--model", str(self.model_dir), "--port", port,
                    "--api-key", self.api_key, "--weights-dir", str(self.exchange), "--threads", str(self.threads),
                    "--dtype", self.dtype, "--served-model-name", "policy"]
-            if self.device:
-                cmd += ["--device", self.device]
+            if self.device:  # (with rollout.gpus its own GPUs are the only ones it sees: the first is cuda)
+                cmd += ["--device", "cuda" if self.gpus and self.device.startswith("cuda") else self.device]
         cmd += self.server_args
         log = open(self.log_dir / f"server-{k}.log", "ab")
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads))
+        if self.gpus:
+            g = len(self.gpus) // self.n
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpus[k * g:(k + 1) * g]))
         try:
             self.procs[url] = self._spawner.submit(subprocess.Popen, cmd, stdout=log, stderr=subprocess.STDOUT,
                                                    env=env, cwd=str(ROOT), preexec_fn=_die_with_parent).result()
@@ -347,7 +355,7 @@ def served_engine(rcfg, model_dir: Path, out: Path, log_dir: Path) -> ServedEngi
     key = r.api_key or secrets.token_hex(16)
     pool = ServerPool(r.servers, model_dir, exchange, key, r.threads, log_dir, r.startup_timeout_s, rcfg.dtype,
                       None if rcfg.device == "cpu" else rcfg.device, backend=r.backend, python=r.python,
-                      server_args=r.server_args)
+                      server_args=r.server_args, gpus=r.gpus)
     try:
         return ServedEngine(pool.urls, exchange, key, pool, per_server=r.per_server, **group)
     except BaseException:

@@ -243,6 +243,7 @@ def test_kill_9_of_the_run_resumes_trainer_ranks_and_orchestrator_in_step(warm_d
     (["rollout.urls=[http://127.0.0.1:9]", "rollout.api_key=k"], "127.0.0.1:9"),
     (["rollout.servers=1", "rollout.urls=[http://127.0.0.1:9]"], "not both"),
     (["rollout.down_wait_s=-1"], "rollout.down_wait_s >= 0, got 120.0, 10.0 and -1"),
+    (["rollout.servers=2", "rollout.gpus=[0,1,2]"], "rollout.gpus=[0, 1, 2] must be distinct GPU ids, as many for each"),
 ])
 def test_bad_layouts_fail_before_any_work(warm_dir, tmp_path, args, needle):
     out = tmp_path / "run"

@@ -520,12 +520,15 @@ def test_servers_a_run_started_die_with_it(tiny_moe_dir, tmp_path):
     """A process that started rollout servers (``cascade run`` with ``rollout.servers``) killed with
     ``kill -9``: its servers get the parent-death signal and exit, the one restarted from a request
     thread that has since ended too (the signal follows the thread that forked a child: servers are
-    forked from one spawner thread that lives as long as the pool)."""
+    forked from one spawner thread that lives as long as the pool). The pool is given ``rollout.gpus``: each
+    server, the restarted one too, sees its own GPU as ``CUDA_VISIBLE_DEVICES`` (on this CPU they serve on
+    the CPU all the same)."""
     script = f"""
 import threading, time
 from pathlib import Path
 from cascade.rollout import ServerPool
-pool = ServerPool(2, Path({str(tiny_moe_dir)!r}), Path({str(tmp_path / 'ex')!r}), "k", 1, Path({str(tmp_path / 'logs')!r}))
+pool = ServerPool(2, Path({str(tiny_moe_dir)!r}), Path({str(tmp_path / 'ex')!r}), "k", 1, Path({str(tmp_path / 'logs')!r}),
+                  gpus=[3, 5])
 t = threading.Thread(target=pool.restart, args=(pool.urls[0],))
 t.start(); t.join()
 time.sleep(0.5)
@@ -540,6 +543,9 @@ time.sleep(600)
         assert len(line) == 4, line
         pids = [int(x) for x in line[:2]]
         assert line[2:] == ["None", "None"]  # both alive after the restarting thread ended
+        envs = [dict(x.split("=", 1) for x in Path(f"/proc/{p}/environ").read_text().split("\0") if "=" in x)
+                for p in pids]
+        assert [e.get("CUDA_VISIBLE_DEVICES") for e in envs] == ["3", "5"]
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait(30)
         wait_until(lambda: not any(alive(p) for p in pids), 30, every=0.2)
