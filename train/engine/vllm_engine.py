@@ -265,11 +265,23 @@ class VLLMEngine:
             skip_special_tokens=False, spaces_between_special_tokens=False)
 
     # -- contract ---------------------------------------------------------------------------------
+    @property
+    def records_routing(self) -> bool:
+        """Whether completions can carry the routed experts (the RL trainer replays them then)."""
+        return self.supports_router_replay
+
     def generate(self, prompts: Sequence[list[int]] | Sequence[str], params: SamplingParams,
-                 seeds: Sequence[int] | None = None) -> list[Completion]:
+                 seeds: Sequence[int] | None = None, return_routed_experts: bool | None = None) -> list[Completion]:
         """``seeds`` (optional, one per prompt): prompt i samples as it would alone with
-        ``seed=seeds[i]``, as in the torch engine."""
+        ``seed=seeds[i]``, as in the torch engine. ``return_routed_experts`` (default: what the engine
+        was built with) fills ``Completion.routed_experts``; only an engine built with
+        ``return_routed_experts=True`` can."""
         from vllm.inputs import TokensPrompt
+
+        routed = self.supports_router_replay if return_routed_experts is None else bool(return_routed_experts)
+        if routed and not self.supports_router_replay:
+            raise ValueError("return_routed_experts needs VLLMEngine(..., return_routed_experts=True) "
+                             "(cascade run: vllm.extra={return_routed_experts: true}; a GPU with Triton)")
 
         ids = self.encode(prompts)
         ctx = self.context_length
@@ -307,7 +319,7 @@ class VLLMEngine:
                 body = toks[:-1] if o.finish_reason == "stop" and toks and toks[-1] in eos else toks
                 text = self.decode(body)
             c = Completion(toks, text, lps, o.finish_reason, pi, len(ids[pi]), ids[pi])
-            if self.supports_router_replay and getattr(o, "routed_experts", None) is not None:
+            if routed and getattr(o, "routed_experts", None) is not None:
                 c.routed_experts = routed_experts_for_policy(o.routed_experts, self.moe_layers, len(ids[pi]) + len(toks))
             self.stats.generated_tokens += len(toks)
             result.append(c)
