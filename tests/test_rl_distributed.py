@@ -284,8 +284,35 @@ def _check_errors(world, out):
             out[key] = str(e)
 
 
+def _check_orphaned_seen_off_rank_0(world, out):
+    """The orchestrator died, and rank 0 runs on another host than it (torchrun orders the nodes by name, so
+    rank 0 need not be on the orchestrator's): here rank 0 is told the orchestrator's host is another one.
+    No batch ever comes; the rank on the orchestrator's host sees it gone, and every rank leaves (before,
+    only rank 0 looked, and the ranks waited forever: here until the 5 s ``max_wait_s``)."""
+    import socket
+    import tempfile
+
+    import torch.distributed as dist
+
+    from train.rl.worker import _poll
+
+    box = [None]
+    if dist.get_rank() == 0:
+        child = subprocess.Popen(["true"])
+        child.wait()  # reaped: its pid names no process
+        box = [child.pid]
+    dist.broadcast_object_list(box, src=0)
+    host = "another-host" if dist.get_rank() == 0 else socket.gethostname()
+    with tempfile.TemporaryDirectory() as d:  # an exchange where nothing arrives
+        try:
+            out["orphan.result"] = _poll(Path(d), 0, 0.01, 5.0, "cpu", (box[0], host, None))
+        except TimeoutError as e:
+            out["orphan.result"] = f"timeout: {e}"
+
+
 def _worker(rank, world, port, path):
-    run_checks(rank, world, port, path, ([_check_errors, _check_sft_then_rl, _check_zaya_dp] if world == 2 else [])
+    run_checks(rank, world, port, path, ([_check_errors, _check_orphaned_seen_off_rank_0, _check_sft_then_rl,
+                                          _check_zaya_dp] if world == 2 else [])
                + [_check_updates, _check_bf16, _check_zaya_tsp])
 
 
@@ -370,6 +397,13 @@ def test_bad_mesh_and_heads_raise_one_line(results):
         assert r["err.mesh"].startswith("mesh dp=2 x tsp=2 does not match the world size 2"), r["err.mesh"]
         assert "num_attention_heads (3) divisible by D=2" in r["err.heads"], r["err.heads"]
         assert "\n" not in r["err.mesh"] + r["err.heads"]
+
+
+def test_an_orchestrator_seen_dead_by_any_rank_stops_every_rank(results):
+    world, ranks = results
+    if world != 2:
+        pytest.skip("checked in the world of 2")
+    assert [r["orphan.result"] for r in ranks] == ["orphaned", "orphaned"], [r["orphan.result"] for r in ranks]
 
 
 # ------------------------------------------------------------------------------ KL to a reference

@@ -183,31 +183,33 @@ def _gone(pid: int | None, host: str | None = None, start: str | None = None) ->
 
 
 def _poll(exchange: Path, step: int, poll_s: float, max_wait_s: float, device, parent: tuple = (None, None, None)):
-    """Rank 0 waits for batch ``step``, a checkpoint request for ``step`` updates, STOP, or the death of
-    the orchestrator ``parent`` (pid, host, start: see :func:`_gone`), and broadcasts the outcome: the
-    batch, :data:`CHECKPOINT`, None to stop, or :data:`ORPHANED` (every rank sees the same)."""
+    """Rank 0 waits for batch ``step``, a checkpoint request for ``step`` updates or STOP; every rank watches
+    for the death of the orchestrator ``parent`` (pid, host, start: see :func:`_gone`; only the ranks on its
+    host can tell, and rank 0 need not be one of them: torchrun orders the nodes by name). The outcome, the
+    same on every rank (the largest code any rank saw): the batch, :data:`CHECKPOINT`, None to stop, or
+    :data:`ORPHANED` (STOP outranks it, as when the orchestrator wrote STOP and then died)."""
     from train.rl.exchange import read_batch
 
     t0 = time.monotonic()
     batch = None
     while True:
         code = torch.zeros((), dtype=torch.int32, device=device)
-        if dist.get_rank() == 0:
-            if (exchange / "STOP").exists():
-                code.fill_(2)
-            elif _gone(*parent):
-                code.fill_(5)
-            elif request_path(exchange, step).exists():
+        if dist.get_rank() == 0 and (exchange / "STOP").exists():
+            code.fill_(6)
+        elif _gone(*parent):
+            code.fill_(5)
+        elif dist.get_rank() == 0:
+            if request_path(exchange, step).exists():
                 code.fill_(4)
             elif (batch := read_batch(exchange, step)) is not None:
                 code.fill_(1)
             elif max_wait_s and time.monotonic() - t0 > max_wait_s:
                 code.fill_(3)
-        dist.broadcast(code, src=0)
+        dist.all_reduce(code, op=dist.ReduceOp.MAX)
         code = int(code)
         if code == 3:
             raise TimeoutError(f"no batch for step {step} under {exchange} after {max_wait_s:.0f} s")
-        if code == 2:
+        if code == 6:
             return None
         if code == 5:
             return ORPHANED
