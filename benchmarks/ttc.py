@@ -34,6 +34,12 @@ problem at a time ranged 5.44-7.44 s), ``concurrency_speedup_short`` 1.74; same 
 Re-run at 34ec7af (2026-12-04, after ``ttc serve`` began to put its ``instance`` id in every answer; one run of 3
 repeats): ``concurrency_speedup`` 2.48 (7.60 -> 3.07 s), ``concurrency_speedup_short`` 2.04 (3.03 -> 1.49 s),
 ``local_concurrency_speedup`` 2.61 (7.94 -> 3.04 s); same results both ways.
+Re-run at 5ec2bb0 (``ttc solve`` takes SIGTERM like Ctrl-C; ``--skip-prefix --skip-steps``, two runs, then one of
+34ec7af's code from a worktree right after, as the reference): ``concurrency_speedup`` 1.96, 2.00 (one problem at a
+time 4.42 / 4.40 s, 64 in flight 2.26 / 2.21 s) against 1.85 for 34ec7af; ``concurrency_speedup_short`` 1.60, 1.57
+against 1.63; ``local_concurrency_speedup`` 1.80, 2.14 against 1.95; same results both ways. The machine was faster
+than at the 2.48 run (one at a time 4.4 s, not 7.6 s), and one problem at a time gained the most: the goal (>= 2) is
+met in some runs and missed in others, on either commit.
 
 Measured on this project's 2-core CPU (2026-12-02, defaults, tiny-moe, 1 thread, quiet machine, commit
 e6feb3e, three runs): ``concurrency_speedup`` 2.17, 2.21, 2.13 (one problem at a time 3.73-3.80 s, 64 in
