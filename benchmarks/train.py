@@ -41,6 +41,8 @@ the trainer's micro-batches shared with the SFT warm-up since 0af2c6d; this scri
 train 6.1k, padded 1.45k, hf 1.30k, train_ratio 4.68, packed_vs_padded 4.18 (one run, load 1.1). Re-run at
 686a1e4 (router-replay ids moved to the model's device in the forward; the varlen attention is CUDA-only, so the
 same CPU arithmetic): train 5.4k, padded 1.40k, hf 1.33k, train_ratio 4.02, packed_vs_padded 3.82 (one run).
+Re-run at 8ecffe5 (varlen attention only for head sizes FlashAttention takes: CUDA-only, the same CPU path):
+train 7.7k, padded 1.80k, hf 1.77k, train_ratio 4.34, packed_vs_padded 4.28 (one run, load 0.94).
 Packed costs about what padded costs per slot, so its gain is the padding it removes (plus the quadratic
 attention over pad); in a profile of the earlier code's packed step, SDPA forward + backward was about a third of the time, GEMMs a
 third. With 2 threads on the loaded box, small ops ran 40x slower (OpenMP waits), hence ``--threads 1``.
