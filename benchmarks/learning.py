@@ -51,6 +51,8 @@ held-out sampled accuracy before -> after RL, 200 problems x 4 samples):
 | async at 4a224e4 (alone) | 0.190 -> 0.515 (+32.5) | 0.163 -> 0.775 (+61.3) | 0.209 -> 0.686 (+47.8) | 0.165 -> 0.773 (+60.8) | 0.254 -> 0.903 (+64.9) | +60.8 | +32.5 | 203 s |
 | sync at 5db9c21 (2026-12-04, later: nothing on this in-process path changed) | 0.190 -> 0.496 (+30.6) | 0.163 -> 0.734 (+57.1) | 0.209 -> 0.724 (+51.5) | 0.165 -> 0.845 (+68.0) | 0.254 -> 0.906 (+65.2) | +57.1 | +30.6 | 212 s |
 | async at 5db9c21 (alone) | 0.190 -> 0.515 (+32.5) | 0.163 -> 0.775 (+61.3) | 0.209 -> 0.686 (+47.8) | 0.165 -> 0.773 (+60.8) | 0.254 -> 0.901 (+64.8) | +60.8 | +32.5 | 211 s |
+| sync at 8db7fb9 (the varlen bound and the router load count: not on this CPU path) | +30.6 | +57.1 | +51.5 | +68.0 | +65.2 | +57.1 | +30.6 | 198 s |
+| async at 8db7fb9 (alone) | +32.5 | +61.3 | +47.8 | +60.8 | +64.8 | +60.8 | +32.5 | 199 s |
 
 (At e925322 on the previous session's machine: sync median +58.4, min +31.4; async +59.1 / +30.4; seed 2's
 SFT warm-up ended there at 0.336 held-out, here at 0.209.)
