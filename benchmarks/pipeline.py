@@ -95,7 +95,9 @@ Re-run at 5db9c21 (2026-12-04, later: only the rollout servers' restart and clos
 orphan check changed, none of them on this in-process path), default setting, 3 runs one after another: async
 speedup 0.96, 0.84, 0.97 (median 0.96, min 0.84); sync steps/s 1.98-2.17, async 1.82-2.02;
 ``overlap_ceiling_lending`` 1.18, 1.07, 1.26; ceiling at any mix 1.12-1.54; rollout s / update s (sync)
-0.13-0.15 / 0.33-0.35; max_lag_seen 2.
+0.13-0.15 / 0.33-0.35; max_lag_seen 2. Re-run at dba01df (the attention's varlen bound, CUDA-only; nothing else on
+this path), 3 runs: async speedup 1.00, 0.87, 0.99 (median 0.99, min 0.87); sync 1.97-2.37 steps/s, async 1.98-2.09;
+``overlap_ceiling_lending`` 1.29, 1.15, 1.17; max_lag_seen 2.
 
 The goal (>= 1.5 against the best synchronous setting, here 2 threads) is not met: median 1.24 by
 default and 1.27 with long-tailed responses (one run of twelve above 1.5). Lending the producer's
