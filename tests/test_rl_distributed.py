@@ -86,27 +86,30 @@ def reference_weights(cfg, rcfg, batches) -> dict[str, torch.Tensor]:
 CASES = [("moe", "dppo_tv"), ("dense", "gspo"), ("moe", "gspo"), ("dense", "dapo")]
 
 
-def _payload_checked(up, out, key):
-    """``up.full_state_dict()``, recording in ``out[key + ".payload"]`` the bytes each rank pickled into
-    the gather over its shards, over those shards' own bytes (a view pickles its whole storage)."""
-    import io
-    import pickle
+def _gathered(up, out, key):
+    """``up.full_state_dict()`` on every rank, after checking the gather to rank 0 alone: rank 0 gets the
+    same weights and receives at most the model's bytes (``out[key + ".recv"]``: received over the
+    model's bytes), the other ranks get None and receive nothing (``out[key + ".recv_elsewhere"]``)."""
     from unittest import mock
 
     import torch.distributed as dist
 
-    sizes = []
-    real = dist.all_gather_object
+    got = up.full_state_dict()
+    received = []
+    real = dist.recv
 
-    def spy(parts, obj, *a, **k):
-        f = io.BytesIO()
-        pickle.Pickler(f).dump(obj)
-        sizes.append(f.tell() / max(1, sum(t.numel() * t.element_size() for t in obj.values())))
-        return real(parts, obj, *a, **k)
+    def spy(tensor, *a, **k):
+        received.append(tensor.numel() * tensor.element_size())
+        return real(tensor, *a, **k)
 
-    with mock.patch.object(dist, "all_gather_object", spy):
-        got = up.full_state_dict()
-    out[key + ".payload"] = max(sizes, default=1.0)
+    with mock.patch.object(dist, "recv", spy):
+        only = up.full_state_dict(dst=0)
+    if dist.get_rank() == 0:
+        assert set(only) == set(got) and all(torch.equal(only[k], got[k]) for k in got)
+        out[key + ".recv"] = sum(received) / sum(t.numel() * t.element_size() for t in got.values())
+    else:
+        assert only is None
+        out[key + ".recv_elsewhere"] = float(sum(received))
     return got
 
 
@@ -123,7 +126,7 @@ def _check_updates(world, out):
             up = RLUpdater(_model(cfg), rcfg, tsp=tsp, dp=dp)
             mets = [up.step(b, i) for i, b in enumerate(batches)]
             key = f"dp{dp}xtsp{tsp}.{name}.{loss}"
-            got = _payload_checked(up, out, key)
+            got = _gathered(up, out, key)
             assert set(got) == set(want), (set(got) ^ set(want))
             out[key + ".params"] = max((got[k] - want[k]).abs().max().item() for k in want)
             out[key + ".moved"] = max((want[k] - _model(cfg).state_dict()[k]).abs().max().item() for k in want)
@@ -218,6 +221,11 @@ def _check_bf16(world, out):
     up = RLUpdater(_model(cfg), rcfg, tsp=world if world == 2 else 2)
     m = up.step(batch, 0)
     got = up.full_state_dict()
+    # the fp32 weights are the master copy (sent by the DP ranks that own it), the bf16 ones its rounding
+    half = up.full_state_dict(torch.bfloat16, dst=0)
+    if half is not None:
+        out["bf16.half_is_master_rounded"] = float(all(torch.equal(half[k], got[k].to(torch.bfloat16)) for k in got))
+        out["bf16.master_finer"] = float(any(not torch.equal(half[k].float(), got[k]) for k in got))
     st = up.opt.state_tensors()
     out["bf16.dtypes_ok"] = float(all(p.dtype == torch.bfloat16 for p in up.shards.values())
                                   and st["master"].dtype == torch.float32 and st["exp_avg_sq"].dtype == torch.float32)
@@ -341,7 +349,10 @@ def test_sharded_rl_step_equals_reference(results):
         assert _max(ranks, base + ".loss") < TOL, (k, _max(ranks, base + ".loss"))
         assert _max(ranks, base + ".grad_norm") < 1e-4, (k, _max(ranks, base + ".grad_norm"))
         assert _max(ranks, base + ".micro") >= 2, k  # the token budget did cut micro-batches
-        assert _max(ranks, base + ".payload") < 1.5, k  # gathered weights pickle their own bytes only
+        assert ranks[0][base + ".recv"] <= 1.0, k  # rank 0 receives the other ranks' parts once
+        assert max(r[base + ".recv_elsewhere"] for r in ranks[1:]) == 0.0, k  # the others receive nothing
+        if "xtsp1." not in base:  # TSP ranks' shards did travel to rank 0
+            assert ranks[0][base + ".recv"] > 0.3, k
 
 
 @pytest.mark.timeout(400)
@@ -372,6 +383,8 @@ def test_activation_checkpointing_on_dp_ranks(results):
 def test_bf16_compute_copy(results):
     world, ranks = results
     assert _max(ranks, "bf16.dtypes_ok") == 1.0
+    assert ranks[0]["bf16.half_is_master_rounded"] == 1.0 and ranks[0]["bf16.master_finer"] == 1.0
+    assert all("bf16.master_finer" not in r for r in ranks[1:])  # the bf16 dict went to rank 0 alone
     assert _max(ranks, "bf16.loss_rel") < 0.05
     assert min(r["bf16.sign_agree"] for r in ranks) > 0.9
 

@@ -241,6 +241,34 @@ class MeshAdamW:
             off += p.numel()
         return out
 
+    @torch.no_grad()
+    def master_of(self, p: torch.Tensor, dst: int = 0) -> torch.Tensor | None:
+        """The fp32 master copy of parameter ``p`` (one of :attr:`params`), shaped as ``p``, on its
+        device, on data-parallel rank ``dst`` only (None on the others). The ranks whose slices hold a
+        part of it send that part point to point, so no rank holds more than this one parameter beyond
+        its own slice (where :meth:`full_master` gives every rank all of them). Collective over the
+        data-parallel group (every rank calls, for the same parameter)."""
+        if not hasattr(self, "_offsets"):
+            self._offsets, off = {}, 0
+            for q in self.params:
+                self._offsets[id(q)] = off
+                off += q.numel()
+        off, n = self._offsets[id(p)], p.numel()
+        out = torch.empty(n, dtype=torch.float32, device=self.master.device) if self.dp_rank == dst else None
+        group = self.dp_group if self.dp_group is not None else dist.group.WORLD
+        for r in range(self.dp_size):
+            lo = min(r * self.chunk, self.total)
+            a, b = max(off, lo), min(off + n, lo + self.chunk, self.total)
+            if a >= b:
+                continue
+            if r == self.dp_rank == dst:
+                out[a - off:b - off] = self.master[a - self.lo:b - self.lo]
+            elif r == self.dp_rank:
+                dist.send(self.master[a - self.lo:b - self.lo], dist.get_global_rank(group, dst), group=group)
+            elif self.dp_rank == dst:
+                dist.recv(out[a - off:b - off], dist.get_global_rank(group, r), group=group)
+        return None if out is None else out.view(p.shape)
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The optimizer state of this rank (for checkpoints; load by copying into these tensors)."""
         return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "steps": self.steps}

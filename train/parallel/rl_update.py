@@ -407,31 +407,67 @@ class RLUpdater:
         return out
 
     # -- weights -------------------------------------------------------------------------------
-    def full_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-        """The full policy weights from the fp32 master copy, on CPU, under ``CausalLM.state_dict()``
-        names (``lm_head.weight`` included when tied). Collective: every rank calls; every rank
-        gets the result (gathered through pickled objects: for checkpoints of modest models)."""
-        master = self.opt.full_master()
-        # on TSP ranks a copy each: the master tensors are views of one flat vector, and pickling a view
-        # (below) pickles its whole storage (every parameter would carry the rank's full shard)
-        mine = {n: master[id(p)].to("cpu", dtype, copy=self.tsp > 1) for n, p in self.shards.items()}
-        if self.tsp == 1:
-            full = mine
+    @torch.no_grad()
+    def full_state_dict(self, dtype: torch.dtype = torch.float32, dst: int | None = None
+                        ) -> dict[str, torch.Tensor] | None:
+        """The full policy weights in ``dtype``, on CPU, under ``CausalLM.state_dict()`` names
+        (``lm_head.weight`` included when tied): the compute weights where they have that dtype (or
+        are fp32: then they are the master copy), else the fp32 master copy cast. Collective: every
+        rank calls. One parameter at a time, point to point: the DP ranks send their parts of its
+        master to DP rank 0 (if the master is needed), then the TSP ranks of the first replica send
+        their shards to rank 0, which assembles it. ``dst=0``: only rank 0 gets the dict, the others
+        return None (no rank holds more than one parameter beyond its own shards: what publishing a
+        large policy needs); ``dst=None``: every rank gets it (rank 0 broadcasts it as one object:
+        for tests and modest models)."""
+        if dst not in (0, None):
+            raise ValueError(f"full_state_dict gathers to rank 0 or to every rank, not to rank {dst}")
+        lead = self.dp_rank == 0  # the first DP replica: global ranks 0 .. tsp-1 (rank = d * tsp + t)
+        if self.tsp > 1 and lead and not hasattr(self, "_tsp_shapes"):
+            self._tsp_shapes = [None] * self.tsp  # every TSP rank's shard shapes (they may differ)
+            dist.all_gather_object(self._tsp_shapes, {n: tuple(p.shape) for n, p in self.shards.items()},
+                                   group=self.tsp_group)
+        full: dict[str, torch.Tensor] = {}
+        for n, p in self.shards.items():  # the same order on every rank
+            if p.dtype in (dtype, torch.float32):
+                t = p.data if lead else None  # every DP replica holds the same compute weights
+            else:
+                t = self.opt.master_of(p)
+            if not lead:
+                continue
+            t = t.to(dtype)
+            if self.tsp == 1:
+                full[n] = t.to("cpu", copy=True)
+            elif self.tsp_rank > 0:
+                dist.send(t.contiguous(), dist.get_global_rank(self.tsp_group, 0), group=self.tsp_group)
+            else:
+                parts = [t]
+                for r in range(1, self.tsp):
+                    parts.append(torch.empty(self._tsp_shapes[r][n], dtype=dtype, device=t.device))
+                    dist.recv(parts[-1], dist.get_global_rank(self.tsp_group, r), group=self.tsp_group)
+                kind = {n: self.net.kinds[n]}
+                full[n] = TSPCausalLM.assemble([{n: x} for x in parts], kind)[n].to("cpu", copy=True)
+        if dist.get_rank() == 0:
+            if self.config.tie_word_embeddings:
+                full["lm_head.weight"] = full["model.embed_tokens.weight"]
+            full.update({n: b.detach().to("cpu").clone() for n, b in self.buffers.items()})  # (kept in their dtype)
         else:
-            parts: list = [None] * self.tsp
-            dist.all_gather_object(parts, mine, group=self.tsp_group)
-            full = TSPCausalLM.assemble(parts, self.net.kinds)
-        if self.config.tie_word_embeddings:
-            full["lm_head.weight"] = full["model.embed_tokens.weight"]
-        full.update({n: b.detach().to("cpu").clone() for n, b in self.buffers.items()})  # (kept in their dtype)
+            full = None
+        if dst is None:
+            box = [full]
+            dist.broadcast_object_list(box, src=0)
+            full = box[0]
         return full
 
-    def to_causal_lm(self) -> CausalLM:
-        """A single-process fp32 :class:`CausalLM` with the trained weights (collective)."""
+    def to_causal_lm(self, dst: int | None = None) -> CausalLM | None:
+        """A single-process fp32 :class:`CausalLM` with the trained weights (collective; ``dst=0``: on
+        rank 0 only, None on the others, see :meth:`full_state_dict`)."""
         from train.model.hf_io import load_into
 
+        sd = self.full_state_dict(dst=dst)
+        if sd is None:
+            return None
         model = CausalLM(self.config)
-        load_into(model, self.full_state_dict(), hf_names=False)
+        load_into(model, sd, hf_names=False)
         return model
 
     # -- checkpoints -----------------------------------------------------------------------------

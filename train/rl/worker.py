@@ -469,7 +469,7 @@ def main(argv=None) -> int:
         return (exchange, update - a.sft_steps) if update >= a.sft_steps else (exchange / "sft", update)
 
     def publish(update: int) -> None:
-        sd = up.full_state_dict(DTYPES[cfg.dtype])
+        sd = up.full_state_dict(DTYPES[cfg.dtype], dst=0)  # on rank 0 only
         if rank == 0:
             publish_version(*published_at(update), sd)
 
@@ -507,7 +507,7 @@ def main(argv=None) -> int:
                 publish(step)
             if a.checkpoint_every and step % a.checkpoint_every == 0:
                 save_checkpoint(up, exchange, step, a.keep_checkpoints)
-        model = up.to_causal_lm()
+        model = up.to_causal_lm(dst=0)  # on rank 0 only
         if rank == 0:
             final = exchange / "final"
             shutil.rmtree(final, ignore_errors=True)
