@@ -71,7 +71,10 @@ class WorkerLearner:
         import socket
 
         extra = ["--sync-every", str(rl_cfg.sync_every), "--sft-steps", str(sft_steps), "--device", "cuda" if device.startswith("cuda") else "cpu",
-                 "--orchestrator-pid", str(os.getpid()), "--orchestrator-host", socket.gethostname()]
+                 "--orchestrator-pid", str(os.getpid()), "--orchestrator-host", socket.gethostname(),
+                 "--timeout-s", str(self.timeout + 60 if self.timeout else 7 * 86400)]
+        # (the ranks' collectives wait longer than this process waits for them, which says why it stopped first;
+        # NCCL's own timeout, 10 min, is shorter than rank 0 may take to write a large version)
         if (start := process_start()) is not None:
             extra += ["--orchestrator-start", start]
         cmd = launch_command(self.exchange, model_dir, tcfg.nproc, sft_steps + steps, conf, tsp=tcfg.tsp,

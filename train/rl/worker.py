@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import math
 import os
@@ -426,6 +427,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--poll", type=float, default=0.05, help="seconds between looks for the next batch")
     ap.add_argument("--max-wait", type=float, default=0.0, help="give up waiting for a batch after this (0: never)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--timeout-s", type=float, default=0.0,
+                    help="longest a rank waits in a collective, e.g. for rank 0 writing a version or a checkpoint "
+                         "(0: the backend's default, 10 min for NCCL)")
     ap.add_argument("--orchestrator-pid", type=int, default=None,
                     help="stop, writing no final/, when this process has died (checked where rank 0 runs, on "
                          "--orchestrator-host)")
@@ -460,7 +464,8 @@ def main(argv=None) -> int:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
+        timeout = {"timeout": datetime.timedelta(seconds=a.timeout_s)} if a.timeout_s > 0 else {}
+        dist.init_process_group("nccl" if cuda else "gloo", **timeout)
     exchange = Path(a.exchange)
     rank = dist.get_rank()
 
