@@ -197,7 +197,7 @@ class StageRunner:
                     rl.learner = self.start_learner(rl, policy, src, sft)
                 if step < s.sft.steps:
                     if sft_data is None:
-                        sft_data = self.sft_examples(sft, tok, curriculum)
+                        sft_data = self.sft_examples(sft, tok, curriculum, rl)
                     if rl.learner is not None:
                         m = rl.learner.sft(sft.sample_batch(sft_data), sft.step_idx)
                         sft.step_idx += 1
@@ -268,6 +268,8 @@ class StageRunner:
                 pipe.close()
             if rl is not None and rl.learner is not None:
                 rl.learner.close()
+            if rl is not None:
+                engine = rl.engine  # (other_engine may have started the policy's again)
             if hasattr(engine, "close"):
                 engine.close()
         return self.final
@@ -358,21 +360,36 @@ class StageRunner:
         return p
 
     @contextlib.contextmanager
-    def other_engine(self, ref: str):
-        """An engine (and its tokenizer) on the checkpoint ``ref``, closed afterwards."""
-        from train.model.hf_io import load_pretrained
+    def other_engine(self, ref: str, rl):
+        """An engine (and its tokenizer) on the checkpoint ``ref``, closed afterwards. An in-process vLLM
+        engine holds its share of the GPU (``vllm.gpu_memory_utilization``) until it is closed, so the
+        policy's (``rl.engine``) is closed while this one runs and started again afterwards from its
+        checkpoint: both callers run before this process's first update (the expert tails before the
+        loop, the teacher's examples at its first SFT step), when that checkpoint holds the engine's
+        weights."""
         from train.tokenizer import load_tokenizer
 
         r = self.rcfg
         path = self.model_ref(ref)
-        model = load_pretrained(path, dtype=torch.bfloat16 if r.dtype == "bfloat16" else torch.float32, device=r.device)
         tok = load_tokenizer(path)
-        engine = make_engine(r, path, model, tok)
+        swap = r.engine == "vllm" and hasattr(rl.engine, "model_path")  # in process (not rollout servers)
+        if swap:
+            policy_dir = rl.engine.model_path
+            rl.engine.close()
+            engine = make_engine(r, path, None, tok)  # (a vLLM engine loads the checkpoint itself)
+        else:
+            from train.model.hf_io import load_pretrained
+
+            model = load_pretrained(path, dtype=torch.bfloat16 if r.dtype == "bfloat16" else torch.float32,
+                                    device=r.device)
+            engine = make_engine(r, path, model, tok)
         try:
             yield engine, tok
         finally:
             if hasattr(engine, "close"):
                 engine.close()
+            if swap:
+                rl.engine = make_engine(r, policy_dir, None, None)
 
     def expert_tails(self, mixer, curriculum, rl) -> None:
         """Expert aggregation: rollouts of ``aggregation.expert`` on problems of the stage's mix, kept
@@ -382,7 +399,7 @@ class StageRunner:
         a = self.scfg.aggregation
         picks = curriculum.sample(random.Random(self.rcfg.seed + 97 * self.index), a.expert_problems)
         c = rl.cfg
-        with self.other_engine(a.expert) as (engine, etok), \
+        with self.other_engine(a.expert, rl) as (engine, etok), \
                 self.phase("expert", len(picks), f"expert rollouts from {a.expert}") as advance:
             rolled = sample_rollouts(engine, etok, picks, a.expert_samples, c.sampling.params(a.expert_samples, self.rcfg.seed),
                                      c.chat_template, c.system_prompt, chunk=self.chunk(rl, a.expert_samples),
@@ -391,7 +408,7 @@ class StageRunner:
             mixer.remember_expert(e, p, comps)
         self.records.log(self.name, "expert", 0, {"expert_problems": len(rolled), "expert_pool": len(mixer.expert)})
 
-    def aggregation_sft(self, tok, curriculum, n_other: int) -> list[tuple[str, str]]:
+    def aggregation_sft(self, tok, curriculum, n_other: int, rl) -> list[tuple[str, str]]:
         """SFT pairs for aggregation from ``sft.aggregation.teacher`` (cascade/aggregation.py), as many
         as make ``fraction`` of the SFT examples beside the ``n_other`` others."""
         from cascade.aggregation import aggregation_sft_pairs
@@ -404,7 +421,7 @@ class StageRunner:
         params = rc.sampling.params(a.samples, self.rcfg.seed + self.index)
         if a.max_new_tokens:
             params.max_tokens = a.max_new_tokens
-        with self.other_engine(a.teacher) as (engine, ttok), \
+        with self.other_engine(a.teacher, rl) as (engine, ttok), \
                 self.phase("sft data", len(picks), f"aggregation examples from {a.teacher}") as advance:
             pairs, stats = aggregation_sft_pairs(
                 engine, ttok, picks, curriculum.envs.__getitem__, params, samples=a.samples, shuffles=a.shuffles,
@@ -464,7 +481,7 @@ class StageRunner:
                 out |= env.heldout_texts()
         return out
 
-    def sft_examples(self, sft, tok, curriculum):
+    def sft_examples(self, sft, tok, curriculum, rl):
         from cascade.trim import trim_pairs
         from envs.hub import normalize_text
         from train.sft import load_pairs, prompt_ids, prompt_text, reference_pairs
@@ -485,7 +502,7 @@ class StageRunner:
                 pairs = reference_pairs(env_ids, s.examples, seed=self.rcfg.seed + self.index, weights=weights,
                                         difficulties=s.difficulties, env_kwargs=self.scfg.env_kwargs, advance=advance)
         if s.aggregation.teacher and s.aggregation.fraction > 0:  # C teacher tails -> the teacher's aggregated answer
-            pairs = list(pairs) + self.aggregation_sft(tok, curriculum, len(pairs))
+            pairs = list(pairs) + self.aggregation_sft(tok, curriculum, len(pairs), rl)
         cfg = sft.cfg
         kept, dropped, encoded = [], 0, []
         with self.phase("sft data", len(pairs), "trimming and tokenizing") as advance:

