@@ -219,6 +219,17 @@ def _check_bf16(world, out):
     want, ref_m = reference_weights(cfg, rl_cfg("dppo_tv"), [batch])
     start = _model(cfg).state_dict()
     up = RLUpdater(_model(cfg), rcfg, tsp=world if world == 2 else 2)
+    # bf16 gradients of two micro-batches add up in fp32 exactly (the accumulator sums in place)
+    gen = torch.Generator().manual_seed(torch.distributed.get_rank())
+    sent = [[torch.randn(p.shape, generator=gen).to(p.dtype) for p in up.opt.params] for _ in range(2)]
+    for grads in sent:
+        for p, g in zip(up.opt.params, grads):
+            p.grad = g.clone()
+        up.opt.accumulate()
+    want_acc = torch.cat([(a.float() + b.float()).reshape(-1) for a, b in zip(*sent)])
+    out["bf16.acc_err"] = (up.opt._acc - want_acc).abs().max().item()
+    out["bf16.grads_freed"] = float(all(p.grad is None for p in up.opt.params))
+    up.opt._acc = None
     m = up.step(batch, 0)
     got = up.full_state_dict()
     # the fp32 weights are the master copy (sent by the DP ranks that own it), the bf16 ones its rounding
@@ -383,6 +394,7 @@ def test_activation_checkpointing_on_dp_ranks(results):
 def test_bf16_compute_copy(results):
     world, ranks = results
     assert _max(ranks, "bf16.dtypes_ok") == 1.0
+    assert _max(ranks, "bf16.acc_err") == 0.0 and min(r["bf16.grads_freed"] for r in ranks) == 1.0
     assert ranks[0]["bf16.half_is_master_rounded"] == 1.0 and ranks[0]["bf16.master_finer"] == 1.0
     assert all("bf16.master_finer" not in r for r in ranks[1:])  # the bf16 dict went to rank 0 alone
     assert _max(ranks, "bf16.loss_rel") < 0.05

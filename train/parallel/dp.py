@@ -171,8 +171,13 @@ class MeshAdamW:
         parameters are a low-precision compute copy; a no-op for fp32 parameters)."""
         if self.params[0].dtype == torch.float32:
             return
-        g = self._flat_grads()
-        self._acc = g if self._acc is None else self._acc.add_(g)
+        if self._acc is None:
+            self._acc = torch.zeros(self.total, dtype=torch.float32, device=self.params[0].device)
+        off = 0
+        for p in self.params:  # in place, parameter by parameter (no second flat fp32 copy of the gradients)
+            if p.grad is not None:
+                self._acc[off:off + p.numel()].add_(p.grad.reshape(-1))
+            off += p.numel()
         self.zero_grad()
 
     def zero_grad(self) -> None:
