@@ -1,0 +1,157 @@
+"""Trainer ranks' memory while a weight version is gathered: to rank 0 alone vs to every rank.
+
+The trainer ranks (:class:`train.parallel.rl_update.RLUpdater` on ``--dp`` x ``--tsp`` gloo ranks, one
+thread each) hold a dense policy in bf16 with its fp32 master copy sharded (ZeRO-1). Each rank times
+and measures ``full_state_dict``:
+
+- ``publish``: a version in the compute dtype (bf16), gathered to rank 0 alone (``dst=0``), as the
+  ranks publish one (``train/rl/worker.py``);
+- ``final``: the fp32 master gathered to rank 0 alone, as the ranks write ``final/``;
+- the reference, side by side (``*_before``): the gather as it was before (commit 3eabeb2, reproduced
+  in :func:`gathered_before`): every rank all-gathered the whole fp32 master, then the TSP shards as
+  pickled objects, and built the whole dict.
+
+Memory is the kernel's count, outside the code under test: each rank resets its peak resident set
+(``/proc/self/clear_refs``) before a call and reads ``VmHWM`` after it; the figure is the peak's rise
+over the resident set before the call, in MB. One warm-up call of each kind first, then
+``--repeats`` (medians).
+
+Prints ONE JSON line: per kind, the peak rise of rank 0 and of the largest other rank, their seconds,
+the model's bytes, and for a published version ``others_mem_ratio`` (the other ranks' peak rise, now
+over before: the goal is near 0, they hold nothing of the others' parts) and ``rank0_mem_ratio``.
+
+    python benchmarks/publish.py                      # DP 2, 64M parameters
+    python benchmarks/publish.py --dp 1 --tsp 2
+
+Measured on this project's 2-core CPU at 7135fcd (2026-12-04), 64M parameters (245 MB fp32), 2 runs per
+mesh, 3 warm calls each (medians); peak rises in MB, seconds of the slowest rank:
+
+| mesh | kind | rank 0 now / before | other rank now / before | seconds now / before |
+| --- | --- | --- | --- | --- |
+| DP 2 | publish (bf16) | 122.4, 122.4 / 612.4, 612.4 | 0.0, 0.0 / 612.5, 612.3 | 0.061, 0.061 / 0.543, 0.515 |
+| DP 2 | final (fp32) | 203.5, 351.2 / 367.3, 612.4 | 0.0, 0.0 / 367.3, 612.4 | 0.199, 0.258 / 0.417, 0.437 |
+| TSP 2 | publish (bf16) | 124.9, 31.2 / 461.3, 367.5 | 0.0, 0.0 / 473.5, 493.5 | 0.114, 0.063 / 0.784, 0.730 |
+| TSP 2 | final (fp32) | 233.0, 187.4 / 572.7, 735.2 | 0.0, 0.0 / 839.4, 612.7 | 0.289, 0.243 / 1.139, 1.120 |
+
+The other rank's rise is 0.0 in every run (it allocates one parameter at a time, which the heap's free
+pages absorb). Rank 0's rise is noisy (31-125 MB for a 122 MB version): freed pages from earlier calls
+count in the resident set before the call, and a new dict reuses them; it holds the whole version, as it
+must to write it. Publishing a bf16 version reads the compute weights, so no fp32 master travels (the
+8-9x in time); ``final`` moves the fp32 master point to point.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+
+def _hwm_kb(field: str = "VmHWM") -> int:
+    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
+
+
+def measured(fn):
+    """(seconds, peak resident-set rise in MB) of ``fn()`` in this process."""
+    import gc
+
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # the peak restarts at the current resident set
+    before = _hwm_kb("VmRSS")
+    t = time.perf_counter()
+    out = fn()
+    dt = time.perf_counter() - t
+    rise = (_hwm_kb() - before) / 1024
+    del out
+    return dt, rise
+
+
+def gathered_before(up, dtype):
+    """``RLUpdater.full_state_dict`` at 3eabeb2: every rank gets the whole dict (the reference)."""
+    import torch.distributed as dist
+
+    from train.parallel.tsp import TSPCausalLM
+
+    master = up.opt.full_master()
+    mine = {n: master[id(p)].to("cpu", dtype, copy=up.tsp > 1) for n, p in up.shards.items()}
+    if up.tsp == 1:
+        return mine
+    parts: list = [None] * up.tsp
+    dist.all_gather_object(parts, mine, group=up.tsp_group)
+    return TSPCausalLM.assemble(parts, up.net.kinds)
+
+
+def _rank(rank, world, port, a, q):
+    import torch.distributed as dist
+
+    from train.model.config import ModelConfig
+    from train.model.modeling import CausalLM
+    from train.parallel.rl_update import RLUpdateConfig, RLUpdater
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        cfg = ModelConfig(vocab_size=a.vocab, hidden_size=a.hidden, num_hidden_layers=a.layers, head_dim=64,
+                          num_attention_heads=a.hidden // 64, num_key_value_heads=a.hidden // 128,
+                          intermediate_size=4 * a.hidden)
+        up = RLUpdater(CausalLM(cfg).init_weights(0), RLUpdateConfig(dtype="bfloat16"), tsp=a.tsp, dp=a.dp)
+        kinds = {"publish": (torch.bfloat16, True), "publish_before": (torch.bfloat16, False),
+                 "final": (torch.float32, True), "final_before": (torch.float32, False)}
+        res = {}
+        for name, (dtype, now) in kinds.items():
+            call = (lambda: up.full_state_dict(dtype, dst=0)) if now else (lambda: gathered_before(up, dtype))
+            runs = [measured(call) for _ in range(a.repeats + 1)][1:]
+            res[name] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
+        params = sum(p.numel() for p in CausalLM(cfg).parameters())
+        q.put((rank, res, params))
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dp", type=int, default=2)
+    ap.add_argument("--tsp", type=int, default=1)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args(argv)
+    import torch.multiprocessing as mp
+
+    from train.parallel.comm import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    world = a.dp * a.tsp
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, world, port, a, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = sorted(q.get() for _ in procs)
+    for p in procs:
+        p.join()
+    if any(p.exitcode for p in procs):
+        raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+    params = got[0][2]
+    out = {"dp": a.dp, "tsp": a.tsp, "params": params, "bf16_mb": round(2 * params / 2**20, 1),
+           "fp32_mb": round(4 * params / 2**20, 1)}
+    for kind in got[0][1]:
+        out[f"{kind}_s"] = round(max(r[1][kind][0] for r in got), 3)
+        out[f"{kind}_rank0_mb"] = round(got[0][1][kind][1], 1)
+        out[f"{kind}_others_mb"] = round(max(r[1][kind][1] for r in got[1:]), 1)
+    out["others_mem_ratio"] = round(out["publish_others_mb"] / max(out["publish_before_others_mb"], 1e-9), 3)
+    out["rank0_mem_ratio"] = round(out["publish_rank0_mb"] / max(out["publish_before_rank0_mb"], 1e-9), 3)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
