@@ -140,8 +140,14 @@ class MeshAdamW:
                     self.decay_ranges.append((a - self.lo, b - self.lo))
             off += p.numel()
         dev = self.params[0].device
+        self.master = torch.empty(self.hi - self.lo, dtype=torch.float32, device=dev)
+        off = 0
         with torch.no_grad():
-            self.master = torch.cat([p.detach().reshape(-1).float() for p in self.params])[self.lo:self.hi].clone()
+            for p in self.params:  # this rank's slice only (never a flat fp32 copy of every parameter)
+                a, b = max(off, self.lo), min(off + p.numel(), self.hi)
+                if a < b:
+                    self.master[a - self.lo:b - self.lo] = p.detach().reshape(-1)[a - off:b - off]
+                off += p.numel()
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.steps = torch.zeros((), dtype=torch.int64, device=dev)
