@@ -372,7 +372,11 @@ class StageRunner:
         r = self.rcfg
         path = self.model_ref(ref)
         tok = load_tokenizer(path)
-        swap = r.engine == "vllm" and hasattr(rl.engine, "model_path")  # in process (not rollout servers)
+        swap = False
+        if r.engine == "vllm":
+            from train.engine.vllm_engine import VLLMEngine
+
+            swap = isinstance(rl.engine, VLLMEngine)  # in process (not rollout servers)
         if swap:
             policy_dir = rl.engine.model_path
             rl.engine.close()
