@@ -367,6 +367,42 @@ def test_batched_jobs_keep_their_own_seeds_and_prompt_indices():
         Batcher(eng).submit([[1], [2], [3]], SamplingParams(max_tokens=1), seeds=[1, 2])
 
 
+def test_the_engine_thread_holds_the_torch_threads_and_takes_idle_weight_loads(setup):
+    """The engine's thread is the one thread of a server with several torch threads (OpenMP stops
+    spinning once the process's pools hold more threads than there are cores: see Batcher): it takes
+    ``threads``, the loading thread keeps one (single_threaded_start), :meth:`Batcher.call` runs work
+    there (errors reach the caller), and a weight load over HTTP while the engine is idle runs there."""
+    from train.engine.server import Batcher, single_threaded_start
+
+    before = torch.get_num_threads()
+    try:
+        assert single_threaded_start(before + 1) == before + 1 and torch.get_num_threads() == 1
+        b = Batcher(_CountingEngine(), threads=before + 1)
+        assert b.call(lambda: (threading.current_thread().name, torch.get_num_threads())) == ("engine-batcher",
+                                                                                              before + 1)
+        assert torch.get_num_threads() == 1  # (OpenMP's count is per thread)
+        with pytest.raises(KeyError, match="boom"):
+            b.call(lambda: {}["boom"])
+        b.close()
+    finally:
+        torch.set_num_threads(before)
+    eng = TorchEngine.from_pretrained(setup["dir"])
+    seen, load = [], eng.load_weights
+
+    def spy(state_dict, version=None):
+        seen.append(threading.current_thread().name)
+        return load(state_dict, version=version)
+
+    eng.load_weights = spy
+    srv, url = serve_in_thread(eng, model_name="tiny", api_key=KEY, weights_dir=setup["root"])
+    try:
+        assert call(url, "/v1/load_weights", {"version": 1}) == (200, {"version": 1})
+        assert seen == ["engine-batcher"] and eng.version == 1
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
 def test_a_url_server_that_comes_back_rejoins_with_the_newest_weights(setup, tmp_path):
     """Servers given by URL (not started by the run): one killed with kill -9 leaves the pool; restarted
     at its port by whoever runs it (on the checkpoint's weights, version 0), the background probe finds

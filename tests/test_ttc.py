@@ -509,3 +509,26 @@ def test_problems_in_flight_on_a_local_engine_share_batched_calls(engine):
         assert [[c.token_ids for c in r] for r in b.rounds] == [[c.token_ids for c in r] for r in a.rounds]
         assert [c.token_ids for c in b.final] == [c.token_ids for c in a.final]
     assert batches < calls, (batches, calls)
+
+
+def test_a_local_engine_with_threads_runs_every_call_on_its_own_thread(engine):
+    """``ttc solve --model``: the engine runs on the batcher's thread, which holds the torch threads,
+    for seeded calls (batched) and the others alike, with the same samples as on the caller's thread."""
+    import threading
+
+    class Where:
+        def __init__(self, eng):
+            self.eng, self.tokenizer, self.eos_token_ids, self.threads = eng, eng.tokenizer, eng.eos_token_ids, []
+
+        def generate(self, prompts, params, seeds=None):
+            self.threads.append(threading.current_thread().name)
+            return self.eng.generate(prompts, params, seeds=seeds)
+
+    spy = Where(engine)
+    be = EngineBackend(spy, threads=torch.get_num_threads())
+    sp = SamplingParams(n=2, temperature=1.0, max_tokens=4, seed=3)
+    got = [be.generate([[5, 6, 7]], sp), be.generate([[5, 6, 7]], sp, seeds=[4])]
+    be._batcher.close()
+    assert spy.threads == ["engine-batcher", "engine-batcher"]
+    want = [engine.generate([[5, 6, 7]], sp), engine.generate([[5, 6, 7]], sp, seeds=[4])]
+    assert [[c.token_ids for c in x] for x in got] == [[c.token_ids for c in x] for x in want]

@@ -107,10 +107,14 @@ class EngineBackend(HFTokenizerSide):
     Problems in flight share the engine: with an engine that takes per-prompt seeds, their calls
     that arrive together and share sampling settings run as one batched ``generate`` (the batcher
     of ``ttc serve``, :class:`train.engine.server.Batcher`), each prompt with its own seed, so every
-    problem's samples are what they would be alone; other calls take the engine one at a time."""
+    problem's samples are what they would be alone; other calls take the engine one at a time.
+    ``threads`` (the torch engine, :func:`torch_backend`): every call then runs on the batcher's thread,
+    which takes that many torch threads (the one thread of the process that runs torch ops on
+    several: see :class:`train.engine.server.Batcher`)."""
 
-    def __init__(self, engine, tokenizer=None):
+    def __init__(self, engine, tokenizer=None, threads: int | None = None):
         self.engine = engine
+        self._threads = threads
         super().__init__(tokenizer if tokenizer is not None else getattr(engine, "tokenizer", None),
                          getattr(engine, "eos_token_ids", ()))
         try:
@@ -137,14 +141,22 @@ class EngineBackend(HFTokenizerSide):
                 ident["config_sha"] = hashlib.sha256(open(cfg, "rb").read()).hexdigest()[:16]
         return ident
 
+    def _engine_thread(self):
+        with self._lock:
+            if self._batcher is None:
+                from train.engine.server import Batcher
+
+                self._batcher = Batcher(self.engine, lock=self._lock, threads=self._threads)
+        return self._batcher
+
     def generate(self, prompts, params: SamplingParams, seeds=None) -> list[Completion]:
         if seeds is not None and self._takes_seeds:
-            with self._lock:
-                if self._batcher is None:
-                    from train.engine.server import Batcher
+            return self._engine_thread().submit(list(prompts), params, seeds=list(seeds))
+        if self._threads:
+            return self._engine_thread().call(lambda: self._locked_generate(prompts, params, seeds))
+        return self._locked_generate(prompts, params, seeds)
 
-                    self._batcher = Batcher(self.engine, lock=self._lock)
-            return self._batcher.submit(list(prompts), params, seeds=list(seeds))
+    def _locked_generate(self, prompts, params: SamplingParams, seeds=None) -> list[Completion]:
         with self._lock:
             return self._generate(prompts, params, seeds)
 
@@ -168,8 +180,15 @@ class EngineBackend(HFTokenizerSide):
             close()
 
 
-def torch_backend(path, device: str | None = None, dtype: str = "float32", prefix_cache: bool = True) -> EngineBackend:
-    """The built-in torch engine on a local checkpoint, with shared-prefix KV reuse on by default."""
+def torch_backend(path, device: str | None = None, dtype: str = "float32", prefix_cache: bool = True,
+                  threads: int | None = None) -> EngineBackend:
+    """The built-in torch engine on a local checkpoint, with shared-prefix KV reuse on by default.
+    ``threads``: run it on its own thread with that many torch threads; this thread then keeps one
+    (:func:`train.engine.server.single_threaded_start`, called before the model loads)."""
+    if threads:
+        from train.engine.server import single_threaded_start
+
+        threads = single_threaded_start(threads)
     from train.engine.prefix_cache import enable_prefix_caching
     from train.engine.torch_engine import DTYPES, TorchEngine, engine_device
 
@@ -180,7 +199,7 @@ def torch_backend(path, device: str | None = None, dtype: str = "float32", prefi
         raise ValueError(f"checkpoint {path} has no tokenizer files; RSA cuts tails with the policy's tokenizer")
     if prefix_cache:
         enable_prefix_caching(eng)
-    be = EngineBackend(eng)
+    be = EngineBackend(eng, threads=threads)
     be.source = str(path)
     return be
 

@@ -58,6 +58,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
 
 from train.engine.base import ContextLengthError, SamplingParams
 
@@ -91,6 +92,7 @@ class _Job:
     params: SamplingParams
     seeds: list[int]  # one per prompt
     routed: bool = False  # return_routed_experts
+    fn: Callable | None = None  # Batcher.call: run this on the engine's thread instead
     done: threading.Event = field(default_factory=threading.Event)
     result: list | None = None
     error: BaseException | None = None
@@ -108,11 +110,20 @@ class Batcher:
     open ``window_s`` longer, up to ``max_wait_s`` after the first request (so a burst of clients
     that connect a few ms apart, e.g. many problems starting a round at once, is one batch rather
     than a batch of the first few followed by one of the rest). ``lock``, when given, is held around
-    every ``generate`` call (callers that also use the engine directly hold it too)."""
+    every ``generate`` call (callers that also use the engine directly hold it too).
+
+    ``threads``: torch's intra-op threads of the engine's thread (set there when it starts). The
+    engine's thread should be the only one of the process that runs torch ops on several threads:
+    OpenMP (GNU) keeps a pool of workers for every thread that ever started a parallel region, and
+    once the pools hold more threads than the machine has cores it stops spinning between regions,
+    which made a 4-row decode 4-5x slower on this 2-core CPU (the model loaded on the main thread's
+    pool of 2, then the engine decoding on its own). So the servers load the model on one thread
+    (:func:`single_threaded_start`), and :meth:`call` runs other engine work (a weight load) here."""
 
     def __init__(self, engine, window_s: float = 0.005, max_prompts: int = 256, max_wait_s: float = 0.05,
-                 lock: threading.Lock | None = None):
+                 lock: threading.Lock | None = None, threads: int | None = None):
         self.engine, self.window_s, self.max_prompts, self.max_wait_s = engine, window_s, max_prompts, max_wait_s
+        self.threads = threads
         self.lock = lock or threading.Lock()
         self.batches = 0
         self._q: queue.Queue = queue.Queue()
@@ -129,6 +140,16 @@ class Batcher:
         elif len(seeds) != len(ids):
             raise ValueError(f"{len(seeds)} seeds for {len(ids)} prompts")
         job = _Job(ids, params, [int(s) for s in seeds], bool(return_routed_experts))
+        self._q.put(job)
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def call(self, fn):
+        """``fn()`` on the engine's thread (after the calls queued before it); returns what it returns
+        or raises what it raised."""
+        job = _Job([], SamplingParams(), [], fn=fn)
         self._q.put(job)
         job.done.wait()
         if job.error is not None:
@@ -159,11 +180,19 @@ class Batcher:
             first += len(j.ids)
 
     def _loop(self) -> None:
+        if self.threads:
+            import torch
+
+            torch.set_num_threads(self.threads)
         while True:
             job = self._q.get()
             if job is None:
                 return
+            if job.fn is not None:
+                self._call(job)
+                continue
             t0 = time.monotonic()
+            after = None
             jobs, deadline, cap = [job], t0 + self.window_s, t0 + max(self.window_s, self.max_wait_s)
             while sum(len(j.ids) for j in jobs) < self.max_prompts:
                 try:
@@ -172,6 +201,9 @@ class Batcher:
                     break
                 if nxt is None:
                     self._q.put(None)
+                    break
+                if nxt.fn is not None:  # a call: after this batch, in its turn
+                    after = nxt
                     break
                 jobs.append(nxt)
                 deadline = min(cap, time.monotonic() + self.window_s)
@@ -189,6 +221,16 @@ class Batcher:
                             j.error = e
                 for j in group:
                     j.done.set()
+            if after is not None:
+                self._call(after)
+
+    @staticmethod
+    def _call(job: _Job) -> None:
+        try:
+            job.result = job.fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            job.error = e
+        job.done.set()
 
 
 def _whole(v) -> int:
@@ -505,11 +547,21 @@ class Handler(BaseHTTPRequestHandler):
         with s.load_lock:  # one load at a time: reading and hashing happen here, not on the engine's thread
             try:
                 v, sd = load_version(s.weights_dir, version=version, path=path)
-                _apply(s.engine, sd, v)
+                self._apply(sd, v)
             except Exception as e:  # noqa: BLE001 - any failure leaves the old weights in use
                 msg = _first_line(e)
                 raise BadRequest(f"cannot load weights: {msg}") from None
         return {"version": getattr(s.engine, "version", v)}
+
+    def _apply(self, sd: dict, version: int) -> None:
+        """Load ``sd`` into the engine: a generating engine takes it at its next step boundary (on the
+        engine's thread, :meth:`TorchEngine.load_weights`); an idle one on the engine's thread too, as
+        a :meth:`Batcher.call` (the copies would start a pool of torch threads on this one)."""
+        s = self.server
+        if getattr(s.engine, "generating", True) or s.batcher is None:
+            _apply(s.engine, sd, version)
+        else:  # (if a batch starts meanwhile, the load runs after it)
+            s.batcher.call(lambda: _apply(s.engine, sd, version))
 
     def _load_broadcast(self, version: int, layout) -> dict:
         from train.rl.weight_group import receive
@@ -525,7 +577,7 @@ class Handler(BaseHTTPRequestHandler):
                 s.weight_group = None
                 raise BadRequest(f"cannot load weights: {_first_line(e)}") from None
             try:
-                _apply(s.engine, sd, version)
+                self._apply(sd, version)
             except Exception as e:  # noqa: BLE001
                 raise BadRequest(f"cannot load weights: {_first_line(e)}") from None
         return {"version": getattr(s.engine, "version", version)}
@@ -654,10 +706,11 @@ class Server(ThreadingHTTPServer):
 
 def make_server(engine, model_name: str = "cascade", host: str = "127.0.0.1", port: int = 0,
                 api_key: str | None = None, handler=Handler, verbose: bool = False,
-                batch_window_s: float = 0.005, weights_dir: str | None = None) -> Server:
+                batch_window_s: float = 0.005, weights_dir: str | None = None, threads: int | None = None) -> Server:
     """A server bound to (host, port) (port 0: a free one; see ``server.server_address``); call
     ``serve_forever()`` (e.g. in a thread), then ``shutdown()`` and ``server_close()``.
-    ``weights_dir`` (a run's exchange root, with ``api_key``) turns ``POST /v1/load_weights`` on."""
+    ``weights_dir`` (a run's exchange root, with ``api_key``) turns ``POST /v1/load_weights`` on.
+    ``threads``: the engine thread's torch threads (:class:`Batcher`)."""
     if engine.tokenizer is None:
         raise ValueError("the engine has no tokenizer; serve a checkpoint directory with tokenizer files")
     if weights_dir is not None and not api_key:
@@ -666,10 +719,21 @@ def make_server(engine, model_name: str = "cascade", host: str = "127.0.0.1", po
     srv.engine, srv.model_name, srv.api_key, srv.verbose = engine, model_name, api_key, verbose
     srv.weights_dir = None if weights_dir is None else str(weights_dir)
     srv.load_lock = threading.Lock()
-    srv.batcher = Batcher(engine, window_s=batch_window_s)
+    srv.batcher = Batcher(engine, window_s=batch_window_s, threads=threads)
     srv.created = int(time.time())
     srv.instance = uuid.uuid4().hex  # this process: a client tells a restart at the same URL by it
     return srv
+
+
+def single_threaded_start(threads: int | None = None) -> int:
+    """Run this thread's torch ops on one thread from now on and return the count an engine thread
+    should take (``threads``, or torch's default): call before loading a model that a
+    :class:`Batcher` will run (see there why)."""
+    import torch
+
+    n = threads or torch.get_num_threads()
+    torch.set_num_threads(1)
+    return n
 
 
 def serve_in_thread(engine, **kw) -> tuple[Server, str]:
@@ -700,8 +764,6 @@ def main(argv: list[str] | None = None, prog: str = "cascade serve") -> int:
     a = ap.parse_args(argv)
     from pathlib import Path
 
-    import torch
-
     from train.engine.prefix_cache import enable_prefix_caching
     from train.engine.torch_engine import DTYPES, TorchEngine, engine_device
 
@@ -713,17 +775,17 @@ def main(argv: list[str] | None = None, prog: str = "cascade serve") -> int:
         if Path(a.weights_dir).exists() and not Path(a.weights_dir).is_dir():
             raise ValueError(f"--weights-dir {a.weights_dir!r} is not a directory")
         Path(a.weights_dir).mkdir(parents=True, exist_ok=True)
-    if a.threads is not None:
-        if a.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {a.threads}")
-        torch.set_num_threads(a.threads)
+    if a.threads is not None and a.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {a.threads}")
+    threads = single_threaded_start(a.threads)  # the engine's thread takes them (Batcher)
     eng = TorchEngine.from_pretrained(a.model, device=engine_device(a.device), dtype=DTYPES[a.dtype],
                                       version=a.weights_version)
     if not a.no_prefix_cache:
         enable_prefix_caching(eng)
     name = a.served_model_name or Path(a.model).resolve().name
     try:
-        srv = make_server(eng, name, a.host, a.port, a.api_key, verbose=a.verbose, weights_dir=a.weights_dir)
+        srv = make_server(eng, name, a.host, a.port, a.api_key, verbose=a.verbose, weights_dir=a.weights_dir,
+                          threads=threads)
     except OSError as e:
         raise ValueError(f"cannot listen on {a.host}:{a.port}: {e.strerror or e}") from None
     host, port = srv.server_address[:2]

@@ -201,6 +201,11 @@ class TorchEngine:
                 raise upd.error
 
     @property
+    def generating(self) -> bool:
+        """Whether a ``generate`` call runs (on any thread)."""
+        return bool(self._generating)
+
+    @property
     def update_pending(self) -> bool:
         """Whether a :meth:`load_weights` call waits for the generating thread's next step boundary."""
         return self._pending is not None
