@@ -21,6 +21,9 @@ Prints one JSON line. Usage: python benchmarks/ttc.py [--preset tiny-moe] [--rep
 - ``local_concurrency_speedup``: the decode-bound shape on the engine in this process (``ttc solve --model
   DIR``), ``--problems-in-flight 16`` against 1: the problems' rounds go through one batcher (the one ``ttc
   serve`` uses), each prompt with its own seed.
+- ``concurrency_speedup_default_threads`` and ``local_concurrency_speedup_default_threads``: the decode shape
+  again with torch's default thread count (``default_threads``), as a server started without ``--threads``
+  runs, when that differs from ``--threads``; both sides at that count.
 
 Every figure is the median of ``--repeats`` warm runs, with min and max beside it.
 
@@ -40,6 +43,15 @@ time 4.42 / 4.40 s, 64 in flight 2.26 / 2.21 s) against 1.85 for 34ec7af; ``conc
 against 1.63; ``local_concurrency_speedup`` 1.80, 2.14 against 1.95; same results both ways. The machine was faster
 than at the 2.48 run (one at a time 4.4 s, not 7.6 s), and one problem at a time gained the most: the goal (>= 2) is
 met in some runs and missed in others, on either commit.
+
+Re-run at c683352 (the engine on the one thread that holds torch's threads: the servers and ``ttc solve --model``
+load the model on one thread and run all engine work on the batcher's; before, a server at two threads took 12.2 s
+one problem at a time, the main thread's OpenMP pool and the engine thread's together outnumbering the cores, so
+OpenMP stopped spinning between parallel regions), ``--skip-prefix --skip-steps``, two runs: ``concurrency_speedup``
+1.97, 2.06 (one at a time 4.41 / 5.27 s, 64 in flight 2.24 / 2.56 s), ``_short`` 1.74, 1.81, ``local`` 1.95, 2.09; at
+torch's default two threads (``concurrency_speedup_default_threads``: a server started without ``--threads``)
+2.75, 2.56 (one at a time 4.02 / 4.77 s, faster than on one thread in the same run; 64 in flight 1.46 / 1.86 s),
+``local_concurrency_speedup_default_threads`` 2.75, 2.99; same results both ways every time.
 
 Measured on this project's 2-core CPU (2026-12-02, defaults, tiny-moe, 1 thread, quiet machine, commit
 e6feb3e, three runs): ``concurrency_speedup`` 2.17, 2.21, 2.13 (one problem at a time 3.73-3.80 s, 64 in
@@ -235,7 +247,8 @@ def concurrency(path, threads: int, repeats: int, shapes: dict[str, tuple[int, i
 
     srv = None
     if local:
-        target, many = ["--model", str(path), "--device", "cpu"], ["--problems-in-flight", "16"]
+        target = ["--model", str(path), "--device", "cpu", "--threads", str(threads)]
+        many = ["--problems-in-flight", "16"]
     else:
         port = _free_port()
         env = {**os.environ, "PYTHONPATH": ROOT}
@@ -303,11 +316,13 @@ def main() -> None:
                     help="the problem of the long shape (a code-contest-length statement); 0 skips it")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest on a shared machine)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (the concurrency part also runs at torch's default when that differs)")
     ap.add_argument("--skip-prefix", action="store_true")
     ap.add_argument("--skip-concurrency", action="store_true")
     ap.add_argument("--skip-steps", action="store_true", help="skip the shared-prefix decoding-step comparison")
     a = ap.parse_args()
+    default_threads = torch.get_num_threads()
     torch.set_num_threads(a.threads)
     rng = random.Random(0)
     problem = " ".join(rng.choice(WORDS) for _ in range(a.problem_words)) + ". Find the answer."
@@ -332,6 +347,13 @@ def main() -> None:
                        concurrency_speedup_short=c["short"]["concurrency_speedup"], concurrency=c)
             c = concurrency(d, a.threads, a.repeats, {"decode": (128, 16)}, local=True)
             out.update(local_concurrency_speedup=c["decode"]["concurrency_speedup"], local_concurrency=c)
+            if default_threads != a.threads:  # the server as started without --threads (torch's default)
+                c = concurrency(d, default_threads, a.repeats, {"decode": (128, 16)})
+                lc = concurrency(d, default_threads, a.repeats, {"decode": (128, 16)}, local=True)
+                out.update(default_threads=default_threads,
+                           concurrency_speedup_default_threads=c["decode"]["concurrency_speedup"],
+                           local_concurrency_speedup_default_threads=lc["decode"]["concurrency_speedup"],
+                           concurrency_default_threads=c, local_concurrency_default_threads=lc)
     print(json.dumps(out))
 
 
