@@ -360,13 +360,13 @@ class StageRunner:
         return p
 
     @contextlib.contextmanager
-    def other_engine(self, ref: str, rl):
+    def other_engine(self, ref: str, rl=None):
         """An engine (and its tokenizer) on the checkpoint ``ref``, closed afterwards. An in-process vLLM
         engine holds its share of the GPU (``vllm.gpu_memory_utilization``) until it is closed, so the
         policy's (``rl.engine``) is closed while this one runs and started again afterwards from its
         checkpoint: both callers run before this process's first update (the expert tails before the
         loop, the teacher's examples at its first SFT step), when that checkpoint holds the engine's
-        weights."""
+        weights. ``rl`` None: no policy engine to make room for."""
         from train.tokenizer import load_tokenizer
 
         r = self.rcfg
@@ -376,7 +376,7 @@ class StageRunner:
         if r.engine == "vllm":
             from train.engine.vllm_engine import VLLMEngine
 
-            swap = isinstance(rl.engine, VLLMEngine)  # in process (not rollout servers)
+            swap = rl is not None and isinstance(rl.engine, VLLMEngine)  # in process (not rollout servers)
         if swap:
             policy_dir = rl.engine.model_path
             rl.engine.close()
@@ -412,7 +412,7 @@ class StageRunner:
             mixer.remember_expert(e, p, comps)
         self.records.log(self.name, "expert", 0, {"expert_problems": len(rolled), "expert_pool": len(mixer.expert)})
 
-    def aggregation_sft(self, tok, curriculum, n_other: int, rl) -> list[tuple[str, str]]:
+    def aggregation_sft(self, tok, curriculum, n_other: int, rl=None) -> list[tuple[str, str]]:
         """SFT pairs for aggregation from ``sft.aggregation.teacher`` (cascade/aggregation.py), as many
         as make ``fraction`` of the SFT examples beside the ``n_other`` others."""
         from cascade.aggregation import aggregation_sft_pairs
@@ -485,7 +485,7 @@ class StageRunner:
                 out |= env.heldout_texts()
         return out
 
-    def sft_examples(self, sft, tok, curriculum, rl):
+    def sft_examples(self, sft, tok, curriculum, rl=None):
         from cascade.trim import trim_pairs
         from envs.hub import normalize_text
         from train.sft import load_pairs, prompt_ids, prompt_text, reference_pairs

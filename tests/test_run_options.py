@@ -412,7 +412,7 @@ def test_sft_data_building_shows_progress(tiny_dense_dir):
             self.logged.append(a)
 
     stage.records = _Recs()
-    enc = stage.sft_examples(sft, tok, None, None)
+    enc = stage.sft_examples(sft, tok, None)
     direct = sft.encode(reference_pairs(["toy/add"], 300, seed=stage.rcfg.seed + stage.index, difficulties=[0, 1, 2]))
     assert enc == direct                        # the same examples as without the bars
     assert [(t["total"], t["completed"]) for t in bars.tasks.values()] == [(300, 300), (300, 300)]
