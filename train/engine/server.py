@@ -116,7 +116,7 @@ class Batcher:
     engine's thread should be the only one of the process that runs torch ops on several threads:
     OpenMP (GNU) keeps a pool of workers for every thread that ever started a parallel region, and
     once the pools hold more threads than the machine has cores it stops spinning between regions,
-    which made a 4-row decode 4-5x slower on this 2-core CPU (the model loaded on the main thread's
+    which made a 4-row decode 4x slower on this 2-core CPU (the model loaded on the main thread's
     pool of 2, then the engine decoding on its own). So the servers load the model on one thread
     (:func:`single_threaded_start`), their request threads keep one (``Server.request_threads``), and
     :meth:`call` runs other engine work (a weight load) here."""
