@@ -403,40 +403,6 @@ def test_the_engine_thread_holds_the_torch_threads_and_takes_idle_weight_loads(s
         srv.server_close()
 
 
-def test_a_servers_request_threads_run_torch_on_one_thread(setup, monkeypatch):
-    """``cascade serve`` / ``ttc serve`` (``Server.request_threads = 1``): a request's thread, where a broadcast
-    version is unpacked, runs torch ops on one thread, whatever the default of new threads was."""
-    import train.rl.weight_group as wg
-
-    class Group:
-        def close(self):
-            pass
-
-    counts = []
-
-    def receive(group, layout):
-        counts.append(torch.get_num_threads())
-        raise RuntimeError("stop here")
-
-    monkeypatch.setattr(wg, "receive", receive)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)  # what a new thread starts with unless told otherwise
-    try:
-        for request_threads, want in ((None, 2), (1, 1)):
-            srv, url = serve_in_thread(TorchEngine.from_pretrained(setup["dir"]), model_name="tiny", api_key=KEY,
-                                       weights_dir=setup["root"])
-            srv.request_threads, srv.weight_group = request_threads, Group()
-            try:
-                code, body = call(url, "/v1/load_weights", {"version": 1, "broadcast": []})
-                assert code == 400 and "stop here" in body["error"]["message"], body
-                assert counts[-1] == want, (request_threads, counts)
-            finally:
-                srv.shutdown()
-                srv.server_close()
-    finally:
-        torch.set_num_threads(before)
-
-
 def test_a_url_server_that_comes_back_rejoins_with_the_newest_weights(setup, tmp_path):
     """Servers given by URL (not started by the run): one killed with kill -9 leaves the pool; restarted
     at its port by whoever runs it (on the checkpoint's weights, version 0), the background probe finds

@@ -118,8 +118,7 @@ class Batcher:
     once the pools hold more threads than the machine has cores it stops spinning between regions,
     which made a 4-row decode 4x slower on this 2-core CPU (the model loaded on the main thread's
     pool of 2, then the engine decoding on its own). So the servers load the model on one thread
-    (:func:`single_threaded_start`), their request threads keep one (``Server.request_threads``), and
-    :meth:`call` runs other engine work (a weight load) here."""
+    (:func:`single_threaded_start`), and :meth:`call` runs other engine work (a weight load) here."""
 
     def __init__(self, engine, window_s: float = 0.005, max_prompts: int = 256, max_wait_s: float = 0.05,
                  lock: threading.Lock | None = None, threads: int | None = None):
@@ -292,13 +291,6 @@ class Handler(BaseHTTPRequestHandler):
     # headers and body go out in two writes: with Nagle's algorithm on, the body waits for the
     # client's delayed ACK of the headers (~40 ms a response on Linux)
     disable_nagle_algorithm = True
-
-    def setup(self) -> None:
-        super().setup()
-        if getattr(self.server, "request_threads", None):
-            import torch
-
-            torch.set_num_threads(self.server.request_threads)  # this thread's (and new threads' default)
 
     def log_message(self, fmt, *args):  # quiet unless asked
         if getattr(self.server, "verbose", False):
@@ -705,10 +697,6 @@ class Server(ThreadingHTTPServer):
     batcher: Batcher | None = None
     weights_dir: str | None = None
     weight_group = None  # train.rl.weight_group.Group once the trainer formed one
-    # torch threads of each request's thread (None: left as they are); the servers' processes set 1, so
-    # that only the engine's thread runs torch ops on several (a broadcast version's unpacking runs on
-    # the request's thread; see Batcher)
-    request_threads: int | None = None
 
     def server_close(self) -> None:
         super().server_close()
@@ -798,7 +786,6 @@ def main(argv: list[str] | None = None, prog: str = "cascade serve") -> int:
     try:
         srv = make_server(eng, name, a.host, a.port, a.api_key, verbose=a.verbose, weights_dir=a.weights_dir,
                           threads=threads)
-        srv.request_threads = 1
     except OSError as e:
         raise ValueError(f"cannot listen on {a.host}:{a.port}: {e.strerror or e}") from None
     host, port = srv.server_address[:2]
