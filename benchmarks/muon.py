@@ -32,6 +32,7 @@ orthogonalised every matrix), runs interleaved with the current code's (commit 3
 | current | 1 | 2 | 1.47, 1.77 | 0.86, 0.85 | 0.66-0.67 | 1.23, 1.46 | 14, 14 |
 | 4aaf4ad (2026-12-03, another machine) | 2 | 2 | 0.95, 0.87 | 1.17, 1.12 | 0.91-0.98 | 1.09, 0.96 | 14, 14 |
 | 5e45654 (2026-12-03, this session's machine) | 2 | 1 | 0.87 | 1.54 | 1.11-1.30 | 1.31 | 14, 14 |
+| dd837b4 (2026-12-04: the master slice built per parameter, construction only) | 2 | 1 | 1.01 | 0.89 | 0.74-0.75 | 0.89 | 14, 14 |
 
 Muon bytes sent per rank per step over the TSP group: 23.05 MB measured, 23.05 MB by the formula,
 in every run (at D = 2 the two all-to-alls move what the former all-gather did; at D = 4 half).

@@ -33,6 +33,11 @@ mesh, 3 warm calls each (medians); peak rises in MB, seconds of the slowest rank
 | TSP 2 | publish (bf16) | 124.9, 31.2 / 461.3, 367.5 | 0.0, 0.0 / 473.5, 493.5 | 0.114, 0.063 / 0.784, 0.730 |
 | TSP 2 | final (fp32) | 233.0, 187.4 / 572.7, 735.2 | 0.0, 0.0 / 839.4, 612.7 | 0.289, 0.243 / 1.139, 1.120 |
 
+Re-run at dd837b4 (after the master slice is built per parameter, 2e1b4d1), one run per mesh: DP 2 publish rank 0
+122.4 / 612.4, other 0.0 / 612.4, 0.063 / 0.565 s; final 255.1 / 612.3, other 0.0 / 367.3, 0.218 / 0.421 s. TSP 2
+publish rank 0 124.9 / 428.9, other 0.0 / 285.7, 0.122 / 0.593 s; final 261.1 / 643.8, other 0.0 / 1052.2,
+0.287 / 1.262 s.
+
 The other rank's rise is 0.0 in every run (it allocates one parameter at a time, which the heap's free
 pages absorb). Rank 0's rise is noisy (31-125 MB for a 122 MB version): freed pages from earlier calls
 count in the resident set before the call, and a new dict reuses them; it holds the whole version, as it

@@ -63,7 +63,9 @@ for these steps; three runs of ``--tsp 1 --dp 2``, two of ``--arch zaya``, inter
 step this time as fast as the ranks'), ``--arch zaya`` 9.02, 9.46 s against 6.23, 6.63 s (0.69, 0.70: above
 the earlier 0.54-0.65; the same setting moved by up to 25% between runs on this machine before). Re-run at
 799e832 (the router's load count weights padding 0 instead of masking it out; two runs of ``--arch zaya``): 6.84,
-6.06 s against 4.50, 4.60 s (0.66, 0.76), both sides faster than at fd54a0c on the same code for everything else.
+6.06 s against 4.50, 4.60 s (0.66, 0.76), both sides faster than at fd54a0c on the same code for everything else. Re-run
+at dd837b4 (the ZeRO-1 master slice built per parameter: construction only, outside the timed steps), one run
+each: default TSP D=2 6.40 s against 4.40 s (0.69), ``--arch zaya`` 7.19 s against 4.77 s (0.66).
 
 TSP is a memory layout first (each rank holds 1/D of the weights and activations, see
 benchmarks/parallel.py); on 2 CPU cores it pays for its weight ring with gloo transfers that one
