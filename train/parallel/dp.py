@@ -130,24 +130,22 @@ class MeshAdamW:
         self.lo = min(self.dp_rank * self.chunk, self.total)
         self.hi = min(self.lo + self.chunk, self.total)
         self.decay_ranges: list[tuple[int, int]] = []  # in slice coordinates
+        self.offsets: dict[int, int] = {}  # id(param) -> its offset in the flat vector
+        dev = self.params[0].device
+        self.master = torch.empty(self.hi - self.lo, dtype=torch.float32, device=dev)  # this rank's slice only
         off = 0
         for p, _, decay in items:
+            self.offsets[id(p)] = off
             a, b = max(off, self.lo), min(off + p.numel(), self.hi)
+            if a < b:
+                with torch.no_grad():
+                    self.master[a - self.lo:b - self.lo] = p.detach().reshape(-1)[a - off:b - off]
             if decay and a < b:
                 if self.decay_ranges and self.decay_ranges[-1][1] == a - self.lo:
                     self.decay_ranges[-1] = (self.decay_ranges[-1][0], b - self.lo)
                 else:
                     self.decay_ranges.append((a - self.lo, b - self.lo))
             off += p.numel()
-        dev = self.params[0].device
-        self.master = torch.empty(self.hi - self.lo, dtype=torch.float32, device=dev)
-        off = 0
-        with torch.no_grad():
-            for p in self.params:  # this rank's slice only (never a flat fp32 copy of every parameter)
-                a, b = max(off, self.lo), min(off + p.numel(), self.hi)
-                if a < b:
-                    self.master[a - self.lo:b - self.lo] = p.detach().reshape(-1)[a - off:b - off]
-                off += p.numel()
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.steps = torch.zeros((), dtype=torch.int64, device=dev)
@@ -259,12 +257,7 @@ class MeshAdamW:
         part of it send that part point to point, so no rank holds more than this one parameter beyond
         its own slice (where :meth:`full_master` gives every rank all of them). Collective over the
         data-parallel group (every rank calls, for the same parameter)."""
-        if not hasattr(self, "_offsets"):
-            self._offsets, off = {}, 0
-            for q in self.params:
-                self._offsets[id(q)] = off
-                off += q.numel()
-        off, n = self._offsets[id(p)], p.numel()
+        off, n = self.offsets[id(p)], p.numel()
         out = torch.empty(n, dtype=torch.float32, device=self.master.device) if self.dp_rank == dst else None
         group = self.dp_group if self.dp_group is not None else dist.group.WORLD
         for r in range(self.dp_size):
