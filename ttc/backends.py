@@ -183,12 +183,11 @@ class EngineBackend(HFTokenizerSide):
 def torch_backend(path, device: str | None = None, dtype: str = "float32", prefix_cache: bool = True,
                   threads: int | None = None) -> EngineBackend:
     """The built-in torch engine on a local checkpoint, with shared-prefix KV reuse on by default.
-    ``threads``: run it on its own thread with that many torch threads; this thread then keeps one
-    (:func:`train.engine.server.single_threaded_start`, called before the model loads)."""
-    if threads:
-        from train.engine.server import single_threaded_start
+    It runs on its own thread with ``threads`` torch threads (None: torch's default); this thread then
+    keeps one (:func:`train.engine.server.single_threaded_start`, called before the model loads)."""
+    from train.engine.server import single_threaded_start
 
-        threads = single_threaded_start(threads)
+    threads = single_threaded_start(threads)
     from train.engine.prefix_cache import enable_prefix_caching
     from train.engine.torch_engine import DTYPES, TorchEngine, engine_device
 

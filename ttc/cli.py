@@ -137,11 +137,9 @@ def build_backend(a):
         return vllm_backend(a.model)
     from ttc.backends import torch_backend
 
-    import torch
-
     # the engine runs on a thread of its own with --threads (torch's default count without it) and this one on one
     return torch_backend(a.model, device=a.device, dtype=a.dtype, prefix_cache=not a.no_prefix_cache,
-                         threads=a.threads or torch.get_num_threads())
+                         threads=a.threads)
 
 
 def parse_columns(spec: str | None) -> dict[str, str]:
