@@ -37,8 +37,8 @@ orthogonalised every matrix), runs interleaved with the current code's (commit 3
 Muon bytes sent per rank per step over the TSP group: 23.05 MB measured, 23.05 MB by the formula,
 in every run (at D = 2 the two all-to-alls move what the former all-gather did; at D = 4 half).
 Splitting the matrices makes the sharded step 1.6x faster than before (0.88-0.93 s against
-1.47-1.50 s). Against one process on both cores it is still 0.8x: each rank orthogonalises its
-half on one thread, about 1.7-2x slower per matrix than on two (``single_ns_s`` 0.70-0.73 s on
+1.47-1.50 s). Against one process on both cores it is 0.79-1.01x across the runs above: each rank
+orthogonalises its half on one thread, about 1.7-2x slower per matrix than on two (``single_ns_s`` 0.70-0.73 s on
 two threads, 1.23-1.46 s on one), so ``ns_split`` is 1.0-1.1 where D = 2 devices would give about 2. With a core per rank and the reference on one core (the
 ``--threads 1`` rows, a flattering regime on this machine but the shape of D GPUs, each its own
 device) the split gives 1.8-2.2x on Newton-Schulz and 1.5-1.8x on the step.

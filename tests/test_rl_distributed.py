@@ -15,6 +15,7 @@ import math
 import os
 import subprocess
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -872,14 +873,62 @@ def _check_reordered_resume(world, out, shared):
         out[f"reorder.{kind}.steps"] = float(up.opt.steps)
 
 
-def _reorder_worker(rank, world, port, path, shared):
-    run_checks(rank, world, port, path, [lambda w, o: _check_reordered_resume(w, o, shared)])
+@contextmanager
+def host_reads():
+    """Count the reads of tensor values into Python (``float()``, ``int()``, ``bool()``, ``.item()``,
+    ``.tolist()``, ``.numpy()``...) inside the block: on a GPU each waits for the device's queue."""
+    names = ("__float__", "__int__", "__bool__", "__index__", "item", "tolist", "numpy")
+    n, orig = [0], {k: getattr(torch.Tensor, k) for k in names}
+
+    def spy(k):
+        def read(self, *a, **kw):
+            n[0] += 1
+            return orig[k](self, *a, **kw)
+        return read
+
+    for k in names:
+        setattr(torch.Tensor, k, spy(k))
+    try:
+        yield n
+    finally:
+        for k in names:
+            setattr(torch.Tensor, k, orig[k])
 
 
-def test_resume_with_another_parameter_order(tmp_path):
-    ranks = spawn(1, _reorder_worker, str(tmp_path))
-    r = ranks[0]
+def _check_host_reads(world, out):
+    """One rank, a dense policy: an RL step's reads of tensor values into Python do not grow with its
+    micro-batches (the loss metrics stay on the device until one read at the end of the step)."""
+    from train.parallel.rl_update import RLUpdater
+
+    cfg = _cfgs()["dense"]
+    for tpm in (10_000, 12):
+        up = RLUpdater(_model(cfg), rl_cfg("dppo_tv", tokens_per_micro=tpm))
+        up.step(make_batch(0, cfg), 0)
+        batch = make_batch(1, cfg)
+        with host_reads() as n:
+            m = up.step(batch, 1)
+        out[f"reads.{tpm}"], out[f"reads.{tpm}.micro"] = float(n[0]), m["micro_batches_max"]
+
+
+def _one_rank_worker(rank, world, port, path, shared):
+    run_checks(rank, world, port, path, [lambda w, o: _check_reordered_resume(w, o, shared), _check_host_reads])
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    r = spawn(1, _one_rank_worker, str(tmp_path_factory.mktemp("one_rank")))[0]
     assert "error" not in r, r.get("trace")
+    return r
+
+
+def test_host_reads_per_step_do_not_grow_with_micro_batches(one_rank):
+    r = one_rank
+    assert r["reads.10000.micro"] == 1 and r["reads.12.micro"] >= 4
+    assert r["reads.12"] == r["reads.10000"] <= 8, r
+
+
+def test_resume_with_another_parameter_order(one_rank):
+    r = one_rank
     assert r["reorder.muon.differs"] == 1.0 and r["reorder.adamw.differs"] == 0.0
     for kind in ("muon", "adamw"):
         assert r[f"reorder.{kind}.step"] == 2.0 and r[f"reorder.{kind}.steps"] == 2.0

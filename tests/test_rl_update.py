@@ -164,6 +164,23 @@ def test_seq_denominator_excludes_masked_rollouts(tiny_dense_dir):
     assert m["loss"] == pytest.approx(want, rel=1e-5)
 
 
+def test_host_reads_per_update_do_not_grow_with_micro_batches(tiny_dense_dir):
+    """The loss metrics stay on the device until one read after the update (on a GPU each read of a
+    value into Python waits for the queue): 8 micro-batches read no more than one does."""
+    from tests.test_rl_distributed import host_reads
+
+    reads = {}
+    for mbs in (8, 1):
+        rl = make_rl(tiny_dense_dir, micro_batch_size=mbs)
+        groups = rollouts(rl, [1.0, 0, 0, 0, 1, 1, 0, 0])
+        with host_reads() as n:
+            m = rl.update(groups)
+        reads[mbs] = n[0]
+        rolls = [x for g in groups for x in g.rollouts]
+        assert m["entropy"] > 0 and len(rl._packs(rolls, range(len(rolls)))) == 8 // mbs
+    assert reads[1] == reads[8], reads  # (most of them: torch's AdamW reading each parameter's step count)
+
+
 def test_sharded_denominator_and_kl_config():
     from train.parallel.rl_update import RLUpdateConfig, loss_denominator
     from train.rl.exchange import TrainSample

@@ -80,7 +80,7 @@ from train.parallel.shard import make_mesh
 from train.parallel.tsp import TSPCausalLM, check_tsp_config, zigzag_index
 from train.rl.exchange import TrainBatch, TrainSample
 from train.rl.packing import balance_across_ranks, pack_by_tokens, pack_row, packed_token_logprobs, scatter_rows
-from train.rl.losses import LossConfig, effective_agg, get_loss, mismatch_metrics
+from train.rl.losses import LossConfig, MetricSums, effective_agg, get_loss, mismatch_metrics
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -157,7 +157,8 @@ def batch_tensors(samples: list[TrainSample], pad_id: int, device, routing: bool
             full[i, :s.num_tokens] = s.routed_experts.long()
         routed = [full[:, :, j].to(device) for j in range(full.shape[2])]
     att = b.attention_mask
-    return RLTensors(b.input_ids.to(device), None if bool(att.all()) else att.to(device),
+    padded = len({s.num_tokens for s in samples}) > 1  # (from the lengths: no read of a tensor)
+    return RLTensors(b.input_ids.to(device), att.to(device) if padded else None,
                      (b.loss_mask * keep[:, None]).to(device), mu.to(device),
                      torch.tensor([float(s.advantage) for s in samples], dtype=torch.float32).to(device), routed)
 
@@ -357,9 +358,7 @@ class RLUpdater:
         mine = [live[i] for i in balance_across_ranks([lengths[i] for i in live], self.dp)[self.dp_rank]]
         micro = [[mine[j] for j in mb] for mb in pack_by_tokens([lengths[i] for i in mine], cfg.tokens_per_micro)]
         temp = 1.0 if sft else (batch.temperature or 1.0)
-        sums: dict[str, float] = {}
-        weight = loss_total = ent_sum = 0.0
-        mismatch = 0.0
+        acc = MetricSums()  # read once after the loop: no device sync per micro-batch
         self.net.train()
         for rows in micro:
             t = batch_tensors([samples[i] for i in rows], cfg.pad_id, self.device, routing=False)
@@ -375,19 +374,22 @@ class RLUpdater:
                 mets.update(mismatch_metrics(lp, t.mu, t.mask))  # this policy (before the step) vs the behaviour one
             loss.backward()
             self.opt.accumulate()
-            loss_total += float(loss.detach())
             mets.pop("loss", None)
-            mismatch = max(mismatch, mets.pop("mismatch_max_abs", 0.0))
-            w = float(t.mask.sum())
-            for k, v in mets.items():
-                sums[k] = sums.get(k, 0.0) + v * w
-            weight += w
-            ent_sum += float((ent.float() * t.mask).sum())
+            if "mismatch_max_abs" in mets:
+                acc.max("mismatch_max_abs", mets.pop("mismatch_max_abs"))
+            w = t.mask.sum()
+            acc.add_weighted(mets, w)
+            acc.add("loss_total", loss)  # not a loss metric's name (those are token-weighted)
+            acc.add("loss_tokens", w)
+            acc.add("entropy_sum", (ent.float() * t.mask).sum())
         self.net.eval()
         lr = optim.lr * lr_factor(step, optim)
         grad_norm = self.opt.step(lr, optim.grad_clip)
         # ZAYA1: every rank moves its balancing biases by the load of the whole batch (all TSP and DP ranks)
         balance_router_biases(self.net, (self.tsp_group, self.dp_group) if self.tsp > 1 else self.dp_group)
+        sums, maxes = acc.floats()
+        weight, loss_total, ent_sum = (sums.pop(k, 0.0) for k in ("loss_tokens", "loss_total", "entropy_sum"))
+        mismatch = maxes.get("mismatch_max_abs", 0.0)
         # every TSP rank computed the same metrics: count TSP rank 0 of each DP replica
         mine_m = (sums, weight, loss_total, ent_sum, mismatch, len(micro)) if self.tsp_rank == 0 else None
         parts: list = [None] * dist.get_world_size()
@@ -546,5 +548,5 @@ def reference_update(model: CausalLM, opt: torch.optim.Optimizer, batch: TrainBa
     balance_router_biases(model)  # ZAYA1's balancing biases, as train.optim.clip_and_step
     out = {"loss": float(loss.detach()), "grad_norm": float(norm), "lr": lr}
     if "kl_ref" in mets:
-        out["kl_ref"] = mets["kl_ref"]
+        out["kl_ref"] = float(mets["kl_ref"])
     return out

@@ -3,7 +3,7 @@
 Every loss has the signature::
 
     loss_fn(logprobs, old_logprobs, rollout_logprobs, advantages, mask, cfg=None, *,
-            ref_logprobs=None, denom=None) -> (loss: scalar Tensor, metrics: dict[str, float])
+            ref_logprobs=None, denom=None) -> (loss: scalar Tensor, metrics: dict[str, Tensor])
 
 - ``logprobs`` ``[B, T]``: the trainer's log-probabilities of the sampled tokens (with grad);
 - ``old_logprobs`` ``[B, T]``: the same under the policy that the ratio is taken against (the
@@ -54,7 +54,11 @@ Metrics: ``loss``, ``clip_frac`` (share of tokens whose gradient the clip/trust 
 whose IS weight was clipped; with dual clip, the dual-clipped tokens too, which
 ``clip_frac_dual`` counts on their own), ``approx_kl`` (k3 of old vs new), ``ratio_mean``, and when engine
 log-probs are given ``mismatch_kl`` (k3 of rollout vs old) and ``mismatch_max_abs``
-(max |old - rollout|); ``tis_capped_frac`` and ``kl_ref`` when those options are on.
+(max |old - rollout|); ``tis_capped_frac`` and ``kl_ref`` when those options are on. Each is a
+detached 0-dim tensor on the inputs' device, not a float: reading one waits for the device, so the
+trainers sum them over a step's micro-batches in :class:`MetricSums` and read them all at once at the
+end of the step (on a GPU, a ``float()`` per metric per micro-batch would stall the queue of kernels
+each time).
 """
 from __future__ import annotations
 
@@ -67,7 +71,7 @@ from torch import Tensor
 from train.rl import Registry
 
 __all__ = ["LossConfig", "LOSSES", "get_loss", "aggregate", "seq_count", "AGG_MODES", "kl_estimate",
-           "mismatch_metrics"]
+           "mismatch_metrics", "MetricSums"]
 
 AGG_MODES = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
 KL_TYPES = ("k1", "k3")
@@ -161,17 +165,61 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: str) -> Tensor:
     raise ValueError(f"unknown kl_type {kind!r}; choose one of {', '.join(KL_TYPES)}")
 
 
-def mismatch_metrics(logprobs: Tensor, mu: Tensor, mask: Tensor) -> dict[str, float]:
+def mismatch_metrics(logprobs: Tensor, mu: Tensor, mask: Tensor) -> dict[str, Tensor]:
     """How far the trainer's log-probs are from the behaviour log-probs ``mu`` the rollouts were
     sampled with (stale weights and engine numerics both show here): ``mismatch_kl`` (k3 of
     log(pi/mu), as ``approx_kl``) and ``mismatch_max_abs`` (max |log pi - log mu|) over ``mask``."""
     m = mask.to(logprobs.dtype)
     d = torch.where(m > 0, logprobs.detach() - mu, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return {"mismatch_kl": _masked_mean(d.exp() - 1 - d, m), "mismatch_max_abs": float(d.abs().max()) if d.numel() else 0.0}
+    return {"mismatch_kl": _masked_mean(d.exp() - 1 - d, m), "mismatch_max_abs": _abs_max(d)}
 
 
-def _masked_mean(x: Tensor, mask: Tensor) -> float:
-    return float((x * mask).sum() / mask.sum().clamp(min=1))
+def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    return ((x * mask).sum() / mask.sum().clamp(min=1)).detach()
+
+
+def _abs_max(d: Tensor) -> Tensor:
+    return d.detach().abs().max() if d.numel() else d.new_zeros(())
+
+
+class MetricSums:
+    """A step's metrics summed over its micro-batches on the device (adding waits for nothing), read
+    with one device-to-host copy by :meth:`floats`: sums (:meth:`add`, :meth:`add_weighted`) and maxima
+    (:meth:`max`), accumulated in float64 as the Python floats they replace were."""
+
+    def __init__(self):
+        self._sum: dict[str, Tensor] = {}
+        self._max: dict[str, Tensor] = {}
+
+    @staticmethod
+    def _t(v) -> Tensor:
+        return v.detach().to(torch.float64) if isinstance(v, Tensor) else torch.tensor(float(v), dtype=torch.float64)
+
+    def add(self, name: str, value) -> None:
+        v = self._t(value)
+        self._sum[name] = v if name not in self._sum else self._sum[name] + v
+
+    def add_weighted(self, metrics: dict, weight) -> None:
+        """``sum[k] += metrics[k] * weight`` for every metric (token-weighted means: divide by the
+        summed weight)."""
+        w = self._t(weight)
+        for k, v in metrics.items():
+            self.add(k, self._t(v) * w)
+
+    def max(self, name: str, value) -> None:
+        v = self._t(value)
+        self._max[name] = v if name not in self._max else torch.maximum(self._max[name], v)
+
+    def floats(self) -> tuple[dict[str, float], dict[str, float]]:
+        """(sums, maxima) as Python floats: one synchronising copy for all of them."""
+        keys = [("s", k) for k in self._sum] + [("m", k) for k in self._max]
+        vals = [self._sum[k] if kind == "s" else self._max[k] for kind, k in keys]
+        if not vals:
+            return {}, {}
+        dev = vals[0].device
+        got = torch.stack([v.to(dev) for v in vals]).tolist()
+        sums = {k: x for (kind, k), x in zip(keys, got) if kind == "s"}
+        return sums, {k: x for (kind, k), x in zip(keys, got) if kind == "m"}
 
 
 def _weighted(weight: Tensor, log_ratio: Tensor) -> Tensor:
@@ -227,7 +275,7 @@ def _finish(b: _Batch, tok: Tensor, metrics: dict, cfg: LossConfig, default_agg:
     if b.rollout is not None:
         d = torch.where(on, b.old - b.rollout, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         metrics["mismatch_kl"] = _masked_mean(d.exp() - 1 - d, b.mask)
-        metrics["mismatch_max_abs"] = float(d.abs().max()) if d.numel() else 0.0
+        metrics["mismatch_max_abs"] = _abs_max(d)
         if cfg.tis_cap is not None:
             w = d.exp()
             tok = tok * w.clamp(max=cfg.tis_cap)
@@ -239,11 +287,11 @@ def _finish(b: _Batch, tok: Tensor, metrics: dict, cfg: LossConfig, default_agg:
         tok = tok + cfg.kl_coef * kl
         metrics["kl_ref"] = _masked_mean(kl.detach(), b.mask)
     loss = aggregate(tok, b.mask, cfg.agg or default_agg, cfg.norm_len, denom)
-    metrics["loss"] = float(loss.detach())
+    metrics["loss"] = loss.detach()
     return loss, metrics
 
 
-def _frac(x: Tensor, b: _Batch) -> float:
+def _frac(x: Tensor, b: _Batch) -> Tensor:
     return _masked_mean(x.to(b.mask.dtype), b.mask)
 
 
@@ -292,7 +340,7 @@ def gspo_loss(logprobs, old_logprobs, rollout_logprobs, advantages, mask, cfg=No
     seq_lr = b.log_ratio.sum(-1, keepdim=True) / b.mask.sum(-1, keepdim=True).clamp(min=1)
     s_tok = torch.exp(seq_lr.detach() + b.log_ratio - b.log_ratio.detach())
     tok, clipped = _clipped_surrogate(s_tok, b.adv, cfg.gspo_clip_low, cfg.gspo_clip_high)
-    metrics = {"clip_frac": _frac(clipped, b), "seq_ratio_mean": float(seq_lr.detach().exp().mean())}
+    metrics = {"clip_frac": _frac(clipped, b), "seq_ratio_mean": seq_lr.detach().exp().mean()}
     return _finish(b, tok, metrics, cfg, "seq_mean_token_mean", ref_logprobs, denom)
 
 

@@ -21,7 +21,7 @@ from train.engine.base import Completion, SamplingParams
 from train.model.modeling import CausalLM
 from train.optim import OptimConfig, build_optimizer, clip_and_step, load_training_state, training_state
 from train.rl.advantages import compute_advantages
-from train.rl.losses import LossConfig, effective_agg, get_loss, mismatch_metrics, seq_count
+from train.rl.losses import LossConfig, MetricSums, effective_agg, get_loss, mismatch_metrics, seq_count
 from train.rl.shaping import (DynamicSampler, LengthRewardConfig, LengthRewardState, OverlongConfig, data_source,
                               overlong_shaping, rare_token_fractions, repetition_gate)
 
@@ -307,10 +307,9 @@ class RLTrainer:
         ref_lp = self._logprobs_no_grad(rolls, batch, temp, self.reference_policy()) if cfg.loss_cfg.kl_coef else None
         self.policy.train()
         minis = micro_batches(n, -(-n // cfg.updates_per_batch))
-        sums: dict[str, float] = {}  # token-weighted sums of the loss function's metrics
-        weight = loss_total = ent_sum = grad_norm = 0.0
-        mismatch_max = None
-        mis_sum = mis_w = 0.0
+        # token-weighted sums of the loss function's metrics and the totals, read once after the loop
+        acc = MetricSums()
+        grad_norm = 0.0
         for mi, mini in enumerate(minis):
             denom = float(mask[mini].sum().clamp(min=1)) if self.agg == "token_mean" else float(seq_count(mask[mini]))
             # rollouts without a loss token (dropped, empty) are not forwarded: nothing to learn from them, and
@@ -327,31 +326,32 @@ class RLTrainer:
                     loss, mets = self.loss_fn(lp, mu, None, adv[idx], m, cfg.loss_cfg, ref_logprobs=ref, denom=denom)
                     if mi == 0:  # the trainer's current policy vs the behaviour policy, before any update
                         mm = mismatch_metrics(lp, mu, m)
-                        mis_sum += mm["mismatch_kl"] * float(m.sum())
-                        mis_w += float(m.sum())
-                        mismatch_max = max(mismatch_max or 0.0, mm["mismatch_max_abs"])
+                        acc.add("mismatch_kl_sum", mm["mismatch_kl"] * m.sum())
+                        acc.add("mismatch_tokens", m.sum())
+                        acc.max("mismatch_max_abs", mm["mismatch_max_abs"])
                 else:
                     loss, mets = self.loss_fn(lp, old_lp[idx, :W], mu, adv[idx], m, cfg.loss_cfg, ref_logprobs=ref,
                                               denom=denom)
                 self.between_kernels()
                 loss.backward()
-                loss_total += float(loss.detach())  # micro-batch losses add up to the mini-batch loss
+                acc.add("loss_total", loss)  # micro-batch losses add up to the mini-batch loss
                 mets.pop("loss", None)
                 if "mismatch_max_abs" in mets:
-                    mismatch_max = max(mismatch_max or 0.0, mets.pop("mismatch_max_abs"))
-                w = float(m.sum())
-                for k, v in mets.items():
-                    sums[k] = sums.get(k, 0.0) + v * w
-                weight += w
-                ent_sum += float((ent * m).sum())
+                    acc.max("mismatch_max_abs", mets.pop("mismatch_max_abs"))
+                w = m.sum()
+                acc.add_weighted(mets, w)
+                acc.add("loss_tokens", w)
+                acc.add("entropy_sum", (ent * m).sum())
             self.between_kernels()
             grad_norm = clip_and_step(self.policy, self.opt, self.sched, cfg.optim.grad_clip)
         self.policy.eval()
+        sums, maxes = acc.floats()
+        weight, loss_total, ent_sum = (sums.pop(k, 0.0) for k in ("loss_tokens", "loss_total", "entropy_sum"))
+        mis_sum, mis_w = sums.pop("mismatch_kl_sum", 0.0), sums.pop("mismatch_tokens", 0.0)
         metrics = {k: v / max(weight, 1.0) for k, v in sums.items()}
         if behaviour:
             metrics["mismatch_kl"] = mis_sum / max(mis_w, 1.0)
-        if mismatch_max is not None:
-            metrics["mismatch_max_abs"] = mismatch_max
+        metrics.update(maxes)
         metrics.update(loss=loss_total / len(minis), entropy=ent_sum / max(weight, 1.0), grad_norm=grad_norm,
                        lr=self.sched.get_last_lr()[0], advantage_abs_mean=float(adv.abs().mean()))
         return metrics
