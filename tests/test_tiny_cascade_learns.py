@@ -3,11 +3,13 @@ configured size, seed 0). The warm-up, math and behavioral RL raise their held-o
 difficulty ends above its start on at least half of its environments.
 
 The bounds sit below the worst of the seeds measured with this profile (README, "The tiny cascade",
-seeds 0/1/2 at 0af2c6d: warm-up +0.89/+0.86/+0.78, math +0.10/+0.15/+0.21, behavior +0.16/+0.10/+0.05,
-RLVE rose on 3 of 3 on every seed; before the SFT warm-up packed its examples: +0.84/+0.86/+0.94,
-+0.08/+0.12/+0.22, +0.03/+0.09/+0.12), so the test fails when a change stops the recipe teaching, not
-when a seed is unlucky. One run of the whole profile: 6.5-7.5 minutes on 2 cores. It starts as soon as these tests are collected
-(`start_in_background`, called from conftest.py) and runs on one thread beside the tests before them."""
+seeds 0/1/2 on 2026-12-05: warm-up +0.89/+0.95/+0.82, math +0.22/+0.06/+0.11, behavior (150 steps)
++0.17/+0.11/+0.22, RLVE rose on 3 of 3 on every seed; at 0af2c6d on another machine, 60 behavior steps:
++0.89/+0.86/+0.78, +0.10/+0.15/+0.21, +0.16/+0.10/+0.05), so the test fails when a change stops the recipe
+teaching, not when a seed is unlucky (a seed's trajectory differs between machines: with 60 behavior steps
+seed 0 rose +0.01 on the later machine, hence the 150). One run of the whole profile: 5.5-7.5 minutes on 2
+cores. It starts as soon as these tests are collected (`start_in_background`, called from conftest.py) and runs
+on one thread beside the tests before them."""
 import json
 import os
 import shutil
@@ -21,7 +23,7 @@ import pytest
 DEMO = pytest.StashKey[tuple]()
 
 # below the smallest rise seen over the measured seeds (avg@4)
-MIN_GAIN = {"warmup": 0.4, "math": 0.04, "behavior": 0.02}
+MIN_GAIN = {"warmup": 0.4, "math": 0.04, "behavior": 0.05}
 
 
 def start_in_background(config):
