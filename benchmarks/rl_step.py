@@ -65,7 +65,11 @@ the earlier 0.54-0.65; the same setting moved by up to 25% between runs on this 
 799e832 (the router's load count weights padding 0 instead of masking it out; two runs of ``--arch zaya``): 6.84,
 6.06 s against 4.50, 4.60 s (0.66, 0.76), both sides faster than at fd54a0c on the same code for everything else. Re-run
 at dd837b4 (the ZeRO-1 master slice built per parameter: construction only, outside the timed steps), one run
-each: default TSP D=2 6.40 s against 4.40 s (0.69), ``--arch zaya`` 7.19 s against 4.77 s (0.66).
+each: default TSP D=2 6.40 s against 4.40 s (0.69), ``--arch zaya`` 7.19 s against 4.77 s (0.66). Re-run at
+f6aed24 (the loss metrics summed on the device and read once per step) on another machine, interleaved with
+dc6f21e (before that change): default TSP D=2 5.51, 5.62, 5.81 s against 3.16, 3.28, 3.41 s (0.57, 0.58, 0.59),
+dc6f21e 5.80, 5.66 s against 3.28, 3.36 s (0.57, 0.59); ``--tsp 1 --dp 2`` 3.06, 3.05 s against 3.51, 3.58 s
+(1.15, 1.17), dc6f21e 3.09, 3.01 s against 3.45, 3.10 s (1.12, 1.03): no change the noise shows.
 
 TSP is a memory layout first (each rank holds 1/D of the weights and activations, see
 benchmarks/parallel.py); on 2 CPU cores it pays for its weight ring with gloo transfers that one
