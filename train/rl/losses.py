@@ -216,7 +216,7 @@ class MetricSums:
         vals = [self._sum[k] if kind == "s" else self._max[k] for kind, k in keys]
         if not vals:
             return {}, {}
-        dev = vals[0].device
+        dev = next((v.device for v in vals if v.device.type != "cpu"), vals[0].device)  # one copy from it
         got = torch.stack([v.to(dev) for v in vals]).tolist()
         sums = {k: x for (kind, k), x in zip(keys, got) if kind == "s"}
         return sums, {k: x for (kind, k), x in zip(keys, got) if kind == "m"}
