@@ -146,8 +146,9 @@ def test_kl_coef_zero_builds_no_reference(tiny_dense_dir):
         RLConfig(kl_reference="some/dir")
 
 
-def test_seq_denominator_excludes_masked_rollouts(tiny_dense_dir):
-    rl = make_rl(tiny_dense_dir)
+@pytest.mark.parametrize("loss", ["drgrpo", "dapo"])
+def test_seq_denominator_excludes_masked_rollouts(tiny_dense_dir, loss):
+    rl = make_rl(tiny_dense_dir, loss=loss)
     rewards = [1.0, 0, 0, 0, 1, 1, 0, 0]
     groups = rollouts(rl, rewards)
     rolls = [x for g in groups for x in g.rollouts]
@@ -156,9 +157,11 @@ def test_seq_denominator_excludes_masked_rollouts(tiny_dense_dir):
             x.completion.logprobs = row_logprobs(rl.policy, x).tolist()
     rolls[1].keep = rolls[6].keep = False  # e.g. overlong-filtered: out of the loss and its denominator
     adv = compute_advantages("drgrpo", torch.tensor(rewards), 4).tolist()
-    # drgrpo, seq_mean_token_sum with ratio 1: -sum_t A_i per kept rollout, over the 6 kept rollouts
+    # drgrpo, seq_mean_token_sum with ratio 1: -sum_t A_i per kept rollout, over the 6 kept rollouts;
+    # dapo, token_mean: the same sum over the kept rollouts' tokens
     kept = [i for i, x in enumerate(rolls) if x.keep and x.completion.token_ids]
-    want = sum(-adv[i] * len(rolls[i].completion.token_ids) for i in kept) / len(kept)
+    tokens = sum(len(rolls[i].completion.token_ids) for i in kept)
+    want = sum(-adv[i] * len(rolls[i].completion.token_ids) for i in kept) / (len(kept) if loss == "drgrpo" else tokens)
     assert abs(want) > 0.05 and len(kept) == 6
     m = rl.update(groups)
     assert m["loss"] == pytest.approx(want, rel=1e-5)
