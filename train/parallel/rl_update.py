@@ -80,7 +80,7 @@ from train.parallel.shard import make_mesh
 from train.parallel.tsp import TSPCausalLM, check_tsp_config, zigzag_index
 from train.rl.exchange import TrainBatch, TrainSample
 from train.rl.packing import balance_across_ranks, pack_by_tokens, pack_row, packed_token_logprobs, scatter_rows
-from train.rl.losses import LossConfig, MetricSums, effective_agg, get_loss, mismatch_metrics
+from train.rl.losses import LossConfig, MetricSums, effective_agg, get_loss, loss_count, mismatch_metrics
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -167,9 +167,7 @@ def loss_denominator(samples: list[TrainSample], agg: str) -> float:
     """The global aggregation count: completion tokens of kept rollouts (``token_mean``) or kept
     rollouts with at least one completion token (``seq_*``; fully masked ones are excluded, as in
     :func:`train.rl.losses.seq_count` and verl), as ``RLTrainer.update`` counts them."""
-    if agg == "token_mean":
-        return float(max(1, sum(len(s.completion_ids) for s in samples if s.keep)))
-    return float(max(1, sum(1 for s in samples if s.trained)))
+    return loss_count([len(s.completion_ids) for s in samples if s.keep], agg)
 
 
 def gather_tokens(local: torch.Tensor, T: int, group) -> torch.Tensor:

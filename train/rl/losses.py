@@ -70,7 +70,7 @@ from torch import Tensor
 
 from train.rl import Registry
 
-__all__ = ["LossConfig", "LOSSES", "get_loss", "aggregate", "seq_count", "AGG_MODES", "kl_estimate",
+__all__ = ["LossConfig", "LOSSES", "get_loss", "aggregate", "seq_count", "loss_count", "AGG_MODES", "kl_estimate",
            "mismatch_metrics", "MetricSums"]
 
 AGG_MODES = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
@@ -148,6 +148,15 @@ def aggregate(tok: Tensor, mask: Tensor, mode: str, norm_len: int | None = None,
     return per_seq.sum() / (denom if denom is not None else seq_count(m))
 
 
+def loss_count(completion_lengths: list[int], agg: str) -> float:
+    """The aggregation denominator counted on the host from the kept rollouts' completion lengths:
+    their tokens (``token_mean``) or those with at least one token (``seq_*``, as :func:`seq_count`
+    counts them on a mask), at least 1."""
+    if agg == "token_mean":
+        return float(max(1, sum(completion_lengths)))
+    return float(max(1, sum(1 for n in completion_lengths if n)))
+
+
 def seq_count(mask: Tensor) -> int:
     """Rollouts (rows of ``mask``) with at least one unmasked token, at least 1: the ``seq_*``
     aggregation denominator."""
@@ -212,14 +221,12 @@ class MetricSums:
 
     def floats(self) -> tuple[dict[str, float], dict[str, float]]:
         """(sums, maxima) as Python floats: one synchronising copy for all of them."""
-        keys = [("s", k) for k in self._sum] + [("m", k) for k in self._max]
-        vals = [self._sum[k] if kind == "s" else self._max[k] for kind, k in keys]
+        vals = [*self._sum.values(), *self._max.values()]
         if not vals:
             return {}, {}
         dev = next((v.device for v in vals if v.device.type != "cpu"), vals[0].device)  # one copy from it
-        got = torch.stack([v.to(dev) for v in vals]).tolist()
-        sums = {k: x for (kind, k), x in zip(keys, got) if kind == "s"}
-        return sums, {k: x for (kind, k), x in zip(keys, got) if kind == "m"}
+        got, n = torch.stack([v.to(dev) for v in vals]).tolist(), len(self._sum)
+        return dict(zip(self._sum, got[:n])), dict(zip(self._max, got[n:]))
 
 
 def _weighted(weight: Tensor, log_ratio: Tensor) -> Tensor:

@@ -21,7 +21,7 @@ from train.engine.base import Completion, SamplingParams
 from train.model.modeling import CausalLM
 from train.optim import OptimConfig, build_optimizer, clip_and_step, load_training_state, training_state
 from train.rl.advantages import compute_advantages
-from train.rl.losses import LossConfig, MetricSums, effective_agg, get_loss, mismatch_metrics
+from train.rl.losses import LossConfig, MetricSums, effective_agg, get_loss, loss_count, mismatch_metrics
 from train.rl.shaping import (DynamicSampler, LengthRewardConfig, LengthRewardState, OverlongConfig, data_source,
                               overlong_shaping, rare_token_fractions, repetition_gate)
 
@@ -311,9 +311,8 @@ class RLTrainer:
         acc = MetricSums()
         grad_norm = 0.0
         for mi, mini in enumerate(minis):
-            # mask[mini]'s tokens (token_mean) or rows with a token (seq_*), counted from the rollouts: no device read
-            kept = [len(rolls[i].completion.token_ids) for i in range(mini.start, mini.stop) if rolls[i].keep]
-            denom = float(max(1, sum(kept) if self.agg == "token_mean" else sum(1 for k in kept if k)))
+            # mask[mini]'s count, from the rollouts: no device read
+            denom = loss_count([len(r.completion.token_ids) for r in rolls[mini] if r.keep], self.agg)
             # rollouts without a loss token (dropped, empty) are not forwarded: nothing to learn from them, and
             # a zaya router must not count their tokens (RLUpdater skips them too)
             live = [i for i in range(mini.start, mini.stop) if rolls[i].keep and rolls[i].completion.token_ids]
