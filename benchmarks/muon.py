@@ -33,11 +33,12 @@ orthogonalised every matrix), runs interleaved with the current code's (commit 3
 | 4aaf4ad (2026-12-03, another machine) | 2 | 2 | 0.95, 0.87 | 1.17, 1.12 | 0.91-0.98 | 1.09, 0.96 | 14, 14 |
 | 5e45654 (2026-12-03, this session's machine) | 2 | 1 | 0.87 | 1.54 | 1.11-1.30 | 1.31 | 14, 14 |
 | dd837b4 (2026-12-04: the master slice built per parameter, construction only) | 2 | 1 | 1.01 | 0.89 | 0.74-0.75 | 0.89 | 14, 14 |
+| 0fbd5d7 (2026-12-05, another machine: the RL step's metrics path) | 2 | 1 | 0.84 | 0.64 | 0.51 | 0.53 | 14, 14 |
 
 Muon bytes sent per rank per step over the TSP group: 23.05 MB measured, 23.05 MB by the formula,
 in every run (at D = 2 the two all-to-alls move what the former all-gather did; at D = 4 half).
 Splitting the matrices makes the sharded step 1.6x faster than before (0.88-0.93 s against
-1.47-1.50 s). Against one process on both cores it is 0.79-1.01x across the runs above: each rank
+1.47-1.50 s). Against one process on both cores it is 0.79-1.01x across the runs above (0.84 at 0fbd5d7): each rank
 orthogonalises its half on one thread, about 1.7-2x slower per matrix than on two (``single_ns_s`` 0.70-0.73 s on
 two threads, 1.23-1.46 s on one), so ``ns_split`` is 1.0-1.1 where D = 2 devices would give about 2. With a core per rank and the reference on one core (the
 ``--threads 1`` rows, a flattering regime on this machine but the shape of D GPUs, each its own

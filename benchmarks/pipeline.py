@@ -104,7 +104,9 @@ async speedup 1.08, 1.08, 1.07 (median 1.08, min 1.07; sync 2.29-2.36 steps/s, a
 ``overlap_ceiling_lending`` 1.15-1.16) against dc6f21e's 1.01, 0.88, 0.97 (median 0.97, min 0.88; sync 2.39-2.54,
 async 2.12-2.46; ceiling 1.13-1.15); max_lag_seen 2. Re-run at b8d992e (the single-process update counts its loss
 denominators from the rollouts; nothing else on this path), 3 runs after the others: 0.96, 0.97, 1.13 (median 0.97;
-sync 2.21-2.48, async 2.28-2.49; ceiling 1.16-1.17): f6aed24's lead over dc6f21e was this machine's noise.
+sync 2.21-2.48, async 2.28-2.49; ceiling 1.16-1.17): f6aed24's lead over dc6f21e was this machine's noise. At
+0fbd5d7 (the same counts through ``losses.loss_count``), 3 runs: 1.04, 1.06, 1.07 (median 1.06, min 1.04; sync
+2.42-2.46, async 2.50-2.62; ceiling 1.15-1.16); max_lag_seen 2.
 
 The goal (>= 1.5 against the best synchronous setting, here 2 threads) is not met: median 1.24 by
 default and 1.27 with long-tailed responses (one run of twelve above 1.5). Lending the producer's
