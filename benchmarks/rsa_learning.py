@@ -63,7 +63,14 @@ router-replay ids moved to the model's device; defaults, 763 s wall): every seed
 (2026-12-04: the trainer skips routing replay with vLLM servers, a no-op here; defaults, 632 s wall): the same
 figures again, seed by seed. At ff81563 (SFT on padded batches; the previous session's machine) the same
 seeds gave ``rsa_gain_points`` -12.5 / +19.9 / +1.0 and against the ablation +11.7 / +50.0 / +13.5; at
-e925322 median -3.1 (min -46.3) and +2.3 (min +0.4).
+e925322 median -3.1 (min -46.3) and +2.3 (min +0.4). Re-run at 0fbd5d7 (2026-12-05, another machine; the RL
+update's metrics read once per step, its loss denominators counted on the host: the same values; defaults, 531 s
+wall): agg single / maj. / rsa / r1 / r1 ceiling / cut 0.420 / 0.531 / 0.529 / 0.525 / 0.561 / 98, 0.609 / 0.719 /
+0.000 / 0.000 / 0.834 / 549, 0.293 / 0.297 / 0.264 / 0.277 / 0.533 / 0; ablation single / maj. / rsa / cut 0.824 /
+0.828 / 0.455 / 480, 0.688 / 0.719 / 0.098 / 128, 0.531 / 0.641 / 0.418 / 5. ``rsa_gain_points`` +10.9 / -60.9 /
+-2.9 (median -2.9, min -60.9), ``rsa_vs_ablation_points`` +7.4 / -9.8 / -15.4 (median -9.8, min -15.4): on this
+machine seed 1's agg policy ran 549 of its 1,536 RSA traces to beta and answered none, the picture of the
+ablation's seed 1 above; seed 0 again picks (+10.9).
 
 Why the goal is not met (what the figures say):
 
