@@ -20,6 +20,7 @@ import torch
 
 from train.engine import SamplingParams, TorchEngine
 from train.engine.remote import RemoteEngine, RemoteError
+from train.engine import server as server_mod
 from train.engine.server import serve_in_thread
 from train.rl.exchange import WEIGHTS_FILE, publish_version, stack_routing, version_dir
 
@@ -68,7 +69,7 @@ def setup(tiny_moe_dir, tmp_path_factory):
         srv.server_close()
 
 
-def test_load_weights_endpoint(setup):
+def test_load_weights_endpoint(setup, monkeypatch):
     url, ref = setup["urls"][0], setup["ref"]
     inst = setup["servers"][0][0].instance  # this server process's id, in every answer
     assert call(url, "/v1/weights") == (200, {"version": 0, "group_members": 1, "group_devices": ["cpu"],
@@ -89,8 +90,18 @@ def test_load_weights_endpoint(setup):
     assert call(url, "/v1/load_weights", {"path": "v000001"}) == (200, {"version": 1})
     ref.load_weights(setup["sd1"], version=1)
     req = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "logprobs": 1}
-    code, body = call(url, "/v1/completions", req)
+    threads = []  # top logprobs' forward runs on the engine's thread, never beside a decode or a weight swap
+    real = server_mod._top_logprobs
+    monkeypatch.setattr(server_mod, "_top_logprobs",
+                        lambda *a: threads.append(threading.current_thread().name) or real(*a))
+    code, body = call(url, "/v1/completions", dict(req, n=2))
+    assert code == 200 and threads == ["engine-batcher"] * 2
     want = ref.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=6))[0]
+    for ch in body["choices"]:  # the top-1 of greedy decoding is the sampled token, with its logprob
+        assert [list(t) for t in ch["logprobs"]["top_logprobs"]] == [[ref.decode([t])] for t in want.token_ids]
+        torch.testing.assert_close(torch.tensor([list(t.values())[0] for t in ch["logprobs"]["top_logprobs"]]),
+                                   torch.tensor(ch["logprobs"]["token_logprobs"]), rtol=0, atol=1e-5)
+    code, body = call(url, "/v1/completions", req)
     assert code == 200 and body["choices"][0]["token_ids"] == want.token_ids and body["instance"] == inst
     assert body["choices"][0]["versions"] == [1] * len(want.token_ids)
     # a corrupt version is refused and the server keeps serving version 1
@@ -153,8 +164,10 @@ def test_routed_experts_and_in_flight_load_over_http(setup):
     assert body["choices"][0]["versions"] == [before] * 3 + [1] * 5
 
 
-def test_remote_engine_matches_in_process(setup):
+def test_remote_engine_matches_in_process(setup, monkeypatch):
     urls, ref = setup["urls"], setup["ref"]
+    tops = []  # the sampled tokens' logprobs only: no top alternatives (a teacher-forced forward per choice)
+    monkeypatch.setattr(server_mod, "_top_logprobs", lambda *a: tops.append(a) or [])
     remote = RemoteEngine(urls, api_key=KEY, model="tiny", per_server=3)
     assert remote.load_version(1) == {u: 1 for u in sorted(urls)}
     assert all(h["ok"] and h["version"] == 1 for h in remote.health().values())
@@ -170,7 +183,7 @@ def test_remote_engine_matches_in_process(setup):
         # each server batches its own subset of rows: the expert GEMMs then round differently (~1e-6)
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
         assert all(torch.equal(x, y) for x, y in zip(a.routed_experts, b.routed_experts))
-    assert all(n > 0 for n in remote.requests.values())  # both servers took prompts
+    assert all(n > 0 for n in remote.requests.values()) and tops == []  # both servers took prompts
     # params.seed alone: deterministic, whichever server runs a prompt
     sp = SamplingParams(n=1, temperature=1.0, max_tokens=5, seed=9)
     assert [c.token_ids for c in remote.generate(PROMPTS, sp)] == [c.token_ids for c in remote.generate(PROMPTS, sp)]

@@ -303,8 +303,9 @@ class RemoteEngine:
         base = {"model": self.model, "n": params.n, "max_tokens": params.max_tokens,
                 "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                 "min_p": params.min_p, "stop": list(params.stop), "stop_token_ids": list(params.stop_token_ids),
-                "ignore_eos": params.ignore_eos, "logprobs": 1, "return_tokens_as_token_ids": True,
-                "return_token_ids": True}  # vLLM: token_ids and prompt_token_ids in each choice
+                "ignore_eos": params.ignore_eos, "logprobs": 0, "return_tokens_as_token_ids": True,
+                "return_token_ids": True}  # logprobs 0: the sampled tokens' only (no top alternatives, which
+        # cost Cascade's server a teacher-forced forward per choice); vLLM: token_ids, prompt_token_ids
         if return_routed_experts:
             base["return_routed_experts"] = True
         todo: queue.Queue = queue.Queue()

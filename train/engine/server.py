@@ -376,6 +376,13 @@ class Handler(BaseHTTPRequestHandler):
         ids = self.server.engine.encode(prompts)
         return ids, self.server.batcher.submit(ids, params, return_routed_experts)
 
+    def _tops(self, seqs: list, k: int, temperature: float) -> list:
+        """:func:`_top_logprobs` of each ``(prompt ids, completion ids)`` in ``seqs``, run on the engine's
+        thread (like a weight load: never beside a decode step or a weight swap, and on the one OpenMP
+        pool of the process)."""
+        eng = self.server.engine
+        return self.server.batcher.call(lambda: [_top_logprobs(eng, p, c, k, temperature) for p, c in seqs])
+
     def completions(self, body: dict) -> dict:
         self._model_check(body)
         params = _params(body)
@@ -386,8 +393,10 @@ class Handler(BaseHTTPRequestHandler):
         top_k = _int_field(body, "logprobs") if want_lp and not isinstance(body.get("logprobs"), bool) else 0
         eng = self.server.engine
         name = (lambda t: f"token_id:{t}") if as_ids else (lambda t: eng.decode([t]))  # noqa: E731
+        tops = self._tops([(c.prompt_token_ids or prompt_ids[c.prompt_index], c.token_ids) for c in outs],
+                          top_k, params.temperature) if want_lp and top_k > 0 else [None] * len(outs)
         choices = []
-        for i, c in enumerate(outs):
+        for i, (c, top) in enumerate(zip(outs, tops)):
             ch = {"index": i, "text": c.text, "finish_reason": c.finish_reason, "token_ids": c.token_ids,
                   "prompt_token_ids": c.prompt_token_ids, "logprobs": None, "versions": c.versions}
             if routed:
@@ -397,11 +406,8 @@ class Handler(BaseHTTPRequestHandler):
                 ch["routed_experts"] = None if r is None else r.tolist()
             if want_lp:
                 toks = [name(t) for t in c.token_ids]
-                top = None
-                if top_k > 0:
-                    top = [{name(t): lp for t, lp in row}
-                           for row in _top_logprobs(eng, c.prompt_token_ids or prompt_ids[c.prompt_index], c.token_ids,
-                                                  top_k, params.temperature)]
+                if top is not None:
+                    top = [{name(t): lp for t, lp in row} for row in top]
                 offsets, pos = [], 0
                 for t in toks:
                     offsets.append(pos)
@@ -441,13 +447,13 @@ class Handler(BaseHTTPRequestHandler):
         params = _params(body, default_max=room)  # like vLLM: no max_tokens means the rest of the context
         top_k = _int_field(body, "top_logprobs") if body.get("logprobs") else 0
         prompt_ids, outs = self._generate([ids], params)
+        tops_all = self._tops([(c.prompt_token_ids or ids, c.token_ids) for c in outs], top_k, params.temperature) \
+            if top_k > 0 else [[[] for _ in c.token_ids] for c in outs]
         choices = []
-        for i, c in enumerate(outs):
+        for i, (c, tops) in enumerate(zip(outs, tops_all)):
             ch = {"index": i, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
                   "token_ids": c.token_ids, "logprobs": None}
             if body.get("logprobs"):
-                tops = _top_logprobs(eng, c.prompt_token_ids or ids, c.token_ids, top_k, params.temperature) \
-                    if top_k > 0 else [[] for _ in c.token_ids]
                 ch["logprobs"] = {"content": [
                     {"token": eng.decode([t]), "logprob": lp, "bytes": list(eng.decode([t]).encode()),
                      "top_logprobs": [{"token": eng.decode([u]), "logprob": ulp, "bytes": list(eng.decode([u]).encode())}

@@ -50,7 +50,7 @@ Per-token versions and log-probs. vLLM 0.32 labels every output token with the e
 version when it was sampled (``CompletionOutput.weight_versions``, spans over output positions);
 this server puts them into each ``/v1/completions`` choice as ``versions`` (one int per completion
 token, exact also for a completion that spans a reload; non-streaming, non-echo requests). The log-probs of sampled tokens
-(``logprobs.token_logprobs``, with ``"logprobs": 1``) come from vLLM's ``processed_logprobs`` mode
+(``logprobs.token_logprobs``, with ``"logprobs": 0`` or more) come from vLLM's ``processed_logprobs`` mode
 (the default this launcher sets; ``--logprobs-mode`` overrides it): log-softmax of the logits after
 temperature, which is the torch engine's and the trainer's quantity when no top-k / top-p / min-p
 truncation is on; with truncation vLLM renormalises over the kept tokens, so a sampled token's
