@@ -67,6 +67,14 @@ to reload (``sync_every=1``), cost more than the overlap wins on this machine.
 Re-run at 53d95e8 (2026-12-04; the server pool and the remote engine changed only around restarts and
 closing), two runs: async speedup 0.44 and 0.40 (sync 2.20 and 1.97 steps/s, async 0.96 and 0.79), the
 trainer busy 99.7-99.8%, max_lag_seen 2: the same picture.
+Part of that was the server's own waste: the remote engine asked for ``"logprobs": 1``, and Cascade's server
+answered the top-1 alternative of every token with a teacher-forced forward per choice, one sequence at a
+time on the request's thread (71% of the server's time under py-spy); a 64-rollout batch took 0.60 s on
+the 1-thread server against 0.13 s in-process on one thread. Since c52dc41 the engine asks for
+``"logprobs": 0`` (the sampled tokens' only, all the trainer reads): 0.20 s. Three runs of each, interleaved
+with c370969 (before it; 2026-12-05): async speedup 0.77, 0.71, 0.73 (async 1.80-1.90 steps/s, sync
+2.47-2.58) against 0.44, 0.45, 0.45 (async 1.11-1.16, sync 2.52-2.60); the trainer still busy 99.5% of the
+time, its update slowed by the server's thread on the same two cores; max_lag_seen 2.
 
 With ``overlap_ceiling_lending`` (commit 8dc7021 plus this field, added in 1ff29ba; runs one after
 another): default setting, async speedup 1.14, 0.88, 1.16 against a lending ceiling of 1.26, 1.12, 1.28 (any mix 1.51, 1.19,
