@@ -198,10 +198,11 @@ def load_rows(ref: str | os.PathLike, need: Iterable[str], optional: Iterable[st
 def table_rows(ds, cols: dict[str, str], need: list[str], ref, what: str = "dataset",
                hint: str = "columns.") -> list[dict]:
     """Rows of ``ds`` under Cascade's names (``cols``: name -> column); the ``need`` ones must exist."""
-    missing = [k if cols[k] == k else f"{k}={cols[k]}" for k in need if cols[k] not in ds.column_names]
-    if missing:
+    absent = [k for k in need if cols[k] not in ds.column_names]
+    if absent:
+        missing = [k if cols[k] == k else f"{k}={cols[k]}" for k in absent]
         raise ValueError(f"{what} {str(ref)!r} lacks column(s) {', '.join(missing)} "
-                         f"(has: {', '.join(ds.column_names)}); map them with {hint}{need[0]}=COLUMN")
+                         f"(has: {', '.join(ds.column_names)}); map them with {hint}{absent[0]}=COLUMN")
     data = {k: ds[c] if c in ds.column_names else [None] * len(ds) for k, c in cols.items()}
     rows = [{k: data[k][i] for k in data} for i in range(len(ds))]
     if not rows:

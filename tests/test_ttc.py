@@ -326,11 +326,28 @@ def test_cli_errors_are_one_line(tmp_path, capsys, tiny_dense_dir):
         (["--data", empty, "--model", tiny_dense_dir], "has no rows (the file is empty)"),
         (["--data", not_json, "--model", tiny_dense_dir], "cannot be read as json: ArrowInvalid"),
         (["--data", null_problem, "--model", tiny_dense_dir], "row 1's problem is None"),
+        (["--data", bad, "--column", "problem=question,answer=solutio", "--model", tiny_dense_dir],
+         "lacks column(s) answer=solutio (has: question, answer); map them with --column answer=COLUMN"),
+        (["--problem", "1+1", "--model", tiny_dense_dir, "--context", "1000000"],
+         "--context 1000000 exceeds the model's own context"),
     ]
     for args, msg in cases:
         rc, out, err = _cli(capsys, "solve", "--rounds", "1", *args)
         assert rc == 2, err
         assert err.startswith("ttc solve: error:") and msg in err and err.count("\n") == 1, err
+
+
+def test_cli_notes_what_it_cannot_do(tmp_path, capsys, tiny_dense_dir):
+    """A file without answers runs ungraded, and prices without a server's usage price nothing: both say so."""
+    data = tmp_path / "q.jsonl"
+    data.write_text(json.dumps({"question": "1+1?", "solution": "2"}) + "\n")
+    rc, out, err = _cli(capsys, "solve", "--data", data, "--column", "problem=question", "--model", tiny_dense_dir,
+                        "--population", "2", "--aggregate", "1", "--rounds", "0", "--budget", "4", "--tail", "2",
+                        "--final-budget", "0", "--price-in", "2", "--no-progress")
+    assert rc == 0, err
+    assert "has no answer column: the problems are solved but not graded" in err
+    assert "a local --model reports none, so no cost" in err
+    assert json.loads(out.splitlines()[-1])["round_accuracy"] is None
 
 
 def test_cli_writes_results_and_resumes(tmp_path, capsys, tiny_dense_dir):

@@ -163,6 +163,9 @@ def load_problems(a) -> list[dict]:
         q = r["problem"]
         if q is None or isinstance(q, (list, dict)) or not str(q).strip():
             raise ValueError(f"--data {a.data!r}: row {i}'s problem is {q!r}; every row needs a problem text")
+    if all(r["answer"] is None for r in rows):
+        print(f"ttc solve: --data {a.data!r} has no answer column: the problems are solved but not graded "
+              "(map one with --column answer=COLUMN)", file=sys.stderr)
     return [{"problem": str(r["problem"]), "answer": None if r["answer"] is None else str(r["answer"])} for r in rows]
 
 
@@ -323,11 +326,18 @@ def solve_main(argv: list[str]) -> int:
     from ttc.backends import ServerError
     from ttc.rsa import MarkovianRSA
 
+    if (a.price_in is not None or a.price_out is not None) and not a.base_url:
+        print("ttc solve: --price-in/--price-out price a server's usage; a local --model reports none, so no cost",
+              file=sys.stderr)
     backend = build_backend(a)
     try:
         rsa = MarkovianRSA(backend, cfg, template, a.grader)
         # the plan: every request of every round fits the model's context, before anything is generated
-        context = a.context or (backend.context_length() if hasattr(backend, "context_length") else None)
+        own = backend.context_length() if hasattr(backend, "context_length") else None
+        if a.context and own and a.context > own:
+            raise ValueError(f"--context {a.context} exceeds the model's own context {own} "
+                             f"({'the server' if a.base_url else 'its config'}); give at most {own}, or leave it out")
+        context = a.context or own
         clamped = None
         if context:
             longest = max(len(backend.encode(p["problem"])) for p in problems)
