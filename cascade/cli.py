@@ -21,7 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 # Errors that are the user's to fix: printed as one line, exit code 2 (CASCADE_DEBUG=1 shows the traceback).
-RESUME_HINT = "\n(the same command resumes from the last complete checkpoint)"
+RESUME_HINT = "; the same command resumes from the last complete checkpoint"
 USER_ERRORS = (ValueError, KeyError, FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError,
                PermissionError, TypeError, ConnectionError)
 

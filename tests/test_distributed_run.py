@@ -153,8 +153,8 @@ def test_sigterm_stops_a_run_like_ctrl_c(warm_dir, tmp_path):
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=120)
     assert p.returncode == 143, (p.returncode, err[-3000:])
-    assert err.strip().splitlines() == ["cascade run: terminated (SIGTERM)",
-                                        "(the same command resumes from the last complete checkpoint)"], err[-3000:]
+    assert err.strip().splitlines() == ["cascade run: terminated (SIGTERM); the same command resumes from the last "
+                                        "complete checkpoint"], err[-3000:]
     assert not any(alive(x) for x in pids)
     assert list((out / "stages" / "1-rlve" / "checkpoints").glob("step-*/COMPLETE"))
 
@@ -198,7 +198,7 @@ def test_one_trainer_rank_killed_or_hung_fails_the_run_and_no_rank_is_left(warm_
         first = err.strip().splitlines()[0]
         why = "sent nothing for 20 s (trainer.timeout_s)" if hung else "exited"
         assert first.startswith(f"cascade run: failed: the trainer ranks {why}") and "trainer.log" in first, first
-        assert err.strip().endswith("(the same command resumes from the last complete checkpoint)")
+        assert err.strip().endswith("; the same command resumes from the last complete checkpoint")
         assert list((out / "stages" / "1-rlve" / "checkpoints").glob("step-*/COMPLETE"))
         wait_until(lambda: not any(alive(r) for r in ranks), 10)
         assert not any(alive(r) for r in ranks)
@@ -242,8 +242,11 @@ def test_kill_9_of_the_run_resumes_trainer_ranks_and_orchestrator_in_step(warm_d
     (["trainer.nproc=2", "trainer.tsp=4"], "trainer.tsp=4 does not divide the trainer's world size 2"),
     (["trainer.nproc=3", "trainer.tsp=3"], "trainer.tsp=3 does not fit the policy: TSP needs num_attention_heads"),
     (["trainer.nnodes=2"], "trainer.nnodes > 1 needs trainer.rdzv_endpoint"),
-    (["rollout.urls=[http://127.0.0.1:9]", "rollout.api_key=k"], "127.0.0.1:9"),
+    (["rollout.urls=[http://127.0.0.1:9]", "rollout.api_key=k"], "rollout.urls: cannot reach rollout server "
+                                                                  "http://127.0.0.1:9"),
     (["rollout.servers=1", "rollout.urls=[http://127.0.0.1:9]"], "not both"),
+    (["rollout.servers=-1"], "rollout.servers must be >= 0, got -1"),
+    (["trainer.tsp=0"], "trainer.tsp must be >= 1, got 0"),
     (["rollout.down_wait_s=-1"], "rollout.down_wait_s >= 0, got 120.0, 10.0 and -1"),
     (["rollout.servers=2", "rollout.gpus=[0,1,2]"], "rollout.gpus=[0, 1, 2] must be distinct GPU ids, as many for each"),
 ])

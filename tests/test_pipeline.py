@@ -228,6 +228,15 @@ def test_ratio_is_taken_against_behaviour_logprobs(warm):
         assert m["mismatch_kl"] == pytest.approx(float(torch.tensor(0.1).exp() - 1 - 0.1), rel=2e-2)
 
 
+def test_min_ready_batches_above_what_staleness_allows_is_lowered_and_said(warm, caplog):
+    rl = make_trainer(warm, seed=6, max_staleness=1, min_ready_batches=3, sync_every=1)
+    with caplog.at_level("WARNING", logger="train.rl.pipeline"):
+        pipe = Pipeline(rl)
+        pipe.close()
+    assert pipe.min_ready == 2
+    assert "rl.min_ready_batches=3 lowered to 2: with rl.max_staleness=1 and rl.sync_every=1" in caplog.text
+
+
 @pytest.mark.timeout(300)
 def test_batches_without_trainable_groups_do_not_stall_the_pipeline(warm):
     """Steps that train nothing (dynamic sampling dropped every group) still count as finished

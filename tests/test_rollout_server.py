@@ -576,7 +576,7 @@ def test_servers_a_run_started_die_with_it(tiny_moe_dir, tmp_path):
 import threading, time
 from pathlib import Path
 from cascade.rollout import ServerPool
-pool = ServerPool(2, Path({str(tiny_moe_dir)!r}), Path({str(tmp_path / 'ex')!r}), "k", 1, Path({str(tmp_path / 'logs')!r}),
+pool = ServerPool(2, Path({str(tiny_moe_dir)!r}), Path({str(tmp_path / 'ex')!r}), "pool-key-7f3", 1, Path({str(tmp_path / 'logs')!r}),
                   gpus=[3, 5])
 t = threading.Thread(target=pool.restart, args=(pool.urls[0],))
 t.start(); t.join()
@@ -595,6 +595,9 @@ time.sleep(600)
         envs = [dict(x.split("=", 1) for x in Path(f"/proc/{p}/environ").read_text().split("\0") if "=" in x)
                 for p in pids]
         assert [e.get("CUDA_VISIBLE_DEVICES") for e in envs] == ["3", "5"]
+        # the key travels by environment (a command line is every local user's to read), and the servers took it
+        assert [e.get("CASCADE_API_KEY") for e in envs] == ["pool-key-7f3"] * 2
+        assert not any(b"pool-key-7f3" in Path(f"/proc/{p}/cmdline").read_bytes() for p in pids)
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait(30)
         wait_until(lambda: not any(alive(p) for p in pids), 30, every=0.2)

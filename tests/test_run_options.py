@@ -189,9 +189,13 @@ def test_a_run_that_fails_outside_this_process_or_is_interrupted_ends_without_a_
     assert dispatch(table, ["run"], "", "cascade") == 1
     err = capsys.readouterr().err
     assert err.startswith("cascade run: failed: every rollout server went down") and "resumes" in err
-    assert "Traceback" not in err and err.count("\n") == 2
+    assert "Traceback" not in err and err.count("\n") == 1
     assert dispatch(table, ["stop"], "", "cascade") == 130
     assert capsys.readouterr().err == "cascade stop: interrupted\n"
+    table["run"] = table["stop"]  # `run` interrupted: one line, with how to resume
+    assert dispatch(table, ["run"], "", "cascade") == 130
+    assert capsys.readouterr().err == "cascade run: interrupted; the same command resumes from the last complete " \
+                                      "checkpoint\n"
 
 
 def test_a_rerun_with_other_settings_says_what_changed(tmp_path, capsys):
@@ -210,6 +214,8 @@ def test_a_rerun_with_other_settings_says_what_changed(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "stages.math.steps: 4 -> 6, stages.rlve.steps: 3 -> 5" in err
     assert "finished stage(s) rlve keep what they ran" in err and err.count("\n") == 1
+    _warn_changed(tmp_path, dict(new, trainer={"nproc": 2}))  # a section the last run left at its defaults
+    assert "trainer.nproc: (default) -> 2" in capsys.readouterr().err
 
 
 # -- resume=false / overwrite=true ----------------------------------------------------------------

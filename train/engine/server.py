@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import queue
 import random
 import sys
@@ -760,7 +761,9 @@ def main(argv: list[str] | None = None, prog: str = "cascade serve") -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--no-prefix-cache", action="store_true", help="turn shared-prefix KV reuse off")
-    ap.add_argument("--api-key", default=None, help="require this bearer token")
+    ap.add_argument("--api-key", default=os.environ.get("CASCADE_API_KEY") or None,
+                    help="require this bearer token (default: $CASCADE_API_KEY, which, unlike the flag, other "
+                         "users of the machine cannot read in the process list)")
     ap.add_argument("--weights-dir", default=None,
                     help="a run's exchange directory (RUN/exchange; created if missing): turns POST /v1/load_weights on "
                          "(needs --api-key)")
@@ -776,7 +779,8 @@ def main(argv: list[str] | None = None, prog: str = "cascade serve") -> int:
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port must be in 0-65535 (0: any free port), got {a.port}")
     if a.weights_dir is not None and not a.api_key:
-        raise ValueError("--weights-dir needs --api-key (weight loading over HTTP must be authenticated)")
+        raise ValueError("--weights-dir needs --api-key or $CASCADE_API_KEY (weight loading over HTTP must be "
+                         "authenticated)")
     if a.weights_dir is not None:  # a server may start before the run that writes there: created if missing
         if Path(a.weights_dir).exists() and not Path(a.weights_dir).is_dir():
             raise ValueError(f"--weights-dir {a.weights_dir!r} is not a directory")

@@ -9,9 +9,10 @@ Run it with the Python that has vLLM (on CPU: ``.venv-vllm/bin/python``, made by
 
 ``--weights-dir`` (a run's exchange directory) and ``--weights-version`` (the number of the starting
 weights, default 0) are this launcher's; every other flag goes to vLLM's ``vllm serve`` parser
-unchanged. ``--api-key`` is vLLM's (it guards every ``/v1`` route) and is required with
-``--weights-dir``. ``cascade run ... rollout.backend=vllm`` starts such servers
-(:class:`cascade.rollout.ServerPool`).
+unchanged. ``--api-key`` is vLLM's (it guards every ``/v1`` route; ``$VLLM_API_KEY`` when the flag is not
+given) and is required with ``--weights-dir``. ``cascade run ... rollout.backend=vllm`` starts such servers
+(:class:`cascade.rollout.ServerPool`), with the key in ``$VLLM_API_KEY``: a command line is readable by every
+user of the machine.
 
 Added routes, with the contract of :mod:`train.engine.server`:
 
@@ -65,6 +66,7 @@ returned through this server.
 """
 from __future__ import annotations
 
+import os
 import sys
 import uuid
 from pathlib import Path
@@ -422,11 +424,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(rest)
     if args.model_tag is not None:
         args.model = args.model_tag
-    keys = [k for k in (args.api_key or []) if k]
+    keys = [k for k in (args.api_key or [os.environ.get("VLLM_API_KEY")]) if k]  # as vLLM's own middleware
     if mine.weights_dir is not None:
         if not keys:
-            print("vllm_server: --weights-dir needs --api-key (weight loading over HTTP must be authenticated)",
-                  file=sys.stderr)
+            print("vllm_server: --weights-dir needs --api-key or $VLLM_API_KEY (weight loading over HTTP must be "
+                  "authenticated)", file=sys.stderr)
             return 2
         if not Path(mine.weights_dir).is_dir():
             print(f"vllm_server: --weights-dir {mine.weights_dir!r} is not a directory", file=sys.stderr)

@@ -35,6 +35,7 @@ that were waiting, in order, instead of skipping their prompts (PipelineRL drops
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -109,6 +110,11 @@ class Pipeline:
         self.max_staleness, self.batch = cfg.max_staleness, cfg.prompts_per_step
         # the trainer can wait for at most the batches the producer may run ahead
         self.min_ready = max(1, min(cfg.min_ready_batches, cfg.max_staleness - cfg.sync_every + 2))
+        if self.min_ready < cfg.min_ready_batches:
+            logging.getLogger(__name__).warning(
+                "rl.min_ready_batches=%d lowered to %d: with rl.max_staleness=%d and rl.sync_every=%d the producer "
+                "runs at most %d batch(es) ahead", cfg.min_ready_batches, self.min_ready, cfg.max_staleness,
+                cfg.sync_every, self.min_ready)
         self.buffer = RolloutBuffer(cfg.buffer_groups or (cfg.max_staleness + 2) * self.batch)
         self._produced = 0  # batches the producer has made
         self._done = 0      # trainer steps finished (update and sync), each consuming one batch
