@@ -22,7 +22,7 @@ from train.engine import SamplingParams, TorchEngine
 from train.engine.remote import RemoteEngine, RemoteError
 from train.engine import server as server_mod
 from train.engine.server import serve_in_thread
-from train.rl.exchange import WEIGHTS_FILE, publish_version, stack_routing, version_dir
+from train.rl.exchange import WEIGHTS_FILE, decode_routing, publish_version, stack_routing, version_dir
 
 from tests.conftest import alive, wait_until
 
@@ -142,6 +142,17 @@ def test_routed_experts_and_in_flight_load_over_http(setup):
         assert (len(r), len(r[0]), len(r[0][0])) == (len(PROMPTS[2]) + len(c.token_ids), n_moe, k)
         assert torch.equal(torch.tensor(r, dtype=torch.int16), stack_routing(c.routed_experts))
     assert "routed_experts" not in call(url, "/v1/completions", dict(req, return_routed_experts=False))[1]["choices"][0]
+    # the compact form RemoteEngine asks for: int16 bytes in base64, the same ids
+    code, packed = call(url, "/v1/completions", dict(req, routed_experts_format="base64"))
+    assert code == 200
+    for ch, c in zip(packed["choices"], want):
+        r = ch["routed_experts"]
+        assert r["dtype"] == "int16" and r["shape"] == [len(PROMPTS[2]) + len(c.token_ids), n_moe, k]
+        assert torch.equal(decode_routing(r), stack_routing(c.routed_experts))
+        with pytest.raises(ValueError, match="not an int16 array of shape"):
+            decode_routing(dict(r, shape=[r["shape"][0] + 1, n_moe, k]))
+    code, b = call(url, "/v1/completions", dict(req, routed_experts_format="npy"))
+    assert code == 400 and "routed_experts_format must be list or base64" in b["error"]["message"]
     # an HTTP load while a request generates: applied between two steps, the request continues
     before = eng.version
     got: dict = {}

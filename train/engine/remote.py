@@ -308,6 +308,7 @@ class RemoteEngine:
         # cost Cascade's server a teacher-forced forward per choice); vLLM: token_ids, prompt_token_ids
         if return_routed_experts:
             base["return_routed_experts"] = True
+            base["routed_experts_format"] = "base64"  # int16 bytes, not a JSON list of lists (Cascade's servers)
         todo: queue.Queue = queue.Queue()
         for i in range(len(prompts)):
             todo.put(i)
@@ -458,7 +459,7 @@ class RemoteEngine:
 
 
 def _completions(obj: dict, prompt_index: int, routed: bool) -> list[Completion]:
-    import torch
+    from train.rl.exchange import decode_routing
 
     out = []
     for ch in obj["choices"]:
@@ -486,7 +487,10 @@ def _completions(obj: dict, prompt_index: int, routed: bool) -> list[Completion]
             if r is None:
                 raise RemoteError("the server returned no routed_experts (not an MoE model, or an engine that "
                                   "cannot record them, e.g. a vLLM server: set rl.router_replay=false)")
-            t = torch.tensor(r, dtype=torch.long)  # [P + C, n_moe, k]
+            try:
+                t = decode_routing(r).long()  # [P + C, n_moe, k]
+            except (ValueError, TypeError, KeyError) as e:
+                raise RemoteError(f"the server returned unreadable routed_experts: {e}") from None
             c.routed_experts = [t[:, i].unsqueeze(0).contiguous() for i in range(t.shape[1])]
         out.append(c)
     return out

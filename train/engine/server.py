@@ -10,7 +10,9 @@ served) and ``POST /v1/load_weights`` (see below). Each completion choice carrie
 besides the text, ``logprobs.token_logprobs``, ``versions`` (the weight version that sampled each
 token, where the engine tracks it) and, when the request sets ``return_routed_experts: true``,
 ``routed_experts``: the expert ids of every token of prompt + completion as nested lists
-``[P + C, n_moe_layers, k]`` (the compact form of :func:`train.rl.exchange.stack_routing`);
+``[P + C, n_moe_layers, k]`` (the compact form of :func:`train.rl.exchange.stack_routing`), or with
+``routed_experts_format: "base64"`` (what :class:`train.engine.remote.RemoteEngine` asks for) as
+``{"shape", "dtype": "int16", "data"}``, the array's bytes in base64 (:func:`train.rl.exchange.encode_routing`);
 ``usage`` counts prompt tokens once per prompt. ``/v1/models``, ``/v1/weights`` and each completions
 answer carry ``instance``, an id of the server process (new at each start): a client tells by it
 that the server at a URL was restarted between two of its requests (and lost its weight version).
@@ -388,6 +390,10 @@ class Handler(BaseHTTPRequestHandler):
         self._model_check(body)
         params = _params(body)
         routed = bool(body.get("return_routed_experts", False))
+        fmt = body.get("routed_experts_format", "list")
+        if fmt not in ("list", "base64"):
+            raise BadRequest(f"routed_experts_format must be list or base64, got {fmt!r}")
+        packed = fmt == "base64"
         prompt_ids, outs = self._generate(_prompts(body.get("prompt")), params, routed)
         as_ids = bool(body.get("return_tokens_as_token_ids"))
         want_lp = body.get("logprobs") is not None and body.get("logprobs") is not False
@@ -401,10 +407,10 @@ class Handler(BaseHTTPRequestHandler):
             ch = {"index": i, "text": c.text, "finish_reason": c.finish_reason, "token_ids": c.token_ids,
                   "prompt_token_ids": c.prompt_token_ids, "logprobs": None, "versions": c.versions}
             if routed:
-                from train.rl.exchange import stack_routing
+                from train.rl.exchange import encode_routing, stack_routing
 
                 r = stack_routing(c.routed_experts)
-                ch["routed_experts"] = None if r is None else r.tolist()
+                ch["routed_experts"] = None if r is None else encode_routing(r) if packed else r.tolist()
             if want_lp:
                 toks = [name(t) for t in c.token_ids]
                 if top is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 from dataclasses import asdict, dataclass, field
@@ -115,6 +116,37 @@ def stack_routing(per_layer) -> torch.Tensor | None:
     if per_layer is None:
         return None
     return torch.stack([torch.as_tensor(t).reshape(t.shape[-2], t.shape[-1]) for t in per_layer], 1).to(torch.int16)
+
+
+def encode_routing(compact: torch.Tensor) -> dict:
+    """Compact routing [T, n_moe_layers, k] as JSON: ``{"shape", "dtype": "int16", "data": base64 of its
+    little-endian bytes}``, 2 bytes an id where a JSON list takes 2-4 characters and a parse per number
+    (at RL scale, 64 rollouts x 40K tokens x 40 MoE layers, hundreds of millions of ids a batch)."""
+    import base64
+
+    arr = compact.to(torch.int16).contiguous().numpy().astype("<i2", copy=False)
+    return {"shape": list(arr.shape), "dtype": "int16", "data": base64.b64encode(arr.tobytes()).decode("ascii")}
+
+
+def decode_routing(obj) -> torch.Tensor:
+    """:func:`encode_routing`'s dict (or a nested list [T][n_moe_layers][k]) -> int16 tensor [T, n_moe_layers, k];
+    ValueError when the data does not fill the shape."""
+    import base64
+
+    import numpy as np
+
+    if isinstance(obj, dict):
+        if obj.get("dtype") != "int16":
+            raise ValueError(f"routed_experts dtype {obj.get('dtype')!r} is not int16")
+        shape = [int(x) for x in obj["shape"]]
+        raw = base64.b64decode(obj["data"])
+        if len(shape) != 3 or len(raw) != 2 * math.prod(shape):
+            raise ValueError(f"routed_experts holds {len(raw)} bytes, not an int16 array of shape {shape}")
+        return torch.from_numpy(np.frombuffer(raw, dtype="<i2").astype(np.int16).reshape(shape))
+    t = torch.tensor(obj, dtype=torch.int16)
+    if t.dim() != 3:
+        raise ValueError(f"routed_experts has shape {list(t.shape)}, not [tokens, MoE layers, k]")
+    return t
 
 
 def unstack_routing(compact: torch.Tensor | None) -> list[torch.Tensor] | None:
