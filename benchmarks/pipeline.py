@@ -74,7 +74,9 @@ the 1-thread server against 0.13 s in-process on one thread. Since c52dc41 the e
 ``"logprobs": 0`` (the sampled tokens' only, all the trainer reads): 0.20 s. Three runs of each, interleaved
 with c370969 (before it; 2026-12-05): async speedup 0.77, 0.71, 0.73 (async 1.80-1.90 steps/s, sync
 2.47-2.58) against 0.44, 0.45, 0.45 (async 1.11-1.16, sync 2.52-2.60); the trainer still busy 99.5% of the
-time, its update slowed by the server's thread on the same two cores; max_lag_seen 2.
+time, its update slowed by the server's thread on the same two cores; max_lag_seen 2. At 8dc48a5 (routed experts
+over HTTP as int16 bytes in base64 instead of nested JSON lists: the batch 0.21 -> 0.16-0.17 s), 3 runs: 0.83, 0.81,
+0.86 (async 2.13-2.19 steps/s, sync 2.54-2.64); the trainer busy 99.5%; max_lag_seen 2.
 
 With ``overlap_ceiling_lending`` (commit 8dc7021 plus this field, added in 1ff29ba; runs one after
 another): default setting, async speedup 1.14, 0.88, 1.16 against a lending ceiling of 1.26, 1.12, 1.28 (any mix 1.51, 1.19,
