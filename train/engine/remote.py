@@ -459,7 +459,7 @@ class RemoteEngine:
 
 
 def _completions(obj: dict, prompt_index: int, routed: bool) -> list[Completion]:
-    from train.rl.exchange import decode_routing
+    from train.rl.exchange import decode_routing, unstack_routing
 
     out = []
     for ch in obj["choices"]:
@@ -488,9 +488,9 @@ def _completions(obj: dict, prompt_index: int, routed: bool) -> list[Completion]
                 raise RemoteError("the server returned no routed_experts (not an MoE model, or an engine that "
                                   "cannot record them, e.g. a vLLM server: set rl.router_replay=false)")
             try:
-                t = decode_routing(r).long()  # [P + C, n_moe, k]
+                t = decode_routing(r)  # [P + C, n_moe, k]
             except (ValueError, TypeError, KeyError) as e:
                 raise RemoteError(f"the server returned unreadable routed_experts: {e}") from None
-            c.routed_experts = [t[:, i].unsqueeze(0).contiguous() for i in range(t.shape[1])]
+            c.routed_experts = [x.contiguous() for x in unstack_routing(t)]
         out.append(c)
     return out
