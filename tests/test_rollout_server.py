@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from train.engine import SamplingParams, TorchEngine
+from train.engine import ContextLengthError, SamplingParams, TorchEngine
 from train.engine.remote import RemoteEngine, RemoteError
 from train.engine import server as server_mod
 from train.engine.server import serve_in_thread
@@ -198,6 +198,15 @@ def test_remote_engine_matches_in_process(setup, monkeypatch):
     # params.seed alone: deterministic, whichever server runs a prompt
     sp = SamplingParams(n=1, temperature=1.0, max_tokens=5, seed=9)
     assert [c.token_ids for c in remote.generate(PROMPTS, sp)] == [c.token_ids for c in remote.generate(PROMPTS, sp)]
+    # a server whose context (/v1/models max_model_len) the prompt nearly fills: what is left, as in-process
+    ctx, remote.context_length = remote.context_length, len(PROMPTS[2]) + 1
+    try:
+        got = remote.generate([PROMPTS[2]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        assert len(got[0].token_ids) == 1 and got[0].finish_reason == "length"
+        with pytest.raises(ContextLengthError, match="prompt 1 has 12 tokens"):
+            remote.generate([PROMPTS[1], PROMPTS[2] + [5]], sp)
+    finally:
+        remote.context_length = ctx
     # refused loads: a corrupt version, a path outside the run, a wrong key
     with pytest.raises(RemoteError, match="checksum"):
         remote.load_version(2)

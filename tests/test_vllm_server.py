@@ -26,6 +26,7 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
 from train.engine import SamplingParams, TorchEngine  # noqa: E402
+from train.engine.base import ContextLengthError  # noqa: E402
 from train.engine.remote import RemoteEngine, RemoteError  # noqa: E402
 from train.model.hf_io import load_pretrained, save_pretrained  # noqa: E402
 from train.model.modeling import token_logprobs  # noqa: E402
@@ -142,6 +143,12 @@ def test_generates_like_the_torch_engine(server, state):
     outs = RemoteEngine([url], api_key=KEY, per_server=16).generate(
         long_prompts, SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True), seeds=list(range(16)))
     assert len(outs) == 16 and _check_against(ref.model, outs) < TOL
+    # a prompt near the context (256) generates what is left, as in-process (vLLM's server alone answers 400)
+    outs = eng.generate([long_prompts[0] + long_prompts[1][:50]], SamplingParams(temperature=1.0, max_tokens=20,
+                                                                               ignore_eos=True, seed=1))
+    assert len(outs[0].token_ids) == 6 and outs[0].finish_reason == "length"
+    with pytest.raises(ContextLengthError, match="prompt 0 has 256 tokens; the model's context limit is 256"):
+        eng.generate([long_prompts[0] + long_prompts[1][:56]], GREEDY)
     assert _served_version(url) == 0
     # the server process's id, in /v1/weights and every completions answer: the engine took it as admitted
     inst = _call("GET", url, "/v1/weights")[1]["instance"]

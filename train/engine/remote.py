@@ -47,7 +47,7 @@ import time
 import urllib.parse
 from typing import Callable, Sequence
 
-from train.engine.base import Completion, SamplingParams
+from train.engine.base import Completion, SamplingParams, check_prompts
 from train.engine.sampling import row_seed
 from train.errors import RunFailure
 
@@ -300,6 +300,12 @@ class RemoteEngine:
                 seeds = [self._seed_rng.getrandbits(31) for _ in prompts]
         if not prompts:
             return []
+        # as the in-process engines: each prompt generates at most what its context leaves (vLLM's server
+        # answers 400 to prompt + max_tokens > max_model_len), and a prompt that leaves nothing is refused
+        room = [params.max_tokens] * len(prompts)
+        if self.context_length is not None and not any(isinstance(x, str) for x in prompts):
+            check_prompts(prompts, self.context_length)
+            room = [min(params.max_tokens, self.context_length - len(x)) for x in prompts]
         base = {"model": self.model, "n": params.n, "max_tokens": params.max_tokens,
                 "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                 "min_p": params.min_p, "stop": list(params.stop), "stop_token_ids": list(params.stop_token_ids),
@@ -330,7 +336,7 @@ class RemoteEngine:
                         if finished() or url not in self.alive:
                             return
                         i = todo.get_nowait()
-                    body = dict(base, prompt=prompts[i], seed=int(seeds[i]))
+                    body = dict(base, prompt=prompts[i], seed=int(seeds[i]), max_tokens=room[i])
                     with self._lock:
                         self.requests[url] += 1
                     try:
