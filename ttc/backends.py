@@ -23,6 +23,7 @@ from __future__ import annotations
 import http.client
 import inspect
 import json
+import logging
 import os
 import random
 import socket
@@ -223,6 +224,8 @@ def vllm_backend(path, **kw) -> EngineBackend:
 # -- OpenAI-compatible server ----------------------------------------------------------------------
 
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
+NOTE_EVERY_S = 10.0  # a server failing over and over is logged at most this often
+log = logging.getLogger(__name__)
 
 
 class HTTPStatusError(Exception):
@@ -402,6 +405,7 @@ class OpenAIBackend:
         self.concurrency, self.retries, self.backoff, self.timeout = max(1, concurrency), retries, backoff, timeout
         self.horizon, self.backoff_max, self.max_n = horizon, backoff_max, max_n
         self.retried = 0  # requests that were sent again after a failure
+        self._said = -NOTE_EVERY_S  # when a retry was last logged
         self.requests = 0
         self._count_lock = threading.Lock()
         self._rpm, self._tpm = RateLimiter(rpm, rate_window), RateLimiter(tpm, rate_window)
@@ -455,6 +459,12 @@ class OpenAIBackend:
                     break
                 with self._count_lock:
                     self.retried += 1
+                    say = time.monotonic() - self._said >= NOTE_EVERY_S
+                    if say:
+                        self._said = time.monotonic()
+                if say:  # a run waiting out a failing server says so (at most every NOTE_EVERY_S seconds)
+                    log.warning("ttc: %s%s: %s; retrying (%d request(s) retried so far)", self.base_url, path, last,
+                                self.retried)
                 time.sleep(delay)
             after = None
             try:
