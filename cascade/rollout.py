@@ -34,13 +34,27 @@ log = logging.getLogger(__name__)
 
 
 def _die_with_parent() -> None:
-    """In the child: SIGTERM when the process that started it dies (Linux), so servers never outlive a crashed run."""
+    """In the child: SIGTERM when the process that started it dies (Linux), so servers never outlive a crashed run;
+    and a process group of its own, so that its children (vLLM's engine core and workers) can be stopped with it
+    (:func:`reap_group`) when it is killed and leaves them behind."""
+    os.setpgid(0, 0)
     try:
         import ctypes
         import signal
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
+        pass
+
+
+def reap_group(p: subprocess.Popen) -> None:
+    """SIGKILL what is left of the process group of ``p`` (started with :func:`_die_with_parent`), which has
+    exited: a vLLM server killed with ``kill -9`` leaves its engine core and workers (GBs each) running."""
+    import signal
+
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
         pass
 
 
@@ -173,6 +187,7 @@ class ServerPool:
         if p.poll() is None:
             p.kill()
         p.wait()
+        reap_group(p)
         try:
             self._start(url)
             self._wait(url)
@@ -195,6 +210,7 @@ class ServerPool:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+            reap_group(p)
         self._spawner.shutdown()
 
 

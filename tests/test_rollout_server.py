@@ -225,6 +225,8 @@ def test_remote_engine_refuses_bad_servers_up_front(setup):
     with pytest.raises(ValueError, match="not the expected model 'other'"):
         RemoteEngine(setup["urls"], api_key=KEY, model="other")
     with pytest.raises(RemoteError, match="HTTP 400"):  # a bad request is an error, not a dead server
+        RemoteEngine(setup["urls"], api_key=KEY).generate([[5, 10 ** 7]], SamplingParams(max_tokens=2))
+    with pytest.raises(ContextLengthError, match="prompt 0 has 5000 tokens"):  # refused before it is sent
         RemoteEngine(setup["urls"], api_key=KEY).generate([[5] * 5000], SamplingParams(max_tokens=2))
 
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,6 +45,9 @@ def _perturbed(model, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]
     return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
 
 
+POOL: dict = {}  # the module's ServerPool, for the last test (kill -9 and restart)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """(url, checkpoint dir, exchange dir): one vLLM server with the reload endpoint, started as
@@ -62,6 +67,7 @@ def server(tmp_path_factory):
                       python=sys.executable, server_args="--max-model-len 256")
     try:
         assert "train.engine.vllm_server" in pool.procs[pool.urls[0]].args
+        POOL["pool"] = pool
         yield pool.urls[0], ckpt, exchange
     finally:
         pool.close()
@@ -312,3 +318,32 @@ def test_cascade_run_on_a_vllm_server_given_by_url(server):
     rl = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     rl = [x for x in rl if x["phase"] == "rl"]
     assert len(rl) == 3 and _served_version(url) >= 1
+
+
+def _group(pgid: int) -> list[int]:
+    """Live processes of process group ``pgid`` (zombies excluded)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append(int(d.name))
+    return out
+
+
+def test_a_killed_server_is_restarted_without_leaving_its_engine_behind(server, state):
+    """``kill -9`` of the API server orphans vLLM's engine core and workers (GBs each); the pool's restart
+    stops what is left of the dead server's process group, and the new server serves the same model.
+    Last in this module: the server it leaves is a new process."""
+    url, _, _ = server
+    pool = POOL["pool"]
+    old = pool.procs[url].pid
+    assert len(_group(old)) >= 2  # the API server and its engine core (at least)
+    os.kill(old, signal.SIGKILL)
+    assert pool.restart(url)
+    assert _group(old) == [] and pool.procs[url].pid != old
+    out = RemoteEngine([url], api_key=KEY).generate(PROMPTS, GREEDY)  # the checkpoint's weights (version 0)
+    assert [c.token_ids for c in out] == state["v0_greedy"]
