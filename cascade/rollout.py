@@ -27,6 +27,7 @@ from pathlib import Path
 
 from train.background import Behind
 from train.dataclass_config import ConfigError
+from train.errors import RunFailure
 from train.parallel.comm import free_port
 from train.rl.weight_group import TRANSPORTS
 
@@ -160,10 +161,11 @@ class ServerPool:
         t0 = time.monotonic()
         while time.monotonic() - t0 < self.timeout:
             p = self.procs[url]
-            if p.poll() is not None:
-                k = list(self.procs).index(url)
-                tail = (self.log_dir / f"server-{k}.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"rollout server {url} exited with code {p.returncode}:\n{tail}")
+            if p.poll() is not None:  # its own last words (e.g. a refused rollout.server_args) and where the rest is
+                f = self.log_dir / f"server-{list(self.procs).index(url)}.log"
+                lines = [x.strip() for x in f.read_text(errors="replace").splitlines() if x.strip()]
+                raise RunFailure(f"rollout server {url} exited with code {p.returncode} while starting: "
+                                 f"{lines[-1] if lines else '(no output)'} (log: {f})")
             req = urllib.request.Request(f"{url}/v1/models", headers={"Authorization": f"Bearer {self.api_key}"})
             try:
                 with urllib.request.urlopen(req, timeout=2) as r:
@@ -171,7 +173,8 @@ class ServerPool:
                         return
             except OSError:
                 time.sleep(0.2)
-        raise RuntimeError(f"rollout server {url} did not answer within {self.timeout:.0f} s")
+        raise RunFailure(f"rollout server {url} did not answer within {self.timeout:.0f} s (rollout.startup_timeout_s; "
+                         f"log: {self.log_dir / f'server-{list(self.procs).index(url)}.log'})")
 
     def _write_pids(self) -> None:
         import json

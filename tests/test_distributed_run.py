@@ -258,6 +258,17 @@ def test_bad_layouts_fail_before_any_work(warm_dir, tmp_path, args, needle):
     assert not list((out / "stages").glob("*/checkpoints/*"))
 
 
+def test_a_server_that_cannot_start_is_one_line(warm_dir, tmp_path):
+    """rollout.server_args the server refuses: the run says the server's own refusal and its log, no traceback."""
+    out = tmp_path / "run"
+    r = cascade_here("run", f"out={out}", f"model={warm_dir}", *STAGE, "rollout.servers=1",
+                     "rollout.server_args=--bogus")
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "exited with code 2 while starting: " in r.stderr and "unrecognized arguments: --bogus" in r.stderr
+    assert "server-0.log" in r.stderr
+
+
 def test_servers_on_another_weights_directory_are_refused_before_training(warm_dir, tmp_path):
     from cascade.rollout import ServerPool
 

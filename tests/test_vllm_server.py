@@ -94,6 +94,17 @@ def test_layouts_whose_weight_routes_reach_one_replica_are_refused(tmp_path, fla
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "start more servers for more throughput" in r.stderr and flag[0] in r.stderr, r.stderr[-2000:]
+    # its --weights-dir is created when missing (a server may start before the run that writes there), with the
+    # key from $VLLM_API_KEY as vLLM's own server takes it
+    wd = tmp_path / "run" / "exchange"
+    r = subprocess.run([sys.executable, "-m", "train.engine.vllm_server", "--model", str(tmp_path), "--weights-dir",
+                        str(wd), *flag], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, VLLM_API_KEY="k"))
+    assert r.returncode == 2 and "start more servers" in r.stderr and wd.is_dir(), r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-m", "train.engine.vllm_server", "--model", str(tmp_path), "--weights-dir",
+                        str(wd)], capture_output=True, text=True, timeout=300,
+                       env={k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"})
+    assert r.returncode == 2 and "--weights-dir needs --api-key or $VLLM_API_KEY" in r.stderr, r.stderr[-2000:]
 
 
 def _call(method: str, url: str, path: str, body: dict | None = None, key: str | None = KEY) -> tuple[int, dict]:

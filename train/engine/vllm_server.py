@@ -430,9 +430,10 @@ def main(argv: list[str] | None = None) -> int:
             print("vllm_server: --weights-dir needs --api-key or $VLLM_API_KEY (weight loading over HTTP must be "
                   "authenticated)", file=sys.stderr)
             return 2
-        if not Path(mine.weights_dir).is_dir():
+        if Path(mine.weights_dir).exists() and not Path(mine.weights_dir).is_dir():
             print(f"vllm_server: --weights-dir {mine.weights_dir!r} is not a directory", file=sys.stderr)
             return 2
+        Path(mine.weights_dir).mkdir(parents=True, exist_ok=True)  # a server may start before the run: as cascade serve
         mine.weights_dir = str(Path(mine.weights_dir).resolve())
     if mine.weights_version < 0:
         print(f"vllm_server: --weights-version must be >= 0, got {mine.weights_version}", file=sys.stderr)
