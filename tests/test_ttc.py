@@ -345,7 +345,7 @@ def test_cli_notes_what_it_cannot_do(tmp_path, capsys, tiny_dense_dir):
                         "--population", "2", "--aggregate", "1", "--rounds", "0", "--budget", "4", "--tail", "2",
                         "--final-budget", "0", "--price-in", "2", "--no-progress")
     assert rc == 0, err
-    assert "has no answer column: the problems are solved but not graded" in err
+    assert "has no answers: the problems are solved but not graded" in err
     assert "a local --model reports none, so no cost" in err
     assert json.loads(out.splitlines()[-1])["round_accuracy"] is None
 

@@ -164,7 +164,7 @@ def load_problems(a) -> list[dict]:
         if q is None or isinstance(q, (list, dict)) or not str(q).strip():
             raise ValueError(f"--data {a.data!r}: row {i}'s problem is {q!r}; every row needs a problem text")
     if all(r["answer"] is None for r in rows):
-        print(f"ttc solve: --data {a.data!r} has no answer column: the problems are solved but not graded "
+        print(f"ttc solve: --data {a.data!r} has no answers: the problems are solved but not graded "
               "(map one with --column answer=COLUMN)", file=sys.stderr)
     return [{"problem": str(r["problem"]), "answer": None if r["answer"] is None else str(r["answer"])} for r in rows]
 
