@@ -70,7 +70,8 @@ trainer busy 99.7-99.8%, max_lag_seen 2: the same picture.
 Part of that was the server's own waste: the remote engine asked for ``"logprobs": 1``, and Cascade's server
 answered the top-1 alternative of every token with a teacher-forced forward per choice, one sequence at a
 time on the request's thread (71% of the server's time under py-spy); a 64-rollout batch took 0.60 s on
-the 1-thread server against 0.13 s in-process on one thread. Since c52dc41 the engine asks for
+the 1-thread server against 0.13 s in-process on one thread (``RLTrainer.collect`` timed over 5-20 warm calls by a
+script outside the repository, 2026-12-05). Since c52dc41 the engine asks for
 ``"logprobs": 0`` (the sampled tokens' only, all the trainer reads): 0.20 s. Three runs of each, interleaved
 with c370969 (before it; 2026-12-05): async speedup 0.77, 0.71, 0.73 (async 1.80-1.90 steps/s, sync
 2.47-2.58) against 0.44, 0.45, 0.45 (async 1.11-1.16, sync 2.52-2.60); the trainer still busy 99.5% of the
