@@ -207,7 +207,7 @@ class Rollout:
 
     servers: int = 0
     urls: list[str] = field(default_factory=list)
-    api_key: str | None = None        # required with urls; default for started servers: a random key
+    api_key: str | None = None        # required with urls (or $CASCADE_API_KEY); default for started servers: a random key
     threads: int = 1                  # torch threads per started server
     per_server: int = 8               # requests in flight per server
     startup_timeout_s: float = 180.0

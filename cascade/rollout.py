@@ -355,6 +355,12 @@ class ServedEngine:
             self.pool.close()
 
 
+def url_key(r) -> str | None:
+    """The API key of the servers given by ``rollout.urls``: ``rollout.api_key``, else ``$CASCADE_API_KEY`` (kept
+    out of command lines, shell history and the run's config.yaml)."""
+    return r.api_key or os.environ.get("CASCADE_API_KEY") or None
+
+
 def served_engine(rcfg, model_dir: Path, out: Path, log_dir: Path) -> ServedEngine | None:
     """The run's rollout servers per ``rcfg.rollout`` (None when it names none). The exchange
     directory's old versions are cleared first: versions restart with every stage."""
@@ -369,10 +375,11 @@ def served_engine(rcfg, model_dir: Path, out: Path, log_dir: Path) -> ServedEngi
     group = dict(transport=r.weight_transport, group_host=r.group_host, group_timeout_s=r.group_timeout_s,
                  group_device="cpu" if rcfg.device == "cpu" else rcfg.device, readmit_s=r.readmit_s)
     if r.urls:
-        if not r.api_key:
-            raise ConfigError("rollout.urls needs rollout.api_key: the servers' --api-key, for POST /v1/load_weights")
-        return ServedEngine(list(r.urls), exchange, r.api_key, per_server=r.per_server, down_wait_s=r.down_wait_s,
-                            **group)
+        key = url_key(r)
+        if not key:
+            raise ConfigError("rollout.urls needs rollout.api_key (or $CASCADE_API_KEY): the servers' --api-key, for "
+                              "POST /v1/load_weights")
+        return ServedEngine(list(r.urls), exchange, key, per_server=r.per_server, down_wait_s=r.down_wait_s, **group)
     key = r.api_key or secrets.token_hex(16)
     pool = ServerPool(r.servers, model_dir, exchange, key, r.threads, log_dir, r.startup_timeout_s, rcfg.dtype,
                       None if rcfg.device == "cpu" else rcfg.device, backend=r.backend, python=r.python,

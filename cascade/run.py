@@ -245,10 +245,11 @@ def main(argv: list[str]) -> int:
         stage_mixes(cfg.stages[name])
     if cfg.rollout.urls and not _all_finished(cfg, tree, out):  # unreachable servers, or servers disagreeing on
         # the model, fail here too (a rerun of a finished run needs none: it only prints what the stages did)
+        from cascade.rollout import url_key
         from train.engine.remote import RemoteEngine
 
         try:
-            RemoteEngine(cfg.rollout.urls, api_key=cfg.rollout.api_key, timeout=10.0).close()
+            RemoteEngine(cfg.rollout.urls, api_key=url_key(cfg.rollout), timeout=10.0).close()
         except ConnectionError as e:  # named by the setting that gave the URL
             raise ConnectionError(f"rollout.urls: {e}") from None
     if flags["overwrite"]:

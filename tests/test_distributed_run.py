@@ -278,7 +278,7 @@ def test_servers_on_another_weights_directory_are_refused_before_training(warm_d
     try:
         out = tmp_path / "run"
         r = cascade(f"out={out}", f"model={warm_dir}", *STAGE, "steps=2", f"rollout.urls=[{pool.urls[0]}]",
-                    "rollout.api_key=k1", timeout=300)
+                    env={"CASCADE_API_KEY": "k1"}, timeout=300)  # the key by environment: past /v1/models
     finally:
         pool.close()
     assert r.returncode == 2, r.stderr[-2000:]
