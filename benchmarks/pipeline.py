@@ -117,7 +117,9 @@ async 2.12-2.46; ceiling 1.13-1.15); max_lag_seen 2. Re-run at b8d992e (the sing
 denominators from the rollouts; nothing else on this path), 3 runs after the others: 0.96, 0.97, 1.13 (median 0.97;
 sync 2.21-2.48, async 2.28-2.49; ceiling 1.16-1.17): f6aed24's lead over dc6f21e was this machine's noise. At
 0fbd5d7 (the same counts through ``losses.loss_count``), 3 runs: 1.04, 1.06, 1.07 (median 1.06, min 1.04; sync
-2.42-2.46, async 2.50-2.62; ceiling 1.15-1.16); max_lag_seen 2.
+2.42-2.46, async 2.50-2.62; ceiling 1.15-1.16); max_lag_seen 2. At c52dc41 (2026-12-05; this path unchanged), 2 runs:
+1.10, 1.01 (sync 2.40-2.59, async 2.62-2.63; ceiling 1.14-1.15, any mix 1.32-1.37); with ``OMP_WAIT_POLICY=ACTIVE``
+(OpenMP threads spin instead of sleeping between regions) 0.85, 0.86: worse, the spinning side takes the other's core.
 
 The goal (>= 1.5 against the best synchronous setting, here 2 threads) is not met: median 1.24 by
 default and 1.27 with long-tailed responses (one run of twelve above 1.5). Lending the producer's

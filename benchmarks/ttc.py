@@ -99,6 +99,9 @@ Re-run at 34ec7af (the code on this path unchanged since 686a1e4), two runs: 3 r
 0.76-1.00; decode 4.79 s uncached, 5.59 s cached, within this machine's noise: see the next run), long 1.20
 (pairs 1.06-1.32); ``--repeats 5 --long-problem-words 0``: toy 1.37, real 1.01 (pairs 0.87-1.32; the uncached side's
 decode alone ranged 3.83-5.37 s over its five repeats). Same outputs both sides in both runs.
+Re-run at c52dc41 (2026-12-05, another machine; this path unchanged), ``--skip-concurrency --repeats 3
+--long-problem-words 0``, two runs: toy 1.53, real 1.09 and 1.08 (pairs 1.07-1.12; uncached 3.70 s of which decode
+3.07 s and prefill 0.60 s; cached 3.43 s, prefill 0.42 s); same outputs both sides.
 On a GPU (one H200, ``--device cuda --repeats 1 --long-problem-words 0`` via ``bash benchmarks/gpu.sh``, commit
 d41e7e5): toy 0.98 (0.57 s), real 1.17 (11.72 -> 10.05 s, of which prefill 0.03 s each side: the tiny model
 decodes launch-bound at ~9 ms a step, so the difference is decoding, not the prefix); the two sides' outputs
