@@ -336,7 +336,8 @@ class RunConfig:
 
         for key, low in (("rollout.servers", 0), ("rollout.threads", 1), ("rollout.per_server", 1),
                          ("trainer.nproc", 1), ("trainer.nnodes", 1), ("trainer.tsp", 1), ("trainer.tokens_per_micro", 1)):
-            v = getattr(getattr(self, key.split(".")[0]), key.split(".")[1])
+            section, name = key.split(".")
+            v = getattr(getattr(self, section), name)
             if v < low:
                 raise ValueError(f"{key} must be >= {low}, got {v}")
         if self.rollout.servers and self.rollout.urls:

@@ -142,7 +142,7 @@ class ServerPool:
             if self.device:  # (with rollout.gpus its own GPUs are the only ones it sees: the first is cuda)
                 cmd += ["--device", "cuda" if self.gpus and self.device.startswith("cuda") else self.device]
         cmd += self.server_args
-        log = open(self.log_dir / f"server-{k}.log", "ab")
+        log = open(self._log(k), "ab")
         # the key by environment, not argument: a command line is readable by every user of the machine
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), CASCADE_API_KEY=self.api_key,
                    VLLM_API_KEY=self.api_key)
@@ -162,7 +162,7 @@ class ServerPool:
         while time.monotonic() - t0 < self.timeout:
             p = self.procs[url]
             if p.poll() is not None:  # its own last words (e.g. a refused rollout.server_args) and where the rest is
-                f = self.log_dir / f"server-{list(self.procs).index(url)}.log"
+                f = self._log(url)
                 lines = [x.strip() for x in f.read_text(errors="replace").splitlines() if x.strip()]
                 raise RunFailure(f"rollout server {url} exited with code {p.returncode} while starting: "
                                  f"{lines[-1] if lines else '(no output)'} (log: {f})")
@@ -174,7 +174,12 @@ class ServerPool:
             except OSError:
                 time.sleep(0.2)
         raise RunFailure(f"rollout server {url} did not answer within {self.timeout:.0f} s (rollout.startup_timeout_s; "
-                         f"log: {self.log_dir / f'server-{list(self.procs).index(url)}.log'})")
+                         f"log: {self._log(url)})")
+
+    def _log(self, server: str | int) -> Path:
+        """The log file of a server, by its URL or its index."""
+        k = server if isinstance(server, int) else list(self.procs).index(server)
+        return self.log_dir / f"server-{k}.log"
 
     def _write_pids(self) -> None:
         import json

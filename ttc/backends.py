@@ -459,9 +459,10 @@ class OpenAIBackend:
                     break
                 with self._count_lock:
                     self.retried += 1
-                    say = time.monotonic() - self._said >= NOTE_EVERY_S
+                    now = time.monotonic()
+                    say = now - self._said >= NOTE_EVERY_S
                     if say:
-                        self._said = time.monotonic()
+                        self._said = now
                 if say:  # a run waiting out a failing server says so (at most every NOTE_EVERY_S seconds)
                     log.warning("ttc: %s%s: %s; retrying (%d request(s) retried so far)", self.base_url, path, last,
                                 self.retried)
