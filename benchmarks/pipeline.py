@@ -77,7 +77,10 @@ with c370969 (before it; 2026-12-05): async speedup 0.77, 0.71, 0.73 (async 1.80
 2.47-2.58) against 0.44, 0.45, 0.45 (async 1.11-1.16, sync 2.52-2.60); the trainer still busy 99.5% of the
 time, its update slowed by the server's thread on the same two cores; max_lag_seen 2. At 8dc48a5 (routed experts
 over HTTP as int16 bytes in base64 instead of nested JSON lists: the batch 0.21 -> 0.16-0.17 s), 3 runs: 0.83, 0.81,
-0.86 (async 2.13-2.19 steps/s, sync 2.54-2.64); the trainer busy 99.5%; max_lag_seen 2.
+0.86 (async 2.13-2.19 steps/s, sync 2.54-2.64); the trainer busy 99.5%; max_lag_seen 2. At 4fa1ddc (after these: a
+per-prompt ``max_tokens`` cap from the servers' context, servers in a process group of their own, the key by
+environment), 3 runs: 0.92, 0.80, 0.77 (median 0.80, min 0.77; async 1.94-2.04 steps/s, sync 2.19-2.53); the trainer
+busy 99.4%; max_lag_seen 2.
 
 With ``overlap_ceiling_lending`` (commit 8dc7021 plus this field, added in 1ff29ba; runs one after
 another): default setting, async speedup 1.14, 0.88, 1.16 against a lending ceiling of 1.26, 1.12, 1.28 (any mix 1.51, 1.19,
@@ -120,6 +123,8 @@ sync 2.21-2.48, async 2.28-2.49; ceiling 1.16-1.17): f6aed24's lead over dc6f21e
 2.42-2.46, async 2.50-2.62; ceiling 1.15-1.16); max_lag_seen 2. At c52dc41 (2026-12-05; this path unchanged), 2 runs:
 1.10, 1.01 (sync 2.40-2.59, async 2.62-2.63; ceiling 1.14-1.15, any mix 1.32-1.37); with ``OMP_WAIT_POLICY=ACTIVE``
 (OpenMP threads spin instead of sleeping between regions) 0.85, 0.86: worse, the spinning side takes the other's core.
+At 4fa1ddc (the pipeline only logs a lowered ``min_ready_batches``), 2 runs: 1.00, 1.05 (sync 2.50-2.53, async
+2.54-2.61; ceiling 1.14-1.16, any mix 1.31-1.37); max_lag_seen 2.
 
 The goal (>= 1.5 against the best synchronous setting, here 2 threads) is not met: median 1.24 by
 default and 1.27 with long-tailed responses (one run of twelve above 1.5). Lending the producer's

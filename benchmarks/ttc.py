@@ -52,6 +52,10 @@ OpenMP stopped spinning between parallel regions), ``--skip-prefix --skip-steps`
 torch's default two threads (``concurrency_speedup_default_threads``: a server started without ``--threads``)
 2.75, 2.56 (one at a time 4.02 / 4.77 s, faster than on one thread in the same run; 64 in flight 1.46 / 1.86 s),
 ``local_concurrency_speedup_default_threads`` 2.75, 2.99; same results both ways every time.
+Re-run at 4fa1ddc (2026-12-05, another machine: ``ttc serve`` runs top logprobs on the engine's thread, the OpenAI
+backend logs its retries; neither on this path's requests), ``--skip-prefix --skip-steps``, one run:
+``concurrency_speedup`` 2.09 (one at a time 4.18 s, 64 in flight 2.00 s), ``_short`` 1.62, ``local`` 1.97; at torch's
+default two threads 2.40 (3.62 -> 1.51 s), ``local_concurrency_speedup_default_threads`` 2.87; same results both ways.
 
 Measured on this project's 2-core CPU (2026-12-02, defaults, tiny-moe, 1 thread, quiet machine, commit
 e6feb3e, three runs): ``concurrency_speedup`` 2.17, 2.21, 2.13 (one problem at a time 3.73-3.80 s, 64 in
