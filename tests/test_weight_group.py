@@ -194,3 +194,46 @@ def test_rank_0_chooses_one_backend_for_every_member():
         join("127.0.0.1", 1, 1, 2, "x", backend="mpi")
     with pytest.raises(ValueError, match="needs a CUDA device"):
         join("127.0.0.1", 1, 1, 2, "x", device="cpu", backend="nccl", store=object())
+
+
+def test_a_member_gone_since_the_last_version_costs_no_group_timeout(tiny_moe_dir, tmp_path, monkeypatch):
+    """Servers by URL, weights by broadcast with a 300 s group timeout. One is killed between two
+    versions: the next version finds it down before any collective (the survivor is not left receiving
+    until the timeout), goes by files, and the one after by broadcast to the survivor alone. The survivor
+    is then killed and started again at its URL with no request noticing: the next version finds a new
+    process there (its ``instance``), not the group's member, and goes by files to it."""
+    import time
+
+    import train.rl.weight_group as wg
+    from tests.test_rollout_server import KEY as SERVER_KEY, _start_servers, _stop
+
+    exchange = tmp_path / "exchange"
+    exchange.mkdir()
+    procs = _start_servers(tiny_moe_dir, exchange, [0, 0])
+    urls = [u for _, u in procs]
+    eng = ServedEngine(urls, exchange, SERVER_KEY, transport="broadcast", group_timeout_s=300)
+    sends = []
+    real_send = wg.send
+    monkeypatch.setattr(wg, "send", lambda group, sd, layout: (sends.append(group.world_size),
+                                                               real_send(group, sd, layout)))
+
+    def load(version):
+        t0 = time.monotonic()
+        eng.load_weights(_perturbed(tiny_moe_dir, version), version=version)
+        assert time.monotonic() - t0 < 60  # far below the group's 300 s: nobody waited it out
+        return {u: eng.remote._conn(u).call("GET", "/v1/weights")["version"] for u in eng.remote.alive}
+
+    try:
+        assert load(1) == {u: 1 for u in urls} and sends == [3]
+        os.kill(procs[0][0].pid, signal.SIGKILL)
+        procs[0][0].wait()
+        assert load(2) == {urls[1]: 2} and sends == [3] and eng.broadcast_failures == 1
+        assert load(3) == {urls[1]: 3} and sends == [3, 2] and eng.broadcaster.members == (urls[1],)
+        os.kill(procs[1][0].pid, signal.SIGKILL)
+        procs[1][0].wait()
+        procs.extend(_start_servers(tiny_moe_dir, exchange, [int(urls[1].rsplit(":", 1)[1])]))
+        assert load(4) == {urls[1]: 4} and sends == [3, 2] and eng.broadcast_failures == 2
+        assert load(5) == {urls[1]: 5} and sends == [3, 2, 2] and eng.broadcast_failures == 2
+    finally:
+        eng.close()
+        _stop(procs)

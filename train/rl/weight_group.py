@@ -249,11 +249,13 @@ class Broadcaster:
         self.timeout_s, self.bucket_bytes = timeout_s, bucket_bytes
         self.group: Group | None = None
         self.members: tuple[str, ...] = ()
+        self._instances: dict[str, str | None] = {}  # url -> the server process (its ``instance``) in the group
         self.formed = 0  # groups formed so far (also names them)
         self._pushing = threading.Lock()  # one push at a time (a server's catch-up runs on another thread)
 
-    def _call(self, url: str, method: str, path: str, body: dict | None = None) -> dict:
-        c = self.remote._conn(url, timeout=self.timeout_s + 30)  # the server answers once the collective is done
+    def _call(self, url: str, method: str, path: str, body: dict | None = None, timeout_s: float | None = None) -> dict:
+        # by default as long as a collective may take: the server answers once it is done
+        c = self.remote._conn(url, timeout=self.timeout_s + 30 if timeout_s is None else timeout_s)
         try:
             return c.call(method, path, body)
         finally:
@@ -302,6 +304,21 @@ class Broadcaster:
             raise WeightGroupError(f"forming the weight group: {e}") from None
         self._finish(*pending, "joining the weight group")
         self.group, self.members, self._store = group, urls, store
+        self._instances = {u: info[u].get("instance") for u in urls}
+
+    def _check_members(self) -> None:
+        """Every member still answers, as the process that joined the group. A member that died (or was
+        restarted at its URL) since the last version would fail the collective, and the others, already
+        receiving, would wait out the group's timeout (``rollout.group_timeout_s``, 120 s) before the
+        version could go by files: one ``GET /v1/weights`` each (a millisecond here) finds it first. A
+        member that dies during the transfer itself still costs the others that wait."""
+        info, threads = fan_out(self.members, lambda u: self._call(u, "GET", "/v1/weights",
+                                                                    timeout_s=min(self.timeout_s, 10.0)), wait=False)
+        self._finish(info, threads, "a weight group member is down")
+        moved = [u for u in self.members if info[u].get("instance") != self._instances.get(u)]
+        if moved:
+            self.close()
+            raise WeightGroupError(f"a weight group member restarted since the group formed: {', '.join(moved)}")
 
     def push(self, state_dict: dict[str, torch.Tensor], version: int, urls=None) -> dict[str, int]:
         """Every live server (or those at ``urls``) loads ``state_dict`` as ``version``; {url: version
@@ -313,6 +330,8 @@ class Broadcaster:
         urls = tuple(sorted(self.remote.alive if urls is None else urls))
         if self.group is None or self.members != urls:
             self._form(urls)
+        else:
+            self._check_members()
         layout = plan(state_dict, self.bucket_bytes)
         body = {"version": int(version), "broadcast": layout}
         pending = fan_out(self.members, lambda u: self._call(u, "POST", "/v1/load_weights", body), wait=False)
