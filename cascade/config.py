@@ -224,8 +224,9 @@ class Rollout:
     # servers, and are the fallback)
     weight_transport: str = "files"
     group_host: str = "127.0.0.1"     # broadcast: the address the servers reach this process at
-    # broadcast: longest wait for the weight group (forming it, one version's collective); a member that
-    # died costs this much once before the version goes by files and the group is formed again
+    # broadcast: longest wait for the weight group (forming it, one version's collective). A member that
+    # died since the last version is found before the next one, which goes by files at once; one that dies
+    # during a transfer costs the others this much once; the group is then formed again
     group_timeout_s: float = 120.0
     # a server out of the pool (down, not restarted by this run: rollout.urls) is probed this often;
     # one that answers again loads the newest weights and rejoins
@@ -267,7 +268,15 @@ class Trainer:
     rdzv_id: str = "cascade"
     tsp: int = 1
     tokens_per_micro: int = 16384     # tokens per packed micro-batch on a rank (a longer rollout gets its own)
-    timeout_s: float = 3600.0         # longest wait for the ranks (an update, a version, a checkpoint)
+    timeout_s: float = 3600.0         # longest wait for the ranks (an update, a version, a checkpoint); 0: none
+    # longest wait for the ranks' first answer (torch's import, the rendezvous, loading the model on every
+    # rank: minutes for a large one), when longer than timeout_s, which then bounds every later wait
+    startup_timeout_s: float = 900.0
+
+    def __post_init__(self):
+        if self.timeout_s < 0 or self.startup_timeout_s < 0:
+            raise ValueError(f"trainer.timeout_s and trainer.startup_timeout_s must be >= 0 (timeout_s 0: no limit), got "
+                             f"{self.timeout_s} and {self.startup_timeout_s}")
 
     @property
     def distributed(self) -> bool:

@@ -46,6 +46,9 @@ class WorkerLearner:
         self.exchange, self.log_dir = Path(exchange).absolute(), Path(log_dir).absolute()
         model_dir = Path(model_dir).absolute()
         self.timeout = tcfg.timeout_s
+        # until the ranks first answer, their start (import, rendezvous, loading the model) may take longer
+        self.startup_timeout = max(self.timeout, tcfg.startup_timeout_s) if self.timeout else 0
+        self._up = False
         self.sft_steps = sft_steps
         self.exchange.mkdir(parents=True, exist_ok=True)  # a stage may end before it sends the ranks anything
         self._clear_after(start_update, CKPT_DIR)
@@ -72,9 +75,9 @@ class WorkerLearner:
 
         extra = ["--sync-every", str(rl_cfg.sync_every), "--sft-steps", str(sft_steps), "--device", "cuda" if device.startswith("cuda") else "cpu",
                  "--orchestrator-pid", str(os.getpid()), "--orchestrator-host", socket.gethostname(),
-                 "--timeout-s", str(self.timeout + 60 if self.timeout else 7 * 86400)]
-        # (the ranks' collectives wait longer than this process waits for them, which says why it stopped first;
-        # NCCL's own timeout, 10 min, is shorter than rank 0 may take to write a large version)
+                 "--timeout-s", str(self.startup_timeout + 60 if self.timeout else 7 * 86400)]
+        # (the ranks' collectives, their first too, wait longer than this process waits for them, which says
+        # why it stopped first; NCCL's own timeout, 10 min, is shorter than rank 0 may take to write a large version)
         if (start := process_start()) is not None:
             extra += ["--orchestrator-start", start]
         cmd = launch_command(self.exchange, model_dir, tcfg.nproc, sft_steps + steps, conf, tsp=tcfg.tsp,
@@ -111,15 +114,18 @@ class WorkerLearner:
     # -- waiting on the ranks ----------------------------------------------------------------------
     def _wait(self, what: str, done) -> None:
         t0 = time.monotonic()
+        limit, name = (self.timeout, "trainer.timeout_s") if self._up or self.startup_timeout <= self.timeout \
+            else (self.startup_timeout, "trainer.startup_timeout_s: their start")
         while not done():
             if self.proc.poll() is not None:
                 raise RunFailure(f"the trainer ranks exited (code {self.proc.returncode}) while the orchestrator "
                                  f"waited for {what}; see {self.log}; its last lines:\n{self.tail()}")
-            if self.timeout and time.monotonic() - t0 > self.timeout:
+            if limit and time.monotonic() - t0 > limit:
                 self._silent = True
-                raise RunFailure(f"the trainer ranks sent nothing for {self.timeout:.0f} s (trainer.timeout_s) while "
+                raise RunFailure(f"the trainer ranks sent nothing for {limit:.0f} s ({name}) while "
                                  f"the orchestrator waited for {what}; see {self.log}")
             time.sleep(0.02)
+        self._up = True
 
     def tail(self, n: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""

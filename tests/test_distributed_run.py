@@ -183,20 +183,21 @@ def test_one_trainer_rank_killed_or_hung_fails_the_run_and_no_rank_is_left(warm_
     and no rank is left: the torchrun agent and every rank are killed (torchrun puts each rank in a
     session of its own, out of the agent's process group: hung ones were left behind before)."""
     out = tmp_path / "run"
-    hung = ["trainer.timeout_s=20"] if sig == signal.SIGSTOP else []  # not less: the ranks' start counts (CI)
+    # the ranks' start (several seconds here) is bounded by trainer.startup_timeout_s, not by the 8 s of silence
+    hung = ["trainer.timeout_s=8", "trainer.startup_timeout_s=100"] if sig == signal.SIGSTOP else []
     p = cascade(f"out={out}", f"model={warm_dir}", *STAGE, "steps=40", "trainer.nproc=2", *hung, wait=False)
     wait_for_rl_records(p, out, 3)
     ranks = _rank_pids(out)
     assert len(ranks) == 2, (ranks, p.poll() is None or p.communicate()[1][-3000:])
-    if hung:  # the ranks' collectives wait a minute longer than the orchestrator waits for them
-        assert "--timeout-s 80.0" in (out / "stages" / "1-rlve" / "logs" / "trainer-command.txt").read_text()
+    if hung:  # the ranks' collectives (their first too) wait a minute longer than the orchestrator waits for them
+        assert "--timeout-s 160.0" in (out / "stages" / "1-rlve" / "logs" / "trainer-command.txt").read_text()
     os.kill(ranks[1], sig)
     t1 = time.monotonic()
     try:
         _, err = p.communicate(timeout=120)
         assert p.returncode == 1 and time.monotonic() - t1 < 60, err[-3000:]
         first = err.strip().splitlines()[0]
-        why = "sent nothing for 20 s (trainer.timeout_s)" if hung else "exited"
+        why = "sent nothing for 8 s (trainer.timeout_s)" if hung else "exited"
         assert first.startswith(f"cascade run: failed: the trainer ranks {why}") and "trainer.log" in first, first
         assert err.strip().endswith("; the same command resumes from the last complete checkpoint")
         assert list((out / "stages" / "1-rlve" / "checkpoints").glob("step-*/COMPLETE"))
@@ -206,6 +207,38 @@ def test_one_trainer_rank_killed_or_hung_fails_the_run_and_no_rank_is_left(warm_
         for r in ranks:
             if alive(r):
                 os.kill(r, signal.SIGKILL)
+
+
+def test_the_ranks_start_is_bounded_by_the_startup_timeout_and_later_silence_by_the_timeout(tmp_path):
+    """``trainer.timeout_s`` bounds the silence of ranks that answered once; their first answer (torch's
+    import, the rendezvous, loading the model) may take up to ``trainer.startup_timeout_s``, and a start
+    that takes longer fails naming that setting."""
+    from types import SimpleNamespace
+
+    from cascade.config import Trainer
+    from cascade.learner import WorkerLearner
+    from train.errors import RunFailure
+
+    def learner(timeout, startup):
+        w = object.__new__(WorkerLearner)
+        w.proc, w.log, w._silent, w._up = SimpleNamespace(poll=lambda: None), tmp_path / "trainer.log", False, False
+        w.timeout, w.startup_timeout = timeout, max(timeout, startup)
+        return w
+
+    def after(s):
+        t0 = time.monotonic()
+        return lambda: time.monotonic() - t0 > s
+
+    w = learner(0.2, 5)
+    w._wait("the metrics of update 0", after(0.6))  # a start three times the silence allowed
+    with pytest.raises(RunFailure, match=r"sent nothing for 0 s \(trainer.timeout_s\) while the orchestrator waited "
+                                         r"for the metrics of update 1"):
+        w._wait("the metrics of update 1", after(0.6))
+    assert w._silent
+    with pytest.raises(RunFailure, match=r"sent nothing for 0 s \(trainer.startup_timeout_s: their start\)"):
+        learner(0.1, 0.3)._wait("the metrics of update 0", after(5))
+    with pytest.raises(ValueError, match="trainer.timeout_s and trainer.startup_timeout_s must be >= 0"):
+        Trainer(startup_timeout_s=-1)
 
 
 def test_kill_9_of_the_run_resumes_trainer_ranks_and_orchestrator_in_step(warm_dir, tmp_path):
