@@ -186,7 +186,8 @@ def test_openai_client_chat_stream_parts_and_default_max_tokens(server, client):
     # no max_tokens: the rest of the context (here the tiny model runs to EOS or the context's end)
     ref = eng.generate([ids], SamplingParams(max_tokens=eng.context_length - len(ids), seed=3, temperature=1.0))[0]
     r = cli.chat.completions.create(model="tiny", messages=msgs, seed=3)
-    assert r.choices[0].message.content == ref.text and r.usage.completion_tokens == len(ref.token_ids) > 16
+    shown = tok.decode(ref.token_ids, skip_special_tokens=True)  # as vLLM: special tokens left out of the text
+    assert r.choices[0].message.content == shown and r.usage.completion_tokens == len(ref.token_ids) > 16
     # content as parts is the same prompt
     parts = [{"role": "user", "content": [{"type": "text", "text": "Sort 3 1 "}, {"type": "text", "text": "2."}]}]
     r2 = cli.chat.completions.create(model="tiny", messages=parts, seed=3, max_tokens=6)
@@ -207,3 +208,63 @@ def test_openai_client_chat_stream_parts_and_default_max_tokens(server, client):
     assert [x.logprob for x in lps] == pytest.approx(ref.logprobs, abs=1e-5)
     assert all(len(x.top_logprobs) == 2 and x.top_logprobs[0].logprob >= x.logprob - 1e-4 for x in lps)
     assert chunks[-1].usage.prompt_tokens == len(ids) and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+
+
+def test_special_tokens_are_left_out_of_the_text_unless_asked_for(server, client):
+    """As vLLM's server: the text leaves out the special tokens a model emits mid-text (here the tiny
+    tokenizer's ``<|im_start|>``, ``<think>``...), streamed too; ``"skip_special_tokens": false`` keeps
+    them, which is what the RL rollouts' client asks for: its text is the engine's own decode."""
+    from train.engine.remote import RemoteEngine
+
+    eng, url = server
+    openai, cli = client
+    tok = eng.tokenizer
+    special = set(tok.all_special_ids)
+
+    def sample_with_special(ids, **kw):  # a seed whose sample has a special token before its last token
+        for seed in range(300):
+            c = eng.generate([ids], SamplingParams(seed=seed, temperature=1.0, **kw))[0]
+            if special & set(c.token_ids[:-1]):
+                return seed, c
+        raise AssertionError("no sample with a special token")
+
+    ids = tok.encode("Hi there", add_special_tokens=False)
+    seed, ref = sample_with_special(ids, max_tokens=40, ignore_eos=True)
+    shown = tok.decode(ref.token_ids, skip_special_tokens=True)
+    assert shown != ref.text
+    body = {"model": "tiny", "prompt": ids, "seed": seed, "max_tokens": 40, "ignore_eos": True, "temperature": 1.0}
+    code, r = call(url, "/v1/completions", body)
+    assert code == 200 and r["choices"][0]["text"] == shown and r["choices"][0]["token_ids"] == ref.token_ids
+    assert call(url, "/v1/completions", {**body, "skip_special_tokens": False})[1]["choices"][0]["text"] == ref.text
+    code, r = call(url, "/v1/completions", {**body, "skip_special_tokens": "no"})
+    assert code == 400 and "skip_special_tokens must be true or false" in r["error"]["message"]
+    chunks = cli.completions.create(model="tiny", prompt=ids, seed=seed, max_tokens=40, temperature=1.0, stream=True,
+                                    extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == shown
+    # a stop string still ends the text shown (found in it)
+    stop = shown[len(shown) // 2:len(shown) // 2 + 3]
+    ref_stop = eng.generate([ids], SamplingParams(seed=seed, temperature=1.0, max_tokens=40, ignore_eos=True,
+                                                  stop=[stop]))[0]
+    got = call(url, "/v1/completions", {**body, "stop": [stop]})[1]["choices"][0]
+    full = tok.decode(ref_stop.token_ids, skip_special_tokens=True)
+    assert got["token_ids"] == ref_stop.token_ids and got["text"] == full[:full.find(stop)]
+    # chat, streamed and not
+    msgs = [{"role": "user", "content": "Hi there"}]
+    chat_ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    chat_ids = list(chat_ids["input_ids"] if hasattr(chat_ids, "keys") else chat_ids)
+    seed, ref = sample_with_special(chat_ids, max_tokens=40, ignore_eos=True)
+    shown = tok.decode(ref.token_ids, skip_special_tokens=True)
+    kw = dict(model="tiny", messages=msgs, seed=seed, max_tokens=40, temperature=1.0, extra_body={"ignore_eos": True})
+    assert cli.chat.completions.create(**kw).choices[0].message.content == shown != ref.text
+    assert "".join(c.choices[0].delta.content or "" for c in cli.chat.completions.create(**kw, stream=True)
+                   if c.choices) == shown
+    kw["extra_body"] = {"ignore_eos": True, "skip_special_tokens": False}
+    assert cli.chat.completions.create(**kw).choices[0].message.content == ref.text
+    # the rollouts' client: the engine's own text
+    remote = RemoteEngine([url], api_key="k3y")
+    try:
+        got = remote.generate([ids], SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True), seeds=[seed])
+    finally:
+        remote.close()
+    ref = eng.generate([ids], SamplingParams(seed=seed, temperature=1.0, max_tokens=40, ignore_eos=True))[0]
+    assert got[0].token_ids == ref.token_ids and got[0].text == ref.text

@@ -4,7 +4,7 @@ It belongs to the engine layer, so test-time compute (``ttc``) and RL rollouts b
 
 Endpoints: ``GET /v1/models``; ``POST /v1/completions`` (prompt as text, token ids, or a list of
 either; n, max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos,
-logprobs, return_routed_experts); ``POST /v1/chat/completions`` (the checkpoint's chat template);
+logprobs, skip_special_tokens, return_routed_experts); ``POST /v1/chat/completions`` (the checkpoint's chat template);
 ``POST /tokenize`` and ``POST /detokenize`` (vLLM-style); ``GET /v1/weights`` (the weight version
 served) and ``POST /v1/load_weights`` (see below). Each completion choice carries ``token_ids``
 besides the text, ``logprobs.token_logprobs``, ``versions`` (the weight version that sampled each
@@ -22,7 +22,9 @@ For OpenAI clients: ``"stream": true`` answers server-sent events (``text_comple
 generates the whole completion first and the events carry it piece by piece. Chat without
 ``max_tokens`` may use the rest of the context (as vLLM); chat content may be a list of text parts;
 ``logprobs: k`` (completions) and ``top_logprobs: k`` (chat) return the k most likely tokens per
-position (one teacher-forced forward pass); a model name not served answers 404. Chat also takes
+position (one teacher-forced forward pass); a model name not served answers 404. As in vLLM, the text
+leaves out the special tokens a model emits mid-text unless the request sets ``"skip_special_tokens":
+false`` (what Cascade's own clients do: the text then equals the engine's decode, which RL verifies). Chat also takes
 vLLM's ``continue_final_message`` (go on from a last assistant message).
 
 A request with ``seed`` samples prompt i exactly as ``engine.generate([prompt_i], seed=seed)``
@@ -394,6 +396,7 @@ class Handler(BaseHTTPRequestHandler):
         if fmt not in ("list", "base64"):
             raise BadRequest(f"routed_experts_format must be list or base64, got {fmt!r}")
         packed = fmt == "base64"
+        skip = _skips(body)
         prompt_ids, outs = self._generate(_prompts(body.get("prompt")), params, routed)
         as_ids = bool(body.get("return_tokens_as_token_ids"))
         want_lp = body.get("logprobs") is not None and body.get("logprobs") is not False
@@ -404,7 +407,8 @@ class Handler(BaseHTTPRequestHandler):
                           top_k, params.temperature) if want_lp and top_k > 0 else [None] * len(outs)
         choices = []
         for i, (c, top) in enumerate(zip(outs, tops)):
-            ch = {"index": i, "text": c.text, "finish_reason": c.finish_reason, "token_ids": c.token_ids,
+            ch = {"index": i, "text": _shown(self.server, c, params, skip), "finish_reason": c.finish_reason,
+                  "token_ids": c.token_ids,
                   "prompt_token_ids": c.prompt_token_ids, "logprobs": None, "versions": c.versions}
             if routed:
                 from train.rl.exchange import encode_routing, stack_routing
@@ -453,12 +457,14 @@ class Handler(BaseHTTPRequestHandler):
             raise BadRequest(f"the messages take {len(ids)} tokens; the model's context limit is {eng.context_length}")
         params = _params(body, default_max=room)  # like vLLM: no max_tokens means the rest of the context
         top_k = _int_field(body, "top_logprobs") if body.get("logprobs") else 0
+        skip = _skips(body)
         prompt_ids, outs = self._generate([ids], params)
         tops_all = self._tops([(c.prompt_token_ids or ids, c.token_ids) for c in outs], top_k, params.temperature) \
             if top_k > 0 else [[[] for _ in c.token_ids] for c in outs]
         choices = []
         for i, (c, tops) in enumerate(zip(outs, tops_all)):
-            ch = {"index": i, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
+            ch = {"index": i, "message": {"role": "assistant", "content": _shown(self.server, c, params, skip)},
+                  "finish_reason": c.finish_reason,
                   "token_ids": c.token_ids, "logprobs": None}
             if body.get("logprobs"):
                 ch["logprobs"] = {"content": [
@@ -493,7 +499,7 @@ class Handler(BaseHTTPRequestHandler):
             if chat:
                 emit({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                            "logprobs": None, "finish_reason": None}]})
-            for a, b, piece in _pieces(eng, ch["token_ids"], text):
+            for a, b, piece in _pieces(_decoder(eng, _skips(body)), ch["token_ids"], text):
                 if chat:
                     c = {"index": i, "delta": {"content": piece}, "finish_reason": None, "logprobs": None}
                     if ch.get("logprobs"):
@@ -670,14 +676,46 @@ def _top_logprobs(engine, prompt_ids, completion_ids, k: int, temperature: float
     return [[(int(i), float(v)) for i, v in zip(ri.tolist(), rv.tolist())] for ri, rv in zip(idx, vals)]
 
 
-def _pieces(engine, ids: list[int], text: str) -> list[tuple[int, int, str]]:
+def _skips(body: dict) -> bool:
+    """vLLM's ``skip_special_tokens`` (default true): special tokens are left out of the text."""
+    v = body.get("skip_special_tokens", True)
+    if not isinstance(v, bool):
+        raise BadRequest(f"skip_special_tokens must be true or false, got {v!r}")
+    return v
+
+
+def _decoder(engine, skip: bool):
+    """Token ids -> text, with or without the special tokens."""
+    if not skip:
+        return engine.decode
+    return lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _shown(server, c, params: SamplingParams, skip: bool) -> str:
+    """A completion's text as vLLM's server shows it: with ``skip`` (its default) the special tokens a
+    model emitted mid-text (``<|im_start|>``, and ``<think>`` where a tokenizer marks it special) are left
+    out; the engine's own text keeps them (what RL verifies: Cascade's clients ask for them). A token that
+    stopped the completion is not text either way, and a stop string still ends it."""
+    ids = c.token_ids
+    if not skip or not server.special_ids.intersection(ids):
+        return c.text
+    eng = server.engine
+    ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(getattr(eng, "eos_token_ids", ())))
+    if c.finish_reason == "stop" and ids and ids[-1] in ends:
+        ids = ids[:-1]
+    text = eng.tokenizer.decode(ids, skip_special_tokens=True)
+    cuts = [text.find(x) for x in params.stop if x and x in text]
+    return text[:min(cuts)] if cuts else text
+
+
+def _pieces(decode, ids: list[int], text: str) -> list[tuple[int, int, str]]:
     """``(first token, end token, text)`` pieces of a completion for streaming, decoded
-    incrementally (a piece waits while its bytes end inside a character); the pieces add up to
-    ``text`` (a completion cut by a stop string ends where its text does)."""
+    incrementally by ``decode`` (a piece waits while its bytes end inside a character); the pieces add up
+    to ``text`` (a completion cut by a stop string ends where its text does)."""
     out, start, prefix, read = [], 0, 0, 0
     for k in range(1, len(ids) + 1):
-        before = engine.decode(ids[prefix:read])
-        now = engine.decode(ids[prefix:k])
+        before = decode(ids[prefix:read])
+        now = decode(ids[prefix:k])
         if len(now) > len(before) and not now.endswith("\ufffd"):
             out.append((start, k, now[len(before):]))
             start, prefix, read = k, read, k
@@ -735,6 +773,7 @@ def make_server(engine, model_name: str = "cascade", host: str = "127.0.0.1", po
     srv.batcher = Batcher(engine, window_s=batch_window_s, threads=threads)
     srv.created = int(time.time())
     srv.instance = uuid.uuid4().hex  # this process: a client tells a restart at the same URL by it
+    srv.special_ids = frozenset(engine.tokenizer.all_special_ids)
     return srv
 
 
