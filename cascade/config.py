@@ -225,8 +225,9 @@ class Rollout:
     weight_transport: str = "files"
     group_host: str = "127.0.0.1"     # broadcast: the address the servers reach this process at
     # broadcast: longest wait for the weight group (forming it, one version's collective). A member that
-    # died since the last version is found before the next one, which goes by files at once; one that dies
-    # during a transfer costs the others this much once; the group is then formed again
+    # died fails the version at once (found before it, or its collective fails and the group is closed):
+    # that version goes by files and the group is formed again; a host that stops answering mid-transfer
+    # can cost this much once
     group_timeout_s: float = 120.0
     # a server out of the pool (down, not restarted by this run: rollout.urls) is probed this often;
     # one that answers again loads the newest weights and rejoins

@@ -196,12 +196,16 @@ def test_rank_0_chooses_one_backend_for_every_member():
         join("127.0.0.1", 1, 1, 2, "x", device="cpu", backend="nccl", store=object())
 
 
-def test_a_member_gone_since_the_last_version_costs_no_group_timeout(tiny_moe_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("checked", [True, False], ids=["found-before", "mid-collective"])
+def test_a_member_gone_since_the_last_version_costs_no_group_timeout(tiny_moe_dir, tmp_path, monkeypatch, checked):
     """Servers by URL, weights by broadcast with a 300 s group timeout. One is killed between two
     versions: the next version finds it down before any collective (the survivor is not left receiving
     until the timeout), goes by files, and the one after by broadcast to the survivor alone. The survivor
     is then killed and started again at its URL with no request noticing: the next version finds a new
-    process there (its ``instance``), not the group's member, and goes by files to it."""
+    process there (its ``instance``), not the group's member, and goes by files to it. Without that check
+    (``mid-collective``: as when a member dies during a transfer) the collective fails on the dead member,
+    and rank 0 closes the group before waiting for the others, which then fail at once too: the same
+    versions go by files, as soon."""
     import time
 
     import train.rl.weight_group as wg
@@ -216,6 +220,9 @@ def test_a_member_gone_since_the_last_version_costs_no_group_timeout(tiny_moe_di
     real_send = wg.send
     monkeypatch.setattr(wg, "send", lambda group, sd, layout: (sends.append(group.world_size),
                                                                real_send(group, sd, layout)))
+    if not checked:
+        monkeypatch.setattr(wg.Broadcaster, "_check_members", lambda self: None)
+    failed = [] if checked else [None]  # a collective started and failed: one more send
 
     def load(version):
         t0 = time.monotonic()
@@ -227,13 +234,14 @@ def test_a_member_gone_since_the_last_version_costs_no_group_timeout(tiny_moe_di
         assert load(1) == {u: 1 for u in urls} and sends == [3]
         os.kill(procs[0][0].pid, signal.SIGKILL)
         procs[0][0].wait()
-        assert load(2) == {urls[1]: 2} and sends == [3] and eng.broadcast_failures == 1
-        assert load(3) == {urls[1]: 3} and sends == [3, 2] and eng.broadcaster.members == (urls[1],)
+        assert load(2) == {urls[1]: 2} and sends == [3] + [3 for _ in failed] and eng.broadcast_failures == 1
+        assert load(3) == {urls[1]: 3} and sends[-1] == 2 and eng.broadcaster.members == (urls[1],)
         os.kill(procs[1][0].pid, signal.SIGKILL)
         procs[1][0].wait()
         procs.extend(_start_servers(tiny_moe_dir, exchange, [int(urls[1].rsplit(":", 1)[1])]))
-        assert load(4) == {urls[1]: 4} and sends == [3, 2] and eng.broadcast_failures == 2
-        assert load(5) == {urls[1]: 5} and sends == [3, 2, 2] and eng.broadcast_failures == 2
+        n = len(sends)
+        assert load(4) == {urls[1]: 4} and len(sends) == n + len(failed) and eng.broadcast_failures == 2
+        assert load(5) == {urls[1]: 5} and len(sends) == n + len(failed) + 1 and eng.broadcast_failures == 2
     finally:
         eng.close()
         _stop(procs)

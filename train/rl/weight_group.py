@@ -309,9 +309,10 @@ class Broadcaster:
     def _check_members(self) -> None:
         """Every member still answers, as the process that joined the group. A member that died (or was
         restarted at its URL) since the last version would fail the collective, and the others, already
-        receiving, would wait out the group's timeout (``rollout.group_timeout_s``, 120 s) before the
-        version could go by files: one ``GET /v1/weights`` each (a millisecond here) finds it first. A
-        member that dies during the transfer itself still costs the others that wait."""
+        receiving, would wait until rank 0 closes the group: one ``GET /v1/weights`` each (a millisecond
+        here; at most 10 s for a host that no longer answers, where a collective would wait out
+        ``rollout.group_timeout_s``) finds it first. One that dies during the transfer fails the collective
+        on rank 0, which closes the group before waiting for the others (:meth:`_push`)."""
         info, threads = fan_out(self.members, lambda u: self._call(u, "GET", "/v1/weights",
                                                                     timeout_s=min(self.timeout_s, 10.0)), wait=False)
         self._finish(info, threads, "a weight group member is down")
@@ -335,12 +336,15 @@ class Broadcaster:
         layout = plan(state_dict, self.bucket_bytes)
         body = {"version": int(version), "broadcast": layout}
         pending = fan_out(self.members, lambda u: self._call(u, "POST", "/v1/load_weights", body), wait=False)
+        error = None
         try:
             send(self.group, state_dict, layout)  # packed into buckets on the group's device
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - kept as text: its traceback would hold the group
+            error = f"broadcasting weights: {e}"
+        if error is not None:
+            self.close()  # first: the members still receiving fail at once, not at the group's timeout
             self._finish(*pending, "broadcasting weights")
-            self.close()
-            raise WeightGroupError(f"broadcasting weights: {e}") from None
+            raise WeightGroupError(error)
         out = self._finish(*pending, "broadcasting weights")
         return {u: int(r["version"]) for u, r in out.items()}
 
