@@ -227,7 +227,8 @@ class Rollout:
     # broadcast: longest wait for the weight group (forming it, one version's collective). A member that
     # died fails the version at once (found before it, or its collective fails and the group is closed):
     # that version goes by files and the group is formed again; a host that stops answering mid-transfer
-    # can cost this much once
+    # can cost this much once, and so does each try to form a group that a member cannot join (the tries
+    # come 1, 2, 4, ... at most 32 versions apart while the servers stay the same)
     group_timeout_s: float = 120.0
     # a server out of the pool (down, not restarted by this run: rollout.urls) is probed this often;
     # one that answers again loads the newest weights and rejoins

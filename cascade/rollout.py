@@ -331,14 +331,15 @@ class ServedEngine:
         group or it failed, and the version must go by files."""
         if self.broadcaster is None:
             return False
-        from train.rl.weight_group import WeightGroupError
+        from train.rl.weight_group import BackingOff, WeightGroupError
 
         try:
             self.broadcaster.push(state_dict, version)
             return True
         except WeightGroupError as e:
             self.broadcast_failures += 1
-            log.warning("weight broadcast failed (%s); version %d goes by files", e, version)
+            (log.info if isinstance(e, BackingOff) else log.warning)(
+                "weight broadcast failed (%s); version %d goes by files", e, version)
             return False
 
     def load_published(self, version: int, state_dict=None) -> None:

@@ -245,3 +245,79 @@ def test_a_member_gone_since_the_last_version_costs_no_group_timeout(tiny_moe_di
     finally:
         eng.close()
         _stop(procs)
+
+
+def test_a_group_that_fails_to_form_is_retried_after_doubling_waits():
+    """A member that cannot join leaves the others in the rendezvous for the group's timeout: with the
+    same servers, the next tries come 1, 2, 4, ... at most 32 versions later (those go by files at once);
+    other servers, or a restarted one (``reform``), try at once."""
+    from types import SimpleNamespace
+
+    from train.rl.weight_group import BackingOff, Broadcaster
+
+    b = Broadcaster(SimpleNamespace(alive={"http://a", "http://b"}))
+    tries = []
+
+    def form(urls):
+        tries.append((version, urls))
+        raise WeightGroupError("cannot join")
+
+    b._form = form
+    sd = {"w": torch.zeros(2)}
+    for version in range(1, 140):
+        with pytest.raises(WeightGroupError) as e:
+            b.push(sd, version)
+        assert isinstance(e.value, BackingOff) == (not tries or tries[-1][0] != version)
+    assert [v for v, _ in tries] == [1, 3, 6, 11, 20, 37, 70, 103, 136]
+    b.remote.alive = {"http://a"}  # a server left: at once
+    with pytest.raises(WeightGroupError):
+        b.push(sd, version := 140)
+    with pytest.raises(BackingOff):
+        b.push(sd, version := 141)
+    b.reform()  # a server restarted at its URL: at once
+    with pytest.raises(WeightGroupError):
+        b.push(sd, version := 142)
+    assert [v for v, _ in tries][-2:] == [140, 142] and tries[-1][1] == ("http://a",)
+
+
+def test_a_server_that_cannot_join_costs_one_group_timeout_not_one_per_version(tiny_moe_dir, tmp_path, monkeypatch):
+    """Servers by URL; one refuses to join the weight group (here: a rank it rejects). The first version
+    waits out the group's timeout and goes by files; the next goes by files at once; once the server is
+    back (restarted: ``reform``), versions are broadcast again."""
+    import time
+
+    from tests.test_rollout_server import KEY as SERVER_KEY, _start_servers, _stop
+    from train.rl.weight_group import Broadcaster
+
+    exchange = tmp_path / "exchange"
+    exchange.mkdir()
+    procs = _start_servers(tiny_moe_dir, exchange, [0, 0])
+    urls = [u for _, u in procs]
+    broken = {urls[1]}
+    real_call = Broadcaster._call
+
+    def call(self, url, method, path, body=None, timeout_s=None):
+        if path == "/v1/weights_group" and url in broken:
+            body = {**body, "rank": 99}
+        return real_call(self, url, method, path, body, timeout_s)
+
+    monkeypatch.setattr(Broadcaster, "_call", call)
+    eng = ServedEngine(urls, exchange, SERVER_KEY, transport="broadcast", group_timeout_s=5)
+
+    def load(version):
+        t0 = time.monotonic()
+        eng.load_weights(_perturbed(tiny_moe_dir, version), version=version)
+        took = time.monotonic() - t0
+        assert {eng.remote._conn(u).call("GET", "/v1/weights")["version"] for u in urls} == {version}
+        return took
+
+    try:
+        assert load(1) >= 5 and eng.broadcast_failures == 1  # waited out the rendezvous once
+        assert load(2) < 5 and eng.broadcast_failures == 2  # by files, no wait
+        broken.clear()
+        eng.broadcaster.reform()
+        load(3)
+        assert eng.broadcast_failures == 2 and eng.broadcaster.members == tuple(sorted(urls))
+    finally:
+        eng.close()
+        _stop(procs)

@@ -39,6 +39,10 @@ class WeightGroupError(RuntimeError):
     """The group could not be formed, a transfer failed, or a checksum did not match."""
 
 
+class BackingOff(WeightGroupError):
+    """Not tried: the group failed to form with the same servers a few versions ago."""
+
+
 def _nbytes(shape, dtype: torch.dtype) -> int:
     n = 1
     for s in shape:
@@ -250,6 +254,10 @@ class Broadcaster:
         self.group: Group | None = None
         self.members: tuple[str, ...] = ()
         self._instances: dict[str, str | None] = {}  # url -> the server process (its ``instance``) in the group
+        # the servers the group last failed to form with, the versions to send by files before the next try,
+        # and the wait set at that failure (doubled at each failure with the same servers)
+        self._failed_with: tuple[str, ...] = ()
+        self._skip = self._backoff = 0
         self.formed = 0  # groups formed so far (also names them)
         self._pushing = threading.Lock()  # one push at a time (a server's catch-up runs on another thread)
 
@@ -330,7 +338,7 @@ class Broadcaster:
     def _push(self, state_dict, version: int, urls) -> dict[str, int]:
         urls = tuple(sorted(self.remote.alive if urls is None else urls))
         if self.group is None or self.members != urls:
-            self._form(urls)
+            self._form_or_back_off(urls)
         else:
             self._check_members()
         layout = plan(state_dict, self.bucket_bytes)
@@ -348,10 +356,30 @@ class Broadcaster:
         out = self._finish(*pending, "broadcasting weights")
         return {u: int(r["version"]) for u, r in out.items()}
 
+    def _form_or_back_off(self, urls: tuple[str, ...]) -> None:
+        """Form the group, unless it failed to form with the same servers lately. A member that cannot join
+        (its NCCL cannot reach this host, say) leaves the others waiting in the rendezvous for the group's
+        timeout, at every version if nothing changes: each failure with the same servers doubles the versions
+        that go by files before the next try (1, 2, 4, ... at most 32); any change of the servers (one
+        restarted, gone, or back) tries at once."""
+        if urls == self._failed_with and self._skip > 0:
+            self._skip -= 1
+            raise BackingOff(f"not tried: the weight group failed to form with these servers; the next try in "
+                             f"{self._skip + 1} version(s)")
+        try:
+            self._form(urls)
+        except WeightGroupError:
+            self._backoff = min(2 * self._backoff, 32) if urls == self._failed_with else 1
+            self._failed_with, self._skip = urls, self._backoff
+            raise
+        self._failed_with, self._skip, self._backoff = (), 0, 0
+
     def reform(self) -> None:
-        """The next :meth:`push` forms the group again (a member is a new process at the same URL). Safe
-        from another thread than the one pushing: a push under way finishes on the group it has."""
+        """The next :meth:`push` forms the group again (a member is a new process at the same URL), also
+        where it lately failed to. Safe from another thread than the one pushing: a push under way finishes
+        on the group it has."""
         self.members = ()
+        self._failed_with = ()
 
     def close(self) -> None:
         if self.group is not None:
