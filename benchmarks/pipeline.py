@@ -80,7 +80,9 @@ over HTTP as int16 bytes in base64 instead of nested JSON lists: the batch 0.21 
 0.86 (async 2.13-2.19 steps/s, sync 2.54-2.64); the trainer busy 99.5%; max_lag_seen 2. At 4fa1ddc (after these: a
 per-prompt ``max_tokens`` cap from the servers' context, servers in a process group of their own, the key by
 environment), 3 runs: 0.92, 0.80, 0.77 (median 0.80, min 0.77; async 1.94-2.04 steps/s, sync 2.19-2.53); the trainer
-busy 99.4%; max_lag_seen 2.
+busy 99.4%; max_lag_seen 2. At f4356a2 (the engine asks for the special tokens in the text, which the server then
+takes as the engine decoded it), 3 runs: 0.83, 0.87, 0.83 (median 0.83, min 0.83; async 2.10-2.13 steps/s, sync
+2.45-2.56); the trainer busy 99.2-99.5%; max_lag_seen 2.
 
 With ``overlap_ceiling_lending`` (commit 8dc7021 plus this field, added in 1ff29ba; runs one after
 another): default setting, async speedup 1.14, 0.88, 1.16 against a lending ceiling of 1.26, 1.12, 1.28 (any mix 1.51, 1.19,

@@ -56,6 +56,11 @@ Re-run at 4fa1ddc (2026-12-05, another machine: ``ttc serve`` runs top logprobs 
 backend logs its retries; neither on this path's requests), ``--skip-prefix --skip-steps``, one run:
 ``concurrency_speedup`` 2.09 (one at a time 4.18 s, 64 in flight 2.00 s), ``_short`` 1.62, ``local`` 1.97; at torch's
 default two threads 2.40 (3.62 -> 1.51 s), ``local_concurrency_speedup_default_threads`` 2.87; same results both ways.
+Re-run at f4356a2 (2026-12-05, later, a slower session: ``ttc serve`` leaves special tokens out of texts unless
+asked, and this backend asks for them, so its requests keep the engine's text), ``--skip-prefix --skip-steps``, two
+runs: ``concurrency_speedup`` 1.81 (one at a time 4.33 s, 64 in flight 2.40 s) and 1.79, ``_short`` 1.66 and 1.61;
+interleaved, 337275f's server and backend (before that change) 1.73, ``_short`` 1.58: the machine, not the change;
+same results both ways. With one thread the goal of 2x is met in some sessions and not in others.
 
 Measured on this project's 2-core CPU (2026-12-02, defaults, tiny-moe, 1 thread, quiet machine, commit
 e6feb3e, three runs): ``concurrency_speedup`` 2.17, 2.21, 2.13 (one problem at a time 3.73-3.80 s, 64 in
