@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Protocol, Sequence, runtime_checkable
 
-from train.engine.base import Completion, SamplingParams
+from train.engine.base import ENGINE_TEXT, Completion, SamplingParams
 from ttc.rsa import derive_seed
 
 SENTINEL = "\u2063RSA-CONTENT\u2063"
@@ -519,10 +519,7 @@ class OpenAIBackend:
     def request_body(self, prompt, params: SamplingParams, seed: int | None) -> dict:
         body = {"model": self.model, "prompt": prompt, "n": params.n, "max_tokens": params.max_tokens,
                 "temperature": params.temperature, "top_p": params.top_p, "logprobs": 0,
-                "return_tokens_as_token_ids": True, "return_token_ids": True,
-                # the text as a local engine decodes it (vLLM's and Cascade's servers leave special tokens out
-                # by default, a </think> too where the tokenizer marks it special)
-                "skip_special_tokens": False, "spaces_between_special_tokens": False}
+                "return_tokens_as_token_ids": True, "return_token_ids": True, **ENGINE_TEXT}  # as a local engine's
         if seed is not None:
             body["seed"] = int(seed)
         if params.top_k:

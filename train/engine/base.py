@@ -10,6 +10,10 @@ from typing import Protocol, Sequence, runtime_checkable
 
 
 MIN_TEMPERATURE = 1e-5  # vLLM's sampling epsilon: the smallest temperature that is not greedy
+# what an engine's Completion.text is: the tokens decoded with the special ones kept and nothing put between
+# them (vLLM's sampling settings and its servers' request fields by these names; a server left to its default
+# drops special tokens, a </think> too where the tokenizer marks it special, and the verifiers would not find it)
+ENGINE_TEXT = {"skip_special_tokens": False, "spaces_between_special_tokens": False}
 
 
 @dataclass

@@ -703,7 +703,7 @@ def _shown(server, c, params: SamplingParams, skip: bool) -> str:
     ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(getattr(eng, "eos_token_ids", ())))
     if c.finish_reason == "stop" and ids and ids[-1] in ends:
         ids = ids[:-1]
-    text = eng.tokenizer.decode(ids, skip_special_tokens=True)
+    text = _decoder(eng, True)(ids)
     cuts = [text.find(x) for x in params.stop if x and x in text]
     return text[:min(cuts)] if cuts else text
 

@@ -56,7 +56,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from train.engine.base import Completion, SamplingParams, check_prompts
+from train.engine.base import ENGINE_TEXT, Completion, SamplingParams, check_prompts
 from train.engine.sampling import row_seed
 from train.engine.torch_engine import EngineStats
 from train.model.hf_io import split_fused_experts
@@ -269,8 +269,7 @@ class VLLMEngine:
         return self._vllm.SamplingParams(
             n=1, temperature=0.0 if p.greedy else 1.0, top_p=p.top_p, top_k=p.top_k or 0, min_p=p.min_p,
             max_tokens=max_tokens, stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids) or None,
-            ignore_eos=p.ignore_eos, seed=None if p.greedy else seed, logprobs=0,
-            skip_special_tokens=False, spaces_between_special_tokens=False)
+            ignore_eos=p.ignore_eos, seed=None if p.greedy else seed, logprobs=0, **ENGINE_TEXT)
 
     # -- contract ---------------------------------------------------------------------------------
     @property
