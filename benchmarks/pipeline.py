@@ -82,7 +82,8 @@ per-prompt ``max_tokens`` cap from the servers' context, servers in a process gr
 environment), 3 runs: 0.92, 0.80, 0.77 (median 0.80, min 0.77; async 1.94-2.04 steps/s, sync 2.19-2.53); the trainer
 busy 99.4%; max_lag_seen 2. At f4356a2 (the engine asks for the special tokens in the text, which the server then
 takes as the engine decoded it), 3 runs: 0.83, 0.87, 0.83 (median 0.83, min 0.83; async 2.10-2.13 steps/s, sync
-2.45-2.56); the trainer busy 99.2-99.5%; max_lag_seen 2.
+2.45-2.56); the trainer busy 99.2-99.5%; max_lag_seen 2. At 0fb5ec6 (the same requests), 2 runs: 0.82, 0.87 (async
+2.00-2.02, sync 2.33-2.45); the trainer busy 99.4-99.5%; max_lag_seen 2.
 
 With ``overlap_ceiling_lending`` (commit 8dc7021 plus this field, added in 1ff29ba; runs one after
 another): default setting, async speedup 1.14, 0.88, 1.16 against a lending ceiling of 1.26, 1.12, 1.28 (any mix 1.51, 1.19,
@@ -127,6 +128,9 @@ sync 2.21-2.48, async 2.28-2.49; ceiling 1.16-1.17): f6aed24's lead over dc6f21e
 (OpenMP threads spin instead of sleeping between regions) 0.85, 0.86: worse, the spinning side takes the other's core.
 At 4fa1ddc (the pipeline only logs a lowered ``min_ready_batches``), 2 runs: 1.00, 1.05 (sync 2.50-2.53, async
 2.54-2.61; ceiling 1.14-1.16, any mix 1.31-1.37); max_lag_seen 2.
+At 0fb5ec6 (this path unchanged: the session's changes are in the servers, the remote engine and the weight group),
+3 runs: 1.03, 0.99, 1.03 (median 1.03, min 0.99; sync 2.38-2.50, async 2.45-2.56; ceiling 1.13-1.15, any mix
+1.29-1.37); max_lag_seen 2.
 
 The goal (>= 1.5 against the best synchronous setting, here 2 threads) is not met: median 1.24 by
 default and 1.27 with long-tailed responses (one run of twelve above 1.5). Lending the producer's

@@ -61,6 +61,8 @@ asked, and this backend asks for them, so its requests keep the engine's text), 
 runs: ``concurrency_speedup`` 1.81 (one at a time 4.33 s, 64 in flight 2.40 s) and 1.79, ``_short`` 1.66 and 1.61;
 interleaved, 337275f's server and backend (before that change) 1.73, ``_short`` 1.58: the machine, not the change;
 same results both ways. With one thread the goal of 2x is met in some sessions and not in others.
+The same run at 0fb5ec6 (above): ``concurrency_speedup`` 1.81 (4.28 -> 2.37 s), ``_short`` 1.65, ``local`` 1.77; at torch's
+default two threads 2.66 (3.72 -> 1.40 s), ``local_concurrency_speedup_default_threads`` 2.78; same results both ways.
 
 Measured on this project's 2-core CPU (2026-12-02, defaults, tiny-moe, 1 thread, quiet machine, commit
 e6feb3e, three runs): ``concurrency_speedup`` 2.17, 2.21, 2.13 (one problem at a time 3.73-3.80 s, 64 in
@@ -111,6 +113,11 @@ decode alone ranged 3.83-5.37 s over its five repeats). Same outputs both sides 
 Re-run at c52dc41 (2026-12-05, another machine; this path unchanged), ``--skip-concurrency --repeats 3
 --long-problem-words 0``, two runs: toy 1.53, real 1.09 and 1.08 (pairs 1.07-1.12; uncached 3.70 s of which decode
 3.07 s and prefill 0.60 s; cached 3.43 s, prefill 0.42 s); same outputs both sides.
+Re-run at 0fb5ec6 (2026-12-05, later: this path unchanged; the server and the OpenAI backend changed), the full
+benchmark with its defaults, one run: toy 1.51, real 1.11 (uncached 3.83 s of which decode 3.18 s and prefill 0.61 s;
+cached 3.45 s, prefill 0.43 s, 4800 of 12554 prefill tokens not recomputed), long 1.48 (7.67 -> 5.19 s); shared-prefix
+decode steps 1.12x (8 rows, 300 + 300), 1.26x (600 + 300), 1.06x (300 + 600), 1.77x (32 rows, 600 + 300); same outputs
+both sides.
 On a GPU (one H200, ``--device cuda --repeats 1 --long-problem-words 0`` via ``bash benchmarks/gpu.sh``, commit
 d41e7e5): toy 0.98 (0.57 s), real 1.17 (11.72 -> 10.05 s, of which prefill 0.03 s each side: the tiny model
 decodes launch-bound at ~9 ms a step, so the difference is decoding, not the prefix); the two sides' outputs
