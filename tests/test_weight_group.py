@@ -196,6 +196,42 @@ def test_rank_0_chooses_one_backend_for_every_member():
         join("127.0.0.1", 1, 1, 2, "x", device="cpu", backend="nccl", store=object())
 
 
+
+@pytest.mark.parametrize("user", [None, "1"])
+def test_an_nccl_group_raises_on_errors_and_closes_by_abort(monkeypatch, user):
+    """torch's default ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (3) ends the process on a failed or timed-out
+    collective: the run's orchestrator or a server would die of one failed version. The weight group's
+    ``ProcessGroupNCCL`` is built with 2 (abort and raise) unless the user set a value, which stays; the
+    variable is as it was after. Closing aborts (``shutdown`` waits for kernels a dead member never ends).
+    (No GPU here: a stand-in for the NCCL class records what torch's constructor would read.)"""
+    import torch.distributed as dist
+
+    seen, ended = [], []
+
+    class FakeNCCL:
+        class Options:
+            pass
+
+        def __init__(self, store, rank, world, opts):
+            seen.append(os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"))
+
+        def abort(self):
+            ended.append("abort")
+
+        def shutdown(self):
+            ended.append("shutdown")
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    if user is None:
+        monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", user)
+    g = join("127.0.0.1", 1, 0, 2, "x", device="cuda:0", backend="nccl", store=dist.HashStore())
+    assert seen == [user or "2"] and os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == user
+    g.close()
+    assert ended == ["abort"]
+
 @pytest.mark.parametrize("checked", [True, False], ids=["found-before", "mid-collective"])
 def test_a_member_gone_since_the_last_version_costs_no_group_timeout(tiny_moe_dir, tmp_path, monkeypatch, checked):
     """Servers by URL, weights by broadcast with a 300 s group timeout. One is killed between two

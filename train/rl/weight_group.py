@@ -18,7 +18,9 @@ durable record (resume, servers that restart and catch up) and the fallback when
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import os
 import threading
 from dataclasses import dataclass
 
@@ -128,10 +130,12 @@ class Group:
         self.pg.broadcast([t], opts).wait()
 
     def close(self) -> None:
-        shutdown = getattr(self.pg, "shutdown", None)
-        if shutdown is not None:
+        # NCCL: abort, not shutdown, which waits for the communicator's kernels to finish: a member that died
+        # mid-transfer never lets them (nothing needs flushing: every close comes after a version ended)
+        end = getattr(self.pg, "abort" if self.device.type == "cuda" else "shutdown", None)
+        if end is not None:
             try:
-                shutdown()
+                end()
             except Exception:  # noqa: BLE001 - a broken group is dropped either way
                 pass
 
@@ -170,6 +174,28 @@ def choose_backend(own: str, members: list) -> str:
     return "gloo"
 
 
+ASYNC_ERRORS = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+_env_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def nccl_errors_raise():
+    """Around a weight group's ``ProcessGroupNCCL`` construction, which reads ``TORCH_NCCL_ASYNC_ERROR_HANDLING``:
+    2 (abort the communicator; the next operation raises) instead of torch's default 3, whose watchdog ends the
+    process when a collective fails or times out. A failed version is one that goes by files (rank 0, the run's
+    orchestrator) or is refused (a server, which goes on serving): neither process should die of it. A value the
+    user set stays; the variable is restored after (a process's other groups keep torch's default)."""
+    with _env_lock:
+        before = os.environ.get(ASYNC_ERRORS)
+        if before is None:
+            os.environ[ASYNC_ERRORS] = "2"
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(ASYNC_ERRORS, None)
+
+
 def join(host: str, port: int, rank: int, world_size: int, name: str, device="cpu", store=None,
          timeout_s: float = 300.0, backend: str | None = None) -> Group:
     """Become ``rank`` of the weight group ``name`` (rank 0 passes the ``TCPStore`` it opened; the
@@ -192,7 +218,8 @@ def join(host: str, port: int, rank: int, world_size: int, name: str, device="cp
         torch.cuda.set_device(device)
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout  # as torch's own init does (NCCL's default is 10 minutes)
-        pg = dist.ProcessGroupNCCL(prefixed, int(rank), int(world_size), opts)
+        with nccl_errors_raise():
+            pg = dist.ProcessGroupNCCL(prefixed, int(rank), int(world_size), opts)
     else:
         pg = dist.ProcessGroupGloo(prefixed, int(rank), int(world_size), timeout)
     return Group(pg, int(rank), int(world_size), device)
