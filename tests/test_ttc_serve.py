@@ -90,8 +90,12 @@ def test_chat_and_tokenize(server):
 
 
 def test_bad_requests(server):
-    _, url = server
+    eng, url = server
+    ctx = eng.context_length
     for path, body, msg in [
+        ("/v1/completions", {"prompt": "x", "max_tokens": ctx + 1}, f"max_model_len={ctx}"),  # as vLLM
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": ctx + 1},
+         f"max_completion_tokens={ctx + 1} cannot be greater"),
         ("/v1/completions", {"prompt": 5}, "prompt must be"),
         ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
         ("/v1/completions", {"prompt": "x", "n": "many"}, "n must be"),

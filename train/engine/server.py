@@ -20,7 +20,8 @@ that the server at a URL was restarted between two of its requests (and lost its
 For OpenAI clients: ``"stream": true`` answers server-sent events (``text_completion`` /
 ``chat.completion.chunk`` chunks, ``stream_options.include_usage``, then ``[DONE]``); the engine
 generates the whole completion first and the events carry it piece by piece. Chat without
-``max_tokens`` may use the rest of the context (as vLLM); chat content may be a list of text parts;
+``max_tokens`` may use the rest of the context (as vLLM); a ``max_tokens`` past the room the prompt leaves is
+cut to it, one above ``max_model_len`` itself is a 400 (as vLLM); chat content may be a list of text parts;
 ``logprobs: k`` (completions) and ``top_logprobs: k`` (chat) return the k most likely tokens per
 position (one teacher-forced forward pass); a model name not served answers 404. As in vLLM, the text
 leaves out the special tokens a model emits mid-text unless the request sets ``"skip_special_tokens":
@@ -248,7 +249,7 @@ def _whole(v) -> int:
     return int(v)
 
 
-def _params(body: dict, default_max: int = 16) -> SamplingParams:
+def _params(body: dict, default_max: int = 16, context: int | None = None) -> SamplingParams:
     def get(name, default, cast):
         v = body.get(name)
         if v is None:
@@ -267,6 +268,9 @@ def _params(body: dict, default_max: int = 16) -> SamplingParams:
         stop = [stop]
     top_k = get("top_k", 0, _whole)
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    if context is not None and get(name, 0, _whole) > context:  # as vLLM (otherwise capped to the room left)
+        raise BadRequest(f"{name}={body[name]} cannot be greater than max_model_len={context}. "
+                         "Please request fewer output tokens.")
     try:
         return SamplingParams(n=get("n", 1, _whole), temperature=get("temperature", 1.0, float),
                               top_p=get("top_p", 1.0, float), top_k=top_k, min_p=get("min_p", 0.0, float),
@@ -390,7 +394,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def completions(self, body: dict) -> dict:
         self._model_check(body)
-        params = _params(body)
+        params = _params(body, context=self.server.engine.context_length)
         routed = bool(body.get("return_routed_experts", False))
         fmt = body.get("routed_experts_format", "list")
         if fmt not in ("list", "base64"):
@@ -455,7 +459,7 @@ class Handler(BaseHTTPRequestHandler):
         room = eng.context_length - len(ids)
         if room < 1:
             raise BadRequest(f"the messages take {len(ids)} tokens; the model's context limit is {eng.context_length}")
-        params = _params(body, default_max=room)  # like vLLM: no max_tokens means the rest of the context
+        params = _params(body, default_max=room, context=eng.context_length)  # like vLLM: no max_tokens means the rest of the context
         top_k = _int_field(body, "top_logprobs") if body.get("logprobs") else 0
         skip = _skips(body)
         prompt_ids, outs = self._generate([ids], params)
