@@ -44,6 +44,7 @@ class FakeAPI(ThreadingHTTPServer):
         self.in_flight = self.peak = 0
         self.completions = self.errors = 0
         self.arrivals: list[float] = []  # time.monotonic() of every POST
+        self.bodies: list[dict] = []  # every POST's body
         self.poison = "POISON"
         self.eos = tokenizer.eos_token_id
         self.thread = threading.Thread(target=self.serve_forever, daemon=True)
@@ -112,6 +113,7 @@ class _Handler(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
         with s.lock:
             s.arrivals.append(time.monotonic())
+            s.bodies.append(body)
             s.in_flight += 1
             s.peak = max(s.peak, s.in_flight)
             r = s.rng.random()
@@ -383,6 +385,28 @@ def test_dataset_columns_and_the_chat_backend(tmp_path, capsys, tok, tiny_dense_
         assert recs[-1]["round_accuracy"] is not None and recs[-1]["usage"]["requests"] >= 2
         rc, _, err = _cli(capsys, args + ["--column", "problem=nope"])
         assert rc == 2 and "problem=nope" in err
+    finally:
+        srv.stop()
+
+
+def test_the_chat_backend_sends_the_same_sampling_fields(tok):
+    """Stop strings and ids, ``ignore_eos``, ``top_k``, ``min_p`` and the seed reach the server by chat as by
+    completions (the chat backend once dropped the stops and ``ignore_eos``)."""
+    from train.engine import SamplingParams
+    from ttc.backends import ChatBackend, OpenAIBackend
+
+    srv = FakeAPI(tok)
+    try:
+        sp = SamplingParams(n=2, max_tokens=8, top_k=5, min_p=0.1, stop=["\n\n"], stop_token_ids=[3],
+                            ignore_eos=True)
+        for cls in (OpenAIBackend, ChatBackend):
+            be = cls(srv.url, model="m1", tokenizer=tok, retries=0)
+            be.generate([[5, 6, 7]], sp, seeds=[11])
+            be.close()
+        sent = [{k: b[k] for k in b if k not in ("prompt", "messages")} for b in srv.bodies]
+        fields = {"n": 2, "max_tokens": 8, "temperature": 1.0, "top_p": 1.0, "seed": 11, "top_k": 5, "min_p": 0.1,
+                  "stop": ["\n\n"], "stop_token_ids": [3], "ignore_eos": True}
+        assert all(b.items() >= fields.items() for b in sent), sent
     finally:
         srv.stop()
 

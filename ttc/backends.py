@@ -517,22 +517,8 @@ class OpenAIBackend:
 
     # generation
     def request_body(self, prompt, params: SamplingParams, seed: int | None) -> dict:
-        body = {"model": self.model, "prompt": prompt, "n": params.n, "max_tokens": params.max_tokens,
-                "temperature": params.temperature, "top_p": params.top_p, "logprobs": 0,
-                "return_tokens_as_token_ids": True, "return_token_ids": True, **ENGINE_TEXT}  # as a local engine's
-        if seed is not None:
-            body["seed"] = int(seed)
-        if params.top_k:
-            body["top_k"] = params.top_k
-        if params.min_p:
-            body["min_p"] = params.min_p
-        if params.stop:
-            body["stop"] = list(params.stop)
-        if params.stop_token_ids:
-            body["stop_token_ids"] = list(params.stop_token_ids)
-        if params.ignore_eos:
-            body["ignore_eos"] = True
-        return body
+        return {"model": self.model, "prompt": prompt, "logprobs": 0, "return_tokens_as_token_ids": True,
+                "return_token_ids": True, **ENGINE_TEXT, **_sampling_fields(params, seed)}  # as a local engine's
 
     def _post(self, prompt, params: SamplingParams, seed) -> tuple[list[dict], dict]:
         """One request: (choices sorted by index, usage)."""
@@ -594,6 +580,24 @@ class OpenAIBackend:
 
 
 
+def _sampling_fields(params: SamplingParams, seed: int | None) -> dict:
+    """A request's sampling fields (completions and chat alike), the optional ones only when set."""
+    body = {"n": params.n, "max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p}
+    if seed is not None:
+        body["seed"] = int(seed)
+    if params.top_k:
+        body["top_k"] = params.top_k
+    if params.min_p:
+        body["min_p"] = params.min_p
+    if params.stop:
+        body["stop"] = list(params.stop)
+    if params.stop_token_ids:
+        body["stop_token_ids"] = list(params.stop_token_ids)
+    if params.ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
 ASSISTANT_MARK = "\n\u2063RSA-ASSISTANT\u2063\n"
 
 
@@ -620,17 +624,10 @@ class ChatBackend(OpenAIBackend):
         user, _, prefix = text.partition(ASSISTANT_MARK.strip("\n"))
         user, prefix = user.rstrip("\n"), prefix.lstrip("\n")
         msgs = [{"role": "user", "content": user}]
-        body = {"model": self.model, "messages": msgs, "n": params.n, "max_tokens": params.max_tokens,
-                "temperature": params.temperature, "top_p": params.top_p}
+        body = {"model": self.model, "messages": msgs, **_sampling_fields(params, seed)}
         if prefix:
             msgs.append({"role": "assistant", "content": prefix})
             body.update(continue_final_message=True, add_generation_prompt=False)
-        if seed is not None:
-            body["seed"] = int(seed)
-        if params.top_k:
-            body["top_k"] = params.top_k
-        if params.min_p:
-            body["min_p"] = params.min_p
         r = self._call("POST", "/v1/chat/completions", body)
         choices = []
         for ch in sorted(r.get("choices", []), key=lambda c: c.get("index", 0)):
