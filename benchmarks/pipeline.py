@@ -83,7 +83,9 @@ environment), 3 runs: 0.92, 0.80, 0.77 (median 0.80, min 0.77; async 1.94-2.04 s
 busy 99.4%; max_lag_seen 2. At f4356a2 (the engine asks for the special tokens in the text, which the server then
 takes as the engine decoded it), 3 runs: 0.83, 0.87, 0.83 (median 0.83, min 0.83; async 2.10-2.13 steps/s, sync
 2.45-2.56); the trainer busy 99.2-99.5%; max_lag_seen 2. At 0fb5ec6 (the same requests), 2 runs: 0.82, 0.87 (async
-2.00-2.02, sync 2.33-2.45); the trainer busy 99.4-99.5%; max_lag_seen 2.
+2.00-2.02, sync 2.33-2.45); the trainer busy 99.4-99.5%; max_lag_seen 2. At 57116df (2026-12-05, later: the server
+refuses a ``max_tokens`` above its context, one comparison per request), 3 runs: 0.81, 0.80, 0.79 (median 0.80, min
+0.79; async 1.93-2.02, sync 2.44-2.49); the trainer busy 99.3%; max_lag_seen 2.
 
 With ``overlap_ceiling_lending`` (commit 8dc7021 plus this field, added in 1ff29ba; runs one after
 another): default setting, async speedup 1.14, 0.88, 1.16 against a lending ceiling of 1.26, 1.12, 1.28 (any mix 1.51, 1.19,

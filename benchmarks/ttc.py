@@ -63,6 +63,10 @@ interleaved, 337275f's server and backend (before that change) 1.73, ``_short`` 
 same results both ways. With one thread the goal of 2x is met in some sessions and not in others.
 The same run at 0fb5ec6 (above): ``concurrency_speedup`` 1.81 (4.28 -> 2.37 s), ``_short`` 1.65, ``local`` 1.77; at torch's
 default two threads 2.66 (3.72 -> 1.40 s), ``local_concurrency_speedup_default_threads`` 2.78; same results both ways.
+Re-run at 57116df (2026-12-05, later: the server refuses a ``max_tokens`` above its context, as vLLM 0.32 does),
+``--skip-prefix --skip-steps``, one run: ``concurrency_speedup`` 1.88 (4.41 -> 2.35 s), ``_short`` 1.71, ``local`` 1.84;
+at torch's default two threads 2.78 (3.96 -> 1.42 s), ``local_concurrency_speedup_default_threads`` 2.78; same results
+both ways.
 
 Measured on this project's 2-core CPU (2026-12-02, defaults, tiny-moe, 1 thread, quiet machine, commit
 e6feb3e, three runs): ``concurrency_speedup`` 2.17, 2.21, 2.13 (one problem at a time 3.73-3.80 s, 64 in
