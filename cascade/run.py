@@ -282,7 +282,8 @@ def main(argv: list[str]) -> int:
                 if not cfg.model and prev is None and index > 0:  # e.g. `stage=math` alone in a new directory
                     console.print(f"note: stage {name} starts from a fresh {cfg.model_preset} policy (no model= and "
                                   f"no earlier stage finished in {out}); to start from a trained one pass model=PATH, "
-                                  f"e.g. an earlier run's stages/0-{all_names[0]}/final", highlight=False, soft_wrap=True)
+                                  f"e.g. an earlier run's stages/0-{all_names[0]}/final",
+                                  highlight=False, soft_wrap=True)
                 runner = StageRunner(name, index, cfg.stages[name], cfg, out, records, progress)
                 final = runner.run(src)
                 summary.append(json.loads((final / "run_state.json").read_text()))

@@ -459,7 +459,8 @@ class Handler(BaseHTTPRequestHandler):
         room = eng.context_length - len(ids)
         if room < 1:
             raise BadRequest(f"the messages take {len(ids)} tokens; the model's context limit is {eng.context_length}")
-        params = _params(body, default_max=room, context=eng.context_length)  # like vLLM: no max_tokens means the rest of the context
+        # like vLLM: no max_tokens means the rest of the context
+        params = _params(body, default_max=room, context=eng.context_length)
         top_k = _int_field(body, "top_logprobs") if body.get("logprobs") else 0
         skip = _skips(body)
         prompt_ids, outs = self._generate([ids], params)
