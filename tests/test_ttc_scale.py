@@ -142,7 +142,8 @@ class _Handler(BaseHTTPRequestHandler):
             k = min(n, s.max_choices or n)
             choices, gen = [], 0
             for j in range(k):
-                ids, text, fin = s.reply(prompt_text, int(body.get("seed", 0)), j, int(body["max_tokens"]))
+                budget = body["max_completion_tokens"] if chat else body["max_tokens"]  # as OpenAI's current API
+                ids, text, fin = s.reply(prompt_text, int(body.get("seed", 0)), j, int(budget))
                 gen += len(ids)
                 ch = {"index": j, "finish_reason": fin}
                 if chat:
@@ -391,7 +392,8 @@ def test_dataset_columns_and_the_chat_backend(tmp_path, capsys, tok, tiny_dense_
 
 def test_the_chat_backend_sends_the_same_sampling_fields(tok):
     """Stop strings and ids, ``ignore_eos``, ``top_k``, ``min_p`` and the seed reach the server by chat as by
-    completions (the chat backend once dropped the stops and ``ignore_eos``)."""
+    completions (the chat backend once dropped the stops and ``ignore_eos``); the length budget goes by chat as
+    ``max_completion_tokens`` (OpenAI's reasoning models refuse ``max_tokens``; vLLM and SGLang take either)."""
     from train.engine import SamplingParams
     from ttc.backends import ChatBackend, OpenAIBackend
 
@@ -404,9 +406,10 @@ def test_the_chat_backend_sends_the_same_sampling_fields(tok):
             be.generate([[5, 6, 7]], sp, seeds=[11])
             be.close()
         sent = [{k: b[k] for k in b if k not in ("prompt", "messages")} for b in srv.bodies]
-        fields = {"n": 2, "max_tokens": 8, "temperature": 1.0, "top_p": 1.0, "seed": 11, "top_k": 5, "min_p": 0.1,
+        fields = {"n": 2, "temperature": 1.0, "top_p": 1.0, "seed": 11, "top_k": 5, "min_p": 0.1,
                   "stop": ["\n\n"], "stop_token_ids": [3], "ignore_eos": True}
-        assert all(b.items() >= fields.items() for b in sent), sent
+        assert len(sent) == 2 and all(b.items() >= fields.items() for b in sent), sent
+        assert sent[0]["max_tokens"] == 8 and sent[1]["max_completion_tokens"] == 8 and "max_tokens" not in sent[1]
     finally:
         srv.stop()
 

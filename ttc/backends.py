@@ -580,9 +580,11 @@ class OpenAIBackend:
 
 
 
-def _sampling_fields(params: SamplingParams, seed: int | None) -> dict:
-    """A request's sampling fields (completions and chat alike), the optional ones only when set."""
-    body = {"n": params.n, "max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p}
+def _sampling_fields(params: SamplingParams, seed: int | None, budget: str = "max_tokens") -> dict:
+    """A request's sampling fields (completions and chat alike), the optional ones only when set; ``budget``
+    names the length field (chat: ``max_completion_tokens``, which OpenAI's reasoning models require and vLLM
+    and SGLang take)."""
+    body = {"n": params.n, budget: params.max_tokens, "temperature": params.temperature, "top_p": params.top_p}
     if seed is not None:
         body["seed"] = int(seed)
     if params.top_k:
@@ -624,7 +626,7 @@ class ChatBackend(OpenAIBackend):
         user, _, prefix = text.partition(ASSISTANT_MARK.strip("\n"))
         user, prefix = user.rstrip("\n"), prefix.lstrip("\n")
         msgs = [{"role": "user", "content": user}]
-        body = {"model": self.model, "messages": msgs, **_sampling_fields(params, seed)}
+        body = {"model": self.model, "messages": msgs, **_sampling_fields(params, seed, "max_completion_tokens")}
         if prefix:
             msgs.append({"role": "assistant", "content": prefix})
             body.update(continue_final_message=True, add_generation_prompt=False)
