@@ -89,6 +89,32 @@ def test_chat_and_tokenize(server):
     assert chat["usage"]["prompt_tokens"] == len(ids)
 
 
+def test_ttc_chat_backend_against_this_server(server):
+    """``ttc solve --api chat`` against this server: a fresh prompt is the user's message, a continued one
+    (after ``ASSISTANT_MARK``) a final assistant message to go on from; both sample what the engine samples
+    from the chat template's ids with the request's seed, within the budget (``max_completion_tokens``)."""
+    from ttc.backends import ASSISTANT_MARK, ChatBackend
+
+    eng, url = server
+    tok = eng.tokenizer
+    be = ChatBackend(url, model="tiny", tokenizer=tok, api_key="k3y", retries=0)
+    try:
+        msgs = [{"role": "user", "content": "Sort 3 1 2."}]
+        fresh = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        text = tok.apply_chat_template(msgs + [{"role": "assistant", "content": "1 2"}], tokenize=False,
+                                       continue_final_message=True)
+        cont = tok.encode(text, add_special_tokens=False)
+        usage: dict = {}
+        outs = be.generate(["Sort 3 1 2.", "Sort 3 1 2." + ASSISTANT_MARK + "1 2"],
+                           SamplingParams(max_tokens=6, temperature=1.0), seeds=[2, 5], usage=usage)
+        for ids, seed, out in zip([fresh, cont], [2, 5], outs):
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            assert out.text == eng.generate([ids], SamplingParams(max_tokens=6, seed=seed))[0].text
+        assert 0 < usage["completion_tokens"] <= 12 and usage["requests"] == 2
+    finally:
+        be.close()
+
+
 def test_bad_requests(server):
     eng, url = server
     ctx = eng.context_length
