@@ -196,7 +196,6 @@ def test_rank_0_chooses_one_backend_for_every_member():
         join("127.0.0.1", 1, 1, 2, "x", device="cpu", backend="nccl", store=object())
 
 
-
 @pytest.mark.parametrize("user", [None, "1"])
 def test_an_nccl_group_raises_on_errors_and_closes_by_abort(monkeypatch, user):
     """torch's default ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (3) ends the process on a failed or timed-out
@@ -231,6 +230,7 @@ def test_an_nccl_group_raises_on_errors_and_closes_by_abort(monkeypatch, user):
     assert seen == [user or "2"] and os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == user
     g.close()
     assert ended == ["abort"]
+
 
 @pytest.mark.parametrize("checked", [True, False], ids=["found-before", "mid-collective"])
 def test_a_member_gone_since_the_last_version_costs_no_group_timeout(tiny_moe_dir, tmp_path, monkeypatch, checked):
