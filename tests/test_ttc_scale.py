@@ -393,7 +393,8 @@ def test_dataset_columns_and_the_chat_backend(tmp_path, capsys, tok, tiny_dense_
 def test_the_chat_backend_sends_the_same_sampling_fields(tok):
     """Stop strings and ids, ``ignore_eos``, ``top_k``, ``min_p`` and the seed reach the server by chat as by
     completions (the chat backend once dropped the stops and ``ignore_eos``); the length budget goes by chat as
-    ``max_completion_tokens`` (OpenAI's reasoning models refuse ``max_tokens``; vLLM and SGLang take either)."""
+    ``max_completion_tokens`` (OpenAI's reasoning models refuse ``max_tokens``; vLLM and SGLang take either);
+    completions name top_k, min_p and the penalties even when off."""
     from train.engine import SamplingParams
     from ttc.backends import ChatBackend, OpenAIBackend
 
@@ -410,6 +411,16 @@ def test_the_chat_backend_sends_the_same_sampling_fields(tok):
                   "stop": ["\n\n"], "stop_token_ids": [3], "ignore_eos": True}
         assert len(sent) == 2 and all(b.items() >= fields.items() for b in sent), sent
         assert sent[0]["max_tokens"] == 8 and sent[1]["max_completion_tokens"] == 8 and "max_tokens" not in sent[1]
+        # unset, completions still name them (a vLLM server fills a field left out from the model's
+        # generation_config.json, not with the engine's off); chat, for any API, leaves them out
+        for cls in (OpenAIBackend, ChatBackend):
+            be = cls(srv.url, model="m1", tokenizer=tok, retries=0)
+            be.generate([[5, 6, 7]], SamplingParams(max_tokens=8), seeds=[11])
+            be.close()
+        plain, chat = srv.bodies[-2:]
+        neutral = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                   "frequency_penalty": 0.0}
+        assert plain.items() >= neutral.items() and not set(neutral) & set(chat), (plain, chat)
     finally:
         srv.stop()
 

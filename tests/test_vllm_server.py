@@ -60,6 +60,12 @@ def server(tmp_path_factory):
     with torch.no_grad():
         model.lm_head.weight.mul_(3.0)  # well separated greedy choices
     save_pretrained(model, ckpt, tokenizer=tok)
+    # sampling defaults that vLLM's server applies to any field a request leaves out: the rollouts' client
+    # names every one, so the tests below (greedy tokens, untruncated log-probs) see the engine's sampling
+    gen = ckpt / "generation_config.json"
+    cfg = json.loads(gen.read_text()) if gen.exists() else {}
+    gen.write_text(json.dumps({**cfg, "repetition_penalty": 1.5, "presence_penalty": 0.5, "frequency_penalty": 0.5,
+                               "top_k": 3, "top_p": 0.5, "min_p": 0.2, "temperature": 0.3}))
     exchange = tmp_path_factory.mktemp("run") / "exchange"
     exchange.mkdir()
     logs = tmp_path_factory.mktemp("logs")

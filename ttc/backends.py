@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Protocol, Sequence, runtime_checkable
 
-from train.engine.base import ENGINE_TEXT, Completion, SamplingParams
+from train.engine.base import ENGINE_TEXT, NO_PENALTIES, Completion, SamplingParams
 from ttc.rsa import derive_seed
 
 SENTINEL = "\u2063RSA-CONTENT\u2063"
@@ -517,8 +517,11 @@ class OpenAIBackend:
 
     # generation
     def request_body(self, prompt, params: SamplingParams, seed: int | None) -> dict:
+        # as a local engine samples and decodes: every sampling field named (a vLLM server fills those left out
+        # from the model's generation_config.json); top_k -1 for off, as vLLM and SGLang spell it
         return {"model": self.model, "prompt": prompt, "logprobs": 0, "return_tokens_as_token_ids": True,
-                "return_token_ids": True, **ENGINE_TEXT, **_sampling_fields(params, seed)}  # as a local engine's
+                "return_token_ids": True, **ENGINE_TEXT, **NO_PENALTIES, "top_k": params.top_k or -1,
+                "min_p": params.min_p, **_sampling_fields(params, seed)}
 
     def _post(self, prompt, params: SamplingParams, seed) -> tuple[list[dict], dict]:
         """One request: (choices sorted by index, usage)."""

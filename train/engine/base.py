@@ -14,6 +14,10 @@ MIN_TEMPERATURE = 1e-5  # vLLM's sampling epsilon: the smallest temperature that
 # them (vLLM's sampling settings and its servers' request fields by these names; a server left to its default
 # drops special tokens, a </think> too where the tokenizer marks it special, and the verifiers would not find it)
 ENGINE_TEXT = {"skip_special_tokens": False, "spaces_between_special_tokens": False}
+# the engines' sampling has no penalties; vLLM's server fills a field a request leaves out from the model's
+# generation_config.json before its own defaults (Qwen2.5-Instruct's repetition_penalty 1.05, Qwen3's top_k 20):
+# requests for the engines' sampling name these, with top_k and min_p
+NO_PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
 @dataclass

@@ -47,7 +47,7 @@ import time
 import urllib.parse
 from typing import Callable, Sequence
 
-from train.engine.base import ENGINE_TEXT, Completion, SamplingParams, check_prompts
+from train.engine.base import ENGINE_TEXT, NO_PENALTIES, Completion, SamplingParams, check_prompts
 from train.engine.sampling import row_seed
 from train.errors import RunFailure
 
@@ -310,7 +310,7 @@ class RemoteEngine:
                 "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                 "min_p": params.min_p, "stop": list(params.stop), "stop_token_ids": list(params.stop_token_ids),
                 "ignore_eos": params.ignore_eos, "logprobs": 0, "return_tokens_as_token_ids": True,
-                "return_token_ids": True, **ENGINE_TEXT}
+                "return_token_ids": True, **ENGINE_TEXT, **NO_PENALTIES}
         # logprobs 0: the sampled tokens' only (no top alternatives, which cost Cascade's server a teacher-forced
         # forward per choice); vLLM: token_ids, prompt_token_ids; the text as the in-process engines decode it
         if return_routed_experts:
