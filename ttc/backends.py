@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Protocol, Sequence, runtime_checkable
 
-from train.engine.base import ENGINE_TEXT, NO_PENALTIES, Completion, SamplingParams
+from train.engine.base import Completion, SamplingParams, completion_request
 from ttc.rsa import derive_seed
 
 SENTINEL = "\u2063RSA-CONTENT\u2063"
@@ -517,11 +517,10 @@ class OpenAIBackend:
 
     # generation
     def request_body(self, prompt, params: SamplingParams, seed: int | None) -> dict:
-        # as a local engine samples and decodes: every sampling field named (a vLLM server fills those left out
-        # from the model's generation_config.json); top_k -1 for off, as vLLM and SGLang spell it
-        return {"model": self.model, "prompt": prompt, "logprobs": 0, "return_tokens_as_token_ids": True,
-                "return_token_ids": True, **ENGINE_TEXT, **NO_PENALTIES, "top_k": params.top_k or -1,
-                "min_p": params.min_p, **_sampling_fields(params, seed)}
+        body = {"model": self.model, "prompt": prompt, **completion_request(params)}  # as a local engine's
+        if seed is not None:
+            body["seed"] = int(seed)
+        return body
 
     def _post(self, prompt, params: SamplingParams, seed) -> tuple[list[dict], dict]:
         """One request: (choices sorted by index, usage)."""
@@ -583,11 +582,11 @@ class OpenAIBackend:
 
 
 
-def _sampling_fields(params: SamplingParams, seed: int | None, budget: str = "max_tokens") -> dict:
-    """A request's sampling fields (completions and chat alike), the optional ones only when set; ``budget``
-    names the length field (chat: ``max_completion_tokens``, which OpenAI's reasoning models require and vLLM
-    and SGLang take)."""
-    body = {"n": params.n, budget: params.max_tokens, "temperature": params.temperature, "top_p": params.top_p}
+def _chat_fields(params: SamplingParams, seed: int | None) -> dict:
+    """A chat request's sampling fields, for any API: the optional ones only when set, the budget as
+    ``max_completion_tokens`` (which OpenAI's reasoning models require and vLLM and SGLang take)."""
+    body = {"n": params.n, "max_completion_tokens": params.max_tokens, "temperature": params.temperature,
+            "top_p": params.top_p}
     if seed is not None:
         body["seed"] = int(seed)
     if params.top_k:
@@ -629,7 +628,7 @@ class ChatBackend(OpenAIBackend):
         user, _, prefix = text.partition(ASSISTANT_MARK.strip("\n"))
         user, prefix = user.rstrip("\n"), prefix.lstrip("\n")
         msgs = [{"role": "user", "content": user}]
-        body = {"model": self.model, "messages": msgs, **_sampling_fields(params, seed, "max_completion_tokens")}
+        body = {"model": self.model, "messages": msgs, **_chat_fields(params, seed)}
         if prefix:
             msgs.append({"role": "assistant", "content": prefix})
             body.update(continue_final_message=True, add_generation_prompt=False)

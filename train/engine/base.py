@@ -14,10 +14,6 @@ MIN_TEMPERATURE = 1e-5  # vLLM's sampling epsilon: the smallest temperature that
 # them (vLLM's sampling settings and its servers' request fields by these names; a server left to its default
 # drops special tokens, a </think> too where the tokenizer marks it special, and the verifiers would not find it)
 ENGINE_TEXT = {"skip_special_tokens": False, "spaces_between_special_tokens": False}
-# the engines' sampling has no penalties; vLLM's server fills a field a request leaves out from the model's
-# generation_config.json before its own defaults (Qwen2.5-Instruct's repetition_penalty 1.05, Qwen3's top_k 20):
-# requests for the engines' sampling name these, with top_k and min_p
-NO_PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
 @dataclass
@@ -102,3 +98,17 @@ class Engine(Protocol):
     def load_weights(self, state_dict) -> None: ...
 
     def close(self) -> None: ...
+
+
+def completion_request(params: SamplingParams) -> dict:
+    """The fields of an OpenAI-style ``/v1/completions`` body that samples and decodes as the engines do (the
+    model, the prompt, the seed and a per-prompt ``max_tokens`` are the caller's): every sampling field named, as
+    a vLLM server fills one left out from the model's generation_config.json (Qwen2.5-Instruct's
+    repetition_penalty 1.05, Qwen3's top_k 20), with top_k -1 for off as vLLM and SGLang spell it and no
+    penalties; the sampled tokens' log-probs only (no top alternatives, which cost Cascade's server a
+    teacher-forced forward per choice), their ids, and the text as the engines decode it (:data:`ENGINE_TEXT`)."""
+    return {"n": params.n, "max_tokens": params.max_tokens, "temperature": params.temperature,
+            "top_p": params.top_p, "top_k": params.top_k or -1, "min_p": params.min_p, "stop": list(params.stop),
+            "stop_token_ids": list(params.stop_token_ids), "ignore_eos": params.ignore_eos,
+            "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+            "logprobs": 0, "return_tokens_as_token_ids": True, "return_token_ids": True, **ENGINE_TEXT}

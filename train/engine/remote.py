@@ -47,7 +47,7 @@ import time
 import urllib.parse
 from typing import Callable, Sequence
 
-from train.engine.base import ENGINE_TEXT, NO_PENALTIES, Completion, SamplingParams, check_prompts
+from train.engine.base import Completion, SamplingParams, check_prompts, completion_request
 from train.engine.sampling import row_seed
 from train.errors import RunFailure
 
@@ -306,13 +306,7 @@ class RemoteEngine:
         if self.context_length is not None and not any(isinstance(x, str) for x in prompts):
             check_prompts(prompts, self.context_length)
             room = [min(params.max_tokens, self.context_length - len(x)) for x in prompts]
-        base = {"model": self.model, "n": params.n, "max_tokens": params.max_tokens,
-                "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-                "min_p": params.min_p, "stop": list(params.stop), "stop_token_ids": list(params.stop_token_ids),
-                "ignore_eos": params.ignore_eos, "logprobs": 0, "return_tokens_as_token_ids": True,
-                "return_token_ids": True, **ENGINE_TEXT, **NO_PENALTIES}
-        # logprobs 0: the sampled tokens' only (no top alternatives, which cost Cascade's server a teacher-forced
-        # forward per choice); vLLM: token_ids, prompt_token_ids; the text as the in-process engines decode it
+        base = {"model": self.model, **completion_request(params)}
         if return_routed_experts:
             base["return_routed_experts"] = True
             base["routed_experts_format"] = "base64"  # int16 bytes, not a JSON list of lists (Cascade's servers)
