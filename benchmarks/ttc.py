@@ -66,7 +66,13 @@ default two threads 2.66 (3.72 -> 1.40 s), ``local_concurrency_speedup_default_t
 Re-run at 57116df (2026-12-05, later: the server refuses a ``max_tokens`` above its context, as vLLM 0.32 does),
 ``--skip-prefix --skip-steps``, one run: ``concurrency_speedup`` 1.88 (4.41 -> 2.35 s), ``_short`` 1.71, ``local`` 1.84;
 at torch's default two threads 2.78 (3.96 -> 1.42 s), ``local_concurrency_speedup_default_threads`` 2.78; same results
-both ways.
+both ways. Re-run at e71ae51 (prefix parts of the full benchmark, one run; this path unchanged from 0fb5ec6 to HEAD): toy 1.51, real
+1.09 (pairs 1.07-1.11; uncached 3.68 s of which decode 3.07 s, prefill 0.59 s; cached 3.38 s, prefill 0.42 s), long 1.50
+(7.46 -> 4.98 s); shared-prefix decode steps 1.13x (8 rows, 300 + 300), 1.25x (600 + 300), 1.07x (300 + 600), 1.90x
+(32 rows, 600 + 300); same outputs both sides. At 9bbf71d (the OpenAI backend's body from ``completion_request``: every
+sampling field named), ``--skip-prefix --skip-steps``, one run: ``concurrency_speedup`` 1.80 (4.33 -> 2.40 s),
+``_short`` 1.62, ``local`` 1.95; at torch's default two threads 2.75 (3.73 -> 1.35 s), local 2.80; same results both
+ways.
 
 Measured on this project's 2-core CPU (2026-12-02, defaults, tiny-moe, 1 thread, quiet machine, commit
 e6feb3e, three runs): ``concurrency_speedup`` 2.17, 2.21, 2.13 (one problem at a time 3.73-3.80 s, 64 in
