@@ -108,6 +108,77 @@ def test_sampling_controls(engine):
     assert all(len(c.token_ids) == 5 and c.finish_reason == "length" for c in outs)
 
 
+def penalized_greedy_by_recomputation(model, prompt, steps, rep, presence, frequency):
+    """vLLM's penalties, independently: HF transformers' repetition-penalty processor over prompt + output,
+    then OpenAI's presence/frequency formula over the output's counts."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    seq, out = list(prompt), []
+    for _ in range(steps):
+        with torch.no_grad():
+            x = model(torch.tensor([seq]))[0, -1:].float()
+        x = RepetitionPenaltyLogitsProcessor(rep)(torch.tensor([seq]), x)[0]
+        counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=x.numel()).float()
+        nxt = int((x - frequency * counts - presence * (counts > 0).float()).argmax())
+        seq.append(nxt)
+        out.append(nxt)
+    return out
+
+
+def test_penalties_follow_vllm(engine):
+    """repetition/presence/frequency penalties: greedy equals an independent recomputation (and differs from
+    greedy without them); sampled rows keep the raw log-probs (before penalties) and batch invariance."""
+    prompts = _prompts(engine)
+    plain = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    changed = False
+    for kw in ({"repetition_penalty": 1.8}, {"presence_penalty": 1.5, "frequency_penalty": 1.0},
+               {"repetition_penalty": 0.7, "frequency_penalty": -0.5}):
+        outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **kw))
+        for p, c, u in zip(prompts, outs, plain):
+            want = penalized_greedy_by_recomputation(engine.model, p, 12, kw.get("repetition_penalty", 1.0),
+                                                     kw.get("presence_penalty", 0.0), kw.get("frequency_penalty", 0.0))
+            assert c.token_ids == want, kw
+            changed |= c.token_ids != u.token_ids
+            seq = torch.tensor([c.prompt_token_ids + c.token_ids])
+            with torch.no_grad():
+                ref = token_logprobs(engine.model, seq)[0, len(p) - 1:]
+            assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
+    assert changed
+    # the penalized logits themselves, every sign and kind of token (in the prompt, sampled once or twice, neither)
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from train.engine.sampling import Penalties
+
+    g = torch.Generator().manual_seed(0)
+    logits, prompt_ids = torch.randn(2, 50, generator=g) * 3, [[1, 2, 3, 40], [5, 1]]
+    out = torch.tensor([[7, 1], [7, 9], [12, 12]])  # three steps of two rows
+    for kw in ({"repetition_penalty": 1.7}, {"repetition_penalty": 0.6, "presence_penalty": -0.8},
+               {"frequency_penalty": 1.3, "presence_penalty": 0.4}):
+        sp = SamplingParams(**kw)
+        pen = Penalties(sp, prompt_ids, 50, "cpu")
+        for t in out:
+            pen.add(t)
+        for r in range(2):
+            ids = torch.tensor([prompt_ids[r] + out[:, r].tolist()])
+            want = RepetitionPenaltyLogitsProcessor(sp.repetition_penalty)(ids, logits[r:r + 1].clone())[0]
+            counts = torch.bincount(out[:, r], minlength=50).float()
+            want = want - sp.frequency_penalty * counts - sp.presence_penalty * (counts > 0).float()
+            assert torch.allclose(pen.apply(logits)[r], want), kw
+        both = pen.apply(logits)
+        pen.keep(torch.tensor([1]))  # row 0 finished: row 1 keeps its state
+        assert torch.equal(pen.apply(logits[1:]), both[1:])
+    sp = SamplingParams(n=2, temperature=0.8, max_tokens=10, seed=4, presence_penalty=1.0, repetition_penalty=1.2)
+    outs = engine.generate(prompts, sp)
+    for i, p in enumerate(prompts):  # alone (seeds derived for its index in the batch): the same rows
+        alone = TorchEngine._generate_chunk(engine, [p], i, sp, 4)
+        assert [x.token_ids for x in alone] == [x.token_ids for x in outs[2 * i:2 * i + 2]]
+    for c in outs:
+        seq = torch.tensor([c.prompt_token_ids + c.token_ids])
+        with torch.no_grad():
+            ref = token_logprobs(engine.model, seq, temperature=0.8)[0, len(c.prompt_token_ids) - 1:]
+        assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
+
+
 def test_sampler_draws_from_the_shaped_distribution():
     """The counter-based sampler follows softmax(logits / T) (after truncation) across rows and across
     steps of one row, within a chi-square bound; truncated tokens are never drawn."""

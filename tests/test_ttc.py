@@ -375,6 +375,13 @@ def test_cli_writes_results_and_resumes(tmp_path, capsys, tiny_dense_dir):
     # a resume with other settings is refused
     rc, _, err = _cli(capsys, *common, "--resume", "--seed", "4")
     assert rc == 2 and "different settings" in err
+    rc, _, err = _cli(capsys, *common, "--resume", "--presence-penalty", "0.5")
+    assert rc == 2 and "different settings" in err
+    # penalties, added after results files existed, are not in the key while off: an older file still resumes
+    from ttc.rsa import RSAConfig, config_dict
+
+    assert not {"repetition_penalty", "presence_penalty"} & set(config_dict(RSAConfig()))
+    assert config_dict(RSAConfig(presence_penalty=0.5))["presence_penalty"] == 0.5
     # a smaller --limit: the summary is of this run's problems; the other result stays in the file
     rc, stdout, err = _cli(capsys, *common, "--resume", "--limit", "1")
     assert rc == 0 and "1 result(s)" in err and json.loads(stdout.splitlines()[-1])["problems"] == 1

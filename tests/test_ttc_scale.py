@@ -391,7 +391,7 @@ def test_dataset_columns_and_the_chat_backend(tmp_path, capsys, tok, tiny_dense_
 
 
 def test_the_chat_backend_sends_the_same_sampling_fields(tok):
-    """Stop strings and ids, ``ignore_eos``, ``top_k``, ``min_p`` and the seed reach the server by chat as by
+    """Stop strings and ids, ``ignore_eos``, ``top_k``, ``min_p``, the penalties and the seed reach the server by chat as by
     completions (the chat backend once dropped the stops and ``ignore_eos``); the length budget goes by chat as
     ``max_completion_tokens`` (OpenAI's reasoning models refuse ``max_tokens``; vLLM and SGLang take either);
     completions name top_k, min_p and the penalties even when off."""
@@ -401,14 +401,15 @@ def test_the_chat_backend_sends_the_same_sampling_fields(tok):
     srv = FakeAPI(tok)
     try:
         sp = SamplingParams(n=2, max_tokens=8, top_k=5, min_p=0.1, stop=["\n\n"], stop_token_ids=[3],
-                            ignore_eos=True)
+                            ignore_eos=True, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=-0.2)
         for cls in (OpenAIBackend, ChatBackend):
             be = cls(srv.url, model="m1", tokenizer=tok, retries=0)
             be.generate([[5, 6, 7]], sp, seeds=[11])
             be.close()
         sent = [{k: b[k] for k in b if k not in ("prompt", "messages")} for b in srv.bodies]
         fields = {"n": 2, "temperature": 1.0, "top_p": 1.0, "seed": 11, "top_k": 5, "min_p": 0.1,
-                  "stop": ["\n\n"], "stop_token_ids": [3], "ignore_eos": True}
+                  "stop": ["\n\n"], "stop_token_ids": [3], "ignore_eos": True, "repetition_penalty": 1.1,
+                  "presence_penalty": 0.5, "frequency_penalty": -0.2}
         assert len(sent) == 2 and all(b.items() >= fields.items() for b in sent), sent
         assert sent[0]["max_tokens"] == 8 and sent[1]["max_completion_tokens"] == 8 and "max_tokens" not in sent[1]
         # unset, completions still name them (a vLLM server fills a field left out from the model's

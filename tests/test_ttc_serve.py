@@ -69,6 +69,12 @@ def test_completions_match_the_engine(server):
     code, g = call(url, "/v1/completions", {"prompt": ids, "max_tokens": 6, "temperature": 0})
     ref = eng.generate([ids], SamplingParams(max_tokens=6, temperature=0))[0]
     assert g["choices"][0]["token_ids"] == ref.token_ids
+    # vLLM's penalties (they were read as nothing before)
+    pen = {"repetition_penalty": 1.6, "presence_penalty": 1.0, "frequency_penalty": 0.5}
+    code, g = call(url, "/v1/completions", {"prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True, **pen})
+    ref = eng.generate([ids], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, **pen))[0]
+    assert code == 200 and g["choices"][0]["token_ids"] == ref.token_ids
+    assert ref.token_ids != eng.generate([ids], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].token_ids
 
 
 def test_chat_and_tokenize(server):
@@ -124,6 +130,8 @@ def test_bad_requests(server):
          f"max_completion_tokens={ctx + 1} cannot be greater"),
         ("/v1/completions", {"prompt": 5}, "prompt must be"),
         ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
+        ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]"),
+        ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty must be a finite number > 0"),
         ("/v1/completions", {"prompt": "x", "n": "many"}, "n must be"),
         ("/detokenize", {"tokens": "abc"}, "list of token ids"),
         ("/v1/chat/completions", {"messages": []}, "non-empty"),

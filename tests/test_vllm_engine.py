@@ -83,6 +83,25 @@ def test_greedy_equals_torch_engine(engines):
     assert [c.token_ids for c in eng.generate(TEXTS[:2], sp)] == [c.token_ids for c in got[:2]]
 
 
+def test_penalties_as_the_torch_engine(engines):
+    """vLLM's penalties through this engine equal the torch engine's: greedy, and top_k=1 at T=0.5 (the argmax
+    of (logits - penalties) / T only if the additive penalties reach vLLM divided by T), whose log-probs stay
+    the raw tempered ones; a pair vLLM cannot take at that temperature is a clear error."""
+    _, eng, ref = engines
+    prompts = _prompts(eng)
+    pen = {"repetition_penalty": 1.5, "presence_penalty": 0.6, "frequency_penalty": 0.4}
+    want = ref.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **pen))
+    plain = ref.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [c.token_ids for c in want] != [c.token_ids for c in plain]
+    for sp in (SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **pen),
+               SamplingParams(temperature=0.5, top_k=1, max_tokens=12, ignore_eos=True, seed=1, **pen)):
+        got = eng.generate(prompts, sp)
+        assert [c.token_ids for c in got] == [c.token_ids for c in want], sp
+        assert _max_logprob_error(ref.model, got, sp.temperature or 1.0) < TOL
+    with pytest.raises(ValueError, match="past vLLM's limit of 2"):
+        eng.generate(prompts, SamplingParams(temperature=0.5, presence_penalty=1.5, max_tokens=4))
+
+
 @pytest.mark.parametrize("temperature,truncation", [(1.0, {}), (0.7, {"top_p": 0.9, "top_k": 20}),
                                                     (1.3, {"min_p": 0.05})])
 def test_sampled_logprobs_are_untruncated_tempered_teacher_forcing(engines, temperature, truncation):

@@ -178,6 +178,9 @@ def test_generates_like_the_torch_engine(server, state):
     assert len(outs[0].token_ids) == 6 and outs[0].finish_reason == "length"
     with pytest.raises(ContextLengthError, match="prompt 0 has 256 tokens; the model's context limit is 256"):
         eng.generate([long_prompts[0] + long_prompts[1][:56]], GREEDY)
+    # vLLM's penalties reach the server (the rollouts' body once sent them neutral whatever was asked)
+    pen = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.5, presence_penalty=0.6)
+    assert [c.token_ids for c in eng.generate(PROMPTS, pen)] == [c.token_ids for c in ref.generate(PROMPTS, pen)]
     assert _served_version(url) == 0
     # the server process's id, in /v1/weights and every completions answer: the engine took it as admitted
     inst = _call("GET", url, "/v1/weights")[1]["instance"]

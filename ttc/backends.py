@@ -593,6 +593,12 @@ def _chat_fields(params: SamplingParams, seed: int | None) -> dict:
         body["top_k"] = params.top_k
     if params.min_p:
         body["min_p"] = params.min_p
+    if params.repetition_penalty != 1:
+        body["repetition_penalty"] = params.repetition_penalty
+    if params.presence_penalty:
+        body["presence_penalty"] = params.presence_penalty
+    if params.frequency_penalty:
+        body["frequency_penalty"] = params.frequency_penalty
     if params.stop:
         body["stop"] = list(params.stop)
     if params.stop_token_ids:

@@ -51,6 +51,12 @@ def _solve_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1: off)")
     g.add_argument("--top-k", type=int, default=0, help="top-k sampling (0: off)")
     g.add_argument("--min-p", type=float, default=0.0, help="min-p sampling (0: off)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="vLLM's: logits of tokens in the prompt or output divided (if > 0) or multiplied by it (1: off)")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtracted from the logit of each token already generated, in [-2, 2] (0: off)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtracted per occurrence of a token already generated, in [-2, 2] (0: off)")
     g.add_argument("--seed", type=int, default=0, help="seeds every subset and sample (per problem)")
     g.add_argument("--template", default="math", help="math | code | generic | PATH (YAML/JSON overrides)")
     g.add_argument("--variant", default="rsa", choices=VARIANTS,
@@ -303,7 +309,8 @@ def solve_main(argv: list[str]) -> int:
     a = _solve_parser().parse_args(argv)
     cfg = RSAConfig(population=a.population, aggregate=a.aggregate, rounds=a.rounds, budget=a.budget, tail=a.tail,
                     final_budget=a.final_budget, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                    min_p=a.min_p, seed=a.seed, variant=a.variant, anchor=a.anchor).resolved()
+                    min_p=a.min_p, repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
+                    frequency_penalty=a.frequency_penalty, seed=a.seed, variant=a.variant, anchor=a.anchor).resolved()
     from ttc.templates import load_template
 
     template = load_template(a.template)

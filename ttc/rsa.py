@@ -78,6 +78,9 @@ class RSAConfig:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's penalties (train/engine/base.py's SamplingParams)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int = 0
     variant: str = "rsa"
     anchor: int = 0           # delethink: tokens kept from the start of each chain in every later chunk
@@ -118,12 +121,13 @@ class RSAConfig:
             c.final_budget = c.budget
         if c.final_budget < 0:
             raise ValueError(f"final_budget must be >= 0, got {c.final_budget}")
-        SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, min_p=c.min_p)  # validates
+        c.sampling(1)  # validates
         return c
 
     def sampling(self, max_tokens: int, n: int = 1) -> SamplingParams:
         return SamplingParams(n=n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              min_p=self.min_p, max_tokens=max_tokens)
+                              min_p=self.min_p, max_tokens=max_tokens, repetition_penalty=self.repetition_penalty,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
 
 
 @dataclass
@@ -537,5 +541,10 @@ def run_rsa(backend, problem: str, config: RSAConfig, gold: str | None = None, t
     return MarkovianRSA(backend, config, template, grader).run(problem, gold)
 
 
+_ADDED = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}  # fields added later
+
+
 def config_dict(cfg: RSAConfig) -> dict:
-    return asdict(cfg)
+    """The config's fields, less those added later while at their defaults: a results file written before
+    they existed keeps its resume key (:func:`ttc.cli.run_key`)."""
+    return {k: v for k, v in asdict(cfg).items() if k not in _ADDED or v != _ADDED[k]}

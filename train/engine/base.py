@@ -28,6 +28,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False
+    # vLLM's (and OpenAI's) penalties, on the logits before the temperature: a token already in the prompt or the
+    # output has a positive logit divided by / a negative one multiplied by ``repetition_penalty``; one in the
+    # output loses ``frequency_penalty`` per occurrence and ``presence_penalty`` once
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self):
         if self.n < 1:
@@ -45,16 +51,25 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens < 1:
             raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):  # vLLM's and OpenAI's ranges
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"SamplingParams.repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
 
 @dataclass
 class Completion:
     """One sampled continuation. ``logprobs[i]`` is the log-probability of ``token_ids[i]``
-    under softmax(logits / temperature) (temperature 1 when greedy), before top-p/top-k/min-p
+    under softmax(logits / temperature) (temperature 1 when greedy), before penalties and top-p/top-k/min-p
     truncation: the distribution a trainer recomputes at the same temperature.
     ``finish_reason`` is ``"stop"`` (EOS, stop token or stop string) or ``"length"``.
     ``prompt_tokens`` counts the prompt's tokens (prefill)."""
@@ -104,11 +119,12 @@ def completion_request(params: SamplingParams) -> dict:
     """The fields of an OpenAI-style ``/v1/completions`` body that samples and decodes as the engines do (the
     model, the prompt, the seed and a per-prompt ``max_tokens`` are the caller's): every sampling field named, as
     a vLLM server fills one left out from the model's generation_config.json (Qwen2.5-Instruct's
-    repetition_penalty 1.05, Qwen3's top_k 20), with top_k -1 for off as vLLM and SGLang spell it and no
-    penalties; the sampled tokens' log-probs only (no top alternatives, which cost Cascade's server a
-    teacher-forced forward per choice), their ids, and the text as the engines decode it (:data:`ENGINE_TEXT`)."""
+    repetition_penalty 1.05, Qwen3's top_k 20), with top_k -1 for off as vLLM and SGLang spell it and the
+    penalties the params hold (none unless set); the sampled tokens' log-probs only (no top alternatives, which
+    cost Cascade's server a teacher-forced forward per choice), their ids, and the text as the engines decode it (:data:`ENGINE_TEXT`)."""
     return {"n": params.n, "max_tokens": params.max_tokens, "temperature": params.temperature,
             "top_p": params.top_p, "top_k": params.top_k or -1, "min_p": params.min_p, "stop": list(params.stop),
             "stop_token_ids": list(params.stop_token_ids), "ignore_eos": params.ignore_eos,
-            "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+            "repetition_penalty": params.repetition_penalty, "presence_penalty": params.presence_penalty,
+            "frequency_penalty": params.frequency_penalty,
             "logprobs": 0, "return_tokens_as_token_ids": True, "return_token_ids": True, **ENGINE_TEXT}

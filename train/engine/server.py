@@ -4,7 +4,8 @@ It belongs to the engine layer, so test-time compute (``ttc``) and RL rollouts b
 
 Endpoints: ``GET /v1/models``; ``POST /v1/completions`` (prompt as text, token ids, or a list of
 either; n, max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos,
-logprobs, skip_special_tokens, return_routed_experts); ``POST /v1/chat/completions`` (the checkpoint's chat template);
+repetition_penalty, presence_penalty, frequency_penalty (vLLM's), logprobs, skip_special_tokens,
+return_routed_experts); ``POST /v1/chat/completions`` (the checkpoint's chat template);
 ``POST /tokenize`` and ``POST /detokenize`` (vLLM-style); ``GET /v1/weights`` (the weight version
 served) and ``POST /v1/load_weights`` (see below). Each completion choice carries ``token_ids``
 besides the text, ``logprobs.token_logprobs``, ``versions`` (the weight version that sampled each
@@ -106,7 +107,7 @@ class _Job:
 
 def _batch_key(p: SamplingParams) -> tuple:
     return (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens, tuple(p.stop), tuple(p.stop_token_ids),
-            p.ignore_eos)
+            p.ignore_eos, p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
 
 
 class Batcher:
@@ -276,7 +277,10 @@ def _params(body: dict, default_max: int = 16, context: int | None = None) -> Sa
                               top_p=get("top_p", 1.0, float), top_k=top_k, min_p=get("min_p", 0.0, float),
                               max_tokens=get(name, default_max, _whole), stop=[str(s) for s in stop],
                               stop_token_ids=get("stop_token_ids", [], lambda v: [_whole(t) for t in v]),
-                              seed=get("seed", None, _whole), ignore_eos=bool(body.get("ignore_eos", False)))
+                              seed=get("seed", None, _whole), ignore_eos=bool(body.get("ignore_eos", False)),
+                              repetition_penalty=get("repetition_penalty", 1.0, float),
+                              presence_penalty=get("presence_penalty", 0.0, float),
+                              frequency_penalty=get("frequency_penalty", 0.0, float))
     except (TypeError, ValueError) as e:
         raise BadRequest(str(e)) from None
 

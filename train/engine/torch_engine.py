@@ -38,7 +38,7 @@ import torch
 
 from train.engine import native
 from train.engine.base import Completion, SamplingParams, check_prompts
-from train.engine.sampling import row_seed, sample
+from train.engine.sampling import Penalties, row_seed, sample
 from train.model.hf_io import load_into, load_pretrained
 from train.model.modeling import CausalLM, KVCache
 
@@ -321,9 +321,13 @@ class TorchEngine:
         active = list(range(rows))  # row ids still generating, aligned with the cache's batch rows
         limits = [min(max_new, self.context_length - lens[r // n]) for r in range(rows)]
         stop_window = max((len(s) for s in p.stop), default=0) + 16
+        penalties = Penalties(p, [prompts[r // n] for r in range(rows)], logits.shape[-1], dev) if p.penalized else None
         step = 0
         while active:
-            tok, lp = sample(logits, p, None if row_seeds is None else row_seeds[active], step, native=decoder is not None)
+            tok, lp = sample(logits, p, None if row_seeds is None else row_seeds[active], step, native=decoder is not None,
+                             penalties=penalties)
+            if penalties is not None:
+                penalties.add(tok)
             tok_l, lp_l = tok.tolist(), lp.tolist()
             keep = []
             for j, r in enumerate(active):
@@ -351,6 +355,8 @@ class TorchEngine:
                     break
                 sel = torch.tensor(keep, device=dev)
                 cache = cache.keep(sel)
+                if penalties is not None:
+                    penalties.keep(sel)
                 active = [active[j] for j in keep]
                 tok = tok.index_select(0, sel)
             # step boundary: weights posted by another thread are taken here

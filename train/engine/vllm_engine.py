@@ -13,6 +13,8 @@ itself through the model's logits scale (``LogitsProcessor.scale = base / T``, s
 the duration of one ``generate`` call), asks vLLM for temperature 1 and uses ``raw_logprobs``:
 vLLM then samples from truncate(softmax(logits / T)) and reports log_softmax(logits / T) of the
 sampled token, exactly the torch engine's semantics. Greedy (T = 0) reports log_softmax(logits).
+Penalties apply before the temperature in vLLM and in the torch engine; on logits already divided by T,
+the repetition penalty (a factor) is the same, and presence/frequency penalties are passed divided by T.
 A consequence: one ``generate`` call runs at one temperature, and calls are serialised by a lock.
 
 Seeds. Completion j of prompt i is its own vLLM request seeded with
@@ -266,10 +268,19 @@ class VLLMEngine:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _vllm_params(self, p: SamplingParams, seed: int | None, max_tokens: int):
+        # vLLM subtracts these from the logits the model's processor already divided by T: (l - f c) / T needs f / T
+        scale = 1.0 if p.greedy else p.temperature
+        presence, frequency = p.presence_penalty / scale, p.frequency_penalty / scale
+        if max(abs(presence), abs(frequency)) > 2:
+            raise ValueError(f"presence/frequency penalty {max(abs(p.presence_penalty), abs(p.frequency_penalty))} at "
+                             f"temperature {p.temperature}: this engine passes them to vLLM divided by the temperature, "
+                             "past vLLM's limit of 2; use a temperature of at least |penalty| / 2")
         return self._vllm.SamplingParams(
             n=1, temperature=0.0 if p.greedy else 1.0, top_p=p.top_p, top_k=p.top_k or 0, min_p=p.min_p,
             max_tokens=max_tokens, stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids) or None,
-            ignore_eos=p.ignore_eos, seed=None if p.greedy else seed, logprobs=0, **ENGINE_TEXT)
+            ignore_eos=p.ignore_eos, seed=None if p.greedy else seed, logprobs=0,
+            repetition_penalty=p.repetition_penalty, presence_penalty=presence, frequency_penalty=frequency,
+            **ENGINE_TEXT)
 
     # -- contract ---------------------------------------------------------------------------------
     @property

@@ -34,6 +34,9 @@ def generate_main(argv: list[str]) -> int:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--min-p", type=float, default=0.0)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0)
+    ap.add_argument("--presence-penalty", type=float, default=0.0)
+    ap.add_argument("--frequency-penalty", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     from train.engine import SamplingParams, TorchEngine
@@ -44,7 +47,8 @@ def generate_main(argv: list[str]) -> int:
         raise FileNotFoundError(f"{a.model!r} has no tokenizer files")
     prompts = [p if a.raw else chat_prompt_ids(eng.tokenizer, p) for p in a.prompt]
     sp = SamplingParams(n=a.n, max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                        min_p=a.min_p, seed=a.seed)
+                        min_p=a.min_p, seed=a.seed, repetition_penalty=a.repetition_penalty,
+                        presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty)
     for c in eng.generate(prompts, sp):
         print(json.dumps({"prompt": c.prompt_index, "text": c.text, "tokens": len(c.token_ids),
                           "finish_reason": c.finish_reason, "mean_logprob": sum(c.logprobs) / len(c.logprobs)}))
