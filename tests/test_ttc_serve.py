@@ -93,6 +93,15 @@ def test_chat_and_tokenize(server):
     ref = eng.generate([ids], SamplingParams(max_tokens=6, seed=2))[0]
     assert code == 200 and chat["choices"][0]["message"] == {"role": "assistant", "content": ref.text}
     assert chat["usage"]["prompt_tokens"] == len(ids)
+    # a request's own template and its variables (vLLM's chat_template / chat_template_kwargs, e.g. Qwen3's
+    # enable_thinking), for chat and tokenize alike; apply_chat_template's own arguments are not variables
+    own = {"chat_template": "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+           "chat_template_kwargs": {"greeting": "Hello! ", "tokenize": True}}
+    want = tok.encode("Hello! Sort 3 1 2.", add_special_tokens=False)
+    assert call(url, "/tokenize", {"messages": msgs, **own})[1]["tokens"] == want
+    code, chat = call(url, "/v1/chat/completions", {"messages": msgs, "max_tokens": 6, "seed": 2, **own})
+    ref = eng.generate([want], SamplingParams(max_tokens=6, seed=2))[0]
+    assert code == 200 and chat["choices"][0]["message"]["content"] == ref.text
 
 
 def test_ttc_chat_backend_against_this_server(server):
@@ -131,6 +140,14 @@ def test_bad_requests(server):
         ("/v1/completions", {"prompt": 5}, "prompt must be"),
         ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
         ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]"),
+        # what this server does not implement is refused, not ignored
+        ("/v1/completions", {"prompt": "x", "min_tokens": 5}, "min_tokens=5 is not supported"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias="),
+        ("/v1/completions", {"prompt": "x", "n": 1, "best_of": 3}, "best_of=3"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+         "tools="),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                  "response_format": {"type": "json_object"}}, "response_format="),
         ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty must be a finite number > 0"),
         ("/v1/completions", {"prompt": "x", "n": "many"}, "n must be"),
         ("/detokenize", {"tokens": "abc"}, "list of token ids"),
@@ -145,6 +162,10 @@ def test_bad_requests(server):
     ]:
         code, b = call(url, path, body)
         assert code == 400 and msg in b["error"]["message"], (path, b)
+    noops = {"min_tokens": 0, "logit_bias": {}, "use_beam_search": False, "best_of": 2, "n": 2, "tools": [],
+             "response_format": {"type": "text"}, "length_penalty": 1.0, "include_stop_str_in_output": False}
+    code, b = call(url, "/v1/completions", {"prompt": "x", "max_tokens": 2, **noops})  # at values that change nothing
+    assert code == 200 and len(b["choices"]) == 2
     code, b = call(url, "/v1/nothing", {})
     assert code == 404
     code, b = call(url, "/v1/completions", {"prompt": "x", "model": "other"})  # an unknown model: 404, as OpenAI

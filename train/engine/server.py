@@ -27,7 +27,11 @@ cut to it, one above ``max_model_len`` itself is a 400 (as vLLM); chat content m
 position (one teacher-forced forward pass); a model name not served answers 404. As in vLLM, the text
 leaves out the special tokens a model emits mid-text unless the request sets ``"skip_special_tokens":
 false`` (what Cascade's own clients do: the text then equals the engine's decode, which RL verifies). Chat also takes
-vLLM's ``continue_final_message`` (go on from a last assistant message).
+vLLM's ``continue_final_message`` (go on from a last assistant message), ``chat_template`` and
+``chat_template_kwargs`` (e.g. ``enable_thinking``; ``/tokenize`` with ``messages`` too). Fields of OpenAI's or
+vLLM's requests that would change the output and that this server does not implement (``min_tokens``,
+``logit_bias``, ``tools``, ``response_format``, beam search, structured outputs, ...: ``_UNSUPPORTED``) are
+a 400 naming the field unless absent or at a value that changes nothing.
 
 A request with ``seed`` samples prompt i exactly as ``engine.generate([prompt_i], seed=seed)``
 (every prompt of a batch request gets that seed, as in vLLM; a request without one gets a random
@@ -250,6 +254,26 @@ def _whole(v) -> int:
     return int(v)
 
 
+# fields of OpenAI's and vLLM's requests that change what is generated and that this server does not implement:
+# refused unless absent or at a value that changes nothing (never answered as if they were not there)
+_UNSUPPORTED = {"suffix": ("",), "use_beam_search": (False,), "length_penalty": (1,), "min_tokens": (0,),
+                "include_stop_str_in_output": (False,), "logit_bias": ({},), "allowed_token_ids": (),
+                "bad_words": ([],), "truncate_prompt_tokens": (), "prompt_logprobs": (), "logprob_token_ids": ([],),
+                "prompt_embeds": (), "structured_outputs": (), "guided_json": (), "guided_regex": (),
+                "guided_choice": (), "guided_grammar": (), "response_format": ({"type": "text"},),
+                "repetition_detection": (), "thinking_token_budget": (), "watermarking": (False,), "tools": ([],),
+                "documents": ([],), "reasoning_effort": (), "mm_processor_kwargs": ({},), "best_of": ()}
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for name, noop in _UNSUPPORTED.items():
+        v = body.get(name)
+        if name == "best_of":
+            noop = (body.get("n", 1),)
+        if v is not None and not any(v == x and isinstance(v, bool) == isinstance(x, bool) for x in noop):
+            raise BadRequest(f"{name}={json.dumps(v)[:60]} is not supported by this server")
+
+
 def _params(body: dict, default_max: int = 16, context: int | None = None) -> SamplingParams:
     def get(name, default, cast):
         v = body.get(name)
@@ -263,6 +287,7 @@ def _params(body: dict, default_max: int = 16, context: int | None = None) -> Sa
 
     if body.get("echo"):
         raise BadRequest("echo is not supported by this server")
+    _refuse_unsupported(body)
 
     stop = body.get("stop") or []
     if isinstance(stop, str):
@@ -440,26 +465,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def chat(self, body: dict) -> dict:
         self._model_check(body)
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise BadRequest("messages must be a non-empty list")
-        msgs = [_plain_message(m) for m in msgs]
         eng = self.server.engine
-        tok = eng.tokenizer
-        cont = bool(body.get("continue_final_message", False))
-        gen = bool(body.get("add_generation_prompt", not cont))
-        if cont and msgs[-1]["role"] != "assistant":
-            raise BadRequest("continue_final_message needs the last message to be the assistant's")
-        try:
-            if cont:  # vLLM's extension: go on from the assistant message's text (no end-of-turn after it)
-                text = tok.apply_chat_template(msgs, add_generation_prompt=False, tokenize=False,
-                                               continue_final_message=True)
-                ids = tok.encode(text, add_special_tokens=False)
-            else:
-                ids = tok.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=True)
-        except Exception as e:  # noqa: BLE001 - the template's own error, as a bad request
-            raise BadRequest(f"cannot apply the chat template: {str(e).splitlines()[0] if str(e) else e}") from None
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        ids = _chat_ids(eng.tokenizer, body.get("messages"), body)
         room = eng.context_length - len(ids)
         if room < 1:
             raise BadRequest(f"the messages take {len(ids)} tokens; the model's context limit is {eng.context_length}")
@@ -613,9 +620,7 @@ class Handler(BaseHTTPRequestHandler):
     def tokenize(self, body: dict) -> dict:
         tok = self.server.engine.tokenizer
         if "messages" in body:
-            gen = bool(body.get("add_generation_prompt", True))
-            ids = tok.apply_chat_template(body["messages"], add_generation_prompt=gen, tokenize=True)
-            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            ids = _chat_ids(tok, body["messages"], body)
         elif isinstance(body.get("prompt"), str):
             ids = tok.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
         else:
@@ -661,6 +666,39 @@ def _plain_message(m) -> dict:
     elif not isinstance(content, str):
         raise BadRequest("message content must be a string or a list of text parts")
     return {**m, "content": content}
+
+
+# apply_chat_template's own arguments: not template variables (vLLM drops such keys of chat_template_kwargs too)
+_TEMPLATE_ARGS = {"conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+                  "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                  "return_assistant_tokens_mask", "tokenizer_kwargs"}
+
+
+def _chat_ids(tok, msgs, body: dict) -> list[int]:
+    """The token ids of ``messages`` through the chat template, as vLLM's chat and tokenize endpoints build them:
+    ``add_generation_prompt`` (default: unless continuing), ``continue_final_message`` (go on from the last
+    assistant message's text, no end-of-turn after it), ``chat_template`` (a template of the request's own) and
+    ``chat_template_kwargs`` (the template's variables, e.g. Qwen3's ``enable_thinking``)."""
+    if not isinstance(msgs, list) or not msgs:
+        raise BadRequest("messages must be a non-empty list")
+    msgs = [_plain_message(m) for m in msgs]
+    cont = bool(body.get("continue_final_message", False))
+    gen = bool(body.get("add_generation_prompt", not cont))
+    if cont and msgs[-1]["role"] != "assistant":
+        raise BadRequest("continue_final_message needs the last message to be the assistant's")
+    extra = body.get("chat_template_kwargs") or {}
+    if not isinstance(extra, dict):
+        raise BadRequest("chat_template_kwargs must be an object")
+    extra = {k: v for k, v in extra.items() if k not in _TEMPLATE_ARGS}
+    template = body.get("chat_template")
+    if template is not None and not isinstance(template, str):
+        raise BadRequest("chat_template must be a string (a Jinja template)")
+    try:
+        text = tok.apply_chat_template(msgs, add_generation_prompt=gen and not cont, tokenize=False,
+                                       continue_final_message=cont, chat_template=template, **extra)
+    except Exception as e:  # noqa: BLE001 - the template's own error, as a bad request
+        raise BadRequest(f"cannot apply the chat template: {str(e).splitlines()[0] if str(e) else e}") from None
+    return tok.encode(text, add_special_tokens=False)
 
 
 def _top_logprobs(engine, prompt_ids, completion_ids, k: int, temperature: float) -> list[list[tuple[int, float]]]:
