@@ -252,6 +252,7 @@ class StageRunner:
                 from train.model.hf_io import load_into
 
                 load_into(policy, rl.learner.final())
+            rl.sync_final()  # the engine scores the policy final/ holds, not the last sync_every's
             ckpt.wait()
             rl.cfg.sampling.max_new_tokens = s.rl.sampling.max_new_tokens  # evaluated as before the stage
             after = self.evaluate_k(rl, held, "after")

@@ -269,3 +269,39 @@ def test_unknown_names_list_the_choices(field, valid):
 def test_unknown_reward_mode():
     with pytest.raises(ValueError, match="correct, score"):
         RLConfig(reward="bogus")
+
+
+def test_sync_final_hands_the_engine_the_saved_policy(warm, tmp_path):
+    """After the last update the engine gets the policy's version ``step_idx`` when the sync schedule left it
+    behind (sync_every=2 after 3 updates); with trainer ranks, a version they published is read as published
+    (here other weights than the policy's, to tell the two sources apart), one they did not is sent from the
+    policy (which then holds their final weights)."""
+    import types
+
+    from train.rl.exchange import load_version, publish_version
+
+    rl = make_trainer(warm, sync_every=2)
+
+    def engine_equals(sd) -> bool:
+        eng = rl.engine.model.state_dict()
+        return all(torch.equal(eng[k], v) for k, v in sd.items())
+
+    with torch.no_grad():
+        for p in rl.policy.parameters():
+            p.add_(0.01)
+    rl.step_idx, rl.synced_version = 3, 2
+    assert not engine_equals(rl.policy.state_dict())
+    rl.sync_final()
+    assert rl.synced_version == 3 and engine_equals(rl.policy.state_dict())
+    other = {k: v + 0.5 for k, v in rl.policy.state_dict().items()}
+    publish_version(tmp_path, 5, other)
+    rl.learner = types.SimpleNamespace(exchange=tmp_path, weights=lambda v: load_version(tmp_path, v)[1])
+    rl.step_idx = 5
+    rl.sync_final()
+    assert rl.synced_version == 5 and engine_equals(other) and engine_equals(rl.policy.state_dict())
+    rl.step_idx = 6  # not published by the ranks: from the policy
+    with torch.no_grad():
+        for p in rl.policy.parameters():
+            p.add_(0.01)
+    rl.sync_final()
+    assert rl.synced_version == 6 and engine_equals(rl.policy.state_dict())

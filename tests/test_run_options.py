@@ -607,3 +607,26 @@ def test_small_profile_runs_every_stage(tmp_path):
     state = json.loads((out / "stages" / "3-behavior" / "final" / "run_state.json").read_text())
     assert state["steps"] == 1
     assert json.loads((out / "init-model" / "config.json").read_text())["hidden_size"] == 256  # mini-moe
+
+
+def test_the_after_score_is_of_the_final_policy_whatever_the_sync_schedule(tmp_path, monkeypatch):
+    """rl.sync_every=2 with 3 RL steps: the engine's last sync is one update behind the policy final/ holds; the
+    held-out score after the stage must be the final policy's (it was the weights of the update before)."""
+    import cascade.evaluation as evaluation
+    from cascade.run import main
+
+    seen = []
+    real = evaluation.avg_at_k
+
+    def spy(rl, *a, **kw):
+        eng = dict(rl.engine.model.named_parameters())
+        diff = max((p.detach() - eng[n].detach()).abs().max().item() for n, p in rl.policy.named_parameters())
+        seen.append((rl.step_idx, rl.synced_version, diff))
+        return real(rl, *a, **kw)
+
+    monkeypatch.setattr(evaluation, "avg_at_k", spy)
+    main(["stage=warmup", "profile=tiny", f"out={tmp_path / 'run'}", "logging.progress=false", "sft.steps=0",
+          "steps=3", "rl.sync_every=2", "rl.dynamic_sampling=false", "pool.size=0", "eval_problems=2", "eval_k=0"])
+    assert seen == [(0, 0, 0.0), (3, 3, 0.0)], seen  # before and after: the engine holds the policy's version
+    final = tmp_path / "run" / "stages" / "0-warmup" / "final"
+    assert json.loads((final / "run_state.json").read_text())["steps"] == 3

@@ -1,6 +1,6 @@
 """Token sampling shared by engines: repetition/presence/frequency penalties, temperature, top-k, top-p,
-min-p, with counter-based per-row random numbers so a row's samples depend only on its own seed and step, never on what else is in the
-batch."""
+min-p, with counter-based per-row random numbers so a row's samples depend only on its own seed and step,
+never on what else is in the batch."""
 from __future__ import annotations
 
 import numpy as np

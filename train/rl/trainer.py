@@ -418,6 +418,22 @@ class RLTrainer:
         self.synced_version = self.step_idx
         return time.perf_counter() - t
 
+    def sync_final(self) -> None:
+        """After the last update: the engine takes the policy's version ``step_idx`` if its last sync is behind
+        (``sync_every`` > 1 leaves up to ``sync_every - 1`` updates unsent), so what runs on the engine next (the
+        held-out score after a stage) is the policy that is saved. With trainer ranks the caller has loaded their
+        final weights into the policy; a version they published already is taken as published."""
+        if self.synced_version == self.step_idx:
+            return
+        if self.learner is not None:
+            from train.rl.exchange import COMPLETE, version_dir
+
+            if (version_dir(self.learner.exchange, self.step_idx) / COMPLETE).exists():
+                self.sync_weights()
+                return
+        load_weights(self.engine, self.policy.state_dict(), self.step_idx)
+        self.synced_version = self.step_idx
+
     def collect(self) -> tuple[list[Group], dict[str, Any]]:
         """Rollouts for one step (with dynamic sampling): the groups to train on and the rollout
         metrics over everything sampled. Uses the run's RNG and curriculum, nothing of the trainer."""
