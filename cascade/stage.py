@@ -169,7 +169,9 @@ class StageRunner:
                     sft.load_state_dict(tstate["sft"])
                 if mixer is not None and tstate.get("mixer"):
                     mixer.load_state_dict(tstate["mixer"])
-            if isinstance(engine, ServedEngine):  # servers (started or given) serve exactly this policy from the start
+            # servers (started or given) serve exactly this policy from the start; a resumed engine, built from the
+            # checkpoint's weights, takes them as the checkpoint's version (else its rollouts say version 0)
+            if isinstance(engine, ServedEngine) or latest is not None:
                 from train.engine.remote import RemoteError
 
                 try:
