@@ -1,7 +1,19 @@
 """Stage evaluation as the ZAYA1 report evaluates: avg@k, the mean correctness of k sampled answers
 per held-out problem averaged over the problems, overall and per environment family (the id's part
-before ``/``: ``gym``, ``math``, ``code``, ...). ``k = 0`` scores one greedy answer instead."""
+before ``/``: ``gym``, ``math``, ``code``, ...). ``k = 0`` scores one greedy answer instead.
+
+``cascade eval`` (:func:`main`) scores a checkpoint on a stage's held-out problems without training."""
 from __future__ import annotations
+
+USAGE = """usage: cascade eval model=PATH [stage=NAME] [profile=NAME] [config=FILE.yaml] [out=DIR] [key.sub=value ...]
+
+Scores a checkpoint on a stage's held-out problems as `cascade run` scores its policy before and after the
+stage: eval_problems problems shared among the stage's environments as its mix weighs them, at eval_difficulty
+(or each environment's start level), avg@eval_k at the stage's sampling settings (eval_k=0: one greedy answer),
+with the run's seed. So the final/ of a stage scores what its run_state.json says after the stage. Without
+stage=, every stage of the cascade in turn. The keys are `cascade run`'s (with stage=NAME, relative to that
+stage): engine=vllm, rollout.urls=[...] or rollout.servers=N to generate on servers, seed=, eval_k=, ...
+out=DIR only holds what servers need (a temporary directory by default). One JSON line per stage."""
 
 
 def family(env_id: str) -> str:
@@ -46,3 +58,41 @@ def avg_at_k(rl, problems: list, k: int, seed: int = 0, chunk: int = 0, advance=
     return {"accuracy": sum(v for _, v in per_problem) / len(per_problem) if per_problem else 0.0, "k": k,
             "families": {f: sum(vs) / len(vs) for f, vs in sorted(fams.items())},
             "problems": {f: len(vs) for f, vs in sorted(fams.items())}, "skipped": skipped}
+
+
+def main(argv: list[str]) -> int:
+    """``cascade eval``: see :data:`USAGE`."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        return 0
+    from cascade.config import load_run_config, parse_overrides
+    from cascade.run import FLAGS, _check_machine, _initial_model
+    from cascade.stage import StageRunner
+
+    overrides = parse_overrides(argv)
+    flags = [k for k in FLAGS if k in overrides]
+    if flags:
+        raise ValueError(f"{flags[0]}= is a `cascade run` switch; cascade eval takes model=, stage= and config keys")
+    if "model" not in overrides:
+        raise ValueError("cascade eval needs model=PATH (a checkpoint directory or a Hub id), e.g. a stage's final/")
+    given_out = "out" in overrides
+    cfg, tree = load_run_config(overrides)
+    for name in cfg.order:
+        if cfg.stages[name].eval_problems < 1:
+            raise ValueError(f"stage {name}: eval_problems={cfg.stages[name].eval_problems} leaves nothing to score")
+    _check_machine(cfg)
+    with tempfile.TemporaryDirectory(prefix="cascade-eval-") as tmp:
+        out = Path(cfg.out if given_out else tmp).absolute()
+        out.mkdir(parents=True, exist_ok=True)
+        src = _initial_model(cfg, out)
+        names = list(tree["stages"])
+        for name in cfg.order:
+            index = names.index(name) if name in names else len(names)
+            runner = StageRunner(name, index, cfg.stages[name], cfg, out, records=None)
+            res = runner.score(src)
+            print(json.dumps({"stage": name, "model": cfg.model, **res}), flush=True)
+    return 0

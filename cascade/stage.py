@@ -277,6 +277,33 @@ class StageRunner:
                 engine.close()
         return self.final
 
+    def score(self, src: Path) -> dict:
+        """``cascade eval``: the held-out score of the checkpoint ``src`` as :meth:`run` scores its policy before and
+        after the stage (the same problems, levels, seed, sampling and engine), without training. Returns
+        :func:`~cascade.evaluation.avg_at_k`'s dict with the levels the problems were drawn at."""
+        from cascade.rollout import ServedEngine, served_engine
+        from train.model.hf_io import load_pretrained
+        from train.rl.trainer import RLTrainer
+        from train.tokenizer import load_tokenizer
+
+        r = self.rcfg
+        policy = load_pretrained(src, dtype=torch.bfloat16 if r.dtype == "bfloat16" else torch.float32, device=r.device)
+        tok = load_tokenizer(src)
+        with self.phase("engine", None, "starting the rollout engine") if r.rollout.servers else contextlib.nullcontext():
+            engine = served_engine(r, src, self.dir.parent.parent, self.dir / "logs") or make_engine(r, src, policy, tok)
+        try:
+            curriculum = self.build_curriculum(tok)
+            levels = self.start_levels(curriculum)
+            rl = RLTrainer(policy, tok, engine, curriculum, copy.deepcopy(self.scfg.rl))
+            if isinstance(engine, ServedEngine):  # servers given by URL serve this checkpoint from now on
+                rl.sync_weights()
+            out = self.evaluate_k(rl, self.eval_problems(curriculum, levels), "of")
+        finally:
+            if hasattr(engine, "close"):
+                engine.close()
+        fixed = self.scfg.eval_difficulty
+        return {**out, "difficulty": {e: fixed for e in levels} if fixed is not None else levels}
+
     # ------------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def phase(self, what: str, total: int | None, info: str):

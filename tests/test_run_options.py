@@ -630,3 +630,32 @@ def test_the_after_score_is_of_the_final_policy_whatever_the_sync_schedule(tmp_p
     assert seen == [(0, 0, 0.0), (3, 3, 0.0)], seen  # before and after: the engine holds the policy's version
     final = tmp_path / "run" / "stages" / "0-warmup" / "final"
     assert json.loads((final / "run_state.json").read_text())["steps"] == 3
+
+
+def test_cascade_eval_scores_a_checkpoint_as_its_stage_did(warm, tmp_path, capsys):
+    """``cascade eval`` on a stage's start model and on its final/ gives the held-out scores the stage recorded
+    before and after (the same problems, levels, seed and sampling), per family too; bad invocations are one line."""
+    from cascade.evaluation import main as eval_main
+    from cascade.run import main as run_main
+    from train.model.hf_io import save_pretrained
+
+    _, tok, model = warm
+    start = tmp_path / "warm"
+    save_pretrained(model, start, tokenizer=tok)
+    stage = ["stage=rlve", "profile=tiny", "logging.progress=false", "envs={toy/max: 1}", "controller=fixed",
+             "controller_kwargs={difficulty: 1}", "rl.chat_template=false", "rl.sampling.max_new_tokens=10",
+             "rl.dynamic_sampling=false", "rl.optim.lr=1e-3", "eval_problems=12", "seed=3"]
+    run_main([f"out={tmp_path / 'run'}", f"model={start}", "steps=2", *stage])
+    final = tmp_path / "run" / "stages" / "1-rlve" / "final"
+    st = json.loads((final / "run_state.json").read_text())
+    capsys.readouterr()
+    for model_dir, acc, fams in ((start, st["accuracy_before"], st["accuracy_before_by_family"]),
+                                 (final, st["accuracy_after"], st["accuracy_after_by_family"])):
+        assert eval_main([f"model={model_dir}", *stage]) == 0
+        got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert (got["stage"], got["accuracy"], got["families"], got["k"]) == ("rlve", acc, fams, st["eval_k"])
+        assert got["problems"] == {"toy": 12} and got["difficulty"] == {"toy/max": 1}
+    assert 0 < st["accuracy_before"] < 1 or 0 < st["accuracy_after"] < 1, st  # scores that can tell runs apart
+    for argv, msg in ((stage, "cascade eval needs model=PATH"), ([f"model={start}", "resume=false"], "`cascade run` switch")):
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            eval_main(argv)
