@@ -296,7 +296,14 @@ class StageRunner:
             levels = self.start_levels(curriculum)
             rl = RLTrainer(policy, tok, engine, curriculum, copy.deepcopy(self.scfg.rl))
             if isinstance(engine, ServedEngine):  # servers given by URL serve this checkpoint from now on
-                rl.sync_weights()
+                from train.engine.remote import RemoteError
+
+                try:
+                    rl.sync_weights()
+                except RemoteError as e:
+                    raise ConfigError(f"the rollout servers cannot load {src} ({e}); servers given by rollout.urls "
+                                      f"load it from --weights-dir {engine.exchange}: start them with that, or pass "
+                                      "out=DIR whose exchange/ they read") from None
             out = self.evaluate_k(rl, self.eval_problems(curriculum, levels), "of")
         finally:
             if hasattr(engine, "close"):

@@ -303,18 +303,30 @@ def test_a_server_that_cannot_start_is_one_line(warm_dir, tmp_path):
 
 
 def test_servers_on_another_weights_directory_are_refused_before_training(warm_dir, tmp_path):
+    """A run (or ``cascade eval``) whose exchange directory is not the one the servers given by URL read is refused
+    in one line; ``cascade eval`` with the servers' directory scores on them what it scores in-process."""
     from cascade.rollout import ServerPool
 
-    other = tmp_path / "elsewhere"
-    other.mkdir()
+    other = tmp_path / "ev" / "exchange"
+    other.mkdir(parents=True)
     pool = ServerPool(1, warm_dir, other, "k1", 1, tmp_path / "logs")
+
+    def evaluate(*args):
+        return subprocess.run([sys.executable, "-m", "cascade", "eval", f"model={warm_dir}", *STAGE, *args],
+                              capture_output=True, text=True, timeout=300, env=dict(os.environ, CASCADE_API_KEY="k1"))
     try:
         out = tmp_path / "run"
         r = cascade(f"out={out}", f"model={warm_dir}", *STAGE, "steps=2", f"rollout.urls=[{pool.urls[0]}]",
                     env={"CASCADE_API_KEY": "k1"}, timeout=300)  # the key by environment: past /v1/models
+        bad, served = evaluate(f"rollout.urls=[{pool.urls[0]}]"), evaluate(f"rollout.urls=[{pool.urls[0]}]",
+                                                                            f"out={tmp_path / 'ev'}")
     finally:
         pool.close()
     assert r.returncode == 2, r.stderr[-2000:]
     assert f"must serve this run's policy (the same architecture and sizes) with --weights-dir {out / 'exchange'}" \
         in r.stderr and r.stderr.strip().count("\n") == 0
     assert not list((out / "stages").glob("*/checkpoints/*")) and not rl_records(out)
+    assert bad.returncode == 2 and "servers given by rollout.urls load it from --weights-dir" in bad.stderr, bad.stderr
+    assert served.returncode == 0, served.stderr[-2000:]
+    local = evaluate()
+    assert local.returncode == 0 and json.loads(served.stdout) == json.loads(local.stdout)
