@@ -52,7 +52,9 @@ answer is ``{"version": N}`` once they are in use. Instead of files, versions ca
 process group with the trainer (:mod:`train.rl.weight_group`): ``POST /v1/weights_group`` with
 ``{"host", "port", "rank", "world_size", "name", "backend"}`` joins it (``GET /v1/weights`` says this
 server brings 1 rank, and its device), and ``POST /v1/load_weights`` with ``{"version": N, "broadcast":
-layout}`` receives version N over it, checksums verified, and applies it the same way.
+layout}`` receives version N over it, checksums verified, and applies it the same way;
+``POST /v1/weights_group/abort`` ``{"name"}`` (rank 0 gave up on a broadcast, a member having failed) makes
+that load answer at once instead of waiting for data until the group's timeout.
 The standard library is all it needs (torch.distributed for the weight group).
 """
 from __future__ import annotations
@@ -387,7 +389,8 @@ class Handler(BaseHTTPRequestHandler):
             return self._error(400, f"invalid JSON body: {e}")
         route = {"/v1/completions": self.completions, "/v1/chat/completions": self.chat,
                  "/tokenize": self.tokenize, "/detokenize": self.detokenize,
-                 "/v1/load_weights": self.load_weights, "/v1/weights_group": self.weights_group}.get(self.path.rstrip("/"))
+                 "/v1/load_weights": self.load_weights, "/v1/weights_group": self.weights_group,
+                 "/v1/weights_group/abort": self.abort_broadcast}.get(self.path.rstrip("/"))
         if route is None:
             return self._error(404, f"no route POST {self.path}")
         try:
@@ -566,6 +569,15 @@ class Handler(BaseHTTPRequestHandler):
                 raise BadRequest(f"cannot join the weight group: {_first_line(e)}") from None
         return {"joined": name, "rank": rank}
 
+    def abort_broadcast(self, body: dict) -> dict:
+        """``{"name"}``: rank 0 gave up on the broadcast under way in the weight group of that name (a member
+        failed): the load waiting for it answers at once (without the load lock, which that load holds)."""
+        g = self._loading_on().weight_group
+        hit = g is not None and g.name == body.get("name")
+        if hit:
+            g.aborted.set()
+        return {"aborted": hit}
+
     def load_weights(self, body: dict) -> dict:
         """Load a weight version in flight: published in the run's exchange directory, or (with
         ``"broadcast"``: its layout) arriving over the weight group this server joined."""
@@ -603,14 +615,34 @@ class Handler(BaseHTTPRequestHandler):
 
         s = self.server
         with s.load_lock:
-            if s.weight_group is None:
+            group = s.weight_group
+            if group is None:
                 raise BadRequest("cannot load weights: this server has not joined a weight group")
-            try:
-                sd = receive(s.weight_group, layout)
-            except Exception as e:  # noqa: BLE001 - the group is broken or the version corrupt: old weights stay
-                s.weight_group.close()
+            box: dict = {}
+            done, lock = threading.Event(), threading.Lock()
+
+            def run():  # on a thread of its own: a gloo receive cannot be interrupted, only left behind
+                try:
+                    box["sd"] = receive(group, layout)
+                except Exception as e:  # noqa: BLE001 - the group is broken or the version corrupt
+                    box["error"] = e
+                with lock:
+                    done.set()
+                    if box.get("left"):  # the load gave up on it: the group is this thread's to close
+                        group.close()
+
+            threading.Thread(target=run, name="weights-receive", daemon=True).start()
+            while not done.wait(0.05) and not group.aborted.is_set():
+                pass
+            with lock:
+                box["left"] = not done.is_set()
+            if box["left"] or "error" in box:  # old weights stay; the group is not used again
                 s.weight_group = None
-                raise BadRequest(f"cannot load weights: {_first_line(e)}") from None
+                if not box["left"] or group.device.type == "cuda":  # (NCCL's abort also ends a receive under way)
+                    group.close()
+                why = _first_line(box["error"]) if "error" in box else "rank 0 gave up on this broadcast"
+                raise BadRequest(f"cannot load weights: {why}")
+            sd = box["sd"]
             try:
                 self._apply(sd, version)
             except Exception as e:  # noqa: BLE001

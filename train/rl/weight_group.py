@@ -22,7 +22,7 @@ import contextlib
 import datetime
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -121,6 +121,9 @@ class Group:
     rank: int
     world_size: int
     device: torch.device
+    name: str = ""
+    # set when rank 0 gave up on a broadcast (POST /v1/weights_group/abort): a member stops waiting for it
+    aborted: threading.Event = field(default_factory=threading.Event)
 
     def broadcast(self, t: torch.Tensor) -> None:
         import torch.distributed as dist
@@ -222,7 +225,7 @@ def join(host: str, port: int, rank: int, world_size: int, name: str, device="cp
             pg = dist.ProcessGroupNCCL(prefixed, int(rank), int(world_size), opts)
     else:
         pg = dist.ProcessGroupGloo(prefixed, int(rank), int(world_size), timeout)
-    return Group(pg, int(rank), int(world_size), device)
+    return Group(pg, int(rank), int(world_size), device, name)
 
 
 def send(group: Group, state_dict: dict[str, torch.Tensor], layout: dict) -> None:
@@ -377,7 +380,13 @@ class Broadcaster:
         except Exception as e:  # noqa: BLE001 - kept as text: its traceback would hold the group
             error = f"broadcasting weights: {e}"
         if error is not None:
+            members, name = self.members, self.group.name
             self.close()  # first: the members still receiving fail at once, not at the group's timeout
+            # ... which gloo does not always make them see (a closed rank 0 can leave a member waiting for data
+            # until the group's timeout): Cascade's servers are told to give the broadcast up (vLLM's server has no
+            # such route: its members wait the timeout out)
+            fan_out(members, lambda u: self._call(u, "POST", "/v1/weights_group/abort", {"name": name},
+                                                  timeout_s=min(self.timeout_s, 10.0)))
             self._finish(*pending, "broadcasting weights")
             raise WeightGroupError(error)
         out = self._finish(*pending, "broadcasting weights")
