@@ -72,7 +72,10 @@ both ways. Re-run at e71ae51 (prefix parts of the full benchmark, one run; this 
 (32 rows, 600 + 300); same outputs both sides. At 9bbf71d (the OpenAI backend's body from ``completion_request``: every
 sampling field named), ``--skip-prefix --skip-steps``, one run: ``concurrency_speedup`` 1.80 (4.33 -> 2.40 s),
 ``_short`` 1.62, ``local`` 1.95; at torch's default two threads 2.75 (3.73 -> 1.35 s), local 2.80; same results both
-ways.
+ways. At eb9ab54 (2026-12-05, later: the engine samples with vLLM's penalties when asked, ``ttc serve`` refuses the
+fields it does not implement; neither on this path's requests), ``--skip-prefix --skip-steps``, one run:
+``concurrency_speedup`` 1.87 (4.35 -> 2.33 s), ``_short`` 1.70, ``local`` 1.70 (4.31 -> 2.53 s); at torch's default two
+threads 2.73 (3.71 -> 1.36 s), local 2.74; same results both ways.
 
 Measured on this project's 2-core CPU (2026-12-02, defaults, tiny-moe, 1 thread, quiet machine, commit
 e6feb3e, three runs): ``concurrency_speedup`` 2.17, 2.21, 2.13 (one problem at a time 3.73-3.80 s, 64 in
