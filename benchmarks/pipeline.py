@@ -87,7 +87,9 @@ takes as the engine decoded it), 3 runs: 0.83, 0.87, 0.83 (median 0.83, min 0.83
 refuses a ``max_tokens`` above its context, one comparison per request), 3 runs: 0.81, 0.80, 0.79 (median 0.80, min
 0.79; async 1.93-2.02, sync 2.44-2.49); the trainer busy 99.3%; max_lag_seen 2. At 9bbf71d (the remote engine's body
 from ``completion_request``: every sampling field named, no penalties), 3 runs: 0.83, 0.84, 0.85 (median 0.84, min 0.83;
-async 2.04-2.13, sync 2.41-2.56); the trainer busy 99.2-99.4%; max_lag_seen 2.
+async 2.04-2.13, sync 2.41-2.56); the trainer busy 99.2-99.4%; max_lag_seen 2. At eb9ab54 (the engine samples with
+vLLM's penalties when asked, the server refuses fields it does not implement: neither on these requests), 2 runs: 0.80,
+0.88 (async 2.02-2.04, sync 2.32-2.53); the trainer busy 99.2-99.6%; max_lag_seen 2.
 
 With ``overlap_ceiling_lending`` (commit 8dc7021 plus this field, added in 1ff29ba; runs one after
 another): default setting, async speedup 1.14, 0.88, 1.16 against a lending ceiling of 1.26, 1.12, 1.28 (any mix 1.51, 1.19,
@@ -135,7 +137,9 @@ At 4fa1ddc (the pipeline only logs a lowered ``min_ready_batches``), 2 runs: 1.0
 At 0fb5ec6 (this path unchanged: the session's changes are in the servers, the remote engine and the weight group),
 3 runs: 1.03, 0.99, 1.03 (median 1.03, min 0.99; sync 2.38-2.50, async 2.45-2.56; ceiling 1.13-1.15, any mix
 1.29-1.37); max_lag_seen 2. At 9bbf71d (this path unchanged), 3 runs: 1.07, 1.09, 1.04 (median 1.07, min 1.04; sync
-2.43-2.46, async 2.56-2.64; ceiling 1.15-1.17, any mix 1.35-1.39); max_lag_seen 2.
+2.43-2.46, async 2.56-2.64; ceiling 1.15-1.17, any mix 1.35-1.39); max_lag_seen 2. At eb9ab54 (the engine's sampler
+checks for penalties, none here; the stage's end and resume sync the engine, off this path), 3 runs: 1.06, 1.06, 1.05
+(median 1.06, min 1.05; sync 2.45-2.50, async 2.60-2.64; ceiling 1.14-1.15, any mix 1.32-1.34); max_lag_seen 2.
 
 The goal (>= 1.5 against the best synchronous setting, here 2 threads) is not met: median 1.24 by
 default and 1.27 with long-tailed responses (one run of twelve above 1.5). Lending the producer's
