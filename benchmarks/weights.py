@@ -42,10 +42,11 @@ commit e925322, 2 servers, 5 warm versions per transport; tiny-moe 3 runs, small
 | tiny-moe, at 9bbf71d (2026-12-05, later: an NCCL group's error mode and close, off this CPU path; the servers' bodies) | 0.0272, 0.0262 | 0.0275, 0.0277 | 0.99, 0.94 | 0.042-0.044 s |
 | tiny-moe, at eb9ab54 (2026-12-05, later: a server receives on a thread of its own, which a rank 0 that gave up can leave behind) | 0.0284, 0.0268, 0.0300, 0.0273, 0.0276, 0.0272, 0.0274, 0.0271 | 0.0332, 0.0323, 0.0347, 0.0372, 0.0325, 0.0316, 0.0283, 0.0292 | 0.86, 0.83, 0.87, 0.73, 0.85, 0.86, 0.97, 0.93 | 0.048-0.052 s (3 runs) |
 
-(The eb9ab54 runs from the fourth on alternated with 6782a97's code (before that change, from a worktree; the last three
-with ``--repeats 9``): broadcast 0.0279, 0.0296, 0.0266, 0.0304, 0.0321 s (median 0.0296) against eb9ab54's 0.0372, 0.0325,
-0.0316, 0.0283, 0.0292 (median 0.0316), files 0.0258-0.0286 against 0.0271-0.0276: at most a few milliseconds, within
-this machine's noise. The last two 7118453 runs were interleaved with two without that check: broadcast 0.0304 and 0.0278 s, files 0.0284 and
+(The eb9ab54 runs from the fourth on alternated with 6782a97's code (before that change, from a
+worktree; the last three with ``--repeats 9``): broadcast 0.0279, 0.0296, 0.0266, 0.0304, 0.0321 s
+(median 0.0296) against eb9ab54's 0.0372, 0.0325, 0.0316, 0.0283, 0.0292 (median 0.0316), files
+0.0258-0.0286 against 0.0271-0.0276: at most a few milliseconds, within this machine's noise.
+The last two 7118453 runs were interleaved with two without that check: broadcast 0.0304 and 0.0278 s, files 0.0284 and
 0.0276 s: the check is within the noise. small-moe was not re-run at 6f2893e, c03259d, e2e6beb, 53d95e8, 481090f, 55385e5, 7118453, 9805191, f4356a2, 9bbf71d or eb9ab54: its figures are 2b5dded's, before the push lock, which adds one
 uncontended lock per version. The 2b5dded rows: one session later, after the weight group's backend choice and absolute paths changed
 ``cascade/rollout.py``; the broadcast of 228 MB moved 1.8x between its two runs.)

@@ -11,7 +11,7 @@ from train.errors import RunFailure, Terminated, sigterm_interrupts
 # name -> ("module:function", one-line help). Each function takes argv (list[str]) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "run": ("cascade.run:main", "run one stage (stage=NAME) or the whole cascade, with key=value overrides"),
-    "eval": ("cascade.evaluation:main", "score a checkpoint on a stage's held-out problems, as `run` scores its stages"),
+    "eval": ("cascade.evaluation:main", "score a checkpoint on a stage's held-out problems as `run` scores them"),
     "report": ("cascade.report:main", "summarise a run directory and plot its metrics"),
     "init-model": ("train.model.cli:init_model_main", "write a tiny policy checkpoint from a preset"),
     "generate": ("train.model.cli:generate_main", "sample from a checkpoint with the torch engine"),

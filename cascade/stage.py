@@ -289,8 +289,10 @@ class StageRunner:
         r = self.rcfg
         policy = load_pretrained(src, dtype=torch.bfloat16 if r.dtype == "bfloat16" else torch.float32, device=r.device)
         tok = load_tokenizer(src)
-        with self.phase("engine", None, "starting the rollout engine") if r.rollout.servers else contextlib.nullcontext():
-            engine = served_engine(r, src, self.dir.parent.parent, self.dir / "logs") or make_engine(r, src, policy, tok)
+        starting = self.phase("engine", None, "starting the rollout engine") if r.rollout.servers else None
+        with starting or contextlib.nullcontext():
+            engine = (served_engine(r, src, self.dir.parent.parent, self.dir / "logs")
+                      or make_engine(r, src, policy, tok))
         try:
             curriculum = self.build_curriculum(tok)
             levels = self.start_levels(curriculum)

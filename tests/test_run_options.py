@@ -656,6 +656,7 @@ def test_cascade_eval_scores_a_checkpoint_as_its_stage_did(warm, tmp_path, capsy
         assert (got["stage"], got["accuracy"], got["families"], got["k"]) == ("rlve", acc, fams, st["eval_k"])
         assert got["problems"] == {"toy": 12} and got["difficulty"] == {"toy/max": 1}
     assert 0 < st["accuracy_before"] < 1 or 0 < st["accuracy_after"] < 1, st  # scores that can tell runs apart
-    for argv, msg in ((stage, "cascade eval needs model=PATH"), ([f"model={start}", "resume=false"], "`cascade run` switch")):
+    for argv, msg in ((stage, "cascade eval needs model=PATH"),
+                      ([f"model={start}", "resume=false"], "`cascade run` switch")):
         with pytest.raises(ValueError, match=re.escape(msg)):
             eval_main(argv)
