@@ -137,6 +137,26 @@ def _check_machine(cfg) -> None:
                               "then .venv-vllm/bin/cascade)")
 
 
+def shared_cores_note(cfg, cores: int | None = None, trainer_threads: int | None = None) -> str | None:
+    """A note when the rollout servers ``cascade run`` starts on this CPU machine would share its cores with the
+    in-process trainer's torch threads (None otherwise): on 2 cores ``benchmarks/pipeline.py --servers 1`` measured
+    0.80-0.88x the in-process loop."""
+    import torch
+
+    r = cfg.rollout
+    if not r.servers or r.backend != "cascade" or cfg.device != "cpu" or cfg.trainer.distributed:
+        return None
+    cores = cores or os.cpu_count() or 1
+    trainer_threads = trainer_threads or torch.get_num_threads()
+    wanted = r.servers * r.threads + trainer_threads
+    if wanted <= cores:
+        return None
+    return (f"note: rollout.servers={r.servers} x rollout.threads={r.threads} and the trainer's {trainer_threads} torch "
+            f"thread(s) share this machine's {cores} core(s), which slows both sides (on 2 cores a server beside the "
+            f"trainer measured 0.80-0.88x the in-process loop); rollout.urls=[...] puts servers on other machines, "
+            f"and rl.max_staleness without rollout.servers overlaps generation and training in this process")
+
+
 def _check_model_refs(cfg) -> None:
     """Reward models and KL references (local directories or Hub ids) and Hub datasets (an environment's
     ``path``, ``sft.data``) fail now, in one line, when they cannot be had (not cached while offline, no
@@ -265,6 +285,9 @@ def main(argv: list[str]) -> int:
     from cascade.stage import StageRunner
 
     console = Console(stderr=True)
+    note = shared_cores_note(cfg) if not _all_finished(cfg, tree, out) else None
+    if note:
+        console.print(note, highlight=False, soft_wrap=True)
     all_names = list(tree["stages"])
     records = Records(out, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project, tree,
                       step_offsets=step_offsets(cfg, all_names))

@@ -660,3 +660,20 @@ def test_cascade_eval_scores_a_checkpoint_as_its_stage_did(warm, tmp_path, capsy
                       ([f"model={start}", "resume=false"], "`cascade run` switch")):
         with pytest.raises(ValueError, match=re.escape(msg)):
             eval_main(argv)
+
+
+def test_servers_started_beside_the_trainer_on_too_few_cores_are_noted():
+    """rollout.servers on this CPU machine with the in-process trainer: a note when servers' threads and the
+    trainer's outnumber the cores, none when they fit, for servers elsewhere, or trainer ranks."""
+    from cascade.config import load_run_config, parse_overrides
+    from cascade.run import shared_cores_note
+
+    def cfg(*over):
+        return load_run_config(parse_overrides(["profile=tiny", *over]))[0]
+
+    note = shared_cores_note(cfg("rollout.servers=1"), cores=2, trainer_threads=2)
+    assert note and "rollout.servers=1 x rollout.threads=1 and the trainer's 2 torch thread(s)" in note
+    assert "2 core(s)" in note and "rollout.urls" in note
+    assert shared_cores_note(cfg("rollout.servers=1"), cores=4, trainer_threads=2) is None
+    assert shared_cores_note(cfg(), cores=2, trainer_threads=2) is None
+    assert shared_cores_note(cfg("rollout.servers=1", "trainer.nproc=2"), cores=2, trainer_threads=2) is None
