@@ -130,12 +130,9 @@ class StageRunner:
         dtype = torch.bfloat16 if r.dtype == "bfloat16" else torch.float32
         policy = load_pretrained(src, dtype=dtype, device=r.device)
         tok = load_tokenizer(src)
-        from cascade.rollout import ServedEngine, served_engine
+        from cascade.rollout import ServedEngine
 
-        slow_start = r.engine == "vllm" or r.rollout.servers > 0  # vLLM, or rollout servers to start
-        with self.phase("engine", None, "starting the rollout engine") if slow_start else contextlib.nullcontext():
-            engine = (served_engine(r, src, self.dir.parent.parent, self.dir / "logs")
-                      or make_engine(r, src, policy, tok))
+        engine = self.start_engine(src, policy, tok)
         pipe = None  # PipelineRL around the trainer once RL starts, when max_staleness > 0
         rl = None
         try:
@@ -277,11 +274,22 @@ class StageRunner:
                 engine.close()
         return self.final
 
+    def start_engine(self, src: Path, policy, tok):
+        """The stage's rollout engine for the checkpoint ``src``: the run's servers (started or given by URL), else
+        one in this process, with a progress bar while vLLM or servers start."""
+        from cascade.rollout import served_engine
+
+        r = self.rcfg
+        slow_start = r.engine == "vllm" or r.rollout.servers > 0  # vLLM, or rollout servers to start
+        with self.phase("engine", None, "starting the rollout engine") if slow_start else contextlib.nullcontext():
+            return (served_engine(r, src, self.dir.parent.parent, self.dir / "logs")
+                    or make_engine(r, src, policy, tok))
+
     def score(self, src: Path) -> dict:
         """``cascade eval``: the held-out score of the checkpoint ``src`` as :meth:`run` scores its policy before and
         after the stage (the same problems, levels, seed, sampling and engine), without training. Returns
         :func:`~cascade.evaluation.avg_at_k`'s dict with the levels the problems were drawn at."""
-        from cascade.rollout import ServedEngine, served_engine
+        from cascade.rollout import ServedEngine
         from train.model.hf_io import load_pretrained
         from train.rl.trainer import RLTrainer
         from train.tokenizer import load_tokenizer
@@ -289,10 +297,7 @@ class StageRunner:
         r = self.rcfg
         policy = load_pretrained(src, dtype=torch.bfloat16 if r.dtype == "bfloat16" else torch.float32, device=r.device)
         tok = load_tokenizer(src)
-        starting = self.phase("engine", None, "starting the rollout engine") if r.rollout.servers else None
-        with starting or contextlib.nullcontext():
-            engine = (served_engine(r, src, self.dir.parent.parent, self.dir / "logs")
-                      or make_engine(r, src, policy, tok))
+        engine = self.start_engine(src, policy, tok)
         try:
             curriculum = self.build_curriculum(tok)
             levels = self.start_levels(curriculum)

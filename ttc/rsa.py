@@ -541,10 +541,11 @@ def run_rsa(backend, problem: str, config: RSAConfig, gold: str | None = None, t
     return MarkovianRSA(backend, config, template, grader).run(problem, gold)
 
 
-_ADDED = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}  # fields added later
+_ADDED = ("repetition_penalty", "presence_penalty", "frequency_penalty")  # fields added after results files existed
 
 
 def config_dict(cfg: RSAConfig) -> dict:
     """The config's fields, less those added later while at their defaults: a results file written before
     they existed keeps its resume key (:func:`ttc.cli.run_key`)."""
-    return {k: v for k, v in asdict(cfg).items() if k not in _ADDED or v != _ADDED[k]}
+    defaults = {f.name: f.default for f in fields(RSAConfig)}
+    return {k: v for k, v in asdict(cfg).items() if k not in _ADDED or v != defaults[k]}
