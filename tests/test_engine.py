@@ -147,7 +147,7 @@ def test_penalties_follow_vllm(engine):
     # the penalized logits themselves, every sign and kind of token (in the prompt, sampled once or twice, neither)
     from transformers import RepetitionPenaltyLogitsProcessor
 
-    from train.engine.sampling import Penalties
+    from train.engine.sampling import LogitsProcessors
 
     g = torch.Generator().manual_seed(0)
     logits, prompt_ids = torch.randn(2, 50, generator=g) * 3, [[1, 2, 3, 40], [5, 1]]
@@ -155,7 +155,7 @@ def test_penalties_follow_vllm(engine):
     for kw in ({"repetition_penalty": 1.7}, {"repetition_penalty": 0.6, "presence_penalty": -0.8},
                {"frequency_penalty": 1.3, "presence_penalty": 0.4}):
         sp = SamplingParams(**kw)
-        pen = Penalties(sp, prompt_ids, 50, "cpu")
+        pen = LogitsProcessors(sp, prompt_ids, 50, "cpu")
         for t in out:
             pen.add(t)
         for r in range(2):
@@ -177,6 +177,54 @@ def test_penalties_follow_vllm(engine):
         with torch.no_grad():
             ref = token_logprobs(engine.model, seq, temperature=0.8)[0, len(c.prompt_token_ids) - 1:]
         assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
+
+
+def test_logit_bias_and_min_tokens_follow_transformers(engine):
+    """``logit_bias`` and ``min_tokens`` (vLLM's): greedy equals a recomputation through transformers'
+    ``SequenceBiasLogitsProcessor`` and ``MinNewTokensLengthLogitsProcessor``; the log-probs stay the raw ones; no
+    stop string is looked for in the first ``min_tokens`` tokens; an id past the vocabulary is a one-line error."""
+    from transformers import MinNewTokensLengthLogitsProcessor, SequenceBiasLogitsProcessor
+
+    prompts, eos = _prompts(engine), engine.eos_token_ids[0]
+    plain = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    # +100 on EOS: without min_tokens the first token ends it; with 4 the fifth does; a bias that moves the argmax
+    bias = {eos: 100.0, plain[0].token_ids[1]: -4.0, plain[1].token_ids[2]: 3.0}
+    for k in (0, 4):
+        outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=10, min_tokens=k, logit_bias=bias))
+        for p, c in zip(prompts, outs):
+            procs = [SequenceBiasLogitsProcessor({(t,): b for t, b in bias.items()}),
+                     MinNewTokensLengthLogitsProcessor(len(p), k, eos)]
+            seq, want = list(p), []
+            while len(want) < 10 and (not want or want[-1] != eos):
+                with torch.no_grad():
+                    x = engine.model.last_logits(torch.tensor([seq])).float()
+                for proc in procs:
+                    x = proc(torch.tensor([seq]), x)
+                want.append(int(x[0].argmax()))
+                seq.append(want[-1])
+            assert c.token_ids == want and len(want) == k + 1 and c.finish_reason == "stop", (k, want)
+            with torch.no_grad():
+                ref = token_logprobs(engine.model, torch.tensor([p + c.token_ids]))[0, len(p) - 1:]
+            assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
+    assert plain[0].token_ids[:2] != engine.generate(prompts[:1], SamplingParams(
+        temperature=0, max_tokens=2, ignore_eos=True, logit_bias={plain[0].token_ids[1]: -4.0}))[0].token_ids
+    # a stop string that the first tokens' text is: found at once without min_tokens; with it, only an occurrence
+    # that ends past the first min_tokens tokens' text counts (vLLM's rule)
+    full, stop = engine.decode(plain[0].token_ids), engine.decode(plain[0].token_ids[:2])
+    for k in (0, 2):
+        c = engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop=[stop],
+                                                        min_tokens=k))[0]
+        floor = len(engine.decode(plain[0].token_ids[:k]))
+        at = next((i for i in range(len(full)) if full.startswith(stop, i) and i + len(stop) > floor), None)
+        assert (c.text, c.finish_reason) == ((full, "length") if at is None else (full[:at], "stop")), k
+        assert len(c.token_ids) > k
+    vocab = engine.model.config.vocab_size
+    with pytest.raises(ValueError, match=f"logit_bias has token id {vocab}; the model's ids are 0..{vocab - 1}"):
+        engine.generate(prompts, SamplingParams(logit_bias={vocab: 1.0}))
+    for bad in ({"logit_bias": {-1: 1.0}}, {"logit_bias": {"x": 1.0}}, {"logit_bias": {3: float("nan")}},
+                {"min_tokens": 11, "max_tokens": 10}, {"min_tokens": -1}):
+        with pytest.raises(ValueError, match="SamplingParams"):
+            SamplingParams(**bad)
 
 
 def test_sampler_draws_from_the_shaped_distribution():

@@ -141,14 +141,16 @@ def test_bad_requests(server):
         ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
         ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]"),
         # what this server does not implement is refused, not ignored
-        ("/v1/completions", {"prompt": "x", "min_tokens": 5}, "min_tokens=5 is not supported"),
-        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias="),
+        ("/v1/completions", {"prompt": "x", "allowed_token_ids": [5, 6]}, "allowed_token_ids=[5, 6] is not supported"),
         ("/v1/completions", {"prompt": "x", "n": 1, "best_of": 3}, "best_of=3"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
          "tools="),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                   "response_format": {"type": "json_object"}}, "response_format="),
         ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty must be a finite number > 0"),
+        ("/v1/completions", {"prompt": "x", "min_tokens": 5, "max_tokens": 2}, "min_tokens must be in [0, max_tokens=2]"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"x": 1}}, "logit_bias must be an object of token ids"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias has token id 99999"),
         ("/v1/completions", {"prompt": "x", "n": "many"}, "n must be"),
         ("/detokenize", {"tokens": "abc"}, "list of token ids"),
         ("/v1/chat/completions", {"messages": []}, "non-empty"),
@@ -233,6 +235,12 @@ def test_openai_client_completions_stream_and_not(server, client):
     # an unknown model is NotFoundError (404)
     with pytest.raises(openai.NotFoundError):
         cli.completions.create(model="nope", prompt="x", max_tokens=2)
+    # logit_bias (a value past 100 clamped, as vLLM's server) and vLLM's min_tokens: what the engine samples with them
+    eos = eng.eos_token_ids[0]
+    r = cli.completions.create(model="tiny", prompt="What is 2+2?", max_tokens=9, n=2, seed=4,
+                               logit_bias={str(eos): 300}, extra_body={"min_tokens": 3})
+    ref = eng.generate([ids], SamplingParams(n=2, max_tokens=9, seed=4, logit_bias={eos: 100.0}, min_tokens=3))
+    assert [c.text for c in r.choices] == [c.text for c in ref] and r.usage.completion_tokens == 8
 
 
 def test_openai_client_chat_stream_parts_and_default_max_tokens(server, client):

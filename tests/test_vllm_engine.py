@@ -84,7 +84,7 @@ def test_greedy_equals_torch_engine(engines):
 
 
 def test_penalties_as_the_torch_engine(engines):
-    """vLLM's penalties through this engine equal the torch engine's: greedy, and top_k=1 at T=0.5 (the argmax
+    """vLLM's penalties, logit bias and min_tokens through this engine equal the torch engine's: greedy, and top_k=1 at T=0.5 (the argmax
     of (logits - penalties) / T only if the additive penalties reach vLLM divided by T), whose log-probs stay
     the raw tempered ones; a pair vLLM cannot take at that temperature is a clear error."""
     _, eng, ref = engines
@@ -100,6 +100,17 @@ def test_penalties_as_the_torch_engine(engines):
         assert _max_logprob_error(ref.model, got, sp.temperature or 1.0) < TOL
     with pytest.raises(ValueError, match="past vLLM's limit of 2"):
         eng.generate(prompts, SamplingParams(temperature=0.5, presence_penalty=1.5, max_tokens=4))
+    # logit_bias (passed divided by T, as the additive penalties) and min_tokens: +100 on EOS ends every row right
+    # after its 3 required tokens; -50 on the plain rows' first tokens moves the argmax
+    bias = {ref.eos_token_ids[0]: 100.0, **{c.token_ids[0]: -50.0 for c in plain}}
+    want = ref.generate(prompts, SamplingParams(temperature=0, max_tokens=12, min_tokens=3, logit_bias=bias))
+    assert all(len(c.token_ids) == 4 and c.finish_reason == "stop" for c in want)
+    assert [c.token_ids[:3] for c in want] != [c.token_ids[:3] for c in plain]
+    for sp in (SamplingParams(temperature=0, max_tokens=12, min_tokens=3, logit_bias=bias),
+               SamplingParams(temperature=0.5, top_k=1, max_tokens=12, seed=1, min_tokens=3, logit_bias=bias)):
+        got = eng.generate(prompts, sp)
+        assert [c.token_ids for c in got] == [c.token_ids for c in want], sp
+        assert _max_logprob_error(ref.model, got, sp.temperature or 1.0) < TOL
 
 
 @pytest.mark.parametrize("temperature,truncation", [(1.0, {}), (0.7, {"top_p": 0.9, "top_k": 20}),

@@ -181,6 +181,11 @@ def test_generates_like_the_torch_engine(server, state):
     # vLLM's penalties reach the server (the rollouts' body once sent them neutral whatever was asked)
     pen = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.5, presence_penalty=0.6)
     assert [c.token_ids for c in eng.generate(PROMPTS, pen)] == [c.token_ids for c in ref.generate(PROMPTS, pen)]
+    # and min_tokens and logit_bias, when set (+100 on EOS: each row ends right after its 3 required tokens)
+    pen = SamplingParams(temperature=0, max_tokens=12, min_tokens=3, logit_bias={ref.eos_token_ids[0]: 100.0, 7: -3.0})
+    want = ref.generate(PROMPTS, pen)
+    assert [c.token_ids for c in eng.generate(PROMPTS, pen)] == [c.token_ids for c in want]
+    assert all(len(c.token_ids) == 4 for c in want)
     assert _served_version(url) == 0
     # the server process's id, in /v1/weights and every completions answer: the engine took it as admitted
     inst = _call("GET", url, "/v1/weights")[1]["instance"]

@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Protocol, Sequence, runtime_checkable
 
-from train.engine.base import Completion, SamplingParams, completion_request
+from train.engine.base import Completion, SamplingParams, completion_request, request_extras
 from ttc.rsa import derive_seed
 
 SENTINEL = "\u2063RSA-CONTENT\u2063"
@@ -605,7 +605,7 @@ def _chat_fields(params: SamplingParams, seed: int | None) -> dict:
         body["stop_token_ids"] = list(params.stop_token_ids)
     if params.ignore_eos:
         body["ignore_eos"] = True
-    return body
+    return {**body, **request_extras(params)}
 
 
 ASSISTANT_MARK = "\n\u2063RSA-ASSISTANT\u2063\n"

@@ -5,6 +5,7 @@ prompt, prompt-major: completions ``[i*n:(i+1)*n]`` belong to prompt ``i``.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence, runtime_checkable
 
@@ -34,6 +35,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # vLLM's: no end-of-sequence, stop token or stop string before ``min_tokens`` tokens; ``logit_bias`` (token id ->
+    # value, OpenAI's) added to that token's logit before the penalties and the temperature
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.n < 1:
@@ -56,6 +61,24 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 0 < self.repetition_penalty < float("inf"):
             raise ValueError(f"SamplingParams.repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"SamplingParams.min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        bias = {}
+        for k, v in dict(self.logit_bias or {}).items():
+            try:
+                t, b = int(k), float(v)
+            except (TypeError, ValueError):
+                raise ValueError(f"SamplingParams.logit_bias maps token ids to numbers, got {k!r}: {v!r}") from None
+            if t < 0 or str(t) != str(k).strip() or not math.isfinite(b):
+                raise ValueError(f"SamplingParams.logit_bias maps token ids (>= 0) to finite numbers, got {k!r}: {v!r}")
+            bias[t] = b
+        self.logit_bias = bias
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """``logit_bias`` names only the model's token ids (a one-line ``ValueError`` otherwise, as vLLM's)."""
+        bad = [t for t in self.logit_bias if t >= vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias has token id {bad[0]}; the model's ids are 0..{vocab_size - 1}")
 
     @property
     def greedy(self) -> bool:
@@ -65,12 +88,17 @@ class SamplingParams:
     def penalized(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
+    @property
+    def processed(self) -> bool:
+        """Whether the logits are changed before sampling (penalties, ``logit_bias``, ``min_tokens``)."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
+
 
 @dataclass
 class Completion:
     """One sampled continuation. ``logprobs[i]`` is the log-probability of ``token_ids[i]``
-    under softmax(logits / temperature) (temperature 1 when greedy), before penalties and top-p/top-k/min-p
-    truncation: the distribution a trainer recomputes at the same temperature.
+    under softmax(logits / temperature) (temperature 1 when greedy), before logit bias, min_tokens, penalties and
+    top-p/top-k/min-p truncation: the distribution a trainer recomputes at the same temperature.
     ``finish_reason`` is ``"stop"`` (EOS, stop token or stop string) or ``"length"``.
     ``prompt_tokens`` counts the prompt's tokens (prefill)."""
 
@@ -115,14 +143,25 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+def request_extras(params: SamplingParams) -> dict:
+    """``min_tokens`` and ``logit_bias`` (ids as strings, as OpenAI's JSON) when set."""
+    out = {}
+    if params.min_tokens:
+        out["min_tokens"] = params.min_tokens
+    if params.logit_bias:
+        out["logit_bias"] = {str(k): v for k, v in params.logit_bias.items()}
+    return out
+
+
 def completion_request(params: SamplingParams) -> dict:
     """The fields of an OpenAI-style ``/v1/completions`` body that samples and decodes as the engines do (the
     model, the prompt, the seed and a per-prompt ``max_tokens`` are the caller's): every sampling field named, as
     a vLLM server fills one left out from the model's generation_config.json (Qwen2.5-Instruct's
     repetition_penalty 1.05, Qwen3's top_k 20), with top_k -1 for off as vLLM and SGLang spell it and the
-    penalties the params hold (none unless set); the sampled tokens' log-probs only (no top alternatives, which
-    cost Cascade's server a teacher-forced forward per choice), their ids, and the text as the engines decode it (:data:`ENGINE_TEXT`)."""
-    return {"n": params.n, "max_tokens": params.max_tokens, "temperature": params.temperature,
+    penalties the params hold (none unless set), ``min_tokens`` and ``logit_bias`` only when set (no server has a
+    default for them); the sampled tokens' log-probs only (no top alternatives, which cost Cascade's server a
+    teacher-forced forward per choice), their ids, and the text as the engines decode it (:data:`ENGINE_TEXT`)."""
+    return {**request_extras(params), "n": params.n, "max_tokens": params.max_tokens, "temperature": params.temperature,
             "top_p": params.top_p, "top_k": params.top_k or -1, "min_p": params.min_p, "stop": list(params.stop),
             "stop_token_ids": list(params.stop_token_ids), "ignore_eos": params.ignore_eos,
             "repetition_penalty": params.repetition_penalty, "presence_penalty": params.presence_penalty,

@@ -1,6 +1,6 @@
-"""Token sampling shared by engines: repetition/presence/frequency penalties, temperature, top-k, top-p,
-min-p, with counter-based per-row random numbers so a row's samples depend only on its own seed and step,
-never on what else is in the batch."""
+"""Token sampling shared by engines: logit bias, min_tokens, repetition/presence/frequency penalties,
+temperature, top-k, top-p, min-p, with counter-based per-row random numbers so a row's samples depend only
+on its own seed and step, never on what else is in the batch."""
 from __future__ import annotations
 
 import numpy as np
@@ -34,24 +34,41 @@ def uniforms(seeds: np.ndarray, step: int) -> np.ndarray:
     return (z >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
 
 
-class Penalties:
-    """vLLM's penalties for the rows of one batch (train/engine/base.py's ``SamplingParams``): which tokens each
-    row's prompt holds (repetition penalty) and how often each row has sampled each token so far; rows follow the
-    batch as it shrinks (:meth:`keep`). Dense [rows, vocab] state, built only when a request asks for a penalty."""
+class LogitsProcessors:
+    """vLLM's logits processors for the rows of one batch (train/engine/base.py's ``SamplingParams``), in vLLM's
+    order: ``logit_bias`` added, the stop tokens masked while fewer than ``min_tokens`` are out (every row of a batch
+    has sampled as many tokens as the step's index), then the penalties, from which tokens each row's prompt holds
+    (repetition penalty) and how often each row has sampled each token so far; rows follow the batch as it shrinks
+    (:meth:`keep`). Built only for a request that asks for one of them (dense [rows, vocab] counts for penalties)."""
 
-    def __init__(self, p: SamplingParams, prompts: list[list[int]], vocab: int, device):
+    def __init__(self, p: SamplingParams, prompts: list[list[int]], vocab: int, device, stop_ids=()):
         self.p = p
         rows = len(prompts)
-        self.counts = torch.zeros(rows, vocab, device=device)
-        self.in_prompt = None
+        self.bias = None
+        if p.logit_bias:
+            p.check_vocab(vocab)
+            self.bias = torch.zeros(vocab, device=device)
+            self.bias[torch.tensor(list(p.logit_bias), dtype=torch.long, device=device)] = torch.tensor(
+                list(p.logit_bias.values()), device=device)
+        self.stop_ids = torch.tensor(sorted(t for t in stop_ids if t < vocab), dtype=torch.long, device=device)
+        self.counts = self.in_prompt = None
+        if p.penalized:
+            self.counts = torch.zeros(rows, vocab, device=device)
         if p.repetition_penalty != 1:
             self.in_prompt = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
             for r, ids in enumerate(prompts):
                 self.in_prompt[r, torch.tensor(ids, dtype=torch.long, device=device)] = True
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """The penalized logits (a new tensor; ``logits`` [rows, vocab] fp32 untouched)."""
+    def apply(self, logits: torch.Tensor, step: int = 0) -> torch.Tensor:
+        """The processed logits for the token at index ``step`` (a new tensor; ``logits`` [rows, vocab] fp32
+        untouched)."""
         p, x = self.p, logits.clone()
+        if self.bias is not None:
+            x += self.bias
+        if step < p.min_tokens and len(self.stop_ids):
+            x[:, self.stop_ids] = _MASK
+        if self.counts is None:
+            return x
         seen = self.counts > 0
         if self.in_prompt is not None:
             hit = seen | self.in_prompt
@@ -64,10 +81,12 @@ class Penalties:
 
     def add(self, tok: torch.Tensor) -> None:
         """Count each row's sampled token (``tok`` [rows])."""
-        self.counts[torch.arange(len(tok), device=tok.device), tok] += 1
+        if self.counts is not None:
+            self.counts[torch.arange(len(tok), device=tok.device), tok] += 1
 
     def keep(self, sel: torch.Tensor) -> None:
-        self.counts = self.counts.index_select(0, sel)
+        if self.counts is not None:
+            self.counts = self.counts.index_select(0, sel)
         if self.in_prompt is not None:
             self.in_prompt = self.in_prompt.index_select(0, sel)
 
@@ -96,23 +115,24 @@ def truncates(p: SamplingParams) -> bool:
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, seeds: np.ndarray | None = None,
-           step: int = 0, native: bool = False, penalties: Penalties | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           step: int = 0, native: bool = False, processors: LogitsProcessors | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of fp32 ``logits`` [B, V]; ``seeds`` (uint64 [B], one per row, unused
     when greedy) with ``step`` (the index of the token being sampled) fix the random numbers.
 
     Returns (token ids [B], logprobs [B]); the logprob is that of the chosen token under
     softmax(logits / temperature) (temperature 1 when greedy), before truncation, which is the
-    distribution the trainer recomputes. ``penalties`` (for params that ask for one): the token is chosen
-    from the penalized logits (greedy too, as vLLM), its logprob still taken before the penalties (vLLM's
-    default ``raw_logprobs`` likewise); the caller counts the tokens (:meth:`Penalties.add`).
+    distribution the trainer recomputes. ``processors`` (for params that ask for penalties, ``logit_bias`` or
+    ``min_tokens``): the token is chosen from the processed logits (greedy too, as vLLM), its logprob still taken
+    before them (vLLM's default ``raw_logprobs`` likewise); the caller counts the tokens
+    (:meth:`LogitsProcessors.add`).
 
     ``native``: untruncated sampling of fp32 CPU logits runs as one fused op of the native decode
     extension (the caller checked :func:`train.engine.native.usable`); same random numbers and the
     same inverse-transform rule, so the same tokens except where a draw falls within rounding of a
     token boundary.
     """
-    if penalties is not None:
-        tok, _ = sample(penalties.apply(logits), p, seeds, step, native)
+    if processors is not None:
+        tok, _ = sample(processors.apply(logits, step), p, seeds, step, native)
         scale = 1.0 if p.greedy else p.temperature
         return tok, torch.log_softmax(logits / scale, dim=-1).gather(-1, tok[:, None]).squeeze(-1)
     if native and not p.greedy and not truncates(p):

@@ -4,8 +4,8 @@ It belongs to the engine layer, so test-time compute (``ttc``) and RL rollouts b
 
 Endpoints: ``GET /v1/models``; ``POST /v1/completions`` (prompt as text, token ids, or a list of
 either; n, max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos,
-repetition_penalty, presence_penalty, frequency_penalty (vLLM's), logprobs, skip_special_tokens,
-return_routed_experts); ``POST /v1/chat/completions`` (the checkpoint's chat template);
+repetition_penalty, presence_penalty, frequency_penalty, min_tokens (vLLM's), logit_bias (OpenAI's: token id ->
+bias in [-100, 100], a value past that clamped, as vLLM), logprobs, skip_special_tokens, return_routed_experts); ``POST /v1/chat/completions`` (the checkpoint's chat template);
 ``POST /tokenize`` and ``POST /detokenize`` (vLLM-style); ``GET /v1/weights`` (the weight version
 served) and ``POST /v1/load_weights`` (see below). Each completion choice carries ``token_ids``
 besides the text, ``logprobs.token_logprobs``, ``versions`` (the weight version that sampled each
@@ -29,9 +29,9 @@ leaves out the special tokens a model emits mid-text unless the request sets ``"
 false`` (what Cascade's own clients do: the text then equals the engine's decode, which RL verifies). Chat also takes
 vLLM's ``continue_final_message`` (go on from a last assistant message), ``chat_template`` and
 ``chat_template_kwargs`` (e.g. ``enable_thinking``; ``/tokenize`` with ``messages`` too). Fields of OpenAI's or
-vLLM's requests that would change the output and that this server does not implement (``min_tokens``,
-``logit_bias``, ``tools``, ``response_format``, beam search, structured outputs, ...: ``_UNSUPPORTED``) are
-a 400 naming the field unless absent or at a value that changes nothing.
+vLLM's requests that would change the output and that this server does not implement (``tools``,
+``response_format``, beam search, structured outputs, ``allowed_token_ids``, ...: ``_UNSUPPORTED``) are a 400
+naming the field unless absent or at a value that changes nothing.
 
 A request with ``seed`` samples prompt i exactly as ``engine.generate([prompt_i], seed=seed)``
 (every prompt of a batch request gets that seed, as in vLLM; a request without one gets a random
@@ -113,7 +113,8 @@ class _Job:
 
 def _batch_key(p: SamplingParams) -> tuple:
     return (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens, tuple(p.stop), tuple(p.stop_token_ids),
-            p.ignore_eos, p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
+            p.ignore_eos, p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.min_tokens,
+            tuple(sorted(p.logit_bias.items())))
 
 
 class Batcher:
@@ -258,8 +259,8 @@ def _whole(v) -> int:
 
 # fields of OpenAI's and vLLM's requests that change what is generated and that this server does not implement:
 # refused unless absent or at a value that changes nothing (never answered as if they were not there)
-_UNSUPPORTED = {"suffix": ("",), "use_beam_search": (False,), "length_penalty": (1,), "min_tokens": (0,),
-                "include_stop_str_in_output": (False,), "logit_bias": ({},), "allowed_token_ids": (),
+_UNSUPPORTED = {"suffix": ("",), "use_beam_search": (False,), "length_penalty": (1,),
+                "include_stop_str_in_output": (False,), "allowed_token_ids": (),
                 "bad_words": ([],), "truncate_prompt_tokens": (), "prompt_logprobs": (), "logprob_token_ids": ([],),
                 "prompt_embeds": (), "structured_outputs": (), "guided_json": (), "guided_regex": (),
                 "guided_choice": (), "guided_grammar": (), "response_format": ({"type": "text"},),
@@ -276,6 +277,13 @@ def _refuse_unsupported(body: dict) -> None:
             raise BadRequest(f"{name}={json.dumps(v)[:60]} is not supported by this server")
 
 
+def _bias(v: dict) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token ids as strings) with each value clamped to [-100, 100], as vLLM's server."""
+    if not isinstance(v, dict) or any(float(b) != float(b) for b in v.values()):  # NaN
+        raise TypeError
+    return {_whole(k): min(100.0, max(-100.0, float(b))) for k, b in v.items()}
+
+
 def _params(body: dict, default_max: int = 16, context: int | None = None) -> SamplingParams:
     def get(name, default, cast):
         v = body.get(name)
@@ -284,7 +292,8 @@ def _params(body: dict, default_max: int = 16, context: int | None = None) -> Sa
         try:
             return cast(v)
         except (TypeError, ValueError, OverflowError):
-            kind = {_whole: "an integer", float: "a number"}.get(cast, "a list of integers")
+            kind = {_whole: "an integer", float: "a number", _bias: "an object of token ids to numbers"}.get(
+                cast, "a list of integers")
             raise BadRequest(f"{name} must be {kind}, got {v!r}") from None
 
     if body.get("echo"):
@@ -307,7 +316,8 @@ def _params(body: dict, default_max: int = 16, context: int | None = None) -> Sa
                               seed=get("seed", None, _whole), ignore_eos=bool(body.get("ignore_eos", False)),
                               repetition_penalty=get("repetition_penalty", 1.0, float),
                               presence_penalty=get("presence_penalty", 0.0, float),
-                              frequency_penalty=get("frequency_penalty", 0.0, float))
+                              frequency_penalty=get("frequency_penalty", 0.0, float),
+                              min_tokens=get("min_tokens", 0, _whole), logit_bias=get("logit_bias", {}, _bias))
     except (TypeError, ValueError) as e:
         raise BadRequest(str(e)) from None
 

@@ -38,7 +38,7 @@ import torch
 
 from train.engine import native
 from train.engine.base import Completion, SamplingParams, check_prompts
-from train.engine.sampling import Penalties, row_seed, sample
+from train.engine.sampling import LogitsProcessors, row_seed, sample
 from train.model.hf_io import load_into, load_pretrained
 from train.model.modeling import CausalLM, KVCache
 
@@ -159,6 +159,7 @@ class TorchEngine:
         ids = self.encode(prompts)
         ctx = self.context_length
         check_prompts(ids, ctx, seeds, vocab_size=self.model.config.vocab_size)
+        params.check_vocab(self.model.config.vocab_size)
         record = self.return_routed_experts if return_routed_experts is None else bool(return_routed_experts)
         if record and not self.model.config.is_moe:
             raise ValueError("return_routed_experts needs an MoE model; this one has no MoE layers")
@@ -282,6 +283,14 @@ class TorchEngine:
         logits = self.model.logits(self.model.hidden_states(tok[:, None], cache=cache, record_routing=rec)[:, -1])
         return logits, torch.stack([r[:, 0] for r in rec], 1)
 
+    def _stop_cut(self, tokens: list[int], p: SamplingParams) -> str | None:
+        """The text up to the first stop string that ends past the first ``min_tokens`` tokens' text (vLLM's
+        rule: none is looked for before), or None."""
+        full = self.decode(tokens)
+        floor = len(self.decode(tokens[:p.min_tokens])) if p.min_tokens else 0
+        found = [i for i in (full.find(s, max(0, floor - len(s) + 1)) for s in p.stop) if i >= 0]
+        return full[:min(found)] if found else None
+
     @torch.inference_mode()  # cheaper per op than no_grad (no version counters or view tracking)
     def _generate_chunk(self, prompts: list[list[int]], offset: int, p: SamplingParams, base_seed: int,
                         seeds: Sequence[int] | None = None, record: bool = False):
@@ -321,13 +330,15 @@ class TorchEngine:
         active = list(range(rows))  # row ids still generating, aligned with the cache's batch rows
         limits = [min(max_new, self.context_length - lens[r // n]) for r in range(rows)]
         stop_window = max((len(s) for s in p.stop), default=0) + 16
-        penalties = Penalties(p, [prompts[r // n] for r in range(rows)], logits.shape[-1], dev) if p.penalized else None
+        procs = None
+        if p.processed:
+            procs = LogitsProcessors(p, [prompts[r // n] for r in range(rows)], logits.shape[-1], dev, stop_ids=eos)
         step = 0
         while active:
             tok, lp = sample(logits, p, None if row_seeds is None else row_seeds[active], step, native=decoder is not None,
-                             penalties=penalties)
-            if penalties is not None:
-                penalties.add(tok)
+                             processors=procs)
+            if procs is not None:
+                procs.add(tok)
             tok_l, lp_l = tok.tolist(), lp.tolist()
             keep = []
             for j, r in enumerate(active):
@@ -337,12 +348,12 @@ class TorchEngine:
                 done = False
                 if tok_l[j] in eos:
                     finish[r], done = "stop", True
-                elif p.stop and self.tokenizer is not None:
+                elif p.stop and self.tokenizer is not None and len(tokens[r]) > p.min_tokens:
                     tail = self.decode(tokens[r][-stop_window:])
                     if any(s in tail for s in p.stop):
-                        full = self.decode(tokens[r])
-                        cut = min(full.find(s) for s in p.stop if s in full)
-                        finish[r], texts[r], done = "stop", full[:cut], True
+                        cut = self._stop_cut(tokens[r], p)
+                        if cut is not None:
+                            finish[r], texts[r], done = "stop", cut, True
                 if not done and len(tokens[r]) >= limits[r]:
                     done = True
                 if not done:
@@ -355,8 +366,8 @@ class TorchEngine:
                     break
                 sel = torch.tensor(keep, device=dev)
                 cache = cache.keep(sel)
-                if penalties is not None:
-                    penalties.keep(sel)
+                if procs is not None:
+                    procs.keep(sel)
                 active = [active[j] for j in keep]
                 tok = tok.index_select(0, sel)
             # step boundary: weights posted by another thread are taken here

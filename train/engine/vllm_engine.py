@@ -14,7 +14,8 @@ the duration of one ``generate`` call), asks vLLM for temperature 1 and uses ``r
 vLLM then samples from truncate(softmax(logits / T)) and reports log_softmax(logits / T) of the
 sampled token, exactly the torch engine's semantics. Greedy (T = 0) reports log_softmax(logits).
 Penalties apply before the temperature in vLLM and in the torch engine; on logits already divided by T,
-the repetition penalty (a factor) is the same, and presence/frequency penalties are passed divided by T.
+the repetition penalty (a factor) is the same, and presence/frequency penalties and ``logit_bias`` are passed
+divided by T.
 A consequence: one ``generate`` call runs at one temperature, and calls are serialised by a lock.
 
 Seeds. Completion j of prompt i is its own vLLM request seeded with
@@ -268,7 +269,7 @@ class VLLMEngine:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _vllm_params(self, p: SamplingParams, seed: int | None, max_tokens: int):
-        # vLLM subtracts these from the logits the model's processor already divided by T: (l - f c) / T needs f / T
+        # vLLM adds these to the logits the model's processor already divided by T: (l - f c + b) / T needs f / T, b / T
         scale = 1.0 if p.greedy else p.temperature
         presence, frequency = p.presence_penalty / scale, p.frequency_penalty / scale
         if max(abs(presence), abs(frequency)) > 2:
@@ -280,7 +281,7 @@ class VLLMEngine:
             max_tokens=max_tokens, stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids) or None,
             ignore_eos=p.ignore_eos, seed=None if p.greedy else seed, logprobs=0,
             repetition_penalty=p.repetition_penalty, presence_penalty=presence, frequency_penalty=frequency,
-            **ENGINE_TEXT)
+            min_tokens=p.min_tokens, logit_bias={t: b / scale for t, b in p.logit_bias.items()} or None, **ENGINE_TEXT)
 
     # -- contract ---------------------------------------------------------------------------------
     @property
