@@ -64,7 +64,8 @@ class WorkerLearner:
             ref = str(resolve_model(ref, "KL reference").resolve())  # a directory, or a Hub id's cached snapshot
         cfg = RLUpdateConfig(loss=rl_cfg.loss, loss_cfg=rl_cfg.loss_cfg, optim=rl_cfg.optim,
                              tokens_per_micro=tcfg.tokens_per_micro, dtype=dtype, pad_id=pad_id, sft_optim=sft_optim,
-                             kl_reference=ref, activation_checkpointing=rl_cfg.activation_checkpointing)
+                             kl_reference=ref, activation_checkpointing=rl_cfg.activation_checkpointing,
+                             ratio_against=rl_cfg.ratio_against)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         conf = self.log_dir / "trainer-config.json"
         conf.write_text(json.dumps(config_dict(cfg), indent=1, default=list))

@@ -282,6 +282,8 @@ def test_kill_9_of_the_run_resumes_trainer_ranks_and_orchestrator_in_step(warm_d
     (["trainer.tsp=0"], "trainer.tsp must be >= 1, got 0"),
     (["rollout.down_wait_s=-1"], "rollout.down_wait_s >= 0, got 120.0, 10.0 and -1"),
     (["rollout.servers=2", "rollout.gpus=[0,1,2]"], "rollout.gpus=[0, 1, 2] must be distinct GPU ids, as many for each"),
+    (["trainer.nproc=2", "rl.updates_per_batch=2"], "the trainer ranks take one optimizer step per"),
+    (["rl.loss_cfg.tis_cap=2"], "rl: loss_cfg.tis_cap=2.0 acts only with ratio_against=recompute"),
 ])
 def test_bad_layouts_fail_before_any_work(warm_dir, tmp_path, args, needle):
     out = tmp_path / "run"

@@ -67,6 +67,8 @@ def rl_cfg(loss: str, kl: tuple[float, str] | None = None, **kw):
     # (~1e-9 here) becomes update noise of about lr * noise / eps; 1e-6 keeps that far below TOL
     optim = OptimConfig(lr=1e-3, weight_decay=0.1, grad_clip=0.05, warmup_steps=2, eps=1e-6)
     kl_kw = {} if kl is None else {"kl_coef": kl[0], "kl_type": kl[1]}
+    if "tis_cap" in kw:
+        kl_kw["tis_cap"] = kw.pop("tis_cap")
     loss_cfg = LossConfig(gspo_clip_low=0.1, gspo_clip_high=0.1, **kl_kw)  # a trust region some sequences fall in
     return RLUpdateConfig(loss=loss, loss_cfg=loss_cfg, optim=optim, tokens_per_micro=kw.pop("tokens_per_micro", 20),
                           **kw)
@@ -84,7 +86,7 @@ def reference_weights(cfg, rcfg, batches) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------------ in-process world
 
 
-CASES = [("moe", "dppo_tv"), ("dense", "gspo"), ("moe", "gspo"), ("dense", "dapo")]
+CASES = [("moe", "dppo_tv"), ("dense", "gspo"), ("moe", "gspo"), ("dense", "dapo"), ("dense", "grpo+recompute")]
 
 
 def _gathered(up, out, key):
@@ -121,7 +123,8 @@ def _check_updates(world, out):
     for dp, tsp in meshes:
         for name, loss in CASES:
             cfg = _cfgs()[name]
-            rcfg = rl_cfg(loss)
+            # the ratio against the policy before the step, the behaviour log-probs in truncated IS (capped)
+            rcfg = rl_cfg(loss.split("+")[0], ratio_against="recompute", tis_cap=1.2) if "+" in loss else rl_cfg(loss)
             batches = [make_batch(s, cfg) for s in range(2)]
             want, ref_m = reference_weights(cfg, rcfg, batches)
             up = RLUpdater(_model(cfg), rcfg, tsp=tsp, dp=dp)
@@ -136,6 +139,9 @@ def _check_updates(world, out):
                                           for m, r in zip(mets, ref_m))
             out[key + ".micro"] = max(m["micro_batches_max"] for m in mets)
             out[key + ".clip_frac"] = mets[0]["clip_frac"]
+            if "+" in loss:  # the cap did act (the test's mu are the policy's log-probs plus noise)
+                out[key + ".tis_capped_frac"] = abs(mets[0]["tis_capped_frac"] - ref_m[0]["tis_capped_frac"])
+                out[key + ".tis_capped"] = ref_m[0]["tis_capped_frac"]
             out[key + ".grad_norm_abs"] = mets[0]["grad_norm"]
     if world == 2:  # activation checkpointing on DP ranks: the same step, each decoder layer run twice
         cfg, calls = _cfgs()["moe"], {}
@@ -365,6 +371,8 @@ def test_sharded_rl_step_equals_reference(results):
         assert max(r[base + ".recv_elsewhere"] for r in ranks[1:]) == 0.0, k  # the others receive nothing
         if "xtsp1." not in base:  # TSP ranks' shards did travel to rank 0
             assert ranks[0][base + ".recv"] > 0.3, k
+        if "recompute" in base:
+            assert 0 < ranks[0][base + ".tis_capped"] < 1 and _max(ranks, base + ".tis_capped_frac") < 1e-6, k
 
 
 @pytest.mark.timeout(400)

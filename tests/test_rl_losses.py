@@ -125,7 +125,12 @@ def test_gspo_by_hand():
     s0, s1 = math.exp(0.0003), math.exp(0.002)  # geometric-mean ratios; s1 > 1 + 4e-4 is clipped
     assert loss.item() == pytest.approx((-s0 - 1.0004) / 2, abs=1e-12)
     assert m["clip_frac"] == pytest.approx(0.5)
-    assert m["seq_ratio_mean"] == pytest.approx((s0 + s1) / 2)
+    assert m["seq_ratio_mean"] == pytest.approx((s0 + s1) / 2)  # (2 tokens each)
+    # over loss tokens: a 1-token sequence weighs half a 2-token one; a row without loss tokens not at all
+    three = torch.zeros(3, 2, dtype=D)
+    m = get_loss("gspo")(three + t([[0.002, 0.002], [0.01, 9.0], [5.0, 5.0]]), three, None, t([1.0, 1.0, 1.0]),
+                         t([[1, 1], [1, 0], [0, 0]]))[1]
+    assert m["seq_ratio_mean"].item() == pytest.approx((2 * s1 + math.exp(0.01)) / 3)
     loss.backward()
     # d(-s0)/d logp_t = -s0 / 2 (mean over 2 tokens), / 2 rollouts
     torch.testing.assert_close(lp.grad, t([[-s0 / 4, -s0 / 4], [0, 0]]))

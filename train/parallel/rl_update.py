@@ -99,6 +99,9 @@ class RLUpdateConfig:
     kl_reference: str | None = None
     # tsp 1: recompute each decoder layer in backward (the TSP layout always recomputes its blocks)
     activation_checkpointing: bool = False
+    # the ratio against the behaviour log-probs (mu), or against the policy's own before the step (recompute: one
+    # optimizer step per batch, so they are this forward's, detached; mu then enters truncated IS, loss_cfg.tis_cap)
+    ratio_against: str = "behaviour"
 
     def __post_init__(self):
         try:
@@ -107,6 +110,8 @@ class RLUpdateConfig:
             raise ValueError(e.args[0]) from None
         if isinstance(self.loss_cfg, dict):
             self.loss_cfg = LossConfig(**self.loss_cfg)
+        if self.ratio_against not in ("behaviour", "recompute"):
+            raise ValueError(f"unknown ratio_against {self.ratio_against!r}; choose from behaviour, recompute")
         if isinstance(self.optim, dict):
             self.optim = OptimConfig(**self.optim)
         if isinstance(self.sft_optim, dict):
@@ -366,6 +371,9 @@ class RLUpdater:
             lp, ent = self._logprobs(t, temp, [samples[i] for i in rows])
             if sft:  # mean NLL of the response tokens of the whole batch
                 loss, mets = -(lp * t.mask).sum() / denom, {}
+            elif cfg.ratio_against == "recompute":  # one step per batch: the policy before it is this forward's
+                loss, mets = self.loss_fn(lp, lp.detach(), t.mu, t.advantages, t.mask, cfg.loss_cfg, ref_logprobs=ref,
+                                          denom=denom)  # (mismatch metrics: the loss's own, old vs mu)
             else:
                 loss, mets = self.loss_fn(lp, t.mu, None, t.advantages, t.mask, cfg.loss_cfg, ref_logprobs=ref,
                                           denom=denom)
@@ -517,8 +525,9 @@ def reference_update(model: CausalLM, opt: torch.optim.Optimizer, batch: TrainBa
                      step: int, ref_model: CausalLM | None = None) -> dict[str, float]:
     """The single-process RL step that :class:`RLUpdater` reproduces: the batch's samples that have a loss
     token (``keep`` and a completion; a zaya router counts no others) in one padded forward
-    (``modeling.token_logprobs``), the loss with the ratio against ``mu`` (and with
-    ``kl_coef > 0`` the KL to ``ref_model``'s log-probs, a no-grad forward of the same batch),
+    (``modeling.token_logprobs``), the loss with the ratio against ``mu`` (``ratio_against=recompute``: against
+    a no-grad forward of the policy before the step, with ``mu`` for truncated IS), with ``kl_coef > 0`` the KL
+    to ``ref_model``'s log-probs (a no-grad forward of the same batch),
     clipping by the norm of all gradients, AdamW at ``lr * lr_factor(step)``. Returns (loss,
     grad_norm, lr, and kl_ref with KL)."""
     lr = cfg.optim.lr * lr_factor(step, cfg.optim)
@@ -533,8 +542,12 @@ def reference_update(model: CausalLM, opt: torch.optim.Optimizer, batch: TrainBa
             raise ValueError("kl_coef > 0 needs ref_model")
         with torch.no_grad():
             ref = token_logprobs(ref_model, t.input_ids, t.attention_mask, temp, t.routed_experts)
+    old, mu = t.mu, None
+    if cfg.ratio_against == "recompute":
+        with torch.no_grad():
+            old, mu = token_logprobs(model, t.input_ids, t.attention_mask, temp, t.routed_experts), t.mu
     lp = token_logprobs(model, t.input_ids, t.attention_mask, temp, t.routed_experts)
-    loss, mets = get_loss(cfg.loss)(lp, t.mu, None, t.advantages, t.mask, cfg.loss_cfg, ref_logprobs=ref,
+    loss, mets = get_loss(cfg.loss)(lp, old, mu, t.advantages, t.mask, cfg.loss_cfg, ref_logprobs=ref,
                                     denom=loss_denominator(batch.samples, agg))
     opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -545,6 +558,7 @@ def reference_update(model: CausalLM, opt: torch.optim.Optimizer, batch: TrainBa
     opt.zero_grad(set_to_none=True)
     balance_router_biases(model)  # ZAYA1's balancing biases, as train.optim.clip_and_step
     out = {"loss": float(loss.detach()), "grad_norm": float(norm), "lr": lr}
-    if "kl_ref" in mets:
-        out["kl_ref"] = float(mets["kl_ref"])
+    for k in ("kl_ref", "tis_capped_frac"):
+        if k in mets:
+            out[k] = float(mets[k])
     return out

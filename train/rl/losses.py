@@ -54,8 +54,10 @@ Metrics: ``loss``, ``clip_frac`` (share of tokens whose gradient the clip/trust 
 whose IS weight was clipped; with dual clip, the dual-clipped tokens too, which
 ``clip_frac_dual`` counts on their own), ``approx_kl`` (k3 of old vs new), ``ratio_mean``, and when engine
 log-probs are given ``mismatch_kl`` (k3 of rollout vs old) and ``mismatch_max_abs``
-(max |old - rollout|); ``tis_capped_frac`` and ``kl_ref`` when those options are on. Each is a
-detached 0-dim tensor on the inputs' device, not a float: reading one waits for the device, so the
+(max |old - rollout|); ``tis_capped_frac`` and ``kl_ref`` when those options are on; GSPO's ``seq_ratio_mean``.
+All but ``loss`` and ``mismatch_max_abs`` are means over the loss tokens (GSPO's per-sequence ratio weighted by
+its tokens), so that the trainers' token-weighted sums over micro-batches give the batch's value however the rows
+are packed. Each is a detached 0-dim tensor on the inputs' device, not a float: reading one waits for the device, so the
 trainers sum them over a step's micro-batches in :class:`MetricSums` and read them all at once at the
 end of the step (on a GPU, a ``float()`` per metric per micro-batch would stall the queue of kernels
 each time).
@@ -347,7 +349,8 @@ def gspo_loss(logprobs, old_logprobs, rollout_logprobs, advantages, mask, cfg=No
     seq_lr = b.log_ratio.sum(-1, keepdim=True) / b.mask.sum(-1, keepdim=True).clamp(min=1)
     s_tok = torch.exp(seq_lr.detach() + b.log_ratio - b.log_ratio.detach())
     tok, clipped = _clipped_surrogate(s_tok, b.adv, cfg.gspo_clip_low, cfg.gspo_clip_high)
-    metrics = {"clip_frac": _frac(clipped, b), "seq_ratio_mean": seq_lr.detach().exp().mean()}
+    seq_ratio = _masked_mean(seq_lr.detach().exp().expand_as(b.mask), b.mask)  # over loss tokens (module docstring)
+    metrics = {"clip_frac": _frac(clipped, b), "seq_ratio_mean": seq_ratio}
     return _finish(b, tok, metrics, cfg, "seq_mean_token_mean", ref_logprobs, denom)
 
 
