@@ -28,6 +28,7 @@ from collections import OrderedDict
 
 from envs.adapted import BoxedOrTagged, cached_catalog, package_version
 from envs.base import Environment, Problem, Score, register
+from envs.isolated import IsolatedCheck
 
 __all__ = ["ReasoningCoreEnv", "catalog", "EXCLUDED", "available"]
 
@@ -71,7 +72,7 @@ def _plain(x):
     return json.loads(json.dumps(x, default=str))
 
 
-class ReasoningCoreEnv(BoxedOrTagged, Environment):
+class ReasoningCoreEnv(IsolatedCheck, BoxedOrTagged, Environment):
     family = "rc"
     verify_time_limit = 10.0
     generate_time_limit = 10.0  # run-time bound on one generate (envs/caps.py)
@@ -159,19 +160,22 @@ class ReasoningCoreEnv(BoxedOrTagged, Environment):
         return self.problem(prompt, answer, seed, difficulty, rc_task=self.name, level=level,
                             rc_metadata=meta)
 
-    def check(self, problem: Problem, response: str) -> Score:
-        pred = self.extracted_or_zero(problem, response)
-        if isinstance(pred, Score):
-            return pred
+    def check_context(self, problem: Problem):
         meta = problem.meta.get("rc_metadata")
         if meta is None:  # a problem without its metadata: regenerate it
             _, _, meta, _ = self._item(problem.seed, problem.difficulty)
-        from reasoning_core.template import Entry
-
-        entry = Entry(metadata=meta, answer=problem.answer)
-        entry.prompt = problem.prompt
         if self._scorer is None:
             self._scorer = self._rc.get_score_answer_fn(self.name)
+        return meta
+
+    def check_with(self, problem: Problem, response: str, context) -> Score:
+        pred = self.extracted_or_zero(problem, response)
+        if isinstance(pred, Score):
+            return pred
+        from reasoning_core.template import Entry
+
+        entry = Entry(metadata=context, answer=problem.answer)
+        entry.prompt = problem.prompt
         value = float(self._scorer(pred, entry))
         value = max(0.0, min(1.0, value)) if value == value else 0.0
         return Score(value, value >= 1.0 - 1e-9, True, {"extracted": pred[:200], "rc_score": value})

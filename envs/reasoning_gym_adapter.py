@@ -28,6 +28,7 @@ from collections import OrderedDict
 
 from envs.adapted import BoxedOrTagged, cached_catalog, package_version
 from envs.base import Environment, Problem, Score, register
+from envs.isolated import IsolatedCheck
 
 __all__ = ["ReasoningGymEnv", "catalog", "NO_ORACLE", "EXCLUDED"]
 
@@ -79,7 +80,7 @@ def catalog() -> dict[str, dict]:
     return cached_catalog(f"reasoning_gym-{_version() or 'unknown'}.json", _build_catalog)
 
 
-class ReasoningGymEnv(BoxedOrTagged, Environment):
+class ReasoningGymEnv(IsolatedCheck, BoxedOrTagged, Environment):
     family = "rg"
     verify_time_limit = 10.0
     generate_time_limit = 10.0  # run-time bound on one generate (envs/caps.py)
@@ -198,15 +199,19 @@ class ReasoningGymEnv(BoxedOrTagged, Environment):
         return self.problem(str(entry["question"]), answer, seed, difficulty,
                             dataset=self.name, level=level)
 
-    def check(self, problem: Problem, response: str) -> Score:
-        pred = self.extracted_or_zero(problem, response)
-        if isinstance(pred, Score):
-            return pred
+    def check_context(self, problem: Problem):
         ds, entry = self._item(problem.seed, problem.difficulty)
         if not problem.prompt.startswith(str(entry["question"])):
             # a few reasoning-gym generators are not reproducible across instances/processes
             # (e.g. list_functions): score against the problem's own gold answer
             entry = {**entry, "answer": problem.answer}
+        return ds, entry
+
+    def check_with(self, problem: Problem, response: str, context) -> Score:
+        pred = self.extracted_or_zero(problem, response)
+        if isinstance(pred, Score):
+            return pred
+        ds, entry = context
         value = float(ds.score_answer(pred, entry))
         correct = value >= 1.0 - 1e-9
         return Score(value, correct, True, {"extracted": pred[:200], "rg_score": value})

@@ -43,6 +43,7 @@ from pathlib import Path
 
 from envs.adapted import ANSWER_TAG, MAX_ANSWER_CHARS, cached_catalog, last_tagged_or_boxed, package_version
 from envs.base import Environment, Problem, Score, register, strip_think
+from envs.isolated import IsolatedCheck
 
 __all__ = ["RLVEEnv", "catalog", "EXCLUDED", "available", "INSTRUCTION"]
 
@@ -196,7 +197,7 @@ def _jsonable(x):
         return json.loads(json.dumps(x, default=repr))
 
 
-class RLVEEnv(Environment):
+class RLVEEnv(IsolatedCheck, Environment):
     family = "rlve"
     instruction = INSTRUCTION
     verify_time_limit = 10.0
@@ -301,14 +302,18 @@ class RLVEEnv(Environment):
         return ["", "I don't know.", "<answer>qx9 ### zz</answer>",
                 "\\boxed{-98765.4321}"]
 
-    def check(self, problem: Problem, response: str) -> Score:
+    def check_context(self, problem: Problem):
+        inst, prompt, _, _ = self._item(problem.seed, problem.difficulty)
+        return inst, prompt
+
+    def check_with(self, problem: Problem, response: str, context) -> Score:
         text = strip_think(response)
         pred = last_tagged_or_boxed(text)
         if pred is not None:
             limit = max(MAX_ANSWER_CHARS, 50 * len(self.format_answer(problem.answer)))
             if len(pred) > limit:
                 return Score(-1.0, False, False, {"reason": "answer too long", "length": len(pred)})
-        inst, prompt, _, _ = self._item(problem.seed, problem.difficulty)
+        inst, prompt = context
         # RLVE's processor reads the last <answer>...</answer> of the output
         output = f"{_MARKERS[0]}{pred}{_MARKERS[1]}" if pred is not None else text[-MAX_ANSWER_CHARS:]
         res = inst.verifier(output)

@@ -1,0 +1,252 @@
+"""Third-party verifiers run apart: in worker processes under a deadline, with ``eval`` made safe.
+
+The adapters' scorers (``rg/`` reasoning-gym, ``rc/`` reasoning-core, ``rlve/`` RLVE-Gym) are other
+people's code run on model output. Some never return on an answer like ``10**10**10`` (sympy, or an
+``eval`` of it), and some ``eval`` the answer as Python (reasoning-gym's ``string_insertion``,
+``spiral_matrix``, ``binary_matrix``, ``n_queens``; several reasoning-core tasks), which would run whatever
+a policy writes. An environment with :class:`IsolatedCheck` therefore verifies in a worker process
+(:mod:`envs.workers`), in two stages, each with its own deadline:
+
+1. the environment's context for the problem (``check_context``: the adapter regenerates its item from
+   the problem's seed and level: the package's own code on its own data), within ``context_timeout``
+   (it includes the worker's first import of the package);
+2. the score (``check_with``), within ``verify_time_limit``, where the packages' own calls of the builtin
+   ``eval`` get :func:`safe_eval`, which evaluates literals and arithmetic only (no names but data
+   constants, no calls, no attributes; integers and sequences of bounded size).
+
+A worker that misses a deadline is killed, and the response scores zero (``reason``: the verifier did not
+finish); an exception in the scorer is a zero score with the error, as in-process. Where bubblewrap is
+installed the workers run confined (:func:`confinement`: a read-only filesystem, no network), since
+``eval`` is not the only way in: sympy's ``sympify``, which some scorers call on the answer, evaluates
+Python too; without bwrap (or with ``CASCADE_VERIFY_UNCONFINED=1``) they run as this user, with a warning
+when bwrap is there but fails. ``isolate = False`` on the class checks in this process instead (for
+debugging a scorer).
+"""
+from __future__ import annotations
+
+import ast
+import atexit
+import builtins
+import math
+import operator
+import os
+import shutil
+import sys
+from contextlib import contextmanager
+from typing import Any, ClassVar
+
+from envs.base import Problem, Score
+from envs.workers import Pool, WorkerStartError, serve
+
+MAX_INT_BITS = 1 << 14     # a safe_eval integer (2**16384 is about 4,900 digits)
+MAX_ITEMS = 1 << 17        # a safe_eval string, list, tuple, dict or set
+STARTUP_TIMEOUT = 120.0    # a fresh worker imports envs.base
+
+_BIN = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow, ast.BitAnd: operator.and_,
+        ast.BitOr: operator.or_, ast.BitXor: operator.xor, ast.LShift: operator.lshift, ast.RShift: operator.rshift}
+_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg, ast.Not: operator.not_, ast.Invert: operator.invert}
+_CMP = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt,
+        ast.GtE: operator.ge, ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b,
+        ast.Is: operator.is_, ast.IsNot: operator.is_not}
+_DATA = (int, float, complex, str, bytes, bool, type(None))
+_NAMES = {"True": True, "False": False, "None": None, "nan": math.nan, "inf": math.inf}
+
+
+def _size(v: Any) -> Any:
+    if isinstance(v, int) and v.bit_length() > MAX_INT_BITS:
+        raise ValueError(f"safe_eval: an integer of more than {MAX_INT_BITS} bits")
+    if isinstance(v, (str, bytes, list, tuple, dict, set, frozenset)) and len(v) > MAX_ITEMS:
+        raise ValueError(f"safe_eval: a value of more than {MAX_ITEMS} items")
+    return v
+
+
+def _data(v: Any) -> bool:
+    if isinstance(v, _DATA):
+        return True
+    if isinstance(v, (list, tuple, set, frozenset)):
+        return all(_data(x) for x in v)
+    return isinstance(v, dict) and all(_data(k) and _data(x) for k, x in v.items())
+
+
+def _binop(op: type, a: Any, b: Any) -> Any:
+    if op is ast.Pow and isinstance(a, int) and isinstance(b, int) and abs(a) > 1 and b > 0 \
+            and b * a.bit_length() > MAX_INT_BITS:
+        raise ValueError(f"safe_eval: a power of more than {MAX_INT_BITS} bits")
+    if op is ast.LShift and isinstance(b, int) and b > MAX_INT_BITS:
+        raise ValueError(f"safe_eval: a shift by more than {MAX_INT_BITS} bits")
+    if op is ast.Mult:
+        for seq, k in ((a, b), (b, a)):
+            if isinstance(seq, (str, bytes, list, tuple)) and isinstance(k, int) and len(seq) * k > MAX_ITEMS:
+                raise ValueError(f"safe_eval: a value of more than {MAX_ITEMS} items")
+    return _size(_BIN[op](a, b))
+
+
+def safe_eval(source: Any, globals: dict | None = None, locals: dict | None = None,  # noqa: A002
+              _depth: int = 1) -> Any:
+    """``eval`` of literals and arithmetic only: numbers, strings, lists, tuples, dicts and sets of them,
+    unary, binary (``**`` and ``<<`` bounded), boolean and comparison operators, subscripts, and names that
+    hold data (``True``/``False``/``None``/``nan``/``inf``, or data values of the given or calling scope).
+    Anything else (a call, an attribute, a lambda, a comprehension, a code object) is a ``ValueError``."""
+    if not isinstance(source, (str, bytes)):
+        raise ValueError("safe_eval: only expression strings")
+    scopes = [s for s in (locals, globals) if s is not None]
+    if not scopes:
+        frame = sys._getframe(_depth)
+        scopes = [frame.f_locals, frame.f_globals]
+    tree = ast.parse(source.strip() if isinstance(source, str) else source.decode().strip(), mode="eval")
+
+    def ev(n: ast.AST) -> Any:
+        if isinstance(n, ast.Expression):
+            return ev(n.body)
+        if isinstance(n, ast.Constant):
+            return _size(n.value)
+        if isinstance(n, (ast.List, ast.Tuple, ast.Set)):
+            items = [ev(x) for x in n.elts]
+            return _size({ast.List: list, ast.Tuple: tuple, ast.Set: set}[type(n)](items))
+        if isinstance(n, ast.Dict) and None not in n.keys:
+            return _size({ev(k): ev(v) for k, v in zip(n.keys, n.values)})
+        if isinstance(n, ast.UnaryOp) and type(n.op) in _UNARY:
+            return _size(_UNARY[type(n.op)](ev(n.operand)))
+        if isinstance(n, ast.BinOp) and type(n.op) in _BIN:
+            return _binop(type(n.op), ev(n.left), ev(n.right))
+        if isinstance(n, ast.BoolOp):
+            v = ev(n.values[0])
+            for x in n.values[1:]:
+                if (not v) if isinstance(n.op, ast.And) else v:
+                    break
+                v = ev(x)
+            return v
+        if isinstance(n, ast.Compare) and all(type(o) in _CMP for o in n.ops):
+            left = ev(n.left)
+            for o, c in zip(n.ops, n.comparators):
+                right = ev(c)
+                if not _CMP[type(o)](left, right):
+                    return False
+                left = right
+            return True
+        if isinstance(n, ast.Subscript):
+            return _size(ev(n.value)[ev(n.slice)])
+        if isinstance(n, ast.Slice):
+            return slice(*(None if x is None else ev(x) for x in (n.lower, n.upper, n.step)))
+        if isinstance(n, ast.Name):
+            for s in scopes:
+                if n.id in s and _data(s[n.id]):
+                    return s[n.id]
+            if n.id in _NAMES:
+                return _NAMES[n.id]
+            raise ValueError(f"safe_eval: name {n.id!r} is not a data value")
+        raise ValueError(f"safe_eval: {type(n).__name__} is not allowed")
+
+    return ev(tree)
+
+
+SCORER_PACKAGES = frozenset({"reasoning_gym", "reasoning_core", "Gym"})  # whose eval calls get safe_eval
+_REAL_EVAL = builtins.eval
+
+
+def _guarded_eval(source: Any, globals: dict | None = None, locals: dict | None = None) -> Any:  # noqa: A002
+    """The builtin ``eval`` while a score is computed: :func:`safe_eval` for code of the scorer packages, the real
+    one (in the caller's scope, as ``eval`` without arguments) for everyone else (sympy's parser evals its own
+    generated code)."""
+    frame = sys._getframe(1)
+    if str(frame.f_globals.get("__name__", "")).split(".")[0] in SCORER_PACKAGES:
+        return safe_eval(source, globals, locals, _depth=2)
+    if globals is None:
+        globals, locals = frame.f_globals, frame.f_locals if locals is None else locals
+    return _REAL_EVAL(source, globals, locals)
+
+
+@contextmanager
+def eval_made_safe():
+    """The builtin ``eval`` is :func:`_guarded_eval` meanwhile (one thread: the worker's)."""
+    builtins.eval = _guarded_eval
+    try:
+        yield
+    finally:
+        builtins.eval = _REAL_EVAL
+
+
+# --------------------------------------------------------------------------------------------
+# worker side
+
+_IN_WORKER = False
+_ENVS: dict[str, Any] = {}
+
+
+def _check(request: dict, emit) -> dict:
+    from envs.base import get_env
+
+    env = _ENVS.get(request["env"])
+    if env is None:
+        env = _ENVS[request["env"]] = get_env(request["env"])
+    problem = Problem.from_dict(request["problem"])
+    ctx = env.check_context(problem)
+    emit("context")
+    with eval_made_safe():
+        s = env.check_with(problem, request["response"], ctx)
+    return {"reward": float(s.reward), "correct": bool(s.correct), "format_ok": bool(s.format_ok), "info": s.info}
+
+
+def worker_main() -> None:
+    """A worker process (:mod:`envs.workers`): ``{"env", "problem", "response"}`` per request; the line
+    ``"context"`` once the environment has its context, then the score's fields."""
+    global _IN_WORKER
+    _IN_WORKER = True
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.CRITICAL)
+    serve(_check)
+
+
+# --------------------------------------------------------------------------------------------
+# caller side
+
+def confinement() -> list[str]:
+    """bubblewrap around a worker, when installed: the whole filesystem read-only (``TMPDIR`` a private
+    tmpfs), no network, its own process, IPC and session namespaces, killed with its parent."""
+    bwrap = shutil.which("bwrap")
+    if not bwrap or os.environ.get("CASCADE_VERIFY_UNCONFINED"):
+        return []
+    return [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-net", "--unshare-ipc",
+            "--unshare-pid", "--die-with-parent", "--new-session", "--setenv", "TMPDIR", "/dev/shm", "--"]
+
+
+_POOL = Pool("envs.isolated", STARTUP_TIMEOUT, wrap=confinement)
+atexit.register(_POOL.close)
+
+
+class IsolatedCheck:
+    """Mixin for an :class:`envs.base.Environment` whose scorer is someone else's code: ``check`` runs in a
+    worker process (see the module docstring). Implement ``check_context(problem)`` (what scoring needs,
+    from trusted code; it stays in the worker) and ``check_with(problem, response, context)``; the
+    environment must be one :func:`envs.base.get_env` builds from its ``id`` alone."""
+
+    concurrent_verify: ClassVar[bool] = True  # check waits on a worker process; each calling thread has its own
+    isolate: ClassVar[bool] = True
+    context_timeout: ClassVar[float] = 120.0
+
+    def check_context(self, problem: Problem) -> Any:
+        return None
+
+    def check_with(self, problem: Problem, response: str, context: Any) -> Score:
+        raise NotImplementedError
+
+    def check(self, problem: Problem, response: str) -> Score:
+        if not self.isolate or _IN_WORKER:
+            return self.check_with(problem, response, self.check_context(problem))
+        limit = float(getattr(self, "verify_time_limit", 10.0))
+        try:
+            got = _POOL.call({"env": self.id, "problem": problem.to_dict(), "response": response},
+                             [self.context_timeout, limit])
+        except WorkerStartError as e:
+            raise RuntimeError(str(e)) from None
+        if got is None:
+            return Score.zero("the verifier did not finish in time and was stopped",
+                              limits_s=[self.context_timeout, limit])
+        last = got[-1]
+        if not isinstance(last, dict) or "error" in last:
+            raise RuntimeError(last["error"] if isinstance(last, dict) else f"the verifier answered {last!r}")
+        return Score(last["reward"], last["correct"], last["format_ok"], dict(last.get("info") or {}))

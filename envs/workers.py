@@ -1,0 +1,169 @@
+"""Persistent worker processes that compute on model output under a deadline.
+
+A computation on a model's answer can run for ever (sympy on ``10**10**10``, a third-party scorer's
+``eval``); a thread cannot be stopped, and ``signal.alarm`` works only in the main thread. So such work
+runs in worker processes (``python -c "from MODULE import worker_main; worker_main()"``), one per
+concurrent caller: a request is one JSON line on the worker's stdin, and the worker answers with one
+JSON line per stage of the work (:func:`serve`). The caller gives each line its own deadline
+(:meth:`Pool.call`); a worker that misses one is killed and the call answers None. Used by
+:mod:`envs.math` (math-verify comparisons) and :mod:`envs.isolated` (the adapters' third-party
+verifiers)."""
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+
+class WorkerStartError(RuntimeError):
+    pass
+
+
+class Worker:
+    """One worker process running ``module.worker_main``, which says ``ready`` once it has imported what it
+    needs (within ``startup_timeout`` seconds); ``wrap``: a command that runs it (a sandbox's, ending in
+    ``--``)."""
+
+    def __init__(self, module: str, startup_timeout: float, wrap: Sequence[str] = ()) -> None:
+        root = str(Path(__file__).resolve().parent.parent)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self.proc = subprocess.Popen(
+            [*wrap, sys.executable, "-c", f"from {module} import worker_main; worker_main()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True, bufsize=1)
+        self._buf = b""  # what was read of the worker's stdout past the last line returned
+        if self._readline(startup_timeout) != '"ready"':
+            self.kill()
+            raise WorkerStartError(f"a worker process of {module} did not start within {startup_timeout:g} s")
+
+    def _readline(self, timeout: float) -> str | None:
+        """The next line, or None at the deadline or the end of the output. Reads the descriptor itself: a
+        buffered reader could hold the next line already, where ``select`` no longer sees it."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            chunk = os.read(fd, 1 << 16) if ready else b""
+            if not chunk:
+                return None
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return line.decode(errors="replace").strip()
+
+    def ask(self, request: Any, timeouts: Sequence[float]) -> list | None:
+        """The worker's answer lines to ``request``, one per deadline in ``timeouts`` (seconds, each from the
+        line before; fewer when a line is an ``{"error": ...}``, the last), or None when one is missed or the
+        worker died (it is then dead)."""
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            self.kill()
+            return None
+        out = []
+        for t in timeouts:
+            line = self._readline(t)
+            try:
+                out.append(json.loads(line) if line else None)
+            except ValueError:
+                line = None
+            if not line:
+                self.kill()
+                return None
+            if isinstance(out[-1], dict) and "error" in out[-1]:
+                break
+        return out
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+
+class Pool:
+    """Idle workers of one module; a caller takes one (starting a new one if none is idle) and gives it
+    back after an answer. Safe from any thread, and after a fork (the child starts its own). ``wrap``: a
+    callable giving the command that runs each worker (see :class:`Worker`), or ``()`` for none; when a
+    worker does not start that way, the pool warns once and starts them without it (``wrapped`` says which)."""
+
+    def __init__(self, module: str, startup_timeout: float, wrap: Callable[[], Sequence[str]] | None = None) -> None:
+        self.module, self.startup_timeout = module, startup_timeout
+        self._wrap, self.wrapped = wrap, None
+        self._idle: list[Worker] = []
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    def call(self, request: Any, timeouts: Sequence[float]) -> list | None:
+        """:meth:`Worker.ask` on an idle (or new) worker. Raises :class:`WorkerStartError` when a new one
+        does not start."""
+        with self._lock:
+            if self._pid != os.getpid():  # forked: the parent's workers are not ours
+                self._idle, self._pid = [], os.getpid()
+            w = self._idle.pop() if self._idle else None
+        if w is None or not w.alive():
+            w = self._start()
+        result = w.ask(request, timeouts)
+        if result is not None and w.alive():
+            with self._lock:
+                self._idle.append(w)
+        return result
+
+    def _start(self) -> Worker:
+        wrap = self._wrap() if self._wrap is not None and self.wrapped is not False else ()
+        if not wrap:
+            return Worker(self.module, self.startup_timeout)
+        try:
+            w = Worker(self.module, self.startup_timeout, wrap)
+            self.wrapped = True
+            return w
+        except (WorkerStartError, OSError) as e:
+            if self.wrapped is None:
+                self.wrapped = False
+                warnings.warn(f"{self.module}'s workers run unconfined: {wrap[0]} did not start one ({e})", stacklevel=3)
+            return Worker(self.module, self.startup_timeout)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for w in idle:
+            w.kill()
+
+
+def serve(handle: Callable[[Any, Callable[[Any], None]], Any]) -> None:
+    """A worker's loop: says ready, then for each request line calls ``handle(request, emit)``; ``emit(x)``
+    sends an intermediate line (a stage done), the return value the last one. An exception is answered as
+    ``{"error": "Type: message"}``. The answers go out on a copy of the stdout descriptor; what the work itself
+    prints to stdout goes where stderr goes (it would break the protocol)."""
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+
+    def emit(x: Any) -> None:
+        out.write(json.dumps(x, default=str) + "\n")
+        out.flush()
+
+    emit("ready")
+    for line in sys.stdin:
+        try:
+            result = handle(json.loads(line), emit)
+        except Exception as e:  # noqa: BLE001 - the caller decides what a failure means
+            result = {"error": f"{type(e).__name__}: {e}"[:500]}
+        emit(result)

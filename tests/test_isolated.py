@@ -1,0 +1,92 @@
+"""Third-party verifiers in worker processes (envs/isolated.py, envs/workers.py): deadlines, safe eval,
+confinement, and scores equal to the in-process ones."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from envs.base import Environment, Problem, Score, get_env
+from envs.isolated import IsolatedCheck, _POOL, confinement, safe_eval
+
+
+class Chatty(IsolatedCheck, Environment):
+    """Prints to stdout while scoring (the worker's answers must survive it); sleeps on "sleep"."""
+
+    verify_time_limit = 2.0
+
+    def generate(self, seed: int, difficulty: int) -> Problem:
+        return self.problem("say ok", "ok", seed, difficulty)
+
+    def check_context(self, problem: Problem):
+        print("context noise")
+        return {"gold": problem.answer, "pid": os.getpid()}
+
+    def check_with(self, problem: Problem, response: str, context) -> Score:
+        print("scoring noise\nmore")
+        if response == "sleep":
+            time.sleep(60)
+        if response == "raise":
+            raise KeyError("the scorer broke")
+        ok = response.strip() == context["gold"]
+        return Score(float(ok), ok, True, {"pid": context["pid"]})
+
+
+def test_safe_eval_takes_data_and_arithmetic_only():
+    nan = float("nan")  # noqa: F841 - a name of this scope that an expression may use
+    assert safe_eval("[1, 2, (3, 'a')]") == [1, 2, (3, "a")]
+    assert safe_eval("{'a': -1.5, 'b': [True, None]}") == {"a": -1.5, "b": [True, None]}
+    assert safe_eval("(0x3a << 3) ^ 7 + 2 ** 10 // 3 % 5") == (0x3a << 3) ^ 7 + 2 ** 10 // 3 % 5
+    assert safe_eval("[1, 2, 3][1:]") == [2, 3] and safe_eval("1 < 2 <= 2 and not 0") is True
+    assert safe_eval("x + 1", {"x": 4}) == 5 and safe_eval("{'p': nan}")["p"] != 0
+    for bad in ("__import__('os').system('true')", "open('/tmp/x', 'w')", "().__class__.__bases__",
+                "(lambda: 1)()", "[x for x in range(3)]", "10 ** 10 ** 10", "1 << 10 ** 6", "'a' * 10 ** 9",
+                "safe_eval"):
+        with pytest.raises((ValueError, SyntaxError)):
+            safe_eval(bad)
+
+
+def test_worker_scores_survive_printing_errors_and_hangs():
+    env = get_env("tests.test_isolated:Chatty")
+    p = env.generate(0, 0)
+    good, bad = env.verify(p, "ok"), env.verify(p, "no")
+    assert (good.correct, bad.correct) == (True, False) and good.info["pid"] != os.getpid()  # scored elsewhere
+    err = env.verify(p, "raise")
+    assert err.reward == 0 and "KeyError" in err.info["error"] and "the scorer broke" in err.info["error"]
+    t = time.monotonic()
+    hung = env.verify(p, "sleep")
+    assert time.monotonic() - t < env.verify_time_limit + 3
+    assert hung.reward == 0 and "did not finish in time" in hung.info["reason"]
+    assert env.verify(p, "ok").correct  # a new worker took over
+
+
+@pytest.mark.parametrize("env_id,answer", [
+    ("rg/string_insertion", "<answer>open({path!r}, 'w').write('x') and 'ab'</answer>"),  # the scorer evals it
+    ("rc/sequential_induction", "<answer>__import__('os').system('touch {path}')</answer>"),  # sympify evals it
+])
+def test_a_scorer_never_runs_the_answer(env_id, answer, tmp_path):
+    pytest.importorskip(env_id.startswith("rg/") and "reasoning_gym" or "reasoning_core")
+    if env_id.startswith("rc/") and not confinement():
+        pytest.skip("sympify runs Python: only the bwrap confinement stops it (bubblewrap is not installed)")
+    env, path = get_env(env_id), tmp_path / "ran"
+    p = env.generate(3, 1)
+    s = env.verify(p, answer.format(path=str(path)))
+    assert s.reward <= 0 and not path.exists(), s
+    assert env.verify(p, env.reference_response(p)).correct
+    if confinement():
+        assert _POOL.wrapped is True
+
+
+def test_a_scorer_that_never_returns_is_stopped():
+    pytest.importorskip("reasoning_core")
+    env = get_env("rc/sequential_induction")  # sympy raises 10 to 10**10 for ever
+    env.verify_time_limit = 3.0
+    p = env.generate(1, 1)
+    assert env.verify(p, env.reference_response(p)).correct  # (the worker started: the clock is the score's)
+    t = time.monotonic()
+    s = env.verify(p, "<answer>10**10**10</answer>")
+    assert time.monotonic() - t < 3.0 + 3 and s.reward == 0 and "did not finish in time" in s.info["reason"]
+    # the same answers score the same in this process
+    env.isolate = False
+    assert env.verify(p, env.reference_response(p)).correct and not env.verify(p, "<answer>7</answer>").correct
