@@ -271,35 +271,6 @@ def test_trainer_applies_the_length_reward_with_run_state(tmp_path):
     assert rl0.length_metrics["length_bonus_mean"] == pytest.approx((0.5 * 0.5 + 0.0) / 4)
 
 
-def test_dynamic_sampling_keeps_solved_groups_the_length_bonus_reaches(tmp_path):
-    """An all-solved group has equal rewards but gets length bonuses (the gate m_i holds at p = 1): dynamic sampling
-    keeps it while the bonus is on, and drops it (nothing to learn) without the length reward, at c = 0, or where
-    the gate is shut (T_acc = 0 and the source's p* already 1)."""
-    on = LengthRewardConfig(l_max=100, t_len=0, coef_start=1.0)
-    kept = {}
-    for name, kw in {"bonus": {"length_reward": True, "length_cfg": on}, "off": {"length_reward": False}}.items():
-        rl = _trainer(tmp_path / name, dynamic_sampling=True, max_sampling_rounds=1, prompts_per_step=2, **kw)
-        rl.reward_of = lambda score, ids: 1.0  # every rollout solved
-        groups, m = rl.collect()
-        kept[name] = (len(groups), m["groups_dropped"])
-        if name == "bonus":  # and the update gets their bonuses: shorter answers pushed up
-            adv = rl._advantages(groups)
-            assert rl.length_metrics["length_bonus_frac"] == 1.0 and adv.abs().sum() > 0
-    assert kept == {"bonus": (2, 0), "off": (0, 2)}
-    solved = _group("toy/max", [1.0, 1.0, 1.0], [5, 9, 40])
-    rl = _trainer(tmp_path / "gate", length_reward=True, length_cfg=on)
-    assert rl._length_signal(solved)
-    assert not rl._length_signal(_group("toy/max", [0.5, 0.5], [5, 9]))  # equal, not solved: no bonus
-    assert not rl._length_signal(_group("toy/max", [1.0], [5]))  # p = 1/G: gated
-    off = _trainer(tmp_path / "c0", length_reward=True, length_cfg=LengthRewardConfig(l_max=100, coef_start=0.0))
-    assert not off._length_signal(solved)
-    shut = _trainer(tmp_path / "t0", length_reward=True, length_cfg=LengthRewardConfig(l_max=100, t_acc=0.0))
-    assert shut._length_signal(solved)
-    shut.length_state.p_star["toy/max"] = 1.0  # 1 > 1 - 0 fails
-    assert not shut._length_signal(solved)
-    assert float(length_bonus([1.0] * 3, [5, 9, 40], 1, shut.cfg.length_cfg, 1.0, 1.0).abs().sum()) == 0
-
-
 def test_trainer_repetition_gate_and_canary(tmp_path):
     from envs.base import Score
 

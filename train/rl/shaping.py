@@ -51,11 +51,11 @@ def all_equal(rewards: Sequence[float], tol: float = 1e-9) -> bool:
     return all(abs(r - rewards[0]) <= tol for r in rewards)
 
 
-def filter_groups(groups: Sequence[G], rewards_of: Callable[[G], Sequence[float]] = _rewards_of,
-                  signal: Callable[[G], bool] | None = None) -> tuple[list[G], int]:
-    """Keep the groups whose rewards differ, and those that ``signal`` says carry a learning signal all the
-    same (a length bonus); return ``(kept, number_dropped)``."""
-    kept = [g for g in groups if not all_equal(rewards_of(g)) or (signal is not None and signal(g))]
+def filter_groups(groups: Sequence[G], rewards_of: Callable[[G], Sequence[float]] = _rewards_of
+                  ) -> tuple[list[G], int]:
+    """Keep the groups whose rewards differ; return ``(kept, number_dropped)``. As ZAYA1 states it: on the
+    rewards, before any length bonus (so an all-solved group, which would get bonuses, is dropped too)."""
+    kept = [g for g in groups if not all_equal(rewards_of(g))]
     return kept, len(groups) - len(kept)
 
 
@@ -85,7 +85,6 @@ class DynamicSampler(Generic[G]):
     max_rounds: int = 8
     oversample: float = 1.0
     rewards_of: Callable[[G], Sequence[float]] = _rewards_of
-    signal: Callable[[G], bool] | None = None  # equal-reward groups that carry a signal all the same: kept
     total_dropped: int = field(default=0, init=False)
     total_requested: int = field(default=0, init=False)
 
@@ -98,7 +97,7 @@ class DynamicSampler(Generic[G]):
         dropped = requested = rounds = 0
         while len(kept) < self.batch_groups and rounds < self.max_rounds:
             ask = math.ceil((self.batch_groups - len(kept)) * self.oversample)
-            good, bad = filter_groups(self.sample(ask), self.rewards_of, self.signal)
+            good, bad = filter_groups(self.sample(ask), self.rewards_of)
             kept += good
             dropped, requested, rounds = dropped + bad, requested + ask, rounds + 1
         self.total_dropped += dropped

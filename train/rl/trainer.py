@@ -438,15 +438,6 @@ class RLTrainer:
         load_weights(self.engine, self.policy.state_dict(), self.step_idx)
         self.synced_version = self.step_idx
 
-    def _length_signal(self, g: Group) -> bool:
-        """Whether an equal-reward group gets length bonuses all the same (so dynamic sampling keeps it): every
-        rollout solved (``r_i = 1``, the solve rate 1 > 1/G), c > 0 now, and the gate ``1 > p* - T_acc`` open
-        (always with T_acc > 0; with T_acc = 0 while the source's p* is below 1 so far)."""
-        lc, rewards = self.cfg.length_cfg, g.rewards
-        if len(rewards) < 2 or min(rewards) < 1 or lc.coef_at(self.length_state.steps) <= 0:
-            return False
-        return lc.t_acc > 0 or self.length_state.p_star.get(data_source(g.env_id, g.problem.meta), 0.0) < 1
-
     def collect(self) -> tuple[list[Group], dict[str, Any]]:
         """Rollouts for one step (with dynamic sampling): the groups to train on and the rollout
         metrics over everything sampled. Uses the run's RNG and curriculum, nothing of the trainer."""
@@ -461,8 +452,7 @@ class RLTrainer:
             return gs
 
         if cfg.dynamic_sampling:
-            report = DynamicSampler(sample, cfg.prompts_per_step, cfg.max_sampling_rounds,
-                                    signal=self._length_signal if cfg.length_reward else None).fill()
+            report = DynamicSampler(sample, cfg.prompts_per_step, cfg.max_sampling_rounds).fill()
             groups, dropped = report.groups, report.dropped
         else:
             groups, dropped = sample(cfg.prompts_per_step), 0
