@@ -17,6 +17,13 @@ scores of finished rollouts:
 A rollout counts as correct when its score is ``correct`` (a :class:`Score`), ``True``, or a
 number ``>= 1`` (full credit, RLVE's accuracy). All state is plain data: ``state_dict()`` is
 JSON-serialisable and ``load_state_dict`` restores it exactly.
+
+**Caps.** An environment's ``max_difficulty`` can fall during a run (a time-bounded ``generate``,
+``envs/caps.py``, makes the problem one level lower and caps the level) and differ between runs (a
+cap recorded in ``envs/difficulty_caps.json`` since a checkpoint). The :class:`Curriculum` hands each
+controller its environment's current cap before every sample and update (:meth:`Controller.follow_cap`)
+and after loading a checkpoint, whose own ``max_difficulty`` never overrides it; a controller clamps
+its level to the cap, so the level it schedules is the level its groups come back at.
 """
 from __future__ import annotations
 
@@ -61,11 +68,16 @@ class Controller:
     def update(self, difficulty: int, scores: Iterable[Any]) -> None:
         raise NotImplementedError
 
+    def follow_cap(self, max_difficulty: int | None) -> None:
+        """Take the environment's current ``max_difficulty`` (None: no cap) as this controller's cap;
+        subclasses also clamp their level to it."""
+        self.max_difficulty = None if max_difficulty is None else int(max_difficulty)
+
     def state_dict(self) -> dict:
         return copy.deepcopy(self.__dict__)
 
     def load_state_dict(self, state: dict) -> None:
-        unknown = set(state) - set(self.__dict__)
+        unknown = set(state) - set(self.__dict__) - {"max_difficulty"}  # follow_cap may have set it
         if unknown:
             raise ValueError(f"{type(self).__name__}.load_state_dict: unknown keys {sorted(unknown)}")
         for k, v in state.items():
@@ -73,13 +85,17 @@ class Controller:
 
 
 class Fixed(Controller):
+    """Always ``difficulty``, clamped to the current ``max_difficulty`` as it is sampled (a cap
+    raised again, e.g. on resume, gives the configured level back)."""
+
     name = "fixed"
 
     def __init__(self, difficulty: int = 0, max_difficulty: int | None = None):
-        self.difficulty = _clamp(difficulty, max_difficulty)
+        self.difficulty = _clamp(difficulty, None)
+        self.max_difficulty = max_difficulty
 
     def sample(self, rng: random.Random) -> int:
-        return self.difficulty
+        return _clamp(self.difficulty, self.max_difficulty)
 
     def update(self, difficulty: int, scores: Iterable[Any]) -> None:
         pass
@@ -102,6 +118,16 @@ class RLVEWindow(Controller):
         self.high = 0
         self.n = 0        # rollouts counted at d == high since the last reset
         self.k = 0        # of which correct
+
+    def follow_cap(self, max_difficulty: int | None) -> None:
+        """A cap below ``high`` lowers ``high`` to it (``low`` follows; the counts, taken at the old
+        ``high``, reset), so the window stays within the cap."""
+        super().follow_cap(max_difficulty)
+        high = _clamp(self.high, self.max_difficulty)
+        if high != self.high:
+            self.high = high
+            self.low = max(0, high - self.d_window + 1)
+            self.n = self.k = 0
 
     def sample(self, rng: random.Random) -> int:
         return rng.randint(self.low, self.high)
@@ -139,7 +165,8 @@ class ZayaScheduler(Controller):
     **Up/down.** ``d += 1`` when a group's pass rate exceeds ``up`` (0.7) *and* the group was
     generated at the current ``d`` (the group-difficulty check: groups still in flight from an earlier
     level never move ``d``); ``d -= 1`` when a group at the current ``d`` has pass rate 0; never
-    below 0 or above ``max_difficulty``.
+    below 0 or above ``max_difficulty``. A cap that falls below ``d`` (:meth:`follow_cap`) lowers
+    ``d`` to it, so the groups generated at the capped level count.
 
     **Start calibration** (the first ``calibration_groups`` groups, unless ``start`` is given):
 
@@ -291,6 +318,11 @@ class ZayaScheduler(Controller):
         self.logw = [v - top for v in logw]
 
     # -- controller -----------------------------------------------------------------------------
+    def follow_cap(self, max_difficulty: int | None) -> None:
+        """Take the cap and lower ``d`` to it (calibration probes are clamped to it as they are drawn)."""
+        super().follow_cap(max_difficulty)
+        self.difficulty = _clamp(self.difficulty, self.max_difficulty)
+
     def sample(self, rng: random.Random) -> int:
         if not self.calibrating:
             return self.difficulty
@@ -350,6 +382,10 @@ class Curriculum:
     choices; the report says only that the least-sampled environments get the highest weight).
     Problem seeds are drawn from the given generator (or the curriculum's own, seeded by ``seed``,
     when ``rng_or_seed`` is None), so samples are deterministic.
+
+    Each controller follows its environment's current ``max_difficulty``: it is handed over before
+    every sample and update, in :meth:`difficulties`, and after :meth:`load_state_dict` (the
+    checkpoint's cap never overrides the environment's).
     """
 
     def __init__(self, envs: dict[str, float] | Iterable[str], controller: str = "rlve",
@@ -381,6 +417,12 @@ class Curriculum:
         }
         self.counts = {k: 0 for k in self.weights}
         self._rng = random.Random(seed)
+
+    def _follow_cap(self, env_id: str) -> Controller:
+        """``env_id``'s controller, given the environment's current cap."""
+        c = self.controllers[env_id]
+        c.follow_cap(getattr(self.envs[env_id], "max_difficulty", None))
+        return c
 
     def probabilities(self) -> dict[str, float]:
         """The chance of each environment being picked next (``least_sampled``: 1/ties at the argmin)."""
@@ -420,7 +462,7 @@ class Curriculum:
         out = []
         for _ in range(int(n)):
             env_id = self._pick_env(rng)
-            d = self.controllers[env_id].sample(rng)
+            d = self._follow_cap(env_id).sample(rng)
             seed = rng.getrandbits(62)
             self.counts[env_id] += 1
             out.append((env_id, self.envs[env_id].generate(seed, d)))
@@ -429,14 +471,17 @@ class Curriculum:
     def update(self, env_id: str, difficulty: int, scores: Iterable[Any]) -> None:
         if env_id not in self.controllers:
             raise KeyError(f"environment {env_id!r} is not in this curriculum ({', '.join(self.controllers)})")
-        self.controllers[env_id].update(difficulty, list(scores))
+        self._follow_cap(env_id).update(difficulty, list(scores))
 
     def difficulties(self) -> dict[str, Any]:
-        """A readable summary of each controller's state (for logs)."""
+        """A readable summary of each controller's state (for logs), under the environments' current caps."""
         out = {}
-        for k, c in self.controllers.items():
+        for k in self.controllers:
+            c = self._follow_cap(k)
             if isinstance(c, RLVEWindow):
                 out[k] = [c.low, c.high]
+            elif isinstance(c, Fixed):
+                out[k] = _clamp(c.difficulty, c.max_difficulty)
             else:
                 out[k] = getattr(c, "difficulty", None)
         return out
@@ -462,5 +507,6 @@ class Curriculum:
             if self.controllers[k].name != cs["name"]:
                 self.controllers[k] = CONTROLLERS[cs["name"]]()
             self.controllers[k].load_state_dict(cs["state"])
+            self._follow_cap(k)  # the environment's cap now, not the checkpoint's
         v, internal, gauss = state["rng"]
         self._rng.setstate((v, tuple(internal), gauss))

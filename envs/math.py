@@ -11,24 +11,24 @@ sympy computation running in the caller.
 Environments:
 
 - ``math``: problems from a jsonl/parquet file with columns ``problem`` and ``answer`` (optional
-  ``level``/``difficulty``); without a path it uses a small built-in sample.
+  ``level``/``difficulty``: numbers or ``"Level 3"``, ranked onto difficulties 0, 1, ...); without a
+  path it uses a small built-in sample.
 - ``math/arith``: linear equations and fraction arithmetic whose size grows with difficulty, so
   math RL runs without any data file.
 """
 from __future__ import annotations
 
 import atexit
-import json
+import math
+import numbers
 import os
-import select
-import subprocess
-import sys
-import threading
+import re
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 from envs.base import Environment, Problem, Score, register
+from envs.workers import Pool, WorkerStartError, serve
 
 __all__ = ["math_equal", "MathDatasetEnv", "ArithmeticEnv", "MathVerifyTimeout"]
 
@@ -56,8 +56,15 @@ def _mv_equal(pred: str, gold: str) -> bool:
     return bool(verify(g, p, timeout_seconds=None))
 
 
-def _worker_main() -> None:
-    """Loop of a worker process: one JSON ``[pred, gold]`` per stdin line, ``1``/``0`` back."""
+def _compare(request, emit) -> bool:
+    try:
+        return _mv_equal(*request)
+    except Exception:  # noqa: BLE001 - a malformed answer is simply not equal
+        return False
+
+
+def worker_main() -> None:
+    """A worker process (:mod:`envs.workers`): one ``[pred, gold]`` per request, ``true``/``false`` back."""
     import logging
     import warnings
 
@@ -65,104 +72,13 @@ def _worker_main() -> None:
     logging.disable(logging.CRITICAL)
     import math_verify  # noqa: F401 - import before saying ready
 
-    out = sys.stdout
-    out.write("ready\n")
-    out.flush()
-    for line in sys.stdin:
-        try:
-            pred, gold = json.loads(line)
-            ok = _mv_equal(pred, gold)
-        except Exception:  # noqa: BLE001 - a malformed answer is simply not equal
-            ok = False
-        out.write("1\n" if ok else "0\n")
-        out.flush()
+    serve(_compare)
 
 
 # --------------------------------------------------------------------------------------------
 # caller side
 
-
-class _Worker:
-    def __init__(self) -> None:
-        root = str(Path(__file__).resolve().parent.parent)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from envs.math import _worker_main; _worker_main()"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            env=env, text=True, bufsize=1,
-        )
-        if self._readline(STARTUP_TIMEOUT) != "ready":
-            self.kill()
-            raise RuntimeError("math-verify worker failed to start (is math-verify installed?)")
-
-    def _readline(self, timeout: float) -> str | None:
-        ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, timeout))
-        if not ready:
-            return None
-        line = self.proc.stdout.readline()
-        return line.strip() if line else None
-
-    def ask(self, pred: str, gold: str, timeout: float) -> bool | None:
-        """True/False, or None when the deadline passed (the worker is then dead)."""
-        try:
-            self.proc.stdin.write(json.dumps([pred, gold]) + "\n")
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError):
-            self.kill()
-            return None
-        reply = self._readline(timeout)
-        if reply not in ("0", "1"):
-            self.kill()
-            return None
-        return reply == "1"
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-        for f in (self.proc.stdin, self.proc.stdout):
-            try:
-                f.close()
-            except OSError:
-                pass
-
-
-class _Pool:
-    """Idle workers; a caller takes one (starting a new one if none is idle) and returns it."""
-
-    def __init__(self) -> None:
-        self._idle: list[_Worker] = []
-        self._lock = threading.Lock()
-        self._pid = os.getpid()
-
-    def call(self, pred: str, gold: str, timeout: float) -> bool | None:
-        with self._lock:
-            if self._pid != os.getpid():  # forked: the parent's workers are not ours
-                self._idle, self._pid = [], os.getpid()
-            w = self._idle.pop() if self._idle else None
-        if w is None or not w.alive():
-            w = _Worker()
-        result = w.ask(pred, gold, timeout)
-        if result is not None and w.alive():
-            with self._lock:
-                self._idle.append(w)
-        return result
-
-    def close(self) -> None:
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for w in idle:
-            w.kill()
-
-
-_POOL = _Pool()
+_POOL = Pool("envs.math", STARTUP_TIMEOUT)
 atexit.register(_POOL.close)
 
 
@@ -189,7 +105,11 @@ def math_equal(pred: Any, gold: Any, timeout: float = DEFAULT_TIMEOUT) -> bool:
         return True
     if len(p) > max(MAX_ANSWER_CHARS, 20 * len(g)):
         return False
-    return bool(_POOL.call(p, g, timeout))
+    try:
+        got = _POOL.call([p, g], [timeout])
+    except WorkerStartError as e:
+        raise RuntimeError(f"{e} (is math-verify installed?)") from None
+    return bool(got and got[0] is True)
 
 
 def _zero_format() -> Score:
@@ -223,17 +143,35 @@ SAMPLE_PATH = Path(__file__).resolve().parent / "data" / "math_sample.jsonl"
 _LEVEL_COLUMNS = ("level", "difficulty")
 
 
-def _as_int(v: Any) -> int | None:
-    if isinstance(v, bool):
+_WORD_LEVEL = re.compile(r"[A-Za-z][A-Za-z _]*?[\s:]*(\d+(?:\.\d*)?|\.\d+)")  # "Level 3", "difficulty: 4.5"
+
+
+def _as_level(v: Any) -> int | float | None:
+    """A row's difficulty level as a number, or None when it has none.
+
+    A number stands for itself (``3``, ``4.5`` as in DeepMath or Omni-MATH; a whole float such as
+    ``3.0`` is the int ``3``). A string is a number (``"3"``, ``"2.5"``, ``"-1"``, ``"1e3"``) or a word
+    followed by an unsigned number (``"Level 3"`` as in the MATH dataset, ``"difficulty: 4.5"``).
+    Anything else (``"Level ?"``, ``"Level 2-3"``, ``"hard"``, booleans, NaN, infinities) is no level.
+    """
+    if v is None or isinstance(v, bool):
         return None
-    if isinstance(v, int):
-        return v
-    if isinstance(v, float) and v.is_integer():
+    if isinstance(v, numbers.Integral):
         return int(v)
-    if isinstance(v, str):
-        digits = "".join(ch for ch in v if ch.isdigit())  # "Level 3" -> 3
-        return int(digits) if digits else None
-    return None
+    if isinstance(v, numbers.Real):
+        x = float(v)
+    elif isinstance(v, str):
+        text = v.strip()
+        m = _WORD_LEVEL.fullmatch(text)
+        try:
+            x = float(m.group(1) if m else text)
+        except ValueError:
+            return None
+    else:
+        return None
+    if not math.isfinite(x):
+        return None
+    return int(x) if x.is_integer() else x
 
 
 def load_math_rows(path: str | os.PathLike, columns: dict | str | None = None, split: str = "train",
@@ -250,7 +188,7 @@ def load_math_rows(path: str | os.PathLike, columns: dict | str | None = None, s
             and "level=" not in (columns if isinstance(columns, str) else ""):
         cols["level"] = next((c for c in _LEVEL_COLUMNS if c in ds.column_names), "level")
     rows = table_rows(ds, cols, ["problem", "answer"], path, "math dataset")
-    return [{"problem": str(r["problem"]), "answer": str(r["answer"]), "level": _as_int(r["level"])} for r in rows]
+    return [{"problem": str(r["problem"]), "answer": str(r["answer"]), "level": _as_level(r["level"])} for r in rows]
 
 
 @register("math")
@@ -258,7 +196,16 @@ class MathDatasetEnv(_MathBase):
     """Math problems from a file or a Hugging Face dataset (columns problem, answer; optional level),
     graded by math-verify. ``heldout`` (default 0.1) of the problems, chosen by a hash of the problem
     text, are held out: :meth:`generate` (training) never returns them, :meth:`heldout` (evaluation)
-    returns only them."""
+    returns only them.
+
+    **Levels.** A row's level is a number (:func:`_as_level`: ``3``, ``4.5``, ``"2.5"``, ``"Level 3"``).
+    The distinct levels of the training rows, in increasing order, are difficulties 0, 1, ...,
+    ``max_difficulty`` (MATH's levels 1-5 are difficulties 0-4; levels 1, 2.5, 4 are 0, 1, 2), and
+    ``generate(seed, d)`` draws a row at the ``d``-th level (clamped to the last). A row without a
+    level belongs to every level: a draw at any difficulty is one of those rows with probability
+    their share of the training rows (else a row at the level), so under a uniform spread of
+    difficulties each row is drawn about equally often. Without any levels every row is drawn
+    whatever the difficulty and ``max_difficulty`` is None."""
 
     description = "math problems from a file or HF dataset (path=..., columns=...), graded with math-verify"
 
@@ -273,11 +220,12 @@ class MathDatasetEnv(_MathBase):
         train, held = split_heldout([r["problem"] for r in rows], float(heldout))
         self.rows = [rows[i] for i in train]
         self.heldout_rows = [rows[i] for i in held]
-        by_level: dict[int, list[int]] = {}
+        by_level: dict[int | float, list[int]] = {}
         for i, r in enumerate(self.rows):
             if r["level"] is not None:
                 by_level.setdefault(r["level"], []).append(i)
-        self._by_level = dict(sorted(by_level.items()))
+        self._by_level = dict(sorted(by_level.items()))  # level -> rows, ranked: difficulty d is the d-th
+        self._unleveled = [i for i, r in enumerate(self.rows) if r["level"] is None]
         self.max_difficulty = (len(self._by_level) - 1) if self._by_level else None
 
     def _candidates(self, difficulty: int) -> list[int]:
@@ -287,10 +235,17 @@ class MathDatasetEnv(_MathBase):
         levels = list(self._by_level)
         return self._by_level[levels[max(0, min(int(difficulty), len(levels) - 1))]]
 
-    def generate(self, seed: int, difficulty: int) -> Problem:
+    def _draw(self, seed: int, difficulty: int) -> int:
+        """The training row of ``generate(seed, difficulty)``: an unleveled row with probability their
+        share of the rows (only when some rows have levels), else one of :meth:`_candidates`."""
+        rng = self.rng(seed, difficulty)
         cand = self._candidates(difficulty)
-        i = cand[self.rng(seed, difficulty).randrange(len(cand))]
-        row = self.rows[i]
+        if self._by_level and self._unleveled and rng.random() * len(self.rows) < len(self._unleveled):
+            cand = self._unleveled
+        return cand[rng.randrange(len(cand))]
+
+    def generate(self, seed: int, difficulty: int) -> Problem:
+        row = self.rows[self._draw(seed, difficulty)]
         return self.problem(row["problem"], row["answer"], seed, difficulty, row=row["row"], level=row["level"])
 
     def heldout(self, seed: int, difficulty: int) -> Problem:

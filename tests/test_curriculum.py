@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from envs import Score
+from envs import Environment, Score
 from envs.curriculum import Curriculum, RLVEWindow, UpDown, count_correct, make_controller
 
 
@@ -147,3 +147,89 @@ def test_curriculum_errors():
     c = _curriculum()
     with pytest.raises(ValueError, match="curriculum state is for"):
         Curriculum(["math/arith"]).load_state_dict(c.state_dict())
+
+
+class _CapDrops(Environment):
+    """A generator too slow from level ``slow_from`` on: as :func:`envs.caps.bound_generate` does at run
+    time, a request there makes the problem one level lower and caps ``max_difficulty`` below it."""
+
+    id = "test/cap_drops"
+
+    def __init__(self, slow_from: int | None = None, max_difficulty: int | None = None):
+        self.slow_from, self.max_difficulty = slow_from, max_difficulty
+
+    def generate(self, seed, difficulty):
+        d = int(difficulty)
+        if self.max_difficulty is not None:
+            d = min(d, self.max_difficulty)
+        if self.slow_from is not None and d >= self.slow_from:
+            self.max_difficulty = d = self.slow_from - 1
+        return self.problem("q", "1", seed, d)
+
+    def check(self, problem, response):
+        return Score(1.0, True, True)
+
+
+def _cap_curriculum(controller, env, **kw):
+    return Curriculum([env.id], controller=controller, environments={env.id: env}, controller_kwargs=kw)
+
+
+def test_zaya_follows_a_cap_that_drops_mid_run():
+    env = _CapDrops(slow_from=2)
+    c = _cap_curriculum("zaya", env, start=0)
+    seen = []
+    for _ in range(4):                  # all correct: 0 -> 1 -> 2, where generate falls back to 1 and caps
+        (e, p), = c.sample(None, 1)
+        seen.append(p.difficulty)
+        c.update(e, p.difficulty, [True] * 4)
+    assert env.max_difficulty == 1 and seen == [0, 1, 1, 1]
+    assert c.difficulties() == {env.id: 1} and c.controllers[env.id].max_difficulty == 1
+    for want in (1, 0, 0):              # all wrong: the groups at the capped level count, so it steps down
+        (e, p), = c.sample(None, 1)
+        assert p.difficulty == want
+        c.update(e, p.difficulty, [False] * 4)
+    assert c.difficulties() == {env.id: 0}
+
+
+def test_rlve_window_stays_within_a_cap_that_drops_mid_run():
+    env = _CapDrops()
+    c = _cap_curriculum("rlve", env, group_size=1, tau_prompts=1, tau_acc=0.5, d_window=2)
+    for h in range(3):
+        c.update(env.id, h, [True])
+    assert c.difficulties() == {env.id: [2, 3]}
+    env.slow_from = 2                   # level 2 turns out too slow: the first draw at 2 or 3 caps at 1
+    ds = [p.difficulty for _, p in c.sample(None, 40)]
+    assert env.max_difficulty == 1 and max(ds) == 1
+    assert c.difficulties() == {env.id: [0, 1]}
+    assert set(ds[-20:]) == {0, 1}      # the window, not one level
+    ctrl = c.controllers[env.id]
+    c.update(env.id, 1, [True])         # counted at the capped high; the window cannot climb past the cap
+    assert (ctrl.low, ctrl.high, ctrl.n) == (0, 1, 0)
+    c.update(env.id, 1, [False])
+    assert (ctrl.low, ctrl.high) == (0, 1)
+
+
+@pytest.mark.parametrize("controller", ["zaya", "rlve", "fixed"])
+def test_resume_under_a_lower_cap_than_the_checkpoint(controller):
+    kw = {"zaya": {"start": 5}, "rlve": {"group_size": 1, "tau_prompts": 1}, "fixed": {"difficulty": 5}}[controller]
+    a = _cap_curriculum(controller, _CapDrops(max_difficulty=6), **kw)
+    for h in range(5):
+        a.update(_CapDrops.id, h, [True])   # rlve: window [2, 5] (d_window 4)
+    assert a.difficulties()[_CapDrops.id] in (5, [2, 5])
+    saved = json.loads(json.dumps(a.state_dict()))
+    env = _CapDrops(max_difficulty=2)       # e.g. a cap recorded in envs/difficulty_caps.json since
+    b = _cap_curriculum(controller, env, **kw)
+    b.load_state_dict(saved)
+    assert b.controllers[env.id].max_difficulty == 2
+    assert b.difficulties()[env.id] in (2, [0, 2])    # rlve: d_window 4
+    assert max(p.difficulty for _, p in b.sample(None, 30)) == 2
+    # the state still round-trips: a curriculum under the same cap resumes exactly
+    again = json.loads(json.dumps(b.state_dict()))
+    c = _cap_curriculum(controller, _CapDrops(max_difficulty=2), **kw)
+    c.load_state_dict(again)
+    assert c.state_dict() == b.state_dict()
+    assert [p.to_dict() for _, p in c.sample(None, 10)] == [p.to_dict() for _, p in b.sample(None, 10)]
+    # and no cap now: the checkpoint's cap does not stand either
+    d = _cap_curriculum(controller, _CapDrops(), **kw)
+    d.load_state_dict(saved)
+    assert d.controllers[_CapDrops.id].max_difficulty is None

@@ -164,6 +164,51 @@ def test_math_dataset_without_levels_ignores_difficulty(tmp_path):
     assert {env.generate(s, 0).meta["row"] for s in range(40)} == {r["row"] for r in env.rows}
 
 
+@pytest.mark.parametrize("raw,level", [
+    ("Level 3", 3), ("3", 3), (3, 3), (3.0, 3), (4.5, 4.5), ("2.5", 2.5), (" 4.5 ", 4.5), ("-1", -1), ("1e3", 1000),
+    ("difficulty: 4.5", 4.5), ("Level 10", 10), ("Level ?", None), ("Level 2-3", None), ("level-3", None),
+    ("hard", None), ("", None), (True, None), (None, None), (float("nan"), None), ("inf", None), ([3], None),
+])
+def test_math_levels_parse_as_numbers(raw, level):
+    from envs.math import _as_level
+
+    got = _as_level(raw)
+    assert got == level and type(got) is type(level)  # a whole number is an int, as MATH's levels were
+
+
+def test_math_dataset_ranks_float_and_string_levels(tmp_path):
+    """DeepMath/Omni-MATH-style float levels and numeric strings: the distinct levels in order are
+    difficulties 0..N-1."""
+    levels = [1.0, "2.5", 3, 4.5, "Level 6"]
+    f = tmp_path / "m.jsonl"
+    f.write_text("\n".join(json.dumps({"problem": f"p{i}", "answer": str(i), "difficulty": levels[i % 5]})
+                           for i in range(50)))
+    env = MathDatasetEnv(path=f, heldout=0)
+    assert list(env._by_level) == [1, 2.5, 3, 4.5, 6] and env.max_difficulty == 4
+    for d, want in enumerate([1, 2.5, 3, 4.5, 6]):
+        got = {env.generate(s, d).meta["level"] for s in range(30)}
+        assert got == {want}
+        assert {env.rows[env.generate(s, d).meta["row"]]["row"] % 5 for s in range(30)} == {d}
+    assert env.generate(0, 9).meta["level"] == 6  # beyond the last level: the last
+
+
+def test_math_dataset_rows_without_a_level_are_drawn_at_every_level(tmp_path):
+    """Rows without a level belong to every level, drawn with their share of the data (here 2/5)."""
+    f = tmp_path / "m.jsonl"
+    f.write_text("\n".join(json.dumps({"problem": f"p{i}", "answer": str(i), "level": [1, 2, 3, None, ""][i % 5]})
+                           for i in range(100)))
+    env = MathDatasetEnv(path=f, heldout=0)
+    assert env.max_difficulty == 2 and len(env._unleveled) == 40
+    drawn = set()
+    for d in range(3):
+        picks = [env.generate(s, d) for s in range(500)]
+        drawn |= {p.meta["row"] for p in picks}
+        assert {p.meta["level"] for p in picks} == {d + 1, None}
+        share = sum(p.meta["level"] is None for p in picks) / len(picks)
+        assert 0.33 < share < 0.47, share
+    assert drawn == set(range(100))  # every row, leveled or not, is drawn
+
+
 # -- reasoning-gym adapter -----------------------------------------------------------------------
 rg = pytest.importorskip("reasoning_gym")
 
