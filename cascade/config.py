@@ -362,9 +362,10 @@ class RunConfig:
             raise ValueError("trainer.nnodes > 1 needs trainer.rdzv_endpoint (HOST:PORT of the rendezvous)")
         multi = [s for s in self.order if s in self.stages and self.stages[s].rl.updates_per_batch > 1]
         if t.distributed and multi:
-            raise ValueError(f"stages.{multi[0]}.rl.updates_per_batch={self.stages[multi[0]].rl.updates_per_batch}: the "
-                             "trainer ranks take one optimizer step per rollout batch; use 1 with trainer.nproc/nnodes "
-                             "> 1, or train in this process (trainer.nproc=1)")
+            k = self.stages[multi[0]].rl.updates_per_batch
+            raise ValueError(f"stages.{multi[0]}.rl.updates_per_batch={k}: the trainer ranks take one optimizer step "
+                             "per rollout batch; use 1 with trainer.nproc/nnodes > 1, or train in this process "
+                             "(trainer.nproc=1)")
         missing = [s for s in self.order if s not in self.stages]
         if missing:
             raise ValueError(f"order names stages without a config: {missing}; configured: {sorted(self.stages)}")

@@ -137,7 +137,8 @@ class Pool:
         except (WorkerStartError, OSError) as e:
             if self.wrapped is None:
                 self.wrapped = False
-                warnings.warn(f"{self.module}'s workers run unconfined: {wrap[0]} did not start one ({e})", stacklevel=3)
+                warnings.warn(f"{self.module}'s workers run unconfined: {wrap[0]} did not start one ({e})",
+                              stacklevel=3)
             return Worker(self.module, self.startup_timeout)
 
     def close(self) -> None:

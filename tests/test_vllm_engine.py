@@ -84,9 +84,9 @@ def test_greedy_equals_torch_engine(engines):
 
 
 def test_penalties_as_the_torch_engine(engines):
-    """vLLM's penalties, logit bias and min_tokens through this engine equal the torch engine's: greedy, and top_k=1 at T=0.5 (the argmax
-    of (logits - penalties) / T only if the additive penalties reach vLLM divided by T), whose log-probs stay
-    the raw tempered ones; a pair vLLM cannot take at that temperature is a clear error."""
+    """vLLM's penalties, logit bias and min_tokens through this engine equal the torch engine's: greedy, and top_k=1
+    at T=0.5 (the argmax of (logits - penalties) / T only if the additive ones reach vLLM divided by T), whose
+    log-probs stay the raw tempered ones; a pair vLLM cannot take at that temperature is a clear error."""
     _, eng, ref = engines
     prompts = _prompts(eng)
     pen = {"repetition_penalty": 1.5, "presence_penalty": 0.6, "frequency_penalty": 0.4}

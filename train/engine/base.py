@@ -62,7 +62,8 @@ class SamplingParams:
         if not 0 < self.repetition_penalty < float("inf"):
             raise ValueError(f"SamplingParams.repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
         if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"SamplingParams.min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+            raise ValueError(f"SamplingParams.min_tokens must be in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens}")
         bias = {}
         for k, v in dict(self.logit_bias or {}).items():
             try:

@@ -115,7 +115,8 @@ def truncates(p: SamplingParams) -> bool:
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, seeds: np.ndarray | None = None,
-           step: int = 0, native: bool = False, processors: LogitsProcessors | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           step: int = 0, native: bool = False,
+           processors: LogitsProcessors | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of fp32 ``logits`` [B, V]; ``seeds`` (uint64 [B], one per row, unused
     when greedy) with ``step`` (the index of the token being sampled) fix the random numbers.
 

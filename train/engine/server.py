@@ -5,7 +5,8 @@ It belongs to the engine layer, so test-time compute (``ttc``) and RL rollouts b
 Endpoints: ``GET /v1/models``; ``POST /v1/completions`` (prompt as text, token ids, or a list of
 either; n, max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos,
 repetition_penalty, presence_penalty, frequency_penalty, min_tokens (vLLM's), logit_bias (OpenAI's: token id ->
-bias in [-100, 100], a value past that clamped, as vLLM), logprobs, skip_special_tokens, return_routed_experts); ``POST /v1/chat/completions`` (the checkpoint's chat template);
+bias in [-100, 100], a value past that clamped, as vLLM), logprobs, skip_special_tokens, return_routed_experts);
+``POST /v1/chat/completions`` (the checkpoint's chat template);
 ``POST /tokenize`` and ``POST /detokenize`` (vLLM-style); ``GET /v1/weights`` (the weight version
 served) and ``POST /v1/load_weights`` (see below). Each completion choice carries ``token_ids``
 besides the text, ``logprobs.token_logprobs``, ``versions`` (the weight version that sampled each

@@ -112,9 +112,10 @@ class RLConfig:
         if self.ratio_against not in RATIO_MODES:
             raise ValueError(f"unknown ratio_against {self.ratio_against!r}; choose from {', '.join(RATIO_MODES)}")
         if self.loss_cfg.tis_cap is not None and self.ratio_against == "behaviour":
-            raise ValueError(f"loss_cfg.tis_cap={self.loss_cfg.tis_cap} acts only with ratio_against=recompute (truncated "
-                             "IS from the policy before the update to the engine's log-probs); with behaviour the ratio "
-                             "is already taken against the engine's log-probs: unset tis_cap or set ratio_against=recompute")
+            raise ValueError(f"loss_cfg.tis_cap={self.loss_cfg.tis_cap} acts only with ratio_against=recompute "
+                             "(truncated IS from the policy before the update to the engine's log-probs); with "
+                             "behaviour the ratio is already taken against the engine's log-probs: unset tis_cap "
+                             "or set ratio_against=recompute")
         if self.verify_workers < 0:
             raise ValueError(f"verify_workers must be >= 0 (0: one per core, at most 8), got {self.verify_workers}")
         if self.rollout_threads < 0:
