@@ -386,6 +386,20 @@ def test_cli_writes_results_and_resumes(tmp_path, capsys, tiny_dense_dir):
     rc, stdout, err = _cli(capsys, *common, "--resume", "--limit", "1")
     assert rc == 0 and "1 result(s)" in err and json.loads(stdout.splitlines()[-1])["problems"] == 1
     assert [json.loads(line) for line in out.read_text().splitlines()][:2] == second[:2]
+    # ... and its round checkpoints stay when this run completes (another problem's, here made up)
+    ckpt = out.with_name(out.name + ".rounds.jsonl")
+    ckpt.write_text(json.dumps({"run_key": second[2]["run_key"], "index": 1, "problem_key": "p", "round": 0,
+                                "record": {}}) + "\n")
+    assert _cli(capsys, *common, "--resume", "--limit", "1")[0] == 0 and json.loads(ckpt.read_text())["index"] == 1
+    ckpt.unlink()
+    # answers changed since (a gold fixed, or none before): those problems are solved again and graded anew
+    fixed = tmp_path / "fixed.jsonl"
+    fixed.write_text("".join(json.dumps({"problem": p, "answer": a}) + "\n" for p, a in [("1+1?", "2"), ("2+2?", "5")]))
+    rc, stdout, err = _cli(capsys, *[fixed if x == data else x for x in common], "--resume")
+    assert rc == 0 and "1 result(s)" in err and "graded against another answer" in err
+    regraded = [json.loads(line) for line in out.read_text().splitlines()]
+    assert regraded[0] == second[0] and regraded[1]["answer"] == "5" and regraded[1]["wall_s"] != second[1]["wall_s"]
+    out.write_text("".join(json.dumps(r) + "\n" for r in second))  # (the file as before, for what follows)
     # other data into the same file is refused, and the file is kept
     other = tmp_path / "o.jsonl"
     other.write_text(json.dumps({"problem": "9+9?", "answer": "18"}) + "\n")
@@ -481,6 +495,12 @@ def test_plan_check_and_clamp(tok):
     assert all(s["total"] <= ctx for s in rsa.plan(20)) and rsa.config.final_budget == 0
     with pytest.raises(ValueError, match="no thinking budget fits"):
         MarkovianRSA(be, cfg, "math").check_plan(20, steps["aggregate"]["prompt"] + 5, clamp=True)
+    # the full variant forwards whole traces (tail = budget): clamping solves C + 1 budgets into the context
+    full = MarkovianRSA(be, RSAConfig(population=4, aggregate=2, rounds=1, budget=1000, tail=1000, final_budget=0,
+                                      variant="full"), "math")
+    over = len(full.builder.aggregate(q, [[]] * 2))
+    assert full.check_plan(20, over + 3 * 300, clamp=True) == {"budget": (1000, 300), "tail": (1000, 300)}
+    assert max(s["total"] for s in full.plan(20)) == over + 3 * 300
     # delethink's later chunks: prompt + chunk budget stays within the first chunk's context
     d = MarkovianRSA(be, RSAConfig(population=2, rounds=3, budget=100, tail=10, anchor=5, final_budget=0,
                                    variant="delethink"), "math")
@@ -556,3 +576,27 @@ def test_a_local_engine_with_threads_runs_every_call_on_its_own_thread(engine):
     assert spy.threads == ["engine-batcher", "engine-batcher"]
     want = [engine.generate([[5, 6, 7]], sp), engine.generate([[5, 6, 7]], sp, seeds=[4])]
     assert [[c.token_ids for c in x] for x in got] == [[c.token_ids for c in x] for x in want]
+
+
+def test_missing_answers_and_the_model_identity(tmp_path, tiny_dense_dir):
+    """An empty answer cell (NaN as pandas reads it, or a blank string) leaves the problem ungraded instead of
+    graded against "nan"; the resume key tells a bfloat16 run from a float32 one (and keeps float32 CPU runs'
+    key as results files written before it had dtypes)."""
+    import argparse
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ttc.cli import load_problems
+
+    pq.write_table(pa.table({"problem": ["a?", "b?", "c?"], "answer": [7.0, None, float("nan")]}),
+                   tmp_path / "d.parquet")
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"problem": p, "answer": a}) + "\n"
+                                              for p, a in [("a?", "7"), ("b?", ""), ("c?", "  ")]))
+    for f, first in (("d.parquet", "7.0"), ("d.jsonl", "7")):
+        a = argparse.Namespace(problem=None, data=str(tmp_path / f), column=None, split="train", subset=None,
+                               limit=None)
+        assert [p["answer"] for p in load_problems(a)] == [first, None, None]
+    idents = [EngineBackend(TorchEngine.from_pretrained(tiny_dense_dir, dtype=dt)).identity()
+              for dt in (torch.float32, torch.bfloat16)]
+    assert "dtype" not in idents[0] and "device" not in idents[0] and idents[1]["dtype"] == "torch.bfloat16"

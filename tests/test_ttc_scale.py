@@ -327,13 +327,16 @@ def test_ctrl_c_stops_cleanly_and_resume_goes_on(tmp_path, tiny_dense_dir, sig):
     """SIGINT mid-run of a local engine: a one-line message, exit 130 (no traceback, no abort from a thread
     left in native code), and --resume finishes the run. SIGTERM (a scheduler's preemption or time limit)
     stops it the same way, exit 143 (it ended the process at once, with no word; its rounds are kept as
-    Ctrl-C's are, so only the Ctrl-C case resumes here)."""
+    Ctrl-C's are, so only the Ctrl-C case resumes here), here with two problems in flight: the third never
+    starts (the pool of problems once ran every queued one before the signal got through)."""
     data = _data(tmp_path / "d.jsonl", 3)
     out = tmp_path / "r.jsonl"
     ckpt = out.with_name(out.name + ".rounds.jsonl")
     args = ["solve", "--data", str(data), "--model", str(tiny_dense_dir), "--population", "4", "--aggregate", "2",
             "--rounds", "3", "--budget", "96", "--tail", "8", "--threads", "1", "--out", str(out), "--no-progress"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if sig == signal.SIGTERM:
+        args += ["--problems-in-flight", "2"]
     # (SIGINT back to its default in the child: a launcher that ran this suite in the background ignores it)
     p = subprocess.Popen([sys.executable, "-m", "ttc", *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -348,6 +351,8 @@ def test_ctrl_c_stops_cleanly_and_resume_goes_on(tmp_path, tiny_dense_dir, sig):
     assert err.strip() == f"ttc solve: {how}; rerun with --resume to go on", err
     assert ckpt.read_text().strip()
     if sig == signal.SIGTERM:
+        assert len([x for x in _lines(out) if x["type"] == "problem"]) < 3 if out.exists() else True
+        assert 2 not in {json.loads(x)["index"] for x in ckpt.read_text().splitlines() if x.strip()}
         return
     r = subprocess.run([sys.executable, "-m", "ttc", *args, "--resume"], cwd=ROOT, env=env, capture_output=True,
                        timeout=300)

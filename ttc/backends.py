@@ -130,8 +130,14 @@ class EngineBackend(HFTokenizerSide):
         return int(n) if isinstance(n, int) and n > 0 else None
 
     def identity(self) -> dict:
-        """What the resume key knows of the model: the checkpoint path and its config's content."""
+        """What the resume key knows of the model: the checkpoint path, its config's content, and the dtype and
+        device it runs in when not float32 on the CPU (bfloat16 samples other tokens; a float32 CPU run keeps the
+        key results files written before these were added have)."""
         ident = {"backend": type(self.engine).__name__}
+        model = getattr(self.engine, "model", None)
+        for name, plain in (("dtype", "torch.float32"), ("device", "cpu")):
+            if getattr(model, name, None) is not None and str(getattr(model, name)) != plain:
+                ident[name] = str(getattr(model, name))
         path = getattr(self, "source", None) or getattr(self.engine, "path", None)
         if path is not None:
             ident["path"] = os.path.abspath(str(path))

@@ -172,7 +172,23 @@ def load_problems(a) -> list[dict]:
     if all(r["answer"] is None for r in rows):
         print(f"ttc solve: --data {a.data!r} has no answers: the problems are solved but not graded "
               "(map one with --column answer=COLUMN)", file=sys.stderr)
-    return [{"problem": str(r["problem"]), "answer": None if r["answer"] is None else str(r["answer"])} for r in rows]
+    return [{"problem": str(r["problem"]), "answer": _gold(r["answer"])} for r in rows]
+
+
+def _gold(v) -> str | None:
+    """A row's answer as text; a missing one (None, NaN as pandas reads an empty cell, a blank string) is None: the
+    problem is solved but not graded."""
+    if v is None or (isinstance(v, float) and v != v):
+        return None
+    text = str(v)
+    return text if text.strip() else None
+
+
+def _checkpoint_index(line: str) -> int:
+    try:
+        return int(json.loads(line).get("index", -1))
+    except (ValueError, AttributeError, TypeError):
+        return -1
 
 
 def run_key(cfg: RSAConfig, template, grader, model: dict | None = None, extra: dict | None = None) -> str:
@@ -361,6 +377,7 @@ def solve_main(argv: list[str]) -> int:
         partial: dict = {}
         keys = [_problem_key(p["problem"]) for p in problems]
         kept: list[dict] = []  # records of problems past this run's end (a smaller --limit): kept, not summarized
+        regraded = 0
         if out is not None and a.resume and out.exists():
             for r in sorted(read_results(out, key), key=lambda r: r["index"]):
                 if r["index"] >= len(problems):
@@ -368,11 +385,16 @@ def solve_main(argv: list[str]) -> int:
                 elif r["problem_key"] != keys[r["index"]]:
                     raise ValueError(f"{out} holds a result for another problem {r['index']} ({r['problem'][:40]!r}): "
                                      f"it was written from other data; use another --out or drop --resume")
+                elif r.get("answer") != problems[r["index"]]["answer"]:
+                    regraded += 1  # graded against another answer (or none): solved again
                 else:
                     records.append(r)
         if kept:
             print(f"ttc solve: {len(kept)} result(s) in {out} are of problems after this run's {len(problems)}: "
                   f"kept in the file, left out of the summary", file=sys.stderr)
+        if regraded:
+            print(f"ttc solve: {regraded} result(s) in {out} were graded against another answer than the data's "
+                  "(or none): those problems are solved again", file=sys.stderr)
         if ckpt is not None and a.resume and ckpt.exists():
             partial = read_checkpoints(ckpt, key)
         done = {(r["index"], r["problem_key"]) for r in records}
@@ -452,9 +474,14 @@ def solve_main(argv: list[str]) -> int:
                     for i, p in todo:
                         one(i, p)
                 else:
-                    with ThreadPoolExecutor(max_workers=min(in_flight, max(1, len(todo)))) as pool:
+                    pool = ThreadPoolExecutor(max_workers=min(in_flight, max(1, len(todo))))
+                    try:
                         for f in [pool.submit(one, i, p) for i, p in todo]:
                             f.result()
+                    except BaseException:  # Ctrl-C / SIGTERM: no new problem starts (main ends the running ones)
+                        pool.shutdown(wait=False, cancel_futures=True)
+                        raise
+                    pool.shutdown()
             records.sort(key=lambda r: r["index"])
             extra = {"context": context, "clamped": {k: list(v) for k, v in clamped.items()} if clamped else None}
             summary = summarize(records, cfg, key, extra)
@@ -464,7 +491,14 @@ def solve_main(argv: list[str]) -> int:
             checkpoints.close()
             traces.close()
         if ckpt is not None and ckpt.exists() and not summary["failed"]:
-            ckpt.unlink()  # every problem is in --out: the round checkpoints are no longer needed
+            # every problem of this run is in --out: its round checkpoints are no longer needed (those of problems
+            # past a smaller --limit stay)
+            rest = [line for line in ckpt.read_text().splitlines(keepends=True)
+                    if line.strip() and _checkpoint_index(line) >= len(problems)]
+            if rest:
+                ckpt.write_text("".join(rest))
+            else:
+                ckpt.unlink()
     finally:
         close = getattr(backend, "close", None)
         if close is not None:

@@ -352,6 +352,9 @@ class MarkovianRSA:
         old = replace(cfg)
         steps = {s["stage"]: s for s in self.plan(problem_tokens)}
         room = min(context - steps[k]["prompt"] for k in ("solve", "aggregate") if k in steps)
+        if cfg.variant == "full" and "aggregate" in steps:  # the tails are the whole budget: C + 1 budgets must fit
+            overhead = steps["aggregate"]["prompt"] - cfg.aggregate * cfg.tail
+            room = min(context - steps["solve"]["prompt"], (context - overhead) // (cfg.aggregate + 1))
         budget = min(cfg.budget, room)
         if "continue" in steps:  # a chunk after the first generates budget - tail - anchor tokens
             budget = min(budget, context - steps["continue"]["prompt"] + cfg.tail + cfg.anchor)
