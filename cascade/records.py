@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,13 @@ class Records:
                  config: dict | None = None, step_offsets: dict[str, int] | None = None):
         self.path = Path(out) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists() and self.path.stat().st_size:  # a line a crash cut short: end it, so that the
+            with open(self.path, "rb") as f:                  # next record is a line of its own
+                f.seek(-1, os.SEEK_END)
+                cut = f.read(1) != b"\n"
+            if cut:
+                with open(self.path, "a") as f:
+                    f.write("\n")
         self._f = open(self.path, "a")
         self._tb = self._wb = None
         self.step_offsets = dict(step_offsets or {})

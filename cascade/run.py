@@ -186,8 +186,9 @@ def _flat(tree, prefix: str = "") -> dict:
 
 
 def _warn_changed(out: Path, tree: dict) -> None:
-    """A rerun in a run directory whose config.yaml holds other settings: say which changed, and that
-    stages which already finished keep what they ran (they are not run again)."""
+    """A rerun in a run directory whose config.yaml holds other settings: say which changed, that stages
+    which already finished keep what they ran (they are not run again), and that a stage resumed from a
+    checkpoint keeps its optimizer, schedule and curriculum state."""
     import sys
 
     from cascade.checkpoint import is_complete
@@ -207,6 +208,12 @@ def _warn_changed(out: Path, tree: dict) -> None:
     done = sorted(d.name.split("-", 1)[1] for d in (out / "stages").glob("*-*") if is_complete(d / "final"))
     hit = [n for n in done if any(k.startswith(f"stages.{n}.") for k in changed)]
     note = (f"; finished stage(s) {', '.join(hit)} keep what they ran (overwrite=true starts over)" if hit else "")
+    going = sorted(d.name.split("-", 1)[1] for d in (out / "stages").glob("*-*")
+                   if not is_complete(d / "final") and any((d / "checkpoints").glob("step-*")))
+    going = [n for n in going if any(k.startswith(f"stages.{n}.") for k in changed)]
+    if going:  # the optimizer's and scheduler's state and the curriculum's come back from the checkpoint
+        note += (f"; stage(s) {', '.join(going)} resume from a checkpoint with the learning rate, schedule and "
+                 "curriculum (mix weights, levels) it holds; the other settings apply from there")
     print(f"cascade run: settings differ from the last run in {out}: {shown}{note}", file=sys.stderr)
 
 
@@ -259,10 +266,10 @@ def main(argv: list[str]) -> int:
     if cfg.model:
         _initial_model(cfg, out)  # a bad model path fails here, before any work
     _check_model_refs(cfg)
-    from cascade.stagedata import stage_mixes
+    from cascade.stagedata import check_env_kwargs
 
-    for name in cfg.order:  # unknown environments (of the mix, its sources or its phases) fail here too
-        stage_mixes(cfg.stages[name])
+    for name in cfg.order:  # unknown environments (of the mix, its sources or its phases) and settings fail here too
+        check_env_kwargs(cfg.stages[name], name)
     if cfg.rollout.urls and not _all_finished(cfg, tree, out):  # unreachable servers, or servers disagreeing on
         # the model, fail here too (a rerun of a finished run needs none: it only prints what the stages did)
         from cascade.rollout import url_key

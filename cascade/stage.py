@@ -11,6 +11,7 @@ import copy
 import functools
 import json
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -218,9 +219,18 @@ class StageRunner:
                     if pipe is None and rl_cfg.max_staleness > 0:
                         from train.rl.pipeline import Pipeline
 
-                        pipe = Pipeline(rl, pipe_state)  # a resumed run's waiting groups first
+                        # a resumed run's waiting groups first; each batch sampled under the phase and response
+                        # cap of the step that trains it (the producer runs ahead), and none past the last step
+                        first = step - s.sft.steps
+                        pipe = Pipeline(rl, pipe_state, batches=total - step,
+                                        before_batch=lambda k: self.apply_phase(rl, curriculum, mixer, first + k))
                         pipe_state = None
-                    data = self.apply_phase(rl, curriculum, mixer, step - s.sft.steps)
+                    elif pipe_state is not None:  # pipelined before the resume, not now
+                        print(f"cascade run: stage {self.name}: rl.max_staleness=0 now: the "
+                              f"{len(pipe_state['queue'])} rollout group(s) the checkpoint holds, produced ahead "
+                              "of the trainer, are not trained on", file=sys.stderr)
+                        pipe_state = None
+                    data = self.apply_phase(rl, curriculum, mixer, step - s.sft.steps) if pipe is None else {}
                     m = pipe.step() if pipe is not None else rl.step()
                     m.update(data)
                     if mixer is not None:
@@ -262,7 +272,7 @@ class StageRunner:
                                                         "difficulty_start": state.get("difficulty_start"),
                                                         "difficulty_end": rl.curriculum.difficulties(),
                                                         "difficulty_max": state.get("difficulty_max")})
-            self.write_final(policy, src, rl, sft, mixer, state, after)
+            self.write_final(policy, src, rl, sft, mixer, state, after, Path(start_dir))
         finally:
             if pipe is not None:
                 pipe.close()
@@ -635,7 +645,9 @@ class StageRunner:
         raise ValueError(f"stage {self.name}: checkpoint {latest.name} was taken by {where}, or pass overwrite=true "
                          f"to start the run over")
 
-    def write_final(self, policy, src: Path, rl, sft, mixer, state: dict, after: dict) -> None:
+    def write_final(self, policy, src: Path, rl, sft, mixer, state: dict, after: dict, start_dir: Path) -> None:
+        """``final/``: the policy, the tokenizer of ``src`` and the run state (``started_from``: the stage's start,
+        ``start_dir``, also after a resume from a checkpoint)."""
         import shutil
 
         from train.model.hf_io import save_pretrained
@@ -644,7 +656,7 @@ class StageRunner:
         shutil.rmtree(tmp, ignore_errors=True)
         save_pretrained(policy, tmp)
         copy_tokenizer(src, tmp)
-        run_state = {"stage": self.name, "steps": state["step"], "started_from": str(src), "accuracy_before": state["eval_before"],
+        run_state = {"stage": self.name, "steps": state["step"], "started_from": str(start_dir), "accuracy_before": state["eval_before"],
                      "accuracy_after": after["accuracy"], "eval_k": after["k"],
                      "accuracy_before_by_family": state.get("eval_before_families"),
                      "accuracy_after_by_family": after["families"], "difficulty": rl.curriculum.difficulties(),

@@ -35,6 +35,23 @@ def stage_mixes(s: StageConfig) -> list[dict[str, float]]:
     return [mix_of(p.envs, p.sources) for p in s.phases]
 
 
+def check_env_kwargs(s: StageConfig, name: str) -> None:
+    """Every ``env_kwargs`` entry names an environment of the stage's mix and settings its constructor takes
+    (a one-line ConfigError naming what is valid, before any stage runs)."""
+    from envs.base import check_env_kwargs as check
+    from train.dataclass_config import ConfigError
+
+    envs = set(union_mix(stage_mixes(s)))
+    for env_id, kw in s.env_kwargs.items():
+        if env_id not in envs:
+            raise ConfigError(f"stages.{name}.env_kwargs.{env_id}: {env_id} is not in the stage's mix "
+                              f"({', '.join(sorted(envs))})")
+        try:
+            check(env_id, dict(kw or {}))
+        except TypeError as e:
+            raise ConfigError(f"stages.{name}.env_kwargs.{env_id}: {e}") from None
+
+
 def union_mix(mixes: list[dict[str, float]]) -> dict[str, float]:
     """Every environment of any phase, weighted by the sum of its normalised shares (what a curriculum
     over the whole stage is built with, and what the pass-rate pool samples from)."""

@@ -320,6 +320,38 @@ def get_env_class(name: str) -> type[Environment]:
     return type(env)
 
 
+def check_env_kwargs(name: str, kwargs: dict) -> None:
+    """A one-line ``TypeError`` when ``get_env(name, **kwargs)`` would pass a setting the environment does not
+    take, naming the ones it does (checked on its constructor's signature: nothing is built)."""
+    import inspect
+
+    if ":" in name:
+        mod, _, attr = name.partition(":")
+        try:
+            make = getattr(importlib.import_module(mod), attr)
+        except (ImportError, AttributeError) as e:
+            raise UnknownEnvironmentError(f"cannot load environment {name!r}: {e}") from None
+    else:
+        _load_builtin()
+        load_entry_points()
+        make = _REGISTRY.get(name) or _FACTORIES.get(name)
+        if make is None:
+            raise UnknownEnvironmentError(f"unknown environment {name!r}")
+    try:
+        sig = inspect.signature(make)
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to check against
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+        return
+    try:
+        sig.bind_partial(**kwargs)
+    except TypeError:
+        takes = [k for k, p in sig.parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        bad = sorted(set(kwargs) - set(takes)) or sorted(kwargs)
+        raise TypeError(f"{name} takes no setting {', '.join(bad)}; "
+                        + (f"it takes: {', '.join(takes)}" if takes else "it takes none")) from None
+
+
 def get_env(name: str, **kwargs) -> Environment:
     """An environment instance by registered id or dotted path ``pkg.module:Class``."""
     if ":" in name:

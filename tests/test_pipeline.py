@@ -65,6 +65,32 @@ def test_bounded_staleness_overlaps_and_never_trains_older_groups(warm):
     assert rl.step_idx == 6
 
 
+def test_each_batch_is_sampled_under_its_own_steps_settings_and_none_past_the_last(warm):
+    """before_batch(k) runs before the batch the k-th step trains on is sampled (a stage's phase mix and response
+    cap: the producer runs ahead, so setting them when the step starts came k steps late), and with ``batches``
+    no batch is made that no step trains on (closing then waits for none; the last step does not wait for
+    min_ready_batches)."""
+    rl = make_trainer(warm, seed=4, max_staleness=2, min_ready_batches=2, sync_every=1)
+    seen, caps = [], []
+
+    def before(k):
+        seen.append(k)
+        rl.cfg.sampling.max_new_tokens = 6 + k  # what the batch's responses are capped at
+        return {"mix_phase": k}
+
+    pipe = Pipeline(rl, before_batch=before, batches=4)
+    try:
+        for _ in range(4):
+            m = pipe.step()
+            caps.append((m["mix_phase"], m["response_len"]))
+        time.sleep(0.3)  # (a fifth batch, were one allowed, would start now)
+    finally:
+        t = time.perf_counter()
+        pipe.close()
+    assert seen == [0, 1, 2, 3] and pipe._produced == 4 and time.perf_counter() - t < 1.0
+    assert [k for k, _ in caps] == [0, 1, 2, 3] and all(n <= 6 + k for k, n in caps)
+
+
 def test_every_evicted_group_is_counted_in_some_steps_metrics(warm):
     """A buffer of one batch while the producer runs two ahead: groups are evicted while the trainer
     waits as well as while it updates; the per-step counts add up to the buffer's (they missed the

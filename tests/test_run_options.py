@@ -214,6 +214,11 @@ def test_a_rerun_with_other_settings_says_what_changed(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "stages.math.steps: 4 -> 6, stages.rlve.steps: 3 -> 5" in err
     assert "finished stage(s) rlve keep what they ran" in err and err.count("\n") == 1
+    assert "resume from a checkpoint" not in err
+    (tmp_path / "stages" / "2-math" / "checkpoints" / "step-00000002").mkdir(parents=True)  # math in progress
+    _warn_changed(tmp_path, new)
+    err = capsys.readouterr().err
+    assert "stage(s) math resume from a checkpoint with the learning rate, schedule and curriculum" in err
     _warn_changed(tmp_path, dict(new, trainer={"nproc": 2}))  # a section the last run left at its defaults
     assert "trainer.nproc: (default) -> 2" in capsys.readouterr().err
 

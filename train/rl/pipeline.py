@@ -105,8 +105,13 @@ class Pipeline:
     groups dropped as stale or evicted, the version lag of the trained tokens (mean, max,
     histogram) and the rollout / trainer busy fractions since the previous step."""
 
-    def __init__(self, rl: RLTrainer, state: dict | None = None):
+    def __init__(self, rl: RLTrainer, state: dict | None = None, before_batch=None, batches: int | None = None):
         self.rl, cfg = rl, rl.cfg
+        # before_batch(k): called by the producer before it samples the k-th batch from here (0: the batch the next
+        # step() trains on; a resumed state's batches count), e.g. to set that step's mix and response cap; what it
+        # returns joins that batch's metrics. batches: how many the trainer will take (no batch is made past them,
+        # so closing waits for none and the curriculum is not moved by rollouts never trained on)
+        self.before_batch, self.batches = before_batch, batches
         self.max_staleness, self.batch = cfg.max_staleness, cfg.prompts_per_step
         # the trainer can wait for at most the batches the producer may run ahead
         self.min_ready = max(1, min(cfg.min_ready_batches, cfg.max_staleness - cfg.sync_every + 2))
@@ -147,6 +152,8 @@ class Pipeline:
         at version ``step_idx + ahead`` (if every step between trains), which may exceed the
         engine's version by at most ``max_staleness``."""
         ahead = self._produced - self._done
+        if self.batches is not None and self._produced >= self.batches:
+            return False
         return (not self._pause and ahead <= self.max_staleness
                 and self.rl.synced_version >= self.rl.step_idx + ahead - self.max_staleness)
 
@@ -164,7 +171,9 @@ class Pipeline:
                         return
                     self._idle.clear()
                 t0 = time.perf_counter()
+                extra = self.before_batch(self._produced) if self.before_batch is not None else None
                 groups, metrics = self.rl.collect()
+                metrics.update(extra or {})
                 metrics["difficulty"] = self.rl.curriculum.difficulties()  # as the sync loop reads it
                 with cond:
                     self._busy_roll += time.perf_counter() - t0
@@ -190,8 +199,11 @@ class Pipeline:
         self.lent += n > self.threads[1]
 
     def _ready(self) -> bool:
+        # min_ready batches of groups, or of batches that dynamic sampling left short, or the last ones (no more
+        # are coming)
         return len(self.buffer) >= self.min_ready * self.batch or \
-            len(self._pending) >= self.min_ready  # batches that dynamic sampling left short
+            len(self._pending) >= self.min_ready or \
+            (self.batches is not None and self._produced >= self.batches and len(self._pending) > 0)
 
     def step(self) -> dict[str, Any]:
         rl, cond = self.rl, self.buffer.cond
