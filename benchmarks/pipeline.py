@@ -140,6 +140,10 @@ At 0fb5ec6 (this path unchanged: the session's changes are in the servers, the r
 2.43-2.46, async 2.56-2.64; ceiling 1.15-1.17, any mix 1.35-1.39); max_lag_seen 2. At eb9ab54 (the engine's sampler
 checks for penalties, none here; the stage's end and resume sync the engine, off this path), 3 runs: 1.06, 1.06, 1.05
 (median 1.06, min 1.05; sync 2.45-2.50, async 2.60-2.64; ceiling 1.14-1.15, any mix 1.32-1.34); max_lag_seen 2.
+At d9aab17 (2026-12-05, later: the pipeline takes an optional per-batch hook and batch count, unset here, and the
+engine's sampler checks for min_tokens / logit_bias, none here), 6 runs: 1.04, 1.03, 1.00, then interleaved with
+547e7ba (the code before) 1.14, 1.10, 1.10 against 1.01, 1.01, 1.05 (median 1.07, min 1.00; sync 2.41-2.55, async
+2.50-2.81; ceiling 1.14-1.17, any mix 1.32-1.41); max_lag_seen 2: the same within this machine's noise.
 
 The goal (>= 1.5 against the best synchronous setting, here 2 threads) is not met: median 1.24 by
 default and 1.27 with long-tailed responses (one run of twelve above 1.5). Lending the producer's

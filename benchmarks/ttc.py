@@ -75,7 +75,10 @@ sampling field named), ``--skip-prefix --skip-steps``, one run: ``concurrency_sp
 ways. At eb9ab54 (2026-12-05, later: the engine samples with vLLM's penalties when asked, ``ttc serve`` refuses the
 fields it does not implement; neither on this path's requests), ``--skip-prefix --skip-steps``, one run:
 ``concurrency_speedup`` 1.87 (4.35 -> 2.33 s), ``_short`` 1.70, ``local`` 1.70 (4.31 -> 2.53 s); at torch's default two
-threads 2.73 (3.71 -> 1.36 s), local 2.74; same results both ways. At dfa57d9 (the same engine and server code; prefix
+threads 2.73 (3.71 -> 1.36 s), local 2.74; same results both ways. At d9aab17 (2026-12-05, later: the engine
+samples with ``min_tokens`` and ``logit_bias`` when asked, none on these requests), ``--skip-prefix --skip-steps``, one
+run: ``concurrency_speedup`` 1.85 (4.31 -> 2.34 s), ``_short`` 1.61, ``local`` 2.00 (4.32 -> 2.16 s); at torch's default
+two threads 2.57 (3.77 -> 1.47 s), local 3.02 (3.73 -> 1.23 s); same results both ways. At dfa57d9 (the same engine and server code; prefix
 parts and steps, ``--skip-concurrency``, one run): toy 1.48, real 1.12 (pairs 1.07-1.13; uncached 3.90 s of which decode
 3.25 s, prefill 0.60 s; cached 3.49 s, prefill 0.43 s), long 1.53 (7.83 -> 5.13 s); shared-prefix decode steps 1.14x
 (8 rows, 300 + 300), 1.28x (600 + 300), 1.12x (300 + 600), 1.97x (32 rows, 600 + 300); same outputs both sides.

@@ -7,9 +7,11 @@ people's code run on model output. Some never return on an answer like ``10**10*
 a policy writes. An environment with :class:`IsolatedCheck` therefore verifies in a worker process
 (:mod:`envs.workers`), in two stages, each with its own deadline:
 
-1. the environment's context for the problem (``check_context``: the adapter regenerates its item from
-   the problem's seed and level: the package's own code on its own data), within ``context_timeout``
-   (it includes the worker's first import of the package);
+1. the environment's context for the problem (``check_context``: the adapter's item for the problem's seed
+   and level, the package's own code on its own data): made in the calling process, where the item is
+   cached from generation, and sent pickled (up to ``SHIP_CONTEXT_BYTES``; else, or when it does not pickle,
+   the worker regenerates it), within ``context_timeout`` (it includes the worker's first import of the
+   package);
 2. the score (``check_with``), within ``verify_time_limit``, where the packages' own calls of the builtin
    ``eval`` get :func:`safe_eval`, which evaluates literals and arithmetic only (no names but data
    constants, no calls, no attributes; integers and sequences of bounded size).
@@ -26,10 +28,12 @@ from __future__ import annotations
 
 import ast
 import atexit
+import base64
 import builtins
 import math
 import operator
 import os
+import pickle
 import shutil
 import sys
 from contextlib import contextmanager
@@ -41,6 +45,7 @@ from envs.workers import Pool, WorkerStartError, serve
 MAX_INT_BITS = 1 << 14     # a safe_eval integer (2**16384 is about 4,900 digits)
 MAX_ITEMS = 1 << 17        # a safe_eval string, list, tuple, dict or set
 STARTUP_TIMEOUT = 120.0    # a fresh worker imports envs.base
+SHIP_CONTEXT_BYTES = 1 << 16  # a larger context is made again in the worker (cached there per problem)
 
 _BIN = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow, ast.BitAnd: operator.and_,
@@ -181,7 +186,8 @@ def _check(request: dict, emit) -> dict:
     if env is None:
         env = _ENVS[request["env"]] = get_env(request["env"])
     problem = Problem.from_dict(request["problem"])
-    ctx = env.check_context(problem)
+    shipped = request.get("context")
+    ctx = pickle.loads(base64.b64decode(shipped)) if shipped else env.check_context(problem)
     emit("context")
     with eval_made_safe():
         s = env.check_with(problem, request["response"], ctx)
@@ -234,13 +240,23 @@ class IsolatedCheck:
     def check_with(self, problem: Problem, response: str, context: Any) -> Score:
         raise NotImplementedError
 
+    def _shipped_context(self, problem: Problem) -> str | None:
+        """The context made here (where the problem was generated, its item cached: regenerating it in the worker
+        cost a slow generator its time again, 0.23 s a verify for rg/countdown), pickled for the worker; None when
+        it cannot be (a lambda in it) or is larger than ``SHIP_CONTEXT_BYTES``: the worker makes it then."""
+        try:
+            raw = pickle.dumps(self.check_context(problem))
+        except Exception:  # noqa: BLE001 - unpicklable, or it fails here: the worker tries (and reports)
+            return None
+        return base64.b64encode(raw).decode() if len(raw) <= SHIP_CONTEXT_BYTES else None
+
     def check(self, problem: Problem, response: str) -> Score:
         if not self.isolate or _IN_WORKER:
             return self.check_with(problem, response, self.check_context(problem))
         limit = float(getattr(self, "verify_time_limit", 10.0))
         try:
-            got = _POOL.call({"env": self.id, "problem": problem.to_dict(), "response": response},
-                             [self.context_timeout, limit])
+            got = _POOL.call({"env": self.id, "problem": problem.to_dict(), "response": response,
+                              "context": self._shipped_context(problem)}, [self.context_timeout, limit])
         except WorkerStartError as e:
             raise RuntimeError(str(e)) from None
         if got is None:

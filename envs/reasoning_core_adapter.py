@@ -164,8 +164,6 @@ class ReasoningCoreEnv(IsolatedCheck, BoxedOrTagged, Environment):
         meta = problem.meta.get("rc_metadata")
         if meta is None:  # a problem without its metadata: regenerate it
             _, _, meta, _ = self._item(problem.seed, problem.difficulty)
-        if self._scorer is None:
-            self._scorer = self._rc.get_score_answer_fn(self.name)
         return meta
 
     def check_with(self, problem: Problem, response: str, context) -> Score:
@@ -176,6 +174,8 @@ class ReasoningCoreEnv(IsolatedCheck, BoxedOrTagged, Environment):
 
         entry = Entry(metadata=context, answer=problem.answer)
         entry.prompt = problem.prompt
+        if self._scorer is None:
+            self._scorer = self._rc.get_score_answer_fn(self.name)
         value = float(self._scorer(pred, entry))
         value = max(0.0, min(1.0, value)) if value == value else 0.0
         return Score(value, value >= 1.0 - 1e-9, True, {"extracted": pred[:200], "rc_score": value})

@@ -600,3 +600,20 @@ def test_missing_answers_and_the_model_identity(tmp_path, tiny_dense_dir):
     idents = [EngineBackend(TorchEngine.from_pretrained(tiny_dense_dir, dtype=dt)).identity()
               for dt in (torch.float32, torch.bfloat16)]
     assert "dtype" not in idents[0] and "device" not in idents[0] and idents[1]["dtype"] == "torch.bfloat16"
+
+
+def test_a_repeated_problem_is_sampled_apart(tmp_path, capsys, tiny_dense_dir):
+    """A dataset that lists a problem twice (avg@k by repetition) gets two independent samples of it; a problem
+    listed once keeps the key (and so the seeds) it always had."""
+    from ttc.cli import _problem_key, _problem_keys
+
+    assert _problem_keys(["a", "b", "a"]) == [_problem_key("a"), _problem_key("b"), _problem_key("a") + "#1"]
+    data = tmp_path / "d.jsonl"
+    data.write_text((json.dumps({"problem": "What is 2+2?", "answer": "4"}) + "\n") * 2)
+    traces = tmp_path / "t.jsonl"
+    rc, _, _ = _cli(capsys, "solve", "--data", data, "--model", tiny_dense_dir, "--population", "2", "--rounds", "0",
+                    "--budget", "8", "--seed", "1", "--out", tmp_path / "r.jsonl", "--save-traces", traces,
+                    "--no-progress")
+    pops = {r["index"]: r["population"] for r in map(json.loads, traces.read_text().splitlines())
+            if r["type"] == "round"}
+    assert rc == 0 and pops[0] != pops[1]

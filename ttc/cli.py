@@ -206,6 +206,19 @@ def _problem_key(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _problem_keys(texts: list[str]) -> list[str]:
+    """Each problem's key (what seeds its draws and ties a result to it): a hash of its text, with ``#n`` for the
+    n-th repeat of a text, so that a dataset that lists a problem k times (avg@k) samples it k times apart."""
+    seen: dict[str, int] = {}
+    out = []
+    for t in texts:
+        k = _problem_key(t)
+        n = seen.get(k, 0)
+        seen[k] = n + 1
+        out.append(k if n == 0 else f"{k}#{n}")
+    return out
+
+
 def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
     out = []
     lines = path.read_text().splitlines()
@@ -375,7 +388,7 @@ def solve_main(argv: list[str]) -> int:
         ckpt = out.with_name(out.name + ".rounds.jsonl") if out is not None else None
         records: list[dict] = []
         partial: dict = {}
-        keys = [_problem_key(p["problem"]) for p in problems]
+        keys = _problem_keys([p["problem"] for p in problems])
         kept: list[dict] = []  # records of problems past this run's end (a smaller --limit): kept, not summarized
         regraded = 0
         if out is not None and a.resume and out.exists():
