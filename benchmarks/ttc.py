@@ -82,6 +82,10 @@ two threads 2.57 (3.77 -> 1.47 s), local 3.02 (3.73 -> 1.23 s); same results bot
 parts and steps, ``--skip-concurrency``, one run): toy 1.48, real 1.12 (pairs 1.07-1.13; uncached 3.90 s of which decode
 3.25 s, prefill 0.60 s; cached 3.49 s, prefill 0.43 s), long 1.53 (7.83 -> 5.13 s); shared-prefix decode steps 1.14x
 (8 rows, 300 + 300), 1.28x (600 + 300), 1.12x (300 + 600), 1.97x (32 rows, 600 + 300); same outputs both sides.
+At d9aab17 (the engine's sampler checks for ``min_tokens`` / ``logit_bias``, none here; ``--skip-concurrency``, one
+run): toy 1.52, real 1.06 (pairs 1.05-1.10; uncached 3.78 s of which decode 3.15 s, prefill 0.60 s; cached 3.56 s,
+prefill 0.42 s), long 1.48 (7.38 -> 4.99 s); shared-prefix decode steps 1.12x, 1.27x, 1.07x, 1.67x; same outputs both
+sides.
 
 Measured on this project's 2-core CPU (2026-12-02, defaults, tiny-moe, 1 thread, quiet machine, commit
 e6feb3e, three runs): ``concurrency_speedup`` 2.17, 2.21, 2.13 (one problem at a time 3.73-3.80 s, 64 in
