@@ -320,17 +320,22 @@ def get_env_class(name: str) -> type[Environment]:
     return type(env)
 
 
+def _dotted(name: str):
+    """The object a ``pkg.module:attr`` environment name points at."""
+    mod, _, attr = name.partition(":")
+    try:
+        return getattr(importlib.import_module(mod), attr)
+    except (ImportError, AttributeError) as e:
+        raise UnknownEnvironmentError(f"cannot load environment {name!r}: {e}") from None
+
+
 def check_env_kwargs(name: str, kwargs: dict) -> None:
     """A one-line ``TypeError`` when ``get_env(name, **kwargs)`` would pass a setting the environment does not
     take, naming the ones it does (checked on its constructor's signature: nothing is built)."""
     import inspect
 
     if ":" in name:
-        mod, _, attr = name.partition(":")
-        try:
-            make = getattr(importlib.import_module(mod), attr)
-        except (ImportError, AttributeError) as e:
-            raise UnknownEnvironmentError(f"cannot load environment {name!r}: {e}") from None
+        make = _dotted(name)
     else:
         _load_builtin()
         load_entry_points()
@@ -355,11 +360,7 @@ def check_env_kwargs(name: str, kwargs: dict) -> None:
 def get_env(name: str, **kwargs) -> Environment:
     """An environment instance by registered id or dotted path ``pkg.module:Class``."""
     if ":" in name:
-        mod, _, attr = name.partition(":")
-        try:
-            obj = getattr(importlib.import_module(mod), attr)
-        except (ImportError, AttributeError) as e:
-            raise UnknownEnvironmentError(f"cannot load environment {name!r}: {e}") from None
+        obj = _dotted(name)
         env = obj(**kwargs) if isinstance(obj, type) else obj
         if not getattr(env, "id", ""):
             env.id = name  # an unregistered class: its problems name it, and its seeds are its own
