@@ -103,6 +103,12 @@ class BoxedOrTagged:
         # first moves), so a perturbed gold answer may rightly still score 1.
         return ["", "I don't know.", "\\boxed{}", "<answer>qx9 ### zz</answer>", "\\boxed{-98765.4321}"]
 
+    def precheck(self, problem: Problem, response: str) -> Score | None:
+        """The zero Score of a response without an answer (or with one too long), found before any scorer runs (an
+        isolated scorer's worker is not asked then: envs/isolated.py); None when there is an answer to score."""
+        pred = self.extracted_or_zero(problem, response)
+        return pred if isinstance(pred, Score) else None
+
     def extracted_or_zero(self, problem: Problem, response: str) -> str | Score:
         """The extracted answer, or the zero Score of a response without one or with one too long."""
         pred = self.extract(response)

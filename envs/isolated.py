@@ -36,6 +36,7 @@ import os
 import pickle
 import shutil
 import sys
+import threading
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
@@ -226,9 +227,11 @@ atexit.register(_POOL.close)
 
 class IsolatedCheck:
     """Mixin for an :class:`envs.base.Environment` whose scorer is someone else's code: ``check`` runs in a
-    worker process (see the module docstring). Implement ``check_context(problem)`` (what scoring needs,
-    from trusted code; it stays in the worker) and ``check_with(problem, response, context)``; the
-    environment must be one :func:`envs.base.get_env` builds from its ``id`` alone."""
+    worker process (see the module docstring). Implement ``check_context(problem)`` (what scoring needs, from
+    trusted code: made here, one call at a time, and sent along, or made in the worker) and
+    ``check_with(problem, response, context)`` (run in the worker); the environment must be one
+    :func:`envs.base.get_env` builds from its ``id`` alone. A ``precheck(problem, response)`` method, where the
+    class has one, may give the score here without the worker (a response without an answer)."""
 
     concurrent_verify: ClassVar[bool] = True  # check waits on a worker process; each calling thread has its own
     isolate: ClassVar[bool] = True
@@ -244,8 +247,11 @@ class IsolatedCheck:
         """The context made here (where the problem was generated, its item cached: regenerating it in the worker
         cost a slow generator its time again, 0.23 s a verify for rg/countdown), pickled for the worker; None when
         it cannot be (a lambda in it) or is larger than ``SHIP_CONTEXT_BYTES``: the worker makes it then."""
+        # verify_all calls this from several threads; an adapter's item cache is not made for that
+        lock = self.__dict__.setdefault("_context_lock", threading.Lock())
         try:
-            raw = pickle.dumps(self.check_context(problem))
+            with lock:
+                raw = pickle.dumps(self.check_context(problem))
         except Exception:  # noqa: BLE001 - unpicklable, or it fails here: the worker tries (and reports)
             return None
         return base64.b64encode(raw).decode() if len(raw) <= SHIP_CONTEXT_BYTES else None
@@ -253,6 +259,10 @@ class IsolatedCheck:
     def check(self, problem: Problem, response: str) -> Score:
         if not self.isolate or _IN_WORKER:
             return self.check_with(problem, response, self.check_context(problem))
+        precheck = getattr(self, "precheck", None)  # (e.g. no answer to score: no worker needed)
+        early = precheck(problem, response) if precheck is not None else None
+        if early is not None:
+            return early
         limit = float(getattr(self, "verify_time_limit", 10.0))
         try:
             got = _POOL.call({"env": self.id, "problem": problem.to_dict(), "response": response,
