@@ -80,7 +80,8 @@ from train.parallel.shard import make_mesh
 from train.parallel.tsp import TSPCausalLM, check_tsp_config, zigzag_index
 from train.rl.exchange import TrainBatch, TrainSample
 from train.rl.packing import balance_across_ranks, pack_by_tokens, pack_row, packed_token_logprobs, scatter_rows
-from train.rl.losses import LossConfig, MetricSums, effective_agg, get_loss, loss_count, mismatch_metrics
+from train.rl.losses import (RATIO_MODES, LossConfig, MetricSums, effective_agg, get_loss, loss_count,
+                             mismatch_metrics)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -110,8 +111,8 @@ class RLUpdateConfig:
             raise ValueError(e.args[0]) from None
         if isinstance(self.loss_cfg, dict):
             self.loss_cfg = LossConfig(**self.loss_cfg)
-        if self.ratio_against not in ("behaviour", "recompute"):
-            raise ValueError(f"unknown ratio_against {self.ratio_against!r}; choose from behaviour, recompute")
+        if self.ratio_against not in RATIO_MODES:
+            raise ValueError(f"unknown ratio_against {self.ratio_against!r}; choose from {', '.join(RATIO_MODES)}")
         if isinstance(self.optim, dict):
             self.optim = OptimConfig(**self.optim)
         if isinstance(self.sft_optim, dict):

@@ -76,6 +76,9 @@ __all__ = ["LossConfig", "LOSSES", "get_loss", "aggregate", "seq_count", "loss_c
            "mismatch_metrics", "MetricSums"]
 
 AGG_MODES = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
+# what the ratio is taken against: the engine's behaviour log-probs, or the policy's own before the update (with the
+# engine's then in truncated IS): RLConfig.ratio_against and, on trainer ranks, RLUpdateConfig.ratio_against
+RATIO_MODES = ("behaviour", "recompute")
 KL_TYPES = ("k1", "k3")
 LOG_RATIO_CLAMP = 20.0  # |log ratio| is clamped here before exp, for overflow safety
 

@@ -21,12 +21,12 @@ from train.engine.base import Completion, SamplingParams
 from train.model.modeling import CausalLM
 from train.optim import OptimConfig, build_optimizer, clip_and_step, load_training_state, training_state
 from train.rl.advantages import compute_advantages
-from train.rl.losses import LossConfig, MetricSums, effective_agg, get_loss, loss_count, mismatch_metrics
+from train.rl.losses import (RATIO_MODES, LossConfig, MetricSums, effective_agg, get_loss, loss_count,
+                             mismatch_metrics)
 from train.rl.shaping import (DynamicSampler, LengthRewardConfig, LengthRewardState, OverlongConfig, data_source,
                               overlong_shaping, rare_token_fractions, repetition_gate)
 
 REWARD_MODES = ("correct", "score")
-RATIO_MODES = ("behaviour", "recompute")
 
 
 @dataclass
