@@ -184,12 +184,6 @@ def _gold(v) -> str | None:
     return text if text.strip() else None
 
 
-def _checkpoint_index(line: str) -> int:
-    try:
-        return int(json.loads(line).get("index", -1))
-    except (ValueError, AttributeError, TypeError):
-        return -1
-
 
 def run_key(cfg: RSAConfig, template, grader, model: dict | None = None, extra: dict | None = None) -> str:
     """A hash of everything that decides a problem's result: the config, the template's content,
@@ -506,10 +500,9 @@ def solve_main(argv: list[str]) -> int:
         if ckpt is not None and ckpt.exists() and not summary["failed"]:
             # every problem of this run is in --out: its round checkpoints are no longer needed (those of problems
             # past a smaller --limit stay)
-            rest = [line for line in ckpt.read_text().splitlines(keepends=True)
-                    if line.strip() and _checkpoint_index(line) >= len(problems)]
+            rest = [r for _, r in _read_jsonl(ckpt) if r.get("index", -1) >= len(problems)]
             if rest:
-                ckpt.write_text("".join(rest))
+                ckpt.write_text("".join(json.dumps(r) + "\n" for r in rest))
             else:
                 ckpt.unlink()
     finally:
