@@ -49,12 +49,10 @@ class Records:
         self.path = Path(out) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists() and self.path.stat().st_size:  # a line a crash cut short: end it, so that the
-            with open(self.path, "rb") as f:                  # next record is a line of its own
+            with open(self.path, "rb+") as f:                 # next record is a line of its own
                 f.seek(-1, os.SEEK_END)
-                cut = f.read(1) != b"\n"
-            if cut:
-                with open(self.path, "a") as f:
-                    f.write("\n")
+                if f.read(1) != b"\n":
+                    f.write(b"\n")
         self._f = open(self.path, "a")
         self._tb = self._wb = None
         self.step_offsets = dict(step_offsets or {})
