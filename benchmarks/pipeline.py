@@ -144,6 +144,8 @@ At d9aab17 (2026-12-05, later: the pipeline takes an optional per-batch hook and
 engine's sampler checks for min_tokens / logit_bias, none here), 6 runs: 1.04, 1.03, 1.00, then interleaved with
 547e7ba (the code before) 1.14, 1.10, 1.10 against 1.01, 1.01, 1.05 (median 1.07, min 1.00; sync 2.41-2.55, async
 2.50-2.81; ceiling 1.14-1.17, any mix 1.32-1.41); max_lag_seen 2: the same within this machine's noise.
+At 6f000cc (the same in-process path; 3 runs): 1.04, 1.04, 1.07 (median 1.04, min 1.04; sync 2.51-2.64, async
+2.61-2.76; ceiling 1.16, any mix 1.37-1.38); max_lag_seen 2.
 
 The goal (>= 1.5 against the best synchronous setting, here 2 threads) is not met: median 1.24 by
 default and 1.27 with long-tailed responses (one run of twelve above 1.5). Lending the producer's

@@ -38,7 +38,8 @@ Re-run at dd837b4 (after the master slice is built per parameter, 2e1b4d1), one 
 publish rank 0 124.9 / 428.9, other 0.0 / 285.7, 0.122 / 0.593 s; final 261.1 / 643.8, other 0.0 / 1052.2,
 0.287 / 1.262 s. Re-run at 0fbd5d7 (2026-12-05, another machine; the RL step's metrics path only), DP 2, one run:
 publish rank 0 122.4 / 612.4, other 0.0 / 612.5, 0.054 / 0.554 s; final 343.1 / 612.4, other 0.0 / 612.3,
-0.241 / 0.443 s.
+0.241 / 0.443 s. Re-run at 6f000cc (RLUpdater's recompute branch, off this path), DP 2, one run: publish rank 0
+31.2 / 612.4, other 0.0 / 612.4, 0.030 / 0.455 s; final 187.5 / 612.3, other 0.0 / 367.3, 0.191 / 0.468 s.
 
 The other rank's rise is 0.0 in every run (it allocates one parameter at a time, which the heap's free
 pages absorb). Rank 0's rise is noisy (31-125 MB for a 122 MB version): freed pages from earlier calls

@@ -71,7 +71,8 @@ dc6f21e (before that change): default TSP D=2 5.51, 5.62, 5.81 s against 3.16, 3
 dc6f21e 5.80, 5.66 s against 3.28, 3.36 s (0.57, 0.59); ``--tsp 1 --dp 2`` 3.06, 3.05 s against 3.51, 3.58 s
 (1.15, 1.17), dc6f21e 3.09, 3.01 s against 3.45, 3.10 s (1.12, 1.03): no change the noise shows. At 0fbd5d7
 (the same counts through ``losses.loss_count``), one run each: TSP D=2 5.58 s against 3.42 s (0.61), ``--tsp 1
---dp 2`` 3.12 s against 3.38 s (1.08).
+--dp 2`` 3.12 s against 3.38 s (1.08). At 6f000cc (RLUpdater takes ``ratio_against``; the behaviour path unchanged),
+one run, default: TSP D=2 5.25 s against 3.22 s (0.61).
 
 TSP is a memory layout first (each rank holds 1/D of the weights and activations, see
 benchmarks/parallel.py); on 2 CPU cores it pays for its weight ring with gloo transfers that one

@@ -71,7 +71,9 @@ wall): agg single / maj. / rsa / r1 / r1 ceiling / cut 0.420 / 0.531 / 0.529 / 0
 -2.9 (median -2.9, min -60.9), ``rsa_vs_ablation_points`` +7.4 / -9.8 / -15.4 (median -9.8, min -15.4): on this
 machine seed 1's agg policy ran 549 of its 1,536 RSA traces to beta and answered none, the picture of the
 ablation's seed 1 above; seed 0 again picks (+10.9). Re-run at 6ebe7cf (2026-12-05, later: the engine's sampler
-checks for penalties, none here; defaults, 509 s wall): every seed's figures the same as at 0fbd5d7.
+checks for penalties, none here; defaults, 509 s wall): every seed's figures the same as at 0fbd5d7. Re-run at 6f000cc
+(the sampler's min_tokens / logit_bias, none here; defaults, 489 s wall): the same again (``rsa_gain_points`` +10.9 /
+-60.9 / -2.9, median -2.9, min -60.9; ``rsa_vs_ablation_points`` +7.4 / -9.8 / -15.4, median -9.8, min -15.4).
 
 Why the goal is not met (what the figures say):
 

@@ -85,7 +85,11 @@ parts and steps, ``--skip-concurrency``, one run): toy 1.48, real 1.12 (pairs 1.
 At d9aab17 (the engine's sampler checks for ``min_tokens`` / ``logit_bias``, none here; ``--skip-concurrency``, one
 run): toy 1.52, real 1.06 (pairs 1.05-1.10; uncached 3.78 s of which decode 3.15 s, prefill 0.60 s; cached 3.56 s,
 prefill 0.42 s), long 1.48 (7.38 -> 4.99 s); shared-prefix decode steps 1.12x, 1.27x, 1.07x, 1.67x; same outputs both
-sides.
+sides. At 6f000cc (``ttc solve`` keys a repeated problem apart, none here; the full benchmark, one run): toy 1.50,
+real 1.09 (pairs 1.08-1.09; uncached 3.71 s of which decode 3.08 s, prefill 0.59 s; cached 3.39 s, prefill 0.41 s),
+long 1.45 (7.26 -> 5.02 s); steps 1.12x, 1.24x, 1.05x, 1.71x; ``concurrency_speedup`` 1.96 (4.21 -> 2.15 s),
+``_short`` 1.64, ``local`` 1.98; at torch's default two threads 2.89 (3.62 -> 1.25 s), local 2.87; same results and
+outputs both ways.
 
 Measured on this project's 2-core CPU (2026-12-02, defaults, tiny-moe, 1 thread, quiet machine, commit
 e6feb3e, three runs): ``concurrency_speedup`` 2.17, 2.21, 2.13 (one problem at a time 3.73-3.80 s, 64 in

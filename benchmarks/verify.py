@@ -36,6 +36,8 @@ Re-run at d52fa63 (one run): ``code`` 0.92 s one at a time, 1.13x with 2 threads
 Re-run at d9aab17 (2026-12-05: math-verify's workers through ``envs.workers``, the same protocol; one run): ``code``
 0.70 s one at a time, 1.13x with 2 threads, 1.18x with 4 (cores busy 1.54, 1.78, 1.85); ``math`` 0.20 s, 1.94x with 2,
 1.99x with 4 (cores busy 0.99, 1.98, 1.95); ``reward_model`` 0.092 -> 0.049 s (1.89x); same scores.
+Re-run at 6f000cc (one run): ``code`` 0.74 s, 1.16x with 2, 1.20x with 4; ``math`` 0.21 s, 2.14x with 2, 1.92x with
+4; ``reward_model`` 0.090 -> 0.053 s (1.70x); same scores.
 ``reward_model`` (one run, 2026-12-04): 0.116 s one at a time, 0.063 s batched (1.84x; 38 of 64 scored by the
 model), same scores; a model this small is mostly per-call overhead, and a real reward model on a GPU was
 not measured.
