@@ -224,10 +224,16 @@ def test_dynamic_sampling_drops_all_equal_groups(warm):
     assert all(torch.equal(w0[k], v) for k, v in flat_rl.policy.state_dict().items())
 
 
-def test_several_updates_per_batch(warm):
+def test_several_updates_per_batch(warm, monkeypatch):
+    import train.rl.trainer as trainer_mod
+
     rl = make_trainer(warm, updates_per_batch=2, micro_batch_size=16)
     w0 = copy.deepcopy(rl.policy.state_dict())
+    norms = []
+    real = trainer_mod.clip_and_step
+    monkeypatch.setattr(trainer_mod, "clip_and_step", lambda *a: norms.append(real(*a)) or norms[-1])
     m = rl.step()
+    assert len(norms) == 2 and m["grad_norm"] == pytest.approx(sum(norms) / 2)  # the mean over both steps
     assert m["groups_trained"] == 8 and rl.step_idx == 1
     steps = {int(s["step"]) for s in rl.opt.state_dict()["state"].values()}
     assert steps == {2}  # two optimizer steps on one rollout batch

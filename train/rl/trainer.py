@@ -314,7 +314,7 @@ class RLTrainer:
         minis = micro_batches(n, -(-n // cfg.updates_per_batch))
         # token-weighted sums of the loss function's metrics and the totals, read once after the loop
         acc = MetricSums()
-        grad_norm = 0.0
+        grad_norms = []  # one per optimizer step (mini-batch): the metric is their mean, as verl reports it
         for mi, mini in enumerate(minis):
             # mask[mini]'s count, from the rollouts: no device read
             denom = loss_count([len(r.completion.token_ids) for r in rolls[mini] if r.keep], self.agg)
@@ -349,7 +349,7 @@ class RLTrainer:
                 acc.add("loss_tokens", w)
                 acc.add("entropy_sum", (ent * m).sum())
             self.between_kernels()
-            grad_norm = clip_and_step(self.policy, self.opt, self.sched, cfg.optim.grad_clip)
+            grad_norms.append(clip_and_step(self.policy, self.opt, self.sched, cfg.optim.grad_clip))
         self.policy.eval()
         sums, maxes = acc.floats()
         weight, loss_total, ent_sum = (sums.pop(k, 0.0) for k in ("loss_tokens", "loss_total", "entropy_sum"))
@@ -358,7 +358,8 @@ class RLTrainer:
         if behaviour:
             metrics["mismatch_kl"] = mis_sum / max(mis_w, 1.0)
         metrics.update(maxes)
-        metrics.update(loss=loss_total / len(minis), entropy=ent_sum / max(weight, 1.0), grad_norm=grad_norm,
+        metrics.update(loss=loss_total / len(minis), entropy=ent_sum / max(weight, 1.0),
+                       grad_norm=sum(grad_norms) / len(grad_norms),
                        lr=self.sched.get_last_lr()[0], advantage_abs_mean=float(adv.abs().mean()))
         return metrics
 
