@@ -455,28 +455,29 @@ def test_requests_keep_their_connection_and_survive_idle_closes(tok):
         srv.stop()
 
 
-@pytest.mark.parametrize("limit", ["rpm", "tpm"])
-def test_requests_and_tokens_per_window_stay_under_the_rate_limits(tok, limit):
+@pytest.mark.parametrize("limit,fail", [("rpm", 0.0), ("tpm", 0.0), ("rpm", 0.3)])
+def test_requests_and_tokens_per_window_stay_under_the_rate_limits(tok, limit, fail):
     """``rpm``/``tpm`` (``--rpm``/``--tpm``; here over a 0.6 s window instead of a minute): 10 one-sample
     requests from 8 workers at once; the server sees at most 4 (rpm 4) or 2 (tpm 80, each request
     weighing 3 prompt + 32 max tokens) in any stretch shorter than the window, and the last arrives
-    after the window has turned over as often as the limit demands."""
+    after the window has turned over as often as the limit demands. With the server answering 500 to
+    30% of requests, the retries count against the limit too (a provider counts every attempt)."""
     from train.engine import SamplingParams
     from ttc.backends import OpenAIBackend
 
-    srv = FakeAPI(tok)
+    srv = FakeAPI(tok, fail_500=fail)
     per_window = {"rpm": 4, "tpm": 2}[limit]
     window = 0.6
     try:
-        be = OpenAIBackend(srv.url, model="m1", tokenizer=tok, concurrency=8, retries=0, rate_window=window,
-                           **({"rpm": 4} if limit == "rpm" else {"tpm": 80}))
+        be = OpenAIBackend(srv.url, model="m1", tokenizer=tok, concurrency=8, retries=20, backoff=0.0,
+                           rate_window=window, **({"rpm": 4} if limit == "rpm" else {"tpm": 80}))
         t0 = time.monotonic()
         outs = be.generate([[5, 6, i] for i in range(10)], SamplingParams(n=1, max_tokens=32, seed=1))
         be.close()
     finally:
         srv.stop()
-    assert len(outs) == 10 and srv.completions == 10
-    t = sorted(srv.arrivals)
+    assert len(outs) == 10 and srv.completions == 10 and (srv.errors > 0) == (fail > 0)
+    t = sorted(srv.arrivals)  # every attempt, failed ones too
     # any per_window + 1 consecutive arrivals span at least the window (less the transit jitter)
     assert min(t[i + per_window] - t[i] for i in range(len(t) - per_window)) > window - 0.15, t
     assert t[-1] - t0 >= (-(-10 // per_window) - 1) * window - 0.15

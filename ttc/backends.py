@@ -389,7 +389,7 @@ class OpenAIBackend:
     Robustness: every request goes through one pool of ``concurrency`` workers shared by all callers
     (problems in flight), so at most ``concurrency`` requests (and, with ``max_tokens_in_flight``,
     prompt + max_tokens tokens) are in flight; ``rpm``/``tpm`` cap requests and tokens (prompt +
-    max_tokens, counted when a request is sent) per ``rate_window`` seconds (60: per minute), sliding.
+    max_tokens, counted each time a request is sent, retries too) per ``rate_window`` seconds (60: per minute), sliding.
     Failures (408/409/425/429/5xx, connection errors, timeouts) are retried with full-jitter
     exponential backoff (``backoff * 2**k``, capped at ``backoff_max``), or after the server's
     ``Retry-After``, for at most ``retries`` retries and ``horizon`` seconds per request. A request
@@ -450,7 +450,10 @@ class OpenAIBackend:
             return min(after, self.horizon)
         return random.uniform(0, min(self.backoff_max, self.backoff * 2 ** (attempt - 1)))
 
-    def _call(self, method: str, path: str, body: dict | None, retries: int | None = None) -> dict:
+    def _call(self, method: str, path: str, body: dict | None, retries: int | None = None,
+              weight: int | None = None) -> dict:
+        """One request, retried; a generation request (``weight``: its prompt + max_tokens tokens) takes
+        its place under ``rpm``/``tpm`` at every attempt, since each one counts at the server."""
         retries = self.retries if retries is None else retries
         data = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"}
@@ -474,6 +477,9 @@ class OpenAIBackend:
                                 self.retried)
                 time.sleep(delay)
             after = None
+            if weight is not None:
+                self._rpm.acquire(1)
+                self._tpm.acquire(weight)
             try:
                 return json.loads(self._http.request(method, path, data, headers).decode())
             except HTTPStatusError as e:
@@ -528,9 +534,9 @@ class OpenAIBackend:
             body["seed"] = int(seed)
         return body
 
-    def _post(self, prompt, params: SamplingParams, seed) -> tuple[list[dict], dict]:
-        """One request: (choices sorted by index, usage)."""
-        r = self._call("POST", "/v1/completions", self.request_body(prompt, params, seed))
+    def _post(self, prompt, params: SamplingParams, seed, weight: int) -> tuple[list[dict], dict]:
+        """One request (``weight`` tokens under the rate limits): (choices sorted by index, usage)."""
+        r = self._call("POST", "/v1/completions", self.request_body(prompt, params, seed), weight=weight)
         return sorted(r.get("choices", []), key=lambda c: c.get("index", 0)), r.get("usage") or {}
 
     def _completion(self, ch: dict, i: int, prompt, plen: int) -> Completion:
@@ -552,11 +558,9 @@ class OpenAIBackend:
             s = seed if part == 0 or seed is None else derive_seed(int(seed), 7919, part)
             part += 1
             weight = plen + n * params.max_tokens
-            self._rpm.acquire(1)
-            self._tpm.acquire(weight)
             self.in_flight.acquire(weight)
             try:
-                choices, u = self._post(prompt, replace(params, n=n), s)
+                choices, u = self._post(prompt, replace(params, n=n), s, weight)
             finally:
                 self.in_flight.release(weight)
             with self._count_lock:
@@ -635,7 +639,7 @@ class ChatBackend(OpenAIBackend):
     def chat_parts(self) -> tuple[str, str]:
         return "", ASSISTANT_MARK
 
-    def _post(self, prompt, params: SamplingParams, seed) -> tuple[list[dict], dict]:
+    def _post(self, prompt, params: SamplingParams, seed, weight: int) -> tuple[list[dict], dict]:
         text = prompt if isinstance(prompt, str) else self.decode(prompt)
         user, _, prefix = text.partition(ASSISTANT_MARK.strip("\n"))
         user, prefix = user.rstrip("\n"), prefix.lstrip("\n")
@@ -644,7 +648,7 @@ class ChatBackend(OpenAIBackend):
         if prefix:
             msgs.append({"role": "assistant", "content": prefix})
             body.update(continue_final_message=True, add_generation_prompt=False)
-        r = self._call("POST", "/v1/chat/completions", body)
+        r = self._call("POST", "/v1/chat/completions", body, weight=weight)
         choices = []
         for ch in sorted(r.get("choices", []), key=lambda c: c.get("index", 0)):
             msg = ch.get("message") or {}

@@ -102,7 +102,7 @@ def _solve_parser() -> argparse.ArgumentParser:
                         "where the rounds of problems in flight run as one batched engine call)")
     r.add_argument("--max-tokens-in-flight", type=int, default=None,
                    help="cap on prompt + max_tokens of the requests in flight")
-    r.add_argument("--rpm", type=float, default=None, help="requests per minute at most")
+    r.add_argument("--rpm", type=float, default=None, help="requests per minute at most (retries count)")
     r.add_argument("--tpm", type=float, default=None, help="tokens (prompt + max_tokens) per minute at most")
     r.add_argument("--max-n", type=int, default=None, help="split n into requests of at most this many samples")
     r.add_argument("--retries", type=int, default=8, help="retries of a failed request (5xx, 429, connection)")
