@@ -306,7 +306,7 @@ def test_tiny_rlve_stage_runs_on_the_rlve_gym_environments(tmp_path):
     pytest.importorskip("Gym")
     out = tmp_path / "run"
     r = subprocess.run([PY, "-m", "cascade", "run", "stage=rlve", "profile=tiny", f"out={out}", "steps=2",
-                        'envs={"rlve/*|gym/*": 1}', "logging.progress=false"],
+                        'envs={"rlve/*|gym/*": 1}', "logging.progress=false", "eval_problems=8"],
                        capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "using 'rlve/*'" in r.stdout + r.stderr
