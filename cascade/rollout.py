@@ -272,6 +272,8 @@ class ServedEngine:
     def _catch_up(self, url: str) -> bool:
         """A server back at ``url`` (restarted here, or by whoever runs it) loads the newest version
         before it rejoins; False leaves it out of the pool (the others go on)."""
+        from train.rl.exchange import COMPLETE, version_dir
+
         if self.broadcaster is not None:  # a new process at the same URL: the next version forms a new group
             self.broadcaster.reform()
         c = self.remote._conn(url)
@@ -280,7 +282,10 @@ class ServedEngine:
                 target = self.version
                 if self.broadcaster is not None:
                     self.wait_published()  # the version to catch up with is on disk
-                if c.call("GET", "/v1/weights").get("version") != target:
+                # a number can be given out twice (0: at the stage's start, then after its SFT warm-up), so a
+                # server that says it has the target loads it anyway once the target's files are complete
+                if (version_dir(self.exchange, target) / COMPLETE).exists() or \
+                        c.call("GET", "/v1/weights").get("version") != target:
                     c.call("POST", "/v1/load_weights", {"version": target})
                 if self.version == target:
                     break

@@ -541,6 +541,27 @@ def test_a_catch_up_ends_on_a_version_given_out_meanwhile(setup, tmp_path):
         srv.server_close()
 
 
+def test_a_server_back_on_version_0_loads_a_republished_version_0(setup, tmp_path):
+    """Version 0 is given out twice in a stage with an SFT warm-up (the start's weights, then the warmed
+    up ones, ``step_idx`` still 0): a server back on the checkpoint's weights says version 0 too, and
+    still loads the published version 0, whose weights it then serves."""
+    from cascade.rollout import ServedEngine
+
+    ex = tmp_path / "exchange"
+    publish_version(ex, 0, setup["sd1"])  # the warmed-up weights, as version 0
+    srv, url = serve_in_thread(TorchEngine.from_pretrained(setup["dir"]), model_name="tiny", api_key=KEY,
+                               weights_dir=ex)
+    try:
+        se = ServedEngine([url], ex, KEY)
+        assert se.version == 0 and call(url, "/v1/weights")[1]["version"] == 0
+        assert se._catch_up(url)
+        got = srv.engine.model.state_dict()
+        assert all(torch.equal(got[k], v.to(got[k].dtype)) for k, v in setup["sd1"].items())
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
 def test_a_url_server_that_comes_back_rejoins_the_weight_broadcast(setup, tmp_path):
     """The same with ``rollout.weight_transport=broadcast``: the server back at its URL catches up from
     the files written behind the broadcast, and the next version forms the weight group again with
