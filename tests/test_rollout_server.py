@@ -111,6 +111,37 @@ def test_load_weights_endpoint(setup, monkeypatch):
     assert call(url, "/v1/completions", req)[1]["choices"][0]["token_ids"] == want.token_ids
 
 
+def test_versions_that_lead_out_of_their_directory_or_belie_their_manifest_are_refused(setup, tmp_path):
+    """By number as by path: a version directory that is a link out of the run's weights directory, a
+    weights file that is a link, a manifest that leaves the weights file unlisted (so unchecked) or
+    names another version: each refused with a one-line reason; the good version loads."""
+    import shutil
+
+    from train.rl.exchange import MANIFEST, WeightVersionError, load_version
+
+    ex, elsewhere = tmp_path / "ex", tmp_path / "elsewhere"
+    publish_version(ex, 1, setup["sd1"])
+    publish_version(elsewhere, 3, setup["sd1"])
+    version_dir(ex, 3).symlink_to(version_dir(elsewhere, 3), target_is_directory=True)
+    for v, edit in [(4, lambda m: dict(m, files={})), (5, lambda m: dict(m, version=42)),
+                    (6, lambda m: dict(m, files="x")), (7, None)]:
+        d = version_dir(ex, v)
+        shutil.copytree(version_dir(ex, 1), d)
+        man = dict(json.loads((d / MANIFEST).read_text()), version=v)
+        if edit is None:  # the weights file a link to another version's
+            (d / WEIGHTS_FILE).unlink()
+            (d / WEIGHTS_FILE).symlink_to(version_dir(ex, 1) / WEIGHTS_FILE)
+        (d / MANIFEST).write_text(json.dumps(man if edit is None else edit(man)))
+    for v, msg in [(3, "not a weight version of this run"), (4, "expected version 4 with"),
+                   (5, "names version 42"), (6, "unreadable manifest"), (7, "is not a file of the version")]:
+        for how in ({"version": v}, {"path": version_dir(ex, v)}):
+            with pytest.raises(WeightVersionError, match=msg) as e:
+                load_version(ex, **how)
+            assert "\n" not in str(e.value)
+    v, sd = load_version(ex, version=1)
+    assert v == 1 and all(torch.equal(sd[k], t) for k, t in setup["sd1"].items())
+
+
 def test_load_weights_needs_key_and_directory(setup, tmp_path):
     eng = TorchEngine.from_pretrained(setup["dir"])
     srv, url = serve_in_thread(eng, model_name="tiny", api_key=KEY)  # no weights directory

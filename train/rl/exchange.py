@@ -263,26 +263,36 @@ def resolve_version_dir(root: str | Path, path: str | Path) -> Path:
 
 def load_version(root: str | Path, version: int | None = None, path: str | Path | None = None,
                  verify: bool = True) -> tuple[int, dict[str, torch.Tensor]]:
-    """(version, state dict) of a complete version (the newest when neither is given), checksums verified."""
+    """(version, state dict) of a complete version (the newest when neither is given), checksums verified.
+
+    By number or by path, the directory must lie in ``root/weights`` once links are followed, its manifest
+    must name its own number and list the weights file, and every file it lists must be a plain file of
+    that directory (a link out of it is refused like a bad checksum)."""
     from safetensors.torch import load_file
 
-    if path is not None:
-        d = resolve_version_dir(root, path)
-    else:
+    if path is None:
         if version is None:
             version = latest_version(root)
             if version is None:
                 raise WeightVersionError(f"no complete weight version under {Path(root) / 'weights'}")
-        d = version_dir(root, version)
+        path = version_dir(root, version)
+    d = resolve_version_dir(root, path)
     if not (d / COMPLETE).exists():
         raise WeightVersionError(f"weight version {d.name} is not complete")
     try:
         man = json.loads((d / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        files, number = man["files"], int(man["version"])
+        if not isinstance(files, dict):
+            raise TypeError("'files' is not a mapping")
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise WeightVersionError(f"weight version {d.name}: unreadable manifest ({e})") from None
-    if verify:
-        for name, info in man["files"].items():
-            f = d / name
-            if not f.exists() or _sha256(f) != info["sha256"]:
-                raise WeightVersionError(f"weight version {d.name}: checksum mismatch in {name}")
-    return int(man["version"]), load_file(str(d / WEIGHTS_FILE))
+    if number != int(d.name[1:]) or WEIGHTS_FILE not in files:
+        raise WeightVersionError(f"weight version {d.name}: its manifest names version {number} and files "
+                                 f"{sorted(files)} (expected version {int(d.name[1:])} with {WEIGHTS_FILE})")
+    for name, info in files.items():
+        f = d / str(name)
+        if f.is_symlink() or f.parent.resolve() != d or not f.is_file():
+            raise WeightVersionError(f"weight version {d.name}: {name!r} is not a file of the version's directory")
+        if verify and _sha256(f) != (info.get("sha256") if isinstance(info, dict) else None):
+            raise WeightVersionError(f"weight version {d.name}: checksum mismatch in {name}")
+    return number, load_file(str(d / WEIGHTS_FILE))
