@@ -14,13 +14,15 @@ a policy writes. An environment with :class:`IsolatedCheck` therefore verifies i
    package);
 2. the score (``check_with``), within ``verify_time_limit``, where the packages' own calls of the builtin
    ``eval`` get :func:`safe_eval`, which evaluates literals and arithmetic only (no names but data
-   constants, no calls, no attributes; integers and sequences of bounded size).
+   constants, no calls, no attributes; integers and sequences of bounded size), and the code sympy's parser
+   makes of a text (``sympify``, ``parse_expr``: Python, evaluated with every builtin in scope) must pass
+   :func:`check_sympy_code` (calls of sympy's mathematics only) before it is evaluated.
 
 A worker that misses a deadline is killed, and the response scores zero (``reason``: the verifier did not
 finish); an exception in the scorer is a zero score with the error, as in-process. Where bubblewrap is
-installed the workers run confined (:func:`confinement`: a read-only filesystem, no network), since
-``eval`` is not the only way in: sympy's ``sympify``, which some scorers call on the answer, evaluates
-Python too; without bwrap (or with ``CASCADE_VERIFY_UNCONFINED=1``) they run as this user, with a warning
+installed the workers run confined as well (:func:`confinement`: a read-only filesystem, no network, no
+capabilities), in case some other way in remains (a worker serves many answers: code one ran could rewrite
+the scorer for the next); without bwrap (or with ``CASCADE_VERIFY_UNCONFINED=1``) they run as this user, with a warning
 when bwrap is there but fails. ``isolate = False`` on the class checks in this process instead (for
 debugging a scorer).
 """
@@ -149,15 +151,70 @@ def safe_eval(source: Any, globals: dict | None = None, locals: dict | None = No
 
 SCORER_PACKAGES = frozenset({"reasoning_gym", "reasoning_core", "Gym"})  # whose eval calls get safe_eval
 _REAL_EVAL = builtins.eval
+# sympy's parser (``parse_expr``, ``sympify`` of a string) turns the text into Python and evals it with every
+# builtin function in scope (``__import__``, ``exec``, ``open``): the code it made from an answer may name only
+# mathematics (see :func:`check_sympy_code`)
+_SYMPY_OFF_LIMITS = ("sympy.utilities", "sympy.printing", "sympy.plotting", "sympy.interactive", "sympy.parsing",
+                     "sympy.external")  # lambdify execs, preview runs LaTeX, init_session execs, ...
+_PLAIN_BUILTINS = frozenset({"abs", "min", "max", "round", "pow", "int", "float", "complex", "bool", "range", "len",
+                             "sum", "divmod", "True", "False", "None"})
+_EXPR_NODES = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare, ast.Call, ast.Name, ast.Constant,
+               ast.Tuple, ast.List, ast.Set, ast.Dict, ast.keyword, ast.Subscript, ast.Slice, ast.operator,
+               ast.unaryop, ast.cmpop, ast.boolop, ast.expr_context)
+_sympy_names: frozenset | None = None
+
+
+def _mathematics_of_sympy() -> frozenset:
+    global _sympy_names
+    if _sympy_names is None:
+        import types
+
+        import sympy
+
+        ok = set()
+        for name in sympy.__all__:
+            obj = getattr(sympy, name, None)
+            where = getattr(obj, "__module__", None) or type(obj).__module__
+            if name != "var" and not isinstance(obj, (types.ModuleType, dict, str)) and \
+                    str(where).startswith("sympy.") and not str(where).startswith(_SYMPY_OFF_LIMITS):
+                ok.add(name)
+        _sympy_names = frozenset(ok)
+    return _sympy_names
+
+
+def check_sympy_code(source: Any, local_names=()) -> None:
+    """Raise ``ValueError`` unless ``source`` (the Python sympy's parser made of a text) is an expression of
+    numbers, strings, operators, subscripts and calls of names that are sympy's mathematics (not its printers,
+    code generators, ``lambdify``, plotting or sessions), a few plain builtins (``abs``, ``min``, ...), or the
+    caller's own names (``local_names``): no attribute, no dunder, no lambda or comprehension."""
+    if not isinstance(source, (str, bytes)):
+        raise ValueError("sympy eval: only expression strings")
+    try:
+        tree = ast.parse(source if isinstance(source, str) else source.decode(), mode="eval")
+    except SyntaxError as e:
+        raise ValueError(f"sympy eval: {e.msg}") from None
+    allowed = _mathematics_of_sympy()
+    for n in ast.walk(tree):
+        if not isinstance(n, _EXPR_NODES):
+            raise ValueError(f"sympy eval: {type(n).__name__} is not allowed in an answer")
+        if isinstance(n, ast.Call) and not isinstance(n.func, ast.Name):
+            raise ValueError("sympy eval: only calls of names are allowed in an answer")
+        if isinstance(n, ast.Name) and ("__" in n.id or not (n.id in allowed or n.id in _PLAIN_BUILTINS
+                                                              or n.id in local_names)):
+            raise ValueError(f"sympy eval: {n.id!r} is not a mathematical name")
 
 
 def _guarded_eval(source: Any, globals: dict | None = None, locals: dict | None = None) -> Any:  # noqa: A002
-    """The builtin ``eval`` while a score is computed: :func:`safe_eval` for code of the scorer packages, the real
-    one (in the caller's scope, as ``eval`` without arguments) for everyone else (sympy's parser evals its own
-    generated code)."""
+    """The builtin ``eval`` while a score is computed: :func:`safe_eval` for code of the scorer packages,
+    :func:`check_sympy_code` before the real one for sympy's parser, the real one (in the caller's scope, as ``eval``
+    without arguments) for everyone else."""
     frame = sys._getframe(1)
-    if str(frame.f_globals.get("__name__", "")).split(".")[0] in SCORER_PACKAGES:
+    caller = str(frame.f_globals.get("__name__", ""))
+    if caller.split(".")[0] in SCORER_PACKAGES:
         return safe_eval(source, globals, locals, _depth=2)
+    if caller.startswith("sympy.parsing"):  # (sympy's own evals, while it imports, are its code)
+        own = {k for k, v in (locals or {}).items() if not isinstance(v, type(sys))}
+        check_sympy_code(source, own)
     if globals is None:
         globals, locals = frame.f_globals, frame.f_locals if locals is None else locals
     return _REAL_EVAL(source, globals, locals)
@@ -213,12 +270,14 @@ def worker_main() -> None:
 
 def confinement() -> list[str]:
     """bubblewrap around a worker, when installed: the whole filesystem read-only (``TMPDIR`` a private
-    tmpfs), no network, its own process, IPC and session namespaces, killed with its parent."""
+    tmpfs), no network, its own process, IPC, UTS, cgroup and session namespaces, no capabilities (as root it
+    could remount ``/`` read-write otherwise), killed with its parent."""
     bwrap = shutil.which("bwrap")
     if not bwrap or os.environ.get("CASCADE_VERIFY_UNCONFINED"):
         return []
     return [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-net", "--unshare-ipc",
-            "--unshare-pid", "--die-with-parent", "--new-session", "--setenv", "TMPDIR", "/dev/shm", "--"]
+            "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session",
+            "--cap-drop", "ALL", "--setenv", "TMPDIR", "/dev/shm", "--"]
 
 
 _POOL = Pool("envs.isolated", STARTUP_TIMEOUT, wrap=confinement)

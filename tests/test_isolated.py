@@ -29,6 +29,9 @@ class Chatty(IsolatedCheck, Environment):
             time.sleep(60)
         if response == "raise":
             raise KeyError("the scorer broke")
+        if response == "status":  # what the worker may do: its capabilities
+            caps = [ln.split()[1] for ln in open("/proc/self/status") if ln.startswith("CapEff")]
+            return Score(0.0, False, True, {"cap_eff": int(caps[0], 16)})
         ok = response.strip() == context["gold"]
         return Score(float(ok), ok, True, {"pid": os.getpid()})
 
@@ -59,23 +62,45 @@ def test_worker_scores_survive_printing_errors_and_hangs():
     assert time.monotonic() - t < env.verify_time_limit + 3
     assert hung.reward == 0 and "did not finish in time" in hung.info["reason"]
     assert env.verify(p, "ok").correct  # a new worker took over
+    if confinement():  # no capabilities (as root it could remount / read-write otherwise)
+        assert env.verify(p, "status").info["cap_eff"] == 0
 
 
 @pytest.mark.parametrize("env_id,answer", [
     ("rg/string_insertion", "<answer>open({path!r}, 'w').write('x') and 'ab'</answer>"),  # the scorer evals it
     ("rc/sequential_induction", "<answer>__import__('os').system('touch {path}')</answer>"),  # sympify evals it
+    # sympy's parse_expr evals it; the exec would also have rewritten the worker's scorer for later answers
+    ("rg/polynomial_multiplication", "<answer>__import__('builtins').exec(\"open({path!r}, 'w')\")</answer>"),
+    ("rg/polynomial_multiplication", "<answer>lambdify(x, \"open({path!r}, 'w')\")(1)</answer>"),
 ])
-def test_a_scorer_never_runs_the_answer(env_id, answer, tmp_path):
+def test_a_scorer_never_runs_the_answer(env_id, answer, tmp_path, monkeypatch):
+    """Neither the packages' eval (safe_eval) nor sympy's parser (check_sympy_code) runs an answer's Python:
+    the workers here run unconfined, so bwrap's read-only filesystem is not what stops the write."""
     pytest.importorskip(env_id.startswith("rg/") and "reasoning_gym" or "reasoning_core")
-    if env_id.startswith("rc/") and not confinement():
-        pytest.skip("sympify runs Python: only the bwrap confinement stops it (bubblewrap is not installed)")
-    env, path = get_env(env_id), tmp_path / "ran"
-    p = env.generate(3, 1)
-    s = env.verify(p, answer.format(path=str(path)))
-    assert s.reward <= 0 and not path.exists(), s
-    assert env.verify(p, env.reference_response(p)).correct
-    if confinement():
-        assert _POOL.wrapped is True
+    monkeypatch.setenv("CASCADE_VERIFY_UNCONFINED", "1")
+    _POOL.close()  # the confined workers go; this test's start unconfined
+    try:
+        env, path = get_env(env_id), tmp_path / "ran"
+        p = env.generate(3, 1)
+        s = env.verify(p, answer.format(path=str(path)))
+        assert s.reward <= 0 and not path.exists(), s
+        assert env.verify(p, env.reference_response(p)).correct
+    finally:
+        _POOL.close()
+
+
+def test_sympy_code_of_an_answer_names_only_mathematics():
+    from envs.isolated import check_sympy_code
+
+    for ok in ("Integer (3 )*Symbol ('x' )**Integer (2 )+sqrt (Integer (2 ))", "Eq (Symbol ('y' ),pi )",
+               "Matrix ([[Integer (1 ),Integer (2 )]])[Integer (0 ),Integer (1 )]", "factorial (Integer (5 ))",
+               "Float ('1.5' ,precision =53 )", "abs (Integer (-2 ))", "f (Integer (1 ))"):
+        check_sympy_code(ok, local_names={"f"})
+    for bad in ("__import__ ('os' )", "exec ('1' )", "open ('/tmp/x' ,'w' )", "lambdify (Symbol ('x' ),'1' )",
+                "Symbol ('x' ).__class__", "Symbol ('x' ).subs", "(lambda :1 )()", "[Integer (1 )for x in []]",
+                "preview (Symbol ('x' ))", "var ('x' )", "init_session ()", "f (Integer (1 ))", "1 +"):
+        with pytest.raises(ValueError):
+            check_sympy_code(bad)
 
 
 def test_a_scorer_that_never_returns_is_stopped():
