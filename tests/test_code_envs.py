@@ -3,6 +3,7 @@ solution fails one; the judge's test kinds and limits; each code environment's s
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -142,6 +143,18 @@ def test_extract_code():
         assert extract_program(f"```{fence}\nprint(1)\n```") == ("python", "print(1)\n"), fence
     assert extract_program("```c\nint main(){}\n```") is None  # C is not C++
     assert extract_program("```cpp\nint main(){}\n```<think>", ("python",)) is None
+    # markdown as models write it: Windows line ends, a fence in a list item or a quote (its indent comes off),
+    # ``` inside a string (not a closing fence), the closing fence after the last code line
+    assert extract_code("Here:\r\n```python\r\nx = 1\r\nprint(x)\r\n```\r\n") == "x = 1\nprint(x)\n"
+    assert extract_code("1. Code:\n   ```python\n   def f():\n       return 1\n   print(f())\n   ```") == \
+        "def f():\n    return 1\nprint(f())\n"
+    assert extract_code("> ```python\n> print(1)\n> ```") == "print(1)\n"
+    assert extract_code("```python\ns = '```'\nprint(s)\n```") == "s = '```'\nprint(s)\n"
+    assert extract_code("```python\nprint(1)```") == "print(1)\n"
+    assert extract_code("```text\n```python\n```\nno code") is None  # a fence inside another block is text
+    hostile = "```py\n" * 40000  # unclosed openings: one pass, whatever the text holds
+    t = time.perf_counter()
+    assert extract_code(hostile) is None and time.perf_counter() - t < 1.0
 
 
 def test_generate_is_deterministic_and_difficulty_picks_tiers():

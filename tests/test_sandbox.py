@@ -397,6 +397,9 @@ def test_classify_rules():
     c = sbx.classify
     assert c(0, None, [], "") == "ok"
     assert c(1, None, [], "Traceback\nMemoryError\n") == "memory_limit"
+    assert c(None, 6, [], "terminate called after throwing an instance of 'std::bad_alloc'") == "memory_limit"
+    # a run that succeeded is ok, whatever it wrote to stderr (a debug line naming an error)
+    assert c(0, None, [], "MemoryError: debug note\n") == c(0, None, [], "std::bad_alloc seen") == "ok"
     assert c(None, 9, ["wall_time"], "") == "time_limit"
     assert c(None, 9, ["output"], "") == "output_limit"
     assert c(None, 9, [], "") == "killed"

@@ -40,7 +40,12 @@ from envs.code.seeds import Seed, builtin_seeds, load_seeds
 __all__ = ["CodeEnv", "SolveEnv", "IOPredictEnv", "IOProposeEnv", "ARCEnv", "FalsifyEnv", "extract_code",
            "extract_program", "FENCE_LANGUAGES"]
 
-_FENCE = re.compile(r"```[ \t]*(python3?|py|c\+\+|cpp|cxx|cc)[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+# a fenced block opens with ```LANG ending a line (LANG one of FENCE_LANGUAGES, or another info string or none
+# for a block that is not graded, then only at the start of a line) and closes with a line that is only ```
+# (CommonMark; so ``` inside a string literal does not end it) or a code line that ends in it; the opening
+# line's indent (a list item's, a quote's ``>``) comes off the code's lines; Windows line ends are taken
+_OPEN = re.compile(r"(.*?)```[ \t]*([^\s`]*)[ \t]*")
+_INDENT = re.compile(r"[ \t>]*")
 FENCE_LANGUAGES = {"python": "python", "python3": "python", "py": "python",
                    "cpp": "cpp", "c++": "cpp", "cxx": "cpp", "cc": "cpp"}
 CODE_INSTRUCTION = ("Write a complete Python 3 program (standard library only) that reads standard input and "
@@ -64,11 +69,36 @@ def extract_program(text: str, languages=LANGUAGES) -> tuple[str, str] | None:
     ``languages`` (```python/```py/```python3 -> python, ```cpp/```c++/```cxx/```cc -> cpp), or None."""
     if not isinstance(text, str):
         return None
-    for fence, code in reversed(_FENCE.findall(strip_think(text))):
-        lang = FENCE_LANGUAGES[fence.lower()]
+    for lang, code in reversed(fenced_blocks(strip_think(text))):
+        lang = FENCE_LANGUAGES.get(lang.lower())
         if lang in languages:
             return lang, code
     return None
+
+
+def fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """``(info string, code)`` of every closed fenced block of ``text``, in order, in one pass over its lines
+    (time linear in the text's length, whatever it holds)."""
+    out: list[tuple[str, str]] = []
+    info, indent, lines = None, "", []
+    for line in text.split("\n"):
+        line = line[:-1] if line.endswith("\r") else line
+        if info is None:
+            m = _OPEN.fullmatch(line)
+            if m and (m[2].lower() in FENCE_LANGUAGES or _INDENT.fullmatch(m[1])):
+                info, indent, lines = m[2], m[1] if _INDENT.fullmatch(m[1]) else "", []
+            continue
+        body = line.rstrip(" \t")
+        if body.endswith("```") and not body.endswith("````"):
+            head = body[:-3]
+            if head and not _INDENT.fullmatch(head):  # code, then the closing fence on its line
+                lines.append(head)
+            out.append((info, "".join((ln[len(indent):] if ln.startswith(indent) else ln.lstrip(" \t>")) + "\n"
+                                      for ln in lines)))
+            info = None
+        else:
+            lines.append(line)
+    return out
 
 
 def extract_code(text: str) -> str | None:

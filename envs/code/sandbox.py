@@ -1761,8 +1761,12 @@ def classify(rc_exit: int | None, sig: int | None, limits: list[str], stderr: st
         return "output_limit"
     if "wall_time" in limits or "cpu_time" in limits:
         return "time_limit"
+    if "memory" in limits:
+        return "memory_limit"
+    if sig is None and rc_exit == 0:  # what a run that succeeded wrote to stderr is its business
+        return "ok"
     tail = stderr.rstrip().rsplit("\n", 1)[-1] if stderr.strip() else ""
-    if "memory" in limits or tail.startswith("MemoryError") or "std::bad_alloc" in stderr[-4096:]:
+    if tail.startswith("MemoryError") or "std::bad_alloc" in stderr[-4096:]:
         return "memory_limit"
     if sig is not None:
         return "runtime_error" if sig in _RUNTIME_SIGNALS else "killed"
