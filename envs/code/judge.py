@@ -16,7 +16,11 @@ Three kinds of test (a dict each; the kind is read from its keys):
   the return value after a per-run nonce (so the program cannot fake the result line).
 - assertion (HumanEval style): ``{"code": str}``; the test code runs after the program in the
   same namespace; the test passes when it finishes (the harness prints the nonce at the very end,
-  so an early ``exit(0)`` in the program does not pass).
+  so a program that merely calls ``exit(0)`` early does not pass). The tests run in the program's own
+  process, so a program written to cheat can read them and the nonce from the harness's frame, or
+  replace ``exec``, and pass: judge with assertion tests only programs you trust (a reference, a
+  validator's target). A policy's programs are scored on stdin/stdout or function-call tests (the code
+  environments' seeds take stdin/stdout tests only), whose expected values never enter the sandbox.
 
 The harnesses get the nonce and the call or the test code on stdin, so the sandbox holds no test
 but the one running (expected outputs never enter it). Tests run one after another in the start;
