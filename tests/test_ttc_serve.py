@@ -36,11 +36,25 @@ def call(url, path, body=None, key="k3y"):
 
 
 def test_models_and_auth(server):
+    import http.client
+
     eng, url = server
     code, body = call(url, "/v1/models")
     assert code == 200 and body["data"][0]["id"] == "tiny" and body["data"][0]["max_model_len"] == eng.context_length
+    assert call(url, "/v1/models/tiny") == (200, body["data"][0])  # the openai client's models.retrieve
+    assert call(url, "/v1/models/other")[0] == 404
     code, body = call(url, "/v1/models", key="wrong")
     assert code == 401 and "API key" in body["error"]["message"]
+    # a refused POST's body is never read as the next request on its connection
+    conn = http.client.HTTPConnection(url.split("//")[1], timeout=30)
+    post = json.dumps({"prompt": "x", "max_tokens": 2}).encode()
+    conn.request("POST", "/v1/completions", post, {"Authorization": "Bearer wrong", "Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 401 and json.loads(r.read())["error"]["code"] == 401
+    conn.request("GET", "/v1/models", headers={"Authorization": "Bearer k3y"})  # reconnects: the server closed it
+    r = conn.getresponse()
+    assert r.status == 200 and json.loads(r.read())["data"][0]["id"] == "tiny"
+    conn.close()
 
 
 def test_completions_match_the_engine(server):
@@ -162,6 +176,9 @@ def test_bad_requests(server):
         ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
         ("/v1/completions", {"prompt": "x", "stop_token_ids": [{}]}, "stop_token_ids"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "role 'wizard'"),
+        ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop must be a non-empty string"),  # as vLLM
+        ("/v1/completions", {"prompt": "x", "stop": [5]}, "stop must be"),
+        ("/v1/completions", {"prompt": "x", "stop": {"a": 1}}, "stop must be"),
     ]:
         code, b = call(url, path, body)
         assert code == 400 and msg in b["error"]["message"], (path, b)
@@ -173,6 +190,17 @@ def test_bad_requests(server):
     assert code == 404
     code, b = call(url, "/v1/completions", {"prompt": "x", "model": "other"})  # an unknown model: 404, as OpenAI
     assert code == 404 and "not served" in b["error"]["message"]
+
+
+def test_the_prompts_of_an_unseeded_request_are_sampled_apart(server):
+    """Without a seed each prompt of a request gets its own (as vLLM samples them): four copies of one prompt
+    do not come back as one completion four times; with a seed they do."""
+    eng, url = server
+    req = {"model": "tiny", "prompt": ["What is 2+2?"] * 4, "max_tokens": 8, "temperature": 1.0, "ignore_eos": True}
+    code, b = call(url, "/v1/completions", req)
+    assert code == 200 and len({c["text"] for c in b["choices"]}) > 1
+    code, b = call(url, "/v1/completions", dict(req, seed=3))
+    assert code == 200 and len({c["text"] for c in b["choices"]}) == 1
 
 
 def test_a_bad_request_in_a_batch_fails_alone(server):

@@ -64,6 +64,10 @@ class SamplingParams:
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"SamplingParams.min_tokens must be in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not all(isinstance(x, str) and x for x in self.stop):  # "" would end every completion at once
+            raise ValueError(f"SamplingParams.stop must be non-empty strings, got {self.stop!r}")
         bias = {}
         for k, v in dict(self.logit_bias or {}).items():
             try:

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import hmac
 import json
 import os
 import queue
@@ -149,9 +150,11 @@ class Batcher:
     def submit(self, ids: list[list[int]], params: SamplingParams, return_routed_experts: bool = False,
                seeds: list[int] | None = None):
         """The completions of ``ids`` (``params.n`` each, in order), prompt i sampled with ``seeds[i]``;
-        without ``seeds`` every prompt gets ``params.seed`` (a random one when that is None)."""
+        without ``seeds`` every prompt gets ``params.seed``, or, when that is None, a random one of its own
+        (prompts of one unseeded request are sampled independently, as vLLM samples them)."""
         if seeds is None:
-            seeds = [params.seed if params.seed is not None else self._rng.getrandbits(31)] * len(ids)
+            seeds = ([params.seed] * len(ids) if params.seed is not None
+                     else [self._rng.getrandbits(31) for _ in ids])
         elif len(seeds) != len(ids):
             raise ValueError(f"{len(seeds)} seeds for {len(ids)} prompts")
         job = _Job(ids, params, [int(s) for s in seeds], bool(return_routed_experts))
@@ -301,9 +304,10 @@ def _params(body: dict, default_max: int = 16, context: int | None = None) -> Sa
         raise BadRequest("echo is not supported by this server")
     _refuse_unsupported(body)
 
-    stop = body.get("stop") or []
-    if isinstance(stop, str):
-        stop = [stop]
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop):
+        raise BadRequest(f"stop must be a non-empty string or a list of them, got {body.get('stop')!r}")
     top_k = get("top_k", 0, _whole)
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     if context is not None and get(name, 0, _whole) > context:  # as vLLM (otherwise capped to the room left)
@@ -312,7 +316,7 @@ def _params(body: dict, default_max: int = 16, context: int | None = None) -> Sa
     try:
         return SamplingParams(n=get("n", 1, _whole), temperature=get("temperature", 1.0, float),
                               top_p=get("top_p", 1.0, float), top_k=top_k, min_p=get("min_p", 0.0, float),
-                              max_tokens=get(name, default_max, _whole), stop=[str(s) for s in stop],
+                              max_tokens=get(name, default_max, _whole), stop=list(stop),
                               stop_token_ids=get("stop_token_ids", [], lambda v: [_whole(t) for t in v]),
                               seed=get("seed", None, _whole), ignore_eos=bool(body.get("ignore_eos", False)),
                               repetition_penalty=get("repetition_penalty", 1.0, float),
@@ -353,6 +357,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
 
@@ -363,7 +369,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def _authorized(self) -> bool:
         key = getattr(self.server, "api_key", None)
-        if key and self.headers.get("Authorization", "") != f"Bearer {key}":
+        if key and not hmac.compare_digest(self.headers.get("Authorization", "").encode(), f"Bearer {key}".encode()):
+            self.close_connection = True  # the request's body is left unread: it must not be taken for the next
             self._error(401, "invalid API key")
             return False
         return True
@@ -371,11 +378,17 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         if not self._authorized():
             return
-        if self.path.rstrip("/") == "/v1/models":
+        path = self.path.rstrip("/")
+        if path == "/v1/models" or path.startswith("/v1/models/"):
             s = self.server
             card = {"id": s.model_name, "object": "model", "created": s.created, "owned_by": "cascade",
                     "max_model_len": s.engine.context_length}
-            self._send(200, {"object": "list", "data": [card], "instance": s.instance})
+            if path == "/v1/models":
+                self._send(200, {"object": "list", "data": [card], "instance": s.instance})
+            elif path[len("/v1/models/"):] == s.model_name:  # what the openai client's models.retrieve asks
+                self._send(200, card)
+            else:
+                self._error(404, f"The model `{path[len('/v1/models/'):]}` does not exist.")
         elif self.path.rstrip("/") in ("/health", "/v1/health"):
             self._send(200, {"status": "ok"})
         elif self.path.rstrip("/") == "/v1/weights":
