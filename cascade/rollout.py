@@ -22,6 +22,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -109,6 +110,9 @@ class ServerPool:
         self.procs: dict[str, subprocess.Popen] = {}
         self.restarts = 0
         self.closed = False  # closing: a server that went down because of it is not restarted
+        # one restart of a server at a time; a caller that waited out another's finds it done (its start count moved)
+        self._restarting: dict[str, threading.Lock] = {}
+        self._starts: dict[str, int] = {}
         # Every server is started from this one thread, alive until close(): a child's parent-death
         # signal fires when the *thread* that forked it exits, so a server restarted from a request
         # thread (RemoteEngine's, when it finds a server down) would be killed as soon as that
@@ -191,21 +195,26 @@ class ServerPool:
         when the pool is closing (the run stopped it)."""
         if url not in self.procs or self.closed:
             return False
-        p = self.procs[url]
-        if p.poll() is None:
-            p.kill()
-        p.wait()
-        reap_group(p)
-        try:
-            self._start(url)
-            self._wait(url)
-        except Exception:
-            if self.closed:
-                return False
-            raise
-        self.restarts += 1
-        self._write_pids()
-        return True
+        seen = self._starts.get(url, 0)
+        with self._restarting.setdefault(url, threading.Lock()):
+            if self._starts.get(url, 0) != seen and self.procs[url].poll() is None:
+                return True  # another caller restarted it while this one waited
+            p = self.procs[url]
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            reap_group(p)
+            try:
+                self._start(url)
+                self._wait(url)
+            except Exception:
+                if self.closed:
+                    return False
+                raise
+            self._starts[url] = seen + 1
+            self.restarts += 1
+            self._write_pids()
+            return True
 
     def close(self) -> None:
         self.closed = True

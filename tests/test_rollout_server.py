@@ -641,8 +641,8 @@ def test_a_url_server_that_comes_back_rejoins_the_weight_broadcast(setup, tmp_pa
 
 def test_servers_a_run_started_die_with_it(tiny_moe_dir, tmp_path):
     """A process that started rollout servers (``cascade run`` with ``rollout.servers``) killed with
-    ``kill -9``: its servers get the parent-death signal and exit, the one restarted from a request
-    thread that has since ended too (the signal follows the thread that forked a child: servers are
+    ``kill -9``: its servers get the parent-death signal and exit, the one restarted from request
+    threads (two at once: one restart is made) that have since ended too (the signal follows the thread that forked a child: servers are
     forked from one spawner thread that lives as long as the pool). The pool is given ``rollout.gpus``: each
     server, the restarted one too, sees its own GPU as ``CUDA_VISIBLE_DEVICES`` (on this CPU they serve on
     the CPU all the same)."""
@@ -652,10 +652,12 @@ from pathlib import Path
 from cascade.rollout import ServerPool
 pool = ServerPool(2, Path({str(tiny_moe_dir)!r}), Path({str(tmp_path / 'ex')!r}), "pool-key-7f3", 1, Path({str(tmp_path / 'logs')!r}),
                   gpus=[3, 5])
-t = threading.Thread(target=pool.restart, args=(pool.urls[0],))
-t.start(); t.join()
+got = []
+ts = [threading.Thread(target=lambda: got.append(pool.restart(pool.urls[0]))) for _ in range(2)]  # at once
+for t in ts: t.start()
+for t in ts: t.join()
 time.sleep(0.5)
-print(*[p.pid for p in pool.procs.values()], *[p.poll() for p in pool.procs.values()], flush=True)
+print(*[p.pid for p in pool.procs.values()], *[p.poll() for p in pool.procs.values()], pool.restarts, *got, flush=True)
 time.sleep(600)
 """
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
@@ -663,9 +665,10 @@ time.sleep(600)
     pids = []
     try:
         line = parent.stdout.readline().split()
-        assert len(line) == 4, line
+        assert len(line) == 7, line
         pids = [int(x) for x in line[:2]]
-        assert line[2:] == ["None", "None"]  # both alive after the restarting thread ended
+        assert line[2:4] == ["None", "None"]  # both alive after the restarting thread ended
+        assert line[4:] == ["1", "True", "True"]  # two restarts asked at once: one made, both told it is back
         envs = [dict(x.split("=", 1) for x in Path(f"/proc/{p}/environ").read_text().split("\0") if "=" in x)
                 for p in pids]
         assert [e.get("CUDA_VISIBLE_DEVICES") for e in envs] == ["3", "5"]

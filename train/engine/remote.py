@@ -273,8 +273,9 @@ class RemoteEngine:
         results = fan_out(urls, one)[0]
         for u in [u for u, r in results.items() if isinstance(r, _ServerDown)]:  # died: as in generate
             with self._lock:
+                first = u in self.alive  # else a generate worker found it down first and brings it back
                 self.alive.discard(u)
-            if self._restarted(u):
+            if first and self._restarted(u):
                 with self._lock:
                     self.alive.add(u)
                 results.update(fan_out([u], one)[0])
