@@ -250,6 +250,33 @@ def test_remote_engine_matches_in_process(setup, monkeypatch):
         remote.load_weights({})
 
 
+def test_a_request_that_times_out_is_not_sent_again_to_its_server(setup):
+    """A server slower than the client's timeout on a kept-alive connection: the request is not sent to it a
+    second time (the server would generate it twice); the server is taken for down once."""
+    engine = TorchEngine.from_pretrained(setup["dir"])
+    calls, real = [], engine.generate
+
+    def slow(prompts, params, seeds=None, **kw):
+        calls.append([list(p) for p in prompts])
+        if any(p[0] == 99 for p in prompts):
+            time.sleep(1.5)  # past the client's timeout
+        return real(prompts, params, seeds=seeds, **kw)
+
+    engine.generate = slow
+    srv, url = serve_in_thread(engine, model_name="tiny", api_key=KEY)
+    down = []
+    try:
+        remote = RemoteEngine([url], api_key=KEY, timeout=1.0, per_server=1,
+                              on_server_down=lambda u: down.append(u) or False)
+        with pytest.raises(RemoteError, match="went down"):
+            remote.generate([[5, 6, 7], [99, 6, 7]], SamplingParams(max_tokens=2))  # kept alive after the first
+        time.sleep(1.0)
+        assert sum([99, 6, 7] in c for c in calls) == 1 and down == [url]
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
 def test_remote_engine_refuses_bad_servers_up_front(setup):
     with pytest.raises(ConnectionError, match="cannot reach rollout server http://127.0.0.1:9"):
         RemoteEngine([setup["urls"][0], "http://127.0.0.1:9"], api_key=KEY)

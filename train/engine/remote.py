@@ -87,8 +87,8 @@ class _Conn:
 
     def call(self, method: str, path: str, body: dict | None = None) -> dict:
         """JSON in, JSON out. Raises :class:`_ServerDown` when the server cannot be reached (after one
-        retry on a fresh connection, in case a kept-alive one went stale) and :class:`RemoteError`
-        when it answers with an error status."""
+        retry on a fresh connection, in case a kept-alive one went stale) or does not answer within the
+        timeout (not retried), and :class:`RemoteError` when it answers with an error status."""
         data = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"}
         if self.api_key:
@@ -105,7 +105,9 @@ class _Conn:
                 break
             except _DOWN as e:
                 self.close()
-                if fresh or attempt:
+                # a kept-alive connection the server closed fails at once: sent again on a fresh one; a timeout is
+                # a server that took the request and did not answer in time (sending it again would run it twice)
+                if fresh or attempt or isinstance(e, (socket.timeout, TimeoutError)):
                     raise _ServerDown(f"{type(e).__name__}: {e}") from None
         try:
             obj = json.loads(raw or b"{}")
