@@ -277,6 +277,27 @@ def test_a_request_that_times_out_is_not_sent_again_to_its_server(setup):
         srv.server_close()
 
 
+def test_a_server_error_sends_the_prompts_to_the_other_servers(setup):
+    """A server whose engine fails (500: out of memory, a dead engine) leaves the pool like a server that
+    died; its prompts are answered by the other."""
+    broken = TorchEngine.from_pretrained(setup["dir"])
+
+    def fail(*a, **k):
+        raise RuntimeError("out of memory (simulated)")
+
+    broken.generate = fail
+    servers = [serve_in_thread(e, model_name="tiny", api_key=KEY)
+               for e in (TorchEngine.from_pretrained(setup["dir"]), broken)]
+    try:
+        remote = RemoteEngine([u for _, u in servers], api_key=KEY, per_server=1)
+        got = remote.generate([PROMPTS[i % 4] for i in range(6)], SamplingParams(max_tokens=2, seed=1))
+        assert len(got) == 6 and remote.alive == {servers[0][1]} and remote.requests[servers[1][1]] >= 1
+    finally:
+        for srv, _ in servers:
+            srv.shutdown()
+            srv.server_close()
+
+
 def test_remote_engine_refuses_bad_servers_up_front(setup):
     with pytest.raises(ConnectionError, match="cannot reach rollout server http://127.0.0.1:9"):
         RemoteEngine([setup["urls"][0], "http://127.0.0.1:9"], api_key=KEY)

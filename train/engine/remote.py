@@ -18,7 +18,8 @@ Weights. ``load_version(v)`` asks every server to load version ``v`` from the ru
 directory (``POST /v1/load_weights``, which needs the servers' API key); servers take it in flight.
 ``load_weights(state_dict)`` is refused: publish with :func:`train.rl.exchange.publish_version`.
 
-Fault tolerance. A server that refuses or drops a connection (killed, restarted) is taken out of the
+Fault tolerance. A server that refuses or drops a connection (killed, restarted), does not answer within
+the timeout, or answers with a server error (5xx: out of memory, a dead engine) is taken out of the
 pool; its in-flight prompts are sent again to the servers left, and ``on_server_down(url)`` is
 called (a caller that started the server may restart it at the same URL; when the hook returns
 True the server is checked and used again). A server out of the pool is probed in the background
@@ -115,7 +116,10 @@ class _Conn:
             obj = {}
         if status >= 400:
             msg = obj.get("error", {}).get("message") if isinstance(obj.get("error"), dict) else None
-            raise RemoteError(f"{self.url}{path}: HTTP {status}: {msg or raw[:200].decode(errors='replace')}")
+            what = f"HTTP {status}: {msg or raw[:200].decode(errors='replace')}"
+            if status >= 500:  # the server's failure, not the request's: its prompts go to the others
+                raise _ServerDown(what)
+            raise RemoteError(f"{self.url}{path}: {what}")
         return obj
 
 
