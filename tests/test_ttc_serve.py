@@ -364,3 +364,35 @@ def test_special_tokens_are_left_out_of_the_text_unless_asked_for(server, client
         remote.close()
     ref = eng.generate([ids], SamplingParams(seed=seed, temperature=1.0, max_tokens=40, ignore_eos=True))[0]
     assert got[0].token_ids == ref.token_ids and got[0].text == ref.text
+
+
+def test_closing_ends_kept_alive_connections_and_refuses_new_work(tiny_dense_dir):
+    """After ``shutdown()`` + ``server_close()`` a kept-alive connection is ended (its next request was
+    queued to the stopped engine thread and never answered) and no handler thread is left."""
+    import http.client
+    import threading
+    import time
+
+    def handlers():  # (other servers' too: this module's fixture serves other tests' connections)
+        return {th for th in threading.enumerate() if "process_request" in th.name}
+
+    others = handlers()
+    srv, url = serve_in_thread(TorchEngine.from_pretrained(tiny_dense_dir), model_name="tiny")
+    conn = http.client.HTTPConnection(url.split("//")[1], timeout=10)
+    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 2})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200 and r.read()
+    srv.shutdown()
+    srv.server_close()
+    t = time.monotonic()
+    with pytest.raises((ConnectionError, http.client.HTTPException, OSError)):
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        conn.getresponse().read()
+    assert time.monotonic() - t < 5
+    deadline = time.monotonic() + 5
+    while handlers() - others and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not handlers() - others
+    with pytest.raises(RuntimeError, match="closing"):
+        srv.batcher.submit([[5, 6]], SamplingParams(max_tokens=1))

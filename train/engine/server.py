@@ -143,6 +143,8 @@ class Batcher:
         self.lock = lock or threading.Lock()
         self.batches = 0
         self._q: queue.Queue = queue.Queue()
+        self._closed = False  # after close(): new jobs are refused, queued ones failed
+        self._closing = threading.Lock()
         self._rng = random.Random()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="engine-batcher")
         self._thread.start()
@@ -158,7 +160,7 @@ class Batcher:
         elif len(seeds) != len(ids):
             raise ValueError(f"{len(seeds)} seeds for {len(ids)} prompts")
         job = _Job(ids, params, [int(s) for s in seeds], bool(return_routed_experts))
-        self._q.put(job)
+        self._put(job)
         job.done.wait()
         if job.error is not None:
             raise job.error
@@ -168,16 +170,27 @@ class Batcher:
         """``fn()`` on the engine's thread (after the calls queued before it); returns what it returns
         or raises what it raised."""
         job = _Job([], SamplingParams(), [], fn=fn)
-        self._q.put(job)
+        self._put(job)
         job.done.wait()
         if job.error is not None:
             raise job.error
         return job.result
 
+    def _put(self, job: _Job) -> None:
+        with self._closing:
+            if self._closed:
+                raise RuntimeError("the server is closing")
+            self._q.put(job)
+
     def close(self, timeout: float = 60.0) -> None:
         """Stop the engine thread after the calls already queued, waiting up to ``timeout`` s for it
-        (a thread left inside the engine's native code at interpreter exit can abort the process)."""
-        self._q.put(None)
+        (a thread left inside the engine's native code at interpreter exit can abort the process);
+        a call made after this raises."""
+        with self._closing:
+            if self._closed:
+                return
+            self._closed = True
+            self._q.put(None)
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
@@ -852,10 +865,35 @@ class Server(ThreadingHTTPServer):
     weights_dir: str | None = None
     weight_group = None  # train.rl.weight_group.Group once the trainer formed one
 
+    def process_request(self, request, client_address):
+        self._open_requests().add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request):
+        self._open_requests().discard(request)
+        super().shutdown_request(request)
+
+    def _open_requests(self) -> set:
+        if "_requests" not in self.__dict__:
+            self._requests: set = set()
+        return self._requests
+
     def server_close(self) -> None:
+        """Stop listening, end the connections kept alive (their threads would serve requests to a stopped
+        engine), stop the engine's thread and leave the weight group."""
+        import socket
+
         super().server_close()
+        for sock in list(self._open_requests()):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         if self.batcher is not None:
             self.batcher.close()
+        if self.weight_group is not None:
+            self.weight_group.close()
+            self.weight_group = None
 
 
 def make_server(engine, model_name: str = "cascade", host: str = "127.0.0.1", port: int = 0,
