@@ -294,6 +294,25 @@ def _check_sft_then_rl(world, out):
     out["sft.moved"] = max((after_sft[k] - _model(cfg).state_dict()[k]).abs().max().item() for k in after_sft)
 
 
+def _check_all_dropped_batch(world, out):
+    """A batch whose every rollout is dropped (no loss token) moves nothing on the mesh, as in one process
+    (torch's optimizers skip parameters without a gradient): no decay, no moment update, no step counted."""
+    import dataclasses
+
+    from train.parallel.rl_update import RLUpdater
+    from train.rl.exchange import TrainBatch
+
+    cfg = _cfgs()["dense"]
+    up = RLUpdater(_model(cfg), rl_cfg("dppo_tv"), tsp=1, dp=2)
+    up.step(make_batch(0, cfg), 0)
+    before = up.full_state_dict()
+    b = make_batch(1, cfg)
+    m = up.step(TrainBatch(1, [dataclasses.replace(x, keep=False) for x in b.samples], b.temperature), 1)
+    after = up.full_state_dict()
+    out["dropped.moved"] = max((after[k] - before[k]).abs().max().item() for k in before)
+    out["dropped.steps"], out["dropped.grad_norm"] = float(up.opt.steps), m["grad_norm"]
+
+
 def _check_errors(world, out):
     from train.model.config import ModelConfig
     from train.parallel.rl_update import RLUpdater
@@ -338,7 +357,7 @@ def _check_orphaned_seen_off_rank_0(world, out):
 
 def _worker(rank, world, port, path):
     run_checks(rank, world, port, path, ([_check_errors, _check_orphaned_seen_off_rank_0, _check_sft_then_rl,
-                                          _check_zaya_dp] if world == 2 else [])
+                                          _check_zaya_dp, _check_all_dropped_batch] if world == 2 else [])
                + [_check_updates, _check_bf16, _check_zaya_tsp])
 
 
@@ -373,6 +392,14 @@ def test_sharded_rl_step_equals_reference(results):
             assert ranks[0][base + ".recv"] > 0.3, k
         if "recompute" in base:
             assert 0 < ranks[0][base + ".tis_capped"] < 1 and _max(ranks, base + ".tis_capped_frac") < 1e-6, k
+
+
+def test_a_batch_without_loss_tokens_moves_nothing_on_the_mesh(results):
+    world, ranks = results
+    if world != 2:
+        pytest.skip("checked on 2 ranks")
+    assert _max(ranks, "dropped.moved") == 0.0 and ranks[0]["dropped.steps"] == 1.0
+    assert ranks[0]["dropped.grad_norm"] == 0.0
 
 
 @pytest.mark.timeout(400)

@@ -391,7 +391,9 @@ class RLUpdater:
             acc.add("entropy_sum", (ent.float() * t.mask).sum())
         self.net.eval()
         lr = optim.lr * lr_factor(step, optim)
-        grad_norm = self.opt.step(lr, optim.grad_clip)
+        # a batch without a loss token (every rollout dropped) moves nothing, as torch's optimizers skip parameters
+        # without a gradient: no decay, no moment update, no step counted (every rank has the same ``live``)
+        grad_norm = self.opt.step(lr, optim.grad_clip) if live else 0.0
         # ZAYA1: every rank moves its balancing biases by the load of the whole batch (all TSP and DP ranks)
         balance_router_biases(self.net, (self.tsp_group, self.dp_group) if self.tsp > 1 else self.dp_group)
         sums, maxes = acc.floats()
