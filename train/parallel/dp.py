@@ -97,6 +97,9 @@ class MeshAdamW:
     themselves may be a lower-precision compute copy (bf16): gradients are then accumulated in
     fp32 by :meth:`accumulate` after each micro-batch.
 
+    ``mp_group`` and ``dp_group`` are both required (``None`` is torch's whole world: passing it for both would
+    count the norm's squares twice); a group of one rank where there is no such parallelism.
+
     :meth:`step`:
     1. the replicated prefix of the flat gradient is SUM all-reduced over ``mp_group``;
     2. the flat gradient is SUM reduce-scattered over ``dp_group`` (gradients are SUMMED, not
@@ -109,7 +112,7 @@ class MeshAdamW:
        into the parameters.
     """
 
-    def __init__(self, params, mp_group=None, dp_group=None, betas=(0.9, 0.999), eps: float = 1e-8,
+    def __init__(self, params, mp_group, dp_group, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0):
         items, seen = [], set()
         for p, rep, decay in params:
@@ -322,7 +325,7 @@ class MeshMuon(MeshAdamW):
     data-parallel rank whose slice the matrix overlaps).
     """
 
-    def __init__(self, params, mp_group=None, dp_group=None, betas=(0.9, 0.999), eps: float = 1e-8,
+    def __init__(self, params, mp_group, dp_group, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, muon: dict | None = None):
         items, seen = [], set()
         for p, kind, decay, rb in params:
