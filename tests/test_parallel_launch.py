@@ -73,3 +73,43 @@ def test_calc_formulas_hand_values():
     # K/V all-gather: n = 8/2 = 4 local tokens, 1 kv head of dim 2, k and v: 16 elems, D groups, fwd + recompute
     assert c["all_gather"] == 1 * 2 * 2 * 1 * 16 * 4
     assert comm_bytes(s, "dp")["all_reduce.grad"] == 2 * 0.5 * cfg.num_parameters() * 4
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_data_parallel_sft_of_zaya_equals_one_process_step(tmp_path):
+    """``train_tsp --dp 2`` on a zaya policy, replicas holding different numbers of target tokens (right-padded
+    rows): the checkpoint equals one process's AdamW step on the whole batch (the mean over all its target
+    tokens), balancing biases moved by the whole batch's routing included (they were left out of the
+    checkpoint, which then failed to load)."""
+    from tests.test_parallel import _cfgs, _model
+    from train.model.hf_io import load_pretrained, save_pretrained
+    from train.model.zaya import balance_router_biases
+    from train.parallel.train_tsp import batches
+
+    start = _model(_cfgs()["zaya"])
+    save_pretrained(start, tmp_path / "init")
+    rows = [[(7 * i + j) % 50 for j in range(n)] for i, n in enumerate([4, 13, 5, 13, 3, 13])]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
+    out = tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "train.parallel.train_tsp", "--model", str(tmp_path / "init"), "--steps", "1", "--dp", "2",
+           "--out", str(out), "--seq", "13", "--batch", "2", "--lr", "1e-2", "--data", str(tmp_path / "data.jsonl")]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=220)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ids, mask = next(batches(str(tmp_path / "data.jsonl"), 50, 13, 4, 0))  # the step's batch, both replicas'
+    replicas = [int(mask[i:i + 2, 1:].sum()) for i in (0, 2)]
+    assert replicas[0] != replicas[1], replicas  # (so a mean of the replicas' means would differ)
+    ref = load_pretrained(tmp_path / "init")
+    ref.train()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    logits = ref(ids, mask)
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    tgt = mask[:, 1:]
+    (-(logp * tgt).sum() / tgt.sum()).backward()
+    opt.step()
+    balance_router_biases(ref)
+    got, want = load_pretrained(out).state_dict(), ref.state_dict()
+    assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-5
+    biases = [k for k in want if k.endswith("balancing_biases")]
+    assert biases and max((want[k] - start.state_dict()[k]).abs().max().item() for k in biases) > 0

@@ -214,6 +214,8 @@ class ShardedLM(nn.Module):
         from train.model.hf_io import load_into
 
         full = self.gather_full()
+        buffers = getattr(self, "model_buffers", dict)()  # a zaya policy's balancing biases (the same on every rank)
+        full.update({k: v.detach().cpu() for k, v in buffers.items()})
         model = CausalLM(self.config)
         load_into(model, full, hf_names=False)
         return model

@@ -3,7 +3,9 @@
     torchrun --nproc-per-node D -m train.parallel.train_tsp --model DIR --steps N --out DIR \
         [--data FILE.jsonl] [--seq 64] [--batch 4] [--lr 1e-4] [--dp 1]
 
-gloo on CPU, NCCL on CUDA. World = dp x D (DP on the outer axis, ZeRO-1 AdamW over it). Data: a
+gloo on CPU, NCCL on CUDA. World = dp x D (DP on the outer axis, ZeRO-1 AdamW over it); a step's loss is
+the mean over the target tokens of the whole batch, every replica's (one process's step on that batch), and a
+zaya policy's balancing biases move by the whole batch's routing. Data: a
 jsonl file whose lines hold ``{"input_ids": [...]}`` (cut or right-padded to ``--seq``; padding
 is not trained on), or, without ``--data``, a seeded synthetic pool of 16 sequences, each a repeated
 5-token motif (quick to learn). Each rank writes its shards in a background thread
@@ -51,8 +53,12 @@ class AsyncShardSaver:
         return self.path
 
 
+BUFFERS = "buffers.safetensors"  # state that is no parameter (a zaya policy's balancing biases), rank 0's
+
+
 def gather_checkpoint(model_dir: Path, shard_dir: Path, D: int, out: Path, kinds: dict[str, str]) -> Path:
-    """Join ``rank{0..D-1}.safetensors`` into a full HF checkpoint at ``out``."""
+    """Join ``rank{0..D-1}.safetensors`` (and the buffers, the same on every rank) into a full HF checkpoint
+    at ``out``."""
     from safetensors.torch import load_file
 
     from train.model.hf_io import load_config, load_into, save_pretrained
@@ -61,6 +67,8 @@ def gather_checkpoint(model_dir: Path, shard_dir: Path, D: int, out: Path, kinds
 
     shards = [load_file(str(shard_dir / f"rank{r}.safetensors")) for r in range(D)]
     full = ShardedLM.assemble(shards, kinds)
+    if (shard_dir / BUFFERS).exists():
+        full.update(load_file(str(shard_dir / BUFFERS)))
     model = CausalLM(load_config(model_dir))
     load_into(model, full, hf_names=False)
     return save_pretrained(model, out, tokenizer_dir=model_dir)
@@ -99,6 +107,7 @@ def batches(path: str | None, vocab: int, seq: int, batch: int, seed: int):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from train.model.zaya import balance_router_biases
     from train.parallel.dp import ZeroAdamW
     from train.parallel.shard import make_mesh
     from train.parallel.tsp import tsp_from_pretrained
@@ -135,26 +144,32 @@ def main(argv: list[str] | None = None) -> int:
     opt = ZeroAdamW(model.parameters(), dp_group, lr=a.lr, weight_decay=0.0, reduce_grads=False) if dp_group \
         else torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
     data = batches(a.data, model.config.vocab_size, a.seq, a.batch * a.dp, a.seed)
+    # the ranks that saw other tokens of a step's batch: a zaya policy's balancing biases move by all of them
+    routed_over = (tsp_group or dist.group.WORLD, dp_group) if dp_group is not None else dist.group.WORLD
     log = []
     for step in range(a.steps):
         ids, mask = next(data)
+        # the mean over the target tokens of the whole batch (all replicas), as one process would take it
+        count = (mask[:, 1:].sum().clamp(min=1)).to(device, torch.float32)
         sl = slice(dp_rank * a.batch, (dp_rank + 1) * a.batch)
         ids, mask = ids[sl].to(device), mask[sl].to(device)
-        loss = model.sft_loss(ids, mask, attention_mask=mask if not bool(mask.all()) else None)
+        loss = model.sft_loss(ids, mask, attention_mask=mask if not bool(mask.all()) else None, count=count)
         loss.backward()
-        model.sync_grads()
+        model.sync_grads(mean=False)
         opt.step()
         opt.zero_grad()
+        balance_router_biases(model, routed_over)
         total = loss.detach().clone()
         dist.all_reduce(total, group=tsp_group)
         if dp_group is not None:
             dist.all_reduce(total, group=dp_group)
-            total /= a.dp
         log.append({"step": step + 1, "loss": total.item()})
         if rank == 0:
             print(json.dumps(log[-1]), flush=True)
     saver = AsyncShardSaver(model.shard_state_dict(), out / "shards" / f"rank{rank % D}.safetensors") \
         if dp_rank == 0 else None
+    if rank == 0 and model.model_buffers():
+        AsyncShardSaver(model.model_buffers(), out / "shards" / BUFFERS).wait()
     if a.probe:  # overlaps with the background save
         ids, _ = next(batches(None, model.config.vocab_size, a.seq, 2, a.seed + 1))
         ids = ids.to(device)

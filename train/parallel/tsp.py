@@ -679,8 +679,9 @@ class TSPCausalLM(ShardedLM):
         out = torch.zeros(h.shape[0], self.D, 3, dtype=torch.float32, device=h.device)
         return out.index_copy(1, torch.tensor([j], device=h.device), torch.stack([lse, tgt, mean], -1)[:, None])
 
-    def sft_loss(self, input_ids, loss_mask=None, attention_mask=None):
-        """Next-token cross-entropy, mean over the GLOBAL number of predicted tokens.
+    def sft_loss(self, input_ids, loss_mask=None, attention_mask=None, count=None):
+        """Next-token cross-entropy, mean over the GLOBAL number of predicted tokens of the replica's batch
+        (``count``: a number given, e.g. the target tokens of every data-parallel replica's batch).
 
         ``loss_mask`` [B, T] marks the target tokens that count (default: all but the first).
         Returns this rank's part (the parts sum to the full loss; backward this one)."""
@@ -690,17 +691,19 @@ class TSPCausalLM(ShardedLM):
             target = target & attention_mask.to(torch.bool)
         target = target.clone()
         target[:, 0] = False
-        count = target.sum().clamp(min=1)
+        count = target.sum().clamp(min=1) if count is None else count
         logp, slots = self.token_logprobs(input_ids, attention_mask)
         valid = F.pad(target, (0, len(slots) * self.D - T + 1))[:, slots + 1]
         return -(logp * valid).sum() / count
 
-    def sync_grads(self) -> None:
+    def sync_grads(self, mean: bool = True) -> None:
         """After backward: SUM the replicated parameters' gradients over the TSP group; then, on a
-        2D mesh, SUM every gradient over the data-parallel group and divide by its size."""
+        2D mesh, SUM every gradient over the data-parallel group and divide by its size (``mean``: each
+        replica's loss a mean over its own tokens, DDP's convention), or not (``mean=False``: losses
+        normalised by the tokens of all replicas, ``sft_loss(count=...)``)."""
         all_reduce_grads(self.replicated_parameters(), self.group)
         if self.dp_group is not None:
-            all_reduce_grads(list(self._p.values()), self.dp_group, dist.get_world_size(self.dp_group))
+            all_reduce_grads(list(self._p.values()), self.dp_group, dist.get_world_size(self.dp_group) if mean else 1)
 
     # ---------------------------------------------------------------------------- gather
     def gather_logits(self, local: torch.Tensor, T: int) -> torch.Tensor:
