@@ -263,9 +263,10 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig):
 
 
 class MasterWeights:
-    """An optimizer over fp32 master copies of low-precision model parameters: ``step()`` hands the
-    model's gradients (as fp32) to the inner AdamW, steps it on the masters and writes them back in
-    the model's dtype. ``state_dict()`` holds the inner state and the masters (a resume keeps the
+    """An optimizer over fp32 master copies of low-precision model parameters: :meth:`accumulate` (after
+    each micro-batch's backward) adds the model's gradients into the masters' fp32 gradients (summed in
+    bf16 across micro-batches they lose about 1% of their value), ``step()`` takes what is left, steps
+    the inner optimizer on the masters and writes them back in the model's dtype. ``state_dict()`` holds the inner state and the masters (a resume keeps the
     low bits). Quacks like the ``torch.optim`` optimizer it wraps (``param_groups``, ``zero_grad``)."""
 
     def __init__(self, params: list[torch.nn.Parameter]):
@@ -281,10 +282,25 @@ class MasterWeights:
         return self.opt.param_groups
 
     @torch.no_grad()
-    def step(self) -> None:
+    def accumulate(self) -> None:
+        """Move the model's gradients into the masters' (fp32, added to what earlier micro-batches left)."""
         for p in self.params:
-            self.master[id(p)].grad = None if p.grad is None else p.grad.float()
+            if p.grad is not None:
+                m = self.master[id(p)]
+                m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
+                p.grad = None
+
+    def params_with_grads(self) -> list[torch.Tensor]:
+        """The fp32 masters that hold gradients for the next step (the model's accumulated into them)."""
+        self.accumulate()
+        return [m for m in self.master.values() if m.grad is not None]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.accumulate()
         self.opt.step()
+        for m in self.master.values():  # taken: the next step's gradients start from zero, as the model's did
+            m.grad = None
         for p in self.params:
             p.copy_(self.master[id(p)])
 
@@ -313,10 +329,17 @@ class MasterWeights:
             p.copy_(m)
 
 
+def accumulate_grads(opt) -> None:
+    """After a micro-batch's backward: a low-precision model's gradients go into its fp32 masters (a no-op for
+    other optimizers, which keep summing into the parameters' own gradients)."""
+    if isinstance(opt, MasterWeights):
+        opt.accumulate()
+
+
 def clip_and_step(model, opt, sched, grad_clip: float) -> float:
     """Clip gradients (if ``grad_clip`` > 0), step, zero (and a zaya model's balancing-bias update);
-    returns the pre-clip gradient norm."""
-    params = [p for p in model.parameters() if p.grad is not None]
+    returns the pre-clip gradient norm (of the fp32 gradients, for a low-precision model's :class:`MasterWeights`)."""
+    params = opt.params_with_grads() if isinstance(opt, MasterWeights) else [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
     opt.step()
     sched.step()

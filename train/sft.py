@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from train.model.modeling import CausalLM
-from train.optim import OptimConfig, build_optimizer, clip_and_step, load_training_state, training_state
+from train.optim import (OptimConfig, accumulate_grads, build_optimizer, clip_and_step, load_training_state,
+                         training_state)
 
 
 @dataclass
@@ -195,6 +196,7 @@ class SFTTrainer:
             lps = packed_token_logprobs(self.policy, [Pair(*examples[i]) for i in rows], return_entropy=False)
             loss = -torch.cat(lps).sum() / total
             loss.backward()
+            accumulate_grads(self.opt)
             loss_sum += float(loss.detach())
         gn = clip_and_step(self.policy, self.opt, self.sched, self.cfg.optim.grad_clip)
         self.policy.eval()

@@ -19,7 +19,8 @@ from envs.base import Problem, Score, verify_all, verify_workers
 from train.batching import make_batch, micro_batches
 from train.engine.base import Completion, SamplingParams
 from train.model.modeling import CausalLM
-from train.optim import OptimConfig, build_optimizer, clip_and_step, load_training_state, training_state
+from train.optim import (OptimConfig, accumulate_grads, build_optimizer, clip_and_step, load_training_state,
+                         training_state)
 from train.rl.advantages import compute_advantages
 from train.rl.losses import (RATIO_MODES, LossConfig, MetricSums, effective_agg, get_loss, loss_count,
                              mismatch_metrics)
@@ -340,6 +341,7 @@ class RLTrainer:
                                               denom=denom)
                 self.between_kernels()
                 loss.backward()
+                accumulate_grads(self.opt)
                 acc.add("loss_total", loss)  # micro-batch losses add up to the mini-batch loss
                 mets.pop("loss", None)
                 if "mismatch_max_abs" in mets:
