@@ -266,8 +266,8 @@ class MasterWeights:
     """An optimizer over fp32 master copies of low-precision model parameters: :meth:`accumulate` (after
     each micro-batch's backward) adds the model's gradients into the masters' fp32 gradients (summed in
     bf16 across micro-batches they lose about 1% of their value), ``step()`` takes what is left, steps
-    the inner optimizer on the masters and writes them back in the model's dtype. ``state_dict()`` holds the inner state and the masters (a resume keeps the
-    low bits). Quacks like the ``torch.optim`` optimizer it wraps (``param_groups``, ``zero_grad``)."""
+    the inner optimizer on the masters and writes them back in the model's dtype. ``state_dict()`` holds
+    the inner state and the masters (a resume keeps the low bits). Quacks like the ``torch.optim`` optimizer it wraps (``param_groups``, ``zero_grad``)."""
 
     def __init__(self, params: list[torch.nn.Parameter]):
         self.params = params
@@ -338,8 +338,12 @@ def accumulate_grads(opt) -> None:
 
 def clip_and_step(model, opt, sched, grad_clip: float) -> float:
     """Clip gradients (if ``grad_clip`` > 0), step, zero (and a zaya model's balancing-bias update);
-    returns the pre-clip gradient norm (of the fp32 gradients, for a low-precision model's :class:`MasterWeights`)."""
-    params = opt.params_with_grads() if isinstance(opt, MasterWeights) else [p for p in model.parameters() if p.grad is not None]
+    returns the pre-clip gradient norm (of the fp32 gradients, for a low-precision model's
+    :class:`MasterWeights`)."""
+    if isinstance(opt, MasterWeights):
+        params = opt.params_with_grads()
+    else:
+        params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
     opt.step()
     sched.step()

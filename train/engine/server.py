@@ -61,8 +61,8 @@ The standard library is all it needs (torch.distributed for the weight group).
 from __future__ import annotations
 
 import argparse
-import inspect
 import hmac
+import inspect
 import json
 import os
 import queue
@@ -143,7 +143,7 @@ class Batcher:
         self.lock = lock or threading.Lock()
         self.batches = 0
         self._q: queue.Queue = queue.Queue()
-        self._closed = False  # after close(): new jobs are refused, queued ones failed
+        self._closed = False  # after close(): new jobs are refused (those queued before it still run)
         self._closing = threading.Lock()
         self._rng = random.Random()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="engine-batcher")
