@@ -267,7 +267,8 @@ class MasterWeights:
     each micro-batch's backward) adds the model's gradients into the masters' fp32 gradients (summed in
     bf16 across micro-batches they lose about 1% of their value), ``step()`` takes what is left, steps
     the inner optimizer on the masters and writes them back in the model's dtype. ``state_dict()`` holds
-    the inner state and the masters (a resume keeps the low bits). Quacks like the ``torch.optim`` optimizer it wraps (``param_groups``, ``zero_grad``)."""
+    the inner state and the masters (a resume keeps the low bits). Quacks like the ``torch.optim``
+    optimizer it wraps (``param_groups``, ``zero_grad``)."""
 
     def __init__(self, params: list[torch.nn.Parameter]):
         self.params = params
