@@ -198,12 +198,28 @@ def test_routed_experts_and_in_flight_load_over_http(setup):
     eng.step_hook = hook
     try:
         code, body = call(url, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0,
-                                                   "ignore_eos": True, "logprobs": 1})
+                                                   "ignore_eos": True, "logprobs": 0})
     finally:
         eng.step_hook = None
     got["t"].join(60)
     assert code == 200 and got["r"] == (200, {"version": 1})
     assert body["choices"][0]["versions"] == [before] * 3 + [1] * 5
+    # top alternatives come from the weights loaded when they are computed: for a completion sampled (in
+    # part) by others, a 409 rather than another model's alternatives
+    publish_version(setup["root"], 3, _new_weights(eng, 3))
+    got.clear()
+    load = lambda: got.setdefault("r", call(url, "/v1/load_weights", {"version": 3}))  # noqa: E731
+    eng.step_hook = lambda step: step == 2 and "t" not in got and (
+        got.setdefault("t", threading.Thread(target=load)).start() or
+        wait_until(lambda: eng.update_pending or not got["t"].is_alive(), 60, every=0.002))
+    try:
+        code, body = call(url, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0,
+                                                   "ignore_eos": True, "logprobs": 1})
+    finally:
+        eng.step_hook = None
+    got["t"].join(60)
+    assert code == 409 and "sampled by version(s) [1]" in body["error"]["message"], body
+    assert got["r"] == (200, {"version": 3})
 
 
 def test_remote_engine_matches_in_process(setup, monkeypatch):

@@ -101,6 +101,10 @@ class NotFound(LookupError):
     pass
 
 
+class Conflict(RuntimeError):
+    """The server's state moved under the request (409)."""
+
+
 @dataclass
 class _Job:
     ids: list[list[int]]
@@ -376,7 +380,8 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _error(self, code: int, msg: str) -> None:
-        kinds = {400: "BadRequestError", 404: "NotFoundError", 401: "AuthenticationError", 403: "PermissionDeniedError"}
+        kinds = {400: "BadRequestError", 404: "NotFoundError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+                 409: "ConflictError"}
         kind = kinds.get(code, "InternalServerError")
         self._send(code, {"error": {"message": msg, "type": kind, "code": code}})
 
@@ -439,6 +444,8 @@ class Handler(BaseHTTPRequestHandler):
             self._error(403, str(e))
         except NotFound as e:
             self._error(404, str(e))
+        except Conflict as e:
+            self._error(409, str(e))
         except (BadRequest, ContextLengthError, ValueError) as e:  # bad prompts, ids out of range, ...
             self._error(400, str(e))
         except Exception as e:  # noqa: BLE001 - a server answers 500 rather than dying
@@ -454,12 +461,23 @@ class Handler(BaseHTTPRequestHandler):
         ids = self.server.engine.encode(prompts)
         return ids, self.server.batcher.submit(ids, params, return_routed_experts)
 
-    def _tops(self, seqs: list, k: int, temperature: float) -> list:
+    def _tops(self, seqs: list, k: int, temperature: float, outs: list) -> list:
         """:func:`_top_logprobs` of each ``(prompt ids, completion ids)`` in ``seqs``, run on the engine's
         thread (like a weight load: never beside a decode step or a weight swap, and on the one OpenMP
-        pool of the process)."""
+        pool of the process). They come from the weights the engine holds then: a completion sampled (in
+        part) by other weights (``outs``' versions; a load arrived meanwhile) gets a 409, not another
+        model's alternatives."""
         eng = self.server.engine
-        return self.server.batcher.call(lambda: [_top_logprobs(eng, p, c, k, temperature) for p, c in seqs])
+
+        def run():
+            now = getattr(eng, "version", None)
+            moved = sorted({v for c in outs for v in (c.versions or ())} - {now})
+            if moved:
+                raise Conflict(f"top logprobs cannot be given: weights version {now} is loaded, and the completion "
+                               f"was sampled by version(s) {moved}; ask again")
+            return [_top_logprobs(eng, p, c, k, temperature) for p, c in seqs]
+
+        return self.server.batcher.call(run)
 
     def completions(self, body: dict) -> dict:
         self._model_check(body)
@@ -477,7 +495,7 @@ class Handler(BaseHTTPRequestHandler):
         eng = self.server.engine
         name = (lambda t: f"token_id:{t}") if as_ids else (lambda t: eng.decode([t]))  # noqa: E731
         tops = self._tops([(c.prompt_token_ids or prompt_ids[c.prompt_index], c.token_ids) for c in outs],
-                          top_k, params.temperature) if want_lp and top_k > 0 else [None] * len(outs)
+                          top_k, params.temperature, outs) if want_lp and top_k > 0 else [None] * len(outs)
         choices = []
         for i, (c, top) in enumerate(zip(outs, tops)):
             ch = {"index": i, "text": _shown(self.server, c, params, skip), "finish_reason": c.finish_reason,
@@ -515,7 +533,8 @@ class Handler(BaseHTTPRequestHandler):
         top_k = _int_field(body, "top_logprobs") if body.get("logprobs") else 0
         skip = _skips(body)
         prompt_ids, outs = self._generate([ids], params)
-        tops_all = self._tops([(c.prompt_token_ids or ids, c.token_ids) for c in outs], top_k, params.temperature) \
+        tops_all = self._tops([(c.prompt_token_ids or ids, c.token_ids) for c in outs], top_k, params.temperature,
+                              outs) \
             if top_k > 0 else [[[] for _ in c.token_ids] for c in outs]
         choices = []
         for i, (c, tops) in enumerate(zip(outs, tops_all)):
