@@ -30,7 +30,7 @@ from typing import Any
 from envs.base import Environment, Problem, Score, register
 from envs.workers import Pool, WorkerStartError, serve
 
-__all__ = ["math_equal", "MathDatasetEnv", "ArithmeticEnv", "MathVerifyTimeout"]
+__all__ = ["math_equal", "plain_number", "MathDatasetEnv", "ArithmeticEnv", "MathVerifyTimeout"]
 
 DEFAULT_TIMEOUT = 3.0      # seconds per comparison
 STARTUP_TIMEOUT = 120.0    # seconds for a fresh worker to import math-verify (slow on busy machines)
@@ -116,6 +116,48 @@ def _zero_format() -> Score:
     return Score.zero("no \\boxed{} answer", format_ok=False)
 
 
+# what may surround a number in an answer: a variable and "=", formatting, units and words in \text{} (a number
+# in it is kept), degrees, percent, dollars, LaTeX spacing, thousands separators in braces
+_WRAPPED = re.compile(r"\\(?:textbf|mathbf|boldsymbol|text|mathrm|textrm|mbox|operatorname)\s*\{([^{}]*)\}")
+_DECORATION = [(re.compile(r"^\s*[A-Za-z]?\s*=\s*"), ""),
+               (re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\\circ|\\%|%|\\\$|\$|\\[,!;: ]|~"), ""),
+               (re.compile(r"\{,\}"), ","), (re.compile(r"\\[dt]frac"), r"\\frac"), (re.compile(r"\s+"), "")]
+_NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|[+-]?\.\d+")
+_FRACTION = re.compile(r"([+-]?)(?:\\frac\{([+-]?\d+)\}\{([+-]?\d+)\}|\\frac(\d)(\d)|(\d+)/(\d+))")
+
+
+_MATH_SPANS = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
+
+
+def _latex_key(text: Any) -> str:
+    """LaTeX compared as written: without spaces, ``\\left``/``\\right`` and the ``\\dfrac`` spelling."""
+    s = re.sub(r"\\(?:left|right)(?![A-Za-z])|\s+|\\[,!;: ]", "", str(text))
+    return re.sub(r"\\[dt]frac", r"\\frac", s).strip("$.")
+
+
+def _question_math(prompt: str) -> set[str]:
+    """The mathematics the question writes (its ``$...$``, ``$$...$$``, ``\\(...\\)`` and ``\\[...\\]`` spans)."""
+    return {_latex_key(next(g for g in m.groups() if g is not None)) for m in _MATH_SPANS.finditer(prompt or "")}
+
+
+def plain_number(text: Any) -> Fraction | None:
+    """The value of an answer that is one number: an integer, a decimal (``1,000`` and ``1{,}000`` as
+    thousands), ``a/b`` or ``\\frac{a}{b}``, signed, in units, degrees, percent or dollars, after
+    ``x =``; None for anything else (a sum, a product, a root, a function, an interval, ...)."""
+    s = _WRAPPED.sub(lambda m: m[1] if re.search(r"\d", m[1]) else "", str(text))
+    for pat, rep in _DECORATION:
+        s = pat.sub(rep, s)
+    if _NUMBER.fullmatch(s):
+        return Fraction(s.replace(",", ""))
+    m = _FRACTION.fullmatch(s)
+    if m is None:
+        return None
+    num, den = next((int(m[i]), int(m[i + 1])) for i in (2, 4, 6) if m[i] is not None)
+    if den == 0:
+        return None
+    return -Fraction(num, den) if m[1] == "-" else Fraction(num, den)
+
+
 class _MathBase(Environment):
     family = "math"
     # the comparison deadline, plus the one-time start of a worker process (imports sympy; slow
@@ -128,6 +170,12 @@ class _MathBase(Environment):
         pred = self.extract(response)
         if pred is None or not pred.strip():
             return _zero_format()
+        if plain_number(problem.answer) is not None and plain_number(pred) is None:
+            # a number is asked for: an expression equal to it (the question's own, copied into the box) is no answer
+            return Score(0.0, False, True, {"extracted": pred[:200], "reason": "not a number"})
+        if _latex_key(pred) in _question_math(problem.prompt) and _latex_key(pred) != _latex_key(problem.answer):
+            # "Simplify $\sqrt{50}$": its own expression, equal to the answer, answers nothing
+            return Score(0.0, False, True, {"extracted": pred[:200], "reason": "the question's own expression"})
         ok = math_equal(pred, problem.answer, timeout=self.timeout)
         return Score(1.0 if ok else 0.0, ok, True, {"extracted": pred[:200]})
 
@@ -317,6 +365,22 @@ class ArithmeticEnv(_MathBase):
         rhs = (_term(c, "x", True) + (f" {_term(e, '', False)}" if e else "")) if c else str(e)
         prompt = f"Solve for $x$: ${lhs} = {rhs}$. Give $x$ as an integer or a fraction in lowest terms."
         return self.problem(prompt, _frac_latex(x), seed, d, kind="linear")
+
+    def check(self, problem: Problem, response: str) -> Score:
+        """The answer as the prompt asks for it: an integer or a fraction in lowest terms (``a/b``,
+        ``\\frac{a}{b}``, after ``x =`` or not), equal to the solution; the expression of the question
+        itself, or an unreduced fraction, is not one."""
+        pred = self.extract(response)
+        if pred is None or not pred.strip():
+            return _zero_format()
+        got, want = plain_number(pred), plain_number(problem.answer)
+        info = {"extracted": pred[:200]}
+        if got is None or ("." in pred and got.denominator != 1):  # a decimal only for a whole number
+            return Score(0.0, False, True, {**info, "reason": "not an integer or a fraction"})
+        reduced = "/" not in pred and "frac" not in pred or \
+            math.gcd(*(int(x) for x in re.findall(r"\d+", pred.replace(",", ""))[-2:])) == 1
+        ok = got == want and reduced
+        return Score(1.0 if ok else 0.0, ok, True, info if reduced else {**info, "reason": "not in lowest terms"})
 
     def _fractions(self, rng, seed: int, d: int) -> Problem:
         """A sum/difference/product of 2 + d//2 fractions with denominators up to 4 + 2d."""

@@ -37,6 +37,10 @@ EXCLUDED = {
     "composite": "a mixture of other datasets; needs an explicit list of datasets",
     "game_of_life_halting": "its score_answer compares bool(answer) with bool(gold) on strings "
                             "(bool('False') is True), so every non-empty answer scores 1.0",
+    "complex_arithmetic": "its score_answer takes min(1, exp(-|answer - gold|)), which is 1.0 for the answer "
+                          "'nan' on every problem",
+    "coin_flip": "its score_answer credits an answer that is a prefix of the gold probability's digits "
+                 "('0' for 0.375), so '0' scores 1.0 on most problems",
     "sokoban": "generation takes 2-8 s per problem at its easiest level and exceeds the 10 s generation "
                "bound of `cascade envs check` on 2 loaded cores",
 }

@@ -1,19 +1,23 @@
 """Small arithmetic environments sized for CPU smoke tests and learning demonstrations."""
 from __future__ import annotations
 
+import re
+
 from envs.base import Environment, Problem, Score, register
 
 
+_INT = re.compile(r"(?:[A-Za-z]\s*=\s*)?([+-]?(?:\d{1,3}(?:,\d{3})+|\d+))")
+
+
 def _parse_int(s: str | None) -> int | None:
+    """An integer answer: digits, signed, thousands as ``1,000`` only, after ``x =`` or not (``1,4,4`` and
+    Python's ``1_4_4`` are not 144)."""
     if s is None:
         return None
-    s = s.strip().replace(",", "")
-    if len(s) > 64:
+    m = _INT.fullmatch(s.strip())
+    if m is None or len(m[1]) > 64:
         return None
-    try:
-        return int(s)
-    except ValueError:
-        return None
+    return int(m[1].replace(",", ""))
 
 
 class _IntAnswerEnv(Environment):

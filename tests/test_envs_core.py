@@ -81,6 +81,54 @@ def test_math_scoring_rules():
     assert env.verify(p, f"<think>\\boxed{{0}}</think> \\boxed{{999}} then \\boxed{{{p.answer}}}").correct
 
 
+def test_copying_the_question_or_an_unreduced_fraction_earns_nothing():
+    """An expression equal to the answer is no answer: math/arith takes an integer or a fraction in lowest
+    terms (the question's own expression, copied into the box, was judged correct by value); the dataset
+    environment takes a number where the answer is one, and not the question's own expression."""
+    env = ArithmeticEnv()
+    for seed in range(6):
+        p = env.generate(seed, 3)  # fractions: "Compute $...$"
+        expr = re.search(r"\$(.+)\$", p.prompt).group(1)
+        assert not env.verify(p, f"\\boxed{{{expr}}}").correct, p.prompt
+        assert env.verify(p, env.reference_response(p)).correct
+        v = Fraction(p.answer.replace("\\frac{", "").replace("}{", "/").replace("}", "")) if "frac" in p.answer \
+            else Fraction(p.answer)
+        assert env.verify(p, f"\\boxed{{{v.numerator}/{v.denominator}}}").correct == (v.denominator > 1)
+        s = env.verify(p, f"\\boxed{{{2 * v.numerator}/{2 * v.denominator}}}")  # the same value, unreduced
+        assert not s.correct and s.info["reason"] == "not in lowest terms"
+    p = env.generate(1, 0)
+    assert env.verify(p, f"\\boxed{{x = {p.answer}}}").correct
+    math = MathDatasetEnv(heldout=0.0)
+    rows = {r["problem"]: r for r in math.rows}
+    for q, echo in [("What is $17 + 25$?", "17 + 25"), ("Simplify $\\sqrt{50}$.", "\\sqrt{50}"),
+                    ("Expand $(x + 2)^2$.", "(x + 2)^2"), ("Evaluate $\\log_2 64$.", "\\log_2 64")]:
+        p = math.problem(q, rows[q]["answer"], 0, 0)
+        assert not math.verify(p, f"\\boxed{{{echo}}}").correct, q
+        assert math.verify(p, math.reference_response(p)).correct, q
+    p = math.problem("What is $17 + 25$?", "42", 0, 0)
+    for ok in ("42", "42.0", "x = 42", "42 \\text{ apples}", "\\textbf{42}", "42^\\circ"):
+        assert math.verify(p, f"\\boxed{{{ok}}}").correct, ok
+
+
+def test_plain_numbers_and_toy_integers():
+    from envs.math import plain_number
+
+    for text, value in [("42", 42), ("-3", -3), ("1,000", 1000), ("1{,}000", 1000), ("1\\,000", 1000), ("0.5", 0.5),
+                        ("\\frac{1}{2}", 0.5), ("-\\dfrac{7}{2}", -3.5), ("\\frac12", 0.5), ("7/2", 3.5), ("x = 3", 3),
+                        ("10\\%", 10), ("\\$5", 5), ("42 \\text{ cm}", 42)]:
+        assert plain_number(text) == Fraction(value), text
+    for text in ("17 + 25", "\\frac{7}{2} - \\frac{5}{2}", "\\sqrt{50}", "2^{10}", "\\gcd(84,126)", "\\infty", "nan",
+                 "1,4,4", "(3, 4)"):
+        assert plain_number(text) is None, text
+    toy = get_env("toy/add")
+    p = toy.generate(0, 1)
+    digits = ",".join(str(p.answer))
+    assert toy.verify(p, f"\\boxed{{x = {p.answer}}}").correct
+    if len(str(p.answer)) > 1:  # 144 is not "1,4,4", nor Python's 1_4_4
+        assert not toy.verify(p, f"\\boxed{{{digits}}}").correct
+        assert not toy.verify(p, f"\\boxed{{{digits.replace(',', '_')}}}").correct
+
+
 def _solve_linear(prompt: str) -> Fraction:
     """Independent solution of the 'a x + b = c x + e' prompts of math/arith."""
     eq = re.search(r"\$([^$]*=[^$]*)\$", prompt).group(1).replace(" ", "")
