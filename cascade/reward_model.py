@@ -7,12 +7,14 @@ from pathlib import Path
 
 import torch
 
-from envs.base import Environment, Problem, Score, bounded
+from envs.base import Environment, Problem, Score, bounded, strip_think
 
 
 class RewardModel:
     """Any ``AutoModelForSequenceClassification`` with one output (a scalar score): a local directory
-    or a Hugging Face Hub id (``org/name``, through the HF cache and its offline rules)."""
+    or a Hugging Face Hub id (``org/name``, through the HF cache and its offline rules). It reads the
+    answer after any thinking, and a conversation longer than ``max_len`` tokens loses its beginning (the
+    prompt's), never the answer's end."""
 
     def __init__(self, path: str | Path, max_len: int = 2048, device: str = "cpu"):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -23,6 +25,7 @@ class RewardModel:
         if not (p / "config.json").exists():
             raise FileNotFoundError(f"reward model directory {str(p)!r} has no config.json")
         self.tok = AutoTokenizer.from_pretrained(str(p))
+        self.tok.truncation_side = "left"  # a long response keeps its end: where the answer is
         self.model = AutoModelForSequenceClassification.from_pretrained(str(p)).to(device).eval()
         if self.model.config.num_labels != 1:
             raise ValueError(f"reward model {str(p)!r} has {self.model.config.num_labels} labels; expected 1")
@@ -31,7 +34,7 @@ class RewardModel:
         self.max_len, self.device = max_len, device
 
     def text(self, prompt: str, response: str) -> str:
-        msgs = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+        msgs = [{"role": "user", "content": prompt}, {"role": "assistant", "content": strip_think(response).lstrip()}]
         if getattr(self.tok, "chat_template", None):
             return self.tok.apply_chat_template(msgs, tokenize=False)
         return f"{prompt}\n{response}"

@@ -99,6 +99,15 @@ def test_reward_model_score_is_gated_by_the_instruction_checker(tmp_path, tiny_d
     assert s.correct and 0.0 < s.reward < 1.0 and "rm_score" in s.info
     bad = env.verify(prob, "")
     assert not bad.correct and bad.reward == 0.0
+    # the answer after the thinking is what is judged and scored, and a conversation longer than the reward
+    # model's max_len keeps its end (it was cut from the right: the answer never reached the model)
+    thought = env.verify(prob, "<think>\n" + "let me think, " * 20 + "\n</think>\n\n" + good)
+    assert thought.correct and thought.info["rm_score"] == pytest.approx(s.info["rm_score"], abs=1e-5)
+    rm.max_len = 64
+    long_a = rm.score(prob.prompt, "word " * 200 + "The end.")
+    long_b = rm.score(prob.prompt, "word " * 200 + "Another ending altogether, quite different.")
+    assert long_a != pytest.approx(long_b, abs=1e-6)
+    rm.max_len = 2048
 
     # a batch: the checker on each response, one padded reward-model pass over those that pass, and
     # the same scores as verify one by one (responses of different lengths share a padded forward)

@@ -148,6 +148,9 @@ def test_env_rewards_and_difficulty():
     assert [v["pass"] for v in half.info["instructions"]] == [False, True]
     full = env.verify(p, "A quiet day at the harbor.")
     assert (full.reward, full.correct) == (1.0, True)
+    # the answer after any thinking is judged: commas or the keyword in the thinking count for nothing
+    assert env.verify(p, "<think>Hmm, well, the harbor.</think>\nA quiet day at the harbor.").correct
+    assert env.verify(p, "<think>The harbor.</think>\nA quiet day.").reward == 0.5
     strict_all = get_env("ifeval", reward="all")
     assert strict_all.verify(p, "A quiet day at the harbor, nothing more.").reward == 0.0
     assert env.verify(p, "   ").format_ok is False

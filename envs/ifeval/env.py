@@ -17,7 +17,7 @@ import json
 import random
 import re
 
-from envs.base import Environment, Problem, Score, register
+from envs.base import Environment, Problem, Score, register, strip_think
 from envs.ifeval import instructions as ins
 from envs.ifeval.instructions import INSTRUCTIONS, RELATIONS, check, check_loose, describe
 
@@ -448,6 +448,7 @@ class IFEvalEnv(Environment):
 
     def check(self, problem: Problem, response: str) -> Score:
         specs = problem.answer["instructions"]
+        response = strip_think(response)  # the answer is judged, not the thinking before it
         if not response.strip():
             return Score.zero("empty response", format_ok=False)
         fn = check_loose if self.loose else check
