@@ -48,17 +48,26 @@ def _fsync_dir(path: Path) -> None:
 
 
 def copy_tokenizer(src: Path, dst: Path) -> None:
+    """The tokenizer files of ``src`` into ``dst``; a ``FileNotFoundError`` when ``src`` has none (a checkpoint
+    without them could not be used by the next stage)."""
+    copied = 0
     for name in TOKENIZER_FILES:
         if (src / name).exists() and name != "generation_config.json":
             shutil.copyfile(src / name, dst / name)
+            copied += 1
+    if not copied:
+        raise FileNotFoundError(f"no tokenizer files in {str(src)!r} to copy into {str(dst)!r}")
 
 
 class Checkpointer:
-    """Asynchronous, atomic checkpoints under ``root``; keeps the newest ``keep`` complete ones."""
+    """Asynchronous, atomic checkpoints under ``root``; keeps the newest ``keep`` complete ones, and
+    ``pinned`` (the one a resumed run started from: its tokenizer files and weights are the run's source,
+    read again for its final checkpoint and by rollout servers that restart)."""
 
     def __init__(self, root: str | Path, keep: int = 2):
         self.root = Path(root)
         self.keep = keep
+        self.pinned: Path | None = None
         self._behind = Behind("checkpoint write", daemon=False)
         self.root.mkdir(parents=True, exist_ok=True)
         self.clean()
@@ -104,7 +113,8 @@ class Checkpointer:
             (final / COMPLETE).write_text("ok\n")
             _fsync_dir(final)
             for old in self.complete()[:-self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
+                if old != self.pinned:
+                    shutil.rmtree(old, ignore_errors=True)
 
         if sync:
             write()

@@ -127,7 +127,7 @@ class StageRunner:
         torch.manual_seed(r.seed + 1000 * self.index)
         ckpt = Checkpointer(self.dir / "checkpoints")
         latest = ckpt.latest()
-        src = latest or Path(start_dir)
+        src = ckpt.pinned = latest or Path(start_dir)
         dtype = torch.bfloat16 if r.dtype == "bfloat16" else torch.float32
         policy = load_pretrained(src, dtype=dtype, device=r.device)
         tok = load_tokenizer(src)

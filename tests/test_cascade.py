@@ -239,6 +239,12 @@ def test_sigkill_mid_stage_and_during_checkpoint_write_then_resume(tmp_path):
     assert st["steps"] == 6
     assert st["started_from"].endswith("init-model")  # the stage's start, not the checkpoint it resumed from
     _complete_checkpoints_load(stage)
+    # final/ has its tokenizer, though two checkpoints were taken after the resume (pruning deleted the checkpoint
+    # the run resumed from, and final/ was written from it without tokenizer files: the next stage failed)
+    from train.tokenizer import load_tokenizer
+
+    load_tokenizer(stage / "final")
+    assert (stage / "checkpoints" / "step-00000003").exists()  # the resumed-from checkpoint is kept
     assert not list((stage / "checkpoints").glob("*.tmp"))
     from cascade.records import read_records
 
