@@ -162,9 +162,11 @@ class StageRunner:
                 pipe_state = tstate.get("pipeline")
                 if state["pool"] is not None:
                     rl.curriculum = self.pool_of(curriculum, state["pool"])
-                rl.load_state_dict(tstate["rl"])
-                if sft is not None and tstate.get("sft"):
-                    sft.load_state_dict(tstate["sft"])
+                # a bf16 policy's optimizers each put their fp32 masters into its weights: the phase that trained
+                # last goes last (after the SFT warm-up, SFT's masters are the weights as SFT left them)
+                loads = [(rl, tstate["rl"])] + ([(sft, tstate["sft"])] if sft is not None and tstate.get("sft") else [])
+                for trainer, st in (loads[::-1] if state["step"] >= s.sft.steps else loads):
+                    trainer.load_state_dict(st)
                 if mixer is not None and tstate.get("mixer"):
                     mixer.load_state_dict(tstate["mixer"])
             # servers (started or given) serve exactly this policy from the start; a resumed engine, built from the

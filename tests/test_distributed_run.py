@@ -241,6 +241,22 @@ def test_the_ranks_start_is_bounded_by_the_startup_timeout_and_later_silence_by_
         Trainer(startup_timeout_s=-1)
 
 
+def test_a_bf16_stage_resumed_after_its_sft_warm_up_ends_as_an_uninterrupted_one(warm_dir, tmp_path):
+    """In this process (no ranks), dtype=bfloat16, 2 SFT steps then 3 RL steps, killed after an RL step and
+    resumed: the same final weights as the run that was not interrupted (the SFT optimizer's fp32 masters,
+    loaded after the RL one's, put the weights back where SFT had left them)."""
+    args = [f"model={warm_dir}", *STAGE, "steps=3", "checkpoint_every=1", "dtype=bfloat16", "sft.steps=2",
+            "sft.examples=32", "sft.batch_size=8", "sft.max_len=128", "sft.optim.lr=1e-3"]
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    assert cascade(f"out={ref}", *args).returncode == 0
+    r = cascade(f"out={out}", *args, env={"CASCADE_FAULT": "before_checkpoint:4"})
+    assert r.returncode == -signal.SIGKILL
+    r = cascade(f"out={out}", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = final_weights(ref), final_weights(out)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_kill_9_of_the_run_resumes_trainer_ranks_and_orchestrator_in_step(warm_dir, tmp_path):
     """A stage of 3 SFT steps then 3 RL steps, both on the trainer ranks. The whole run SIGKILLed
     just before the checkpoint of step 4 (trainer ranks notice and stop): rerunning resumes
