@@ -87,12 +87,13 @@ class Checkpointer:
         return done[-1] if done else None
 
     def save(self, step: int, model, tokenizer_dir: Path, trainer_state: dict, state: dict, sync: bool = False) -> Path:
-        """Snapshot now (weights cloned, trainer state serialised), write in the background."""
+        """Snapshot now (weights cloned, trainer state and ``state`` serialised), write in the background."""
         self.wait()
         weights_model = _Snapshot(model)
         buf = io.BytesIO()
         torch.save(trainer_state, buf)
         payload = buf.getvalue()
+        state_json = json.dumps(state)  # now: the caller goes on changing its state while this writes
         final = self.root / f"step-{step:08d}"
 
         def write():
@@ -102,7 +103,7 @@ class Checkpointer:
             copy_tokenizer(Path(tokenizer_dir), tmp)
             (tmp / "trainer_state.pt").write_bytes(payload)
             _fault("checkpoint_write", step)
-            (tmp / "state.json").write_text(json.dumps(state))
+            (tmp / "state.json").write_text(state_json)
             for f in tmp.iterdir():
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())

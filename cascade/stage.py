@@ -631,7 +631,7 @@ class StageRunner:
             load_into(policy, rl.learner.checkpoint(self.updates_done(rl, sft)))
         _fault("before_checkpoint", state["step"])
         state["trainer_ranks"] = self.rcfg.trainer.distributed  # where the optimizer state of this checkpoint lives
-        ckpt.save(state["step"], policy, src, self._trainer_state(rl, sft, mixer, pipe), dict(state))
+        ckpt.save(state["step"], policy, src, self._trainer_state(rl, sft, mixer, pipe), state)
 
     def check_same_trainer(self, state: dict, latest: Path) -> None:
         """A checkpoint's optimizer state lives where its updates ran: on the trainer ranks (their sharded

@@ -128,3 +128,22 @@ def test_reward_model_score_is_gated_by_the_instruction_checker(tmp_path, tiny_d
     assert [s.reward for s in together] == pytest.approx([s.reward for s in alone], abs=1e-5)
     assert [s.info.get("rm_score") for s in together] == pytest.approx([s.info.get("rm_score") for s in alone],
                                                                           abs=1e-4)
+
+
+def test_a_checkpoint_holds_the_state_of_its_own_step(tmp_path, tiny_dense_dir, monkeypatch):
+    """The run's state (difficulty peaks, ...) is taken when the checkpoint is, not when its background
+    write gets to it: the steps after it change the state meanwhile."""
+    import time
+
+    import cascade.checkpoint as ckmod
+    from cascade.checkpoint import Checkpointer, load_trainer_state
+    from train.model.hf_io import load_pretrained
+
+    real = ckmod.save_pretrained
+    monkeypatch.setattr(ckmod, "save_pretrained", lambda *a, **k: time.sleep(0.5) or real(*a, **k))  # a big model
+    ck = Checkpointer(tmp_path / "ck")
+    state = {"step": 10, "difficulty_max": {"gym/catalan": 4}}
+    ck.save(10, load_pretrained(tiny_dense_dir), tiny_dense_dir, {"rl": {}}, state)
+    state["difficulty_max"]["gym/catalan"] = 5  # the next step, while the write goes on
+    ck.wait()
+    assert load_trainer_state(ck.latest())[1]["difficulty_max"] == {"gym/catalan": 4}
