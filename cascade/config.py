@@ -447,7 +447,7 @@ def load_run_config(overrides: dict[str, Any], base: Path | None = None) -> tupl
         tree["order"] = [stage]
     top = {f for f in RunConfig.__dataclass_fields__}
     set_keys: list[str] = []
-    for source, over in ((cfile, from_file), (None, overrides)):  # the file first, the command line over it
+    for source, over in ((cfile, from_file), (None, flatten_overrides(overrides))):  # the file, then the command line
         for k, v in over.items():
             head = k.split(".")[0]
             if head not in top and stage is not None:
@@ -475,17 +475,20 @@ def read_override_file(path: str) -> dict[str, Any]:
     p = Path(str(path))
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist")
+    return flatten_overrides(_read_yaml(p))
+
+
+def flatten_overrides(node: dict, prefix: str = "") -> dict[str, Any]:
+    """Overrides as dotted keys: a mapping given for a part of the schema that has named fields (``rl.optim:
+    {lr: 1e-6}``) is that many overrides, merged into what is configured (not a new section that drops the
+    rest); one the schema holds as one value (:data:`REPLACED_WHOLE`: ``envs``, ``sources``, ...) stays whole."""
     out: dict[str, Any] = {}
-
-    def walk(node: dict, prefix: str) -> None:
-        for k, v in node.items():
-            key = f"{prefix}{k}"
-            if isinstance(v, dict) and v and _holds_fields(key):
-                walk(v, key + ".")
-            else:
-                out[key] = v
-
-    walk(_read_yaml(p), "")
+    for k, v in node.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v and key.split(".")[-1] not in REPLACED_WHOLE and _holds_fields(key):
+            out.update(flatten_overrides(v, key + "."))
+        else:
+            out[key] = v
     return out
 
 

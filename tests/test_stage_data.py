@@ -2,6 +2,7 @@
 step, the response-cap schedule, pass-rate re-filtering on each stage's incoming checkpoint, bounded
 aggregation prompts (self, expert, PaCoRe), aggregation SFT examples from a teacher, and avg@k per
 environment family."""
+import dataclasses
 import random
 from pathlib import Path
 
@@ -399,6 +400,24 @@ def test_a_mix_given_as_an_override_replaces_the_configured_phases():
     assert cfg.stages["math"].phases == [] and cfg.stages["math"].envs == {"math/arith": 1.0}
     cfg, _ = load_run_config({"stages.math.steps": 10})
     assert [p.steps for p in cfg.stages["math"].phases] == [384, 464]
+
+
+def test_a_mapping_override_merges_into_its_section_and_a_sources_mix_replaces(tmp_path):
+    """``rl.optim='{lr: 1e-6}'`` on the command line sets the learning rate and keeps the rest of the configured
+    optimizer (it put a default one in its place: AdamW for Muon); ``sources:`` in a config file replaces the
+    stage's mix of sources whole, and its phases, as on the command line (it was merged into them)."""
+    from cascade.config import load_run_config
+
+    base, _ = load_run_config({"stage": "math"})
+    cfg, _ = load_run_config({"stage": "math", "rl.optim": {"lr": 1e-6}})
+    want = dataclasses.replace(base.stages["math"].rl.optim, lr=1e-6)
+    assert cfg.stages["math"].rl.optim == want and want.name == "muon"
+    f = tmp_path / "mine.yaml"
+    f.write_text("stages:\n  math:\n    sources: {mine: {weight: 1, envs: [toy/add]}}\n")
+    from_file, _ = load_run_config({"config": str(f)})
+    on_line, _ = load_run_config({"stages.math.sources": {"mine": {"weight": 1, "envs": ["toy/add"]}}})
+    for c in (from_file, on_line):
+        assert list(c.stages["math"].sources) == ["mine"] and c.stages["math"].phases == []
 
 
 def test_sft_env_weights_draw_examples_in_proportion():
