@@ -36,9 +36,13 @@ def stage_mixes(s: StageConfig) -> list[dict[str, float]]:
 
 
 def check_env_kwargs(s: StageConfig, name: str) -> None:
-    """Every ``env_kwargs`` entry names an environment of the stage's mix and settings its constructor takes
-    (a one-line ConfigError naming what is valid, before any stage runs)."""
+    """Every ``env_kwargs`` entry names an environment of the stage's mix and settings its constructor takes,
+    ``controller_kwargs`` settings the stage's difficulty controller takes, and ``sft.envs`` environments
+    that exist (a one-line ConfigError naming what is valid, before any stage runs)."""
+    import inspect
+
     from envs.base import check_env_kwargs as check
+    from envs.curriculum import CONTROLLERS
     from train.dataclass_config import ConfigError
 
     envs = set(union_mix(stage_mixes(s)))
@@ -50,6 +54,20 @@ def check_env_kwargs(s: StageConfig, name: str) -> None:
             check(env_id, dict(kw or {}))
         except TypeError as e:
             raise ConfigError(f"stages.{name}.env_kwargs.{env_id}: {e}") from None
+    if s.controller not in CONTROLLERS:
+        raise ConfigError(f"stages.{name}.controller: unknown difficulty controller {s.controller!r}; choose from "
+                          f"{', '.join(CONTROLLERS)}")
+    params = inspect.signature(CONTROLLERS[s.controller]).parameters
+    takes = [k for k, p in params.items()
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and k != "max_difficulty"]
+    bad = sorted(set(s.controller_kwargs or {}) - set(takes))
+    if bad and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        raise ConfigError(f"stages.{name}.controller_kwargs: the {s.controller} controller takes no setting "
+                          f"{', '.join(bad)}; it takes: {', '.join(takes)}")
+    if s.sft.envs:
+        from cascade.stage import expand_envs
+
+        expand_envs({e: 1.0 for e in s.sft.envs})  # an unknown environment is named here
 
 
 def union_mix(mixes: list[dict[str, float]]) -> dict[str, float]:

@@ -108,6 +108,8 @@ def test_config_file_errors_are_one_line(tmp_path):
     ("sampling_mode=bogus", "unknown sampling_mode 'bogus'"),
     ("rl.sampling.temperature=-1", "temperature must be 0 (greedy) or >= 1e-05"),
     ("rl.sampling.top_k=-2", "top_k must be >= 0 (0 or -1: off)"),
+    ("rl.optim.betas=[0.9]", "betas must be two numbers in [0, 1), got [0.9]"),
+    ("rl.optim.lr=-1", "lr must be >= 0, got -1"), ("sft.optim.eps=0", "eps must be > 0, got 0"),
 ])
 def test_bad_values_fail_when_the_config_is_read(override, msg):
     """Before anything is written (print_config=true catches them too)."""
@@ -122,6 +124,10 @@ def test_bad_values_fail_when_the_config_is_read(override, msg):
     ("device=cuda:99", "device='cuda:99': this machine's torch sees"),
     ("engine=vllm", "engine=vllm: vLLM is not installed"),
     ("out=FILE", "is a file, not a run directory"),
+    # settings read only when the stage builds its curriculum or its SFT data: checked before any stage runs
+    ("controller_kwargs={upp: 0.5}", "stages.rlve.controller_kwargs: the zaya controller takes no setting upp; it "
+                                     "takes:"),
+    ("sft.envs={toy/maxx: 1}", "unknown environment 'toy/maxx'"),
 ])
 def test_what_the_machine_lacks_fails_before_any_work(tmp_path, override, msg):
     import importlib.util
@@ -135,7 +141,7 @@ def test_what_the_machine_lacks_fails_before_any_work(tmp_path, override, msg):
     override = override.replace("FILE", str(tmp_path / "FILE"))
     args = ["stage=rlve", "profile=tiny", f"out={out}", override] if not override.startswith("out=") else \
         ["stage=rlve", "profile=tiny", override]
-    with pytest.raises(ValueError, match=re.escape(msg)):
+    with pytest.raises((ValueError, KeyError), match=re.escape(msg)):  # (both one line: cascade.cli.USER_ERRORS)
         main(args)
     assert not out.exists()
 

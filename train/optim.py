@@ -36,6 +36,14 @@ class OptimConfig:
         if self.schedule not in ("constant", "cosine", "linear"):
             raise ValueError(f"unknown lr schedule {self.schedule!r}; choose from constant, cosine, linear")
         self.betas = tuple(self.betas)
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {list(self.betas)}")
+        for k, ok in (("lr", self.lr >= 0), ("eps", self.eps > 0), ("weight_decay", self.weight_decay >= 0),
+                      ("grad_clip", self.grad_clip >= 0), ("warmup_steps", self.warmup_steps >= 0),
+                      ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1)):
+            if not ok or not math.isfinite(getattr(self, k)):  # (NaN fails the comparison too)
+                raise ValueError(f"{k} must be {'> 0' if k == 'eps' else 'in [0, 1]' if k == 'min_lr_ratio' else '>= 0'}"
+                                 f", got {getattr(self, k)}")
         if self.name not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer name {self.name!r}; choose from {', '.join(OPTIMIZERS)}")
         if self.muon_lr_scale not in MUON_LR_SCALES:
