@@ -176,6 +176,9 @@ def test_resume_equals_uninterrupted_run(warm, tmp_path):
     assert got == expected
     for (k, x), y in zip(full.policy.state_dict().items(), resumed.policy.state_dict().values()):
         assert torch.equal(x, y), k
+    full.prompts_too_long = 7  # a running count in the metrics: it goes on after a resume (it restarted at 0)
+    resumed.load_state_dict(full.state_dict())
+    assert resumed.prompts_too_long == 7
 
 
 # -- dynamic sampling, several updates per batch, gates ------------------------------------------------

@@ -551,7 +551,7 @@ class RLTrainer:
     def state_dict(self) -> dict:
         st = {**training_state(self.step_idx, self.opt, self.sched, self.rng),
               "curriculum": self.curriculum.state_dict(), "torch_rng": torch.get_rng_state(),
-              "length_reward": self.length_state.state_dict()}
+              "length_reward": self.length_state.state_dict(), "prompts_too_long": self.prompts_too_long}
         if self.ref_policy is not None and not self.cfg.kl_reference:  # a frozen copy: only this state holds it
             st["kl_reference"] = {k: v.detach().to("cpu", copy=True) for k, v in self.ref_policy.state_dict().items()}
         return st
@@ -563,6 +563,7 @@ class RLTrainer:
         torch.set_rng_state(st["torch_rng"])
         if "length_reward" in st:  # absent in checkpoints written before the length reward had run state
             self.length_state.load_state_dict(st["length_reward"])
+        self.prompts_too_long = int(st.get("prompts_too_long", 0))  # a running count: it goes on after a resume
         if st.get("kl_reference") is not None:  # the frozen copy the run started its KL penalty from
             import copy
 
