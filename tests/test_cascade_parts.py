@@ -147,3 +147,21 @@ def test_a_checkpoint_holds_the_state_of_its_own_step(tmp_path, tiny_dense_dir, 
     state["difficulty_max"]["gym/catalan"] = 5  # the next step, while the write goes on
     ck.wait()
     assert load_trainer_state(ck.latest())[1]["difficulty_max"] == {"gym/catalan": 4}
+
+
+def test_a_background_write_that_the_machine_stops_is_a_run_failure():
+    """A checkpoint write stopped by the disk (full, a permission) ends the run in one line with the resume hint
+    (a RunFailure); a write that fails for a bug stays a RuntimeError with its traceback."""
+    import errno
+
+    from train.background import Behind
+    from train.errors import RunFailure
+
+    b = Behind("checkpoint write")
+    b.start(lambda: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")), "full")
+    with pytest.raises(RunFailure, match="checkpoint write failed: .*No space left on device"):
+        b.wait()
+    b.start(lambda: (_ for _ in ()).throw(KeyError("bug")), "bug")
+    with pytest.raises(RuntimeError) as e:
+        b.wait()
+    assert not isinstance(e.value, RunFailure)

@@ -7,7 +7,9 @@ from typing import Callable
 
 class Behind:
     """Runs ``fn`` on a background thread, one at a time (:meth:`start` waits for the previous one);
-    :meth:`wait` joins it and raises, as ``RuntimeError(f"{what} failed: ...")``, what it raised."""
+    :meth:`wait` joins it and raises, as ``RuntimeError(f"{what} failed: ...")``, what it raised: as
+    :class:`train.errors.RunFailure` (one line from the commands) when that was the machine's (an ``OSError``:
+    the disk full, a permission), the run directory keeping its last complete checkpoint."""
 
     def __init__(self, what: str, daemon: bool = True):
         self.what, self.daemon = what, daemon
@@ -32,4 +34,6 @@ class Behind:
             self._thread = None
         if self._error is not None:
             e, self._error = self._error, None
-            raise RuntimeError(f"{self.what} failed: {e}") from e
+            from train.errors import RunFailure
+
+            raise (RunFailure if isinstance(e, OSError) else RuntimeError)(f"{self.what} failed: {e}") from e
