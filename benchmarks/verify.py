@@ -6,8 +6,9 @@ Two batches of ``--rollouts`` responses, as one RL step of the math stage would 
 - ``code``: ``code/solve`` responses over its seed problems (difficulties 1-3): a third the reference
   program (accepted: every test runs), a third a wrong program (judged until its first failed test),
   a third without a code block (no sandbox start). Each judged response is one sandbox start.
-- ``math``: ``math/arith`` answers that need math-verify (the gold as a fraction over 1 or a
-  decimal, and a wrong one): each goes to a math-verify worker process.
+- ``math``: answers to the ``math`` environment's built-in problems with whole-number answers that need
+  math-verify (the gold as a fraction over 1 or a decimal, and a wrong one): each goes to a math-verify
+  worker process (``math/arith``, on which this was measured until 0922158, now reads its answers itself).
 - ``reward_model``: ``ifeval`` responses under the behavior stage's gated reward model (a tiny random
   Qwen3 classifier): ``verify`` one at a time (one forward per response that follows its instructions)
   against ``verify_all``, which hands them to ``GatedRewardEnv.verify_many`` (the checker on each, then
@@ -76,12 +77,15 @@ def code_batch(n: int):
 
 def math_batch(n: int):
     from envs import get_env
+    from envs.math import plain_number
 
-    env = get_env("math/arith")
+    env = get_env("math", heldout=0.0)  # the built-in sample, its whole-number answers (math/arith parses its own)
+    rows = [r for r in env.rows if (v := plain_number(r["answer"])) is not None and v.denominator == 1]
     items = []
     for i in range(n):
-        p = env.generate(i, 2)
-        ans = str(p.answer)
+        row = rows[i % len(rows)]
+        p = env.problem(row["problem"], row["answer"], i, 0)
+        ans = str(plain_number(p.answer))
         text = (f"\\boxed{{\\frac{{{ans}}}{{1}}}}" if i % 3 == 0 else f"\\boxed{{{ans}.0}}" if i % 3 == 1
                 else f"\\boxed{{\\frac{{{ans}}}{{7}}}}")
         items.append((env, p, text))
