@@ -89,7 +89,10 @@ sides. At 6f000cc (``ttc solve`` keys a repeated problem apart, none here; the f
 real 1.09 (pairs 1.08-1.09; uncached 3.71 s of which decode 3.08 s, prefill 0.59 s; cached 3.39 s, prefill 0.41 s),
 long 1.45 (7.26 -> 5.02 s); steps 1.12x, 1.24x, 1.05x, 1.71x; ``concurrency_speedup`` 1.96 (4.21 -> 2.15 s),
 ``_short`` 1.64, ``local`` 1.98; at torch's default two threads 2.89 (3.62 -> 1.25 s), local 2.87; same results and
-outputs both ways.
+outputs both ways. At a2508dc (2026-12-06: the server seeds the prompts of an unseeded request apart, checks ``stop``
+and the key in constant time, ends kept-alive connections on close; none of it on these seeded requests;
+``--skip-prefix --skip-steps``, one run): ``concurrency_speedup`` 1.84 (4.32 -> 2.35 s), ``_short`` 1.62, ``local`` 1.78
+(4.31 -> 2.42 s); at torch's default two threads 2.64 (4.03 -> 1.52 s), local 2.94 (4.03 -> 1.37 s); same results.
 
 Measured on this project's 2-core CPU (2026-12-02, defaults, tiny-moe, 1 thread, quiet machine, commit
 e6feb3e, three runs): ``concurrency_speedup`` 2.17, 2.21, 2.13 (one problem at a time 3.73-3.80 s, 64 in
