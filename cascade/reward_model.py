@@ -34,10 +34,11 @@ class RewardModel:
         self.max_len, self.device = max_len, device
 
     def text(self, prompt: str, response: str) -> str:
-        msgs = [{"role": "user", "content": prompt}, {"role": "assistant", "content": strip_think(response).lstrip()}]
+        answer = strip_think(response).lstrip()
+        msgs = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
         if getattr(self.tok, "chat_template", None):
             return self.tok.apply_chat_template(msgs, tokenize=False)
-        return f"{prompt}\n{response}"
+        return f"{prompt}\n{answer}"
 
     @torch.no_grad()
     def score(self, prompt: str, response: str) -> float:

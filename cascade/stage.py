@@ -164,7 +164,9 @@ class StageRunner:
                     rl.curriculum = self.pool_of(curriculum, state["pool"])
                 # a bf16 policy's optimizers each put their fp32 masters into its weights: the phase that trained
                 # last goes last (after the SFT warm-up, SFT's masters are the weights as SFT left them)
-                loads = [(rl, tstate["rl"])] + ([(sft, tstate["sft"])] if sft is not None and tstate.get("sft") else [])
+                loads = [(rl, tstate["rl"])]
+                if sft is not None and tstate.get("sft"):
+                    loads.append((sft, tstate["sft"]))
                 for trainer, st in (loads[::-1] if state["step"] >= s.sft.steps else loads):
                     trainer.load_state_dict(st)
                 if mixer is not None and tstate.get("mixer"):

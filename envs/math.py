@@ -144,18 +144,24 @@ def plain_number(text: Any) -> Fraction | None:
     """The value of an answer that is one number: an integer, a decimal (``1,000`` and ``1{,}000`` as
     thousands), ``a/b`` or ``\\frac{a}{b}``, signed, in units, degrees, percent or dollars, after
     ``x =``; None for anything else (a sum, a product, a root, a function, an interval, ...)."""
+    got = _written_number(text)
+    return None if got is None else got[0]
+
+
+def _written_number(text: Any) -> tuple[Fraction, tuple[int, int] | None] | None:
+    """:func:`plain_number`'s value, and the numerator and denominator as written when it is a fraction."""
     s = _WRAPPED.sub(lambda m: m[1] if re.search(r"\d", m[1]) else "", str(text))
     for pat, rep in _DECORATION:
         s = pat.sub(rep, s)
     if _NUMBER.fullmatch(s):
-        return Fraction(s.replace(",", ""))
+        return Fraction(s.replace(",", "")), None
     m = _FRACTION.fullmatch(s)
     if m is None:
         return None
     num, den = next((int(m[i]), int(m[i + 1])) for i in (2, 4, 6) if m[i] is not None)
     if den == 0:
         return None
-    return -Fraction(num, den) if m[1] == "-" else Fraction(num, den)
+    return (-Fraction(num, den) if m[1] == "-" else Fraction(num, den)), (num, den)
 
 
 class _MathBase(Environment):
@@ -373,12 +379,12 @@ class ArithmeticEnv(_MathBase):
         pred = self.extract(response)
         if pred is None or not pred.strip():
             return _zero_format()
-        got, want = plain_number(pred), plain_number(problem.answer)
+        written, want = _written_number(pred), plain_number(problem.answer)
         info = {"extracted": pred[:200]}
-        if got is None or ("." in pred and got.denominator != 1):  # a decimal only for a whole number
+        if written is None or ("." in pred and written[0].denominator != 1):  # a decimal only for a whole number
             return Score(0.0, False, True, {**info, "reason": "not an integer or a fraction"})
-        reduced = "/" not in pred and "frac" not in pred or \
-            math.gcd(*(int(x) for x in re.findall(r"\d+", pred.replace(",", ""))[-2:])) == 1
+        got, frac = written
+        reduced = frac is None or (math.gcd(*frac) == 1 and abs(frac[1]) > 1)
         ok = got == want and reduced
         return Score(1.0 if ok else 0.0, ok, True, info if reduced else {**info, "reason": "not in lowest terms"})
 

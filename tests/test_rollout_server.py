@@ -705,11 +705,11 @@ def test_a_url_server_that_comes_back_rejoins_the_weight_broadcast(setup, tmp_pa
 
 def test_servers_a_run_started_die_with_it(tiny_moe_dir, tmp_path):
     """A process that started rollout servers (``cascade run`` with ``rollout.servers``) killed with
-    ``kill -9``: its servers get the parent-death signal and exit, the one restarted from request
-    threads (two at once: one restart is made) that have since ended too (the signal follows the thread that forked a child: servers are
-    forked from one spawner thread that lives as long as the pool). The pool is given ``rollout.gpus``: each
-    server, the restarted one too, sees its own GPU as ``CUDA_VISIBLE_DEVICES`` (on this CPU they serve on
-    the CPU all the same)."""
+    ``kill -9``: its servers get the parent-death signal and exit, the one restarted from request threads (two at
+    once: one restart is made) that have since ended too (the signal follows the thread that forked a child: servers
+    are forked from one spawner thread that lives as long as the pool). The pool is given ``rollout.gpus``: each
+    server, the restarted one too, sees its own GPU as ``CUDA_VISIBLE_DEVICES`` (on this CPU they serve on the CPU
+    all the same)."""
     script = f"""
 import threading, time
 from pathlib import Path

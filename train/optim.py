@@ -42,8 +42,8 @@ class OptimConfig:
                       ("grad_clip", self.grad_clip >= 0), ("warmup_steps", self.warmup_steps >= 0),
                       ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1)):
             if not ok or not math.isfinite(getattr(self, k)):  # (NaN fails the comparison too)
-                raise ValueError(f"{k} must be {'> 0' if k == 'eps' else 'in [0, 1]' if k == 'min_lr_ratio' else '>= 0'}"
-                                 f", got {getattr(self, k)}")
+                want = {"eps": "> 0", "min_lr_ratio": "in [0, 1]"}.get(k, ">= 0")
+                raise ValueError(f"{k} must be {want}, got {getattr(self, k)}")
         if self.name not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer name {self.name!r}; choose from {', '.join(OPTIMIZERS)}")
         if self.muon_lr_scale not in MUON_LR_SCALES:
