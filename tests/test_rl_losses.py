@@ -169,6 +169,9 @@ def test_dppo_tv_by_hand():
     assert loss2.item() == pytest.approx((-3.7 + 5.0) / 2)
     loss2.backward()
     assert lp2.grad[0, 3].item() == pytest.approx(-1.0)
+    # clip_frac counts the token whose weight the cap cut (5 -> 2) besides the two the trust region masks
+    assert get_loss("dppo_tv")(DPPO_PI.log(), DPPO_MU.log(), None, t([1.0, -2.0]), DPPO_MASK,
+                               LossConfig(dppo_ratio_cap=2.0))[1]["clip_frac"] == pytest.approx(3 / 7)
 
 
 def test_dppo_mask_uses_rollout_probs_and_ratio_uses_old():
@@ -209,6 +212,27 @@ def test_kl_penalty_k1_k3():
         assert loss.item() == pytest.approx(base + 0.1 * sum(kls) / 3)
     with pytest.raises(ValueError, match="needs ref_logprobs"):
         get_loss("ppo")(_lp(), OLD, None, ADV, MASK, LossConfig(kl_coef=0.1))
+
+
+@pytest.mark.parametrize("kind", ["k1", "k3"])
+def test_kl_penalty_gradient_in_expectation(kind):
+    """The penalty's gradient, taken at each token of a 4-token policy and averaged over pi exactly: k1's is
+    that of KL(pi || ref) (its own gradient, grad log pi, averages to zero: it regularised nothing), k3's that
+    of KL(ref || pi), as GRPO's and verl's low_var_kl."""
+    theta = torch.tensor([1.0, 0.2, -0.5, 0.0], dtype=torch.float64, requires_grad=True)
+    ref = torch.log_softmax(torch.tensor([0.0, 1.0, 0.3, -1.0], dtype=torch.float64), -1)
+    logp = torch.log_softmax(theta, -1)
+    total = 0.0
+    for y in range(4):  # E_{y ~ pi} of the loss at y, y a fixed sample as the trainer has it
+        lp = logp[y].view(1, 1)
+        loss, _ = get_loss("grpo")(lp, lp.detach(), None, torch.zeros(1, dtype=torch.float64),
+                                   torch.ones(1, 1, dtype=torch.float64), LossConfig(kl_coef=1.0, kl_type=kind),
+                                   ref_logprobs=ref[y].view(1, 1))
+        total = total + logp[y].detach().exp() * loss
+    got = torch.autograd.grad(total, theta)[0]
+    p = torch.log_softmax(theta, -1)
+    kl = (p.exp() * (p - ref)).sum() if kind == "k1" else (ref.exp() * (ref - p)).sum()
+    torch.testing.assert_close(got, torch.autograd.grad(kl, theta)[0], rtol=1e-9, atol=1e-12)
 
 
 def test_bad_inputs_raise_clear_errors():

@@ -73,7 +73,8 @@ def kl_by_hand(policy, ref, groups, coef: float, kind: str):
             continue
         lp = row_logprobs(policy, x)
         d = row_logprobs(ref, x).detach() - lp
-        kl = -d if kind == "k1" else d.exp() - d - 1
+        # k1: its value, with the score-function gradient of KL(pi || ref), (log pi - log ref) grad log pi
+        kl = (-d).detach() * torch.exp(lp - lp.detach()) if kind == "k1" else d.exp() - d - 1
         per_seq.append(kl.sum())
         toks.extend(kl.detach().tolist())
     return coef * sum(per_seq) / len(per_seq), sum(toks) / len(toks)

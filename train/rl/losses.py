@@ -170,10 +170,15 @@ def seq_count(mask: Tensor) -> int:
 
 def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: str) -> Tensor:
     """Per-token KL(pi || ref) estimate on samples from pi: k1 = log pi - log ref,
-    k3 = exp(log ref - log pi) - (log ref - log pi) - 1 (non-negative, low variance)."""
+    k3 = exp(log ref - log pi) - (log ref - log pi) - 1 (non-negative, low variance).
+
+    As a loss term, differentiated at the sampled token: k1's own gradient, grad log pi, is zero in
+    expectation (it would regularise nothing), so k1 carries the score-function gradient of KL(pi || ref),
+    ``(log pi - log ref) grad log pi`` (value unchanged); k3's gradient is, in expectation, that of
+    KL(ref || pi), as in GRPO and verl's ``low_var_kl``."""
     d = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if kind == "k1":
-        return -d
+        return _weighted(-d.detach(), logprobs)
     if kind == "k3":
         return d.exp() - d - 1
     raise ValueError(f"unknown kl_type {kind!r}; choose one of {', '.join(KL_TYPES)}")
@@ -295,7 +300,9 @@ def _finish(b: _Batch, tok: Tensor, metrics: dict, cfg: LossConfig, default_agg:
     if cfg.kl_coef:
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs")
-        kl = torch.where(on, kl_estimate(b.logprobs, ref_logprobs.detach(), cfg.kl_type), 0.0)
+        # (the masked positions' log-probs left out first: a -inf there would make k1's gradient NaN)
+        kl = torch.where(on, kl_estimate(torch.where(on, b.logprobs, 0.0), torch.where(on, ref_logprobs.detach(), 0.0),
+                                         cfg.kl_type), 0.0)
         tok = tok + cfg.kl_coef * kl
         metrics["kl_ref"] = _masked_mean(kl.detach(), b.mask)
     loss = aggregate(tok, b.mask, cfg.agg or default_agg, cfg.norm_len, denom)
@@ -393,7 +400,8 @@ def dppo_tv_loss(logprobs, old_logprobs, rollout_logprobs, advantages, mask, cfg
     ratio = b.log_ratio.detach().exp()
     w = ratio if cfg.dppo_ratio_cap is None else ratio.clamp(max=cfg.dppo_ratio_cap)
     tok = torch.where(out, 0.0, -_weighted(w, b.log_ratio) * b.adv)
-    return _finish(b, tok, {"clip_frac": _frac(out, b)}, cfg, "seq_mean_token_sum", ref_logprobs, denom)
+    capped = out if cfg.dppo_ratio_cap is None else out | (ratio > cfg.dppo_ratio_cap)  # masked, or weight cut
+    return _finish(b, tok, {"clip_frac": _frac(capped, b)}, cfg, "seq_mean_token_sum", ref_logprobs, denom)
 
 
 dppo_tv_loss.default_agg = "seq_mean_token_sum"
