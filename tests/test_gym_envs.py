@@ -180,6 +180,42 @@ def test_sat_assignment_checked_against_clauses():
         sat = all(any((l > 0) == bool(a[abs(l) - 1]) for l in c) for c in clauses)
         assert env.verify(p, boxed(" ".join(map(str, a)))).correct == sat
     assert env.verify(p, boxed("".join(map(str, p.answer)))).correct  # 0101... form
+    # all or nothing (a random assignment satisfies 7/8 of the clauses: partial credit paid constant answers), and
+    # a literal agrees with the hidden assignment about half the time (the majority sign gave it away)
+    ones = env.verify(p, boxed(" ".join(["1"] * n)))
+    assert ones.reward in (0.0, 1.0)
+    agree = [sum((l > 0) == bool(q.answer[abs(l) - 1]) for c in q.meta["clauses"] for l in c) /
+             (3 * len(q.meta["clauses"])) for q in (env.generate(s, 10) for s in range(20))]
+    assert 0.45 < sum(agree) / len(agree) < 0.55
+    # the x<i>=v form names only the formula's variables (a huge index built a list that long), once each
+    t = time.perf_counter()
+    for bad in ("x1000000000=1", "x0=1", "x1=0, x1=1"):
+        assert env.verify(p, boxed(bad)).reward == -1.0, bad
+    assert time.perf_counter() - t < 1.0
+    assert env.verify(p, boxed(", ".join(f"x{i + 1}={v}" for i, v in enumerate(p.answer)))).correct
+
+
+def test_answers_are_read_as_the_prompts_ask():
+    """Knights and knaves by name read by name (they were read by position: every label wrong scored 1.0); a
+    prime factorisation's exponent is bounded before it is expanded; a yes/no answer may end with a period."""
+    kk = get_env("gym/knights_knaves")
+    p = kk.generate(1, 3)
+    names = re.search(r"inhabitants are (.*?)\. ", p.prompt)[1].split(", ")
+    by_name = dict(zip(names, p.answer))
+    assert kk.verify(p, boxed(", ".join(f"{n}: {by_name[n]}" for n in reversed(names)))).correct
+    swapped = dict(zip(names, reversed(p.answer)))
+    if swapped != by_name:
+        assert not kk.verify(p, boxed(", ".join(f"{n}: {swapped[n]}" for n in names))).correct
+    assert kk.verify(p, boxed(f"{names[0]}: K")).reward == -1.0  # not everyone named
+    pf = get_env("gym/prime_factorization")
+    q = pf.generate(0, 3)
+    t = time.perf_counter()
+    for e in ("2^100000000", "2^(10^20)"):
+        assert pf.verify(q, boxed(e)).reward == -1.0
+    assert time.perf_counter() - t < 1.0
+    yn = get_env("gym/boolean_expression")
+    r = yn.generate(0, 2)
+    assert yn.verify(r, boxed(f"{r.answer}.")).correct
 
 
 def test_sudoku_sizes_grow_and_alternatives_are_checked_by_rules():

@@ -80,7 +80,7 @@ class GymEnv(Environment):
         text = _clean(text)
         try:
             value = self.parse(text, problem)
-        except (ValueError, TypeError, ZeroDivisionError) as e:
+        except (ValueError, TypeError, ZeroDivisionError, OverflowError, MemoryError, RecursionError) as e:
             return Score(-1.0, False, False, {"reason": f"unparseable answer: {e}"[:300]})
         r = self.grade(problem, value)
         if isinstance(r, Score):
@@ -258,13 +258,13 @@ class StrAnswer(GymEnv):
     fold_case = False
 
     def parse(self, text, problem):
-        t = " ".join(text.split())
+        t = " ".join(text.split()).removesuffix(".").rstrip()  # "YES." is YES, as the integer answers take "42."
         if not t:
             raise ParseError("empty answer")
         return t.lower() if self.fold_case else t
 
     def grade(self, problem, value):
-        ref = " ".join(str(problem.answer).split())
+        ref = " ".join(str(problem.answer).split()).removesuffix(".").rstrip()
         return 1.0 if value == (ref.lower() if self.fold_case else ref) else 0.0
 
     def wrong_answers(self, problem):

@@ -151,7 +151,11 @@ class SatAssignment(GymEnv):
         while len(clauses) < int(4 * n):
             vs = rng.sample(range(n), 3)
             lits = [v + 1 if rng.randrange(2) else -(v + 1) for v in vs]
-            if any((l > 0) == bool(truth[abs(l) - 1]) for l in lits):
+            agree = sum((l > 0) == bool(truth[abs(l) - 1]) for l in lits)
+            # q-hidden planting: a clause with 2 or 3 true literals is kept half the time, so that a literal agrees
+            # with the hidden assignment as often as not (kept whenever satisfied, 57% do: the majority sign of
+            # each variable then gave the assignment away)
+            if agree == 1 or (agree > 1 and rng.randrange(2)):
                 clauses.append(lits)
         shown = " AND ".join("(" + " OR ".join(f"x{l}" if l > 0 else f"NOT x{-l}" for l in c) + ")" for c in clauses)
         return (f"Find a truth assignment satisfying {shown}. Answer the values of x1..x{n} as 0/1 separated by spaces.",
@@ -166,7 +170,13 @@ class SatAssignment(GymEnv):
         if named:  # x1=1, x2=0, ...
             if re.sub(r"x(\d+)\s*=\s*([01])", "", t).strip(" ,;"):
                 raise ParseError("expected x<i>=0/1 pairs")
-            vals = dict((int(i), int(v)) for i, v in named)
+            vals: dict[int, int] = {}
+            for i, v in named:
+                if int(i) in vals and vals[int(i)] != int(v):
+                    raise ParseError(f"x{i} is given two values")
+                vals[int(i)] = int(v)
+            if max(vals) > len(problem.answer) or min(vals) < 1:  # (before a list of that size is built)
+                raise ParseError(f"the variables are x1..x{len(problem.answer)}")
             return [vals.get(i, -1) for i in range(1, max(vals) + 1)]
         if len(t) > 1 and re.fullmatch(r"[01]+", t):
             return [int(c) for c in t]
@@ -175,9 +185,8 @@ class SatAssignment(GymEnv):
     def grade(self, problem, value):
         if len(value) != len(problem.answer) or any(x not in (0, 1) for x in value):
             return INVALID
-        cl = problem.meta["clauses"]
-        sat = sum(any((l > 0) == bool(value[abs(l) - 1]) for l in c) for c in cl)
-        return (sat / len(cl)) ** 10
+        # all or nothing: a random assignment satisfies 7/8 of the clauses, and partial credit paid it
+        return 1.0 if all(any((l > 0) == bool(value[abs(l) - 1]) for l in c) for c in problem.meta["clauses"]) else 0.0
 
     def wrong_answers(self, problem):
         a = problem.answer
@@ -369,8 +378,20 @@ class KnightsKnaves(GymEnv):
         return fmt_list(answer)
 
     def parse(self, text, problem):
+        # "Ann: K", "Bob is a knave"
+        labelled = re.findall(r"\b([A-Z][a-z]+\d*)\s*(?:[:=]|is(?: a)?)\s*([A-Za-z]+)", text)
+        if labelled:  # by name, in any order: every inhabitant once
+            names = re.search(r"inhabitants are (.*?)\. ", problem.prompt)[1].split(", ")
+            got = {}
+            for name, word in labelled:
+                if name not in names or name in got:
+                    raise ParseError(f"{name!r} is not an inhabitant, or named twice")
+                got[name] = word
+            rest = re.sub(r"\b[A-Z][a-z]+\d*\s*(?:[:=]|is(?: a)?)\s*[A-Za-z]+", "", text).strip(" ,;.\n")
+            if rest or len(got) != len(names):
+                raise ParseError("name every inhabitant once, with K or N")
+            text = " ".join(got[n] for n in names)
         out = []
-        text = re.sub(r"\b[A-Z][a-z]+\d*\s*(?:[:=]|is(?: a)?)\s*", "", text)  # "Ann: K", "Bob is a knave"
         for tok in parse_tokens(text):
             t = tok.lower()
             if t in ("k", "knight"):
@@ -402,6 +423,7 @@ def _hanoi(n, a, b, c, out):
 @register("gym/tower_of_hanoi")
 class TowerOfHanoi(GymEnv):
     family, description = F, "Optimal move sequence for the Tower of Hanoi."
+    max_difficulty = 35  # 13 disks: 8191 moves; beyond, the optimal answer passes the answer length limits
 
     def build(self, rng, d):
         n = 2 + d // 3
