@@ -186,40 +186,36 @@ def test_routed_experts_and_in_flight_load_over_http(setup):
     assert code == 400 and "routed_experts_format must be list or base64" in b["error"]["message"]
     # an HTTP load while a request generates: applied between two steps, the request continues
     before = eng.version
-    got: dict = {}
 
-    def hook(step):
-        if step == 2 and "t" not in got:
-            got["t"] = threading.Thread(target=lambda: got.setdefault("r", call(url, "/v1/load_weights",
-                                                                               {"version": 1})))
-            got["t"].start()
-            wait_until(lambda: eng.update_pending or not got["t"].is_alive(), 60, every=0.002)
+    def load_during(version: int, logprobs: int):
+        """A greedy request during whose third step version ``version`` is loaded over HTTP: (its answer, the load's)."""
+        got: dict = {}
 
-    eng.step_hook = hook
-    try:
-        code, body = call(url, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0,
-                                                   "ignore_eos": True, "logprobs": 0})
-    finally:
-        eng.step_hook = None
-    got["t"].join(60)
-    assert code == 200 and got["r"] == (200, {"version": 1})
+        def hook(step):
+            if step == 2 and "t" not in got:
+                got["t"] = threading.Thread(target=lambda: got.setdefault("r", call(url, "/v1/load_weights",
+                                                                                   {"version": version})))
+                got["t"].start()
+                wait_until(lambda: eng.update_pending or not got["t"].is_alive(), 60, every=0.002)
+
+        eng.step_hook = hook
+        try:
+            answer = call(url, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0,
+                                                   "ignore_eos": True, "logprobs": logprobs})
+        finally:
+            eng.step_hook = None
+        got["t"].join(60)
+        return answer, got["r"]
+
+    (code, body), loaded = load_during(1, logprobs=0)
+    assert code == 200 and loaded == (200, {"version": 1})
     assert body["choices"][0]["versions"] == [before] * 3 + [1] * 5
     # top alternatives come from the weights loaded when they are computed: for a completion sampled (in
     # part) by others, a 409 rather than another model's alternatives
     publish_version(setup["root"], 3, _new_weights(eng, 3))
-    got.clear()
-    load = lambda: got.setdefault("r", call(url, "/v1/load_weights", {"version": 3}))  # noqa: E731
-    eng.step_hook = lambda step: step == 2 and "t" not in got and (
-        got.setdefault("t", threading.Thread(target=load)).start() or
-        wait_until(lambda: eng.update_pending or not got["t"].is_alive(), 60, every=0.002))
-    try:
-        code, body = call(url, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0,
-                                                   "ignore_eos": True, "logprobs": 1})
-    finally:
-        eng.step_hook = None
-    got["t"].join(60)
+    (code, body), loaded = load_during(3, logprobs=1)
     assert code == 409 and "sampled by version(s) [1]" in body["error"]["message"], body
-    assert got["r"] == (200, {"version": 3})
+    assert loaded == (200, {"version": 3})
 
 
 def test_remote_engine_matches_in_process(setup, monkeypatch):
