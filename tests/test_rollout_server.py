@@ -188,7 +188,7 @@ def test_routed_experts_and_in_flight_load_over_http(setup):
     before = eng.version
 
     def load_during(version: int, logprobs: int):
-        """A greedy request during whose third step version ``version`` is loaded over HTTP: (its answer, the load's)."""
+        """A greedy request during whose third step ``version`` is loaded over HTTP: (its answer, the load's)."""
         got: dict = {}
 
         def hook(step):
