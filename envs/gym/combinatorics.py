@@ -103,7 +103,7 @@ class PartitionsAtMostK(IntAnswer):
         p = [1] + [0] * n  # partitions with parts <= k (conjugate of at most k parts)
         for part in range(1, k + 1):
             for s in range(part, n + 1):
-                p[s] += p[s - part]
+                p[s] = (p[s] + p[s - part]) % MOD  # (mod as it goes: the exact counts grow huge)
         return f"In how many ways can {n} be written as a sum of at most {k} positive integers, ignoring order? {MODTXT}", p[n] % MOD
 
 
@@ -118,7 +118,7 @@ class Stirling2(IntAnswer):
         s[0][0] = 1
         for i in range(1, n + 1):
             for j in range(1, k + 1):
-                s[i][j] = j * s[i - 1][j] + s[i - 1][j - 1]
+                s[i][j] = (j * s[i - 1][j] + s[i - 1][j - 1]) % MOD
         return (f"In how many ways can a set of {n} labelled elements be partitioned into exactly {k} non-empty "
                 f"unlabelled blocks? {MODTXT}", s[n][k] % MOD)
 
@@ -134,7 +134,7 @@ class Stirling1(IntAnswer):
         c[0][0] = 1
         for i in range(1, n + 1):
             for j in range(1, k + 1):
-                c[i][j] = (i - 1) * c[i - 1][j] + c[i - 1][j - 1]
+                c[i][j] = ((i - 1) * c[i - 1][j] + c[i - 1][j - 1]) % MOD
         return f"How many permutations of {n} elements have exactly {k} cycles? {MODTXT}", c[n][k] % MOD
 
 
@@ -222,7 +222,7 @@ class BoardTilings(IntAnswer):
         tiles = sorted(set(rng.randint(1, 3 + d // 2) for _ in range(2 + d // 3)))
         w = [1] + [0] * n
         for i in range(1, n + 1):
-            w[i] = sum(w[i - t] for t in tiles if t <= i)
+            w[i] = sum(w[i - t] for t in tiles if t <= i) % MOD
         return (f"In how many ways can a 1 x {n} strip be tiled with tiles of lengths {fmt_list(tiles, ', ')} "
                 f"(unlimited supply; order matters)? {MODTXT}", w[n] % MOD)
 
@@ -236,6 +236,6 @@ class BoundedDyckPaths(IntAnswer):
         h = rng.randint(1, max(1, n - 1))
         cur = [1] + [0] * h
         for _ in range(2 * n):
-            cur = [(cur[j - 1] if j else 0) + (cur[j + 1] if j < h else 0) for j in range(h + 1)]
+            cur = [((cur[j - 1] if j else 0) + (cur[j + 1] if j < h else 0)) % MOD for j in range(h + 1)]
         return (f"How many balanced strings of {n} pairs of parentheses have nesting depth at most {h}? {MODTXT}",
                 cur[0] % MOD)
