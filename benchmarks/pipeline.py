@@ -146,6 +146,10 @@ engine's sampler checks for min_tokens / logit_bias, none here), 6 runs: 1.04, 1
 2.50-2.81; ceiling 1.14-1.17, any mix 1.32-1.41); max_lag_seen 2: the same within this machine's noise.
 At 6f000cc (the same in-process path; 3 runs): 1.04, 1.04, 1.07 (median 1.04, min 1.04; sync 2.51-2.64, async
 2.61-2.76; ceiling 1.16, any mix 1.37-1.38); max_lag_seen 2.
+At 9a464f0 (2026-12-06: the update moves each micro-batch's gradients into fp32 masters, a no-op in fp32, and its
+grad_norm is the mean over optimizer steps; one session's machine ~30% slower than the last; 3 runs): 0.88, 1.02,
+0.86 (median 0.88, min 0.86; sync 1.54-1.92 steps/s, async 1.36-1.81; ``overlap_ceiling_lending`` 1.22-1.32, any
+mix 1.48-1.74; rollout s / update s (sync) 0.15-0.20 / 0.37-0.44); max_lag_seen 2.
 
 The goal (>= 1.5 against the best synchronous setting, here 2 threads) is not met: median 1.24 by
 default and 1.27 with long-tailed responses (one run of twelve above 1.5). Lending the producer's
