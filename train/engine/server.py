@@ -884,18 +884,17 @@ class Server(ThreadingHTTPServer):
     weights_dir: str | None = None
     weight_group = None  # train.rl.weight_group.Group once the trainer formed one
 
+    def __init__(self, *args, **kwargs):
+        self._requests: set = set()  # the connections being served (ended by server_close)
+        super().__init__(*args, **kwargs)
+
     def process_request(self, request, client_address):
-        self._open_requests().add(request)
+        self._requests.add(request)
         super().process_request(request, client_address)
 
     def shutdown_request(self, request):
-        self._open_requests().discard(request)
+        self._requests.discard(request)
         super().shutdown_request(request)
-
-    def _open_requests(self) -> set:
-        if "_requests" not in self.__dict__:
-            self._requests: set = set()
-        return self._requests
 
     def server_close(self) -> None:
         """Stop listening, end the connections kept alive (their threads would serve requests to a stopped
@@ -903,7 +902,7 @@ class Server(ThreadingHTTPServer):
         import socket
 
         super().server_close()
-        for sock in list(self._open_requests()):
+        for sock in list(self._requests):
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
