@@ -53,16 +53,8 @@ held-out sampled accuracy before -> after RL, 200 problems x 4 samples):
 | async at 5db9c21 (alone) | 0.190 -> 0.515 (+32.5) | 0.163 -> 0.775 (+61.3) | 0.209 -> 0.686 (+47.8) | 0.165 -> 0.773 (+60.8) | 0.254 -> 0.901 (+64.8) | +60.8 | +32.5 | 211 s |
 | sync at 8db7fb9 (the varlen bound and the router load count: not on this CPU path) | +30.6 | +57.1 | +51.5 | +68.0 | +65.2 | +57.1 | +30.6 | 198 s |
 | async at 8db7fb9 (alone) | +32.5 | +61.3 | +47.8 | +60.8 | +64.8 | +60.8 | +32.5 | 199 s |
-| sync at 0fbd5d7 (2026-12-05, another machine; the update's metrics read once per step, its denominators counted from the rollouts) | 0.190 -> 0.480 (+29.0) | 0.163 -> 0.765 (+60.2) | 0.373 -> 0.690 (+31.8) | 0.165 -> 0.838 (+67.2) | 0.253 -> 0.913 (+66.0) | +60.2 | +29.0 | 181 s |
-| async at 0fbd5d7 (alone) | 0.190 -> 0.506 (+31.6) | 0.163 -> 0.733 (+57.0) | 0.373 -> 0.691 (+31.9) | 0.165 -> 0.606 (+44.1) | 0.253 -> 0.889 (+63.6) | +44.1 | +31.6 | 178 s |
-| async at 4fa1ddc (alone; the pipeline only logs a lowered min_ready_batches) | 0.190 -> 0.506 (+31.6) | 0.163 -> 0.733 (+57.0) | 0.373 -> 0.691 (+31.9) | 0.165 -> 0.606 (+44.1) | 0.253 -> 0.889 (+63.6) | +44.1 | +31.6 | 175 s |
-| async at 0fb5ec6 (alone; this path unchanged since) | 0.190 -> 0.506 (+31.6) | 0.163 -> 0.733 (+57.0) | 0.373 -> 0.691 (+31.9) | 0.165 -> 0.606 (+44.1) | 0.253 -> 0.889 (+63.6) | +44.1 | +31.6 | 177 s |
-| sync at 9bbf71d (2026-12-05, later; alone; the in-process path unchanged since 0fbd5d7) | 0.190 -> 0.480 (+29.0) | 0.163 -> 0.765 (+60.2) | 0.373 -> 0.690 (+31.8) | 0.165 -> 0.838 (+67.2) | 0.253 -> 0.913 (+66.0) | +60.2 | +29.0 | 168 s |
-| async at 9bbf71d (alone; this in-process path unchanged since 0fb5ec6) | 0.190 -> 0.506 (+31.6) | 0.163 -> 0.733 (+57.0) | 0.373 -> 0.691 (+31.9) | 0.165 -> 0.606 (+44.1) | 0.253 -> 0.889 (+63.6) | +44.1 | +31.6 | 175 s |
-| sync at eb9ab54 (2026-12-05, later; alone; the sampler checks for penalties, none here) | 0.190 -> 0.480 (+29.0) | 0.163 -> 0.765 (+60.2) | 0.373 -> 0.690 (+31.8) | 0.165 -> 0.838 (+67.2) | 0.253 -> 0.913 (+66.0) | +60.2 | +29.0 | 175 s |
-| async at eb9ab54 (alone) | 0.190 -> 0.506 (+31.6) | 0.163 -> 0.733 (+57.0) | 0.373 -> 0.691 (+31.9) | 0.165 -> 0.606 (+44.1) | 0.253 -> 0.889 (+63.6) | +44.1 | +31.6 | 171 s |
-| sync at 6f000cc (2026-12-05, later; the sampler's min_tokens / logit_bias and the pipeline's batch hook, unset here) | 0.190 -> 0.480 (+29.0) | 0.163 -> 0.765 (+60.2) | 0.373 -> 0.690 (+31.8) | 0.165 -> 0.838 (+67.2) | 0.253 -> 0.913 (+66.0) | +60.2 | +29.0 | 171 s |
-| async at 6f000cc | 0.190 -> 0.506 (+31.6) | 0.163 -> 0.733 (+57.0) | 0.373 -> 0.691 (+31.9) | 0.165 -> 0.606 (+44.1) | 0.253 -> 0.889 (+63.6) | +44.1 | +31.6 | 164 s |
+| sync at 0fbd5d7 (2026-12-05, another machine; the update's metrics read once per step, its denominators counted from the rollouts), and identically at 9bbf71d, eb9ab54, 6f000cc and 6cb2d68 (2026-12-06; alone) | 0.190 -> 0.480 (+29.0) | 0.163 -> 0.765 (+60.2) | 0.373 -> 0.690 (+31.8) | 0.165 -> 0.838 (+67.2) | 0.253 -> 0.913 (+66.0) | +60.2 | +29.0 | 168-208 s |
+| async at 0fbd5d7 (alone), and identically at 4fa1ddc, 0fb5ec6, 9bbf71d, eb9ab54, 6f000cc and 6cb2d68 (2026-12-06) | 0.190 -> 0.506 (+31.6) | 0.163 -> 0.733 (+57.0) | 0.373 -> 0.691 (+31.9) | 0.165 -> 0.606 (+44.1) | 0.253 -> 0.889 (+63.6) | +44.1 | +31.6 | 164-204 s |
 | async ``--max-staleness 2`` at f305a7d (2026-12-05, later; alone; version lag mean 1.50, seeds 1.22-1.64) | 0.190 -> 0.541 (+35.1) | 0.163 -> 0.763 (+60.0) | 0.373 -> 0.705 (+33.2) | 0.165 -> 0.766 (+60.1) | 0.253 -> 0.896 (+64.4) | +60.0 | +33.2 | 189 s |
 
 (At e925322 on the previous session's machine: sync median +58.4, min +31.4; async +59.1 / +30.4; seed 2's
