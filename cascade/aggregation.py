@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import Callable
 
 from envs.base import Problem, verify_all, verify_workers
-from ttc.templates import load_template
+from ttc.templates import Template, load_template
 
 _MESSAGE = "--- Message {index} ---\n{tail}\n\n"
 _PACORE = ("{problem}\n\n"
@@ -52,19 +52,25 @@ class AggregationMixer:
     """Remembers the tails of recent rollouts per problem and turns a share of the sampled problems
     into aggregation problems. Hook it into the RL trainer with ``problem_hook=mixer.mix`` and
     ``rollout_hook=mixer.remember``. ``prompt_len(text)`` counts a prompt's tokens as the policy sees
-    it (chat template included); with ``max_prompt_tokens`` > 0 it bounds every prompt made."""
+    it (chat template included); with ``max_prompt_tokens`` > 0 it bounds every prompt made.
 
-    def __init__(self, tokenizer, fraction: float, tails: int, tail_tokens: int, template: str = "math",
+    ``template``: a ttc template (name or file) for every environment's prompts, or ``auto``: each
+    environment's own ``aggregation_template`` (``env_of(env_id)`` gives the environment; without it
+    ``math``), so a program-writing task's prompt asks for a code block and a math task's for ``\\boxed{}``."""
+
+    def __init__(self, tokenizer, fraction: float, tails: int, tail_tokens: int, template: str = "auto",
                  buffer: int = 256, seed: int = 0, max_prompt_tokens: int = 0,
                  prompt_len: Callable[[str], int] | None = None, expert_fraction: float = 0.0,
-                 pacore_fraction: float = 0.0):
+                 pacore_fraction: float = 0.0, env_of: Callable[[str], object] | None = None):
         for name, v in (("fraction", fraction), ("expert_fraction", expert_fraction),
                         ("pacore_fraction", pacore_fraction)):
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"aggregation.{name} must be in [0, 1], got {v}")
         self.tok, self.fraction, self.C, self.tau = tokenizer, fraction, tails, tail_tokens
         self.eos = getattr(tokenizer, "eos_token_id", None)
-        self.template = load_template(template)
+        self.template = None if template == "auto" else load_template(template)
+        self.env_of = env_of
+        self._templates: dict[str, Template] = {}
         self.buffer = buffer
         self.rng = random.Random(seed)
         self.cap = int(max_prompt_tokens)
@@ -74,6 +80,11 @@ class AggregationMixer:
         self.pool: OrderedDict[str, tuple[str, dict, list[str], list[str]]] = OrderedDict()
         self.expert: OrderedDict[str, tuple[str, dict, list[str], list[str]]] = OrderedDict()
         self.made = self.made_expert = self.made_pacore = self.trimmed = self.dropped = 0
+
+    def bound(self, max_prompt_tokens: int) -> None:
+        """Bound every prompt made by ``max_prompt_tokens`` too (the trainer's: longer prompts it skips)."""
+        if max_prompt_tokens > 0:
+            self.cap = min(self.cap, int(max_prompt_tokens)) if self.cap > 0 else int(max_prompt_tokens)
 
     def _encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False, verbose=False)
@@ -118,8 +129,17 @@ class AggregationMixer:
         self._add(self.expert, env_id, problem, completions, None)
 
     # -- prompts --------------------------------------------------------------------------------
-    def _render(self, problem: Problem, tails: list[str], pacore: bool) -> str:
-        t = self.template
+    def template_of(self, env_id: str) -> Template:
+        """The template of ``env_id``'s aggregation prompts."""
+        if self.template is not None:
+            return self.template
+        if env_id not in self._templates:
+            env = self.env_of(env_id) if self.env_of is not None else None
+            self._templates[env_id] = load_template(getattr(env, "aggregation_template", "math"))
+        return self._templates[env_id]
+
+    def _render(self, env_id: str, problem: Problem, tails: list[str], pacore: bool) -> str:
+        t = self.template_of(env_id)
         if pacore:
             blocks = "".join(_MESSAGE.format(tail=x, index=i + 1) for i, x in enumerate(tails))
             closing = t.solve.format(problem="").strip()
@@ -131,9 +151,9 @@ class AggregationMixer:
               source: str = "self") -> Problem | None:
         """The aggregation (or, with ``pacore``, continuation) problem showing ``tails``; None when it
         cannot fit ``max_prompt_tokens`` even with its tails cut down."""
-        prompt = self._render(problem, tails, pacore)
+        prompt = self._render(env_id, problem, tails, pacore)
         if self.cap > 0 and self.prompt_len(prompt) > self.cap:
-            prompt = self._fit(problem, tails, pacore)
+            prompt = self._fit(env_id, problem, tails, pacore)
             if prompt is None:
                 self.dropped += 1
                 return None
@@ -142,13 +162,13 @@ class AggregationMixer:
                 "tail_source": source}
         return replace(problem, prompt=prompt, meta=meta)
 
-    def _fit(self, problem: Problem, tails: list[str], pacore: bool) -> str | None:
+    def _fit(self, env_id: str, problem: Problem, tails: list[str], pacore: bool) -> str | None:
         """The prompt with every tail cut from the front to the longest common length that fits."""
-        room = self.cap - self.prompt_len(self._render(problem, [""] * len(tails), pacore))
+        room = self.cap - self.prompt_len(self._render(env_id, problem, [""] * len(tails), pacore))
         ids = [self._encode(x) for x in tails]
         per = min(room // max(len(tails), 1), max(len(i) for i in ids))
         while per >= 1:
-            prompt = self._render(problem, [self._decode(i[-per:]) for i in ids], pacore)
+            prompt = self._render(env_id, problem, [self._decode(i[-per:]) for i in ids], pacore)
             if self.prompt_len(prompt) <= self.cap:  # re-tokenisation at the seams can differ a little
                 return prompt
             per -= max(1, per // 16)
@@ -224,7 +244,7 @@ def sample_rollouts(engine, tokenizer, picks: list[tuple[str, Problem]], n: int,
 
 
 def aggregation_sft_pairs(engine, tokenizer, picks: list[tuple[str, Problem]], env_of, params, *, samples: int,
-                          shuffles: int, tails: int, tail_tokens: int, template: str = "math",
+                          shuffles: int, tails: int, tail_tokens: int, template: str = "auto",
                           max_prompt_tokens: int = 0, prompt_len=None, chat: bool = True,
                           system: str | None = None, seed: int = 0, chunk: int = 0,
                           advance=None, workers: int = 0) -> tuple[list[tuple[str, str]], dict]:
@@ -234,7 +254,7 @@ def aggregation_sft_pairs(engine, tokenizer, picks: list[tuple[str, Problem]], e
     teacher; the answers the problem's verifier accepts become (prompt, response) pairs (verified
     ``workers`` at a time where the environment allows: :func:`envs.base.verify_all`)."""
     mixer = AggregationMixer(tokenizer, 1.0, tails, tail_tokens, template, seed=seed,
-                             max_prompt_tokens=max_prompt_tokens, prompt_len=prompt_len)
+                             max_prompt_tokens=max_prompt_tokens, prompt_len=prompt_len, env_of=env_of)
     rolled = sample_rollouts(engine, tokenizer, picks, samples, params, chat, system, chunk=chunk, advance=advance)
     prompts = []
     for e, p, comps in rolled:

@@ -59,7 +59,9 @@ class Aggregation:
     fraction: float = 0.0  # share of prompts turned into aggregation prompts once tails exist
     tails: int = 4         # C
     tail_tokens: int = 4096  # tau
-    template: str = "math"
+    # auto: each environment's own (a program in a code block for code/solve and code/arc, \boxed{} for the
+    # others); or a ttc template (math, code, generic, a YAML/JSON file) for every environment
+    template: str = "auto"
     buffer: int = 256      # problems whose rollouts are remembered
     # ZAYA1: aggregation prompts up to 20,480 tokens; a longer one has its tails cut from the front (each
     # keeps its end, where the answer is); one that cannot fit even so is not made (the plain problem stays)
@@ -93,7 +95,7 @@ class AggregationSFT:
     tails: int = 4         # C
     tail_tokens: int = 4096  # tau
     max_new_tokens: int = 0  # teacher's budget per response; 0: the stage's rl.sampling.max_new_tokens
-    template: str = "math"
+    template: str = "auto"  # as aggregation.template
 
 
 @dataclass

@@ -139,13 +139,15 @@ class StageRunner:
         try:
             curriculum = self.build_curriculum(tok)
             start_levels = self.start_levels(curriculum)  # before any resumed state moves the controllers
-            mixer = self.make_mixer(tok)
+            mixer = self.make_mixer(tok, curriculum)
             rl_cfg = copy.deepcopy(s.rl)
             rl_cfg.seed = r.seed + 7919 * (self.index + 1)
             if rl_cfg.optim.schedule != "constant" and not rl_cfg.optim.total_steps:
                 rl_cfg.optim.total_steps = s.steps
             rl = RLTrainer(policy, tok, engine, curriculum, rl_cfg,
                            problem_hook=mixer.mix if mixer else None, rollout_hook=mixer.remember if mixer else None)
+            if mixer is not None:  # an aggregation prompt the trainer would skip as too long is not made
+                mixer.bound(rl.max_prompt_tokens)
             sft_cfg = SFTConfig(steps=s.sft.steps, batch_size=s.sft.batch_size, micro_batch_size=s.sft.micro_batch_size,
                                 tokens_per_micro=s.sft.tokens_per_micro,
                                 optim=s.sft.optim, max_len=s.sft.max_len, chat_template=rl_cfg.chat_template,
@@ -387,7 +389,7 @@ class StageRunner:
             out["max_new_tokens"] = rl.cfg.sampling.max_new_tokens
         return out
 
-    def make_mixer(self, tok):
+    def make_mixer(self, tok, curriculum):
         """The aggregation mixer (None when no aggregation prompts are configured, in any phase)."""
         s, a = self.scfg, self.scfg.aggregation
         if a.fraction <= 0 and not any(p.aggregation for p in s.phases):
@@ -401,7 +403,7 @@ class StageRunner:
         return AggregationMixer(tok, a.fraction, a.tails, a.tail_tokens, a.template, a.buffer, self.rcfg.seed + self.index,
                                 max_prompt_tokens=a.max_prompt_tokens, prompt_len=prompt_len,
                                 expert_fraction=a.expert_fraction if a.expert else 0.0,
-                                pacore_fraction=a.pacore_fraction)
+                                pacore_fraction=a.pacore_fraction, env_of=curriculum.envs.__getitem__)
 
     def model_ref(self, ref: str) -> Path:
         """A checkpoint named in the config: an earlier stage of this run (its ``final/``), a local

@@ -118,6 +118,10 @@ class Environment:
     description: ClassVar[str] = ""
     max_difficulty: ClassVar[int | None] = None  # None: grows without bound
     instruction: ClassVar[str] = "Put your final answer within \\boxed{}."
+    # the ttc template (a name, or a ttc.templates.Template) of the aggregation prompts built from this
+    # environment's problems (cascade/aggregation.py, ``aggregation.template=auto``): it asks for the answer
+    # in the form the environment grades (``math``: within \boxed{}; program-writing tasks: a code block)
+    aggregation_template: ClassVar[Any] = "math"
     verify_time_limit: ClassVar[float] = 5.0  # seconds one verify may take (self-check, fuzz tests)
     # Non-empty when no reference response can be produced (e.g. a task graded only by validity,
     # with no oracle answer): the self-check then skips "reference verifies" and reports this reason.

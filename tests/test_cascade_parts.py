@@ -86,6 +86,72 @@ def test_aggregation_prompts_hold_the_problem_and_c_tails_of_tau_tokens(tok):
     assert other.mix([("toy/add", p)])[0][1].prompt == mixer.mix([("toy/add", p)])[0][1].prompt
 
 
+def test_aggregation_prompts_ask_for_the_answer_in_the_form_each_environment_grades(tok):
+    """``auto``: a program-writing task's aggregation prompt (and its PaCoRe closing) asks for a code block in
+    the task's language, a math task's and an output-prediction task's for \\boxed{}; a named template applies
+    to every environment."""
+    from envs.base import get_env
+
+    envs = {e: get_env(e) for e in ("code/solve", "code/io_predict", "math/arith")}
+    envs["cpp"] = get_env("code/solve", language="cpp")
+    rollouts = [_R(tok.encode(f"attempt {i} ends here", add_special_tokens=False)) for i in range(4)]
+
+    def prompts(template, pacore):
+        mixer = AggregationMixer(tok, 1.0, 2, 5, template=template, seed=0, env_of=envs.__getitem__,
+                                 pacore_fraction=float(pacore))
+        out = {}
+        for e, env in envs.items():
+            p = env.generate(0, 0)
+            mixer.pool.clear()
+            mixer.remember([_G(e, p, rollouts)])
+            (got, agg), = mixer.mix([(e, p)])
+            assert got == e and agg.meta["aggregation"] and agg.prompt.startswith(p.prompt)
+            out[e] = agg.prompt[len(p.prompt):]
+        return out
+
+    for pacore in (False, True):
+        auto = prompts("auto", pacore)
+        assert "```python code block" in auto["code/solve"] and "boxed" not in auto["code/solve"]
+        assert "```cpp code block" in auto["cpp"] and "python" not in auto["cpp"]
+        assert "\\boxed{}" in auto["code/io_predict"] and "\\boxed{}" in auto["math/arith"]
+        assert all("\\boxed{}" in x for x in prompts("math", pacore).values())
+
+
+def test_an_aggregation_prompt_too_long_for_the_trainer_is_not_made_and_moves_no_level(tok):
+    from envs.curriculum import Curriculum
+    from train.rl.trainer import encode_prompt
+
+    p = Problem("What is 6*7?", "42", "toy/add", 1, 3, {})
+    rollouts = [_R(tok.encode(" ".join(["long reasoning"] * 40), add_special_tokens=False)) for _ in range(4)]
+    mixer = AggregationMixer(tok, 1.0, 2, 200, seed=0, max_prompt_tokens=20480,
+                             prompt_len=lambda t: len(encode_prompt(tok, t, True, None)))
+    mixer.remember([_G("toy/add", p, rollouts)])
+    assert mixer.mix([("toy/add", p)])[0][1].meta.get("aggregation")
+    mixer.bound(60)  # the trainer's bound, lower than aggregation.max_prompt_tokens: tails cut to fit, or none
+    (e, agg), = mixer.mix([("toy/add", p)])
+    assert len(encode_prompt(tok, agg.prompt, True, None)) <= 60 and mixer.cap == 60
+    mixer.bound(0)
+    assert mixer.cap == 60
+
+    # the trainer's own check: an aggregation prompt it skips as too long leaves the level where it was (a zaya
+    # level falls after a group with no pass); the plain problem too long is a failed group at its level
+    import types
+    from dataclasses import replace
+
+    from train.rl.trainer import RLTrainer
+
+    cur = Curriculum({"gym/argsort": 1.0}, controller="zaya", controller_kwargs={"start": 3})
+    q = cur.envs["gym/argsort"].generate(7, 3)
+    cfg = types.SimpleNamespace(group_size=8, chat_template=False, system_prompt=None)
+    t = types.SimpleNamespace(cfg=cfg, tokenizer=tok, curriculum=cur, prompts_too_long=0,
+                              max_prompt_tokens=len(encode_prompt(tok, q.prompt, False, None)) - 1)
+    agg = replace(q, meta={**q.meta, "aggregation": True})
+    assert RLTrainer.generate_groups(t, [("gym/argsort", agg)]) == [] and t.prompts_too_long == 1
+    assert cur.difficulties() == {"gym/argsort": 3}
+    assert RLTrainer.generate_groups(t, [("gym/argsort", q)]) == [] and t.prompts_too_long == 2
+    assert cur.difficulties() == {"gym/argsort": 2}
+
+
 def test_reward_model_score_is_gated_by_the_instruction_checker(tmp_path, tiny_dense_dir):
     from cascade.reward_model import GatedRewardEnv, RewardModel, build_tiny_reward_model
     from envs import get_env

@@ -97,7 +97,7 @@ def test_phases_switch_the_mix_and_aggregation_share_at_the_configured_step(tok)
     stage = StageRunner("math", 2, s, RunConfig(order=[]), Path("/nonexistent"), None, None)
     cur = stage.build_curriculum(tok)
     assert set(cur.weights) == {"toy/add", "toy/max", "math/arith"}  # every phase's environments, one curriculum
-    mixer = stage.make_mixer(tok)
+    mixer = stage.make_mixer(tok, cur)
     rl = _RL()
     rng = random.Random(0)
     seen, logged = [], []
@@ -288,7 +288,7 @@ def test_aggregation_sft_examples_are_teacher_answers_to_reshuffled_tails_within
         return len(encode_prompt(tok, text, True, None))
 
     # room for two tails of 9 tokens: the 12-token tails are cut from the front, their answers kept
-    cap = plen(AggregationMixer(tok, 1.0, 2, 12)._render(picks[0][1], ["", ""], False)) + 18
+    cap = plen(AggregationMixer(tok, 1.0, 2, 12)._render("toy/add", picks[0][1], ["", ""], False)) + 18
     teacher = _Teacher(tok)
     params = SamplingConfig(max_new_tokens=64).params(1, 0)
     pairs, stats = aggregation_sft_pairs(teacher, tok, picks, lambda e: env, params, samples=4, shuffles=3, tails=2,

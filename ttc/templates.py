@@ -76,20 +76,30 @@ MATH = Template(
         "the problem another way. Reason step by step, and put your final answer within \\boxed{{}}."),
 )
 
-CODE = Template(
-    name="code",
-    solve=("{problem}\n\nThink the problem through, then write a correct and efficient solution. Give the "
-           "complete program in one ```python code block at the end."),
-    aggregate=(
-        "{problem}\n\n"
-        "Here are {count} candidate approaches to the task above. Each is shown only by the last part of its "
-        "reasoning, and any of them may be incomplete or wrong.\n\n"
-        "{candidates}"
-        "Combine them into one correct solution: keep the ideas that hold up, check edge cases and "
-        "complexity; where they disagree, work out which is right; if all are wrong, use another approach. "
-        "Give the complete program in one ```python code block at the end."),
-    answer_format="code",
-)
+def code_template(language: str = "python") -> Template:
+    """The ``code`` template, asking for the program in ``language``: ``python``, ``cpp`` or ``any`` (either)."""
+    blocks = {"python": "```python code block", "cpp": "```cpp code block",
+              "any": "```python or ```cpp code block"}
+    if language not in blocks:
+        raise ValueError(f"no code template for language {language!r}; languages: {', '.join(blocks)}")
+    block = blocks[language]
+    return Template(
+        name="code" if language == "python" else f"code-{language}",
+        solve=("{problem}\n\nThink the problem through, then write a correct and efficient solution. Give the "
+               f"complete program in one {block} at the end."),
+        aggregate=(
+            "{problem}\n\n"
+            "Here are {count} candidate approaches to the task above. Each is shown only by the last part of its "
+            "reasoning, and any of them may be incomplete or wrong.\n\n"
+            "{candidates}"
+            "Combine them into one correct solution: keep the ideas that hold up, check edge cases and "
+            "complexity; where they disagree, work out which is right; if all are wrong, use another approach. "
+            f"Give the complete program in one {block} at the end."),
+        answer_format="code",
+    )
+
+
+CODE = code_template("python")
 
 GENERIC = Template(
     name="generic",

@@ -30,7 +30,7 @@ from __future__ import annotations
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, ClassVar
 
 from envs.base import Environment, Problem, Score, register, strip_think
 from envs.code.judge import Judge, compare_output
@@ -129,6 +129,7 @@ class CodeEnv(Environment):
     verify_time_limit = 60.0
     concurrent_verify = True  # the judge waits on a sandbox start; `_failing` is locked
     instruction = ""
+    writes_program: ClassVar[bool] = False  # the answer is a program (graded in the sandbox), not \boxed{}
 
     def __init__(self, seeds_path: str | None = None, *, include_builtin: bool = True,
                  seeds: list[Seed] | None = None, sandbox: SandboxConfig | None = None,
@@ -210,6 +211,16 @@ class CodeEnv(Environment):
     def code_instruction(self) -> str:
         return CODE_INSTRUCTIONS[self.language]
 
+    @property
+    def aggregation_template(self):
+        """Program-writing tasks aggregate into a program in the task's language; the others (predicting an
+        output, proposing an input) answer within ``\\boxed{}`` as math does."""
+        if not self.writes_program:
+            return "math"
+        from ttc.templates import code_template
+
+        return code_template(self.language)
+
     def extract_program(self, response: str) -> tuple[str, str] | None:
         return extract_program(response, self.languages)
 
@@ -263,6 +274,7 @@ class SolveEnv(CodeEnv):
     """Write a program for a competitive-programming problem; judged on its tests."""
 
     description = "write a program, judged on hidden tests (sandboxed)"
+    writes_program = True
 
     def generate(self, seed: int, difficulty: int) -> Problem:
         s, _rng = self.pick(seed, difficulty)
@@ -388,6 +400,7 @@ class ARCEnv(CodeEnv):
     """CodeARC: infer a program from the input format and examples; judged on held-out tests."""
 
     description = "write a program from an input spec and examples, judged on held-out tests"
+    writes_program = True
 
     def usable(self, s: Seed) -> bool:
         return len(s.tests) >= 2 and len(self.shown_tests(s)) >= 1

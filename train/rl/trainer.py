@@ -237,7 +237,8 @@ class RLTrainer:
         prompts = [encode_prompt(self.tokenizer, p.prompt, cfg.chat_template, cfg.system_prompt) for _, p in picks]
         fits = [len(x) <= self.max_prompt_tokens for x in prompts]
         for ok, (env_id, prob) in zip(fits, picks):  # too long for the context: a failed problem
-            if not ok and update_curriculum and env_id in self.curriculum.controllers:
+            if (not ok and update_curriculum and env_id in self.curriculum.controllers
+                    and not prob.meta.get("aggregation")):  # (as below, an aggregation prompt never moves a level)
                 self.curriculum.update(env_id, prob.difficulty, [Score.zero("prompt too long")] * G)
         self.prompts_too_long += len(fits) - sum(fits)
         picks = [pk for pk, ok in zip(picks, fits) if ok]
