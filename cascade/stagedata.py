@@ -22,8 +22,9 @@ def mix_of(envs: dict[str, float], sources: dict[str, Source]) -> dict[str, floa
     return out
 
 
-def stage_mixes(s: StageConfig) -> list[dict[str, float]]:
-    """The mix of each phase in order (one entry, the stage's own mix, when there are no phases)."""
+def stage_mixes(s: StageConfig, name: str = "") -> list[dict[str, float]]:
+    """The mix of each phase in order (one entry, the stage's own mix, when there are no phases); ``name``,
+    the stage's, names a phase with no positive weight in the error."""
     if not s.phases:
         return [mix_of(s.envs, s.sources)]
     if s.envs or s.sources:
@@ -32,7 +33,14 @@ def stage_mixes(s: StageConfig) -> list[dict[str, float]]:
 
         raise ConfigError("a stage with phases takes its mix from them; drop its envs/sources or set phases=[] "
                           f"(phases: {[sorted(p.envs or p.sources) for p in s.phases]})")
-    return [mix_of(p.envs, p.sources) for p in s.phases]
+    mixes = [mix_of(p.envs, p.sources) for p in s.phases]
+    for i, m in enumerate(mixes):
+        if any(not float(w) >= 0 for w in m.values()) or not sum(m.values()) > 0:
+            from train.dataclass_config import ConfigError
+
+            raise ConfigError(f"{f'stages.{name}.' if name else ''}phases[{i}]: its weights must be >= 0 with a positive sum (a phase samples from its "
+                              f"own mix); got {m}")
+    return mixes
 
 
 def check_env_kwargs(s: StageConfig, name: str) -> None:
@@ -45,7 +53,7 @@ def check_env_kwargs(s: StageConfig, name: str) -> None:
     from envs.curriculum import CONTROLLERS
     from train.dataclass_config import ConfigError
 
-    envs = set(union_mix(stage_mixes(s)))
+    envs = set(union_mix(stage_mixes(s, name)))
     for env_id, kw in s.env_kwargs.items():
         if env_id not in envs:
             raise ConfigError(f"stages.{name}.env_kwargs.{env_id}: {env_id} is not in the stage's mix "
@@ -122,7 +130,9 @@ def set_mix(curriculum, weights: dict[str, float]) -> None:
     mix ``weights``; its environments outside the mix get weight 0 (kept, with their difficulty
     state, for a later phase)."""
     inner = getattr(curriculum, "curriculum", curriculum)
-    inner.weights = {e: float(weights.get(e, 0.0)) for e in inner.weights}
     unknown = sorted(set(weights) - set(inner.weights))
     if unknown:
         raise ValueError(f"the mix names environments outside the stage's curriculum: {unknown}")
+    if any(not float(w) >= 0 for w in weights.values()) or not sum(weights.values()) > 0:
+        raise ValueError(f"a mix's weights must be >= 0 with a positive sum; got {weights}")
+    inner.weights = {e: float(weights.get(e, 0.0)) for e in inner.weights}

@@ -402,6 +402,25 @@ def test_a_mix_given_as_an_override_replaces_the_configured_phases():
     assert [p.steps for p in cfg.stages["math"].phases] == [384, 464]
 
 
+def test_a_phase_with_no_positive_weight_is_a_config_error_before_any_stage(tmp_path):
+    """It passed the checks (the stage's union of phases has a positive sum) and failed when the phase began,
+    hundreds of steps in, with an IndexError from the sampler."""
+    from cascade.run import main
+    from cascade.stagedata import set_mix, stage_mixes, union_mix
+    from envs.curriculum import Curriculum
+    from train.dataclass_config import ConfigError
+
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"stages\.math\.phases\[1\]: its weights must be >= 0 with a positive sum"):
+        main(["stage=math", "profile=tiny", f"out={out}",
+              "stages.math.phases=[{steps: 2, envs: {toy/add: 1}}, {steps: 2, envs: {toy/max: 0}}]"])
+    assert not out.exists()
+    s = StageConfig(steps=4, phases=[Phase(2, {"toy/add": 1.0}), Phase(2, {"toy/max": 1.0})])
+    cur = Curriculum(union_mix(stage_mixes(s)))
+    with pytest.raises(ValueError, match="positive sum"):
+        set_mix(cur, {"toy/max": 0.0})
+
+
 def test_a_mapping_override_merges_into_its_section_and_a_sources_mix_replaces(tmp_path):
     """``rl.optim='{lr: 1e-6}'`` on the command line sets the learning rate and keeps the rest of the configured
     optimizer (it put a default one in its place: AdamW for Muon); ``sources:`` in a config file replaces the
