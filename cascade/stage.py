@@ -111,8 +111,11 @@ class StageRunner:
             rm = RewardModel(s.reward_model.path, s.reward_model.max_len, self.rcfg.device)
             for e in weights:
                 environments[e] = GatedRewardEnv(get_env(e, **s.env_kwargs.get(e, {})), rm, s.reward_model.scale)
+        kw = dict(s.controller_kwargs or {})
+        if s.controller == "rlve" and not {"group_size", "tau_num"} & set(kw):
+            kw["group_size"] = s.rl.group_size  # RLVE's window counts tau_prompts groups of the stage's size
         return Curriculum(weights, controller=s.controller, mode=s.sampling_mode, seed=self.rcfg.seed + self.index,
-                          controller_kwargs=s.controller_kwargs, env_kwargs=s.env_kwargs, environments=environments)
+                          controller_kwargs=kw, env_kwargs=s.env_kwargs, environments=environments)
 
     def run(self, start_dir: Path) -> Path:
         """Run (or resume) the stage; returns the ``final/`` checkpoint directory."""
@@ -507,10 +510,11 @@ class StageRunner:
 
     @staticmethod
     def track_difficulty(state: dict, now: dict) -> None:
-        """The highest level each environment reached during the stage, in ``state["difficulty_max"]``."""
+        """The highest level each environment reached during the stage, in ``state["difficulty_max"]`` (an RLVE
+        window's high end: the highest level it sampled)."""
         top = state["difficulty_max"]  # set from the start levels when the stage starts
         for e, v in now.items():
-            top[e] = max(top.get(e, 0), level(v))
+            top[e] = max(top.get(e, 0), level(v[-1:] if isinstance(v, (list, tuple)) else v))
 
     def eval_problems(self, curriculum, start_levels: dict[str, int] | None = None):
         """The stage's held-out problems, at ``eval_difficulty`` or else at each environment's start level

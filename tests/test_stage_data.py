@@ -86,6 +86,26 @@ def test_held_out_problems_follow_the_stage_mix(tok):
     assert picks == ["math/arith", "toy/add", "toy/max"] * 2
 
 
+def test_an_rlve_window_counts_groups_of_the_stages_size_and_its_peak_is_its_high_end(tok):
+    """RLVE's window moves after tau_prompts groups at its upper level: groups of the stage's ``rl.group_size``
+    (it counted groups of 16 whatever the stage's size); the level a stage records as reached is the window's
+    high end (it recorded the low end: 0 for a window [0, 3])."""
+    from cascade.stage import StageRunner
+
+    def tau_num(**kw):
+        s = StageConfig(steps=1, controller="rlve", envs={"toy/add": 1.0}, rl=RLConfig(group_size=8), **kw)
+        cur = StageRunner("rlve", 1, s, RunConfig(order=[]), Path("/nonexistent"), None, None).build_curriculum(tok)
+        return cur.controllers["toy/add"].tau_num
+
+    assert tau_num() == 8 * 8
+    assert tau_num(controller_kwargs={"tau_prompts": 2}) == 2 * 8
+    assert tau_num(controller_kwargs={"group_size": 4}) == 8 * 4 and tau_num(controller_kwargs={"tau_num": 5}) == 5
+    state = {"difficulty_max": {"toy/add": 0, "toy/max": 1}}
+    StageRunner.track_difficulty(state, {"toy/add": [0, 3], "toy/max": 2})
+    StageRunner.track_difficulty(state, {"toy/add": [1, 2], "toy/max": 1})
+    assert state["difficulty_max"] == {"toy/add": 3, "toy/max": 2}
+
+
 def test_phases_switch_the_mix_and_aggregation_share_at_the_configured_step(tok):
     from cascade.pool import ProblemPool
     from cascade.stage import StageRunner
