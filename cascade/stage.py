@@ -458,13 +458,21 @@ class StageRunner:
             if swap:
                 rl.engine = make_engine(r, policy_dir, None, None)
 
+    def stream(self, name: str) -> random.Random:
+        """The random stream of this stage's ``name``d draws of problems (``pool``, ``expert``, ``aggregation_sft``):
+        each its own, in every stage (offsets ``k * index`` of the run's seed made them one stream in the first
+        stage). The pool's keeps the seed it always had, so that earlier runs' pools are drawn again."""
+        if name == "pool":
+            return random.Random(self.rcfg.seed + 31 * self.index)
+        return random.Random(f"{name}:{self.rcfg.seed}:{self.index}")
+
     def expert_tails(self, mixer, curriculum, rl) -> None:
         """Expert aggregation: rollouts of ``aggregation.expert`` on problems of the stage's mix, kept
         by the mixer as tails of expert-aggregation prompts (once per stage; the mixer's state keeps them)."""
         from cascade.aggregation import sample_rollouts
 
         a = self.scfg.aggregation
-        picks = curriculum.sample(random.Random(self.rcfg.seed + 97 * self.index), a.expert_problems)
+        picks = curriculum.sample(self.stream("expert"), a.expert_problems)
         c = rl.cfg
         with self.other_engine(a.expert, rl) as (engine, etok), \
                 self.phase("expert", len(picks), f"expert rollouts from {a.expert}") as advance:
@@ -484,7 +492,7 @@ class StageRunner:
         s = self.scfg
         a = s.sft.aggregation
         rc = s.rl
-        picks = curriculum.sample(random.Random(self.rcfg.seed + 53 * self.index), a.problems)
+        picks = curriculum.sample(self.stream("aggregation_sft"), a.problems)
         params = rc.sampling.params(a.samples, self.rcfg.seed + self.index)
         if a.max_new_tokens:
             params.max_tokens = a.max_new_tokens
@@ -590,7 +598,7 @@ class StageRunner:
         from cascade.pool import filter_by_pass_rate
 
         p = self.scfg.pool
-        picks = curriculum.sample(random.Random(self.rcfg.seed + 31 * self.index), p.size)
+        picks = curriculum.sample(self.stream("pool"), p.size)
         with self.phase("pool", len(picks), f"pass-rate filter, {p.samples} rollouts per problem") as advance:
             kept, rates = filter_by_pass_rate(rl, picks, p.samples, p.max_pass_rate, p.min_pass_rate,
                                               chunk=self.chunk(rl, p.samples), advance=advance)

@@ -106,6 +106,21 @@ def test_an_rlve_window_counts_groups_of_the_stages_size_and_its_peak_is_its_hig
     assert state["difficulty_max"] == {"toy/add": 3, "toy/max": 2}
 
 
+def test_the_pool_expert_and_teacher_problems_are_separate_draws_in_every_stage(tok):
+    """In the first stage (index 0) the three were drawn with one seed: the teacher's aggregation SFT examples
+    were made from the very problems the pass-rate pool then measured the fine-tuned policy on."""
+    from cascade.stage import StageRunner
+
+    s = StageConfig(steps=1, controller="fixed", envs={"toy/add": 1.0, "toy/max": 1.0})
+    for index in (0, 1):
+        stage = StageRunner("warmup", index, s, RunConfig(order=[], seed=3), Path("/nonexistent"), None, None)
+        cur = stage.build_curriculum(tok)
+        draws = {name: [(e, p.seed) for e, p in cur.sample(stage.stream(name), 16)]
+                 for name in ("pool", "expert", "aggregation_sft")}
+        assert len({tuple(d) for d in draws.values()}) == 3
+        assert draws["pool"] == [(e, p.seed) for e, p in cur.sample(random.Random(3 + 31 * index), 16)]
+
+
 def test_phases_switch_the_mix_and_aggregation_share_at_the_configured_step(tok):
     from cascade.pool import ProblemPool
     from cascade.stage import StageRunner
