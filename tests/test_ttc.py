@@ -350,6 +350,21 @@ def test_cli_notes_what_it_cannot_do(tmp_path, capsys, tiny_dense_dir):
     assert json.loads(out.splitlines()[-1])["round_accuracy"] is None
 
 
+def test_lines_appended_on_resume_start_after_a_line_a_kill_cut_short(tmp_path):
+    """A resumed run appends round checkpoints, results and traces to the files of the killed one: a cut last
+    line (readers drop it) ran into the first line appended, and the next read refused the file."""
+    from ttc.cli import _read_jsonl, _Writer
+
+    for before, kept in [('{"a": 1}\n{"b": ', [{"a": 1}]), ('{"a": 1}\n', [{"a": 1}]), ('{"cut', []), ("", [])]:
+        f = tmp_path / "f.jsonl"
+        f.write_text(before)
+        assert [r for _, r in _read_jsonl(f)] == kept
+        w = _Writer(f)
+        w.write({"c": 2})
+        w.close()
+        assert [r for _, r in _read_jsonl(f)] == kept + [{"c": 2}]
+
+
 def test_cli_writes_results_and_resumes(tmp_path, capsys, tiny_dense_dir):
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"problem": p, "answer": a}) + "\n" for p, a in [("1+1?", "2"), ("2+2?", "4")]))

@@ -307,10 +307,30 @@ def _progress(disable: bool):
                     TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True), disable=disable)
 
 
+def _drop_cut_line(path: Path) -> None:
+    """Cut ``path`` back to its last line end: a last line a kill cut short (readers drop it) would
+    otherwise run into the first line appended after it, leaving a line no reader can parse."""
+    with path.open("rb+") as fh:
+        end = pos = fh.seek(0, os.SEEK_END)
+        while pos > 0:
+            step = min(1 << 16, pos)
+            fh.seek(pos - step)
+            i = fh.read(step).rfind(b"\n")
+            if i >= 0:
+                if pos - step + i + 1 < end:
+                    fh.truncate(pos - step + i + 1)
+                return
+            pos -= step
+        fh.truncate(0)
+
+
 class _Writer:
-    """Appends JSON lines from several threads, flushed (and fsynced) line by line."""
+    """Appends JSON lines from several threads, flushed (and fsynced) line by line (after a line a kill
+    cut short, if the file ends in one, is dropped)."""
 
     def __init__(self, path: Path | None):
+        if path is not None and path.exists():
+            _drop_cut_line(path)
         self.fh = path.open("a") if path is not None else None
         self.lock = threading.Lock()
 
