@@ -78,6 +78,9 @@ class FakeAPI(ThreadingHTTPServer):
             return ids, self.tok.decode(ids), "length"
         return ids, self.tok.decode(ids[:-1]), "stop"
 
+    def chat_message(self, text: str) -> dict:
+        return {"role": "assistant", "content": text}
+
 
 class _Handler(BaseHTTPRequestHandler):
     def log_message(self, *a):
@@ -147,7 +150,7 @@ class _Handler(BaseHTTPRequestHandler):
                 gen += len(ids)
                 ch = {"index": j, "finish_reason": fin}
                 if chat:
-                    ch["message"] = {"role": "assistant", "content": text}
+                    ch["message"] = s.chat_message(text)
                 else:
                     ch.update(text=text, token_ids=ids)
                 choices.append(ch)
@@ -393,6 +396,50 @@ def test_dataset_columns_and_the_chat_backend(tmp_path, capsys, tok, tiny_dense_
         assert rc == 2 and "problem=nope" in err
     finally:
         srv.stop()
+
+
+class _AnswersWhenForced(FakeAPI):
+    """A model that answers at once when told to stop thinking (the final-answer step of a cut trace)."""
+
+    def reply(self, prompt_text, seed, j, max_tokens):
+        if "final answer now" not in prompt_text[-200:]:
+            return super().reply(prompt_text, seed, j, max_tokens)
+        ids = self.tok.encode("So \\boxed{7}.", add_special_tokens=False) + [self.eos]
+        return ids, self.tok.decode(ids[:-1]), "stop"
+
+
+class _ReasoningParser(_AnswersWhenForced):
+    """As vLLM with ``--reasoning-parser deepseek_r1`` (``BaseThinkingReasoningParser.extract_reasoning``): a
+    reply's text up to ``</think>`` is ``reasoning``, the rest ``content`` (null when empty), and a reply with
+    no ``</think>`` (cut inside its thinking, or continuing an answer) is all reasoning."""
+
+    def chat_message(self, text):
+        head, mark, rest = text.partition("<think>")
+        text = rest if mark else head
+        if "</think>" not in text:
+            return {"role": "assistant", "content": None, "reasoning": text}
+        reasoning, _, content = text.partition("</think>")
+        return {"role": "assistant", "content": content or None, "reasoning": reasoning}
+
+
+def test_the_chat_backend_reads_replies_split_by_a_reasoning_parser(tmp_path, capsys, tok, tiny_dense_dir):
+    """Traces cut inside their thinking get the final-answer step, whose answer counts, as without a parser
+    (a made-up ``</think>`` closed every cut trace, and the answer continuation was wrapped in thinking)."""
+    data = _data(tmp_path / "d.jsonl", 3)
+    results = {}
+    for cls in (_AnswersWhenForced, _ReasoningParser):
+        srv = cls(tok)
+        try:
+            out = tmp_path / f"{cls.__name__}.jsonl"
+            rc, _, err = _cli(capsys, _args(srv.url, tiny_dense_dir, data, out, "--api", "chat", "--budget", 6))
+            assert rc == 0, err
+            forced = sum("final answer now" in m["content"] for b in srv.bodies for m in b["messages"])
+            results[cls] = ([r["answers"] for r in _lines(out)[:-1]], _lines(out)[-1]["mean_accuracy"], forced)
+        finally:
+            srv.stop()
+    plain, parsed = results[_AnswersWhenForced], results[_ReasoningParser]
+    # (a reply cut right after its </think> reads as cut inside the thinking: content is null either way)
+    assert plain[2] > 0 and parsed[2] >= plain[2] and plain[1] >= 0.75 and parsed[1] >= plain[1], (plain, parsed)
 
 
 def test_the_chat_backend_sends_the_same_sampling_fields(tok):

@@ -627,8 +627,8 @@ class ChatBackend(OpenAIBackend):
     ``chat_parts() == ("", ASSISTANT_MARK)``; a request sends the text before the mark as the user
     message and, where a prompt continues after it (Delethink chunks, final answers), that text as
     an assistant message to continue (``continue_final_message``, a vLLM/SGLang extension). A reply's
-    ``reasoning_content`` (servers with a reasoning parser) is put back as ``<think>...</think>``
-    before its content. Token counts of prompts are the local tokenizer's (the server's ``usage`` is
+    ``reasoning_content`` (servers with a reasoning parser) is put back as thinking before its content
+    (:func:`reply_text`: ``</think>`` only where the model wrote one). Token counts of prompts are the local tokenizer's (the server's ``usage`` is
     kept separately)."""
 
     def __init__(self, base_url: str, model: str | None = None, tokenizer=None, **kw):
@@ -656,10 +656,26 @@ class ChatBackend(OpenAIBackend):
             if isinstance(content, list):  # content parts
                 content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
             reasoning = msg.get("reasoning_content") or msg.get("reasoning")
-            if reasoning:
-                content = f"<think>\n{reasoning}\n</think>\n\n{content}"
-            choices.append({"text": content, "finish_reason": ch.get("finish_reason")})
+            text = reply_text(content if msg.get("content") is not None else None, reasoning, ch.get("finish_reason"),
+                              prefix)
+            choices.append({"text": text, "finish_reason": ch.get("finish_reason")})
         return choices, r.get("usage") or {}
+
+
+def reply_text(content: str | None, reasoning: str | None, finish_reason: str | None, prefix: str = "") -> str:
+    """A chat reply as the text the model wrote after ``prefix`` (the assistant text it continued, if any), from a
+    server whose reasoning parser split it into ``reasoning`` and ``content``. vLLM's and SGLang's parsers take
+    text with no ``</think>`` for reasoning (content null): a reply cut at the budget inside its thinking, and
+    any continuation of an assistant text already past its ``</think>``. So ``</think>`` is put back only where
+    the model wrote one (content given, or a stop, not a cut, right after it), and a continuation past the
+    thinking is answer text, with no ``<think>`` around it."""
+    if not reasoning:
+        return content or ""
+    if "</think>" in prefix:  # continuing the answer: nothing the model adds is thinking
+        return reasoning + (content or "")
+    closed = content is not None or finish_reason == "stop"
+    opened = "" if prefix else "<think>\n"  # a continued trace (a tail of its thinking) has it open already
+    return opened + reasoning + (f"\n</think>\n\n{content or ''}" if closed else "")
 
 
 def _error_message(e: HTTPStatusError) -> str:
