@@ -502,6 +502,42 @@ def test_requests_keep_their_connection_and_survive_idle_closes(tok):
         srv.stop()
 
 
+def test_a_request_given_up_says_how_many_attempts_reached_the_server(tok):
+    """Given up at the retry horizon, the attempt about to wait was counted as sent (one too many)."""
+    import re
+
+    from train.engine import SamplingParams
+    from ttc.backends import OpenAIBackend, ServerError
+
+    for retries, horizon in [(50, 0.15), (3, 60.0)]:
+        srv = FakeAPI(tok, fail_429=1.0)  # every request: 429, Retry-After 0.02 s
+        try:
+            be = OpenAIBackend(srv.url, model="m1", tokenizer=tok, retries=retries, horizon=horizon)
+            with pytest.raises(ServerError) as e:
+                be.generate([[5, 6, 7]], SamplingParams(n=1, max_tokens=4), seeds=[0])
+            be.close()
+        finally:
+            srv.stop()
+        said = int(re.search(r"after (\d+) attempt", str(e.value)).group(1))
+        assert said == len(srv.arrivals) and (said == retries + 1) == (horizon > 1), (str(e.value), len(srv.arrivals))
+
+
+def test_a_request_larger_than_the_rate_limit_holds_the_window_for_its_share():
+    """``--rpm 0.5`` let one request through per window (twice the rate asked for), and a request of more tokens
+    than ``--tpm`` counted as the limit: a request of ``w`` units over a limit of ``L`` now goes alone and
+    holds the window ``w / L`` times as long (here a 0.2 s window for a minute)."""
+    from ttc.backends import RateLimiter
+
+    for limit, weights, gaps in [(0.5, [1, 1, 1], [0.4, 0.4]), (10, [25, 5, 5], [0.5, 0.0])]:
+        rl = RateLimiter(limit, window=0.2)
+        times = []
+        for w in weights:
+            rl.acquire(w)
+            times.append(time.monotonic())
+        for (a, b), gap in zip(zip(times, times[1:]), gaps):
+            assert gap - 0.01 <= b - a < gap + 0.1, (limit, times)
+
+
 @pytest.mark.parametrize("limit,fail", [("rpm", 0.0), ("tpm", 0.0), ("rpm", 0.3)])
 def test_requests_and_tokens_per_window_stay_under_the_rate_limits(tok, limit, fail):
     """``rpm``/``tpm`` (``--rpm``/``--tpm``; here over a 0.6 s window instead of a minute): 10 one-sample

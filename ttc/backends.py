@@ -32,7 +32,6 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Protocol, Sequence, runtime_checkable
@@ -343,27 +342,26 @@ class Limiter:
 
 
 class RateLimiter:
-    """At most ``limit`` units (requests or tokens) per minute, over a sliding 60 s window."""
+    """At most ``limit`` units (requests or tokens) per minute, over a sliding 60 s window. One request larger
+    than the limit (``--rpm 0.5``, or more tokens than ``--tpm``) still goes, alone, and holds the window for
+    ``w / limit`` windows, so the rate stays within the limit."""
 
     def __init__(self, limit: float | None, window: float = 60.0):
         self.limit, self.window = limit, window
-        self._log: deque[tuple[float, float]] = deque()
+        self._log: list[tuple[float, float]] = []  # (units, when they leave the window)
         self._lock = threading.Lock()
 
     def acquire(self, w: float = 1.0) -> None:
         if not self.limit:
             return
-        w = min(w, self.limit)  # one request larger than the limit still goes, alone in its window
         while True:
             with self._lock:
                 now = time.monotonic()
-                while self._log and self._log[0][0] <= now - self.window:
-                    self._log.popleft()
-                used = sum(x for _, x in self._log)
-                if used + w <= self.limit:
-                    self._log.append((now, w))
+                self._log = [x for x in self._log if x[1] > now]
+                if not self._log or sum(x for x, _ in self._log) + w <= self.limit:
+                    self._log.append((w, now + self.window * max(1.0, w / self.limit)))
                     return
-                wait = self._log[0][0] + self.window - now
+                wait = min(t for _, t in self._log) - now
             time.sleep(max(wait, 0.01))
 
 
@@ -459,7 +457,7 @@ class OpenAIBackend:
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        last, after, t0 = "", None, time.monotonic()
+        last, after, t0, sent = "", None, time.monotonic(), 0
         for attempt in range(retries + 1):
             if attempt:
                 delay = self._delay(attempt, after)
@@ -481,6 +479,7 @@ class OpenAIBackend:
                 self._rpm.acquire(1)
                 self._tpm.acquire(weight)
             try:
+                sent += 1
                 return json.loads(self._http.request(method, path, data, headers).decode())
             except HTTPStatusError as e:
                 msg = _error_message(e)
@@ -496,7 +495,7 @@ class OpenAIBackend:
                 reason = getattr(e, "reason", e)
                 last = f"{type(reason).__name__}: {reason}" if not isinstance(reason, str) else reason
                 continue
-        raise ServerError(f"cannot reach {self.base_url}{path} after {attempt + 1} attempt(s): {last}")
+        raise ServerError(f"cannot reach {self.base_url}{path} after {sent} attempt(s): {last}")
 
     # tokenizer side
     def encode(self, text: str) -> list[int]:
