@@ -246,6 +246,12 @@ def test_several_updates_per_batch(warm, monkeypatch):
         assert torch.isfinite(torch.tensor(float(m[k]))), k
     m2 = rl.step()  # the engine got the weights after the second update
     assert m2["mismatch_max_abs"] < 1e-4
+    # as many optimizer steps as asked, on mini-batches within one rollout of each other (slices of ceil(64 / 12)
+    # rollouts made 11)
+    rl.cfg.updates_per_batch = 12
+    norms.clear()
+    m3 = rl.step()
+    assert m3["groups_trained"] * rl.cfg.group_size == 64 and len(norms) == 12
 
 
 def test_repetition_gate_zeroes_reward(warm):

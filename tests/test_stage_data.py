@@ -7,7 +7,6 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from cascade.aggregation import AggregationMixer, aggregation_sft_pairs, compact_message
 from cascade.config import Phase, PoolFilter, RunConfig, SFTStage, Source, StageConfig

@@ -46,6 +46,13 @@ def micro_batches(n: int, size: int) -> list[slice]:
     return [slice(s, min(n, s + size)) for s in range(0, n, size)]
 
 
+def even_slices(n: int, parts: int) -> list[slice]:
+    """``n`` rows cut into ``min(parts, n)`` slices whose sizes differ by at most one (as many as asked: cutting
+    into slices of ``ceil(n / parts)`` rows can make fewer, e.g. 11 of 64 rows for 12)."""
+    parts = max(1, min(int(parts), n))
+    return [slice(i * n // parts, (i + 1) * n // parts) for i in range(parts)] if n > 0 else []
+
+
 def index_batch(b: TokenBatch, sl: slice) -> TokenBatch:
     """Rows ``sl`` of a batch, trimmed to their longest sequence."""
     att = b.attention_mask[sl]

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from envs.base import Problem, Score, verify_all, verify_workers
-from train.batching import make_batch, micro_batches
+from train.batching import even_slices, make_batch
 from train.engine.base import Completion, SamplingParams
 from train.model.modeling import CausalLM
 from train.optim import (OptimConfig, accumulate_grads, build_optimizer, clip_and_step, load_training_state,
@@ -313,7 +313,7 @@ class RLTrainer:
         # KL reference log-probs: once per batch, without grad (None and no reference model when kl_coef = 0)
         ref_lp = self._logprobs_no_grad(rolls, batch, temp, self.reference_policy()) if cfg.loss_cfg.kl_coef else None
         self.policy.train()
-        minis = micro_batches(n, -(-n // cfg.updates_per_batch))
+        minis = even_slices(n, cfg.updates_per_batch)  # one optimizer step each
         # token-weighted sums of the loss function's metrics and the totals, read once after the loop
         acc = MetricSums()
         grad_norms = []  # one per optimizer step (mini-batch): the metric is their mean, as verl reports it
