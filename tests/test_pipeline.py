@@ -277,8 +277,83 @@ def test_batches_without_trainable_groups_do_not_stall_the_pipeline(warm):
 
     rl.collect = first_two_empty
     ms = run_pipeline(rl, 4)
-    # the trainer takes the oldest buffered groups, whichever batch they came from
-    assert ms[0]["groups_trained"] == 0 and rl.step_idx == sum(m["groups_trained"] > 0 for m in ms) >= 2
+    # the steps of the two empty batches train nothing; the next two train their own batches
+    assert [m["groups_trained"] for m in ms][:2] == [0, 0] and all(m["groups_trained"] for m in ms[2:])
+    assert rl.step_idx == 2
+
+
+class _StubRL:
+    """Just what Pipeline uses of an RLTrainer: batches of one-rollout groups tagged by batch, no model."""
+
+    def __init__(self, cfg, sizes=None):
+        import types
+
+        self.cfg, self.learner, self.sizes = cfg, None, sizes
+        self.engine = types.SimpleNamespace(supports_inflight_update=True)
+        self.policy = types.SimpleNamespace(device="cpu")
+        self.curriculum = types.SimpleNamespace(difficulties=lambda: {})
+        self.step_idx = self.synced_version = self.made = 0
+        self.between_kernels = lambda: None
+        self.trained: list[set[str]] = []
+
+    def collect(self):
+        b, self.made = self.made, self.made + 1
+        n = self.cfg.prompts_per_step if self.sizes is None else self.sizes[b]
+        return [_group(self.synced_version, f"{b}.{i}") for i in range(n)], {"batch": b}
+
+    def train_on(self, groups):
+        self.trained.append({g.problem.prompt.split(".")[0] for g in groups})
+        self.step_idx += bool(groups)
+        if self.step_idx % self.cfg.sync_every == 0:
+            self.synced_version = self.step_idx
+        return {}
+
+
+@pytest.mark.parametrize("sizes,staleness,sync", [(None, 1, 2), ([2, 4, 4, 4], 2, 2)])
+def test_each_step_trains_the_groups_of_its_own_batch(sizes, staleness, sync, monkeypatch):
+    """A step trains exactly the batch whose metrics it reports: with one batch ahead at most (min_ready 1) a
+    step could run between the producer's recording a batch and its putting the groups in the buffer (a step
+    with no groups, then an IndexError on an empty deque); a batch dynamic sampling left short took groups
+    of the next batch, sampled under the next step's mix and response cap."""
+    cfg = RLConfig(prompts_per_step=4, max_staleness=staleness, sync_every=sync, min_ready_batches=2)
+    rl = _StubRL(cfg, sizes)
+    put = RolloutBuffer.put
+
+    def late_put(self, groups):  # the producer thread preempted just before it puts a batch's groups
+        time.sleep(0.05)
+        put(self, groups)
+
+    monkeypatch.setattr(RolloutBuffer, "put", late_put)
+    pipe = Pipeline(rl, batches=4)
+    try:
+        ms = [pipe.step() for _ in range(4)]
+    finally:
+        pipe.close()
+    assert [m["batch"] for m in ms] == [0, 1, 2, 3] and rl.trained == [{"0"}, {"1"}, {"2"}, {"3"}]
+    assert [m["groups_trained"] for m in ms] == (sizes or [4] * 4) and rl.step_idx == 4
+
+
+def test_a_generate_that_waited_for_a_weight_load_is_tagged_with_the_loaded_version():
+    """Engines that swap weights only between calls: a ``generate`` that waits for a load samples with the new
+    weights, and its completions say so (the trainer read the version before the wait: two versions low)."""
+    import threading
+
+    from train.rl.pipeline import LockedEngine
+
+    class Engine:
+        def generate(self, prompts, params):
+            return [Completion([1, 2, 3], "x", [-0.1] * 3, "stop") for _ in prompts]
+
+        def load_weights(self, state_dict, version=None):
+            time.sleep(0.3)
+
+    eng = LockedEngine(Engine(), version=4)
+    assert eng.generate([[1]], None)[0].versions == [4, 4, 4]
+    loading = threading.Thread(target=eng.load_weights, args=({}, 6))
+    loading.start()
+    time.sleep(0.05)
+    assert eng.generate([[1], [2]], None)[1].versions == [6, 6, 6]
+    loading.join()
 
 
 @pytest.mark.parametrize("replay", [True, False])

@@ -4,7 +4,8 @@ policy versions, through a bounded buffer (ZAYA1 section IV-B1; PipelineRL, prim
 A producer thread runs :meth:`RLTrainer.collect` (curriculum, engine, verification, gates, dynamic
 sampling) batch after batch and puts the groups into a :class:`RolloutBuffer`, each tagged with the
 oldest policy version that sampled any of its tokens. :meth:`Pipeline.step` (the trainer) waits
-until ``min_ready_batches`` batches are buffered, takes one batch of groups oldest first, drops
+until ``min_ready_batches`` batches are buffered, takes the oldest batch's groups (as many as it
+put in: a batch dynamic sampling left short takes none of the next one's), drops
 those more than ``max_staleness`` versions behind (counted), updates the policy, and every
 ``sync_every`` steps sends the weights to the engine while generation goes on.
 
@@ -58,6 +59,9 @@ def thread_split(rl: RLTrainer) -> tuple[int, int] | None:
         return None
     k = k or n // 2
     return None if k < 1 or k >= n else (k, n - k)
+
+
+_GROUPS = "_batch_groups"  # key of a pending batch's metrics: how many groups it put in the buffer
 
 
 class RolloutBuffer:
@@ -134,7 +138,7 @@ class Pipeline:
             self._load_state(state)
         self._reported = (self.buffer.dropped_stale, self.buffer.evicted)  # counts up to the last step's metrics
         if not getattr(rl.engine, "supports_inflight_update", False):
-            rl.engine = LockedEngine(rl.engine)
+            rl.engine = LockedEngine(rl.engine, rl.synced_version)
         self._threads_before = torch.get_num_threads()
         self.threads = thread_split(rl)
         self.lent = 0  # update chunks that ran on the producer's threads too (it was waiting)
@@ -175,11 +179,12 @@ class Pipeline:
                 groups, metrics = self.rl.collect()
                 metrics.update(extra or {})
                 metrics["difficulty"] = self.rl.curriculum.difficulties()  # as the sync loop reads it
-                with cond:
+                metrics[_GROUPS] = len(groups)  # the step that trains this batch takes this many groups
+                with cond:  # one critical section: a step never sees a batch's metrics without its groups
                     self._busy_roll += time.perf_counter() - t0
+                    self.buffer.put(groups)
                     self._pending.append(metrics)
                     self._produced += 1
-                self.buffer.put(groups)
         except BaseException as e:  # surfaced by step()
             self._error = e
             with cond:
@@ -199,10 +204,8 @@ class Pipeline:
         self.lent += n > self.threads[1]
 
     def _ready(self) -> bool:
-        # min_ready batches of groups, or of batches that dynamic sampling left short, or the last ones (no more
-        # are coming)
-        return len(self.buffer) >= self.min_ready * self.batch or \
-            len(self._pending) >= self.min_ready or \
+        # min_ready batches, or the last ones (no more are coming)
+        return len(self._pending) >= self.min_ready or \
             (self.batches is not None and self._produced >= self.batches and len(self._pending) > 0)
 
     def step(self) -> dict[str, Any]:
@@ -214,8 +217,10 @@ class Pipeline:
             if self._error is not None:
                 raise RuntimeError(f"rollout producer failed: {self._error}") from self._error
             fill = len(self.buffer) / self.buffer.capacity
-            groups = self.buffer.take(self.batch, rl.step_idx, self.max_staleness)
             rollout_metrics = self._pending.popleft()
+            # the batch's own groups (one dynamic sampling left short takes none of the next batch's, sampled
+            # under the next step's mix and response cap)
+            groups = self.buffer.take(rollout_metrics.pop(_GROUPS, self.batch), rl.step_idx, self.max_staleness)
         m: dict[str, Any] = {"step": rl.step_idx, **rollout_metrics}
         m["groups_trained"] = len(groups)
         difficulty = m.pop("difficulty")
@@ -285,20 +290,31 @@ class Pipeline:
 
 class LockedEngine:
     """An engine that cannot swap weights during ``generate``: a weight load waits for the running
-    ``generate`` call (one rollout round) to return."""
+    ``generate`` call (one rollout round) to return. Completions the engine leaves untagged are tagged
+    with the version of the weights that sampled them, read under the lock (``version``: the engine's
+    at the start; a ``generate`` that waited for a load samples with the loaded weights)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, version: int = 0):
         self.engine, self._lock = engine, threading.Lock()
+        self._version = version
 
     def generate(self, *a, **kw):
+        from train.rl.trainer import engine_version
+
         with self._lock:
-            return self.engine.generate(*a, **kw)
+            out = self.engine.generate(*a, **kw)
+            v = engine_version(self.engine, self._version)
+        for c in out:
+            if getattr(c, "versions", None) is None:
+                c.versions = [v] * len(c.token_ids)
+        return out
 
     def load_weights(self, state_dict, version: int | None = None) -> None:
         from train.rl.trainer import load_weights
 
         with self._lock:
             load_weights(self.engine, state_dict, version if version is not None else 0)
+            self._version = version if version is not None else 0
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
