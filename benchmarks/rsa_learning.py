@@ -74,6 +74,8 @@ ablation's seed 1 above; seed 0 again picks (+10.9). Re-run at 6ebe7cf (2026-12-
 checks for penalties, none here; defaults, 509 s wall): every seed's figures the same as at 0fbd5d7. Re-run at 6f000cc
 (the sampler's min_tokens / logit_bias, none here; defaults, 489 s wall): the same again (``rsa_gain_points`` +10.9 /
 -60.9 / -2.9, median -2.9, min -60.9; ``rsa_vs_ablation_points`` +7.4 / -9.8 / -15.4, median -9.8, min -15.4).
+Re-run at 6cb2d68 (2026-12-06; defaults; 866 s wall, two orphaned processes of an interrupted run sharing the cores
+for part of it): every seed's figures the same again.
 
 Why the goal is not met (what the figures say):
 
