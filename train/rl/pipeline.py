@@ -259,7 +259,7 @@ class Pipeline:
         if len(st["pending"]) != st["ahead"]:
             raise ValueError(f"pipeline state: {len(st['pending'])} batches of metrics for {st['ahead']} batches ahead")
         self.buffer._q = deque(st["queue"])
-        self._pending = deque(st["pending"])
+        self._pending = deque(dict(m) for m in st["pending"])
         self._produced, self._done = int(st["ahead"]), 0
         self.buffer.evicted, self.buffer.dropped_stale = int(st["evicted"]), int(st["dropped_stale"])
 
