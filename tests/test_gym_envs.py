@@ -375,6 +375,51 @@ def test_answer_formats_models_commonly_use():
     assert env.verify(p, boxed(powers)).correct
 
 
+def test_quoted_strings_latex_sets_trailing_periods_and_arrow_paths_are_read():
+    """Strings as the prompts show them (quoted), ``\\texttt``, sets in ``\\{ \\}``, a list ending a sentence, and
+    paths written with arrows or dashes: each scored 0 or -1 before."""
+    for env_id, d in [("gym/min_rotation", 3), ("gym/vigenere_decrypt", 3), ("gym/run_length_encoding", 3)]:
+        env = get_env(env_id)
+        p = env.generate(0, d)
+        for text in (f"'{p.answer}'", f'"{p.answer}"', f"\\texttt{{{p.answer}}}", f"{p.answer}."):
+            assert env.verify(p, boxed(text)).correct, (env_id, text)
+        assert not env.verify(p, boxed(f"'{p.answer}x'")).correct
+    for env_id in ("gym/articulation_points", "gym/sqrt_mod", "gym/sort_numbers"):
+        env = get_env(env_id)
+        p = next(q for q in (env.generate(s, 3) for s in range(20)) if q.answer)
+        listed = ", ".join(map(str, p.answer))
+        for text in (f"\\{{{listed}\\}}", f"{listed}."):
+            assert env.verify(p, boxed(text)).correct, (env_id, text)
+    env = get_env("gym/shortest_path")
+    p = env.generate(1, 3)
+    for sep in (" -> ", " \\to ", "-", " \u2192 "):
+        assert env.verify(p, boxed(sep.join(map(str, p.answer)))).correct, sep
+    assert not env.verify(p, boxed(" -> ".join(map(str, p.answer[::-1])))).correct
+
+
+@pytest.mark.parametrize("env_id", ["gym/count_spanning_trees", "gym/maze_shortest_path", "gym/graphical_sequence",
+                                    "gym/count_shortest_paths", "gym/girth", "gym/divisor_count", "gym/lca_queries",
+                                    "gym/segment_intersection", "gym/max_collinear"])
+def test_no_one_answer_earns_credit_on_most_problems_of_a_level(env_id):
+    """A constant (``16`` spanning trees, ``YES``, girth ``3``, ``4`` divisors) or an answer read off the prompt
+    (a maze's corner-to-corner distance) was right on 60-100% of a level's problems; a policy learns that instead."""
+    from collections import Counter
+
+    env = get_env(env_id)
+    for d in (0, 1, 5, 10):
+        answers = Counter(json.dumps(env.generate(seed, d).answer) for seed in range(150))
+        top, n = answers.most_common(1)[0]
+        assert n / 150 <= 0.6, (env_id, d, top, n)
+    if env_id == "gym/maze_shortest_path":  # nor the length of a straight route from S to E
+        straight = 0
+        for seed in range(150):
+            p = env.generate(seed, 1)
+            rows = p.prompt.split("\n")[1:]
+            (si, sj), (ei, ej) = [next((i, r.index(ch)) for i, r in enumerate(rows) if ch in r) for ch in "SE"]
+            straight += p.answer == abs(si - ei) + abs(sj - ej)
+        assert straight / 150 <= 0.5
+
+
 def test_counting_answers_equal_the_exact_counts_reduced():
     """Catalan numbers and derangements are computed modulo the prime as they go (the exact big
     integers took minutes at difficulty 50); the answers equal the exact counts reduced."""

@@ -92,13 +92,13 @@ class GymEnv(Environment):
         return ["", "I don't know.", boxed("no idea"), *(f"Answer: {boxed(w)}" for w in self.wrong_answers(problem))]
 
 
-_LATEX_NOISE = re.compile(r"\\text\s*\{([^{}]*)\}|\\mathrm\s*\{([^{}]*)\}")
+_LATEX_NOISE = re.compile(r"\\(?:text|mathrm|texttt|textbf|mathtt|mathbf)\s*\{([^{}]*)\}")
 
 
 def _clean(text: str) -> str:
-    text = _LATEX_NOISE.sub(lambda m: m.group(1) or m.group(2) or "", text)
+    text = _LATEX_NOISE.sub(lambda m: m.group(1), text)
     text = text.replace("$", "").replace("\\,", "").replace("\\!", "").replace("\\ ", " ")
-    text = text.replace("\\left", "").replace("\\right", "")
+    text = text.replace("\\left", "").replace("\\right", "").replace("\\{", "{").replace("\\}", "}")
     return text.strip()
 
 
@@ -126,12 +126,22 @@ _LIST_OK = re.compile(r"[\d\s,;()\[\]{}+-]*")
 def parse_int_list(text: str, signed: bool = True) -> list[int]:
     """Integers separated by spaces/commas/semicolons, optionally in brackets. ``signed=False``
     treats '-' as a separator (so ``1-2, 2-3`` reads as 1 2 2 3)."""
+    text = text.rstrip().removesuffix(".")  # "1, 2, 3." as "42." is 42
     if not _LIST_OK.fullmatch(text):
         raise ParseError(f"expected a list of integers, got {text[:40]!r}")
     toks = re.findall(r"[+-]?\d+" if signed else r"\d+", text)
     if any(len(t.lstrip("+-")) > 1 and t.lstrip("+-")[0] == "0" for t in toks):
         raise ParseError("integers with leading zeros")
     return [int(x) for x in toks]
+
+
+_ARROWS = re.compile(r"\\to\b|\\rightarrow\b|->|\u2192")
+
+
+def parse_path(text: str) -> list[int]:
+    """A path of vertices (non-negative integers) written with spaces, commas, dashes or arrows (``0 -> 3 -> 2``,
+    ``0 \\to 3``, ``0-3-2``)."""
+    return parse_int_list(_ARROWS.sub(" ", text), signed=False)
 
 
 def parse_groups(text: str, k: int, signed: bool = False) -> list[tuple[int, ...]]:
@@ -259,6 +269,7 @@ class StrAnswer(GymEnv):
 
     def parse(self, text, problem):
         t = " ".join(text.split()).removesuffix(".").rstrip()  # "YES." is YES, as the integer answers take "42."
+        t = unquote(t, str(problem.answer))
         if not t:
             raise ParseError("empty answer")
         return t.lower() if self.fold_case else t
@@ -271,6 +282,25 @@ class StrAnswer(GymEnv):
         a = str(problem.answer)
         flipped = a[:-1] + ("b" if a[-1:] != "b" else "c") if a else "x"
         return [flipped, a + a[:1] if a else "y", a[::-1] + "z"]
+
+
+def balanced(rng: random.Random, draw, common, keep: float = 0.25, tries: int = 40):
+    """``draw()`` (a ``build``'s output) again while its answer is ``common`` (a predicate on the answer), keeping
+    a common one with probability ``keep`` (and the last draw after ``tries``), so that no constant answer earns
+    credit on most problems of a level."""
+    for _ in range(tries):
+        out = draw()
+        if not common(out[1]) or rng.random() < keep:
+            return out
+    return out
+
+
+def unquote(text: str, ref: str) -> str:
+    """``text`` without the quotes around it (``'abc'``, ``"abc"``: the prompts show strings quoted), unless the
+    reference answer is itself quoted."""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"" and ref[:1] != text[0]:
+        return text[1:-1].strip()
+    return text
 
 
 def mismatch_fraction(value: Sequence, ref: Sequence) -> float:

@@ -224,7 +224,14 @@ class SegmentIntersection(ListAnswer):
 
     def build(self, rng, d):
         r = 5 + 2 * d
-        pairs = [_pts(rng, 4, r) for _ in range(3 + d // 2)]
+        pairs = []
+        for _ in range(3 + d // 2):  # each pair meets or not with even odds (random segments mostly miss)
+            want = rng.random() < 0.5
+            for _ in range(40):
+                p = _pts(rng, 4, r)
+                if segments_intersect(*p) == want:
+                    break
+            pairs.append(p)
         shown = "; ".join(f"[{_show(p[:2])}] and [{_show(p[2:])}]" for p in pairs)
         return (f"For each pair of closed segments {shown}, answer 1 if they share at least one point, else 0, separated "
                 f"by spaces.", [int(segments_intersect(*p)) for p in pairs])
@@ -273,7 +280,7 @@ class MaxCollinear(IntAnswer):
         pts = set(_pts(rng, grow(5, d, 1.1, 1), r))
         x, y = rng.randint(-r, r), rng.randint(-r, r)
         dx, dy = rng.choice([(1, 0), (0, 1), (1, 1), (1, -1), (1, 2), (2, 1)])
-        pts |= {(x + k * dx, y + k * dy) for k in range(rng.randint(2, 3 + d // 3))}
+        pts |= {(x + k * dx, y + k * dy) for k in range(rng.randint(3, 4 + d // 2))}
         pts = sorted(pts)
         rng.shuffle(pts)
         best = 1

@@ -10,8 +10,8 @@ from collections import deque
 
 from envs.base import register
 from envs.gym._util import (
-    INVALID, MOD, GymEnv, IntAnswer, ListAnswer, StrAnswer, fmt_edges, fmt_list, grow,
-    parse_groups, parse_int_list, random_connected_graph, random_tree,
+    INVALID, MOD, GymEnv, IntAnswer, ListAnswer, StrAnswer, balanced, fmt_edges, fmt_list, grow,
+    parse_groups, parse_int_list, parse_path, random_connected_graph, random_tree,
 )
 
 F = "graphs"
@@ -123,7 +123,7 @@ class ShortestPath(_ValidityGraphEnv):
                 f"separated by spaces.", path[::-1], {"n": n, "edges": edges, "dist": dist[t]})
 
     def parse(self, text, problem):
-        return parse_int_list(text)
+        return parse_path(text)
 
     def grade(self, problem, value):
         m = problem.meta
@@ -565,7 +565,7 @@ class EulerPath(_ValidityGraphEnv):
                 f"visited vertices separated by spaces.", walk, {"edges": edges})
 
     def parse(self, text, problem):
-        return parse_int_list(text)
+        return parse_path(text)
 
     def grade(self, problem, value):
         edges = {tuple(e) for e in problem.meta["edges"]}
@@ -584,8 +584,12 @@ class LCAQueries(ListAnswer):
     family, description = F, "Lowest common ancestors in a rooted tree."
 
     def build(self, rng, d):
+        return balanced(rng, lambda: self._draw(rng, d), lambda ans: not any(ans))
+
+    def _draw(self, rng, d):
         n = _n(d, 6)
-        par = [-1] + [rng.randrange(i) for i in range(1, n)]
+        # half the vertices hang below one of the last three (deep branches: not every LCA is the root)
+        par = [-1] + [rng.randrange(max(0, i - 3) if rng.random() < 0.5 else 0, i) for i in range(1, n)]
         depth = [0] * n
         for i in range(1, n):
             depth[i] = depth[par[i]] + 1
@@ -723,8 +727,11 @@ class Girth(IntAnswer):
     family, description = F, "Length of the shortest cycle of an undirected graph."
 
     def build(self, rng, d):
+        return balanced(rng, lambda: self._draw(rng, d), lambda ans: ans == 3)
+
+    def _draw(self, rng, d):
         n = _n(d, 5)
-        edges = random_connected_graph(rng, n, n + 1 + d // 3)
+        edges = random_connected_graph(rng, n, rng.randint(n, n + 1 + d // 3))  # n edges: one cycle, of any length
         adj = adj_list(n, edges)
         best = None
         for s in range(n):
@@ -749,22 +756,34 @@ class MazeShortestPath(IntAnswer):
 
     def build(self, rng, d):
         r, c = grow(4, d, 1.08, 0.6), grow(5, d, 1.08, 0.6)
+        # most open mazes have a straight route from S to E, whose length the prompt gives away (corner to corner:
+        # r + c - 2 at almost every seed): those are kept one time in twenty
+        for _ in range(40):
+            prompt, answer, straight = self._draw(rng, r, c)
+            if not straight or rng.random() < 0.05:
+                break
+        return prompt, answer
+
+    def _draw(self, rng, r, c):
         while True:
-            g = [["#" if rng.random() < 0.3 else "." for _ in range(c)] for _ in range(r)]
-            g[0][0], g[-1][-1] = "S", "E"
-            dist = {(0, 0): 0}
-            q = deque([(0, 0)])
+            wall = rng.uniform(0.2, 0.45)
+            g = [["#" if rng.random() < wall else "." for _ in range(c)] for _ in range(r)]
+            s, e = rng.sample([(i, j) for i in range(r) for j in range(c)], 2)
+            g[s[0]][s[1]], g[e[0]][e[1]] = "S", "E"
+            dist = {s: 0}
+            q = deque([s])
             while q:
                 i, j = q.popleft()
                 for a, b in ((i + 1, j), (i - 1, j), (i, j + 1), (i, j - 1)):
                     if 0 <= a < r and 0 <= b < c and g[a][b] != "#" and (a, b) not in dist:
                         dist[(a, b)] = dist[(i, j)] + 1
                         q.append((a, b))
-            if (r - 1, c - 1) in dist:
+            if e in dist:
                 break
         maze = "\n".join("".join(row) for row in g)
+        straight = dist[e] == abs(s[0] - e[0]) + abs(s[1] - e[1])
         return (f"In the maze below you move up/down/left/right through '.' cells, never through '#'. What is the "
-                f"minimum number of moves from S to E?\n{maze}", dist[(r - 1, c - 1)])
+                f"minimum number of moves from S to E?\n{maze}", dist[e], straight)
 
 
 def det_mod(m, p=MOD):
@@ -791,8 +810,8 @@ class CountSpanningTrees(IntAnswer):
     family, description = F, "Number of spanning trees (matrix-tree theorem)."
 
     def build(self, rng, d):
-        n = 3 + d // 2
-        edges = random_connected_graph(rng, n, int(n * 1.6))
+        n = 5 + d // 2  # fewer than all n (n - 1) / 2 edges (K3 and K4 at every seed made one answer per level)
+        edges = random_connected_graph(rng, n, rng.randint(n, min(int(n * 1.6), n * (n - 1) // 2 - 1)))
         lap = [[0] * n for _ in range(n)]
         for u, v in edges:
             lap[u][u] += 1
@@ -829,6 +848,9 @@ class CountShortestPaths(IntAnswer):
     family, description = F, "Number of distinct shortest paths in an unweighted graph."
 
     def build(self, rng, d):
+        return balanced(rng, lambda: self._draw(rng, d), lambda ans: ans == 1)
+
+    def _draw(self, rng, d):
         n = _n(d, 6)
         edges = random_connected_graph(rng, n, int(n * 1.8))
         adj = adj_list(n, edges)
@@ -844,28 +866,42 @@ class CountShortestPaths(IntAnswer):
                 f"Give the answer modulo 1000000007.", ways[t] % MOD)
 
 
+def _graphical(deg: list[int]) -> bool:
+    """Erdos-Gallai: the degrees of some simple graph."""
+    ds, n = sorted(deg, reverse=True), len(deg)
+    return sum(ds) % 2 == 0 and all(sum(ds[:k]) <= k * (k - 1) + sum(min(x, k) for x in ds[k:]) for k in range(1, n + 1))
+
+
 @register("gym/graphical_sequence")
 class GraphicalSequence(StrAnswer):
     family, description, fold_case = F, "Is a degree sequence graphical (Erdos-Gallai)? YES/NO.", True
 
     def build(self, rng, d):
         n = _n(d, 5)
-        deg = [0] * n
-        for _ in range(int(n * 1.5)):
-            u, v = rng.sample(range(n), 2)
+        edges = {tuple(sorted(rng.sample(range(n), 2))) for _ in range(int(n * 1.5))}
+        deg = [0] * n  # a simple graph's degrees: graphical
+        for u, v in edges:
             deg[u] += 1
             deg[v] += 1
-        if rng.random() < 0.5:
-            i = rng.randrange(n)
-            deg[i] += rng.choice([2, 2 * n]) if rng.random() < 0.5 else 0
-            deg[rng.randrange(n)] += 1
-            deg[rng.randrange(n)] += 1
-        ds = sorted(deg, reverse=True)
-        ok = sum(ds) % 2 == 0 and all(
-            sum(ds[:k]) <= k * (k - 1) + sum(min(x, k) for x in ds[k:]) for k in range(1, n + 1))
+        if rng.random() < 0.5:  # NO, with an even sum and every degree < n (no parity or size shortcut):
+            for _ in range(30):  # degrees moved at random until Erdos-Gallai fails, ...
+                i, j = rng.sample(range(n), 2)
+                deg[i] += 1
+                deg[j] += -1 if deg[j] > 0 and rng.random() < 0.5 else 1
+                if max(deg) >= n or not _graphical(deg):
+                    break
+            if max(deg) >= n or _graphical(deg):  # ... or k vertices adjacent to all others and one of degree < k
+                k = rng.randint(2, max(2, n // 3))
+                *top, low = rng.sample(range(n), k + 1)
+                deg = [min(x, n - 1) for x in deg]
+                for i in top:
+                    deg[i] = n - 1
+                deg[low] = rng.randint(0, k - 1)
+                if sum(deg) % 2:
+                    deg[low] += 1 if deg[low] < k - 1 else -1
         rng.shuffle(deg)
         return (f"Is there a simple undirected graph whose vertex degrees are exactly {fmt_list(deg, ', ')}? "
-                f"Answer YES or NO.", "YES" if ok else "NO")
+                f"Answer YES or NO.", "YES" if _graphical(deg) else "NO")
 
     def wrong_answers(self, problem):
         return ["NO" if problem.answer == "YES" else "YES", "MAYBE"]

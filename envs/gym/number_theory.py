@@ -123,7 +123,9 @@ class DivisorCount(IntAnswer):
     family, description = F, "Number of positive divisors of an integer."
 
     def build(self, rng, d):
-        n = _smooth(rng, 2 + d)
+        # exponents drawn, not a product of a few primes (almost always squarefree: 4 divisors at difficulty 0)
+        primes = rng.sample((2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47), rng.randint(1, 2 + d // 3))
+        n = math.prod(q ** rng.randint(1, 2 + d // 2) for q in primes)
         return f"How many positive divisors does {n} have?", math.prod(e + 1 for e in factorize(n).values())
 
 

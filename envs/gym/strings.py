@@ -26,7 +26,8 @@ class _SubstringAnswer(GymEnv):
     """The answer is a substring with a property; graded by validity and (length/optimum)^5."""
 
     def parse(self, text, problem):
-        t = text.strip().strip("'\"")
+        # the answers are letters: a final period ends the sentence, quotes are how the prompt shows strings
+        t = text.strip().removesuffix(".").strip().strip("'\"").removesuffix(".")
         if not t or len(t) > 10_000:
             raise ParseError("expected a non-empty string")
         return t
@@ -97,7 +98,7 @@ class RunLengthEncoding(StrAnswer):
                 f"(e.g. aaab -> a3b1), with no separators.", "".join(out))
 
     def parse(self, text, problem):
-        return "".join(text.split()).strip("'\"")
+        return "".join(text.split()).removesuffix(".").strip("'\"").removesuffix(".")
 
 
 @register("gym/anagram_pairs")
