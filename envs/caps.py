@@ -10,7 +10,7 @@ searches for puzzles with a minimum number of moves and may not return). Two saf
   :func:`envs.base.get_env` reads the file and lowers the environment's ``max_difficulty`` to the
   cap, so curricula never schedule a capped level.
 * **A bound at run time.** Environments that set ``generate_time_limit`` (the third-party
-  adapters ``rg/``, ``rlve/``, ``rc/``) get a ``generate`` that waits at most that long; past it,
+  adapters ``rg/``, ``rlve/``, ``rc/``, and ``gym/``) get a ``generate`` that waits at most that long; past it,
   the problem is generated one level lower, and the level is capped for the rest of the process;
   at difficulty 0 another seed is drawn (three times, then an error). The environment's one-time
   ``prepare()`` (importing a third-party task) runs before the clock starts. The overdue call is

@@ -420,6 +420,17 @@ def test_no_one_answer_earns_credit_on_most_problems_of_a_level(env_id):
         assert straight / 150 <= 0.5
 
 
+def test_every_gym_generator_is_bounded_in_time_at_run_time(monkeypatch):
+    """Past difficulty ~40 some exact solvers take seconds to minutes (partitions_at_most_k, stirling1,
+    inclusion_exclusion): a run reaching such a level gets the level below and a cap (envs/caps.py), not a stall."""
+    monkeypatch.delenv("CASCADE_NO_DIFFICULTY_CAPS", raising=False)
+    for env_id in gym_env_ids():
+        env = get_env(env_id)
+        assert env.generate_time_limit == 10.0 and hasattr(env.generate, "__wrapped__"), env_id
+    env = get_env("gym/divisor_count")  # its primes are drawn without replacement: at most all 15 of them
+    assert env.generate(0, 60).answer > 0
+
+
 def test_counting_answers_equal_the_exact_counts_reduced():
     """Catalan numbers and derangements are computed modulo the prime as they go (the exact big
     integers took minutes at difficulty 50); the answers equal the exact counts reduced."""

@@ -42,6 +42,10 @@ class GymEnv(Environment):
     """Base of the gym environments: generation from ``build``, parsing and grading in ``check``."""
 
     family = "misc"
+    # sizes grow without bound with the difficulty, and some generators' exact solvers with them (a counting DP
+    # takes seconds past difficulty ~40): a generate that takes longer makes the problem one level lower and caps
+    # the level for the run (envs/caps.py), as for the third-party adapters
+    generate_time_limit = 10.0
 
     # -- to implement -----------------------------------------------------------------------
     def build(self, rng: random.Random, d: int):
