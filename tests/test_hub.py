@@ -303,6 +303,16 @@ def test_sft_from_messages_and_mapped_columns(offline_cache, tiny_dense_dir, tmp
     bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}))
     with pytest.raises(ValueError, match="must end with an assistant message"):
         load_pairs(bad)
+    # TRL's conversational prompt-completion rows are chat examples; a null is an error naming its row (it was
+    # trained on as the text "None")
+    conv = tmp_path / "conv.jsonl"
+    conv.write_text(json.dumps({"prompt": [{"role": "user", "content": "hi"}],
+                                "completion": [{"role": "assistant", "content": "yo"}]}))
+    assert load_pairs(conv, columns={"response": "completion"}) == [([{"role": "user", "content": "hi"}], "yo")]
+    nulls = tmp_path / "nulls.jsonl"
+    nulls.write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n" + json.dumps({"prompt": "c", "response": None}))
+    with pytest.raises(ValueError, match="row 1: response must be a string"):
+        load_pairs(nulls)
     # a training step on chat-format examples
     sft = SFTTrainer(load_pretrained(tiny_dense_dir), tok, SFTConfig(steps=1, batch_size=3, micro_batch_size=3))
     m = sft.step(sft.encode(pairs))

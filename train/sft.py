@@ -120,7 +120,22 @@ def load_pairs(path: str | Path, columns: dict | str | None = None, split: str =
                          f" columns.response=COLUMN or columns.messages=COLUMN")
     rows = table_rows(ds, {"prompt": cols["prompt"], "response": cols["response"]}, ["prompt", "response"], path,
                       "SFT data")
-    return [(str(r["prompt"]), str(r["response"])) for r in rows]
+    return [_pair(r["prompt"], r["response"], f"SFT data {str(path)!r} row {i}") for i, r in enumerate(rows)]
+
+
+def _pair(prompt, response, where: str) -> tuple[str | list[dict], str]:
+    """A (prompt, response) row: strings, or TRL's conversational prompt-completion form (the prompt a list of
+    messages, the completion one assistant message); anything else (a null, a number) is an error naming the row,
+    not a target text such as ``"None"``."""
+    if isinstance(prompt, (list, tuple)) or isinstance(response, (list, tuple)):
+        resp = list(response) if isinstance(response, (list, tuple)) else [{"role": "assistant", "content": response}]
+        ctx = list(prompt) if isinstance(prompt, (list, tuple)) else [{"role": "user", "content": prompt}]
+        return _messages(ctx + resp, where)
+    for name, v in (("prompt", prompt), ("response", response)):
+        if not isinstance(v, str):
+            raise ValueError(f"{where}: {name} must be a string (or, for chat, a list of messages), "
+                             f"got {type(v).__name__} {v!r:.40}")
+    return prompt, response
 
 
 def prompt_ids(tokenizer, prompt: str | list[dict], chat: bool, system: str | None) -> list[int]:
