@@ -77,3 +77,20 @@ def test_an_example_whose_prompt_encodes_to_nothing_is_refused(tiny_dense_dir):
     assert len(sft.encode([("2 + 2 =", "4")])) == 1
     with pytest.raises(ValueError, match="prompt encodes to no tokens"):
         sft.encode([("", "an answer")])
+
+
+def test_a_decaying_schedule_without_total_steps_runs_over_the_trainers_steps(tiny_dense_dir):
+    """``sft.optim.schedule=cosine`` with no ``total_steps`` kept the peak learning rate for the whole warm-up."""
+    from train.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_dense_dir)
+    lrs = {}
+    for schedule in ("cosine", "constant"):
+        cfg = SFTConfig(steps=5, optim=OptimConfig(lr=1e-3, schedule=schedule, warmup_steps=1, min_lr_ratio=0.1))
+        sft = SFTTrainer(load_pretrained(tiny_dense_dir), tok, cfg)
+        lrs[schedule] = []
+        for _ in range(5):
+            sft.sched.step()
+            lrs[schedule].append(sft.opt.param_groups[0]["lr"])
+    assert lrs["constant"] == [1e-3] * 5
+    assert lrs["cosine"][-1] == pytest.approx(1e-4) and lrs["cosine"] == sorted(lrs["cosine"], reverse=True)
