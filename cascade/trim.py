@@ -28,7 +28,11 @@ def trim_response(tok, response: str, budget: int) -> str | None:
         return None
     ids = tok.encode(think, add_special_tokens=False, verbose=False)[:room]
     while ids:
-        cut = head + "<think>" + tok.decode(ids) + "</think>" + answer
+        text = tok.decode(ids)
+        if text.endswith("\ufffd"):  # a cut inside a character's bytes (byte-level BPE): not a character to learn
+            ids = ids[:-1]
+            continue
+        cut = head + "<think>" + text + "</think>" + answer
         if _n(tok, cut) <= budget:  # re-tokenisation at the seams can differ by a token
             return cut
         ids = ids[:-1]
@@ -39,11 +43,9 @@ def trim_messages(tok, messages: list[dict], budget: int, render) -> list[dict] 
     """Multi-turn trimming; ``render(messages) -> str`` gives the text whose tokens count."""
     if _n(tok, render(messages)) <= budget:
         return messages
-    msgs = [dict(m) for m in messages]
-    last_asst = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
-    for i, m in enumerate(msgs):
-        if m["role"] == "assistant" and i != last_asst:
-            m["content"] = _THINK.sub("", m["content"]).lstrip()
+    last_asst = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+    msgs = drop_thinking(messages[:last_asst]) + [dict(m) for m in messages[last_asst:]] if last_asst is not None \
+        else drop_thinking(messages)
     if _n(tok, render(msgs)) <= budget:
         return msgs
     if last_asst is None:
@@ -56,10 +58,19 @@ def trim_messages(tok, messages: list[dict], budget: int, render) -> list[dict] 
     return msgs if _n(tok, render(msgs)) <= budget else None
 
 
+def drop_thinking(messages: list[dict]) -> list[dict]:
+    """The messages with their assistant turns' think blocks dropped (their answers kept)."""
+    return [dict(m, content=_THINK.sub("", m["content"]).lstrip()) if m["role"] == "assistant" else dict(m)
+            for m in messages]
+
+
 def trim_pairs(tok, pairs: list[tuple[str, str]], budget: int, prompt_len) -> tuple[list[tuple[str, str]], int]:
-    """Trim SFT (prompt, response) pairs to ``budget`` tokens in all; returns (kept, dropped)."""
+    """Trim SFT (prompt, response) pairs to ``budget`` tokens in all; returns (kept, dropped). A chat context (a
+    list of messages: multi-turn) too long with its response loses its earlier turns' think blocks first."""
     kept, dropped = [], 0
     for p, r in pairs:
+        if isinstance(p, list) and prompt_len(p) + _n(tok, r) > budget:
+            p = drop_thinking(p)
         cut = trim_response(tok, r, budget - prompt_len(p))
         if cut is None:
             dropped += 1

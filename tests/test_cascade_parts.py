@@ -48,6 +48,20 @@ def test_trim_multi_turn_drops_earlier_think_blocks_first(tok):
     assert trim_messages(tok, msgs, 3, render) is None
     kept, dropped = trim_pairs(tok, [("p", msgs[3]["content"]), ("p", "no think block " * 20)], 12, lambda p: 1)
     assert dropped == 1 and kept[0][1].endswith("A2")
+    # an SFT pair whose prompt is a chat context: its earlier turns' thinking goes first (the pair was dropped)
+    ctx, last = msgs[:3], msgs[3]["content"]
+    budget = n(tok, render(msgs)) - 60
+    (kept_ctx, kept_resp), = trim_pairs(tok, [(ctx, last)], budget, lambda p: n(tok, render(p)))[0]
+    assert kept_ctx[1]["content"] == "A1" and kept_resp == last and ctx[1]["content"].startswith("<think>")
+
+
+def test_trim_never_cuts_inside_a_character(tok):
+    """The think block is cut at a token boundary; a byte-level token boundary inside a character decoded to
+    U+FFFD, which the SFT data then taught."""
+    response = "<think>" + "🙂🚀✨ " * 30 + "</think>\n\nso \\boxed{7}"
+    for budget in range(n(tok, "<think></think>\n\nso \\boxed{7}"), n(tok, response)):
+        cut = trim_response(tok, response, budget)
+        assert cut is not None and "\ufffd" not in cut and cut.endswith("so \\boxed{7}") and n(tok, cut) <= budget
 
 
 class _C:
