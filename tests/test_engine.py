@@ -257,6 +257,45 @@ def test_sampler_draws_from_the_shaped_distribution():
         assert lp.shape == (1,) and lp.item() <= 0
 
 
+def test_truncation_is_applied_in_vllms_order():
+    """min-p, then top-k / top-p (vLLM v1's sampler): top-p over what min-p left. (Applied last, min-p kept a token
+    that a vLLM server's top-p drops: the two sampled different distributions.)"""
+    from train.engine.sampling import shape_logits
+
+    logits = torch.tensor([[0.4, 0.3, 0.2, 0.1]]).log()
+    probs = torch.softmax(shape_logits(logits, SamplingParams(top_p=0.75, min_p=0.3)), -1)[0]
+    assert torch.allclose(probs, torch.tensor([4 / 7, 3 / 7, 0.0, 0.0]))
+
+
+def test_tokens_of_tiny_probability_are_drawn_with_their_probability(monkeypatch):
+    """A peaked row of a large vocabulary (top token 0.99): every tail token owns its slice of [0, 1), so a
+    uniform in the middle of a slice draws that token, in the PyTorch path (with top-p too) as in the native op.
+    With an fp32 running sum, tokens under ~3e-8 had no slice (never drawn) and their mass went to others."""
+    import numpy as np
+
+    import train.engine.sampling as S
+
+    V = 150_000
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(V, generator=g) * 2
+    logits[7] = 22.0
+    probs = torch.softmax(logits.double(), -1)
+    small = torch.nonzero((probs > 1e-11) & (probs < 3e-8))[:, 0]
+    tail = small[torch.linspace(0, len(small) - 1, 10).long()].tolist()
+    assert probs[7] > 0.99 and len(tail) == 10
+    for p in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=V - 1)):
+        # the slices as the sampler lays them out: its (fp32) probabilities, end to end
+        shaped = torch.softmax(S.shape_logits(logits[None], p), -1)[0] if S.truncates(p) else \
+            torch.log_softmax(logits, -1).exp()
+        edges = torch.cat([torch.zeros(1, dtype=torch.float64), shaped.double().cumsum(-1)])
+        assert all(edges[j + 1] - edges[j] > 0.5 * probs[j] for j in tail)  # each slice about its probability
+        mids = np.array([float((edges[j] + edges[j + 1]) / 2 / edges[-1]) for j in tail])
+        monkeypatch.setattr(S, "uniforms", lambda seeds, step: mids)
+        tok, lp = S.sample(logits.expand(len(tail), -1).contiguous(), p, np.zeros(len(tail), np.uint64))
+        assert tok.tolist() == tail, p
+        assert torch.allclose(lp.double(), probs[tail].log(), atol=1e-4)
+
+
 def test_stop_tokens_and_strings(engine):
     p = _prompts(engine)[:1]
     ref = engine.generate(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]

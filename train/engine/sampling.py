@@ -92,8 +92,13 @@ class LogitsProcessors:
 
 
 def shape_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Temperature-scaled logits with top-k / top-p / min-p truncation applied (-inf outside)."""
+    """Temperature-scaled logits with min-p, then top-k, then top-p truncation applied (-inf outside), in vLLM
+    v1's order (its sampler: temperature, min-p, top-k/top-p), so a vLLM server and this engine sample one
+    distribution."""
     x = logits / p.temperature
+    if p.min_p > 0.0:
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < p.min_p * probs.max(-1, keepdim=True).values, _MASK)
     if p.top_k and p.top_k < x.shape[-1]:
         kth = torch.topk(x, p.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, _MASK)
@@ -104,9 +109,6 @@ def shape_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         drop_sorted = before >= p.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, _MASK)
-    if p.min_p > 0.0:
-        probs = torch.softmax(x, dim=-1)
-        x = x.masked_fill(probs < p.min_p * probs.max(-1, keepdim=True).values, _MASK)
     return x
 
 
@@ -144,11 +146,12 @@ def sample(logits: torch.Tensor, p: SamplingParams, seeds: np.ndarray | None = N
     else:
         logp = torch.log_softmax(logits / p.temperature, dim=-1)
         probs = torch.softmax(shape_logits(logits, p), dim=-1) if truncates(p) else logp.exp()
-        u = torch.from_numpy(uniforms(seeds, step)).to(device=probs.device, dtype=probs.dtype)
-        cdf = probs.cumsum(-1)
+        u = torch.from_numpy(uniforms(seeds, step)).to(device=probs.device, dtype=torch.float64)
+        # the running sum in float64, as the native op keeps it: in fp32, near 1 it cannot grow by a probability
+        # under ~3e-8, so such tokens were never drawn and their mass went to a few others (up to 1000x too often)
+        cdf = probs.double().cumsum(-1)
         tok = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
-        # never pick a token that truncation removed (possible only through rounding at the edges)
+        # never pick a token that truncation removed (possible only through rounding at the edges; no host sync)
         zero = probs.gather(-1, tok[:, None]).squeeze(-1) == 0
-        if bool(zero.any()):
-            tok = torch.where(zero, probs.argmax(-1), tok)
+        tok = torch.where(zero, probs.argmax(-1), tok)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
