@@ -627,8 +627,8 @@ class ChatBackend(OpenAIBackend):
     message and, where a prompt continues after it (Delethink chunks, final answers), that text as
     an assistant message to continue (``continue_final_message``, a vLLM/SGLang extension). A reply's
     ``reasoning_content`` (servers with a reasoning parser) is put back as thinking before its content
-    (:func:`reply_text`: ``</think>`` only where the model wrote one). Token counts of prompts are the local tokenizer's (the server's ``usage`` is
-    kept separately)."""
+    (:func:`reply_text`: ``</think>`` only where the model wrote one). Token counts of prompts are the local
+    tokenizer's (the server's ``usage`` is kept separately)."""
 
     def __init__(self, base_url: str, model: str | None = None, tokenizer=None, **kw):
         if tokenizer is None:
