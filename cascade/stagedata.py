@@ -38,8 +38,9 @@ def stage_mixes(s: StageConfig, name: str = "") -> list[dict[str, float]]:
         if any(not float(w) >= 0 for w in m.values()) or not sum(m.values()) > 0:
             from train.dataclass_config import ConfigError
 
-            raise ConfigError(f"{f'stages.{name}.' if name else ''}phases[{i}]: its weights must be >= 0 with a positive sum (a phase samples from its "
-                              f"own mix); got {m}")
+            where = f"stages.{name}.phases[{i}]" if name else f"phases[{i}]"
+            raise ConfigError(f"{where}: its weights must be >= 0 with a positive sum (a phase samples from its own "
+                              f"mix); got {m}")
     return mixes
 
 
