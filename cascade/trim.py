@@ -44,8 +44,8 @@ def trim_messages(tok, messages: list[dict], budget: int, render) -> list[dict] 
     if _n(tok, render(messages)) <= budget:
         return messages
     last_asst = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
-    msgs = drop_thinking(messages[:last_asst]) + [dict(m) for m in messages[last_asst:]] if last_asst is not None \
-        else drop_thinking(messages)
+    end = last_asst if last_asst is not None else len(messages)  # the earlier turns lose their thinking first
+    msgs = drop_thinking(messages[:end]) + [dict(m) for m in messages[end:]]
     if _n(tok, render(msgs)) <= budget:
         return msgs
     if last_asst is None:
