@@ -35,6 +35,7 @@ orthogonalised every matrix), runs interleaved with the current code's (commit 3
 | dd837b4 (2026-12-04: the master slice built per parameter, construction only) | 2 | 1 | 1.01 | 0.89 | 0.74-0.75 | 0.89 | 14, 14 |
 | 0fbd5d7 (2026-12-05, another machine: the RL step's metrics path) | 2 | 1 | 0.84 | 0.64 | 0.51 | 0.53 | 14, 14 |
 | 6f000cc (2026-12-05, later: RLUpdater's recompute branch, off this path) | 2 | 1 | 0.83 | 0.64 | 0.50-0.51 | 0.52 | 14, 14 |
+| cc178f2 (2026-12-06: nothing on this path changed) | 2 | 1 | 0.85 | 0.64 | 0.51 | 0.53 | 14, 14 |
 
 Muon bytes sent per rank per step over the TSP group: 23.05 MB measured, 23.05 MB by the formula,
 in every run (at D = 2 the two all-to-alls move what the former all-gather did; at D = 4 half).

@@ -150,6 +150,10 @@ At 9a464f0 (2026-12-06: the update moves each micro-batch's gradients into fp32 
 grad_norm is the mean over optimizer steps; one session's machine ~30% slower than the last; 3 runs): 0.88, 1.02,
 0.86 (median 0.88, min 0.86; sync 1.54-1.92 steps/s, async 1.36-1.81; ``overlap_ceiling_lending`` 1.22-1.32, any
 mix 1.48-1.74; rollout s / update s (sync) 0.15-0.20 / 0.37-0.44); max_lag_seen 2.
+At cc178f2 (2026-12-06, later: a step trains exactly its own batch, the producer buffering a batch's groups and
+recording it in one critical section; alone, 3 runs): 1.04, 1.02, 0.94 (median 1.02, min 0.94; sync 2.47-2.53
+steps/s, async 2.37-2.58; ``overlap_ceiling_lending`` 1.15, any mix 1.33-1.35; rollout s / update s (sync)
+0.10-0.11 / 0.29-0.30); max_lag_seen 2, no group dropped as stale.
 
 The goal (>= 1.5 against the best synchronous setting, here 2 threads) is not met: median 1.24 by
 default and 1.27 with long-tailed responses (one run of twelve above 1.5). Lending the producer's
