@@ -91,6 +91,25 @@ def test_generation_is_fast_at_low_difficulty():
     assert not slow, slow
 
 
+def test_counting_generators_stay_quick_at_high_difficulty(monkeypatch):
+    """Exponential sizes made these exact solvers take minutes past difficulty ~40 (2^27 subsets for
+    inclusion_exclusion, an O(n k) table with n ~ 8 * 1.25^d for partitions): sizes now grow polynomially and
+    inclusion-exclusion walks only subsets whose lcm is at most N. Checked against brute force on small N."""
+    monkeypatch.setenv("CASCADE_NO_DIFFICULTY_CAPS", "1")  # the generator itself, not the run-time bound
+    for env_id in ("gym/inclusion_exclusion", "gym/partitions_at_most_k", "gym/stirling1", "gym/stirling2"):
+        env = get_env(env_id)
+        t0 = time.perf_counter()
+        for seed in range(2):
+            env.generate(seed, 60)
+        assert time.perf_counter() - t0 < 10, env_id
+    env = get_env("gym/inclusion_exclusion")
+    for seed in range(30):
+        p = env.generate(seed, seed % 4)
+        n = int(re.search(r"\[1, (\d+)\]", p.prompt).group(1))
+        ds = [int(x) for x in p.prompt.split("one of ")[1].split("?")[0].split(", ")]
+        assert p.answer == sum(any(v % x == 0 for x in ds) for v in range(1, n + 1)), (seed, ds, n)
+
+
 JUNK = ["", "abc", "1/0", "\\frac{1}{0}", "9" * 5000, " ".join(["1"] * 20000), "1;" * 20000, "(" * 300 + "1" + ")" * 300,
         "-" * 100, "A=1, B=2", "UDLR" * 1000, "K N", "[[1,2],[3,4]]", "2^100000", "1,000,000",
         "((1+2)*3)/0", "x" * 100_001]

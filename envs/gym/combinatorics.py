@@ -98,7 +98,7 @@ class PartitionsAtMostK(IntAnswer):
     family, description = F, "Integer partitions of n into at most k parts."
 
     def build(self, rng, d):
-        n = rng.randint(4 + d, grow(8, d, 1.25, 3))
+        n = rng.randint(4 + d, 8 + 3 * d + d * d // 4)  # polynomial: the O(n k) DP stays under a second to d ~ 80
         k = rng.randint(2, n)
         p = [1] + [0] * n  # partitions with parts <= k (conjugate of at most k parts)
         for part in range(1, k + 1):
@@ -112,7 +112,7 @@ class Stirling2(IntAnswer):
     family, description = F, "Stirling numbers of the second kind (set partitions into k blocks)."
 
     def build(self, rng, d):
-        n = rng.randint(3 + d, grow(5, d, 1.2, 2))
+        n = rng.randint(3 + d, 5 + 2 * d + d * d // 8)  # polynomial: the O(n k) table stays small
         k = rng.randint(1, n)
         s = [[0] * (k + 1) for _ in range(n + 1)]
         s[0][0] = 1
@@ -128,7 +128,7 @@ class Stirling1(IntAnswer):
     family, description = F, "Unsigned Stirling numbers of the first kind (permutations with k cycles)."
 
     def build(self, rng, d):
-        n = rng.randint(3 + d, grow(5, d, 1.2, 2))
+        n = rng.randint(3 + d, 5 + 2 * d + d * d // 8)  # polynomial: the O(n k) table stays small
         k = rng.randint(1, n)
         c = [[0] * (k + 1) for _ in range(n + 1)]
         c[0][0] = 1
@@ -201,16 +201,20 @@ class InclusionExclusion(IntAnswer):
     def build(self, rng, d):
         ds = sorted(set(rng.randint(2, 12 + 3 * d) for _ in range(2 + d // 2)))
         n = rng.randint(100, grow(1000, d, 1.6))
-        total = 0
-        for mask in range(1, 1 << len(ds)):
-            l, bits = 1, 0
-            for i, x in enumerate(ds):
-                if mask >> i & 1:
-                    l, bits = l * x // math.gcd(l, x), bits + 1
-                    if l > n:
-                        break
-            total += (n // l) * (1 if bits % 2 else -1)
-        return f"How many integers in [1, {n}] are divisible by at least one of {fmt_list(ds, ', ')}?", total
+        # a multiple of another listed number adds nothing; subsets are walked only while their lcm is <= n (a
+        # larger lcm counts 0, and so does every superset's): 2^len(ds) subsets took minutes past difficulty 30
+        base = [x for x in ds if not any(y < x and x % y == 0 for y in ds)]
+
+        def signed(i: int, l: int, sign: int) -> int:
+            out = 0
+            for j in range(i, len(base)):
+                m = l * base[j] // math.gcd(l, base[j])
+                if m <= n:
+                    out += sign * (n // m) + signed(j + 1, m, -sign)
+            return out
+
+        return (f"How many integers in [1, {n}] are divisible by at least one of {fmt_list(ds, ', ')}?",
+                signed(0, 1, 1))
 
 
 @register("gym/board_tilings")
