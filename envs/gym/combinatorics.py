@@ -208,7 +208,7 @@ class InclusionExclusion(IntAnswer):
         def signed(i: int, l: int, sign: int) -> int:
             out = 0
             for j in range(i, len(base)):
-                m = l * base[j] // math.gcd(l, base[j])
+                m = math.lcm(l, base[j])
                 if m <= n:
                     out += sign * (n // m) + signed(j + 1, m, -sign)
             return out

@@ -14,7 +14,10 @@ from envs.gym._util import (
 F = "number_theory"
 
 
-def _smooth(rng, n_factors: int, primes=(2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47)) -> int:
+_PRIMES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47)
+
+
+def _smooth(rng, n_factors: int, primes=_PRIMES) -> int:
     x = 1
     for _ in range(n_factors):
         x *= rng.choice(primes)
@@ -124,8 +127,7 @@ class DivisorCount(IntAnswer):
 
     def build(self, rng, d):
         # exponents drawn, not a product of a few primes (almost always squarefree: 4 divisors at difficulty 0)
-        pool = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47)
-        primes = rng.sample(pool, rng.randint(1, min(len(pool), 2 + d // 3)))
+        primes = rng.sample(_PRIMES, rng.randint(1, min(len(_PRIMES), 2 + d // 3)))
         n = math.prod(q ** rng.randint(1, 2 + d // 2) for q in primes)
         return f"How many positive divisors does {n} have?", math.prod(e + 1 for e in factorize(n).values())
 
