@@ -42,7 +42,9 @@ Re-run at 6f000cc (one run): ``code`` 0.74 s, 1.16x with 2, 1.20x with 4; ``math
 Re-run at a2508dc (2026-12-06; the math batch now the ``math`` environment's sample problems with whole-number
 answers, shorter for math-verify than ``math/arith``'s fractions; one run): ``code`` 0.72 s, 1.14x with 2, 1.16x with 4;
 ``math`` 0.073 s one at a time, 1.64x with 2, 1.88x with 4 (cores busy 0.99, 1.95, 1.90); ``reward_model`` 0.091 ->
-0.052 s (1.74x); same scores.
+0.052 s (1.74x); same scores. Re-run at 58f57a8 (2026-12-06, later: the code environments gained their aggregation
+template, nothing on the verify path; one run): ``code`` 0.73 s, 1.16x with 2, 1.18x with 4; ``math`` 0.077 s, 1.39x
+with 2, 1.95x with 4; ``reward_model`` 0.091 -> 0.050 s (1.81x); same scores.
 ``reward_model`` (one run, 2026-12-04): 0.116 s one at a time, 0.063 s batched (1.84x; 38 of 64 scored by the
 model), same scores; a model this small is mostly per-call overhead, and a real reward model on a GPU was
 not measured.

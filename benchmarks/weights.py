@@ -43,6 +43,7 @@ commit e925322, 2 servers, 5 warm versions per transport; tiny-moe 3 runs, small
 | tiny-moe, at eb9ab54 (2026-12-05, later: a server receives on a thread of its own, which a rank 0 that gave up can leave behind) | 0.0284, 0.0268, 0.0300, 0.0273, 0.0276, 0.0272, 0.0274, 0.0271 | 0.0332, 0.0323, 0.0347, 0.0372, 0.0325, 0.0316, 0.0283, 0.0292 | 0.86, 0.83, 0.87, 0.73, 0.85, 0.86, 0.97, 0.93 | 0.048-0.052 s (3 runs) |
 | tiny-moe, at 6f000cc (2026-12-05, later: the servers take min_tokens / logit_bias; the weight paths as at eb9ab54) | 0.0261, 0.0277, 0.0270 | 0.0284, 0.0288, 0.0297 | 0.92, 0.96, 0.91 | 0.044-0.046 s |
 | tiny-moe, at c30840f (2026-12-06: a version loads only from its own directory, its manifest checked; a catch-up reloads the published target; a machine ~30% slower) | 0.0433, 0.0427, 0.0495 | 0.0429, 0.0650, 0.0484 | 1.01, 0.66, 1.02 | 0.068-0.086 s |
+| tiny-moe, at 58f57a8 (2026-12-06, later: the engine's sampler, not its weight loads; a faster machine) | 0.0273 | 0.0294 | 0.93 | 0.044 s |
 
 (The eb9ab54 runs from the fourth on alternated with 6782a97's code (before that change, from a
 worktree; the last three with ``--repeats 9``): broadcast 0.0279, 0.0296, 0.0266, 0.0304, 0.0321 s
