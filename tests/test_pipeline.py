@@ -238,6 +238,9 @@ def test_version_lag_histogram():
     m = version_lag([_group(3, 0), _group(4, 1)], 5)  # token versions 3,4,4,5 at trainer version 5
     assert m["version_lag_max"] == 2 and m["version_lag_mean"] == pytest.approx(1.0)
     assert m["version_lag_hist"] == [0.25, 0.5, 0.25]
+    old = _group(0, 2)
+    old.rollouts[0].keep = False  # overlong-filtered: not trained on, so no lag of the trained tokens
+    assert version_lag([_group(3, 0), _group(4, 1), old], 5) == m
 
 
 def test_ratio_is_taken_against_behaviour_logprobs(warm):

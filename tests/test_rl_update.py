@@ -168,6 +168,25 @@ def test_seq_denominator_excludes_masked_rollouts(tiny_dense_dir, loss):
     assert m["loss"] == pytest.approx(want, rel=1e-5)
 
 
+def test_update_metrics_count_only_trained_rollouts(tiny_dense_dir):
+    """With two mini-batches and every rollout of the second dropped, grad_norm is the first mini-batch's
+    (not halved by a step that had no gradient) and advantage_abs_mean is over the kept rollouts."""
+    rewards = [1.0, 0, 0, 0, 1, 1, 0, 0]
+    norms = {}
+    for ups in (1, 2):
+        rl = make_rl(tiny_dense_dir, updates_per_batch=ups)
+        groups = rollouts(rl, rewards)
+        rolls = [x for g in groups for x in g.rollouts]
+        for x in rolls[4:]:
+            x.keep = False
+        adv = compute_advantages("drgrpo", torch.tensor(rewards), 4).tolist()
+        m = rl.update(groups)
+        norms[ups] = m["grad_norm"]
+        assert m["advantage_abs_mean"] == pytest.approx(sum(abs(a) for a in adv[:4]) / 4)
+    # one step over rollouts 0-3 either way (the loss's denominator: the mini-batch's own kept rollouts)
+    assert norms[1] > 0 and norms[2] == pytest.approx(norms[1], rel=1e-4)
+
+
 def test_host_reads_per_update_do_not_grow_with_micro_batches(tiny_dense_dir):
     """The loss metrics stay on the device until one read after the update (on a GPU each read of a
     value into Python waits for the queue): 8 micro-batches read no more than one does."""

@@ -398,6 +398,7 @@ class RLUpdater:
         balance_router_biases(self.net, (self.tsp_group, self.dp_group) if self.tsp > 1 else self.dp_group)
         sums, maxes = acc.floats()
         weight, loss_total, ent_sum = (sums.pop(k, 0.0) for k in ("loss_tokens", "loss_total", "entropy_sum"))
+        adv_abs = [abs(samples[i].advantage) for i in live]  # of the rollouts trained on
         mismatch = maxes.get("mismatch_max_abs", 0.0)
         # every TSP rank computed the same metrics: count TSP rank 0 of each DP replica
         mine_m = (sums, weight, loss_total, ent_sum, mismatch, len(micro)) if self.tsp_rank == 0 else None
@@ -409,7 +410,7 @@ class RLUpdater:
         out = {k: sum(p[0].get(k, 0.0) for p in parts) / max(weight, 1.0) for k in keys}
         out.update(loss=sum(p[2] for p in parts), entropy=sum(p[3] for p in parts) / max(weight, 1.0),
                    mismatch_max_abs=max(p[4] for p in parts), grad_norm=grad_norm, lr=lr,
-                   advantage_abs_mean=sum(abs(s.advantage) for s in samples) / max(1, len(samples)),
+                   advantage_abs_mean=sum(adv_abs) / max(1, len(adv_abs)),
                    tokens=float(batch.num_tokens), loss_tokens=weight, rollouts=float(len(samples)),
                    micro_batches_max=float(max(p[5] for p in parts)), time_s=time.perf_counter() - t0)
         if sft:  # SFTTrainer.step's names

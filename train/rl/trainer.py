@@ -322,7 +322,7 @@ class RLTrainer:
             denom = loss_count([len(r.completion.token_ids) for r in rolls[mini] if r.keep], self.agg)
             # rollouts without a loss token (dropped, empty) are not forwarded: nothing to learn from them, and
             # a zaya router must not count their tokens (RLUpdater skips them too)
-            live = [i for i in range(mini.start, mini.stop) if rolls[i].keep and rolls[i].completion.token_ids]
+            live = [i for i in range(mini.start, mini.stop) if trained(rolls[i])]
             for rows in self._packs(rolls, live):
                 self.between_kernels()
                 lp, ent = self._packed_logprobs(rolls, rows, batch, temp)
@@ -352,7 +352,9 @@ class RLTrainer:
                 acc.add("loss_tokens", w)
                 acc.add("entropy_sum", (ent * m).sum())
             self.between_kernels()
-            grad_norms.append(clip_and_step(self.policy, self.opt, self.sched, cfg.optim.grad_clip))
+            gn = clip_and_step(self.policy, self.opt, self.sched, cfg.optim.grad_clip)
+            if live:  # a mini-batch with nothing to learn from has no gradient: it steps the schedule only
+                grad_norms.append(gn)
         self.policy.eval()
         sums, maxes = acc.floats()
         weight, loss_total, ent_sum = (sums.pop(k, 0.0) for k in ("loss_tokens", "loss_total", "entropy_sum"))
@@ -362,8 +364,8 @@ class RLTrainer:
             metrics["mismatch_kl"] = mis_sum / max(mis_w, 1.0)
         metrics.update(maxes)
         metrics.update(loss=loss_total / len(minis), entropy=ent_sum / max(weight, 1.0),
-                       grad_norm=sum(grad_norms) / len(grad_norms),
-                       lr=self.sched.get_last_lr()[0], advantage_abs_mean=float(adv.abs().mean()))
+                       grad_norm=sum(grad_norms) / max(len(grad_norms), 1),
+                       lr=self.sched.get_last_lr()[0], advantage_abs_mean=advantage_abs_mean(rolls, adv))
         return metrics
 
     def _packs(self, rolls: list[Rollout], rows) -> list[list[int]]:
@@ -487,7 +489,7 @@ class RLTrainer:
             if self.learner is not None:
                 adv = self._advantages(groups)
                 m.update(self.learner.update(groups, adv, self.step_idx, self.cfg.sampling.temperature or 1.0))
-                m["advantage_abs_mean"] = float(adv.abs().mean())
+                m["advantage_abs_mean"] = advantage_abs_mean([r for g in groups for r in g.rollouts], adv)
             else:
                 m.update(self.update(groups))
             m.update(self.length_metrics)
@@ -602,10 +604,21 @@ def group_version(g: Group) -> int:
     return min(vs) if vs else 0
 
 
+def trained(r: Rollout) -> bool:
+    """Whether a rollout has a loss token: kept (not overlong-filtered) and not empty."""
+    return bool(r.keep and r.completion.token_ids)
+
+
+def advantage_abs_mean(rolls: list[Rollout], adv: torch.Tensor) -> float:
+    """Mean |advantage| over the rollouts that are trained on (``adv`` is per rollout, in order)."""
+    a = [abs(float(x)) for r, x in zip(rolls, adv.tolist()) if trained(r)]
+    return sum(a) / len(a) if a else 0.0
+
+
 def version_lag(groups: list[Group], version: int) -> dict[str, Any]:
-    """How many versions behind ``version`` the trained tokens were sampled: mean and max over
-    tokens, and the histogram (share of tokens at lag 0, 1, 2, ...)."""
-    lags = [version - v for g in groups for r in g.rollouts for v in (r.completion.versions or [])]
+    """How many versions behind ``version`` the trained tokens were sampled (rollouts with a loss
+    token): mean and max over tokens, and the histogram (share of tokens at lag 0, 1, 2, ...)."""
+    lags = [version - v for g in groups for r in g.rollouts if trained(r) for v in (r.completion.versions or [])]
     if not lags:
         return {"version_lag_mean": 0.0, "version_lag_max": 0, "version_lag_hist": [1.0]}
     hist = [0] * (max(lags) + 1)
