@@ -5,6 +5,7 @@ for its first half). Plain functions of the :class:`~cascade.config.StageConfig`
 from __future__ import annotations
 
 from cascade.config import Phase, Source, StageConfig
+from envs.curriculum import valid_weights
 
 
 def mix_of(envs: dict[str, float], sources: dict[str, Source]) -> dict[str, float]:
@@ -35,7 +36,7 @@ def stage_mixes(s: StageConfig, name: str = "") -> list[dict[str, float]]:
                           f"(phases: {[sorted(p.envs or p.sources) for p in s.phases]})")
     mixes = [mix_of(p.envs, p.sources) for p in s.phases]
     for i, m in enumerate(mixes):
-        if any(not float(w) >= 0 for w in m.values()) or not sum(m.values()) > 0:
+        if not valid_weights(m):
             from train.dataclass_config import ConfigError
 
             where = f"stages.{name}.phases[{i}]" if name else f"phases[{i}]"
@@ -134,6 +135,6 @@ def set_mix(curriculum, weights: dict[str, float]) -> None:
     unknown = sorted(set(weights) - set(inner.weights))
     if unknown:
         raise ValueError(f"the mix names environments outside the stage's curriculum: {unknown}")
-    if any(not float(w) >= 0 for w in weights.values()) or not sum(weights.values()) > 0:
+    if not valid_weights(weights):
         raise ValueError(f"a mix's weights must be >= 0 with a positive sum; got {weights}")
     inner.weights = {e: float(weights.get(e, 0.0)) for e in inner.weights}

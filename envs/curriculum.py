@@ -368,6 +368,11 @@ def make_controller(name: str, max_difficulty: int | None = None, **kwargs) -> C
 SAMPLING_MODES = ("uniform", "least_sampled", "weighted_least_sampled")
 
 
+def valid_weights(weights: dict[str, float]) -> bool:
+    """Whether a mix's weights can be sampled from: every one >= 0 (no NaN), with a positive sum."""
+    return all(float(w) >= 0 for w in weights.values()) and sum(float(w) for w in weights.values()) > 0
+
+
 class Curriculum:
     """Environments with mixing weights and one difficulty controller each.
 
@@ -395,8 +400,7 @@ class Curriculum:
         weights = dict(envs) if isinstance(envs, dict) else {e: 1.0 for e in envs}
         if not weights:
             raise ValueError("a curriculum needs at least one environment")
-        bad = [k for k, w in weights.items() if not (float(w) >= 0)]
-        if bad or sum(weights.values()) <= 0:
+        if not valid_weights(weights):
             raise ValueError(f"environment weights must be >= 0 with a positive sum; got {weights}")
         if mode not in SAMPLING_MODES:
             raise ValueError(f"unknown sampling mode {mode!r}; choose from {', '.join(SAMPLING_MODES)}")

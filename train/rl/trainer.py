@@ -236,9 +236,12 @@ class RLTrainer:
         G = group_size or cfg.group_size
         prompts = [encode_prompt(self.tokenizer, p.prompt, cfg.chat_template, cfg.system_prompt) for _, p in picks]
         fits = [len(x) <= self.max_prompt_tokens for x in prompts]
+
+        def moves_level(env_id: str, prob: Problem) -> bool:  # an aggregation prompt never moves a level
+            return update_curriculum and env_id in self.curriculum.controllers and not prob.meta.get("aggregation")
+
         for ok, (env_id, prob) in zip(fits, picks):  # too long for the context: a failed problem
-            if (not ok and update_curriculum and env_id in self.curriculum.controllers
-                    and not prob.meta.get("aggregation")):  # (as below, an aggregation prompt never moves a level)
+            if not ok and moves_level(env_id, prob):
                 self.curriculum.update(env_id, prob.difficulty, [Score.zero("prompt too long")] * G)
         self.prompts_too_long += len(fits) - sum(fits)
         picks = [pk for pk, ok in zip(picks, fits) if ok]
@@ -268,7 +271,7 @@ class RLTrainer:
                 for x, rv, k in zip(rs, r.tolist(), keep.tolist()):
                     x.reward, x.keep = rv, k
             groups.append(Group(env_id, prob, rs))
-            if update_curriculum and env_id in self.curriculum.controllers and not prob.meta.get("aggregation"):
+            if moves_level(env_id, prob):
                 self.curriculum.update(env_id, prob.difficulty, [x.score for x in rs])
         return groups
 
