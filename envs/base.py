@@ -62,7 +62,7 @@ _SPACES = re.compile(r" *")
 
 
 def last_boxed_span(text: str) -> tuple[int, str] | None:
-    """``(start, content)`` of the last ``\\boxed{...}`` in ``text`` whose braces balance, or None.
+    """``(start, content)`` of the last non-empty ``\\boxed{...}`` in ``text`` whose braces balance, or None.
 
     Linear in the length of the text (one pass pairs every brace after the first ``\\boxed``, so an
     output of thousands of unclosed ``\\boxed{`` costs no more than its length); never raises."""
@@ -82,7 +82,7 @@ def last_boxed_span(text: str) -> tuple[int, str] | None:
     while idx >= 0:
         j = _SPACES.match(text, idx + len(_BOXED)).end()
         k = close.get(j)
-        if k is not None:
+        if k is not None and text[j + 1:k].strip():  # an empty box (the instruction echoed) answers nothing
             return idx, text[j + 1:k].strip()
         idx = text.rfind(_BOXED, 0, idx)
     return None

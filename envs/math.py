@@ -118,11 +118,14 @@ def _zero_format() -> Score:
 
 # what may surround a number in an answer: a variable and "=", formatting, units and words in \text{} (a number
 # in it is kept), degrees, percent, dollars, LaTeX spacing, thousands separators in braces
-_WRAPPED = re.compile(r"\\(?:textbf|mathbf|boldsymbol|text|mathrm|textrm|mbox|operatorname)\s*\{([^{}]*)\}")
-_DECORATION = [(re.compile(r"^\s*[A-Za-z]?\s*=\s*"), ""),
+_WRAPPED = re.compile(r"\\(?:textbf|mathbf|boldsymbol|text|mathrm|textrm|mbox|operatorname)\s*\{([^{}]*)\}"
+                      r"(\s*\^\s*(?:\{\s*\d+\s*\}|\d))?")  # a unit's power (cm^2) goes with the unit
+_DECORATION = [(re.compile("\u2212"), "-"), (re.compile("\u00b0"), ""), (re.compile(r"^\s*[A-Za-z]?\s*=\s*"), ""),
                (re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\\circ|\\%|%|\\\$|\$|\\[,!;: ]|~"), ""),
                (re.compile(r"\{,\}"), ","), (re.compile(r"\\[dt]frac"), r"\\frac"), (re.compile(r"\s+"), "")]
 _NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|[+-]?\.\d+")
+_OUTER_PARENS = re.compile(r"^(?:\\left)?\(([^(),]*?)(?:\\right)?\)$")  # one pair around a number (not a tuple)
+_SCIENTIFIC = re.compile(r"([+-]?\d+(?:\.\d*)?)(?:\\times|\\cdot)10\^(?:\{([+-]?\d{1,3})\}|(\d))")  # 1.5\times10^{6}
 _FRACTION = re.compile(r"([+-]?)(?:\\frac\{([+-]?\d+)\}\{([+-]?\d+)\}|\\frac(\d)(\d)|(\d+)/(\d+))")
 
 
@@ -150,11 +153,19 @@ def plain_number(text: Any) -> Fraction | None:
 
 def _written_number(text: Any) -> tuple[Fraction, tuple[int, int] | None] | None:
     """:func:`plain_number`'s value, and the numerator and denominator as written when it is a fraction."""
-    s = _WRAPPED.sub(lambda m: m[1] if re.search(r"\d", m[1]) else "", str(text))
+    # words without a digit (units, "or") are dropped; between two numbers they leave no number ("3 or 4")
+    s = _WRAPPED.sub(lambda m: m[1] + (m[2] or "") if re.search(r"\d", m[1]) else "\0", _clean(str(text)))
+    s = s.strip("\0 \t\n")
+    if "\0" in s:
+        return None
     for pat, rep in _DECORATION:
         s = pat.sub(rep, s)
+    s = _clean(_OUTER_PARENS.sub(r"\1", s))  # "(-5)", "\left(-\frac34\right)", "3/4."
     if _NUMBER.fullmatch(s):
         return Fraction(s.replace(",", "")), None
+    m = _SCIENTIFIC.fullmatch(s)
+    if m is not None:
+        return Fraction(m[1]) * Fraction(10) ** int(m[2] or m[3]), None
     m = _FRACTION.fullmatch(s)
     if m is None:
         return None
@@ -176,13 +187,19 @@ class _MathBase(Environment):
         pred = self.extract(response)
         if pred is None or not pred.strip():
             return _zero_format()
-        if plain_number(problem.answer) is not None and plain_number(pred) is None:
+        want, written = plain_number(problem.answer), _written_number(pred)
+        if want is not None and written is None:
             # a number is asked for: an expression equal to it (the question's own, copied into the box) is no answer
             return Score(0.0, False, True, {"extracted": pred[:200], "reason": "not a number"})
-        if _latex_key(pred) in _question_math(problem.prompt) and _latex_key(pred) != _latex_key(problem.answer):
+        # a number in final form (an integer, a decimal, a fraction in lowest terms) answers a comparison of the
+        # question's own numbers ("which is larger, $\frac12$ or $\frac13$?")
+        final = written is not None and (written[1] is None or (math.gcd(*written[1]) == 1 and abs(written[1][1]) > 1))
+        if (not final and _latex_key(pred) in _question_math(problem.prompt)
+                and _latex_key(pred) != _latex_key(problem.answer)):
             # "Simplify $\sqrt{50}$": its own expression, equal to the answer, answers nothing
             return Score(0.0, False, True, {"extracted": pred[:200], "reason": "the question's own expression"})
-        ok = math_equal(pred, problem.answer, timeout=self.timeout)
+        # both plain numbers: compared by value (no math-verify round trip)
+        ok = written[0] == want if want is not None else math_equal(pred, problem.answer, timeout=self.timeout)
         return Score(1.0 if ok else 0.0, ok, True, {"extracted": pred[:200]})
 
     def corruptions(self, problem: Problem) -> list[str]:
@@ -381,7 +398,7 @@ class ArithmeticEnv(_MathBase):
             return _zero_format()
         written, want = _written_number(pred), plain_number(problem.answer)
         info = {"extracted": pred[:200]}
-        if written is None or ("." in pred and written[0].denominator != 1):  # a decimal only for a whole number
+        if written is None or ("." in _clean(pred) and written[0].denominator != 1):  # a decimal only for a whole number
             return Score(0.0, False, True, {**info, "reason": "not an integer or a fraction"})
         got, frac = written
         reduced = frac is None or (math.gcd(*frac) == 1 and abs(frac[1]) > 1)

@@ -108,6 +108,16 @@ def test_copying_the_question_or_an_unreduced_fraction_earns_nothing():
     p = math.problem("What is $17 + 25$?", "42", 0, 0)
     for ok in ("42", "42.0", "x = 42", "42 \\text{ apples}", "\\textbf{42}", "42^\\circ"):
         assert math.verify(p, f"\\boxed{{{ok}}}").correct, ok
+    # a comparison of the question's own numbers is answered by one of them, in final form; an unreduced
+    # fraction copied from the question is not simplified
+    p = math.problem("Which is larger: $\\frac{1}{2}$ or $\\frac{1}{3}$?", "\\frac12", 0, 0)
+    assert math.verify(p, "\\boxed{\\frac{1}{2}}").correct and math.verify(p, "\\boxed{0.5}").correct
+    p = math.problem("Simplify $\\frac{6}{8}$.", "\\frac34", 0, 0)
+    assert not math.verify(p, "\\boxed{\\frac{6}{8}}").correct and math.verify(p, "\\boxed{\\frac{3}{4}}").correct
+    # the instruction echoed after the answer ("... within \\boxed{}") leaves the answer the last box
+    p = math.problem("What is $17 + 25$?", "42", 0, 0)
+    assert math.verify(p, "\\boxed{42}. Remember: put the final answer within \\boxed{}.").correct
+    assert not math.verify(p, "\\boxed{4\\text{ or }2}").correct
 
 
 def test_plain_numbers_and_toy_integers():
@@ -115,10 +125,15 @@ def test_plain_numbers_and_toy_integers():
 
     for text, value in [("42", 42), ("-3", -3), ("1,000", 1000), ("1{,}000", 1000), ("1\\,000", 1000), ("0.5", 0.5),
                         ("\\frac{1}{2}", 0.5), ("-\\dfrac{7}{2}", -3.5), ("\\frac12", 0.5), ("7/2", 3.5), ("x = 3", 3),
-                        ("10\\%", 10), ("\\$5", 5), ("42 \\text{ cm}", 42)]:
+                        ("10\\%", 10), ("\\$5", 5), ("42 \\text{ cm}", 42),
+                        # units with a power, unicode minus and degree, a final period, one pair of parentheses,
+                        # scientific notation
+                        ("25 \\text{ cm}^2", 25), ("6 \\mathrm{~cm}^{2}", 6), ("\u22125", -5), ("30\u00b0", 30),
+                        ("\\frac{3}{4}.", 0.75), ("3/4.", 0.75), ("(-5)", -5), ("\\left(-\\frac34\\right)", -0.75),
+                        ("1.5\\times10^{6}", 1500000), ("2 \\cdot 10^3", 2000)]:
         assert plain_number(text) == Fraction(value), text
     for text in ("17 + 25", "\\frac{7}{2} - \\frac{5}{2}", "\\sqrt{50}", "2^{10}", "\\gcd(84,126)", "\\infty", "nan",
-                 "1,4,4", "(3, 4)"):
+                 "1,4,4", "(3, 4)", "3\\text{ or }4", "(1,2)"):  # words between numbers leave no number
         assert plain_number(text) is None, text
     toy = get_env("toy/add")
     p = toy.generate(0, 1)
@@ -416,7 +431,8 @@ def test_every_registered_environment_passes_the_self_check():
 
 
 def _last_boxed_by_scanning(text):
-    """The reference: from the last ``\\boxed`` backwards, the first whose braces close (depth count)."""
+    """The reference: from the last ``\\boxed`` backwards, the first whose braces close (depth count) around
+    something other than spaces."""
     idx = text.rfind("\\boxed")
     while idx >= 0:
         j = idx + len("\\boxed")
@@ -427,7 +443,9 @@ def _last_boxed_by_scanning(text):
             for k in range(j, len(text)):
                 depth += (text[k] == "{") - (text[k] == "}")
                 if depth == 0:
-                    return idx, text[j + 1:k].strip()
+                    if text[j + 1:k].strip():
+                        return idx, text[j + 1:k].strip()
+                    break
         idx = text.rfind("\\boxed", 0, idx)
     return None
 
@@ -449,7 +467,8 @@ def test_last_boxed_agrees_with_a_brace_scan_and_stays_linear():
     # a degenerate output of unclosed \boxed{ (a collapsed policy): the scan above is quadratic in
     # them (28 KB took 10 s); one pass over the braces is not
     t = time.perf_counter()
-    assert last_boxed("\\boxed{" * 40_000) is None and last_boxed("\\boxed{" * 40_000 + "}") == ""
+    assert last_boxed("\\boxed{" * 40_000) is None and last_boxed("\\boxed{" * 40_000 + "}") is None
+        assert last_boxed("\\boxed{" * 40_000 + "x}") == "x"
     assert time.perf_counter() - t < 5
 
 
