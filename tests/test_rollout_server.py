@@ -431,6 +431,111 @@ class _CountingEngine:
                 for _ in range(params.n)]
 
 
+class _StubServed:
+    """A served engine stand-in (tokens are the prompt's own, every token of version ``version``) with a
+    context of 10 tokens; ``fail(prompt)`` raises (an engine error on that prompt: a 500), ``slow(prompts)``
+    seconds per call."""
+
+    context_length = 10
+
+    class tokenizer:  # token t is the letter chr(97 + t % 26)
+        all_special_ids: list[int] = []
+        eos_token_id = None
+
+        @staticmethod
+        def decode(ids, skip_special_tokens=False):
+            return "".join(chr(97 + t % 26) for t in ids)
+
+    def __init__(self, fail=lambda p: False, slow=lambda ps: 0.0):
+        self.version, self.fail, self.slow = 0, fail, slow
+
+    def encode(self, prompts):
+        return [[ord(c) % 26 for c in p] if isinstance(p, str) else list(p) for p in prompts]
+
+    def generate(self, prompts, params, seeds=None, **kw):
+        from train.engine.base import Completion
+
+        if any(self.fail(p) for p in prompts):
+            raise RuntimeError("CUDA out of memory (simulated)")
+        v = self.version
+        time.sleep(self.slow(prompts))
+        k = min(params.max_tokens, self.context_length - max(len(p) for p in prompts))
+        return [Completion([7] * k, "x", [0.0] * k, "length", i, len(p), list(p), versions=[v] * k)
+                for i, p in enumerate(prompts) for _ in range(params.n)]
+
+    def load_weights(self, sd, version=None):
+        self.version = version
+
+
+def test_chat_choices_carry_versions_and_ids_as_completions_do(setup):
+    url = setup["urls"][0]
+    code, r = call(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                                  "n": 2})
+    assert code == 200 and r["instance"] == call(url, "/v1/models")[1]["instance"]
+    assert sum(len(ch["token_ids"]) for ch in r["choices"]) == r["usage"]["completion_tokens"]
+    for ch in r["choices"]:
+        assert len(ch["versions"]) == len(ch["token_ids"]) and len(ch["prompt_token_ids"]) == r["usage"]["prompt_tokens"]
+
+
+def test_a_prompt_that_fails_every_server_fails_the_call_not_the_servers_for_ever(caplog):
+    """One prompt the engine fails on (a 500 each time) with a restart hook that always brings the server
+    back: the call fails after len(urls) + 2 tries of that prompt, naming it and the server's error (it used
+    to restart the server for ever); why the server left the pool is logged."""
+    srv, url = serve_in_thread(_StubServed(fail=lambda p: p == [9, 9]), model_name="m")
+    downs = []
+    try:
+        remote = RemoteEngine([url], per_server=1, on_server_down=lambda u: downs.append(u) or len(downs) < 50)
+        with pytest.raises(RemoteError, match=r"prompt 1 of 2 failed 3 times .*CUDA out of memory"):
+            remote.generate([[1], [9, 9]], SamplingParams(max_tokens=2))
+        assert len(downs) == 2 and "left the pool: HTTP 500" in caplog.text
+        # two servers given by URL, both taken out by the prompt: the error says why each left
+        srv2, url2 = serve_in_thread(_StubServed(fail=lambda p: p == [9, 9]), model_name="m")
+        try:
+            with pytest.raises(RemoteError, match=r"every rollout server went down.*: HTTP 500: .*CUDA out of "
+                                                  r"memory.*: HTTP 500: .*CUDA out of memory"):
+                RemoteEngine([url, url2], per_server=1).generate([[9, 9]], SamplingParams(max_tokens=2))
+        finally:
+            srv2.shutdown()
+            srv2.server_close()
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_min_tokens_is_capped_by_the_room_a_prompt_leaves():
+    """As the in-process engines: a prompt near the context end generates what is left, even below
+    min_tokens (the server refused min_tokens > max_tokens with a 400, failing the call)."""
+    srv, url = serve_in_thread(_StubServed(), model_name="m")
+    try:
+        got = RemoteEngine([url], per_server=1).generate([[1, 2, 3], [1] * 8],
+                                                         SamplingParams(max_tokens=5, min_tokens=3))
+        assert [len(c.token_ids) for c in got] == [5, 2]
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_an_answer_to_a_request_sent_before_a_catch_up_is_sent_again():
+    """A server replaced at its URL (a new instance, base weights) answers a fast request first: the client
+    catches it up (version 5). A slow request sent before the catch-up answers after it, with the instance
+    now known: it was sampled by the old weights, and is sent again (it was accepted)."""
+    eng = _StubServed(slow=lambda ps: 1.0 if any(len(p) == 2 for p in ps) else 0.0)
+    srv, url = serve_in_thread(eng, model_name="m")
+
+    def catch_up(u):
+        eng.version = 5
+        return True
+
+    try:
+        remote = RemoteEngine([url], per_server=2, on_server_back=catch_up)
+        srv.instance = "restarted-unseen"  # the process at the URL was replaced between two calls
+        got = remote.generate([[1], [2, 2]], SamplingParams(max_tokens=2))
+        assert [c.versions for c in got] == [[5, 5], [5, 5]] and remote.readmitted == 1
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
 def test_batcher_window_slides_with_arrivals_up_to_its_cap():
     from train.engine.server import Batcher
 

@@ -20,20 +20,22 @@ directory (``POST /v1/load_weights``, which needs the servers' API key); servers
 
 Fault tolerance. A server that refuses or drops a connection (killed, restarted), does not answer within
 the timeout, or answers with a server error (5xx: out of memory, a dead engine) is taken out of the
-pool; its in-flight prompts are sent again to the servers left, and ``on_server_down(url)`` is
-called (a caller that started the server may restart it at the same URL; when the hook returns
-True the server is checked and used again). A server out of the pool is probed in the background
-at most every ``readmit_s`` seconds (``GET /v1/models``, as at the start): one that answers again
-with the expected model (restarted at its URL by whoever runs it) rejoins from the next ``generate``
-or ``load_version`` call, after ``on_server_back(url)`` (the caller's catch-up to the newest weights)
-returns True; ``readmitted`` counts them. When every server is out of the pool, a call waits up to
-``down_wait_s`` (default 0) for one to come back before it raises; the prompts it already has
-answers for are kept. A server restarted at its URL between two requests (never seen down) is told
-by the ``instance`` id in its answers (:mod:`train.engine.server` and :mod:`train.engine.vllm_server`
-give one): the answer, sampled by weights the run did not give it, is dropped and its prompt sent
-again, and the server takes prompts again after ``on_server_back(url)`` returns True (counted in
-``readmitted``), else it leaves the pool. A request the server answers with 4xx is an error of the request and
-raises. Only the standard library is used.
+pool (why is logged, and named in the error when no server is left); its in-flight prompts are sent again to
+the servers left, and ``on_server_down(url)`` is called (a caller that started the server may restart it at
+the same URL; when the hook returns True the server is checked and used again). A prompt whose requests took
+servers down ``len(urls) + 2`` times (an engine error on that prompt alone, a generation longer than the
+timeout) fails the call, naming the prompt and the last error, rather than restarting servers for ever.
+A server out of the pool is probed in the background at most every ``readmit_s`` seconds (``GET /v1/models``,
+as at the start): one that answers again with the expected model (restarted at its URL by whoever runs it)
+rejoins from the next ``generate`` or ``load_version`` call, after ``on_server_back(url)`` (the caller's
+catch-up to the newest weights) returns True; ``readmitted`` counts them. When every server is out of the
+pool, a call waits up to ``down_wait_s`` (default 0) for one to come back before it raises; the prompts it
+already has answers for are kept. A server restarted at its URL between two requests (never seen down) is
+told by the ``instance`` id in its answers (:mod:`train.engine.server` and :mod:`train.engine.vllm_server`
+give one): the answer, sampled by weights the run did not give it, is dropped and its prompt sent again (so is
+an answer to a request sent before the catch-up), and the server takes prompts again after
+``on_server_back(url)`` returns True (counted in ``readmitted``), else it leaves the pool. A request the server
+answers with 4xx is an error of the request and raises. Only the standard library is used.
 """
 from __future__ import annotations
 
@@ -174,6 +176,7 @@ class RemoteEngine:
         self.model = model
         self.context_length = None
         self._instances: dict[str, str | None] = {}  # url -> the server process admitted there
+        self.down_reason: dict[str, str] = {}  # url -> why it last left the pool
         self.owned_by: dict[str, str | None] = {}  # url -> its model card's owned_by (cascade, vllm)
         self._rejoin_lock = threading.Lock()
         for u in self.urls:
@@ -322,6 +325,11 @@ class RemoteEngine:
             todo.put(i)
         results: list[list[Completion] | None] = [None] * len(prompts)
         state = {"left": len(prompts), "error": None}
+        # a prompt whose requests took down this many servers (or the same one, restarted) is the cause, not the
+        # servers: the call fails naming it, rather than restarting servers for ever (an engine error on it, or a
+        # generation longer than the timeout)
+        max_tries = len(self.urls) + 2
+        tries = [0] * len(prompts)
         cond = threading.Condition()
         live: dict[str, int] = {}  # workers still running per server
 
@@ -339,13 +347,16 @@ class RemoteEngine:
                             return
                         i = todo.get_nowait()
                     body = dict(base, prompt=prompts[i], seed=int(seeds[i]), max_tokens=room[i])
+                    if "min_tokens" in body:  # (at most what the context leaves, as the in-process engines)
+                        body["min_tokens"] = min(body["min_tokens"], room[i])
                     with self._lock:
                         self.requests[url] += 1
+                        sent_to = self._instances.get(url)  # the process the run admitted there when sent
                     try:
                         obj = conn.call("POST", "/v1/completions", body)
-                        if not self._same_instance(url, obj.get("instance")):  # restarted unseen: sampled by
-                            with cond:  # weights the run did not give it; sent again once it caught up
-                                todo.put(i)
+                        if not self._same_instance(url, obj.get("instance"), sent_to):  # restarted unseen (or
+                            with cond:  # caught up after this was sent): sampled by weights the run did not give
+                                todo.put(i)  # it; sent again once it caught up
                                 self.resent += 1
                                 cond.notify_all()
                             if self._rejoined(url, obj.get("instance")):
@@ -355,13 +366,24 @@ class RemoteEngine:
                                 cond.notify_all()
                             return
                         outs = _completions(obj, i, return_routed_experts)
-                    except _ServerDown:
+                    except _ServerDown as e:
                         with cond:
-                            todo.put(i)
-                            self.resent += 1
+                            tries[i] += 1
                             first = url in self.alive
                             self.alive.discard(url)
+                            if first:
+                                self.down_reason[url] = str(e)
+                                log.warning("rollout server %s left the pool: %s", url, e)
+                            if tries[i] >= max_tries:
+                                state["error"] = state["error"] or RemoteError(
+                                    f"prompt {i} of {len(prompts)} failed {tries[i]} times (its server went down or "
+                                    f"answered 5xx; last: {url}: {e}): the prompt, not the servers, is the likely cause")
+                            else:
+                                todo.put(i)
+                                self.resent += 1
                             cond.notify_all()
+                        if state["error"] is not None:
+                            return
                         if first and self._restarted(url):  # the hook brought it back: keep using it
                             with cond:
                                 self.alive.add(url)
@@ -409,15 +431,18 @@ class RemoteEngine:
                 return sorted(self.alive)
             if time.monotonic() >= deadline:
                 waited = f"; none came back in {self.down_wait_s:g} s" if self.down_wait_s > 0 else ""
-                raise RemoteError(f"{what} (servers: {', '.join(self.urls)}{waited})")
+                why = [f"{u}: {self.down_reason[u]}" if u in self.down_reason else u for u in self.urls]
+                raise RemoteError(f"{what} (servers: {'; '.join(why)}{waited})")
             if not warned:
                 log.warning("%s; waiting up to %g s for one to come back", what, self.down_wait_s)
                 warned = True
             time.sleep(min(0.5, self.readmit_s))
 
-    def _same_instance(self, url: str, instance) -> bool:
-        """The answer came from the server process admitted at ``url`` (or the server names none; the
-        first answer of a server whose ``/v1/models`` names none, as vLLM's, names the one admitted)."""
+    def _same_instance(self, url: str, instance, sent_to) -> bool:
+        """The answer came from the server process that was admitted at ``url`` when the request was sent
+        (``sent_to``), and still is (or the server names none; the first answer of a server whose ``/v1/models``
+        names none, as vLLM's, names the one admitted). An answer of a process caught up after the request was
+        sent is not: it may have been sampled before the catch-up."""
         if instance is None:
             return True
         with self._lock:
@@ -425,7 +450,7 @@ class RemoteEngine:
             if known is None:
                 self._instances[url] = instance
                 return True
-            return instance == known
+            return instance == known and sent_to in (None, known)  # (None: sent before the first answer named it)
 
     def _rejoined(self, url: str, instance: str) -> bool:
         """The server at ``url`` is a new process (``instance``), restarted between two requests: True

@@ -437,9 +437,12 @@ class Handler(BaseHTTPRequestHandler):
             return self._error(404, f"no route POST {self.path}")
         try:
             out = route(body)
-            if body.get("stream") and self.path.rstrip("/") in ("/v1/completions", "/v1/chat/completions"):
-                return self._stream(out, body)
-            self._send(200, out)
+            try:
+                if body.get("stream") and self.path.rstrip("/") in ("/v1/completions", "/v1/chat/completions"):
+                    return self._stream(out, body)
+                self._send(200, out)
+            except (BrokenPipeError, ConnectionResetError):  # the client gave up (its timeout): nobody to answer
+                self.close_connection = True
         except Forbidden as e:
             self._error(403, str(e))
         except NotFound as e:
@@ -539,8 +542,8 @@ class Handler(BaseHTTPRequestHandler):
         choices = []
         for i, (c, tops) in enumerate(zip(outs, tops_all)):
             ch = {"index": i, "message": {"role": "assistant", "content": _shown(self.server, c, params, skip)},
-                  "finish_reason": c.finish_reason,
-                  "token_ids": c.token_ids, "logprobs": None}
+                  "finish_reason": c.finish_reason, "token_ids": c.token_ids,
+                  "prompt_token_ids": c.prompt_token_ids or ids, "logprobs": None, "versions": c.versions}
             if body.get("logprobs"):
                 ch["logprobs"] = {"content": [
                     {"token": eng.decode([t]), "logprob": lp, "bytes": list(eng.decode([t]).encode()),
@@ -549,7 +552,8 @@ class Handler(BaseHTTPRequestHandler):
                     for t, lp, row in zip(c.token_ids, c.logprobs, tops)]}
             choices.append(ch)
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.server.model_name, "choices": choices, "usage": _usage(prompt_ids, outs)}
+                "model": self.server.model_name, "choices": choices, "usage": _usage(prompt_ids, outs),
+                "instance": self.server.instance}
 
     # streaming: the finished completion sent as server-sent events, piece by piece
     def _stream(self, resp: dict, body: dict) -> None:
