@@ -4,6 +4,7 @@ dataclasses before any work starts."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -373,9 +374,24 @@ class RunConfig:
             raise ValueError(f"order names stages without a config: {missing}; configured: {sorted(self.stages)}")
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML as PyYAML reads it, with YAML 1.2's floats: ``2e-1`` and ``1e-5`` are numbers (YAML 1.1 reads
+    them as strings; OmegaConf adds the same rule), also in settings the schema takes as any value
+    (``controller_kwargs``, ``env_kwargs``, ``vllm.extra``)."""
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
+    r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[0-9][0-9_]*[eE][-+]?[0-9]+|\.[0-9_]+(?:[eE][-+]?[0-9]+)?)$"),
+    list("-+0123456789."))
+
+
+def _yaml(text: str):
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _read_yaml(path: Path) -> dict:
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = _yaml(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"cannot parse {str(path)!r}: {e}") from None
     if not isinstance(data, dict):
@@ -411,7 +427,7 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         if not k:
             raise ConfigError(f"empty key in {a!r}")
         try:
-            out[k.strip()] = yaml.safe_load(v) if v != "" else ""
+            out[k.strip()] = _yaml(v) if v != "" else ""
         except yaml.YAMLError:
             out[k.strip()] = v
     return out
@@ -460,11 +476,22 @@ def load_run_config(overrides: dict[str, Any], base: Path | None = None) -> tupl
                 raise ConfigError(f"{source}: {e}" if source else str(e)) from None
             set_dotted(tree, k, v)
             set_keys.append(k)
-    for k in set_keys:  # a mix given as an override (envs/sources) replaces the stage's configured phases
+    for k in set_keys:
         parts = k.split(".")
-        if len(parts) == 3 and parts[0] == "stages" and parts[2] in ("envs", "sources") and \
-                f"stages.{parts[1]}.phases" not in set_keys:
-            tree["stages"][parts[1]]["phases"] = []
+        if len(parts) < 3 or parts[0] != "stages" or f"stages.{parts[1]}.phases" in set_keys:
+            continue
+        st = tree["stages"][parts[1]]
+        if len(parts) == 3 and parts[2] in ("envs", "sources"):
+            # a mix given as an override replaces the stage's configured phases, and its mix given the other way
+            st["phases"] = []
+            other = "sources" if parts[2] == "envs" else "envs"
+            if f"stages.{parts[1]}.{other}" not in set_keys:
+                st[other] = {}
+        elif parts[2:] in (["aggregation"], ["aggregation", "fraction"]):
+            # the stage's aggregation share, set: every phase takes it (a phase's own share would hide it)
+            for ph in st.get("phases") or []:
+                if isinstance(ph, dict):
+                    ph.pop("aggregation", None)
     cfg = build(RunConfig, tree)
     return cfg, tree
 

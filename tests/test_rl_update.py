@@ -187,6 +187,19 @@ def test_update_metrics_count_only_trained_rollouts(tiny_dense_dir):
     assert norms[1] > 0 and norms[2] == pytest.approx(norms[1], rel=1e-4)
 
 
+def test_lr_schedule_counts_rl_steps_whatever_updates_per_batch(tiny_dense_dir):
+    """Cosine decay over 4 RL steps with 2 optimizer steps per batch: the metric is the rate each step applied,
+    lr_factor(step) as the sharded trainer takes it (the schedule stepped per mini-batch: at its floor by step 2)."""
+    from train.optim import lr_factor
+
+    optim = OptimConfig(lr=1e-3, warmup_steps=0, grad_clip=0.0, schedule="cosine", total_steps=4, min_lr_ratio=0.1)
+    rl = make_rl(tiny_dense_dir, updates_per_batch=2, optim=optim)
+    groups = rollouts(rl, [1.0, 0, 0, 0, 1, 1, 0, 0])
+    got = [rl.update(groups)["lr"] for _ in range(4)]
+    assert got == pytest.approx([1e-3 * lr_factor(i, optim) for i in range(4)])
+    assert got[2] > got[3] > 1e-4
+
+
 def test_host_reads_per_update_do_not_grow_with_micro_batches(tiny_dense_dir):
     """The loss metrics stay on the device until one read after the update (on a GPU each read of a
     value into Python waits for the queue): 8 micro-batches read no more than one does."""

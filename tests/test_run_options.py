@@ -77,6 +77,29 @@ def test_config_file_applies_after_the_profile_and_before_the_command_line(tmp_p
     assert cfg["stages"]["rlve"] == tiny["stages"]["rlve"]  # other stages untouched
 
 
+def test_overrides_read_as_an_omegaconf_user_expects():
+    """``2e-1`` is a number in free-form settings too (YAML 1.1 reads it as a string, which reached the
+    controller and failed when its stage started); numbers given to string settings are strings; an ``envs``
+    override replaces a stage's ``sources`` and phases (the warm-up has sources: it was refused); the stage's
+    aggregation share, set, is every phase's (the phases' own shares hid it)."""
+    from cascade.config import load_run_config, parse_overrides
+
+    cfg, _ = load_run_config(parse_overrides(["stage=rlve", "controller_kwargs.explore=2e-1", "trainer.rdzv_id=4242",
+                                              "out=2024"]))
+    assert cfg.stages["rlve"].controller_kwargs["explore"] == 0.2 and (cfg.trainer.rdzv_id, cfg.out) == ("4242", "2024")
+    assert parse_overrides(["a=1e-5", "b=+1E3", "c=1.0.2", "d=.5"]) == {"a": 1e-5, "b": 1000.0, "c": "1.0.2", "d": 0.5}
+    cfg, _ = load_run_config(parse_overrides(["stage=warmup", "envs={math/arith: 1}"]))
+    st = cfg.stages["warmup"]
+    assert (st.envs, st.sources, st.phases) == ({"math/arith": 1.0}, {}, [])
+    for over, tiny in ((["stages.math.aggregation.fraction=0.5"], []), (["stages.math.aggregation.fraction=0"],
+                                                                        ["profile=tiny"])):
+        cfg, _ = load_run_config(parse_overrides(over + tiny))
+        st = cfg.stages["math"]
+        assert len(st.phases) == 2 and all(p.aggregation is None for p in st.phases), st.phases
+    cfg, _ = load_run_config(parse_overrides(["profile=tiny"]))
+    assert [p.aggregation for p in cfg.stages["math"].phases] == [0.0, 0.25]  # the profile's own, when not set
+
+
 @pytest.mark.parametrize("text, bad, valid", [
     ("rl:\n  group_sz: 3\n", "stages.math.rl.group_sz", "group_size"),
     ("logging:\n  wandbb: true\n", "logging.wandbb", "wandb_project"),

@@ -73,6 +73,8 @@ def _check(tp, v, where: str):
     if tp is str:
         if isinstance(v, str):
             return v
+        if isinstance(v, (int, float)) and not isinstance(v, bool):  # out=2024, rdzv_id=$SLURM_JOB_ID (as OmegaConf)
+            return str(v)
         raise ConfigError(f"{where}: expected a string, got {v!r}")
     return v
 

@@ -346,16 +346,17 @@ def accumulate_grads(opt) -> None:
 
 
 def clip_and_step(model, opt, sched, grad_clip: float) -> float:
-    """Clip gradients (if ``grad_clip`` > 0), step, zero (and a zaya model's balancing-bias update);
-    returns the pre-clip gradient norm (of the fp32 gradients, for a low-precision model's
-    :class:`MasterWeights`)."""
+    """Clip gradients (if ``grad_clip`` > 0), step (and the LR schedule ``sched``, unless None), zero (and a
+    zaya model's balancing-bias update); returns the pre-clip gradient norm (of the fp32 gradients, for a
+    low-precision model's :class:`MasterWeights`)."""
     if isinstance(opt, MasterWeights):
         params = opt.params_with_grads()
     else:
         params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
     opt.step()
-    sched.step()
+    if sched is not None:
+        sched.step()
     opt.zero_grad(set_to_none=True)
     from train.model.zaya import balance_router_biases
 

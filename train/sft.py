@@ -216,10 +216,11 @@ class SFTTrainer:
             loss.backward()
             accumulate_grads(self.opt)
             loss_sum += float(loss.detach())
+        lr = self.sched.get_last_lr()[0]  # the rate this step applies (the schedule moves on in clip_and_step)
         gn = clip_and_step(self.policy, self.opt, self.sched, self.cfg.optim.grad_clip)
         self.policy.eval()
         self.step_idx += 1
-        return {"step": self.step_idx - 1, "sft_loss": loss_sum, "grad_norm": gn, "lr": self.sched.get_last_lr()[0],
+        return {"step": self.step_idx - 1, "sft_loss": loss_sum, "grad_norm": gn, "lr": lr,
                 "tokens": total, "time_step_s": time.perf_counter() - t0}
 
     def sample_batch(self, encoded: list) -> list:

@@ -355,9 +355,14 @@ class RLTrainer:
                 acc.add("loss_tokens", w)
                 acc.add("entropy_sum", (ent * m).sum())
             self.between_kernels()
-            gn = clip_and_step(self.policy, self.opt, self.sched, cfg.optim.grad_clip)
-            if live:  # a mini-batch with nothing to learn from has no gradient: it steps the schedule only
+            gn = clip_and_step(self.policy, self.opt, None, cfg.optim.grad_clip)
+            if live:  # a mini-batch with nothing to learn from has no gradient (and makes no update)
                 grad_norms.append(gn)
+        # the LR schedule counts RL steps (as verl's and the sharded trainer's): every mini-batch of a batch takes
+        # the step's rate, and cosine/linear decay over a stage's steps ends at its last step whatever
+        # updates_per_batch is
+        lr = self.sched.get_last_lr()[0]  # the rate this step applied
+        self.sched.step()
         self.policy.eval()
         sums, maxes = acc.floats()
         weight, loss_total, ent_sum = (sums.pop(k, 0.0) for k in ("loss_tokens", "loss_total", "entropy_sum"))
@@ -368,7 +373,7 @@ class RLTrainer:
         metrics.update(maxes)
         metrics.update(loss=loss_total / len(minis), entropy=ent_sum / max(weight, 1.0),
                        grad_norm=sum(grad_norms) / max(len(grad_norms), 1),
-                       lr=self.sched.get_last_lr()[0], advantage_abs_mean=advantage_abs_mean(rolls, adv))
+                       lr=lr, advantage_abs_mean=advantage_abs_mean(rolls, adv))
         return metrics
 
     def _packs(self, rolls: list[Rollout], rows) -> list[list[int]]:
