@@ -6,14 +6,15 @@ import pytest
 
 from envs import get_env
 from envs.ifeval import INSTRUCTIONS, check, check_loose, detect_language
-from envs.ifeval.env import compatible
+from envs.ifeval.instructions import count_keyword, count_sentences, split_sentences
+from envs.ifeval.env import _violations, compatible
 
 EN = "The cat sat on the mat. It was a sunny day and the birds were singing."
 
 # (spec, response that follows it, response that does not)
 CASES = [
     ({"type": "keywords:existence", "keywords": ["harbor", "violin"]},
-     "A violin played by the Harbor.", "A violinist played by the harbors."),
+     "A violin played by the Harbor.", "A viola played by the harbour."),
     ({"type": "keywords:frequency", "keyword": "ember", "relation": "at least", "n": 2},
      "Ember after ember fell.", "One ember fell."),
     ({"type": "keywords:frequency", "keyword": "ember", "relation": "less than", "n": 2},
@@ -167,3 +168,81 @@ def test_references_follow_every_instruction_in_strict_and_loose_mode():
             assert strict.verify(p, ref).correct and loose.verify(p, ref).correct
             for bad in strict.corruptions(p):
                 assert not strict.verify(p, bad).correct
+
+
+# -- agreement with official IFEval (google-research instruction_following_eval) ----------------
+def test_sentences_follow_ifeval_splitter_not_line_breaks():
+    # line breaks are spaces: a list of bare lines is one sentence (no reward for "at least N")
+    lines = "Apples\nBananas\nCherries\nDates\nEggs"
+    assert count_sentences(lines) == 1
+    assert not check({"type": "length_constraints:number_sentences", "relation": "at least", "n": 5}, lines)
+    # titles, decimals and a.m./p.m. do not end a sentence
+    dr = "Dr. Smith met Mr. Jones at 3.5 p.m. today."
+    assert split_sentences(dr) == [dr]
+    assert check({"type": "length_constraints:number_sentences", "relation": "less than", "n": 2}, dr)
+    assert count_sentences("Mrs. Brown and St. Louis are here.") == 1
+    assert count_sentences("She has a Ph.D. in math. Impressive!") == 2
+    assert count_sentences("Visit example.com for more. Then call.") == 2
+    assert count_sentences("It costs 4.99 dollars. Cheap.") == 2
+    assert count_sentences("Plan B. Then plan C.") == 1  # a single letter's period is kept
+    # acronyms and company suffixes end a sentence only before a typical sentence starter
+    assert count_sentences("The U.S.A. economy grew. It did.") == 2
+    assert count_sentences("I live in the U.S. He lives in the U.K. too.") == 2
+    assert count_sentences("Acme Inc. is big. Really big.") == 2
+    assert count_sentences("We met at Acme Inc. They were nice.") == 2
+    # an ellipsis ends a sentence; a closing quote may follow the period
+    assert count_sentences("Wait... what happened? Nothing.") == 3
+    assert split_sentences('He said "stop." Then he left.') == ['He said "stop."', "Then he left."]
+    assert count_sentences("Line one.\nLine two.\n\nLine three") == 3
+    # punctuation-only pieces and mid-token periods add nothing
+    assert count_sentences("Hello!!! World???") == 2
+    assert count_sentences("See config.yaml now. Done.") == 2
+    assert count_sentences("") == count_sentences("  \n ") == 0
+
+
+def test_two_responses_allow_an_empty_first_or_last_part():
+    spec = {"type": "combination:two_responses"}
+    assert check(spec, "******\nFirst answer.\n******\nSecond answer.")
+    assert check(spec, "First.\n******\nSecond.\n******")
+    assert check(spec, "******\nFirst.\n******\nSecond.\n******")
+    assert not check(spec, "First.\n******\n\n******\nSecond.")  # empty part in the middle
+    assert not check(spec, "******\nOnly one.\n******")
+    assert not check(spec, "A.\n******\nB.\n******\nC.")
+    assert not check(spec, "******\nSame.\n******\nSame.\n******")
+
+
+def test_keywords_match_as_substrings_but_forbidden_words_as_whole_words():
+    assert check({"type": "keywords:existence", "keywords": ["lantern", "harbor"]}, "Two lanterns lit the harbors.")
+    text = "embers, embers, embers and an ember"
+    assert count_keyword(text, "ember") == 4
+    assert not check({"type": "keywords:frequency", "keyword": "ember", "relation": "less than", "n": 2}, text)
+    assert check({"type": "keywords:frequency", "keyword": "ember", "relation": "at least", "n": 4}, text)
+    assert count_keyword("A Day to Remember", "EMBER") == 1
+    forbid = {"type": "keywords:forbidden_words", "words": ["very", "real"]}
+    assert check(forbid, "Every day is really fine.") and not check(forbid, "It was VERY fine.")
+    # the environment's corruptions remove keywords hidden inside longer words too
+    ref = "<<A Day to Remember>>\nThe harbor was calm."
+    for spec in ({"type": "keywords:existence", "keywords": ["ember", "harbor"]},
+                 {"type": "keywords:frequency", "keyword": "ember", "relation": "at least", "n": 1}):
+        assert check(spec, ref) and not check(spec, _violations(spec, ref))
+
+
+def test_json_format_survives_deep_nesting():
+    spec = {"type": "detectable_format:json_format"}
+    deep = "[" * 100_000 + "]" * 100_000
+    assert check(spec, deep) is False and check_loose(spec, deep) is False
+    assert check(spec, "[" * 50 + "]" * 50)
+
+
+def test_nth_paragraph_first_word_follows_ifeval():
+    spec = {"type": "length_constraints:nth_paragraph_first_word", "n": 2, "nth": 2, "word": "today"}
+    assert check(spec, "Intro.\n\nToday's weather is mild.")  # cut at the apostrophe
+    assert check(spec, 'Intro.\n\n"Today," she said.')  # leading quote dropped, cut at the comma
+    assert not check(spec, "Intro.\n\n**Today** is fine.")  # markdown stays part of the word
+    assert check_loose(spec, "Intro.\n\n**Today** is fine.")  # ... but loose mode removes the stars
+    assert not check(spec, "Intro.\n\nToday: fine.")  # only . , ? ! and quotes end the word
+    assert not check(spec, "Intro.\n \nToday is fine.")  # a line with a space does not split
+    assert check(spec, "Intro.\n\n\nToday is fine.")  # split on "\n\n" exactly; the rest is stripped
+    # the count skips empty pieces, but the nth piece is taken from the raw split (IFEval does so)
+    assert not check(spec, "Intro.\n\n\n\nToday is fine.")
+    assert not check(spec, "Intro.\n\nToday is fine.\n\nOutro.")

@@ -6,10 +6,21 @@ strict verdict, ``check_loose`` IFEval's loose verdict: the instruction holds fo
 response, the response without its first line, without its last line, without both, and each of
 these with markdown ``*`` removed.
 
-Counting conventions (shared by the checker and the reference-response builder): words are
-``\\w+`` runs; sentences end at ``.``, ``!`` or ``?`` followed by space or at a line break;
-keywords match whole words, case-insensitively; "less than N" means ``count < N`` and "at least
-N" means ``count >= N``.
+Counting conventions (shared by the checker and the reference-response builder; they follow
+official IFEval): words are ``\\w+`` runs; sentences come from ``split_sentences``, the rule-based
+splitter IFEval ships (``split_into_sentences``; its ``count_sentences`` uses NLTK's Punkt model, whose
+data would be a download): line breaks are spaces, so a line without
+``.``/``!``/``?`` does not end a sentence; a sentence ends at ``.``, ``!`` or ``?`` (closing quotes
+may follow) before a space or the end, except the periods of Mr./Mrs./Ms./Dr./St., web suffixes
+(.com), decimals (3.5), Ph.D., single letters (``a.``, ``p.m.``), and of Inc./Ltd./Jr./Sr./Co. and
+acronyms (U.S.A.) unless a typical sentence starter (He, They, This, ...) follows; ``...`` ends a
+sentence; a piece counts only if it has a word character. Keyword existence and frequency are
+case-insensitive substring matches (``lanterns`` contains ``lantern``); forbidden words match whole
+words only. The ``******`` of two responses may also open or close the response (an empty first
+or last part). Paragraphs for "paragraph N starts with word W" are split on ``\\n\\n`` exactly,
+and the first word is the paragraph's first whitespace token, minus leading quotes, up to the
+first ``.``, ``,``, ``?``, ``!`` or quote (``Today's`` -> ``today``, ``**Today**`` stays
+``**today**``). "less than N" means ``count < N`` and "at least N" means ``count >= N``.
 """
 from __future__ import annotations
 
@@ -20,14 +31,65 @@ from typing import Callable
 from envs.ifeval.lang import LANGUAGE_NAMES, detect_language
 
 __all__ = ["INSTRUCTIONS", "describe", "check", "check_loose", "count_words", "count_sentences",
-           "count_keyword", "count_capital_words", "count_placeholders", "count_highlights",
-           "count_bullets", "RELATIONS"]
+           "split_sentences", "count_keyword", "count_whole_word", "count_capital_words",
+           "count_placeholders", "count_highlights", "count_bullets", "RELATIONS"]
 
 RELATIONS = ("less than", "at least")
 
 # -- counters ----------------------------------------------------------------------------------
 _WORD_RE = re.compile(r"\w+")
-_SENT_SPLIT = re.compile(r"(?<=[.!?])\s+|\n+")
+
+# Sentence splitting, after the rules of IFEval's ``split_into_sentences``. A period that does not
+# end a sentence becomes _KEEP, a forced break is _BREAK; both are private-use characters removed
+# from the input first.
+_KEEP, _BREAK = "\ue000", "\ue001"
+_STARTER = (r"(?:Mr|Mrs|Ms|Dr|Prof|Capt|Cpt|Lt|He\s|She\s|It\s|They\s|Their\s|Our\s|We\s|But\s"
+            r"|However\s|That\s|This\s|Wherever)")
+_TITLE_RE = re.compile(r"\b(Mrs|Mr|Ms|Dr|St)\.")
+_WEB_RE = re.compile(r"\.(?=(?:com|net|org|io|gov|edu|me)\b)")
+_DECIMAL_RE = re.compile(r"(?<=\d)\.(?=\d)")
+_DOTS_RE = re.compile(r"\.{2,}")
+_LONE_LETTER_SPACE_RE = re.compile(r"(?<=\s[A-Za-z])\.(?= )")  # "plan B. then"
+_LONE_LETTER_RE = re.compile(r"(?<=\s[A-Za-z])\.")  # after the acronyms: " U.S." stays one
+_ACRONYM_END_RE = re.compile(r"\b([A-Z]\.[A-Z]\.(?:[A-Z]\.)?)(?= " + _STARTER + ")")
+_DOTTED_RE = re.compile(r"(?<![A-Za-z])([A-Za-z])\.([A-Za-z])\.(?:([A-Za-z])\.)?")
+_SUFFIX_END_RE = re.compile(r"(?<= )(Inc|Ltd|Jr|Sr|Co)\.(?= " + _STARTER + ")")
+_SUFFIX_RE = re.compile(r"(?<= )(Inc|Ltd|Jr|Sr|Co)\.")
+# a run of . ! ? and closing quotes before whitespace or the end; taken whole from the run's start
+# (an atomic group via lookahead + backreference), so a long "!!!...x" stays linear
+_SENT_END_RE = re.compile(r"(?<![.!?])(?=([.!?]+[\"\u201d\u2019')\]]*))\1(?=\s|$)|" + _BREAK)
+
+
+def _keep_dots(m: re.Match) -> str:
+    return m.group(0).replace(".", _KEEP)
+
+
+def split_sentences(text: str) -> list[str]:
+    """Sentences of ``text`` (IFEval's rule-based splitter; see the module docstring).
+
+    One deliberate difference: a ``.``/``!``/``?`` ends a sentence only before whitespace or the
+    end (as in the Punkt tokenizer that IFEval's ``count_sentences`` uses), so ``a.b.c`` or
+    ``config.yaml`` is not several sentences.
+    """
+    t = " " + re.sub("[\ue000\ue001]", " ", text).replace("\n", " ") + " "
+    t = _TITLE_RE.sub(_keep_dots, t)
+    t = _WEB_RE.sub(_KEEP, t)
+    t = _DECIMAL_RE.sub(_KEEP, t)
+    t = _DOTS_RE.sub(lambda m: _KEEP * len(m.group(0)) + _BREAK, t)
+    t = t.replace("Ph.D.", f"Ph{_KEEP}D{_KEEP}")
+    t = _LONE_LETTER_SPACE_RE.sub(_KEEP, t)
+    t = _ACRONYM_END_RE.sub(lambda m: m.group(1) + _BREAK, t)
+    t = _DOTTED_RE.sub(_keep_dots, t)
+    t = _SUFFIX_END_RE.sub(lambda m: m.group(1) + _KEEP + _BREAK, t)
+    t = _SUFFIX_RE.sub(_keep_dots, t)
+    t = _LONE_LETTER_RE.sub(_KEEP, t)
+    sentences, start = [], 0
+    for m in _SENT_END_RE.finditer(t):
+        sentences.append(t[start:m.end()])
+        start = m.end()
+    sentences.append(t[start:])
+    out = [p.replace(_BREAK, "").replace(_KEEP, ".").strip() for p in sentences]
+    return [p for p in out if _WORD_RE.search(p)]
 
 
 def count_words(text: str) -> int:
@@ -35,10 +97,16 @@ def count_words(text: str) -> int:
 
 
 def count_sentences(text: str) -> int:
-    return sum(1 for piece in _SENT_SPLIT.split(text) if _WORD_RE.search(piece))
+    return len(split_sentences(text))
 
 
 def count_keyword(text: str, word: str) -> int:
+    """Occurrences of ``word`` anywhere, case-insensitively (IFEval: ``re.findall(keyword, ...)``)."""
+    return len(re.findall(re.escape(word), text, flags=re.IGNORECASE))
+
+
+def count_whole_word(text: str, word: str) -> int:
+    """Occurrences of ``word`` as a whole word, case-insensitively (IFEval's forbidden words)."""
     return len(re.findall(r"\b" + re.escape(word) + r"\b", text, flags=re.IGNORECASE))
 
 
@@ -77,7 +145,8 @@ def divider_paragraphs(text: str) -> int | None:
 
 
 def blank_line_paragraphs(text: str) -> list[str]:
-    return [p for p in re.split(r"\n\s*\n", text) if p.strip()]
+    """The pieces between ``\\n\\n`` (IFEval splits on exactly that), empty ones included."""
+    return text.split("\n\n")
 
 
 def _compare(count: int, relation: str, n: int) -> bool:
@@ -85,8 +154,13 @@ def _compare(count: int, relation: str, n: int) -> bool:
 
 
 def _first_word(paragraph: str) -> str:
-    words = paragraph.strip().split()
-    return words[0].strip("\"'.,;:!?*()[]<>").lower() if words else ""
+    """IFEval's first word: the first whitespace token without leading ' then \", cut at the
+    first . , ? ! ' or \" and lowercased (so ``Today's`` -> ``today``, ``**Today**`` unchanged)."""
+    words = paragraph.split()
+    if not words:
+        return ""
+    word = words[0].lstrip("'").lstrip('"')
+    return re.split(r"[.,?!'\"]", word, maxsplit=1)[0].lower()
 
 
 # -- instruction types: (describe, check) ------------------------------------------------------
@@ -103,7 +177,7 @@ def _keyword_frequency(s):
 
 def _forbidden_words(s):
     return (f"Do not include the keywords {', '.join(s['words'])} in the response.",
-            lambda r: not any(count_keyword(r, w) for w in s["words"]))
+            lambda r: not any(count_whole_word(r, w) for w in s["words"]))
 
 
 def _letter_frequency(s):
@@ -134,8 +208,12 @@ def _number_words(s):
 
 def _nth_paragraph_first_word(s):
     def ok(r):
-        paras = blank_line_paragraphs(r)
-        return len(paras) == s["n"] and s["nth"] <= len(paras) and _first_word(paras[s["nth"] - 1]) == s["word"].lower()
+        # IFEval: the count skips empty pieces but the nth piece is taken from the raw split
+        pieces = blank_line_paragraphs(r)
+        n_paras = sum(1 for p in pieces if p.strip())
+        if not 1 <= s["nth"] <= n_paras or not pieces[s["nth"] - 1].strip():
+            return False
+        return n_paras == s["n"] and _first_word(pieces[s["nth"] - 1]) == s["word"].lower()
     return (f"There should be {s['n']} paragraphs. Paragraphs and only paragraphs are separated with each other "
             f"by two new lines as if it was '\\n\\n' in python. Paragraph {s['nth']} must start with word {s['word']}.", ok)
 
@@ -191,7 +269,7 @@ def _json_format(s):
             v = v[:-3]
         try:
             json.loads(v)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
             return False
         return True
     return ("Entire output should be wrapped in JSON format. You can use markdown ticks such as ```.", ok)
@@ -204,11 +282,15 @@ def _title(s):
 
 def _two_responses(s):
     def ok(r):
+        # IFEval: an empty part is allowed only first or last; exactly two non-empty, different parts
         parts = r.split("******")
-        if len(parts) != 2:
-            return False
-        a, b = parts[0].strip(), parts[1].strip()
-        return bool(a) and bool(b) and a != b
+        answers = []
+        for i, p in enumerate(parts):
+            if p.strip():
+                answers.append(p.strip())
+            elif 0 < i < len(parts) - 1:
+                return False
+        return len(answers) == 2 and answers[0] != answers[1]
     return ("Give two different responses. Responses and only responses should be separated by 6 asterisk "
             "symbols: ******.", ok)
 
