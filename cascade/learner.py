@@ -97,20 +97,9 @@ class WorkerLearner:
         (self.exchange / "STOP").unlink(missing_ok=True)
         shutil.rmtree(self.exchange / "ckpt_requests", ignore_errors=True)
         shutil.rmtree(self.exchange / "final", ignore_errors=True)
-        S = self.sft_steps
-        for sub, pre in ((ckpt_dir, "step-"), ("batches", "step-"), ("metrics", "step-"), ("weights", "v"),
-                         ("sft/weights", "v")):
-            d = self.exchange / sub
-            for p in d.iterdir() if d.is_dir() else []:
-                num = p.name[len(pre):].split(".")[0]
-                if not (p.name.startswith(pre) and num.isdigit()):
-                    continue
-                n = int(num) + (S if sub == "weights" else 0)  # RL versions count from the end of SFT
-                stale = n >= update if sub in ("batches", "metrics") else n > update
-                if sub == "weights" and update < S:
-                    stale = True  # not even version 0 (the policy after SFT) exists yet
-                if stale or (sub == ckpt_dir and update == 0):  # at update 0 the ranks start from --model
-                    shutil.rmtree(p) if p.is_dir() else p.unlink()
+        from train.rl.exchange import clear_after
+
+        clear_after(self.exchange, update, self.sft_steps, (ckpt_dir, "batches", "metrics", "weights", "sft/weights"))
 
     # -- waiting on the ranks ----------------------------------------------------------------------
     def _wait(self, what: str, done) -> None:

@@ -24,7 +24,7 @@ import pytest
 from cascade.learner import kill_tree
 from train.parallel.comm import free_port
 
-from tests.test_rl_distributed import (ROOT, TOL, _final_weights, _finish, _max_err, rl_cfg,
+from tests.test_rl_distributed import (ROOT, TOL, _final_weights, _finish, _max_err, _start_worker, rl_cfg,
                                        worker_setup)  # noqa: F401  (worker_setup is a fixture)
 
 SBATCH = ROOT / "scripts" / "slurm" / "cascade_rl.sbatch"
@@ -83,6 +83,30 @@ def test_two_node_worker_equals_reference(worker_setup, tsp, dp):  # noqa: F811
     found = [(re.findall(r"group_world_size=(\d+)", t), re.findall(r"global_ranks=\[(\d+)\]", t)) for t in logs]
     assert all(gws == ["2"] for gws, _ in found), found
     assert sorted(r for _, ranks in found for r in ranks) == ["0", "1"], found
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_resumed_by_hand_drops_what_it_did_past_its_checkpoint(worker_setup):  # noqa: F811
+    """``-m train.rl.worker`` with no orchestrator, resumed from its checkpoint of update 1 after it had run
+    on (versions 2-4 and the metrics of updates 1-3 on disk): those are removed at its start, so version 2
+    written again is the newest version, kept, rather than pruned below the stale 3 and 4."""
+    import torch
+
+    from train.rl.exchange import complete_versions, load_version, publish_version, write_batch
+
+    root, batches, _ = worker_setup
+    ex = root / "resumed_by_hand" / "exchange"
+    ex.mkdir(parents=True)
+    write_batch(ex, batches[0])
+    _finish(*_start_worker(ex, root / "init", 1, tsp=1, dp=1, extra=["--checkpoint-every", "1"]))
+    for v in (2, 3, 4):  # the run went on past its last checkpoint
+        publish_version(ex, v, {"w": torch.zeros(2)}, keep=0)
+        (ex / "metrics" / f"step-{v - 1:06d}.json").write_text("{}")
+    write_batch(ex, batches[1])
+    _finish(*_start_worker(ex, root / "init", 2, tsp=1, dp=1))
+    assert complete_versions(ex) == [1, 2] and "w" not in load_version(ex, 2)[1]
+    assert sorted(p.name for p in (ex / "metrics").iterdir()) == ["step-000000.json", "step-000001.json"]
+    assert json.loads((ex / "metrics" / "step-000001.json").read_text())["version"] == 2
 
 
 def test_launch_command_two_nodes_needs_endpoint():

@@ -362,3 +362,68 @@ def test_a_server_that_cannot_join_costs_one_group_timeout_not_one_per_version(t
     finally:
         eng.close()
         _stop(procs)
+
+
+def _formed_broadcaster(monkeypatch, send):
+    """A Broadcaster whose group with servers a and b is formed (no real group or servers: ``send`` stands for
+    the collective, the requests to the servers are recorded and answered)."""
+    from types import SimpleNamespace
+
+    import train.rl.weight_group as wg
+
+    b = wg.Broadcaster(SimpleNamespace(alive=["http://a", "http://b"]))
+    b.group, b.members = Group(None, 0, 3, torch.device("cpu"), "g0"), ("http://a", "http://b")
+    b._instances = dict.fromkeys(b.members, "i")
+    calls = []
+
+    def call(url, method, path, body=None, timeout_s=None):
+        calls.append((url, path))
+        return {"version": body["version"]} if path == "/v1/load_weights" else {"instance": "i"}
+
+    b._call = call
+    monkeypatch.setattr(wg, "send", send)
+    return b, calls
+
+
+def _on_another_thread(fn) -> None:
+    t = threading.Thread(target=fn)
+    t.start()
+    t.join()
+
+
+def test_a_reform_during_a_push_is_for_the_next_push(monkeypatch):
+    """``reform()`` (a restarted server's catch-up, on another thread) while a push is under way: the push
+    still tells every member of its group to load the version, and reports what they loaded; the next push
+    forms a new group (here it fails to: these stand-in servers have no group support), and with no live
+    server left a reformed group is refused rather than broadcast on."""
+    sent = []
+    b, calls = _formed_broadcaster(monkeypatch, lambda group, sd, layout: sent.append(group.name))
+    check = b._check_members
+    b._check_members = lambda: (check(), _on_another_thread(b.reform))  # right after the member check
+    sd = {"w": torch.ones(4)}
+    assert b.push(sd, 7) == {"http://a": 7, "http://b": 7} and sent == ["g0"]
+    assert [c for c in calls if c[1] == "/v1/load_weights"] == [("http://a", "/v1/load_weights"),
+                                                               ("http://b", "/v1/load_weights")]
+    with pytest.raises(WeightGroupError, match="without weight-group support"):
+        b.push(sd, 8)
+    b, calls = _formed_broadcaster(monkeypatch, lambda group, sd, layout: sent.append(group.name))
+    b.reform()
+    b.remote.alive = []  # every server gone
+    with pytest.raises(WeightGroupError, match="no live server"):
+        b.push(sd, 9)
+    assert sent == ["g0"] and not calls and b.group is None
+
+
+def test_a_failed_push_tells_every_member_to_give_up_despite_a_reform_meanwhile(monkeypatch):
+    """A member dies mid-broadcast and its restart's catch-up calls ``reform()`` while rank 0 is still
+    sending: the survivors (every member of the push's group) are told to give the broadcast up, not left
+    waiting for the group's timeout."""
+    def send(group, sd, layout):
+        _on_another_thread(b.reform)
+        raise RuntimeError("Connection reset by peer")
+
+    b, calls = _formed_broadcaster(monkeypatch, send)
+    with pytest.raises(WeightGroupError, match="Connection reset"):
+        b.push({"w": torch.ones(4)}, 7)
+    assert sorted(c for c in calls if c[1].endswith("/abort")) == [("http://a", "/v1/weights_group/abort"),
+                                                                   ("http://b", "/v1/weights_group/abort")]

@@ -14,6 +14,7 @@ checksum does not match, or any path outside the weights directory.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -156,13 +157,21 @@ def unstack_routing(compact: torch.Tensor | None) -> list[torch.Tensor] | None:
     return [compact[:, i].long().unsqueeze(0) for i in range(compact.shape[1])]
 
 
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a directory's entries, to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _atomic_write(path: Path, write) -> None:
     """``write(tmp_path)`` then fsync and rename onto ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     write(tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
+    _fsync(tmp)
     os.replace(tmp, path)
 
 
@@ -192,16 +201,21 @@ def version_dir(root: str | Path, version: int) -> Path:
     return Path(root) / "weights" / f"v{version:06d}"
 
 
-def _sha256(path: Path) -> str:
+def _sha256(f) -> str:
+    """Hex digest of a path's contents, or of an open binary file's from where it stands."""
+    if not hasattr(f, "read"):
+        with open(f, "rb") as fh:
+            return _sha256(fh)
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
+    for block in iter(lambda: f.read(1 << 20), b""):
+        h.update(block)
     return h.hexdigest()
 
 
 def publish_version(root: str | Path, version: int, state_dict: dict[str, torch.Tensor], keep: int = 3) -> Path:
-    """Write weight version ``version`` atomically; keep only the newest ``keep`` versions."""
+    """Write weight version ``version`` atomically and durably; keep it and the newest ``keep - 1`` complete
+    versions below it. Higher ones are left alone (a resumed trainer writes versions again: those of the run
+    it resumes are removed by :func:`clear_after`, and the one written now must not be pruned for being low)."""
     from safetensors.torch import save_file
 
     final = version_dir(root, version)
@@ -213,15 +227,41 @@ def publish_version(root: str | Path, version: int, state_dict: dict[str, torch.
     save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"version": str(version)})
     files = {WEIGHTS_FILE: {"sha256": _sha256(tmp / WEIGHTS_FILE), "bytes": (tmp / WEIGHTS_FILE).stat().st_size}}
     (tmp / MANIFEST).write_text(json.dumps({"version": version, "files": files}, indent=1))
-    with open(tmp / WEIGHTS_FILE, "rb") as f:
-        os.fsync(f.fileno())
+    for p in (tmp / WEIGHTS_FILE, tmp / MANIFEST, tmp):  # on disk before the rename: a crash leaves all or nothing
+        _fsync(p)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    (final / COMPLETE).write_text("ok\n")
-    for old in complete_versions(root)[:-keep] if keep > 0 else []:
+    _atomic_write(final / COMPLETE, lambda t: t.write_text("ok\n"))
+    _fsync(final)  # COMPLETE's entry, then the rename's
+    _fsync(final.parent)
+    older = [v for v in complete_versions(root) if v < version]
+    for old in older[:max(len(older) - keep + 1, 0)] if keep > 0 else []:
         shutil.rmtree(version_dir(root, old), ignore_errors=True)
     return final
+
+
+def clear_after(exchange: str | Path, update: int, sft_steps: int = 0,
+                subdirs=("metrics", "weights", "sft/weights")) -> None:
+    """Remove what the trainer ranks wrote past ``update`` updates under ``exchange`` (a resume at ``update``),
+    in ``subdirs``: ``batches`` and ``metrics`` (``step-N``) of update ``update`` on; weight versions (``vN``)
+    after it (``weights`` holds RL versions, which count from the end of the ``sft_steps`` SFT updates: all of
+    them while ``update`` is inside SFT; ``sft/weights`` those of SFT updates); and in any other subdirectory
+    (checkpoints, ``step-N``) those after it, or all of them at update 0."""
+    for sub in subdirs:
+        d = Path(exchange) / sub
+        pre = "v" if sub.endswith("weights") else "step-"
+        for p in d.iterdir() if d.is_dir() else []:
+            num = p.name[len(pre):].split(".")[0]  # (also a temporary name: v000012.tmp345)
+            if not (p.name.startswith(pre) and num.isdigit()):
+                continue
+            n = int(num) + (sft_steps if sub == "weights" else 0)
+            if sub in ("batches", "metrics"):
+                stale = n >= update
+            else:
+                stale = n > update or (sub == "weights" and update < sft_steps) or (pre == "step-" and update == 0)
+            if stale:
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
 def _dedupe_shared(tensors: dict[str, torch.Tensor]) -> None:
@@ -267,9 +307,9 @@ def load_version(root: str | Path, version: int | None = None, path: str | Path 
 
     By number or by path, the directory must lie in ``root/weights`` once links are followed, its manifest
     must name its own number and list the weights file, and every file it lists must be a plain file of
-    that directory (a link out of it is refused like a bad checksum)."""
-    from safetensors.torch import load_file
-
+    that directory (a link out of it is refused like a bad checksum). A version published again under the
+    same number while it is read (v0 after an SFT warm-up) is read again: the manifest and files read are
+    those the path still names at the end, so the bytes loaded are the bytes verified."""
     if path is None:
         if version is None:
             version = latest_version(root)
@@ -277,22 +317,52 @@ def load_version(root: str | Path, version: int | None = None, path: str | Path 
                 raise WeightVersionError(f"no complete weight version under {Path(root) / 'weights'}")
         path = version_dir(root, version)
     d = resolve_version_dir(root, path)
+    for _ in range(3):
+        got = _read_version(d, verify)
+        if got is not None:
+            return got
+    raise WeightVersionError(f"weight version {d.name} was published again during each of 3 reads")
+
+
+def _read_version(d: Path, verify: bool) -> tuple[int, dict[str, torch.Tensor]] | None:
+    """:func:`load_version` of directory ``d`` once; None when the files changed under it meanwhile."""
+    from safetensors.torch import load_file
+
     if not (d / COMPLETE).exists():
         raise WeightVersionError(f"weight version {d.name} is not complete")
-    try:
-        man = json.loads((d / MANIFEST).read_text())
-        files, number = man["files"], int(man["version"])
-        if not isinstance(files, dict):
-            raise TypeError("'files' is not a mapping")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise WeightVersionError(f"weight version {d.name}: unreadable manifest ({e})") from None
-    if number != int(d.name[1:]) or WEIGHTS_FILE not in files:
-        raise WeightVersionError(f"weight version {d.name}: its manifest names version {number} and files "
-                                 f"{sorted(files)} (expected version {int(d.name[1:])} with {WEIGHTS_FILE})")
-    for name, info in files.items():
-        f = d / str(name)
-        if f.is_symlink() or f.parent.resolve() != d or not f.is_file():
-            raise WeightVersionError(f"weight version {d.name}: {name!r} is not a file of the version's directory")
-        if verify and _sha256(f) != (info.get("sha256") if isinstance(info, dict) else None):
-            raise WeightVersionError(f"weight version {d.name}: checksum mismatch in {name}")
-    return number, load_file(str(d / WEIGHTS_FILE))
+    with contextlib.ExitStack() as stack:
+        try:  # files are held open from the start: each is the inode the path named then
+            opened = {MANIFEST: stack.enter_context(open(d / MANIFEST, "rb"))}
+            man = json.loads(opened[MANIFEST].read())
+            files, number = man["files"], int(man["version"])
+            if not isinstance(files, dict):
+                raise TypeError("'files' is not a mapping")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise WeightVersionError(f"weight version {d.name}: unreadable manifest ({e})") from None
+        if number != int(d.name[1:]) or WEIGHTS_FILE not in files:
+            raise WeightVersionError(f"weight version {d.name}: its manifest names version {number} and files "
+                                     f"{sorted(files)} (expected version {int(d.name[1:])} with {WEIGHTS_FILE})")
+        bad = None
+        for name, info in files.items():
+            f = d / str(name)
+            if f.is_symlink() or f.parent.resolve() != d or not f.is_file():
+                raise WeightVersionError(f"weight version {d.name}: {name!r} is not a file of the version's directory")
+            opened[str(name)] = fh = stack.enter_context(open(f, "rb"))
+            if verify and bad is None and _sha256(fh) != (info.get("sha256") if isinstance(info, dict) else None):
+                bad = name
+        try:
+            sd = None if bad is not None else load_file(str(d / WEIGHTS_FILE))
+        except FileNotFoundError:  # (between the removal of the old directory and the rename of the new)
+            return None
+
+        def same(name: str, fh) -> bool:
+            try:
+                return os.stat(d / name).st_ino == os.fstat(fh.fileno()).st_ino
+            except OSError:
+                return False
+
+        if not all(same(n, fh) for n, fh in opened.items()):
+            return None  # published again meanwhile: read the new one
+    if bad is not None:
+        raise WeightVersionError(f"weight version {d.name}: checksum mismatch in {bad}")
+    return number, sd

@@ -289,6 +289,7 @@ class Broadcaster:
         self._failed_with: tuple[str, ...] = ()
         self._skip = self._backoff = 0
         self.formed = 0  # groups formed so far (also names them)
+        self._stale = False  # reform() asked for a new group at the next push
         self._pushing = threading.Lock()  # one push at a time (a server's catch-up runs on another thread)
 
     def _call(self, url: str, method: str, path: str, body: dict | None = None, timeout_s: float | None = None) -> dict:
@@ -314,6 +315,7 @@ class Broadcaster:
         import torch.distributed as dist
 
         self.close()
+        self._stale = False  # (a reform() from here on is for the next push)
         if not urls:
             raise WeightGroupError("no live server to form a weight group with")
         info = self._finish(*fan_out(urls, lambda u: self._call(u, "GET", "/v1/weights")), "weight group sizes")
@@ -367,25 +369,28 @@ class Broadcaster:
 
     def _push(self, state_dict, version: int, urls) -> dict[str, int]:
         urls = tuple(sorted(self.remote.alive if urls is None else urls))
-        if self.group is None or self.members != urls:
-            self._form_or_back_off(urls)
+        if self.group is None or self._stale or self.members != urls:
+            self._form_or_back_off(urls)  # (refuses an empty set of servers)
         else:
             self._check_members()
+        # this push's group and members, whatever reform() on another thread asks of the next push
+        group, members = self.group, self.members
+        if group is None or not members:  # (close() on another thread: the run is ending)
+            raise WeightGroupError("no weight group to broadcast on: it was closed")
         layout = plan(state_dict, self.bucket_bytes)
         body = {"version": int(version), "broadcast": layout}
-        pending = fan_out(self.members, lambda u: self._call(u, "POST", "/v1/load_weights", body), wait=False)
+        pending = fan_out(members, lambda u: self._call(u, "POST", "/v1/load_weights", body), wait=False)
         error = None
         try:
-            send(self.group, state_dict, layout)  # packed into buckets on the group's device
+            send(group, state_dict, layout)  # packed into buckets on the group's device
         except Exception as e:  # noqa: BLE001 - kept as text: its traceback would hold the group
             error = f"broadcasting weights: {e}"
         if error is not None:
-            members, name = self.members, self.group.name
             self.close()  # first: the members still receiving fail at once, not at the group's timeout
             # ... which gloo does not always make them see (a closed rank 0 can leave a member waiting for data
             # until the group's timeout): Cascade's servers are told to give the broadcast up (vLLM's server has no
             # such route: its members wait the timeout out)
-            fan_out(members, lambda u: self._call(u, "POST", "/v1/weights_group/abort", {"name": name},
+            fan_out(members, lambda u: self._call(u, "POST", "/v1/weights_group/abort", {"name": group.name},
                                                   timeout_s=min(self.timeout_s, 10.0)))
             self._finish(*pending, "broadcasting weights")
             raise WeightGroupError(error)
@@ -412,9 +417,9 @@ class Broadcaster:
 
     def reform(self) -> None:
         """The next :meth:`push` forms the group again (a member is a new process at the same URL), also
-        where it lately failed to. Safe from another thread than the one pushing: a push under way finishes
-        on the group it has."""
-        self.members = ()
+        where it lately failed to. Safe from another thread than the one pushing: it only marks the group
+        stale, and a push under way finishes on the group and members it took."""
+        self._stale = True
         self._failed_with = ()
 
     def close(self) -> None:

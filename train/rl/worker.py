@@ -24,8 +24,8 @@ it. Files written (under ``DIR``):
   ``torch.distributed.checkpoint`` of every rank's model shards, fp32 master weights, AdamW
   moments, the frozen KL reference's shards (``kl_coef > 0`` without ``kl_reference``) and the
   step, then ``meta.json`` and ``COMPLETE``; the newest complete one is resumed
-  from on start (on any mesh: :func:`load_checkpoint` reshards for other TSP and DP degrees), older
-  ones pruned to ``--keep-checkpoints``;
+  from on start (on any mesh: :func:`load_checkpoint` reshards for other TSP and DP degrees; the
+  weight versions and metrics written after it are removed), older ones pruned to ``--keep-checkpoints``;
 * ``final/``: at the end, an HF checkpoint of the fp32 master weights (tokenizer files copied
   from ``--model``) and ``final/COMPLETE``.
 
@@ -447,7 +447,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     from train.model.hf_io import save_pretrained
     from train.parallel.rl_update import DTYPES, RLUpdater
-    from train.rl.exchange import publish_version, version_dir
+    from train.rl.exchange import clear_after, publish_version, version_dir
 
     a = parse_args(argv)
     from envs.hub import resolve_model
@@ -482,6 +482,9 @@ def main(argv=None) -> int:
         up = RLUpdater(a.model, cfg, tsp=a.tsp, dp=a.dp, device=device)  # TSP ranks read their slices only
         step = load_checkpoint(up, exchange)
         if rank == 0:
+            # what the ranks did past the checkpoint (a run resumed by hand: an orchestrator has cleared it
+            # already): its weight versions would pass for this run's, and survive its pruning
+            clear_after(exchange, step, a.sft_steps)
             print(json.dumps({"worker": "start", "step": step, "dp": up.dp, "tsp": up.tsp, "device": str(device)}),
                   flush=True)
         while step < a.steps:

@@ -1,0 +1,93 @@
+"""Weight versions in the exchange directory (train/rl/exchange.py): pruning around a version written
+again at a resume, what a resume removes, one read of a version's bytes, and what is on disk before a
+version counts as complete."""
+from __future__ import annotations
+
+import hashlib
+import os
+from types import SimpleNamespace
+
+import torch
+
+from train.rl import exchange as ex
+
+
+def _sd(x: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((2,), float(x))}
+
+
+def test_pruning_keeps_the_version_written_and_the_newest_below_it(tmp_path):
+    """Of the versions below the one written, the newest ``keep - 1`` stay; higher ones (a run resumed from
+    an older checkpoint writes its versions again) are left alone, and the version written is never pruned."""
+    for v in range(1, 6):
+        ex.publish_version(tmp_path, v, _sd(v))
+    assert ex.complete_versions(tmp_path) == [3, 4, 5]
+    ex.publish_version(tmp_path, 4, _sd(44))  # the trainer resumed after update 3
+    assert ex.complete_versions(tmp_path) == [3, 4, 5] and ex.load_version(tmp_path, 4)[1]["w"].tolist() == [44.0] * 2
+    ex.publish_version(tmp_path, 1, _sd(11), keep=1)
+    assert ex.complete_versions(tmp_path) == [1, 3, 4, 5]
+
+
+def test_clear_after_removes_what_the_ranks_did_past_a_resume(tmp_path):
+    """A resume at update 12 of a run with 2 SFT updates (RL version v = update v + 2): metrics of updates
+    12 on, RL versions after 10 (and their temporaries), SFT versions after 12; with checkpoints and batches
+    named, checkpoints after 12 and batches of 12 on; at update 0 every checkpoint."""
+    for sub, names in (("metrics", ["step-000011.json", "step-000012.json", "step-000013.json"]),
+                       ("batches", ["step-000011.pt", "step-000012.pt"]),
+                       ("weights", ["v000010", "v000011", "v000011.tmp77", "notes"]),
+                       ("sft/weights", ["v000001"]), ("trainer_ckpt", ["step-000012", "step-000013"])):
+        for n in names:
+            (tmp_path / sub / n).mkdir(parents=True)
+    left = lambda sub: sorted(p.name for p in (tmp_path / sub).iterdir())  # noqa: E731
+    ex.clear_after(tmp_path, 12, sft_steps=2)
+    assert left("metrics") == ["step-000011.json"] and left("weights") == ["notes", "v000010"]
+    assert left("sft/weights") == ["v000001"] and len(left("batches")) == 2 and len(left("trainer_ckpt")) == 2
+    ex.clear_after(tmp_path, 12, 2, ("trainer_ckpt", "batches"))
+    assert left("trainer_ckpt") == ["step-000012"] and left("batches") == ["step-000011.pt"]
+    ex.clear_after(tmp_path, 1, 2)  # inside SFT: no RL version exists yet
+    assert left("weights") == ["notes"] and left("sft/weights") == ["v000001"]
+    ex.clear_after(tmp_path, 0, 2, ("trainer_ckpt",))
+    assert left("trainer_ckpt") == []
+
+
+def test_the_bytes_loaded_are_the_bytes_verified(tmp_path, monkeypatch):
+    """A version published again under the same number (v0 after the SFT warm-up) right after its checksum
+    was taken: the file loaded then is not the one verified, so the version is read again (the new one,
+    verified), never the new file unverified."""
+    ex.publish_version(tmp_path, 0, _sd(0))
+
+    class Sha256:  # hashes as sha256; once a digest is taken, the version is published again
+        def __init__(self, *data):
+            self.h = hashlib.sha256(*data)
+
+        def update(self, data):
+            self.h.update(data)
+
+        def hexdigest(self):
+            monkeypatch.setattr(ex, "hashlib", hashlib)
+            ex.publish_version(tmp_path, 0, _sd(9))
+            return self.h.hexdigest()
+
+    monkeypatch.setattr(ex, "hashlib", SimpleNamespace(sha256=Sha256))
+    reads = []
+    read = ex._read_version
+    monkeypatch.setattr(ex, "_read_version", lambda *a: reads.append(1) or read(*a))
+    assert ex.load_version(tmp_path, 0)[1]["w"].tolist() == [9.0, 9.0] and len(reads) == 2
+
+
+def test_a_version_is_on_disk_before_it_counts_as_complete(tmp_path, monkeypatch):
+    """Its files and directory are fsynced before the rename that makes it a version, COMPLETE arrives by a
+    rename of a synced file, and the weights directory is synced after (a crash leaves the old state or
+    the new one)."""
+    tmp_path, events = tmp_path.resolve(), []  # (paths as /proc names them)
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(a), str(b))), replace(a, b))[1])
+    final = ex.publish_version(tmp_path, 3, _sd(3)).resolve()
+    tmp = next(e[1] for e in events if e[0] == "replace" and e[2] == str(final))
+    at = events.index(("replace", tmp, str(final)))
+    assert {("fsync", f"{tmp}/{n}") for n in (ex.WEIGHTS_FILE, ex.MANIFEST)} | {("fsync", tmp)} <= set(events[:at])
+    done = next(i for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(final / ex.COMPLETE))
+    assert events[done - 1] == ("fsync", events[done][1]) and ("fsync", str(final.parent)) in events[done:]
+    assert ex.complete_versions(tmp_path) == [3]
