@@ -51,6 +51,11 @@ class PoolFilter:
     max_pass_rate: float = 0.75
     min_pass_rate: float = 0.0
 
+    def __post_init__(self):
+        if self.size < 0 or self.samples < 1 or not 0 <= self.min_pass_rate <= self.max_pass_rate <= 1:
+            raise ValueError(f"pool needs size >= 0, samples >= 1 and 0 <= min_pass_rate <= max_pass_rate <= 1, got "
+                             f"{self.size}, {self.samples}, {self.min_pass_rate} and {self.max_pass_rate}")
+
 
 @dataclass
 class Aggregation:
@@ -79,6 +84,14 @@ class Aggregation:
     # rollouts (a finished rollout's post-</think> answer, else its last tail_tokens) to continue from.
     # The report gives no share: 0.25 is ours
     pacore_fraction: float = 0.25
+
+    def __post_init__(self):
+        shares = {"fraction": self.fraction, "expert_fraction": self.expert_fraction,
+                  "pacore_fraction": self.pacore_fraction}
+        bad = {k: v for k, v in shares.items() if not 0 <= v <= 1}
+        if bad or self.tails < 1 or self.tail_tokens < 1 or self.buffer < 1:
+            raise ValueError(f"aggregation shares must be in [0, 1] (got {bad or shares}) and tails, tail_tokens and "
+                             f"buffer >= 1 (got {self.tails}, {self.tail_tokens} and {self.buffer})")
 
 
 @dataclass

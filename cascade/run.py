@@ -157,26 +157,40 @@ def shared_cores_note(cfg, cores: int | None = None, trainer_threads: int | None
             f"and rl.max_staleness without rollout.servers overlaps generation and training in this process")
 
 
-def _check_model_refs(cfg) -> None:
-    """Reward models and KL references (local directories or Hub ids) and Hub datasets (an environment's
-    ``path``, ``sft.data``) fail now, in one line, when they cannot be had (not cached while offline, no
-    such directory), rather than when their stage starts."""
+def _check_model_refs(cfg, out: Path) -> None:
+    """Reward models, KL references, aggregation experts and SFT teachers (local directories, Hub ids, or for
+    the last two a stage that runs before theirs or finished in ``out``), and datasets (an environment's
+    ``path``, ``sft.data``: local files or Hub ids) fail now, in one line, when they cannot be had (not cached
+    while offline, no such file or directory), rather than when their stage starts."""
+    from cascade.checkpoint import is_complete
     from envs.hub import is_hub_id, resolve_dataset, resolve_model
 
-    for name in cfg.order:
+    for i, name in enumerate(cfg.order):
         s = cfg.stages[name]
-        for what, ref in (("reward model", s.reward_model.path), ("KL reference", s.rl.kl_reference)):
+        refs = [("reward model", "reward_model.path", s.reward_model.path), ("KL reference", "rl.kl_reference",
+                                                                              s.rl.kl_reference)]
+        for what, key, ref in [("aggregation expert", "aggregation.expert", s.aggregation.expert),
+                               ("SFT teacher", "sft.aggregation.teacher", s.sft.aggregation.teacher)]:
+            if ref in cfg.stages:  # a stage of this run: one that runs before, or finished in an earlier run
+                if ref not in cfg.order[:i] and not any(is_complete(f) for f in out.glob(f"stages/*-{ref}/final")):
+                    raise FileNotFoundError(f"stages.{name}.{key}={ref}: stage {ref!r} neither runs before {name!r} "
+                                            f"(order: {', '.join(cfg.order)}) nor finished in {str(out)!r}")
+            elif ref:
+                refs.append((what, key, ref))
+        for what, key, ref in refs:
             if ref:
                 p = resolve_model(ref, what)
                 if not (p / "config.json").is_file():
-                    raise FileNotFoundError(f"stage {name}: {what} {ref!r} is not a checkpoint directory "
-                                            f"({str(p)!r} has no config.json)")
+                    raise FileNotFoundError(f"stage {name}: {what} {ref!r} (stages.{name}.{key}) is not a checkpoint "
+                                            f"directory ({str(p)!r} has no config.json)")
         data = [(f"SFT data (stages.{name}.sft.data)", s.sft.data)]
         data += [(f"dataset (stages.{name}.env_kwargs.{e}.path)", kw.get("path")) for e, kw in s.env_kwargs.items()
                  if isinstance(kw, dict)]
         for what, ref in data:
             if isinstance(ref, str) and is_hub_id(ref):
                 resolve_dataset(ref, what)
+            elif isinstance(ref, str) and not Path(ref).expanduser().exists():
+                raise FileNotFoundError(f"{what}: no such file or directory {ref!r}")
 
 
 def _flat(tree, prefix: str = "") -> dict:
@@ -265,7 +279,7 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(cfg.threads)
     if cfg.model:
         _initial_model(cfg, out)  # a bad model path fails here, before any work
-    _check_model_refs(cfg)
+    _check_model_refs(cfg, out)
     from cascade.stagedata import check_env_kwargs
 
     for name in cfg.order:  # unknown environments (of the mix, its sources or its phases) and settings fail here too

@@ -100,6 +100,28 @@ def test_overrides_read_as_an_omegaconf_user_expects():
     assert [p.aggregation for p in cfg.stages["math"].phases] == [0.0, 0.25]  # the profile's own, when not set
 
 
+def test_settings_that_would_fail_when_their_stage_starts_are_refused_before_any_work(tmp_path):
+    """Each of these passed every check and failed only when its stage began (after earlier stages had run):
+    a missing local SFT file or dataset, an aggregation expert / SFT teacher naming a stage that has not run,
+    out-of-range pool and aggregation settings, no sampling round."""
+    out = tmp_path / "run"
+    for args, msg in [(["stage=behavior", "sft.data=qa_typo.parquet"], "no such file or directory 'qa_typo.parquet'"),
+                      (["stage=math", "envs={math: 1}", "env_kwargs.math.path=nope.jsonl"], "no such file"),
+                      (["stage=math", "aggregation.expert=behavior"], "stage 'behavior' neither runs before 'math'"),
+                      (["stage=warmup", "sft.aggregation.teacher=math"], "stage 'math' neither runs before"),
+                      (["stage=math", "aggregation.expert=nosuchdir"], "aggregation.expert"),
+                      (["stage=math", "rl.max_sampling_rounds=0"], "max_sampling_rounds must be >= 1"),
+                      (["stage=math", "aggregation.fraction=7"], "aggregation shares must be in [0, 1]"),
+                      (["stage=math", "pool.samples=0"], "samples >= 1"),
+                      (["stage=math", "pool.min_pass_rate=0.9"], "min_pass_rate <= max_pass_rate")]:
+        r = here("run", "profile=tiny", f"out={out}", *args)
+        assert r.returncode == 2 and msg in r.stderr and r.stderr.count("\n") == 1, (args, r.stderr)
+        assert not (out / "stages").exists()
+    # an earlier stage of the same order is fine (checked as far as the config goes: print_config does no work)
+    assert here("run", "profile=tiny", f"out={out}", "stages.math.aggregation.expert=warmup",
+                "print_config=true").returncode == 0
+
+
 @pytest.mark.parametrize("text, bad, valid", [
     ("rl:\n  group_sz: 3\n", "stages.math.rl.group_sz", "group_size"),
     ("logging:\n  wandbb: true\n", "logging.wandbb", "wandb_project"),

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 from train.model.config import ModelConfig
 from train.parallel.shard import split_sizes
+from train.parallel.tsp import check_tsp_config
 
 LAYOUTS = ("single", "tsp", "tp", "sp", "dp")
 
@@ -434,9 +435,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.D < 1 or a.seq < 2 or a.batch < 1 or a.bytes < 1:
         raise ValueError("--D, --batch and --bytes must be >= 1 and --seq >= 2")
     cfg = model_config(a, max_pos=a.seq)
-    if cfg.num_attention_heads % a.D or cfg.num_key_value_heads % a.D:
-        print(f"cascade calc: note: D={a.D} does not divide the {cfg.num_attention_heads} heads / "
-              f"{cfg.num_key_value_heads} KV heads: the TSP and TP rows are not runnable layouts (a run refuses them)",
+    try:
+        check_tsp_config(cfg, a.D)
+    except ValueError as e:  # the rule a run applies (KV heads may also be a divisor of D: replicated)
+        print(f"cascade calc: note: {e}: the TSP and TP rows are not runnable layouts (a run refuses them)",
               file=sys.stderr)
     s = Shape(cfg, a.seq, a.batch, a.D, a.bytes)
     rows = table(s)

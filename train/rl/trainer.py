@@ -105,8 +105,9 @@ class RLConfig:
     def __post_init__(self):
         if self.reward not in REWARD_MODES:
             raise ValueError(f"unknown reward mode {self.reward!r}; choose from {', '.join(REWARD_MODES)}")
-        if self.group_size < 1 or self.prompts_per_step < 1:
-            raise ValueError("group_size and prompts_per_step must be >= 1")
+        if self.group_size < 1 or self.prompts_per_step < 1 or self.max_sampling_rounds < 1:
+            raise ValueError(f"group_size, prompts_per_step and max_sampling_rounds must be >= 1, got {self.group_size}, "
+                             f"{self.prompts_per_step} and {self.max_sampling_rounds}")
         if self.repetition_chunk_tokens < 1 or not 0 < self.repetition_threshold < 1:
             raise ValueError(f"repetition_chunk_tokens must be >= 1 (got {self.repetition_chunk_tokens}) and "
                              f"repetition_threshold in (0, 1) (got {self.repetition_threshold})")
