@@ -303,3 +303,16 @@ def test_responses_verified_in_threads_score_as_one_at_a_time():
         [(s.reward, s.correct, s.info.get("status")) for s in alone]
     assert [s.correct for s in alone] == [True, False, False] * 6 + [False]
     assert alone[-1].info["status"] == "time_limit"
+
+
+def test_the_tests_a_wrong_program_fails_do_not_depend_on_the_machine_being_busy():
+    """code/arc and code/falsify build problems from the tests a wrong program fails: a wrong program that is
+    right on a test but slower than the time limit there (as a busy machine makes a program) must not count
+    that test as failed, or two processes build different problems for the same seed."""
+    import dataclasses
+
+    base = [s for s in SEEDS if s.id == "sum-two"][0]
+    slow = "import time\ntime.sleep(0.6)\n" + base.reference  # right, in 0.6 s: over 0.3, under the trusted limit
+    seed = dataclasses.replace(base, id="sum-two-slow", wrong=[slow], tests=base.tests[:2], time_limit=0.3)
+    env = get_env("code/arc", seeds=[seed], include_builtin=False)
+    assert env.failing_tests(seed, 0) == []

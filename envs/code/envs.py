@@ -244,12 +244,14 @@ class CodeEnv(Environment):
         return Score(reward, ok, True, info)
 
     def failing_tests(self, s: Seed, wi: int) -> list[int]:
-        """Indices of the tests that wrong program ``wi`` of ``s`` fails (run once, then cached)."""
+        """Indices of the tests that wrong program ``wi`` of ``s`` fails (run once, then cached). Under the
+        trusted programs' generous limit: a test it passes in time on an idle machine must not count as failed
+        on a busy one (the problems built from these sets would differ from process to process)."""
         key = (s.id, wi)
         with self._lock:
             if key in self._failing:
                 return self._failing[key]
-        j = self.judge.judge(s.wrong[wi], s.tests, time_limit=s.time_limit)
+        j = self.judge.judge(s.wrong[wi], s.tests, time_limit=trusted_limit(s))
         bad = [r.index for r in j.results if not r.passed]
         with self._lock:
             self._failing[key] = bad
