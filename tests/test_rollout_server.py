@@ -502,6 +502,27 @@ def test_a_prompt_that_fails_every_server_fails_the_call_not_the_servers_for_eve
         srv.server_close()
 
 
+def test_a_restarted_server_takes_per_server_requests_again():
+    """The server goes down (a 500) and the hook restarts it: the worker that restarted it sends again, and so
+    do per_server - 1 new ones (its other workers had left: the server ran one request at a time after)."""
+    calls, failed = [], []
+    restarted: list[int] = []
+    eng = _StubServed(slow=lambda ps: (restarted and calls.append(len(ps))) or 0.3)  # sizes after the restart
+    # [1] fails twice: in its batch, then alone (as the server retries a failed batch): a 500 for its request
+    eng.fail = lambda p: p == [1] and len(failed) < 2 and not failed.append(1)
+    srv, url = serve_in_thread(eng, model_name="m")
+    try:
+        # a restart takes a while: the other workers finish their requests and see the server out of the pool
+        remote = RemoteEngine([url], per_server=4,
+                              on_server_down=lambda u: time.sleep(1.0) or restarted.append(1) or True)
+        got = remote.generate([[i] for i in range(1, 17)], SamplingParams(max_tokens=1))
+        assert len(got) == 16 and remote.resent >= 1
+        assert max(calls) > 1, calls  # batches of several requests after the restart
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
 def test_min_tokens_is_capped_by_the_room_a_prompt_leaves():
     """As the in-process engines: a prompt near the context end generates what is left, even below
     min_tokens (the server refused min_tokens > max_tokens with a 400, failing the call)."""

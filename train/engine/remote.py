@@ -384,9 +384,13 @@ class RemoteEngine:
                             cond.notify_all()
                         if state["error"] is not None:
                             return
-                        if first and self._restarted(url):  # the hook brought it back: keep using it
-                            with cond:
+                        if first and self._restarted(url):  # the hook brought it back: keep using it, with
+                            with cond:  # per_server workers again (its others have left)
                                 self.alive.add(url)
+                                more = self.per_server - live[url]
+                                live[url] += more
+                            for _ in range(more):
+                                start(url)
                             continue
                         return
                     except Exception as e:  # noqa: BLE001 - a 4xx or a malformed answer fails the call
@@ -404,16 +408,22 @@ class RemoteEngine:
                     live[url] -= 1
                     cond.notify_all()
 
+        threads: list[threading.Thread] = []
+
+        def start(url: str) -> None:
+            t = threading.Thread(target=worker, args=(url,), daemon=True, name=f"remote-{url}")
+            t.start()
+            threads.append(t)
+
         what = "no rollout server is alive"
         while True:  # a round per set of live servers: again when every one went down and one came back
             servers = self._live_servers(what)
             live.update({u: self.per_server for u in servers})
-            threads = [threading.Thread(target=worker, args=(u,), daemon=True, name=f"remote-{u}")
-                       for u in servers for _ in range(self.per_server)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            for u in servers:
+                for _ in range(self.per_server):
+                    start(u)
+            while threads:  # (a worker may start more: a restarted server's)
+                threads.pop(0).join()
             if state["error"] is not None:
                 raise state["error"]
             if not state["left"]:
