@@ -554,3 +554,18 @@ def test_native_zaya_engine_matches_pytorch_engine_and_follows_weight_updates(zd
     eng.load_weights(other.state_dict())
     after = [c.token_ids for c in eng.generate(prompts, greedy)]
     assert after == both() and after != before
+
+
+def test_a_left_padded_row_equals_the_row_alone_with_projection_biases():
+    """attention_bias=True: the padding's columns fed the CCA convolution the q/k projections' biases (x is
+    zeroed before the projections, the bias was not), so a short prompt in a batch got other logits than alone
+    (or packed, as the trainer recomputes them): behaviour log-probs off by up to 0.1."""
+    m = _spread_zaya(attention_bias=True)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, V, (2, 9), generator=g)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1, :5] = False  # row 1: 4 tokens, left-padded
+    with torch.no_grad():
+        batch = m.logits(m.hidden_states(ids, mask))[1, 5:]
+        alone = m.logits(m.hidden_states(ids[1:, 5:]))[0]
+    torch.testing.assert_close(batch, alone, rtol=1e-5, atol=1e-5)

@@ -126,6 +126,8 @@ class CCAProjection(nn.Module):
         qr = (qr + xk.view(B, T, hk, 1, d).expand(B, T, hk, hq // hk, d).reshape(B, T, hq, d)) * 0.5
         kr = qr.view(B, T, hk, hq // hk, d).mean(-2)
         p = torch.cat([xq, xk], -1).transpose(1, 2)
+        if valid is not None and bias is not None:  # padding's columns hold the bias: zero them, as a row alone
+            p = p * valid[:, None, :].to(p.dtype)  # (or packed) sees zeros before its first token
         cont = cache is not None and cache.length > 0
         state = cache.conv[layer] if cont else None
         if cache is not None and self.K:
