@@ -310,6 +310,38 @@ def test_stop_tokens_and_strings(engine):
         assert c.finish_reason == "stop" and needle not in c.text and full.startswith(c.text)
 
 
+def test_stop_semantics_as_vllm_with_scripted_tokens(tiny_dense_dir, monkeypatch):
+    """Tokens scripted through the sampler: of two stop strings completed by one token, the first in the list
+    cuts (vLLM's check_stop_strings); a stop string spelled in byte-level tokens (3 per CJK character) is found
+    though its tokens outnumber its characters; min_tokens masks EOS even when EOS is ignored (vLLM's
+    _all_stop_token_ids)."""
+    import train.engine.torch_engine as te
+
+    eng = TorchEngine.from_pretrained(tiny_dense_dir)
+    one = lambda text: [eng.tokenizer.encode(ch, add_special_tokens=False) for ch in text]  # noqa: E731
+    script: list[int] = []
+
+    def scripted(logits, p, seeds=None, step=0, native=False, processors=None):
+        return torch.full((logits.shape[0],), script[step]), torch.zeros(logits.shape[0])
+
+    monkeypatch.setattr(te, "sample", scripted)
+    script[:] = [t[0] for t in one("xabzzzzz")]
+    c = eng.generate(eng.encode(["hi"]), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop=["b", "ab"]))[0]
+    assert (c.text, c.finish_reason) == ("xa", "stop")
+    cjk = "好" * 10
+    pieces = [t for ch in one("x" + cjk + "zzzz") for t in ch]
+    assert len(pieces) > 3 * len(cjk)  # the tokenizer spells the character in bytes: the case in question
+    script[:] = pieces
+    c = eng.generate(eng.encode(["hi"]), SamplingParams(temperature=0, max_tokens=len(pieces), ignore_eos=True,
+                                                      stop=[cjk]))[0]
+    assert (c.text, c.finish_reason) == ("x", "stop")
+    monkeypatch.undo()
+    eos = eng.eos_token_ids[0]
+    c = eng.generate(eng.encode(["hi"]), SamplingParams(temperature=0, max_tokens=6, min_tokens=3, ignore_eos=True,
+                                                      logit_bias={eos: 50.0}))[0]
+    assert eos not in c.token_ids[:3] and c.token_ids[3:] == [eos] * 3
+
+
 def test_prompt_longer_than_context_is_an_error(engine):
     long = [5] * engine.context_length
     with pytest.raises(ContextLengthError, match="context limit"):

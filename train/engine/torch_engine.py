@@ -284,12 +284,12 @@ class TorchEngine:
         return logits, torch.stack([r[:, 0] for r in rec], 1)
 
     def _stop_cut(self, tokens: list[int], p: SamplingParams) -> str | None:
-        """The text up to the first stop string that ends past the first ``min_tokens`` tokens' text (vLLM's
-        rule: none is looked for before), or None."""
+        """The text up to the first stop string (in ``p.stop``'s order, as vLLM takes them) that ends past the first
+        ``min_tokens`` tokens' text (vLLM's rule: none is looked for before), or None."""
         full = self.decode(tokens)
         floor = len(self.decode(tokens[:p.min_tokens])) if p.min_tokens else 0
         found = [i for i in (full.find(s, max(0, floor - len(s) + 1)) for s in p.stop) if i >= 0]
-        return full[:min(found)] if found else None
+        return full[:found[0]] if found else None
 
     @torch.inference_mode()  # cheaper per op than no_grad (no version counters or view tracking)
     def _generate_chunk(self, prompts: list[list[int]], offset: int, p: SamplingParams, base_seed: int,
@@ -329,10 +329,12 @@ class TorchEngine:
             eos = set(p.stop_token_ids)
         active = list(range(rows))  # row ids still generating, aligned with the cache's batch rows
         limits = [min(max_new, self.context_length - lens[r // n]) for r in range(rows)]
-        stop_window = max((len(s) for s in p.stop), default=0) + 16
+        # tokens to decode for a stop string's check: up to 4 per character (byte-level tokens of one character)
+        stop_window = 4 * max((len(s) for s in p.stop), default=0) + 16
         procs = None
-        if p.processed:
-            procs = LogitsProcessors(p, [prompts[r // n] for r in range(rows)], logits.shape[-1], dev, stop_ids=eos)
+        if p.processed:  # min_tokens masks every stop id, EOS too when it is ignored (vLLM's _all_stop_token_ids)
+            procs = LogitsProcessors(p, [prompts[r // n] for r in range(rows)], logits.shape[-1], dev,
+                                     stop_ids=set(self.eos_token_ids) | set(p.stop_token_ids))
         step = 0
         while active:
             tok, lp = sample(logits, p, None if row_seeds is None else row_seeds[active], step, native=decoder is not None,
