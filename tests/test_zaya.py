@@ -86,6 +86,18 @@ def test_logits_match_transformers_with_padding(zdir):
     assert (got[2, 15:] - alone[0]).abs().max().item() < 1e-4
 
 
+def test_a_rope_dict_without_its_rotary_factor_rotates_as_transformers_does(tmp_path):
+    """A config whose rope_parameters leave partial_rotary_factor out: transformers rotates every dimension (its
+    0.5 is only the default of the rope_parameters it builds itself); Cascade took 0.5 (logits off by ~0.9)."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    hf = hf_zaya(rope_parameters={"hybrid": dict(rope), "hybrid_sliding": dict(rope)})
+    hf.save_pretrained(tmp_path)
+    ours = load_pretrained(tmp_path).eval()
+    ids = torch.randint(3, V, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert ours.config.rope_dim == 16 and (ours(ids) - hf(ids).logits).abs().max().item() < 1e-4
+
+
 def test_cascade_save_opens_in_transformers_with_equal_logits(zdir, tmp_path):
     d, hf = zdir
     ours = load_pretrained(d)

@@ -203,7 +203,9 @@ class ModelConfig:
             num_attention_heads=n_heads, num_key_value_heads=d.get("num_key_value_heads", 2),
             head_dim=d.get("head_dim", 128), rms_norm_eps=d.get("rms_norm_eps", 1e-5),
             rope_theta=float(rope.get("rope_theta", 5_000_000.0)),
-            partial_rotary_factor=float(rope.get("partial_rotary_factor", 0.5)),
+            # transformers' default: 0.5 in the rope_parameters it builds when a config has none, 1.0 (full
+            # rotary) when a given one leaves the factor out
+            partial_rotary_factor=float(rope.get("partial_rotary_factor", 1.0 if rope else 0.5)),
             max_position_embeddings=d.get("max_position_embeddings", 131072),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
             attention_bias=bool(d.get("attention_bias", False)), architecture="zaya",
