@@ -945,8 +945,25 @@ def _check_host_reads(world, out):
         out[f"reads.{tpm}"], out[f"reads.{tpm}.micro"] = float(n[0]), m["micro_batches_max"]
 
 
+def _check_mixed_routing(world, out):
+    """A batch where one trained sample carries no routed experts: refused before any packing (it was checked per
+    micro-batch: refused or not depending on the packing, and on one data-parallel rank but not another)."""
+    from train.parallel.rl_update import RLUpdater
+
+    cfg = _cfgs()["moe"]
+    up = RLUpdater(_model(cfg), rl_cfg("dppo_tv", tokens_per_micro=1))
+    batch = make_batch(0, cfg)
+    batch.samples[0].routed_experts = None
+    try:
+        up.step(batch, 0)
+        out["mixed.refused"] = 0.0
+    except ValueError as e:
+        out["mixed.refused"] = float("replay needs all or none" in str(e))
+
+
 def _one_rank_worker(rank, world, port, path, shared):
-    run_checks(rank, world, port, path, [lambda w, o: _check_reordered_resume(w, o, shared), _check_host_reads])
+    run_checks(rank, world, port, path, [lambda w, o: _check_reordered_resume(w, o, shared), _check_host_reads,
+                                         _check_mixed_routing])
 
 
 @pytest.fixture(scope="module")
@@ -961,6 +978,10 @@ def test_host_reads_per_step_do_not_grow_with_micro_batches(one_rank):
     assert r["reads.10000.micro"] == 1 and r["reads.12.micro"] >= 4
     # (the reads left: the optimizer's grad norm and step count, all_gather_object's sizes, the metrics' one copy)
     assert r["reads.12"] == r["reads.10000"], r
+
+
+def test_a_batch_mixing_replayed_and_unreplayed_samples_is_refused_whatever_the_packing(one_rank):
+    assert one_rank["mixed.refused"] == 1.0
 
 
 def test_resume_with_another_parameter_order(one_rank):

@@ -319,7 +319,7 @@ class RLUpdater:
                                          checkpoint_layers=self.cfg.activation_checkpointing)
         row = pack_row(samples, self.device)
         N = row.input_ids.numel()
-        scored = torch.zeros(N, dtype=torch.bool, device=row.input_ids.device).index_fill_(0, row.scored, True)
+        scored = torch.zeros(N, dtype=torch.bool).index_fill_(0, row.scored_host, True)  # (host: no device wait)
         out = self.net.token_logprobs(row.input_ids[None], None, temperature, row.routed_experts,
                                       return_entropy=entropy, cu_seqlens=row.cu_seqlens, scored=scored[None])
         local = torch.stack([out[0], out[2].to(out[0].dtype)], -1) if entropy else out[0]
@@ -356,6 +356,9 @@ class RLUpdater:
         sft, optim = kind == "sft", self.optim_config(kind)
         step = int(batch.meta.get("schedule_step", step))
         samples = batch.samples
+        routed = [s.routed_experts is not None for s in samples if s.trained]
+        if any(routed) and not all(routed):  # (every rank sees the whole batch: all of them stop here, together)
+            raise ValueError("some samples of the batch carry routed experts and some do not; replay needs all or none")
         denom = loss_denominator(samples, "token_mean" if sft else self.agg)
         live = [i for i, s in enumerate(samples) if s.trained]
         lengths = [s.num_tokens for s in samples]

@@ -458,9 +458,10 @@ class TSPCausalLM(ShardedLM):
             mine = [self._p[p + n][part] if n in conv else self._p[p + n] for n, _ in names]
         return [shp for _, shp in names], mine
 
-    def _cca_fn(self, spans, plan, nq, xs, cos, sin, key_valid, seg_start, q_slots, order, *w):
+    def _cca_fn(self, spans, plan, nq, xs, live, cos, sin, key_valid, seg_start, q_slots, order, *w):
         """One unit of CCA (:meth:`_cca_units`) on this rank's chunks: ``xs`` [B, 2 (Kh + c), H] (the chunks with
-        their halos, padding zeroed); ``w``: the query bundles of the unit's ``nq`` ranks, then its KV bundle
+        their halos, padding zeroed; ``live`` [B, 2 (Kh + c), 1] marks the real columns where padding's biased
+        projections must be zeroed too, else None); ``w``: the query bundles of the unit's ``nq`` ranks, then its KV bundle
         (:meth:`_cca_bundles`). Projections, the two convolutions, the delayed value, q/k normalisation
         and RoPE, then attention over the gathered keys (:meth:`_attend`) and the unit's o_proj columns."""
         cfg, B, bias = self.config, xs.shape[0], self.config.attention_bias
@@ -486,7 +487,10 @@ class TSPCausalLM(ShardedLM):
         qr = xq[:, cols].view(B, n, g, d)
         qr = (qr + xk[:, cols].view(B, n, kvh, 1, d).expand(B, n, kvh, g // kvh, d).reshape(B, n, g, d)) * 0.5
         kr = qr.view(B, n, kvh, g // kvh, d).mean(-2)
-        qk = cca_conv(torch.cat([xq, xk], -1).transpose(1, 2), *convs, g + kvh, cfg.cca_time0 + cfg.cca_time1 - 2,
+        pre = torch.cat([xq, xk], -1)
+        if live is not None:  # padding's columns hold the biases: zeroed, as the single-process model does
+            pre = pre * live
+        qk = cca_conv(pre.transpose(1, 2), *convs, g + kvh, cfg.cca_time0 + cfg.cca_time1 - 2,
                       plan.lengths).transpose(1, 2)[:, cols]
         q = qk[..., :g * d].reshape(B, n, g, d) + qr
         k = qk[..., g * d:].reshape(B, n, kvh, d) + kr
@@ -498,15 +502,18 @@ class TSPCausalLM(ShardedLM):
         return F.linear(self._attend(spans, qk[:, :g], qk[:, g:], v, key_valid, seg_start, q_slots, order), wo)
 
     def _cca(self, i, x, valid, cos, sin, key_valid, seg_start, q_slots, order, spans, plan):
+        live = None
         if valid is not None:  # padding zeroed before the projections, as the single-process model
             x = x * valid[:, :, None].to(x.dtype)
+            if self.config.attention_bias:  # ... and after them (the biases): which halo columns are real
+                live = self._with_halo(valid[:, :, None].to(x.dtype), plan)
         xs = self._with_halo(x, plan)
         out = None
         for ranks, owner in self._cca_units():
             bundles = [(j, *self._cca_bundles(i, j, False)) for j in ranks]
             bundles.append((owner, *self._cca_bundles(i, owner, True)))
             y = comm.broadcast_apply(functools.partial(self._cca_fn, spans, plan, len(ranks)),
-                                     (xs, cos, sin, key_valid, seg_start, q_slots, order), bundles, self.group)
+                                     (xs, live, cos, sin, key_valid, seg_start, q_slots, order), bundles, self.group)
             out = y if out is None else out + y
         if self.config.attention_bias:
             out = out + self._p[f"model.layers.{i}.self_attn.o_proj.bias"]
@@ -643,17 +650,19 @@ class TSPCausalLM(ShardedLM):
         following sequence) means nothing and must be masked by the loss. ``chunk_tokens``: rows of
         LM-head logits at a time (default: about 16M fp32 logits per chunk of a vocab shard).
         ``scored`` [B, T] (bool): the positions whose log-probs are wanted (an RL batch's completion
-        positions); the LM head runs on this rank's scored positions only, the others are zeros."""
+        positions); the LM head runs on this rank's scored positions only, the others are zeros. Give it on the
+        host (CPU): the rows are chosen there, without waiting for the device (a device tensor is copied back)."""
         B, T = input_ids.shape
         h = self.hidden_states(input_ids, attention_mask, routed_experts, cu_seqlens)
-        slots = self.local_slots(T).to(input_ids.device)
+        host_slots = self.local_slots(T)
+        slots = host_slots.to(input_ids.device)
         nxt = F.pad(input_ids, (0, len(slots) * self.D - T + 1))[:, slots + 1]
         H, n = h.shape[-1], h.shape[0] * h.shape[1]
         h, nxt = h.reshape(n, H), nxt.reshape(n)
-        want = (slots < T).expand(B, -1)
+        want = (host_slots < T).expand(B, -1)
         if scored is not None:
-            want = want & F.pad(scored.to(torch.bool), (0, len(slots) * self.D - T))[:, slots]
-        sel = want.reshape(n).nonzero().squeeze(1)  # this rank's rows for the LM head
+            want = want & F.pad(scored.to("cpu", torch.bool), (0, len(slots) * self.D - T))[:, host_slots]
+        sel = want.reshape(n).nonzero().squeeze(1).to(h.device, non_blocking=True)  # this rank's LM-head rows
         temperature = float(temperature) if temperature else 1.0
         chunk = int(chunk_tokens) if chunk_tokens else default_chunk(max(split_sizes(self.config.vocab_size, self.D)))
         with comm.tag("lm_head"):  # per shard j: [rows, D, 3] with (lse_j, target logit, mean logit) at j
@@ -676,8 +685,8 @@ class TSPCausalLM(ShardedLM):
         lse, tgt, mean = logit_stats(h, w, targets, off, temperature, chunk, want_mean)
         if not want_mean:
             mean = torch.zeros_like(lse)
-        out = torch.zeros(h.shape[0], self.D, 3, dtype=torch.float32, device=h.device)
-        return out.index_copy(1, torch.tensor([j], device=h.device), torch.stack([lse, tgt, mean], -1)[:, None])
+        # [rows, D, 3], zeros but at shard j (padded: no index tensor to copy to the device)
+        return F.pad(torch.stack([lse, tgt, mean], -1).to(torch.float32)[:, None], (0, 0, j, self.D - 1 - j))
 
     def sft_loss(self, input_ids, loss_mask=None, attention_mask=None, count=None):
         """Next-token cross-entropy, mean over the GLOBAL number of predicted tokens of the replica's batch

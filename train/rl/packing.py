@@ -217,6 +217,7 @@ class PackedRow:
     input_ids: torch.Tensor                     # [N] every sequence's tokens, back to back
     cu_seqlens: list[int]                       # 0, end of sequence 1, ..., N
     scored: torch.Tensor                        # [S] positions whose NEXT token is scored, sequence by sequence
+    scored_host: torch.Tensor                   # the same on the host (CPU)
     counts: list[int]                           # scored tokens per sequence (sum S)
     routed_experts: list[torch.Tensor] | None   # per MoE layer [1, N, k] (router replay), or None
 
@@ -250,8 +251,8 @@ def pack_row(samples_or_token_lists: Sequence, device, routed_experts: Sequence 
         per_seq = [_per_layer_routing(r, len(t)) for r, (t, _) in zip(routed_experts, seqs)]
         replay = [torch.cat([p[i] for p in per_seq]).to(device=device, dtype=torch.long)[None]
                   for i in range(len(per_seq[0]))]
-    return PackedRow(torch.tensor(ids, dtype=torch.long, device=device), cu,
-                     torch.tensor(pos, dtype=torch.long, device=device), counts, replay)
+    pos_t = torch.tensor(pos, dtype=torch.long)
+    return PackedRow(torch.tensor(ids, dtype=torch.long, device=device), cu, pos_t.to(device), pos_t, counts, replay)
 
 
 def packed_token_logprobs(model: CausalLM, samples_or_token_lists: Sequence, temperature: float = 1.0,
