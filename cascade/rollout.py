@@ -381,6 +381,21 @@ def url_key(r) -> str | None:
     return r.api_key or os.environ.get("CASCADE_API_KEY") or None
 
 
+def vllm_logprobs_args(rcfg) -> list[str]:
+    """``rollout.server_args``, with ``--logprobs-mode raw_logprobs`` for vLLM servers when every stage of the run
+    samples at temperature 1 (the recipe's, with min_p): then vLLM's log-probs are the trainer's quantity whatever
+    the truncation (its launcher's default, processed_logprobs, is renormalised over the tokens min_p keeps).
+    A mode given in ``server_args`` wins."""
+    import shlex
+
+    r = rcfg.rollout
+    args = shlex.split(r.server_args) if isinstance(r.server_args, str) else list(r.server_args)
+    if r.backend == "vllm" and not any(a.split("=")[0] == "--logprobs-mode" for a in args) \
+            and all(rcfg.stages[n].rl.sampling.temperature == 1.0 for n in rcfg.order):
+        args += ["--logprobs-mode", "raw_logprobs"]
+    return args
+
+
 def served_engine(rcfg, model_dir: Path, out: Path, log_dir: Path) -> ServedEngine | None:
     """The run's rollout servers per ``rcfg.rollout`` (None when it names none). The exchange
     directory's old versions are cleared first: versions restart with every stage."""
@@ -403,7 +418,7 @@ def served_engine(rcfg, model_dir: Path, out: Path, log_dir: Path) -> ServedEngi
     key = r.api_key or secrets.token_hex(16)
     pool = ServerPool(r.servers, model_dir, exchange, key, r.threads, log_dir, r.startup_timeout_s, rcfg.dtype,
                       None if rcfg.device == "cpu" else rcfg.device, backend=r.backend, python=r.python,
-                      server_args=r.server_args, gpus=r.gpus)
+                      server_args=vllm_logprobs_args(rcfg), gpus=r.gpus)
     try:
         return ServedEngine(pool.urls, exchange, key, pool, per_server=r.per_server, **group)
     except BaseException:

@@ -523,6 +523,41 @@ def test_a_restarted_server_takes_per_server_requests_again():
         srv.server_close()
 
 
+def test_log_probs_that_are_not_the_trainers_are_warned_about(monkeypatch, caplog):
+    """A vLLM server names its --logprobs-mode in each answer: processed_logprobs under min_p (renormalised over
+    the kept tokens) or raw_logprobs at a temperature other than 1 are not the trainer's log_softmax(logits / T):
+    the client says so, once per server and reason. cascade run starts vLLM servers with raw_logprobs when every
+    stage samples at temperature 1."""
+    from cascade.config import load_run_config
+    from cascade.rollout import vllm_logprobs_args
+    from train.engine.remote import logprob_mismatch
+
+    assert logprob_mismatch(None, SamplingParams(min_p=0.1)) is None  # Cascade's own server: the trainer's quantity
+    assert logprob_mismatch("raw_logprobs", SamplingParams(min_p=0.1, top_p=0.9)) is None
+    assert "temperature 1" in logprob_mismatch("raw_logprobs", SamplingParams(temperature=0.7))
+    assert logprob_mismatch("processed_logprobs", SamplingParams(temperature=0.7)) is None
+    assert "min_p" in logprob_mismatch("processed_logprobs", SamplingParams(min_p=1e-5))
+    orig = server_mod.Handler.completions
+    monkeypatch.setattr(server_mod.Handler, "completions",
+                        lambda self, body: {**orig(self, body), "logprobs_mode": "processed_logprobs"})
+    srv, url = serve_in_thread(_StubServed(), model_name="m")
+    try:
+        remote = RemoteEngine([url], per_server=2)
+        for _ in range(2):
+            remote.generate([[1], [2]], SamplingParams(max_tokens=2, min_p=1e-5))
+        assert caplog.text.count("behaviour log-probs are not the trainer's: processed_logprobs come after min_p") == 1
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    cfg, _ = load_run_config({"rollout.backend": "vllm", "rollout.servers": 2})  # the recipe: temperature 1
+    assert vllm_logprobs_args(cfg)[-2:] == ["--logprobs-mode", "raw_logprobs"]
+    cfg, _ = load_run_config({"rollout.backend": "vllm", "rollout.servers": 2, "stages.math.rl.sampling.temperature": 0.7})
+    assert "--logprobs-mode" not in vllm_logprobs_args(cfg)
+    cfg, _ = load_run_config({"rollout.backend": "vllm", "rollout.servers": 2, "rollout.server_args": "--logprobs-mode=x"})
+    assert vllm_logprobs_args(cfg) == ["--logprobs-mode=x"]
+    assert vllm_logprobs_args(load_run_config({"rollout.servers": 2})[0]) == []  # Cascade's servers: no such flag
+
+
 def test_min_tokens_is_capped_by_the_room_a_prompt_leaves():
     """As the in-process engines: a prompt near the context end generates what is left, even below
     min_tokens (the server refused min_tokens > max_tokens with a 400, failing the call)."""

