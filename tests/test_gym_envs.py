@@ -464,3 +464,198 @@ def test_counting_answers_equal_the_exact_counts_reduced():
             n = int(re.search(r"of (\d+) elements", p.prompt).group(1))
             exact = sum((-1) ** k * math.factorial(n) // math.factorial(k) for k in range(n + 1))
             assert int(p.answer) == exact % MOD
+
+
+# --- sizes at high difficulty -------------------------------------------------------------------
+def _count(pattern):
+    return lambda p: len(re.findall(pattern, p.prompt))
+
+
+def _number(pattern):
+    return lambda p: int(re.search(pattern, p.prompt).group(1))
+
+
+# instance size read off the problem, and its bound at difficulty 100 (each of these generators took > 3 s somewhere
+# past difficulty 40-60, most of them minutes by 100, or had a prompt of 100k+ characters): exponential sizes now
+# turn linear past a knee, capped where the exact solver is exponential (TSP cities, knights and knaves)
+_SIZE_AT_100 = {
+    "gym/knapsack_01": (_count(r"\(weight \d+"), 300),
+    "gym/tsp_bitmask": (_count(r"(?m)^[\d ]+$"), 19),
+    "gym/matrix_chain": (_count(r"\d+x\d+"), 250),
+    "gym/knights_knaves": (lambda p: len(p.answer), 20),
+    "gym/expected_hitting_time": (_number(r"vertices 0\.\.(\d+)"), 170),
+    "gym/floor_sum": (_number(r"floor\((\d+)/i\)"), 10 ** 14),
+    "gym/polygon_area": (_count(r"\(-?\d+, -?\d+\)"), 320),
+    "gym/point_in_polygon": (_count(r"\(-?\d+, -?\d+\)"), 320 + 60),
+    "gym/pick_interior_points": (_count(r"\(-?\d+, -?\d+\)"), 220),
+    "gym/word_arrangements": (lambda p: len(re.search(r"letters of ([A-P]+)\?", p.prompt).group(1)), 4300),
+    "gym/board_tilings": (_number(r"1 x (\d+) strip"), 10 ** 13),  # the length still 1.3^d: a recurrence solver
+    "gym/bounded_dyck_paths": (_number(r"strings of (\d+) pairs"), 130_000),
+    "gym/girth": (_number(r"vertices 0\.\.(\d+)"), 400),
+    "gym/max_collinear": (_count(r"\(-?\d+, -?\d+\)"), 560),
+    "gym/grid_max_path": (_count(r"(?m)^[-\d ]+$"), 70),
+    "gym/maze_shortest_path": (_count(r"(?m)^[.#SE]+$"), 115),
+    "gym/nonogram": (_number(r"Solve the (\d+)x"), 100),
+    "gym/lights_out": (_number(r"on a (\d+)x"), 100),
+}
+
+
+@pytest.mark.parametrize("env_id", sorted(_SIZE_AT_100))
+def test_generators_stay_small_at_difficulty_100(env_id, monkeypatch):
+    """No timing here (a loaded CI machine): the instance at difficulty 100 is bounded (sizes that kept growing
+    exponentially took seconds to hours, or filled 100k-1M-character prompts), still larger than at difficulty 30,
+    and its reference answer verifies."""
+    monkeypatch.setenv("CASCADE_NO_DIFFICULTY_CAPS", "1")  # the generator itself, not the run-time bound
+    env = get_env(env_id)
+    size, bound = _SIZE_AT_100[env_id]
+    for seed in (0, 1):
+        p = env.generate(seed, 100)
+        assert len(p.prompt) < 20_000, (env_id, seed, len(p.prompt))
+        assert 0 < size(p) <= bound, (env_id, seed, size(p))
+        assert env.verify(p, env.reference_response(p)).correct
+    grew = [size(env.generate(seed, 100)) > size(env.generate(seed, 30)) for seed in range(4)]
+    assert sum(grew) >= 3, grew  # (a size drawn from a range may overlap the lower level's)
+
+
+def test_sizes_are_unchanged_below_the_knees():
+    """Only the growth past the knees changed: the problems at low difficulty are those generated before."""
+    from envs.gym._util import grow, grow_until
+
+    for d in range(31):
+        assert grow_until(5, d, 30, 2) == grow(5, d, 1.1, 1)
+        assert grow_until(4, d, 30, 3) == grow(4, d, 1.1, 1)
+    assert grow_until(5, 31, 30, 2) == grow(5, 30, 1.1, 1) + 2
+    p = get_env("gym/knapsack_01").generate(0, 3)
+    items = [tuple(map(int, m)) for m in re.findall(r"\(weight (\d+), value (\d+)\)", p.prompt)]
+    assert len(items) == grow(5, 3, 1.1, 1)
+    cap = int(re.search(r"at most (\d+)\?", p.prompt).group(1))
+    assert p.answer == max(sum(v for _, v in s) for k in range(len(items) + 1)
+                           for s in itertools.combinations(items, k) if sum(w for w, _ in s) <= cap)
+    p = get_env("gym/tsp_bitmask").generate(0, 12)
+    assert len(re.findall(r"(?m)^[\d ]+$", p.prompt)) == 4 + 12 // 3
+
+
+def test_fast_solvers_match_the_direct_ones():
+    """The solvers that replaced O(n) / O(n h) / fraction-Gauss ones agree with those on small cases."""
+    from envs.gym.combinatorics import bounded_dyck_count, linear_recurrence_nth
+    from envs.gym.dynamic_programming import tsp_tour
+    from envs.gym.probability import solve, solve_integer
+    from envs.gym._util import MOD
+
+    for n in range(1, 25):
+        for h in range(1, n + 2):
+            cur = [1] + [0] * h
+            for _ in range(2 * n):
+                cur = [(cur[j - 1] if j else 0) + (cur[j + 1] if j < h else 0) for j in range(h + 1)]
+            assert bounded_dyck_count(n, h) == cur[0] % MOD, (n, h)
+    rng = random.Random(5)
+    for _ in range(300):
+        tiles = sorted(set(rng.randint(1, 9) for _ in range(rng.randint(1, 4))))
+        n = rng.randint(0, 200)
+        w = [1] + [0] * n
+        for i in range(1, n + 1):
+            w[i] = sum(w[i - t] for t in tiles if t <= i) % MOD
+        k = tiles[-1]
+        assert linear_recurrence_nth([int(j in tiles) for j in range(1, k + 1)], w[:k] + [0] * (k - len(w[:k])),
+                                     n) == w[n], (tiles, n)
+    for n in range(1, 8):
+        d = [[0 if i == j else rng.randint(1, 30) for j in range(n)] for i in range(n)]
+        d = [[d[min(i, j)][max(i, j)] for j in range(n)] for i in range(n)]
+        best = min(sum(d[a][b] for a, b in zip((0,) + q, q + (0,))) for q in itertools.permutations(range(1, n)))
+        assert tsp_tour(d) == best, n
+    for n in range(1, 12):
+        while True:
+            a = [[rng.randint(-6, 6) for _ in range(n)] for _ in range(n)]
+            if arithmetic_det(a):
+                break
+        b = [rng.randint(-9, 9) for _ in range(n)]
+        assert solve_integer(a, b) == solve(a, b)
+    env = get_env("gym/floor_sum")
+    for d in range(4):
+        p = env.generate(d, d)
+        n = int(re.search(r"floor\((\d+)/i\)", p.prompt).group(1))
+        assert p.answer == sum(n // i for i in range(1, n + 1))
+    env = get_env("gym/word_arrangements")
+    for d in (0, 3, 8):
+        p = env.generate(1, d)
+        w = re.search(r"letters of ([A-P]+)\?", p.prompt).group(1)
+        exact = math.factorial(len(w))
+        for c in set(w):
+            exact //= math.factorial(w.count(c))
+        assert p.answer == exact % MOD
+
+
+def arithmetic_det(m):
+    from envs.gym.arithmetic import det
+
+    return det(m)
+
+
+def test_knights_and_knaves_have_one_solution():
+    """The statements read back from the prompt admit exactly the reference assignment (the solver now filters the
+    assignments once per statement)."""
+    from envs.gym.logic_puzzles import _KK
+
+    env = get_env("gym/knights_knaves")
+    for d, seed in ((0, 0), (4, 1), (9, 2), (15, 3), (40, 4)):
+        p = env.generate(seed, d)
+        names = re.search(r"inhabitants are (.*?)\. ", p.prompt)[1].split(", ")
+        ix = {x: i for i, x in enumerate(names)}
+        name = "|".join(sorted(names, key=len, reverse=True))
+        stmts = []
+        for sp, said in re.findall(rf"({name}) says: \"(.*?)\.\"", p.prompt):
+            for kind, (text, fn, _) in _KK.items():
+                pat = re.escape(text).replace(re.escape("{a}"), f"({name})").replace(re.escape("{b}"), f"({name})")
+                m = re.fullmatch(pat, said)
+                if m:
+                    a, b = ix[m.group(1)], ix[m.group(2)] if m.lastindex > 1 else ix[m.group(1)]
+                    stmts.append((ix[sp], fn, a, b))
+                    break
+            else:
+                raise AssertionError(said)
+        assert stmts
+        n = len(names)
+        sols = [t for t in itertools.product((False, True), repeat=n)
+                if all(fn(t, a, b) == t[s] for s, fn, a, b in stmts)]
+        assert [["K" if x else "N" for x in t] for t in sols] == [p.answer], (d, seed)
+
+
+def test_star_polygons_are_simple_when_points_are_dropped():
+    """Past its tries star_polygon drops the points that share an angle or sit on a straight edge (hundreds of points
+    always have some: the redraws never ended past difficulty ~45); what is left is a simple polygon."""
+    from envs.gym.geometry import cross, star_polygon, twice_area
+
+    def proper_cross(p, q, r, s):
+        return (cross(p, q, r) > 0) != (cross(p, q, s) > 0) and (cross(r, s, p) > 0) != (cross(r, s, q) > 0) and \
+            all(cross(*t) != 0 for t in ((p, q, r), (p, q, s), (r, s, p), (r, s, q)))
+
+    def on(p, a, b):
+        return cross(a, b, p) == 0 and min(a[0], b[0]) <= p[0] <= max(a[0], b[0]) and \
+            min(a[1], b[1]) <= p[1] <= max(a[1], b[1])
+
+    for seed, (n, r) in enumerate([(60, 6), (200, 12), (400, 40), (300, 205)]):
+        poly = star_polygon(random.Random(seed), n, r, tries=0)
+        k = len(poly)
+        assert k >= 3 and len(set(poly)) == k and twice_area(poly) > 0
+        assert all(cross(poly[i - 1], poly[i], poly[(i + 1) % k]) != 0 for i in range(k))
+        edges = [(poly[i], poly[(i + 1) % k]) for i in range(k)]
+        for i in range(k):
+            for j in range(i + 2, k):
+                if i == 0 and j == k - 1:
+                    continue
+                (p, q), (u, v) = edges[i], edges[j]
+                assert not proper_cross(p, q, u, v) and not any(on(x, u, v) for x in (p, q)) and \
+                    not any(on(x, p, q) for x in (u, v)), (seed, i, j)
+
+
+@pytest.mark.parametrize("env_id", ["gym/girth", "gym/max_collinear"])
+def test_low_levels_have_no_majority_answer(env_id):
+    """Girth 3 or 4 and four collinear points were the answers of 35-56% of a low level's problems (a policy could
+    guess them); with a target answer drawn uniformly no answer is much above a third."""
+    from collections import Counter
+
+    env = get_env(env_id)
+    for d in range(6):
+        answers = Counter(env.generate(seed, d).answer for seed in range(200))
+        top, n = answers.most_common(1)[0]
+        assert n / 200 <= 0.45, (env_id, d, answers)

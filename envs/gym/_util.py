@@ -38,6 +38,15 @@ def grow(base: float, d: int, rate: float = 1.1, step: float = 1.0) -> int:
     return int(base * rate ** d + step * d)
 
 
+def grow_until(base: float, d: int, knee: int, per_level: float, rate: float = 1.1, step: float = 1.0) -> int:
+    """``grow(base, d, rate, step)`` up to difficulty ``knee``, then ``per_level`` more per level: the same sizes as
+    ``grow`` at the levels below the knee, and a size that still grows without bound but linearly past it, where an
+    exponential size would make the exact solver (or the prompt) blow up."""
+    if d <= knee:
+        return grow(base, d, rate, step)
+    return grow(base, knee, rate, step) + int(per_level * (d - knee))
+
+
 class GymEnv(Environment):
     """Base of the gym environments: generation from ``build``, parsing and grading in ``check``."""
 

@@ -5,7 +5,7 @@ import math
 from collections import Counter
 
 from envs.base import register
-from envs.gym._util import MOD, IntAnswer, ListAnswer, fmt_list, grow, random_prime
+from envs.gym._util import MOD, IntAnswer, ListAnswer, fmt_list, grow, grow_until, random_prime
 
 F = "combinatorics"
 MODTXT = "Give the answer modulo 1000000007."
@@ -155,11 +155,14 @@ class WordArrangements(IntAnswer):
 
     def build(self, rng, d):
         alpha = "ABCDEFGHIJKLMNOP"[: 2 + d // 2]
-        w = "".join(rng.choice(alpha) for _ in range(rng.randint(4 + d, grow(6, d, 1.2, 2))))
-        cnt = math.factorial(len(w))
+        # up to 1.2^d letters to difficulty 30 (1484), then 40 more per level (4284 at 100): 170k-letter prompts and
+        # seconds of bigint factorials at difficulty 60
+        w = "".join(rng.choice(alpha) for _ in range(rng.randint(4 + d, grow_until(6, d, 30, 40, 1.2, 2))))
+        fact = factorials_mod(len(w))
+        cnt = fact[len(w)]
         for v in Counter(w).values():
-            cnt //= math.factorial(v)
-        return f"How many distinct strings can be formed by rearranging all the letters of {w}? {MODTXT}", cnt % MOD
+            cnt = cnt * pow(fact[v], MOD - 2, MOD) % MOD
+        return f"How many distinct strings can be formed by rearranging all the letters of {w}? {MODTXT}", cnt
 
 
 @register("gym/permutation_rank")
@@ -224,11 +227,15 @@ class BoardTilings(IntAnswer):
     def build(self, rng, d):
         n = rng.randint(5 + d, grow(10, d, 1.3, 3))
         tiles = sorted(set(rng.randint(1, 3 + d // 2) for _ in range(2 + d // 3)))
-        w = [1] + [0] * n
-        for i in range(1, n + 1):
+        # w[i] = sum of w[i - t] over the tiles t: the first max(tiles) terms by the recurrence, the n-th by
+        # polynomial powers in O(k^2 log n) (the O(n) table took seconds past difficulty 50, where n ~ 1.3^d)
+        k = tiles[-1]
+        w = [1] + [0] * (k - 1)
+        for i in range(1, k):
             w[i] = sum(w[i - t] for t in tiles if t <= i) % MOD
+        coef = [int(j in tiles) for j in range(1, k + 1)]
         return (f"In how many ways can a 1 x {n} strip be tiled with tiles of lengths {fmt_list(tiles, ', ')} "
-                f"(unlimited supply; order matters)? {MODTXT}", w[n] % MOD)
+                f"(unlimited supply; order matters)? {MODTXT}", linear_recurrence_nth(coef, w, n))
 
 
 @register("gym/bounded_dyck_paths")
@@ -236,10 +243,67 @@ class BoundedDyckPaths(IntAnswer):
     family, description = F, "Balanced parenthesis strings with bounded nesting depth."
 
     def build(self, rng, d):
-        n = rng.randint(3 + d, grow(5, d, 1.2, 2))
+        # up to 1.2^d pairs to difficulty 40 (7428), then 2000 more per level (127k at 100); the count by reflection
+        # (O(n), where the O(n h) walk over the depths took minutes past difficulty 50)
+        n = rng.randint(3 + d, grow_until(5, d, 40, 2000, 1.2, 2))
         h = rng.randint(1, max(1, n - 1))
-        cur = [1] + [0] * h
-        for _ in range(2 * n):
-            cur = [((cur[j - 1] if j else 0) + (cur[j + 1] if j < h else 0)) % MOD for j in range(h + 1)]
         return (f"How many balanced strings of {n} pairs of parentheses have nesting depth at most {h}? {MODTXT}",
-                cur[0] % MOD)
+                bounded_dyck_count(n, h))
+
+
+def factorials_mod(n: int, mod: int = MOD) -> list[int]:
+    """``[0!, 1!, ..., n!]`` modulo ``mod``."""
+    out = [1] * (n + 1)
+    for i in range(2, n + 1):
+        out[i] = out[i - 1] * i % mod
+    return out
+
+
+def bounded_dyck_count(n: int, h: int, mod: int = MOD) -> int:
+    """Balanced strings of ``n`` pairs with nesting depth at most ``h``, modulo ``mod`` (2n < mod): walks of 2n steps
+    +-1 from 0 to 0 that never touch -1 or h + 1. By reflection in both walls (period 2(h + 2)), the sum over integer
+    k of C(2n, n + k(h + 2)) - C(2n, n - 1 + k(h + 2))."""
+    m = 2 * n
+    fact = factorials_mod(m, mod)
+    inv = [1] * (m + 1)  # 1 / i! modulo mod
+    inv[m] = pow(fact[m], mod - 2, mod)
+    for i in range(m, 0, -1):
+        inv[i - 1] = inv[i] * i % mod
+
+    def comb(j):  # C(2n, j)
+        return fact[m] * inv[j] % mod * inv[m - j] % mod if 0 <= j <= m else 0
+
+    total, p = 0, h + 2
+    for k in range(-(n // p) - 1, n // p + 2):
+        total += comb(n + k * p) - comb(n - 1 + k * p)
+    return total % mod
+
+
+def linear_recurrence_nth(coef: list[int], init: list[int], n: int, mod: int = MOD) -> int:
+    """``a[n]`` modulo ``mod`` for ``a[i] = sum_j coef[j - 1] * a[i - j]`` (j = 1..k) with ``a[0..k-1] = init``:
+    x^n modulo the characteristic polynomial x^k - sum_j coef[j - 1] x^(k - j), by squaring (Kitamasa)."""
+    k = len(coef)
+    if n < k:
+        return init[n] % mod
+
+    def mul(p, q):
+        r = [0] * (2 * k - 1)
+        for i, a in enumerate(p):
+            if a:
+                for j, b in enumerate(q):
+                    r[i + j] += a * b
+        for i in range(2 * k - 2, k - 1, -1):  # x^i = x^(i - k) * sum_j coef[j - 1] x^(k - j)
+            c = r[i] % mod
+            if c:
+                for j in range(1, k + 1):
+                    r[i - j] += c * coef[j - 1]
+        return [x % mod for x in r[:k]]
+
+    result = [1] + [0] * (k - 1)
+    base = [coef[0] % mod] if k == 1 else [0, 1] + [0] * (k - 2)
+    while n:
+        if n & 1:
+            result = mul(result, base)
+        base = mul(base, base)
+        n >>= 1
+    return sum(a * b for a, b in zip(result, init)) % mod

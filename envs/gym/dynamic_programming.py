@@ -4,7 +4,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from envs.base import register
-from envs.gym._util import INVALID, MOD, GymEnv, IntAnswer, fmt_list, grow, parse_int_list, random_tree
+from envs.gym._util import INVALID, MOD, GymEnv, IntAnswer, fmt_list, grow, grow_until, parse_int_list, random_tree
 
 F = "dynamic_programming"
 
@@ -22,13 +22,15 @@ class Knapsack01(IntAnswer):
     family, description = F, "0/1 knapsack: maximum total value within a weight capacity."
 
     def build(self, rng, d):
-        n = _n(d)
+        # items grow exponentially up to difficulty 30 (117 items), then 2 per level: the O(n * capacity) table, with
+        # the capacity ~ n * d / 4, took 6 s at difficulty 60 and minutes past it (257 items at 100: under a second)
+        n = grow_until(5, d, 30, 2)
         items = [(rng.randint(1, 10 + d), rng.randint(1, 20 + 2 * d)) for _ in range(n)]
         cap = sum(w for w, _ in items) // 2
         best = [0] * (cap + 1)
         for w, v in items:
-            for c in range(cap, w - 1, -1):
-                best[c] = max(best[c], best[c - w] + v)
+            if w <= cap:  # each cell from the previous row's values: every item taken at most once
+                best[w:] = list(map(max, best[w:], [x + v for x in best[:cap + 1 - w]]))
         shown = ", ".join(f"(weight {w}, value {v})" for w, v in items)
         return f"Items: {shown}. Each item can be taken at most once. What is the maximum total value with total weight at most {cap}?", best[cap]
 
@@ -153,7 +155,9 @@ class MatrixChain(IntAnswer):
     family, description = F, "Minimum scalar multiplications for a matrix chain product."
 
     def build(self, rng, d):
-        dims = [rng.randint(2, 10 + 3 * d) for _ in range(_n(d, 4))]
+        # exponential up to difficulty 30 (99 dimensions), then 2 per level: the O(n^3) table took 4 s at difficulty
+        # 50 (519 dimensions) and minutes past it
+        dims = [rng.randint(2, 10 + 3 * d) for _ in range(grow_until(4, d, 30, 2))]
         n = len(dims) - 1
         c = [[0] * n for _ in range(n)]
         for ln in range(2, n + 1):
@@ -199,7 +203,9 @@ class GridMaxPath(IntAnswer):
     family, description = F, "Maximum-sum monotone path in a weighted grid."
 
     def build(self, rng, d):
-        r, c = grow(3, d, 1.08, 0.5), grow(3, d, 1.08, 0.5)
+        # exponential up to difficulty 30 (45 x 45), then a row and a column per 3 levels (68 x 68 at 100): the
+        # grid alone was 318k characters at difficulty 60
+        r = c = grow_until(3, d, 30, 1 / 3, 1.08, 0.5)
         g = [[rng.randint(-5, 9 + d) for _ in range(c)] for _ in range(r)]
         best = [[0] * c for _ in range(r)]
         for i in range(r):
@@ -375,31 +381,48 @@ class WordBreakCount(IntAnswer):
                 f"words (words may repeat)? Give the answer modulo 1000000007.", ways[-1] % MOD)
 
 
+TSP_MAX_CITIES = 19
+
+
+def tsp_tour(w):
+    """Length of the shortest Hamiltonian cycle (Held-Karp, vectorised). ``dp[mask, v]``: the shortest path from city
+    0 through the cities of ``mask`` (cities 1..n-1, bit ``v - 1`` for city ``v``) ending at ``v``, filled one subset
+    size at a time (every subset one smaller is complete by then); 19 cities take ~0.3 s and 40 MB."""
+    import numpy as np
+
+    n = len(w)
+    if n == 1:
+        return 0
+    m = n - 1
+    dist = np.array(w, dtype=np.int64)
+    step = dist[1:, 1:]  # step[u - 1, v - 1] = w[u][v]
+    dp = np.full((1 << m, m), 1 << 60, dtype=np.int64)
+    masks = np.arange(1 << m)
+    size = np.zeros(1 << m, dtype=np.int64)
+    for v in range(m):
+        dp[1 << v, v] = dist[0, v + 1]
+        size += masks >> v & 1
+    for k in range(2, m + 1):
+        layer = masks[size == k]
+        for v in range(m):
+            sel = layer[(layer >> v & 1) == 1]
+            dp[sel, v] = (dp[sel ^ (1 << v)] + step[:, v]).min(axis=1)
+    return int((dp[-1] + dist[1:, 0]).min())
+
+
 @register("gym/tsp_bitmask")
 class TSPBitmask(IntAnswer):
     family, description = F, "Shortest Hamiltonian cycle (travelling salesman, bitmask DP)."
 
     def build(self, rng, d):
-        n = 4 + d // 3
+        # a city per 3 levels up to difficulty 30 (14 cities), then one per 14 levels up to 19 (difficulty 100): the
+        # O(2^n n^2) table took 9 s at 20 cities (difficulty 50) in pure Python; past 19 cities only the distances grow
+        n = 4 + d // 3 if d <= 30 else min(TSP_MAX_CITIES, 14 + (d - 30) // 14)
         w = [[0] * n for _ in range(n)]
         for i in range(n):
             for j in range(i + 1, n):
                 w[i][j] = w[j][i] = rng.randint(1, 20 + 2 * d)
-        full = 1 << n
-        inf = float("inf")
-        dp = [[inf] * n for _ in range(full)]
-        dp[1][0] = 0
-        for mask in range(1, full, 2):
-            row = dp[mask]
-            for u in range(n):
-                if row[u] == inf:
-                    continue
-                for v in range(n):
-                    if not mask >> v & 1:
-                        nm = mask | 1 << v
-                        if row[u] + w[u][v] < dp[nm][v]:
-                            dp[nm][v] = row[u] + w[u][v]
-        best = min(dp[full - 1][u] + w[u][0] for u in range(1, n))
+        best = tsp_tour(w)
         rows = "\n".join(fmt_list(r) for r in w)
         return (f"The symmetric distance matrix of {n} cities is below. What is the length of the shortest tour that "
                 f"visits every city exactly once and returns to the start?\n{rows}", best)

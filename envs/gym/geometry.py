@@ -1,12 +1,14 @@
 """Computational geometry on integer points (exact arithmetic throughout)."""
 from __future__ import annotations
 
+import itertools
 import math
 from fractions import Fraction
 
 from envs.base import register
 from envs.gym._util import (
-    INVALID, FracAnswer, GymEnv, IntAnswer, ListAnswer, ParseError, frac_str, grow, parse_groups, parse_tokens,
+    INVALID, FracAnswer, GymEnv, IntAnswer, ListAnswer, ParseError, balanced, frac_str, grow, grow_until,
+    parse_groups, parse_tokens,
 )
 
 F = "geometry"
@@ -28,9 +30,13 @@ def twice_area(poly):
     return sum(x1 * y2 - x2 * y1 for (x1, y1), (x2, y2) in zip(poly, poly[1:] + poly[:1]))
 
 
-def star_polygon(rng, n, r):
-    """A simple polygon: distinct integer points sorted by angle around an interior centre."""
-    while True:
+def star_polygon(rng, n, r, tries: int = 30):
+    """A simple polygon: distinct integer points sorted by angle around an interior centre.
+
+    A draw is kept as it is when no two points share an angle around the centre and no three consecutive points are
+    collinear; past ``tries`` draws the offending points are dropped from the draw instead (with hundreds of points
+    some always offend: the draws alone never ended past difficulty ~45)."""
+    for attempt in itertools.count():
         pts = list(set(_pts(rng, n, r)))
         if len(pts) < 3:
             continue
@@ -42,6 +48,29 @@ def star_polygon(rng, n, r):
                 all(cross(pts[i - 1], pts[i], pts[(i + 1) % len(pts)]) != 0 for i in range(len(pts))):
             if all(cross((cx, cy), pts[i], pts[(i + 1) % len(pts)]) > 0 for i in range(len(pts))):
                 return pts
+        if attempt >= tries:
+            poly = _star_subset(pts, (cx, cy))
+            if poly:
+                return poly
+
+
+def _star_subset(pts, centre):
+    """``pts`` (sorted by angle around ``centre``) less the points that share an angle with the point before or lie
+    on the line through their neighbours: every turn about the centre strictly positive (an angle below pi, so the
+    polygon is star-shaped about the centre, hence simple) and every vertex a corner; None if more than a tenth of
+    the points would go (a gap of pi or more around the centre: another draw)."""
+    pts, budget = list(pts), len(pts) // 10
+    while len(pts) >= 3:
+        k = len(pts)
+        bad = next((i for i in range(k) if cross(centre, pts[i - 1], pts[i]) <= 0
+                    or cross(pts[i - 1], pts[i], pts[(i + 1) % k]) == 0), None)
+        if bad is None:
+            return pts
+        if budget == 0:
+            return None
+        del pts[bad]
+        budget -= 1
+    return None
 
 
 @register("gym/polygon_area")
@@ -49,7 +78,8 @@ class PolygonArea(FracAnswer):
     family, description = F, "Area of a simple polygon (shoelace formula)."
 
     def build(self, rng, d):
-        poly = star_polygon(rng, grow(4, d, 1.1, 1), 5 + 2 * d)
+        # exponential up to difficulty 30 (99 vertices), then 3 vertices per level (309 at 100)
+        poly = star_polygon(rng, grow_until(4, d, 30, 3), 5 + 2 * d)
         return (f"The vertices of a simple polygon in order are {_show(poly)}. What is its area? Give an exact value "
                 f"(an integer, a fraction p/q or a decimal).", frac_str(Fraction(abs(twice_area(poly)), 2)))
 
@@ -147,7 +177,7 @@ class PointInPolygon(_TokenList):
 
     def build(self, rng, d):
         r = 5 + 2 * d
-        poly = star_polygon(rng, grow(4, d, 1.1, 1), r)
+        poly = star_polygon(rng, grow_until(4, d, 30, 3), r)  # as polygon_area's
         qs = _pts(rng, 3 + d // 2, r)
         qs[rng.randrange(len(qs))] = poly[0]
         return (f"A simple polygon has vertices {_show(poly)} in order. For each point {_show(qs)} answer I (strictly "
@@ -160,7 +190,7 @@ class PickInteriorPoints(IntAnswer):
     family, description = F, "Lattice points strictly inside a lattice polygon (Pick's theorem)."
 
     def build(self, rng, d):
-        poly = star_polygon(rng, grow(3, d, 1.1, 0.5), 4 + 3 * d)
+        poly = star_polygon(rng, grow_until(3, d, 30, 2, 1.1, 0.5), 4 + 3 * d)  # 67 vertices at 30, 207 at 100
         a2 = abs(twice_area(poly))
         b = sum(math.gcd(abs(x2 - x1), abs(y2 - y1)) for (x1, y1), (x2, y2) in zip(poly, poly[1:] + poly[:1]))
         return (f"How many lattice points lie strictly inside the polygon with vertices {_show(poly)} (in order)?",
@@ -276,8 +306,18 @@ class MaxCollinear(IntAnswer):
     family, description = F, "Maximum number of given points on one straight line."
 
     def build(self, rng, d):
+        if d < 4:
+            # 4 (or 3) was the answer of 35-52% of the problems: an answer drawn uniformly from 3..5 (..6 from
+            # difficulty 2) is the target, the points drawn again until they have it
+            target = rng.randint(3, 5 + d // 2)
+            return balanced(rng, lambda: self._draw(rng, d), lambda ans: ans != target, keep=0.0, tries=100)
+        return self._draw(rng, d)
+
+    def _draw(self, rng, d):
         r = 4 + d
-        pts = set(_pts(rng, grow(5, d, 1.1, 1), r))
+        # exponential up to difficulty 40 (266 points), then 4 per level (506 at 100): the O(n^2) count over pairs
+        # took 11 s at difficulty 80 (2300 points, a 94k-character prompt)
+        pts = set(_pts(rng, grow_until(5, d, 40, 4), r))
         x, y = rng.randint(-r, r), rng.randint(-r, r)
         dx, dy = rng.choice([(1, 0), (0, 1), (1, 1), (1, -1), (1, 2), (2, 1)])
         pts |= {(x + k * dx, y + k * dy) for k in range(rng.randint(3, 4 + d // 2))}

@@ -10,7 +10,7 @@ from collections import deque
 
 from envs.base import register
 from envs.gym._util import (
-    INVALID, MOD, GymEnv, IntAnswer, ListAnswer, StrAnswer, balanced, fmt_edges, fmt_list, grow,
+    INVALID, MOD, GymEnv, IntAnswer, ListAnswer, StrAnswer, balanced, fmt_edges, fmt_list, grow, grow_until,
     parse_groups, parse_int_list, parse_path, random_connected_graph, random_tree,
 )
 
@@ -727,10 +727,17 @@ class Girth(IntAnswer):
     family, description = F, "Length of the shortest cycle of an undirected graph."
 
     def build(self, rng, d):
-        return balanced(rng, lambda: self._draw(rng, d), lambda ans: ans == 3)
+        # exponential up to difficulty 30 (117 vertices), then 4 per level (397 at 100): a BFS from every vertex
+        # took seconds past difficulty 70, and the edge list ran to 100k characters
+        n = grow_until(5, d, 30, 4)
+        if d < 30:
+            # 3 or 4 was the answer of 36-56% of the problems (of the raw draws, 3 was on 40-80%): a girth drawn
+            # uniformly from 3..5 (..7 from difficulty 10) is the target, the graph drawn again until it has it
+            target = rng.randint(3, min(n, 5 + min(2, d // 5)))
+            return balanced(rng, lambda: self._draw(rng, d, n), lambda ans: ans != target, keep=0.0, tries=200)
+        return balanced(rng, lambda: self._draw(rng, d, n), lambda ans: ans == 3)
 
-    def _draw(self, rng, d):
-        n = _n(d, 5)
+    def _draw(self, rng, d, n):
         edges = random_connected_graph(rng, n, rng.randint(n, n + 1 + d // 3))  # n edges: one cycle, of any length
         adj = adj_list(n, edges)
         best = None
@@ -755,7 +762,9 @@ class MazeShortestPath(IntAnswer):
     family, description = F, "Fewest moves through a grid maze (BFS)."
 
     def build(self, rng, d):
-        r, c = grow(4, d, 1.08, 0.6), grow(5, d, 1.08, 0.6)
+        # exponential up to difficulty 35 (80 x 94), then half a row and a column per level (112 x 126 at 100): the
+        # maze alone was 240k characters at difficulty 60
+        r, c = grow_until(4, d, 35, 0.5, 1.08, 0.6), grow_until(5, d, 35, 0.5, 1.08, 0.6)
         # most open mazes have a straight route from S to E, whose length the prompt gives away (corner to corner:
         # r + c - 2 at almost every seed): those are kept one time in twenty
         for _ in range(40):

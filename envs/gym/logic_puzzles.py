@@ -8,8 +8,8 @@ from fractions import Fraction
 
 from envs.base import register
 from envs.gym._util import (
-    INVALID, GymEnv, IntAnswer, ParseError, StrAnswer, fmt_grid, fmt_list, grow, parse_grid, parse_groups,
-    parse_int_list, parse_tokens,
+    INVALID, GymEnv, IntAnswer, ParseError, StrAnswer, fmt_grid, fmt_list, grow, grow_until, parse_grid,
+    parse_groups, parse_int_list, parse_tokens,
 )
 
 F = "logic_puzzles"
@@ -206,7 +206,9 @@ class Nonogram(_GridPuzzle):
     family, description = F, "Nonogram: fill a grid matching row and column run clues (any solution)."
 
     def build(self, rng, d):
-        r, c = grow(3, d, 1.06, 0.5), grow(3, d, 1.06, 0.5)
+        # exponential up to difficulty 50 (80 x 80), then 0.4 rows and columns per level (100 x 100 at 100): the
+        # clues ran to 1.1M characters at difficulty 100
+        r = c = grow_until(3, d, 50, 0.4, 1.06, 0.5)
         sol = [[int(rng.random() < 0.55) for _ in range(c)] for _ in range(r)]
         rows, cols = [_runs(x) for x in sol], [_runs(x) for x in zip(*sol)]
         return (f"Solve the {r}x{c} nonogram. Row clues (top to bottom): "
@@ -348,15 +350,22 @@ _NAMES = ["Ann", "Bob", "Cid", "Dee", "Eve", "Fay", "Gus", "Hal", "Ivy", "Jon", 
           "Pam", "Quin", "Rex", "Sue", "Tom", "Uma", "Vic", "Wes", "Xia", "Yan", "Zed"]
 
 
+KK_MAX_PEOPLE = 20
+
+
 @register("gym/knights_knaves")
 class KnightsKnaves(GymEnv):
     family, description = F, "Knights always tell the truth, knaves always lie: who is who? (unique solution)"
 
     def build(self, rng, d):
-        n = 2 + d // 3
+        # one inhabitant per 3 levels up to difficulty 30 (12), then one per 8 levels up to 20 (difficulty 94): the
+        # statements filter the 2^n assignments once each (~0.2 s at 20; all of them re-enumerated per statement took
+        # 4 s at 18 people, difficulty 50)
+        n = 2 + d // 3 if d <= 30 else min(KK_MAX_PEOPLE, 12 + (d - 30) // 8)
         names = [_NAMES[i % 26] + ("" if i < 26 else str(i // 26)) for i in range(n)]
         truth = [bool(rng.randrange(2)) for _ in range(n)]
         stmts = []
+        sols = range(1 << n)  # the assignments (bit i: inhabitant i is a knight) consistent with the statements so far
         while True:
             sp = rng.randrange(n)
             kind = rng.choice(list(_KK))
@@ -365,8 +374,8 @@ class KnightsKnaves(GymEnv):
             if _KK[kind][1](truth, a, b) != truth[sp]:
                 kind = _KK[kind][2]
             stmts.append((sp, kind, a, b))
-            sols = [t for t in itertools.product((False, True), repeat=n)
-                    if all(_KK[k][1](t, x, y) == t[s] for s, k, x, y in stmts)]
+            says = [int(_KK[kind][1]((ta, tb), 0, 1)) for ta in (False, True) for tb in (False, True)]
+            sols = [t for t in sols if says[(t >> a & 1) * 2 + (t >> b & 1)] == t >> sp & 1]
             if len(sols) == 1:
                 break
         text = " ".join(f"{names[s]} says: \"{_KK[k][0].format(a=names[x], b=names[y])}.\"" for s, k, x, y in stmts)
@@ -515,7 +524,9 @@ class LightsOut(GymEnv):
     family, description = F, "Lights Out: which buttons turn every light off (any valid set)."
 
     def build(self, rng, d):
-        r, c = grow(3, d, 1.06, 0.4), grow(3, d, 1.06, 0.4)
+        # exponential up to difficulty 50 (75 x 75), then half a row and a column per level (100 x 100 at 100): the
+        # grid ran to 1.1M characters at difficulty 100
+        r = c = grow_until(3, d, 50, 0.5, 1.06, 0.4)
         presses = sorted(rng.sample([(i, j) for i in range(r) for j in range(c)], rng.randint(1, 2 + d)))
         g = self._apply([[0] * c for _ in range(r)], presses)
         rows = "\n".join("".join(map(str, row)) for row in g)

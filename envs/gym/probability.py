@@ -5,7 +5,7 @@ import math
 from fractions import Fraction
 
 from envs.base import register
-from envs.gym._util import FracAnswer, frac_str, grow, random_connected_graph
+from envs.gym._util import FracAnswer, frac_str, grow_until, random_connected_graph
 
 F = "probability"
 FMT = "Give the exact answer as a reduced fraction p/q (or an integer)."
@@ -25,6 +25,27 @@ def solve(a, b):
                 f = m[r][c]
                 m[r] = [x - f * y for x, y in zip(m[r], m[c])]
     return [row[-1] for row in m]
+
+
+def solve_integer(a, b):
+    """Solve ``a x = b`` exactly for an integer, non-singular ``a`` and integer ``b``: fraction-free (Bareiss)
+    elimination keeps every entry an integer (each division is exact), then back substitution in fractions. Twenty
+    times faster than :func:`solve` in fractions, whose gcds dominate (9 s at 213 unknowns)."""
+    n = len(a)
+    m = [list(row) + [y] for row, y in zip(a, b)]
+    prev = 1
+    for c in range(n):
+        p = next(r for r in range(c, n) if m[r][c])
+        m[c], m[p] = m[p], m[c]
+        pivot, top = m[c][c], m[c]
+        for r in range(c + 1, n):
+            f = m[r][c]
+            m[r] = [(pivot * x - f * y) // prev for x, y in zip(m[r], top)] if f else [pivot * x // prev for x in m[r]]
+        prev = pivot
+    x = [Fraction(0)] * n
+    for c in range(n - 1, -1, -1):
+        x[c] = Fraction(m[c][n] - sum(m[c][j] * x[j] for j in range(c + 1, n)), m[c][c])
+    return x
 
 
 def dice_dist(n, s):
@@ -100,7 +121,8 @@ class ExpectedHittingTime(FracAnswer):
     family, description = F, "Expected steps of a random walk on a graph to reach a target."
 
     def build(self, rng, d):
-        n = grow(4, d, 1.08, 0.5)
+        # exponential up to difficulty 40 (106 vertices), then one vertex per level (166 at 100)
+        n = grow_until(4, d, 40, 1, 1.08, 0.5)
         edges = random_connected_graph(rng, n, int(n * 1.4))
         adj = [[] for _ in range(n)]
         for u, v in edges:
@@ -109,13 +131,13 @@ class ExpectedHittingTime(FracAnswer):
         s, t = rng.sample(range(n), 2)
         idx = [v for v in range(n) if v != t]
         pos = {v: i for i, v in enumerate(idx)}
-        a = [[0] * len(idx) for _ in idx]
+        a = [[0] * len(idx) for _ in idx]  # deg(v) E[v] - sum of E[w] over the neighbours w != t = deg(v)
         for v in idx:
-            a[pos[v]][pos[v]] = Fraction(1)
+            a[pos[v]][pos[v]] = len(adj[v])
             for w in adj[v]:
                 if w != t:
-                    a[pos[v]][pos[w]] -= Fraction(1, len(adj[v]))
-        x = solve(a, [1] * len(idx))
+                    a[pos[v]][pos[w]] -= 1
+        x = solve_integer(a, [len(adj[v]) for v in idx])
         shown = ", ".join(f"{u}-{v}" for u, v in edges)
         return (f"A walker moves on the undirected graph with vertices 0..{n - 1} and edges {shown}; at each step it "
                 f"moves to a uniformly random neighbour. Starting at {s}, what is the expected number of steps until it "
