@@ -622,6 +622,28 @@ def test_batcher_window_slides_with_arrivals_up_to_its_cap():
     assert sum(eng.calls) == 24 and len(eng.calls) >= 3
 
 
+def test_a_call_during_a_batchs_gathering_runs_before_it():
+    """A weight load (Batcher.call) that arrives while the batcher gathers its next batch runs before that batch,
+    which takes its effect (it waited for the whole batch to finish first)."""
+    from train.engine.server import Batcher
+
+    order = []
+
+    class Recording(_CountingEngine):
+        def generate(self, prompts, params, seeds=None):
+            order.append("generate")
+            return super().generate(prompts, params, seeds)
+
+    b = Batcher(Recording(), window_s=0.5, max_wait_s=1.0)
+    t = threading.Thread(target=b.submit, args=([[1]], SamplingParams(max_tokens=1)))
+    t.start()
+    time.sleep(0.1)  # the request is in, its batch still gathering
+    b.call(lambda: order.append("load"))
+    t.join(30)
+    b.close()
+    assert order == ["load", "generate"]
+
+
 def test_batched_jobs_keep_their_own_seeds_and_prompt_indices():
     """Jobs merged into one generate call: the engine gets each job's per-prompt seeds (or the
     request seed for every prompt of a job without them), and each job's completions index its own

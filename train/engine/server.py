@@ -171,8 +171,8 @@ class Batcher:
         return job.result
 
     def call(self, fn):
-        """``fn()`` on the engine's thread (after the calls queued before it); returns what it returns
-        or raises what it raised."""
+        """``fn()`` on the engine's thread (after the calls queued before it, and before the requests of a batch
+        still being gathered: they take its effects); returns what it returns or raises what it raised."""
         job = _Job([], SamplingParams(), [], fn=fn)
         self._put(job)
         job.done.wait()
@@ -227,7 +227,6 @@ class Batcher:
                 self._call(job)
                 continue
             t0 = time.monotonic()
-            after = None
             jobs, deadline, cap = [job], t0 + self.window_s, t0 + max(self.window_s, self.max_wait_s)
             while sum(len(j.ids) for j in jobs) < self.max_prompts:
                 try:
@@ -237,9 +236,9 @@ class Batcher:
                 if nxt is None:
                     self._q.put(None)
                     break
-                if nxt.fn is not None:  # a call: after this batch, in its turn
-                    after = nxt
-                    break
+                if nxt.fn is not None:  # a call (a weight load) runs now: the batch being gathered has not
+                    self._call(nxt)  # started, and takes its effect (it waited for the whole batch)
+                    continue
                 jobs.append(nxt)
                 deadline = min(cap, time.monotonic() + self.window_s)
             groups: dict[tuple, list[_Job]] = {}
@@ -256,8 +255,6 @@ class Batcher:
                             j.error = e
                 for j in group:
                     j.done.set()
-            if after is not None:
-                self._call(after)
 
     @staticmethod
     def _call(job: _Job) -> None:
