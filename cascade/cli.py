@@ -69,6 +69,10 @@ def dispatch(table: dict[str, tuple[str, str]], argv: list[str], usage: str, pro
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the command: problems generated the same in every run (envs.base.fixed_hash_seed)
+        from envs.base import fixed_hash_seed
+
+        fixed_hash_seed()
     return dispatch(SUBCOMMANDS, list(sys.argv[1:] if argv is None else argv), _usage(), "cascade")
 
 

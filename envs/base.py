@@ -12,6 +12,7 @@ import importlib
 import os
 import random
 import re
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, ClassVar, Iterable
@@ -281,18 +282,41 @@ def register(env_id: str, *, factory: Callable[[], Environment] | None = None,
     return deco
 
 
+def fixed_hash_seed() -> None:
+    """Run this command again with ``PYTHONHASHSEED=0`` when it is unset (then return only in the new process):
+    some packages' generators iterate over sets of strings (reasoning-gym's polynomial_multiplication, ransom_note,
+    isomorphic_strings, word_ladder), so without it the same (seed, difficulty) gave other problems in another run,
+    another worker or after a resume. The worker processes this one starts inherit it. The ``cascade`` and ``ttc``
+    commands call it first thing."""
+    if os.environ.get("PYTHONHASHSEED") is None:
+        os.environ["PYTHONHASHSEED"] = "0"
+        os.execv(sys.executable, list(sys.orig_argv))
+
+
+PLUGIN_ERRORS: dict[str, str] = {}  # entry-point name -> why its plug-in could not be loaded
+
+
 def load_entry_points() -> None:
-    """Import the modules of installed plug-ins (entry-point group ``cascade.envs``)."""
+    """Import the modules of installed plug-ins (entry-point group ``cascade.envs``). A plug-in that fails
+    (a missing dependency, a name taken) is warned about and left out (``PLUGIN_ERRORS``): the built-in
+    environments and the other plug-ins still load (one broken plug-in failed every ``get_env`` of a process
+    once, and the plug-ins after it for good)."""
     global _ENTRY_POINTS_LOADED
     if _ENTRY_POINTS_LOADED:
         return
     _ENTRY_POINTS_LOADED = True
+    import warnings
     from importlib.metadata import entry_points
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        obj = ep.load()
-        if isinstance(obj, type) and issubclass(obj, Environment) and obj.id not in _REGISTRY:
-            register(ep.name)(obj)
+        try:
+            obj = ep.load()
+            if isinstance(obj, type) and issubclass(obj, Environment) and obj.id not in _REGISTRY:
+                register(ep.name)(obj)
+        except Exception as e:  # noqa: BLE001 - a third party's module: anything can fail
+            PLUGIN_ERRORS[ep.name] = f"{type(e).__name__}: {e}"
+            warnings.warn(f"environment plug-in {ep.name!r} ({ep.value}) is left out: {PLUGIN_ERRORS[ep.name]}",
+                          stacklevel=2)
 
 
 def _load_builtin() -> None:

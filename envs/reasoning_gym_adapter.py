@@ -105,6 +105,10 @@ class ReasoningGymEnv(IsolatedCheck, BoxedOrTagged, Environment):
             self.max_difficulty = max((len(a.levels) - 1 for a in attrs), default=0)
         else:
             self.max_difficulty = 0
+        # the curriculum's own top level: a problem is built at the level asked for, up to it, whatever cap a run
+        # sets later on max_difficulty (envs/caps.py lowers it at run time; a problem of a higher level rebuilt
+        # after that, for its verification, must be the same problem)
+        self._top = self.max_difficulty
         self._configs: dict[int, tuple[object, int]] = {}
         self._entries: OrderedDict = OrderedDict()
         self._fast: dict[int, object] = {}
@@ -128,7 +132,7 @@ class ReasoningGymEnv(IsolatedCheck, BoxedOrTagged, Environment):
 
     def config(self, difficulty: int):
         """(configuration, effective level) used at ``difficulty``."""
-        d = max(0, min(int(difficulty), self.max_difficulty or 0))
+        d = max(0, min(int(difficulty), self._top))
         if d not in self._configs:
             cfg, level = None, d
             if self._curriculum_cls is not None:
@@ -173,7 +177,7 @@ class ReasoningGymEnv(IsolatedCheck, BoxedOrTagged, Environment):
             return self._entries[key]
         err, got = None, None
         # reasoning-gym fails on some (seed, level) pairs: retry with derived seeds, then easier levels
-        for level in range(max(0, min(key[1], self.max_difficulty or 0)), -1, -1):
+        for level in range(max(0, min(key[1], self._top)), -1, -1):
             cfg, _ = self.config(level)
             for attempt in range(4):
                 s = key[0] if attempt == 0 else (key[0] * 1_000_003 + attempt) % (2**63)

@@ -34,6 +34,7 @@ class Worker:
     def __init__(self, module: str, startup_timeout: float, wrap: Sequence[str] = ()) -> None:
         root = str(Path(__file__).resolve().parent.parent)
         env = dict(os.environ)
+        env.setdefault("PYTHONHASHSEED", "0")  # (as the cascade and ttc commands run: envs.base.fixed_hash_seed)
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.proc = subprocess.Popen(
             [*wrap, sys.executable, "-c", f"from {module} import worker_main; worker_main()"],

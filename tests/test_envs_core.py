@@ -289,6 +289,31 @@ def test_rg_environment_generates_and_scores():
     assert env.config(0)[0] != env.config(env.max_difficulty)[0]
 
 
+def test_rg_problem_verified_after_a_run_time_cap_is_the_problem_generated():
+    """envs/caps.py lowers max_difficulty at run time (a slow level): a problem of a higher level generated before,
+    whose cache entry is gone, was rebuilt at the lowered level for its verification and graded against another
+    item (the reference answer scored 0.05)."""
+    from envs.caps import _lower_cap
+
+    e = get_env("rg/countdown")
+    p = e.generate(11, 3)
+    ref = e.reference_response(p)
+    assert e.verify(p, ref).correct
+    _lower_cap(e, 1)
+    e._entries.clear()  # evicted from the adapter's cache (a batch of more than 256 problems of it)
+    s = e.verify(p, ref)
+    assert s.correct and s.reward == 1.0, s.info
+
+
+def test_the_commands_generate_the_same_problem_in_every_run():
+    """reasoning-gym's ransom_note iterates over a set of strings: under Python's per-process hash seed the same
+    (seed, difficulty) was another problem in each run; the cascade command runs itself with PYTHONHASHSEED=0."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    outs = {subprocess.run([PY, "-m", "cascade", "envs", "show", "rg/ransom_note", "--seed", "5"], capture_output=True,
+                           text=True, env=env, cwd=ROOT, timeout=120).stdout for _ in range(3)}
+    assert len(outs) == 1 and "ransom" in outs.pop().lower()
+
+
 def test_rg_no_oracle_datasets_are_documented():
     env = get_env("rg/graph_color")
     assert "no gold answer" in env.no_reference_reason
@@ -387,6 +412,42 @@ def test_plugin_package_registers_through_entry_points(tmp_path):
     checked = subprocess.run([PY, "-m", "cascade", "envs", "check", "example/reverse"], capture_output=True,
                              text=True, cwd=tmp_path, env=env, timeout=120)
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_a_broken_plugin_is_left_out_and_the_others_load(monkeypatch):
+    """A plug-in whose module fails to import (a missing dependency) is warned about and left out; the built-ins
+    and the plug-ins listed after it load (it failed the process's first get_env, and those after it for good)."""
+    import importlib.metadata
+
+    import envs.base as base
+
+    class EP:
+        def __init__(self, name, load):
+            self.name, self.value, self.load = name, f"{name}:Env", load
+
+    def missing():
+        raise ModuleNotFoundError("No module named 'absent_dependency'")
+
+    class Good(base.Environment):
+        id = "plugtest/good"
+
+        def generate(self, seed, difficulty):
+            return base.Problem(prompt="say 1", answer="1")
+
+        def check(self, problem, response):
+            return base.Score(1.0, True, True)
+
+    monkeypatch.setattr(importlib.metadata, "entry_points",
+                        lambda group: [EP("plugtest/bad", missing), EP("plugtest/good", lambda: Good)])
+    monkeypatch.setattr(base, "_ENTRY_POINTS_LOADED", False)
+    monkeypatch.setattr(base, "PLUGIN_ERRORS", {})
+    try:
+        with pytest.warns(UserWarning, match="plug-in 'plugtest/bad'.*absent_dependency"):
+            assert type(get_env("toy/add")).__name__ == "AddEnv"
+        assert get_env("plugtest/good").verify(Good().generate(0, 0), "1").correct
+        assert "absent_dependency" in base.PLUGIN_ERRORS["plugtest/bad"]
+    finally:
+        base._REGISTRY.pop("plugtest/good", None)
 
 
 # -- every registered environment ------------------------------------------------------------------

@@ -545,6 +545,10 @@ COMMANDS = {"solve": solve_main, "serve": serve_main}
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the command: problems generated the same in every run (envs.base.fixed_hash_seed)
+        from envs.base import fixed_hash_seed
+
+        fixed_hash_seed()
     from ttc.backends import ServerError
 
     argv = list(sys.argv[1:] if argv is None else argv)
