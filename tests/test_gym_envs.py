@@ -500,6 +500,48 @@ _SIZE_AT_100 = {
 }
 
 
+def _quoted(k=0):
+    return lambda p: len(re.findall(r"'([a-z]+)'", p.prompt)[k])
+
+
+def _listed(pattern, sep=None):
+    return lambda p: len(re.search(pattern, p.prompt).group(1).split(sep))
+
+
+# the second pass: generators that hung (minutes to hours), ran out of memory or hit the int-to-str limit at
+# difficulty 100, their sizes linear past difficulty 30 (d <= 30 unchanged)
+_SIZE_AT_100_LINEAR = {
+    "gym/bellman_ford": (_number(r"has (\d+) vertices"), 330),
+    "gym/bipartite_matching": (_number(r"left vertices L0\.\.L(\d+)"), 310),
+    "gym/catalan": (_number(r"strings of (\d+) pairs"), 151_000),
+    "gym/derangements": (_number(r"of (\d+) elements"), 154_000),
+    "gym/circle_lattice_points": (_number(r"<= (\d+)\?"), 1.5e8),
+    "gym/closest_pair": (_count(r"\(-?\d+, -?\d+\)"), 880),
+    "gym/discrete_log": (_number(r"\(mod (\d+)\)"), 4e8),
+    "gym/edit_distance": (_quoted(), 680),
+    "gym/euler_path": (_count(r"(?m)^\d+ \d+$"), 810),
+    "gym/graphical_sequence": (_listed(r"exactly ([\d, ]+)\?", ","), 470),
+    "gym/inclusion_exclusion": (_listed(r"one of ([\d, ]+)\?", ","), 27),
+    "gym/lcs_length": (_quoted(), 560),
+    "gym/longest_common_substring": (_quoted(), 700),
+    "gym/longest_increasing_subsequence": (_listed(r"subsequence of ([\d ]+) \("), 700),
+    "gym/longest_palindromic_subsequence": (_quoted(), 700),
+    "gym/longest_palindromic_substring": (_quoted(), 1540),
+    "gym/max_flow": (_number(r"has (\d+) vertices"), 330),
+    "gym/multiplicative_order": (_number(r"\(mod (\d+)\)"), 2.2e10),
+    "gym/partition_min_diff": (_listed(r"numbers ([\d ]+) into"), 660),
+    "gym/pattern_occurrences": (_quoted(1), 14_730),
+    "gym/rod_cutting": (_number(r"rod of length (\d+)"), 660),
+    "gym/sliding_window_max": (_listed(r"array ([\d ]+),"), 1520),
+    "gym/tower_of_hanoi": (_number(r"with (\d+) disks"), 13),
+    "gym/triangle_min_path": (_count(r"(?m)^[-\d ]+$"), 101),
+    "gym/weighted_interval_scheduling": (_count(r"\[\d+, \d+\) weight"), 540),
+    "gym/prime_count": (_number(r"equal to (\d+)\?"), 1.42e7),
+    "gym/continued_fraction": (lambda p: len(p.answer), 180),
+}
+_SIZE_AT_100.update(_SIZE_AT_100_LINEAR)
+
+
 @pytest.mark.parametrize("env_id", sorted(_SIZE_AT_100))
 def test_generators_stay_small_at_difficulty_100(env_id, monkeypatch):
     """No timing here (a loaded CI machine): the instance at difficulty 100 is bounded (sizes that kept growing
@@ -515,6 +557,88 @@ def test_generators_stay_small_at_difficulty_100(env_id, monkeypatch):
         assert env.verify(p, env.reference_response(p)).correct
     grew = [size(env.generate(seed, 100)) > size(env.generate(seed, 30)) for seed in range(4)]
     assert sum(grew) >= 3, grew  # (a size drawn from a range may overlap the lower level's)
+
+
+# 16x16 sudoku grids from difficulty ~60 (a 22.5k-character prompt at 100); every other generator's prompt stays short
+_LONG_PROMPT_AT_100 = {"gym/sudoku"}
+
+
+@pytest.mark.parametrize("env_id", [e for e in IDS if e not in _LONG_PROMPT_AT_100])
+def test_prompts_stay_short_at_difficulty_100(env_id, monkeypatch):
+    """Sizes turn linear past difficulty 30 in the shared helpers (graphs, arrays, strings, DP tables) and in the
+    generators with their own schedules: before, 53 generators wrote 20k-3M-character prompts at difficulty 100."""
+    monkeypatch.setenv("CASCADE_NO_DIFFICULTY_CAPS", "1")
+    env = get_env(env_id)
+    p = env.generate(0, 100)
+    assert len(p.prompt) < 20_000, (env_id, len(p.prompt))
+    assert env.verify(p, env.reference_response(p)).correct
+
+
+def test_linear_pass_solvers_match_the_direct_ones():
+    """The solvers that replaced quadratic or cubic scans (Erdos-Gallai, palindromes, closest pair, windows,
+    interval scheduling, max flow) agree with the direct ones, at levels past the knees too."""
+    from envs.gym.geometry import closest_pair_sq
+    from envs.gym.graphs import _graphical, max_flow
+    from envs.gym.strings import longest_palindrome
+
+    rng = random.Random(7)
+    for _ in range(400):
+        deg = [rng.randint(0, 7) for _ in range(rng.randint(1, 9))]
+        ds = sorted(deg, reverse=True)
+        direct = sum(ds) % 2 == 0 and all(sum(ds[:k]) <= k * (k - 1) + sum(min(x, k) for x in ds[k:])
+                                          for k in range(1, len(ds) + 1))
+        assert _graphical(deg) == direct, deg
+        w = "".join(rng.choice("ab" if _ % 2 else "abc") for _ in range(rng.randint(1, 25)))
+        assert longest_palindrome(w) == max((w[i:j] for i in range(len(w)) for j in range(i + 1, len(w) + 1)
+                                             if w[i:j] == w[i:j][::-1]), key=len), w
+        pts = list({(rng.randint(-20, 20), rng.randint(-20, 20)) for _ in range(rng.randint(2, 30))})
+        if len(pts) > 1:
+            assert closest_pair_sq(pts) == min((a[0] - b[0]) ** 2 + (a[1] - b[1]) ** 2
+                                               for i, a in enumerate(pts) for b in pts[i + 1:])
+    for _ in range(40):  # max flow by the full-row scan of the capacity matrix
+        n = rng.randint(2, 9)
+        arcs = [(*rng.sample(range(n), 2), rng.randint(1, 9)) for _ in range(rng.randint(1, 20))]
+        cap = [[0] * n for _ in range(n)]
+        for u, v, c in arcs:
+            cap[u][v] += c
+        flow = 0
+        while True:
+            par = [-1] * n
+            par[0] = 0
+            todo = [0]
+            for u in todo:
+                for v in range(n):
+                    if par[v] < 0 and cap[u][v] > 0:
+                        par[v] = u
+                        todo.append(v)
+            if par[n - 1] < 0:
+                break
+            path, v = [], n - 1
+            while v:
+                path.append((par[v], v))
+                v = par[v]
+            b = min(cap[u][v] for u, v in path)
+            for u, v in path:
+                cap[u][v] -= b
+                cap[v][u] += b
+            flow += b
+        assert max_flow(n, arcs, 0, n - 1) == flow, arcs
+    for seed, d in ((0, 35), (1, 45), (2, 60)):
+        p = get_env("gym/sliding_window_max").generate(seed, d)
+        xs = [int(x) for x in re.search(r"array ([\d ]+),", p.prompt).group(1).split()]
+        k = int(re.search(r"window of length (\d+)", p.prompt).group(1))
+        assert p.answer == [max(xs[i:i + k]) for i in range(len(xs) - k + 1)]
+        p = get_env("gym/weighted_interval_scheduling").generate(seed, d)
+        jobs = sorted((tuple(map(int, m)) for m in re.findall(r"\[(\d+), (\d+)\) weight (\d+)", p.prompt)),
+                      key=lambda j: j[1])
+        best = [0] * (len(jobs) + 1)
+        for i, (a, e, w) in enumerate(jobs, 1):
+            best[i] = max(best[i - 1], best[max((j + 1 for j in range(i - 1) if jobs[j][1] <= a), default=0)] + w)
+        assert p.answer == best[-1]
+        p = get_env("gym/longest_palindromic_substring").generate(seed, d)
+        w = re.search(r"substring of '([a-j]+)'", p.prompt).group(1)
+        assert p.answer == max((w[i:j] for i in range(len(w)) for j in range(i + 1, len(w) + 1)
+                                if w[i:j] == w[i:j][::-1]), key=len)
 
 
 def test_sizes_are_unchanged_below_the_knees():

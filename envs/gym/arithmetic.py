@@ -6,7 +6,7 @@ from fractions import Fraction
 
 from envs.base import register
 from envs.gym._util import (
-    INVALID, FracAnswer, GymEnv, IntAnswer, ListAnswer, StrAnswer, fmt_grid, frac_str, grow, parse_grid,
+    INVALID, FracAnswer, GymEnv, IntAnswer, ListAnswer, StrAnswer, fmt_grid, frac_str, grow_until, parse_grid,
 )
 
 F = "arithmetic"
@@ -50,7 +50,7 @@ class ExpressionEval(IntAnswer):
             v = lv + rv if op == "+" else lv - rv if op == "-" else lv * rv
             return f"({ls} {op} {rs})", v
 
-        s, v = expr(grow(2, d, 1.08))
+        s, v = expr(grow_until(2, d, 30, 5, 1.08))  # 1.08^d operators to difficulty 30 (50), then 5 per level
         return f"Evaluate the expression {s[1:-1]}.", v
 
 
@@ -59,7 +59,7 @@ class FractionSum(FracAnswer):
     family, description = F, "Add and subtract fractions; answer in lowest terms."
 
     def build(self, rng, d):
-        k = grow(2, d, 1.1, 0.5)
+        k = grow_until(2, d, 30, 10, 1.1, 0.5)  # 1.1^d terms to difficulty 30 (49), then 10 per level
         terms = [Fraction(rng.randint(1, 9 + d), rng.randint(2, 9 + 2 * d)) * rng.choice((1, -1)) for _ in range(k)]
         s = " ".join(f"{'+' if t > 0 else '-'} {abs(t.numerator)}/{t.denominator}" for t in terms).lstrip("+ ")
         return f"Compute {s}. Give the result as a reduced fraction p/q (or an integer).", frac_str(sum(terms))
@@ -209,7 +209,7 @@ class RomanSum(IntAnswer):
     family, description = F, "Add numbers written as Roman numerals; answer in decimal."
 
     def build(self, rng, d):
-        xs = [rng.randint(1, min(3999, 20 * (d + 1) ** 2)) for _ in range(grow(2, d, 1.1, 0.5))]
+        xs = [rng.randint(1, min(3999, 20 * (d + 1) ** 2)) for _ in range(grow_until(2, d, 30, 10, 1.1, 0.5))]
         return f"Compute {' + '.join(map(to_roman, xs))} (Roman numerals). Give the sum as a decimal integer.", sum(xs)
 
 

@@ -31,7 +31,7 @@ class Catalan(IntAnswer):
     family, description = F, "Catalan numbers (balanced bracket sequences)."
 
     def build(self, rng, d):
-        n = rng.randint(2 + d, grow(4, d, 1.3, 2))
+        n = rng.randint(2 + d, grow_until(4, d, 30, 2000, 1.3, 2))  # 1.3^d to difficulty 30 (10540), then linear
         top = 1  # C(2n, n) / (n + 1) = (2n)! / (n! (n + 1)!), modulo the prime: O(n) small products, where
         for i in range(n + 2, 2 * n + 1):  # the exact bigint grew with n (minutes at difficulty 50)
             top = top * i % MOD
@@ -47,7 +47,7 @@ class Derangements(IntAnswer):
     family, description = F, "Number of permutations with no fixed point."
 
     def build(self, rng, d):
-        n = rng.randint(3 + d, grow(5, d, 1.3, 2))
+        n = rng.randint(3 + d, grow_until(5, d, 30, 2000, 1.3, 2))  # O(n): 1.3^d to difficulty 30, then linear
         a, b = 1, 0  # D0, D1
         for i in range(2, n + 1):
             a, b = b, (i - 1) * (a + b) % MOD
@@ -202,8 +202,10 @@ class InclusionExclusion(IntAnswer):
     family, description = F, "Count integers in [1, N] divisible by at least one of several numbers."
 
     def build(self, rng, d):
-        ds = sorted(set(rng.randint(2, 12 + 3 * d) for _ in range(2 + d // 2)))
-        n = rng.randint(100, grow(1000, d, 1.6))
+        # to difficulty 30 as before (17 draws, N <= 1.3e9), then a draw per 7 levels and N linear (<= 8.3e9 at 100):
+        # the subsets with lcm <= N, walked below, number in the millions for 52 divisors and N ~ 1.6^d
+        ds = sorted(set(rng.randint(2, 12 + 3 * d) for _ in range(2 + min(d, 30) // 2 + max(0, d - 30) // 7)))
+        n = rng.randint(100, grow_until(1000, d, 30, 10 ** 8, 1.6))
         # a multiple of another listed number adds nothing; subsets are walked only while their lcm is <= n (a
         # larger lcm counts 0, and so does every superset's): 2^len(ds) subsets took minutes past difficulty 30
         base = [x for x in ds if not any(y < x and x % y == 0 for y in ds)]

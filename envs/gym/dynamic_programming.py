@@ -1,6 +1,7 @@
 """Dynamic programming: knapsacks, subsequences, partitions, intervals, trees and bitmasks."""
 from __future__ import annotations
 
+from bisect import bisect_right
 from functools import lru_cache
 
 from envs.base import register
@@ -10,7 +11,14 @@ F = "dynamic_programming"
 
 
 def _n(d, base=5):
-    return grow(base, d, 1.1, 1)
+    """1.1^d up to difficulty 30, then 6 per level (1.1^d items made 250k-character prompts at difficulty 100)."""
+    return grow_until(base, d, 30, 6)
+
+
+def _m(d, base=5, per_level=6):
+    """``_n`` up to difficulty 30 (the same problems), then ``per_level`` more per level: the O(n^2) tables and the
+    prompts of the exponential sizes took minutes, or filled megabytes, at difficulty 100."""
+    return grow_until(base, d, 30, per_level)
 
 
 def _word(rng, n, alpha="abc"):
@@ -40,7 +48,7 @@ class LongestIncreasingSubsequence(GymEnv):
     family, description = F, "Give a longest strictly increasing subsequence (any one)."
 
     def build(self, rng, d):
-        xs = [rng.randint(0, 20 + 5 * d) for _ in range(_n(d, 6))]
+        xs = [rng.randint(0, 20 + 5 * d) for _ in range(_m(d, 6, 8))]
         n = len(xs)
         best, prev = [1] * n, [-1] * n
         for i in range(n):
@@ -88,7 +96,7 @@ class LCSLength(IntAnswer):
     family, description = F, "Length of the longest common subsequence of two strings."
 
     def build(self, rng, d):
-        a, b = _word(rng, _n(d, 6), "abcd"), _word(rng, _n(d, 6), "abcd")
+        a, b = _word(rng, _m(d, 6), "abcd"), _word(rng, _m(d, 6), "abcd")
         return f"What is the length of the longest common subsequence of '{a}' and '{b}'?", lcs(a, b)
 
 
@@ -97,7 +105,7 @@ class EditDistance(IntAnswer):
     family, description = F, "Levenshtein distance between two strings."
 
     def build(self, rng, d):
-        a = _word(rng, _n(d, 5), "abcde")
+        a = _word(rng, _m(d, 5, 8), "abcde")
         b = list(a)
         for _ in range(1 + d // 2):
             i = rng.randrange(len(b) + 1)
@@ -187,7 +195,7 @@ class RodCutting(IntAnswer):
     family, description = F, "Maximum revenue from cutting a rod."
 
     def build(self, rng, d):
-        n = _n(d, 4)
+        n = _m(d, 4, 8)
         price = [0]
         for i in range(1, n + 1):
             price.append(price[-1] + rng.randint(0, 5 + d))
@@ -222,7 +230,7 @@ class LongestPalindromicSubsequence(IntAnswer):
     family, description = F, "Length of the longest palindromic subsequence."
 
     def build(self, rng, d):
-        s = _word(rng, _n(d, 6), "abcd")
+        s = _word(rng, _m(d, 6, 8), "abcd")
         return f"What is the length of the longest palindromic subsequence of '{s}'?", lcs(s, s[::-1])
 
 
@@ -261,7 +269,7 @@ class PartitionMinDiff(IntAnswer):
     family, description = F, "Split numbers into two groups with minimum sum difference."
 
     def build(self, rng, d):
-        xs = [rng.randint(1, 20 + 5 * d) for _ in range(_n(d, 4))]
+        xs = [rng.randint(1, 20 + 5 * d) for _ in range(_m(d, 4, 8))]
         reach = 1
         for x in xs:
             reach |= reach << x
@@ -312,13 +320,14 @@ class WeightedIntervalScheduling(IntAnswer):
 
     def build(self, rng, d):
         jobs = []
-        for _ in range(_n(d, 5)):
+        for _ in range(_m(d, 5, 6)):
             s = rng.randint(0, 20 + 4 * d)
             jobs.append((s, s + rng.randint(1, 8 + d), rng.randint(1, 20 + d)))
         jobs.sort(key=lambda j: j[1])
         best = [0] * (len(jobs) + 1)
+        ends = [e for _, e, _ in jobs]
         for i, (s, e, w) in enumerate(jobs, 1):
-            k = max((j + 1 for j in range(i - 1) if jobs[j][1] <= s), default=0)
+            k = bisect_right(ends, s, 0, i - 1)  # jobs[:k] (among the first i - 1) end by s: ends are sorted
             best[i] = max(best[i - 1], best[k] + w)
         shown = ", ".join(f"[{s}, {e}) weight {w}" for s, e, w in jobs)
         return (f"Jobs occupy half-open time intervals: {shown}. Choose non-overlapping jobs to maximise the total "
@@ -358,7 +367,7 @@ class TriangleMinPath(IntAnswer):
     family, description = F, "Minimum top-to-bottom path sum in a number triangle."
 
     def build(self, rng, d):
-        rows = [[rng.randint(-5, 20 + d) for _ in range(i + 1)] for i in range(grow(3, d, 1.1, 0.7))]
+        rows = [[rng.randint(-5, 20 + d) for _ in range(i + 1)] for i in range(grow_until(3, d, 30, 0.4, 1.1, 0.7))]
         best = rows[-1][:]
         for row in reversed(rows[:-1]):
             best = [x + min(best[i], best[i + 1]) for i, x in enumerate(row)]
@@ -434,7 +443,7 @@ class BooleanParenthesization(IntAnswer):
     max_difficulty = 45  # its recursion nests as deep as the expression is long: 13.7 s at 52, RecursionError at 54
 
     def build(self, rng, d):
-        n = _n(d, 3)
+        n = grow_until(3, d, 30, 1)  # 82 values at difficulty 30, then 1 per level: an O(n^3) table, recursion n deep
         vals = [rng.choice("TF") for _ in range(n)]
         ops = [rng.choice("&|^") for _ in range(n - 1)]
 

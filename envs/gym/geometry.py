@@ -7,7 +7,7 @@ from fractions import Fraction
 
 from envs.base import register
 from envs.gym._util import (
-    INVALID, FracAnswer, GymEnv, IntAnswer, ListAnswer, ParseError, balanced, frac_str, grow, grow_until,
+    INVALID, FracAnswer, GymEnv, IntAnswer, ListAnswer, ParseError, balanced, frac_str, grow_until,
     parse_groups, parse_tokens,
 )
 
@@ -105,7 +105,7 @@ class ConvexHull(GymEnv):
     family, description = F, "Vertices of the convex hull in counter-clockwise order (any starting vertex)."
 
     def build(self, rng, d):
-        pts = list(set(_pts(rng, grow(6, d, 1.1, 1), 6 + 2 * d)))
+        pts = list(set(_pts(rng, grow_until(6, d, 30, 12), 6 + 2 * d)))  # 134 points at 30, then 12 per level
         rng.shuffle(pts)
         hull = convex_hull(pts)
         return (f"Points: {_show(pts)}. Give the vertices of their convex hull (corners only, no points in the middle "
@@ -230,13 +230,30 @@ class TriangleClassify(_TokenList):
                 f"or repeated points): {shown}. Answer the labels separated by spaces.", labels)
 
 
+def closest_pair_sq(pts) -> int:
+    """Smallest squared distance between two of the points (at least two): a sweep in x that stops comparing once
+    the x gap alone is at least the best so far (exact, the O(n^2) scan's answer)."""
+    pts = sorted(pts)
+    best = None
+    for i, (x, y) in enumerate(pts):
+        for u, v in pts[i + 1:]:
+            dx = u - x
+            if best is not None and dx * dx >= best:
+                break
+            q = dx * dx + (v - y) ** 2
+            if best is None or q < best:
+                best = q
+    return best
+
+
 @register("gym/closest_pair")
 class ClosestPair(IntAnswer):
     family, description = F, "Squared distance of the closest pair of points."
 
     def build(self, rng, d):
-        pts = list(set(_pts(rng, grow(5, d, 1.12, 1), 10 + 5 * d)))
-        best = min((a[0] - b[0]) ** 2 + (a[1] - b[1]) ** 2 for i, a in enumerate(pts) for b in pts[i + 1:])
+        # 1.12^d points up to difficulty 30 (179), then 10 per level (879 at 100): 1.12^100 points filled megabytes
+        pts = list(set(_pts(rng, grow_until(5, d, 30, 10, 1.12, 1), 10 + 5 * d)))
+        best = closest_pair_sq(pts)
         return f"Points: {_show(pts)}. What is the smallest squared Euclidean distance between two of them?", best
 
 
@@ -273,7 +290,7 @@ class RectangleUnionArea(IntAnswer):
 
     def build(self, rng, d):
         rects = []
-        for _ in range(grow(2, d, 1.1, 0.7)):
+        for _ in range(grow_until(2, d, 30, 5, 1.1, 0.7)):  # 55 rectangles at difficulty 30, then 5 per level
             x, y = rng.randint(0, 10 + 3 * d), rng.randint(0, 10 + 3 * d)
             rects.append((x, y, x + rng.randint(1, 6 + d), y + rng.randint(1, 6 + d)))
         xs = sorted({v for r in rects for v in (r[0], r[2])})
@@ -296,7 +313,7 @@ class CircleLatticePoints(IntAnswer):
     family, description = F, "Lattice points inside a circle (Gauss circle problem)."
 
     def build(self, rng, d):
-        r2 = rng.randint(2, grow(20, d, 1.5))
+        r2 = rng.randint(2, grow_until(20, d, 30, 2 * 10 ** 6, 1.5))  # 1.5^d to difficulty 30 (3.8e6), then linear
         cnt = sum(2 * math.isqrt(r2 - x * x) + 1 for x in range(-math.isqrt(r2), math.isqrt(r2) + 1))
         return f"How many integer points (x, y) satisfy x^2 + y^2 <= {r2}?", cnt
 

@@ -10,7 +10,7 @@ from collections import deque
 
 from envs.base import register
 from envs.gym._util import (
-    INVALID, MOD, GymEnv, IntAnswer, ListAnswer, StrAnswer, balanced, fmt_edges, fmt_list, grow, grow_until,
+    INVALID, MOD, GymEnv, IntAnswer, ListAnswer, StrAnswer, balanced, fmt_edges, fmt_list, grow_until,
     parse_groups, parse_int_list, parse_path, random_connected_graph, random_tree,
 )
 
@@ -18,7 +18,15 @@ F = "graphs"
 
 
 def _n(d, base=5):
-    return grow(base, d, 1.1, 1)
+    """1.1^d vertices up to difficulty 30 (117 for base 5), then 3 per level (327 at 100): exponential sizes made
+    megabyte prompts (graph_coloring 3M characters at 100) and seconds-long solvers."""
+    return grow_until(base, d, 30, 3)
+
+
+def _m(d, base=5, per_level=3):
+    """``_n`` up to difficulty 30 (the same graphs), then ``per_level`` more vertices per level: 1.1^d vertices made
+    megabyte prompts and minutes-long solvers at difficulty 100."""
+    return grow_until(base, d, 30, per_level)
 
 
 def adj_list(n, edges, directed=False):
@@ -268,8 +276,12 @@ class GraphColoring(_ValidityGraphEnv):
 
 def max_flow(n, cap_edges, s, t):
     cap = [[0] * n for _ in range(n)]
+    nbr = [set() for _ in range(n)]  # both directions of every arc: the residual graph's possible arcs
     for u, v, c in cap_edges:
         cap[u][v] += c
+        nbr[u].add(v)
+        nbr[v].add(u)
+    nbr = [sorted(x) for x in nbr]  # the order of the full scan over range(n): the same augmenting paths
     flow = 0
     while True:
         par = [-1] * n
@@ -277,7 +289,7 @@ def max_flow(n, cap_edges, s, t):
         q = deque([s])
         while q and par[t] < 0:
             u = q.popleft()
-            for v in range(n):
+            for v in nbr[u]:
                 if par[v] < 0 and cap[u][v] > 0:
                     par[v] = u
                     q.append(v)
@@ -299,7 +311,7 @@ class MaxFlow(IntAnswer):
     family, description = F, "Maximum flow value in a directed capacitated network."
 
     def build(self, rng, d):
-        n = _n(d)
+        n = _m(d)
         edges = {}
         for _ in range(int(n * 2.2)):
             u, v = rng.sample(range(n), 2)
@@ -548,10 +560,10 @@ class EulerPath(_ValidityGraphEnv):
     family, description = F, "A trail using every edge exactly once (any valid one)."
 
     def build(self, rng, d):
-        n = _n(d, 5)
+        n = _m(d, 5, 2)
         cur = rng.randrange(n)
         walk, used = [cur], set()
-        for _ in range(grow(6, d, 1.15, 2)):
+        for _ in range(grow_until(6, d, 30, 5, 1.15, 2)):  # 1.15^d steps to difficulty 30 (457), then 5 per level
             opts = [v for v in range(n) if v != cur and (min(cur, v), max(cur, v)) not in used]
             if not opts:
                 break
@@ -645,9 +657,11 @@ class BipartiteMatching(GymEnv):
     family, description = F, "A maximum matching of a bipartite graph (any maximum one)."
 
     def build(self, rng, d):
-        nl, nr = _n(d, 4), _n(d, 4)
+        nl, nr = _m(d, 4), _m(d, 4)
         edges = sorted({(rng.randrange(nl), rng.randrange(nr)) for _ in range(int((nl + nr) * 1.2))})
-        adj = [[v for u, v in edges if u == x] for x in range(nl)]
+        adj = [[] for _ in range(nl)]
+        for u, v in edges:  # sorted: each list in increasing order, as before
+            adj[u].append(v)
         m = kuhn(nl, adj)
         rng.shuffle(edges)
         shown = ", ".join(f"L{u}-R{v}" for u, v in edges)
@@ -878,7 +892,22 @@ class CountShortestPaths(IntAnswer):
 def _graphical(deg: list[int]) -> bool:
     """Erdos-Gallai: the degrees of some simple graph."""
     ds, n = sorted(deg, reverse=True), len(deg)
-    return sum(ds) % 2 == 0 and all(sum(ds[:k]) <= k * (k - 1) + sum(min(x, k) for x in ds[k:]) for k in range(1, n + 1))
+    if sum(ds) % 2:
+        return False
+    # for each k: sum(ds[:k]) <= k (k - 1) + sum(min(x, k) for x in ds[k:]), in O(n) after the sort: the x >= k
+    # among ds[k:] are ds[k:j] (non-increasing), j found by a pointer that only moves left as k grows
+    suffix = [0] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        suffix[i] = suffix[i + 1] + ds[i]
+    j, left = n, 0
+    for k in range(1, n + 1):
+        left += ds[k - 1]
+        while j > 0 and ds[j - 1] < k:
+            j -= 1
+        big = max(j - k, 0)  # ds[k:max(j, k)] are >= k
+        if left > k * (k - 1) + big * k + suffix[max(j, k)]:
+            return False
+    return True
 
 
 @register("gym/graphical_sequence")
@@ -886,7 +915,7 @@ class GraphicalSequence(StrAnswer):
     family, description, fold_case = F, "Is a degree sequence graphical (Erdos-Gallai)? YES/NO.", True
 
     def build(self, rng, d):
-        n = _n(d, 5)
+        n = _m(d, 5, 5)
         edges = {tuple(sorted(rng.sample(range(n), 2))) for _ in range(int(n * 1.5))}
         deg = [0] * n  # a simple graph's degrees: graphical
         for u, v in edges:
@@ -921,7 +950,7 @@ class BellmanFord(IntAnswer):
     family, description = F, "Shortest path with negative arc weights (no negative cycles)."
 
     def build(self, rng, d):
-        n = _n(d)
+        n = _m(d)
         pot = [rng.randint(0, 15 + d) for _ in range(n)]
         arcs = {}
         for i in range(n - 1):
@@ -934,9 +963,13 @@ class BellmanFord(IntAnswer):
         dist = [None] * n
         dist[perm[0]] = 0
         for _ in range(n):
+            changed = False
             for u, v, w in el:
                 if dist[u] is not None and (dist[v] is None or dist[u] + w < dist[v]):
                     dist[v] = dist[u] + w
+                    changed = True
+            if not changed:  # a pass without a change: every later one is the same
+                break
         rng.shuffle(el)
         return (f"{_wgraph_text(n, el, True)}\nWeights may be negative but there is no negative cycle. What is the "
                 f"length of the shortest path from {perm[0]} to {perm[n - 1]}?", dist[perm[n - 1]])

@@ -8,7 +8,7 @@ from fractions import Fraction
 
 from envs.base import register
 from envs.gym._util import (
-    INVALID, GymEnv, IntAnswer, ParseError, StrAnswer, fmt_grid, fmt_list, grow, grow_until, parse_grid,
+    INVALID, GymEnv, IntAnswer, ParseError, StrAnswer, fmt_grid, fmt_list, grow_until, parse_grid,
     parse_groups, parse_int_list, parse_tokens,
 )
 
@@ -435,7 +435,7 @@ class TowerOfHanoi(GymEnv):
     max_difficulty = 35  # 13 disks: 8191 moves; beyond, the optimal answer passes the answer length limits
 
     def build(self, rng, d):
-        n = 2 + d // 3
+        n = 2 + min(d, 35) // 3  # at most 13 disks: 2^(2 + d // 3) moves took minutes and gigabytes at 100
         src, dst = rng.sample([1, 2, 3], 2)
         mid = 6 - src - dst
         moves: list = []
@@ -608,7 +608,7 @@ class BooleanExpression(StrAnswer):
             op = rng.choice(["and", "or", "xor"])
             return f"({ls} {op} {rs})", (lv and rv) if op == "and" else (lv or rv) if op == "or" else lv != rv
 
-        s, v = expr(grow(2, d, 1.1, 1))
+        s, v = expr(grow_until(2, d, 30, 6))  # 1.1^d operators to difficulty 30 (64), then 6 per level
         return f"Evaluate the boolean expression {s}. Answer True or False.", "True" if v else "False"
 
     def wrong_answers(self, problem):

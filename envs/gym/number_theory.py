@@ -7,7 +7,7 @@ from fractions import Fraction
 
 from envs.base import register
 from envs.gym._util import (
-    INVALID, GymEnv, IntAnswer, ListAnswer, ParseError, factorize, fmt_list, grow, is_prime, lcm,
+    INVALID, GymEnv, IntAnswer, ListAnswer, ParseError, factorize, fmt_list, grow, grow_until, is_prime, lcm,
     parse_int_list, random_prime,
 )
 
@@ -30,7 +30,7 @@ class GcdLcm(ListAnswer):
 
     def build(self, rng, d):
         g = _smooth(rng, 1 + d // 3)
-        xs = [g * _smooth(rng, rng.randint(1, min(15, 2 + d // 3))) for _ in range(grow(2, d, 1.08, 0.3))]
+        xs = [g * _smooth(rng, rng.randint(1, min(15, 2 + d // 3))) for _ in range(grow_until(2, d, 30, 2, 1.08, 0.3))]
         l = 1
         for x in xs:
             l = lcm(l, x)
@@ -189,7 +189,10 @@ class ContinuedFraction(GymEnv):
     family, description = F, "Continued fraction expansion of a rational number."
 
     def build(self, rng, d):
-        terms = [rng.randint(0, 5 + d)] + [rng.randint(1, 5 + d) for _ in range(grow(2, d, 1.08, 0.5))]
+        # 1.08^d terms up to difficulty 30 (35), then 2 per level (175 at 100): 4450 terms made a numerator past
+        # Python's 4300-digit int-to-str limit (and a 15k-digit prompt)
+        k = grow_until(2, d, 30, 2, 1.08, 0.5)
+        terms = [rng.randint(0, 5 + d)] + [rng.randint(1, 5 + d) for _ in range(k)]
         terms[-1] = max(2, terms[-1])
         x = Fraction(terms[-1])
         for t in reversed(terms[:-1]):
@@ -227,7 +230,8 @@ class PrimeCount(IntAnswer):
     family, description = F, "Number of primes up to n."
 
     def build(self, rng, d):
-        n = rng.randint(grow(30, d, 1.3), grow(60, d, 1.3))
+        # 1.3^d up to difficulty 30 (n <= 157k), then linear (n <= 14M at 100): the sieve of 1.3^100 ran out of memory
+        n = rng.randint(grow_until(30, d, 30, 10 ** 5, 1.3), grow_until(60, d, 30, 2 * 10 ** 5, 1.3))
         sieve = bytearray([1]) * (n + 1)
         sieve[0:2] = b"\0\0"
         for i in range(2, math.isqrt(n) + 1):
@@ -258,7 +262,8 @@ class DiscreteLog(IntAnswer):
     family, description = F, "Smallest exponent x with g^x = h mod p."
 
     def build(self, rng, d):
-        p = random_prime(rng, grow(20, d, 1.5), grow(60, d, 1.5))
+        # 1.5^d up to difficulty 30 (p <= 1.2e7), then linear (p <= 3.6e8 at 100: baby-step giant-step in sqrt p)
+        p = random_prime(rng, grow_until(20, d, 30, 2 * 10 ** 6, 1.5), grow_until(60, d, 30, 5 * 10 ** 6, 1.5))
         g = rng.randint(2, p - 1)
         h = pow(g, rng.randint(1, p - 2), p)
         return f"Find the smallest non-negative integer x with {g}^x = {h} (mod {p}).", discrete_log(g, h, p)
@@ -336,7 +341,8 @@ class MultiplicativeOrder(IntAnswer):
     family, description = F, "Multiplicative order of a modulo a prime p."
 
     def build(self, rng, d):
-        p = random_prime(rng, grow(20, d, 1.7), grow(60, d, 1.7))
+        # 1.7^d up to difficulty 30 (p <= 4.9e8), then linear (p <= 2e10 at 100): p - 1 is factored by trial division
+        p = random_prime(rng, grow_until(20, d, 30, 10 ** 8, 1.7), grow_until(60, d, 30, 3 * 10 ** 8, 1.7))
         a = rng.randint(2, p - 1)
         o = p - 1
         for q in factorize(p - 1):

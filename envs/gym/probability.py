@@ -99,7 +99,9 @@ class MarkovAbsorption(FracAnswer):
     family, description = F, "Absorption probability of a finite Markov chain."
 
     def build(self, rng, d):
-        n = 3 + d // 2  # transient states 0..n-1, absorbing A and B
+        # transient states 0..n-1, absorbing A and B: one more per 2 levels to difficulty 30, then per 7 (the n x n
+        # table of weights was 50k characters at difficulty 100 with n = 53)
+        n = 3 + min(d, 30) // 2 + max(0, d - 30) // 7
         q = rng.randint(2, 4 + d // 3)
         rows = []
         for _ in range(n):

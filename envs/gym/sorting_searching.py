@@ -2,16 +2,18 @@
 from __future__ import annotations
 
 import bisect
-from collections import Counter
+from collections import Counter, deque
 
 from envs.base import register
-from envs.gym._util import GymEnv, IntAnswer, ListAnswer, fmt_list, grow, parse_groups
+from envs.gym._util import GymEnv, IntAnswer, ListAnswer, fmt_list, grow_until, parse_groups
 
 F = "sorting_searching"
 
 
-def _arr(rng, d, lo=-50, hi=50, base=5):
-    n = grow(base, d, 1.1, 1)
+def _arr(rng, d, lo=-50, hi=50, base=5, per_level=20):
+    """``grow(base, d)`` values up to difficulty 30, then ``per_level`` more per level (1.1^d values made
+    300k-character prompts at difficulty 100)."""
+    n = grow_until(base, d, 30, per_level)
     s = 1 + d // 4
     return [rng.randint(lo * s, hi * s) for _ in range(n)]
 
@@ -71,7 +73,7 @@ class MergeIntervals(GymEnv):
 
     def build(self, rng, d):
         ivs = []
-        for _ in range(grow(3, d, 1.1, 1)):
+        for _ in range(grow_until(3, d, 30, 10)):
             a = rng.randint(0, 20 + 8 * d)
             ivs.append((a, a + rng.randint(0, 4 + d)))
         out = []
@@ -142,7 +144,7 @@ class MinSwapsToSort(IntAnswer):
     family, description = F, "Minimum number of swaps that sorts a permutation (cycle count)."
 
     def build(self, rng, d):
-        n = grow(4, d, 1.1, 1)
+        n = grow_until(4, d, 30, 20)
         p = list(range(1, n + 1))
         rng.shuffle(p)
         seen, cycles = [False] * n, 0
@@ -162,10 +164,19 @@ class SlidingWindowMax(ListAnswer):
     family, description = F, "Maximum of every window of length k."
 
     def build(self, rng, d):
-        xs = _arr(rng, d, 0, 60)
+        xs = _arr(rng, d, 0, 60, per_level=20)
         k = rng.randint(2, max(2, len(xs) // 2))
+        out, q = [], deque()  # indices of a decreasing run of values: the window's maximum first
+        for i, x in enumerate(xs):
+            while q and xs[q[-1]] <= x:
+                q.pop()
+            q.append(i)
+            if q[0] <= i - k:
+                q.popleft()
+            if i >= k - 1:
+                out.append(xs[q[0]])
         return (f"For the array {fmt_list(xs)}, give the maximum of each contiguous window of length {k}, from left "
-                f"to right, separated by spaces.", [max(xs[i:i + k]) for i in range(len(xs) - k + 1)])
+                f"to right, separated by spaces.", out)
 
 
 @register("gym/rotated_search")
@@ -218,7 +229,7 @@ class MaxOverlap(IntAnswer):
 
     def build(self, rng, d):
         ivs = []
-        for _ in range(grow(4, d, 1.1, 1)):
+        for _ in range(grow_until(4, d, 30, 10)):
             a = rng.randint(0, 30 + 5 * d)
             ivs.append((a, a + rng.randint(1, 10 + d)))
         ev = sorted([(a, 1) for a, _ in ivs] + [(b, -1) for _, b in ivs])

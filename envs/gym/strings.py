@@ -5,13 +5,36 @@ import heapq
 from collections import Counter
 
 from envs.base import register
-from envs.gym._util import INVALID, MOD, GymEnv, IntAnswer, ListAnswer, ParseError, StrAnswer, fmt_list, grow
+from envs.gym._util import (
+    INVALID, MOD, GymEnv, IntAnswer, ListAnswer, ParseError, StrAnswer, fmt_list, grow_until,
+)
 
 F = "strings"
 
 
 def _n(d, base=6):
-    return grow(base, d, 1.1, 1)
+    """1.1^d characters up to difficulty 30 (134 for base 6), then 20 per level (1534 at 100; 1.1^d made 100k-1M
+    character prompts)."""
+    return grow_until(base, d, 30, 20)
+
+
+def _m(d, base=6, per_level=8):
+    """``_n`` up to difficulty 30 (the same strings), then ``per_level`` more characters per level."""
+    return grow_until(base, d, 30, per_level)
+
+
+def longest_palindrome(s: str) -> str:
+    """The longest palindromic substring, the leftmost of those of maximal length, by expanding around each of the
+    2n - 1 centres (the first maximum of the substrings scanned by start, then end)."""
+    best_len, best_i = 0, 0
+    for c in range(2 * len(s) - 1):
+        i, j = c // 2, (c + 1) // 2
+        while i >= 0 and j < len(s) and s[i] == s[j]:
+            i, j = i - 1, j + 1
+        n, i = j - i - 1, i + 1
+        if n > best_len or (n == best_len and i < best_i):
+            best_len, best_i = n, i
+    return s[best_i:best_i + best_len]
 
 
 def _word(rng, n, alpha="abc"):
@@ -50,9 +73,8 @@ class LongestPalindromicSubstring(_SubstringAnswer):
     family, description = F, "A longest palindromic substring (any one of maximum length)."
 
     def build(self, rng, d):
-        s = _word(rng, _n(d), _alpha(d))
-        best = max((s[i:j] for i in range(len(s)) for j in range(i + 1, len(s) + 1) if s[i:j] == s[i:j][::-1]),
-                   key=len)
+        s = _word(rng, _m(d, 6, 20), _alpha(d))
+        best = longest_palindrome(s)
         return f"Give a longest palindromic substring of '{s}'.", best, {"s": s}
 
     def valid(self, problem, t):
@@ -64,7 +86,7 @@ class LongestCommonSubstring(_SubstringAnswer):
     family, description = F, "A longest common substring of two strings (any one)."
 
     def build(self, rng, d):
-        a, b = _word(rng, _n(d), _alpha(d)), _word(rng, _n(d), _alpha(d))
+        a, b = _word(rng, _m(d), _alpha(d)), _word(rng, _m(d), _alpha(d))
         best, end = 0, 0
         prev = [0] * (len(b) + 1)
         for i in range(1, len(a) + 1):
@@ -86,7 +108,7 @@ class RunLengthEncoding(StrAnswer):
     family, description = F, "Run-length encode a string."
 
     def build(self, rng, d):
-        s = "".join(rng.choice(_alpha(d + 4)) * rng.randint(1, 3 + d // 2) for _ in range(grow(3, d, 1.1, 1)))
+        s = "".join(rng.choice(_alpha(d + 4)) * rng.randint(1, 3 + d // 2) for _ in range(grow_until(3, d, 30, 3)))
         out, i = [], 0
         while i < len(s):
             j = i
@@ -243,7 +265,8 @@ class PatternOccurrences(IntAnswer):
     family, description = F, "Count (possibly overlapping) occurrences of a pattern."
 
     def build(self, rng, d):
-        s = _word(rng, grow(10, d, 1.15, 2), "ab" if d < 6 else "abc")
+        # 1.15^d characters up to difficulty 30 (722), then 200 per level (14.7k at 100)
+        s = _word(rng, grow_until(10, d, 30, 200, 1.15, 2), "ab" if d < 6 else "abc")
         p = _word(rng, rng.randint(1, 2 + d // 3), "ab" if d < 6 else "abc")
         return (f"How many times does '{p}' occur in '{s}' (occurrences may overlap)?",
                 sum(s.startswith(p, i) for i in range(len(s))))
