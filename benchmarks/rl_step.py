@@ -37,6 +37,10 @@ busy enough that the same setting moved by up to 25% between runs):
 Running the TSP LM head on completion positions only made the TSP step 1.45-1.83x faster with long
 prompts and 1.08-1.22x with short ones (pairs of runs above, commit 099dc61).
 
+Re-run at 69fad46 (2026-12-06, a faster machine; the TSP LM head's rows now chosen on the host, its shard
+statistics padded into place): default TSP D=2 4.90, 4.97 s against 2.79, 2.93 s in one process
+(``ranks_vs_single`` 0.57, 0.59); ``--prompt 512`` 6.96 s against 3.58 s (0.52).
+
 Plain data parallel on the same cores (``--tsp 1 --dp 2``, commit 146e6d5 plus this script's ``--dp``,
 three runs interleaved with two of the default TSP D=2): ``ranks_vs_single`` 1.21, 1.37, 1.15 (DP step
 4.05-4.65 s against 4.85-5.54 s in one process), TSP D=2 0.57 and 0.64 in the same session. On CPU cores
