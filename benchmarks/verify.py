@@ -6,9 +6,11 @@ Two batches of ``--rollouts`` responses, as one RL step of the math stage would 
 - ``code``: ``code/solve`` responses over its seed problems (difficulties 1-3): a third the reference
   program (accepted: every test runs), a third a wrong program (judged until its first failed test),
   a third without a code block (no sandbox start). Each judged response is one sandbox start.
-- ``math``: answers to the ``math`` environment's built-in problems with whole-number answers that need
-  math-verify (the gold as a fraction over 1 or a decimal, and a wrong one): each goes to a math-verify
-  worker process (``math/arith``, on which this was measured until 0922158, now reads its answers itself).
+- ``math``: answers to the ``math`` environment's built-in problems whose answers are expressions, sets,
+  intervals or matrices (two of three the gold spelled with LaTeX spaces, one another problem's answer): each
+  goes to a math-verify worker process. Until 2026-12-06 the batch was whole-number answers written as a
+  fraction over 1 or a decimal, which the verifier now compares by value itself (no worker: ~1 ms for 64), and
+  before 0922158 ``math/arith``'s, which now reads its answers itself.
 - ``reward_model``: ``ifeval`` responses under the behavior stage's gated reward model (a tiny random
   Qwen3 classifier): ``verify`` one at a time (one forward per response that follows its instructions)
   against ``verify_all``, which hands them to ``GatedRewardEnv.verify_many`` (the checker on each, then
@@ -44,7 +46,11 @@ answers, shorter for math-verify than ``math/arith``'s fractions; one run): ``co
 ``math`` 0.073 s one at a time, 1.64x with 2, 1.88x with 4 (cores busy 0.99, 1.95, 1.90); ``reward_model`` 0.091 ->
 0.052 s (1.74x); same scores. Re-run at 58f57a8 (2026-12-06, later: the code environments gained their aggregation
 template, nothing on the verify path; one run): ``code`` 0.73 s, 1.16x with 2, 1.18x with 4; ``math`` 0.077 s, 1.39x
-with 2, 1.95x with 4; ``reward_model`` 0.091 -> 0.050 s (1.81x); same scores.
+with 2, 1.95x with 4; ``reward_model`` 0.091 -> 0.050 s (1.81x); same scores. At 69fad46 (2026-12-06, later: plain
+numbers compared by value, so the math batch became answers that need math-verify, as described above; one run):
+``code`` 0.64 s, 1.18x with 2, 1.20x with 4; ``math`` 0.33 s one at a time (0.27-0.51 over the repeats), 2.56x with
+2, 2.96x with 4 (cores busy 1.00, 1.93, 1.95: one at a time a core waits on each round trip to the worker);
+``reward_model`` 2.07x then 1.83x in two runs; same scores. (The whole-number batch of before: 0.001 s for 64.)
 ``reward_model`` (one run, 2026-12-04): 0.116 s one at a time, 0.063 s batched (1.84x; 38 of 64 scored by the
 model), same scores; a model this small is mostly per-call overhead, and a real reward model on a GPU was
 not measured.
@@ -85,15 +91,17 @@ def math_batch(n: int):
     from envs import get_env
     from envs.math import plain_number
 
-    env = get_env("math", heldout=0.0)  # the built-in sample, its whole-number answers (math/arith parses its own)
-    rows = [r for r in env.rows if (v := plain_number(r["answer"])) is not None and v.denominator == 1]
+    # the built-in sample's answers that are not plain numbers (those are compared by value, without math-verify)
+    env = get_env("math", heldout=0.0)
+    rows = [r for r in env.rows if plain_number(r["answer"]) is None]
     items = []
     for i in range(n):
         row = rows[i % len(rows)]
         p = env.problem(row["problem"], row["answer"], i, 0)
-        ans = str(plain_number(p.answer))
-        text = (f"\\boxed{{\\frac{{{ans}}}{{1}}}}" if i % 3 == 0 else f"\\boxed{{{ans}.0}}" if i % 3 == 1
-                else f"\\boxed{{\\frac{{{ans}}}{{7}}}}")
+        # two of three the gold spelled with LaTeX spaces (equal, but not as written: math-verify decides), one of
+        # three another problem's answer (wrong)
+        ans = row["answer"] if i % 3 < 2 else rows[(i + 1) % len(rows)]["answer"]
+        text = "\\boxed{\\," + ans.replace(" ", "\\,") + "}" if i % 3 < 2 else f"\\boxed{{{ans}}}"
         items.append((env, p, text))
     return items
 
