@@ -42,6 +42,9 @@ publish rank 0 122.4 / 612.4, other 0.0 / 612.5, 0.054 / 0.554 s; final 343.1 / 
 31.2 / 612.4, other 0.0 / 612.4, 0.030 / 0.455 s; final 187.5 / 612.3, other 0.0 / 367.3, 0.191 / 0.468 s.
 Re-run at cc178f2 (2026-12-06; nothing on this path changed since), DP 2, one run: publish rank 0 62.7 / 612.5, other
 0.0 / 612.3, 0.037 / 0.572 s; final 364.2 / 612.5, other 0.0 / 612.2, 0.250 / 0.417 s.
+Re-run at 69fad46 (2026-12-06, later: a version's files and directory fsynced, COMPLETE written by a rename), DP 2,
+one run: publish rank 0 31.2 / 612.5, other 0.0 / 612.6, 0.029 / 0.444 s; final 187.5 / 490.0, other 0.0 / 612.4,
+0.175 / 0.376 s.
 
 The other rank's rise is 0.0 in every run (it allocates one parameter at a time, which the heap's free
 pages absorb). Rank 0's rise is noisy (31-125 MB for a 122 MB version): freed pages from earlier calls
