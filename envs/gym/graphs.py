@@ -17,15 +17,9 @@ from envs.gym._util import (
 F = "graphs"
 
 
-def _n(d, base=5):
-    """1.1^d vertices up to difficulty 30 (117 for base 5), then 3 per level (327 at 100): exponential sizes made
-    megabyte prompts (graph_coloring 3M characters at 100) and seconds-long solvers."""
-    return grow_until(base, d, 30, 3)
-
-
-def _m(d, base=5, per_level=3):
-    """``_n`` up to difficulty 30 (the same graphs), then ``per_level`` more vertices per level: 1.1^d vertices made
-    megabyte prompts and minutes-long solvers at difficulty 100."""
+def _n(d, base=5, per_level=3):
+    """1.1^d vertices up to difficulty 30 (117 for base 5), then ``per_level`` more per level (327 at 100 for 3):
+    exponential sizes made megabyte prompts (graph_coloring 3M characters at 100) and minutes-long solvers."""
     return grow_until(base, d, 30, per_level)
 
 
@@ -311,7 +305,7 @@ class MaxFlow(IntAnswer):
     family, description = F, "Maximum flow value in a directed capacitated network."
 
     def build(self, rng, d):
-        n = _m(d)
+        n = _n(d)
         edges = {}
         for _ in range(int(n * 2.2)):
             u, v = rng.sample(range(n), 2)
@@ -560,7 +554,7 @@ class EulerPath(_ValidityGraphEnv):
     family, description = F, "A trail using every edge exactly once (any valid one)."
 
     def build(self, rng, d):
-        n = _m(d, 5, 2)
+        n = _n(d, 5, 2)
         cur = rng.randrange(n)
         walk, used = [cur], set()
         for _ in range(grow_until(6, d, 30, 5, 1.15, 2)):  # 1.15^d steps to difficulty 30 (457), then 5 per level
@@ -657,7 +651,7 @@ class BipartiteMatching(GymEnv):
     family, description = F, "A maximum matching of a bipartite graph (any maximum one)."
 
     def build(self, rng, d):
-        nl, nr = _m(d, 4), _m(d, 4)
+        nl, nr = _n(d, 4), _n(d, 4)
         edges = sorted({(rng.randrange(nl), rng.randrange(nr)) for _ in range(int((nl + nr) * 1.2))})
         adj = [[] for _ in range(nl)]
         for u, v in edges:  # sorted: each list in increasing order, as before
@@ -915,7 +909,7 @@ class GraphicalSequence(StrAnswer):
     family, description, fold_case = F, "Is a degree sequence graphical (Erdos-Gallai)? YES/NO.", True
 
     def build(self, rng, d):
-        n = _m(d, 5, 5)
+        n = _n(d, 5, 5)
         edges = {tuple(sorted(rng.sample(range(n), 2))) for _ in range(int(n * 1.5))}
         deg = [0] * n  # a simple graph's degrees: graphical
         for u, v in edges:
@@ -950,7 +944,7 @@ class BellmanFord(IntAnswer):
     family, description = F, "Shortest path with negative arc weights (no negative cycles)."
 
     def build(self, rng, d):
-        n = _m(d)
+        n = _n(d)
         pot = [rng.randint(0, 15 + d) for _ in range(n)]
         arcs = {}
         for i in range(n - 1):
