@@ -10,14 +10,9 @@ from envs.gym._util import INVALID, MOD, GymEnv, IntAnswer, fmt_list, grow, grow
 F = "dynamic_programming"
 
 
-def _n(d, base=5):
-    """1.1^d up to difficulty 30, then 6 per level (1.1^d items made 250k-character prompts at difficulty 100)."""
-    return grow_until(base, d, 30, 6)
-
-
-def _m(d, base=5, per_level=6):
-    """``_n`` up to difficulty 30 (the same problems), then ``per_level`` more per level: the O(n^2) tables and the
-    prompts of the exponential sizes took minutes, or filled megabytes, at difficulty 100."""
+def _n(d, base=5, per_level=6):
+    """1.1^d up to difficulty 30, then ``per_level`` more per level: the O(n^2) tables and the prompts of the
+    exponential sizes took minutes, or filled megabytes (250k-character prompts), at difficulty 100."""
     return grow_until(base, d, 30, per_level)
 
 
@@ -48,7 +43,7 @@ class LongestIncreasingSubsequence(GymEnv):
     family, description = F, "Give a longest strictly increasing subsequence (any one)."
 
     def build(self, rng, d):
-        xs = [rng.randint(0, 20 + 5 * d) for _ in range(_m(d, 6, 8))]
+        xs = [rng.randint(0, 20 + 5 * d) for _ in range(_n(d, 6, 8))]
         n = len(xs)
         best, prev = [1] * n, [-1] * n
         for i in range(n):
@@ -96,7 +91,7 @@ class LCSLength(IntAnswer):
     family, description = F, "Length of the longest common subsequence of two strings."
 
     def build(self, rng, d):
-        a, b = _word(rng, _m(d, 6), "abcd"), _word(rng, _m(d, 6), "abcd")
+        a, b = _word(rng, _n(d, 6), "abcd"), _word(rng, _n(d, 6), "abcd")
         return f"What is the length of the longest common subsequence of '{a}' and '{b}'?", lcs(a, b)
 
 
@@ -105,7 +100,7 @@ class EditDistance(IntAnswer):
     family, description = F, "Levenshtein distance between two strings."
 
     def build(self, rng, d):
-        a = _word(rng, _m(d, 5, 8), "abcde")
+        a = _word(rng, _n(d, 5, 8), "abcde")
         b = list(a)
         for _ in range(1 + d // 2):
             i = rng.randrange(len(b) + 1)
@@ -195,7 +190,7 @@ class RodCutting(IntAnswer):
     family, description = F, "Maximum revenue from cutting a rod."
 
     def build(self, rng, d):
-        n = _m(d, 4, 8)
+        n = _n(d, 4, 8)
         price = [0]
         for i in range(1, n + 1):
             price.append(price[-1] + rng.randint(0, 5 + d))
@@ -230,7 +225,7 @@ class LongestPalindromicSubsequence(IntAnswer):
     family, description = F, "Length of the longest palindromic subsequence."
 
     def build(self, rng, d):
-        s = _word(rng, _m(d, 6, 8), "abcd")
+        s = _word(rng, _n(d, 6, 8), "abcd")
         return f"What is the length of the longest palindromic subsequence of '{s}'?", lcs(s, s[::-1])
 
 
@@ -269,7 +264,7 @@ class PartitionMinDiff(IntAnswer):
     family, description = F, "Split numbers into two groups with minimum sum difference."
 
     def build(self, rng, d):
-        xs = [rng.randint(1, 20 + 5 * d) for _ in range(_m(d, 4, 8))]
+        xs = [rng.randint(1, 20 + 5 * d) for _ in range(_n(d, 4, 8))]
         reach = 1
         for x in xs:
             reach |= reach << x
@@ -320,7 +315,7 @@ class WeightedIntervalScheduling(IntAnswer):
 
     def build(self, rng, d):
         jobs = []
-        for _ in range(_m(d, 5, 6)):
+        for _ in range(_n(d, 5, 6)):
             s = rng.randint(0, 20 + 4 * d)
             jobs.append((s, s + rng.randint(1, 8 + d), rng.randint(1, 20 + d)))
         jobs.sort(key=lambda j: j[1])

@@ -12,14 +12,9 @@ from envs.gym._util import (
 F = "strings"
 
 
-def _n(d, base=6):
-    """1.1^d characters up to difficulty 30 (134 for base 6), then 20 per level (1534 at 100; 1.1^d made 100k-1M
-    character prompts)."""
-    return grow_until(base, d, 30, 20)
-
-
-def _m(d, base=6, per_level=8):
-    """``_n`` up to difficulty 30 (the same strings), then ``per_level`` more characters per level."""
+def _n(d, base=6, per_level=20):
+    """1.1^d characters up to difficulty 30 (134 for base 6), then ``per_level`` more per level (1534 at 100 for 20;
+    1.1^d made 100k-1M character prompts)."""
     return grow_until(base, d, 30, per_level)
 
 
@@ -73,7 +68,7 @@ class LongestPalindromicSubstring(_SubstringAnswer):
     family, description = F, "A longest palindromic substring (any one of maximum length)."
 
     def build(self, rng, d):
-        s = _word(rng, _m(d, 6, 20), _alpha(d))
+        s = _word(rng, _n(d, 6, 20), _alpha(d))
         best = longest_palindrome(s)
         return f"Give a longest palindromic substring of '{s}'.", best, {"s": s}
 
@@ -86,7 +81,7 @@ class LongestCommonSubstring(_SubstringAnswer):
     family, description = F, "A longest common substring of two strings (any one)."
 
     def build(self, rng, d):
-        a, b = _word(rng, _m(d), _alpha(d)), _word(rng, _m(d), _alpha(d))
+        a, b = _word(rng, _n(d, 6, 8), _alpha(d)), _word(rng, _n(d, 6, 8), _alpha(d))
         best, end = 0, 0
         prev = [0] * (len(b) + 1)
         for i in range(1, len(a) + 1):
