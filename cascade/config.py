@@ -500,7 +500,7 @@ def load_run_config(overrides: dict[str, Any], base: Path | None = None) -> tupl
             other = "sources" if parts[2] == "envs" else "envs"
             if f"stages.{parts[1]}.{other}" not in set_keys:
                 st[other] = {}
-        elif parts[2:] in (["aggregation"], ["aggregation", "fraction"]):
+        elif parts[2:] == ["aggregation", "fraction"]:  # (a mapping given for aggregation arrives as its keys)
             # the stage's aggregation share, set: every phase takes it (a phase's own share would hide it)
             for ph in st.get("phases") or []:
                 if isinstance(ph, dict):
