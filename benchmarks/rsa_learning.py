@@ -75,7 +75,8 @@ checks for penalties, none here; defaults, 509 s wall): every seed's figures the
 (the sampler's min_tokens / logit_bias, none here; defaults, 489 s wall): the same again (``rsa_gain_points`` +10.9 /
 -60.9 / -2.9, median -2.9, min -60.9; ``rsa_vs_ablation_points`` +7.4 / -9.8 / -15.4, median -9.8, min -15.4).
 Re-run at 6cb2d68 (2026-12-06; defaults; 866 s wall, two orphaned processes of an interrupted run sharing the cores
-for part of it): every seed's figures the same again.
+for part of it): every seed's figures the same again. Re-run at 7a3c8b6 (2026-12-06, later: empty boxes skipped, the
+trainer's metrics and LR stepping, none of which moves these runs; defaults, 497 s wall): the same again.
 
 Why the goal is not met (what the figures say):
 
