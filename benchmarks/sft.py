@@ -26,6 +26,8 @@ Re-run at bf70bfd (one ``Pair`` class for the packed examples since 9d0c4d7; one
 ``learning.py`` run finishing): packed 0.350 s, padded 0.987 s, speedup 2.82, max_param_diff 2.3e-06.
 Re-run at 58f57a8 (2026-12-06: SFTTrainer's schedule and data checks, nothing in the step; a faster machine, one
 run, alone): packed 0.231 s, padded 0.678 s, speedup 2.93, padding_frac 0.603, max_param_diff 1.3e-06.
+
+Re-run at da569dd (2026-12-06: the step reports the rate it applied, nothing else): 0.236 vs 0.685 s (2.90x).
 """
 from __future__ import annotations
 
