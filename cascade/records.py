@@ -92,8 +92,13 @@ class Records:
             self._wb.finish()
 
 
+STEP_PHASES = ("sft", "rl")  # phases that log one record per training step, in increasing step order
+
+
 def read_records(run_dir: str | Path) -> list[dict]:
-    """All records of a run; a step re-run after a crash keeps its last record."""
+    """All records of a run, as the run stands: a step re-run after a crash keeps its last record, and what
+    the abandoned attempt logged past the checkpoint it resumed from (that phase's later steps, the stage's
+    later ``eval``) is dropped once the resumed run logs that step again."""
     p = Path(run_dir) / "metrics.jsonl"
     if not p.exists():
         raise FileNotFoundError(f"{str(run_dir)!r} has no metrics.jsonl (not a Cascade run directory?)")
@@ -103,5 +108,10 @@ def read_records(run_dir: str | Path) -> list[dict]:
             r = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut by a crash
-        latest[(r.get("stage"), r.get("phase"), r.get("step"))] = r
+        key = (r.get("stage"), r.get("phase"), r.get("step"))
+        if key[1] in STEP_PHASES and isinstance(key[2], int):
+            for k in [k for k in latest if k[0] == key[0] and k[1] in (key[1], "eval")
+                      and isinstance(k[2], int) and k[2] > key[2]]:
+                del latest[k]
+        latest[key] = r
     return list(latest.values())

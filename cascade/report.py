@@ -44,11 +44,17 @@ def summarize(run_dir: Path) -> list[dict]:
             s["rl_steps"] += 1
             s["reward"].append(r.get("reward_mean", 0.0))
             s["accuracy"].append(r.get("accuracy", 0.0))
-            s["difficulty"] = _difficulty(r.get("difficulty"))
+            s["difficulty"] = max((x for x in (s["difficulty"], _difficulty(r.get("difficulty"))) if x is not None),
+                                  default=None)  # the highest level reached (the ZAYA controller also lowers it)
         elif r["phase"] == "eval":
-            s["accuracy_before"] = r.get("accuracy_before", s["accuracy_before"])
-            s["accuracy_after"] = r.get("accuracy_after", s["accuracy_after"])
+            for k in ("accuracy_before", "accuracy_after"):
+                if r.get(f"{k}_by_family") == {}:  # eval_problems=0: no held-out score, not 0.00
+                    s[k] = None
+                elif k in r:
+                    s[k] = r[k]
             s["eval_k"] = r.get("eval_k", s.get("eval_k"))
+            if _difficulty(r.get("difficulty_max")) is not None:  # the stage's own record of its peak
+                s["difficulty"] = max(s["difficulty"] or 0.0, _difficulty(r["difficulty_max"]))
             if r.get("difficulty_end") is not None:
                 from cascade.run import difficulty_rise
 
@@ -73,7 +79,8 @@ def plot(run_dir: Path, png: Path) -> Path:
 
     all_recs = read_records(run_dir)
     recs = [r for r in all_recs if r["phase"] == "rl"]
-    evals = {r["stage"]: r for r in all_recs if r["phase"] == "eval" and r.get("accuracy_after") is not None}
+    evals = {r["stage"]: r for r in all_recs if r["phase"] == "eval" and r.get("accuracy_after") is not None
+             and r.get("accuracy_after_by_family") != {}}  # eval_problems=0 scores nothing
     stage_order = list(dict.fromkeys(r["stage"] for r in sorted(recs, key=lambda r: r["time"])))
     fig, axes = plt.subplots(len(PANELS), 1, figsize=(9, 10), sharex=True)
     offset = 0

@@ -23,14 +23,17 @@ from train.dataclass_config import ConfigError
 
 
 def expand_envs(spec: dict[str, float]) -> dict[str, float]:
-    """Environment weights with glob patterns (``gym/*``) expanded; unknown ids are an error."""
+    """Environment weights with glob patterns (``gym/*``) expanded; unknown ids are an error. Patterns that
+    match the same environment add their weights; an exact id sets its own weight, whatever the order the
+    keys are written in (``{gym/*: 1, gym/sudoku: 3}``: sudoku 3, every other gym environment 1)."""
     from envs.base import get_env, list_envs
 
     if not spec:
         raise ConfigError("a stage needs at least one environment in 'envs'")
     known = list_envs()
     out: dict[str, float] = {}
-    for pat, w in spec.items():
+    exact = {pat: w for pat, w in spec.items() if not any(c in pat for c in "*?[|")}
+    for pat, w in [*((p, w) for p, w in spec.items() if p not in exact), *exact.items()]:
         if any(c in pat for c in "*?[|"):
             from envs.check import match_pattern  # "A|B": the first alternative that matches, logged
 
@@ -507,7 +510,7 @@ class StageRunner:
                 workers=rc.verify_workers)
         want = round(a.fraction / max(1e-9, 1 - a.fraction) * n_other) if a.fraction < 1 else len(pairs)
         pairs = pairs[:max(want, 0)]
-        self.records.log(self.name, "sft_data", 0, {**stats, "aggregation_sft_examples": len(pairs)})
+        self.records.log(self.name, "sft_aggregation", 0, {**stats, "aggregation_sft_examples": len(pairs)})
         return pairs
 
     @staticmethod

@@ -94,13 +94,15 @@ def union_mix(mixes: list[dict[str, float]]) -> dict[str, float]:
 def phase_starts(s: StageConfig) -> list[int]:
     """The RL step at which each phase starts. Phases whose steps sum to the stage's ``steps`` switch
     exactly at the configured steps; otherwise (a shortened run, e.g. the tiny profile) the
-    boundaries scale in proportion."""
+    boundaries scale in proportion (rounded), each phase starting at least one step after the one before
+    (a 2-step smoke run of a two-phase stage runs one step of each; phases past the last step never start)."""
     if not s.phases:
         return [0]
     total = sum(p.steps for p in s.phases)
     starts, acc = [], 0
     for p in s.phases:
-        starts.append(acc if total == s.steps else (acc * s.steps) // total)
+        at = acc if total == s.steps else round(acc * s.steps / total)
+        starts.append(max(at, starts[-1] + 1) if starts else 0)
         acc += p.steps
     return starts
 

@@ -129,6 +129,10 @@ def load_table(ref: str | os.PathLike, split: str = "train", subset: str | None 
         if kind is None:
             raise ValueError(f"{what} {str(ref)!r}: unsupported file type {p.suffix!r}; "
                              f"use {', '.join(TABLE_SUFFIXES)}")
+        if split != "train" or subset:
+            raise ValueError(f"{what} {str(ref)!r} is a single file: it has only the 'train' split and no subsets "
+                             f"(got split {split!r}{f', subset {subset!r}' if subset else ''}); use a dataset "
+                             "directory or Hub dataset for other splits")
         if p.stat().st_size == 0:
             raise ValueError(f"{what} {str(ref)!r} has no rows (the file is empty)")
         level = datasets.logging.get_verbosity()
@@ -141,12 +145,19 @@ def load_table(ref: str | os.PathLike, split: str = "train", subset: str | None 
             datasets.logging.set_verbosity(level)
     if not p.is_dir():
         raise FileNotFoundError(f"{what} {str(ref)!r} not found (not a file, a directory or a Hub id org/name)")
+    level = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         return datasets.load_dataset(str(p), name=subset, split=split)
     except (ValueError, FileNotFoundError, KeyError) as e:
         first = str(e.args[0] if e.args else e).splitlines()[0]
         raise ValueError(f"{what} {str(ref)!r} (split {split!r}{f', subset {subset!r}' if subset else ''}): "
                          f"{first}") from None
+    except Exception as e:  # noqa: BLE001 - a file of the folder that does not parse: name the cause
+        raise ValueError(f"{what} {str(ref)!r} (split {split!r}{f', subset {subset!r}' if subset else ''}) "
+                         f"cannot be read: {_root_cause(e)}") from None
+    finally:
+        datasets.logging.set_verbosity(level)
 
 
 def _root_cause(e: BaseException) -> str:

@@ -168,6 +168,41 @@ def test_report_names_the_k_of_each_stages_held_out_score(tmp_path, capsys):
     assert "avg@2 before" in " ".join(capsys.readouterr().out.split())
 
 
+def test_report_max_difficulty_is_the_peak_and_no_held_out_set_scores_nothing(tmp_path):
+    """The ZAYA controller lowers difficulty too: the column is the highest level reached, not the last step's;
+    a stage run with eval_problems=0 shows no held-out score (not 0.00 -> 0.00)."""
+    from cascade.report import summarize
+
+    recs = [{"stage": "math", "phase": "rl", "step": i, "time": 100 + i, "reward_mean": 0.1, "accuracy": 0.1,
+             "difficulty": {"math": lvl}} for i, lvl in enumerate([0, 3, 5, 2])]
+    recs.append({"stage": "math", "phase": "eval", "step": 4, "time": 200, "accuracy_before": 0.0,
+                 "accuracy_after": 0.0, "eval_k": 4, "accuracy_before_by_family": {},
+                 "accuracy_after_by_family": {}, "difficulty_start": {"math": 0}, "difficulty_end": {"math": 2},
+                 "difficulty_max": {"math": 5}})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (s,) = summarize(tmp_path)
+    assert s["difficulty"] == 5.0 and s["difficulty_rose"] == "1/1"
+    assert s["accuracy_before"] is None and s["accuracy_after"] is None
+
+
+def test_read_records_drops_what_an_abandoned_attempt_logged_past_its_resume_point(tmp_path):
+    """Crash after step 7, resumed from the checkpoint at step 5: once step 6 is logged again the dead
+    attempt's step 7 (and a stage-end eval it logged) are gone; records of other phases sharing a step stay."""
+    from cascade.records import read_records
+
+    recs = [{"stage": "math", "phase": "rl", "step": i, "time": i, "reward_mean": 0.1 * i} for i in range(8)]
+    recs += [{"stage": "math", "phase": "eval", "step": 8, "time": 8, "accuracy_after": 0.9},
+             {"stage": "math", "phase": "sft_data", "step": 0, "time": 9, "examples": 100},
+             {"stage": "math", "phase": "sft_aggregation", "step": 0, "time": 9, "aggregation_sft_problems": 3},
+             {"stage": "math", "phase": "rl", "step": 6, "time": 10, "reward_mean": 0.66}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    got = read_records(tmp_path)
+    rl = sorted((r["step"], r["reward_mean"]) for r in got if r["phase"] == "rl")
+    assert rl == [(i, 0.1 * i) for i in range(6)] + [(6, 0.66)]
+    assert not [r for r in got if r["phase"] == "eval"]
+    assert {r["phase"] for r in got} == {"rl", "sft_data", "sft_aggregation"}
+
+
 def test_a_checkpoint_is_resumed_only_where_its_optimizer_state_lives(tmp_path):
     """Taken in this process, resumed on trainer ranks (or the other way): refused in one line, not resumed
     with a fresh optimizer and schedule."""

@@ -317,3 +317,23 @@ def test_sft_from_messages_and_mapped_columns(offline_cache, tiny_dense_dir, tmp
     sft = SFTTrainer(load_pretrained(tiny_dense_dir), tok, SFTConfig(steps=1, batch_size=3, micro_batch_size=3))
     m = sft.step(sft.encode(pairs))
     assert m["tokens"] == sum(len(tok.encode(r, add_special_tokens=False)) + 1 for _, r in pairs)
+
+
+def test_a_bad_file_in_a_dataset_folder_and_a_split_a_single_file_lacks_are_one_line_errors(tmp_path):
+    """A folder (a Hub snapshot's shape) holding a line that does not parse: datasets raises
+    DatasetGenerationError, which must become the same one-line error a single file gives. A split other
+    than train of a single file is refused, not answered with every row."""
+    from envs.hub import load_table
+
+    (tmp_path / "ds").mkdir()
+    bad = '{"problem": "a", "answer": 1}\n{"problem": "b", "answ'
+    (tmp_path / "ds" / "train.jsonl").write_text(bad)
+    with pytest.raises(ValueError, match=r"math dataset .*ds.* \(split 'train'\) cannot be read: .*JSON"):
+        load_table(tmp_path / "ds", what="math dataset")
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"problem": "a", "answer": 1}\n')
+    assert len(load_table(good)) == 1
+    with pytest.raises(ValueError, match="is a single file: it has only the 'train' split .*got split 'test'"):
+        load_table(good, split="test")
+    with pytest.raises(ValueError, match="subset 'main'"):
+        load_table(good, subset="main")

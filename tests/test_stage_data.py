@@ -52,6 +52,17 @@ def test_the_recipe_config_names_the_warmup_sources_and_the_two_math_phases():
     assert [max_new_tokens_at(w, i, 81920) for i in (0, 115, 116, 231)] == [65536, 65536, 81920, 81920]
     assert [p.steps for p in m.phases] == [384, 464] and phase_starts(m) == [0, 384]
     assert m.aggregation.max_prompt_tokens == 20480 and m.pool.max_pass_rate == 0.75
+    # a shortened run: boundaries in proportion, every phase that fits at least one step, in order
+    assert [phase_starts(dataclasses.replace(m, steps=n)) for n in (1, 2, 3, 10)] == [[0, 1], [0, 1], [0, 1], [0, 5]]
+    assert phase_starts(dataclasses.replace(m, steps=2, phases=m.phases * 2)) == [0, 1, 2, 3]
+
+
+def test_an_exact_environment_id_sets_its_weight_whatever_the_key_order():
+    from cascade.stagedata import mix_of
+
+    a, b = mix_of({"gym/*": 1.0, "gym/sudoku": 3.0}, {}), mix_of({"gym/sudoku": 3.0, "gym/*": 1.0}, {})
+    assert a == b and a["gym/sudoku"] == 3.0 and a["gym/catalan"] == 1.0
+    assert mix_of({"gym/cat*": 1.0, "gym/catalan": 2.0, "gym/ca*": 0.5}, {})["gym/catalan"] == 2.0
 
 
 class _RL:
@@ -409,7 +420,7 @@ def test_a_stage_builds_teacher_sft_examples_and_expert_aggregation_from_named_c
     first.sft.aggregation.teacher, first.sft.aggregation.problems = str(tiny_dense_dir), 3
     first.sft.aggregation.samples, first.sft.aggregation.tails, first.sft.aggregation.fraction = 2, 2, 0.5
     final = StageRunner("first", 0, first, rcfg, tmp_path, recs, None).run(Path(tiny_dense_dir))
-    sft_data = [m for st, ph, _, m in recs.logged if ph == "sft_data" and "aggregation_sft_problems" in m]
+    sft_data = [m for st, ph, _, m in recs.logged if ph == "sft_aggregation" and "aggregation_sft_problems" in m]
     assert sft_data and sft_data[0]["aggregation_sft_problems"] == 3 and sft_data[0]["aggregation_sft_prompts"] == 6
     second = StageConfig(steps=2, envs={"toy/add": 1.0, "gym/gcd_lcm": 1.0}, controller="fixed", rl=rl_cfg,
                          eval_problems=4, eval_k=2)

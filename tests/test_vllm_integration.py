@@ -104,5 +104,5 @@ def test_the_expert_and_teacher_engines_run_while_the_policys_is_closed(tiny_den
     assert most[0] == 1 and not live, (most, live)  # one engine at a time, all closed at the end
     assert len(started) == 5, started  # the policy's, the expert's, the policy's, the teacher's, the policy's
     assert [m for _, ph, _, m in recs.logged if ph == "expert"] == [{"expert_problems": 2, "expert_pool": 2}]
-    assert any(ph == "sft_data" and m.get("aggregation_sft_problems") == 2 for _, ph, _, m in recs.logged)
+    assert any(ph == "sft_aggregation" and m.get("aggregation_sft_problems") == 2 for _, ph, _, m in recs.logged)
     assert [ph for _, ph, _, _ in recs.logged].count("rl") == 1
