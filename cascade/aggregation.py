@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Iterable
 
 from envs.base import Problem, verify_all, verify_workers
 from ttc.templates import Template, load_template
@@ -30,6 +30,11 @@ _PACORE = ("{problem}\n\n"
            "last part of an unfinished one); any of them may be incomplete or wrong.\n\n"
            "{candidates}"
            "Continue from these messages: build on what holds up, check it, and finish the solution. {closing}")
+
+
+def _stops(tokenizer, stop_ids: Iterable[int]) -> set[int]:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return {int(i) for i in stop_ids} | ({int(eos)} if eos is not None else set())
 
 
 def _key(env_id: str, p: Problem) -> str:
@@ -61,13 +66,14 @@ class AggregationMixer:
     def __init__(self, tokenizer, fraction: float, tails: int, tail_tokens: int, template: str = "auto",
                  buffer: int = 256, seed: int = 0, max_prompt_tokens: int = 0,
                  prompt_len: Callable[[str], int] | None = None, expert_fraction: float = 0.0,
-                 pacore_fraction: float = 0.0, env_of: Callable[[str], object] | None = None):
+                 pacore_fraction: float = 0.0, env_of: Callable[[str], object] | None = None,
+                 stop_ids: Iterable[int] = ()):
         for name, v in (("fraction", fraction), ("expert_fraction", expert_fraction),
                         ("pacore_fraction", pacore_fraction)):
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"aggregation.{name} must be in [0, 1], got {v}")
         self.tok, self.fraction, self.C, self.tau = tokenizer, fraction, tails, tail_tokens
-        self.eos = getattr(tokenizer, "eos_token_id", None)
+        self.stops = _stops(tokenizer, stop_ids)
         self.template = None if template == "auto" else load_template(template)
         self.env_of = env_of
         self._templates: dict[str, Template] = {}
@@ -86,31 +92,41 @@ class AggregationMixer:
         if max_prompt_tokens > 0:
             self.cap = min(self.cap, int(max_prompt_tokens)) if self.cap > 0 else int(max_prompt_tokens)
 
-    def _encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False, verbose=False)
+    def _encode(self, text: str, tok=None) -> list[int]:
+        return (tok or self.tok).encode(text, add_special_tokens=False, verbose=False)
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=False)
+    def _decode(self, ids: list[int], tok=None) -> str:
+        return (tok or self.tok).decode(ids, skip_special_tokens=False)
 
-    def tail_text(self, token_ids: list[int]) -> str:
-        """The last tau tokens of a rollout's trace; a final end-of-sequence token is not part of the
-        trace (as in ttc's ``MarkovianRSA.trace_ids``), so no EOS lands inside an aggregation prompt."""
+    def tail_text(self, token_ids: list[int], tokenizer=None, stops: set[int] | None = None) -> str:
+        """The last tau tokens of a rollout's trace (decoded by ``tokenizer``, the one that sampled it: the
+        policy's by default). A final end-of-sequence or stop token (any of ``stops``: the tokenizer's EOS and
+        the engine's, e.g. Qwen3's two) is not part of the trace (as in ttc's ``MarkovianRSA.trace_ids``), so
+        none lands inside an aggregation prompt; a cut inside a multi-byte character drops its remnant."""
+        stops = self.stops if stops is None else stops
         ids = list(token_ids)
-        if ids and self.eos is not None and ids[-1] == self.eos:
+        if ids and ids[-1] in stops:
             ids = ids[:-1]
-        return self._decode(ids[-self.tau:])
+        ids = ids[-self.tau:]
+        text = self._decode(ids, tokenizer)
+        while len(ids) > 1 and text.startswith("\ufffd"):
+            ids = ids[1:]
+            text = self._decode(ids, tokenizer)
+        return text
 
-    def _entry(self, completions) -> tuple[list[str], list[str]]:
+    def _entry(self, completions, tokenizer=None, stops: set[int] | None = None) -> tuple[list[str], list[str]]:
         tails, messages = [], []
         for c in completions:
-            tail = self.tail_text(c.token_ids)
+            tail = self.tail_text(c.token_ids, tokenizer, stops)
             tails.append(tail)
             messages.append(compact_message(getattr(c, "text", None), getattr(c, "finish_reason", None), tail,
-                                            self._encode, self._decode, self.tau))
+                                            lambda t: self._encode(t, tokenizer), lambda i: self._decode(i, tokenizer),
+                                            self.tau))
         return tails, messages
 
-    def _add(self, pool: OrderedDict, env_id: str, problem: Problem, completions, limit: int | None) -> None:
-        tails, messages = self._entry(completions)
+    def _add(self, pool: OrderedDict, env_id: str, problem: Problem, completions, limit: int | None,
+             tokenizer=None, stops: set[int] | None = None) -> None:
+        tails, messages = self._entry(completions, tokenizer, stops)
         if len(tails) >= self.C:
             k = _key(env_id, problem)
             pool[k] = (env_id, problem.to_dict(), tails, messages)
@@ -124,9 +140,12 @@ class AggregationMixer:
                 continue
             self._add(self.pool, g.env_id, g.problem, [r.completion for r in g.rollouts], self.buffer)
 
-    def remember_expert(self, env_id: str, problem: Problem, completions) -> None:
-        """Completions of an expert checkpoint for ``problem``: the tails of expert-aggregation prompts."""
-        self._add(self.expert, env_id, problem, completions, None)
+    def remember_expert(self, env_id: str, problem: Problem, completions, tokenizer=None,
+                        stop_ids: Iterable[int] = ()) -> None:
+        """Completions of an expert checkpoint for ``problem``: the tails of expert-aggregation prompts.
+        ``tokenizer`` (and ``stop_ids``, its engine's end ids): the expert's, when it is not the policy's."""
+        stops = None if tokenizer is None else _stops(tokenizer, stop_ids)
+        self._add(self.expert, env_id, problem, completions, None, tokenizer, stops)
 
     # -- prompts --------------------------------------------------------------------------------
     def template_of(self, env_id: str) -> Template:
@@ -166,7 +185,12 @@ class AggregationMixer:
         """The prompt with every tail cut from the front to the longest common length that fits."""
         room = self.cap - self.prompt_len(self._render(env_id, problem, [""] * len(tails), pacore))
         ids = [self._encode(x) for x in tails]
-        per = min(room // max(len(tails), 1), max(len(i) for i in ids))
+        lens = [len(i) for i in ids]
+        lo, hi = 0, max(lens)  # the longest common length L whose tails, sum(min(len, L)), fit the room
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if sum(min(n, mid) for n in lens) <= room else (lo, mid - 1)
+        per = lo
         while per >= 1:
             prompt = self._render(env_id, problem, [self._decode(i[-per:]) for i in ids], pacore)
             if self.prompt_len(prompt) <= self.cap:  # re-tokenisation at the seams can differ a little
@@ -252,9 +276,11 @@ def aggregation_sft_pairs(engine, tokenizer, picks: list[tuple[str, Problem]], e
     problem, reshuffled ``shuffles`` times into aggregation prompts of ``tails`` tails (at most
     ``max_prompt_tokens`` as the policy sees them, by ``prompt_len``), each answered once by the
     teacher; the answers the problem's verifier accepts become (prompt, response) pairs (verified
-    ``workers`` at a time where the environment allows: :func:`envs.base.verify_all`)."""
+    ``workers`` at a time where the environment allows: :func:`envs.base.verify_all`), in a seeded random
+    order."""
     mixer = AggregationMixer(tokenizer, 1.0, tails, tail_tokens, template, seed=seed,
-                             max_prompt_tokens=max_prompt_tokens, prompt_len=prompt_len, env_of=env_of)
+                             max_prompt_tokens=max_prompt_tokens, prompt_len=prompt_len, env_of=env_of,
+                             stop_ids=getattr(engine, "eos_token_ids", ()) or ())
     rolled = sample_rollouts(engine, tokenizer, picks, samples, params, chat, system, chunk=chunk, advance=advance)
     prompts = []
     for e, p, comps in rolled:
@@ -269,6 +295,7 @@ def aggregation_sft_pairs(engine, tokenizer, picks: list[tuple[str, Problem]], e
     answered = [(e, p, cs[0].text) for e, p, cs in answered if cs]
     scores = verify_all([(env_of(e), p, text) for e, p, text in answered], verify_workers(workers))
     pairs = [(p.prompt, text) for (_, p, text), s in zip(answered, scores) if s.correct]
+    mixer.rng.shuffle(pairs)  # a caller keeping the first k keeps them across the problems, not the first few's
     stats = {"aggregation_sft_problems": len(rolled), "aggregation_sft_prompts": len(prompts),
              "aggregation_sft_correct": len(pairs), "aggregation_sft_trimmed": mixer.trimmed,
              "aggregation_sft_dropped": mixer.dropped}

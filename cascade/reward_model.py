@@ -33,6 +33,12 @@ class RewardModel:
             self.model.config.pad_token_id = self.tok.pad_token_id
         self.max_len, self.device = max_len, device
 
+    @property
+    def _add_special(self) -> bool:
+        """A chat template writes the special tokens itself (a Llama-3 template its BOS): tokenizing its text
+        adds none, else the model reads BOS twice."""
+        return not getattr(self.tok, "chat_template", None)
+
     def text(self, prompt: str, response: str) -> str:
         answer = strip_think(response).lstrip()
         msgs = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
@@ -42,7 +48,8 @@ class RewardModel:
 
     @torch.no_grad()
     def score(self, prompt: str, response: str) -> float:
-        enc = self.tok(self.text(prompt, response), return_tensors="pt", truncation=True, max_length=self.max_len)
+        enc = self.tok(self.text(prompt, response), return_tensors="pt", truncation=True, max_length=self.max_len,
+                       add_special_tokens=self._add_special)
         return float(self.model(**{k: v.to(self.device) for k, v in enc.items()}).logits[0, 0])
 
     @torch.no_grad()
@@ -57,7 +64,7 @@ class RewardModel:
         for k in range(0, len(order), batch_size):
             part = order[k:k + batch_size]
             enc = self.tok([texts[i] for i in part], return_tensors="pt", truncation=True, max_length=self.max_len,
-                           padding=True)
+                           padding=True, add_special_tokens=self._add_special)
             logits = self.model(**{n: v.to(self.device) for n, v in enc.items()}).logits[:, 0].float().tolist()
             for i, v in zip(part, logits):
                 out[i] = v
@@ -100,7 +107,9 @@ class GatedRewardEnv(Environment):
     def _gated(self, s: Score, raw: float | None) -> Score:
         if not s.correct:
             return Score(0.0, False, s.format_ok, {**s.info, "gate": "instructions not followed"})
-        return Score(1.0 / (1.0 + math.exp(-self.scale * raw)), True, True, {**s.info, "rm_score": raw})
+        x = self.scale * raw  # a stable sigmoid: exp(-x) overflows for x below about -709
+        reward = 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+        return Score(reward, True, True, {**s.info, "rm_score": raw})
 
     def reference_response(self, problem: Problem) -> str:
         return self.base.reference_response(problem)

@@ -145,7 +145,7 @@ class StageRunner:
         try:
             curriculum = self.build_curriculum(tok)
             start_levels = self.start_levels(curriculum)  # before any resumed state moves the controllers
-            mixer = self.make_mixer(tok, curriculum)
+            mixer = self.make_mixer(tok, curriculum, policy, engine)
             rl_cfg = copy.deepcopy(s.rl)
             rl_cfg.seed = r.seed + 7919 * (self.index + 1)
             if rl_cfg.optim.schedule != "constant" and not rl_cfg.optim.total_steps:
@@ -395,12 +395,15 @@ class StageRunner:
             out["max_new_tokens"] = rl.cfg.sampling.max_new_tokens
         return out
 
-    def make_mixer(self, tok, curriculum):
-        """The aggregation mixer (None when no aggregation prompts are configured, in any phase)."""
+    def make_mixer(self, tok, curriculum, policy=None, engine=None):
+        """The aggregation mixer (None when no aggregation prompts are configured, in any phase). Tails leave
+        out the token a rollout ended on: any id the policy's generation ends on (``policy``'s configs, the
+        ``engine``'s) or the sampling's ``stop_token_ids``."""
         s, a = self.scfg, self.scfg.aggregation
         if a.fraction <= 0 and not any(p.aggregation for p in s.phases):
             return None
         from cascade.aggregation import AggregationMixer
+        from train.engine.torch_engine import eos_ids_of
         from train.rl.trainer import encode_prompt
 
         def prompt_len(text: str) -> int:
@@ -409,7 +412,9 @@ class StageRunner:
         return AggregationMixer(tok, a.fraction, a.tails, a.tail_tokens, a.template, a.buffer, self.rcfg.seed + self.index,
                                 max_prompt_tokens=a.max_prompt_tokens, prompt_len=prompt_len,
                                 expert_fraction=a.expert_fraction if a.expert else 0.0,
-                                pacore_fraction=a.pacore_fraction, env_of=curriculum.envs.__getitem__)
+                                pacore_fraction=a.pacore_fraction, env_of=curriculum.envs.__getitem__,
+                                stop_ids=(eos_ids_of(policy.config) if policy is not None else set())
+                                | set(getattr(engine, "eos_token_ids", ())) | set(s.rl.sampling.stop_token_ids))
 
     def model_ref(self, ref: str) -> Path:
         """A checkpoint named in the config: an earlier stage of this run (its ``final/``), a local
@@ -482,8 +487,9 @@ class StageRunner:
             rolled = sample_rollouts(engine, etok, picks, a.expert_samples, c.sampling.params(a.expert_samples, self.rcfg.seed),
                                      c.chat_template, c.system_prompt, chunk=self.chunk(rl, a.expert_samples),
                                      advance=advance)
-        for e, p, comps in rolled:
-            mixer.remember_expert(e, p, comps)
+        stops = set(getattr(engine, "eos_token_ids", ())) | set(c.sampling.stop_token_ids)
+        for e, p, comps in rolled:  # the expert's tokens, decoded by its tokenizer
+            mixer.remember_expert(e, p, comps, etok, stops)
         self.records.log(self.name, "expert", 0, {"expert_problems": len(rolled), "expert_pool": len(mixer.expert)})
 
     def aggregation_sft(self, tok, curriculum, n_other: int, rl=None) -> list[tuple[str, str]]:

@@ -166,6 +166,53 @@ def test_an_aggregation_prompt_too_long_for_the_trainer_is_not_made_and_moves_no
     assert cur.difficulties() == {"gym/argsort": 2}
 
 
+def test_reward_model_reads_one_bos_and_a_steep_gate_does_not_overflow(tmp_path, tiny_dense_dir):
+    """A Llama-3-style reward model (its chat template writes BOS, its tokenizer adds one too) reads the
+    conversation as apply_chat_template(tokenize=True) gives it: one BOS. A steep gate on a very negative
+    score is a reward near 0, not an OverflowError scored as a verifier error."""
+    from tokenizers.processors import TemplateProcessing
+
+    from cascade.reward_model import GatedRewardEnv, RewardModel, build_tiny_reward_model
+    from envs.base import Environment, Problem, Score
+
+    rm = RewardModel(build_tiny_reward_model(tmp_path / "rm", tiny_dense_dir))
+    t = rm.tok
+    t.bos_token = "<|im_start|>"
+    bos = t.convert_tokens_to_ids("<|im_start|>")
+    t._tokenizer.post_processor = TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)])
+    t.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+    seen = []
+    forward = rm.model.forward
+    rm.model.forward = lambda input_ids=None, **kw: seen.append(input_ids[0].tolist()) or forward(input_ids=input_ids, **kw)
+    msgs = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]
+    ref = t.apply_chat_template(msgs, tokenize=True)
+    ref = list(ref["input_ids"] if hasattr(ref, "keys") else ref)
+    rm.score("Say hi.", "hi")
+    rm.score_many([("Say hi.", "hi")] * 2)
+    assert seen and all(ids == ref for ids in seen) and ref[0] == bos and ref[1] != bos
+
+    class Base(Environment):
+        id = "b"
+
+        def generate(self, seed, difficulty):
+            return Problem("p", "a", "b", seed, difficulty, {})
+
+        def check(self, problem, response):
+            return Score(1.0, True, True, {})
+
+    class RM:
+        def score(self, p, r):
+            return -40.0
+
+        def score_many(self, pairs):
+            return [-40.0] * len(pairs)
+
+    env = GatedRewardEnv(Base(), RM(), scale=20.0)
+    p = env.generate(0, 0)
+    for s in (env.verify(p, "ok"), *env.verify_many([(p, "ok")])):
+        assert s.correct and 0.0 <= s.reward < 1e-300 and s.info["rm_score"] == -40.0
+
+
 def test_reward_model_score_is_gated_by_the_instruction_checker(tmp_path, tiny_dense_dir):
     from cascade.reward_model import GatedRewardEnv, RewardModel, build_tiny_reward_model
     from envs import get_env

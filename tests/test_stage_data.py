@@ -256,6 +256,51 @@ def test_aggregation_prompts_over_the_cap_are_trimmed_keeping_each_tail_end_or_d
     assert tiny.mix([("toy/add", p)]) == [("toy/add", p)] and tiny.dropped == 1 and tiny.made == 0
 
 
+def test_trimming_keeps_the_longest_common_tail_length_that_fits(tok):
+    """Three short tails and one long one, 50 tokens over the cap: the long tail loses about those 50 tokens
+    (was cut to room / C, leaving hundreds of tokens of the budget unused)."""
+    def plen(text):
+        return len(encode_prompt(tok, text, True, None))
+
+    p = Problem("What is 2+2?", "4", "toy/add", 0, 0, {})
+    long = " ".join(f"step {i} ok" for i in range(200)) + " so \\boxed{4}"
+    tails = ["\\boxed{1}", "\\boxed{2}", "\\boxed{3}", long]
+    full = plen(AggregationMixer(tok, 1.0, 4, 10**6, "math")._render("toy/add", p, tails, False))
+    m = AggregationMixer(tok, 1.0, 4, 10**6, "math", max_prompt_tokens=full - 50, prompt_len=plen)
+    agg = m.build("toy/add", p, tails)
+    assert agg is not None and m.trimmed == 1
+    assert full - 50 - 8 <= plen(agg.prompt) <= full - 50
+    assert all(t in agg.prompt for t in tails[:3]) and "so \\boxed{4}" in agg.prompt
+
+
+def test_tails_drop_any_end_id_and_expert_tails_are_decoded_by_the_experts_tokenizer(tok, tmp_path):
+    """A rollout that ended on another of the engine's end ids (Qwen3 has two) leaves it out of the tail; a
+    cut inside a multi-byte character drops the remnant; an expert whose tokenizer differs from the policy's
+    has its tails decoded by its own."""
+    from train.tokenizer import build_tokenizer
+
+    end = tok.convert_tokens_to_ids("<|endoftext|>") if "<|endoftext|>" in tok.get_vocab() else 0
+    assert end != tok.eos_token_id
+    m = AggregationMixer(tok, 1.0, 1, 32, "math", stop_ids=[end])
+    ids = tok.encode("The answer is \\boxed{7}.", add_special_tokens=False)
+    assert m.tail_text(ids + [end]) == m.tail_text(ids + [tok.eos_token_id]) == "The answer is \\boxed{7}."
+    text = "so x \u2264 5 and y \u2265 3, hence the answer is \\boxed{8}"
+    ids = tok.encode(text, add_special_tokens=False)
+    for tau in range(2, len(ids)):
+        m.tau = tau
+        t = m.tail_text(ids)
+        assert "\ufffd" not in t and text.endswith(t)
+    exp = build_tokenizer(tmp_path / "exptok", vocab_size=700, seed=1)
+    trace = "<think>\nadd them\n</think>\nThe answer is \\boxed{42}."
+    comps = [_C(exp, trace), _C(exp, trace)]
+    for c in comps:
+        c.token_ids = c.token_ids + [exp.eos_token_id]
+    m = AggregationMixer(tok, 1.0, 2, 64, "math")
+    m.remember_expert("toy/add", Problem("What is 40+2?", "42", "toy/add", 1, 0, {}), comps, exp)
+    (_, _, tails, messages), = m.expert.values()
+    assert tails == [trace, trace]
+
+
 def test_expert_and_pacore_prompts_take_their_sources_and_keep_the_bounds(tok):
     def plen(text):
         return len(encode_prompt(tok, text, True, None))
@@ -343,6 +388,10 @@ def test_aggregation_sft_examples_are_teacher_answers_to_reshuffled_tails_within
     assert stats["aggregation_sft_trimmed"] == 12 and stats["aggregation_sft_dropped"] == 0
     # every prompt shows 2 tails (with their answers); only tails with a right one let the teacher answer right
     assert 0 < stats["aggregation_sft_correct"] == len(pairs) < 12
+    # in a seeded random order: a caller keeping the first k keeps them across the problems (they came
+    # problem by problem, so the first few came from the first problems only)
+    order = [int(p.split("What is ")[1].split("+")[0]) for p, _ in pairs]
+    assert order != sorted(order)
     for prompt, resp in pairs:
         assert plen(prompt) <= cap and prompt.count("--- Candidate") == 2
         a = int(prompt.split("What is ")[1].split("+")[0])

@@ -80,6 +80,20 @@ class _Update:
     error: BaseException | None = None
 
 
+def eos_ids_of(cfg, tokenizer=None) -> set[int]:
+    """The ids a model's generation ends on: its config's ``eos_token_id``, its generation config's (e.g.
+    Qwen3's list) and the tokenizer's."""
+    eos: set[int] = set()
+    gen_eos = (getattr(cfg, "generation_config", None) or {}).get("eos_token_id")
+    for ids in (getattr(cfg, "eos_token_id", None), gen_eos):
+        for e in (ids if isinstance(ids, list) else [ids]):
+            if e is not None:
+                eos.add(int(e))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    return eos
+
+
 class TorchEngine:
     """Generation with Cascade's own model.
 
@@ -99,15 +113,7 @@ class TorchEngine:
         self.tokenizer = tokenizer
         self.max_batch_rows = max_batch_rows
         cfg = model.config
-        eos = set(eos_token_ids)
-        gen_eos = (getattr(cfg, "generation_config", None) or {}).get("eos_token_id")  # e.g. Qwen3's eos list
-        for ids in (cfg.eos_token_id, gen_eos):
-            for e in (ids if isinstance(ids, list) else [ids]):
-                if e is not None:
-                    eos.add(int(e))
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            eos.add(int(tokenizer.eos_token_id))
-        self.eos_token_ids = sorted(eos)
+        self.eos_token_ids = sorted(set(eos_token_ids) | eos_ids_of(cfg, tokenizer))
         self.pad_id = int(cfg.pad_token_id if cfg.pad_token_id is not None else 0)
         self.stats = EngineStats()
         self._seed_rng = random.Random()
