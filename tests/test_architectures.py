@@ -207,6 +207,44 @@ def test_fallback_is_refused_by_default_and_taken_on_request(gpt2_dir, monkeypat
         load_pretrained(path, backend="vllm")
 
 
+def test_fallback_loads_in_bf16_trains_without_dropout_and_keeps_embeddings_off_muon(gpt2_dir, tmp_path):
+    """A bf16 model's own logits are rounded to bf16: the head check must not refuse it for that. GPT-2's
+    dropout (0.1) is off in train mode too (the trainer's log-probs are the behaviour policy's), while the
+    saved config keeps its values. Muon leaves the embeddings and the tied head (wte, wpe) to AdamW. A
+    soft-capped model is refused from its config (at a fresh init its logits cannot tell)."""
+    from train.model.hf_fallback import TransformersCausalLM
+    from train.optim import OptimConfig, build_optimizer
+
+    path, _ = gpt2_dir
+    m = load_pretrained(path, backend="transformers")
+    ids = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        m.eval()
+        ev = token_logprobs(m, ids)
+        m.train()
+        assert torch.equal(token_logprobs(m, ids), ev)
+    assert m.hf.config.resid_pdrop == 0.1
+    opt, _ = build_optimizer(m, OptimConfig(name="muon"))
+    names = {id(p): n for n, p in m.named_parameters()}
+    on_muon = [names[id(p)] for g in opt.param_groups if g.get("muon") for p in g["params"]]
+    assert on_muon and not [n for n in on_muon if "wte" in n or "wpe" in n]
+    hf_tiny("llama").save_pretrained(tmp_path / "llama")
+    assert isinstance(load_pretrained(tmp_path / "llama", dtype=torch.bfloat16, backend="transformers"),
+                      TransformersCausalLM)
+    cfg = transformers.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                    final_logit_softcapping=30.0)
+    with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):
+        TransformersCausalLM(AutoModelForCausalLM.from_config(cfg).eval())
+
+
+def test_a_qwen3_config_without_head_dim_takes_transformers_default():
+    d = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2}
+    assert ModelConfig.from_hf(d).head_dim == transformers.AutoConfig.for_model(**d).head_dim == 128
+    assert ModelConfig.from_hf({**d, "model_type": "qwen2"}).head_dim == 8
+
+
 def test_distributed_trainer_refuses_a_fallback_policy_before_launching_ranks(gpt2_dir, tmp_path):
     """`cascade run model=GPT2_DIR model_backend=auto trainer.nproc=2` fails at once, in one line naming the
     architecture and trainer.nproc=1, before any trainer rank starts (no exchange directory, no trainer log):

@@ -642,6 +642,21 @@ def test_transformers_floor_loads_the_tokenizers_cascade_saves(tmp_path):
     assert "==" not in torch_spec and "+" not in torch_spec  # never pins a build over the one installed first
 
 
+def test_saved_tokenizer_keeps_think_delimiters_when_special_tokens_are_skipped(tmp_path):
+    """As Qwen3's: <think> and </think> are added tokens, not special ones, so a decode that skips special
+    tokens (vLLM's and the server's default) keeps them; the chat tokens are still skipped."""
+    from train.tokenizer import load_tokenizer
+    from train.presets import init_model
+
+    init_model("tiny-dense", tmp_path, seed=0)
+    tok = load_tokenizer(tmp_path)
+    text = "<think>\nabc\n</think>\nThe answer is 4"
+    ids = tok.encode(text + "<|im_end|>", add_special_tokens=False)
+    assert ids[0] == tok.convert_tokens_to_ids("<think>") == 3 and tok.convert_tokens_to_ids("</think>") == 4
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    assert set(tok.all_special_ids) == {tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")}
+
+
 def test_make_setup_shows_download_progress():
     r = subprocess.run(["make", "-n", "setup", f"VENV={ROOT / 'no-such-venv'}"], cwd=ROOT, capture_output=True,
                        text=True, timeout=60)

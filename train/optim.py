@@ -243,10 +243,14 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig):
     the dtype's spacing accumulate instead of rounding away."""
     decay, no_decay, matrices = [], [], {}
     muon = cfg.muon_settings()
+    # embeddings and the LM head by module, whatever their names (GPT-2's wte and wpe under the fallback)
+    head = getattr(model, "lm_head", None)
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)} | (
+        {id(head.weight)} if getattr(head, "weight", None) is not None else set())
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        k = muon_row_blocks(name, p) if muon else None
+        k = muon_row_blocks(name, p) if muon and id(p) not in embeddings else None
         if k is not None:
             matrices.setdefault(k, []).append(p)
         else:

@@ -61,7 +61,7 @@ def training_corpus(n_lines: int = 6000, seed: int = 0) -> list[str]:
 
 def build_tokenizer(out_dir: str | Path, vocab_size: int = 1024, seed: int = 0, model_max_length: int = 1 << 30):
     """Train the tokenizer and save HF files to ``out_dir``; returns the ``PreTrainedTokenizerFast``."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -73,9 +73,11 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 1024, seed: int = 0, 
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(training_corpus(seed=seed), trainer=trainer)
+    # <think> and </think> keep their ids (3, 4) but are not special, as in Qwen3's tokenizer: a decode that skips
+    # special tokens (vLLM's and the server's default) keeps the reasoning delimiters
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in SPECIAL_TOKENS[3:]])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD,
-                                   additional_special_tokens=SPECIAL_TOKENS[1:2] + SPECIAL_TOKENS[3:],
-                                   model_max_length=model_max_length)
+                                   additional_special_tokens=SPECIAL_TOKENS[1:2], model_max_length=model_max_length)
     fast.chat_template = CHAT_TEMPLATE
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

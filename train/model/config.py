@@ -167,7 +167,8 @@ class ModelConfig:
             vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d.get("intermediate_size", 0), num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=n_heads, num_key_value_heads=d.get("num_key_value_heads", n_heads),
-            head_dim=d.get("head_dim") or d["hidden_size"] // n_heads, rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            head_dim=d.get("head_dim") or (128 if mt == "qwen3" else d["hidden_size"] // n_heads),  # transformers'
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta), max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=True if mt == "qwen2" else bool(d.get("attention_bias", False)),

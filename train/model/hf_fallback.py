@@ -130,6 +130,7 @@ class TransformersCausalLM(nn.Module):
         self.hf = hf_model
         self.config = TransformersConfig.of(hf_model)
         self._checkpointing = False
+        _no_dropout(hf_model)
         if check_head:
             self._check_plain_head()
 
@@ -249,6 +250,12 @@ class TransformersCausalLM(nn.Module):
         head = self.lm_head
         if getattr(head, "bias", None) is not None:
             raise ValueError(f"{self.config.model_type}: the transformers fallback needs an LM head without bias")
+        hc = self.hf.config
+        for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+            v = getattr(hc, key, None)  # refused from the config: at a fresh init the values cannot tell
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v not in (0, 1):
+                raise ValueError(f"{self.config.model_type}: its logits are transformed ({key}={v}); the "
+                                 "transformers fallback cannot train it")
         ids = torch.arange(1, 5, device=self.device)[None] % self.config.vocab_size
         was = self.hf.training
         self.hf.eval()
@@ -257,9 +264,21 @@ class TransformersCausalLM(nn.Module):
             got = self.logits(self.hidden_states(ids))
         finally:
             self.hf.train(was)
-        if not torch.allclose(got, ref, rtol=1e-3, atol=1e-3 * max(1.0, ref.abs().max().item())):
+        tol = max(1e-3, 2 * torch.finfo(self.hf.dtype).eps)  # a bf16 model's own logits are rounded to bf16
+        if not torch.allclose(got, ref, rtol=tol, atol=tol * max(1.0, ref.abs().max().item())):
             raise ValueError(f"{self.config.model_type}: its logits are not hidden_states @ lm_head.weight (logit "
                              "scaling or soft-capping); the transformers fallback cannot train it")
+
+
+def _no_dropout(model: nn.Module) -> None:
+    """Dropout off for good (GPT-2 ships 0.1): the trainer's log-probs must be the behaviour policy's, and
+    ``train()`` (which gradient checkpointing needs) would turn it on."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        for key in ("attention_dropout", "dropout", "attn_dropout"):
+            if isinstance(getattr(m, key, None), float):
+                setattr(m, key, 0.0)  # the modules only: the checkpoint's config.json keeps its values
 
 
 def load_transformers(path: str | Path, dtype: torch.dtype = torch.float32,
