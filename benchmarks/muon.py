@@ -14,9 +14,23 @@ Wall clock around ``step()`` (the sharded one: the slowest rank's), medians over
 steps after one warm-up step; the Newton-Schulz time is taken by a wrapper around
 ``muon_direction`` (outside the code under test). Prints ONE JSON line: ``single_step_s``,
 ``tsp_step_s``, ``step_speedup`` (single / tsp), ``single_ns_s`` and ``tsp_ns_s`` (per rank: its
-owned matrices), ``ns_split`` (single / the slowest rank's), the Muon bytes each rank sends over
-the TSP group per step (measured by :mod:`train.parallel.comm`) and ``formula_bytes`` beside
-it (2 (D-1)/D^2 x the whole sharded matrices' fp32 bytes, when the owners balance the bytes exactly).
+owned matrices), ``ns_split`` (single / the slowest rank's), and the Muon bytes per rank per step
+over the TSP group three ways:
+
+- ``muon_wire_bytes_per_rank``: measured on the wire, outside the code under test, as
+  ``benchmarks/parallel.py`` does: after the timed steps, ``--wire-reps`` more steps in which each of
+  MeshMuon's two ``all_to_all.muon`` exchanges runs inside a :func:`train.parallel.measure.wire_windows`
+  window (the loopback interface's transmit counter, /proc/net/dev ``lo`` tx_bytes, read by rank 0
+  just outside shared-memory ``multiprocessing`` barriers, so no barrier traffic is counted; gloo is
+  put on ``lo``). A step's bytes are the sum of its two windows; min over the steps minus min over
+  idle windows of the same length (a sleep), divided by D: the mean rank's (the counter sees every
+  rank's bytes; TCP/IP headers, ACKs and gloo's own messages included). ``muon_wire_bytes_all_ranks``,
+  ``muon_wire_windows_bytes`` and ``muon_wire_idle_bytes`` are the raw figures. These steps are
+  not timed;
+- ``muon_sent_bytes_per_rank``: counted by ``comm.track`` (not a measurement): the code under
+  test's own record of its split sizes, a unit-test check of the plan;
+- ``formula_bytes``: 2 (D-1)/D^2 x the whole sharded matrices' fp32 bytes, when the owners balance
+  the bytes exactly.
 
     python benchmarks/muon.py                  # hidden 512, 4 layers (12.1M parameters), tsp 2, 2 threads
     python benchmarks/muon.py --threads 1      # the reference on one thread, each rank on one
@@ -37,8 +51,11 @@ orthogonalised every matrix), runs interleaved with the current code's (commit 3
 | 6f000cc (2026-12-05, later: RLUpdater's recompute branch, off this path) | 2 | 1 | 0.83 | 0.64 | 0.50-0.51 | 0.52 | 14, 14 |
 | cc178f2 (2026-12-06: nothing on this path changed) | 2 | 1 | 0.85 | 0.64 | 0.51 | 0.53 | 14, 14 |
 
-Muon bytes sent per rank per step over the TSP group: 23.05 MB measured, 23.05 MB by the formula,
-in every run (at D = 2 the two all-to-alls move what the former all-gather did; at D = 4 half).
+Muon bytes sent per rank per step over the TSP group: 23.05 MB counted by ``comm.track`` (recorded
+here as "measured" at the time; it is the code's own record of its split sizes, not a measurement),
+23.05 MB by the formula, in every run (at D = 2 the two all-to-alls move what the former all-gather
+did; at D = 4 half). Since this change ``muon_wire_bytes_per_rank`` gives the bytes on the wire (see
+above); no wire figure has been recorded yet.
 Splitting the matrices makes the sharded step 1.6x faster than before (0.88-0.93 s against
 1.47-1.50 s). Against one process on both cores it is 0.79-1.01x across the runs above (0.84 at 0fbd5d7): each rank
 orthogonalises its half on one thread, about 1.7-2x slower per matrix than on two (``single_ns_s`` 0.70-0.73 s on
@@ -129,11 +146,37 @@ def single(a) -> dict:
             "params": sum(p.numel() for p in model.parameters())}
 
 
-def _rank(rank: int, world: int, port: int, out_dir: str, a) -> None:
+class _WireTimer:
+    """While ``on``, runs each ``all_to_all.muon`` call of ``comm.all_to_all_raw`` inside one
+    :func:`train.parallel.measure.wire_windows` window (all ranks make the same calls, so the
+    shared-memory barriers pair up); ``deltas`` (rank 0 only) and ``secs`` per call."""
+
+    def __init__(self, comm, barrier, reader: bool):
+        from train.parallel.measure import wire_windows
+
+        self.comm, self.real, self.on = comm, comm.all_to_all_raw, False
+        self.deltas: list[int] = []
+        self.secs: list[float] = []
+
+        def wrapped(*args, **kw):
+            op_tag = args[4] if len(args) > 4 else kw.get("op_tag", "all_to_all")
+            if not self.on or op_tag != "all_to_all.muon":
+                return self.real(*args, **kw)
+            box = []
+            d, t = wire_windows(lambda: box.append(self.real(*args, **kw)), barrier, reader, 1)
+            self.deltas += d
+            self.secs += t
+            return box[0]
+
+        comm.all_to_all_raw = wrapped
+
+
+def _rank(rank: int, world: int, port: int, out_dir: str, barrier, a) -> None:
     import torch.distributed as dist
 
     import train.parallel.dp as dp_mod
     from train.parallel import comm
+    from train.parallel.measure import wire_windows
     from train.parallel.rl_update import RLUpdater
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
@@ -153,9 +196,25 @@ def _rank(rank: int, world: int, port: int, out_dir: str, a) -> None:
             times.append(time.perf_counter() - t0)
         ns_times.append(ns.s)
         sent.append(sum(v[0] for k, v in t.by("tag/op").items() if k.startswith("muon.matrices/")))
+    # bytes on the wire: untimed steps with each Muon all-to-all in its own counter window
+    reader = rank == 0
+    wire = _WireTimer(comm, barrier, reader)
+    windows, window_s = [], []
+    for step in range(a.steps + 1, a.steps + 1 + a.wire_reps):
+        _shard_grads(up, step, world)
+        n0, s0 = len(wire.deltas), len(wire.secs)
+        wire.on = True
+        up.opt.step(1e-3, 0.0)
+        wire.on = False
+        windows.append(sum(wire.deltas[n0:]))
+        window_s.append(sum(wire.secs[s0:]))
+    comm.all_to_all_raw = wire.real
+    nap = statistics.median(window_s) if window_s else 0.0
+    idle = wire_windows(lambda: time.sleep(nap), barrier, reader, a.wire_reps)[0]
     sharded = sum(p.numel() for p, _, _, kind in up.opt.matrices if kind != "rep") * 4  # this rank's shards
     torch.save({"step_s": times[1:], "ns_s": statistics.median(ns_times[1:]), "sent": statistics.median(sent[1:]),
-                "sharded_bytes": sharded, "own": len(getattr(up.opt, "own", up.opt.matrices)), "matrices": len(up.opt.matrices)},
+                "sharded_bytes": sharded, "own": len(getattr(up.opt, "own", up.opt.matrices)), "matrices": len(up.opt.matrices),
+                "wire": windows if reader else [], "idle": idle, "calls": len(wire.secs)},
                os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -181,13 +240,18 @@ def sharded(a) -> dict:
 
     from train.parallel.comm import free_port
 
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo on the loopback interface, whose counter is read
+    ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_rank, args=(a.tsp, free_port(), d, a), nprocs=a.tsp, join=True)
+        mp.spawn(_rank, args=(a.tsp, free_port(), d, ctx.Barrier(a.tsp), a), nprocs=a.tsp, join=True)
         ranks = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(a.tsp)]
     D = a.tsp
+    r0 = ranks[0]
+    wire = (min(r0["wire"]) - min(r0["idle"] or [0])) if r0["wire"] else None  # all ranks, one step
     return {"step_s": statistics.median(max(x) for x in zip(*(r["step_s"] for r in ranks))),
             "ns_s": [round(r["ns_s"], 4) for r in ranks], "sent": [r["sent"] for r in ranks],
             "formula": 2 * (D - 1) / D ** 2 * D * ranks[0]["sharded_bytes"],  # W = D x a rank's shards
+            "wire": wire, "wire_windows": r0["wire"], "wire_idle": r0["idle"],
             "own": [r["own"] for r in ranks], "matrices": ranks[0]["matrices"]}
 
 
@@ -199,6 +263,8 @@ def main() -> None:
     ap.add_argument("--tsp", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--wire-reps", type=int, default=3,
+                    help="untimed steps after the timed ones whose Muon all-to-alls are measured on the wire")
     a = ap.parse_args()
     s = single(a)
     t = sharded(a)
@@ -206,9 +272,12 @@ def main() -> None:
         "single_step_s": round(s["step_s"], 4), "tsp_step_s": round(t["step_s"], 4),
         "step_speedup": round(s["step_s"] / t["step_s"], 3),
         "single_ns_s": round(s["ns_s"], 4), "tsp_ns_s": t["ns_s"], "ns_split": round(s["ns_s"] / max(t["ns_s"]), 3),
+        "muon_wire_bytes_per_rank": None if t["wire"] is None else round(t["wire"] / a.tsp),
+        "muon_wire_bytes_all_ranks": t["wire"], "muon_wire_windows_bytes": t["wire_windows"],
+        "muon_wire_idle_bytes": t["wire_idle"],
         "muon_sent_bytes_per_rank": t["sent"], "formula_bytes": round(t["formula"]),
         "owned_matrices": t["own"], "matrices": t["matrices"], "params": s["params"], "hidden": a.hidden,
-        "layers": a.layers, "tsp": a.tsp, "threads": a.threads, "steps": a.steps}))
+        "layers": a.layers, "tsp": a.tsp, "threads": a.threads, "steps": a.steps, "wire_reps": a.wire_reps}))
 
 
 if __name__ == "__main__":

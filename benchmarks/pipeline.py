@@ -13,6 +13,15 @@ Prints ONE JSON line: ``sync_steps_per_s``, ``async_steps_per_s``, ``async_speed
 fractions of the async run, the mean time of one rollout batch and one update in the sync run
 (the overlap can at best hide the shorter of the two), and the threads used.
 
+Both sides of every ceiling below are timed by this script the same way: wall clock around the
+trainer's ``collect()`` (the rollout) and around its ``train_on()`` (the update, with the engine's
+weight sync that follows it), in the synchronous run's warm steps (``sync_rollout_s``,
+``sync_train_s``: wrappers on that trainer's two methods, inside its timed ``step()`` calls) and in the
+split runs alike. Since this change ``sync_rollout_s`` and ``sync_train_s`` are these times; before it they
+were the trainer's own ``time_rollout_s`` and ``time_train_s`` (the latter without the weight sync, which the
+split side's update included), so the lending and any-mix ceilings below compared unlike times. The trainer's
+figures are kept beside them as ``sync_rollout_s_reported`` and ``sync_train_s_reported``.
+
     python benchmarks/pipeline.py                 # torch threads = 2 (the machine's cores)
     python benchmarks/pipeline.py --threads 1     # both runs on one intra-op thread
     python benchmarks/pipeline.py --servers 1     # async rollouts on a `cascade serve` process
@@ -215,9 +224,33 @@ def trainer(model_dir: Path, seed: int, new_tokens: int, engine=None, stop=(), *
     return RLTrainer(model, tok, engine or TorchEngine(copy.deepcopy(model), tok), cur, cfg)
 
 
+class SideTimes:
+    """Wall clock of each ``collect()`` and each ``train_on()`` (which ends with the engine's weight
+    sync) of trainer ``rl`` while installed, measured here: instance attributes in front of the two
+    methods, which ``rl.step()`` then calls. ``close()`` takes them away."""
+
+    def __init__(self, rl):
+        self.rl, self.rollout, self.update = rl, [], []
+
+        def timed_call(fn, into):
+            def call(*args, **kw):
+                t = time.perf_counter()
+                out = fn(*args, **kw)
+                into.append(time.perf_counter() - t)
+                return out
+            return call
+
+        rl.collect = timed_call(rl.collect, self.rollout)
+        rl.train_on = timed_call(rl.train_on, self.update)
+
+    def close(self) -> None:
+        del self.rl.collect, self.rl.train_on  # the class's methods again
+
+
 def step_apart(rl, rollout_threads: int, update_threads: int) -> tuple[float, float]:
     """(rollout s, update s) of one synchronous step, the rollout on ``rollout_threads`` intra-op
-    threads and the update on ``update_threads``, each alone on the machine."""
+    threads and the update on ``update_threads``, each alone on the machine; timed as
+    :class:`SideTimes` times them (around ``collect()``, and around ``train_on()`` with its weight sync)."""
     import torch
 
     torch.set_num_threads(rollout_threads)
@@ -272,7 +305,11 @@ def main() -> None:
         init_model("tiny-moe", Path(d), seed=a.seed)
         stop = stop_ids(Path(d), a.stop_tokens) if a.stop_tokens else []
         sync = trainer(Path(d), a.seed, a.new_tokens, stop=stop)
+        sides = SideTimes(sync)
         sync_sps, sync_ms = timed(sync.step, a.steps, a.warmup)
+        sides.close()
+        sync_r = statistics.mean(sides.rollout[a.warmup:])  # the warm steps, as sync_ms
+        sync_u = statistics.mean(sides.update[a.warmup:])
         apart_r = apart_u = None
         if not a.servers and a.threads >= 2:
             # what overlap can give at best on these cores: each side alone on its share of the threads
@@ -296,8 +333,6 @@ def main() -> None:
             pipe.close()
             if engine is not None:
                 engine.close()
-    sync_r = statistics.mean(m["time_rollout_s"] for m in sync_ms)
-    sync_u = statistics.mean(m["time_train_s"] for m in sync_ms)
     print(json.dumps({
         "sync_steps_per_s": round(sync_sps, 3), "async_steps_per_s": round(async_sps, 3),
         "async_speedup": round(async_sps / sync_sps, 3),
@@ -305,6 +340,9 @@ def main() -> None:
         "async_rollout_busy_frac": round(statistics.mean(m["rollout_busy_frac"] for m in async_ms), 3),
         "async_trainer_busy_frac": round(statistics.mean(m["trainer_busy_frac"] for m in async_ms), 3),
         "sync_rollout_s": round(sync_r, 3), "sync_train_s": round(sync_u, 3),
+        # the trainer's own figures, for reference only (time_train_s leaves out the weight sync)
+        "sync_rollout_s_reported": round(statistics.mean(m["time_rollout_s"] for m in sync_ms), 3),
+        "sync_train_s_reported": round(statistics.mean(m["time_train_s"] for m in sync_ms), 3),
         "sync_response_len_mean": round(statistics.mean(m["response_len"] for m in sync_ms), 1),
         "sync_truncated_frac": round(statistics.mean(m["truncated_frac"] for m in sync_ms), 3),
         "async_response_len_mean": round(statistics.mean(m["response_len"] for m in async_ms), 1),

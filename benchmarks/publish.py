@@ -14,7 +14,14 @@ and measures ``full_state_dict``:
 Memory is the kernel's count, outside the code under test: each rank resets its peak resident set
 (``/proc/self/clear_refs``) before a call and reads ``VmHWM`` after it; the figure is the peak's rise
 over the resident set before the call, in MB. One warm-up call of each kind first, then
-``--repeats`` (medians).
+``--repeats`` (medians). The ranks start with glibc's mmap threshold fixed at 4 KiB
+(``train.parallel.measure.MALLOC_ENV``, set before they are spawned, as ``benchmarks/parallel.py`` does), so
+freed tensors leave the resident set and a call's rise does not hide in heap pages an earlier call (an
+earlier kind: the kinds run in a fixed order) freed; and after the peak is reset every rank waits at a
+``dist.barrier()`` before its clock starts, so a rank that arrives first does not time its wait for the
+others. Since this change the figures are measured this way; the ones below were measured with glibc's
+adaptive mmap threshold and without the barrier (a rank's seconds could include its wait for the other
+rank, and its rise could be absorbed by pages freed earlier, as the closing note says).
 
 Prints ONE JSON line: per kind, the peak rise of rank 0 and of the largest other rank, their seconds,
 the model's bytes, and for a published version ``others_mem_ratio`` (the other ranks' peak rise, now
@@ -56,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import sys
@@ -72,12 +80,15 @@ def _hwm_kb(field: str = "VmHWM") -> int:
 
 
 def measured(fn):
-    """(seconds, peak resident-set rise in MB) of ``fn()`` in this process."""
+    """(seconds, peak resident-set rise in MB) of ``fn()`` in this process; every rank calls it together."""
     import gc
+
+    import torch.distributed as dist
 
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # the peak restarts at the current resident set
     before = _hwm_kb("VmRSS")
+    dist.barrier()  # the ranks start together: no rank times its wait for another
     t = time.perf_counter()
     out = fn()
     dt = time.perf_counter() - t
@@ -140,7 +151,9 @@ def main(argv=None) -> int:
     import torch.multiprocessing as mp
 
     from train.parallel.comm import free_port
+    from train.parallel.measure import MALLOC_ENV
 
+    os.environ.update(MALLOC_ENV)  # read by glibc when the ranks start (a fixed mmap threshold)
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
     world = a.dp * a.tsp

@@ -6,9 +6,21 @@ aggregate its own candidates?
     python benchmarks/rsa_learning.py --fraction 0.5 --rl-steps 80   # another share of aggregation prompts
 
 Prints ONE JSON line per seed (every figure for both policies), then ONE summary line: medians over seeds
-``agg.single_acc``, ``agg.majority_acc``, ``agg.rsa_acc``, ``ablation.*`` (also ``*.rsa_majority_acc``,
-``*.pass_at_n``), ``rsa_gain_points`` (agg rsa - agg single, points; per seed too), ``rsa_vs_ablation_points``
-(agg rsa - ablation rsa) and ``goal_met`` (gain >= 10 points and agg rsa > ablation rsa, on the medians).
+``agg.single_acc``, ``agg.majority_acc``, ``agg.rsa_acc``, ``agg.rsa_acc_no_rescue``, ``ablation.*`` (also
+``*.rsa_majority_acc``, ``*.pass_at_n``), ``rsa_gain_points`` (agg rsa - agg single, points; per seed too, and
+``rsa_gain_points_min``, the min over seeds), ``rsa_gain_points_no_rescue`` (agg rsa_acc_no_rescue - agg single;
+per seed and min too), ``rsa_vs_ablation_points`` (agg rsa - ablation rsa; per seed, and ``_min``) and
+``goal_met``: the median over seeds of the per-seed ``rsa_gain_points_no_rescue`` >= 10 and the median over
+seeds of the per-seed ``rsa_vs_ablation_points`` > 0 (medians of per-seed differences, not differences of
+medians). ``goal_met_with_rescue`` is the same test on ``rsa_gain_points``.
+
+``rsa_acc`` grades the final round as RSA returns it: a final-round trace cut at beta gets ``force_answer``
+and up to ``final_budget`` more tokens (the rescue), while round 0 (``single_acc``, ``majority_acc``) is graded
+as it stopped at beta, with no rescue, so ``rsa_gain_points`` leans toward RSA. ``rsa_acc_no_rescue`` grades
+each final-round trace's text as it was at beta (``Candidate.text``, kept beside the rescued
+``final_text``), as round 0 is: no extra generation. ``final_rescued`` counts the final-round traces that got
+the rescue. Since this change ``goal_met`` tests ``rsa_gain_points_no_rescue``; before it, the figures below
+tested ``rsa_gain_points`` (what ``goal_met_with_rescue`` now gives).
 
 Per seed (one process each, ``--jobs`` at once; one intra-op thread): a fresh ``tiny-dense`` policy is
 SFT'd on the task's reference traces (a fixed think block, then ``The answer is \\boxed{d}.``: about 24
@@ -142,18 +154,25 @@ def rsa_eval(engine, tok, held, args, template) -> dict:
     """Markovian RSA on every held-out problem: single-sample accuracy (round 0's mean over N),
     majority vote over round 0's N, and RSA's accuracy (mean over the final round's N)."""
     from ttc.backends import EngineBackend
-    from ttc.rsa import MarkovianRSA, RSAConfig
+    from ttc.rsa import MarkovianRSA, RSAConfig, extract_answer
 
     cfg = RSAConfig(population=args.population, aggregate=args.aggregate, rounds=args.rounds, budget=args.budget,
                     tail=args.tail, final_budget=args.final_budget, seed=args.seed + 5)
     rsa = MarkovianRSA(EngineBackend(engine, tok), cfg, template, grader="exact")
+    fmt = rsa.template.answer_format
     single, major, final, final_major, pass_n, round1, reach, cut, gen = [], [], [], [], [], [], [], 0, 0
+    final_plain, rescued = [], 0
     for _, p in held:
-        r = rsa.run(p.prompt, gold=str(p.answer), problem_key=p.prompt)
+        gold = str(p.answer)
+        r = rsa.run(p.prompt, gold=gold, problem_key=p.prompt)
         m = r.metrics
         single.append(m["round_accuracy"][0])
         major.append(m["round_majority_accuracy"][0])
         final.append(m["mean_accuracy"])
+        # the final round graded as round 0 is: each trace as it stopped at beta, before any rescue
+        # (force_answer + final_budget tokens), which RSA keeps in ``text`` beside ``final_text``
+        final_plain.append(_mean(rsa.grader(extract_answer(c.history_text + c.text, fmt), gold) for c in r.final))
+        rescued += sum(c.final_text is not None for c in r.final)
         final_major.append(m["majority_accuracy"])
         pass_n.append(m["round_pass_at_k"][0][str(args.population)])
         if args.rounds:
@@ -163,9 +182,10 @@ def rsa_eval(engine, tok, held, args, template) -> dict:
         cut += sum(c.finish_reason == "length" for rnd in r.rounds for c in rnd)
         gen += m["generated_tokens"]
     return {"single_acc": _r(single), "majority_acc": _r(major), "rsa_acc": _r(final),
+            "rsa_acc_no_rescue": _r(final_plain),
             "rsa_majority_acc": _r(final_major), "pass_at_n": _r(pass_n), "round1_acc": _r(round1),
             "round1_shown_a_correct_tail": _r(reach),
-            "cut_at_budget": cut, "generated_tokens": gen}
+            "cut_at_budget": cut, "final_rescued": rescued, "generated_tokens": gen}
 
 
 def run(args) -> dict:
@@ -254,6 +274,10 @@ def run(args) -> dict:
                      "rl_reward_last10": round(sum(rewards[-k:]) / k, 4) if rewards else None,
                      "seconds_rl": round(t_rl, 1), "seconds_eval": round(time.perf_counter() - t1 - t_rl, 1)}
         log(f"seed {args.seed} {name}: {out[name]}")
+    if "agg" in out:  # per seed; the summary line has them per seed too
+        a = out["agg"]
+        out["rsa_gain_points"] = round(100 * (a["rsa_acc"] - a["single_acc"]), 1)
+        out["rsa_gain_points_no_rescue"] = round(100 * (a["rsa_acc_no_rescue"] - a["single_acc"]), 1)
     out.update({"rl_steps": args.rl_steps, "prompts_per_step": args.prompts_per_step, "group_size": args.group_size,
                 "held_out_problems": len(held), "template": args.template,
                 "rsa": {"N": args.population, "C": args.aggregate, "T": args.rounds, "budget": args.budget,
@@ -289,7 +313,7 @@ def run_seeds(args) -> list[dict]:
     return results
 
 
-FIGURES = ("single_acc", "majority_acc", "rsa_acc", "rsa_majority_acc", "pass_at_n")
+FIGURES = ("single_acc", "majority_acc", "rsa_acc", "rsa_acc_no_rescue", "rsa_majority_acc", "pass_at_n")
 
 
 def summarize(results: list[dict], seconds: float) -> dict:
@@ -300,12 +324,21 @@ def summarize(results: list[dict], seconds: float) -> dict:
         for f in FIGURES:
             out[f"{pol}.{f}"] = med([r[pol][f] for r in results])
     gain = [100 * (r["agg"]["rsa_acc"] - r["agg"]["single_acc"]) for r in results]
+    plain = [100 * (r["agg"]["rsa_acc_no_rescue"] - r["agg"]["single_acc"]) for r in results]
     vs = [100 * (r["agg"]["rsa_acc"] - r["ablation"]["rsa_acc"]) for r in results]
     out.update({"rsa_gain_points": round(statistics.median(gain), 1),
+                "rsa_gain_points_min": round(min(gain), 1),
                 "rsa_gain_points_per_seed": [round(g, 1) for g in gain],
+                "rsa_gain_points_no_rescue": round(statistics.median(plain), 1),
+                "rsa_gain_points_no_rescue_min": round(min(plain), 1),
+                "rsa_gain_points_no_rescue_per_seed": [round(g, 1) for g in plain],
                 "rsa_vs_ablation_points": round(statistics.median(vs), 1),
+                "rsa_vs_ablation_points_min": round(min(vs), 1),
                 "rsa_vs_ablation_points_per_seed": [round(v, 1) for v in vs]})
-    out["goal_met"] = bool(out["rsa_gain_points"] >= 10 and out["rsa_vs_ablation_points"] > 0)
+    # medians over seeds of the per-seed differences; the gain graded without the final round's rescue,
+    # as round 0 is (goal_met_with_rescue: the same test on the rescued rsa_acc, goal_met before this change)
+    out["goal_met"] = bool(out["rsa_gain_points_no_rescue"] >= 10 and out["rsa_vs_ablation_points"] > 0)
+    out["goal_met_with_rescue"] = bool(out["rsa_gain_points"] >= 10 and out["rsa_vs_ablation_points"] > 0)
     out["seconds_wall"] = round(seconds, 1)
     return out
 
