@@ -1,5 +1,5 @@
-"""The RL loop: curriculum -> engine rollouts -> verify -> gates -> advantages -> dynamic sampling
--> policy loss -> optimizer step -> weight sync -> curriculum update.
+"""The RL loop: curriculum -> engine rollouts -> verify -> curriculum update -> gates -> dynamic sampling
+-> advantages -> policy loss -> optimizer step -> weight sync (every ``sync_every`` steps).
 
 Each arrow is a plain call on plain data (see cascade/docs/DESIGN.md). One :class:`RLTrainer` holds the policy,
 its optimizer, an engine, a curriculum and the run's RNG; ``step()`` does one RL step and returns
