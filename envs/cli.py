@@ -181,7 +181,9 @@ def _check(args) -> int:
             if len(r.failures) > 10:
                 print(f"     ... and {len(r.failures) - 10} more")
     dt = time.perf_counter() - t0
-    if not args.no_record and not any(":" in i for i in ids):
+    if kwargs and not args.no_record:  # caps belong to an id as get_env builds it by default
+        print(f"difficulty caps not recorded: measured with constructor arguments {kwargs}")
+    elif not args.no_record and not any(":" in i for i in ids):
         from envs import caps as _caps
 
         before = _caps.load_caps(args.caps)

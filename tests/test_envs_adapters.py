@@ -82,6 +82,33 @@ def test_cli_check_records_the_cap(tmp_path, capsys):
     assert json.loads(caps_file.read_text())["test/slow_gen"]["max_difficulty"] == 1
 
 
+class _SlowGenFrom(_SlowGen):
+    """Slow from difficulty ``slow_from`` (2 by default)."""
+
+    def __init__(self, slow_from: int = 2):
+        self.slow_from = int(slow_from)
+
+    def generate(self, seed, difficulty):
+        return super().generate(seed, 2 if difficulty >= self.slow_from else 0)
+
+
+def test_cli_check_does_not_record_caps_measured_with_constructor_arguments(tmp_path, capsys):
+    """A cap measured on an environment built with --arg is not the id's (get_env builds it with the
+    defaults): not recorded, and said so."""
+    from envs import base
+
+    caps_file = tmp_path / "caps.json"
+    register("test/slow_gen_from")(_SlowGenFrom)
+    try:
+        assert envs_main(["check", "test/slow_gen_from", "--difficulties", "0-1", "--seeds", "1", "--gen-limit", "0.5",
+                          "--arg", "slow_from=1", "--caps", str(caps_file)]) == 0
+    finally:
+        base._REGISTRY.pop("test/slow_gen_from", None)
+    out = capsys.readouterr().out
+    assert "capped at difficulty 0" in out and "caps not recorded: measured with constructor arguments" in out
+    assert not caps_file.exists()
+
+
 def test_run_time_bound_falls_back_to_a_lower_level():
     env = _SlowGen()
     bound_generate(env, 0.3)
