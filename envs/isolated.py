@@ -14,9 +14,10 @@ a policy writes. An environment with :class:`IsolatedCheck` therefore verifies i
    package);
 2. the score (``check_with``), within ``verify_time_limit``, where the packages' own calls of the builtin
    ``eval`` get :func:`safe_eval`, which evaluates literals and arithmetic only (no names but data
-   constants, no calls, no attributes; integers and sequences of bounded size), and the code sympy's parser
-   makes of a text (``sympify``, ``parse_expr``: Python, evaluated with every builtin in scope) must pass
-   :func:`check_sympy_code` (calls of sympy's mathematics only) before it is evaluated.
+   constants, no calls, no attributes, no ``%``-formatting of strings; integers and sequences of bounded
+   size, and no operation that could make a far larger one before its size is checked), and the code
+   sympy's parser makes of a text (``sympify``, ``parse_expr``: Python, evaluated with every builtin in
+   scope) must pass :func:`check_sympy_code` (calls of sympy's mathematics only) before it is evaluated.
 
 A worker that misses a deadline is killed, and the response scores zero (``reason``: the verifier did not
 finish); an exception in the scorer is a zero score with the error, as in-process. Where bubblewrap is
@@ -83,6 +84,10 @@ def _binop(op: type, a: Any, b: Any) -> Any:
         raise ValueError(f"safe_eval: a power of more than {MAX_INT_BITS} bits")
     if op is ast.LShift and isinstance(b, int) and b > MAX_INT_BITS:
         raise ValueError(f"safe_eval: a shift by more than {MAX_INT_BITS} bits")
+    if op is ast.Mod and isinstance(a, (str, bytes)):
+        # printf-style formatting: its width and precision ("%*d" % (1 << 34, 7), "%999999999d" % 1)
+        # would make the value before its size could be checked
+        raise ValueError("safe_eval: %-formatting of a string is not allowed (its size is not bounded)")
     if op is ast.Mult:
         for seq, k in ((a, b), (b, a)):
             if isinstance(seq, (str, bytes, list, tuple)) and isinstance(k, int) and len(seq) * k > MAX_ITEMS:
@@ -93,9 +98,10 @@ def _binop(op: type, a: Any, b: Any) -> Any:
 def safe_eval(source: Any, globals: dict | None = None, locals: dict | None = None,  # noqa: A002
               _depth: int = 1) -> Any:
     """``eval`` of literals and arithmetic only: numbers, strings, lists, tuples, dicts and sets of them,
-    unary, binary (``**`` and ``<<`` bounded), boolean and comparison operators, subscripts, and names that
-    hold data (``True``/``False``/``None``/``nan``/``inf``, or data values of the given or calling scope).
-    Anything else (a call, an attribute, a lambda, a comprehension, a code object) is a ``ValueError``."""
+    unary, binary (``**``, ``<<`` and sequence repetition bounded before they run; ``%``-formatting of a
+    string refused), boolean and comparison operators, subscripts, and names that hold data
+    (``True``/``False``/``None``/``nan``/``inf``, or data values of the given or calling scope). Anything
+    else (a call, an attribute, a lambda, a comprehension, a code object) is a ``ValueError``."""
     if not isinstance(source, (str, bytes)):
         raise ValueError("safe_eval: only expression strings")
     scopes = [s for s in (locals, globals) if s is not None]

@@ -115,3 +115,21 @@ def test_a_scorer_that_never_returns_is_stopped():
     # the same answers score the same in this process
     env.isolate = False
     assert env.verify(p, env.reference_response(p)).correct and not env.verify(p, "<answer>7</answer>").correct
+
+
+def test_safe_eval_refuses_string_formatting_before_it_allocates():
+    """``%``-formatting takes its width from the operands ("%*d" % (1 << 34, 7) is 16 GiB): refused
+    before it runs, not measured after (tracemalloc sees every allocation of the string)."""
+    import tracemalloc
+
+    for src in ('"%*d" % (1 << 26, 7)', 'b"%*d" % (1 << 26, 7)', '"%99999999d" % 1', '"%.99999999d" % 1',
+                '"%s" % "x"'):
+        tracemalloc.start()
+        try:
+            with pytest.raises(ValueError, match="safe_eval"):
+                safe_eval(src)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 1 << 20, (src, peak)
+    assert safe_eval("7 % 3") == 1 and safe_eval("-7.5 % 2") == 0.5  # arithmetic % still works

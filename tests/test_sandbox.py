@@ -390,7 +390,36 @@ def test_detection_without_bwrap(monkeypatch):
 
 def test_seccomp_filter_shape():
     bpf = sbx.seccomp_filter()
-    assert bpf is not None and len(bpf) % 8 == 0 and len(bpf) // 8 == 10
+    assert bpf is not None and len(bpf) % 8 == 0 and len(bpf) // 8 == 14
+
+
+KEYS = r"""
+import ctypes, os, platform, sys
+libc = ctypes.CDLL(None, use_errno=True)
+add_key, request_key, keyctl = {nrs}
+USER_KEYRING, KEYCTL_SEARCH, KEYCTL_READ = -4, 10, 11
+if sys.argv[1] == "write":
+    r = libc.syscall(add_key, b"user", b"cascade-leak-{tag}", b"left by run 1", 13, USER_KEYRING)
+else:
+    r = libc.syscall(keyctl, KEYCTL_SEARCH, USER_KEYRING, b"user", b"cascade-leak-{tag}", 0)
+    if r >= 0:
+        buf = ctypes.create_string_buffer(64)
+        print("READ", buf.raw[:libc.syscall(keyctl, KEYCTL_READ, r, buf, 64)])
+print(r, ctypes.get_errno(), libc.syscall(request_key, b"user", b"cascade-leak-{tag}", None, 0), ctypes.get_errno())
+"""
+
+
+@pytest.mark.skipif(LAYERS["seccomp"] is not None, reason=f"needs the seccomp layer: {LAYERS['seccomp']}")
+def test_kernel_keyrings_are_refused(sb):
+    """Keyrings belong to the uid, not to a namespace: a key one run stored would be there for a
+    later run, in a later start. The seccomp filter refuses the keyring calls (EPERM)."""
+    nrs = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}[sbx.platform.machine()]
+    prog = KEYS.format(nrs=nrs, tag=uuid.uuid4().hex[:8])
+    w = sb.run_many({"k.py": prog}, [sbx.Run("k.py", args=("write",))])[0]
+    r = sb.run_many({"k.py": prog}, [sbx.Run("k.py", args=("read",))])[0]  # a second start
+    assert w.status == r.status == "ok", (w.stderr, r.stderr)
+    assert w.stdout.split() == ["-1", "1", "-1", "1"], w.stdout  # EPERM, for add_key and request_key
+    assert "READ" not in r.stdout and r.stdout.split() == ["-1", "1", "-1", "1"], r.stdout
 
 
 def test_classify_rules():
@@ -413,3 +442,130 @@ def test_parallel_runs_from_threads(sb):
     with ThreadPoolExecutor(4) as ex:
         vs = list(ex.map(lambda i: sb.run(f"print({i} * {i})"), range(12)))
     assert [v.stdout.strip() for v in vs] == [str(i * i) for i in range(12)]
+
+
+THREADS = r"""
+import threading, time
+n = 1  # this one
+try:
+    for _ in range(100):
+        threading.Thread(target=time.sleep, args=(0.5,), daemon=True).start()
+        n += 1
+except RuntimeError:
+    pass
+print(n)
+"""
+
+
+@pytest.mark.skipif(LAYERS["cgroup_pids"] is not None, reason=f"needs a pids cgroup: {LAYERS['cgroup_pids']}")
+def test_a_run_gets_exactly_max_processes_tasks():
+    """The start's own tasks (bwrap, its pid 1, the supervisor) are not taken from the run's budget."""
+    s = Sandbox(SandboxConfig(**{**CFG.__dict__, "max_processes": 8}))
+    v = s.run(THREADS)
+    assert v.status == "ok" and v.stdout.split() == ["8"] and "processes" in v.limits_hit, (v.stdout, v.stderr)
+
+
+@pytest.mark.skipif(LAYERS["cgroup_pids"] is not None or os.getuid() != 0,
+                    reason="needs a pids cgroup, and root to run a process as the sandbox uid")
+def test_other_processes_of_the_uid_do_not_count_against_a_run(sb):
+    """RLIMIT_NPROC counts every process of the uid on the host (every start of the uid): with the pids
+    cgroup capping each run, a run is not refused threads because other tasks of its uid exist."""
+    import subprocess
+
+    try:
+        py = sbx._weak_python(*sbx._python_install(CFG))[0]  # one the sandbox uid may run
+    except sbx.SandboxError as e:
+        pytest.skip(str(e))
+    hog = ("import _thread, sys, time\n_thread.stack_size(1 << 16)\n"
+           "for _ in range(600):\n    _thread.start_new_thread(time.sleep, (30,))\n"
+           "print('up', flush=True)\nsys.stdin.read()\n")
+    p = subprocess.Popen([py, "-S", "-c", hog], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                         user=UID, group=UID, extra_groups=[], cwd="/")
+    try:
+        assert p.stdout.readline().strip() == "up"
+        v = sb.run(THREADS.replace("range(100)", "range(4)"))
+    finally:
+        p.kill()
+        p.wait()
+        p.stdin.close()
+        p.stdout.close()
+    assert v.status == "ok" and v.stdout.split() == ["5"], (v.stdout, v.stderr)
+
+
+OOM_AFTER_CPU = r"""
+import os, time
+r, w = os.pipe()
+for _ in range(2):  # children that use CPU (together past the CPU limit of 1 s) and some memory, then wait
+    if os.fork() == 0:
+        t = time.process_time()
+        while time.process_time() - t < 0.6:
+            pass
+        b = bytearray(40 << 20)
+        for i in range(0, len(b), 4096):
+            b[i] = 1
+        os.write(w, b"x")
+        time.sleep(10)
+        os._exit(0)
+os.read(r, 1), os.read(r, 1)
+for i in range(4):  # files in /tmp: memory of the cgroup, nobody's to kill
+    with open(f"/tmp/f{i}", "wb") as f:
+        f.write(b"x" * (15 << 20))
+chunks = []
+while True:  # then this process grows past the cgroup's memory (under its own address-space limit)
+    c = bytearray(1 << 20)
+    for i in range(0, len(c), 4096):
+        c[i] = 1
+    chunks.append(c)
+"""
+
+
+@pytest.mark.skipif(LAYERS["cgroup_memory"] is not None, reason=f"needs a memory cgroup: {LAYERS['cgroup_memory']}")
+def test_an_oom_kill_is_a_memory_limit_not_a_time_limit():
+    """The OOM killer's SIGKILL of the first process is not its CPU limit's, though the run's processes
+    together used more CPU than that limit (RLIMIT_CPU counts each process alone)."""
+    s = Sandbox(SandboxConfig(**{**CFG.__dict__, "memory_mb": 160, "time_limit": 4.0, "cpu_time_limit": 1.0}))
+    v = s.run(OOM_AFTER_CPU)
+    assert v.status == "memory_limit" and v.signal == 9 and v.limits_hit == ["memory"], (v.limits_hit, v.stderr)
+    assert v.cpu_time >= 1.0  # the run's CPU, all processes
+
+
+ESCAPING_DAEMON = """
+import os, sys, time
+if os.fork() == 0:
+    os.setsid()  # out of the process group
+    if os.fork() == 0:
+        time.sleep(1.5)
+        open(sys.argv[2], "w").write("late")
+        os._exit(0)
+    os._exit(0)
+print("42", flush=True)
+if sys.argv[1] == "hang":
+    time.sleep(30)
+"""
+
+
+def test_weaker_mode_kills_what_left_the_process_group(monkeypatch):
+    """Without bwrap or a cgroup, a daemon (setsid, double fork) of the run neither outlives it nor holds
+    its pipes open: a correct program is not a time limit, and nothing of the run writes after it."""
+    import shutil
+    import tempfile
+
+    monkeypatch.setattr(sbx, "_bwrap", lambda: None)
+    monkeypatch.setattr(sbx, "_cgroup_bases", lambda cfg: {})
+    layers = sbx._probe(CFG)
+    weak = Sandbox(SandboxConfig(**{**CFG.__dict__, "allow_weaker": True}), _layers=layers)
+    d = tempfile.mkdtemp(prefix="cascade-weak-")
+    os.chmod(d, 0o777)
+    try:
+        t = time.monotonic()
+        v = weak.run(ESCAPING_DAEMON, args=["exit", f"{d}/a"], time_limit=1.2)
+        took = time.monotonic() - t
+        assert v.status == "ok" and v.stdout == "42\n" and v.wall_time < 1.0, (v.status, v.limits_hit, v.wall_time)
+        assert took < 1.0  # (it used to wait for the daemon's pipes until the wall limit)
+        t = time.monotonic()
+        v = weak.run(ESCAPING_DAEMON, args=["hang", f"{d}/b"], time_limit=0.5)
+        assert v.status == "time_limit" and v.limits_hit == ["wall_time"] and time.monotonic() - t < 2.0
+        time.sleep(1.2)
+        assert os.listdir(d) == []  # the daemons were killed with their runs
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

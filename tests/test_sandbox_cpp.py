@@ -405,3 +405,53 @@ def test_refused_up_front_without_a_usable_compiler_or_exec_dir(sb, monkeypatch)
     assert nocxx.run("print(1)").stdout == "1\n"  # Python needs no compiler
     with pytest.raises(ValueError, match="unknown language"):
         sb.run("x", language="rust")
+
+
+SIGNALS = r"""
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <unistd.h>
+int main(int argc, char** argv) {
+    std::string cmd = argc > 1 ? argv[1] : "";
+    if (cmd == "ignored") {  // the signals ignored at the start, as the kernel has them
+        FILE* f = fopen("/proc/self/status", "r");
+        char line[256];
+        while (fgets(line, sizeof line, f)) if (!strncmp(line, "SigIgn:", 7)) fputs(line + 7, stdout);
+        return 0;
+    }
+    if (cmd == "big") {  // past the 1 MiB file-size limit
+        FILE* g = fopen("/tmp/big", "w");
+        static char buf[1 << 20];
+        size_t n = 0;
+        for (int i = 0; i < 4; i++) n += fwrite(buf, 1, sizeof buf, g);
+        fflush(g);
+        printf("wrote %zu\n", n);
+        return 0;
+    }
+    int p[2];  // a write to a pipe nobody reads
+    pipe(p);
+    close(p[0]);
+    printf("write %zd\n", write(p[1], "x", 1));
+    return 0;
+}
+"""
+
+
+def test_binaries_get_sigpipe_and_sigxfsz_at_their_defaults():
+    """Python ignores SIGPIPE and SIGXFSZ, and an ignored signal stays ignored across execve: a C++
+    program must not inherit that (a write past the file-size limit would go unreported)."""
+    s = Sandbox(SandboxConfig(**{**CFG.__dict__, "file_size_mb": 1}))
+    vs = s.run_many({"s.cpp": SIGNALS}, [Run("s.cpp", args=(c,), language="cpp") for c in ("ignored", "big", "pipe")])
+    ign, big, pipe = vs
+    assert ign.status == "ok" and int(ign.stdout, 16) & (1 << 12 | 1 << 24) == 0, ign.stdout  # bits of 13, 25
+    assert big.status == "killed" and big.signal == 25 and big.limits_hit == ["file_size"], (big.stdout, big.limits_hit)
+    assert pipe.status == "killed" and pipe.signal == 13 and pipe.stdout == "", pipe.stdout
+
+
+def test_a_compile_cut_by_the_deadline_says_so(sb):
+    """A compile stopped because the session's time ran out did not exceed the compile time limit."""
+    v = sb.run_many({"m.cpp": "#include <bits/stdc++.h>\nint main() { std::cout << 1; }\n"},
+                    [Run("m.cpp", language="cpp")], deadline=time.monotonic() + 0.3)[0]
+    assert v.status == "compile_error" and v.compile["limits_hit"] == ["total_time"], v.compile
+    assert "the session's time ran out" in v.stderr and "exceeded the compile time limit" not in v.stderr, v.stderr

@@ -228,3 +228,112 @@ def test_every_process_of_a_start_is_in_its_cgroup(sb):
             assert tree <= {int(x) for x in open(f).read().split()}, f
     finally:
         cell.close()
+
+
+SETS_AND_BIG_INTS = """
+def primes(n):
+    return {p for p in range(2, n) if all(p % d for d in range(2, p))}
+def pairs(n):
+    return frozenset((i, -i) for i in range(n))
+def fact(n):
+    r = 1
+    for i in range(2, n + 1):
+        r *= i
+    return r
+"""
+
+
+def test_function_results_sets_and_long_integers_compare_as_values(sb):
+    """A returned set is sorted by value (not by repr: [11, 2, 3, ...]) and compared as a set when a set
+    is expected; an integer past Python's 4300-digit conversion limit comes back whole."""
+    import math
+
+    tests = [{"fn": "primes", "args": [12], "expected": [2, 3, 5, 7, 11]},
+             {"fn": "primes", "args": [12], "expected": {2, 3, 5, 7, 11}},
+             {"fn": "pairs", "args": [3], "expected": {(0, 0), (1, -1), (2, -2)}},
+             {"fn": "fact", "args": [2000], "expected": math.factorial(2000)},
+             {"fn": "primes", "args": [12], "expected": {2, 3, 5, 7}},
+             {"fn": "fact", "args": [2000], "expected": math.factorial(2000) + 1}]
+    j = Judge(sb).judge(SETS_AND_BIG_INTS, tests)
+    assert [r.status for r in j.results] == ["accepted"] * 4 + ["wrong_answer"] * 2, \
+        [(r.status, r.detail) for r in j.results]
+
+
+FAKE_RESULT = """
+import sys, os
+def f(x):
+    nonce = sys._getframe(1).f_locals["nonce"]   # the harness's own local
+    sys.stdout.write("\\n" + nonce + {payload} + "\\n")
+    sys.stdout.flush()
+    os._exit(0)
+"""
+
+
+def test_a_result_line_the_host_cannot_parse_is_a_verdict_not_a_crash(sb):
+    """A program may write a result line of its own (it can read the nonce); one the host's JSON parser
+    refuses (an integer of a million digits, nesting 100000 deep) is the test's runtime error."""
+    for payload in ("'1' * 1000000", "'[' * 100000", "'{'"):
+        j = Judge(sb).judge(FAKE_RESULT.format(payload=payload), [{"fn": "f", "args": [1], "expected": 1}])
+        assert j.status == "runtime_error" and j.results[0].detail.startswith("result not"), j.results[0]
+
+
+POOL = """
+import sys
+from multiprocessing import Pool
+def sq(x):
+    return x * x
+if __name__ == "__main__":
+    with Pool(2) as p:
+        print(sum(p.map(sq, range(int(sys.stdin.read())))))
+"""
+
+SHM = r"""
+import os, sys
+if sys.argv[1] == "fill":  # /dev/shm is capped at tmpfs_mb
+    n = 0
+    try:
+        for i in range(64):
+            with open(f"/dev/shm/f{i}", "wb") as f:
+                for _ in range(8):
+                    f.write(b"x" * (1 << 20))
+                    f.flush()
+                    n += 1
+    except OSError as e:
+        print("stopped", e.errno)
+    print(n)
+elif sys.argv[1] == "write":
+    open("/dev/shm/left", "w").write("x")
+    print(oct(os.stat("/dev/shm").st_mode & 0o7777))
+else:
+    print(os.listdir("/dev/shm"))
+"""
+
+
+def test_multiprocessing_works_and_dev_shm_is_private_capped_and_emptied(sb):
+    """/dev/shm is a private tmpfs (1777, capped like /tmp) where multiprocessing's semaphores live; what one
+    run leaves there is gone for the next."""
+    capped = sb._bwrap_has_size()  # (an old bwrap without --size: the cgroup alone bounds it)
+    runs = [Run("pool.py", "10"), Run("shm.py", args=("write",)), Run("shm.py", args=("list",))]
+    runs += [Run("shm.py", args=("fill",)), Run("shm.py", args=("list",))] if capped else []
+    vs = sb.run_many({"pool.py": POOL, "shm.py": SHM}, runs)
+    assert [v.status for v in vs] == ["ok"] * len(runs), [v.stderr[-300:] for v in vs]
+    assert vs[0].stdout == "285\n"
+    assert vs[1].stdout == "0o1777\n" and vs[2].stdout == "[]\n"
+    if capped:
+        stopped, n = vs[3].stdout.split("\n")[:2]
+        assert stopped == "stopped 28" and CFG.tmpfs_mb - 2 <= int(n) <= CFG.tmpfs_mb, vs[3].stdout  # ENOSPC
+        assert vs[4].stdout == "[]\n"
+
+
+def test_a_run_cut_by_the_total_budget_says_so(sb):
+    """A test cut short by total_timeout did not exceed its own time limit: limits_hit names total_time."""
+    prog = "import time\ntime.sleep(0.9)\nprint(input())\n"
+    j = Judge(sb).judge(prog, [{"input": "1", "output": "1"}, {"input": "2", "output": "2"}, {"input": "3", "output": "3"}],
+                        time_limit=2.0, total_timeout=1.5)
+    first, cut, skipped = j.results
+    assert first.status == "accepted" and skipped.status == "skipped", j.results
+    assert cut.status == "time_limit" and cut.detail.startswith("out of total time"), cut
+    assert cut.verdict["limits_hit"] == ["total_time"] and cut.time < 1.0
+    v = sb.run_many({"m.py": "import time\ntime.sleep(5)\n"}, [Run("m.py", time_limit=3.0)],
+                    deadline=time.monotonic() + 0.5)[0]
+    assert v.status == "time_limit" and v.limits_hit == ["total_time"]

@@ -13,7 +13,13 @@ Three kinds of test (a dict each; the kind is read from its keys):
   tolerant), numbers within ``float_tol`` when it is set.
 - function call: ``{"fn": name, "args": [...], "kwargs": {...}, "expected": value}``; a harness
   inside the sandbox loads the program as a module, calls the function and prints the JSON of
-  the return value after a per-run nonce (so the program cannot fake the result line).
+  the return value after a per-run nonce (so that what the program prints itself is never taken
+  for the result). The program runs in the harness's process, so one written to cheat can read the
+  nonce from the harness's frame and print a result line of its own; that gains it nothing it could
+  not have by returning the value, since the expected value never enters the sandbox. Sets (and
+  frozensets) come back as sorted lists, and an expected set is compared as a set; integers of any
+  size come back whole (the host parses at most ``MAX_RESULT_DIGITS`` digits of integers longer
+  than Python's default string-conversion limit, 4300 digits, per result).
 - assertion (HumanEval style): ``{"code": str}``; the test code runs after the program in the
   same namespace; the test passes when it finishes (the harness prints the nonce at the very end,
   so a program that merely calls ``exit(0)`` early does not pass). The tests run in the program's own
@@ -27,7 +33,9 @@ but the one running (expected outputs never enter it). Tests run one after anoth
 no process, file or global of one test is left for the next.
 
 Verdicts per test: accepted, wrong_answer, time_limit, memory_limit, runtime_error,
-output_limit, compile_error (C++), and skipped (not run: stopped early or out of total time).
+output_limit, compile_error (C++), and skipped (not run: stopped early or out of total time). A
+test cut short by ``total_timeout`` while it ran is a time_limit whose ``detail`` says so (its
+verdict's ``limits_hit``: ``total_time``, not ``wall_time``).
 """
 from __future__ import annotations
 
@@ -41,7 +49,7 @@ from typing import Any
 from envs.code.sandbox import Run, Sandbox, SandboxConfig, Verdict, default_sandbox
 
 __all__ = ["TestCase", "TestResult", "Judgement", "Judge", "compare_output", "compare_values",
-           "TEST_STATUSES", "load_tests"]
+           "TEST_STATUSES", "load_tests", "parse_result"]
 
 TEST_STATUSES = ("accepted", "wrong_answer", "time_limit", "memory_limit", "runtime_error",
                  "output_limit", "compile_error", "skipped")
@@ -50,6 +58,8 @@ _SANDBOX_TO_TEST = {"time_limit": "time_limit", "memory_limit": "memory_limit",
                     "output_limit": "output_limit", "runtime_error": "runtime_error",
                     "killed": "runtime_error", "compile_error": "compile_error"}
 _SOURCE = {"python": "main.py", "cpp": "main.cpp"}
+MAX_RESULT_DIGITS = 100_000   # digits of long integers (over 4300 digits each) parsed per result line
+_PLAIN_INT_DIGITS = 4000      # within Python's default int/str conversion limit (4300)
 
 
 @dataclass
@@ -167,8 +177,44 @@ def compare_output(got: str, expected: str, float_tol: float | None = None) -> b
     return True
 
 
+def _frozen(v: Any) -> Any:
+    """A hashable form of a JSON-like value, equal where :func:`compare_values` (without a
+    tolerance) finds equality: lists and tuples alike, bools apart from numbers."""
+    if isinstance(v, bool):
+        return (bool, v)
+    if isinstance(v, (list, tuple)):
+        return (list, tuple(_frozen(x) for x in v))
+    if isinstance(v, (set, frozenset)):
+        return (set, frozenset(_frozen(x) for x in v))
+    if isinstance(v, dict):
+        return (dict, frozenset((_frozen(k), _frozen(x)) for k, x in v.items()))
+    return v
+
+
+def _same_set(got: Any, expected: set | frozenset, float_tol: float | None) -> bool:
+    """``got`` (a list from the JSON of a set, or a set) holds exactly the elements of ``expected``."""
+    if not isinstance(got, (list, tuple, set, frozenset)) or len(got) != len(expected):
+        return False
+    mine = [_frozen(x) for x in got]
+    theirs = {_frozen(x) for x in expected}
+    if len(set(mine)) == len(mine) and set(mine) == theirs:
+        return True
+    if float_tol is None or len(got) > 2000:
+        return False
+    left = list(expected)  # within the tolerance: each returned element matches a distinct expected one
+    for g in got:
+        k = next((i for i, e in enumerate(left) if compare_values(g, e, float_tol)), None)
+        if k is None:
+            return False
+        left.pop(k)
+    return True
+
+
 def compare_values(got: Any, expected: Any, float_tol: float | None = None) -> bool:
-    """Structural equality of JSON-like values (tuples as lists); floats within ``float_tol``."""
+    """Structural equality of JSON-like values (tuples as lists); floats within ``float_tol``. An
+    expected set or frozenset is compared as a set (the JSON of a returned set is a list)."""
+    if isinstance(expected, (set, frozenset)):
+        return _same_set(got, expected, float_tol)
     if isinstance(got, bool) or isinstance(expected, bool):
         return type(got) is type(expected) and got == expected
     if isinstance(got, (int, float)) and isinstance(expected, (int, float)):
@@ -180,6 +226,32 @@ def compare_values(got: Any, expected: Any, float_tol: float | None = None) -> b
     if isinstance(got, dict) and isinstance(expected, dict):
         return got.keys() == expected.keys() and all(compare_values(got[k], expected[k], float_tol) for k in got)
     return got == expected
+
+
+def parse_result(line: str) -> Any:
+    """The value of a function-call test's result line (JSON). Integers longer than Python's default
+    conversion limit (4300 digits) are read whole, up to ``MAX_RESULT_DIGITS`` digits of them in all
+    (reading one costs time quadratic in its length); raises ``ValueError`` (not JSON, or longer
+    integers) or ``RecursionError`` (nested too deep)."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        raise
+    except ValueError:  # an integer past the conversion limit: read them whole, within a budget
+        pass
+    from decimal import Decimal
+
+    left = [MAX_RESULT_DIGITS]
+
+    def parse_int(s: str) -> int:
+        if len(s) <= _PLAIN_INT_DIGITS:
+            return int(s)
+        left[0] -= len(s)
+        if left[0] < 0:
+            raise ValueError(f"the result holds more than {MAX_RESULT_DIGITS} digits of long integers")
+        return int(Decimal(s))  # no conversion limit on this path
+
+    return json.loads(line, parse_int=parse_int)
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,8 +270,13 @@ def _main():
     res = fn(*spec["args"], **spec["kwargs"])
     def enc(o):
         if isinstance(o, (set, frozenset)):
-            return sorted(o, key=repr)
+            try:
+                return sorted(o)
+            except TypeError:  # elements of mixed types
+                return sorted(o, key=repr)
         return repr(o)
+    if hasattr(sys, "set_int_max_str_digits"):  # integers of any size, whole
+        sys.set_int_max_str_digits(0)
     line = json.dumps(res, default=enc)
     sys.stdout.flush()
     sys.stdout.write("\n" + nonce + line + "\n")
@@ -272,6 +349,10 @@ class Judge:
         if v.status != "ok":
             last = v.stderr.strip().rsplit("\n", 1)[-1][:200] if v.stderr.strip() else ""
             status = _SANDBOX_TO_TEST[v.status]
+            if "total_time" in v.limits_hit:  # its own time limit was not reached: the judgement's was
+                return TestResult(index, status, v.wall_time,
+                                  f"out of total time: stopped after {v.wall_time:.2f} s, when the judgement's "
+                                  f"total_timeout ran out", vd)
             if test.kind == "assert" and status == "runtime_error" and last.startswith("AssertionError"):
                 status = "wrong_answer"  # a failed assertion of the tests is a wrong answer
             return TestResult(index, status, v.wall_time, last, vd)
@@ -283,10 +364,14 @@ class Judge:
             if not lines:
                 return TestResult(index, "runtime_error", v.wall_time, "no result (the function did not return)", vd)
             try:
-                got = json.loads(lines[-1])
-            except json.JSONDecodeError:
-                return TestResult(index, "runtime_error", v.wall_time, "result not JSON", vd)
-            ok = compare_values(got, test.expected, self.float_tol)
+                got = parse_result(lines[-1])
+            except (ValueError, RecursionError) as e:  # not JSON, too deep, or too long integers
+                why = "result not JSON" if isinstance(e, json.JSONDecodeError) else f"result not parsed: {e}"
+                return TestResult(index, "runtime_error", v.wall_time, why[:200], vd)
+            try:
+                ok = compare_values(got, test.expected, self.float_tol)
+            except RecursionError:
+                ok = False
             detail = "" if ok else f"returned {lines[-1][:100]}"
         else:
             ok = any(ln == nonce for ln in v.stdout.splitlines())

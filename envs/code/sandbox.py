@@ -5,13 +5,17 @@ Layers (each detected once per process, see :func:`detect_layers`):
 - ``namespaces``: bubblewrap (``bwrap``): new network namespace (nothing reachable, not even the
   host's 127.0.0.1), pid namespace (every process dies with the sandbox), mount namespace with a
   read-only view of ``/usr``, the libraries and the Python installation only (no ``/home``, no
-  ``/root``, no ``/work``), a private size-capped tmpfs as the working directory, ipc and uts
-  namespaces, a new session and death with its parent.
+  ``/root``, no ``/work``), a private size-capped tmpfs as the working directory and another at
+  ``/dev/shm`` (POSIX shared memory and semaphores, as ``multiprocessing`` uses them; their files
+  are memory of the start's cgroup), ipc and uts namespaces, a new session and death with its
+  parent.
 - ``uid``: the program runs as an unprivileged uid (65534 by default): as root, bwrap keeps only
   CAP_SETUID/CAP_SETGID/CAP_KILL for the supervisor, and each run drops to the uid (losing them
   all; no_new_privs keeps them lost) before any untrusted code runs; as a normal user the program
   already runs unprivileged (bwrap maps it to the uid in a user namespace).
-- ``rlimits``: address space, CPU time, file size, processes, open files, set per run.
+- ``rlimits``: address space, CPU time, file size, open files, set per run; processes too where no
+  pids cgroup caps them (RLIMIT_NPROC counts every process of the uid on the host, those of other
+  starts included, so with the cgroup it stays at the hard limit the sandbox inherited).
 - ``cgroup_pids`` / ``cgroup_memory``: a cgroup per sandbox start (v1, or v2 where a delegated
   subtree with the controllers exists) caps the number of processes and the total memory (runs
   of a start go one at a time, and nothing of one is left when the next begins), and gives each
@@ -19,24 +23,31 @@ Layers (each detected once per process, see :func:`detect_layers`):
   namespaces and mounts (``--info-fd`` gives the child's pid, ``--block-fd`` holds it), before
   seccomp and the supervisor: nothing of the supervisor or a run ever runs outside it.
 - ``seccomp``: a BPF filter (loaded by bwrap) makes ``socket()`` fail for every family but
-  AF_UNIX and kills foreign-ABI system calls. The same filter serves the C++ compile step: g++,
-  cc1plus, as, collect2 and ld use no socket (g++ talks to its children through pipes and, with
-  ``-pipe``, none through temporary files but the object file in ``/tmp``) and no foreign-ABI
-  call, so the compile needs nothing the runs do not get, and nothing is loosened for it.
+  AF_UNIX, makes the kernel keyring calls (``add_key``, ``request_key``, ``keyctl``) fail with
+  EPERM (keyrings belong to the uid, not to a namespace: a key stored by one run would be there
+  for a later one) and kills foreign-ABI system calls. The same filter serves the C++ compile
+  step: g++, cc1plus, as, collect2 and ld use no socket (g++ talks to its children through pipes
+  and, with ``-pipe``, none through temporary files but the object file in ``/tmp``), no keyring
+  and no foreign-ABI call, so the compile needs nothing the runs do not get, and nothing is
+  loosened for it.
 
 One sandbox start serves a whole session (:meth:`Sandbox.run_many`: a program and all of its
 tests): bwrap starts a small supervisor (:mod:`envs.code.supervisor`) inside every layer, and the
 supervisor runs each run as its own child, forked from its clean interpreter: the child drops to
 the uid (as root the supervisor keeps only CAP_SETUID/SETGID/KILL; the child loses them all),
-empties ``/tmp`` (its working directory), the POSIX message queues and System V IPC objects of
-earlier runs, sets the rlimits and runs the program. The supervisor enforces the run's wall
-limit and, once its first process ends, SIGKILLs every process of the sandbox but itself; the
+empties ``/tmp`` (its working directory), ``/dev/shm``, the POSIX message queues and System V IPC
+objects of earlier runs, sets the rlimits and runs the program. The supervisor enforces the run's
+wall limit and, once its first process ends, SIGKILLs every process of the sandbox but itself; the
 host reads the run's output directly (capped: over the limit it has the supervisor kill the run)
 and takes the run's CPU time, memory peak, OOM and pids-limit events from the cgroup's counters.
 A start is never used by a second session; a pool (``SandboxConfig.warm``) keeps starts ready
 ahead, made by long-lived threads, so that a session rarely waits for bwrap and the interpreter.
 Without root the supervisor would share the runs' uid (a run could signal it): then each run
-gets a start of its own. Without bwrap (the weaker mode) each run is started directly.
+gets a start of its own. Without bwrap (the weaker mode) each run is started directly, its
+launcher's first process staying as the run's reaper (a child subreaper: once the program's
+process ends, or the host stops the run, it kills whatever of the run is left, a daemon that
+left the process group too); the host reads the pipes for at most a short grace after that
+process ends, and counts none of it as the run's time.
 
 C++ (``language="cpp"``; :meth:`Sandbox.run_many` has the details): the compiler (``g++``,
 ``SandboxConfig.cxx`` / ``cxx_flags``) runs as a run of the session, under every layer above and
@@ -44,8 +55,10 @@ the compile limits (``compile_time_limit``, ``compile_memory_mb``), reading the 
 ``/box`` (read-only) and writing the binary into its ``/tmp``. The supervisor hands the binary to
 the host, which puts it in ``/box`` beside the source (owned by the host, read-only to the runs),
 and each test then ``execve``s it in a fresh child of the supervisor, with the run limits and an
-emptied ``/tmp``, exactly like a Python run. A compile that fails (compiler errors, or a compile
-limit) gives each run a ``compile_error`` verdict holding the compiler's message.
+emptied ``/tmp``, exactly like a Python run (but with SIGPIPE and SIGXFSZ at their default
+actions, as in a shell: a write past the file-size limit ends it by SIGXFSZ, limit ``file_size``).
+A compile that fails (compiler errors, or a compile limit) gives each run a ``compile_error``
+verdict holding the compiler's message.
 
 A missing layer is never silently skipped: :class:`Sandbox` refuses to run and names the
 missing layers unless the config allows them (``allow_weaker=True``, or the layer names in
@@ -61,6 +74,7 @@ import atexit
 import errno
 import os
 import platform
+import resource
 import select
 import selectors
 import shutil
@@ -89,6 +103,7 @@ ALLOW_ENV = "CASCADE_SANDBOX_ALLOW_WEAKER"
 SETUP_TIMEOUT = 30.0  # seconds the sandbox itself may take to start a program
 BOX = "/box"        # read-only directory holding the program inside the sandbox
 WORKDIR = "/tmp"    # private writable tmpfs, the program's cwd
+SHM_DIR = "/dev/shm"  # private writable tmpfs for POSIX shared memory (emptied between runs like /tmp)
 
 
 class SandboxError(RuntimeError):
@@ -113,7 +128,7 @@ class SandboxConfig:
     output_limit_bytes: int = 8 << 20     # stdout + stderr together; exceeding it kills the run
     stderr_keep_bytes: int = 16 << 10     # tail of stderr kept in the verdict
     file_size_mb: int = 16                # largest file the program may write
-    tmpfs_mb: int = 64                    # size of the writable working directory
+    tmpfs_mb: int = 64                    # size of the writable working directory (and of /dev/shm)
     max_processes: int = 32               # processes + threads of the run
     max_open_files: int = 256
     python: str | None = None             # interpreter run inside; default: the base interpreter of this one
@@ -152,7 +167,14 @@ class SandboxConfig:
 
 @dataclass
 class Verdict:
-    """What happened to one run. ``stdout`` is complete up to the output limit; ``stderr`` is a tail."""
+    """What happened to one run. ``stdout`` is complete up to the output limit; ``stderr`` is a tail.
+
+    ``limits_hit``: ``wall_time``, ``cpu_time`` (the run's own time limits), ``total_time`` (its wall
+    limit was cut to what was left of the session's deadline, and that ended it: see
+    :meth:`Sandbox.run_many`), ``memory`` (address space or cgroup), ``processes`` (the pids
+    cgroup refused a fork or thread; the run may have gone on), ``output``, ``file_size`` (a
+    binary ended by SIGXFSZ; a Python program gets EFBIG instead). ``status`` is ``time_limit``
+    for the three time limits."""
 
     status: str
     exit_code: int | None
@@ -185,9 +207,9 @@ class Verdict:
 # --------------------------------------------------------------------------------------------
 # seccomp: a classic BPF program, handed to bwrap (--seccomp FD)
 # --------------------------------------------------------------------------------------------
-_SECCOMP_ARCH = {  # machine -> (AUDIT_ARCH_*, __NR_socket, x32 bit to refuse or 0)
-    "x86_64": (0xC000003E, 41, 0x40000000),
-    "aarch64": (0xC00000B7, 198, 0),
+_SECCOMP_ARCH = {  # machine -> (AUDIT_ARCH_*, __NR_socket, x32 bit to refuse or 0, (add_key, request_key, keyctl))
+    "x86_64": (0xC000003E, 41, 0x40000000, (248, 249, 250)),
+    "aarch64": (0xC00000B7, 198, 0, (217, 218, 219)),
 }
 _RET_ALLOW, _RET_KILL_PROCESS, _RET_ERRNO = 0x7FFF0000, 0x80000000, 0x00050000
 _LD_ABS, _JEQ, _JGE, _RET = 0x20, 0x15, 0x35, 0x06
@@ -197,26 +219,31 @@ def seccomp_filter() -> bytes | None:
     """The BPF filter (struct sock_filter[]) for this machine, or None if the arch is unknown.
 
     Foreign-ABI calls kill the process; ``socket(family != AF_UNIX, ...)`` fails with EACCES;
-    everything else is allowed (the namespaces and limits do the rest).
+    the kernel keyring calls (``add_key``, ``request_key``, ``keyctl``) fail with EPERM, as in
+    Docker's default profile: keyrings are not namespaced, so a key one run stored in its uid's
+    keyring would be there for a later run (of any start) to read; everything else is allowed
+    (the namespaces and limits do the rest).
     """
     spec = _SECCOMP_ARCH.get(platform.machine())
     if spec is None:
         return None
-    arch, nr_socket, x32 = spec
+    arch, nr_socket, x32, nr_keys = spec
     # (code, jt-label, jf-label, k); labels resolved below
     prog = [
         ("ld", _LD_ABS, None, None, 4),                       # A = arch
         ("arch", _JEQ, None, "kill", arch),
         ("ld", _LD_ABS, None, None, 0),                       # A = syscall number
         ("x32", _JGE, "deny", None, x32 or 0xFFFFFFFF),
+        *(("key", _JEQ, "eperm", None, nr) for nr in nr_keys),
         ("sock", _JEQ, None, "allow", nr_socket),
         ("ld", _LD_ABS, None, None, 16),                      # A = low word of args[0] (family)
         ("unix", _JEQ, "allow", "deny", 1),                   # AF_UNIX
         ("allow", _RET, None, None, _RET_ALLOW),
         ("deny", _RET, None, None, _RET_ERRNO | errno.EACCES),
+        ("eperm", _RET, None, None, _RET_ERRNO | errno.EPERM),
         ("kill", _RET, None, None, _RET_KILL_PROCESS),
     ]
-    where = {name: i for i, (name, *_rest) in enumerate(prog) if name in ("allow", "deny", "kill")}
+    where = {name: i for i, (name, *_rest) in enumerate(prog) if name in ("allow", "deny", "eperm", "kill")}
     out = b""
     for pc, (_name, code, jt, jf, k) in enumerate(prog):
         jt_off = where[jt] - pc - 1 if jt else 0
@@ -379,6 +406,14 @@ class _RunCgroup:
                 out["cpu_time"] = int(ns) / 1e9
         return out
 
+    def pids_headroom(self, n: int) -> None:
+        """Let ``n`` more tasks in than the cgroup holds now (the tasks of the start itself)."""
+        if "pids" in self.dirs:
+            path = self.dirs["pids"][1]
+            cur = (_read(os.path.join(path, "pids.current")) or "").strip()
+            if cur.isdigit():
+                _write(os.path.join(path, "pids.max"), str(n + int(cur)))
+
     def set_memory(self, memory_bytes: int) -> bool:
         if "memory" not in self.dirs:
             return False
@@ -471,24 +506,120 @@ def _cgroup_bases(cfg: SandboxConfig) -> dict[str, tuple[str, str]]:
 # the launcher: runs inside the sandbox, before any untrusted code
 # --------------------------------------------------------------------------------------------
 # argv: LIMITS UID GID READY_FD PROGRAM [ARGS...] (or ``-x BINARY [ARGS...]``: exec it),
-# LIMITS = "AS:soft:hard,CPU:soft:hard,...".
-# Sets rlimits, drops to the uid when root, tells the host it is ready on READY_FD, closes every
-# inherited descriptor but 0-2, runs PROGRAM as module __main__. No json or runpy here: their
-# imports (re, enum, importlib.util) would double the start-up time.
+# LIMITS = "AS:soft:hard,CPU:soft:hard,..." (-1: the highest it may set, the inherited hard limit).
+# Sets rlimits, drops to the uid when root, then forks: the first process stays as the run's reaper
+# (a child subreaper: every orphan of the run comes to it, a daemon that left the process group
+# too; when the program's process ends, or on SIGTERM from the host, it stops, SIGKILLs and reaps
+# whatever of the run is left, then ends as the program's process ended); the child tells the host
+# it is ready on READY_FD, closes every inherited descriptor but 0-2 and runs PROGRAM as module
+# __main__. No json or runpy here: their imports (re, enum, importlib.util) would double the
+# start-up time.
 _LAUNCHER = r"""
-import os, sys, resource, builtins
+import os, sys, resource, builtins, _signal
+def _reap(pid):
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except Exception:
+        pass
+    import time
+    def tree():  # every descendant (the run's orphans are children of this process)
+        out, todo = [], [os.getpid()]
+        while todo:
+            p = todo.pop()
+            try:
+                tids = os.listdir('/proc/%d/task' % p)
+            except OSError:
+                continue
+            for t in tids:
+                try:
+                    with open('/proc/%d/task/%s/children' % (p, t)) as f:
+                        kids = [int(k) for k in f.read().split()]
+                except (OSError, ValueError):
+                    continue
+                out += kids
+                todo += kids
+        return out
+    def rest():  # stop them all (a stopped process forks no more), kill them, reap them
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end:
+            seen = set()
+            while time.monotonic() < end:
+                new = [p for p in tree() if p not in seen]
+                if not new:
+                    break
+                for p in new:
+                    seen.add(p)
+                    try:
+                        os.kill(p, 19)
+                    except OSError:
+                        pass
+            for p in seen:
+                try:
+                    os.kill(p, 9)
+                except OSError:
+                    pass
+            try:
+                while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                    pass
+            except ChildProcessError:
+                return
+            time.sleep(0.001)
+    def term(*_):
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
+        rest()
+        os.kill(os.getpid(), 9)
+    keep = {_signal.SIGKILL, _signal.SIGSTOP, _signal.SIGCHLD, _signal.SIGSEGV, _signal.SIGBUS,
+            _signal.SIGFPE, _signal.SIGILL, _signal.SIGABRT, _signal.SIGTRAP, _signal.SIGSYS}
+    for s in range(1, _signal.NSIG):  # what the program sends its process group is not for the reaper
+        if s not in keep:
+            try:
+                _signal.signal(s, term if s == _signal.SIGTERM else _signal.SIG_IGN)
+            except (OSError, ValueError, RuntimeError):
+                pass
+    os.closerange(0, 65536)  # (the go-ahead pipe too: the program's process starts now)
+    while True:
+        got, st = os.waitpid(-1, 0)
+        if got == pid:
+            break
+    rest()
+    rc = os.waitstatus_to_exitcode(st)
+    if rc < 0:
+        try:
+            _signal.signal(-rc, _signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass
+        os.kill(os.getpid(), -rc)
+        rc = 128 - rc
+    os._exit(rc)
 def _launch(a):
     for item in a[1].split(','):
         name, soft, hard = item.split(':')
-        resource.setrlimit(getattr(resource, 'RLIMIT_' + name), (int(soft), int(hard)))
+        res, soft, hard = getattr(resource, 'RLIMIT_' + name), int(soft), int(hard)
+        if hard == resource.RLIM_INFINITY:  # as high as it may be: the inherited hard limit
+            hard = resource.getrlimit(res)[1]
+            soft = hard if soft == resource.RLIM_INFINITY else soft
+        resource.setrlimit(res, (soft, hard))
     uid, gid = int(a[2]), int(a[3])
     if os.getuid() == 0:
         os.setgroups([]); os.setresgid(gid, gid, gid); os.setresuid(uid, uid, uid)
     if os.getuid() == 0 or os.geteuid() == 0:
         raise SystemExit('cascade-sandbox: could not drop root')
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(go_r)
+        _reap(pid)
+    os.close(go_w)
+    os.read(go_r, 1)  # until the reaper is one
     os.write(int(a[4]), b'R')
     os.closerange(3, 65536)
-    if a[5] == '-x':  # a binary (C++): exec it in the clean environment
+    if a[5] == '-x':  # a binary (C++): exec it in the clean environment, with the default actions of
+        for s in (_signal.SIGPIPE, _signal.SIGXFSZ):  # these two (Python ignores them; ignored, they
+            _signal.signal(s, _signal.SIG_DFL)        # would stay so across execv)
         os.execv(a[6], a[6:])
     sys.argv = a[5:]
     sys.path[0] = os.path.dirname(a[5])
@@ -501,7 +632,7 @@ def _launch(a):
     sys.modules['__main__'] = m
     return code, m.__dict__
 _c, _g = _launch(sys.argv)
-del _launch
+del _launch, _reap
 exec(_c, _g)
 """
 
@@ -570,10 +701,23 @@ def _bind_args(exe: str, prefix: str, box: str, tmpfs_bytes: int, size_ok: bool)
             a += ["--perms", "0755", "--dir", "/" + "/".join(parts[:i])]
         a += ["--ro-bind", root, root]
     a += ["--ro-bind", box, BOX, "--proc", "/proc", "--dev", "/dev"]
-    if size_ok:
-        a += ["--size", str(tmpfs_bytes)]
-    a += ["--perms", "1777", "--tmpfs", WORKDIR, "--chdir", WORKDIR]
+    # /tmp (the working directory) and /dev/shm (POSIX shared memory and semaphores: multiprocessing's
+    # locks and queues need it): private tmpfs, world-writable and sticky, each capped at tmpfs_bytes
+    # (where bwrap has --size); what they hold is memory of the start's cgroup
+    for d in (SHM_DIR, WORKDIR):
+        if size_ok:
+            a += ["--size", str(tmpfs_bytes)]
+        a += ["--perms", "1777", "--tmpfs", d]
+    a += ["--chdir", WORKDIR]
     return a
+
+
+def _nproc_limit(cfg: SandboxConfig, layers: list[str]) -> int:
+    """RLIMIT_NPROC of a run. The kernel counts it over every process of the uid on the host (every
+    sandbox start of this uid, and anything else running as it), so it only serves where no pids
+    cgroup caps the run: with one, -1 (RLIM_INFINITY), which the run sets as the highest limit it
+    may (the hard limit it inherited: it cannot raise it)."""
+    return cfg.max_processes if "cgroup_pids" not in layers else resource.RLIM_INFINITY
 
 
 def _put_files(box: str, files: dict[str, str | bytes]) -> None:
@@ -632,6 +776,11 @@ _BUILD_OUT = "/tmp/cascade-build.bin"   # where the compile writes it, inside th
 
 def _compile_message(v: Verdict, cfg: SandboxConfig) -> str:
     """The compiler's message for a failed compile (paths inside the sandbox shortened)."""
+    if "total_time" in v.limits_hit:
+        why = (f"compilation was stopped after {v.wall_time:.2f} s, when the session's time ran out "
+               f"(its total time budget; the compile time limit is {cfg.compile_time_limit:g} s)")
+        text = (v.stderr or v.stdout).replace(BOX + "/", "").replace(WORKDIR + "/", "").strip()
+        return "\n".join(x for x in (why, text) if x)
     why = {"time_limit": f"compilation exceeded the compile time limit ({cfg.compile_time_limit:g} s)",
            "memory_limit": f"compilation exceeded the compile memory limit ({cfg.compile_memory_mb} MiB)",
            "output_limit": "the compiler's messages exceeded the output limit",
@@ -742,8 +891,13 @@ def _supervisor_dir() -> str:
         _SUP_DIR[:] = [d]
         atexit.register(shutil.rmtree, d, True)
         return d
+
+
+_CELL_TASKS = 3      # a start's tasks besides its runs: bwrap, its pid 1 (the namespace's init), the supervisor
 WARM_IDLE_S = 30.0   # ready sandboxes unused for this long are closed (and refilled on the next run)
 _RUN_GRACE_S = 5.0   # the host gives the supervisor this long past a run's wall limit before it acts
+_PIPE_GRACE_S = 0.5  # weaker mode: how long the host still reads the pipes once the run's process is gone
+_REAPER_GRACE_S = 0.5  # weaker mode: how long the launcher's reaper gets to kill a run the host stops
 
 
 @dataclass
@@ -800,8 +954,9 @@ class _Cell:
                           if f"cgroup_{c}" in self.layers or c == "cpuacct"}
             if ctrl_bases:
                 self.mem_limit = (cfg.memory_mb + cfg.tmpfs_mb + 32) << 20
-                # +1: the supervisor (the run's processes keep the budget they had with one start per run)
-                self.cgroup = _RunCgroup(ctrl_bases, self.mem_limit, cfg.max_processes + 1)
+                # the start's own tasks (bwrap, bwrap's pid 1 in the namespace, the supervisor) on top of
+                # the run's max_processes; set to what is there once the supervisor is ready
+                self.cgroup = _RunCgroup(ctrl_bases, self.mem_limit, cfg.max_processes + _CELL_TASKS)
             t2 = time.perf_counter()
             self.phases["cgroup_create"] = t2 - t1
             self.ctl, inner = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -861,8 +1016,10 @@ class _Cell:
             self.phases["bwrap_and_interpreter"] = max(0.0, t0_perf - t4)
             self.phases["supervisor_ready"] = max(0.0, t5 - t0_perf)
             self.phases["total"] = t5 - t
-            if self.cgroup is not None:  # CPU from the join (bwrap's set-up before it is not counted)
-                # to the supervisor being ready, all cores
+            if self.cgroup is not None:
+                self.cgroup.pids_headroom(cfg.max_processes)  # the run's budget on top of what is there
+                # CPU from the join (bwrap's set-up before it is not counted) to the supervisor being
+                # ready, all cores
                 cpu = self.cgroup.stats(peak=False).get("cpu_time")
                 if cpu is not None:
                     self.phases["cpu_in_sandbox"] = cpu
@@ -1176,8 +1333,10 @@ class Sandbox:
 
         ``deadline`` (``time.monotonic()``): runs not started before it are not run, and a run's
         wall limit is cut to what is left. ``on_verdict(i, verdict)`` returning False stops the
-        session. Runs not run are None. Without bubblewrap (the weaker mode) each run gets its own
-        start; as a non-root user too (the supervisor then shares the runs' uid, so a run could
+        session. Runs not run are None. A run that hits a wall (or CPU) limit cut short that way is
+        a ``time_limit`` verdict whose ``limits_hit`` names ``total_time`` (not ``wall_time``: the
+        deadline ended it, not its own limit). Without bubblewrap (the weaker mode) each run gets
+        its own start; as a non-root user too (the supervisor then shares the runs' uid, so a run could
         signal it: one run per start keeps each run's verdict its own).
 
         C++ (``Run(language="cpp")``, ``entry`` a C++ source): before the first run of an entry,
@@ -1231,6 +1390,7 @@ class Sandbox:
                     wall, cpu, rr = float(r.time_limit if r.time_limit is not None else cfg.time_limit), None, r
                 if wall <= 0:
                     raise ValueError("time_limit must be positive")
+                own_wall = wall
                 if deadline is not None:
                     left = deadline - time.monotonic()
                     if left <= 0.05:
@@ -1262,6 +1422,8 @@ class Sandbox:
                             raise SandboxError(str(e)) from None
                         v = e.verdict
                 retried = False
+                if wall < own_wall:
+                    _blame_deadline(v, own_wall, cpu is None and cfg.cpu_time_limit is None)
                 if kind == "compile":
                     built[r.entry] = self._built(v, binary is not None)
                     if binary is not None:
@@ -1335,7 +1497,7 @@ class Sandbox:
         cpu_s = max(1, int(-(-cpu // 1)))
         mem_bytes = mem_mb << 20
         layers = cell.layers
-        nproc = cfg.max_processes if "cgroup_pids" not in layers else max(cfg.max_processes * 16, 512)
+        nproc = _nproc_limit(cfg, layers)
         cg = cell.cgroup
         before: dict = {}
         t_begin = time.perf_counter()
@@ -1489,18 +1651,23 @@ class Sandbox:
             limits.append("memory")
         rc = os.waitstatus_to_exitcode(status)
         exit_code, sig = (None, -rc) if rc < 0 else (rc, None)
-        if (sig == signal.SIGKILL and reason == "-" and not stats.get("oom_kill")
-                and cpu_time >= 0.85 * (cpu_s + 1)):
-            # RLIMIT_CPU's hard limit ended it. The kernel counts CPU for that limit by ticks,
-            # which on a VM with steal time run ahead of the precise count read above: report
-            # what the limit saw
+        # RLIMIT_CPU is per process: a SIGKILL of the first process is its hard limit only when that
+        # process (its rusage, with the children it waited for; not the cgroup's total of every
+        # process) used the CPU, and the OOM killer did not send it
+        rlimit_kill = (sig == signal.SIGKILL and not stats.get("oom_kill")
+                       and ru_cpu >= min(cpu_s, 0.85 * (cpu_s + 1)))
+        if rlimit_kill and reason == "-" and ru_cpu >= 0.85 * (cpu_s + 1):
+            # The kernel counts CPU for that limit by ticks, which on a VM with steal time run
+            # ahead of the precise count read above: report what the limit saw
             cpu_time = max(cpu_time, float(cpu_s + 1))
         t_end = time.perf_counter()
         cell.run_phases = {"cgroup_begin_and_send": t_sent - t_begin, "fork_and_setup": t_started - t_sent,
                            "program": wall_time, "exit_and_sweep": max(0.0, t_done - t_started - wall_time),
                            "drain_and_stats": t_end - t_done, "total": t_end - t_begin}
-        if sig == signal.SIGXCPU or (cpu_time >= cpu_s and sig == signal.SIGKILL):
+        if sig == signal.SIGXCPU or rlimit_kill:
             limits.append("cpu_time")
+        if sig == signal.SIGXFSZ:
+            limits.append("file_size")
         status = classify(rc_exit=exit_code, sig=sig, limits=limits, stderr=stderr_text)
         if status == "memory_limit":  # the address-space limit (MemoryError, bad_alloc), not only an OOM kill
             limits.append("memory")
@@ -1538,7 +1705,9 @@ class Sandbox:
             if os.getuid() == 0:  # the box itself is the working directory
                 os.chown(box, cfg.uid, cfg.gid)
             mem_bytes = mem_mb << 20
-            nproc = cfg.max_processes if "cgroup_pids" not in layers else max(cfg.max_processes * 16, 512)
+            nproc = _nproc_limit(cfg, layers)
+            if nproc != resource.RLIM_INFINITY:
+                nproc += 1  # the launcher's reaper
             # (soft, hard): the CPU soft limit sends SIGXCPU, the hard one a second later SIGKILL
             rl = {"AS": [mem_bytes] * 2, "CPU": [cpu_s, cpu_s + 1], "FSIZE": [cfg.file_size_mb << 20] * 2,
                   "NPROC": [nproc] * 2, "NOFILE": [cfg.max_open_files] * 2, "CORE": [0, 0]}
@@ -1550,7 +1719,8 @@ class Sandbox:
             ctrl_bases = {c: v for c, v in _cgroup_bases(cfg).items()
                           if f"cgroup_{c}" in layers or c == "cpuacct"}
             if ctrl_bases:
-                cgroup = _RunCgroup(ctrl_bases, mem_bytes + ((cfg.tmpfs_mb + 32) << 20), cfg.max_processes)
+                # +1: the launcher's reaper
+                cgroup = _RunCgroup(ctrl_bases, mem_bytes + ((cfg.tmpfs_mb + 32) << 20), cfg.max_processes + 1)
                 argv += ["/bin/sh", "-c", 'p=$$; while [ "$1" != -- ]; do echo $p > "$1" || exit 125; shift; done; '
                          'shift; exec "$@"', "sh", *cgroup.procs_files(), "--"]
             binary = self._exec_argv(kind, r, box, box, cxx)
@@ -1605,6 +1775,7 @@ class Sandbox:
         total = 0
         limits: list[str] = []
         killed = False
+        t_kill = t0
 
         def sweep() -> None:
             # kill the whole group and cgroup. Also used once the main process is gone: nothing may
@@ -1618,8 +1789,19 @@ class Sandbox:
                 cgroup.kill_all(0.5)
 
         def kill() -> None:
-            nonlocal killed
-            killed = True
+            nonlocal killed, t_kill
+            killed, t_kill = True, time.monotonic()
+            if ready and not exited:
+                # the launcher's reaper (ready: it is set up) kills the whole run, what left the
+                # process group too (a new session), then itself; the group kill then finds nothing
+                try:
+                    os.kill(proc.pid, signal.SIGTERM)
+                    end = time.monotonic() + _REAPER_GRACE_S
+                    while time.monotonic() < end and os.waitid(
+                            os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+                        time.sleep(0.002)
+                except OSError:
+                    pass
             sweep()
 
         sel = selectors.DefaultSelector()
@@ -1641,10 +1823,13 @@ class Sandbox:
             proc.stdin.close()
         view = memoryview(data)
         exited = False
+        t_exit = t0
         keep_err = cfg.stderr_keep_bytes
         while not (exited and not [k for k in sel.get_map().values() if k.data not in ("exit", "ready")]):
             now = time.monotonic()
             if now >= deadline:
+                if exited:  # something that escaped the sweep still holds the pipes: not the run's time
+                    break
                 if ready:
                     limits.append("wall_time")
                 kill()
@@ -1658,7 +1843,8 @@ class Sandbox:
                         t_ready = time.monotonic()
                         deadline = t_ready + wall
                 elif key.data == "exit":
-                    exited = True
+                    exited, t_exit = True, time.monotonic()
+                    deadline = min(deadline, t_exit + _PIPE_GRACE_S)
                     sel.unregister(key.fileobj)
                     sweep()
                 elif key.data == "in":
@@ -1692,7 +1878,8 @@ class Sandbox:
             if pidfd is None and not exited:
                 info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
                 if info is not None:
-                    exited = True
+                    exited, t_exit = True, time.monotonic()
+                    deadline = min(deadline, t_exit + _PIPE_GRACE_S)
                     sweep()
         for k in list(sel.get_map().values()):
             sel.unregister(k.fileobj)
@@ -1705,7 +1892,7 @@ class Sandbox:
                 pass
         _pid, status, ru = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
-        wall_time = time.monotonic() - t_ready
+        wall_time = (t_exit if exited else t_kill if killed else time.monotonic()) - t_ready
         if cgroup is not None:
             cgroup.kill_all()
         if not ready:
@@ -1730,8 +1917,10 @@ class Sandbox:
         if stats.get("oom_kill"):
             limits.append("memory")
         exit_code, sig = _split_exit(rc, False)
-        if sig in (signal.SIGXCPU,) or (cpu_time >= cpu_s and sig == signal.SIGKILL):
+        if sig == signal.SIGXCPU or (cpu_time >= cpu_s and sig == signal.SIGKILL and not stats.get("oom_kill")):
             limits.append("cpu_time")
+        if sig == signal.SIGXFSZ:
+            limits.append("file_size")
         status = classify(rc_exit=exit_code, sig=sig, limits=limits, stderr=stderr_text)
         if status == "memory_limit":
             limits.append("memory")
@@ -1739,6 +1928,17 @@ class Sandbox:
                        stdout=bytes(out).decode("utf-8", "replace"), stderr=stderr_text,
                        wall_time=wall_time, cpu_time=cpu_time, peak_memory_bytes=peak,
                        limits_hit=sorted(set(limits)), layers=layers)
+
+
+def _blame_deadline(v: Verdict, own_wall: float, cpu_from_wall: bool) -> None:
+    """A run whose wall limit (and the CPU limit made from it) was cut to what was left of the
+    session's ``deadline``: a time limit it hit is the deadline's (``total_time``), not its own."""
+    hit = set(v.limits_hit)
+    cut = hit & {"wall_time"}
+    if "cpu_time" in hit and cpu_from_wall and v.cpu_time < max(1, -(-own_wall // 1)):
+        cut.add("cpu_time")  # its own CPU limit (made from its own wall limit) was not reached
+    if cut:
+        v.limits_hit = sorted((hit - cut) | {"total_time"})
 
 
 def _split_exit(rc: int | None, via_bwrap: bool) -> tuple[int | None, int | None]:
@@ -1759,7 +1959,7 @@ def classify(rc_exit: int | None, sig: int | None, limits: list[str], stderr: st
     """The status of a finished run from how it ended and which limits it hit."""
     if "output" in limits:
         return "output_limit"
-    if "wall_time" in limits or "cpu_time" in limits:
+    if "wall_time" in limits or "cpu_time" in limits or "total_time" in limits:
         return "time_limit"
     if "memory" in limits:
         return "memory_limit"

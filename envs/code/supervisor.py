@@ -9,15 +9,18 @@ argv: CONTROL_FD UID GID. The host talks to it over CONTROL_FD (an AF_UNIX SOCK_
 
 - supervisor -> host ``ready T0``: started (T0: ``time.monotonic()`` when this script began).
 - host -> supervisor ``R`` + NUL-separated ``wall cpu_s as_bytes fsize_bytes nproc nofile path args...``
-  with three descriptors (SCM_RIGHTS): the run's stdin, stdout and stderr. The supervisor forks a
-  child, which takes those as 0/1/2, drops to UID/GID (as root; every capability goes with it),
-  empties the writable places (``/tmp``, POSIX message queues, System V IPC) of whatever an
-  earlier run left there, sets the rlimits, closes every other descriptor and returns to the
-  module level, which compiles and runs PATH as ``__main__`` (and ends the way a
-  fresh ``python PATH`` would: exit code, traceback, atexit, flushing).
+  (a limit of -1: as high as the child may set it, the hard limit it inherited; nproc is -1 where
+  the pids cgroup caps the run) with three descriptors (SCM_RIGHTS): the run's stdin, stdout and
+  stderr. The supervisor forks a child, which takes those as 0/1/2, drops to UID/GID (as root;
+  every capability goes with it), empties the writable places (``/tmp``, ``/dev/shm``, POSIX
+  message queues, System V IPC) of whatever an earlier run left there, sets the rlimits, closes
+  every other descriptor and returns to the module level, which compiles and runs PATH as
+  ``__main__`` (and ends the way a fresh ``python PATH`` would: exit code, traceback, atexit,
+  flushing).
 - host -> supervisor ``X`` + the same fields: as ``R``, but the child ``execve``s PATH (a binary:
-  the C++ compiler, or a program it built) with ARGS, in the same clean environment, instead of
-  running Python source.
+  the C++ compiler, or a program it built) with ARGS, in the same clean environment and with
+  SIGPIPE and SIGXFSZ back at their default actions (Python ignores them, and an ignored signal
+  would stay ignored in the binary), instead of running Python source.
 - host -> supervisor ``F PATH`` with one descriptor (a file of the host's, open for writing):
   between runs, copy the regular file PATH (under ``/tmp``, not followed if a symlink) into it
   (how the host takes a compiled binary out of the start); answer ``F 0 SIZE`` or ``F 1 ERROR``.
@@ -49,7 +52,7 @@ STUB = ("import time; _t0 = time.monotonic(); import sys; sys.path.insert(0, '/s
 
 _SETUP_S = 30.0     # a child must be set up within this (a loaded machine may be slow)
 _SWEEP_S = 10.0     # give up killing after this (a process stuck in the kernel)
-_WRITABLE = ("/tmp", "/dev/mqueue")
+_WRITABLE = ("/tmp", "/dev/shm", "/dev/mqueue")
 
 
 def _sweep() -> bool:
@@ -175,10 +178,18 @@ def _child(ctl, fds, sync_w, limits, argv, uid, gid, drop, execute=False):
     _wipe_ipc()
     os.chdir("/tmp")
     for name, soft, hard in limits:
-        resource.setrlimit(getattr(resource, "RLIMIT_" + name), (soft, hard))
+        res = getattr(resource, "RLIMIT_" + name)
+        if hard == resource.RLIM_INFINITY:  # as high as it may be: the hard limit inherited (no raising it)
+            hard = resource.getrlimit(res)[1]
+            soft = hard if soft == resource.RLIM_INFINITY else soft
+        resource.setrlimit(res, (soft, hard))
     os.write(sync_w, b"S")
     os.closerange(3, 65536)
     if execute:  # a binary: nothing of this interpreter goes with it but the clean environment
+        import _signal
+
+        for sig in (_signal.SIGPIPE, _signal.SIGXFSZ):  # ignored by Python, and an ignored signal stays
+            _signal.signal(sig, _signal.SIG_DFL)        # ignored across execve: back to their defaults
         os.execve(argv[0], argv, os.environ)
     sys.argv = argv
     sys.path[0] = argv[0].rpartition("/")[0] or "/"
