@@ -632,3 +632,97 @@ def test_a_repeated_problem_is_sampled_apart(tmp_path, capsys, tiny_dense_dir):
     pops = {r["index"]: r["population"] for r in map(json.loads, traces.read_text().splitlines())
             if r["type"] == "round"}
     assert rc == 0 and pops[0] != pops[1]
+
+
+def test_template_file_on_math_grades_as_math_and_null_means_empty(tmp_path, tok):
+    """A reworded math template (a file with base: math) keeps the math grader (0.5 == 1/2), as the built-in
+    does; a null value in the file is the empty text, not the word None."""
+    f = tmp_path / "t.yaml"
+    f.write_text('base: math\nsolve: "{problem}\\n\\nShow your work; final answer in \\\\boxed{{}}."\nforce_answer:\n')
+    t = load_template(str(f))
+    assert t.force_answer == "" and t.base == "math"
+    for spec in ("math", str(f)):
+        r = MarkovianRSA(ScriptedBackend(tok), RSAConfig(population=2, aggregate=1), spec)
+        assert r.grader("0.5", "1/2") and r.grader("042", "42")
+    assert MarkovianRSA(ScriptedBackend(tok), RSAConfig(population=2, aggregate=1), "generic").grader is exact_grader
+
+
+class _CountingHandler(Handler):
+    """Counts POSTs in flight (each held 20 ms) and the API keys it was sent."""
+
+    lock = threading.Lock()
+    now = peak = 0
+    keys: set = set()
+
+    def do_POST(self):
+        import time
+
+        cls = _CountingHandler
+        with cls.lock:
+            cls.now += 1
+            cls.peak = max(cls.peak, cls.now)
+            cls.keys.add(self.headers.get("Authorization"))
+        self._counted = True
+        try:
+            time.sleep(0.02)
+            super().do_POST()
+        finally:
+            self._done()
+
+    def send_response(self, *args, **kw):
+        self._done()  # out of flight once answering: the client may send its next request as soon as it reads this
+        super().send_response(*args, **kw)
+
+    def _done(self):
+        if getattr(self, "_counted", False):
+            self._counted = False
+            with _CountingHandler.lock:
+                _CountingHandler.now -= 1
+
+
+def test_server_key_concurrency_wall_time_and_resume_settings(tmp_path, capsys, tiny_dense_dir, monkeypatch):
+    """Against a keyed `ttc serve`: CASCADE_API_KEY wins over an OPENAI_API_KEY the shell also exports (that
+    secret is never sent); --concurrency caps every request in flight, /tokenize and /detokenize too; the
+    summary's wall_s is the run's elapsed time (problems in flight overlap), problem_wall_s their sum; --max-n
+    is part of the resume key."""
+    import time
+
+    monkeypatch.setenv("CASCADE_API_KEY", "secret")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-not-for-this-server")
+    srv, url = serve_in_thread(TorchEngine.from_pretrained(tiny_dense_dir), model_name="tiny", api_key="secret",
+                               handler=_CountingHandler)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"{i}+1?", "answer": str(i + 1)}) + "\n" for i in range(4)))
+    out = tmp_path / "r.jsonl"
+    common = ["solve", "--data", data, "--base-url", url + "/v1", "--population", "2", "--aggregate", "1",
+              "--rounds", "1", "--budget", "4", "--tail", "2", "--final-budget", "0", "--no-progress", "--out", out]
+    try:
+        t = time.perf_counter()
+        rc, _, err = _cli(capsys, *common, "--concurrency", "1", "--problems-in-flight", "4",
+                          "--save-traces", tmp_path / "tr.jsonl")
+        elapsed = time.perf_counter() - t
+        assert rc == 0, err
+        assert _CountingHandler.peak == 1 and _CountingHandler.keys == {"Bearer secret"}
+        summary = json.loads(out.read_text().splitlines()[-1])
+        assert summary["wall_s"] <= elapsed and summary["problem_wall_s"] > summary["wall_s"]
+        rc, _, err = _cli(capsys, *common, "--resume", "--max-n", "1")
+        assert rc == 2 and "different settings" in err
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_clamp_fits_the_whole_dataset_so_a_larger_limit_resumes(tmp_path, capsys, tiny_dense_dir):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n" +
+                    json.dumps({"problem": "A much longer problem statement " * 8 + "so what is 2+2?", "answer": "4"})
+                    + "\n")
+    out = tmp_path / "r.jsonl"
+    common = ["solve", "--data", data, "--model", tiny_dense_dir, "--threads", "1", "--population", "2",
+              "--aggregate", "1", "--rounds", "1", "--budget", "200", "--tail", "4", "--final-budget", "0",
+              "--context", "450", "--clamp", "--no-progress", "--out", out]
+    rc, _, err = _cli(capsys, *common, "--limit", "1")
+    assert rc == 0 and "clamped" in err, err
+    rc, _, err = _cli(capsys, *common, "--resume")
+    assert rc == 0, err
+    assert json.loads(out.read_text().splitlines()[-1])["problems"] == 2

@@ -402,8 +402,9 @@ class OpenAIBackend:
                  rate_window: float = 60.0):
         url = base_url.rstrip("/")
         self.base_url = url[:-3] if url.endswith("/v1") else url
-        self.api_key = api_key if api_key is not None else (os.environ.get("OPENAI_API_KEY")
-                                                            or os.environ.get("CASCADE_API_KEY"))
+        # Cascade's own key first: a shell exporting OPENAI_API_KEY too must not send that secret to `ttc serve`
+        self.api_key = api_key if api_key is not None else (os.environ.get("CASCADE_API_KEY")
+                                                            or os.environ.get("OPENAI_API_KEY"))
         if retries < 0 or backoff < 0:
             raise ValueError(f"retries and backoff must be >= 0, got {retries} and {backoff}")
         self.concurrency, self.retries, self.backoff, self.timeout = max(1, concurrency), retries, backoff, timeout
@@ -413,6 +414,7 @@ class OpenAIBackend:
         self.requests = 0
         self._count_lock = threading.Lock()
         self._rpm, self._tpm = RateLimiter(rpm, rate_window), RateLimiter(tpm, rate_window)
+        self._slots = threading.BoundedSemaphore(self.concurrency)  # every request in flight, /tokenize's too
         self.in_flight = Limiter(max_tokens_in_flight)
         self._pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="ttc-request")
         self._http = Connections(self.base_url, timeout)
@@ -450,8 +452,9 @@ class OpenAIBackend:
 
     def _call(self, method: str, path: str, body: dict | None, retries: int | None = None,
               weight: int | None = None) -> dict:
-        """One request, retried; a generation request (``weight``: its prompt + max_tokens tokens) takes
-        its place under ``rpm``/``tpm`` at every attempt, since each one counts at the server."""
+        """One request, retried; every attempt takes its place under ``rpm`` and one of ``concurrency`` slots
+        (a problem's /tokenize and /detokenize calls too), a generation request's (``weight``: its prompt +
+        max_tokens tokens) under ``tpm`` as well, since each one counts at the server."""
         retries = self.retries if retries is None else retries
         data = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"}
@@ -475,12 +478,14 @@ class OpenAIBackend:
                                 self.retried)
                 time.sleep(delay)
             after = None
+            self._rpm.acquire(1)
             if weight is not None:
-                self._rpm.acquire(1)
                 self._tpm.acquire(weight)
             try:
                 sent += 1
-                return json.loads(self._http.request(method, path, data, headers).decode())
+                with self._slots:
+                    raw = self._http.request(method, path, data, headers)
+                return json.loads(raw.decode())
             except HTTPStatusError as e:
                 msg = _error_message(e)
                 if e.code in RETRY_STATUS:

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -82,7 +83,10 @@ def _solve_parser() -> argparse.ArgumentParser:
     m = ap.add_argument_group("model")
     m.add_argument("--model", help="checkpoint directory or Hugging Face id org/name[@rev] (HF cache, HF_HUB_OFFLINE), "
                                    "or the served model name with --base-url")
-    m.add_argument("--base-url", help="an OpenAI-compatible server (API key from OPENAI_API_KEY or CASCADE_API_KEY)")
+    m.add_argument("--base-url", help="an OpenAI-compatible server (API key: --api-key, else CASCADE_API_KEY, "
+                                      "else OPENAI_API_KEY)")
+    m.add_argument("--api-key", default=None, help="the server's API key (default: $CASCADE_API_KEY, else "
+                                                  "$OPENAI_API_KEY)")
     m.add_argument("--api", default="completions", choices=["completions", "chat"],
                    help="--base-url endpoint: token-id /v1/completions, or /v1/chat/completions (needs --tokenizer; "
                    "token counts are then the local tokenizer's, the server's in usage)")
@@ -127,7 +131,8 @@ def build_backend(a):
         from ttc.backends import ChatBackend, OpenAIBackend
 
         cls = ChatBackend if a.api == "chat" else OpenAIBackend
-        return cls(a.base_url, model=a.model, tokenizer=a.tokenizer, concurrency=a.concurrency,
+        return cls(a.base_url, model=a.model, tokenizer=a.tokenizer, api_key=getattr(a, "api_key", None),
+                   concurrency=a.concurrency,
                    retries=a.retries, backoff=a.backoff, timeout=a.request_timeout, horizon=a.retry_horizon, max_n=a.max_n,
                    rpm=a.rpm, tpm=a.tpm, max_tokens_in_flight=a.max_tokens_in_flight)
     if not a.model:
@@ -154,7 +159,7 @@ def parse_columns(spec: str | None) -> dict[str, str]:
     return parse(spec, ("problem", "answer"), flag="--column")
 
 
-def load_problems(a) -> list[dict]:
+def load_problems(a, limit: bool = True) -> list[dict]:
     if a.problem is not None:
         if not a.problem.strip():
             raise ValueError("--problem is empty")
@@ -164,12 +169,12 @@ def load_problems(a) -> list[dict]:
     need = ["problem"] + (["answer"] if "answer=" in (a.column or "") else [])  # answer is optional unless mapped
     rows = load_rows(a.data, need, [k for k in ("answer",) if k not in need], parse_columns(a.column),
                      split=a.split, subset=a.subset, what="--data", hint="--column ")
-    rows = rows[:a.limit] if a.limit is not None else rows
+    rows = rows[:a.limit] if limit and a.limit is not None else rows
     for i, r in enumerate(rows):
         q = r["problem"]
         if q is None or isinstance(q, (list, dict)) or not str(q).strip():
             raise ValueError(f"--data {a.data!r}: row {i}'s problem is {q!r}; every row needs a problem text")
-    if all(r["answer"] is None for r in rows):
+    if limit and all(r["answer"] is None for r in rows):
         print(f"ttc solve: --data {a.data!r} has no answers: the problems are solved but not graded "
               "(map one with --column answer=COLUMN)", file=sys.stderr)
     return [{"problem": str(r["problem"]), "answer": _gold(r["answer"])} for r in rows]
@@ -191,6 +196,8 @@ def run_key(cfg: RSAConfig, template, grader, model: dict | None = None, extra: 
     from dataclasses import asdict, is_dataclass
 
     tmpl = asdict(template) if is_dataclass(template) else template
+    if isinstance(tmpl, dict) and not tmpl.get("base"):
+        tmpl.pop("base", None)  # a built-in: the key it always had
     blob = json.dumps({"config": config_dict(cfg), "template": tmpl, "grader": grader, "model": model,
                        "extra": extra}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -292,7 +299,7 @@ def summarize(records: list[dict], cfg: RSAConfig, key: str, extra: dict | None 
            "generated_tokens": sum(r["generated_tokens"] for r in ok),
            "prefill_tokens": sum(r["prefill_tokens"] for r in ok), "usage": usage or None,
            "cost": sum(costs) if costs else None,
-           "wall_s": sum(r["wall_s"] for r in ok), "run_key": key, "config": config_dict(cfg)}
+           "problem_wall_s": sum(r["wall_s"] for r in ok), "run_key": key, "config": config_dict(cfg)}
     if extra:
         out.update(extra)
     return out
@@ -349,6 +356,7 @@ class _Writer:
 
 
 def solve_main(argv: list[str]) -> int:
+    started = time.perf_counter()
     a = _solve_parser().parse_args(argv)
     cfg = RSAConfig(population=a.population, aggregate=a.aggregate, rounds=a.rounds, budget=a.budget, tail=a.tail,
                     final_budget=a.final_budget, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
@@ -390,14 +398,20 @@ def solve_main(argv: list[str]) -> int:
         context = a.context or own
         clamped = None
         if context:
-            longest = max(len(backend.encode(p["problem"])) for p in problems)
+            # with --clamp, the budget fits the whole dataset's longest problem, so that a later --resume
+            # with a larger --limit runs under the same settings
+            whole = load_problems(a, limit=False) if a.clamp and a.limit is not None and a.problem is None else problems
+            longest = max(len(backend.encode(p["problem"])) for p in whole)
             clamped = rsa.check_plan(longest, context, clamp=a.clamp)
             if clamped:
                 print("ttc solve: clamped to fit the context " f"{context}: " +
                       ", ".join(f"{k} {o} -> {n}" for k, (o, n) in clamped.items()), file=sys.stderr)
         cfg = rsa.config
         model = backend.identity() if hasattr(backend, "identity") else {"model": a.model, "base_url": a.base_url}
-        key = run_key(cfg, template, a.grader, model, {"context": context, "clamp": a.clamp, "api": a.api})
+        extra_key = {"context": context, "clamp": a.clamp, "api": a.api}
+        if a.base_url and a.max_n:  # a split request's later parts sample with derived seeds
+            extra_key["max_n"] = a.max_n
+        key = run_key(cfg, template, a.grader, model, extra_key)
         out = Path(a.out) if a.out else None
         ckpt = out.with_name(out.name + ".rounds.jsonl") if out is not None else None
         records: list[dict] = []
@@ -510,7 +524,10 @@ def solve_main(argv: list[str]) -> int:
                         raise
                     pool.shutdown()
             records.sort(key=lambda r: r["index"])
-            extra = {"context": context, "clamped": {k: list(v) for k, v in clamped.items()} if clamped else None}
+            # wall_s: this run's elapsed time (problems run side by side; earlier runs' problems are not in it);
+            # problem_wall_s: the sum of the problems' own times, those of a resumed run's earlier ones too
+            extra = {"context": context, "clamped": {k: list(v) for k, v in clamped.items()} if clamped else None,
+                     "wall_s": time.perf_counter() - started}
             summary = summarize(records, cfg, key, extra)
             results.write(summary)
         finally:

@@ -258,7 +258,7 @@ class MarkovianRSA:
         self.config = config.resolved()
         self.template = load_template(template)
         if grader is None:
-            grader = "math" if self.template.name == "math" else "exact"
+            grader = "math" if (self.template.base or self.template.name) == "math" else "exact"  # a file on math too
         self.grader = GRADERS[grader] if isinstance(grader, str) else grader
         self.builder = PromptBuilder(self.template, backend.encode, backend.chat_parts())
         think = backend.encode("</think>")

@@ -40,6 +40,7 @@ class Template:
     continue_: str = "{tail}"
     force_answer: str = _FORCE
     answer_format: str = "boxed"  # how answers are extracted: "boxed" (last \boxed{}) or "code" (last code block)
+    base: str = ""  # the built-in a template file starts from ("" for a built-in: its name)
 
     def check(self) -> "Template":
         need = {"solve": {"problem"}, "aggregate": {"problem", "candidates"}, "candidate": {"tail"},
@@ -144,7 +145,8 @@ def load_template(spec: str | Template) -> Template:
     unknown = sorted(set(data) - set(_KEYS))
     if unknown:
         raise ValueError(f"template file {p}: unknown key(s) {', '.join(unknown)}; valid: base, {', '.join(_KEYS)}")
-    return replace(BUILTIN[base_name], name=str(p), **{_KEYS[k]: str(v) for k, v in data.items()}).check()
+    return replace(BUILTIN[base_name], name=str(p), base=base_name,  # null: the empty text (no forced answer)
+                   **{_KEYS[k]: "" if v is None else str(v) for k, v in data.items()}).check()
 
 
 Payload = list[int]
