@@ -251,6 +251,25 @@ def _previous_final(cfg, out: Path, stage_index: int) -> Path | None:
     return None
 
 
+def _check_sandbox(cfg) -> None:
+    """A stage training on code environments, on a machine whose sandbox cannot run (no bubblewrap, no weaker
+    sandbox allowed), fails here in one line, not with every code answer scored 0 hours into the run."""
+    from cascade.stagedata import stage_mixes, union_mix
+    from envs.base import get_env
+    from train.dataclass_config import ConfigError
+
+    for name in cfg.order:
+        s = cfg.stages[name]
+        code = sorted(e for e in union_mix(stage_mixes(s, name)) if e.startswith("code/"))
+        if code:
+            from envs.code.sandbox import SandboxUnavailable
+
+            try:
+                get_env(code[0], **s.env_kwargs.get(code[0], {})).prepare()
+            except SandboxUnavailable as e:
+                raise ConfigError(f"stage {name} trains on {code[0]}, whose answers run in the sandbox: {e}") from None
+
+
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
@@ -284,6 +303,7 @@ def main(argv: list[str]) -> int:
 
     for name in cfg.order:  # unknown environments (of the mix, its sources or its phases) and settings fail here too
         check_env_kwargs(cfg.stages[name], name)
+    _check_sandbox(cfg)
     if cfg.rollout.urls and not _all_finished(cfg, tree, out):  # unreachable servers, or servers disagreeing on
         # the model, fail here too (a rerun of a finished run needs none: it only prints what the stages did)
         from cascade.rollout import url_key

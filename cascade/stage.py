@@ -581,7 +581,12 @@ class StageRunner:
                 pairs = [pr for pr in pairs if normalize_text(prompt_text(pr[0])) not in held]
                 extra["dropped_heldout"] = n - len(pairs)
         else:
-            env_ids = list(s.envs) or [e for e in curriculum.envs if ":" not in e]
+            # by default the stage's environments that have reference answers (named ones must all have one)
+            env_ids = list(s.envs) or [e for e, env in curriculum.envs.items()
+                                       if ":" not in e and not getattr(env, "no_reference_reason", "")]
+            if not env_ids:
+                raise ConfigError(f"stage {self.name}: no environment of its mix has reference answers for SFT; "
+                                  "name them in sft.envs or give sft.data")
             weights = [float(s.envs[e]) for e in env_ids] if isinstance(s.envs, dict) else None
             with self.phase("sft data", s.examples, "reference solutions") as advance:
                 pairs = reference_pairs(env_ids, s.examples, seed=self.rcfg.seed + self.index, weights=weights,

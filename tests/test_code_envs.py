@@ -316,3 +316,251 @@ def test_the_tests_a_wrong_program_fails_do_not_depend_on_the_machine_being_busy
     seed = dataclasses.replace(base, id="sum-two-slow", wrong=[slow], tests=base.tests[:2], time_limit=0.3)
     env = get_env("code/arc", seeds=[seed], include_builtin=False)
     assert env.failing_tests(seed, 0) == []
+
+
+CODE_ENVS = ["code/solve", "code/io_predict", "code/io_propose", "code/arc", "code/falsify"]
+BY_ID = {s.id: s for s in SEEDS}
+
+
+def _seed_env(env_id: str, *ids: str, **kw):
+    """``env_id`` over the named built-in seeds only, none held out (every one drawn by generate)."""
+    return get_env(env_id, seeds=[BY_ID[i] for i in ids], include_builtin=False, heldout=0, **kw)
+
+
+def _example_inputs(prompt: str) -> list[str]:
+    import re
+
+    return re.findall(r"Example \d+ input:\n```\n(.*?)\n```", prompt, re.DOTALL)
+
+
+def test_held_out_problems_never_come_from_a_training_seed():
+    """Held-out evaluation is not the training set: ~20% of each tier's seeds (the same in all five environments)
+    are held out; generate never draws them and heldout draws only them, so no training prompt (io_predict's and
+    io_propose's show the reference program) shows a held-out seed's program."""
+    envs = {e: get_env(e) for e in CODE_ENVS}
+    for e in ("code/arc", "code/falsify"):  # which tests a wrong program fails does not decide the split
+        envs[e].failing_tests = lambda s, wi: [0]
+    held = {s.id for s in envs["code/solve"].heldout_seeds}
+    assert all({s.id for s in env.heldout_seeds} == held for env in envs.values())
+    assert {BY_ID[i].difficulty for i in held} == {1, 2, 3} and 0.15 <= len(held) / len(SEEDS) <= 0.3
+    for e, env in envs.items():
+        train = [env.generate(seed, d) for d in (1, 2, 3) for seed in range(120)]
+        evals = [env.heldout(10**9 + seed, d) for d in (1, 2, 3) for seed in range(60)]
+        assert not {p.meta["seed_id"] for p in train} & held, e
+        assert {p.meta["seed_id"] for p in evals} == held, e
+        assert all(p.meta.get("heldout") for p in evals) and not any(p.meta.get("heldout") for p in train)
+        assert not {p.prompt for p in train} & {p.prompt for p in evals}, e
+        if e in ("code/io_predict", "code/io_propose"):
+            refs = [BY_ID[i].reference.strip() for i in held]
+            assert not any(r in p.prompt for p in train for r in refs), e
+    # heldout=0: every seed trains, and held-out evaluation is refused with a clear message
+    none = get_env("code/solve", heldout=0)
+    assert not none.heldout_seeds and len(none.train_seeds) == len(SEEDS)
+    with pytest.raises(ValueError, match="no held-out seed"):
+        none.heldout(0, 1)
+    with pytest.raises(ValueError, match="heldout"):
+        get_env("code/solve", heldout=1.0)
+    # a seed file's split is its own: the built-in seeds keep their side whatever else is loaded
+    extra = [Seed.from_dict({**BY_ID["sum-two"].to_dict(), "id": f"extra-{i}"}) for i in range(6)]
+    more = get_env("code/io_predict", seeds=extra)
+    assert {s.id for s in more.heldout_seeds} - {s.id for s in extra} == held
+    assert {s.id for s in more.heldout_seeds} & {s.id for s in extra}  # a tier of two or more holds one out
+    # a tier without a held-out seed (its lone seed trains): held-out problems of that level come from a lower tier
+    few = get_env("code/solve", seeds=[BY_ID[i] for i in ("sum-two", "gcd", "palindrome", "balanced-brackets")],
+                  include_builtin=False)
+    assert [s.id for s in few.train_seeds if s.difficulty == 2] == ["balanced-brackets"] and few.heldout_seeds
+    assert {few.heldout(seed, 2).meta["seed_id"] for seed in range(20)} <= {s.id for s in few.heldout_seeds}
+    assert {few.generate(seed, 2).meta["seed_id"] for seed in range(20)} == {"balanced-brackets"}
+
+
+def test_falsify_shows_only_an_example_the_wrong_program_gets_right():
+    """The falsify prompt's example used to be the first shown test whatever the candidate printed on it, so on
+    ~42% of problems pasting Example 1's input was a full-credit answer; now it is one the candidate passes, or
+    none (run-length's wrong program fails every test)."""
+    env = _seed_env("code/falsify", "gcd", "even-sum", "reverse-words", "run-length")
+    seen = set()
+    for seed in range(60):
+        p = env.generate(seed, 1)
+        s = env.seed_of(p)
+        shown = _example_inputs(p.prompt)
+        if s.id == "run-length":
+            assert shown == [], p.prompt
+        else:
+            assert len(shown) == 1, s.id
+            bad = env.failing_tests(s, p.meta["wrong"])
+            assert not any(s.tests[i]["input"].rstrip("\n") == shown[0] for i in bad), s.id
+            if s.id not in seen:  # pasting the example's input: a valid input the candidate gets right
+                sc = env.verify(p, "\\boxed{" + shown[0] + "}")
+                assert not sc.correct and sc.info["candidate_output"] == sc.info["expected"], (s.id, sc)
+        seen.add(s.id)
+    assert seen == {"gcd", "even-sum", "reverse-words", "run-length"}
+
+
+def test_arc_holds_out_half_the_tests_and_no_constant_passes_them():
+    """code/arc level 1 held out one fixed test of most seeds (print('NO') passed palindrome); now at least half
+    the tests are held out, with different outputs wherever the seed's tests have them."""
+    level1 = [s.id for s in SEEDS if s.difficulty == 1]
+    env = _seed_env("code/arc", *level1)
+    with ThreadPoolExecutor(2) as ex:  # the tests each wrong program fails, once per seed
+        list(ex.map(lambda s: env.failing_tests(s, 0), env.seeds))
+    problems: dict[str, list] = {}
+    for seed in range(200):
+        p = env.generate(seed, 1)
+        problems.setdefault(p.meta["seed_id"], []).append(p)
+    assert set(problems) == set(level1)
+    for sid, ps in problems.items():
+        s = BY_ID[sid]
+        outputs = {tuple(t["output"].split()) for t in s.tests}
+        for const in outputs:  # a program printing one of the seed's outputs whatever its input
+            passes = sum(all(tuple(s.tests[i]["output"].split()) == const for i in p.meta["held_out"]) for p in ps)
+            assert passes <= len(ps) // 2, (sid, const, passes, len(ps))
+        for p in ps:
+            assert len(p.meta["held_out"]) * 2 >= len(s.tests) and p.meta["shown"], sid
+            if len(outputs) > 1:
+                assert len({tuple(s.tests[i]["output"].split()) for i in p.meta["held_out"]}) > 1, sid
+    p = problems["palindrome"][0]
+    for guess in ("YES", "NO"):
+        assert not env.verify(p, f"```python\nprint('{guess}')\n```").correct
+
+
+WEAK_WRONG = {
+    # forgets k %= n (wrong when k >= 2n and k % n != 0)
+    "rotate-right": "n, k = map(int, input().split())\na = input().split()\nprint(' '.join(a[n - k:] + a[:n - k]))\n",
+    # no modulo
+    "grid-paths": "r, c = map(int, input().split())\ng = [input().strip() for _ in range(r)]\n"
+                  "dp = [[0] * c for _ in range(r)]\n"
+                  "for i in range(r):\n    for j in range(c):\n        if g[i][j] == '#':\n            continue\n"
+                  "        dp[i][j] = 1 if i == j == 0 else (dp[i - 1][j] if i else 0) + (dp[i][j - 1] if j else 0)\n"
+                  "print(dp[-1][-1])\n",
+    "coin-change-ways": "n, A = map(int, input().split())\nw = [1] + [0] * A\nfor c in map(int, input().split()):\n"
+                        "    for v in range(c, A + 1):\n        w[v] += w[v - c]\nprint(w[A])\n",
+    # every subset (2^n; n is up to 100)
+    "knapsack": "from itertools import combinations\nn, W = map(int, input().split())\n"
+                "it = [tuple(map(int, input().split())) for _ in range(n)]\n"
+                "print(max(sum(v for _, v in s) for k in range(n + 1) for s in combinations(it, k) "
+                "if sum(w for w, _ in s) <= W))\n",
+}
+
+
+def test_seed_tests_catch_the_wrong_programs_they_used_to_pass(judge):
+    def one(sid):
+        s = BY_ID[sid]
+        return sid, judge.judge(WEAK_WRONG[sid], s.tests, stop_on_failure=True, time_limit=s.time_limit)
+
+    with ThreadPoolExecutor(2) as ex:
+        for sid, j in ex.map(one, WEAK_WRONG):
+            assert not j.accepted, sid
+            assert j.status == ("time_limit" if sid == "knapsack" else "wrong_answer"), (sid, j.status)
+
+
+SUM_PY = "a, b = map(int, input().split())\nprint(a + b)\n"
+
+
+def test_the_graded_block_is_the_last_in_the_prompts_language():
+    """The prompt says the last ```python (```cpp) block is graded: a later block in another language (a sketch)
+    does not replace it; with none in the prompt's language the last accepted block is graded; with
+    language="any" the last block of either language."""
+    sketch = "```cpp\n// the same in C++: a + b\n```\n"
+    py = get_env("code/solve", seeds=[BY_ID["sum-two"]], include_builtin=False)
+    p = py.generate(0, 1)
+    s = py.verify(p, f"```python\n{SUM_PY}```\nFor reference, in C++:\n{sketch}")
+    assert s.correct and s.info["language"] == "python", s.info
+    s = py.verify(p, f"```cpp\n{SUM_CPP}```")  # no Python block: C++ is accepted
+    assert s.correct and s.info["language"] == "cpp", s.info
+    cpp = get_env("code/solve", seeds=[BY_ID["sum-two"]], include_builtin=False, language="cpp")
+    s = cpp.verify(cpp.generate(0, 1), f"```cpp\n{SUM_CPP}```\nIn Python:\n```python\nprint(0)\n```")
+    assert s.correct and s.info["language"] == "cpp", s.info
+    both = get_env("code/solve", seeds=[BY_ID["sum-two"]], include_builtin=False, language="any")
+    s = both.verify(both.generate(0, 1), f"```python\n{SUM_PY}```\nfinal:\n{sketch}")
+    assert not s.correct and s.info["status"] == "compile_error"
+
+
+def test_cpp_prompts_declare_that_there_is_no_reference_answer():
+    """The seeds' references are Python: with language="cpp" the reference response does not answer the prompt
+    (code/solve and code/arc); the environment says so, and the self-check's other requirements still hold."""
+    for env_id in ("code/solve", "code/arc"):
+        assert get_env(env_id).no_reference_reason == ""
+        assert get_env(env_id, language="any").no_reference_reason == ""
+        env = get_env(env_id, seeds=[BY_ID["sum-two"]], include_builtin=False, language="cpp", languages=["cpp"])
+        assert "Python" in env.no_reference_reason
+        assert self_check(env, difficulties=(1,), seeds=(0,)) == []
+    assert get_env("code/io_predict", language="cpp").no_reference_reason == ""  # no program to write
+
+
+def test_seeds_above_the_top_tier_are_refused():
+    import dataclasses
+
+    row = {**BY_ID["sum-two"].to_dict(), "id": "sum-two-hard", "difficulty": 4}
+    with pytest.raises(ValueError, match="difficulty 4 is above 3"):
+        Seed.from_dict(row)
+    with pytest.raises(ValueError, match="sum-two-hard.*difficulty outside 1-3"):
+        get_env("code/solve", seeds=[dataclasses.replace(BY_ID["sum-two"], id="sum-two-hard", difficulty=4)])
+    assert Seed.from_dict({**row, "difficulty": 3}).difficulty == 3
+
+
+def test_io_predict_takes_an_answer_wrapped_in_a_text_command():
+    env = _seed_env("code/io_predict", "palindrome")
+    p = env.generate(0, 1)
+    assert p.answer in ("YES", "NO")
+    other = "NO" if p.answer == "YES" else "YES"
+    for wrap in ("\\text{%s}", "\\texttt{%s}", "\\mathrm{%s}", "\\text{\\texttt{%s}}", "%s"):
+        assert env.verify(p, "It prints \\boxed{" + wrap % p.answer + "}").correct, wrap
+        assert not env.verify(p, "It prints \\boxed{" + wrap % other + "}").correct, wrap
+    assert not env.verify(p, "\\boxed{\\text{%s} \\text{x}}" % p.answer).correct
+
+
+def test_extract_fences_as_models_write_them():
+    """Fence lines with more info than the language, fences of four backticks, a block in a numbered list item
+    (its code indented to the item's content column, or not), an instruction echoed before the block."""
+    assert extract_program("```python title=sol.py\nprint(1)\n```") == ("python", "print(1)\n")
+    assert extract_program("```Python 3\nprint(1)\n```") == ("python", "print(1)\n")
+    assert extract_program("```cpp file=a.cpp\nint main(){}\n```") == ("cpp", "int main(){}\n")
+    assert extract_code("````python\nprint(1)\n````") == "print(1)\n"
+    assert extract_code("````python\ns = '''\n```\n'''\nprint(s)\n````") == "s = '''\n```\n'''\nprint(s)\n"
+    assert extract_code("````markdown\n```python\nprint(0)\n```\n````") is None  # a block inside another is text
+    listed = ("Steps:\n1. Read the input.\n2. ```python\n   import sys\n   for x in sys.stdin:\n       print(x)\n"
+              "   ```\n")
+    code = extract_code(listed)
+    assert code == "import sys\nfor x in sys.stdin:\n    print(x)\n"
+    compile(code, "answer.py", "exec")
+    flush_left = "1. ```python\ndef f():\n    return 1\nprint(f())\n```"  # the code not indented under the item
+    assert extract_code(flush_left) == "def f():\n    return 1\nprint(f())\n"
+    assert extract_code("- ```py\n  print(1)\n  ```") == "print(1)\n"
+    assert extract_code("I'll put it in a ```python\n\n```python\nprint(1)\n```") == "print(1)\n"
+    # prose that mentions a fence is not one: only ```LANG ending the line opens a block after other text
+    assert extract_code("Put it in a ```python fenced block.\nprint(0)\n```") is None
+    assert extract_code("x\n```python\nprint(1)\n```") == "print(1)\n"
+    t = time.perf_counter()
+    for hostile in ("`" * 200000 + "x y`", "1. " * 50000 + "```python", "a ```python\n" + "\n" * 100000):
+        extract_code(hostile)
+    assert time.perf_counter() - t < 1.0
+
+
+def test_only_boxed_tasks_leave_out_tests_with_braces():
+    """balanced-brackets: a test holding braces cannot be an answer within \\boxed{} (io_predict, io_propose), but
+    it can be an example of a program-writing task."""
+    s = BY_ID["balanced-brackets"]
+    braces = {i for i, t in enumerate(s.tests) if "{" in t["input"] + t["output"]}
+    assert braces
+    for env_id in ("code/solve", "code/arc", "code/falsify"):
+        assert get_env(env_id).shown_tests(s) == list(range(len(s.tests))), env_id
+    for env_id in ("code/io_predict", "code/io_propose"):
+        assert not set(get_env(env_id).shown_tests(s)) & braces, env_id
+    p = _seed_env("code/solve", "balanced-brackets").generate(0, 2)
+    assert "Example 1 input:\n```\n()[]{}\n```" in p.prompt
+
+
+def test_prepare_fails_early_where_the_sandbox_cannot_run():
+    """A machine without bubblewrap: prepare() raises the sandbox's own message (before any training on all-zero
+    code rewards); a config that allows a weaker sandbox passes."""
+    from envs.code.judge import Judge
+
+    missing = {**sbx.detect_layers(), "namespaces": "bwrap (bubblewrap) is not installed (simulated)"}
+    env = get_env("code/solve")
+    env._judge = Judge(sbx.Sandbox(sbx.SandboxConfig(), _layers=missing))
+    with pytest.raises(sbx.SandboxUnavailable, match="bubblewrap"):
+        env.prepare()
+    weaker = get_env("code/solve")
+    weaker._judge = Judge(sbx.Sandbox(sbx.SandboxConfig(allow_weaker=True), _layers=missing))
+    weaker.prepare()
+    get_env("code/io_predict").prepare()  # this machine's sandbox runs

@@ -748,3 +748,21 @@ def test_servers_started_beside_the_trainer_on_too_few_cores_are_noted():
     assert shared_cores_note(cfg("rollout.servers=1"), cores=4, trainer_threads=2) is None
     assert shared_cores_note(cfg(), cores=2, trainer_threads=2) is None
     assert shared_cores_note(cfg("rollout.servers=1", "trainer.nproc=2"), cores=2, trainer_threads=2) is None
+
+
+def test_a_run_training_on_code_fails_before_any_work_where_the_sandbox_cannot_run(tmp_path, monkeypatch):
+    """The tiny math stage trains on code/solve: without bubblewrap (simulated) `cascade run` stops in its
+    pre-run checks with the sandbox's message, not with every code answer scored 0 in the third stage. SFT
+    from reference answers refuses an environment that has none (C++ prompts over Python references)."""
+    from cascade.config import ConfigError
+    from cascade.run import main
+    from envs.code import sandbox as sbx
+    from train.sft import reference_pairs
+
+    monkeypatch.setattr(sbx.Sandbox, "missing", lambda self: {"namespaces": "bwrap is not installed (simulated)"})
+    monkeypatch.delenv(sbx.ALLOW_ENV, raising=False)
+    with pytest.raises(ConfigError, match="stage math trains on code/io_predict.*bwrap is not installed"):
+        main(["profile=tiny", f"out={tmp_path / 'run'}", "logging.progress=false", "stage=math"])
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ValueError, match="code/solve has no reference answer"):
+        reference_pairs(["toy/add", "code/solve"], 2, env_kwargs={"code/solve": {"language": "cpp"}})

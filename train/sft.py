@@ -49,6 +49,10 @@ def reference_pairs(env_ids: list[str], n: int, seed: int = 0, difficulties=(0,)
         raise ValueError(f"sft environment weights must be >= 0, one per environment, not all 0; got {weights}")
     rng = random.Random(seed)
     envs = {e: get_env(e, **((env_kwargs or {}).get(e, {}))) for e in env_ids}
+    none = {e: env.no_reference_reason for e, env in envs.items() if getattr(env, "no_reference_reason", "")}
+    if none:  # its reference_response is no answer to its prompts (e.g. C++ prompts of a Python-only reference)
+        raise ValueError("SFT from reference solutions: " + "; ".join(f"{e} has no reference answer ({why})"
+                                                                     for e, why in none.items()))
     out = []
     for _ in range(n):
         env_id = rng.choice(env_ids) if weights is None else rng.choices(env_ids, weights)[0]

@@ -10,20 +10,31 @@
 - ``code/falsify``: find a valid input on which a given wrong program's output differs from the
   reference's; checked by the validator and by running both.
 
-Answers: programs in a fenced code block, the last one counts; its fence names the language:
-```python (also ```py, ```python3) is judged as Python 3, ```cpp (also ```c++, ```cxx, ```cc) as
-C++17, compiled by g++ inside the sandbox (a compile error scores 0). ``language=`` picks what
-the prompts of ``code/solve`` and ``code/arc`` ask for (``"python"``, the default; ``"cpp"``;
-``"any"``: either), and ``languages=`` which fences are accepted (both by default); problems carry
-``meta["language"]`` and the score's info the language judged. Inputs and outputs inside
+Answers: programs in a fenced code block; its fence names the language: ```python (also ```py,
+```python3) is judged as Python 3, ```cpp (also ```c++, ```cxx, ```cc) as C++17, compiled by g++
+inside the sandbox (a compile error scores 0). ``language=`` picks what the prompts of
+``code/solve`` and ``code/arc`` ask for (``"python"``, the default; ``"cpp"``; ``"any"``: either),
+and ``languages=`` which fences are accepted (both by default). The last block in the prompt's
+language is graded (with ``"any"``, or when there is none, the last accepted block); problems carry
+``meta["language"]`` and the score's info the language judged. The seeds' reference programs are
+Python: with ``language="cpp"`` there is no reference answer in the prompt's language
+(``no_reference_reason``). Inputs and outputs inside
 ``\\boxed{...}`` (line breaks kept; whitespace is not graded). Every program runs in the sandbox
 (:mod:`envs.code.sandbox`), which refuses to run without its isolation layers unless the config
 allows a weaker one.
 
 Seeds: the built-in set (:mod:`envs.code.seeds`) plus any JSONL file of the same schema
 (``get_env("code/solve", seeds_path="more.jsonl")``; ``include_builtin=False`` to use only the
-file). ``generate(seed, difficulty)`` picks deterministically among the seeds of tier
+file). ``generate(seed, difficulty)`` picks deterministically among the training seeds of tier
 ``clamp(difficulty, 1, 3)``; for the I/O tasks a higher difficulty also picks larger inputs.
+
+Held out: ``heldout`` (default 0.2) of the seeds of each tier, chosen by a hash of the seed id (with
+:func:`envs.hub.split_heldout`, so at least one of a tier of two or more; the built-in seeds, the
+``seeds=`` list and the ``seeds_path`` file are split each on its own, so a seed is on the same side
+in all five environments whatever else they load), are :meth:`CodeEnv.heldout`'s only: ``generate``
+(training, SFT reference traces) never draws them, so no training prompt shows their statement,
+reference program, tests or wrong programs. ``heldout=0`` turns the split off (``heldout()`` then
+raises).
 """
 from __future__ import annotations
 
@@ -35,17 +46,21 @@ from typing import Any, ClassVar
 from envs.base import Environment, Problem, Score, register, strip_think
 from envs.code.judge import Judge, compare_output
 from envs.code.sandbox import LANGUAGES, SandboxConfig, default_sandbox
-from envs.code.seeds import Seed, builtin_seeds, load_seeds
+from envs.code.seeds import MAX_SEED_DIFFICULTY, Seed, builtin_seeds, load_seeds
 
 __all__ = ["CodeEnv", "SolveEnv", "IOPredictEnv", "IOProposeEnv", "ARCEnv", "FalsifyEnv", "extract_code",
            "extract_program", "FENCE_LANGUAGES"]
 
-# a fenced block opens with ```LANG ending a line (LANG one of FENCE_LANGUAGES, or another info string or none
-# for a block that is not graded, then only at the start of a line) and closes with a line that is only ```
-# (CommonMark; so ``` inside a string literal does not end it) or a code line that ends in it; the opening
-# line's indent (a list item's, a quote's ``>``) comes off the code's lines; Windows line ends are taken
-_OPEN = re.compile(r"(.*?)```[ \t]*([^\s`]*)[ \t]*")
+# a fenced block opens with a run of three or more backticks and an info string whose first word names the
+# language: at the start of a line (after an indent, a quote's ``>`` or a list item's marker), with any info
+# string (```python title=sol.py, ```Python 3) or none (a block that is not graded); after other text on the
+# line only as ```LANG ending it, LANG one of FENCE_LANGUAGES. It closes with a line that is only a run of at
+# least as many backticks (CommonMark; so ``` inside a string literal does not end it) or a code line that
+# ends in exactly that many; the opening line's indent (a list item's content column, a quote's ``>``) comes
+# off the code's lines; Windows line ends are taken
+_INFO = re.compile(r"[ \t]*(\S*)(.*)")
 _INDENT = re.compile(r"[ \t>]*")
+_LIST_ITEM = re.compile(r"[ \t>]*(?:[-*+]|\d{1,9}[.)])[ \t]+")
 FENCE_LANGUAGES = {"python": "python", "python3": "python", "py": "python",
                    "cpp": "cpp", "c++": "cpp", "cxx": "cpp", "cc": "cpp"}
 CODE_INSTRUCTION = ("Write a complete Python 3 program (standard library only) that reads standard input and "
@@ -62,6 +77,9 @@ CODE_INSTRUCTIONS = {
 }
 MAX_ANSWER_CHARS = 20000   # proposed inputs longer than this are rejected unrun
 SHOWN_CHARS = 400          # tests longer than this are never shown in a prompt
+# the held-out split's hash salt, the same in every code environment (fixed; chosen among code-seeds-0..39 as one
+# that holds out near 20% of every tier of the built-in seeds: 3 of 16, 2 of 9, 2 of 8)
+HELDOUT_SALT = "code-seeds-20"
 
 
 def extract_program(text: str, languages=LANGUAGES) -> tuple[str, str] | None:
@@ -76,25 +94,68 @@ def extract_program(text: str, languages=LANGUAGES) -> tuple[str, str] | None:
     return None
 
 
+def _opening(line: str) -> tuple[str, int, str, bool, int] | None:
+    """``(info, fence length, indent, at line start, list marker's width)`` when ``line`` opens a fenced block,
+    else None (the fence: the line's last run of three or more backticks, with none after it; linear in the
+    line's length)."""
+    end = line.rfind("```")
+    if end < 0:
+        return None
+    start, stop = end, end + 3
+    while start and line[start - 1] == "`":
+        start -= 1
+    while stop < len(line) and line[stop] == "`":
+        stop += 1
+    if "`" in line[stop:]:
+        return None
+    m = _INFO.fullmatch(line, stop)
+    head, info, rest = line[:start], m[1], m[2].strip()
+    if _INDENT.fullmatch(head):
+        return info, stop - start, head, True, 0
+    if _LIST_ITEM.fullmatch(head):  # "1. ```python": the code is indented to the item's content column (or less)
+        lead = _INDENT.match(head)[0]
+        return info, stop - start, lead, True, len(head) - len(lead)
+    if info.lower() in FENCE_LANGUAGES and not rest:
+        return info, stop - start, "", False, 0
+    return None
+
+
+def _block_code(lines: list[str], indent: str, width: int) -> str:
+    """The code of a block's lines: the opening line's indent off each; in a list item, also the item's content
+    indent (its marker's width), or the common indent of the code's lines where that is less."""
+    lines = [ln[len(indent):] if ln.startswith(indent) else ln.lstrip(" \t>") for ln in lines]
+    if width:
+        width = min([width] + [len(ln) - len(ln.lstrip(" ")) for ln in lines if ln.strip()])
+        lines = [ln[width:] for ln in lines]
+    return "".join(ln + "\n" for ln in lines)
+
+
 def fenced_blocks(text: str) -> list[tuple[str, str]]:
-    """``(info string, code)`` of every closed fenced block of ``text``, in order, in one pass over its lines
-    (time linear in the text's length, whatever it holds)."""
+    """``(info string's first word, code)`` of every closed fenced block of ``text``, in order, in one pass
+    over its lines (time linear in the text's length, whatever it holds)."""
     out: list[tuple[str, str]] = []
-    info, indent, lines = None, "", []
+    info, fence, indent, at_start, width, blank, lines = None, 3, "", True, 0, True, []
     for line in text.split("\n"):
         line = line[:-1] if line.endswith("\r") else line
         if info is None:
-            m = _OPEN.fullmatch(line)
-            if m and (m[2].lower() in FENCE_LANGUAGES or _INDENT.fullmatch(m[1])):
-                info, indent, lines = m[2], m[1] if _INDENT.fullmatch(m[1]) else "", []
+            got = _opening(line)
+            if got:
+                (info, fence, indent, at_start, width), blank, lines = got, True, []
             continue
+        if not at_start and blank:
+            # "put it in a ```python" (prose), then the block itself on a line of its own: that one opens it
+            got = _opening(line)
+            if got and got[3] and got[0]:
+                (info, fence, indent, at_start, width), blank, lines = got, True, []
+                continue
+            blank = not line.strip()
         body = line.rstrip(" \t")
-        if body.endswith("```") and not body.endswith("````"):
-            head = body[:-3]
+        head = body.rstrip("`")
+        run = len(body) - len(head)
+        if run == fence or (run > fence and _INDENT.fullmatch(head)):
             if head and not _INDENT.fullmatch(head):  # code, then the closing fence on its line
                 lines.append(head)
-            out.append((info, "".join((ln[len(indent):] if ln.startswith(indent) else ln.lstrip(" \t>")) + "\n"
-                                      for ln in lines)))
+            out.append((info, _block_code(lines, indent, width)))
             info = None
         else:
             lines.append(line)
@@ -121,6 +182,55 @@ def _as_input(text: str) -> str:
     return text.strip("\n") + "\n"
 
 
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(text.split())
+
+
+_TEXT_WRAP = re.compile(r"\\(?:text|texttt|textrm|textsf|textbf|mathrm|mathtt|mathsf|mathbf)[ \t]*\{(.*)\}", re.DOTALL)
+
+
+def unwrap_text(answer: str) -> str:
+    """``answer`` without the LaTeX text commands wrapped around the whole of it (``\\text{YES}`` -> ``YES``,
+    ``\\texttt{\\text{7}}`` -> ``7``; at most three deep)."""
+    for _ in range(3):
+        m = _TEXT_WRAP.fullmatch(answer.strip())
+        if not m:
+            break
+        depth = 0
+        for c in m[1]:
+            depth += (c == "{") - (c == "}")
+            if depth < 0:  # "\text{A} \text{B}": the braces of two commands, not one around it all
+                return answer
+        if depth:
+            return answer
+        answer = m[1]
+    return answer
+
+
+def split_seeds(groups: list[list[Seed]], fraction: float) -> set[str]:
+    """Ids of the held-out seeds: ``fraction`` of each tier of each group, by :func:`envs.hub.split_heldout` of
+    the seed ids under :data:`HELDOUT_SALT` (so at least one of a tier of two or more, and never all of it);
+    the lone seed of a tier trains."""
+    from envs.hub import split_heldout
+
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"heldout must be in [0, 1), not {fraction!r}")
+    held: set[str] = set()
+    for group in groups:
+        tiers: dict[int, list[str]] = {}
+        for s in group:
+            tiers.setdefault(s.difficulty, []).append(s.id)
+        for tier, ids in sorted(tiers.items()):
+            if fraction == 0 or len(ids) < 2:
+                continue
+            try:
+                _train, out = split_heldout(ids, fraction, HELDOUT_SALT)
+            except ValueError as e:
+                raise ValueError(f"code seeds of difficulty {tier}: {e}") from None
+            held |= {ids[i] for i in out}
+    return held
+
+
 class CodeEnv(Environment):
     """Shared machinery: seeds, deterministic picking, the judge. Subclasses set the task."""
 
@@ -134,7 +244,7 @@ class CodeEnv(Environment):
     def __init__(self, seeds_path: str | None = None, *, include_builtin: bool = True,
                  seeds: list[Seed] | None = None, sandbox: SandboxConfig | None = None,
                  reward: str = "binary", language: str = "python",
-                 languages: tuple[str, ...] | list[str] = LANGUAGES):
+                 languages: tuple[str, ...] | list[str] = LANGUAGES, heldout: float = 0.2):
         if reward not in ("binary", "fraction"):
             raise ValueError(f"reward must be 'binary' or 'fraction', not {reward!r}")
         if language not in CODE_INSTRUCTIONS:
@@ -146,22 +256,61 @@ class CodeEnv(Environment):
             raise ValueError(f"the prompts ask for {language!r}, which languages={tuple(languages)} refuses")
         self.language = language
         self.languages = tuple(languages)
-        pool: list[Seed] = list(seeds or [])
+        if self.writes_program and language == "cpp":
+            self.no_reference_reason = ("the seeds' reference programs are Python and the prompts ask for C++: "
+                                        "no reference answer in the prompt's language")
+        groups: list[list[Seed]] = []
         if include_builtin or (not seeds_path and not seeds):
-            pool = builtin_seeds() + pool
+            groups.append(builtin_seeds())
+        if seeds:
+            groups.append(list(seeds))
         if seeds_path:
-            pool += load_seeds(seeds_path)
+            groups.append(load_seeds(seeds_path))
+        pool = [s for g in groups for s in g]
         ids = [s.id for s in pool]
         dup = sorted({i for i in ids if ids.count(i) > 1})
         if dup:
             raise ValueError(f"duplicate seed id(s) {dup} (a loaded seed clashes with a built-in one?)")
+        bad = sorted(s.id for s in pool if not 1 <= s.difficulty <= MAX_SEED_DIFFICULTY)
+        if bad:
+            raise ValueError(f"seed(s) {bad}: difficulty outside 1-{MAX_SEED_DIFFICULTY}, the tiers the code "
+                             f"environments draw from (such a seed would never be drawn)")
         self.seeds = sorted(pool, key=lambda s: s.id)
         self.by_id = {s.id: s for s in self.seeds}
+        self.heldout_fraction = float(heldout)
+        held = split_seeds(groups, self.heldout_fraction)
+        self.train_seeds = [s for s in self.seeds if s.id not in held]
+        self.heldout_seeds = [s for s in self.seeds if s.id in held]
         self.sandbox_config = sandbox or SandboxConfig(time_limit=2.0, memory_mb=512)
         self.reward_mode = reward
         self._judge: Judge | None = None
         self._lock = threading.Lock()
         self._failing: dict[tuple[str, int], list[int]] = {}
+
+    # -- problems: training and held out ------------------------------------------------------
+    def generate(self, seed: int, difficulty: int) -> Problem:
+        """A training problem: from the training seeds only."""
+        return self._generate(seed, difficulty, False)
+
+    def heldout(self, seed: int, difficulty: int) -> Problem:
+        """A held-out problem: from the held-out seeds only (never a seed :meth:`generate` draws)."""
+        if not self.heldout_seeds:
+            raise ValueError(f"{self.id}: no held-out seed problems (heldout={self.heldout_fraction:g}, or no tier "
+                             f"of two or more seeds); set env_kwargs.{self.id}.heldout > 0 to evaluate on it")
+        p = self._generate(seed, difficulty, True)
+        p.meta["heldout"] = True
+        return p
+
+    def _generate(self, seed: int, difficulty: int, held: bool) -> Problem:
+        """The task's problem of ``(seed, difficulty)`` from the held-out seeds (``held``) or the training ones."""
+        raise NotImplementedError
+
+    def prepare(self) -> None:
+        """Fail early, with the sandbox's own message, where the sandbox cannot run (no bubblewrap, say, and no
+        weaker sandbox allowed): every answer of these tasks is judged by running a program."""
+        if not getattr(self, "_sandbox_checked", False):
+            self.judge.sandbox.check()
+            self._sandbox_checked = True
 
     # -- shared helpers -----------------------------------------------------------------------
     @property
@@ -174,11 +323,15 @@ class CodeEnv(Environment):
         top = max(s.difficulty for s in self.seeds)
         return min(max(int(difficulty), 1), top)
 
-    def pick(self, seed: int, difficulty: int, usable=None) -> tuple[Seed, Any]:
+    def pick(self, seed: int, difficulty: int, usable=None, held: bool = False) -> tuple[Seed, Any]:
+        """A seed of tier ``difficulty`` (else of a lower tier, else any) among the held-out seeds (``held``) or
+        the training ones, that ``usable`` accepts; and the problem's random generator."""
         rng = self.rng(seed, difficulty)
-        cands = [s for s in self.seeds if usable is None or usable(s)]
+        side = self.heldout_seeds if held else self.train_seeds
+        cands = [s for s in side if usable is None or usable(s)]
         if not cands:
-            raise ValueError(f"{self.id}: no seed problem is usable for this task")
+            raise ValueError(f"{self.id}: no {'held-out' if held else 'training'} seed problem is usable for "
+                             f"this task")
         t = self.tier(difficulty)
         pool = [s for s in cands if s.difficulty == t] or [s for s in cands if s.difficulty <= t] or cands
         return rng.choice(pool), rng
@@ -189,12 +342,14 @@ class CodeEnv(Environment):
             raise KeyError(f"problem refers to seed {sid!r}, which this environment does not hold")
         return self.by_id[sid]
 
-    @staticmethod
-    def shown_tests(seed: Seed) -> list[int]:
-        """Indices of tests small enough to show in a prompt or to ask about."""
+    boxes_tests: ClassVar[bool] = False  # the answer is a test's input or output, given within \boxed{}
+
+    def shown_tests(self, seed: Seed) -> list[int]:
+        """Indices of tests small enough to show in a prompt or to ask about (where a test's text is the answer
+        within ``\\boxed{}``, only those without braces)."""
         return [i for i, t in enumerate(seed.tests)
                 if len(t["input"]) <= SHOWN_CHARS and len(t["output"]) <= SHOWN_CHARS
-                and "{" not in t["output"] + t["input"] and "}" not in t["output"] + t["input"]]
+                and not (self.boxes_tests and any(c in t["output"] + t["input"] for c in "{}"))]
 
     def statement(self, s: Seed, examples: list[int]) -> str:
         parts = [f"# {s.title}", s.statement]
@@ -222,6 +377,12 @@ class CodeEnv(Environment):
         return code_template(self.language)
 
     def extract_program(self, response: str) -> tuple[str, str] | None:
+        """The program graded: the last block in the prompt's language (as the prompt says), or where the prompt
+        names none (``language="any"``) or the response has none, the last block of an accepted language."""
+        if self.language != "any":
+            got = extract_program(response, (self.language,))
+            if got is not None:
+                return got
         return extract_program(response, self.languages)
 
     def _grade_program(self, program: tuple[str, str] | None, s: Seed, test_ids: list[int]) -> Score:
@@ -278,8 +439,8 @@ class SolveEnv(CodeEnv):
     description = "write a program, judged on hidden tests (sandboxed)"
     writes_program = True
 
-    def generate(self, seed: int, difficulty: int) -> Problem:
-        s, _rng = self.pick(seed, difficulty)
+    def _generate(self, seed: int, difficulty: int, held: bool) -> Problem:
+        s, _rng = self.pick(seed, difficulty, held=held)
         shown = self.shown_tests(s)[:2]
         prompt = (f"{self.statement(s, shown)}\n\nTime limit: {s.time_limit:g} s per test. "
                   f"Your program is judged on hidden tests.\n\n{self.code_instruction}")
@@ -307,6 +468,8 @@ class SolveEnv(CodeEnv):
 
 # ------------------------------------------------------------------------------------------------
 class _IOTask(CodeEnv):
+    boxes_tests = True
+
     def pick_test(self, s: Seed, rng, difficulty: int) -> int:
         shown = sorted(self.shown_tests(s), key=lambda i: (len(s.tests[i]["input"]), i))
         # higher difficulty: the larger inputs of the seed
@@ -323,8 +486,8 @@ class IOPredictEnv(_IOTask):
 
     description = "predict a program's exact output on an input"
 
-    def generate(self, seed: int, difficulty: int) -> Problem:
-        s, rng = self.pick(seed, difficulty, self.usable)
+    def _generate(self, seed: int, difficulty: int, held: bool) -> Problem:
+        s, rng = self.pick(seed, difficulty, self.usable, held)
         i = self.pick_test(s, rng, difficulty)
         t = s.tests[i]
         prompt = (f"What does this Python program print when it is given the input below?\n\n"
@@ -337,7 +500,8 @@ class IOPredictEnv(_IOTask):
         got = self.extract(response)
         if got is None:
             return Score.zero("no \\boxed{} answer")
-        ok = compare_output(got, problem.answer, self.seed_of(problem).float_tol)
+        tol = self.seed_of(problem).float_tol
+        ok = compare_output(got, problem.answer, tol) or compare_output(unwrap_text(got), problem.answer, tol)
         return Score(1.0 if ok else 0.0, ok, True)
 
     def reference_response(self, problem: Problem) -> str:
@@ -357,8 +521,8 @@ class IOProposeEnv(_IOTask):
 
     description = "propose an input that makes a program print a given output"
 
-    def generate(self, seed: int, difficulty: int) -> Problem:
-        s, rng = self.pick(seed, difficulty, self.usable)
+    def _generate(self, seed: int, difficulty: int, held: bool) -> Problem:
+        s, rng = self.pick(seed, difficulty, self.usable, held)
         i = self.pick_test(s, rng, difficulty)
         t = s.tests[i]
         spec = f"\n\nThe input must follow this format: {s.input_spec}" if s.input_spec else ""
@@ -407,8 +571,8 @@ class ARCEnv(CodeEnv):
     def usable(self, s: Seed) -> bool:
         return len(s.tests) >= 2 and len(self.shown_tests(s)) >= 1
 
-    def generate(self, seed: int, difficulty: int) -> Problem:
-        s, rng = self.pick(seed, difficulty, self.usable)
+    def _generate(self, seed: int, difficulty: int, held: bool) -> Problem:
+        s, rng = self.pick(seed, difficulty, self.usable, held)
         # held out: at least one test that each known wrong program fails (the smallest such)
         must = set()
         for wi in range(len(s.wrong)):
@@ -416,12 +580,21 @@ class ARCEnv(CodeEnv):
             if bad:
                 must.add(min(bad, key=lambda i: (len(s.tests[i]["input"]), i)))
         shown_ok = [i for i in self.shown_tests(s) if i not in must] or self.shown_tests(s)[:1]
-        # easier: more examples; always keep at least one test held out
-        n_show = max(1, min(len(shown_ok), len(s.tests) - 1, 4 - self.tier(difficulty) + 1))
+        # easier: more examples, but never more than half the tests: at least half are held out
+        n_show = max(1, min(len(shown_ok), len(s.tests) // 2, 5 - self.tier(difficulty)))
         order = list(shown_ok)
         rng.shuffle(order)
-        shown = sorted(order[:n_show])
-        held = [i for i in range(len(s.tests)) if i not in shown]
+        # and the held-out outputs are not all the same where the seed's are not (no constant program passes)
+        need = min(2, len({_words(t["output"]) for t in s.tests}))
+        shown: list[int] = []
+        for i in order:
+            if len(shown) == n_show:
+                break
+            rest = {_words(t["output"]) for j, t in enumerate(s.tests) if j != i and j not in shown}
+            if len(rest) >= need:
+                shown.append(i)
+        shown = sorted(shown or order[:1])
+        held_out = [i for i in range(len(s.tests)) if i not in shown]
         ex = "\n\n".join(f"Example {k} input:\n{_fence(s.tests[i]['input'])}\nExample {k} output:\n"
                          f"{_fence(s.tests[i]['output'])}" for k, i in enumerate(shown, 1))
         spec = f"Input format: {s.input_spec}\n\n" if s.input_spec else ""
@@ -429,7 +602,7 @@ class ARCEnv(CodeEnv):
                   f"computes from the examples, then write a program that does the same.\n\n{spec}{ex}\n\n"
                   f"Your program is judged on other, unseen inputs of the same format (time limit "
                   f"{s.time_limit:g} s each).\n\n{self.code_instruction}")
-        return self.problem(prompt, s.reference, seed, difficulty, seed_id=s.id, shown=shown, held_out=held,
+        return self.problem(prompt, s.reference, seed, difficulty, seed_id=s.id, shown=shown, held_out=held_out,
                             language=self.language)
 
     def check(self, problem: Problem, response: str) -> Score:
@@ -464,13 +637,16 @@ class FalsifyEnv(CodeEnv):
         first_good = next((s.tests[i]["input"] for i in order if i not in bad), None)
         return first_bad, first_good
 
-    def generate(self, seed: int, difficulty: int) -> Problem:
-        s, rng = self.pick(seed, difficulty)
+    def _generate(self, seed: int, difficulty: int, held: bool) -> Problem:
+        s, rng = self.pick(seed, difficulty, held=held)
         wi = rng.randrange(len(s.wrong))
         bad, _good = self._examples(s, wi)
         if bad is None:
             raise ValueError(f"seed {s.id!r}: wrong program {wi} passes every test; it cannot be falsified here")
-        prompt = (f"{self.statement(s, self.shown_tests(s)[:1])}\n\nA candidate solution:\n\n"
+        # the example shown: one the candidate gets right (an example it fails would be the answer), or none
+        failing = set(self.failing_tests(s, wi))
+        example = [i for i in self.shown_tests(s) if i not in failing][:1]
+        prompt = (f"{self.statement(s, example)}\n\nA candidate solution:\n\n"
                   f"{_fence(s.wrong[wi], 'python')}\n\nThis program is not correct. Find a valid input (it must "
                   "follow the input format exactly) on which its output differs from a correct solution's, or on "
                   "which it crashes or runs out of time. Give the complete input within \\boxed{}, with its line breaks.")

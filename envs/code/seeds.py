@@ -2,22 +2,26 @@
 
 A seed is a competitive-programming problem (one JSON object per line in a ``.jsonl`` file):
 
-``id`` (str), ``title``, ``statement``, ``input_spec``, ``output_spec``, ``difficulty`` (1-3),
+``id`` (str), ``title``, ``statement``, ``input_spec``, ``output_spec``, ``difficulty`` (1-3; a seed
+of another difficulty is refused at load: the environments draw tiers 1-3 only),
 ``reference`` (Python program, stdin -> stdout), ``wrong`` (list of >= 1 incorrect programs),
 ``validator`` (optional Python program: exits 0 iff its stdin is a valid input),
 ``tests`` (list of ``{"input": str, "output": str}``; the first one or two are shown as examples),
 ``time_limit`` (optional, seconds per test; default 2), ``float_tol`` (optional).
 
 The built-in seeds below were written for Cascade: the expected outputs of the hand-written tests
-were worked out by hand, and the few large tests compute their answers with closed forms here,
-independently of the reference programs.
+were worked out by hand, and the few large tests compute their answers here (closed forms, or a count
+other than the reference's), independently of the reference programs.
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["Seed", "builtin_seeds", "load_seeds", "seeds_from_dicts"]
+__all__ = ["Seed", "builtin_seeds", "load_seeds", "seeds_from_dicts", "MAX_SEED_DIFFICULTY"]
+
+MAX_SEED_DIFFICULTY = 3  # the environments' tiers are 1..3 (``CodeEnv.max_difficulty``)
 
 
 @dataclass
@@ -51,13 +55,22 @@ class Seed:
         if not isinstance(tests, list) or not tests or not all(
                 isinstance(t, dict) and "output" in t for t in tests):
             raise ValueError(f"{where} ({d['id']}): 'tests' must be a non-empty list of {{input, output}}")
+        try:
+            difficulty = int(d.get("difficulty", 1))
+        except (TypeError, ValueError):
+            raise ValueError(f"{where} ({d['id']}): 'difficulty' must be an integer 1-{MAX_SEED_DIFFICULTY}, "
+                             f"not {d.get('difficulty')!r}") from None
+        if difficulty > MAX_SEED_DIFFICULTY:
+            raise ValueError(f"{where} ({d['id']}): difficulty {difficulty} is above {MAX_SEED_DIFFICULTY}, the top "
+                             f"tier the code environments draw from (tiers 1-{MAX_SEED_DIFFICULTY}); such a seed "
+                             f"would never be drawn")
         known = {f for f in cls.__dataclass_fields__ if f != "extra"}
         return cls(
             id=str(d["id"]), title=str(d.get("title", d["id"])), statement=str(d["statement"]),
             input_spec=str(d.get("input_spec", "")), output_spec=str(d.get("output_spec", "")),
             reference=str(d["reference"]), wrong=[str(w) for w in wrong],
             tests=[{"input": str(t.get("input", "")), "output": str(t["output"])} for t in tests],
-            difficulty=max(1, int(d.get("difficulty", 1))), validator=d.get("validator") or None,
+            difficulty=max(1, difficulty), validator=d.get("validator") or None,
             time_limit=float(d.get("time_limit", 2.0)),
             float_tol=None if d.get("float_tol") is None else float(d["float_tol"]),
             extra={k: v for k, v in d.items() if k not in known},
@@ -151,6 +164,38 @@ def _big_chain() -> tuple[str, str]:
 def _big_lis() -> tuple[str, str]:
     n = 100000
     return f"{n}\n{' '.join(str(i // 2) for i in range(n))}\n", str(n // 2)
+
+
+MOD = 1000000007
+
+
+def _big_grid() -> tuple[str, str]:
+    """A free 100 x 100 grid: C(198, 99) paths, far above the modulus."""
+    r = c = 100
+    return f"{r} {c}\n" + "".join("." * c + "\n" for _ in range(r)), str(math.comb(r + c - 2, r - 1) % MOD)
+
+
+def _big_coins() -> tuple[str, str]:
+    """Coins 1..50, amount 3000: the partitions of 3000 into parts of at most 50, counted by conjugation as
+    the partitions into at most 50 parts (exactly k parts: e(n, k) = e(n - 1, k - 1) + e(n - k, k)); ~10^43."""
+    k_max, amount = 50, 3000
+    prev = [1] + [0] * amount  # e(n, 0)
+    total = prev[amount]
+    for k in range(1, k_max + 1):
+        cur = [0] * (amount + 1)
+        for n in range(k, amount + 1):
+            cur[n] = prev[n - 1] + cur[n - k]
+        total += cur[amount]
+        prev = cur
+    return f"{k_max} {amount}\n{' '.join(map(str, range(1, k_max + 1)))}\n", str(total % MOD)
+
+
+def _big_knapsack() -> tuple[str, str]:
+    """100 items (the most allowed) of weights 100..199, each worth 7 per unit of weight, W = 10^4: some subset
+    weighs exactly 10^4 (the sums of k consecutive integers fill a range: 60 of them reach 7770..10170), so the
+    best value is 7 * 10^4."""
+    n, cap = 100, 10000
+    return f"{n} {cap}\n" + "".join(f"{100 + i} {7 * (100 + i)}\n" for i in range(n)), str(7 * cap)
 
 
 # --------------------------------------------------------------------------------------------
@@ -362,7 +407,7 @@ def _raw() -> list[dict]:
                 "print(ways[A])\n"],
          validator="import sys\nt = [int(x) for x in sys.stdin.read().split()]\nn, A = t[0], t[1]\nc = t[2:]\n"
                    "assert 1 <= n <= 100 and 0 <= A <= 10**4 and len(c) == n and len(set(c)) == n and all(1 <= x <= 10**4 for x in c)\n",
-         tests=_t(("3 5\n1 2 5", "4"), ("1 3\n2", "0"), ("1 0\n7", "1"), ("2 4\n1 2", "3"))),
+         tests=_t(("3 5\n1 2 5", "4"), ("1 3\n2", "0"), ("1 0\n7", "1"), ("2 4\n1 2", "3"), _big_coins())),
     dict(id="edit-distance", title="Edit distance", difficulty=3,
          statement="Print the least number of single-letter insertions, deletions and substitutions that turn the first word into the second.",
          input_spec="Two lines, each one word of 1 to 2000 lowercase letters.",
@@ -389,7 +434,8 @@ def _raw() -> list[dict]:
                 "            dp[i][j] = ((dp[i - 1][j] if i else 0) + (dp[i][j - 1] if j else 0)) % 1000000007\nprint(dp[-1][-1])\n"],
          validator="import sys\nl = sys.stdin.read().split()\nr, c = int(l[0]), int(l[1])\nassert 1 <= r <= 100 and 1 <= c <= 100\n"
                    "assert len(l) == r + 2 and all(len(x) == c and set(x) <= set('.#') for x in l[2:])\n",
-         tests=_t(("2 2\n..\n..", "2"), ("3 3\n...\n.#.\n...", "2"), ("1 1\n.", "1"), ("2 2\n#.\n..", "0"), ("3 3\n...\n...\n...", "6"))),
+         tests=_t(("2 2\n..\n..", "2"), ("3 3\n...\n.#.\n...", "2"), ("1 1\n.", "1"), ("2 2\n#.\n..", "0"), ("3 3\n...\n...\n...", "6"),
+                  _big_grid())),
     dict(id="components", title="Connected components", difficulty=3,
          statement="Count the connected components of an undirected graph with vertices 1..n.",
          input_spec="The first line holds n and m (1 <= n <= 10^5, 0 <= m <= 2*10^5); then m lines with an edge u v each.",
@@ -446,7 +492,8 @@ def _raw() -> list[dict]:
          validator="import sys\nt = [int(x) for x in sys.stdin.read().split()]\nn, W = t[0], t[1]\n"
                    "assert 1 <= n <= 100 and 0 <= W <= 10**4 and len(t) == 2 + 2 * n\n"
                    "assert all(1 <= t[2 + 2 * i] <= 10**4 and 0 <= t[3 + 2 * i] <= 10**6 for i in range(n))\n",
-         tests=_t(("3 4\n1 1\n3 4\n4 5", "5"), ("1 5\n6 10", "0"), ("3 10\n5 10\n4 40\n6 30", "70"), ("2 3\n1 2\n1 3", "5"))),
+         tests=_t(("3 4\n1 1\n3 4\n4 5", "5"), ("1 5\n6 10", "0"), ("3 10\n5 10\n4 40\n6 30", "70"), ("2 3\n1 2\n1 3", "5"),
+                  _big_knapsack())),
     dict(id="max-subarray", title="Best contiguous sum", difficulty=2,
          statement="Print the largest sum of a non-empty contiguous part of a list.",
          input_spec="The first line holds n (1 <= n <= 10^5); the second line n integers of absolute value at most 10^9.",
@@ -463,7 +510,8 @@ def _raw() -> list[dict]:
          reference="n, k = map(int, input().split())\na = input().split()\nk %= n\nprint(' '.join(a[n - k:] + a[:n - k]))\n",
          wrong=["n, k = map(int, input().split())\na = input().split()\nprint(' '.join(a[-k:] + a[:-k]) if k else ' '.join(a))\n"],
          validator=_v_list(1, 10**5, -10**9, 10**9, head=1, head_lo=0, head_hi=10**9),
-         tests=_t(("5 2\n1 2 3 4 5", "4 5 1 2 3"), ("3 4\n1 2 3", "3 1 2"), ("1 100\n7", "7"), ("4 0\n1 2 3 4", "1 2 3 4"))),
+         tests=_t(("5 2\n1 2 3 4 5", "4 5 1 2 3"), ("3 4\n1 2 3", "3 1 2"), ("1 100\n7", "7"), ("4 0\n1 2 3 4", "1 2 3 4"),
+                  ("3 7\n1 2 3", "3 1 2"))),
     dict(id="run-length", title="Run-length encoding", difficulty=1,
          statement="Encode a word by writing each maximal run of one letter as the letter followed by the run's length.",
          input_spec="One word of 1 to 1000 lowercase letters.",
