@@ -89,6 +89,15 @@ checks for penalties, none here; defaults, 509 s wall): every seed's figures the
 Re-run at 6cb2d68 (2026-12-06; defaults; 866 s wall, two orphaned processes of an interrupted run sharing the cores
 for part of it): every seed's figures the same again. Re-run at 7a3c8b6 (2026-12-06, later: empty boxes skipped, the
 trainer's metrics and LR stepping, none of which moves these runs; defaults, 497 s wall): the same again.
+Re-run at 9ee55d4 (2026-12-06, later: aggregation tails leave out any end id and a multi-byte character's remnant at
+their front, trimming keeps the longest common length; and the fairer grading above; ``--jobs 1``, 765 s): seeds 0 and
+1 and every ablation the same as at 0fbd5d7; seed 2's agg policy now differs (single / maj. / rsa / rsa no rescue /
+r1 / r1 ceiling / cut / rescued 0.275 / 0.266 / 0.072 / 0.250 / 0.285 / 0.607 / 859 / 337; which of the tail changes
+moved it was not isolated: the ablation, which makes no aggregation prompt, is unchanged). ``rsa_gain_points`` +10.9 /
+-60.9 / -20.3 (median -20.3, min -60.9); without the rescue (``rsa_gain_points_no_rescue``, the goal's figure now)
++10.9 / -60.9 / -2.5 (median -2.5, min -60.9): on seed 2 the forced answer of 337 cut traces took rsa from 0.250 to
+0.072, the rescue hurting, not flattering. ``rsa_vs_ablation_points`` +7.4 / -9.8 / -34.6 (median -9.8, min -34.6).
+``goal_met`` false.
 
 Why the goal is not met (what the figures say):
 
