@@ -16,6 +16,11 @@ an empty response was rejected before any worker started, so earlier ``verificat
 figures included the first worker's start and imports: since this change they do not.
 ``median_env_ms_per_call`` is ``statistics.median`` over environments (the mean of the two middle
 ones for an even count) since this change; before it was the upper middle one.
+
+Measured at a345f38 (2026-12-06; difficulty 2, 20 problems per environment, 714 environments, one run):
+``verifications_per_s`` 2,474 (own 1,858, rc 1,443, rg 1,046, rlve 5,793), ``problems_per_s`` 78 (own 4,459, rc 20,
+rg 16, rlve 1,254), ``median_env_ms_per_call`` 0.24; slowest generators rg/number_sequence 2.0 s and rg/countdown
+0.50 s per problem.
 """
 from __future__ import annotations
 

@@ -54,8 +54,10 @@ orthogonalised every matrix), runs interleaved with the current code's (commit 3
 Muon bytes sent per rank per step over the TSP group: 23.05 MB counted by ``comm.track`` (recorded
 here as "measured" at the time; it is the code's own record of its split sizes, not a measurement),
 23.05 MB by the formula, in every run (at D = 2 the two all-to-alls move what the former all-gather
-did; at D = 4 half). Since this change ``muon_wire_bytes_per_rank`` gives the bytes on the wire (see
-above); no wire figure has been recorded yet.
+did; at D = 4 half). Since 32a4206 ``muon_wire_bytes_per_rank`` gives the bytes on the wire (see
+above). First run with it, at a345f38 (2026-12-06, defaults): 23.07 MB per rank on the wire (46.15 MB both ranks;
+the three windows 46.8, 46.1, 50.2 MB, idle windows 0) against 23.05 MB by the formula (+0.09%: TCP/IP headers
+and gloo's own messages); steps 0.477 s one process, 0.581 s sharded (0.82x), ``ns_split`` 1.03.
 Splitting the matrices makes the sharded step 1.6x faster than before (0.88-0.93 s against
 1.47-1.50 s). Against one process on both cores it is 0.79-1.01x across the runs above (0.84 at 0fbd5d7): each rank
 orthogonalises its half on one thread, about 1.7-2x slower per matrix than on two (``single_ns_s`` 0.70-0.73 s on

@@ -180,6 +180,11 @@ baseline is slower than the 2-thread one), gives 1.32x.
 Re-run at da569dd (2026-12-06, the trainer's LR stepping and metrics, not its arithmetic; defaults, three runs one after
 another, alone): async_speedup 1.03, 1.09, 1.00 (median 1.03, min 1.00); sync 2.49-2.62 steps/s, async 2.55-2.71;
 lending ceiling 1.14-1.17, any mix 1.29-1.37; max_lag_seen 2.
+Re-run at a345f38 (2026-12-06, later: both sides of every ceiling timed by this script, 32a4206; the trainer's
+arithmetic unchanged; defaults, three runs one after another, alone): async_speedup 1.07, 1.06, 1.12 (median 1.07, min
+1.06); sync 2.71-2.80 steps/s, async 2.87-3.08; sync rollout 0.093-0.097 s and update 0.262-0.272 s as timed here
+(the trainer's own 0.093-0.096 / 0.260-0.270: its update leaves out a ~2 ms weight sync); lending ceiling 1.14-1.16,
+any mix 1.33-1.39; max_lag_seen 2.
 """
 from __future__ import annotations
 

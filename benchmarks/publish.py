@@ -53,6 +53,11 @@ Re-run at 69fad46 (2026-12-06, later: a version's files and directory fsynced, C
 one run: publish rank 0 31.2 / 612.5, other 0.0 / 612.6, 0.029 / 0.444 s; final 187.5 / 490.0, other 0.0 / 612.4,
 0.175 / 0.376 s.
 
+Re-run at a345f38 (2026-12-06, later: the ranks spawned with parallel.py's malloc settings and a barrier
+before each timer, 32a4206), DP 2 defaults, one run: publish 0.051 s against 0.473 s before (rank 0 122.7 MB against
+612.4), other rank 0.0 against 612.3 MB; final 0.254 against 0.369 s (rank 0 307.4 against 612.3, other 0.0 against
+367.5): ``others_mem_ratio`` 0.0, ``rank0_mem_ratio`` 0.2.
+
 The other rank's rise is 0.0 in every run (it allocates one parameter at a time, which the heap's free
 pages absorb). Rank 0's rise is noisy (31-125 MB for a 122 MB version): freed pages from earlier calls
 count in the resident set before the call, and a new dict reuses them; it holds the whole version, as it

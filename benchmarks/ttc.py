@@ -104,7 +104,11 @@ and the key in constant time, ends kept-alive connections on close; none of it o
 At cc178f2 (2026-12-06, later: the torch sampler's running sum in float64 and min-p first, off these untruncated
 samples; ``--skip-concurrency``, one run): toy 1.46, real 1.10 (pairs 1.08-1.12; uncached 3.83 s of which decode
 3.19 s, prefill 0.60 s; cached 3.47 s, prefill 0.43 s), long 1.52 (7.83 -> 5.14 s); shared-prefix decode steps
-1.14x, 1.31x, 1.06x, 1.90x; same outputs both sides.
+1.14x, 1.31x, 1.06x, 1.90x; same outputs both sides. At a345f38 (2026-12-06, later: ``ttc solve``'s requests,
+/tokenize's too, all under ``--concurrency``; local runs on one backend built outside the timed wall, 32a4206;
+``--skip-prefix --skip-steps``, one run): ``concurrency_speedup`` 1.93 (4.25 -> 2.21 s), ``_short`` 1.68, ``local``
+1.84 (4.20 -> 2.28 s; the backend's build 0.83 s, now outside both sides); at torch's default two threads 2.79
+(3.53 -> 1.27 s), local 2.97 (3.50 -> 1.18 s); same results.
 
 Measured on this project's 2-core CPU (2026-12-02, defaults, tiny-moe, 1 thread, quiet machine, commit
 e6feb3e, three runs): ``concurrency_speedup`` 2.17, 2.21, 2.13 (one problem at a time 3.73-3.80 s, 64 in

@@ -51,6 +51,8 @@ numbers compared by value, so the math batch became answers that need math-verif
 ``code`` 0.64 s, 1.18x with 2, 1.20x with 4; ``math`` 0.33 s one at a time (0.27-0.51 over the repeats), 2.56x with
 2, 2.96x with 4 (cores busy 1.00, 1.93, 1.95: one at a time a core waits on each round trip to the worker);
 ``reward_model`` 2.07x then 1.83x in two runs; same scores. (The whole-number batch of before: 0.001 s for 64.)
+At a345f38 (2026-12-06, later: the sandbox and code environments' fixes; one run): ``code`` 0.89 s one at a time,
+1.32x with 2 and with 4; ``math`` 0.31 s, 2.59x with 2, 1.96x with 4; ``reward_model`` 1.82x; same scores.
 ``reward_model`` (one run, 2026-12-04): 0.116 s one at a time, 0.063 s batched (1.84x; 38 of 64 scored by the
 model), same scores; a model this small is mostly per-call overhead, and a real reward model on a GPU was
 not measured.
