@@ -726,3 +726,34 @@ def test_clamp_fits_the_whole_dataset_so_a_larger_limit_resumes(tmp_path, capsys
     rc, _, err = _cli(capsys, *common, "--resume")
     assert rc == 0, err
     assert json.loads(out.read_text().splitlines()[-1])["problems"] == 2
+
+
+def test_an_unexpected_error_in_one_problem_lets_the_running_ones_finish(tmp_path, tok, monkeypatch):
+    """A problem whose backend call raises something unexpected (a malformed server reply's KeyError) ends the
+    run with that error, but only after the problems already running have finished and written their results
+    (they used to go on writing into files the failing run had closed)."""
+    import time
+
+    import ttc.cli as cli
+
+    class Backend(ScriptedBackend):
+        def generate(self, prompts, params, seeds=None):
+            if any("bad" in self.decode(p) for p in prompts):
+                time.sleep(0.05)
+                raise KeyError("choices")
+            time.sleep(0.3)
+            return super().generate(prompts, params, seeds)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(cli, "build_backend", lambda a: Backend(tok))
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"problem": q, "answer": "2"}) + "\n" for q in ("bad one", "1+1?", "2+0?")))
+    out = tmp_path / "r.jsonl"
+    with pytest.raises(KeyError, match="choices"):
+        cli.solve_main(["--data", str(data), "--model", "unused", "--population", "2", "--aggregate", "1",
+                        "--rounds", "0", "--budget", "8", "--tail", "4", "--final-budget", "0",
+                        "--problems-in-flight", "3", "--out", str(out), "--no-progress"])
+    done = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["index"] for r in done if r.get("type") == "problem") == [1, 2]

@@ -519,6 +519,9 @@ def solve_main(argv: list[str]) -> int:
                     try:
                         for f in [pool.submit(one, i, p) for i, p in todo]:
                             f.result()
+                    except Exception:  # a problem failed unexpectedly: no new one starts, the running ones finish
+                        pool.shutdown(wait=True, cancel_futures=True)  # (and write their results) before it is raised
+                        raise
                     except BaseException:  # Ctrl-C / SIGTERM: no new problem starts (main ends the running ones)
                         pool.shutdown(wait=False, cancel_futures=True)
                         raise
