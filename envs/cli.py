@@ -163,6 +163,8 @@ def _check(args) -> int:
         raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
     if args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+    if args.gen_limit is not None and not args.gen_limit > 0:  # 0 meant the default, a negative one every level slow
+        raise ValueError(f"--gen-limit must be > 0 seconds, got {args.gen_limit:g}")
     seeds = list(range(args.seeds))
     kwargs = _parse_args_kv(args.arg)
     t0 = time.perf_counter()

@@ -50,7 +50,7 @@ class HubError(FileNotFoundError):
 def is_hub_id(ref: str | os.PathLike) -> bool:
     """``org/name`` (or ``org/name@revision``) that is not an existing local path."""
     s = str(ref)
-    if Path(s).expanduser().exists() or s.startswith((".", "/", "~")) or s.endswith(tuple(TABLE_SUFFIXES)):
+    if Path(s).expanduser().exists() or s.startswith((".", "/", "~")) or s.lower().endswith(tuple(TABLE_SUFFIXES)):
         return False
     return bool(_HUB_ID.match(s))
 

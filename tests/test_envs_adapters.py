@@ -109,6 +109,12 @@ def test_cli_check_does_not_record_caps_measured_with_constructor_arguments(tmp_
     assert not caps_file.exists()
 
 
+def test_cli_check_refuses_a_gen_limit_that_is_not_positive(tmp_path):
+    for bad in ("0", "-1"):
+        with pytest.raises(ValueError, match="--gen-limit must be > 0 seconds"):
+            envs_main(["check", "toy/add", "--gen-limit", bad, "--caps", str(tmp_path / "caps.json")])
+
+
 def test_run_time_bound_falls_back_to_a_lower_level():
     env = _SlowGen()
     bound_generate(env, 0.3)

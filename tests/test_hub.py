@@ -337,3 +337,10 @@ def test_a_bad_file_in_a_dataset_folder_and_a_split_a_single_file_lacks_are_one_
         load_table(good, split="test")
     with pytest.raises(ValueError, match="subset 'main'"):
         load_table(good, subset="main")
+
+
+def test_a_missing_local_table_file_is_not_taken_for_a_hub_id():
+    from envs.hub import is_hub_id
+
+    assert not is_hub_id("data/MISSING.JSONL") and not is_hub_id("data/missing.Parquet")
+    assert is_hub_id("org/name") and is_hub_id("org/name@main")
