@@ -194,6 +194,7 @@ class RemoteEngine:
         self.context_length = None
         self._instances: dict[str, str | None] = {}  # url -> the server process admitted there
         self.down_reason: dict[str, str] = {}  # url -> why it last left the pool
+        self.closed = False
         self._warned: set[tuple[str, str]] = set()  # (url, reason) of a log-prob warning given
         self.owned_by: dict[str, str | None] = {}  # url -> its model card's owned_by (cascade, vllm)
         self._rejoin_lock = threading.Lock()
@@ -392,7 +393,8 @@ class RemoteEngine:
                             self.alive.discard(url)
                             if first:
                                 self.down_reason[url] = str(e)
-                                log.warning("rollout server %s left the pool: %s", url, e)
+                                if not self.closed:  # a run closing stops its servers: no news
+                                    log.warning("rollout server %s left the pool: %s", url, e)
                             if tries[i] >= max_tries:
                                 state["error"] = state["error"] or RemoteError(
                                     f"prompt {i} of {len(prompts)} failed {tries[i]} times (its server went down or "
@@ -526,7 +528,9 @@ class RemoteEngine:
                                   "train.rl.exchange.publish_version and call load_version(version)")
 
     def close(self) -> None:
-        pass
+        """Marks the engine closed (the servers a run started are stopped next: their dropped requests are not
+        reported as servers leaving the pool); it holds no connection of its own to close."""
+        self.closed = True
 
 
 def _completions(obj: dict, prompt_index: int, routed: bool) -> list[Completion]:
