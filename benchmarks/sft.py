@@ -28,6 +28,7 @@ Re-run at 58f57a8 (2026-12-06: SFTTrainer's schedule and data checks, nothing in
 run, alone): packed 0.231 s, padded 0.678 s, speedup 2.93, padding_frac 0.603, max_param_diff 1.3e-06.
 
 Re-run at da569dd (2026-12-06: the step reports the rate it applied, nothing else): 0.236 vs 0.685 s (2.90x).
+Re-run at bcfdc2d (2026-12-06, later: the tokenizer's <think> ids unchanged, not special): 0.195 vs 0.560 s (2.87x).
 """
 from __future__ import annotations
 

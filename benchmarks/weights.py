@@ -45,6 +45,7 @@ commit e925322, 2 servers, 5 warm versions per transport; tiny-moe 3 runs, small
 | tiny-moe, at c30840f (2026-12-06: a version loads only from its own directory, its manifest checked; a catch-up reloads the published target; a machine ~30% slower) | 0.0433, 0.0427, 0.0495 | 0.0429, 0.0650, 0.0484 | 1.01, 0.66, 1.02 | 0.068-0.086 s |
 | tiny-moe, at 58f57a8 (2026-12-06, later: the engine's sampler, not its weight loads; a faster machine) | 0.0273 | 0.0294 | 0.93 | 0.044 s |
 | tiny-moe, at 69fad46 (2026-12-06, later: versions fsynced, a version read once per check, a push on the members it took) | 0.0267 | 0.0258 | 1.04 | 0.043 s |
+| tiny-moe, at bcfdc2d (2026-12-06, later: the rollout client's closing flag, off this path) | 0.0260 | 0.0291 | 0.89 | 0.045 s |
 
 (The eb9ab54 runs from the fourth on alternated with 6782a97's code (before that change, from a
 worktree; the last three with ``--repeats 9``): broadcast 0.0279, 0.0296, 0.0266, 0.0304, 0.0321 s
