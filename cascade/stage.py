@@ -27,16 +27,14 @@ def expand_envs(spec: dict[str, float]) -> dict[str, float]:
     match the same environment add their weights; an exact id sets its own weight, whatever the order the
     keys are written in (``{gym/*: 1, gym/sudoku: 3}``: sudoku 3, every other gym environment 1)."""
     from envs.base import get_env, list_envs
+    from envs.check import is_pattern, match_pattern  # "A|B": the first alternative that matches, logged
 
     if not spec:
         raise ConfigError("a stage needs at least one environment in 'envs'")
     known = list_envs()
     out: dict[str, float] = {}
-    exact = {pat: w for pat, w in spec.items() if not any(c in pat for c in "*?[|")}
-    for pat, w in [*((p, w) for p, w in spec.items() if p not in exact), *exact.items()]:
-        if any(c in pat for c in "*?[|"):
-            from envs.check import match_pattern  # "A|B": the first alternative that matches, logged
-
+    for pat, w in sorted(spec.items(), key=lambda kv: not is_pattern(kv[0])):  # patterns first, exact ids last
+        if is_pattern(pat):
             hits = match_pattern(pat, known)
             if not hits:
                 raise ConfigError(f"environment pattern {pat!r} matches nothing; `cascade envs list` shows the ids")

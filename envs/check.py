@@ -104,6 +104,11 @@ def _short(info: dict) -> str:
 _SAID: set[tuple[str, str]] = set()
 
 
+def is_pattern(text: str) -> bool:
+    """Whether an environment id in a config is a pattern for :func:`match_pattern` (a glob or ``A|B``)."""
+    return any(ch in text for ch in "*?[|")
+
+
 def match_pattern(pattern: str, known: Iterable[str], say: bool = True) -> list[str]:
     """Ids in ``known`` matching ``pattern``: a ``*`` glob, or alternatives ``A|B|...`` of which the
     first that matches anything is used (``"rlve/*|gym/*"``: RLVE-Gym's environments where the
@@ -136,7 +141,7 @@ def expand_ids(patterns: Iterable[str] | None) -> list[str]:
     for pat in patterns:
         if ":" in pat:
             hits = [pat]
-        elif any(ch in pat for ch in "*?[|"):
+        elif is_pattern(pat):
             hits = match_pattern(pat, all_ids)
         else:
             hits = [pat]  # get_env explains an unknown id
