@@ -68,6 +68,14 @@ def make_engine(rcfg: RunConfig, model_dir: Path, policy, tokenizer):
     return TorchEngine(copy.deepcopy(policy), tokenizer)
 
 
+def end_ids(engine, sampling, policy=None) -> set[int]:
+    """The ids a rollout of ``engine`` ends on: the engine's EOS ids, ``policy``'s configs' (when given) and
+    the sampling's ``stop_token_ids``. Aggregation tails leave them out."""
+    from train.engine.torch_engine import eos_ids_of
+    return ((eos_ids_of(policy.config) if policy is not None else set())
+            | set(getattr(engine, "eos_token_ids", ())) | set(sampling.stop_token_ids))
+
+
 def level(v) -> int:
     """One difficulty level from a controller's summary (an RLVE window ``[low, high]``: ``low``)."""
     if isinstance(v, (list, tuple)):
@@ -401,7 +409,6 @@ class StageRunner:
         if a.fraction <= 0 and not any(p.aggregation for p in s.phases):
             return None
         from cascade.aggregation import AggregationMixer
-        from train.engine.torch_engine import eos_ids_of
         from train.rl.trainer import encode_prompt
 
         def prompt_len(text: str) -> int:
@@ -411,8 +418,7 @@ class StageRunner:
                                 max_prompt_tokens=a.max_prompt_tokens, prompt_len=prompt_len,
                                 expert_fraction=a.expert_fraction if a.expert else 0.0,
                                 pacore_fraction=a.pacore_fraction, env_of=curriculum.envs.__getitem__,
-                                stop_ids=(eos_ids_of(policy.config) if policy is not None else set())
-                                | set(getattr(engine, "eos_token_ids", ())) | set(s.rl.sampling.stop_token_ids))
+                                stop_ids=end_ids(engine, s.rl.sampling, policy))
 
     def model_ref(self, ref: str) -> Path:
         """A checkpoint named in the config: an earlier stage of this run (its ``final/``), a local
@@ -485,7 +491,7 @@ class StageRunner:
             rolled = sample_rollouts(engine, etok, picks, a.expert_samples, c.sampling.params(a.expert_samples, self.rcfg.seed),
                                      c.chat_template, c.system_prompt, chunk=self.chunk(rl, a.expert_samples),
                                      advance=advance)
-        stops = set(getattr(engine, "eos_token_ids", ())) | set(c.sampling.stop_token_ids)
+        stops = end_ids(engine, c.sampling)
         for e, p, comps in rolled:  # the expert's tokens, decoded by its tokenizer
             mixer.remember_expert(e, p, comps, etok, stops)
         self.records.log(self.name, "expert", 0, {"expert_problems": len(rolled), "expert_pool": len(mixer.expert)})

@@ -113,3 +113,36 @@ def test_torchrun_data_parallel_sft_of_zaya_equals_one_process_step(tmp_path):
     assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-5
     biases = [k for k in want if k.endswith("balancing_biases")]
     assert biases and max((want[k] - start.state_dict()[k]).abs().max().item() for k in biases) > 0
+
+
+def test_calc_memory_counts_what_mesh_adamw_holds_under_bf16(tmp_path):
+    """`cascade calc`'s optimizer and gradient bytes equal the tensors MeshAdamW holds on a bf16 policy (fp32
+    master slice and moments, fp32 gradient accumulator beside the bf16 gradients), counted from the tensors;
+    fp32 weights have no master copy and no accumulator."""
+    import torch.distributed as dist
+
+    from train.model.config import ModelConfig
+    from train.model.modeling import CausalLM
+    from train.parallel.calc import Shape, memory
+    from train.parallel.dp import MeshAdamW
+
+    cfg = ModelConfig(vocab_size=32, hidden_size=8, intermediate_size=12, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, head_dim=4)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        for dtype, b in ((torch.bfloat16, 2), (torch.float32, 4)):
+            model = CausalLM(cfg).to(dtype)
+            opt = MeshAdamW([(p, False, True) for p in model.parameters()], dist.group.WORLD, dist.group.WORLD)
+            model(torch.tensor([[1, 2, 3]])).float().logsumexp(-1).sum().backward()
+            grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+            opt.accumulate()
+            acc = 0 if opt._acc is None else opt._acc.numel() * opt._acc.element_size()
+            state = sum(t.numel() * t.element_size() for t in (opt.exp_avg, opt.exp_avg_sq))
+            master = opt.master.numel() * opt.master.element_size() if b < 4 else 0  # fp32: the parameters are it
+            m = memory(Shape(cfg, T=3, B=1, D=1, b=b), "dp")
+            assert m["params"] == sum(p.numel() * p.element_size() for p in model.parameters())
+            assert m["grads"] == grads + acc, (b, m["grads"], grads, acc)
+            assert m["optimizer"] == state + master, (b, m["optimizer"], state, master)
+            assert (acc > 0) == (b < 4)
+    finally:
+        dist.destroy_process_group()

@@ -7,7 +7,8 @@ re-streaming and K/V re-gather), the gradient synchronisation, and ZeRO-1's para
 ring/chain algorithms). These are exactly what the implementations in this package issue.
 
 Memory: bytes on the largest rank (rank 0: uneven splits give it the larger part) of parameters,
-gradients, AdamW state (two moments; ZeRO-1 keeps 1/D of them) and activations saved for backward.
+gradients, AdamW state (two fp32 moments, and an fp32 master copy under bf16 weights; ZeRO-1 keeps 1/D
+of them), the fp32 gradient accumulator under bf16 weights, and activations saved for backward.
 The activation model counts the tensors autograd keeps per layer (see ``_act_*``); it is an
 estimate that the benchmark checks against ``saved_tensors_hooks`` measurements. fp32 logits.
 
@@ -187,13 +188,15 @@ def activation_bytes(s: Shape, layout: str) -> float:
 
 
 def memory(s: Shape, layout: str) -> dict[str, float]:
+    """Rank 0's bytes. With weights under 4 bytes (bf16) the optimizer (train.parallel.dp.MeshAdamW) also
+    keeps an fp32 master copy of the elements it updates, and gradients are summed into an fp32 accumulator
+    over the rank's parameters beside each micro-batch's low-precision gradients."""
     P = params_rank0(s, layout)
-    if layout == "dp":
-        opt = 2 * (-(-s.cfg.num_parameters() // s.D))
-    else:
-        opt = 2 * P
+    owned = -(-s.cfg.num_parameters() // s.D) if layout == "dp" else P
+    low = s.b < 4
     act = activation_bytes(s, layout)
-    m = {"params": P * s.b, "grads": P * s.b, "optimizer": opt * 4, "activations": act}
+    m = {"params": P * s.b, "grads": P * s.b + (P * 4 if low else 0), "optimizer": owned * (3 if low else 2) * 4,
+         "activations": act}
     m["peak"] = sum(m.values())
     return m
 
@@ -448,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {cfg.num_parameters() / 1e9:.3f}B params, H={cfg.hidden_size} L={cfg.num_hidden_layers} "
           f"heads={cfg.num_attention_heads}/{cfg.num_key_value_heads} ffn={cfg.intermediate_size}"
           + (f" experts={cfg.num_experts}x{cfg.moe_intermediate_size} top{cfg.num_experts_per_tok}" if cfg.is_moe else "")
-          + f"; seq={a.seq} batch={a.batch} D={a.D}, {a.bytes}-byte weights/activations, fp32 AdamW state")
+          + f"; seq={a.seq} batch={a.batch} D={a.D}, {a.bytes}-byte weights/activations, fp32 AdamW state"
+          + (" and master weights, fp32 gradient accumulator" if a.bytes < 4 else ""))
     print(f"{'layout':8} {'params':>9} {'grads':>9} {'optim':>9} {'acts':>9} {'peak':>9} {'comm/step':>10}  (GiB per rank)")
     for lay, r in rows.items():
         print(f"{lay:8} {_gib(r['params'])} {_gib(r['grads'])} {_gib(r['optimizer'])} {_gib(r['activations'])} "
