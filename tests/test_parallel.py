@@ -292,6 +292,8 @@ def run_checks(rank, world, port, path, checks) -> None:
         out["error"] = f"{type(e).__name__}: {e}"
         out["trace"] = traceback.format_exc()
     torch.save(out, os.path.join(path, f"rank{rank}.pt"))
+    if "error" not in out:  # no rank tears its connections down while a peer still uses them (a gloo abort)
+        dist.barrier()
     dist.destroy_process_group()
 
 
