@@ -241,6 +241,22 @@ def test_maxrl_config_refuses_negative_overlong_rewards():
         RLConfig(advantage="maxrl", overlong=OverlongConfig(mode="soft", max_len=10, buffer_len=4))
     RLConfig(advantage="grpo", overlong=OverlongConfig(mode="soft", max_len=10, buffer_len=4))
     RLConfig(advantage="maxrl", overlong=OverlongConfig(mode="mask"))
+    # the verifier's score is on [-1, 1] (-1: no \\boxed{} answer): refused before any rollout, not at the first batch
+    with pytest.raises(ValueError, match="maxrl needs rewards >= 0, but reward=score"):
+        RLConfig(advantage="maxrl", reward="score")
+    RLConfig(advantage="grpo", reward="score")
+
+
+def test_trainer_ranks_refuse_a_tis_cap_that_would_not_act():
+    """RLUpdateConfig (built by the trainer ranks from a dict) refuses tis_cap under ratio_against=behaviour, as
+    RLConfig does: it was accepted and silently ignored."""
+    from train.parallel.rl_update import RLUpdateConfig
+
+    with pytest.raises(ValueError, match="tis_cap=2.0 acts only with ratio_against=recompute"):
+        RLUpdateConfig(loss="grpo", loss_cfg={"tis_cap": 2.0})
+    assert RLUpdateConfig(loss="grpo", loss_cfg={"tis_cap": 2.0}, ratio_against="recompute").loss_cfg.tis_cap == 2.0
+    with pytest.raises(ValueError, match="unknown ratio_against 'x'; choose from behaviour, recompute"):
+        RLUpdateConfig(ratio_against="x")
 
 
 def test_cascade_takes_kl_on_trainer_ranks_and_passes_the_reference(tmp_path, monkeypatch):

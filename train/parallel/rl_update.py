@@ -80,7 +80,7 @@ from train.parallel.shard import make_mesh
 from train.parallel.tsp import TSPCausalLM, check_tsp_config, zigzag_index
 from train.rl.exchange import TrainBatch, TrainSample
 from train.rl.packing import balance_across_ranks, pack_by_tokens, pack_row, packed_token_logprobs, scatter_rows
-from train.rl.losses import (RATIO_MODES, LossConfig, MetricSums, effective_agg, get_loss, loss_count,
+from train.rl.losses import (LossConfig, MetricSums, check_ratio_options, effective_agg, get_loss, loss_count,
                              mismatch_metrics)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -111,8 +111,7 @@ class RLUpdateConfig:
             raise ValueError(e.args[0]) from None
         if isinstance(self.loss_cfg, dict):
             self.loss_cfg = LossConfig(**self.loss_cfg)
-        if self.ratio_against not in RATIO_MODES:
-            raise ValueError(f"unknown ratio_against {self.ratio_against!r}; choose from {', '.join(RATIO_MODES)}")
+        check_ratio_options(self.ratio_against, self.loss_cfg)
         if isinstance(self.optim, dict):
             self.optim = OptimConfig(**self.optim)
         if isinstance(self.sft_optim, dict):

@@ -83,6 +83,18 @@ KL_TYPES = ("k1", "k3")
 LOG_RATIO_CLAMP = 20.0  # |log ratio| is clamped here before exp, for overflow safety
 
 
+def check_ratio_options(ratio_against: str, loss_cfg: "LossConfig") -> None:
+    """Refuse an unknown ``ratio_against``, and ``tis_cap`` where it would not act (the single-process
+    trainer's RLConfig and the trainer ranks' RLUpdateConfig both check this)."""
+    if ratio_against not in RATIO_MODES:
+        raise ValueError(f"unknown ratio_against {ratio_against!r}; choose from {', '.join(RATIO_MODES)}")
+    if loss_cfg.tis_cap is not None and ratio_against == "behaviour":
+        raise ValueError(f"loss_cfg.tis_cap={loss_cfg.tis_cap} acts only with ratio_against=recompute "
+                         "(truncated IS from the policy before the update to the engine's log-probs); with "
+                         "behaviour the ratio is already taken against the engine's log-probs: unset tis_cap "
+                         "or set ratio_against=recompute")
+
+
 @dataclass
 class LossConfig:
     clip_low: float = 0.2            # PPO/GRPO/DAPO ratio clip: r in [1 - clip_low, 1 + clip_high]

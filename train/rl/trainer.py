@@ -22,7 +22,7 @@ from train.model.modeling import CausalLM
 from train.optim import (OptimConfig, accumulate_grads, build_optimizer, clip_and_step, load_training_state,
                          training_state)
 from train.rl.advantages import compute_advantages
-from train.rl.losses import (RATIO_MODES, LossConfig, MetricSums, effective_agg, get_loss, loss_count,
+from train.rl.losses import (LossConfig, MetricSums, check_ratio_options, effective_agg, get_loss, loss_count,
                              mismatch_metrics)
 from train.rl.shaping import (DynamicSampler, LengthRewardConfig, LengthRewardState, OverlongConfig, data_source,
                               overlong_shaping, rare_token_fractions, repetition_gate)
@@ -111,13 +111,7 @@ class RLConfig:
         if self.repetition_chunk_tokens < 1 or not 0 < self.repetition_threshold < 1:
             raise ValueError(f"repetition_chunk_tokens must be >= 1 (got {self.repetition_chunk_tokens}) and "
                              f"repetition_threshold in (0, 1) (got {self.repetition_threshold})")
-        if self.ratio_against not in RATIO_MODES:
-            raise ValueError(f"unknown ratio_against {self.ratio_against!r}; choose from {', '.join(RATIO_MODES)}")
-        if self.loss_cfg.tis_cap is not None and self.ratio_against == "behaviour":
-            raise ValueError(f"loss_cfg.tis_cap={self.loss_cfg.tis_cap} acts only with ratio_against=recompute "
-                             "(truncated IS from the policy before the update to the engine's log-probs); with "
-                             "behaviour the ratio is already taken against the engine's log-probs: unset tis_cap "
-                             "or set ratio_against=recompute")
+        check_ratio_options(self.ratio_against, self.loss_cfg)
         if self.verify_workers < 0:
             raise ValueError(f"verify_workers must be >= 0 (0: one per core, at most 8), got {self.verify_workers}")
         if self.rollout_threads < 0:
@@ -141,6 +135,10 @@ class RLConfig:
         if self.advantage == "maxrl" and (ov.mode == "soft" or (ov.mode == "reward" and ov.truncated_reward < 0)):
             raise ValueError(f"advantage maxrl needs rewards >= 0, but overlong mode {ov.mode!r} makes them negative; "
                              "use overlong mode 'mask' (or 'reward' with truncated_reward >= 0), or advantage grpo")
+        if self.advantage == "maxrl" and self.reward == "score":
+            raise ValueError("advantage maxrl needs rewards >= 0, but reward=score takes the verifier's score, which "
+                             "is on [-1, 1] (e.g. -1 for an answer with no \\boxed{}); use reward=correct (0/1), or "
+                             "advantage grpo or drgrpo")
 
 
 @dataclass
