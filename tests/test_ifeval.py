@@ -124,6 +124,19 @@ def test_language_detector_edge_cases():
     assert detect_language(EN.upper()) == "en"
 
 
+def test_first_person_english_is_english_and_italian_is_italian():
+    """langdetect, as the IFEval reference: a stopword count called first-person English Polish ("i", "do",
+    "to" are Polish stopwords), failing correct all-caps and all-lowercase answers, and Italian Portuguese."""
+    text = "I want to do it now. I hope I can do it well, and I do not know what to do after that."
+    assert detect_language(text) == "en"
+    assert check({"type": "change_case:english_capital"}, text.upper())
+    assert check({"type": "change_case:english_lowercase"}, text.lower())
+    assert not check({"type": "change_case:english_capital"}, text)
+    assert detect_language("Oggi vado a scuola e poi a casa con i miei amici.") == "it"
+    assert detect_language("Mi piace andare a correre ogni mattina.") == "it"
+    assert detect_language("今天天气很好。" * 20_000) == "zh"  # long inputs: bounded, deterministic
+
+
 def test_conflicting_instructions_are_never_drawn_together():
     assert not compatible("change_case:english_capital", "change_case:english_lowercase")
     assert not compatible("detectable_format:json_format", "detectable_format:title")
