@@ -97,12 +97,17 @@ def last_boxed(text: str) -> str | None:
 
 
 _THINK_END = re.compile(r"</think>", re.IGNORECASE)
+_THINK_OPEN = re.compile(r"<think>", re.IGNORECASE)
 
 
 def strip_think(text: str) -> str:
-    """The part of a response after the last ``</think>`` (the whole text if there is none)."""
+    """The part of a response after the last ``</think>``: the whole text when it has no thinking, and
+    ``""`` when a ``<think>`` is never closed (a response cut inside its thinking has no answer yet; a
+    ``\\boxed{}`` in the thinking is not one)."""
     parts = _THINK_END.split(text)
-    return parts[-1] if len(parts) > 1 else text
+    if len(parts) > 1:
+        return parts[-1]
+    return "" if _THINK_OPEN.search(text) else text
 
 
 class Environment:

@@ -79,6 +79,21 @@ def test_math_scoring_rules():
     assert (none.reward, none.correct, none.format_ok) == (0.0, False, False)
     # the last boxed answer counts, after any thinking
     assert env.verify(p, f"<think>\\boxed{{0}}</think> \\boxed{{999}} then \\boxed{{{p.answer}}}").correct
+    # a response cut inside its thinking has no answer, whatever its thinking boxed (IFEval's checks too)
+    cut = env.verify(p, f"<think> so it is \\boxed{{{p.answer}}}, let me check")
+    assert (cut.reward, cut.correct, cut.format_ok) == (0.0, False, False)
+    assert not env.verify(p, f"<THINK> \\boxed{{{p.answer}}}").correct
+    import dataclasses
+
+    from envs.ifeval.env import IFEvalEnv
+
+    ie = IFEvalEnv()
+    q = dataclasses.replace(ie.generate(0, 0), answer={"instructions": [{"type": "punctuation:no_comma"}]})
+    assert not ie.verify(q, "<think>I should write something without commas").correct
+    assert ie.verify(q, "<think>a, b</think>Something without commas").correct
+    from ttc.rsa import extract_answer
+
+    assert extract_answer("<think>\\boxed{5}") is None and extract_answer("\\boxed{5}") == "5"
 
 
 def test_copying_the_question_or_an_unreduced_fraction_earns_nothing():
