@@ -120,13 +120,18 @@ def _zero_format() -> Score:
 # in it is kept), degrees, percent, dollars, LaTeX spacing, thousands separators in braces
 _WRAPPED = re.compile(r"\\(?:textbf|mathbf|boldsymbol|text|mathrm|textrm|mbox|operatorname)\s*\{([^{}]*)\}"
                       r"(\s*\^\s*(?:\{\s*\d+\s*\}|\d))?")  # a unit's power (cm^2) goes with the unit
-_DECORATION = [(re.compile("\u2212"), "-"), (re.compile("\u00b0"), ""), (re.compile(r"^\s*[A-Za-z]?\s*=\s*"), ""),
+# a name before "=": x, BC, x_1, x_{12}, \theta, \angle ABC, f(2)
+_NAME_EQ = r"^\s*(?:\\[A-Za-z]+\s*)?[A-Za-z]*(?:_(?:\{[^{}]*\}|\w))?(?:\([^()=]*\))?'*\s*=\s*"
+_DECORATION = [(re.compile("\u2212"), "-"), (re.compile("\u00b0"), ""), (re.compile(_NAME_EQ), ""),
                (re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\\circ|\\%|%|\\\$|\$|\\[,!;: ]|~"), ""),
                (re.compile(r"\{,\}"), ","), (re.compile(r"\\[dt]frac"), r"\\frac"), (re.compile(r"\s+"), "")]
 _NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|[+-]?\.\d+")
 _OUTER_PARENS = re.compile(r"^(?:\\left)?\(([^(),]*?)(?:\\right)?\)$")  # one pair around a number (not a tuple)
 _SCIENTIFIC = re.compile(r"([+-]?\d+(?:\.\d*)?)(?:\\times|\\cdot)10\^(?:\{([+-]?\d{1,3})\}|(\d))")  # 1.5\times10^{6}
 _FRACTION = re.compile(r"([+-]?)(?:\\frac\{([+-]?\d+)\}\{([+-]?\d+)\}|\\frac(\d)(\d)|(\d+)/(\d+))")
+_MIXED = re.compile(r"([+-]?)(\d+)\\frac(?:\{(\d+)\}\{(\d+)\}|(\d)(\d))")  # 2\frac{1}{4} = 9/4
+_UNIT_WORD = re.compile(r"\s+[A-Za-z]{2,}(?:\^\s*(?:\{\s*\d\s*\}|\d))?\s*$")  # "10 cm", "12 units", "3 m^2"
+_SPACING = re.compile(r"\\[,!;: ]|~")
 
 
 _MATH_SPANS = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
@@ -145,28 +150,40 @@ def _question_math(prompt: str) -> set[str]:
 
 def plain_number(text: Any) -> Fraction | None:
     """The value of an answer that is one number: an integer, a decimal (``1,000`` and ``1{,}000`` as
-    thousands), ``a/b`` or ``\\frac{a}{b}``, signed, in units, degrees, percent or dollars, after
-    ``x =``; None for anything else (a sum, a product, a root, a function, an interval, ...)."""
+    thousands), ``a/b``, ``\\frac{a}{b}`` or a mixed number ``2\\frac{1}{4}``, signed, in units (``\\text{}`` or a
+    word after it), degrees, percent or dollars, after a name and ``=`` (``x =``, ``BC =``, ``x_1 =``); None for
+    anything else (a sum, a product, a root, a function, an interval, words before it, ...)."""
     got = _written_number(text)
     return None if got is None else got[0]
 
 
 def _written_number(text: Any) -> tuple[Fraction, tuple[int, int] | None] | None:
     """:func:`plain_number`'s value, and the numerator and denominator as written when it is a fraction."""
-    # words without a digit (units, "or") are dropped; between two numbers they leave no number ("3 or 4")
+    # words without a digit after the number are units and dropped; before it ("not 5", "at most 5") or between two
+    # numbers ("3 or 4") they leave no number
     s = _WRAPPED.sub(lambda m: m[1] + (m[2] or "") if re.search(r"\d", m[1]) else "\0", _clean(str(text)))
-    s = s.strip("\0 \t\n")
+    s = _UNIT_WORD.sub("", _SPACING.sub(" ", s).rstrip("\0 \t\n"))
     if "\0" in s:
         return None
     for pat, rep in _DECORATION:
         s = pat.sub(rep, s)
     s = _clean(_OUTER_PARENS.sub(r"\1", s))  # "(-5)", "\left(-\frac34\right)", "3/4."
-    if _NUMBER.fullmatch(s):
-        return Fraction(s.replace(",", "")), None
-    m = _SCIENTIFIC.fullmatch(s)
-    if m is not None:
-        return Fraction(m[1]) * Fraction(10) ** int(m[2] or m[3]), None
-    m = _FRACTION.fullmatch(s)
+    try:  # (a run of over 4,300 digits is no answer: int() refuses it)
+        if _NUMBER.fullmatch(s):
+            return Fraction(s.replace(",", "")), None
+        m = _SCIENTIFIC.fullmatch(s)
+        if m is not None:
+            return Fraction(m[1]) * Fraction(10) ** int(m[2] or m[3]), None
+        m = _MIXED.fullmatch(s)
+        if m is not None:
+            num, den = (int(m[3]), int(m[4])) if m[3] is not None else (int(m[5]), int(m[6]))
+            if den == 0:
+                return None
+            value = int(m[2]) + Fraction(num, den)
+            return (-value if m[1] == "-" else value), (num, den)
+        m = _FRACTION.fullmatch(s)
+    except ValueError:
+        return None
     if m is None:
         return None
     num, den = next((int(m[i]), int(m[i + 1])) for i in (2, 4, 6) if m[i] is not None)

@@ -96,6 +96,23 @@ def test_math_scoring_rules():
     assert extract_answer("<think>\\boxed{5}") is None and extract_answer("\\boxed{5}") == "5"
 
 
+@pytest.mark.parametrize("gold,pred,ok", [
+    ("12", "BC = 12", True), ("30^\\circ", "\\theta = 30^\\circ", True), ("5", "x_1 = 5", True),
+    ("-3", "x_{12} = -3", True), ("7", "f(2) = 7", True), ("10", "10\\ \\text{units}", True), ("10", "10 cm", True),
+    ("\\frac{9}{4}", "2\\frac{1}{4}", True), ("2\\frac{1}{4}", "\\frac{9}{4}", True), ("-\\frac{9}{4}", "-2\\frac14", True),
+    # hedged or bounded statements are not the number; a unit-less letter is a product
+    ("5", "\\text{not } 5", False), ("5", "\\text{at most } 5", False), ("5", "5x", False), ("5", "5 = 5", False),
+    ("5", "1" * 5000, False),  # (past int()'s 4,300 digits: a wrong answer, not a verifier error)
+])
+def test_a_number_answer_with_a_name_unit_or_mixed_fraction(gold, pred, ok):
+    """Where the answer is a number, the prediction must be one: named (``BC =``, ``x_1 =``, ``\\theta =``), with a
+    unit (``\\text{}`` or a bare word after it), or a mixed number, as math-verify reads them; words before it are
+    not dropped (``\\text{not } 5`` scored 1.0)."""
+    math = MathDatasetEnv(heldout=0.0)
+    s = math.verify(math.problem("Find it.", gold, 0, 0), f"\\boxed{{{pred}}}")
+    assert s.correct == ok and "error" not in s.info, (gold, pred, s)
+
+
 def test_copying_the_question_or_an_unreduced_fraction_earns_nothing():
     """An expression equal to the answer is no answer: math/arith takes an integer or a fraction in lowest
     terms (the question's own expression, copied into the box, was judged correct by value); the dataset
