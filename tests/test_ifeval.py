@@ -124,6 +124,27 @@ def test_language_detector_edge_cases():
     assert detect_language(EN.upper()) == "en"
 
 
+@pytest.mark.timeout(60)
+def test_title_and_capital_words_as_the_reference_counts_them():
+    """The reference's TitleChecker takes ``<<a <b> c>>`` (any text on the line between the first ``<<`` and the last
+    ``>>``); its capital-word count tokenizes like nltk (WELL-KNOWN, U.S.A one word each; DON'T two)."""
+    import random
+    import re
+
+    from envs.ifeval.instructions import count_capital_words, has_title
+
+    title = {"type": "detectable_format:title"}
+    assert check(title, "<<a <b> c>>\nbody") and not check(title, "<< >>\n<<\n>>")
+    rng = random.Random(0)
+    for _ in range(3000):  # against the reference's own expression
+        t = "".join(rng.choice("<<>> a\n") for _ in range(rng.randint(0, 14)))
+        assert has_title(t) == any(m.lstrip("<").rstrip(">").strip() for m in re.findall(r"<<[^\n]+>>", t)), t
+    assert not has_title("<<" * 200_000)  # the regex backtracks quadratically here (minutes; the mark's timeout)
+    assert count_capital_words("WELL-KNOWN U.S.A. DON'T stop") == 4
+    cap = {"type": "change_case:capital_word_frequency", "relation": "less than", "n": 5}
+    assert check(cap, "The WELL-KNOWN U.S.A. team, DON'T worry.")
+
+
 def test_first_person_english_is_english_and_italian_is_italian():
     """langdetect, as the IFEval reference: a stopword count called first-person English Polish ("i", "do",
     "to" are Polish stopwords), failing correct all-caps and all-lowercase answers, and Italian Portuguese."""

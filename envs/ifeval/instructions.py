@@ -110,8 +110,13 @@ def count_whole_word(text: str, word: str) -> int:
     return len(re.findall(r"\b" + re.escape(word) + r"\b", text, flags=re.IGNORECASE))
 
 
+_TOKEN_RE = re.compile(r"\w+(?:[-.]\w+)*")  # nltk.word_tokenize's words: WELL-KNOWN and U.S.A are one each
+
+
 def count_capital_words(text: str) -> int:
-    return sum(1 for w in _WORD_RE.findall(text) if w.isupper())
+    """Words in capitals as the IFEval reference counts them (``word.isupper()`` over nltk's word tokens: hyphenated
+    and dotted words are one; a contraction, DON'T, is two, as \\w+ splits it)."""
+    return sum(1 for w in _TOKEN_RE.findall(text) if w.isupper())
 
 
 def count_placeholders(text: str) -> int:
@@ -275,9 +280,20 @@ def _json_format(s):
     return ("Entire output should be wrapped in JSON format. You can use markdown ticks such as ```.", ok)
 
 
+def has_title(text: str) -> bool:
+    """The IFEval reference's title check (``re.findall(r"<<[^\\n]+>>")``, a match with text once its ``<`` and
+    ``>`` are stripped) without the regex's quadratic backtracking: on a line, the greedy match runs from the
+    first ``<<`` to the last ``>>``."""
+    for line in text.split("\n"):
+        i, j = line.find("<<"), line.rfind(">>")
+        if i >= 0 and j >= i + 3 and line[i:j + 2].lstrip("<").rstrip(">").strip():
+            return True
+    return False
+
+
 def _title(s):
     return ("Your answer must contain a title, wrapped in double angular brackets, such as <<poem of joy>>.",
-            lambda r: any(t.strip() for t in re.findall(r"<<([^\n<>]+)>>", r)))
+            has_title)
 
 
 def _two_responses(s):
