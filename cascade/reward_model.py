@@ -82,6 +82,15 @@ class GatedRewardEnv(Environment):
         self.id = base.id
         self.description = f"{base.id} gated reward-model score"
 
+    @property
+    def max_difficulty(self) -> int | None:
+        """The wrapped environment's cap, read live (run-time caps lower it during a run)."""
+        return self.base.max_difficulty
+
+    @max_difficulty.setter
+    def max_difficulty(self, value: int | None) -> None:
+        self.base.max_difficulty = value
+
     def generate(self, seed: int, difficulty: int) -> Problem:
         return self.base.generate(seed, difficulty)
 

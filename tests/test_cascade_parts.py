@@ -292,3 +292,30 @@ def test_a_background_write_that_the_machine_stops_is_a_run_failure():
     with pytest.raises(RuntimeError) as e:
         b.wait()
     assert not isinstance(e.value, RunFailure)
+
+
+def test_a_reward_model_wrapped_environment_keeps_its_difficulty_cap():
+    """GatedRewardEnv reads and lowers the wrapped environment's max_difficulty: a curriculum over it stops at
+    ifeval's cap (it saw no cap and climbed to 40 on a policy solving everything), and a run-time cap reaches it."""
+    import random
+
+    from cascade.reward_model import GatedRewardEnv
+    from envs.base import Score, get_env
+    from envs.curriculum import Curriculum
+
+    base = get_env("ifeval")
+    cap = base.max_difficulty
+    assert cap is not None
+    for wrapped in (False, True):
+        env = GatedRewardEnv(base, rm=None) if wrapped else base
+        assert env.max_difficulty == cap
+        c = Curriculum({"ifeval": 1.0}, controller="zaya", controller_kwargs={"start": 0},
+                       environments={"ifeval": env} if wrapped else {})
+        rng = random.Random(0)
+        for _ in range(40):
+            (e, p), = c.sample(rng, 1)
+            c.update(e, p.difficulty, [Score(1.0, True, True)] * 8)  # a policy that solves everything
+        assert c.difficulties()["ifeval"] == cap, (wrapped, c.difficulties())
+    env = GatedRewardEnv(get_env("ifeval"), rm=None)
+    env.max_difficulty = 3  # as envs/caps.py lowers it
+    assert env.base.max_difficulty == 3
