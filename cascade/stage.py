@@ -505,7 +505,7 @@ class StageRunner:
         s = self.scfg
         a = s.sft.aggregation
         rc = s.rl
-        picks = curriculum.sample(self.stream("aggregation_sft"), a.problems)
+        picks = curriculum.peek(self.stream("aggregation_sft"), a.problems)  # (a resume in SFT draws them again)
         params = rc.sampling.params(a.samples, self.rcfg.seed + self.index)
         if a.max_new_tokens:
             params.max_tokens = a.max_new_tokens

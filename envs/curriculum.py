@@ -472,6 +472,16 @@ class Curriculum:
             out.append((env_id, self.envs[env_id].generate(seed, d)))
         return out
 
+    def peek(self, rng: random.Random, n: int = 1) -> list[tuple[str, Problem]]:
+        """``n`` problems drawn as :meth:`sample` draws them, leaving the curriculum as it was (counts, the
+        controllers' lazily drawn state): problems for data other than RL's (a teacher's SFT examples), which a
+        run resumed from a checkpoint taken after the draw draws again, the same."""
+        state = copy.deepcopy(self.state_dict())
+        try:
+            return self.sample(rng, n)
+        finally:
+            self.load_state_dict(state)
+
     def update(self, env_id: str, difficulty: int, scores: Iterable[Any]) -> None:
         if env_id not in self.controllers:
             raise KeyError(f"environment {env_id!r} is not in this curriculum ({', '.join(self.controllers)})")

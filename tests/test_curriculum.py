@@ -233,3 +233,29 @@ def test_resume_under_a_lower_cap_than_the_checkpoint(controller):
     d = _cap_curriculum(controller, _CapDrops(), **kw)
     d.load_state_dict(saved)
     assert d.controllers[_CapDrops.id].max_difficulty is None
+
+
+def test_peek_draws_what_sample_would_and_leaves_the_curriculum_as_it_was():
+    """The stage draws a teacher's SFT problems with ``peek``: a run resumed from a checkpoint taken after that draw
+    (mid-SFT) draws the same problems again and the same counts (``sample`` moved the calibrating zaya controller's
+    lazily drawn pool and the counts, so the resumed run drew other problems and counted them twice)."""
+    import pickle
+    import random
+
+    def build():
+        return Curriculum({"toy/add": 1.0, "toy/max": 1.0}, controller="zaya", mode="least_sampled", seed=0,
+                          controller_kwargs={"up": 0.7, "calibration_groups": 8})
+
+    def key(picks):
+        return [(e, p.seed, p.difficulty) for e, p in picks]
+
+    c = build()
+    before = pickle.dumps(c.state_dict())
+    first = key(c.peek(random.Random("aggregation_sft"), 6))
+    assert pickle.dumps(c.state_dict()) == before
+    assert first == key(build().sample(random.Random("aggregation_sft"), 6))  # what sample would have drawn
+    resumed = build()
+    resumed.load_state_dict(pickle.loads(before))  # the checkpoint taken after the draw
+    assert key(resumed.peek(random.Random("aggregation_sft"), 6)) == first
+    assert resumed.counts == c.counts == {"toy/add": 0, "toy/max": 0}
+    assert key(c.sample(random.Random(1), 4)) == key(build().sample(random.Random(1), 4))  # RL's draws unchanged
