@@ -537,6 +537,7 @@ def test_log_probs_that_are_not_the_trainers_are_warned_about(monkeypatch, caplo
     assert "temperature 1" in logprob_mismatch("raw_logprobs", SamplingParams(temperature=0.7))
     assert logprob_mismatch("processed_logprobs", SamplingParams(temperature=0.7)) is None
     assert "min_p" in logprob_mismatch("processed_logprobs", SamplingParams(min_p=1e-5))
+    assert "min_tokens" in logprob_mismatch("processed_logprobs", SamplingParams(min_tokens=4))  # stop ids masked
     orig = server_mod.Handler.completions
     monkeypatch.setattr(server_mod.Handler, "completions",
                         lambda self, body: {**orig(self, body), "logprobs_mode": "processed_logprobs"})

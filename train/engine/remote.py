@@ -136,9 +136,10 @@ def logprob_mismatch(mode: str | None, params: SamplingParams) -> str | None:
     if mode == "processed_logprobs":
         on = [k for k, v in (("top_k", params.top_k > 0), ("top_p", params.top_p < 1), ("min_p", params.min_p > 0),
                              ("penalties", params.repetition_penalty != 1 or params.presence_penalty
-                              or params.frequency_penalty), ("logit_bias", params.logit_bias)) if v]
-        return None if not on else (f"processed_logprobs come after {', '.join(on)} (a truncation renormalises: a "
-                                    "token's log-prob is higher by -log(kept mass))")
+                              or params.frequency_penalty), ("logit_bias", params.logit_bias),
+                             ("min_tokens", params.min_tokens > 0)) if v]
+        return None if not on else (f"processed_logprobs come after {', '.join(on)} (a truncation or min_tokens' "
+                                    "stop mask renormalises: a token's log-prob is higher by -log(kept mass))")
     return f"logprobs mode {mode!r} is not log_softmax(logits / T)"
 
 
