@@ -5,7 +5,12 @@ Every task of reasoning-core's shipped roster (``reasoning_core.list_tasks()``; 
 reasoning-core's own level: ``task.generate_example(level=d)`` sets the task config's level
 (``Config.set_level``). reasoning-core draws from the global ``random``/``numpy`` generators (it
 takes no seed), so ``generate(seed, d)`` seeds both with ``seed`` around the call and restores the
-caller's state afterwards: the problem is a function of ``(seed, d)``. A generation that
+caller's state afterwards; what its modules (and gramforge's, Faker's) would draw from OS entropy
+(``random.seed()``, ``random.Random()``, ``np.random.default_rng()``) is drawn from that seeded stream:
+the problem is a function of ``(seed, d)``. Two grammar tasks (``constrained_continuation``,
+``parsing_derivation``) still differ between processes for the same ``(seed, d)``: their variation
+comes from no generator Cascade can seed (their verification reads the problem's own metadata, so
+scores stay right). A generation that
 reasoning-core fails is retried with derived seeds, then at the levels below.
 
 ``verify`` extracts the answer (the last ``\\boxed{}`` or ``<answer>...</answer>`` after any
@@ -24,6 +29,7 @@ import functools
 import importlib.util
 import json
 import random
+import sys
 from collections import OrderedDict
 
 from envs.adapted import BoxedOrTagged, cached_catalog, package_version
@@ -107,12 +113,18 @@ class ReasoningCoreEnv(IsolatedCheck, BoxedOrTagged, Environment):
         from envs.rlve_adapter import _LOCAL, patch_random
 
         task = self._task()
-        patch_random("reasoning_core")  # per-thread random streams (see envs/rlve_adapter.py)
+        for package in ("reasoning_core", "gramforge"):  # per-thread random streams (see envs/rlve_adapter.py)
+            patch_random(package)
         py_state, np_state = random.getstate(), np.random.get_state()
         prev = getattr(_LOCAL, "rng", None)
         _LOCAL.rng = random.Random(seed)
         random.seed(seed)
         np.random.seed(seed % (2 ** 32))
+        # Faker's generators share one random.Random, seeded from OS entropy at import (tables, names, regexes)
+        faker = getattr(sys.modules.get("faker.generator"), "random", None)
+        faker_state = faker.getstate() if faker is not None else None
+        if faker is not None:
+            faker.seed(seed)
         try:
             import warnings
 
@@ -123,6 +135,8 @@ class ReasoningCoreEnv(IsolatedCheck, BoxedOrTagged, Environment):
             _LOCAL.rng = prev
             random.setstate(py_state)
             np.random.set_state(np_state)
+            if faker is not None:
+                faker.setstate(faker_state)
 
     def _item(self, seed: int, difficulty: int):
         """(prompt, answer, metadata, level) for (seed, difficulty), cached."""

@@ -4,9 +4,11 @@ Every dataset registered in ``reasoning_gym.factory.DATASETS`` becomes an enviro
 ``d`` sets the dataset's curriculum (where it has one) to global level ``d`` (each attribute
 clamped to its last level) and takes that level's range (``upper_bound`` mode, else
 ``inclusive``); a level whose configuration reasoning-gym itself rejects falls back to the level
-below. Datasets without a curriculum ignore the difficulty (``max_difficulty = 0``).
-``generate(seed, d)`` builds the dataset with that seed and size 1 and takes its item; an item
-that reasoning-gym fails to generate is retried with derived seeds. ``verify`` scores the
+below. ``max_difficulty`` is the highest level whose configuration differs from the one below (the
+last level of a range attribute repeats the level below's range); datasets without a curriculum
+ignore the difficulty (``max_difficulty = 0``). ``generate(seed, d)`` builds the dataset with that
+seed and size 1 and takes its item; an item that reasoning-gym fails to generate is retried with
+derived 32-bit seeds. ``verify`` scores the
 extracted answer (last ``\\boxed{}`` or ``<answer>...</answer>``) with the dataset's own
 ``score_answer``; full credit (1.0) is ``correct``.
 
@@ -102,7 +104,7 @@ class ReasoningGymEnv(IsolatedCheck, BoxedOrTagged, Environment):
         self._curriculum_cls = CURRICULA.get(name)
         if self._curriculum_cls is not None:
             attrs = self._curriculum_cls().attributes.values()
-            self.max_difficulty = max((len(a.levels) - 1 for a in attrs), default=0)
+            self.max_difficulty = self._distinct_top(max((len(a.levels) - 1 for a in attrs), default=0))
         else:
             self.max_difficulty = 0
         # the curriculum's own top level: a problem is built at the level asked for, up to it, whatever cap a run
@@ -114,6 +116,23 @@ class ReasoningGymEnv(IsolatedCheck, BoxedOrTagged, Environment):
         self._fast: dict[int, object] = {}
 
     # -- configuration per difficulty ------------------------------------------------------------
+    def _distinct_top(self, top: int) -> int:
+        """The highest level up to ``top`` whose configuration differs from the level below's: in reasoning-gym's
+        UPPER_BOUND mode a range attribute's top level is the range of the level below (42 datasets), so a
+        curriculum would spend a promotion on no harder problems."""
+        from reasoning_gym.coaching.base_curriculum import DefaultCurriculumContext, RangeAttributeMode
+
+        def cfg(level: int):
+            try:
+                cur = self._curriculum_cls()
+                cur.set_global_level(level)
+                return cur.generate_configuration(context=DefaultCurriculumContext(mode=RangeAttributeMode.UPPER_BOUND))
+            except Exception:  # noqa: BLE001 - a level reasoning-gym rejects: not a copy (config() falls back)
+                return None
+        while top > 0 and (here := cfg(top)) is not None and here == cfg(top - 1):
+            top -= 1
+        return top
+
     def _level_config(self, level: int):
         """reasoning-gym's configuration at curriculum ``level`` (None if it rejects every mode)."""
         from reasoning_gym.coaching.base_curriculum import DefaultCurriculumContext, RangeAttributeMode
@@ -179,8 +198,8 @@ class ReasoningGymEnv(IsolatedCheck, BoxedOrTagged, Environment):
         # reasoning-gym fails on some (seed, level) pairs: retry with derived seeds, then easier levels
         for level in range(max(0, min(key[1], self._top)), -1, -1):
             cfg, _ = self.config(level)
-            for attempt in range(4):
-                s = key[0] if attempt == 0 else (key[0] * 1_000_003 + attempt) % (2**63)
+            for attempt in range(4):  # (derived seeds fit 32 bits: pool_matrix seeds numpy, which takes no more)
+                s = key[0] if attempt == 0 else (key[0] * 1_000_003 + attempt) % (2**32)
                 try:
                     got = self._generate_item(level, cfg, s)
                     break

@@ -149,10 +149,17 @@ class _ThreadRandom:
     """Stands in for the ``random`` module inside the adapted package's modules: while a generation
     runs in a thread, their ``random.x`` calls draw from that thread's own ``random.Random(seed)``
     (the same stream ``random.seed(seed)`` gives), elsewhere from the global generator. So a
-    generation abandoned by the time bound (envs/caps.py) cannot disturb later ones."""
+    generation abandoned by the time bound (envs/caps.py) cannot disturb later ones. Within a
+    generation what would draw on OS entropy draws on that stream instead, so the problem stays a
+    function of the seed: ``random.seed(None)`` (gramforge, under reasoning-core's grammar tasks, calls
+    it with its default seed) is a no-op and ``random.Random()`` is seeded from the stream."""
 
     def __getattr__(self, name):
         rng = getattr(_LOCAL, "rng", None)
+        if rng is not None and name == "seed":
+            return lambda a=None, *args, **kw: None if a is None else rng.seed(a, *args, **kw)
+        if rng is not None and name == "Random":
+            return lambda x=None: random.Random(rng.getrandbits(64) if x is None else x)
         if rng is not None and not name.startswith("_"):
             attr = getattr(rng, name, None)
             if attr is not None:
@@ -163,11 +170,43 @@ class _ThreadRandom:
 _PROXY = _ThreadRandom()
 
 
+class _ThreadNumpy:
+    """Stands in for ``numpy`` (``np``) inside the adapted package's modules: within a generation
+    ``np.random.default_rng()`` without a seed (OS entropy) is seeded from the thread's stream;
+    everything else is numpy's own."""
+
+    def __getattr__(self, name):
+        import numpy
+
+        if name == "random" and getattr(_LOCAL, "rng", None) is not None:
+            return _NUMPY_RANDOM
+        return getattr(numpy, name)
+
+
+class _ThreadNumpyRandom:
+    def __getattr__(self, name):
+        import numpy
+
+        rng = getattr(_LOCAL, "rng", None)
+        if name == "default_rng" and rng is not None:
+            return lambda seed=None: numpy.random.default_rng(rng.getrandbits(64) if seed is None else seed)
+        return getattr(numpy.random, name)
+
+
+_NUMPY, _NUMPY_RANDOM = _ThreadNumpy(), _ThreadNumpyRandom()
+
+
 def patch_random(prefix: str) -> None:
-    """Point the ``random`` global of every loaded module under ``prefix`` at the per-thread proxy."""
+    """Point the ``random`` (and ``np``/``numpy``) globals of every loaded module under ``prefix`` at the
+    per-thread proxies."""
+    numpy = sys.modules.get("numpy")
     for name, mod in list(sys.modules.items()):
-        if (name == prefix or name.startswith(prefix + ".")) and getattr(mod, "random", None) is random:
-            mod.random = _PROXY
+        if name == prefix or name.startswith(prefix + "."):
+            if getattr(mod, "random", None) is random:
+                mod.random = _PROXY
+            for alias in ("np", "numpy"):
+                if numpy is not None and getattr(mod, alias, None) is numpy:
+                    setattr(mod, alias, _NUMPY)
 
 
 @contextmanager

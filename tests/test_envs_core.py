@@ -319,6 +319,10 @@ def test_rg_environment_generates_and_scores():
     assert env.generate(5, 3).to_dict() == env.generate(5, 3).to_dict()
     # difficulty maps onto the dataset's curriculum levels
     assert env.config(0)[0] != env.config(env.max_difficulty)[0]
+    # the top level is harder than the one below (reasoning-gym's last range level repeats the one below's)
+    for name in ("rg/base_conversion", "rg/countdown", "rg/letter_counting", "rg/basic_arithmetic"):
+        e = get_env(name)
+        assert e.config(e.max_difficulty)[0] != e.config(e.max_difficulty - 1)[0], name
 
 
 def test_rg_problem_verified_after_a_run_time_cap_is_the_problem_generated():
