@@ -176,21 +176,18 @@ class _ThreadNumpy:
     everything else is numpy's own."""
 
     def __getattr__(self, name):
-        import numpy
-
         if name == "random" and getattr(_LOCAL, "rng", None) is not None:
             return _NUMPY_RANDOM
-        return getattr(numpy, name)
+        return getattr(sys.modules["numpy"], name)
 
 
 class _ThreadNumpyRandom:
     def __getattr__(self, name):
-        import numpy
-
         rng = getattr(_LOCAL, "rng", None)
+        numpy_random = sys.modules["numpy"].random
         if name == "default_rng" and rng is not None:
-            return lambda seed=None: numpy.random.default_rng(rng.getrandbits(64) if seed is None else seed)
-        return getattr(numpy.random, name)
+            return lambda seed=None: numpy_random.default_rng(rng.getrandbits(64) if seed is None else seed)
+        return getattr(numpy_random, name)
 
 
 _NUMPY, _NUMPY_RANDOM = _ThreadNumpy(), _ThreadNumpyRandom()
