@@ -177,13 +177,20 @@ def test_graph_coloring_accepts_any_valid_colouring():
 
 def test_n_queens_accepts_other_solutions_and_rejects_attacks():
     env = get_env("gym/n_queens")
-    p = env.generate(0, 0)  # 4x4, nothing pre-placed: both solutions are valid
+    p = env.generate(0, 0)  # 4x4, one queen pre-placed: the one of the two solutions that has it
     sols = [list(q) for q in itertools.permutations(range(1, 5))
             if all(abs(q[i] - q[j]) != j - i for i in range(4) for j in range(i + 1, 4))]
     assert sorted(sols) == [[2, 4, 1, 3], [3, 1, 4, 2]]
     for q in sols:
-        assert env.verify(p, boxed(" ".join(map(str, q)))).correct
+        ok = all(q[int(r)] == c for r, c in p.meta["fixed"].items())
+        assert env.verify(p, boxed(" ".join(map(str, q)))).correct == ok
     assert not env.verify(p, boxed("1 2 3 4")).correct
+    p = env.generate(0, 4)  # 8x8, two pre-placed: every solution that has them is accepted
+    sols = [q for q in itertools.permutations(range(1, 9)) if len({c - r for r, c in enumerate(q)}) == 8
+            and len({c + r for r, c in enumerate(q)}) == 8 and all(q[int(r)] == c for r, c in p.meta["fixed"].items())]
+    assert len(sols) > 1
+    for q in sols:
+        assert env.verify(p, boxed(" ".join(map(str, q)))).correct
 
 
 def test_sat_assignment_checked_against_clauses():
@@ -529,7 +536,8 @@ _SIZE_AT_100_LINEAR = {
     "gym/longest_palindromic_substring": (_quoted(), 1540),
     "gym/max_flow": (_number(r"has (\d+) vertices"), 330),
     "gym/multiplicative_order": (_number(r"\(mod (\d+)\)"), 2.2e10),
-    "gym/partition_min_diff": (_listed(r"numbers ([\d ]+) into"), 660),
+    # 30 numbers at most (an exact answer is a search over 2^29 splits), of up to 2^660: the digits grow
+    "gym/partition_min_diff": (lambda p: len(re.search(r"numbers ([\d ]+) into", p.prompt).group(1)), 6100),
     "gym/pattern_occurrences": (_quoted(1), 14_730),
     "gym/rod_cutting": (_number(r"rod of length (\d+)"), 660),
     "gym/sliding_window_max": (_listed(r"array ([\d ]+),"), 1520),
@@ -783,3 +791,166 @@ def test_low_levels_have_no_majority_answer(env_id):
         answers = Counter(env.generate(seed, d).answer for seed in range(200))
         top, n = answers.most_common(1)[0]
         assert n / 200 <= 0.45, (env_id, d, answers)
+
+
+def _top_share(env_id, d, seeds=100, key=json.dumps):
+    from collections import Counter
+
+    env = get_env(env_id)
+    answers = Counter(key(env.generate(seed, d).answer) for seed in range(seeds))
+    top, n = answers.most_common(1)[0]
+    return n / seeds, top
+
+
+def test_binomial_mod_p_is_not_mostly_zero():
+    """k drawn from 0..n had a base-p digit above n's (C(n, k) = 0 by Lucas) on 61-100% of the problems from
+    difficulty 5: ``\\boxed{0}`` was right on them. The answers are still the exact binomials reduced."""
+    for d in (5, 10, 20, 40):
+        share, top = _top_share("gym/binomial_mod_p", d)
+        assert share <= 0.5, (d, top, share)
+    env = get_env("gym/binomial_mod_p")
+    for seed in range(30):
+        p = env.generate(seed, seed % 3)
+        n, k, q = map(int, re.search(r"C\((\d+), (\d+)\) modulo (\d+)", p.prompt).groups())
+        assert p.answer == math.comb(n, k) % q, (seed, n, k, q)
+
+
+def test_partition_min_diff_is_not_the_parity_of_the_sum():
+    """Numbers below 20 + 5d made a perfect split certain from difficulty 6: the answer was always sum % 2. The
+    meet-in-the-middle solver matches brute force."""
+    from envs.gym.dynamic_programming import min_partition_diff
+
+    rng = random.Random(0)
+    for _ in range(200):
+        xs = [rng.randint(1, rng.choice([5, 60, 5000])) for _ in range(rng.randint(1, 10))]
+        s = sum(xs)
+        assert min_partition_diff(xs) == min(abs(s - 2 * sum(c)) for k in range(len(xs) + 1)
+                                             for c in itertools.combinations(xs, k)), xs
+    env = get_env("gym/partition_min_diff")
+    for d, seeds in ((6, 60), (10, 60), (16, 8)):
+        parity = 0
+        for seed in range(seeds):
+            p = env.generate(seed, d)
+            xs = [int(x) for x in re.search(r"numbers ([\d ]+) into", p.prompt).group(1).split()]
+            parity += p.answer == sum(xs) % 2
+        assert parity / seeds <= 0.5, (d, parity)
+
+
+def test_closest_pair_is_not_mostly_one():
+    """Up to 879 points in a square of side 10 + 5d put two at distance 1 on 60-90% of the problems from difficulty
+    40; the side now grows with the number of points."""
+    for d in (40, 60):
+        env = get_env("gym/closest_pair")
+        ones = sum(env.generate(seed, d).answer == 1 for seed in range(40))
+        assert ones / 40 <= 0.25, (d, ones)
+
+
+def test_n_queens_solutions_are_random():
+    """The solution was one of 4 symmetric variants of a fixed construction (memorised, it solved every problem;
+    with no queen pre-placed at difficulties 0-1 any fixed solution did): now a random solution, one queen or more
+    of it pre-placed."""
+    from envs.gym.logic_puzzles import queens_ok, queens_solution, random_queens
+
+    for n in range(4, 40):
+        assert queens_ok(random_queens(random.Random(n), n)), n
+    env = get_env("gym/n_queens")
+    assert len({tuple(env.generate(seed, 0).answer) for seed in range(20)}) == 2  # both 4x4 solutions
+    assert len({tuple(env.generate(seed, 4).answer) for seed in range(20)}) > 10
+    for d, most in ((0, 0.7), (1, 0.4), (2, 0.4), (3, 0.4), (6, 0.2)):
+        n, probs = 4 + d, [env.generate(seed, d) for seed in range(50)]
+        assert all(p.meta["fixed"] for p in probs)
+        s = queens_solution(n)
+        for v in (s, s[::-1], [n + 1 - c for c in s], [n + 1 - c for c in s[::-1]]):
+            hits = sum(env.verify(p, boxed(" ".join(map(str, v)))).correct for p in probs)
+            assert hits / 50 <= most, (d, v, hits)
+
+
+@pytest.mark.parametrize("env_id", ["gym/edit_distance", "gym/word_break_count", "gym/water_jugs", "gym/max_overlap",
+                                    "gym/two_sum_count", "gym/string_period", "gym/connected_components"])
+def test_low_levels_have_no_constant_answer(env_id):
+    """1 (edit_distance, word_break_count, water_jugs, two_sum_count, string_period), 2 (max_overlap) or 3
+    (connected_components) was the answer of 61-85% of a low level's problems."""
+    for d in (0, 1, 2, 5, 10):
+        share, top = _top_share(env_id, d)
+        assert share <= 0.5, (env_id, d, top, share)
+
+
+@pytest.mark.timeout(20)
+def test_prime_factorization_verifies_huge_factors_quickly():
+    """``<190 nines>^9999`` (a 195-character answer) made a ~1.9M-digit product: 18 s to verify. The factors are now
+    divided out of n one at a time."""
+    env = get_env("gym/prime_factorization")
+    p = env.generate(0, 0)
+    for text in ("9" * 190 + "^9999", " * ".join(["9" * 190 + "^99"] * 100), "2^9999", "0 * 5", "1 * " +
+                 env.format_answer(p.answer), env.format_answer(p.answer) + " * " + str(p.answer[0])):
+        s = env.verify(p, boxed(text))
+        assert not s.correct and s.reward <= 0, (text[:40], s)
+    for d in range(6):
+        q = env.generate(1, d)
+        assert env.verify(q, boxed(" \\times ".join(map(str, reversed(q.answer))))).correct
+        assert not env.verify(q, boxed(env.format_answer(q.answer[:-1] + [q.answer[-1] + 2]))).correct
+
+
+def test_longest_common_substring_always_has_one():
+    """Two short strings may share no letter (seeds 1219 at difficulty 0 and 5853 at difficulty 1): the reference
+    was '' (the self-check failed, and grading divided by its length); such a draw is made again."""
+    env = get_env("gym/longest_common_substring")
+    for seed, d in ((1219, 0), (5853, 1)):
+        p = env.generate(seed, d)
+        assert p.answer and p.answer in p.meta["a"] and p.answer in p.meta["b"]
+        assert env.verify(p, env.reference_response(p)).correct
+        assert not env.verify(p, boxed("#")).correct
+
+
+def test_named_thousands_and_sentence_forms_are_read():
+    """``x = 1569`` (the prompts ask for "the integer x"), ``3{,}142{,}062``, a label list or fraction ending with a
+    period, ``\\tfrac``/``\\dfrac``: all scored -1 (format error) when right. Wrong values in these forms stay wrong."""
+    for env_id in ("gym/crt", "gym/discrete_log"):
+        env = get_env(env_id)
+        p = env.generate(0, 2)
+        a = int(p.answer)
+        for form in ("x = {}", "x={}", "x = {}."):
+            assert env.verify(p, boxed(form.format(a))).correct, (env_id, form)
+            assert env.verify(p, boxed(form.format(a + 1))).reward == 0.0
+        assert env.verify(p, boxed(f"x = y = {a}")).reward == -1.0
+        assert env.verify(p, boxed(f"xy = {a}")).reward == -1.0
+    env = get_env("gym/power_sum")
+    p = env.generate(0, 6)
+    a = int(p.answer)
+    assert a >= 10 ** 6
+    assert env.verify(p, boxed(f"{a:,}".replace(",", "{,}"))).correct
+    assert env.verify(p, boxed(f"{a + 1000:,}".replace(",", "{,}"))).reward == 0.0
+    assert env.verify(p, boxed(f"{a:,}".replace(",", "{,}", 1).replace(",", "", 1))).reward == -1.0  # 3{,}142062
+    for env_id in ("gym/triangle_classify", "gym/point_in_polygon"):
+        env = get_env(env_id)
+        p = env.generate(0, 2)
+        text = " ".join(p.answer)
+        assert env.verify(p, boxed(text + ".")).correct, env_id
+        assert env.verify(p, boxed(f"[{text}].")).correct, env_id
+        wrong = [next(v for v in env.vocab if v != x) for x in p.answer]
+        assert env.verify(p, boxed(" ".join(wrong) + ".")).reward == 0.0
+        assert env.verify(p, boxed(text + "..")).reward == -1.0
+    env = get_env("gym/fraction_sum")
+    p = next(q for q in (env.generate(s, 2) for s in range(20)) if Fraction(q.answer).denominator > 1)
+    f = Fraction(p.answer)
+    sign, num, den = "-" if f < 0 else "", abs(f.numerator), f.denominator
+    for text in (f"{p.answer}.", f"{sign}\\tfrac{{{num}}}{{{den}}}", f"{sign}\\dfrac{{{num}}}{{{den}}}",
+                 f"{sign}\\frac{{{num}}}{{{den}}}."):
+        assert env.verify(p, boxed(text)).correct, text
+    for text in (f"{sign}\\tfrac{{{num + 1}}}{{{den}}}", f"{sign}{num}/{den + 1}.", f"{sign}\\tfrac{{{num}}}{{{den}}}{{1}}"):
+        assert env.verify(p, boxed(text)).reward <= 0.0, text
+    assert parse_int("x = 12") == 12 and parse_fraction("3/4.") == Fraction(3, 4)
+
+
+def test_sudoku_blanks_grow_at_every_level():
+    """The blanks reached min(0.75, 0.3 + 0.04 d) of the cells at difficulty 12 and the box size changed only every
+    12 levels: 12-23, 24-35, ... were each one level. The blank share now ramps within each box size."""
+    env = get_env("gym/sudoku")
+
+    def blanks(d):
+        return sum(sum(x == 0 for r in env.generate(seed, d).meta["givens"] for x in r) for seed in range(2))
+
+    for lo, hi in ((2, 24), (24, 36), (36, 48)):
+        counts = [blanks(d) for d in range(lo, hi)]
+        assert all(a < b for a, b in zip(counts, counts[1:])), (lo, counts)
+    assert blanks(23) < blanks(24) and blanks(35) < blanks(36)  # a larger box has more blanks than the last level

@@ -106,24 +106,30 @@ class GymEnv(Environment):
 
 
 _LATEX_NOISE = re.compile(r"\\(?:text|mathrm|texttt|textbf|mathtt|mathbf)\s*\{([^{}]*)\}")
+_FRAC_STYLE = re.compile(r"\\[td]frac(?![A-Za-z])")
 
 
 def _clean(text: str) -> str:
     text = _LATEX_NOISE.sub(lambda m: m.group(1), text)
     text = text.replace("$", "").replace("\\,", "").replace("\\!", "").replace("\\ ", " ")
     text = text.replace("\\left", "").replace("\\right", "").replace("\\{", "{").replace("\\}", "}")
+    # LaTeX's thousands separator (3{,}142{,}062 is 3,142,062) and the text/display-style fractions
+    text = text.replace("{,}", ",")
+    text = _FRAC_STYLE.sub(r"\\frac", text)
     return text.strip()
 
 
 # --- parsers ---------------------------------------------------------------------------------
 _INT = re.compile(r"[+-]?\d+")
 _INT_COMMAS = re.compile(r"[+-]?\d{1,3}(,\d{3})+")
+_NAMED = re.compile(r"\s*[A-Za-z]\s*=")  # "x = 1569": the prompts ask to "find the integer x" (as envs/toy.py)
 
 
 def parse_int(text: str) -> int:
     if re.search(r"\d\s+\d", text):
         raise ParseError(f"expected one integer, got {text[:40]!r}")
-    t = "".join(text.split())
+    m = _NAMED.match(text)
+    t = "".join(text[m.end() if m else 0:].split())
     if t.endswith("."):
         t = t[:-1]
     if _INT_COMMAS.fullmatch(t):
@@ -169,7 +175,7 @@ _FRAC_TEX = re.compile(r"^([+-]?)\\d?frac\{([^{}]*)\}\{([^{}]*)\}$")
 
 
 def parse_fraction(text: str) -> Fraction:
-    t = "".join(text.split())
+    t = "".join(text.split()).removesuffix(".")  # "67/36." ends a sentence, as "42." does
     m = _FRAC_TEX.match(t)
     if m:
         t = f"{m.group(1)}{m.group(2)}/{m.group(3)}"
@@ -180,7 +186,8 @@ def parse_fraction(text: str) -> Fraction:
 
 
 def parse_tokens(text: str) -> list[str]:
-    return [x for x in re.split(r"[\s,;]+", text.strip().strip("[](){}")) if x]
+    # one final period ends the sentence ("B O O O."), as "42." is 42
+    return [x for x in re.split(r"[\s,;]+", text.strip().removesuffix(".").strip().strip("[](){}")) if x]
 
 
 def parse_grid(text: str, width: int | None = None) -> list[list[int]]:

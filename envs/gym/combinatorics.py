@@ -18,7 +18,14 @@ class BinomialModP(IntAnswer):
     def build(self, rng, d):
         p = random_prime(rng, 3, 13 + 6 * d)
         n = rng.randint(p, p ** (2 + d // 3))
-        k = rng.randint(0, n)
+        if rng.random() < 0.75:
+            # a k drawn from 0..n has a base-p digit above n's almost always, where C(n, k) = 0 (Lucas): 0 was the
+            # answer of 61-100% of the problems from difficulty 5. Each digit of k drawn up to n's: not 0
+            k, place, nn = 0, 1, n
+            while nn:
+                k, place, nn = k + rng.randint(0, nn % p) * place, place * p, nn // p
+        else:
+            k = rng.randint(0, n)
         r, nn, kk = 1, n, k
         while nn or kk:
             r = r * math.comb(nn % p, kk % p) % p

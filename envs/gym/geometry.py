@@ -252,7 +252,10 @@ class ClosestPair(IntAnswer):
 
     def build(self, rng, d):
         # 1.12^d points up to difficulty 30 (179), then 10 per level (879 at 100): 1.12^100 points filled megabytes
-        pts = list(set(_pts(rng, grow_until(5, d, 30, 10, 1.12, 1), 10 + 5 * d)))
+        n = grow_until(5, d, 30, 10, 1.12, 1)
+        # a square of side 8n: ~n^2 / 2 pairs over ~64 n^2 cells leave the closest pair some 40 apart (squared), 1 on a
+        # few percent of the problems (a side of 10 + 5d made 1 the answer of 60-90% from difficulty 40)
+        pts = list(set(_pts(rng, n, max(10 + 5 * d, 4 * n))))
         best = closest_pair_sq(pts)
         return f"Points: {_show(pts)}. What is the smallest squared Euclidean distance between two of them?", best
 

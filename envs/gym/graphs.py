@@ -428,7 +428,8 @@ class ConnectedComponents(IntAnswer):
 
     def build(self, rng, d):
         n = _n(d, 6)
-        edges = sorted({tuple(sorted(rng.sample(range(n), 2))) for _ in range(int(n * 0.7))})
+        # n/3 to n edges, not 0.7 n: with a fixed count the answer was one number on 65% of the problems at difficulty 1
+        edges = sorted({tuple(sorted(rng.sample(range(n), 2))) for _ in range(rng.randint(n // 3, n))})
         rng.shuffle(edges)
         return f"{_graph_text(n, edges)}\nHow many connected components does the graph have?", components(n, edges)
 

@@ -8,7 +8,7 @@ from fractions import Fraction
 
 from envs.base import register
 from envs.gym._util import (
-    INVALID, GymEnv, IntAnswer, ParseError, StrAnswer, fmt_grid, fmt_list, grow_until, parse_grid,
+    INVALID, GymEnv, IntAnswer, ParseError, StrAnswer, balanced, fmt_grid, fmt_list, grow_until, parse_grid,
     parse_groups, parse_int_list, parse_tokens,
 )
 
@@ -67,13 +67,17 @@ class Sudoku(_GridPuzzle):
     family, description = F, "Sudoku: 4x4, then 9x9, then 16x16... with more blanks as difficulty grows."
 
     def build(self, rng, d):
+        # box size 2 at difficulties 0-1, 3 at 2-23, then one more every 12 levels; within each box size the blanks
+        # ramp from 30% to 75% of the cells (the old min(0.75, 0.3 + 0.04 d) reached 75% at 12 and stayed there, so
+        # 12-23 and each later box size were one flat level). 16x16 at 30% still has more blanks than 9x9 at 75%
         b = 2 if d < 2 else 3 + max(0, (d - 12) // 12)
+        start, span = (2, 22) if b == 3 else (24 + 12 * (b - 4), 12)
         n = b * b
         rows = [g * b + r for g in rng.sample(range(b), b) for r in rng.sample(range(b), b)]
         cols = [g * b + c for g in rng.sample(range(b), b) for c in rng.sample(range(b), b)]
         sym = rng.sample(range(1, n + 1), n)
         sol = [[sym[(b * (r % b) + r // b + c) % n] for c in cols] for r in rows]
-        k = 5 + 3 * d if b == 2 else int(n * n * min(0.75, 0.3 + 0.04 * d))
+        k = 5 + 3 * d if b == 2 else int(n * n * (0.3 + 0.45 * (d - start) / span))
         givens = _blank(rng, sol, k)
         return (f"Solve this {n}x{n} Sudoku (each row, column and {b}x{b} box contains 1..{n} once; '.' is "
                 f"empty):\n{_show(givens)}\nAnswer the full grid, rows separated by ';' and numbers by spaces.",
@@ -87,7 +91,8 @@ class Sudoku(_GridPuzzle):
 
 
 def queens_solution(n):
-    """A solution of the n-queens problem for n >= 4 (explicit construction): column of each row."""
+    """A solution of the n-queens problem for n >= 4 (explicit construction): column of each row. No longer what
+    gym/n_queens asks for (memorised, it and its symmetric variants solved every problem): the tests check that."""
     evens, odds = list(range(2, n + 1, 2)), list(range(1, n + 1, 2))
     if n % 6 == 2:
         odds = [3, 1] + odds[2:]
@@ -97,6 +102,39 @@ def queens_solution(n):
         evens = evens[1:] + [2]
         odds = odds[2:] + [1, 3]
     return evens + odds
+
+
+def random_queens(rng, n):
+    """A random solution of the n-queens problem for n >= 4 (column of each row, 1-based), by min-conflicts: rows
+    placed one by one on a random least-attacked column, then a random attacked queen moved to a random least-attacked
+    column of its row until none is attacked (a fresh start after 4n + 40 moves). O(n^2): 3 ms at n = 100, 0.2 s at 1000."""
+    while True:
+        col = [0] * n
+        cnt_c, cnt_u, cnt_d = [0] * n, [0] * (2 * n), [0] * (2 * n)  # queens per column, per r + c, per r - c + n
+
+        def attacks(r, c):
+            return cnt_c[c] + cnt_u[r + c] + cnt_d[r - c + n]
+
+        def move(r, c, k):
+            cnt_c[c] += k
+            cnt_u[r + c] += k
+            cnt_d[r - c + n] += k
+
+        def place(r):
+            a = [attacks(r, c) for c in range(n)]
+            low = min(a)
+            col[r] = rng.choice([c for c in range(n) if a[c] == low])
+            move(r, col[r], 1)
+
+        for r in rng.sample(range(n), n):
+            place(r)
+        for _ in range(4 * n + 40):
+            hit = [r for r in range(n) if attacks(r, col[r]) > 3]  # a queen counts itself once in each of its lines
+            if not hit:
+                return [c + 1 for c in col]
+            r = rng.choice(hit)
+            move(r, col[r], -1)
+            place(r)
 
 
 def queens_ok(cols):
@@ -111,12 +149,10 @@ class NQueens(GymEnv):
 
     def build(self, rng, d):
         n = 4 + d
-        sol = queens_solution(n)
-        if rng.random() < 0.5:
-            sol = sol[::-1]
-        if rng.random() < 0.5:
-            sol = [n + 1 - c for c in sol]
-        fixed = sorted(rng.sample(range(n), min(n - 2, d // 2)))
+        # a random solution, and at least one of its queens pre-placed: the explicit construction (4 symmetric
+        # variants) solved every problem once memorised, and with no pre-placed queen any fixed solution did
+        sol = random_queens(rng, n)
+        fixed = sorted(rng.sample(range(n), min(n - 2, max(1, d // 2))))
         pre = ", ".join(f"row {r + 1} column {sol[r]}" for r in fixed) or "none"
         return (f"Place {n} queens on an {n}x{n} board so that no two attack each other. Pre-placed queens: {pre}. "
                 f"Answer the column (1..{n}) of the queen in each row 1..{n}, separated by spaces.", sol,
@@ -570,6 +606,10 @@ class WaterJugs(IntAnswer):
     family, description = F, "Fewest operations to measure a volume with two jugs (BFS)."
 
     def build(self, rng, d):
+        # a volume one fill away (a jug's own size) was 61-65% of the problems at difficulties 0-1: mostly drawn again
+        return balanced(rng, lambda: self._draw(rng, d), lambda ans: ans == 1)
+
+    def _draw(self, rng, d):
         a, b = rng.randint(2, 5 + 3 * d), rng.randint(2, 5 + 3 * d)
         dist = {(0, 0): 0}
         q = deque([(0, 0)])

@@ -5,7 +5,7 @@ import bisect
 from collections import Counter, deque
 
 from envs.base import register
-from envs.gym._util import GymEnv, IntAnswer, ListAnswer, fmt_list, grow_until, parse_groups
+from envs.gym._util import GymEnv, IntAnswer, ListAnswer, balanced, fmt_list, grow_until, parse_groups
 
 F = "sorting_searching"
 
@@ -117,6 +117,14 @@ class TwoSumCount(IntAnswer):
     family, description = F, "Number of pairs i < j with a[i] + a[j] = T."
 
     def build(self, rng, d):
+        if d < 2:
+            # 5-6 numbers and a target made of two of them: one pair was the answer of 53-64% (2 of most of the rest):
+            # a count drawn uniformly from 0..3 is the target, the array drawn again until it has it
+            target = rng.randint(0, 3)
+            return balanced(rng, lambda: self._draw(rng, d), lambda ans: ans != target, keep=0.0, tries=200)
+        return self._draw(rng, d)
+
+    def _draw(self, rng, d):
         xs = _arr(rng, d, 0, 20)
         t = rng.choice(xs) + rng.choice(xs)
         seen, cnt = Counter(), 0
@@ -228,6 +236,14 @@ class MaxOverlap(IntAnswer):
     family, description = F, "Maximum number of simultaneously active half-open intervals (sweep line)."
 
     def build(self, rng, d):
+        if d < 2:
+            # 2 rooms was the answer of 62-68% (4-5 short intervals): an answer drawn uniformly from 1..3 (2..4 at
+            # difficulty 1) is the target, the intervals drawn again until they have it
+            target = rng.randint(1 + d, 3 + d)
+            return balanced(rng, lambda: self._draw(rng, d), lambda ans: ans != target, keep=0.0, tries=200)
+        return self._draw(rng, d)
+
+    def _draw(self, rng, d):
         ivs = []
         for _ in range(grow_until(4, d, 30, 10)):
             a = rng.randint(0, 30 + 5 * d)

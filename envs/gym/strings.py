@@ -6,7 +6,7 @@ from collections import Counter
 
 from envs.base import register
 from envs.gym._util import (
-    INVALID, MOD, GymEnv, IntAnswer, ListAnswer, ParseError, StrAnswer, fmt_list, grow_until,
+    INVALID, MOD, GymEnv, IntAnswer, ListAnswer, ParseError, StrAnswer, balanced, fmt_list, grow_until,
 )
 
 F = "strings"
@@ -81,6 +81,12 @@ class LongestCommonSubstring(_SubstringAnswer):
     family, description = F, "A longest common substring of two strings (any one)."
 
     def build(self, rng, d):
+        while True:  # two short strings may share no letter (seed 1219 at difficulty 0): no answer, drawn again
+            out = self._draw(rng, d)
+            if out[1]:
+                return out
+
+    def _draw(self, rng, d):
         a, b = _word(rng, _n(d, 6, 8), _alpha(d)), _word(rng, _n(d, 6, 8), _alpha(d))
         best, end = 0, 0
         prev = [0] * (len(b) + 1)
@@ -205,7 +211,12 @@ class StringPeriod(IntAnswer):
     family, description = F, "Smallest period of a string (prefix function)."
 
     def build(self, rng, d):
-        base = _word(rng, rng.randint(1, 2 + d), _alpha(d))
+        # a one-letter base over two letters (period 1: "aaaa") was 54-63% of the problems at difficulties 0-1, with
+        # bases of 1-2 letters (now 1-3 at difficulty 0): mostly drawn again
+        return balanced(rng, lambda: self._draw(rng, d), lambda ans: ans == 1)
+
+    def _draw(self, rng, d):
+        base = _word(rng, rng.randint(1, 3 + d), _alpha(d))
         s = (base * (2 + _n(d, 3) // len(base)))[: rng.randint(len(base) + 1, len(base) * 2 + _n(d, 3))]
         if rng.random() < 0.3:
             s = s[:-1] + rng.choice(_alpha(d))
