@@ -130,7 +130,8 @@ _OUTER_PARENS = re.compile(r"^(?:\\left)?\(([^(),]*?)(?:\\right)?\)$")  # one pa
 _SCIENTIFIC = re.compile(r"([+-]?\d+(?:\.\d*)?)(?:\\times|\\cdot)10\^(?:\{([+-]?\d{1,3})\}|(\d))")  # 1.5\times10^{6}
 _FRACTION = re.compile(r"([+-]?)(?:\\frac\{([+-]?\d+)\}\{([+-]?\d+)\}|\\frac(\d)(\d)|(\d+)/(\d+))")
 _MIXED = re.compile(r"([+-]?)(\d+)\\frac(?:\{(\d+)\}\{(\d+)\}|(\d)(\d))")  # 2\frac{1}{4} = 9/4
-_UNIT_WORD = re.compile(r"\s+[A-Za-z]{2,}(?:\^\s*(?:\{\s*\d\s*\}|\d))?\s*$")  # "10 cm", "12 units", "3 m^2"
+# "10 cm", "12 units", "3 m^2" (after a space: the lookbehind, not \s+, keeps the search linear on runs of spaces)
+_UNIT_WORD = re.compile(r"(?<=\s)[A-Za-z]{2,}(?:\^\s*(?:\{\s*\d\s*\}|\d))?$")
 _SPACING = re.compile(r"\\[,!;: ]|~")
 
 
@@ -162,7 +163,7 @@ def _written_number(text: Any) -> tuple[Fraction, tuple[int, int] | None] | None
     # words without a digit after the number are units and dropped; before it ("not 5", "at most 5") or between two
     # numbers ("3 or 4") they leave no number
     s = _WRAPPED.sub(lambda m: m[1] + (m[2] or "") if re.search(r"\d", m[1]) else "\0", _clean(str(text)))
-    s = _UNIT_WORD.sub("", _SPACING.sub(" ", s).rstrip("\0 \t\n"))
+    s = _UNIT_WORD.sub("", _SPACING.sub(" ", s).rstrip("\0 \t\n")).rstrip()
     if "\0" in s:
         return None
     for pat, rep in _DECORATION:

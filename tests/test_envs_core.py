@@ -113,6 +113,15 @@ def test_a_number_answer_with_a_name_unit_or_mixed_fraction(gold, pred, ok):
     assert s.correct == ok and "error" not in s.info, (gold, pred, s)
 
 
+@pytest.mark.timeout(30)
+def test_number_parsing_stays_linear_on_runs_of_spaces():
+    """The unit-word rule looks behind for one space: a pattern starting with \\s+ backtracked quadratically on a
+    long run of spaces (20,000 took 2 s; this 200,000-space answer would take minutes)."""
+    from envs.math import plain_number
+
+    assert plain_number("5" + " " * 200_000 + "x1") is None and plain_number("5" + " " * 200_000 + "cm") == 5
+
+
 def test_copying_the_question_or_an_unreduced_fraction_earns_nothing():
     """An expression equal to the answer is no answer: math/arith takes an integer or a fraction in lowest
     terms (the question's own expression, copied into the box, was judged correct by value); the dataset
