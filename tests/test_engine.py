@@ -386,12 +386,13 @@ def test_cli_errors_are_one_line(tmp_path, tiny_dense_dir):
 def test_sampling_params_refuse_what_the_samplers_cannot_do():
     """NaN or overflowing temperatures and negative top-k fail where they are set (they crashed deep in a
     sampler, or gave NaN log-probs); top_k=-1 means off, as in vLLM."""
-    for kw, msg in [({"temperature": float("nan")}, "temperature must be 0 (greedy) or >= 1e-05"),
-                    ({"temperature": 1e-40}, "temperature must be 0 (greedy) or >= 1e-05"),
+    for kw, msg in [({"temperature": float("nan")}, "temperature must be 0 (greedy) or >= 0.01"),
+                    ({"temperature": 1e-40}, "temperature must be 0 (greedy) or >= 0.01"),
+                    ({"temperature": 1e-3}, "vLLM samples any lower one at 0.01"),  # a remote vLLM server would
                     ({"top_k": -2}, "top_k must be >= 0")]:
         with pytest.raises(ValueError, match=re.escape(msg)):
             SamplingParams(**kw)
-    assert SamplingParams(top_k=-1).top_k == 0 and SamplingParams(temperature=1e-5).temperature == 1e-5
+    assert SamplingParams(top_k=-1).top_k == 0 and SamplingParams(temperature=0.01).temperature == 0.01
 
 
 def test_a_tokenizer_without_a_chat_template_says_how_to_go_on(tiny_dense_dir):

@@ -151,7 +151,7 @@ def test_config_file_errors_are_one_line(tmp_path):
     ("checkpoint_every=0", "checkpoint_every must be >= 1"), ("eval_problems=-1", "eval_problems must be >= 0"),
     ("controller=bogus", "unknown difficulty controller 'bogus'; choose from rlve"),
     ("sampling_mode=bogus", "unknown sampling_mode 'bogus'"),
-    ("rl.sampling.temperature=-1", "temperature must be 0 (greedy) or >= 1e-05"),
+    ("rl.sampling.temperature=-1", "temperature must be 0 (greedy) or >= 0.01"),
     ("rl.sampling.top_k=-2", "top_k must be >= 0 (0 or -1: off)"),
     ("rl.optim.betas=[0.9]", "betas must be two numbers in [0, 1), got [0.9]"),
     ("rl.optim.lr=-1", "lr must be >= 0, got -1"), ("sft.optim.eps=0", "eps must be > 0, got 0"),

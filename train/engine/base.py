@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence, runtime_checkable
 
 
-MIN_TEMPERATURE = 1e-5  # vLLM's sampling epsilon: the smallest temperature that is not greedy
+# the smallest temperature that is not greedy: vLLM raises any lower one to 0.01 (its _MAX_TEMP), so a remote vLLM
+# server would sample at 0.01 what this engine (and the trainer's log-probs) would take at the value asked for
+MIN_TEMPERATURE = 1e-2
 # what an engine's Completion.text is: the tokens decoded with the special ones kept and nothing put between
 # them (vLLM's sampling settings and its servers' request fields by these names; a server left to its default
 # drops special tokens, a </think> too where the tokenizer marks it special, and the verifiers would not find it)
@@ -44,8 +46,8 @@ class SamplingParams:
         if self.n < 1:
             raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
         if not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE):  # NaN fails both
-            raise ValueError(f"SamplingParams.temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g} (logits / "
-                             f"temperature overflow below that), got {self.temperature}")
+            raise ValueError(f"SamplingParams.temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g} (vLLM samples "
+                             f"any lower one at {MIN_TEMPERATURE:g}), got {self.temperature}")
         if self.top_k == -1:
             self.top_k = 0
         if self.top_k < 0:
