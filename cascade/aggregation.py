@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import Callable, Iterable
 
 from envs.base import Problem, verify_all, verify_workers
+from train.tokenizer import open_think_of
 from ttc.templates import Template, load_template
 
 _MESSAGE = "--- Message {index} ---\n{tail}\n\n"
@@ -293,7 +294,8 @@ def aggregation_sft_pairs(engine, tokenizer, picks: list[tuple[str, Problem]], e
                 prompts.append((e, agg))
     answered = sample_rollouts(engine, tokenizer, prompts, 1, params, chat, system, chunk=chunk)
     answered = [(e, p, cs[0].text) for e, p, cs in answered if cs]
-    scores = verify_all([(env_of(e), p, text) for e, p, text in answered], verify_workers(workers))
+    think = open_think_of(tokenizer, chat, system)  # the teacher's template may open the thinking in the prompt
+    scores = verify_all([(env_of(e), p, think + text) for e, p, text in answered], verify_workers(workers))
     pairs = [(p.prompt, text) for (_, p, text), s in zip(answered, scores) if s.correct]
     mixer.rng.shuffle(pairs)  # a caller keeping the first k keeps them across the problems, not the first few's
     stats = {"aggregation_sft_problems": len(rolled), "aggregation_sft_prompts": len(prompts),

@@ -29,9 +29,11 @@ def avg_at_k(rl, problems: list, k: int, seed: int = 0, chunk: int = 0, advance=
     Returns ``{"accuracy", "k", "families": {family: avg@k}, "problems": {family: n}, "skipped"}``."""
     from envs.base import verify_all, verify_workers
     from train.rl.trainer import encode_prompt
+    from train.tokenizer import open_think_of
 
     c = rl.cfg
     enc = [(e, p, encode_prompt(rl.tokenizer, p.prompt, c.chat_template, c.system_prompt)) for e, p in problems]
+    think = open_think_of(rl.tokenizer, c.chat_template, c.system_prompt)  # verified in front of each response
     params = c.sampling.params(max(k, 1), seed)
     if k == 0:
         params.temperature = 0.0
@@ -44,7 +46,7 @@ def avg_at_k(rl, problems: list, k: int, seed: int = 0, chunk: int = 0, advance=
         comps = rl.engine.generate([x[2] for x in part], params) if part else []
         right = [0] * len(part)
         seen = [0] * len(part)
-        scores = verify_all([(rl.env_of(part[comp.prompt_index][0]), part[comp.prompt_index][1], comp.text)
+        scores = verify_all([(rl.env_of(part[comp.prompt_index][0]), part[comp.prompt_index][1], think + comp.text)
                              for comp in comps], verify_workers(c.verify_workers))
         for comp, score in zip(comps, scores):
             seen[comp.prompt_index] += 1

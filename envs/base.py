@@ -110,6 +110,16 @@ def strip_think(text: str) -> str:
     return "" if _THINK_OPEN.search(text) else text
 
 
+def open_think(prompt_tail: str) -> str:
+    """The thinking block the end of a generation prompt (``prompt_tail``: what a chat template adds after the
+    user's message) opens and leaves open: ``"<think>\\n"`` for DeepSeek-R1's or Qwen3-Thinking-2507's templates,
+    ``""`` where it opens none or closes it (``<think></think>``, thinking off). A response to such a prompt starts
+    inside its thinking without writing ``<think>``: what is verified is this block plus the response, so that one
+    cut before ``</think>`` has no answer here too."""
+    i = prompt_tail.rfind("<think>")
+    return "" if i < 0 or "</think>" in prompt_tail[i:] else prompt_tail[i:]
+
+
 class Environment:
     """Base class of every environment.
 

@@ -318,3 +318,20 @@ def test_rollouts_of_waiting_verifiers_are_verified_verify_workers_at_a_time(tin
     assert Waiting.threads and all(t.startswith("cascade-verify") for t in Waiting.threads)
     with pytest.raises(ValueError, match="verify_workers must be >= 0"):
         RLConfig(verify_workers=-1)
+
+
+def test_rollouts_are_verified_with_the_thinking_their_prompt_opened(tiny_dense_dir):
+    """A chat template that ends the generation prompt with <think> (DeepSeek-R1's, Qwen3-Thinking-2507's): a response
+    that never closes its thinking has no answer, whatever it boxed there; one that closes it is judged on the rest.
+    Plain prompts (chat_template=false) and the tiny template (thinking not opened) add nothing."""
+    from envs import get_env
+
+    rl = make_rl(tiny_dense_dir, chat_template=True)
+    assert rl.think_open == ""
+    rl.tokenizer.chat_template += "{% if add_generation_prompt %}<think>\n{% endif %}"
+    opened = RLTrainer(rl.policy, rl.tokenizer, rl.engine, rl.curriculum, rl.cfg)
+    assert opened.think_open == "<think>\n" and make_rl(tiny_dense_dir).think_open == ""
+    p = get_env(ENV).generate(3, 1)
+    cut, closed = f"so \\boxed{{{p.answer}}} maybe", f"checked</think> \\boxed{{{p.answer}}}"
+    assert [s.correct for s in rl.verify([(ENV, p, cut), (ENV, p, closed)])] == [True, True]  # (built before)
+    assert [s.correct for s in opened.verify([(ENV, p, cut), (ENV, p, closed)])] == [False, True]

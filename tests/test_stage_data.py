@@ -450,6 +450,20 @@ def test_avg_at_k_per_family_matches_hand_computed_values(tok):
     g = avg_at_k(RL, probs, 0)  # k = 0: one greedy answer, the first scripted sample
     assert g["families"] == pytest.approx({"toy": 1.0, "gym": 0.0}) and RL.engine.params[-1].temperature == 0.0
     assert family("ifeval") == "ifeval" and family("rlve/Sorting") == "rlve"
+    # a chat template that opens the thinking in the prompt (DeepSeek-R1's, Qwen3-Thinking-2507's): the scripted
+    # answers never close it, so none is an answer; the tiny template (thinking not opened) and plain prompts: ""
+    import copy
+
+    from train.tokenizer import open_think_of
+
+    opened = copy.deepcopy(tok)
+    opened.chat_template = tok.chat_template + "{% if add_generation_prompt %}<think>\n{% endif %}"
+    assert open_think_of(opened) == "<think>\n" and open_think_of(tok) == "" and open_think_of(opened, chat=False) == ""
+    thinking_off = copy.deepcopy(tok)  # the template's own closed block (enable_thinking=false) leaves nothing open
+    thinking_off.chat_template = tok.chat_template + "{% if add_generation_prompt %}<think>\n\n</think>\n\n{% endif %}"
+    assert open_think_of(thinking_off) == ""
+    RL.tokenizer = opened
+    assert avg_at_k(RL, probs, 4, seed=5, chunk=2)["accuracy"] == 0.0
 
 
 def test_a_stage_builds_teacher_sft_examples_and_expert_aggregation_from_named_checkpoints(tiny_dense_dir, tmp_path):

@@ -455,6 +455,28 @@ class RoundScript(HFTokenizerSide):
         return out
 
 
+def test_a_template_that_opens_the_thinking_leaves_cut_traces_without_an_answer(tok):
+    """DeepSeek-R1's and Qwen3-Thinking-2507's templates end the generation prompt with ``<think>\\n``: the model never
+    writes it, so a trace cut in its thinking (no ``</think>``) must not be graded on a \\boxed{} it tried there; one
+    that closes its thinking is graded on what follows."""
+    import copy
+
+    opened = copy.deepcopy(tok)
+    opened.chat_template = tok.chat_template + "{% if add_generation_prompt %}<think>\n{% endif %}"
+    cfg = dict(population=4, aggregate=2, rounds=1, budget=12, tail=4, final_budget=0, seed=0)
+    cut = RoundScript(opened, "maybe \\boxed{5}? no, let me check every step again", agg="still \\boxed{5} unsure ...")
+    r = MarkovianRSA(cut, RSAConfig(**cfg), "math", grader=exact_grader).run("q", gold="5")
+    assert all(c.finish_reason == "length" for c in r.rounds[0])
+    assert [c.answer for rnd in r.rounds for c in rnd] == [None] * 8 and r.metrics["round_accuracy"] == [0.0, 0.0]
+    done = RoundScript(opened, "ok</think> \\boxed{5}", agg="ok</think> \\boxed{5}")
+    r = MarkovianRSA(done, RSAConfig(**cfg), "math", grader=exact_grader).run("q", gold="5")
+    assert r.metrics["round_accuracy"] == [1.0, 1.0]
+    # the same cut traces under the tiny tokenizer's own template (thinking not opened in the prompt): graded
+    r = MarkovianRSA(RoundScript(tok, "\\boxed{5} and more words here"), RSAConfig(**cfg), "math",
+                     grader=exact_grader).run("q", gold="5")
+    assert r.rounds[0][0].answer == "5"
+
+
 def test_delethink_freezes_finished_chains_and_grades_whole_traces(tok):
     """The issue's case: round-0 traces end in \\boxed{5} + EOS. Delethink must not continue them
     (and so not lose the answer); RSA aggregates into \\boxed{5} again."""

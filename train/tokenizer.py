@@ -104,6 +104,22 @@ def chat_prompt_ids(tokenizer, prompt: str, system: str | None = None) -> list[i
     return chat_ids(tokenizer, msgs)
 
 
+def open_think_of(tokenizer, chat: bool = True, system: str | None = None) -> str:
+    """The thinking block ``tokenizer``'s chat template leaves open at the end of a generation prompt
+    (:func:`envs.base.open_think`), ``""`` for plain-text prompts or a tokenizer without a template."""
+    from envs.base import open_think
+
+    if not chat or not getattr(tokenizer, "chat_template", None):
+        return ""
+    mark = "\u2063CASCADE-USER\u2063"
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": mark}]
+    try:
+        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that cannot render this: the prompts say so where they are built
+        return ""
+    return open_think(str(text).rsplit(mark, 1)[-1])
+
+
 def chat_ids(tokenizer, msgs: list[dict]) -> list[int]:
     """Token ids of chat ``msgs`` ending with the assistant header; a one-line error when the
     tokenizer has no chat template."""

@@ -46,6 +46,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Callable
 
+from envs.base import open_think
 from train.engine.base import Completion, SamplingParams
 from ttc.templates import PromptBuilder, Template, load_template
 
@@ -260,7 +261,9 @@ class MarkovianRSA:
         if grader is None:
             grader = "math" if (self.template.base or self.template.name) == "math" else "exact"  # a file on math too
         self.grader = GRADERS[grader] if isinstance(grader, str) else grader
-        self.builder = PromptBuilder(self.template, backend.encode, backend.chat_parts())
+        parts = backend.chat_parts()
+        self.builder = PromptBuilder(self.template, backend.encode, parts)
+        self.think_open = open_think(parts[1])  # a template that opens the thinking: answers are read with it in front
         think = backend.encode("</think>")
         self.think_end = think[0] if len(think) == 1 else None
         self.eos = set(backend.eos_ids)
@@ -482,7 +485,7 @@ class MarkovianRSA:
         same = lambda a, b: self.grader(a, b)  # noqa: E731
         for rnd in rounds:
             for c in rnd:
-                c.answer = extract_answer(c.response, fmt)
+                c.answer = extract_answer(self.think_open + c.response, fmt)  # (cut in its thinking: no answer)
                 c.correct = self.grader(c.answer, gold) if gold is not None else None
         final = rounds[-1]
         maj, maj_count = majority_vote([c.answer for c in final], same)

@@ -26,6 +26,7 @@ from train.rl.losses import (LossConfig, MetricSums, check_ratio_options, effect
                              mismatch_metrics)
 from train.rl.shaping import (DynamicSampler, LengthRewardConfig, LengthRewardState, OverlongConfig, data_source,
                               overlong_shaping, rare_token_fractions, repetition_gate)
+from train.tokenizer import open_think_of
 
 REWARD_MODES = ("correct", "score")
 
@@ -186,6 +187,8 @@ class RLTrainer:
         self.max_prompt_tokens = cfg.max_prompt_tokens or max(ctx - cfg.sampling.max_new_tokens, ctx // 2)
         self.prompts_too_long = 0
         self.rollout_times = {"generate": 0.0, "verify": 0.0}  # seconds in rollout(), since collect() began
+        # the thinking a chat template opens in the prompt: responses are verified with it in front (train/tokenizer.py)
+        self.think_open = open_think_of(tokenizer, cfg.chat_template, cfg.system_prompt)
         self.agg = effective_agg(cfg.loss, cfg.loss_cfg)
         self.synced_version = 0  # the weight version the engine was last given
         self.learner = None  # trainer ranks in other processes (cascade/learner.py); None: update in-process
@@ -537,8 +540,10 @@ class RLTrainer:
 
     def verify(self, items: list[tuple[str, Problem, str]]) -> list[Score]:
         """Scores of ``(env id, problem, response)`` items, in order; environments that wait on other
-        processes verify ``cfg.verify_workers`` at a time (:func:`envs.base.verify_all`)."""
-        return verify_all([(self.env_of(e), p, r) for e, p, r in items], verify_workers(self.cfg.verify_workers))
+        processes verify ``cfg.verify_workers`` at a time (:func:`envs.base.verify_all`); a response to a prompt that
+        opens the thinking is verified with that opening in front (``think_open``)."""
+        return verify_all([(self.env_of(e), p, self.think_open + r) for e, p, r in items],
+                          verify_workers(self.cfg.verify_workers))
 
     def reference_policy(self) -> CausalLM:
         """The frozen KL reference (``cfg.kl_reference``), built on first use: the checkpoint at that
