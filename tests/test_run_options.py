@@ -208,6 +208,20 @@ def test_other_commands_refuse_bad_input_in_one_line(tmp_path, capsys):
         assert msg in err and "Traceback" not in err, (argv, err)
 
 
+def test_cascade_debug_shows_the_traceback_behind_a_one_line_error(tmp_path, capsys, monkeypatch):
+    """CASCADE_DEBUG=1 (README) re-raises the error behind the one-line message, for cascade and for ttc."""
+    from cascade.cli import main as cascade_main
+    from ttc.cli import main as ttc_main
+
+    missing = str(tmp_path / "missing")
+    assert cascade_main(["report", missing]) == 2 and ttc_main(["solve", "--problem", "x", "--model", missing]) == 2
+    monkeypatch.setenv("CASCADE_DEBUG", "1")
+    for run in (lambda: cascade_main(["report", missing]),
+                lambda: ttc_main(["solve", "--problem", "x", "--model", missing])):
+        with pytest.raises((FileNotFoundError, ValueError)):
+            run()
+
+
 def test_a_finished_run_needs_no_rollout_servers_to_be_rerun(tmp_path):
     from cascade.config import load_run_config, parse_overrides
     from cascade.run import _all_finished

@@ -586,6 +586,8 @@ def main(argv: list[str] | None = None) -> int:
             return int(COMMANDS[name](rest) or 0)
     except (ValueError, KeyError, FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError,
             PermissionError, ServerError, ConnectionError) as e:
+        if os.environ.get("CASCADE_DEBUG"):  # the traceback behind the one-line error, as for cascade
+            raise
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"ttc {name}: error: {str(msg).splitlines()[0] if str(msg) else type(e).__name__}", file=sys.stderr)
         return 2
