@@ -72,6 +72,7 @@ def end_ids(engine, sampling, policy=None) -> set[int]:
     """The ids a rollout of ``engine`` ends on: the engine's EOS ids, ``policy``'s configs' (when given) and
     the sampling's ``stop_token_ids``. Aggregation tails leave them out."""
     from train.engine.torch_engine import eos_ids_of
+
     return ((eos_ids_of(policy.config) if policy is not None else set())
             | set(getattr(engine, "eos_token_ids", ())) | set(sampling.stop_token_ids))
 
