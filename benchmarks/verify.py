@@ -53,6 +53,9 @@ numbers compared by value, so the math batch became answers that need math-verif
 ``reward_model`` 2.07x then 1.83x in two runs; same scores. (The whole-number batch of before: 0.001 s for 64.)
 At a345f38 (2026-12-06, later: the sandbox and code environments' fixes; one run): ``code`` 0.89 s one at a time,
 1.32x with 2 and with 4; ``math`` 0.31 s, 2.59x with 2, 1.96x with 4; ``reward_model`` 1.82x; same scores.
+At 2ca2976 (2026-12-06, later: IFEval's language checks by langdetect, unfinished thinking no answer, math numbers
+with names and units; one run): ``code`` 0.89 s, 1.28x with 2, 1.31x with 4; ``math`` 0.29 s, 2.10x with 2, 3.08x
+with 4; ``reward_model`` 0.100 -> 0.058 s (1.72x); same scores.
 ``reward_model`` (one run, 2026-12-04): 0.116 s one at a time, 0.063 s batched (1.84x; 38 of 64 scored by the
 model), same scores; a model this small is mostly per-call overhead, and a real reward model on a GPU was
 not measured.
