@@ -98,6 +98,13 @@ moved it was not isolated: the ablation, which makes no aggregation prompt, is u
 +10.9 / -60.9 / -2.5 (median -2.5, min -60.9): on seed 2 the forced answer of 337 cut traces took rsa from 0.250 to
 0.072, the rescue hurting, not flattering. ``rsa_vs_ablation_points`` +7.4 / -9.8 / -34.6 (median -9.8, min -34.6).
 ``goal_met`` false.
+Re-run at 2ca2976 (2026-12-06, later: a trace whose ``<think>`` is never closed has no answer, in grading and in the
+SFT probe, so every seed's SFT start moved; defaults, 484 s wall): agg single / maj. / rsa (= no rescue) / r1 / r1
+ceiling / cut 0.619 / 0.688 / 0.672 / 0.676 / 0.688 / 34, 0.600 / 0.688 / 0.000 / 0.000 / 0.801 / 92, 0.301 / 0.344 /
+0.287 / 0.318 / 0.574 / 0; ablation single / rsa 0.826 / 0.670, 0.686 / 0.000, 0.285 / 0.070 (cut 227, 688, 1,519).
+``rsa_gain_points_no_rescue`` +5.3 / -60.0 / -1.4 (median -1.4, min -60.0; with the rescue the same);
+``rsa_vs_ablation_points`` +0.2 / 0.0 / +21.7 (median +0.2, min 0.0). ``goal_met`` false: on seed 1 both policies'
+round 1 answered nothing right although a shown tail was right 80% of the time.
 
 Why the goal is not met (what the figures say):
 
