@@ -7,7 +7,9 @@ seeds 0/1/2 on 2026-12-05: warm-up +0.89/+0.95/+0.82, math +0.22/+0.06/+0.11, be
 +0.17/+0.11/+0.22, RLVE rose on 3 of 3 on every seed; on 2026-12-06, with the answer after the thinking judged,
 behavior +0.09/+0.20/+0.28 and the rest the same; at cc178f2 (the sampler's float64 running sum, min-p first) math
 +0.24/+0.09/+0.11 and behavior +0.21/+0.23/+0.31, the rest the same; at a345f38 (code environments' held-out seeds)
-math +0.22/-0.01/+0.14 and behavior +0.29/+0.20/+0.19, the rest the same: seed 1's math stage did not rise; at 0af2c6d on another machine, 60 behavior steps:
+math +0.22/-0.01/+0.14 and behavior +0.29/+0.20/+0.19, the rest the same: seed 1's math stage did not rise; at 2ca2976
+(an unclosed think block earns nothing) warm-up +0.82/+0.95/+0.86, math +0.16/-0.01/+0.06, behavior +0.19/+0.25/+0.25,
+RLVE 3 of 3; at 0af2c6d on another machine, 60 behavior steps:
 +0.89/+0.86/+0.78, +0.10/+0.15/+0.21, +0.16/+0.10/+0.05), so the test fails when a change stops the recipe
 teaching, not when a seed is unlucky (a seed's trajectory differs between machines: with 60 behavior steps
 seed 0 rose +0.01 on the later machine, hence the 150). One run of the whole profile: 5.5-7.7 minutes on 2
