@@ -265,7 +265,7 @@ def test_repetition_gate_zeroes_reward(warm):
     assert rl.reward_of(Score(0.0, False, True), answer) == 0.0
     off = make_trainer(warm, repetition_gate=False)
     assert off.reward_of(ok, loop) == 1.0
-    graded = make_trainer(warm, reward="score")
+    graded = make_trainer(warm, reward="score", advantage="grpo")  # (maxrl takes no negative score)
     assert graded.reward_of(Score(0.5, False, True), answer) == 0.5
     assert graded.reward_of(Score(0.5, False, True), loop) == 0.0
     assert graded.reward_of(Score(-1.0, False, False), loop) == -1.0  # never lifted above a plain wrong answer

@@ -274,7 +274,7 @@ def test_trainer_applies_the_length_reward_with_run_state(tmp_path):
 def test_trainer_repetition_gate_and_canary(tmp_path):
     from envs.base import Score
 
-    rl = _trainer(tmp_path, reward="score", repetition_chunk_tokens=64)
+    rl = _trainer(tmp_path, reward="score", advantage="grpo", repetition_chunk_tokens=64)
     loop = [11, 22, 33, 44, 55, 66, 77] * 40  # 280 tokens: chunks 64, 64, 64, 88 (tail of 24 merged)
     plain = [(i * 7919) % 1000 for i in range(280)]
     assert rl.reward_of(Score(1.0, True, True), plain) == 1.0
