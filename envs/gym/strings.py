@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import heapq
+import math
 from collections import Counter
 
 from envs.base import register
@@ -272,8 +273,12 @@ class PatternOccurrences(IntAnswer):
 
     def build(self, rng, d):
         # 1.15^d characters up to difficulty 30 (722), then 200 per level (14.7k at 100)
-        s = _word(rng, grow_until(10, d, 30, 200, 1.15, 2), "ab" if d < 6 else "abc")
-        p = _word(rng, rng.randint(1, 2 + d // 3), "ab" if d < 6 else "abc")
+        alpha = "ab" if d < 6 else "abc"
+        s = _word(rng, grow_until(10, d, 30, 200, 1.15, 2), alpha)
+        # a pattern at most as long as one a random string of this length holds about twice (2 + d // 3 letters
+        # alone outgrew it: 0 was the answer of 57% of the problems at difficulty 20, 85% at 100)
+        longest = max(1, int(math.log(max(2.0, len(s) / 2), len(alpha))))
+        p = _word(rng, rng.randint(1, min(2 + d // 3, longest)), alpha)
         return (f"How many times does '{p}' occur in '{s}' (occurrences may overlap)?",
                 sum(s.startswith(p, i) for i in range(len(s))))
 
