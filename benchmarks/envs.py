@@ -22,7 +22,9 @@ Measured at a345f38 (2026-12-06; difficulty 2, 20 problems per environment, 714 
 rg 16, rlve 1,254), ``median_env_ms_per_call`` 0.24; slowest generators rg/number_sequence 2.0 s and rg/countdown
 0.50 s per problem. At 2ca2976 (2026-12-06, later: IFEval's language checks by langdetect, the gym reward-hack
 fixes, rc generation seeded; one run): 2,424 (own 1,706, rc 1,565, rg 1,084, rlve 5,449), ``problems_per_s`` 78 (own
-3,327, rc 20, rg 16, rlve 1,239), median 0.235 ms.
+3,327, rc 20, rg 16, rlve 1,239), median 0.235 ms. At c9a84d9 (gym/pattern_occurrences' pattern length bounded;
+one run): 2,576 (own 1,814, rc 1,591, rg 1,136, rlve 6,015), ``problems_per_s`` 79 (own 3,551, rc 20, rg 16.5, rlve
+1,311), median 0.225 ms.
 """
 from __future__ import annotations
 

@@ -184,7 +184,9 @@ Re-run at a345f38 (2026-12-06, later: both sides of every ceiling timed by this 
 arithmetic unchanged; defaults, three runs one after another, alone): async_speedup 1.07, 1.06, 1.12 (median 1.07, min
 1.06); sync 2.71-2.80 steps/s, async 2.87-3.08; sync rollout 0.093-0.097 s and update 0.262-0.272 s as timed here
 (the trainer's own 0.093-0.096 / 0.260-0.270: its update leaves out a ~2 ms weight sync); lending ceiling 1.14-1.16,
-any mix 1.33-1.39; max_lag_seen 2.
+any mix 1.33-1.39; max_lag_seen 2. Re-run at c9a84d9 (2026-12-06, later: rollouts verified with the thinking a
+template opens, "" here; three runs one after another, alone): async_speedup 1.11, 1.11, 1.06 (median 1.11, min
+1.06); sync 2.79-2.88 steps/s, async 3.02-3.20; lending ceiling 1.17-1.19, any mix 1.40-1.46; max_lag_seen 2.
 """
 from __future__ import annotations
 

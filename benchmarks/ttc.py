@@ -108,7 +108,9 @@ samples; ``--skip-concurrency``, one run): toy 1.46, real 1.10 (pairs 1.08-1.12;
 /tokenize's too, all under ``--concurrency``; local runs on one backend built outside the timed wall, 32a4206;
 ``--skip-prefix --skip-steps``, one run): ``concurrency_speedup`` 1.93 (4.25 -> 2.21 s), ``_short`` 1.68, ``local``
 1.84 (4.20 -> 2.28 s; the backend's build 0.83 s, now outside both sides); at torch's default two threads 2.79
-(3.53 -> 1.27 s), local 2.97 (3.50 -> 1.18 s); same results. At bcfdc2d (2026-12-06, later: a template's base
+(3.53 -> 1.27 s), local 2.97 (3.50 -> 1.18 s); same results. At c9a84d9 (2026-12-06, later: answers read with the
+thinking a template opens, "" here; ``--skip-prefix --skip-steps``, one run): ``concurrency_speedup`` 2.20 (4.06 -> 1.84
+s), ``_short`` 1.68, ``local`` 2.22 (4.07 -> 1.83 s); at two threads 3.00 (3.57 -> 1.19 s), local 2.94; same results. At bcfdc2d (2026-12-06, later: a template's base
 and ``--concurrency`` over /tokenize, neither on this in-process path; ``--skip-concurrency``, one run): toy 1.52, real
 1.08 (3.65 -> 3.39 s), long 1.41 (7.16 -> 5.07 s).
 
