@@ -41,6 +41,8 @@ Re-run at 69fad46 (2026-12-06, a faster machine; the TSP LM head's rows now chos
 statistics padded into place): default TSP D=2 4.90, 4.97 s against 2.79, 2.93 s in one process
 (``ranks_vs_single`` 0.57, 0.59); ``--prompt 512`` 6.96 s against 3.58 s (0.52). Re-run at bcfdc2d (2026-12-06,
 later; default, one run): 4.30 s (4.06-4.39) against 2.92 s (2.89-2.94) in one process, ``ranks_vs_single`` 0.68.
+Re-run at c9a84d9 (2026-12-06, later: RLUpdateConfig's ratio check shared with RLConfig; default, one run): 4.88 s
+(4.34-4.94) against 2.88 s (2.87-2.90), ``ranks_vs_single`` 0.59.
 
 Plain data parallel on the same cores (``--tsp 1 --dp 2``, commit 146e6d5 plus this script's ``--dp``,
 three runs interleaved with two of the default TSP D=2): ``ranks_vs_single`` 1.21, 1.37, 1.15 (DP step

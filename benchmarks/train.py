@@ -61,6 +61,7 @@ padded 98.6k, hf 66.6k: train_ratio 2.44, packed_vs_padded 1.65.
 Re-run at da569dd (2026-12-06: packed rows also keep their scored positions on the host): train_ratio 3.96
 (9.3k against transformers 2.3k tokens/s; padded Cascade 2.4k). Re-run at bcfdc2d (2026-12-06, later: the
 optimizer picks embeddings by module, the same set for this model): train_ratio 3.79 (9.7k against 2.57k; padded 2.5k).
+Re-run at c9a84d9 (2026-12-06, later; one run): train_ratio 4.04 (9.8k against 2.42k; padded 2.4k).
 """
 from __future__ import annotations
 

@@ -112,7 +112,8 @@ samples; ``--skip-concurrency``, one run): toy 1.46, real 1.10 (pairs 1.08-1.12;
 thinking a template opens, "" here; ``--skip-prefix --skip-steps``, one run): ``concurrency_speedup`` 2.20 (4.06 -> 1.84
 s), ``_short`` 1.68, ``local`` 2.22 (4.07 -> 1.83 s); at two threads 3.00 (3.57 -> 1.19 s), local 2.94; same results. At bcfdc2d (2026-12-06, later: a template's base
 and ``--concurrency`` over /tokenize, neither on this in-process path; ``--skip-concurrency``, one run): toy 1.52, real
-1.08 (3.65 -> 3.39 s), long 1.41 (7.16 -> 5.07 s).
+1.08 (3.65 -> 3.39 s), long 1.41 (7.16 -> 5.07 s). At c9a84d9 (``--skip-concurrency``, one run): toy 1.53, real 1.10
+(3.64 -> 3.32 s; pairs 1.08-1.10), long 1.49 (7.09 -> 4.75 s); shared-prefix steps 1.13x, 1.25x, 1.05x, 1.64x.
 
 Measured on this project's 2-core CPU (2026-12-02, defaults, tiny-moe, 1 thread, quiet machine, commit
 e6feb3e, three runs): ``concurrency_speedup`` 2.17, 2.21, 2.13 (one problem at a time 3.73-3.80 s, 64 in
