@@ -104,20 +104,37 @@ def chat_prompt_ids(tokenizer, prompt: str, system: str | None = None) -> list[i
     return chat_ids(tokenizer, msgs)
 
 
+USER_MARK = "\u2063CASCADE-USER\u2063"  # an unlikely user message, to find where a template puts it
+
+
+def split_chat(rendered: str) -> tuple[str, str]:
+    """(text before, text after) the user message in a chat template rendered around ``USER_MARK``."""
+    if rendered.count(USER_MARK) != 1:
+        raise ValueError("the chat template did not render the user message exactly once")
+    pre, post = rendered.split(USER_MARK)
+    return pre, post
+
+
+def chat_parts(tokenizer, system: str | None = None) -> tuple[str, str]:
+    """(text before, text after) the user message in ``tokenizer``'s generation prompt; ``("", "")``
+    without a chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return "", ""
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": USER_MARK}]
+    return split_chat(str(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)))
+
+
 def open_think_of(tokenizer, chat: bool = True, system: str | None = None) -> str:
     """The thinking block ``tokenizer``'s chat template leaves open at the end of a generation prompt
     (:func:`envs.base.open_think`), ``""`` for plain-text prompts or a tokenizer without a template."""
     from envs.base import open_think
 
-    if not chat or not getattr(tokenizer, "chat_template", None):
+    if not chat:
         return ""
-    mark = "\u2063CASCADE-USER\u2063"
-    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": mark}]
     try:
-        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        return open_think(chat_parts(tokenizer, system)[1])
     except Exception:  # noqa: BLE001 - a template that cannot render this: the prompts say so where they are built
         return ""
-    return open_think(str(text).rsplit(mark, 1)[-1])
 
 
 def chat_ids(tokenizer, msgs: list[dict]) -> list[int]:

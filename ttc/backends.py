@@ -37,9 +37,9 @@ from dataclasses import replace
 from typing import Protocol, Sequence, runtime_checkable
 
 from train.engine.base import Completion, SamplingParams, completion_request, request_extras
+from train.tokenizer import USER_MARK, chat_parts, split_chat
 from ttc.rsa import derive_seed
 
-SENTINEL = "\u2063RSA-CONTENT\u2063"
 EOS_STRINGS = ("<|im_end|>", "<|endoftext|>", "</s>", "<|eot_id|>", "<|end|>", "<|end_of_text|>")
 
 
@@ -59,14 +59,6 @@ class Backend(Protocol):
 
 
 # -- tokenizer side ------------------------------------------------------------------------------
-
-
-def split_chat(rendered: str) -> tuple[str, str]:
-    """(text before, text after) the user message in a chat template rendered around ``SENTINEL``."""
-    if rendered.count(SENTINEL) != 1:
-        raise ValueError("the chat template did not render the user message exactly once")
-    pre, post = rendered.split(SENTINEL)
-    return pre, post
 
 
 class HFTokenizerSide:
@@ -90,11 +82,7 @@ class HFTokenizerSide:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def chat_parts(self) -> tuple[str, str]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            return "", ""
-        text = self.tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False,
-                                                  add_generation_prompt=True)
-        return split_chat(text)
+        return chat_parts(self.tokenizer)
 
     @property
     def eos_ids(self) -> set[int]:
@@ -519,7 +507,7 @@ class OpenAIBackend:
             return self._tok.chat_parts()
         r = self._call("POST", "/tokenize", {"model": self.model, "add_generation_prompt": True,
                                              "add_special_tokens": False,
-                                             "messages": [{"role": "user", "content": SENTINEL}]})
+                                             "messages": [{"role": "user", "content": USER_MARK}]})
         return split_chat(self.decode(r["tokens"]))
 
     @property
