@@ -75,6 +75,37 @@ def test_the_bytes_loaded_are_the_bytes_verified(tmp_path, monkeypatch):
     assert ex.load_version(tmp_path, 0)[1]["w"].tolist() == [9.0, 9.0] and len(reads) == 2
 
 
+def test_a_reader_arriving_while_a_version_is_published_again_gets_the_new_one(tmp_path, monkeypatch):
+    """Between the removal of the old directory and the new one's COMPLETE, a reader found no version (a
+    catching-up server's load answered 400 and it left the pool): it reads again until the version settles."""
+    import threading
+    import time
+
+    ex.publish_version(tmp_path, 0, _sd(0))
+    replace, removed = os.replace, threading.Event()
+
+    def slow_replace(src, dst):  # the new directory renamed into place 0.3 s after the old one was removed
+        removed.set()
+        time.sleep(0.3)
+        replace(src, dst)
+
+    monkeypatch.setattr(ex.os, "replace", slow_replace)
+    publishing = threading.Thread(target=ex.publish_version, args=(tmp_path, 0, _sd(9)))
+    publishing.start()
+    removed.wait(10)
+    try:
+        assert ex.load_version(tmp_path, 0)[1]["w"].tolist() == [9.0, 9.0]
+    finally:
+        publishing.join()
+    (ex.version_dir(tmp_path, 0) / ex.COMPLETE).unlink()
+    t0 = time.monotonic()
+    try:
+        ex.load_version(tmp_path, 0)
+        raise AssertionError("an incomplete version was loaded")
+    except ex.WeightVersionError as e:
+        assert "not complete" in str(e) and time.monotonic() - t0 < 5
+
+
 def test_a_version_is_on_disk_before_it_counts_as_complete(tmp_path, monkeypatch):
     """Its files and directory are fsynced before the rename that makes it a version, COMPLETE arrives by a
     rename of a synced file, and the weights directory is synced after (a crash leaves the old state or

@@ -128,7 +128,8 @@ def test_checkpointed_buffer_resumes_with_the_waiting_groups(warm, tmp_path):
     ck = torch.load(tmp_path / "ck.pt", weights_only=False)
     st = ck["pipeline"]
     assert st["ahead"] >= 1 and len(st["pending"]) == st["ahead"] and len(st["queue"]) >= rl.cfg.prompts_per_step
-    waiting = [(v, g.problem.prompt, [r.completion.token_ids for r in g.rollouts]) for v, g in st["queue"]]
+    waiting = [(v, g.problem.prompt, [r.completion.token_ids for r in g.rollouts])
+               for (v, g), b in zip(st["queue"], st["queue_batches"]) if b == 0]  # the next step's batch
 
     again = make_trainer(warm, **kw)
     again.policy.load_state_dict(ck["policy"])
@@ -149,7 +150,7 @@ def test_checkpointed_buffer_resumes_with_the_waiting_groups(warm, tmp_path):
     finally:
         pipe.close()
     assert again.step_idx == 3 and m["step"] == 2
-    assert trained[0] == waiting[:st["pending"][0][_GROUPS]] and trained[0]  # the oldest batch's groups
+    assert trained[0] == waiting and trained[0]  # the oldest batch's groups
     assert m["groups_sampled"] == st["pending"][0]["groups_sampled"]
 
 
@@ -230,8 +231,10 @@ def test_buffer_evicts_oldest_and_drops_stale():
     buf = RolloutBuffer(capacity=3)
     buf.put([_group(v, v) for v in range(5)])  # versions 0..4: 0 and 1 evicted
     assert buf.evicted == 2 and len(buf) == 3
-    got = buf.take(3, version=5, max_staleness=2)  # group of version 2 is 3 behind: dropped
-    assert [g.problem.prompt for g in got] == ["3", "4"] and buf.dropped_stale == 1
+    buf.put([_group(5, "next")], batch=1)  # the next batch's: the oldest (version 2) evicted
+    got = buf.take(0, version=5, max_staleness=1)  # version 3 is 2 behind: dropped
+    assert [g.problem.prompt for g in got] == ["4"] and buf.dropped_stale == 1
+    assert [g.problem.prompt for g in buf.take(1, version=5, max_staleness=1)] == ["next"] and len(buf) == 0
 
 
 def test_version_lag_histogram():
@@ -322,9 +325,9 @@ def test_each_step_trains_the_groups_of_its_own_batch(sizes, staleness, sync, mo
     rl = _StubRL(cfg, sizes)
     put = RolloutBuffer.put
 
-    def late_put(self, groups):  # the producer thread preempted just before it puts a batch's groups
+    def late_put(self, groups, batch):  # the producer thread preempted just before it puts a batch's groups
         time.sleep(0.05)
-        put(self, groups)
+        put(self, groups, batch)
 
     monkeypatch.setattr(RolloutBuffer, "put", late_put)
     pipe = Pipeline(rl, batches=4)
@@ -480,3 +483,64 @@ def test_lending_ceiling_of_the_pipeline_benchmark():
     assert lending_step(0.55, 0.2, 0.42, 0.16) == pytest.approx(0.2 + 0.42 * 0.35 / 0.55)
     assert lending_step(0.3, 0.3, 0.3, 0.3) == pytest.approx(0.3)
     assert lending_step(0.2, 0.5, 0.2, 0.5) == pytest.approx(0.5)
+
+
+def test_groups_dropped_as_stale_or_evicted_are_not_made_up_from_the_next_batch(caplog):
+    """A step trains what is left of its own batch: groups dropped as stale (an engine that lags) or evicted
+    (a buffer smaller than the producer's lead) were made up from the next batch's groups, sampled under the
+    next step's mix and response cap, and later steps then ran short or trained nothing."""
+
+    class Lagging(_StubRL):
+        def collect(self):
+            groups, m = super().collect()
+            if m["batch"] == 2:  # two groups answered by a server still on old weights
+                groups[0] = _group(self.synced_version - 5, "2.0")
+                groups[1] = _group(self.synced_version - 5, "2.1")
+            return groups, m
+
+    rl = Lagging(RLConfig(prompts_per_step=4, max_staleness=1, sync_every=1, min_ready_batches=2))
+    pipe = Pipeline(rl, batches=4)
+    try:
+        ms = [pipe.step() for _ in range(4)]
+    finally:
+        pipe.close()
+    assert [m["groups_trained"] for m in ms] == [4, 4, 2, 4] and rl.trained == [{"0"}, {"1"}, {"2"}, {"3"}]
+    assert [m["groups_dropped_stale"] for m in ms] == [0, 0, 2, 0]
+
+    class Slow(_StubRL):
+        def train_on(self, groups):
+            time.sleep(0.2)  # the producer runs max_staleness + 1 batches ahead, into a one-batch buffer
+            return super().train_on(groups)
+
+    rl = Slow(RLConfig(prompts_per_step=4, max_staleness=2, sync_every=1, min_ready_batches=1, buffer_groups=4))
+    with caplog.at_level("WARNING"):
+        pipe = Pipeline(rl, batches=5)
+    assert "evicted unused" in caplog.text
+    try:
+        ms = [pipe.step() for _ in range(5)]
+    finally:
+        pipe.close()
+    assert [m["batch"] for m in ms] == list(range(5)) and sum(m["groups_evicted"] for m in ms) > 0
+    assert all(t <= {str(m["batch"])} for t, m in zip(rl.trained, [m for m in ms if m["groups_trained"]]))
+
+
+def test_a_pipeline_whose_rollouts_would_always_be_too_stale_is_refused():
+    """max_staleness 0 with sync_every 2: the producer waited forever for weights (the synchronous loop,
+    RLTrainer.step, is what runs it)."""
+    with pytest.raises(ValueError, match="max_staleness >= sync_every - 1"):
+        Pipeline(_StubRL(RLConfig(prompts_per_step=2, max_staleness=0, sync_every=2)))
+
+
+def test_a_checkpoint_of_before_the_batch_tags_resumes_each_batch_with_its_own_groups():
+    """Checkpoints that stored (version, group) pairs and each pending batch's group count still resume."""
+    rl = _StubRL(RLConfig(prompts_per_step=2, max_staleness=2, sync_every=1, min_ready_batches=1))
+    rl.made = 9  # batches the stub makes from here are "9", "10"
+    st = {"queue": [(0, _group(0, "a.0")), (0, _group(0, "b.0")), (0, _group(0, "b.1"))], "ahead": 2,
+          "pending": [{"batch": "a", "difficulty": {}, _GROUPS: 1}, {"batch": "b", "difficulty": {}, _GROUPS: 2}], "evicted": 0, "dropped_stale": 0}
+    pipe = Pipeline(rl, st, batches=2)
+    try:
+        ms = [pipe.step() for _ in range(2)]
+    finally:
+        pipe.close()
+    assert [m["batch"] for m in ms] == ["a", "b"] and rl.trained == [{"a"}, {"b"}]
+    assert [m["groups_trained"] for m in ms] == [1, 2] and _GROUPS not in ms[0]

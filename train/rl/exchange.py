@@ -20,6 +20,7 @@ import json
 import math
 import os
 import shutil
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -32,6 +33,11 @@ WEIGHTS_FILE = "model.safetensors"
 
 class WeightVersionError(ValueError):
     """A weight version is missing, incomplete, outside the run's weight directory, or corrupt."""
+
+
+class _Unsettled(WeightVersionError):
+    """What a reader also sees while the version is published again (its directory removed, then renamed
+    into place before ``COMPLETE``): read again a little later."""
 
 
 def load_request(body: dict) -> tuple[int | None, str | None]:
@@ -309,7 +315,8 @@ def load_version(root: str | Path, version: int | None = None, path: str | Path 
     must name its own number and list the weights file, and every file it lists must be a plain file of
     that directory (a link out of it is refused like a bad checksum). A version published again under the
     same number while it is read (v0 after an SFT warm-up) is read again: the manifest and files read are
-    those the path still names at the end, so the bytes loaded are the bytes verified."""
+    those the path still names at the end, so the bytes loaded are the bytes verified; one found missing or
+    incomplete meanwhile is read again for about a second before it is refused."""
     if path is None:
         if version is None:
             version = latest_version(root)
@@ -317,11 +324,18 @@ def load_version(root: str | Path, version: int | None = None, path: str | Path 
                 raise WeightVersionError(f"no complete weight version under {Path(root) / 'weights'}")
         path = version_dir(root, version)
     d = resolve_version_dir(root, path)
-    for _ in range(3):
-        got = _read_version(d, verify)
+    unsettled = None
+    for attempt in range(8):
+        try:
+            got = _read_version(d, verify)
+        except _Unsettled as e:
+            unsettled, got = e, None
+            time.sleep(0.01 * 2 ** attempt)  # 2.55 s in all
         if got is not None:
             return got
-    raise WeightVersionError(f"weight version {d.name} was published again during each of 3 reads")
+    if unsettled is not None:
+        raise WeightVersionError(str(unsettled)) from None
+    raise WeightVersionError(f"weight version {d.name} was published again during each of 8 reads")
 
 
 def _read_version(d: Path, verify: bool) -> tuple[int, dict[str, torch.Tensor]] | None:
@@ -329,7 +343,7 @@ def _read_version(d: Path, verify: bool) -> tuple[int, dict[str, torch.Tensor]] 
     from safetensors.torch import load_file
 
     if not (d / COMPLETE).exists():
-        raise WeightVersionError(f"weight version {d.name} is not complete")
+        raise _Unsettled(f"weight version {d.name} is not complete")
     with contextlib.ExitStack() as stack:
         try:  # files are held open from the start: each is the inode the path named then
             opened = {MANIFEST: stack.enter_context(open(d / MANIFEST, "rb"))}
@@ -338,7 +352,7 @@ def _read_version(d: Path, verify: bool) -> tuple[int, dict[str, torch.Tensor]] 
             if not isinstance(files, dict):
                 raise TypeError("'files' is not a mapping")
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise WeightVersionError(f"weight version {d.name}: unreadable manifest ({e})") from None
+            raise _Unsettled(f"weight version {d.name}: unreadable manifest ({e})") from None
         if number != int(d.name[1:]) or WEIGHTS_FILE not in files:
             raise WeightVersionError(f"weight version {d.name}: its manifest names version {number} and files "
                                      f"{sorted(files)} (expected version {int(d.name[1:])} with {WEIGHTS_FILE})")
@@ -346,8 +360,12 @@ def _read_version(d: Path, verify: bool) -> tuple[int, dict[str, torch.Tensor]] 
         for name, info in files.items():
             f = d / str(name)
             if f.is_symlink() or f.parent.resolve() != d or not f.is_file():
-                raise WeightVersionError(f"weight version {d.name}: {name!r} is not a file of the version's directory")
-            opened[str(name)] = fh = stack.enter_context(open(f, "rb"))
+                error = WeightVersionError if f.is_symlink() or f.parent.resolve() != d else _Unsettled
+                raise error(f"weight version {d.name}: {name!r} is not a file of the version's directory")
+            try:
+                opened[str(name)] = fh = stack.enter_context(open(f, "rb"))
+            except FileNotFoundError:
+                raise _Unsettled(f"weight version {d.name}: {name!r} vanished while read") from None
             if verify and bad is None and _sha256(fh) != (info.get("sha256") if isinstance(info, dict) else None):
                 bad = name
         try:

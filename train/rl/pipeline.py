@@ -4,8 +4,9 @@ policy versions, through a bounded buffer (ZAYA1 section IV-B1; PipelineRL, prim
 A producer thread runs :meth:`RLTrainer.collect` (curriculum, engine, verification, gates, dynamic
 sampling) batch after batch and puts the groups into a :class:`RolloutBuffer`, each tagged with the
 oldest policy version that sampled any of its tokens. :meth:`Pipeline.step` (the trainer) waits
-until ``min_ready_batches`` batches are buffered, takes the oldest batch's groups (as many as it
-put in: a batch dynamic sampling left short takes none of the next one's), drops
+until ``min_ready_batches`` batches are buffered, takes the oldest batch's groups (each buffered group is
+tagged with its batch: a batch that dynamic sampling left short, or that lost groups to eviction or to the
+staleness check, takes none of the next one's), drops
 those more than ``max_staleness`` versions behind (counted), updates the policy, and every
 ``sync_every`` steps sends the weights to the engine while generation goes on.
 
@@ -61,17 +62,18 @@ def thread_split(rl: RLTrainer) -> tuple[int, int] | None:
     return None if k < 1 or k >= n else (k, n - k)
 
 
-_GROUPS = "_batch_groups"  # key of a pending batch's metrics: how many groups it put in the buffer
+_GROUPS = "_batch_groups"  # a pending batch's group count in checkpoints of before the buffer's batch tags
 
 
 class RolloutBuffer:
-    """Groups waiting for the trainer, oldest first, with a capacity (oldest evicted)."""
+    """Groups waiting for the trainer, oldest first, each tagged with the batch that produced it and
+    the oldest policy version of its tokens, with a capacity (oldest evicted)."""
 
     def __init__(self, capacity: int):
         if capacity < 1:
             raise ValueError("buffer capacity must be >= 1 group")
         self.capacity = capacity
-        self._q: deque[tuple[int, Group]] = deque()
+        self._q: deque[tuple[int, int, Group]] = deque()  # (batch, version, group)
         self.evicted = 0
         self.dropped_stale = 0
         self.cond = threading.Condition()
@@ -79,22 +81,25 @@ class RolloutBuffer:
     def __len__(self) -> int:
         return len(self._q)
 
-    def put(self, groups: list[Group]) -> None:
+    def put(self, groups: list[Group], batch: int = 0) -> None:
         with self.cond:
             for g in groups:
-                self._q.append((group_version(g), g))
+                self._q.append((batch, group_version(g), g))
                 while len(self._q) > self.capacity:
                     self._q.popleft()
                     self.evicted += 1
             self.cond.notify_all()
 
-    def take(self, n: int, version: int, max_staleness: int) -> list[Group]:
-        """Up to ``n`` groups, oldest first, skipping (and counting) those sampled more than
-        ``max_staleness`` versions before ``version``."""
+    def take(self, batch: int, version: int, max_staleness: int) -> list[Group]:
+        """The groups of ``batch`` still buffered, oldest first, skipping (and counting) those sampled
+        more than ``max_staleness`` versions before ``version``; none of a later batch's."""
         out = []
         with self.cond:
-            while self._q and len(out) < n:
-                v, g = self._q.popleft()
+            while self._q and self._q[0][0] < batch:  # an earlier batch's, never taken (none do): evicted
+                self._q.popleft()
+                self.evicted += 1
+            while self._q and self._q[0][0] == batch:
+                _, v, g = self._q.popleft()
                 if version - v > max_staleness:
                     self.dropped_stale += 1
                 else:
@@ -111,6 +116,10 @@ class Pipeline:
 
     def __init__(self, rl: RLTrainer, state: dict | None = None, before_batch=None, batches: int | None = None):
         self.rl, cfg = rl, rl.cfg
+        if cfg.max_staleness < cfg.sync_every - 1:
+            # weights reach the engine every sync_every steps: rollouts in between are that many versions old
+            raise ValueError(f"a pipeline needs max_staleness >= sync_every - 1 (got {cfg.max_staleness} and "
+                             f"{cfg.sync_every}); max_staleness=0 is RLTrainer.step's synchronous loop")
         # before_batch(k): called by the producer before it samples the k-th batch from here (0: the batch the next
         # step() trains on; a resumed state's batches count), e.g. to set that step's mix and response cap; what it
         # returns joins that batch's metrics. batches: how many the trainer will take (no batch is made past them,
@@ -125,6 +134,11 @@ class Pipeline:
                 "runs at most %d batch(es) ahead", cfg.min_ready_batches, self.min_ready, cfg.max_staleness,
                 cfg.sync_every, self.min_ready)
         self.buffer = RolloutBuffer(cfg.buffer_groups or (cfg.max_staleness + 2) * self.batch)
+        if self.buffer.capacity < (cfg.max_staleness + 1) * self.batch:
+            logging.getLogger(__name__).warning(
+                "rl.buffer_groups=%d holds fewer groups than the %d batch(es) the producer may run ahead: while the "
+                "trainer is slower the oldest are evicted unused and their steps train on what is left of them",
+                self.buffer.capacity, cfg.max_staleness + 1)
         self._produced = 0  # batches the producer has made
         self._done = 0      # trainer steps finished (update and sync), each consuming one batch
         self._pending: deque[dict] = deque()  # rollout metrics of produced batches, in order
@@ -179,10 +193,9 @@ class Pipeline:
                 groups, metrics = self.rl.collect()
                 metrics.update(extra or {})
                 metrics["difficulty"] = self.rl.curriculum.difficulties()  # as the sync loop reads it
-                metrics[_GROUPS] = len(groups)  # the step that trains this batch takes this many groups
                 with cond:  # one critical section: a step never sees a batch's metrics without its groups
                     self._busy_roll += time.perf_counter() - t0
-                    self.buffer.put(groups)
+                    self.buffer.put(groups, self._produced)
                     self._pending.append(metrics)
                     self._produced += 1
         except BaseException as e:  # surfaced by step()
@@ -218,9 +231,9 @@ class Pipeline:
                 raise RuntimeError(f"rollout producer failed: {self._error}") from self._error
             fill = len(self.buffer) / self.buffer.capacity
             rollout_metrics = self._pending.popleft()
-            # the batch's own groups (one dynamic sampling left short takes none of the next batch's, sampled
-            # under the next step's mix and response cap)
-            groups = self.buffer.take(rollout_metrics.pop(_GROUPS, self.batch), rl.step_idx, self.max_staleness)
+            # the batch's own groups (one left short by dynamic sampling, eviction or staleness takes none of the
+            # next batch's, sampled under the next step's mix and response cap)
+            groups = self.buffer.take(self._done, rl.step_idx, self.max_staleness)
         m: dict[str, Any] = {"step": rl.step_idx, **rollout_metrics}
         m["groups_trained"] = len(groups)
         difficulty = m.pop("difficulty")
@@ -246,20 +259,28 @@ class Pipeline:
 
     def state(self) -> dict[str, Any]:
         """What was produced and not yet trained on (call inside :meth:`paused`): the buffered
-        ``(version, group)`` pairs oldest first, the rollout metrics of each batch not yet consumed,
-        how many batches ahead of the trainer that is, and the buffer's drop counters."""
+        ``(version, group)`` pairs oldest first and the batch of each (0: the next step's), the rollout
+        metrics of each batch not yet consumed, how many batches ahead of the trainer that is, and the
+        buffer's drop counters."""
         if not self._idle.is_set():
             raise RuntimeError("Pipeline.state() needs the producer paused (inside Pipeline.paused())")
         with self.buffer.cond:
-            return {"queue": list(self.buffer._q), "pending": [dict(m) for m in self._pending],
+            q = self.buffer._q
+            return {"queue": [(v, g) for _, v, g in q], "queue_batches": [b - self._done for b, _, _ in q],
+                    "pending": [dict(m) for m in self._pending],
                     "ahead": self._produced - self._done, "evicted": self.buffer.evicted,
                     "dropped_stale": self.buffer.dropped_stale}
 
     def _load_state(self, st: dict[str, Any]) -> None:
         if len(st["pending"]) != st["ahead"]:
             raise ValueError(f"pipeline state: {len(st['pending'])} batches of metrics for {st['ahead']} batches ahead")
-        self.buffer._q = deque(st["queue"])
         self._pending = deque(dict(m) for m in st["pending"])
+        batches = st.get("queue_batches")
+        if batches is None:  # a checkpoint of before the batch tags: each pending batch counted its groups
+            counts = [m.pop(_GROUPS, self.batch) for m in self._pending]
+            batches = [next((b for b in range(len(counts)) if sum(counts[:b + 1]) > i), len(counts) - 1)
+                       for i in range(len(st["queue"]))]
+        self.buffer._q = deque((int(b), v, g) for b, (v, g) in zip(batches, st["queue"]))
         self._produced, self._done = int(st["ahead"]), 0
         self.buffer.evicted, self.buffer.dropped_stale = int(st["evicted"]), int(st["dropped_stale"])
 
