@@ -86,6 +86,22 @@ class Checkpointer:
         done = self.complete()
         return done[-1] if done else None
 
+    def latest_loadable(self, warn=print) -> tuple[Path | None, tuple[dict, dict] | None]:
+        """The newest complete checkpoint whose files read back, with its :func:`load_trainer_state`; one
+        that does not (damaged after it was marked complete: a disk error, a hand edit) is renamed
+        ``step-N.unreadable``, named by ``warn`` in one line, and the one before it is tried."""
+        for path in reversed(self.complete()):
+            try:
+                _check_weights(path)
+                return path, load_trainer_state(path)
+            except Exception as e:  # noqa: BLE001 - whatever the damage, the one before may be whole
+                aside = path.with_name(path.name + ".unreadable")
+                shutil.rmtree(aside, ignore_errors=True)
+                os.replace(path, aside)
+                warn(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e)[:200]}); moved to "
+                     f"{aside.name}, resuming from the one before it")
+        return None, None
+
     def save(self, step: int, model, tokenizer_dir: Path, trainer_state: dict, state: dict, sync: bool = False) -> Path:
         """Snapshot now (weights cloned, trainer state and ``state`` serialised), write in the background."""
         self.wait()
@@ -129,7 +145,24 @@ class Checkpointer:
 
 def load_trainer_state(path: Path) -> tuple[dict, dict]:
     st = torch.load(Path(path) / "trainer_state.pt", map_location="cpu", weights_only=False)
-    return st, json.loads((Path(path) / "state.json").read_text())
+    try:
+        return st, json.loads((Path(path) / "state.json").read_text())
+    except ValueError as e:
+        raise ValueError(f"{Path(path) / 'state.json'}: {e}") from None
+
+
+def _check_weights(path: Path) -> None:
+    """Every safetensors file of ``path`` as long as its header says (a truncated file raises)."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no weights (*.safetensors) in {path}")
+    for f in files:
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        if f.stat().st_size != 8 + n + end:
+            raise ValueError(f"{f.name} holds {f.stat().st_size} bytes, its header {8 + n + end}")
 
 
 class _Snapshot:

@@ -382,6 +382,14 @@ class RunConfig:
             raise ValueError(f"stages.{multi[0]}.rl.updates_per_batch={k}: the trainer ranks take one optimizer step "
                              "per rollout batch; use 1 with trainer.nproc/nnodes > 1, or train in this process "
                              "(trainer.nproc=1)")
+        if not str(self.out).strip():
+            raise ValueError("out= is empty; name a run directory (e.g. out=runs/mine)")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0: torch's default), got {self.threads}")
+        if not self.model:
+            from train.presets import load_preset
+
+            load_preset(self.model_preset)  # an unknown preset names the available ones, before any work
         missing = [s for s in self.order if s not in self.stages]
         if missing:
             raise ValueError(f"order names stages without a config: {missing}; configured: {sorted(self.stages)}")
@@ -465,7 +473,14 @@ def load_run_config(overrides: dict[str, Any], base: Path | None = None) -> tupl
     cfile = overrides.pop("config", None)
     from_file = read_override_file(cfile) if cfile is not None else {}
     profile = overrides.pop("profile", from_file.pop("profile", None))
-    stage = overrides.pop("stage", from_file.pop("stage", None))
+    file_stage = from_file.pop("stage", None)
+    stage = overrides.pop("stage", file_stage)
+    if not isinstance(stage, (str, type(None))):
+        raise ConfigError(f"stage= takes one stage name, got {stage!r}; for several use order=[...]")
+    if file_stage is not None and stage != file_stage:  # the file's stage-relative keys are its stage's
+        raise ConfigError(f"{cfile}: its settings are for stage {file_stage!r}, but stage={stage} was given")
+    if stage is not None and "order" in overrides:
+        raise ConfigError(f"stage={stage} runs that one stage; give stage= or order=, not both")
     if profile:
         f = cdir / "profiles" / f"{profile}.yaml"
         if not f.exists():
@@ -489,6 +504,8 @@ def load_run_config(overrides: dict[str, Any], base: Path | None = None) -> tupl
                 raise ConfigError(f"{source}: {e}" if source else str(e)) from None
             set_dotted(tree, k, v)
             set_keys.append(k)
+    if stage is not None:
+        tree["order"] = [stage]  # over an order a config file holds (print_config's dump has one)
     for k in set_keys:
         parts = k.split(".")
         if len(parts) < 3 or parts[0] != "stages" or f"stages.{parts[1]}.phases" in set_keys:
@@ -506,6 +523,8 @@ def load_run_config(overrides: dict[str, Any], base: Path | None = None) -> tupl
                 if isinstance(ph, dict):
                     ph.pop("aggregation", None)
     cfg = build(RunConfig, tree)
+    if not cfg.order:
+        raise ConfigError(f"order is empty: name the stages to run (configured: {', '.join(cfg.stages)})")
     return cfg, tree
 
 

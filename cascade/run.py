@@ -111,7 +111,7 @@ def _initial_model(cfg, out: Path) -> Path:
             from train.presets import init_model
 
             init_model(cfg.model_preset, p, seed=cfg.seed)
-            (p / "COMPLETE").write_text("ok\n")
+            (p / "COMPLETE").write_text(_init_made(cfg) + "\n")
     if cfg.trainer.distributed:  # the architecture, heads and kv heads against the TSP degree, now
         from train.model.hf_io import load_config
         from train.parallel.tsp import check_tsp_config
@@ -240,6 +240,31 @@ def _all_finished(cfg, tree: dict, out: Path) -> bool:
                for n in cfg.order)
 
 
+def _init_made(cfg) -> str:
+    return f"model_preset={cfg.model_preset} seed={cfg.seed}"
+
+
+def _check_init_model(cfg, tree: dict, out: Path) -> None:
+    """A stage about to start from ``init-model/`` (no model=, no earlier stage finished, no checkpoint of its
+    own) gets the policy this run's model_preset and seed make: one made with others is refused now."""
+    from cascade.checkpoint import is_complete
+
+    marker = out / "init-model" / "COMPLETE"
+    made = marker.read_text().strip() if not cfg.model and marker.exists() else "ok"
+    if made in ("ok", _init_made(cfg)):  # ("ok": written before the marker said what made it)
+        return
+    names = list(tree["stages"])
+    for name in cfg.order:
+        i = names.index(name) if name in names else len(names)
+        d = out / "stages" / f"{i}-{name}"
+        if is_complete(d / "final") or _previous_final(cfg, out, i) is not None:
+            continue
+        if any(is_complete(c) for c in (d / "checkpoints").glob("step-*")):  # it resumes from its own
+            continue
+        raise ValueError(f"stage {name} would start from {out / 'init-model'}, made with {made}, not this run's "
+                         f"{_init_made(cfg)}: use those settings, overwrite=true (a fresh run), or model=PATH")
+
+
 def _previous_final(cfg, out: Path, stage_index: int) -> Path | None:
     """The hand-off checkpoint of the latest earlier stage that finished in this run directory."""
     from cascade.checkpoint import is_complete
@@ -315,6 +340,7 @@ def main(argv: list[str]) -> int:
             raise ConnectionError(f"rollout.urls: {e}") from None
     if flags["overwrite"]:
         start_fresh(out, True, cfg.model)
+    _check_init_model(cfg, tree, out)
     out.mkdir(parents=True, exist_ok=True)
     _warn_changed(out, tree)
     (out / "config.yaml").write_text(yaml.safe_dump(tree, sort_keys=False))
@@ -380,6 +406,8 @@ def stage_line(s: dict) -> str:
     shown = f": {per_env}" if len(rows) <= 8 else ""
     held = (f"held-out {metric} {s['accuracy_before']:.2f} -> {s['accuracy_after']:.2f} "
             f"({'at difficulty ' + str(at) if at is not None else 'at the start levels'})"
-            if s.get("accuracy_before_by_family", True) else "no held-out problems (eval_problems=0)")
+            if s.get("accuracy_before_by_family", True)
+            else f"all {s['eval_skipped']} held-out prompts skipped (longer than rl.max_prompt_tokens or the context)"
+            if s.get("eval_skipped") else "no held-out problems (eval_problems=0)")
     return f"{s['stage']:>9}: {s['steps']} steps, {held}; difficulty rose on {rose} of {len(rows)}{shown}"
 

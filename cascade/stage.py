@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from cascade.checkpoint import COMPLETE, Checkpointer, copy_tokenizer, is_complete, load_trainer_state
+from cascade.checkpoint import COMPLETE, Checkpointer, copy_tokenizer, is_complete
 from cascade.config import RunConfig, StageConfig
 from train.dataclass_config import ConfigError
 
@@ -139,7 +139,8 @@ class StageRunner:
         s, r = self.scfg, self.rcfg
         torch.manual_seed(r.seed + 1000 * self.index)
         ckpt = Checkpointer(self.dir / "checkpoints")
-        latest = ckpt.latest()
+        latest, resumed = ckpt.latest_loadable(lambda line: print(f"cascade run: stage {self.name}: {line}",
+                                                                  file=sys.stderr))
         src = ckpt.pinned = latest or Path(start_dir)
         dtype = torch.bfloat16 if r.dtype == "bfloat16" else torch.float32
         policy = load_pretrained(src, dtype=dtype, device=r.device)
@@ -172,7 +173,7 @@ class StageRunner:
                 rl.length_state.load_state_dict(carried)
             pipe_state = None
             if latest is not None:
-                tstate, state = load_trainer_state(latest)
+                tstate, state = resumed
                 self.check_same_trainer(state, latest)
                 pipe_state = tstate.get("pipeline")
                 if state["pool"] is not None:
@@ -694,7 +695,7 @@ class StageRunner:
         save_pretrained(policy, tmp)
         copy_tokenizer(src, tmp)
         run_state = {"stage": self.name, "steps": state["step"], "started_from": str(start_dir), "accuracy_before": state["eval_before"],
-                     "accuracy_after": after["accuracy"], "eval_k": after["k"],
+                     "accuracy_after": after["accuracy"], "eval_k": after["k"], "eval_skipped": after["skipped"],
                      "accuracy_before_by_family": state.get("eval_before_families"),
                      "accuracy_after_by_family": after["families"], "difficulty": rl.curriculum.difficulties(),
                      "difficulty_start": state.get("difficulty_start"), "difficulty_max": state.get("difficulty_max"),

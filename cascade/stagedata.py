@@ -27,7 +27,13 @@ def stage_mixes(s: StageConfig, name: str = "") -> list[dict[str, float]]:
     """The mix of each phase in order (one entry, the stage's own mix, when there are no phases); ``name``,
     the stage's, names a phase with no positive weight in the error."""
     if not s.phases:
-        return [mix_of(s.envs, s.sources)]
+        mix = mix_of(s.envs, s.sources)
+        if not valid_weights(mix):  # negative weights were sampled as shares of a negative total
+            from train.dataclass_config import ConfigError
+
+            where = f"stages.{name}.{'sources' if s.sources else 'envs'}" if name else "the stage's mix"
+            raise ConfigError(f"{where}: weights must be >= 0 with a positive sum; got {mix}")
+        return [mix]
     if s.envs or s.sources:
         mix_of(s.envs, s.sources)  # an unknown environment is named first
         from train.dataclass_config import ConfigError

@@ -34,12 +34,41 @@ def cascade(*args, env=None, timeout=900):
     (["profile=huge"], "unknown profile 'huge'"),
     (["stage=math", "rl.loss=nope"], "unknown policy loss 'nope'"),
     (["stage=math", "envs={gym/no_such_env: 1}"], "unknown environment 'gym/no_such_env'"),
+    # an empty out= (an unset $OUT) was the current directory, and overwrite=true removed files there
+    (["out=", "overwrite=true"], "out= is empty"),
+    (["model_preset=nope"], "unknown model preset 'nope'"),  # (refused after out= was written)
+    (["stage=math", "order=[rlve]"], "give stage= or order=, not both"),  # (rlve ran, with math's settings unused)
+    (["stage=[math,rlve]"], "stage= takes one stage name"),
+    (["order=[]"], "order is empty"),
+    (["threads=-3"], "threads must be >= 0"),
+    (["stage=math", "rl.group_size=1"], "group_size must be >= 2"),  # (every group dropped: nothing trained)
+    (["stage=math", "rl.max_prompt_tokens=-5"], "max_prompt_tokens must be >= 0"),  # (every prompt skipped)
+    (["stage=math", "rl.micro_batch_size=0"], "micro_batch_size must be >= 1, got micro_batch_size=0"),
+    (["stage=math", "rl.loss_cfg.delta=-1"], "loss settings must be > 0, got delta=-1"),
+    (["stage=math", "rl.loss_cfg.clip_low=-1"], "loss settings must be >= 0, got clip_low=-1"),
+    # negative weights were sampled as shares of a negative total
+    (["stage=math", "envs={toy/max: -1, toy/add: -2}"], "stages.math.envs: weights must be >= 0"),
 ])
-def test_bad_configs_fail_before_any_work(tmp_path, args, needle):
+def test_bad_configs_fail_before_any_work(tmp_path, args, needle, monkeypatch):
     out = tmp_path / "run"
+    out.mkdir()
+    monkeypatch.chdir(out)  # (where an empty out= would write)
+    (out / "notes.txt").write_text("mine")
     r = cascade_here("run", f"out={out}", *args)  # the entry point's code in this process (tests/conftest.py)
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]  # nothing written, nothing removed
+
+
+def test_a_stage_that_would_start_from_an_init_model_made_otherwise_is_refused(tmp_path):
+    """init-model/ was reused whatever model_preset and seed made it: a rerun with model_preset=tiny-dense
+    trained the tiny-moe policy of the first invocation."""
+    out = tmp_path / "run"
+    (out / "init-model").mkdir(parents=True)
+    (out / "init-model" / "COMPLETE").write_text("model_preset=tiny-moe seed=0\n")
+    r = cascade_here("run", f"out={out}", "stage=warmup", "model_preset=tiny-dense", "resume=true")
+    assert r.returncode == 2 and "made with model_preset=tiny-moe seed=0, not this run's model_preset=tiny-dense" \
+        in r.stderr, r.stderr
     assert not (out / "stages").exists()
 
 

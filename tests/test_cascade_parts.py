@@ -319,3 +319,27 @@ def test_a_reward_model_wrapped_environment_keeps_its_difficulty_cap():
     env = GatedRewardEnv(get_env("ifeval"), rm=None)
     env.max_difficulty = 3  # as envs/caps.py lowers it
     assert env.base.max_difficulty == 3
+
+
+@pytest.mark.parametrize("damage", ["weights", "state", "trainer_state"])
+def test_a_damaged_complete_checkpoint_resumes_from_the_one_before(tmp_path, tiny_dense_dir, damage):
+    """A checkpoint marked complete whose files were damaged afterwards (a truncated weights file, an empty
+    state.json, a truncated trainer_state.pt): the run resumed from nothing or stopped with a traceback; now
+    the one before it is used and the damaged one is set aside, named in one line."""
+    from cascade.checkpoint import Checkpointer
+    from train.model.hf_io import load_pretrained
+
+    ck = Checkpointer(tmp_path / "ck")
+    model = load_pretrained(tiny_dense_dir)
+    for step in (1, 2):
+        ck.save(step, model, tiny_dense_dir, {"rl": {"step": step}}, {"step": step}, sync=True)
+    newest = ck.latest()
+    f = {"weights": "model.safetensors", "state": "state.json", "trainer_state": "trainer_state.pt"}[damage]
+    size = (newest / f).stat().st_size
+    with open(newest / f, "r+b") as fh:
+        fh.truncate(0 if damage == "state" else size // 2)
+    warned = []
+    path, (tstate, state) = ck.latest_loadable(warned.append)
+    assert path.name == "step-00000001" and state == {"step": 1} and tstate == {"rl": {"step": 1}}
+    assert len(warned) == 1 and "step-00000002 is unreadable" in warned[0] and "\n" not in warned[0]
+    assert (tmp_path / "ck" / "step-00000002.unreadable" / f).exists() and ck.latest() == path

@@ -77,6 +77,19 @@ def test_config_file_applies_after_the_profile_and_before_the_command_line(tmp_p
     assert cfg["stages"]["rlve"] == tiny["stages"]["rlve"]  # other stages untouched
 
 
+def test_stage_on_the_command_line_runs_that_stage_over_a_dumped_order_and_a_file_for_another(tmp_path):
+    """A print_config dump (which holds ``order``) given with stage=NAME ran the whole cascade; a file written
+    for stage rlve given with stage=math put its stage-relative settings on math."""
+    dump = tmp_path / "printed.yaml"
+    dump.write_text(here("run", "profile=tiny", "print_config=true").stdout)
+    cfg = yaml.safe_load(here("run", "stage=rlve", f"config={dump}", "steps=3", "print_config=true").stdout)
+    assert cfg["order"] == ["rlve"] and cfg["stages"]["rlve"]["steps"] == 3
+    f = tmp_path / "rlve.yaml"
+    f.write_text("stage: rlve\nsteps: 7\n")
+    r = here("run", "stage=math", f"config={f}", "print_config=true")
+    assert r.returncode == 2 and "its settings are for stage 'rlve', but stage=math was given" in r.stderr
+
+
 def test_overrides_read_as_an_omegaconf_user_expects():
     """``2e-1`` is a number in free-form settings too (YAML 1.1 reads it as a string, which reached the
     controller and failed when its stage started); numbers given to string settings are strings; an ``envs``

@@ -121,6 +121,15 @@ class LossConfig:
             raise ValueError(f"tis_cap must be positive, got {self.tis_cap}")
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
             raise ValueError(f"clip_ratio_c (dual clip) must be > 1, got {self.clip_ratio_c}; None turns it off")
+        bounds = ("clip_low", "clip_high", "gspo_clip_low", "gspo_clip_high", "cispo_clip_low", "cispo_clip_high",
+                  "kl_coef")
+        negative = [f"{k}={getattr(self, k)}" for k in bounds if not getattr(self, k) >= 0]
+        if negative:
+            raise ValueError(f"loss settings must be >= 0, got {', '.join(negative)}")
+        nonpositive = [f"{k}={getattr(self, k)}" for k in ("delta", "dppo_ratio_cap", "norm_len")
+                       if getattr(self, k) is not None and not getattr(self, k) > 0]
+        if nonpositive:
+            raise ValueError(f"loss settings must be > 0, got {', '.join(nonpositive)}")
 
 
 LossFn = Callable[..., tuple[Tensor, dict]]

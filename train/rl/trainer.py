@@ -106,9 +106,16 @@ class RLConfig:
     def __post_init__(self):
         if self.reward not in REWARD_MODES:
             raise ValueError(f"unknown reward mode {self.reward!r}; choose from {', '.join(REWARD_MODES)}")
-        if self.group_size < 1 or self.prompts_per_step < 1 or self.max_sampling_rounds < 1:
-            raise ValueError(f"group_size, prompts_per_step and max_sampling_rounds must be >= 1, got {self.group_size}, "
-                             f"{self.prompts_per_step} and {self.max_sampling_rounds}")
+        if self.group_size < 2:  # a group of one: every advantage r - mean is 0, nothing trains
+            raise ValueError(f"group_size must be >= 2 (every advantage estimator compares a rollout with the "
+                             f"others of its group), got {self.group_size}")
+        small = [f"{k}={getattr(self, k)}" for k in ("prompts_per_step", "max_sampling_rounds", "micro_batch_size",
+                                                     "tokens_per_micro", "updates_per_batch") if getattr(self, k) < 1]
+        if small:
+            raise ValueError(f"{small[0].split('=')[0]} must be >= 1, got {', '.join(small)}")
+        if self.max_prompt_tokens < 0:
+            raise ValueError(f"max_prompt_tokens must be >= 0 (0: the context less max_new_tokens), "
+                             f"got {self.max_prompt_tokens}")
         if self.repetition_chunk_tokens < 1 or not 0 < self.repetition_threshold < 1:
             raise ValueError(f"repetition_chunk_tokens must be >= 1 (got {self.repetition_chunk_tokens}) and "
                              f"repetition_threshold in (0, 1) (got {self.repetition_threshold})")
