@@ -10,7 +10,9 @@ ignore the difficulty (``max_difficulty = 0``). ``generate(seed, d)`` builds the
 seed and size 1 and takes its item; an item that reasoning-gym fails to generate is retried with
 derived 32-bit seeds. ``verify`` scores the
 extracted answer (last ``\\boxed{}`` or ``<answer>...</answer>``) with the dataset's own
-``score_answer``; full credit (1.0) is ``correct``.
+``score_answer``; full credit (1.0) is ``correct``, where the answer also passes the exact check of
+``EXACT`` (datasets whose scorer gives full credit to wrong answers: tolerances, ignored signs, prefixes);
+``LEVEL_CAPS`` stops the curriculum of datasets whose higher levels one constant answer solves.
 
 reasoning-gym is imported only when an ``rg/`` environment is built. Its dataset names are cached
 per installed version (``$CASCADE_CACHE_DIR`` or ``~/.cache/cascade``), so registering them does
@@ -24,15 +26,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import ast
 import importlib.util
 import json
+import operator
+import re
 from collections import OrderedDict
+from fractions import Fraction
 
 from envs.adapted import BoxedOrTagged, cached_catalog, package_version
 from envs.base import Environment, Problem, Score, register
 from envs.isolated import IsolatedCheck
 
-__all__ = ["ReasoningGymEnv", "catalog", "NO_ORACLE", "EXCLUDED"]
+__all__ = ["ReasoningGymEnv", "catalog", "NO_ORACLE", "EXCLUDED", "EXACT", "LEVEL_CAPS"]
 
 # Datasets not registered, with the reason.
 EXCLUDED = {
@@ -56,7 +62,70 @@ NO_ORACLE = {
     "rush_hour": "no gold answer: reasoning-gym replays the proposed moves",
 }
 
+# Highest curriculum level used, where one constant answer is right on most problems above it.
+LEVEL_CAPS = {
+    "game_of_life": 0,    # from level 1 the boards grow but keep 10 live cells: all die, the all-zero grid scores 1.0
+    "rotten_oranges": 1,  # -1 ("cannot all rot") is the answer of 85-100% of the problems from level 2
+}
+
 _ENTRY_CACHE = 256
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def _plain_number(text: str) -> float | None:
+    t = text.strip().replace(",", "").removeprefix("$").strip()
+    return float(t) if _NUMBER.fullmatch(t) else None
+
+
+def _exact_24(answer: str, entry: dict) -> bool:
+    """The expression uses exactly the puzzle's numbers and is 24 in exact arithmetic."""
+    def value(node):
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            return -value(node.operand) if isinstance(node.op, ast.USub) else value(node.operand)
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return Fraction(node.value)
+        raise ValueError("not an arithmetic expression of integers")
+
+    try:
+        tree = ast.parse(answer.strip().replace("×", "*").replace("÷", "/"), mode="eval")
+        used = sorted(n.value for n in ast.walk(tree) if isinstance(n, ast.Constant))
+        return used == sorted(entry["metadata"]["numbers"]) and value(tree.body) == 24
+    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError, MemoryError):
+        return False
+
+
+def _json_floats(text: str) -> list[float] | None:
+    try:
+        got = json.loads(text.replace("'", '"'))  # (as its scorer reads both: the gold is a Python list)
+        return [float(x) for x in got] if isinstance(got, list) else None
+    except (ValueError, TypeError):
+        return None
+
+
+# A check the answer must also pass for full credit, where the dataset's score_answer credits wrong answers.
+EXACT = {
+    # its regex skips a minus sign (-28080 for 28080) and takes the first number of the answer
+    "gsm_symbolic": lambda a, e: _plain_number(a) == float(e["answer"]),
+    # each number within 1 of the sorted one (9998 for 9997.631185)
+    "number_sorting": lambda a, e: _json_floats(a) is not None and _json_floats(a) == _json_floats(e["answer"]),
+    # any 10 letters in place (ENCEPHALOMXXXXXXXXXX)
+    "figlet_font": lambda a, e: a.replace(" ", "").strip().lower() == str(e["answer"]).strip().lower(),
+    # words by position over the gold's length: words appended after it score 1.0
+    "word_sorting": lambda a, e: [w.strip() for w in re.split(r",\s*", a)] == e["metadata"]["sorted_words"],
+    "letter_jumble": lambda a, e: a.strip().lower() == str(e["answer"]).strip().lower(),
+    # a prefix's 1/n summed n times is 0.9999999999999999 or 1.0000000000000002 (the 0.8 meant for it missed)
+    "spell_backward": lambda a, e: a.strip().lower() == str(e["answer"]).strip().lower(),
+    # reads the first two comma-separated fields of an orthocenter answer
+    "advanced_geometry": lambda a, e: e["metadata"].get("task_type") != "orthocenter"
+    or len(a.strip().strip("()").split(",")) == 2,
+    # int("-00") is 0: a negative duration under an hour was credited
+    "time_intervals": lambda a, e: not a.strip().startswith("-"),
+    # never checks the puzzle's numbers (6 + 6 + 6 + 6 solved every problem) and truncates (24.33 was 24)
+    "puzzle24": _exact_24,
+}
 
 
 def _version() -> str | None:
@@ -104,7 +173,8 @@ class ReasoningGymEnv(IsolatedCheck, BoxedOrTagged, Environment):
         self._curriculum_cls = CURRICULA.get(name)
         if self._curriculum_cls is not None:
             attrs = self._curriculum_cls().attributes.values()
-            self.max_difficulty = self._distinct_top(max((len(a.levels) - 1 for a in attrs), default=0))
+            self.max_difficulty = self._distinct_top(min(max((len(a.levels) - 1 for a in attrs), default=0),
+                                                         LEVEL_CAPS.get(name, 10**9)))
         else:
             self.max_difficulty = 0
         # the curriculum's own top level: a problem is built at the level asked for, up to it, whatever cap a run
@@ -241,7 +311,10 @@ class ReasoningGymEnv(IsolatedCheck, BoxedOrTagged, Environment):
         ds, entry = context
         value = float(ds.score_answer(pred, entry))
         correct = value >= 1.0 - 1e-9
-        return Score(value, correct, True, {"extracted": pred[:200], "rg_score": value})
+        info = {"extracted": pred[:200], "rg_score": value}
+        if correct and self.name in EXACT and not EXACT[self.name](pred, entry):
+            return Score(0.0, False, True, {**info, "reason": "credited by reasoning-gym's scorer, not exactly right"})
+        return Score(value, correct, True, info)
 
 
 def _register_all() -> None:

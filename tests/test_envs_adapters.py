@@ -366,3 +366,40 @@ def test_tiny_rlve_stage_runs_on_the_rlve_gym_environments(tmp_path):
     state = json.loads((out / "stages" / "1-rlve" / "final" / "run_state.json").read_text())
     assert state["steps"] == 2
     assert len(state["difficulty"]) > 300 and all(k.startswith("rlve/") for k in state["difficulty"])
+
+
+def _rg_wrong(name, d, wrong, want=lambda p: True):
+    """(gold verdict, wrong verdict) on the first problem of ``rg/name`` at level ``d`` that ``want`` accepts."""
+    env = get_env(f"rg/{name}")
+    for seed in range(60):
+        p = env.generate(seed, min(d, env.max_difficulty))
+        bad = wrong(str(p.answer), p)
+        if want(p) and bad is not None and bad != str(p.answer):
+            return env.verify(p, f"<answer>{p.answer}</answer>").correct, env.verify(p, f"<answer>{bad}</answer>")
+    raise AssertionError(f"no rg/{name} problem to try")
+
+
+@pytest.mark.parametrize("name,d,wrong,want", [
+    ("gsm_symbolic", 0, lambda g, p: "-" + g, None),
+    ("gsm_symbolic", 0, lambda g, p: g + " or 7", None),
+    ("number_sorting", 2, lambda g, p: json.dumps([str(round(float(x))) for x in json.loads(g.replace("'", '"'))]), None),
+    ("figlet_font", 9, lambda g, p: g[:10] + "X" * (len(g) - 10) if len(g) > 10 else None, None),
+    ("word_sorting", 0, lambda g, p: g + ", zebra", None),
+    ("letter_jumble", 0, lambda g, p: g + " banana", None),
+    ("spell_backward", 9, lambda g, p: g + "q", None),
+    ("advanced_geometry", 0, lambda g, p: g + ", (1, 2)", lambda p: p.prompt.lower().count("orthocenter")),
+    ("time_intervals", 0, lambda g, p: "-" + g, lambda p: p.answer.startswith("00:")),
+    ("puzzle24", 1, lambda g, p: "6 + 6 + 6 + 6", lambda p: "6, 6, 6, 6" not in p.prompt),
+    ("puzzle24", 0, lambda g, p: "4*3*2*1", None),
+])
+def test_rg_answers_its_scorer_credits_wrongly_are_not_correct(name, d, wrong, want):
+    """reasoning-gym scorers that gave full credit to wrong answers on most problems (a reward hack): a dropped
+    minus sign, numbers within 1, any 10 letters in place, words appended, an expression of other numbers."""
+    pytest.importorskip("reasoning_gym")
+    gold, bad = _rg_wrong(name, d, wrong, want or (lambda p: True))
+    assert gold and not bad.correct and bad.reward == 0.0, bad
+
+
+def test_rg_levels_one_constant_answer_solves_are_not_used():
+    pytest.importorskip("reasoning_gym")
+    assert get_env("rg/game_of_life").max_difficulty == 0 and get_env("rg/rotten_oranges").max_difficulty == 1
