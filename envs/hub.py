@@ -138,6 +138,14 @@ def load_table(ref: str | os.PathLike, split: str = "train", subset: str | None 
         level = datasets.logging.get_verbosity()
         datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # it logs the error we raise below
         try:
+            if kind == "csv":  # every column as its text: a guessed type turned answers 7 into 7.0, 0012 into 12
+                import csv
+
+                with open(p, newline="", encoding="utf-8", errors="replace") as fh:
+                    names = next(csv.reader(fh), [])
+                text = datasets.Features({n: datasets.Value("string") for n in names})
+                return datasets.load_dataset(kind, data_files=str(p), split="train", features=text,
+                                             keep_default_na=False)
             return datasets.load_dataset(kind, data_files=str(p), split="train")
         except Exception as e:  # noqa: BLE001 - datasets wraps the parser's error: name the file and the cause
             raise ValueError(f"{what} {str(ref)!r} cannot be read as {kind}: {_root_cause(e)}") from None

@@ -344,3 +344,13 @@ def test_a_missing_local_table_file_is_not_taken_for_a_hub_id():
 
     assert not is_hub_id("data/MISSING.JSONL") and not is_hub_id("data/missing.Parquet")
     assert is_hub_id("org/name") and is_hub_id("org/name@main")
+
+
+def test_a_csv_file_keeps_its_answers_as_written(tmp_path):
+    """datasets guessed column types: answers 7 became 7.0 (an exact grader then failed every correct 7), 0012
+    became 12.0 and a long integer 1.2345678901234568e+22; an empty cell stays empty."""
+    from envs.hub import load_table
+
+    f = tmp_path / "aime.csv"
+    f.write_text("problem,answer\nWhat is 3+4?,7\nA?,0012\nB?,3.10\nC?,12345678901234567890123\nUngraded,\n")
+    assert load_table(f, what="ttc dataset")["answer"] == ["7", "0012", "3.10", "12345678901234567890123", ""]

@@ -328,6 +328,8 @@ def test_cli_errors_are_one_line(tmp_path, capsys, tiny_dense_dir):
         (["--data", null_problem, "--model", tiny_dense_dir], "row 1's problem is None"),
         (["--data", bad, "--column", "problem=question,answer=solutio", "--model", tiny_dense_dir],
          "lacks column(s) answer=solutio (has: question, answer); map them with --column answer=COLUMN"),
+        (["--data", bad, "--column", "problem=question, answer =solutio", "--model", tiny_dense_dir],  # (ignored)
+         "lacks column(s) answer=solutio (has: question, answer); map them with --column answer=COLUMN"),
         (["--problem", "1+1", "--model", tiny_dense_dir, "--context", "1000000"],
          "--context 1000000 exceeds the model's own context"),
     ]

@@ -257,6 +257,28 @@ def test_failed_problem_is_recorded_and_retried_on_resume(tmp_path, capsys, tok,
         srv.stop()
 
 
+def test_the_summary_counts_what_failed_problems_spent_and_prices_a_resume_at_its_prices(tmp_path, capsys, tok,
+                                                                                     tiny_dense_dir):
+    """A problem failing in round 1 had its round 0 served and billed, yet the summary said usage None, cost None;
+    a resume at other prices summed each run's own costs."""
+    srv = FakeAPI(tok)
+    srv.poison = "--- Candidate 1"  # every aggregation prompt refused: round 0 served, round 1 fails
+    try:
+        data = _data(tmp_path / "d.jsonl", 2)
+        out = tmp_path / "r.jsonl"
+        rc, stdout, err = _cli(capsys, _args(srv.url, tiny_dense_dir, data, out, "--price-in", 1.0, "--limit", 1))
+        assert rc == 1
+        summary = _lines(out)[-1]
+        assert summary["failed"] == 1 and summary["usage"]["requests"] >= 1 and summary["cost"] > 0
+        srv.poison = "never matches"
+        rc, stdout, err = _cli(capsys, _args(srv.url, tiny_dense_dir, data, out, "--price-in", 1000.0, "--resume"))
+        assert rc == 0, err
+    finally:
+        srv.stop()
+    summary = _lines(out)[-1]
+    assert summary["failed"] == 0 and summary["cost"] == pytest.approx(summary["usage"]["prompt_tokens"] * 1e-3)
+
+
 def test_plan_check_refuses_before_generating_or_clamps(tmp_path, capsys, tok, tiny_dense_dir):
     srv = FakeAPI(tok, context=340)
     try:
@@ -522,6 +544,40 @@ def test_a_request_given_up_says_how_many_attempts_reached_the_server(tok):
         assert said == len(srv.arrivals) and (said == retries + 1) == (horizon > 1), (str(e.value), len(srv.arrivals))
 
 
+def test_the_retry_horizon_counts_from_the_first_failure_and_retry_after_is_read_as_utc_and_jittered(tok):
+    """A request whose first try ran longer than the horizon was never retried (with the defaults, a 502 after a
+    15-minute generation ended the problem); "-0000" and asctime Retry-After dates were read as local time (five
+    hours off in New York: the client gave up at once); every client told "Retry-After: 2" came back together."""
+    import os
+    import time
+    from email.utils import formatdate
+
+    from train.engine import SamplingParams
+    from ttc.backends import OpenAIBackend, ServerError, retry_after
+
+    srv = FakeAPI(tok, fail_500=1.0, delay=0.4)  # every request: 0.4 s, then 500
+    try:
+        be = OpenAIBackend(srv.url, model="m1", tokenizer=tok, retries=2, horizon=0.6, backoff=0.01)
+        with pytest.raises(ServerError):
+            be.generate([[5, 6, 7]], SamplingParams(n=1, max_tokens=4), seeds=[0])
+        be.horizon = 60
+        waits = {be._delay(1, 2.0) for _ in range(50)}
+        be.close()
+    finally:
+        srv.stop()
+    assert len(waits) > 40 and all(2.0 <= w <= 2.25 for w in waits)
+    assert len(srv.arrivals) == 3  # the first failure, then both retries started within 0.6 s of it
+    tz = os.environ.get("TZ")
+    try:
+        os.environ["TZ"] = "America/New_York"
+        time.tzset()
+        for value in (formatdate(time.time() + 30), time.strftime("%a %b %d %H:%M:%S %Y", time.gmtime(time.time() + 30))):
+            assert 25 < retry_after(value) <= 31, value
+    finally:
+        os.environ.pop("TZ") if tz is None else os.environ.__setitem__("TZ", tz)
+        time.tzset()
+
+
 def test_a_request_larger_than_the_rate_limit_holds_the_window_for_its_share():
     """``--rpm 0.5`` let one request through per window (twice the rate asked for), and a request of more tokens
     than ``--tpm`` counted as the limit: a request of ``w`` units over a limit of ``L`` now goes alone and
@@ -564,3 +620,42 @@ def test_requests_and_tokens_per_window_stay_under_the_rate_limits(tok, limit, f
     # any per_window + 1 consecutive arrivals span at least the window (less the transit jitter)
     assert min(t[i + per_window] - t[i] for i in range(len(t) - per_window)) > window - 0.15, t
     assert t[-1] - t0 >= (-(-10 // per_window) - 1) * window - 0.15
+
+
+def test_the_resume_key_covers_the_tokenizer_and_the_weights(tok, tiny_dense_dir, tmp_path):
+    """--resume with another --tokenizer (here: a chat template that opens the thinking) mixed prompts of two
+    forms in one summary, and a checkpoint trained again in place resumed into the old results."""
+    import copy
+    import shutil
+
+    from train.presets import init_model
+    from ttc.backends import OpenAIBackend, torch_backend
+
+    srv = FakeAPI(tok)
+    try:
+        other = copy.deepcopy(tok)
+        other.chat_template = tok.chat_template.replace("<|im_start|>assistant\\n", "<|im_start|>assistant\\n<think>\\n")
+        assert other.chat_template != tok.chat_template
+        ids = []
+        for t in (tok, copy.deepcopy(tok), other, None):
+            be = OpenAIBackend(srv.url, model="m1", tokenizer=t)
+            ids.append(be.identity())
+            be.close()
+    finally:
+        srv.stop()
+    assert ids[0] == ids[1] and ids[0] != ids[2] and "tokenizer_sha" not in ids[3]
+    d = tmp_path / "ckpt"
+    shutil.copytree(tiny_dense_dir, d)
+    keys = []
+    for step in ("as made", "copied", "trained again"):
+        if step == "copied":
+            shutil.copytree(d, tmp_path / "copy")
+            shutil.rmtree(d)
+            (tmp_path / "copy").rename(d)
+        if step == "trained again":
+            init_model("tiny-dense", tmp_path / "s1", seed=1)
+            shutil.copy(tmp_path / "s1" / "model.safetensors", d / "model.safetensors")
+        be = torch_backend(str(d))
+        keys.append(be.identity())
+        be.close()
+    assert keys[0] == keys[1] != keys[2]

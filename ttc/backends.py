@@ -61,6 +61,26 @@ class Backend(Protocol):
 # -- tokenizer side ------------------------------------------------------------------------------
 
 
+def weights_sha(path: str, sample: int = 1 << 20) -> str | None:
+    """A digest of a checkpoint directory's weight files (names, sizes, and their first and last ``sample``
+    bytes: a copy keeps it, weights trained again change it), without reading gigabytes; None without any."""
+    import hashlib
+
+    files = sorted(f for f in os.listdir(path) if f.endswith((".safetensors", ".bin", ".pt"))) \
+        if os.path.isdir(path) else []
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for name in files:
+        with open(os.path.join(path, name), "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            h.update(f"{name}:{size}".encode())
+            h.update(fh.read(sample))
+            fh.seek(max(size - sample, 0))
+            h.update(fh.read(sample))
+    return h.hexdigest()[:16]
+
+
 class HFTokenizerSide:
     """encode/decode/chat_parts/eos_ids from a Hugging Face tokenizer."""
 
@@ -83,6 +103,18 @@ class HFTokenizerSide:
 
     def chat_parts(self) -> tuple[str, str]:
         return chat_parts(self.tokenizer)
+
+    def tokenizer_sha(self) -> str:
+        """A digest of what makes prompts and tails: the vocabulary and merges, special tokens, chat template."""
+        import hashlib
+
+        t = self.tokenizer
+        backend = getattr(t, "backend_tokenizer", None)
+        vocab = backend.to_str() if backend is not None else json.dumps(sorted(t.get_vocab().items()))
+        h = hashlib.sha256(vocab.encode())
+        h.update(json.dumps([str(getattr(t, "chat_template", None)), sorted(map(int, self._eos)),
+                             str(getattr(t, "bos_token", None))]).encode())
+        return h.hexdigest()[:16]
 
     @property
     def eos_ids(self) -> set[int]:
@@ -133,6 +165,10 @@ class EngineBackend(HFTokenizerSide):
                 import hashlib
 
                 ident["config_sha"] = hashlib.sha256(open(cfg, "rb").read()).hexdigest()[:16]
+            weights = weights_sha(str(path))
+            if weights:
+                ident["weights_sha"] = weights  # a checkpoint trained again in place
+        ident["tokenizer_sha"] = self.tokenizer_sha()
         return ident
 
     def _engine_thread(self):
@@ -364,7 +400,12 @@ def retry_after(value: str | None) -> float | None:
     try:
         from email.utils import parsedate_to_datetime
 
-        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+        from datetime import timezone
+
+        when = parsedate_to_datetime(value)
+        if when.tzinfo is None:  # "-0000" and asctime dates are UTC (RFC 9110), not this machine's local time
+            when = when.replace(tzinfo=timezone.utc)
+        return max(0.0, when.timestamp() - time.time())
     except (TypeError, ValueError, IndexError):
         return None
 
@@ -378,7 +419,8 @@ class OpenAIBackend:
     max_tokens, counted each time a request is sent, retries too) per ``rate_window`` seconds (60: per minute), sliding.
     Failures (408/409/425/429/5xx, connection errors, timeouts) are retried with full-jitter
     exponential backoff (``backoff * 2**k``, capped at ``backoff_max``), or after the server's
-    ``Retry-After``, for at most ``retries`` retries and ``horizon`` seconds per request. A request
+    ``Retry-After`` (jittered), for at most ``retries`` retries and ``horizon`` seconds from a request's first
+    failure (a request that runs for longer than the horizon and fails is still retried). A request
     for ``n`` samples is split into requests of at most ``max_n``, and one that comes back with fewer
     choices than asked is topped up with further requests (seeds derived from the request's seed).
     ``usage`` dicts passed to :meth:`generate` accumulate the server's ``usage`` counts."""
@@ -430,12 +472,15 @@ class OpenAIBackend:
         return self._context
 
     def identity(self) -> dict:
-        return {"backend": type(self).__name__, "base_url": self.base_url, "model": self.model}
+        ident = {"backend": type(self).__name__, "base_url": self.base_url, "model": self.model}
+        if self._tok is not None:  # --tokenizer: it cuts the tails and renders the template
+            ident["tokenizer_sha"] = self._tok.tokenizer_sha()
+        return ident
 
     # transport
     def _delay(self, attempt: int, after: float | None) -> float:
-        if after is not None:
-            return min(after, self.horizon)
+        if after is not None:  # (jittered: clients told the same Retry-After do not all come back at once)
+            return min(after + random.uniform(0, min(1.0, 0.1 * after + 0.05)), self.horizon)
         return random.uniform(0, min(self.backoff_max, self.backoff * 2 ** (attempt - 1)))
 
     def _call(self, method: str, path: str, body: dict | None, retries: int | None = None,
@@ -448,11 +493,11 @@ class OpenAIBackend:
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        last, after, t0, sent = "", None, time.monotonic(), 0
+        last, after, t0, sent = "", None, None, 0
         for attempt in range(retries + 1):
             if attempt:
                 delay = self._delay(attempt, after)
-                if time.monotonic() - t0 + delay > self.horizon:
+                if time.monotonic() - t0 + delay > self.horizon:  # (t0: the first failure's end)
                     last += f"; gave up at the {self.horizon:g} s retry horizon"
                     break
                 with self._count_lock:
@@ -475,6 +520,7 @@ class OpenAIBackend:
                     raw = self._http.request(method, path, data, headers)
                 return json.loads(raw.decode())
             except HTTPStatusError as e:
+                t0 = t0 or time.monotonic()
                 msg = _error_message(e)
                 if e.code in RETRY_STATUS:
                     last = f"HTTP {e.code}: {msg}"
@@ -485,6 +531,7 @@ class OpenAIBackend:
                 raise ValueError(f"server rejected {path}: HTTP {e.code}: {msg}") from None
             except (urllib.error.URLError, ConnectionError, http.client.HTTPException, socket.timeout, OSError,
                     json.JSONDecodeError) as e:
+                t0 = t0 or time.monotonic()
                 reason = getattr(e, "reason", e)
                 last = f"{type(reason).__name__}: {reason}" if not isinstance(reason, str) else reason
                 continue

@@ -112,7 +112,7 @@ def _solve_parser() -> argparse.ArgumentParser:
     r.add_argument("--retries", type=int, default=8, help="retries of a failed request (5xx, 429, connection)")
     r.add_argument("--backoff", type=float, default=0.5,
                    help="first retry waits up to this many seconds (full jitter, doubling, at most 60 s)")
-    r.add_argument("--retry-horizon", type=float, default=900.0, help="seconds a request may keep retrying")
+    r.add_argument("--retry-horizon", type=float, default=900.0, help="seconds a request may keep retrying after its first failure")
     r.add_argument("--request-timeout", type=float, default=3600.0, help="seconds to wait for one response")
     o = ap.add_argument_group("output")
     o.add_argument("--out", help="results jsonl: one line per problem, then a summary line "
@@ -166,8 +166,9 @@ def load_problems(a, limit: bool = True) -> list[dict]:
         return [{"problem": a.problem, "answer": a.answer}]
     from envs.hub import load_rows
 
-    need = ["problem"] + (["answer"] if "answer=" in (a.column or "") else [])  # answer is optional unless mapped
-    rows = load_rows(a.data, need, [k for k in ("answer",) if k not in need], parse_columns(a.column),
+    cols = parse_columns(a.column)
+    need = ["problem"] + (["answer"] if cols["answer"] != "answer" else [])  # answer is optional unless mapped
+    rows = load_rows(a.data, need, [k for k in ("answer",) if k not in need], cols,
                      split=a.split, subset=a.subset, what="--data", hint="--column ")
     rows = rows[:a.limit] if limit and a.limit is not None else rows
     for i, r in enumerate(rows):
@@ -273,7 +274,11 @@ def cost(usage: dict | None, price_in: float | None, price_out: float | None) ->
     return (usage.get("prompt_tokens", 0) * (price_in or 0.0) + usage.get("completion_tokens", 0) * (price_out or 0.0)) / 1e6
 
 
-def summarize(records: list[dict], cfg: RSAConfig, key: str, extra: dict | None = None) -> dict:
+def summarize(records: list[dict], cfg: RSAConfig, key: str, extra: dict | None = None,
+              prices: tuple[float | None, float | None] = (None, None)) -> dict:
+    """The run's summary; ``usage`` sums every problem's, failed ones' too (their requests were served),
+    and ``cost`` prices it at ``prices`` (per 1M prompt and completion tokens: this run's, for the problems of
+    a resumed run as well)."""
     ok = [r for r in records if r.get("status", "ok") == "ok"]
 
     def avg(name):
@@ -286,10 +291,9 @@ def summarize(records: list[dict], cfg: RSAConfig, key: str, extra: dict | None 
 
     passk = [r["pass_at_k"] for r in ok if r.get("pass_at_k")]
     usage: dict = {}
-    for r in ok:
+    for r in records:
         for k, v in (r.get("usage") or {}).items():
             usage[k] = usage.get(k, 0) + v
-    costs = [r["cost"] for r in ok if r.get("cost") is not None]
     out = {"type": "summary", "problems": len(records), "failed": len(records) - len(ok),
            "failed_indices": [r["index"] for r in records if r not in ok],
            "mean_accuracy": avg("mean_accuracy"), "round_accuracy": per_round("round_accuracy"),
@@ -298,7 +302,7 @@ def summarize(records: list[dict], cfg: RSAConfig, key: str, extra: dict | None 
            "pass_at_k": {k: sum(p[k] for p in passk) / len(passk) for k in passk[0]} if passk else None,
            "generated_tokens": sum(r["generated_tokens"] for r in ok),
            "prefill_tokens": sum(r["prefill_tokens"] for r in ok), "usage": usage or None,
-           "cost": sum(costs) if costs else None,
+           "cost": cost(usage, *prices),
            "problem_wall_s": sum(r["wall_s"] for r in ok), "run_key": key, "config": config_dict(cfg)}
     if extra:
         out.update(extra)
@@ -491,9 +495,10 @@ def solve_main(argv: list[str]) -> int:
                         show()
                     base = {"type": "problem", "index": i, "problem_key": pk, "run_key": key, "problem": p["problem"],
                             "answer": p.get("answer")}
+                    spent: dict = {}
                     try:
                         res = rsa.run(p["problem"], p.get("answer"), problem_key=pk,
-                                      resume=partial.get((i, pk)), on_round=on_round)
+                                      resume=partial.get((i, pk)), on_round=on_round, usage=spent)
                         rec = {**base, "status": "ok", **res.metrics,
                                "cost": cost(res.metrics.get("usage"), a.price_in, a.price_out)}
                         if a.save_traces:
@@ -503,7 +508,8 @@ def solve_main(argv: list[str]) -> int:
                                           "answers": res.metrics["answers"],
                                           "correct": [c.correct for c in res.final]})
                     except (ServerError, ValueError, RuntimeError, OSError) as e:  # recorded; the run goes on
-                        rec = {**base, "status": "failed", "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+                        rec = {**base, "status": "failed", "error": f"{type(e).__name__}: {str(e).splitlines()[0]}",
+                               "usage": dict(spent) or None, "cost": cost(spent, a.price_in, a.price_out)}
                     with lock:
                         records.append(rec)
                         live.pop(i, None)
@@ -531,7 +537,7 @@ def solve_main(argv: list[str]) -> int:
             # problem_wall_s: the sum of the problems' own times, those of a resumed run's earlier ones too
             extra = {"context": context, "clamped": {k: list(v) for k, v in clamped.items()} if clamped else None,
                      "wall_s": time.perf_counter() - started}
-            summary = summarize(records, cfg, key, extra)
+            summary = summarize(records, cfg, key, extra, (a.price_in, a.price_out))
             results.write(summary)
         finally:
             results.close()

@@ -383,17 +383,19 @@ class MarkovianRSA:
 
     # one run
     def run(self, problem: str, gold: str | None = None, problem_key: str | None = None,
-            resume: list[dict] | None = None, on_round: Callable[[int, dict], None] | None = None) -> RSAResult:
+            resume: list[dict] | None = None, on_round: Callable[[int, dict], None] | None = None,
+            usage: dict | None = None) -> RSAResult:
         """Run one problem. ``problem_key`` (default: a hash of the text) seeds its parent draws and
         requests; ``resume`` holds round records (``on_round``'s second argument) of rounds
         0..k already done, which are taken as they are; ``on_round(t, record)`` is called after each
-        round (for checkpoints, traces and progress)."""
+        round (for checkpoints, traces and progress); ``usage``, when given, accumulates the server's usage
+        counts as they come (what a problem that fails later spent)."""
         cfg, be = self.config, self.backend
         t0 = time.perf_counter()
         pkey = problem_seed(problem if problem_key is None else problem_key)
         q = be.encode(problem)
         prompts: list[PromptRecord] = []
-        usage: dict = {}
+        usage = {} if usage is None else usage
         tok = {"gen": 0, "prefill": 0}
         round_tokens = []
         pass_usage = self._takes_usage
