@@ -42,6 +42,17 @@ def _key(env_id: str, p: Problem) -> str:
     return f"{env_id}|{p.seed}|{p.difficulty}"
 
 
+def decode_tail(decode: Callable[[list[int]], str], ids: list[int]) -> str:
+    """``ids`` (the end of a trace) decoded, less a leading remnant of a character its cut split (byte-level
+    BPE: U+FFFD, which the policy would read, and re-tokenise, as itself)."""
+    ids = list(ids)
+    text = decode(ids)
+    while len(ids) > 1 and text.startswith("\ufffd"):
+        ids = ids[1:]
+        text = decode(ids)
+    return text
+
+
 def compact_message(text: str | None, finish_reason: str | None, tail: str,
                     encode: Callable[[str], list[int]], decode: Callable[[list[int]], str], tau: int) -> str:
     """A rollout compacted into a PaCoRe message: a finished rollout's answer after its last
@@ -50,7 +61,7 @@ def compact_message(text: str | None, finish_reason: str | None, tail: str,
         answer = text.rsplit("</think>", 1)[1].strip()
         if answer:
             ids = encode(answer)
-            return answer if len(ids) <= tau else decode(ids[-tau:])
+            return answer if len(ids) <= tau else decode_tail(decode, ids[-tau:])
     return tail
 
 
@@ -108,12 +119,7 @@ class AggregationMixer:
         ids = list(token_ids)
         if ids and ids[-1] in stops:
             ids = ids[:-1]
-        ids = ids[-self.tau:]
-        text = self._decode(ids, tokenizer)
-        while len(ids) > 1 and text.startswith("\ufffd"):
-            ids = ids[1:]
-            text = self._decode(ids, tokenizer)
-        return text
+        return decode_tail(lambda i: self._decode(i, tokenizer), ids[-self.tau:])
 
     def _entry(self, completions, tokenizer=None, stops: set[int] | None = None) -> tuple[list[str], list[str]]:
         tails, messages = [], []
@@ -193,7 +199,7 @@ class AggregationMixer:
             lo, hi = (mid, hi) if sum(min(n, mid) for n in lens) <= room else (lo, mid - 1)
         per = lo
         while per >= 1:
-            prompt = self._render(env_id, problem, [self._decode(i[-per:]) for i in ids], pacore)
+            prompt = self._render(env_id, problem, [decode_tail(self._decode, i[-per:]) for i in ids], pacore)
             if self.prompt_len(prompt) <= self.cap:  # re-tokenisation at the seams can differ a little
                 return prompt
             per -= max(1, per // 16)
@@ -296,7 +302,7 @@ def aggregation_sft_pairs(engine, tokenizer, picks: list[tuple[str, Problem]], e
     answered = [(e, p, cs[0].text) for e, p, cs in answered if cs]
     think = open_think_of(tokenizer, chat, system)  # the teacher's template may open the thinking in the prompt
     scores = verify_all([(env_of(e), p, think + text) for e, p, text in answered], verify_workers(workers))
-    pairs = [(p.prompt, text) for (_, p, text), s in zip(answered, scores) if s.correct]
+    pairs = [(p.prompt, think + text) for (_, p, text), s in zip(answered, scores) if s.correct]  # whole responses
     mixer.rng.shuffle(pairs)  # a caller keeping the first k keeps them across the problems, not the first few's
     stats = {"aggregation_sft_problems": len(rolled), "aggregation_sft_prompts": len(prompts),
              "aggregation_sft_correct": len(pairs), "aggregation_sft_trimmed": mixer.trimmed,

@@ -55,8 +55,9 @@ class RewardModel:
     @torch.no_grad()
     def score_many(self, pairs: list[tuple[str, str]], batch_size: int = 16) -> list[float]:
         """:meth:`score` of every (prompt, response), ``batch_size`` sequences per padded forward (the
-        model reads each sequence's last non-pad token); one at a time without a pad token."""
-        if self.tok.pad_token_id is None or self.model.config.pad_token_id is None:
+        model reads each sequence's last non-pad token); one at a time without a pad token, or where the model's
+        pad id is not the tokenizer's (it would read a padded sequence's score at a pad position)."""
+        if self.tok.pad_token_id is None or self.model.config.pad_token_id != self.tok.pad_token_id:
             return [self.score(p, r) for p, r in pairs]
         texts = [self.text(p, r) for p, r in pairs]
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))  # similar lengths share a batch

@@ -120,6 +120,21 @@ def open_think(prompt_tail: str) -> str:
     return "" if i < 0 or "</think>" in prompt_tail[i:] else prompt_tail[i:]
 
 
+def after_open_think(response: str, think_open: str) -> str:
+    """What follows a prompt that opened thinking (``think_open``, :func:`open_think`) in a complete ``response``
+    (``<think>...</think>answer``, or a bare answer): its opening dropped, or an empty thinking block closed in
+    front of a bare answer. The inverse of verifying ``think_open + response``."""
+    if not think_open:
+        return response
+    body = response.lstrip()
+    if body.startswith(think_open):
+        return body[len(think_open):]
+    tag = think_open.strip()
+    if body.startswith(tag):
+        return body[len(tag):].lstrip("\n")
+    return "</think>\n\n" + response
+
+
 class Environment:
     """Base class of every environment.
 

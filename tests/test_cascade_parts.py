@@ -166,6 +166,31 @@ def test_an_aggregation_prompt_too_long_for_the_trainer_is_not_made_and_moves_no
     assert cur.difficulties() == {"gym/argsort": 2}
 
 
+def test_tails_cut_to_fit_and_pacore_answers_drop_the_remnant_of_a_split_character(tok):
+    """A tail cut down to fit the prompt bound, or a PaCoRe answer cut to tau tokens, inside a multi-byte character
+    (CJK, emoji under byte-level BPE) showed the policy U+FFFD; the tail of the whole trace already dropped it."""
+    from cascade.aggregation import compact_message
+    from train.rl.trainer import encode_prompt
+
+    enc = lambda t: tok.encode(t, add_special_tokens=False)  # noqa: E731
+    dec = lambda i: tok.decode(i, skip_special_tokens=False)  # noqa: E731
+    text = "<think>\nreasoning\n</think>\n\n" + "答案是五。🙂" * 6 + " \\boxed{5}"
+    msgs = [compact_message(text, "stop", "TAIL", enc, dec, tau) for tau in range(3, 40)]
+    assert not any(m.startswith("\ufffd") for m in msgs)
+    p = Problem("What is 6*7?", "42", "toy/add", 1, 3, {})
+    rollouts = [_R(enc("思考 " + "答案是五。🙂" * 30 + f" {k}")) for k in range(4)]
+    made = 0
+    for cap in range(90, 400, 7):
+        mixer = AggregationMixer(tok, 1.0, 2, 200, seed=0, max_prompt_tokens=cap,
+                                 prompt_len=lambda t: len(encode_prompt(tok, t, True, None)))
+        mixer.remember([_G("toy/add", p, rollouts)])
+        (_, agg), = mixer.mix([("toy/add", p)])
+        if agg.meta.get("aggregation"):
+            made += 1
+            assert "\ufffd" not in agg.prompt and len(encode_prompt(tok, agg.prompt, True, None)) <= cap
+    assert made > 20
+
+
 def test_reward_model_reads_one_bos_and_a_steep_gate_does_not_overflow(tmp_path, tiny_dense_dir):
     """A Llama-3-style reward model (its chat template writes BOS, its tokenizer adds one too) reads the
     conversation as apply_chat_template(tokenize=True) gives it: one BOS. A steep gate on a very negative
@@ -343,3 +368,15 @@ def test_a_damaged_complete_checkpoint_resumes_from_the_one_before(tmp_path, tin
     assert path.name == "step-00000001" and state == {"step": 1} and tstate == {"rl": {"step": 1}}
     assert len(warned) == 1 and "step-00000002 is unreadable" in warned[0] and "\n" not in warned[0]
     assert (tmp_path / "ck" / "step-00000002.unreadable" / f).exists() and ck.latest() == path
+
+
+def test_batched_reward_scores_equal_single_ones_when_the_models_pad_id_is_not_the_tokenizers(tmp_path,
+                                                                                            tiny_dense_dir):
+    """The model finds each sequence's last token by its config's pad id: a checkpoint whose config names another
+    pad id than its tokenizer read the shorter sequence of a batch at a pad position (another score)."""
+    from cascade.reward_model import RewardModel, build_tiny_reward_model
+
+    rm = RewardModel(build_tiny_reward_model(tmp_path / "rm", tiny_dense_dir), max_len=64)
+    pairs = [("Q", "a"), ("Write a long poem please", "a much longer answer " * 4)]
+    rm.model.config.pad_token_id = rm.tok.convert_tokens_to_ids("<|im_start|>")
+    assert rm.score_many(pairs) == pytest.approx([rm.score(p, r) for p, r in pairs], abs=1e-5)

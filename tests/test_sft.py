@@ -95,3 +95,25 @@ def test_a_decaying_schedule_without_total_steps_runs_over_the_trainers_steps(ti
             lrs[schedule].append(sft.opt.param_groups[0]["lr"])
     assert lrs["constant"] == [1e-3] * 5
     assert lrs["cosine"][-1] == pytest.approx(1e-4) and lrs["cosine"] == sorted(lrs["cosine"], reverse=True)
+
+
+def test_a_template_that_opens_the_thinking_gets_responses_that_go_on_from_it(tiny_dense_dir):
+    """Under a chat template that opens the thinking in the prompt (DeepSeek-R1's, Qwen3-Thinking-2507's), every
+    SFT target began with a second <think> (reference traces, data with thinking): the warm-up taught a stray
+    <think>; a bare answer would be learned inside the open thinking, never closed."""
+    from train.sft import render_trace
+    from train.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_dense_dir)
+    opened = copy.deepcopy(tok)
+    opened.chat_template = tok.chat_template + "{% if add_generation_prompt %}<think>\n{% endif %}"
+    policy = load_pretrained(tiny_dense_dir)
+    whole = render_trace("two plus two", "\\boxed{4}")
+    for t, think in ((opened, "<think>\n"), (tok, "")):
+        sft = SFTTrainer(policy, t, SFTConfig(steps=1, max_len=256))
+        assert sft.think_open == think
+        (p, r), (p2, r2) = sft.encode([("What is 2+2?", whole), ("What is 2+2?", "\\boxed{4}")])
+        text = t.decode(p + r)
+        assert text.count("<think>") == 1 and text.count("</think>") == 1 and text.endswith("\\boxed{4}<|im_end|>")
+        bare = t.decode(p2 + r2)
+        assert bare.count("</think>") == (1 if think else 0) and bare.endswith("\\boxed{4}<|im_end|>")

@@ -168,11 +168,15 @@ def prompt_text(prompt: str | list[dict]) -> str:
 
 
 def encode_pair(tokenizer, prompt: str | list[dict], response: str, chat: bool,
-                system: str | None) -> tuple[list[int], list[int]]:
+                system: str | None, think_open: str = "") -> tuple[list[int], list[int]]:
     """Prompt and response token ids; the response ends with the end-of-sequence token, with or without
-    a chat template (as TRL's SFT appends it), so that the policy learns to stop after its answer."""
+    a chat template (as TRL's SFT appends it), so that the policy learns to stop after its answer. Where the
+    template opens the thinking in the prompt (``think_open``), the response goes on from there
+    (:func:`envs.base.after_open_think`: a second ``<think>`` would be learned)."""
+    from envs.base import after_open_think
+
     p = prompt_ids(tokenizer, prompt, chat, system)
-    r = tokenizer.encode(response, add_special_tokens=False, verbose=False)
+    r = tokenizer.encode(after_open_think(response, think_open), add_special_tokens=False, verbose=False)
     if tokenizer.eos_token_id is not None and (not r or r[-1] != tokenizer.eos_token_id):
         r = r + [tokenizer.eos_token_id]
     return p, r
@@ -187,11 +191,16 @@ class SFTTrainer:
         self.opt, self.sched = build_optimizer(policy, optim)
         self.rng = random.Random(cfg.seed)
         self.step_idx = 0
+        from train.tokenizer import open_think_of
+
+        # responses are whole (<think>...</think>answer); a template that opens the thinking has its part
+        self.think_open = open_think_of(tokenizer, cfg.chat_template, cfg.system_prompt)
 
     def encode(self, pairs: list[tuple[str, str]]) -> list[tuple[list[int], list[int]]]:
         out = []
         for pr, rs in pairs:
-            p, r = encode_pair(self.tokenizer, pr, rs, self.cfg.chat_template, self.cfg.system_prompt)
+            p, r = encode_pair(self.tokenizer, pr, rs, self.cfg.chat_template, self.cfg.system_prompt,
+                               self.think_open)
             if not p:
                 raise ValueError(f"an SFT example's prompt encodes to no tokens ({str(pr)[:60]!r}): its first response "
                                  "token would have nothing to be predicted from")
