@@ -111,23 +111,45 @@ def test_per_prompt_seeds_equal_separate_requests(pair):
 
 
 def test_cached_prefill_runs_on_the_engines_own_forward(pair, monkeypatch):
-    """The shared-prefix path prefills through the native C++ forward where the engine's plain
-    prefill does (fp32 on CPU), and through PyTorch when native decoding is off; same outputs both ways."""
+    """The shared-prefix path prefills through the engine's own forward of the call: the native C++ one where the
+    plain prefill uses it (fp32 on CPU), PyTorch when native decoding is off; same outputs both ways. The cache
+    keeps no native forward of its own (it held a second copy of most weights between calls)."""
     from train.engine import native
 
     plain, cached = pair
     _, prompts = _prompts(plain.tokenizer)
     sp = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=11)
+    given = []
+    prefill = cached.prefix_cache.prefill
+    monkeypatch.setattr(cached.prefix_cache, "prefill", lambda *a: given.append(a[3]) or prefill(*a))
     _same(plain.generate(prompts, sp), cached.generate(prompts, sp))
-    if native.usable(cached.model):
-        assert isinstance(cached.prefix_cache._native(cached.model), native.NativeDecoder)
+    assert given and all(isinstance(d, native.NativeDecoder) == native.usable(cached.model) for d in given)
+    assert not any(isinstance(v, native.NativeDecoder) or (isinstance(v, tuple) and any(
+        isinstance(x, native.NativeDecoder) for x in v)) for v in vars(cached.prefix_cache).values())
     monkeypatch.setenv("CASCADE_NATIVE_DECODE", "0")
-    cached.prefix_cache._decoder = None
-    cached.prefix_cache.clear()
-    for _ in range(2):  # the second call finds the stored "no native forward" (it crashed on it once)
+    given.clear()
+    for _ in range(2):
         _same(plain.generate(prompts, sp), cached.generate(prompts, sp))
-    assert cached.prefix_cache._native(cached.model) is None
-    cached.prefix_cache._decoder = None
+    assert given and all(d is None for d in given)
+
+
+def test_a_pad_id_outside_the_vocabulary_and_stop_strings_without_a_tokenizer(tiny_dense_dir, monkeypatch):
+    """pad_token_id -1 (old LLaMA conversions) was embedded at padded positions: IndexError on any batch of mixed
+    lengths off the native path (bf16, GPU); stop strings on an engine without a tokenizer were ignored."""
+    monkeypatch.setenv("CASCADE_NATIVE_DECODE", "0")
+    eng = TorchEngine.from_pretrained(tiny_dense_dir)
+    ref = eng.generate([[5, 6, 7], [8, 9]], SamplingParams(temperature=0, max_tokens=4))
+    for pad in (-1, eng.model.config.vocab_size):
+        eng.model.config.pad_token_id = pad
+        other = TorchEngine(eng.model, tokenizer=eng.tokenizer)
+        enable_prefix_caching(other, min_prefix=2)
+        for prompts in ([[5, 6, 7], [8, 9]], [[5, 6, 7, 8, 1], [5, 6, 7, 8, 2, 3]]):
+            got = other.generate(prompts, SamplingParams(temperature=0, max_tokens=4))
+            if prompts[0] == [5, 6, 7]:
+                assert [c.token_ids for c in got] == [c.token_ids for c in ref]
+    bare = TorchEngine(eng.model, tokenizer=None)
+    with pytest.raises(ValueError, match="stop strings need the engine's tokenizer"):
+        bare.generate([[5, 6, 7]], SamplingParams(max_tokens=4, stop=["a"]))
 
 
 def test_bfloat16_engine_reuses_prefixes_in_pytorch(tiny_dense_dir):

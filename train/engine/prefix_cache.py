@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from train.model.modeling import KVCache
+from train.model.modeling import KVCache, input_pad_id
 
 
 @dataclass
@@ -64,27 +64,21 @@ class PrefixCache:
         self.max_entries = max_entries
         self._lru: OrderedDict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = OrderedDict()
         self._fingerprint = None
-        self._decoder = None  # (model, its native forward or None), rebuilt when the weights change
         self.stats = PrefixCacheStats()
 
     def clear(self) -> None:
+        """Forget every stored prefix (call it after writing weights through ``.data``, which no version counter
+        sees)."""
         self._lru.clear()
+        self._fingerprint = None
 
     def _check_weights(self, model) -> None:
-        fp = (id(model), model.device, model.dtype, sum(p._version for p in model.parameters()))
+        # a parameter replaced (its storage) or changed in place (its version counter): the stored KV is stale
+        fp = (id(model), model.device, model.dtype, sum(p._version for p in model.parameters()),
+              tuple(p.data_ptr() for p in model.parameters()))
         if fp != self._fingerprint:
             self._lru.clear()
-            self._decoder = None
             self._fingerprint = fp
-
-    def _native(self, model):
-        """The fused C++ forward (train/engine/native.py) where the engine's uncached prefill uses it
-        (fp32 on CPU), so that the cached path is never the slower one; else None (PyTorch)."""
-        from train.engine import native
-
-        if self._decoder is None or self._decoder[0] is not model:
-            self._decoder = (model, native.decoder(model))
-        return self._decoder[1]
 
     def _lookup(self, prefix: tuple[int, ...]):
         best = None
@@ -96,9 +90,11 @@ class PrefixCache:
         return best
 
     @torch.inference_mode()
-    def prefill(self, model, prompts: list[list[int]], max_new: int):
+    def prefill(self, model, prompts: list[list[int]], max_new: int, decoder="auto"):
         """``(cache, last_logits [B, V])`` for ``prompts`` with room for ``max_new`` tokens, or None
-        when the batch has no shared prefix worth reusing (the caller prefills normally)."""
+        when the batch has no shared prefix worth reusing (the caller prefills normally). ``decoder``: the
+        engine's native forward for this call (train/engine/native.py; None: PyTorch), so that the cached path
+        runs where the uncached one does and keeps no copy of the weights; ``"auto"`` builds one for the call."""
         B = len(prompts)
         lens = [len(p) for p in prompts]
         P = min(common_prefix_len(prompts), min(lens) - 1)  # every row keeps >= 1 token to prefill
@@ -120,7 +116,10 @@ class PrefixCache:
             one.valid[:, :m] = True
             one.length = m
             self.stats.lru_hits += 1
-        decoder = self._native(model)
+        if decoder == "auto":
+            from train.engine import native
+
+            decoder = native.decoder(model)
         if m < P:
             ids = torch.tensor([prefix[m:]], device=dev)
             if decoder is not None:
@@ -139,7 +138,7 @@ class PrefixCache:
             cache.v[layer][:, :, :P] = one.v[layer][:, :, :P]
         cache.valid[:, :P] = True
         cache.length = cache.shared = P  # the decoder reads the prefix once for all rows
-        inp = torch.full((B, Ls), int(cfg.pad_token_id or 0), dtype=torch.long)
+        inp = torch.full((B, Ls), input_pad_id(cfg), dtype=torch.long)
         mask = torch.zeros(B, Ls, dtype=torch.bool)
         for i, p in enumerate(prompts):
             s = p[P:]

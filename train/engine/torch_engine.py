@@ -40,7 +40,7 @@ from train.engine import native
 from train.engine.base import Completion, SamplingParams, check_prompts
 from train.engine.sampling import LogitsProcessors, row_seed, sample
 from train.model.hf_io import load_into, load_pretrained
-from train.model.modeling import CausalLM, KVCache
+from train.model.modeling import CausalLM, KVCache, input_pad_id
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -114,7 +114,7 @@ class TorchEngine:
         self.max_batch_rows = max_batch_rows
         cfg = model.config
         self.eos_token_ids = sorted(set(eos_token_ids) | eos_ids_of(cfg, tokenizer))
-        self.pad_id = int(cfg.pad_token_id if cfg.pad_token_id is not None else 0)
+        self.pad_id = input_pad_id(cfg)
         self.stats = EngineStats()
         self._seed_rng = random.Random()
         self.prefix_cache = None  # opt-in shared-prefix KV reuse: train.engine.prefix_cache.enable_prefix_caching
@@ -166,6 +166,8 @@ class TorchEngine:
         ctx = self.context_length
         check_prompts(ids, ctx, seeds, vocab_size=self.model.config.vocab_size)
         params.check_vocab(self.model.config.vocab_size)
+        if params.stop and self.tokenizer is None:  # (they were ignored: a completion ran on to its length)
+            raise ValueError("stop strings need the engine's tokenizer; pass stop_token_ids instead")
         record = self.return_routed_experts if return_routed_experts is None else bool(return_routed_experts)
         if record and not self.model.config.is_moe:
             raise ValueError("return_routed_experts needs an MoE model; this one has no MoE layers")
@@ -252,7 +254,7 @@ class TorchEngine:
         model, dev = self.model, self.model.device
         B, L = len(seqs), max(len(x) for x in seqs)
         if prefix_ok and not record and self.prefix_cache is not None:
-            hit = self.prefix_cache.prefill(model, seqs, capacity - L)
+            hit = self.prefix_cache.prefill(model, seqs, capacity - L, decoder)
             if hit is not None:  # shared prefix computed once (train/engine/prefix_cache.py)
                 return hit[0], hit[1], None
         inp = torch.full((B, L), self.pad_id, dtype=torch.long)

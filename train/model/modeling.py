@@ -94,6 +94,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+def input_pad_id(cfg) -> int:
+    """The id that fills padded input positions (masked, but still embedded): the config's pad id where it is
+    a token of the vocabulary (old LLaMA conversions ship -1), else 0."""
+    p = cfg.pad_token_id
+    return int(p) if p is not None and 0 <= int(p) < cfg.vocab_size else 0
+
+
 @dataclass
 class KVCache:
     """Pre-allocated key/value cache for the engine. All rows share one write position ``length``
