@@ -347,6 +347,13 @@ print("parent done")
     assert pids_of_uid(UID) == []
 
 
+def test_a_program_may_reopen_its_standard_streams(sb):
+    """The host's pipes were root's with mode 0600: a program reading /dev/stdin (or writing /dev/stdout) as many
+    competitive programmers' do failed with EACCES, a right answer scored as a runtime error."""
+    v = sb.run("print(open('/dev/stdin').read().split(), flush=True)\nopen('/dev/stdout', 'w').write('out\\n')\n", "3 4\n")
+    assert v.status == "ok" and v.stdout == "['3', '4']\nout\n", v.stderr[-300:]
+
+
 def test_large_stdin(sb):
     data = b"0123456789" * (5 << 20)  # 50 MiB
     v = sb.run("import sys\nprint(len(sys.stdin.buffer.read()))\n", data, time_limit=10.0)

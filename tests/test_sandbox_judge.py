@@ -121,6 +121,9 @@ sys.setrecursionlimit(77)
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 libc = ctypes.CDLL(None, use_errno=True)
 print("shm", libc.shmget(0x5EED, 4096, 0o1666) >= 0)
+# mode 0: "ipcrm --all" finds objects by *_STAT, which needs read permission; they survived into the next run
+print("ipc0", libc.shmget(0x5EEE, 4096, 0o1000) >= 0 and libc.msgget(0x5EEF, 0o1000) >= 0
+      and libc.semget(0x5EF0, 1, 0o1000) >= 0)
 libc.mq_open.restype = ctypes.c_int
 print("mq", libc.mq_open(b"/leak", os.O_CREAT | os.O_RDWR, 0o666, None) >= 0)
 if os.fork() == 0:  # a daemon that would write after the run
@@ -143,6 +146,7 @@ print(json.dumps({
     "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
     "shm": libc.shmget(0x5EED, 0, 0) >= 0, "mq": libc.mq_open(b"/leak", os.O_RDONLY) >= 0,
     "mqueue": os.listdir("/dev/mqueue"),
+    "sysvipc": sum(len(open(f"/proc/sysvipc/{k}").read().splitlines()) - 1 for k in ("shm", "msg", "sem")),
 }))
 """
 
@@ -152,10 +156,10 @@ def test_nothing_of_a_run_is_seen_by_the_next(sb):
                      [Run("ns.py"), Run("w.py"), Run("r.py"), Run("ns.py")])
     assert [v.status for v in vs] == ["ok"] * 4, [v.stderr[-300:] for v in vs]
     assert vs[0].stdout == vs[3].stdout  # one start for the whole session
-    assert vs[1].stdout.split() == ["shm", "True", "mq", "True"]  # the writer did create them
+    assert vs[1].stdout.split() == ["shm", "True", "ipc0", "True", "mq", "True"]  # the writer did create them
     got = json.loads(vs[2].stdout)
     assert got == {"tmp": [], "cwd": "/tmp", "globals": [False] * 4, "recursion": 1000, "umask": 0o022,
-                   "sigterm": True, "shm": False, "mq": False, "mqueue": []}
+                   "sigterm": True, "shm": False, "mq": False, "mqueue": [], "sysvipc": 0}
 
 
 CALLS = "seen = []\ndef f(x):\n    seen.append(x)\n    return [x, len(seen)]\n"
@@ -337,3 +341,13 @@ def test_a_run_cut_by_the_total_budget_says_so(sb):
     v = sb.run_many({"m.py": "import time\ntime.sleep(5)\n"}, [Run("m.py", time_limit=3.0)],
                     deadline=time.monotonic() + 0.5)[0]
     assert v.status == "time_limit" and v.limits_hit == ["total_time"]
+
+
+def test_answers_that_made_the_judge_raise_are_verdicts(sb):
+    """A function returning an integer beyond any float, compared with a float expected value, raised
+    OverflowError out of Judge.judge; a lone surrogate in a program or its stdin raised UnicodeEncodeError."""
+    j = Judge(sb, float_tol=1e-6)
+    for code, expected in (("def f():\n    return 10**400\n", 1.5), ("def f():\n    return [10**400]\n", [1.5])):
+        assert j.judge(code, [{"fn": "f", "args": [], "expected": expected}]).status == "wrong_answer"
+    assert sb.run("print('\ud800')\n").status != "ok"
+    assert sb.run("import sys\nprint(len(sys.stdin.buffer.read()))\n", "a\ud800").stdout.strip() == "4"

@@ -370,7 +370,7 @@ class Judge:
                 return TestResult(index, "runtime_error", v.wall_time, why[:200], vd)
             try:
                 ok = compare_values(got, test.expected, self.float_tol)
-            except RecursionError:
+            except (RecursionError, OverflowError):  # too deep, or an integer beyond any float compared with one
                 ok = False
             detail = "" if ok else f"returned {lines[-1][:100]}"
         else:

@@ -729,7 +729,7 @@ def _put_files(box: str, files: dict[str, str | bytes]) -> None:
                 f.write(data)
             os.chmod(path, 0o755)
         else:
-            with open(path, "w", encoding="utf-8") as f:
+            with open(path, "w", encoding="utf-8", errors="surrogatepass") as f:  # (a lone surrogate: bytes as they are)
                 f.write(data)
             os.chmod(path, 0o644)
 
@@ -1506,7 +1506,7 @@ class Sandbox:
             if want != cell.mem_limit and cg.set_memory(want):
                 cell.mem_limit = want
             before = cg.begin()
-        data = r.stdin.encode() if isinstance(r.stdin, str) else bytes(r.stdin)
+        data = r.stdin.encode("utf-8", "surrogatepass") if isinstance(r.stdin, str) else bytes(r.stdin)
         fields = [repr(wall), str(cpu_s), str(mem_bytes), str(cfg.file_size_mb << 20), str(nproc),
                   str(cfg.max_open_files), *(argv if argv is not None else [f"{BOX}/{r.entry}", *map(str, r.args)])]
         msg = (b"X " if argv is not None else b"R ") + b"\0".join(f.encode("utf-8", "surrogateescape") for f in fields)
@@ -1728,7 +1728,7 @@ class Sandbox:
                      *(["-x", *binary] if binary else [f"{box}/{r.entry}", *map(str, r.args)])]
             env = _clean_env()
             env.update(HOME=box, TMPDIR=box)
-            data = r.stdin.encode() if isinstance(r.stdin, str) else bytes(r.stdin)
+            data = r.stdin.encode("utf-8", "surrogatepass") if isinstance(r.stdin, str) else bytes(r.stdin)
             v = self._execute(argv, env, box, data, wall, cpu_s, mem_bytes,
                               ready_r, ready_w, [ready_w], fds_to_close, cgroup, layers)
             built = os.path.join(box, os.path.basename(_BUILD_OUT))

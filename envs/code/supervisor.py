@@ -119,7 +119,14 @@ def _wipe_ipc() -> None:
         except OSError:
             pass
     if used and os.access("/usr/bin/ipcrm", os.X_OK):
-        pid = os.posix_spawn("/usr/bin/ipcrm", ["ipcrm", "--all"], {"PATH": "/usr/bin"})
+        args = ["ipcrm"]
+        for kind, flag in (("shm", "-m"), ("msg", "-q"), ("sem", "-s")):
+            try:
+                with open(f"/proc/sysvipc/{kind}") as f:
+                    args += [x for line in f.read().splitlines()[1:] for x in (flag, line.split()[1])]
+            except (OSError, IndexError):
+                pass
+        pid = os.posix_spawn("/usr/bin/ipcrm", args, {"PATH": "/usr/bin"})
         os.waitpid(pid, 0)
 
 
@@ -160,6 +167,10 @@ def _child(ctl, fds, sync_w, limits, argv, uid, gid, drop, execute=False):
     ctl.detach()  # closed below with the rest; its finalizer must not close a later descriptor
     for i, fd in enumerate(fds):
         os.dup2(fd, i)
+        try:  # the host's pipes (owned by root, mode 0600): reopenable as /dev/stdin etc. by the run
+            os.fchmod(i, 0o666)
+        except OSError:
+            pass
     if drop:
         os.setgroups([])
         os.setresgid(gid, gid, gid)
