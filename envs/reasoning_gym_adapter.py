@@ -12,7 +12,8 @@ derived 32-bit seeds. ``verify`` scores the
 extracted answer (last ``\\boxed{}`` or ``<answer>...</answer>``) with the dataset's own
 ``score_answer``; full credit (1.0) is ``correct``, where the answer also passes the exact check of
 ``EXACT`` (datasets whose scorer gives full credit to wrong answers: tolerances, ignored signs, prefixes);
-``LEVEL_CAPS`` stops the curriculum of datasets whose higher levels one constant answer solves.
+``LEVEL_CAPS`` stops the curriculum of datasets whose higher levels one constant answer solves, and
+``CONFIG_OVERRIDES`` rebalances the answers of others.
 
 reasoning-gym is imported only when an ``rg/`` environment is built. Its dataset names are cached
 per installed version (``$CASCADE_CACHE_DIR`` or ``~/.cache/cascade``), so registering them does
@@ -38,7 +39,7 @@ from envs.adapted import BoxedOrTagged, cached_catalog, package_version
 from envs.base import Environment, Problem, Score, register
 from envs.isolated import IsolatedCheck
 
-__all__ = ["ReasoningGymEnv", "catalog", "NO_ORACLE", "EXCLUDED", "EXACT", "LEVEL_CAPS"]
+__all__ = ["ReasoningGymEnv", "catalog", "NO_ORACLE", "EXCLUDED", "EXACT", "LEVEL_CAPS", "CONFIG_OVERRIDES"]
 
 # Datasets not registered, with the reason.
 EXCLUDED = {
@@ -66,6 +67,13 @@ NO_ORACLE = {
 LEVEL_CAPS = {
     "game_of_life": 0,    # from level 1 the boards grow but keep 10 live cells: all die, the all-zero grid scores 1.0
     "rotten_oranges": 1,  # -1 ("cannot all rot") is the answer of 85-100% of the problems from level 2
+}
+
+# Settings over every level's configuration, where reasoning-gym's make one answer right on most problems.
+CONFIG_OVERRIDES = {
+    # "Yes" was the answer of 93% at level 0 (only "all" premises: few invalid forms) and ~70% above (invalid_ratio
+    # 0.3); with "no" premises from level 0 and half the problems invalid: 51-53% at every level
+    "syllogism": {"invalid_ratio": 0.5, "allow_no": True},
 }
 
 _ENTRY_CACHE = 256
@@ -212,7 +220,7 @@ class ReasoningGymEnv(IsolatedCheck, BoxedOrTagged, Environment):
                 cur = self._curriculum_cls()
                 cur.set_global_level(level)
                 cfg = cur.generate_configuration(context=DefaultCurriculumContext(mode=mode))
-                cfg = dataclasses.replace(cfg, seed=0, size=1)
+                cfg = dataclasses.replace(cfg, seed=0, size=1, **CONFIG_OVERRIDES.get(self.name, {}))
                 self._dataset_cls(config=cfg)  # validates
                 return cfg
             except Exception:  # noqa: BLE001 - reasoning-gym rejects some of its own levels

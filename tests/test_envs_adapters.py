@@ -401,5 +401,10 @@ def test_rg_answers_its_scorer_credits_wrongly_are_not_correct(name, d, wrong, w
 
 
 def test_rg_levels_one_constant_answer_solves_are_not_used():
+    """game_of_life from level 1: the all-zero grid on every problem; rotten_oranges from level 2: -1 on 85-100%;
+    syllogism: Yes on 93% at level 0, ~70% above."""
     pytest.importorskip("reasoning_gym")
     assert get_env("rg/game_of_life").max_difficulty == 0 and get_env("rg/rotten_oranges").max_difficulty == 1
+    e = get_env("rg/syllogism")
+    for d in range(e.max_difficulty + 1):
+        assert sum(str(e.generate(s, d).answer).strip().lower() == "yes" for s in range(100)) <= 60
