@@ -156,8 +156,7 @@ class StageRunner:
             mixer = self.make_mixer(tok, curriculum, policy, engine)
             rl_cfg = copy.deepcopy(s.rl)
             rl_cfg.seed = r.seed + 7919 * (self.index + 1)
-            if rl_cfg.optim.schedule != "constant" and not rl_cfg.optim.total_steps:
-                rl_cfg.optim.total_steps = s.steps
+            rl_cfg.optim = rl_cfg.optim.over(s.steps)
             rl = RLTrainer(policy, tok, engine, curriculum, rl_cfg,
                            problem_hook=mixer.mix if mixer else None, rollout_hook=mixer.remember if mixer else None)
             if mixer is not None:  # an aggregation prompt the trainer would skip as too long is not made
@@ -656,7 +655,7 @@ class StageRunner:
         r, s = self.rcfg, self.scfg
         return WorkerLearner(self.dir.parent.parent / "exchange", start, r.trainer, rl.cfg, s.steps,
                              self.updates_done(rl, sft), self.dir / "logs", r.dtype, rl.pad_id, r.device,
-                             sft_steps=s.sft.steps, sft_optim=s.sft.optim)
+                             sft_steps=s.sft.steps, sft_optim=s.sft.optim.over(s.sft.steps))  # (as SFTTrainer's)
 
     def save(self, ckpt: Checkpointer, policy, src: Path, rl, sft, mixer, state: dict, pipe=None) -> None:
         from cascade.checkpoint import _fault

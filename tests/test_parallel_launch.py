@@ -73,6 +73,15 @@ def test_calc_formulas_hand_values():
     # K/V all-gather: n = 8/2 = 4 local tokens, 1 kv head of dim 2, k and v: 16 elems, D groups, fwd + recompute
     assert c["all_gather"] == 1 * 2 * 2 * 1 * 16 * 4
     assert comm_bytes(s, "dp")["all_reduce.grad"] == 2 * 0.5 * cfg.num_parameters() * 4
+    # Qwen2 (q/k/v biases, no q/k norm) and Llama with biases (o_proj's too): the formula assumed Qwen3's q/k norms
+    # and no biases; one process holds every parameter
+    from train.model.modeling import CausalLM
+
+    for arch in ("qwen2", "llama"):
+        c2 = ModelConfig(vocab_size=10, hidden_size=4, intermediate_size=6, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, head_dim=2, attention_bias=True, architecture=arch)
+        held = sum(p.numel() for p in CausalLM(c2).parameters())
+        assert params_rank0(Shape(c2, T=8, B=1, D=2, b=4), "single") == held, arch
 
 
 @pytest.mark.timeout(240)
@@ -138,7 +147,7 @@ def test_calc_memory_counts_what_mesh_adamw_holds_under_bf16(tmp_path):
             opt.accumulate()
             acc = 0 if opt._acc is None else opt._acc.numel() * opt._acc.element_size()
             state = sum(t.numel() * t.element_size() for t in (opt.exp_avg, opt.exp_avg_sq))
-            master = opt.master.numel() * opt.master.element_size() if b < 4 else 0  # fp32: the parameters are it
+            master = opt.master.numel() * opt.master.element_size()  # an fp32 copy under fp32 weights too
             m = memory(Shape(cfg, T=3, B=1, D=1, b=b), "dp")
             assert m["params"] == sum(p.numel() * p.element_size() for p in model.parameters())
             assert m["grads"] == grads + acc, (b, m["grads"], grads, acc)

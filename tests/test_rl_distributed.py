@@ -1062,3 +1062,28 @@ def test_the_ranks_tell_a_dead_orchestrator_also_as_a_zombie_or_by_a_reused_pid(
     finally:
         child.wait()
     assert _gone(child.pid, host, start)  # reaped: no such pid
+
+
+def test_a_second_checkpoint_request_for_a_checkpointed_update_keeps_it(tmp_path, monkeypatch):
+    """--checkpoint-every had saved update 2, then the learner asked for update 2 again: the complete checkpoint was
+    removed before the re-save, and a crash during it left no checkpoint to resume from (keep=1 had pruned the
+    one before)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from train.parallel.rl_update import RLUpdater
+    from train.rl.worker import complete_checkpoints, save_checkpoint
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        cfg = _cfgs()["dense"]
+        up = RLUpdater(_model(cfg), rl_cfg("dppo_tv"))
+        ex = tmp_path / "exchange"
+        for step in (1, 2):
+            up.step(make_batch(step - 1, cfg), step - 1)
+            save_checkpoint(up, ex, step, keep=1)
+        monkeypatch.setattr(dcp, "save", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("killed mid-save")))
+        save_checkpoint(up, ex, 2, keep=1)
+        assert complete_checkpoints(ex) == [2]
+    finally:
+        dist.destroy_process_group()

@@ -117,3 +117,24 @@ def test_a_template_that_opens_the_thinking_gets_responses_that_go_on_from_it(ti
         assert text.count("<think>") == 1 and text.count("</think>") == 1 and text.endswith("\\boxed{4}<|im_end|>")
         bare = t.decode(p2 + r2)
         assert bare.count("</think>") == (1 if think else 0) and bare.endswith("\\boxed{4}<|im_end|>")
+
+
+def test_the_trainer_ranks_sft_schedule_runs_over_the_stages_sft_steps(monkeypatch, tmp_path):
+    """The trainer ranks took sft.optim as configured: a cosine schedule with no total_steps kept the peak rate
+    for the whole warm-up there (SFTTrainer filled it in; the ranks did not)."""
+    import types
+
+    import cascade.learner
+    from cascade.stage import StageRunner
+
+    assert OptimConfig(schedule="cosine").over(7).total_steps == 7 and OptimConfig().over(7).total_steps == 0
+    assert OptimConfig(schedule="linear", total_steps=3).over(7).total_steps == 3
+    got = {}
+    monkeypatch.setattr(cascade.learner, "WorkerLearner", lambda *a, **kw: got.update(kw))
+    monkeypatch.setattr("train.model.hf_io.save_pretrained", lambda *a, **kw: None)
+    sft = types.SimpleNamespace(steps=4, optim=OptimConfig(schedule="cosine"))
+    runner = types.SimpleNamespace(dir=tmp_path / "stages" / "0-warmup", rcfg=types.SimpleNamespace(
+        trainer=None, dtype="float32", device="cpu"), scfg=types.SimpleNamespace(steps=2, sft=sft),
+        updates_done=lambda rl, s: 0)
+    StageRunner.start_learner(runner, types.SimpleNamespace(cfg=None, pad_id=0), None, tmp_path)
+    assert got["sft_optim"].total_steps == 4

@@ -57,6 +57,12 @@ class OptimConfig:
         if self.muon_ns_steps < 1:
             raise ValueError(f"muon_ns_steps must be >= 1, got {self.muon_ns_steps}")
 
+    def over(self, steps: int) -> "OptimConfig":
+        """This config, a decaying schedule given no ``total_steps`` running over ``steps`` (it stayed at peak)."""
+        from dataclasses import replace
+
+        return replace(self, total_steps=steps) if self.schedule != "constant" and not self.total_steps else self
+
     def muon_settings(self) -> dict | None:
         """The Muon hyper-parameters (the keyword arguments of :class:`Muon`'s matrix groups), or
         None when the optimizer is AdamW."""

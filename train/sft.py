@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -185,10 +185,7 @@ def encode_pair(tokenizer, prompt: str | list[dict], response: str, chat: bool,
 class SFTTrainer:
     def __init__(self, policy: CausalLM, tokenizer, cfg: SFTConfig):
         self.policy, self.tokenizer, self.cfg = policy, tokenizer, cfg
-        optim = cfg.optim  # a decaying schedule with no total_steps runs over this trainer's steps (it stayed at peak)
-        if optim.schedule != "constant" and not optim.total_steps:
-            optim = replace(optim, total_steps=cfg.steps)
-        self.opt, self.sched = build_optimizer(policy, optim)
+        self.opt, self.sched = build_optimizer(policy, cfg.optim.over(cfg.steps))
         self.rng = random.Random(cfg.seed)
         self.step_idx = 0
         from train.tokenizer import open_think_of

@@ -63,9 +63,11 @@ class Shape:
         return self.cfg.num_hidden_layers - self.n_moe
 
     def replicated(self) -> int:
-        """Elements of the small replicated tensors: norms and routers."""
+        """Elements of the small replicated tensors: norms (q/k norms where the family has them), o_proj biases
+        and routers."""
         c = self.cfg
-        return c.num_hidden_layers * (2 * c.hidden_size + 2 * c.head_dim) + c.hidden_size + self.n_moe * c.num_experts * c.hidden_size
+        per_layer = 2 * c.hidden_size + (2 * c.head_dim if c.qk_norm else 0) + (c.hidden_size if c.o_proj_bias else 0)
+        return c.num_hidden_layers * per_layer + c.hidden_size + self.n_moe * c.num_experts * c.hidden_size
 
 
 def params_rank0(s: Shape, layout: str) -> int:
@@ -80,7 +82,7 @@ def params_rank0(s: Shape, layout: str) -> int:
         kv0 = c.num_key_value_heads // D
     I0 = split_sizes(c.intermediate_size, D)[0]
     Im0 = split_sizes(c.moe_intermediate_size, D)[0] if c.is_moe else 0
-    per_attn = 2 * H * hq * d + 2 * H * kv0 * d
+    per_attn = 2 * H * hq * d + 2 * H * kv0 * d + ((hq + 2 * kv0) * d if c.attention_bias else 0)  # q/k/v biases: rows
     total = V0 * H * (1 if c.tie_word_embeddings else 2) + s.replicated()
     total += c.num_hidden_layers * per_attn + s.n_dense * 3 * H * I0 + s.n_moe * 3 * c.num_experts * H * Im0
     return total
@@ -188,14 +190,16 @@ def activation_bytes(s: Shape, layout: str) -> float:
 
 
 def memory(s: Shape, layout: str) -> dict[str, float]:
-    """Rank 0's bytes. With weights under 4 bytes (bf16) the optimizer (train.parallel.dp.MeshAdamW) also
-    keeps an fp32 master copy of the elements it updates, and gradients are summed into an fp32 accumulator
-    over the rank's parameters beside each micro-batch's low-precision gradients."""
+    """Rank 0's bytes. The sharded layouts' optimizer (train.parallel.dp.MeshAdamW) keeps an fp32 master copy of
+    the elements it updates beside its two moments, whatever the weights' dtype; one process (torch's AdamW) keeps
+    one only under bf16 (train.optim.MasterWeights). With weights under 4 bytes (bf16) gradients are also summed
+    into an fp32 accumulator over the rank's parameters beside each micro-batch's low-precision gradients."""
     P = params_rank0(s, layout)
     owned = -(-s.cfg.num_parameters() // s.D) if layout == "dp" else P
     low = s.b < 4
     act = activation_bytes(s, layout)
-    m = {"params": P * s.b, "grads": P * s.b + (P * 4 if low else 0), "optimizer": owned * (3 if low else 2) * 4,
+    master = low or layout != "single"
+    m = {"params": P * s.b, "grads": P * s.b + (P * 4 if low else 0), "optimizer": owned * (3 if master else 2) * 4,
          "activations": act}
     m["peak"] = sum(m.values())
     return m

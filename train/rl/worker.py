@@ -235,6 +235,10 @@ def save_checkpoint(up, exchange: Path, step: int, keep: int) -> Path:
     import torch.distributed.checkpoint as dcp
 
     path = exchange / CKPT_DIR / f"step-{step:06d}"
+    done = [(path / COMPLETE).exists()]  # rank 0's view, for every rank (a shared filesystem may lag)
+    dist.broadcast_object_list(done, src=0)
+    if done[0]:  # this update is checkpointed (--checkpoint-every, then the learner's request): nothing changed
+        return path  # since, and removing it first would leave a crash in the re-save no checkpoint
     if dist.get_rank() == 0 and path.exists():
         shutil.rmtree(path)  # a partial one from a crash
     dist.barrier()
