@@ -161,6 +161,31 @@ def _big_chain() -> tuple[str, str]:
     return f"{n} {n - 1}\n{edges}\n", "1"
 
 
+def _big_list(answer) -> tuple[str, str]:
+    """10^5 values of absolute value up to 10^9 (sums beyond 32 bits) and ``answer(values)``."""
+    a = [(i * 7919 + 12345) % 2000000001 - 1000000000 for i in range(100000)]
+    return f"{len(a)}\n{' '.join(map(str, a))}\n", str(answer(a))
+
+
+def _kadane(a: list[int]) -> int:
+    best = cur = a[0]
+    for x in a[1:]:
+        cur = max(x, cur + x)
+        best = max(best, cur)
+    return best
+
+
+def _longest_run(a: list[int]) -> int:
+    best = cur = 1
+    for x, y in zip(a, a[1:]):
+        cur = cur + 1 if y > x else 1
+        best = max(best, cur)
+    return best
+
+
+_BILLIONS = "3\n1000000000 1000000000 1000000000"  # 32-bit sums overflow
+
+
 def _big_lis() -> tuple[str, str]:
     n = 100000
     return f"{n}\n{' '.join(str(i // 2) for i in range(n))}\n", str(n // 2)
@@ -255,10 +280,11 @@ def _raw() -> list[dict]:
          input_spec="The first line holds n (1 <= n <= 10^5); the second line n integers of absolute value at most 10^9.",
          output_spec="One integer.",
          reference="input()\nprint(sum(x for x in map(int, input().split()) if x % 2 == 0))\n",
-         wrong=["input()\na = list(map(int, input().split()))\nprint(sum(a[i] for i in range(0, len(a), 2)))\n"],
+         wrong=["def i32(v):\n    return (v + 2**31) % 2**32 - 2**31\ninput()\ns = 0\nfor x in map(int, input().split()):\n    if x % 2 == 0:\n        s = i32(s + x)\nprint(s)\n",  # 32-bit
+                "input()\na = list(map(int, input().split()))\nprint(sum(a[i] for i in range(0, len(a), 2)))\n"],
          validator=_v_list(1, 10**5, -10**9, 10**9),
          tests=_t(("5\n1 2 3 4 5", "6"), ("4\n-2 -3 7 8", "6"), ("3\n1 3 5", "0"), ("1\n0", "0"),
-                  ("6\n10 10 10 1 1 1", "30"))),
+                  ("6\n10 10 10 1 1 1", "30"), (_BILLIONS, "3000000000"))),
     dict(id="palindrome", title="Palindrome", difficulty=1,
          statement="Decide whether a word reads the same forwards and backwards.",
          input_spec="One word of 1 to 1000 lowercase letters.",
@@ -335,18 +361,21 @@ def _raw() -> list[dict]:
          input_spec="The first line holds n (1 <= n <= 10^5); the second line n integers of absolute value at most 10^9.",
          output_spec="n integers on one line.",
          reference="input()\ns = 0\nout = []\nfor x in map(int, input().split()):\n    s += x\n    out.append(s)\nprint(*out)\n",
-         wrong=["input()\ns = 0\nout = []\nfor x in map(int, input().split()):\n    out.append(s)\n    s += x\nprint(*out)\n"],
+         wrong=["def i32(v):\n    return (v + 2**31) % 2**32 - 2**31\ninput()\ns = 0\nout = []\nfor x in map(int, input().split()):\n    s = i32(s + x)\n    out.append(s)\nprint(*out)\n",  # 32-bit
+                "input()\ns = 0\nout = []\nfor x in map(int, input().split()):\n    out.append(s)\n    s += x\nprint(*out)\n"],
          validator=_v_list(1, 10**5, -10**9, 10**9),
-         tests=_t(("4\n1 2 3 4", "1 3 6 10"), ("1\n-5", "-5"), ("3\n0 0 0", "0 0 0"), ("5\n5 -5 5 -5 5", "5 0 5 0 5"))),
+         tests=_t(("4\n1 2 3 4", "1 3 6 10"), ("1\n-5", "-5"), ("3\n0 0 0", "0 0 0"), ("5\n5 -5 5 -5 5", "5 0 5 0 5"),
+                  ("3\n2 -1 4", "2 1 5"), (_BILLIONS, "1000000000 2000000000 3000000000"))),
     dict(id="binary-to-decimal", title="Binary to decimal", difficulty=1,
          statement="Convert a binary number to decimal.",
          input_spec="A binary string of 1 to 60 digits without leading zeros (or the single digit 0).",
          output_spec="Its value in decimal.",
          reference="print(int(input().strip(), 2))\n",
-         wrong=["print(int(input().strip()[::-1], 2))\n"],
+         wrong=["print(int(input().strip(), 2) % 2**32)\n",  # 32-bit unsigned
+                "print(int(input().strip()[::-1], 2))\n"],
          validator="import sys\nt = sys.stdin.read().split()\nassert len(t) == 1 and 1 <= len(t[0]) <= 60 and set(t[0]) <= set('01')\n"
                    "assert t[0] == '0' or t[0][0] == '1'\n",
-         tests=_t(("101", "5"), ("0", "0"), ("1", "1"), ("1101", "13"), ("100000", "32"))),
+         tests=_t(("101", "5"), ("0", "0"), ("1", "1"), ("1101", "13"), ("100000", "32"), ("1" * 60, str(2**60 - 1)))),
     dict(id="anagram", title="Anagrams", difficulty=1,
          statement="Decide whether two words are anagrams (the same letters, each the same number of times).",
          input_spec="One line with two words of 1 to 1000 lowercase letters.",
@@ -364,7 +393,8 @@ def _raw() -> list[dict]:
          wrong=["input()\na = list(map(int, input().split()))\nbest = cur = 1\nfor i in range(1, len(a)):\n"
                 "    cur = cur + 1 if a[i] >= a[i - 1] else 1\n    best = max(best, cur)\nprint(best)\n"],
          validator=_v_list(1, 10**5, -10**9, 10**9),
-         tests=_t(("6\n1 2 2 3 4 1", "3"), ("1\n5", "1"), ("5\n5 4 3 2 1", "1"), ("5\n1 2 3 4 5", "5"), ("4\n1 1 1 1", "1"))),
+         tests=_t(("6\n1 2 2 3 4 1", "3"), ("1\n5", "1"), ("5\n5 4 3 2 1", "1"), ("5\n1 2 3 4 5", "5"), ("4\n1 1 1 1", "1"),
+                  ("5\n3 1 2 3 0", "3"), _big_list(_longest_run))),
     dict(id="pair-sum-count", title="Pairs with a given sum", difficulty=2,
          statement="Count the pairs of positions i < j with a_i + a_j = k.",
          input_spec="The first line holds n and k (1 <= n <= 10^5, |k| <= 2*10^9); the second line n integers of absolute value at most 10^9.",
@@ -474,13 +504,14 @@ def _raw() -> list[dict]:
                    "INF = float('inf')\nd = [INF] * (n + 1)\nd[1] = 0\nh = [(0, 1)]\nwhile h:\n    du, u = heapq.heappop(h)\n    if du > d[u]:\n        continue\n"
                    "    for v, w in g[u]:\n        if du + w < d[v]:\n            d[v] = du + w\n            heapq.heappush(h, (d[v], v))\n"
                    "print(d[n] if d[n] < INF else -1)\n",
-         wrong=["import sys\nfrom collections import deque\nt = sys.stdin.buffer.read().split()\nn, m = int(t[0]), int(t[1])\n"
+         wrong=["import sys, heapq\nt = sys.stdin.buffer.read().split()\nn, m = int(t[0]), int(t[1])\ng = [[] for _ in range(n + 1)]\nfor i in range(m):\n    a, b, w = int(t[2 + 3 * i]), int(t[3 + 3 * i]), int(t[4 + 3 * i])\n    g[a].append((b, w))\nd = [float('inf')] * (n + 1)\nd[1] = 0\nh = [(0, 1)]\nwhile h:\n    du, u = heapq.heappop(h)\n    if du > d[u]:\n        continue\n    for v, w in g[u]:\n        if du + w < d[v]:\n            d[v] = du + w\n            heapq.heappush(h, (d[v], v))\nprint(d[n] if d[n] < float('inf') else -1)\n",  # roads one way
+                "import sys\nfrom collections import deque\nt = sys.stdin.buffer.read().split()\nn, m = int(t[0]), int(t[1])\n"
                 "g = [[] for _ in range(n + 1)]\nfor i in range(m):\n    a, b, w = int(t[2 + 3 * i]), int(t[3 + 3 * i]), int(t[4 + 3 * i])\n"
                 "    g[a].append((b, w))\n    g[b].append((a, w))\nd = [-1] * (n + 1)\nd[1] = 0\nq = deque([1])\nwhile q:\n    u = q.popleft()\n"
                 "    for v, w in g[u]:\n        if d[v] < 0:\n            d[v] = d[u] + w\n            q.append(v)\nprint(d[n])\n"],
          validator=_V_GRAPH.format(k=3),
          tests=_t(("3 3\n1 2 1\n2 3 1\n1 3 5", "2"), ("2 0", "-1"), ("4 4\n1 2 5\n1 3 1\n3 2 1\n2 4 1", "3"), ("1 0", "0"),
-                  ("3 2\n1 2 1000000000\n2 3 1000000000", "2000000000"))),
+                  ("3 2\n1 2 1000000000\n2 3 1000000000", "2000000000"), ("3 2\n2 1 4\n3 2 1", "5"))),  # (roads both ways)
     dict(id="knapsack", title="Knapsack", difficulty=3,
          statement="Choose items, each at most once, of total weight at most W and the largest total value. Print that value.",
          input_spec="The first line holds n and W (1 <= n <= 100, 0 <= W <= 10^4); then n lines with the weight (1 to 10^4) and value (0 to 10^6) of an item.",
@@ -500,9 +531,11 @@ def _raw() -> list[dict]:
          output_spec="One integer.",
          reference="input()\nbest = cur = None\nfor x in map(int, input().split()):\n    cur = x if cur is None or cur < 0 else cur + x\n"
                    "    best = cur if best is None else max(best, cur)\nprint(best)\n",
-         wrong=["input()\nbest = cur = 0\nfor x in map(int, input().split()):\n    cur = max(0, cur + x)\n    best = max(best, cur)\nprint(best)\n"],
+         wrong=["def i32(v):\n    return (v + 2**31) % 2**32 - 2**31\ninput()\nbest = cur = None\nfor x in map(int, input().split()):\n    cur = x if cur is None or cur < 0 else i32(cur + x)\n    best = cur if best is None else max(best, cur)\nprint(best)\n",  # 32-bit
+                "input()\nbest = cur = 0\nfor x in map(int, input().split()):\n    cur = max(0, cur + x)\n    best = max(best, cur)\nprint(best)\n"],
          validator=_v_list(1, 10**5, -10**9, 10**9),
-         tests=_t(("9\n-2 1 -3 4 -1 2 1 -5 4", "6"), ("3\n-3 -1 -2", "-1"), ("1\n5", "5"), ("4\n1 2 3 4", "10"))),
+         tests=_t(("9\n-2 1 -3 4 -1 2 1 -5 4", "6"), ("3\n-3 -1 -2", "-1"), ("1\n5", "5"), ("4\n1 2 3 4", "10"),
+                  (_BILLIONS, "3000000000"), _big_list(_kadane))),
     dict(id="rotate-right", title="Rotate a list", difficulty=1,
          statement="Rotate a list to the right by k positions (the last element moves to the front, k times).",
          input_spec="The first line holds n and k (1 <= n <= 10^5, 0 <= k <= 10^9); the second line n integers.",
@@ -538,13 +571,14 @@ def _raw() -> list[dict]:
          reference="n = int(input())\niv = sorted(tuple(map(int, input().split())) for _ in range(n))\nout = []\nfor l, r in iv:\n"
                    "    if out and l <= out[-1][1]:\n        out[-1][1] = max(out[-1][1], r)\n    else:\n        out.append([l, r])\n"
                    "print(len(out))\nfor l, r in out:\n    print(l, r)\n",
-         wrong=["n = int(input())\niv = [tuple(map(int, input().split())) for _ in range(n)]\nout = []\nfor l, r in iv:\n"
+         wrong=["n = int(input())\niv = sorted(tuple(map(int, input().split())) for _ in range(n))\nout = []\nfor l, r in iv:\n    if out and l <= out[-1][1] + 1:\n        out[-1][1] = max(out[-1][1], r)\n    else:\n        out.append([l, r])\nprint(len(out))\nfor l, r in out:\n    print(l, r)\n",  # merges [1,2] and [3,4]
+                "n = int(input())\niv = [tuple(map(int, input().split())) for _ in range(n)]\nout = []\nfor l, r in iv:\n"
                 "    if out and l <= out[-1][1]:\n        out[-1][1] = max(out[-1][1], r)\n    else:\n        out.append([l, r])\n"
                 "print(len(out))\nfor l, r in out:\n    print(l, r)\n"],
          validator="import sys\nt = [int(x) for x in sys.stdin.read().split()]\nn = t[0]\nassert 1 <= n <= 10**5 and len(t) == 1 + 2 * n\n"
                    "assert all(0 <= t[1 + 2 * i] <= t[2 + 2 * i] <= 10**9 for i in range(n))\n",
          tests=_t(("3\n1 3\n2 6\n8 10", "2\n1 6\n8 10"), ("2\n5 7\n1 2", "2\n1 2\n5 7"), ("2\n1 3\n3 5", "1\n1 5"),
-                  ("3\n1 10\n2 3\n4 5", "1\n1 10"))),
+                  ("3\n1 10\n2 3\n4 5", "1\n1 10"), ("2\n1 2\n3 4", "2\n1 2\n3 4"))),  # (one apart: not touching)
     dict(id="word-frequency", title="Most frequent word", difficulty=2,
          statement="Print the most frequent word of a text and its count; among equally frequent words print the "
                    "alphabetically smallest.",
