@@ -34,15 +34,16 @@ def avg_at_k(rl, problems: list, k: int, seed: int = 0, chunk: int = 0, advance=
     c = rl.cfg
     enc = [(e, p, encode_prompt(rl.tokenizer, p.prompt, c.chat_template, c.system_prompt)) for e, p in problems]
     think = open_think_of(rl.tokenizer, c.chat_template, c.system_prompt)  # verified in front of each response
-    params = c.sampling.params(max(k, 1), seed)
-    if k == 0:
-        params.temperature = 0.0
     per_problem: list[tuple[str, float]] = []
     size = chunk if chunk > 0 else max(len(enc), 1)
     skipped = 0
     for i in range(0, len(enc), size):  # chunks of the problems as given; prompts too long skipped within
         part = [x for x in enc[i:i + size] if len(x[2]) <= rl.max_prompt_tokens]
         skipped += len(enc[i:i + size]) - len(part)
+        # each chunk its own streams (engines seed rows by their index in the call: chunks shared them all)
+        params = c.sampling.params(max(k, 1), seed + i)
+        if k == 0:
+            params.temperature = 0.0
         comps = rl.engine.generate([x[2] for x in part], params) if part else []
         right = [0] * len(part)
         seen = [0] * len(part)

@@ -388,11 +388,13 @@ def main(argv: list[str]) -> int:
 
 def difficulty_rise(s: dict) -> tuple[dict[str, tuple[int, int, int]], int]:
     """Per environment (start, end, highest) level of a stage's ``run_state`` and how many ended above
-    their start."""
+    their start (an RLVE window: its high end, the hardest level it samples, as the plots show it; a calibrated
+    start: the level calibration picked)."""
     from cascade.stage import level
 
     start, top = s.get("difficulty_start") or {}, s.get("difficulty_max") or {}
-    rows = {e: (int(start.get(e, 0)), level(v), int(top.get(e, level(v)))) for e, v in (s.get("difficulty") or {}).items()}
+    rows = {e: (int(start.get(e, 0)), level(v, high=True), int(top.get(e, level(v, high=True))))
+            for e, v in (s.get("difficulty") or {}).items()}
     return rows, sum(end > st for st, end, _ in rows.values())
 
 

@@ -77,10 +77,11 @@ def end_ids(engine, sampling, policy=None) -> set[int]:
             | set(getattr(engine, "eos_token_ids", ())) | set(sampling.stop_token_ids))
 
 
-def level(v) -> int:
-    """One difficulty level from a controller's summary (an RLVE window ``[low, high]``: ``low``)."""
+def level(v, high: bool = False) -> int:
+    """One difficulty level from a controller's summary (an RLVE window ``[low, high]``: ``low``, or with
+    ``high`` its high end, the hardest level it samples)."""
     if isinstance(v, (list, tuple)):
-        return int(v[0]) if v else 0
+        return int(v[-1 if high else 0]) if v else 0
     return int(v) if isinstance(v, (int, float)) else 0
 
 
@@ -197,10 +198,15 @@ class StageRunner:
                     raise ConfigError(f"the rollout servers cannot load this run's weights ({e}); servers given by "
                                       f"rollout.urls must serve this run's policy (the same architecture and "
                                       f"sizes) with --weights-dir {engine.exchange}") from None
+            held = self.eval_problems(curriculum, start_levels)
+            # no training draw (RL, the pass-rate pool, expert tails, SFT reference answers) is a held-out problem
+            curriculum.exclude = self.held_out(curriculum, held)
             if mixer is not None and s.aggregation.expert and not mixer.expert:
                 self.expert_tails(mixer, curriculum, rl)
-            held = self.eval_problems(curriculum, start_levels)
             state.setdefault("difficulty_start", start_levels)
+            # controllers that calibrate their start (zaya): the stage's start level is the one calibration picks
+            state.setdefault("calibrating", sorted(e for e, c in curriculum.controllers.items()
+                                                   if getattr(c, "calibrating", False)))
             state.setdefault("difficulty_max", dict(start_levels))
             if state["eval_before"] is None:
                 ev = self.evaluate_k(rl, held, "before")
@@ -252,6 +258,8 @@ class StageRunner:
                     data = self.apply_phase(rl, curriculum, mixer, step - s.sft.steps) if pipe is None else {}
                     m = pipe.step() if pipe is not None else rl.step()
                     m.update(data)
+                    # training draws of a held-out prompt drawn again, and those kept (a level with fewer problems)
+                    m.update(heldout_redraws=curriculum.heldout_redraws, heldout_overlap=curriculum.heldout_overlap)
                     if mixer is not None:
                         m.update(mixer.metrics())
                     if isinstance(engine, ServedEngine):
@@ -262,7 +270,7 @@ class StageRunner:
                         if engine.broadcaster is not None:
                             m["weight_broadcast_failures"] = engine.broadcast_failures
                     self.records.log(self.name, "rl", step, m)
-                    self.track_difficulty(state, rl.curriculum.difficulties())
+                    self.track_difficulty(state, rl.curriculum.difficulties(), curriculum)
                     info = f"reward {m['reward_mean']:.2f} acc {m['accuracy']:.2f}"
                 state["step"] = step + 1
                 if self.progress:
@@ -531,12 +539,17 @@ class StageRunner:
         return {e: level(v) for e, v in curriculum.difficulties().items()}
 
     @staticmethod
-    def track_difficulty(state: dict, now: dict) -> None:
+    def track_difficulty(state: dict, now: dict, curriculum=None) -> None:
         """The highest level each environment reached during the stage, in ``state["difficulty_max"]`` (an RLVE
-        window's high end: the highest level it sampled)."""
+        window's high end: the highest level it sampled); an environment whose controller calibrated its start
+        gets the level calibration ended at as its ``difficulty_start`` (its 0 before was no level)."""
         top = state["difficulty_max"]  # set from the start levels when the stage starts
         for e, v in now.items():
-            top[e] = max(top.get(e, 0), level(v[-1:] if isinstance(v, (list, tuple)) else v))
+            top[e] = max(top.get(e, 0), level(v, high=True))
+        for e in list(state.get("calibrating", [])) if curriculum is not None else []:
+            if e in now and not getattr(curriculum.controllers.get(e), "calibrating", False):
+                state["difficulty_start"][e] = level(now[e])
+                state["calibrating"].remove(e)
 
     def eval_problems(self, curriculum, start_levels: dict[str, int] | None = None):
         """The stage's held-out problems, at ``eval_difficulty`` or else at each environment's start level
@@ -561,6 +574,12 @@ class StageRunner:
             d = fixed if fixed is not None else start_levels.get(e, 0)
             out.append((e, curriculum.envs[e].heldout(10**9 + rng.getrandbits(30), d)))
         return out
+
+    def held_out(self, curriculum, held) -> set[str]:
+        """Normalized prompts of the stage's held-out problems and of those its environments hold out."""
+        from envs.hub import normalize_text
+
+        return {normalize_text(p.prompt) for _, p in held} | self.heldout_texts(curriculum)
 
     @staticmethod
     def heldout_texts(curriculum) -> set[str]:
@@ -595,7 +614,8 @@ class StageRunner:
             weights = [float(s.envs[e]) for e in env_ids] if isinstance(s.envs, dict) else None
             with self.phase("sft data", s.examples, "reference solutions") as advance:
                 pairs = reference_pairs(env_ids, s.examples, seed=self.rcfg.seed + self.index, weights=weights,
-                                        difficulties=s.difficulties, env_kwargs=self.scfg.env_kwargs, advance=advance)
+                                        difficulties=s.difficulties, env_kwargs=self.scfg.env_kwargs, advance=advance,
+                                        exclude=curriculum.exclude if curriculum is not None else None)
         if s.aggregation.teacher and s.aggregation.fraction > 0:  # C teacher tails -> the teacher's aggregated answer
             pairs = list(pairs) + self.aggregation_sft(tok, curriculum, len(pairs), rl)
         cfg = sft.cfg

@@ -30,7 +30,7 @@ from __future__ import annotations
 import copy
 import math
 import random
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from envs.base import Environment, Problem, get_env
 
@@ -366,6 +366,24 @@ def make_controller(name: str, max_difficulty: int | None = None, **kwargs) -> C
 
 
 SAMPLING_MODES = ("uniform", "least_sampled", "weighted_least_sampled")
+HELDOUT_REDRAWS = 16  # draws of other seeds for a problem whose prompt is held out
+
+
+def draw_avoiding(make: Callable[[int], Problem], rng: random.Random, exclude: set[str],
+                  first: int | None = None) -> tuple[Problem, int, bool]:
+    """``make(seed)`` with a seed from ``rng`` (or ``first``), drawn again with others while the problem's
+    normalized prompt is in ``exclude`` (held out), up to ``HELDOUT_REDRAWS`` times -> (problem, redraws,
+    whether it is held out all the same: a level with that few distinct problems)."""
+    p = make(rng.getrandbits(62) if first is None else first)
+    if not exclude:
+        return p, 0, False
+    from envs.hub import normalize_text
+
+    redraws = 0
+    while normalize_text(p.prompt) in exclude and redraws < HELDOUT_REDRAWS:
+        redraws += 1
+        p = make(rng.getrandbits(62))
+    return p, redraws, normalize_text(p.prompt) in exclude
 
 
 def valid_weights(weights: dict[str, float]) -> bool:
@@ -421,6 +439,18 @@ class Curriculum:
         }
         self.counts = {k: 0 for k in self.weights}
         self._rng = random.Random(seed)
+        # normalized prompts held out for evaluation (envs.hub.normalize_text): a draw of one is drawn again
+        self.exclude: set[str] = set()
+        self.heldout_redraws = self.heldout_overlap = 0  # draws drawn again; held-out problems drawn anyway
+
+    def generate(self, env_id: str, d: int, rng: random.Random) -> Problem:
+        """A problem of ``env_id`` at level ``d`` with a seed from ``rng``, drawn again (up to
+        ``HELDOUT_REDRAWS`` times) while its prompt is one held out; a level with so few distinct problems that
+        every draw is held out keeps the last (counted in ``heldout_overlap``)."""
+        p, redraws, held = draw_avoiding(lambda seed: self.envs[env_id].generate(seed, d), rng, self.exclude)
+        self.heldout_redraws += redraws
+        self.heldout_overlap += held
+        return p
 
     def _follow_cap(self, env_id: str) -> Controller:
         """``env_id``'s controller, given the environment's current cap."""
@@ -467,9 +497,8 @@ class Curriculum:
         for _ in range(int(n)):
             env_id = self._pick_env(rng)
             d = self._follow_cap(env_id).sample(rng)
-            seed = rng.getrandbits(62)
             self.counts[env_id] += 1
-            out.append((env_id, self.envs[env_id].generate(seed, d)))
+            out.append((env_id, self.generate(env_id, d, rng)))
         return out
 
     def peek(self, rng: random.Random, n: int = 1) -> list[tuple[str, Problem]]:
@@ -508,6 +537,7 @@ class Curriculum:
             "counts": dict(self.counts),
             "controllers": {k: {"name": c.name, "state": c.state_dict()} for k, c in self.controllers.items()},
             "rng": [st[0], list(st[1]), st[2]],
+            "heldout": [self.heldout_redraws, self.heldout_overlap],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -524,3 +554,4 @@ class Curriculum:
             self._follow_cap(k)  # the environment's cap now, not the checkpoint's
         v, internal, gauss = state["rng"]
         self._rng.setstate((v, tuple(internal), gauss))
+        self.heldout_redraws, self.heldout_overlap = state.get("heldout", (0, 0))

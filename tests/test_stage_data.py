@@ -96,6 +96,35 @@ def test_held_out_problems_follow_the_stage_mix(tok):
     assert picks == ["math/arith", "toy/add", "toy/max"] * 2
 
 
+def test_training_draws_avoid_the_held_out_problems(tok):
+    """Held-out problems of procedural environments were generated like training ones: in the tiny profile 61 of
+    the warm-up's 64 held-out prompts were among its RL draws and all 64 among its SFT examples (toy/add: every
+    one). Training draws (the curriculum's, SFT's reference answers) now draw again a held-out prompt; a level
+    with fewer problems than that (gym/catalan has 3 at level 0) keeps it and counts it."""
+    from cascade.stage import StageRunner
+    from envs.hub import normalize_text
+    from train.sft import reference_pairs
+
+    s = StageConfig(steps=4, controller="fixed", eval_problems=64, envs={"toy/add": 3, "gym/catalan": 1})
+    stage = StageRunner("math", 2, s, RunConfig(order=[]), Path("/nonexistent"), None, None)
+    cur = stage.build_curriculum(tok)
+    held = stage.eval_problems(cur, {e: 0 for e in cur.envs})
+    cur.exclude = stage.held_out(cur, held)
+    assert len(cur.exclude) >= 30  # (duplicates among them: toy/add has 100 problems at level 0)
+    drawn = cur.sample(random.Random(0), 2000)
+    inside = [e for e, p in drawn if normalize_text(p.prompt) in cur.exclude]
+    assert inside and set(inside) == {"gym/catalan"} and cur.heldout_overlap == len(inside)
+    assert cur.heldout_redraws > 100
+    pairs = reference_pairs(["toy/add"], 2000, seed=1, difficulties=(0,), exclude=cur.exclude)
+    assert not [pr for pr, _ in pairs if normalize_text(pr) in cur.exclude]
+    assert [pr for pr, _ in reference_pairs(["toy/add"], 2000, seed=1, difficulties=(0,)) if normalize_text(pr) in
+            cur.exclude]  # (without the exclusion: held-out prompts among them)
+    state = cur.state_dict()
+    again = stage.build_curriculum(tok)
+    again.load_state_dict(state)
+    assert (again.heldout_redraws, again.heldout_overlap) == (cur.heldout_redraws, cur.heldout_overlap)
+
+
 def test_an_rlve_window_counts_groups_of_the_stages_size_and_its_peak_is_its_high_end(tok):
     """RLVE's window moves after tau_prompts groups at its upper level: groups of the stage's ``rl.group_size``
     (it counted groups of 16 whatever the stage's size); the level a stage records as reached is the window's
@@ -114,6 +143,25 @@ def test_an_rlve_window_counts_groups_of_the_stages_size_and_its_peak_is_its_hig
     StageRunner.track_difficulty(state, {"toy/add": [0, 3], "toy/max": 2})
     StageRunner.track_difficulty(state, {"toy/add": [1, 2], "toy/max": 1})
     assert state["difficulty_max"] == {"toy/add": 3, "toy/max": 2}
+    # a zaya controller calibrating its start reads 0 until calibration ends: the stage's start is the level it
+    # picked (calibrated to 3, up to 4, back to 3 counted as a rise from 0); an RLVE window rose when its high
+    # end did ([0, 0] -> [0, 3] counted as no rise: its low end stayed)
+    import types
+
+    from cascade.run import difficulty_rise
+
+    calibrating = types.SimpleNamespace(calibrating=True)
+    cur = types.SimpleNamespace(controllers={"toy/max": calibrating})
+    state = {"difficulty_max": {"toy/max": 0}, "difficulty_start": {"toy/max": 0}, "calibrating": ["toy/max"]}
+    StageRunner.track_difficulty(state, {"toy/max": 2}, cur)
+    calibrating.calibrating = False
+    for now in (3, 4, 3):
+        StageRunner.track_difficulty(state, {"toy/max": now}, cur)
+    assert state["difficulty_start"] == {"toy/max": 3} and state["calibrating"] == []
+    rows, rose = difficulty_rise({**state, "difficulty": {"toy/max": 3}})
+    assert rows == {"toy/max": (3, 3, 4)} and rose == 0
+    rows, rose = difficulty_rise({"difficulty_start": {"w": 0}, "difficulty": {"w": [0, 3]}, "difficulty_max": {"w": 3}})
+    assert rows == {"w": (0, 3, 3)} and rose == 1
 
 
 def test_the_pool_expert_and_teacher_problems_are_separate_draws_in_every_stage(tok):
@@ -445,8 +493,9 @@ def test_avg_at_k_per_family_matches_hand_computed_values(tok):
     assert r["families"] == pytest.approx({"toy": 0.75, "gym": 0.25})
     assert r["accuracy"] == pytest.approx(1.75 / 3) and r["k"] == 4
     assert r["problems"] == {"gym": 1, "toy": 2} and r["skipped"] == 0
-    assert [p.n for p in RL.engine.params] == [4, 4] and all(p.temperature == 0.7 and p.seed == 5
-                                                             for p in RL.engine.params)
+    # each chunk of 2 problems samples its own streams (seed + the chunk's first index): they shared one
+    assert [p.n for p in RL.engine.params] == [4, 4] and all(p.temperature == 0.7 for p in RL.engine.params)
+    assert [p.seed for p in RL.engine.params] == [5, 7]
     g = avg_at_k(RL, probs, 0)  # k = 0: one greedy answer, the first scripted sample
     assert g["families"] == pytest.approx({"toy": 1.0, "gym": 0.0}) and RL.engine.params[-1].temperature == 0.0
     assert family("ifeval") == "ifeval" and family("rlve/Sorting") == "rlve"

@@ -38,12 +38,14 @@ def render_trace(reasoning: str, answer_text: str) -> str:
 
 
 def reference_pairs(env_ids: list[str], n: int, seed: int = 0, difficulties=(0,), think: bool = True,
-                    env_kwargs: dict | None = None, advance=None, weights: list[float] | None = None
-                    ) -> list[tuple[str, str]]:
+                    env_kwargs: dict | None = None, advance=None, weights: list[float] | None = None,
+                    exclude: set[str] | None = None) -> list[tuple[str, str]]:
     """``n`` (prompt, response) pairs from the environments' reference solutions, each from an
     environment drawn uniformly or in proportion to ``weights`` (``advance(1)`` after each, for a
-    progress bar)."""
+    progress bar); a problem whose normalized prompt is in ``exclude`` (held out for evaluation) is drawn
+    again, as :meth:`envs.curriculum.Curriculum.generate` does."""
     from envs.base import get_env
+    from envs.curriculum import draw_avoiding
 
     if weights is not None and (len(weights) != len(env_ids) or min(weights) < 0 or sum(weights) <= 0):
         raise ValueError(f"sft environment weights must be >= 0, one per environment, not all 0; got {weights}")
@@ -57,7 +59,9 @@ def reference_pairs(env_ids: list[str], n: int, seed: int = 0, difficulties=(0,)
     for _ in range(n):
         env_id = rng.choice(env_ids) if weights is None else rng.choices(env_ids, weights)[0]
         env = envs[env_id]
-        prob = env.generate(rng.getrandbits(62), rng.choice(list(difficulties)))
+        first = rng.getrandbits(62)
+        d = rng.choice(list(difficulties))
+        prob = draw_avoiding(lambda seed: env.generate(seed, d), rng, exclude or set(), first=first)[0]
         ref = env.reference_response(prob)
         reasoning = prob.meta.get("reasoning") if isinstance(prob.meta, dict) else None
         out.append((prob.prompt, render_trace(reasoning or "I solve the problem and check the answer.", ref)
