@@ -24,7 +24,9 @@ rg 16, rlve 1,254), ``median_env_ms_per_call`` 0.24; slowest generators rg/numbe
 fixes, rc generation seeded; one run): 2,424 (own 1,706, rc 1,565, rg 1,084, rlve 5,449), ``problems_per_s`` 78 (own
 3,327, rc 20, rg 16, rlve 1,239), median 0.235 ms. At c9a84d9 (gym/pattern_occurrences' pattern length bounded;
 one run): 2,576 (own 1,814, rc 1,591, rg 1,136, rlve 6,015), ``problems_per_s`` 79 (own 3,551, rc 20, rg 16.5, rlve
-1,311), median 0.225 ms.
+1,311), median 0.225 ms. At 6cd3ff2 (the code seeds' larger tests, rg exact checks; one run, an hour this machine ran
+the pipeline benchmark ~5% slower): 2,238 (own 1,402, rc 1,524, rg 998, rlve 5,864), ``problems_per_s`` 77 (own 2,940,
+rc 19.5, rg 16, rlve 1,149), median 0.233 ms.
 """
 from __future__ import annotations
 

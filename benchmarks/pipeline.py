@@ -187,6 +187,10 @@ arithmetic unchanged; defaults, three runs one after another, alone): async_spee
 any mix 1.33-1.39; max_lag_seen 2. Re-run at c9a84d9 (2026-12-06, later: rollouts verified with the thinking a
 template opens, "" here; three runs one after another, alone): async_speedup 1.11, 1.11, 1.06 (median 1.11, min
 1.06); sync 2.79-2.88 steps/s, async 3.02-3.20; lending ceiling 1.17-1.19, any mix 1.40-1.46; max_lag_seen 2.
+Re-run at 6cd3ff2 (2026-12-06, later: buffered groups tagged with their batch; alone): async_speedup 1.08, 1.06, 0.98,
+then alternating with 5d14efe's code (the commit before the change) 1.11, 1.07, 1.02 against its 1.06, 0.98, 0.95 (the
+same machine slower that hour than at c9a84d9); median 1.06, min 0.98 over the six; sync 2.60-2.71 steps/s, async
+2.63-3.01; lending ceiling 1.14-1.18, any mix 1.33; max_lag_seen 2; no group dropped as stale.
 """
 from __future__ import annotations
 

@@ -18,7 +18,9 @@ session that ran it since 2026-12-02 (the figures the README quotes): 3.43, 3.42
 d52fa63; 3.09 at 6f2893e (a slow hour); 3.70 at 6f000cc (26.2k against 7.1k tokens/s); 3.68 at cc178f2 (17.2k against
 4.7k on a slower machine). Re-run at da569dd (2026-12-06: the engine's stop-string window and min_tokens masks, off
 this path): ratio 3.66 (engine 25.1k against transformers 6.9k tokens/s, best of 3). Re-run at bcfdc2d (2026-12-06,
-later: the engine's end ids computed by ``eos_ids_of``, the same set): 3.75 (27.7k against 7.4k). Re-run at c9a84d9
+later: the engine's end ids computed by ``eos_ids_of``, the same set): 3.75 (27.7k against 7.4k). Re-run at 6cd3ff2
+(2026-12-06, later: a pad id outside the vocabulary pads with 0; stop strings need a tokenizer): 3.43 (27.1k against
+7.9k). Re-run at c9a84d9
 (2026-12-06, later: temperatures below 0.01 refused, none here): 3.43 (28.2k against 8.2k).
 """
 from __future__ import annotations

@@ -113,7 +113,11 @@ thinking a template opens, "" here; ``--skip-prefix --skip-steps``, one run): ``
 s), ``_short`` 1.68, ``local`` 2.22 (4.07 -> 1.83 s); at two threads 3.00 (3.57 -> 1.19 s), local 2.94; same results. At bcfdc2d (2026-12-06, later: a template's base
 and ``--concurrency`` over /tokenize, neither on this in-process path; ``--skip-concurrency``, one run): toy 1.52, real
 1.08 (3.65 -> 3.39 s), long 1.41 (7.16 -> 5.07 s). At c9a84d9 (``--skip-concurrency``, one run): toy 1.53, real 1.10
-(3.64 -> 3.32 s; pairs 1.08-1.10), long 1.49 (7.09 -> 4.75 s); shared-prefix steps 1.13x, 1.25x, 1.05x, 1.64x.
+(3.64 -> 3.32 s; pairs 1.08-1.10), long 1.49 (7.09 -> 4.75 s); shared-prefix steps 1.13x, 1.25x, 1.05x, 1.64x. At 6cd3ff2
+(2026-12-06, later: the prefix cache prefills through the engine's forward of the call and keeps no decoder of its own;
+defaults, one run, alone): toy 1.50, real 1.09 (3.70 -> 3.39 s; pairs 1.09-1.12), long 1.46 (6.92 -> 4.74 s);
+shared-prefix steps 1.11x, 1.26x, 1.07x, 1.62x; ``concurrency_speedup`` 2.21 (4.31 -> 1.95 s), ``_short`` 1.71,
+``local`` 2.19; at two threads 2.78 (3.49 -> 1.26 s), local 2.90; same outputs and results.
 
 Measured on this project's 2-core CPU (2026-12-02, defaults, tiny-moe, 1 thread, quiet machine, commit
 e6feb3e, three runs): ``concurrency_speedup`` 2.17, 2.21, 2.13 (one problem at a time 3.73-3.80 s, 64 in

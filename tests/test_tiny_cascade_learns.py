@@ -1,6 +1,8 @@
 """`make demo`'s promise, checked: the tiny cascade (`cascade run profile=tiny`, every stage at its
-configured size, seed 0). The warm-up, math and behavioral RL raise their held-out avg@4, and RLVE's
-difficulty ends above its start on at least half of its environments.
+configured size, seed 0). The warm-up and behavioral RL raise their held-out avg@4, RLVE's difficulty ends
+above its start on at least half of its environments, and the math stage climbs toy/add's ladder without its
+held-out avg@4 falling (held out from training since 6cd3ff2, its held-out score no longer rises reliably: +0.03,
++0.03, -0.02 on seeds 0-2, where the 0.04 bound held while its held-out toy/add problems were trained on too).
 
 The bounds sit below the worst of the seeds measured with this profile (README, "The tiny cascade",
 seeds 0/1/2 on 2026-12-05: warm-up +0.89/+0.95/+0.82, math +0.22/+0.06/+0.11, behavior (150 steps)
@@ -9,7 +11,9 @@ behavior +0.09/+0.20/+0.28 and the rest the same; at cc178f2 (the sampler's floa
 +0.24/+0.09/+0.11 and behavior +0.21/+0.23/+0.31, the rest the same; at a345f38 (code environments' held-out seeds)
 math +0.22/-0.01/+0.14 and behavior +0.29/+0.20/+0.19, the rest the same: seed 1's math stage did not rise; at 2ca2976
 (an unclosed think block earns nothing) warm-up +0.82/+0.95/+0.86, math +0.16/-0.01/+0.06, behavior +0.19/+0.25/+0.25,
-RLVE 3 of 3; at 0af2c6d on another machine, 60 behavior steps:
+RLVE 3 of 3; at 6cd3ff2 (training never draws a held-out problem) warm-up +0.87/+0.84/+0.55, math +0.03/+0.03/-0.02
+(toy/add's level 0->1, 0->2, 0->1), behavior +0.37/+0.22/+0.21, RLVE 3, 2 and 3 of 3; at 0af2c6d on another machine,
+60 behavior steps:
 +0.89/+0.86/+0.78, +0.10/+0.15/+0.21, +0.16/+0.10/+0.05), so the test fails when a change stops the recipe
 teaching, not when a seed is unlucky (a seed's trajectory differs between machines: with 60 behavior steps
 seed 0 rose +0.01 on the later machine, hence the 150). One run of the whole profile: 5.5-7.7 minutes on 2
@@ -28,7 +32,7 @@ import pytest
 DEMO = pytest.StashKey[tuple]()
 
 # below the smallest rise seen over the measured seeds (avg@4)
-MIN_GAIN = {"warmup": 0.4, "math": 0.04, "behavior": 0.05}
+MIN_GAIN = {"warmup": 0.4, "behavior": 0.05}
 
 
 def start_in_background(config):
@@ -72,12 +76,22 @@ def demo_run(request):
     return out, states, stderr
 
 
-@pytest.mark.parametrize("stage", ["warmup", "math", "behavior"])
+@pytest.mark.parametrize("stage", ["warmup", "behavior"])
 def test_stage_raises_its_held_out_avg_at_k(demo_run, stage):
     _, states, _ = demo_run
     st = states[stage]
     assert st["eval_k"] == 4
     assert st["accuracy_after"] - st["accuracy_before"] >= MIN_GAIN[stage], st
+
+
+def test_math_stage_climbs_toy_add_and_keeps_its_held_out_score(demo_run):
+    from cascade.run import difficulty_rise
+
+    _, states, _ = demo_run
+    st = states["math"]
+    rows, _ = difficulty_rise(st)
+    assert rows["toy/add"][1] > rows["toy/add"][0], rows
+    assert st["accuracy_after"] >= st["accuracy_before"] - 0.05, st
 
 
 def test_rlve_difficulty_rises_on_at_least_half_of_its_environments(demo_run):
