@@ -402,9 +402,11 @@ def test_rg_answers_its_scorer_credits_wrongly_are_not_correct(name, d, wrong, w
 
 def test_rg_levels_one_constant_answer_solves_are_not_used():
     """game_of_life from level 1: the all-zero grid on every problem; rotten_oranges from level 2: -1 on 85-100%;
-    syllogism: Yes on 93% at level 0, ~70% above."""
+    syllogism: Yes on 93% at level 0, ~70% above; shortest_path: infeasible on 48-70%; gcd from level 2: 1 on 76-87%."""
     pytest.importorskip("reasoning_gym")
     assert get_env("rg/game_of_life").max_difficulty == 0 and get_env("rg/rotten_oranges").max_difficulty == 1
-    e = get_env("rg/syllogism")
-    for d in range(e.max_difficulty + 1):
-        assert sum(str(e.generate(s, d).answer).strip().lower() == "yes" for s in range(100)) <= 60
+    assert get_env("rg/gcd").max_difficulty == 1  # (1 was the gcd of 76-87% of the problems from level 2)
+    for name, constant in (("syllogism", "yes"), ("shortest_path", "infeasible"), ("gcd", "1")):
+        e = get_env(f"rg/{name}")
+        for d in range(e.max_difficulty + 1):
+            assert sum(str(e.generate(s, d).answer).strip().lower() == constant for s in range(100)) <= 60, (name, d)
