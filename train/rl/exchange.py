@@ -316,7 +316,7 @@ def load_version(root: str | Path, version: int | None = None, path: str | Path 
     that directory (a link out of it is refused like a bad checksum). A version published again under the
     same number while it is read (v0 after an SFT warm-up) is read again: the manifest and files read are
     those the path still names at the end, so the bytes loaded are the bytes verified; one found missing or
-    incomplete meanwhile is read again for about a second before it is refused."""
+    incomplete meanwhile is read again for about 1.3 s before it is refused."""
     if path is None:
         if version is None:
             version = latest_version(root)
@@ -330,7 +330,8 @@ def load_version(root: str | Path, version: int | None = None, path: str | Path 
             got = _read_version(d, verify)
         except _Unsettled as e:
             unsettled, got = e, None
-            time.sleep(0.01 * 2 ** attempt)  # 2.55 s in all
+            if attempt < 7:
+                time.sleep(0.01 * 2 ** attempt)  # 1.27 s in all
         if got is not None:
             return got
     if unsettled is not None:
