@@ -108,6 +108,10 @@ def _exact_24(answer: str, entry: dict) -> bool:
         return False
 
 
+def _same_text(answer: str, entry: dict) -> bool:
+    return answer.strip().lower() == str(entry["answer"]).strip().lower()
+
+
 def _json_floats(text: str) -> list[float] | None:
     try:
         got = json.loads(text.replace("'", '"'))  # (as its scorer reads both: the gold is a Python list)
@@ -121,14 +125,14 @@ EXACT = {
     # its regex skips a minus sign (-28080 for 28080) and takes the first number of the answer
     "gsm_symbolic": lambda a, e: _plain_number(a) == float(e["answer"]),
     # each number within 1 of the sorted one (9998 for 9997.631185)
-    "number_sorting": lambda a, e: _json_floats(a) is not None and _json_floats(a) == _json_floats(e["answer"]),
+    "number_sorting": lambda a, e: (got := _json_floats(a)) is not None and got == _json_floats(e["answer"]),
     # any 10 letters in place (ENCEPHALOMXXXXXXXXXX)
     "figlet_font": lambda a, e: a.replace(" ", "").strip().lower() == str(e["answer"]).strip().lower(),
     # words by position over the gold's length: words appended after it score 1.0
     "word_sorting": lambda a, e: [w.strip() for w in re.split(r",\s*", a)] == e["metadata"]["sorted_words"],
-    "letter_jumble": lambda a, e: a.strip().lower() == str(e["answer"]).strip().lower(),
+    "letter_jumble": _same_text,
     # a prefix's 1/n summed n times is 0.9999999999999999 or 1.0000000000000002 (the 0.8 meant for it missed)
-    "spell_backward": lambda a, e: a.strip().lower() == str(e["answer"]).strip().lower(),
+    "spell_backward": _same_text,
     # reads the first two comma-separated fields of an orthocenter answer
     "advanced_geometry": lambda a, e: e["metadata"].get("task_type") != "orthocenter"
     or len(a.strip().strip("()").split(",")) == 2,
