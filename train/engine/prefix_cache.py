@@ -74,8 +74,7 @@ class PrefixCache:
 
     def _check_weights(self, model) -> None:
         # a parameter replaced (its storage) or changed in place (its version counter): the stored KV is stale
-        fp = (id(model), model.device, model.dtype, sum(p._version for p in model.parameters()),
-              tuple(p.data_ptr() for p in model.parameters()))
+        fp = (id(model), model.device, model.dtype, tuple((p._version, p.data_ptr()) for p in model.parameters()))
         if fp != self._fingerprint:
             self._lru.clear()
             self._fingerprint = fp
