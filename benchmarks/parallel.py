@@ -57,6 +57,12 @@ bytes and 1.3% in peak memory):
     depend on the machine and its load; compare seconds only within one run, and not as a property
     of TSP.
 
+    Re-run at 3a0a6c1 (2026-12-06: calc.py counts biases and q/k norms per family and MeshAdamW's fp32 master
+    under fp32 weights; this qwen3 model's comm formulas are the same bytes; one run, alone): measured tsp
+    71,875,393 / tp 126,681,196 / sp 190,070,924 / dp 20,729,028 B against the same formulas (+23.0%, +0.3%,
+    +50.2%, +0.2%; calibrated within 0.29%); peak MiB single 69.5, tsp 21.2, tp 52.7, sp 33.1, dp 67.7;
+    tsp_mem_ratio 0.3052 (tp 0.758, sp 0.477, dp 0.974).
+
 On a loaded machine other traffic on ``lo`` was visible (an earlier run: TSP's step windows read
 79.1, 71.9 and 74.7 MB, TP's idle windows up to 1.46 MB), hence min over windows; in this run the
 windows agreed within 0.003% and idle windows read 0-104 B. At V=512 a rank's full-vocabulary logits

@@ -29,6 +29,8 @@ run, alone): packed 0.231 s, padded 0.678 s, speedup 2.93, padding_frac 0.603, m
 
 Re-run at da569dd (2026-12-06: the step reports the rate it applied, nothing else): 0.236 vs 0.685 s (2.90x).
 Re-run at bcfdc2d (2026-12-06, later: the tokenizer's <think> ids unchanged, not special): 0.195 vs 0.560 s (2.87x).
+Re-run at 3a0a6c1 (2026-12-06, later: encode_pair goes on from a template's opened thinking, none here; the SFT
+schedule by OptimConfig.over; one run, alone): 0.218 vs 0.628 s (2.88x), padding_frac 0.604, max_param_diff 1.1e-06.
 """
 from __future__ import annotations
 

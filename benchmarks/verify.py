@@ -55,7 +55,10 @@ At a345f38 (2026-12-06, later: the sandbox and code environments' fixes; one run
 1.32x with 2 and with 4; ``math`` 0.31 s, 2.59x with 2, 1.96x with 4; ``reward_model`` 1.82x; same scores.
 At 2ca2976 (2026-12-06, later: IFEval's language checks by langdetect, unfinished thinking no answer, math numbers
 with names and units; one run): ``code`` 0.89 s, 1.28x with 2, 1.31x with 4; ``math`` 0.29 s, 2.10x with 2, 3.08x
-with 4; ``reward_model`` 0.100 -> 0.058 s (1.72x); same scores.
+with 4; ``reward_model`` 0.100 -> 0.058 s (1.72x); same scores. At 3a0a6c1 (2026-12-06, later: batched reward scores
+only where the model's pad id is the tokenizer's, here it is; code seeds with larger tests; one run): ``code`` 1.03 s,
+1.38x with 2 and 4; ``math`` 0.26 s, 1.77x with 2, 1.75x with 4 (its sequential repeats ranged 0.25-0.52 s: a noisy
+hour); ``reward_model`` 0.102 -> 0.058 s (1.77x); same scores.
 ``reward_model`` (one run, 2026-12-04): 0.116 s one at a time, 0.063 s batched (1.84x; 38 of 64 scored by the
 model), same scores; a model this small is mostly per-call overhead, and a real reward model on a GPU was
 not measured.
