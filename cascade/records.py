@@ -42,7 +42,12 @@ def wandb_run_id(out: Path) -> str:
 class Records:
     """``step_offsets`` (stage -> first step on the cascade's axis) place each stage's steps on one
     axis for W&B, whose ``step`` must not go back; a record logged out of order (the pass-rate pool,
-    measured after the SFT steps but recorded at step 0) goes to the latest step already logged."""
+    measured after the SFT steps but recorded at step 0) goes to the latest step already logged.
+
+    TensorBoard gets one run per stage (``OUT/tensorboard/<stage>/``, tags ``<phase>/<metric>`` on the
+    stage's own step axis, so that the stages' curves overlay). :meth:`begin` opens a stage's writer with
+    ``purge_step`` at the step the stage (re)starts from: what an abandoned attempt logged from there on
+    is dropped from TensorBoard's display, as :func:`read_records` drops it from ``metrics.jsonl``."""
 
     def __init__(self, out: Path, tensorboard: bool = False, wandb: bool = False, project: str = "cascade",
                  config: dict | None = None, step_offsets: dict[str, int] | None = None):
@@ -54,7 +59,9 @@ class Records:
                 if f.read(1) != b"\n":
                     f.write(b"\n")
         self._f = open(self.path, "a")
-        self._tb = self._wb = None
+        self._wb = None
+        self._tb_dir = None
+        self._tb: dict[str, Any] = {}  # stage -> its SummaryWriter
         self.step_offsets = dict(step_offsets or {})
         self._wb_step = 0
         if tensorboard:
@@ -63,7 +70,7 @@ class Records:
             except ImportError:
                 raise ValueError("logging.tensorboard=true needs the tensorboard package "
                                  "(pip install 'cascade-rl[tensorboard]')") from None
-            self._tb = SummaryWriter(str(Path(out) / "tensorboard"))
+            self._tb_dir = Path(out) / "tensorboard"
         if wandb:
             try:
                 import wandb as wb
@@ -72,22 +79,38 @@ class Records:
             self._wb = wb.init(project=project, dir=str(out), config=config or {}, id=wandb_run_id(out),
                                resume="allow")
 
+    def begin(self, stage: str, step: int) -> None:
+        """Stage ``stage`` (re)starts at ``step`` (0, or the step after the checkpoint it resumes from)."""
+        if self._tb_dir is not None:
+            self._writer(stage, purge_step=int(step))
+
+    def _writer(self, stage: str, purge_step: int | None = None):
+        if stage in self._tb and purge_step is None:
+            return self._tb[stage]
+        from torch.utils.tensorboard import SummaryWriter
+
+        if stage in self._tb:
+            self._tb.pop(stage).close()
+        self._tb[stage] = SummaryWriter(str(self._tb_dir / stage), purge_step=purge_step)
+        return self._tb[stage]
+
     def log(self, stage: str, phase: str, step: int, metrics: dict[str, Any]) -> None:
         rec = {**metrics, "stage": stage, "phase": phase, "step": int(step), "time": time.time()}
         self._f.write(json.dumps(rec, default=str) + "\n")
         self._f.flush()
         flat = _scalars(metrics)
-        if self._tb is not None:
+        if self._tb_dir is not None:
+            tb = self._writer(stage)
             for k, v in flat.items():
-                self._tb.add_scalar(f"{stage}/{phase}/{k}", v, step)
+                tb.add_scalar(f"{phase}/{k}", v, step)
         if self._wb is not None:
             self._wb_step = max(self._wb_step, self.step_offsets.get(stage, 0) + int(step))
             self._wb.log({f"{stage}/{phase}/{k}": v for k, v in flat.items()}, step=self._wb_step)
 
     def close(self) -> None:
         self._f.close()
-        if self._tb is not None:
-            self._tb.close()
+        for tb in self._tb.values():
+            tb.close()
         if self._wb is not None:
             self._wb.finish()
 

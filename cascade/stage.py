@@ -187,6 +187,7 @@ class StageRunner:
                     trainer.load_state_dict(st)
                 if mixer is not None and tstate.get("mixer"):
                     mixer.load_state_dict(tstate["mixer"])
+            self.records.begin(self.name, state["step"])  # TensorBoard drops an abandoned attempt's later steps
             # servers (started or given) serve exactly this policy from the start; a resumed engine, built from the
             # checkpoint's weights, takes them as the checkpoint's version (else its rollouts say version 0)
             if isinstance(engine, ServedEngine) or latest is not None:

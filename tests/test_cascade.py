@@ -86,26 +86,39 @@ def tiny_run(tmp_path_factory):
     return out, r
 
 
-def test_tensorboard_holds_the_same_scalars_as_the_metrics_file(tiny_run):
+def _tensorboard_scalars(out) -> dict[tuple[str, str], list[tuple[int, float]]]:
+    """(stage, tag) -> [(step, value), ...] as TensorBoard shows them (each stage a run of its own)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    got = {}
+    for run in sorted((out / "tensorboard").iterdir()):
+        acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            got[run.name, tag] = [(e.step, e.value) for e in acc.Scalars(tag)]
+    return got
+
+
+def _check_tensorboard_against_records(out) -> int:
+    """Every step's reward_mean/loss in metrics.jsonl (as the run stands) is TensorBoard's one point at that step."""
     from cascade.records import read_records
 
-    out, _ = tiny_run
-    acc = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
-    acc.Reload()
-    tags = set(acc.Tags()["scalars"])
-    recs = read_records(out)
+    tb = _tensorboard_scalars(out)
     checked = 0
-    for rec in recs:
-        for key in ("reward_mean", "loss"):
+    for rec in read_records(out):
+        for key in ("reward_mean", "loss", "sft_loss"):
             if isinstance(rec.get(key), (int, float)):
-                tag = f"{rec['stage']}/{rec['phase']}/{key}"
-                assert tag in tags, (tag, sorted(tags)[:20])
-                got = {e.step: e.value for e in acc.Scalars(tag)}
-                assert got[rec["step"]] == pytest.approx(rec[key], rel=1e-6, abs=1e-6), tag
+                points = [v for step, v in tb[rec["stage"], f"{rec['phase']}/{key}"] if step == rec["step"]]
+                assert points == [pytest.approx(rec[key], rel=1e-6, abs=1e-6)], (rec["stage"], rec["phase"], key,
+                                                                               rec["step"], points)
                 checked += 1
-    assert checked >= 8 and {t.split("/")[0] for t in tags} >= {"warmup", "rlve", "math", "behavior"}
+    return checked
+
+
+def test_tensorboard_holds_the_same_scalars_as_the_metrics_file(tiny_run):
+    out, _ = tiny_run
+    assert _check_tensorboard_against_records(out) >= 8
+    assert {p.name for p in (out / "tensorboard").iterdir()} == {"warmup", "rlve", "math", "behavior"}
 
 
 def test_four_stages_each_start_from_the_previous(tiny_run):
@@ -282,7 +295,7 @@ def test_sigkill_mid_stage_and_during_checkpoint_write_then_resume(tmp_path):
     out = tmp_path / "run"
     args = ["run", "stage=warmup", f"out={out}", "profile=tiny", "logging.progress=false",
             "stages.warmup.sft.steps=2", "stages.warmup.steps=4", "stages.warmup.pool.size=4",
-            "stages.warmup.checkpoint_every=1", "rl.dynamic_sampling=false"]
+            "stages.warmup.checkpoint_every=1", "rl.dynamic_sampling=false", "logging.tensorboard=true"]
     stage = out / "stages" / "0-warmup"
     # 1) killed while writing the checkpoint of step 2: that checkpoint must not count
     r = cascade(*args, env={"CASCADE_FAULT": "checkpoint_write:2"})
@@ -319,3 +332,5 @@ def test_sigkill_mid_stage_and_during_checkpoint_write_then_resume(tmp_path):
     # was tagged version 0, so the step after a resume reported a lag of the steps done)
     lags = [x.get("version_lag_max") for x in recs if x["phase"] == "rl"]
     assert len(lags) >= 4 and set(lags) == {0}, lags  # (a step cut by a kill before its checkpoint is run again)
+    # TensorBoard shows each step once, the resumed attempt's (the abandoned attempts' later steps purged)
+    assert _check_tensorboard_against_records(out) == 2 + 4 * 2  # sft_loss; reward_mean and loss
