@@ -101,13 +101,12 @@ _THINK_OPEN = re.compile(r"<think>", re.IGNORECASE)
 
 
 def strip_think(text: str) -> str:
-    """The part of a response after the last ``</think>``: the whole text when it has no thinking, and
-    ``""`` when a ``<think>`` is never closed (a response cut inside its thinking has no answer yet; a
-    ``\\boxed{}`` in the thinking is not one)."""
+    """The part of a response after the last ``</think>``, up to a ``<think>`` opened again there: the whole text
+    when it has no thinking, and ``""`` when a ``<think>`` is never closed (a response cut inside its thinking has
+    no answer yet; a ``\\boxed{}`` in the thinking is not one)."""
     parts = _THINK_END.split(text)
-    if len(parts) > 1:
-        return parts[-1]
-    return "" if _THINK_OPEN.search(text) else text
+    after = parts[-1] if len(parts) > 1 else text
+    return _THINK_OPEN.split(after, maxsplit=1)[0] if len(parts) > 1 else ("" if _THINK_OPEN.search(text) else text)
 
 
 def open_think(prompt_tail: str) -> str:

@@ -23,13 +23,15 @@ Pure Python (no torch): ``envs`` sits at the bottom of the import chain, and ``t
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, Iterable
 
 __all__ = ["HubError", "is_hub_id", "resolve_model", "resolve_dataset", "load_table", "load_rows",
-           "parse_columns", "table_rows", "normalize_text", "heldout_side", "split_heldout", "TABLE_SUFFIXES"]
+           "parse_columns", "table_rows", "answer_text", "normalize_text", "heldout_side", "split_heldout", "TABLE_SUFFIXES"]
 
 # org/name with the Hub's characters; "@revision" optional. One slash exactly: "gpt2"-style legacy
 # ids are not taken (a bare word is far more often a mistyped local path).
@@ -227,6 +229,19 @@ def table_rows(ds, cols: dict[str, str], need: list[str], ref, what: str = "data
     if not rows:
         raise ValueError(f"{what} {str(ref)!r} has no rows")
     return rows
+
+
+def answer_text(v) -> str | None:
+    """A row's answer as text: a number read from a typed column (jsonl, parquet) written out in full, never in
+    exponent form (1e-05 -> ``0.00001``, 1e+16 -> ``10000000000000000``, 7.0 -> ``7``), which no answer matches;
+    None for a missing one (None, NaN as pandas reads an empty cell, a blank string)."""
+    if v is None or (isinstance(v, float) and v != v):
+        return None
+    if isinstance(v, float) and math.isfinite(v):
+        text = str(int(v)) if v.is_integer() else format(Decimal(repr(v)), "f")
+    else:
+        text = str(v)
+    return text if text.strip() else None
 
 
 # -- train / held-out split ------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import math
 import numbers
 import os
 import re
+import sys
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,18 @@ def math_equal(pred: Any, gold: Any, timeout: float = DEFAULT_TIMEOUT) -> bool:
         return True
     if len(p) > max(MAX_ANSWER_CHARS, 20 * len(g)):
         return False
+    if _hedged(p) and not _hedged(g):  # "\sqrt{2} \text{ or more}", "\pi \text{ squared}"
+        return False
+    shapes = _shape(p), _shape(g)  # math-verify takes (1, 2), \{1, 2\} and "-\infty, 3" for one another
+    if set(shapes) == {"set", "interval"} or shapes == ("list", "interval") and "\\infty" in g:
+        return False
+    sides = _top_level(p)
+    if len(sides) > 1 and len(_top_level(g)) == 1:
+        # an equation answers with its last side (math-verify's reading) only when every other side is the answer's
+        # name (x = ..., f(2) = ...) or equal to it: "0 = \sqrt{2}" is no answer \sqrt{2}
+        if not sides[0].strip() or _is_name(sides[0]):
+            sides = sides[1:]
+        return all(math_equal(side, g, timeout) for side in sides)
     try:
         got = _POOL.call([p, g], [timeout])
     except WorkerStartError as e:
@@ -133,6 +146,68 @@ _MIXED = re.compile(r"([+-]?)(\d+)\\frac(?:\{(\d+)\}\{(\d+)\}|(\d)(\d))")  # 2\f
 # "10 cm", "12 units", "3 m^2" (after a space: the lookbehind, not \s+, keeps the search linear on runs of spaces)
 _UNIT_WORD = re.compile(r"(?<=\s)[A-Za-z]{2,}(?:\^\s*(?:\{\s*\d\s*\}|\d))?$")
 _SPACING = re.compile(r"\\[,!;: ]|~")
+# words that make a number something else ("5 or more", "5 thousand", "5 squared"): never a unit
+_HEDGES = frozenset("or nor and to than more less fewer least most not no over under above below about around roughly "
+                    "approximately nearly almost maybe perhaps hundred thousand million billion trillion dozen "
+                    "squared cubed factorial times plus minus".split())
+_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]+")
+
+
+def _hedged(text: str) -> bool:
+    """Whether ``text`` has a word (not a LaTeX command) of :data:`_HEDGES`, plural or not."""
+    for m in _WORD.finditer(text):
+        w = m[0].lower()
+        if w in _HEDGES or (w.endswith("s") and w[:-1] in _HEDGES):
+            return True
+    return False
+
+
+def _top_level(text: str, sep: str = "=") -> list[str]:
+    """``text`` split at each ``sep`` outside braces, brackets and parentheses (``a = b = c`` -> 3 sides); an ``=``
+    of ``<=``, ``>=``, ``!=`` or ``==`` is not split at."""
+    sides, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch in "{[(":
+            depth += 1
+        elif ch in "}])":
+            depth -= 1
+        elif ch == sep and depth == 0 and text[i - 1:i] not in ("<", ">", "!", "=") and text[i + 1:i + 2] != "=":
+            sides.append(text[start:i])
+            start = i + 1
+    return sides + [text[start:]]
+
+
+def _unwrapped(key: str) -> str:
+    """``key`` without one pair of parentheses or braces around all of it."""
+    if len(key) > 1 and (key[0], key[-1]) in (("(", ")"), ("{", "}")):
+        depth = 0
+        for i, ch in enumerate(key):
+            depth += ch in "({"
+            depth -= ch in ")}"
+            if depth == 0:
+                return key[1:-1] if i == len(key) - 1 else key
+    return key
+
+
+_NAME = re.compile(r"\s*(?:\\[A-Za-z]+\s*(?:\{[^{}]*\}\s*)?)?[A-Za-z]*(?:_(?:\{[^{}]*\}|\w))?(?:\([^()=]*\))?'*\s*")
+
+
+def _is_name(side: str) -> bool:
+    """``x``, ``BC``, ``x_1``, ``f(2)``, ``\\theta``: a side of an equation that names the answer."""
+    return bool(_NAME.fullmatch(side)) and bool(re.search(r"[A-Za-z]", side))
+
+
+def _shape(text: str) -> str | None:
+    """``set`` for ``\\{a, b\\}``, ``interval`` for ``(a, b)``/``[a, b)`` (or a union of them), ``list`` for ``a, b``
+    without brackets; None for anything else."""
+    s = re.sub(r"\\(?:left|right)(?![A-Za-z])|\s+", "", text)
+    if s.startswith("\\{") and s.endswith("\\}"):
+        return "set"
+    if s[:1] in "([" and s[-1:] in ")]" and len(_top_level(s, ",")) == 1 and "," in s:
+        return "interval"
+    if len(_top_level(s, ",")) > 1:
+        return "list"
+    return None
 
 
 _MATH_SPANS = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
@@ -162,7 +237,10 @@ def _written_number(text: Any) -> tuple[Fraction, tuple[int, int] | None] | None
     """:func:`plain_number`'s value, and the numerator and denominator as written when it is a fraction."""
     # words without a digit after the number are units and dropped; before it ("not 5", "at most 5") or between two
     # numbers ("3 or 4") they leave no number
-    s = _WRAPPED.sub(lambda m: m[1] + (m[2] or "") if re.search(r"\d", m[1]) else "\0", _clean(str(text)))
+    s = _clean(str(text))
+    if _hedged(s) or re.search(r"\d,\s+\d", s):  # "5 \text{ or more}", "5 thousand"; "3, 400" is a list
+        return None
+    s = _WRAPPED.sub(lambda m: m[1] + (m[2] or "") if re.search(r"\d", m[1]) else "\0", s)
     s = _UNIT_WORD.sub("", _SPACING.sub(" ", s).rstrip("\0 \t\n")).rstrip()
     if "\0" in s:
         return None
@@ -212,8 +290,10 @@ class _MathBase(Environment):
         # a number in final form (an integer, a decimal, a fraction in lowest terms) answers a comparison of the
         # question's own numbers ("which is larger, $\frac12$ or $\frac13$?")
         final = written is not None and (written[1] is None or (math.gcd(*written[1]) == 1 and abs(written[1][1]) > 1))
-        if (not final and _latex_key(pred) in _question_math(problem.prompt)
-                and _latex_key(pred) != _latex_key(problem.answer)):
+        # the value stated last ("x = \sqrt{50}", "(\sqrt{50})" stand for "\sqrt{50}")
+        stated = _unwrapped(_latex_key(_top_level(pred)[-1]))
+        if (not final and stated in _question_math(problem.prompt)
+                and stated != _latex_key(problem.answer)):
             # "Simplify $\sqrt{50}$": its own expression, equal to the answer, answers nothing
             return Score(0.0, False, True, {"extracted": pred[:200], "reason": "the question's own expression"})
         # both plain numbers: compared by value (no math-verify round trip)
@@ -269,7 +349,7 @@ def load_math_rows(path: str | os.PathLike, columns: dict | str | None = None, s
     directory or a Hugging Face dataset ``org/name`` (``envs.hub``: cache and offline rules), with
     ``columns`` mapping Cascade's names to the data's (``{"problem": "question"}``); the level
     column is ``columns["level"]``, else ``level`` or ``difficulty`` when present."""
-    from envs.hub import load_table, parse_columns, table_rows
+    from envs.hub import answer_text, load_table, parse_columns, table_rows
 
     cols = parse_columns(columns, ("problem", "answer", "level"))
     ds = load_table(path, split=split, subset=subset, what="math dataset")
@@ -277,7 +357,15 @@ def load_math_rows(path: str | os.PathLike, columns: dict | str | None = None, s
             and "level=" not in (columns if isinstance(columns, str) else ""):
         cols["level"] = next((c for c in _LEVEL_COLUMNS if c in ds.column_names), "level")
     rows = table_rows(ds, cols, ["problem", "answer"], path, "math dataset")
-    return [{"problem": str(r["problem"]), "answer": str(r["answer"]), "level": _as_level(r["level"])} for r in rows]
+    out = [{"problem": str(r["problem"]), "answer": answer_text(r["answer"]), "level": _as_level(r["level"])}
+           for r in rows]
+    kept = [r for r in out if r["answer"] is not None]
+    if len(kept) < len(out):  # a problem no answer is credited on trains nothing
+        if not kept:
+            raise ValueError(f"math dataset {str(path)!r}: no row has an answer (column {cols['answer']!r})")
+        print(f"math dataset {str(path)!r}: {len(out) - len(kept)} of {len(out)} rows have no answer; left out",
+              file=sys.stderr)
+    return kept
 
 
 @register("math")

@@ -83,6 +83,9 @@ def test_math_scoring_rules():
     cut = env.verify(p, f"<think> so it is \\boxed{{{p.answer}}}, let me check")
     assert (cut.reward, cut.correct, cut.format_ok) == (0.0, False, False)
     assert not env.verify(p, f"<THINK> \\boxed{{{p.answer}}}").correct
+    # thinking opened again after the last </think> and never closed: its box is no answer either
+    assert not env.verify(p, f"<think>a</think> so \\boxed{{999}}. <think> wait, \\boxed{{{p.answer}}}").correct
+    assert env.verify(p, f"<think>a</think> so \\boxed{{{p.answer}}}. <think> wait, \\boxed{{999}}").correct
     import dataclasses
 
     from envs.ifeval.env import IFEvalEnv
@@ -159,6 +162,39 @@ def test_copying_the_question_or_an_unreduced_fraction_earns_nothing():
     p = math.problem("What is $17 + 25$?", "42", 0, 0)
     assert math.verify(p, "\\boxed{42}. Remember: put the final answer within \\boxed{}.").correct
     assert not math.verify(p, "\\boxed{4\\text{ or }2}").correct
+    # the question's expression under a name or in brackets is a copy too; the work shown before the answer is not
+    p = math.problem("Simplify $\\sqrt{50}$.", "5\\sqrt{2}", 0, 0)
+    for copy in ("x = \\sqrt{50}", "(\\sqrt{50})", "{\\sqrt{50}}", "\\left(\\sqrt{50}\\right)"):
+        assert not math.verify(p, f"\\boxed{{{copy}}}").correct, copy
+    assert math.verify(p, "\\boxed{\\sqrt{50} = 5\\sqrt{2}}").correct
+    p = math.problem("Expand $(x + 2)^2$.", "x^2 + 4x + 4", 0, 0)
+    assert not math.verify(p, "\\boxed{y = (x+2)^2}").correct and math.verify(p, "\\boxed{y = x^2+4x+4}").correct
+
+
+def test_hedged_answers_false_equations_and_sets_for_intervals_earn_nothing():
+    """Words after a number that change it ("or more", "thousand", "squared") are no unit; an equation answers with
+    its last side only when the others name it or equal it (math-verify reads the right side alone); a set is no
+    interval (math-verify takes (1, 2) and \\{1, 2\\} for one another); a list of numbers is no thousands number."""
+    from envs.math import math_equal, plain_number
+
+    for hedged in ("5 \\text{ or more}", "5 \\text{ at least}", "5 \\text{ million}", "5 thousand", "5 \\text{ squared}",
+                   "5 or more", "5 \\text{ dozens}"):
+        assert plain_number(hedged) is None, hedged
+    for unit in ("5 \\text{ cm}", "5 cm^2", "5 \\text{ square units}", "\\$5", "5\\%", "x = 5"):
+        assert plain_number(unit) == 5, unit
+    assert plain_number("3, 400") is None and plain_number("3,400") == 3400 and plain_number("3{,}400") == 3400
+    arith = ArithmeticEnv()
+    p = next(q for q in (arith.generate(s, 3) for s in range(50)) if "frac" in q.answer)
+    assert not arith.verify(p, f"\\boxed{{{p.answer} \\text{{ or more}}}}").correct
+    assert arith.verify(p, f"\\boxed{{{p.answer}}}").correct
+    wrong = [("0 = \\sqrt{2}", "\\sqrt{2}"), ("\\frac{\\pi}{3} = \\frac{\\pi}{4}", "\\frac{\\pi}{4}"), ("x^2 = x^2+1", "x^2+1"),
+             ("\\sqrt{2} \\text{ or more}", "\\sqrt{2}"), ("\\{1, 2\\}", "(1, 2)"), ("(1, 2)", "\\{1,2\\}"),
+             ("-\\infty, 3", "(-\\infty, 3)")]
+    right = [("x = \\sqrt{2}", "\\sqrt{2}"), ("f(x) = x^2+4x+4", "x^2+4x+4"), ("\\overline{AB} = 2\\sqrt3", "2\\sqrt{3}"),
+             ("a_n = 2^n", "2^n"), ("\\theta = \\frac{\\pi}{4}", "\\frac{\\pi}{4}"), ("1, 2", "\\{1, 2\\}"),
+             ("(-\\infty,3)", "(-\\infty, 3)"), ("y=2x+3", "y = 2x + 3"), ("2\\pi \\text{ cm}", "2\\pi")]
+    assert [math_equal(pred, gold) for pred, gold in wrong] == [False] * len(wrong)
+    assert [math_equal(pred, gold) for pred, gold in right] == [True] * len(right)
 
 
 def test_plain_numbers_and_toy_integers():

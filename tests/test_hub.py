@@ -354,3 +354,21 @@ def test_a_csv_file_keeps_its_answers_as_written(tmp_path):
     f = tmp_path / "aime.csv"
     f.write_text("problem,answer\nWhat is 3+4?,7\nA?,0012\nB?,3.10\nC?,12345678901234567890123\nUngraded,\n")
     assert load_table(f, what="ttc dataset")["answer"] == ["7", "0012", "3.10", "12345678901234567890123", ""]
+
+
+def test_numeric_answer_columns_are_written_out_in_full(tmp_path):
+    """A jsonl/parquet answer read as a float came out in exponent form (1e-05, 1e+16), which no response matches;
+    a math file's row without an answer (once the gold "None") is left out, with a note."""
+    from envs.hub import answer_text
+    from envs.math import MathDatasetEnv, load_math_rows
+
+    assert [answer_text(v) for v in (1e-05, 2.5e-07, 1e16, 7.0, 0.25, 7, "0012", None, float("nan"), " ")] == \
+        ["0.00001", "0.00000025", "10000000000000000", "7", "0.25", "7", "0012", None, None, None]
+    f = tmp_path / "m.jsonl"
+    f.write_text("".join(json.dumps({"problem": f"P{i}?", "answer": a}) + "\n"
+                         for i, a in enumerate([1e-05, 1e16, 0.25, None])))
+    rows = load_math_rows(f)
+    assert [r["answer"] for r in rows] == ["0.00001", "10000000000000000", "0.25"]
+    env = MathDatasetEnv(path=str(f), heldout=0.0)
+    p = env.problem("P0?", rows[0]["answer"], 0, 0)
+    assert env.verify(p, "\\boxed{0.00001}").correct and not env.verify(p, "\\boxed{0.0001}").correct

@@ -204,6 +204,36 @@ def test_references_follow_every_instruction_in_strict_and_loose_mode():
                 assert not strict.verify(p, bad).correct
 
 
+
+def test_an_answer_after_thinking_is_judged_as_written_and_prompts_keep_examples_apart():
+    """A policy answers ``<think>...</think>\\n\\n`` + answer (the warm-up SFT's format): the blank lines put "paragraph
+    N starts with W" one paragraph off (every compliant answer failed it, and ones starting paragraph N-1 with W
+    passed). The request to repeat is named (the whole prompt carries the other instructions' words), and an
+    instruction after a multi-line example (bullets, sections) starts a line of its own."""
+
+    env = get_env("ifeval")
+    seen = 0
+    for seed in range(200):
+        p = env.generate(seed, 14)
+        types = {s["type"] for s in p.answer["instructions"]}
+        ref = env.reference_response(p)
+        assert env.verify(p, "<think>plan</think>\n\n" + ref).correct, (seed, types)
+        if "length_constraints:nth_paragraph_first_word" in types:
+            seen += 1
+        for s in p.answer["instructions"]:
+            if s["type"] == "combination:repeat_prompt":
+                assert f'request "{s["prompt_to_repeat"]}"' in p.prompt
+        for example_end in ("* This is point 2", "[content of section 2]"):
+            if example_end in p.prompt:
+                assert p.prompt.split(example_end, 1)[1][:1] in ("", "\n"), p.prompt
+    assert seen >= 5
+    spec = {"type": "length_constraints:nth_paragraph_first_word", "n": 3, "nth": 2, "word": "today"}
+    p = env.problem("Write.", {"instructions": [spec]}, 0, 0)
+    follows, violates = "One.\n\nToday two.\n\nThree.", "Today one.\n\nTwo.\n\nThree."
+    assert env.verify(p, "<think>x</think>\n\n" + follows).correct
+    assert not env.verify(p, "<think>x</think>\n\n" + violates).correct
+
+
 # -- agreement with official IFEval (google-research instruction_following_eval) ----------------
 def test_sentences_follow_ifeval_splitter_not_line_breaks():
     # line breaks are spaces: a list of bare lines is one sentence (no reward for "at least N")

@@ -632,10 +632,10 @@ def test_missing_answers_and_the_model_identity(tmp_path, tiny_dense_dir):
                    tmp_path / "d.parquet")
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"problem": p, "answer": a}) + "\n"
                                               for p, a in [("a?", "7"), ("b?", ""), ("c?", "  ")]))
-    for f, first in (("d.parquet", "7.0"), ("d.jsonl", "7")):
+    for f in ("d.parquet", "d.jsonl"):  # a float column's 7.0 is the answer 7
         a = argparse.Namespace(problem=None, data=str(tmp_path / f), column=None, split="train", subset=None,
                                limit=None)
-        assert [p["answer"] for p in load_problems(a)] == [first, None, None]
+        assert [p["answer"] for p in load_problems(a)] == ["7", None, None]
     idents = [EngineBackend(TorchEngine.from_pretrained(tiny_dense_dir, dtype=dt)).identity()
               for dt in (torch.float32, torch.bfloat16)]
     assert "dtype" not in idents[0] and "device" not in idents[0] and idents[1]["dtype"] == "torch.bfloat16"

@@ -164,7 +164,7 @@ def load_problems(a, limit: bool = True) -> list[dict]:
         if not a.problem.strip():
             raise ValueError("--problem is empty")
         return [{"problem": a.problem, "answer": a.answer}]
-    from envs.hub import load_rows
+    from envs.hub import answer_text, load_rows
 
     cols = parse_columns(a.column)
     need = ["problem"] + (["answer"] if cols["answer"] != "answer" else [])  # answer is optional unless mapped
@@ -178,17 +178,7 @@ def load_problems(a, limit: bool = True) -> list[dict]:
     if limit and all(r["answer"] is None for r in rows):
         print(f"ttc solve: --data {a.data!r} has no answers: the problems are solved but not graded "
               "(map one with --column answer=COLUMN)", file=sys.stderr)
-    return [{"problem": str(r["problem"]), "answer": _gold(r["answer"])} for r in rows]
-
-
-def _gold(v) -> str | None:
-    """A row's answer as text; a missing one (None, NaN as pandas reads an empty cell, a blank string) is None: the
-    problem is solved but not graded."""
-    if v is None or (isinstance(v, float) and v != v):
-        return None
-    text = str(v)
-    return text if text.strip() else None
-
+    return [{"problem": str(r["problem"]), "answer": answer_text(r["answer"])} for r in rows]
 
 
 def run_key(cfg: RSAConfig, template, grader, model: dict | None = None, extra: dict | None = None) -> str:

@@ -419,7 +419,10 @@ def build_problem(rng: random.Random, k: int) -> tuple[str, list[dict], str]:
         specs = _draw_specs(rng, k, task)
         ref = build_reference(specs, task, rng)
         if all(check(s, ref) for s in specs):
-            prompt = task + " " + " ".join(describe(s) for s in specs)
+            prompt = last = task
+            for d in (describe(s) for s in specs):  # after a multi-line example (bullets, sections), on a new line
+                prompt += ("\n" if "\n" in last else " ") + d
+                last = d
             return prompt, specs, ref
     raise RuntimeError(f"could not build a compliant IFEval reference with {k} instructions")
 
@@ -448,7 +451,9 @@ class IFEvalEnv(Environment):
 
     def check(self, problem: Problem, response: str) -> Score:
         specs = problem.answer["instructions"]
-        response = strip_think(response)  # the answer is judged, not the thinking before it
+        # the answer is judged, not the thinking before it, nor the blank lines after it ("</think>\n\n": a first
+        # empty paragraph put "paragraph N starts with W" one paragraph off)
+        response = strip_think(response).lstrip()
         if not response.strip():
             return Score.zero("empty response", format_ok=False)
         fn = check_loose if self.loose else check

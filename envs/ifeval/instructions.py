@@ -312,9 +312,10 @@ def _two_responses(s):
 
 
 def _repeat_prompt(s):
-    return ("First repeat the request word for word without change, then give your answer (1. do not say any words "
-            "or characters before repeating the request; 2. the request you need to repeat does not include this "
-            "sentence)",
+    # the request to repeat is named: the whole prompt (IFEval's reading) carries the other instructions' words
+    # (forbidden words, commas, bullets, "***"), which a verbatim repeat would then break
+    return (f"First repeat the request \"{s['prompt_to_repeat']}\" word for word without change, then give your "
+            "answer (do not say any words or characters before repeating the request).",
             lambda r: r.strip().lower().startswith(s["prompt_to_repeat"].strip().lower()))
 
 
