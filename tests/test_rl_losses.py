@@ -118,6 +118,31 @@ def test_cispo_by_hand():
     assert get_loss("cispo")(_lp(), OLD, None, ADV, MASK)[1]["clip_frac"] == 0
 
 
+def test_a_token_past_the_log_ratio_clamp_keeps_its_weighted_gradient():
+    """CISPO and DPPO take ``sg(w) A grad logp`` for every token they keep, GSPO ``s A grad logp_t / |y|``; the
+    gradient went through the log-ratio clamped at +-20 for overflow safety, so a token past it had none."""
+    for name, cfg, gap, adv, want_w in [
+            ("cispo", LossConfig(), 21.0, 1.0, 1 + LossConfig().cispo_clip_high),
+            ("cispo", LossConfig(), 21.0, -1.0, 1 + LossConfig().cispo_clip_high),
+            ("cispo", LossConfig(cispo_clip_low=0.1), -21.0, 1.0, 0.9),
+            ("dppo_tv", LossConfig(dppo_ratio_cap=20.0), 21.0, 1.0, 20.0)]:  # pi - mu tiny: inside the region
+        mu = torch.tensor([[-25.0 if gap > 0 else -1.0]])
+        lp = (mu + gap).requires_grad_(True)
+        loss, _ = get_loss(name)(lp, mu, None, torch.tensor([adv]), torch.ones(1, 1), cfg)
+        loss.backward()
+        assert lp.grad.item() == pytest.approx(-want_w * adv, rel=1e-5), (name, gap, adv)
+    # GSPO: one of n tokens at +21, the sequence ratio inside the clip range: every token's gradient is s / n
+    n = 100_000
+    old = torch.full((1, n), -1.0)
+    old[0, 0] = -25.0
+    lp = (old + torch.cat([torch.tensor([21.0]), torch.zeros(n - 1)])[None]).requires_grad_(True)
+    loss, m = get_loss("gspo")(lp, old, None, torch.tensor([1.0]), torch.ones(1, n), LossConfig())
+    loss.backward()
+    s = math.exp(20.0 / n)  # the clamped log-ratio is the ratio's value
+    assert m["clip_frac"] == 0 and lp.grad[0, 0].item() == pytest.approx(-s / n, rel=1e-4)
+    assert lp.grad[0, 1].item() == pytest.approx(-s / n, rel=1e-4)
+
+
 def test_gspo_by_hand():
     old = torch.zeros(2, 2, dtype=D)
     lp = t([[0.001, -0.0004], [0.002, 0.002]]).requires_grad_(True)

@@ -169,7 +169,7 @@ def test_seq_denominator_excludes_masked_rollouts(tiny_dense_dir, loss):
 
 
 def test_update_metrics_count_only_trained_rollouts(tiny_dense_dir):
-    """With two mini-batches and every rollout of the second dropped, grad_norm is the first mini-batch's
+    """With two mini-batches and every rollout of the second dropped, grad_norm and loss are the first mini-batch's
     (not halved by a step that had no gradient) and advantage_abs_mean is over the kept rollouts."""
     rewards = [1.0, 0, 0, 0, 1, 1, 0, 0]
     norms = {}
@@ -185,6 +185,14 @@ def test_update_metrics_count_only_trained_rollouts(tiny_dense_dir):
         assert m["advantage_abs_mean"] == pytest.approx(sum(abs(a) for a in adv[:4]) / 4)
     # one step over rollouts 0-3 either way (the loss's denominator: the mini-batch's own kept rollouts)
     assert norms[1] > 0 and norms[2] == pytest.approx(norms[1], rel=1e-4)
+    losses = {}
+    for ups in (1, 2):  # rollouts 0-1 kept (their advantages do not cancel): the same loss
+        rl = make_rl(tiny_dense_dir, updates_per_batch=ups, loss="ppo")
+        groups = rollouts(rl, rewards)
+        for x in [x for g in groups for x in g.rollouts][2:]:
+            x.keep = False
+        losses[ups] = rl.update(groups)["loss"]
+    assert abs(losses[1]) > 0.1 and losses[2] == pytest.approx(losses[1], rel=1e-4)
 
 
 def test_lr_schedule_counts_rl_steps_whatever_updates_per_batch(tiny_dense_dir):

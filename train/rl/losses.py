@@ -40,7 +40,8 @@ Losses (the aggregation in brackets is each loss's default, used when ``cfg.agg`
   ``min(r, cap) A grad logp``).
 
 Loss values are written so that the value is the surrogate objective itself (for CISPO/DPPO the
-IS weight ``w`` enters as ``sg(w) * exp(lr - sg(lr))``: value ``w``, gradient ``w grad logp``).
+IS weight ``w`` enters as ``sg(w) * exp(logp - sg(logp))``: value ``w``, gradient ``w grad logp``, also for a token
+whose log-ratio is past the ±20 clamp of ratio values).
 
 Common options (:class:`LossConfig`): truncated importance sampling against the engine
 (``tis_cap``: token weight ``min(exp(old - rollout), cap)``, stop-gradient, multiplying each
@@ -260,9 +261,10 @@ class MetricSums:
         return dict(zip(self._sum, got[:n])), dict(zip(self._max, got[n:]))
 
 
-def _weighted(weight: Tensor, log_ratio: Tensor) -> Tensor:
-    """``sg(weight) * exp(lr - sg(lr))``: value ``weight``, gradient ``weight * grad lr``."""
-    return weight.detach() * torch.exp(log_ratio - log_ratio.detach())
+def _weighted(weight: Tensor, logprobs: Tensor) -> Tensor:
+    """``sg(weight) * exp(lp - sg(lp))``: value ``weight``, gradient ``weight * grad lp`` (the log-probs themselves,
+    not the clamped log-ratio: a token past the clamp keeps its gradient)."""
+    return weight.detach() * torch.exp(logprobs - logprobs.detach())
 
 
 def _clipped_surrogate(ratio: Tensor, adv: Tensor, low: float, high: float) -> tuple[Tensor, Tensor]:
@@ -281,7 +283,8 @@ class _Batch:
     rollout: Tensor | None
     adv: Tensor
     mask: Tensor
-    log_ratio: Tensor
+    log_ratio: Tensor  # clamped to +-LOG_RATIO_CLAMP: for ratio values
+    lp: Tensor  # the log-probs on loss tokens (0 elsewhere): the gradient of a stop-gradient weight goes through them
 
     @classmethod
     def make(cls, logprobs, old, rollout, adv, mask) -> "_Batch":
@@ -300,7 +303,7 @@ class _Batch:
         on = m > 0
         lr = torch.where(on, logprobs - old.detach(), 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         return cls(logprobs, old.detach(), None if rollout is None else rollout.detach(),
-                   adv.expand_as(logprobs), m, lr)
+                   adv.expand_as(logprobs), m, lr, torch.where(on, logprobs, 0.0))
 
 
 def _finish(b: _Batch, tok: Tensor, metrics: dict, cfg: LossConfig, default_agg: str,
@@ -378,7 +381,7 @@ def gspo_loss(logprobs, old_logprobs, rollout_logprobs, advantages, mask, cfg=No
     cfg = cfg or LossConfig()
     b = _Batch.make(logprobs, old_logprobs, rollout_logprobs, advantages, mask)
     seq_lr = b.log_ratio.sum(-1, keepdim=True) / b.mask.sum(-1, keepdim=True).clamp(min=1)
-    s_tok = torch.exp(seq_lr.detach() + b.log_ratio - b.log_ratio.detach())
+    s_tok = torch.exp(seq_lr.detach() + b.lp - b.lp.detach())
     tok, clipped = _clipped_surrogate(s_tok, b.adv, cfg.gspo_clip_low, cfg.gspo_clip_high)
     seq_ratio = _masked_mean(seq_lr.detach().exp().expand_as(b.mask), b.mask)  # over loss tokens (module docstring)
     metrics = {"clip_frac": _frac(clipped, b), "seq_ratio_mean": seq_ratio}
@@ -396,7 +399,7 @@ def cispo_loss(logprobs, old_logprobs, rollout_logprobs, advantages, mask, cfg=N
     b = _Batch.make(logprobs, old_logprobs, rollout_logprobs, advantages, mask)
     ratio = b.log_ratio.detach().exp()
     w = ratio.clamp(1 - cfg.cispo_clip_low, 1 + cfg.cispo_clip_high)
-    tok = -_weighted(w, b.log_ratio) * b.adv
+    tok = -_weighted(w, b.lp) * b.adv
     return _finish(b, tok, {"clip_frac": _frac(w != ratio, b)}, cfg, "token_mean", ref_logprobs, denom)
 
 
@@ -420,7 +423,7 @@ def dppo_tv_loss(logprobs, old_logprobs, rollout_logprobs, advantages, mask, cfg
     out = dppo_tv_mask(b.logprobs, mu, b.adv, cfg.delta)
     ratio = b.log_ratio.detach().exp()
     w = ratio if cfg.dppo_ratio_cap is None else ratio.clamp(max=cfg.dppo_ratio_cap)
-    tok = torch.where(out, 0.0, -_weighted(w, b.log_ratio) * b.adv)
+    tok = torch.where(out, 0.0, -_weighted(w, b.lp) * b.adv)
     capped = out if cfg.dppo_ratio_cap is None else out | (ratio > cfg.dppo_ratio_cap)  # masked, or weight cut
     return _finish(b, tok, {"clip_frac": _frac(capped, b)}, cfg, "seq_mean_token_sum", ref_logprobs, denom)
 

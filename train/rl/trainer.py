@@ -380,7 +380,8 @@ class RLTrainer:
         if behaviour:
             metrics["mismatch_kl"] = mis_sum / max(mis_w, 1.0)
         metrics.update(maxes)
-        metrics.update(loss=loss_total / len(minis), entropy=ent_sum / max(weight, 1.0),
+        # (both means over the mini-batches that had something to learn from: one without is no update)
+        metrics.update(loss=loss_total / max(len(grad_norms), 1), entropy=ent_sum / max(weight, 1.0),
                        grad_norm=sum(grad_norms) / max(len(grad_norms), 1),
                        lr=lr, advantage_abs_mean=advantage_abs_mean(rolls, adv))
         return metrics
