@@ -281,6 +281,12 @@ def test_config_and_template_errors(tmp_path, tok):
     f.write_text("aggregate: 'no fields here'\n")
     with pytest.raises(ValueError, match="needs"):
         load_template(str(f))
+    # a tail (or the candidates) written twice: prompts longer than the context plan counts
+    for text in ('candidate: "[{index}] {tail} (again: {tail})"', 'aggregate: "{problem} {candidates} {candidates}"',
+                 'continue: "{tail}{tail}"'):
+        f.write_text(text + "\n")
+        with pytest.raises(ValueError, match="appears 2 times; it may appear once"):
+            load_template(str(f))
     with pytest.raises(ValueError, match="unknown template"):
         load_template("nope")
 
@@ -513,6 +519,27 @@ def test_delethink_freezes_finished_chains_and_grades_whole_traces(tok):
     assert res.metrics["requests"] == 3
 
 
+def test_tails_sent_as_text_hold_whole_characters(tok):
+    """Tails are cut in tokens; a backend that sends text (``--api chat``) decoded a cut through a multi-token
+    character (CJK, math symbols) as U+FFFD into the prompt. There a cut drops the remnant (at most tau tokens
+    still); token-id backends send the cut as it is."""
+    for sends_text in (False, True):
+        split = []
+        for variant, extra in (("rsa", {}), ("delethink", {"anchor": 3})):
+            for tau in (3, 4, 5, 6, 7):
+                be = RoundScript(tok, "<think>\n" + "计算√π" * 30, cont="<think>\n" + "≤∑" * 40)
+                be.sends_text = sends_text
+                cfg = RSAConfig(population=2, aggregate=2 if variant == "rsa" else 1, rounds=1, budget=40, tail=tau,
+                                final_budget=0, seed=0, variant=variant, **extra)
+                res = MarkovianRSA(be, cfg, "math", grader=exact_grader).run("q")
+                cuts = [ids for p in res.prompts if p.round == 1 for ids in p.forwarded]
+                assert cuts and all(len(ids) <= tau + extra.get("anchor", 0) for ids in cuts)
+                # (the script's traces end where the budget cut them, as token ids: a remnant may end them; a chat
+                # backend's traces are its replies' text encoded, whole characters)
+                split += [t for ids in cuts if "\ufffd" in (t := tok.decode(ids).rstrip("\ufffd"))]
+        assert bool(split) != sends_text, (sends_text, split)
+
+
 def test_plan_check_and_clamp(tok):
     be = RoundScript(tok, "x")
     cfg = RSAConfig(population=4, aggregate=3, rounds=2, budget=200, tail=16, final_budget=50, seed=0)
@@ -530,8 +557,16 @@ def test_plan_check_and_clamp(tok):
     with pytest.raises(ValueError, match=r"aggregate request of round 1 .*lower --budget, --tail or --aggregate"):
         rsa.check_plan(20, ctx)
     changes = rsa.check_plan(20, ctx, clamp=True)
-    assert changes["budget"] == (200, 190) and rsa.config.budget == 190
-    assert all(s["total"] <= ctx for s in rsa.plan(20)) and rsa.config.final_budget == 0
+    # the final-answer continuation keeps its room (it was clamped to 0: cut traces got no answer): here all of
+    # final_budget=50, a quarter of what the solve prompt leaves being more
+    force = len(rsa.builder.force_answer())
+    assert changes["budget"] == (200, 190 - force - 50) and rsa.config.final_budget == 50
+    assert all(s["total"] <= ctx for s in rsa.plan(20)) and "final_budget" not in changes
+    # parallel sampling (rounds=0) forwards no tails: a tail longer than the clamped budget is no reason to refuse
+    solo = MarkovianRSA(be, RSAConfig(population=4, rounds=0, budget=4000, tail=4096, seed=0), "math")
+    solve_prompt = solo.plan(20)[0]["prompt"]
+    got = solo.check_plan(20, solve_prompt + 400, clamp=True)
+    assert got["budget"][1] >= 1 and all(s["total"] <= solve_prompt + 400 for s in solo.plan(20))
     with pytest.raises(ValueError, match="no thinking budget fits"):
         MarkovianRSA(be, cfg, "math").check_plan(20, steps["aggregate"]["prompt"] + 5, clamp=True)
     # the full variant forwards whole traces (tail = budget): clamping solves C + 1 budgets into the context

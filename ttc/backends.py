@@ -670,6 +670,8 @@ class ChatBackend(OpenAIBackend):
     (:func:`reply_text`: ``</think>`` only where the model wrote one). Token counts of prompts are the local
     tokenizer's (the server's ``usage`` is kept separately)."""
 
+    sends_text = True  # prompts go out decoded (RSA keeps its cuts to whole characters)
+
     def __init__(self, base_url: str, model: str | None = None, tokenizer=None, **kw):
         if tokenizer is None:
             raise ValueError("--api chat needs --tokenizer PATH (tails are cut in the policy's tokens)")

@@ -68,7 +68,8 @@ def _solve_parser() -> argparse.ArgumentParser:
     g.add_argument("--context", type=int, default=None,
                    help="the model's context in tokens (default: the checkpoint's, or the server's max_model_len)")
     g.add_argument("--clamp", action="store_true",
-                   help="lower the budgets to fit the context instead of refusing the run")
+                   help="lower the budgets to fit the context instead of refusing the run (the final-answer "
+                        "continuation keeps up to a quarter of what the solve prompt leaves)")
     d = ap.add_argument_group("problems")
     src = d.add_mutually_exclusive_group(required=True)
     src.add_argument("--problem", help="one problem text")

@@ -296,8 +296,19 @@ class MarkovianRSA:
             else:
                 ans = ids
             if ans:
-                return ans[-tau:]
-        return ids[-tau:]
+                return self.whole_chars(ans[-tau:])
+        return self.whole_chars(ids[-tau:])
+
+    def whole_chars(self, ids: list[int], lead: bool = True) -> list[int]:
+        """``ids`` (a cut of a trace) less the remnant of a character the cut split, at its start (``lead``) or its
+        end, where the backend sends text (``--api chat``): decoded there, the remnant is U+FFFD, which the server
+        reads, and re-tokenises, as itself. Token-id backends send the ids as cut."""
+        if not getattr(self.backend, "sends_text", False):
+            return ids
+        while len(ids) > 1 and (self.backend.decode(ids).startswith("\ufffd") if lead
+                                else self.backend.decode(ids).endswith("\ufffd")):
+            ids = ids[1:] if lead else ids[:-1]
+        return ids
 
     def parents(self, rnd: int, index: int, pkey: int = 0) -> list[int]:
         cfg = self.config
@@ -313,7 +324,11 @@ class MarkovianRSA:
         """Delethink's Markovian state: the chain's first ``anchor`` tokens, then its last ``tail``."""
         cfg, ids = self.config, self.chain_ids(c)
         head = ids[:cfg.anchor]
-        return head + ids[max(len(head), len(ids) - cfg.tail):]
+        tail = ids[max(len(head), len(ids) - cfg.tail):]
+        if len(head) + len(tail) < len(ids):  # a gap between them: the tail starts at a cut, and the head ends at one
+            tail = self.whole_chars(tail)
+            head = self.whole_chars(head, lead=False) if head else head
+        return head + tail
 
     # the plan: every prompt of every round fits the model's context
     def plan(self, problem_tokens: int) -> list[dict]:
@@ -361,10 +376,26 @@ class MarkovianRSA:
         budget = min(cfg.budget, room)
         if "continue" in steps:  # a chunk after the first generates budget - tail - anchor tokens
             budget = min(budget, context - steps["continue"]["prompt"] + cfg.tail + cfg.anchor)
+        if cfg.final_budget and budget >= 1:
+            # the final-answer continuation keeps room too: up to a quarter of what the solve prompt leaves
+            reserve = min(cfg.final_budget, (context - steps["solve"]["prompt"]) // 4)
+
+            def fits(b: int) -> bool:
+                self.config = replace(cfg, budget=b, tail=b if cfg.variant == "full" else cfg.tail, final_budget=reserve)
+                try:
+                    return all(s["total"] <= context for s in self.plan(problem_tokens) if s["stage"] == "final")
+                finally:
+                    self.config = cfg
+            lo, hi = 0, budget  # the largest budget that leaves the reserve (fits is monotone in b)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+            budget = lo
         new = replace(cfg, budget=budget)
         if new.variant == "full":
             new.tail = budget
-        if budget < 1 or new.tail > budget or (new.variant == "delethink" and new.chunk_budget < 1):
+        # (rounds=0 is parallel sampling: no tails, no chunks)
+        if budget < 1 or new.rounds and (new.tail > budget or (new.variant == "delethink" and new.chunk_budget < 1)):
             raise ValueError(f"plan: no thinking budget fits the model's context {context} with tail {cfg.tail}, "
                              f"aggregate {cfg.aggregate} and a {problem_tokens}-token problem; lower --tail "
                              f"or --aggregate")

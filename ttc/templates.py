@@ -50,10 +50,16 @@ class Template:
         for key, req in need.items():
             text = getattr(self, key)
             try:
-                names = {f for _, f, _, _ in string.Formatter().parse(text) if f is not None}
+                fields = [f for _, f, _, _ in string.Formatter().parse(text) if f is not None]
             except ValueError as e:
                 raise ValueError(f"template {self.name!r}, {key.rstrip('_')}: {e} "
                                  f"(write literal braces as {{{{ }}}})") from None
+            names = set(fields)
+            # the plan counts each tail once: a payload field written twice would make prompts longer than planned
+            twice = sorted(f for f in names & {"candidates", "tail"} if fields.count(f) > 1)
+            if twice:
+                raise ValueError(f"template {self.name!r}, {key.rstrip('_')}: {{{twice[0]}}} appears "
+                                 f"{fields.count(twice[0])} times; it may appear once (the context plan counts it once)")
             if not req <= names or not names <= allowed[key]:
                 raise ValueError(f"template {self.name!r}, {key.rstrip('_')}: fields {sorted(names)}; "
                                  f"needs {sorted(req)}, allows {sorted(allowed[key])} "
