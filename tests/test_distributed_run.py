@@ -334,14 +334,22 @@ def test_servers_on_another_weights_directory_are_refused_before_training(warm_d
     pool = ServerPool(1, warm_dir, other, "k1", 1, tmp_path / "logs")
 
     def evaluate(*args):
-        return subprocess.run([sys.executable, "-m", "cascade", "eval", f"model={warm_dir}", *STAGE, *args],
-                              capture_output=True, text=True, timeout=300, env=dict(os.environ, CASCADE_API_KEY="k1"))
+        return subprocess.Popen([sys.executable, "-m", "cascade", "eval", f"model={warm_dir}", *STAGE, *args],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=dict(os.environ, CASCADE_API_KEY="k1"))
+
+    def done(p):
+        stdout, stderr = p.communicate(timeout=300)
+        return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
     try:
         out = tmp_path / "run"
-        r = cascade(f"out={out}", f"model={warm_dir}", *STAGE, "steps=2", f"rollout.urls=[{pool.urls[0]}]",
-                    env={"CASCADE_API_KEY": "k1"}, timeout=300)  # the key by environment: past /v1/models
-        bad, served = evaluate(f"rollout.urls=[{pool.urls[0]}]"), evaluate(f"rollout.urls=[{pool.urls[0]}]",
-                                                                            f"out={tmp_path / 'ev'}")
+        # the two refused at once (each mostly starting up); then cascade eval on the servers' directory (alone: a
+        # version it writes there would be the one the others name)
+        runs = [cascade(f"out={out}", f"model={warm_dir}", *STAGE, "steps=2", f"rollout.urls=[{pool.urls[0]}]",
+                        env={"CASCADE_API_KEY": "k1"}, wait=False),  # the key by environment: past /v1/models
+                evaluate(f"rollout.urls=[{pool.urls[0]}]")]
+        r, bad = map(done, runs)
+        served = done(evaluate(f"rollout.urls=[{pool.urls[0]}]", f"out={tmp_path / 'ev'}"))
     finally:
         pool.close()
     assert r.returncode == 2, r.stderr[-2000:]
@@ -350,5 +358,5 @@ def test_servers_on_another_weights_directory_are_refused_before_training(warm_d
     assert not list((out / "stages").glob("*/checkpoints/*")) and not rl_records(out)
     assert bad.returncode == 2 and "servers given by rollout.urls load it from --weights-dir" in bad.stderr, bad.stderr
     assert served.returncode == 0, served.stderr[-2000:]
-    local = evaluate()
+    local = done(evaluate())
     assert local.returncode == 0 and json.loads(served.stdout) == json.loads(local.stdout)
