@@ -962,3 +962,111 @@ def test_sudoku_blanks_grow_at_every_level():
         counts = [blanks(d) for d in range(lo, hi)]
         assert all(a < b for a, b in zip(counts, counts[1:])), (lo, counts)
     assert blanks(23) < blanks(24) and blanks(35) < blanks(36)  # a larger box has more blanks than the last level
+
+
+def _best_threshold(xs, ys) -> float:
+    """The accuracy of the best one-threshold rule on feature ``xs`` for the yes/no labels ``ys``."""
+    best = 0.0
+    for th in sorted(set(xs)):
+        for sign in (1, -1):
+            best = max(best, sum((sign * (x - th) > 0) == y for x, y in zip(xs, ys)) / len(xs))
+    return best
+
+
+def test_rules_read_off_the_prompt_do_not_solve_yes_no_and_classification_envs():
+    """graphical_sequence's NO sequences had a larger degree sum or a degree of n-1 (91-100% told apart); every
+    unbalanced string of bracket_validity broke a bracket count (counting answered all); point_in_polygon's boundary
+    point was always the first vertex ("B at a listed vertex, else O" answered 71% of difficulty 0)."""
+    env = get_env("gym/graphical_sequence")
+    for d in (5, 10):
+        seqs, ys = [], []
+        for seed in range(300):
+            p = env.generate(seed, d)
+            seqs.append([int(x) for x in re.search(r"exactly (.*)\?", p.prompt)[1].split(", ")])
+            ys.append(p.answer == "YES")
+        n = len(seqs[0])
+        assert 0.4 <= sum(ys) / len(ys) <= 0.6
+        for feature in ([sum(x) for x in seqs], [max(x) for x in seqs], [sum(v == n - 1 for v in x) for x in seqs]):
+            assert _best_threshold(feature, ys) <= 0.7, d
+    env = get_env("gym/bracket_validity")
+    by_counts = 0
+    for seed in range(200):
+        p = env.generate(seed, 3)
+        strs = re.search(r"strings (.*) answer 1", p.prompt)[1].split("  ")
+        guess = [int(all(x.count(a) == x.count(b) for a, b in ("()", "[]", "{}"))) for x in strs]
+        by_counts += guess == p.answer
+    assert by_counts / 200 <= 0.45
+    env = get_env("gym/point_in_polygon")
+    for d in (0, 2):
+        by_vertices = 0
+        for seed in range(200):
+            p = env.generate(seed, d)
+            m = re.search(r"vertices (.*) in order\. For each point (.*) answer", p.prompt)
+            verts = set(re.findall(r"\(-?\d+, -?\d+\)", m[1]))
+            by_vertices += ["B" if q in verts else "O" for q in re.findall(r"\(-?\d+, -?\d+\)", m[2])] == p.answer
+        assert by_vertices / 200 <= 0.3, d
+
+
+def test_puzzles_with_few_solutions_per_level_have_many_now():
+    """magic_square had the 8 Siamese squares of each order (memorised, every problem solved); tower_of_hanoi 6
+    problems a level (the peg pairs), three levels alike; small combinatorics levels 3 problems each."""
+    from envs.gym.logic_puzzles import _hanoi_from
+
+    env = get_env("gym/magic_square")
+    for d in (1, 7, 13):
+        sols = {json.dumps(env.generate(seed, d).answer) for seed in range(150)}
+        assert len(sols) >= 100, d
+    for seed in range(20):
+        p = env.generate(seed, 7)
+        assert env.valid(p, p.answer) and env.verify(p, env.reference_response(p)).correct
+    # the moves from any position are optimal (breadth-first search over every position of up to 4 disks)
+    import collections
+
+    def fewest(n, start, dst):
+        seen, q = {start: 0}, collections.deque([start])
+        while q:
+            s = q.popleft()
+            if s == (dst,) * n:
+                return seen[s]
+            tops = {peg: min((i for i in range(n) if s[i] == peg), default=n) for peg in (1, 2, 3)}
+            for a in (1, 2, 3):
+                for b in (1, 2, 3):
+                    if a != b and tops[a] < tops[b]:
+                        t = s[:tops[a]] + (b,) + s[tops[a] + 1:]
+                        if t not in seen:
+                            seen[t] = seen[s] + 1
+                            q.append(t)
+    for n in (1, 2, 3, 4):
+        for start in itertools.product((1, 2, 3), repeat=n):
+            for dst in (1, 2, 3):
+                moves = []
+                _hanoi_from(n, list(start), dst, moves)
+                assert len(moves) == fewest(n, start, dst), (start, dst)
+    env = get_env("gym/tower_of_hanoi")
+    assert len({env.generate(seed, 3).prompt for seed in range(150)}) >= 50
+    for seed in range(20):
+        p = env.generate(seed, 4)
+        assert env.verify(p, env.reference_response(p)).correct
+        arrows = ", ".join(f"{a} -> {b}" for a, b in p.answer)
+        assert env.verify(p, f"\\boxed{{{arrows}}}").correct
+        assert not any(env.verify(p, w).correct for w in env.wrong_answers(p))
+    for env_id in ("gym/catalan", "gym/derangements", "gym/expected_max_dice"):
+        assert len({json.dumps(get_env(env_id).generate(seed, 0).answer) for seed in range(100)}) >= 6, env_id
+    for env_id, d, most in [("gym/max_overlap", 2, 0.45), ("gym/max_overlap", 3, 0.45), ("gym/max_overlap", 4, 0.45),
+                            ("gym/coin_change_min", 0, 0.3), ("gym/coin_change_min", 1, 0.3), ("gym/stirling2", 0, 0.35)]:
+        share, top = _top_share(env_id, d, seeds=200)
+        assert share <= most, (env_id, d, top, share)
+
+
+def test_countdown_claims_and_other_spellings():
+    """A countdown answer "expr = N" with N not the target was credited (only the part before "=" was read); "÷",
+    a final period and the minus sign U+2212 are read."""
+    from envs.gym._util import parse_fraction, parse_int
+
+    env = get_env("gym/countdown")
+    p = env.generate(0, 0)
+    target = p.meta["target"]
+    assert env.verify(p, f"\\boxed{{{p.answer} = {target}}}").correct
+    assert not env.verify(p, f"\\boxed{{{p.answer} = {target + 1}}}").correct
+    assert env.verify(p, f"\\boxed{{{p.answer.replace('/', '÷')}.}}").correct
+    assert parse_int("\u221270") == -70 and parse_fraction("\u22121/2") == Fraction(-1, 2)

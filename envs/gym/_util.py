@@ -126,6 +126,7 @@ _NAMED = re.compile(r"\s*[A-Za-z]\s*=")  # "x = 1569": the prompts ask to "find 
 
 
 def parse_int(text: str) -> int:
+    text = text.replace("\u2212", "-")  # the minus sign
     if re.search(r"\d\s+\d", text):
         raise ParseError(f"expected one integer, got {text[:40]!r}")
     m = _NAMED.match(text)
@@ -175,7 +176,7 @@ _FRAC_TEX = re.compile(r"^([+-]?)\\d?frac\{([^{}]*)\}\{([^{}]*)\}$")
 
 
 def parse_fraction(text: str) -> Fraction:
-    t = "".join(text.split()).removesuffix(".")  # "67/36." ends a sentence, as "42." does
+    t = "".join(text.replace("\u2212", "-").split()).removesuffix(".")  # "67/36." ends a sentence, as "42." does
     m = _FRAC_TEX.match(t)
     if m:
         t = f"{m.group(1)}{m.group(2)}/{m.group(3)}"

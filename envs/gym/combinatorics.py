@@ -38,7 +38,8 @@ class Catalan(IntAnswer):
     family, description = F, "Catalan numbers (balanced bracket sequences)."
 
     def build(self, rng, d):
-        n = rng.randint(2 + d, grow_until(4, d, 30, 2000, 1.3, 2))  # 1.3^d to difficulty 30 (10540), then linear
+        # 1.3^d to difficulty 30 (10540), then linear; at least 2..8 (three problems made up difficulty 0)
+        n = rng.randint(2 + d, max(8 + d, grow_until(4, d, 30, 2000, 1.3, 2)))
         top = 1  # C(2n, n) / (n + 1) = (2n)! / (n! (n + 1)!), modulo the prime: O(n) small products, where
         for i in range(n + 2, 2 * n + 1):  # the exact bigint grew with n (minutes at difficulty 50)
             top = top * i % MOD
@@ -54,7 +55,7 @@ class Derangements(IntAnswer):
     family, description = F, "Number of permutations with no fixed point."
 
     def build(self, rng, d):
-        n = rng.randint(3 + d, grow_until(5, d, 30, 2000, 1.3, 2))  # O(n): 1.3^d to difficulty 30, then linear
+        n = rng.randint(3 + d, max(9 + d, grow_until(5, d, 30, 2000, 1.3, 2)))  # O(n): 1.3^d to 30, then linear
         a, b = 1, 0  # D0, D1
         for i in range(2, n + 1):
             a, b = b, (i - 1) * (a + b) % MOD
@@ -120,7 +121,8 @@ class Stirling2(IntAnswer):
 
     def build(self, rng, d):
         n = rng.randint(3 + d, 5 + 2 * d + d * d // 8)  # polynomial: the O(n k) table stays small
-        k = rng.randint(1, n)
+        # k = 1 or n (answer 1) was 2/n of the draws: 49% of difficulty 0 answered by "1"
+        k = rng.randint(2, n - 1) if rng.random() < 0.9 else rng.choice([1, n])
         s = [[0] * (k + 1) for _ in range(n + 1)]
         s[0][0] = 1
         for i in range(1, n + 1):

@@ -179,7 +179,20 @@ class PointInPolygon(_TokenList):
         r = 5 + 2 * d
         poly = star_polygon(rng, grow_until(4, d, 30, 3), r)  # as polygon_area's
         qs = _pts(rng, 3 + d // 2, r)
-        qs[rng.randrange(len(qs))] = poly[0]
+        slots = list(range(len(qs)))
+        rng.shuffle(slots)
+        if rng.random() < 0.8:  # a point on a random edge (a vertex, or a lattice point between two): it was poly[0]
+            k = rng.randrange(len(poly))
+            (x1, y1), (x2, y2) = poly[k], poly[(k + 1) % len(poly)]
+            g = math.gcd(abs(x2 - x1), abs(y2 - y1))
+            t = rng.randrange(g)
+            qs[slots[0]] = (x1 + t * (x2 - x1) // g, y1 + t * (y2 - y1) // g)
+        if rng.random() < 0.6:  # and one inside (small polygons have few: "B at a vertex, else O" answered half)
+            xs, ys = [x for x, _ in poly], [y for _, y in poly]
+            inside = [q for q in ((rng.randint(min(xs), max(xs)), rng.randint(min(ys), max(ys))) for _ in range(50))
+                      if point_in_polygon(q, poly) == "I"]
+            if inside:
+                qs[slots[1]] = inside[0]
         return (f"A simple polygon has vertices {_show(poly)} in order. For each point {_show(qs)} answer I (strictly "
                 f"inside), O (outside) or B (on the boundary), separated by spaces.",
                 [point_in_polygon(q, poly) for q in qs])

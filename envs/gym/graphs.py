@@ -910,28 +910,54 @@ class GraphicalSequence(StrAnswer):
     family, description, fold_case = F, "Is a degree sequence graphical (Erdos-Gallai)? YES/NO.", True
 
     def build(self, rng, d):
+        # YES and NO are the two sides of one step across the Erdos-Gallai boundary: a simple graph's degrees
+        # (graphical) concentrated a unit at a time (from a lower to a higher degree, mostly) until they are not;
+        # the sequences just before and just after have the same sum and nearly the same maximum and spread (NO
+        # sequences made otherwise were told apart by their degree sum or a degree of n-1 on 91-100% of problems)
         n = _n(d, 5, 5)
-        edges = {tuple(sorted(rng.sample(range(n), 2))) for _ in range(int(n * 1.5))}
-        deg = [0] * n  # a simple graph's degrees: graphical
+        want = rng.random() < 0.5
+        edges = {tuple(sorted(rng.sample(range(n), 2))) for _ in range(rng.randint(n // 2, int(n * 1.5)))}
+        deg = [0] * n
         for u, v in edges:
             deg[u] += 1
             deg[v] += 1
-        if rng.random() < 0.5:  # NO, with an even sum and every degree < n (no parity or size shortcut):
-            for _ in range(30):  # degrees moved at random until Erdos-Gallai fails, ...
-                i, j = rng.sample(range(n), 2)
-                deg[i] += 1
-                deg[j] += -1 if deg[j] > 0 and rng.random() < 0.5 else 1
-                if max(deg) >= n or not _graphical(deg):
+
+        def walk(state, k):  # k unit moves from state: (the moves, the end state)
+            moves, cur = [], list(state)
+            for _ in range(20 * k):
+                if len(moves) == k:
                     break
-            if max(deg) >= n or _graphical(deg):  # ... or k vertices adjacent to all others and one of degree < k
-                k = rng.randint(2, max(2, n // 3))
-                *top, low = rng.sample(range(n), k + 1)
-                deg = [min(x, n - 1) for x in deg]
-                for i in top:
-                    deg[i] = n - 1
-                deg[low] = rng.randint(0, k - 1)
-                if sum(deg) % 2:
-                    deg[low] += 1 if deg[low] < k - 1 else -1
+                i, j = rng.sample(range(n), 2)
+                if cur[i] < cur[j] and rng.random() < 0.8:
+                    i, j = j, i
+                if cur[j] > 0 and cur[i] < n - 1:
+                    cur[i] += 1
+                    cur[j] -= 1
+                    moves.append((i, j))
+            return moves, cur
+
+        def after(state, moves):
+            cur = list(state)
+            for i, j in moves:
+                cur[i] += 1
+                cur[j] -= 1
+            return cur
+        pair, chunk = None, 1
+        for _ in range(40):  # chunks of doubling length until one ends past the boundary; then bisected to one step
+            moves, end = walk(deg, chunk)
+            if not moves:
+                break
+            if _graphical(end):
+                deg, chunk = end, chunk * 2
+                continue
+            lo, hi = 0, len(moves)  # after lo moves graphical, after hi not
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if _graphical(after(deg, moves[:mid])) else (lo, mid)
+            pair = after(deg, moves[:lo]), after(deg, moves[:hi])
+            break
+        if pair is not None:
+            deg = pair[0] if want else pair[1]
         rng.shuffle(deg)
         return (f"Is there a simple undirected graph whose vertex degrees are exactly {fmt_list(deg, ', ')}? "
                 f"Answer YES or NO.", "YES" if _graphical(deg) else "NO")

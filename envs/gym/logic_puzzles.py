@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from collections import Counter, deque
 from fractions import Fraction
 
 from envs.base import register
 from envs.gym._util import (
-    INVALID, GymEnv, IntAnswer, ParseError, StrAnswer, balanced, fmt_grid, fmt_list, grow_until, parse_grid,
+    _ARROWS, INVALID, GymEnv, IntAnswer, ParseError, StrAnswer, balanced, fmt_grid, fmt_list, grow_until, parse_grid,
     parse_groups, parse_int_list, parse_tokens,
 )
 
@@ -327,21 +328,47 @@ class MagicSquare(_GridPuzzle):
     family, description = F, "Complete a normal magic square of odd order."
 
     def build(self, rng, d):
-        n = 3 + 2 * (d // 6)
-        sq = [[0] * n for _ in range(n)]
-        i, j = 0, n // 2
-        for v in range(1, n * n + 1):
-            sq[i][j] = v
-            ni, nj = (i - 1) % n, (j + 1) % n
-            if sq[ni][nj]:
-                ni, nj = (i + 1) % n, j
-            i, j = ni, nj
+        # 3x3 (8 squares in all) only at level 0; from 5x5 on, squares from two orthogonal diagonal Latin squares
+        # (n L1 + L2 + 1, cyclic: n not a multiple of 3) or the Siamese one, under the symmetries of the square and a
+        # centrally symmetric permutation of rows and columns together (every line stays magic): the Siamese
+        # squares alone were 8 per order, memorised in full
+        n = 3 if d == 0 else 5 + 2 * ((d - 1) // 6)
+        pairs = [(a, b) for a in range(1, n) for b in range(1, n)
+                 if all(math.gcd(x % n, n) == 1 for x in (a, b, a + b, a - b))]
+        if pairs and rng.random() < 0.8:
+            while True:
+                (a1, b1), (a2, b2) = rng.choice(pairs), rng.choice(pairs)
+                if math.gcd((a1 * b2 - a2 * b1) % n, n) == 1:  # orthogonal
+                    break
+            c1, c2 = rng.randrange(n), rng.randrange(n)
+            sq = [[n * ((a1 * i + b1 * j + c1) % n) + (a2 * i + b2 * j + c2) % n + 1 for j in range(n)]
+                  for i in range(n)]
+        else:
+            sq = [[0] * n for _ in range(n)]
+            i, j = 0, n // 2
+            for v in range(1, n * n + 1):
+                sq[i][j] = v
+                ni, nj = (i - 1) % n, (j + 1) % n
+                if sq[ni][nj]:
+                    ni, nj = (i + 1) % n, j
+                i, j = ni, nj
         for _ in range(rng.randrange(4)):
             sq = [list(r) for r in zip(*sq[::-1])]
         if rng.random() < 0.5:
             sq = [r[::-1] for r in sq]
         if rng.random() < 0.5:
             sq = [[n * n + 1 - x for x in r] for r in sq]
+        half = list(range(n // 2))
+        rng.shuffle(half)
+        sigma = list(range(n))
+        for k, h in enumerate(half):  # pair k goes to pair h, maybe mirrored: sigma(n-1-i) = n-1-sigma(i)
+            lo, hi = (h, n - 1 - h) if rng.random() < 0.5 else (n - 1 - h, h)
+            sigma[k], sigma[n - 1 - k] = lo, hi
+        perm = [[0] * n for _ in range(n)]
+        for i in range(n):
+            for j in range(n):
+                perm[sigma[i]][sigma[j]] = sq[i][j]
+        sq = perm
         givens = _blank(rng, sq, min(n * n * 3 // 4, 2 + d + n))
         return (f"Complete the {n}x{n} magic square below using each of 1..{n * n} exactly once so that every row, "
                 f"column and both diagonals sum to {n * (n * n + 1) // 2} ('.' is empty):\n{_show(givens)}\n"
@@ -465,6 +492,22 @@ def _hanoi(n, a, b, c, out):
         _hanoi(n - 1, b, a, c, out)
 
 
+def _hanoi_from(k, pos, t, out):
+    """The optimal moves that bring disks 1..k (disk i on peg ``pos[i - 1]``) onto peg ``t``: the largest out of
+    place goes straight to ``t`` once the smaller ones are gathered on the third peg (unique and optimal)."""
+    if not k:
+        return
+    if pos[k - 1] == t:
+        _hanoi_from(k - 1, pos, t, out)
+        return
+    other = 6 - pos[k - 1] - t
+    _hanoi_from(k - 1, pos, other, out)
+    out.append([pos[k - 1], t])
+    _hanoi(k - 1, other, pos[k - 1], t, out)
+    for i in range(k):
+        pos[i] = t
+
+
 @register("gym/tower_of_hanoi")
 class TowerOfHanoi(GymEnv):
     family, description = F, "Optimal move sequence for the Tower of Hanoi."
@@ -472,13 +515,21 @@ class TowerOfHanoi(GymEnv):
 
     def build(self, rng, d):
         n = 2 + min(d, 35) // 3  # at most 13 disks: 2^(2 + d // 3) moves took minutes and gigabytes at 100
-        src, dst = rng.sample([1, 2, 3], 2)
-        mid = 6 - src - dst
+        dst = rng.randint(1, 3)
+        if rng.random() < 0.3:  # the classic start: every disk on one other peg
+            start = [rng.choice([p for p in (1, 2, 3) if p != dst])] * n
+        else:  # any position (disk i on start[i - 1]): a level had 6 problems (peg pairs), 3 levels the same
+            start = [rng.randint(1, 3) for _ in range(n)]
+            if all(p == dst for p in start):
+                start[-1] = rng.choice([p for p in (1, 2, 3) if p != dst])
         moves: list = []
-        _hanoi(n, src, mid, dst, moves)
-        return (f"Tower of Hanoi with {n} disks on peg {src} (pegs 1, 2, 3). Move them all to peg {dst}, one disk at "
-                f"a time, never a larger disk on a smaller one, in the minimum number of moves. Answer the moves as "
-                f"'from to' pairs separated by commas.", moves, {"n": n, "src": src, "dst": dst})
+        _hanoi_from(n, list(start), dst, moves)
+        pegs = {p: [i for i in range(n, 0, -1) if start[i - 1] == p] for p in (1, 2, 3)}
+        shown = "; ".join(f"peg {p}: {' '.join(map(str, pegs[p])) or 'empty'}" for p in (1, 2, 3))
+        return (f"Tower of Hanoi with {n} disks, numbered 1 (smallest) to {n} (largest), on pegs 1, 2, 3, each peg "
+                f"listed from bottom to top: {shown}. Move them all to peg {dst}, one disk at a time, never a larger "
+                f"disk on a smaller one, in the minimum number of moves. Answer the moves as 'from to' pairs "
+                f"separated by commas.", moves, {"n": n, "start": start, "dst": dst})
 
     def format_answer(self, answer):
         return ", ".join(f"{a} {b}" for a, b in answer)
@@ -486,12 +537,12 @@ class TowerOfHanoi(GymEnv):
     def parse(self, text, problem):
         if len(text) > 60_000:
             raise ParseError("too many moves")
-        return parse_groups(text, 2)
+        return parse_groups(_ARROWS.sub(" ", text), 2)  # "3 -> 2, 3 -> 1" as "3 2, 3 1"
 
     def grade(self, problem, value):
-        n, src, dst = problem.meta["n"], problem.meta["src"], problem.meta["dst"]
-        pegs = {1: [], 2: [], 3: []}
-        pegs[src] = list(range(n, 0, -1))
+        n, dst = problem.meta["n"], problem.meta["dst"]
+        start = problem.meta.get("start") or [problem.meta["src"]] * n  # (problems made before starts varied)
+        pegs = {p: [i for i in range(n, 0, -1) if start[i - 1] == p] for p in (1, 2, 3)}
         for a, b in value:
             if a not in pegs or b not in pegs or not pegs[a] or (pegs[b] and pegs[b][-1] < pegs[a][-1]):
                 return INVALID
@@ -776,7 +827,10 @@ class Countdown(GymEnv):
 
     def parse(self, text, problem):
         t = text.replace("\\times", "*").replace("\\cdot", "*").replace("\\div", "/").replace("×", "*")
-        t = t.split("=")[0]
+        t = t.replace("÷", "/").replace("\u2212", "-").strip().removesuffix(".")
+        t, *claims = t.split("=")  # "9 + 4 / 2 = 12" claims what is not so: each side after "=" must be the target
+        if any(c.strip() != str(problem.meta["target"]) for c in claims):
+            raise ParseError("what follows '=' must be the target")
         e = _Expr(t)
         return e.parse(), sorted(e.nums)
 

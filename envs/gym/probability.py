@@ -75,7 +75,7 @@ class ExpectedMaxDice(FracAnswer):
     family, description = F, "Expected maximum of n fair dice."
 
     def build(self, rng, d):
-        n, s = rng.randint(2, 2 + d), rng.randint(4, 6 + 2 * d)
+        n, s = rng.randint(2, 3 + d), rng.randint(4, 8 + 2 * d)  # (2 + d and 6 + 2d: three problems at difficulty 0)
         e = sum(Fraction(k ** n - (k - 1) ** n, s ** n) * k for k in range(1, s + 1))
         return f"{n} fair {s}-sided dice are rolled. What is the expected value of the largest face shown? {FMT}", frac_str(e)
 

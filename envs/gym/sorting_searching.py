@@ -236,10 +236,11 @@ class MaxOverlap(IntAnswer):
     family, description = F, "Maximum number of simultaneously active half-open intervals (sweep line)."
 
     def build(self, rng, d):
-        if d < 2:
-            # 2 rooms was the answer of 62-68% (4-5 short intervals): an answer drawn uniformly from 1..3 (2..4 at
-            # difficulty 1) is the target, the intervals drawn again until they have it
-            target = rng.randint(1 + d, 3 + d)
+        if d < 5:
+            # 2 rooms was the answer of 62-68% (4-5 short intervals), 3 rooms of 45-58% at difficulties 2-4: an answer
+            # drawn uniformly from 1..3 (2..4 at difficulty 1, ...) is the target, the intervals drawn again until
+            # they have it
+            target = rng.randint(1 + min(d, 2), 3 + min(d, 2))
             return balanced(rng, lambda: self._draw(rng, d), lambda ans: ans != target, keep=0.0, tries=200)
         return self._draw(rng, d)
 

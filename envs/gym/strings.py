@@ -199,9 +199,13 @@ class BracketValidity(ListAnswer):
                     st.append(rng.choice("([{"))
                     s.append(st[-1])
             s += [{"(": ")", "[": "]", "{": "}"}[c] for c in reversed(st)]
-            if rng.random() < 0.5:
-                i = rng.randrange(len(s))
-                s[i] = rng.choice("()[]{}")
+            if rng.random() < 0.5:  # a character replaced (counts off), or two swapped (counts kept: "([)]", ")(")
+                if rng.random() < 0.3:
+                    i = rng.randrange(len(s))
+                    s[i] = rng.choice("()[]{}")
+                else:
+                    i, j = sorted(rng.sample(range(len(s)), 2))
+                    s[i], s[j] = s[j], s[i]
             out.append("".join(s))
         return (f"For each of the strings {'  '.join(out)} answer 1 if its brackets are balanced and properly nested, "
                 f"else 0, separated by spaces.", [int(_balanced(s)) for s in out])
