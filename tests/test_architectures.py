@@ -117,6 +117,16 @@ def test_unsupported_options_are_refused_with_one_line_errors():
     base = dict(model_type="llama", vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
     with pytest.raises(ValueError, match="rope scaling"):
         ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    # a transformers-5 save (rope_parameters) with rope_scaling added, as model cards say for long context:
+    # transformers and vLLM take rope_scaling, Cascade took rope_parameters (plain RoPE, silently)
+    plain = {"rope_type": "default", "rope_theta": 1e6}
+    for added in ({"rope_type": "yarn", "factor": 4.0}, {"rope_type": "linear", "factor": 2.0}):
+        with pytest.raises(ValueError, match="rope_parameters .* and a different rope_scaling .* keep one"):
+            ModelConfig.from_hf({**base, "rope_parameters": plain, "rope_scaling": added})
+    both = ModelConfig.from_hf({**base, "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 5e5},
+                                "rope_scaling": dict(LLAMA3_ROPE)})  # the same (Cascade's own saves write both)
+    assert both.rope_scaling["rope_type"] == "llama3" and both.rope_theta == 5e5
+    assert ModelConfig.from_hf({**base, "rope_parameters": plain}).rope_theta == 1e6
     with pytest.raises(ValueError, match="mlp_bias"):
         ModelConfig.from_hf({**base, "mlp_bias": True})
     with pytest.raises(ValueError, match="MoE"):

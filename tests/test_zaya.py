@@ -1,5 +1,6 @@
 """ZAYA1 (``zaya``: CCA attention, ZAYA1 router, residual scaling, partial RoPE) in Cascade's model,
 engine and trainers, against transformers' ``ZayaForCausalLM``. Every model is built locally."""
+import dataclasses
 import json
 
 import pytest
@@ -134,6 +135,14 @@ def test_init_model_preset_tiny_zaya_opens_in_transformers(tmp_path):
 
     model, tok = init_model("tiny-zaya", tmp_path / "z")
     assert model.config.architecture == "zaya" and model.config.num_parameters() == count_parameters(model)
+    from train.model.config import ModelConfig
+
+    biased = dataclasses.replace(model.config, attention_bias=True)  # (its q/k/v/o biases were left out of the count)
+    assert biased.num_parameters() == count_parameters(CausalLM(biased))
+    hf = json.loads((tmp_path / "z" / "config.json").read_text())
+    for flat in ({"rope_type": "default", "rope_theta": 1e4}, {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}):
+        with pytest.raises(ValueError, match="zaya: rope_parameters must be given per layer type"):
+            ModelConfig.from_hf({**hf, "rope_parameters": flat})  # (its own theta and type were ignored)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "z").eval()
     assert back.config.model_type == "zaya"
     ids = torch.randint(5, 1000, (2, 12))

@@ -13,6 +13,19 @@ _HF_CLASS = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": 
              "zaya": "ZayaForCausalLM"}
 
 
+def _flat_rope(r: Any) -> dict:
+    """A rope_parameters/rope_scaling entry as one dict (the per-layer-type form has one for all layers)."""
+    r = dict(r or {})
+    return dict(r["full_attention"]) if isinstance(r.get("full_attention"), dict) else r
+
+
+def _rope_kind(r: dict) -> dict:
+    """What a RoPE entry says beyond its base frequency (its type and scaling fields)."""
+    out = {k: v for k, v in r.items() if k not in ("rope_theta", "type")}
+    out["rope_type"] = r.get("rope_type", r.get("type")) or "default"
+    return out
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int = 1024
@@ -141,16 +154,22 @@ class ModelConfig:
                              "transformers, slower)")
         if mt == "zaya":
             return cls._from_hf_zaya(d)
-        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-        if isinstance(rope.get("full_attention"), dict):  # per-layer-type form: one entry for all layers
-            rope = dict(rope["full_attention"])
+        params, scaling_in = (_flat_rope(d.get(k)) for k in ("rope_parameters", "rope_scaling"))
+        if params and scaling_in and _rope_kind(params) != _rope_kind(scaling_in):
+            # transformers (and vLLM) take rope_scaling; a transformers-5 save has rope_parameters, and the model cards
+            # say to add rope_scaling for long context: one of the two would be ignored somewhere
+            raise ValueError(f"config.json has rope_parameters {params!r} and a different rope_scaling "
+                             f"{scaling_in!r}; transformers uses rope_scaling: keep one of them")
+        rope = dict(scaling_in or params or {})
+        theta_default = params.get("rope_theta", d.get("rope_theta", 10000.0)) if params else d.get("rope_theta",
+                                                                                                     10000.0)
         rope_type = rope.get("rope_type", rope.get("type")) or "default"
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"unsupported rope scaling {rope!r}; Cascade's policy implements rope_type "
                              f"{list(ROPE_TYPES)} (CASCADE_MODEL_BACKEND=auto runs it through transformers)")
         if float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))) != 1.0:
             raise ValueError("partial rotary embeddings are not supported by Cascade's policy")
-        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        theta = rope.get("rope_theta", theta_default)
         scaling = None
         if rope_type != "default":
             keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -195,8 +214,11 @@ class ModelConfig:
             raise ValueError("zaya: sliding-window layers (hybrid_sliding) are not supported by Cascade's policy")
         if d.get("lm_head_bias") or d.get("hidden_act", "silu") != "silu":
             raise ValueError("zaya: lm_head_bias and hidden_act other than silu are not supported by Cascade's policy")
-        rope = dict((d.get("rope_parameters") or {}).get("hybrid") or {})
-        if rope.get("rope_type", "default") != "default":
+        given = d.get("rope_parameters") or {}
+        if given and not isinstance(given.get("hybrid"), dict):
+            raise ValueError(f"zaya: rope_parameters must be given per layer type ({{'hybrid': {{...}}}}), got {given!r}")
+        rope = dict(given.get("hybrid") or {})
+        if d.get("rope_scaling") or rope.get("rope_type", "default") != "default":
             raise ValueError(f"zaya: unsupported rope {rope!r} (plain RoPE only)")
         n_heads = d.get("num_attention_heads", 8)
         return cls(
@@ -274,6 +296,7 @@ class ModelConfig:
             d, hq, hk, E, R = self.head_dim, self.num_attention_heads, self.num_key_value_heads, self.num_experts, self.router_hidden_size
             C = (hq + hk) * d
             attn = h * C + h * hk * d + hq * d * h + C * (self.cca_time0 + 1) + C * (d * self.cca_time1 + 1) + hk
+            attn += self.attention_bias * ((hq + 2 * hk) * d + h)
             router = h * R + R + 2 * (R * R + R) + R + R * (E + 1) + R
             per = attn + router + E * 3 * h * self.moe_intermediate_size + 2 * h + 8 * h
             return self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + 3 * h + L * per - R  # no depth state at layer 0
