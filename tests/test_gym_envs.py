@@ -1050,8 +1050,7 @@ def test_puzzles_with_few_solutions_per_level_have_many_now():
         arrows = ", ".join(f"{a} -> {b}" for a, b in p.answer)
         assert env.verify(p, f"\\boxed{{{arrows}}}").correct
         assert not any(env.verify(p, w).correct for w in env.wrong_answers(p))
-    for env_id in ("gym/catalan", "gym/derangements", "gym/expected_max_dice"):
-        assert len({json.dumps(get_env(env_id).generate(seed, 0).answer) for seed in range(100)}) >= 6, env_id
+    assert len({json.dumps(get_env("gym/expected_max_dice").generate(seed, 0).answer) for seed in range(100)}) >= 6
     for env_id, d, most in [("gym/max_overlap", 2, 0.45), ("gym/max_overlap", 3, 0.45), ("gym/max_overlap", 4, 0.45),
                             ("gym/coin_change_min", 0, 0.3), ("gym/coin_change_min", 1, 0.3), ("gym/stirling2", 0, 0.35)]:
         share, top = _top_share(env_id, d, seeds=200)
