@@ -79,6 +79,48 @@ def test_validators_accept_every_test_input_and_reject_garbage(judge):
             assert res[-2:] == [False, False], f"{sid}: validator accepts garbage or empty input"
 
 
+_RELAID = r"""
+import contextlib, io, json, sys
+tests = json.loads(sys.stdin.read())
+validator, reference = open("/box/validator.py").read(), open("/box/reference.py").read()
+
+def run(src, text):
+    sys.stdin, out = io.StringIO(text), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(compile(src, "prog.py", "exec"), {"__name__": "__main__"})
+    except SystemExit as e:
+        return (e.code in (None, 0)), out.getvalue()
+    except Exception:
+        return False, out.getvalue()
+    return True, out.getvalue()
+
+bad = []
+for text in tests:
+    for laid in ("\n".join(text.split()) + "\n", " ".join(text.split()) + "\n"):
+        if laid.split() != text.split() or laid == text or not run(validator, laid)[0]:
+            continue
+        if run(reference, laid)[1].split() != run(reference, text)[1].split():
+            bad.append(laid[:60])
+print(json.dumps(bad))
+"""
+
+
+def test_validators_refuse_inputs_laid_out_on_other_lines(judge):
+    """The validators checked the values, not their lines: the same values one per line (or all on one line) were
+    valid, the reference (reading by lines) misread them, and falsify paid for such "counterexamples" while
+    io_propose took them. Each test input laid out otherwise is now refused, or read alike."""
+    def one(s: Seed):
+        v = judge.sandbox.run(_RELAID, json.dumps([t["input"] for t in s.tests]),
+                              files={"validator.py": s.validator, "reference.py": s.reference})
+        assert v.status == "ok", (s.id, v.stderr)
+        return s.id, json.loads(v.stdout)
+
+    with ThreadPoolExecutor(2) as ex:
+        bad = {sid: res for sid, res in ex.map(one, [s for s in SEEDS if s.validator]) if res}
+    assert not bad, bad
+
+
 def test_compare_helpers():
     assert compare_output("1 2\n3\n", "1  2 3")
     assert not compare_output("1 2", "1 2 3")
@@ -496,6 +538,21 @@ def test_seeds_above_the_top_tier_are_refused():
     with pytest.raises(ValueError, match="sum-two-hard.*difficulty outside 1-3"):
         get_env("code/solve", seeds=[dataclasses.replace(BY_ID["sum-two"], id="sum-two-hard", difficulty=4)])
     assert Seed.from_dict({**row, "difficulty": 3}).difficulty == 3
+    for low in (0, -5):  # (turned into tier 1 silently, though the docstring said refused)
+        with pytest.raises(ValueError, match=f"difficulty {low} is below 1"):
+            Seed.from_dict({**row, "difficulty": low})
+
+
+def test_a_test_with_an_empty_output_is_not_asked_about_in_a_box():
+    """An empty \\boxed{} is no answer: a test printing nothing made an io_predict problem only ``\\boxed{\\text{}}``
+    solved (the reference response itself scored 0)."""
+    seed = Seed.from_dict({**BY_ID["sum-two"].to_dict(), "id": "quiet",
+                           "tests": [{"input": "1 2", "output": ""}, {"input": "3 4", "output": "7"}]})
+    env = get_env("code/io_predict", seeds=[seed], include_builtin=False)
+    assert env.shown_tests(seed) == [1]
+    for s in range(4):
+        p = env.generate(s, 1)
+        assert env.verify(p, env.reference_response(p)).correct
 
 
 def test_io_predict_takes_an_answer_wrapped_in_a_text_command():

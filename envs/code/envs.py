@@ -346,10 +346,11 @@ class CodeEnv(Environment):
 
     def shown_tests(self, seed: Seed) -> list[int]:
         """Indices of tests small enough to show in a prompt or to ask about (where a test's text is the answer
-        within ``\\boxed{}``, only those without braces)."""
+        within ``\\boxed{}``, only those without braces, and not blank: an empty ``\\boxed{}`` is no answer)."""
         return [i for i, t in enumerate(seed.tests)
                 if len(t["input"]) <= SHOWN_CHARS and len(t["output"]) <= SHOWN_CHARS
-                and not (self.boxes_tests and any(c in t["output"] + t["input"] for c in "{}"))]
+                and not (self.boxes_tests and (any(c in t["output"] + t["input"] for c in "{}")
+                                               or not t["output"].strip() or not t["input"].strip()))]
 
     def statement(self, s: Seed, examples: list[int]) -> str:
         parts = [f"# {s.title}", s.statement]
