@@ -106,18 +106,22 @@ def math_equal(pred: Any, gold: Any, timeout: float = DEFAULT_TIMEOUT) -> bool:
         return True
     if len(p) > max(MAX_ANSWER_CHARS, 20 * len(g)):
         return False
-    if _hedged(p) and not _hedged(g):  # "\sqrt{2} \text{ or more}", "\pi \text{ squared}"
-        return False
     shapes = _shape(p), _shape(g)  # math-verify takes (1, 2), \{1, 2\} and "-\infty, 3" for one another
     if set(shapes) == {"set", "interval"} or shapes == ("list", "interval") and "\\infty" in g:
         return False
-    sides = _top_level(p)
-    if len(sides) > 1 and len(_top_level(g)) == 1:
-        # an equation answers with its last side (math-verify's reading) only when every other side is the answer's
-        # name (x = ..., f(2) = ...) or equal to it: "0 = \sqrt{2}" is no answer \sqrt{2}
-        if not sides[0].strip() or _is_name(sides[0]):
-            sides = sides[1:]
-        return all(math_equal(side, g, timeout) for side in sides)
+    several = shapes[1] in ("list", "set")  # "x = 2 \text{ or } x = 3" answers "2, 3"
+    if not several and _hedged(p) and not _hedged(g):  # "\sqrt{2} \text{ or more}", "\pi \text{ squared}"
+        return False
+    if len(_top_level(g)) == 1 and not several:
+        # an equation answers with its last side (math-verify's reading) only when every other side names the answer
+        # (x = ..., f(2) = ..., a + b = ...) or equals it: "0 = \sqrt{2}" is no answer \sqrt{2}
+        parts = _top_level(p, ",")
+        for part in parts:
+            sides = _top_level(part)
+            if len(sides) > 1 and _names(sides[0], g):
+                sides = sides[1:]
+            if len(sides) > 1 and (len(parts) > 1 or not all(math_equal(x, g, timeout) for x in sides)):
+                return False
     try:
         got = _POOL.call([p, g], [timeout])
     except WorkerStartError as e:
@@ -189,12 +193,20 @@ def _unwrapped(key: str) -> str:
     return key
 
 
-_NAME = re.compile(r"\s*(?:\\[A-Za-z]+\s*(?:\{[^{}]*\}\s*)?)?[A-Za-z]*(?:_(?:\{[^{}]*\}|\w))?(?:\([^()=]*\))?'*\s*")
+_NAME = re.compile(r"\s*(?:\\[A-Za-z]+\s*(?:\{[A-Za-z\s]*\}\s*)?)?[A-Za-z]*(?:_(?:\{[^{}]*\}|\w))?(?:\([^()=]*\))?'*\s*")
 
 
-def _is_name(side: str) -> bool:
-    """``x``, ``BC``, ``x_1``, ``f(2)``, ``\\theta``: a side of an equation that names the answer."""
-    return bool(_NAME.fullmatch(side)) and bool(re.search(r"[A-Za-z]", side))
+def _variables(text: str) -> bool:
+    """Whether ``text`` has a letter outside LaTeX commands (``\\pi``, ``\\sqrt``): a variable."""
+    return bool(re.search(r"[A-Za-z]", re.sub(r"\\[A-Za-z]+", "", text)))
+
+
+def _names(side: str, gold: str) -> bool:
+    """Whether ``side``, before an ``=``, names the answer ``gold``: nothing (``= 5``); a name (``x``, ``BC``, ``x_1``,
+    ``f(2)``, ``\\theta``); where the answer has no variables, any expression with one (``a + b``, ``\\angle ABC``)."""
+    if not side.strip() or _NAME.fullmatch(side) and re.search(r"[A-Za-z]", side):
+        return True
+    return not _variables(gold) and _variables(side)
 
 
 def _shape(text: str) -> str | None:
