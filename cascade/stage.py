@@ -47,6 +47,13 @@ def expand_envs(spec: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def sft_envs(spec) -> dict[str, float]:
+    """``sft.envs`` (a list: uniform, or ``{env: weight}``) with its patterns expanded; ``{}`` when empty."""
+    if not spec:
+        return {}
+    return expand_envs(dict(spec) if isinstance(spec, dict) else {e: 1.0 for e in spec})
+
+
 def handed_over(start_dir: Path, key: str):
     """``key`` of the run state a previous stage handed over in ``start_dir/run_state.json`` (its
     ``final/``); None when the stage starts from a plain model or the key is absent."""
@@ -136,6 +143,8 @@ class StageRunner:
         from train.tokenizer import load_tokenizer
 
         if self.done:
+            self.check_same_start(json.loads((self.final / "run_state.json").read_text()).get("started_from"),
+                                  start_dir, finished=True)
             return self.final
         s, r = self.scfg, self.rcfg
         torch.manual_seed(r.seed + 1000 * self.index)
@@ -156,7 +165,7 @@ class StageRunner:
             start_levels = self.start_levels(curriculum)  # before any resumed state moves the controllers
             mixer = self.make_mixer(tok, curriculum, policy, engine)
             rl_cfg = copy.deepcopy(s.rl)
-            rl_cfg.seed = r.seed + 7919 * (self.index + 1)
+            rl_cfg.seed = r.seed + 7919 * (self.index + 1) + s.rl.seed  # (a stage's rl.seed, 0 by default, moves it)
             rl_cfg.optim = rl_cfg.optim.over(s.steps)
             rl = RLTrainer(policy, tok, engine, curriculum, rl_cfg,
                            problem_hook=mixer.mix if mixer else None, rollout_hook=mixer.remember if mixer else None)
@@ -167,7 +176,7 @@ class StageRunner:
                                 optim=s.sft.optim, max_len=s.sft.max_len, chat_template=rl_cfg.chat_template,
                                 system_prompt=rl_cfg.system_prompt, seed=r.seed + self.index)
             sft = SFTTrainer(policy, tok, sft_cfg) if s.sft.steps > 0 else None
-            state = {"step": 0, "pool": None, "eval_before": None}
+            state = {"step": 0, "pool": None, "eval_before": None, "started_from": str(start_dir)}
             carried = handed_over(start_dir, "length_reward")  # p* and the c schedule run on across stages
             if carried is not None:
                 rl.length_state.load_state_dict(carried)
@@ -175,6 +184,7 @@ class StageRunner:
             if latest is not None:
                 tstate, state = resumed
                 self.check_same_trainer(state, latest)
+                self.check_same_start(state.setdefault("started_from", str(start_dir)), start_dir)
                 pipe_state = tstate.get("pipeline")
                 if state["pool"] is not None:
                     rl.curriculum = self.pool_of(curriculum, state["pool"])
@@ -607,12 +617,13 @@ class StageRunner:
                 extra["dropped_heldout"] = n - len(pairs)
         else:
             # by default the stage's environments that have reference answers (named ones must all have one)
-            env_ids = list(s.envs) or [e for e, env in curriculum.envs.items()
-                                       if ":" not in e and not getattr(env, "no_reference_reason", "")]
+            named = sft_envs(s.envs)  # patterns (gym/*) expanded, as the config check expanded them
+            env_ids = list(named) or [e for e, env in curriculum.envs.items()
+                                      if ":" not in e and not getattr(env, "no_reference_reason", "")]
             if not env_ids:
                 raise ConfigError(f"stage {self.name}: no environment of its mix has reference answers for SFT; "
                                   "name them in sft.envs or give sft.data")
-            weights = [float(s.envs[e]) for e in env_ids] if isinstance(s.envs, dict) else None
+            weights = list(named.values()) if isinstance(s.envs, dict) and named else None  # (a list: uniform)
             with self.phase("sft data", s.examples, "reference solutions") as advance:
                 pairs = reference_pairs(env_ids, s.examples, seed=self.rcfg.seed + self.index, weights=weights,
                                         difficulties=s.difficulties, env_kwargs=self.scfg.env_kwargs, advance=advance,
@@ -642,9 +653,14 @@ class StageRunner:
         with self.phase("pool", len(picks), f"pass-rate filter, {p.samples} rollouts per problem") as advance:
             kept, rates = filter_by_pass_rate(rl, picks, p.samples, p.max_pass_rate, p.min_pass_rate,
                                               chunk=self.chunk(rl, p.samples), advance=advance)
-        if not kept:
-            kept = picks  # nothing in range: train on the whole pool rather than stop (logged)
+        in_range = len(kept)
+        if not kept:  # nothing in range: train on the whole pool rather than stop (said, and logged)
+            kept = picks
+            print(f"cascade run: stage {self.name}: no pool problem's pass rate is within [{p.min_pass_rate}, "
+                  f"{p.max_pass_rate}] (mean {sum(rates) / max(len(rates), 1):.2f}); training on all {len(picks)}",
+                  file=sys.stderr)
         self.records.log(self.name, "pool", 0, {"pool_size": len(picks), "pool_kept": len(kept),
+                                               "pool_in_range": in_range, "pool_fallback": not in_range,
                                                "pass_rate_mean": sum(rates) / max(len(rates), 1)})
         return [[e, pr.to_dict()] for e, pr in kept]
 
@@ -703,6 +719,21 @@ class StageRunner:
         raise ValueError(f"stage {self.name}: checkpoint {latest.name} was taken by {where}, or pass overwrite=true "
                          f"to start the run over")
 
+    def check_same_start(self, started: str | None, start_dir: Path, finished: bool = False) -> None:
+        """The stage continues (or, ``finished``, keeps) what it started from: a stage resumed from a checkpoint of
+        another start (``stage=rlve`` alone, then the whole cascade: rlve went on from the fresh model while its
+        ``final/`` said the warm-up's) is refused in one line; a finished one keeps what it ran, said so."""
+        if started is None or Path(started).resolve() == Path(start_dir).resolve():
+            return
+        if finished:
+            print(f"cascade run: note: stage {self.name} finished, started from {started}; this run would start it "
+                  f"from {start_dir}: it keeps what it ran (delete {self.dir} to run it again from there)",
+                  file=sys.stderr)
+            return
+        raise ConfigError(f"stage {self.name}: its checkpoints continue a stage started from {started}, and this run "
+                          f"starts it from {start_dir}; delete {self.dir} to run it from there, or pass overwrite=true "
+                          f"to start the run over")
+
     def write_final(self, policy, src: Path, rl, sft, mixer, state: dict, after: dict, start_dir: Path) -> None:
         """``final/``: the policy, the tokenizer of ``src`` and the run state (``started_from``: the stage's start,
         ``start_dir``, also after a resume from a checkpoint)."""
@@ -714,7 +745,8 @@ class StageRunner:
         shutil.rmtree(tmp, ignore_errors=True)
         save_pretrained(policy, tmp)
         copy_tokenizer(src, tmp)
-        run_state = {"stage": self.name, "steps": state["step"], "started_from": str(start_dir), "accuracy_before": state["eval_before"],
+        run_state = {"stage": self.name, "steps": state["step"], "started_from": state.get("started_from", str(start_dir)),
+                     "accuracy_before": state["eval_before"],
                      "accuracy_after": after["accuracy"], "eval_k": after["k"], "eval_skipped": after["skipped"],
                      "accuracy_before_by_family": state.get("eval_before_families"),
                      "accuracy_after_by_family": after["families"], "difficulty": rl.curriculum.difficulties(),

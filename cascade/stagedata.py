@@ -61,10 +61,12 @@ def check_env_kwargs(s: StageConfig, name: str) -> None:
     from envs.curriculum import CONTROLLERS
     from train.dataclass_config import ConfigError
 
-    envs = set(union_mix(stage_mixes(s, name)))
+    from cascade.stage import sft_envs
+
+    envs = set(union_mix(stage_mixes(s, name))) | set(sft_envs(s.sft.envs))  # (an unknown sft.envs one is named)
     for env_id, kw in s.env_kwargs.items():
         if env_id not in envs:
-            raise ConfigError(f"stages.{name}.env_kwargs.{env_id}: {env_id} is not in the stage's mix "
+            raise ConfigError(f"stages.{name}.env_kwargs.{env_id}: {env_id} is not in the stage's mix or sft.envs "
                               f"({', '.join(sorted(envs))})")
         try:
             check(env_id, dict(kw or {}))
@@ -80,10 +82,6 @@ def check_env_kwargs(s: StageConfig, name: str) -> None:
     if bad and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         raise ConfigError(f"stages.{name}.controller_kwargs: the {s.controller} controller takes no setting "
                           f"{', '.join(bad)}; it takes: {', '.join(takes)}")
-    if s.sft.envs:
-        from cascade.stage import expand_envs
-
-        expand_envs({e: 1.0 for e in s.sft.envs})  # an unknown environment is named here
 
 
 def union_mix(mixes: list[dict[str, float]]) -> dict[str, float]:

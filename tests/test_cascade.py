@@ -334,3 +334,48 @@ def test_sigkill_mid_stage_and_during_checkpoint_write_then_resume(tmp_path):
     assert len(lags) >= 4 and set(lags) == {0}, lags  # (a step cut by a kill before its checkpoint is run again)
     # TensorBoard shows each step once, the resumed attempt's (the abandoned attempts' later steps purged)
     assert _check_tensorboard_against_records(out) == 2 + 4 * 2  # sft_loss; reward_mean and loss
+
+
+def test_a_stage_resumed_from_another_start_is_refused_and_a_finished_one_says_so(tmp_path):
+    """A stage resumed its own checkpoint whatever this run handed it (``stage=rlve`` alone, killed, then the whole
+    cascade: rlve went on from the fresh model while its final/ said it started from the warm-up's)."""
+    from train.presets import init_model
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    init_model("tiny-moe", a, seed=0)
+    init_model("tiny-moe", b, seed=1)
+    out = tmp_path / "run"
+    args = ["run", "stage=warmup", f"out={out}", "profile=tiny", "logging.progress=false", "stages.warmup.sft.steps=0",
+            "stages.warmup.steps=3", "stages.warmup.pool.size=4", "stages.warmup.checkpoint_every=1"]
+    r = cascade(*args, f"model={a}", env={"CASCADE_FAULT": "before_checkpoint:2"})
+    assert r.returncode == -signal.SIGKILL
+    r = cascade(*args, f"model={b}")
+    assert r.returncode == 2 and f"continue a stage started from {a}" in r.stderr, r.stderr[-2000:]
+    r = cascade(*args, f"model={a}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    final = out / "stages" / "0-warmup" / "final"
+    assert json.loads((final / "run_state.json").read_text())["started_from"] == str(a)
+    r = cascade(*args, f"model={b}")
+    assert r.returncode == 0 and "finished, started from" in r.stderr and "keeps what it ran" in r.stderr
+
+
+def test_a_pool_with_nothing_in_range_says_so_and_a_stage_rl_seed_counts(tmp_path):
+    """No pool problem within the pass-rate range: the whole pool is trained on, which the record showed as every
+    problem kept (pool_kept == pool_size) and nothing said; a stage's ``rl.seed`` was printed but overwritten."""
+    from cascade.records import read_records
+
+    runs = {}
+    for seed in (0, 12345):
+        out = tmp_path / f"run{seed}"
+        r = cascade("run", "stage=warmup", f"out={out}", "profile=tiny", "logging.progress=false",
+                    "stages.warmup.sft.steps=0", "stages.warmup.steps=1", "stages.warmup.pool.size=4",
+                    "stages.warmup.pool.min_pass_rate=0.9", "stages.warmup.pool.max_pass_rate=1.0",
+                    f"stages.warmup.rl.seed={seed}")
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs[seed] = read_records(out)
+    pool = next(x for x in runs[0] if x["phase"] == "pool")
+    assert pool["pool_fallback"] is True and pool["pool_in_range"] == 0 and pool["pool_kept"] == pool["pool_size"]
+    assert "no pool problem's pass rate is within [0.9, 1.0]" in r.stderr
+    rl = {s: [x for x in recs if x["phase"] == "rl"][0] for s, recs in runs.items()}
+    keys = ("response_len", "truncated_frac", "rare_token_top10")  # what the sampling seed decides
+    assert [rl[0].get(k) for k in keys] != [rl[12345].get(k) for k in keys]

@@ -225,6 +225,9 @@ class _Recs:
     def log(self, stage, phase, step, m):
         self.logged.append((stage, phase, step, m))
 
+    def begin(self, stage, step):
+        pass
+
 
 def test_pool_is_refiltered_at_each_stage_on_the_checkpoint_it_starts_from(tiny_dense_dir, tmp_path, monkeypatch):
     import cascade.pool
@@ -635,3 +638,23 @@ def test_toy_add_ladder_grows_in_small_steps():
         if d:
             assert max(max(o) for o in ops) > bounds[d - 1]
         assert all(env.verify(env.generate(s, d), f"\\boxed{{{sum(o)}}}").correct for s, o in enumerate(ops[:20]))
+
+
+def test_sft_envs_patterns_and_settings_of_sft_only_environments():
+    """``sft.envs`` patterns passed the config check (expanded) and then failed in the SFT step (the raw pattern
+    given to get_env, after the before-score); ``env_kwargs`` of an environment named only in ``sft.envs`` (which
+    the SFT reference answers read) was refused as "not in the stage's mix"."""
+    from cascade.stage import sft_envs
+    from cascade.stagedata import check_env_kwargs
+    from train.dataclass_config import ConfigError
+    from train.sft import reference_pairs
+
+    got = sft_envs(["toy/*"])
+    assert {"toy/max", "toy/add"} <= set(got) and set(got.values()) == {1.0}
+    assert sft_envs({"toy/*": 1.0, "toy/max": 3.0})["toy/max"] == 3.0 and sft_envs([]) == {}
+    pairs = reference_pairs(list(got), 8, seed=0, weights=list(got.values()), think=False)
+    assert len(pairs) == 8
+    s = StageConfig(envs={"toy/max": 1}, sft=SFTStage(envs=["toy/add"]), env_kwargs={"toy/add": {}})
+    check_env_kwargs(s, "warmup")  # an SFT-only environment's settings
+    with pytest.raises(ConfigError, match="gym/catalan is not in the stage's mix or sft.envs"):
+        check_env_kwargs(StageConfig(envs={"toy/max": 1}, env_kwargs={"gym/catalan": {}}), "warmup")

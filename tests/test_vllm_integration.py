@@ -90,6 +90,9 @@ def test_the_expert_and_teacher_engines_run_while_the_policys_is_closed(tiny_den
         def log(self, stage, phase, step, m):
             self.logged.append((stage, phase, step, m))
 
+        def begin(self, stage, step):
+            pass
+
     rl_cfg = RLConfig(group_size=2, prompts_per_step=2, sampling=SamplingConfig(max_new_tokens=6), dynamic_sampling=False,
                       length_reward=False, optim=OptimConfig(lr=1e-4))
     st = StageConfig(steps=1, envs={"toy/add": 1.0}, controller="fixed", rl=rl_cfg, eval_problems=2, eval_k=1,
