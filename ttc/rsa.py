@@ -390,7 +390,8 @@ class MarkovianRSA:
             while lo < hi:
                 mid = (lo + hi + 1) // 2
                 lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-            budget = lo
+            if lo >= 1 and not (cfg.rounds and cfg.variant != "full" and cfg.tail > lo):
+                budget = lo  # (else, where the reserve leaves no budget for the tails, the final gets what is left)
         new = replace(cfg, budget=budget)
         if new.variant == "full":
             new.tail = budget
