@@ -5,7 +5,11 @@ environment (or the ids/globs given), as one JSON line.
 
 Each environment generates ``n`` problems (seeds 0..n-1) after one warm-up problem, then
 verifies its reference response for each. Totals are summed over environments; the slowest
-environments are listed so outliers are visible. ``by_source`` gives the same throughput for
+environments are listed so outliers are visible (``slowest_ms_per_problem``: generating a problem and verifying its
+reference, each; before 33f0479 ``slowest_ms_per_call`` was their mean, half a slow generator's time per problem),
+and ``reference_not_credited`` names any environment whose verifier did not credit its own reference answers (a
+verifier that rejects early is fast and wrong; an empty mapping is the check passing). There is no reference run:
+the figures are absolute, each environment's own cost. ``by_source`` gives the same throughput for
 Cascade's own environments and for each adapted package beside them: ``rg`` (reasoning-gym),
 ``rlve`` (RLVE-Gym), ``rc`` (reasoning-core). Environments are built with ``get_env``, so the
 adapters' generation time bound and recorded difficulty caps apply as in a run.
@@ -63,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     n_gen = n_ver = 0
     per_env = {}
     errors = {}
+    refused: dict[str, int] = {}  # environment -> reference answers its verifier did not credit
     by_source: dict[str, dict] = {}
     for env_id in ids:
         try:
@@ -74,8 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             g = time.perf_counter() - t
             refs = [env.reference_response(p) for p in problems]
             t = time.perf_counter()
-            for p, r in zip(problems, refs):
-                env.verify(p, r)
+            scores = [env.verify(p, r) for p, r in zip(problems, refs)]
             v = time.perf_counter() - t
         except Exception as e:  # noqa: BLE001 - report and go on
             errors[env_id] = f"{type(e).__name__}: {e}"[:200]
@@ -84,21 +88,28 @@ def main(argv: list[str] | None = None) -> int:
         ver_s += v
         n_gen += len(problems)
         n_ver += len(problems)
-        per_env[env_id] = (g + v) / max(1, 2 * len(problems))
+        per_env[env_id] = (g / max(1, len(problems)), v / max(1, len(problems)))
+        wrong = sum(not s.correct for s in scores)  # a verifier that rejects its own reference answer is fast and wrong
+        if wrong:
+            refused[env_id] = wrong
         src = by_source.setdefault(_source(env_id), {"environments": 0, "problems": 0, "gen_s": 0.0, "ver_s": 0.0})
         src["environments"] += 1
         src["problems"] += len(problems)
         src["gen_s"] += g
         src["ver_s"] += v
-    slowest = sorted(per_env.items(), key=lambda kv: -kv[1])[:5]
+    slowest = sorted(per_env.items(), key=lambda kv: -sum(kv[1]))[:5]
     print(json.dumps({
         "environments": len(per_env),
         "difficulty": args.difficulty,
         "problems": n_gen,
         "problems_per_s": round(n_gen / gen_s, 1) if gen_s else None,
         "verifications_per_s": round(n_ver / ver_s, 1) if ver_s else None,
-        "median_env_ms_per_call": round(1000 * statistics.median(per_env.values()), 3) if per_env else None,
-        "slowest_ms_per_call": {k: round(1000 * v, 1) for k, v in slowest},
+        "median_env_ms_per_call": round(1000 * statistics.median(sum(gv) / 2 for gv in per_env.values()), 3)
+        if per_env else None,
+        # per problem: generating it, and verifying its reference answer
+        "slowest_ms_per_problem": {k: {"generate": round(1000 * g, 1), "verify": round(1000 * v, 1)}
+                                   for k, (g, v) in slowest},
+        "reference_not_credited": refused,
         "by_source": {k: {"environments": v["environments"], "problems": v["problems"],
                           "problems_per_s": round(v["problems"] / v["gen_s"], 1) if v["gen_s"] else None,
                           "verifications_per_s": round(v["problems"] / v["ver_s"], 1) if v["ver_s"] else None}

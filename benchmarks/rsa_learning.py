@@ -187,7 +187,9 @@ def rsa_eval(engine, tok, held, args, template) -> dict:
         final.append(m["mean_accuracy"])
         # the final round graded as round 0 is: each trace as it stopped at beta, before any rescue
         # (force_answer + final_budget tokens), which RSA keeps in ``text`` beside ``final_text``
-        final_plain.append(_mean(rsa.grader(extract_answer(c.history_text + c.text, fmt), gold) for c in r.final))
+        # (read as RSA reads answers: after a thinking block the template opened, none inside one left open)
+        final_plain.append(_mean(rsa.grader(extract_answer(rsa.think_open + c.history_text + c.text, fmt), gold)
+                                 for c in r.final))
         rescued += sum(c.final_text is not None for c in r.final)
         final_major.append(m["majority_accuracy"])
         pass_n.append(m["round_pass_at_k"][0][str(args.population)])
