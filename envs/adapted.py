@@ -103,6 +103,18 @@ class BoxedOrTagged:
         # first moves), so a perturbed gold answer may rightly still score 1.
         return ["", "I don't know.", "\\boxed{}", "<answer>qx9 ### zz</answer>", "\\boxed{-98765.4321}"]
 
+    def reference_credited(self, problem: Problem, context) -> bool:
+        """Whether the package's scorer credits the problem's own reference answer (in this process). Its
+        generators sometimes make a problem it then fails: reasoning-core's inverse_math (8 of 20 at difficulty 2),
+        reasoning-gym's jugs ("No solution" to a puzzle it scores unsolved) and string_manipulation (an empty
+        answer, which no box holds); the adapters draw such a problem again. True without an oracle answer."""
+        if getattr(self, "no_reference_reason", ""):
+            return True
+        try:
+            return bool(self.check_with(problem, self.reference_response(problem), context).correct)
+        except Exception:  # noqa: BLE001 - a scorer that fails on its own answer fails it
+            return False
+
     def precheck(self, problem: Problem, response: str) -> Score | None:
         """The zero Score of a response without an answer (or with one too long), found before any scorer runs (an
         isolated scorer's worker is not asked then: envs/isolated.py); None when there is an answer to score."""

@@ -144,7 +144,7 @@ class ReasoningCoreEnv(IsolatedCheck, BoxedOrTagged, Environment):
         if key in self._entries:
             self._entries.move_to_end(key)
             return self._entries[key]
-        got, err = None, None
+        got, err, fallback = None, None, None
         for level in range(key[1], max(-1, key[1] - 3), -1):
             for attempt in range(3):
                 s = key[0] if attempt == 0 else (key[0] * 1_000_003 + attempt) % (2 ** 63)
@@ -154,8 +154,13 @@ class ReasoningCoreEnv(IsolatedCheck, BoxedOrTagged, Environment):
                     err = ex
                     continue
                 meta = {k: v for k, v in dict(e.metadata).items() if k != "_time"}
-                got = (str(e.prompt), e.answer, _plain(meta), level)
-                break
+                item = (str(e.prompt), e.answer, _plain(meta), level)
+                # an item whose own answer its scorer does not credit is drawn again (kept if every draw is such)
+                if self.reference_credited(self._problem(item, key[0], key[1]), item[2]):
+                    got = item
+                    break
+                fallback = fallback or item
+            got = got or fallback
             if got is not None:
                 break
         if got is None:
@@ -168,7 +173,10 @@ class ReasoningCoreEnv(IsolatedCheck, BoxedOrTagged, Environment):
 
     # -- environment ---------------------------------------------------------------------------
     def generate(self, seed: int, difficulty: int) -> Problem:
-        prompt, answer, meta, level = self._item(seed, difficulty)
+        return self._problem(self._item(seed, difficulty), seed, difficulty)
+
+    def _problem(self, item, seed: int, difficulty: int) -> Problem:
+        prompt, answer, meta, level = item
         if not isinstance(answer, (str, int, float)) and answer is not None:
             answer = _plain(answer)
         return self.problem(prompt, answer, seed, difficulty, rc_task=self.name, level=level,

@@ -279,17 +279,23 @@ class ReasoningGymEnv(IsolatedCheck, BoxedOrTagged, Environment):
         if key in self._entries:
             self._entries.move_to_end(key)
             return self._entries[key]
-        err, got = None, None
-        # reasoning-gym fails on some (seed, level) pairs: retry with derived seeds, then easier levels
+        err, got, fallback = None, None, None
+        # reasoning-gym fails on some (seed, level) pairs: retry with derived seeds, then easier levels; an item
+        # whose own answer its scorer does not credit is drawn again too (kept if every draw is such)
         for level in range(max(0, min(key[1], self._top)), -1, -1):
             cfg, _ = self.config(level)
             for attempt in range(4):  # (derived seeds fit 32 bits: pool_matrix seeds numpy, which takes no more)
                 s = key[0] if attempt == 0 else (key[0] * 1_000_003 + attempt) % (2**32)
                 try:
-                    got = self._generate_item(level, cfg, s)
-                    break
+                    item = self._generate_item(level, cfg, s)
                 except Exception as e:  # noqa: BLE001
                     err = e
+                    continue
+                if self.reference_credited(self._problem(item, key[0], key[1]), item):
+                    got = item
+                    break
+                fallback = fallback or item
+            got = got or fallback
             if got is not None:
                 break
         if got is None:
@@ -301,7 +307,10 @@ class ReasoningGymEnv(IsolatedCheck, BoxedOrTagged, Environment):
 
     # -- environment ---------------------------------------------------------------------------
     def generate(self, seed: int, difficulty: int) -> Problem:
-        _, entry = self._item(seed, difficulty)
+        return self._problem(self._item(seed, difficulty), seed, difficulty)
+
+    def _problem(self, item, seed: int, difficulty: int) -> Problem:
+        _, entry = item
         answer = entry.get("answer")
         try:
             json.dumps(answer)

@@ -101,6 +101,26 @@ def test_sympy_code_of_an_answer_names_only_mathematics():
                 "preview (Symbol ('x' ))", "var ('x' )", "init_session ()", "f (Integer (1 ))", "1 +"):
         with pytest.raises(ValueError):
             check_sympy_code(bad)
+    # a call of what a call made (a problem's ODE: Function('y')(x)), and compiled code (parse_expr with
+    # evaluate=False): reasoning-core's inverse_math parses both to score an answer, and scored right answers 0
+    check_sympy_code("Derivative (Function ('y' )(Symbol ('x' )),Symbol ('x' ))")
+    check_sympy_code(compile("Add(Symbol('x'), Integer(2), evaluate=False)", "<string>", "eval"))
+    for bad in ("open('/tmp/x', 'w')", "Symbol('x').__class__", "(lambda: 1)()", "[x for x in []]", "__import__('os')"):
+        with pytest.raises(ValueError):
+            check_sympy_code(compile(bad, "<string>", "eval"))
+
+
+def test_adapters_draw_again_a_problem_whose_own_answer_their_scorer_fails():
+    """reasoning-core's inverse_math scored 8 of 20 of its own answers 0 in the worker (our sympy check refused the
+    code its scorer parses); reasoning-gym's jugs makes unsolvable puzzles it scores "No solution" 0 on, and
+    string_manipulation empty answers no box holds: such a problem is drawn again."""
+    pytest.importorskip("reasoning_core")
+    pytest.importorskip("reasoning_gym")
+    for env_id, seeds in (("rc/inverse_math", range(7, 13)), ("rg/jugs", range(6, 7)), ("rg/string_manipulation", (5,))):
+        env = get_env(env_id)
+        for s in seeds:
+            p = env.generate(s, 2)
+            assert env.verify(p, env.reference_response(p)).correct, (env_id, s)
 
 
 def test_a_scorer_that_never_returns_is_stopped():
