@@ -35,6 +35,7 @@ rc 19.5, rg 16, rlve 1,149), median 0.233 ms.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -68,19 +69,21 @@ def main(argv: list[str] | None = None) -> int:
     per_env = {}
     errors = {}
     refused: dict[str, int] = {}  # environment -> reference answers its verifier did not credit
+    no_oracle = 0
     by_source: dict[str, dict] = {}
     for env_id in ids:
         try:
-            env = get_env(env_id)
-            w = env.generate(10_000, args.difficulty)  # warm-up: imports, and a real answer so that
-            env.verify(w, env.reference_response(w))  # a worker/sandbox starts here, not in the timed loop
-            t = time.perf_counter()
-            problems = [env.generate(s, args.difficulty) for s in range(args.n)]
-            g = time.perf_counter() - t
-            refs = [env.reference_response(p) for p in problems]
-            t = time.perf_counter()
-            scores = [env.verify(p, r) for p, r in zip(problems, refs)]
-            v = time.perf_counter() - t
+            with contextlib.redirect_stdout(sys.stderr):  # (some packages print progress dots: stdout is the JSON)
+                env = get_env(env_id)
+                w = env.generate(10_000, args.difficulty)  # warm-up: imports, and a real answer so that
+                env.verify(w, env.reference_response(w))  # a worker/sandbox starts here, not in the timed loop
+                t = time.perf_counter()
+                problems = [env.generate(s, args.difficulty) for s in range(args.n)]
+                g = time.perf_counter() - t
+                refs = [env.reference_response(p) for p in problems]
+                t = time.perf_counter()
+                scores = [env.verify(p, r) for p, r in zip(problems, refs)]
+                v = time.perf_counter() - t
         except Exception as e:  # noqa: BLE001 - report and go on
             errors[env_id] = f"{type(e).__name__}: {e}"[:200]
             continue
@@ -89,8 +92,11 @@ def main(argv: list[str] | None = None) -> int:
         n_gen += len(problems)
         n_ver += len(problems)
         per_env[env_id] = (g / max(1, len(problems)), v / max(1, len(problems)))
-        wrong = sum(not s.correct for s in scores)  # a verifier that rejects its own reference answer is fast and wrong
-        if wrong:
+        # a verifier that rejects its own reference answer is fast and wrong (environments without an oracle
+        # answer, ``no_reference_reason``, verify an empty one: counted apart)
+        if getattr(env, "no_reference_reason", ""):
+            no_oracle += 1
+        elif wrong := sum(not s.correct for s in scores):
             refused[env_id] = wrong
         src = by_source.setdefault(_source(env_id), {"environments": 0, "problems": 0, "gen_s": 0.0, "ver_s": 0.0})
         src["environments"] += 1
@@ -110,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         "slowest_ms_per_problem": {k: {"generate": round(1000 * g, 1), "verify": round(1000 * v, 1)}
                                    for k, (g, v) in slowest},
         "reference_not_credited": refused,
+        "environments_without_oracle_answers": no_oracle,
         "by_source": {k: {"environments": v["environments"], "problems": v["problems"],
                           "problems_per_s": round(v["problems"] / v["gen_s"], 1) if v["gen_s"] else None,
                           "verifications_per_s": round(v["problems"] / v["ver_s"], 1) if v["ver_s"] else None}

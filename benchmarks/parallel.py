@@ -370,23 +370,24 @@ def main(argv=None) -> int:
                           "calibrated": predicted, "calibrated_rel_err": (measured - predicted) / predicted,
                           "calls": calls, "windows": r0["wire"], "idle": r0["idle"]}
 
-    print(f"model {cfg.num_parameters()} params (layer 0 dense, layers 1.. MoE; H={a.hidden}, L={a.layers}, "
-          f"V={a.vocab}), seq {a.seq}, batch {a.batch}, D={a.D}, fp32, gloo on 127.0.0.1")
-    print("\nloopback wire bytes per collective (all ranks) vs the bandwidth-optimal count of comm/calc:")
-    print(f"{'family':15} {'overhead B/call':>16} {'slope (4 MiB/rank)':>19}")
+    say = lambda *a: print(*a, file=sys.stderr)  # the tables for a reader; stdout holds the one JSON line
+    say(f"model {cfg.num_parameters()} params (layer 0 dense, layers 1.. MoE; H={a.hidden}, L={a.layers}, "
+        f"V={a.vocab}), seq {a.seq}, batch {a.batch}, D={a.D}, fp32, gloo on 127.0.0.1")
+    say("\nloopback wire bytes per collective (all ranks) vs the bandwidth-optimal count of comm/calc:")
+    say(f"{'family':15} {'overhead B/call':>16} {'slope (4 MiB/rank)':>19}")
     for f in FAMILIES:
-        print(f"{f:15} {calib[f]['overhead']:16.0f} {calib[f]['slope']:19.4f}")
-    print("\none training step, all ranks (min over windows - min idle):")
-    print(f"{'layout':7} {'measured B':>13} {'formula B':>13} {'err':>8} {'calibrated B':>13} {'err':>8}  calls")
+        say(f"{f:15} {calib[f]['overhead']:16.0f} {calib[f]['slope']:19.4f}")
+    say("\none training step, all ranks (min over windows - min idle):")
+    say(f"{'layout':7} {'measured B':>13} {'formula B':>13} {'err':>8} {'calibrated B':>13} {'err':>8}  calls")
     for lay, c in comm_rows.items():
-        print(f"{lay:7} {c['measured']:13.0f} {c['formula']:13.0f} {c['rel_err']:8.2%} {c['calibrated']:13.0f} "
-              f"{c['calibrated_rel_err']:8.2%}  {json.dumps({k: round(v) for k, v in c['calls'].items()})}")
-    print("\npeak RSS above the pre-build RSS (max over ranks, median over steps; MiB) and step seconds (median):")
-    print(f"{'layout':7} {'recompute MiB':>14} {'(resident':>10} {'+ step)':>8} {'no-recompute MiB':>17} "
-          f"{'recompute s':>12} {'no-recompute s':>15}")
+        say(f"{lay:7} {c['measured']:13.0f} {c['formula']:13.0f} {c['rel_err']:8.2%} {c['calibrated']:13.0f} "
+            f"{c['calibrated_rel_err']:8.2%}  {json.dumps({k: round(v) for k, v in c['calls'].items()})}")
+    say("\npeak RSS above the pre-build RSS (max over ranks, median over steps; MiB) and step seconds (median):")
+    say(f"{'layout':7} {'recompute MiB':>14} {'(resident':>10} {'+ step)':>8} {'no-recompute MiB':>17} "
+        f"{'recompute s':>12} {'no-recompute s':>15}")
     for lay in ("single",) + LAYOUTS:
-        print(f"{lay:7} {mem[lay] / 2**20:14.1f} {parts[lay][0] / 2**20:10.1f} {parts[lay][1] / 2**20:8.1f} "
-              f"{mem_plain[lay] / 2**20:17.1f} {secs[lay]:12.2f} {secs_plain[lay]:15.2f}")
+        say(f"{lay:7} {mem[lay] / 2**20:14.1f} {parts[lay][0] / 2**20:10.1f} {parts[lay][1] / 2**20:8.1f} "
+            f"{mem_plain[lay] / 2**20:17.1f} {secs[lay]:12.2f} {secs_plain[lay]:15.2f}")
     result = {
         "D": a.D, "seq": a.seq, "hidden": a.hidden, "layers": a.layers, "vocab": a.vocab, "reps": a.reps,
         "comm_measured_bytes": {k: int(v["measured"]) for k, v in comm_rows.items()},

@@ -25,7 +25,8 @@ rank, and its rise could be absorbed by pages freed earlier, as the closing note
 
 Prints ONE JSON line: per kind, the peak rise of rank 0 and of the largest other rank, their seconds,
 the model's bytes, and for a published version ``others_mem_ratio`` (the other ranks' peak rise, now
-over before: the goal is near 0, they hold nothing of the others' parts) and ``rank0_mem_ratio``.
+over before: the goal is near 0, they hold nothing of the others' parts) and ``rank0_mem_ratio``;
+``same_weights``: rank 0's gathered dicts (bf16 and fp32) equal the reference's, checked outside the timing.
 
     python benchmarks/publish.py                      # DP 2, 64M parameters
     python benchmarks/publish.py --dp 1 --tsp 2
@@ -141,7 +142,12 @@ def _rank(rank, world, port, a, q):
             runs = [measured(call) for _ in range(a.repeats + 1)][1:]
             res[name] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
         params = sum(p.numel() for p in CausalLM(cfg).parameters())
-        q.put((rank, res, params))
+        same = True  # (outside the timing) rank 0's gathered weights equal the reference's, tensor for tensor
+        for dtype in (torch.bfloat16, torch.float32):
+            now, before = up.full_state_dict(dtype, dst=0), gathered_before(up, dtype)
+            if rank == 0:
+                same = same and set(before) <= set(now) and all(torch.equal(now[k], v) for k, v in before.items())
+        q.put((rank, res, params, same))
     finally:
         dist.destroy_process_group()
 
@@ -175,7 +181,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
     params = got[0][2]
     out = {"dp": a.dp, "tsp": a.tsp, "params": params, "bf16_mb": round(2 * params / 2**20, 1),
-           "fp32_mb": round(4 * params / 2**20, 1)}
+           "fp32_mb": round(4 * params / 2**20, 1), "same_weights": got[0][3]}
     for kind in got[0][1]:
         out[f"{kind}_s"] = round(max(r[1][kind][0] for r in got), 3)
         out[f"{kind}_rank0_mb"] = round(got[0][1][kind][1], 1)

@@ -5,7 +5,7 @@ aggregate its own candidates?
     python benchmarks/rsa_learning.py --seeds 0 --jobs 1 --trace   # one seed, progress on stderr
     python benchmarks/rsa_learning.py --fraction 0.5 --rl-steps 80   # another share of aggregation prompts
 
-Prints ONE JSON line per seed (every figure for both policies), then ONE summary line: medians over seeds
+Prints ONE JSON line per seed on stderr (every figure for both policies), then ONE summary line on stdout: medians over seeds
 ``agg.single_acc``, ``agg.majority_acc``, ``agg.rsa_acc``, ``agg.rsa_acc_no_rescue``, ``ablation.*`` (also
 ``*.rsa_majority_acc``, ``*.pass_at_n``), ``rsa_gain_points`` (agg rsa - agg single, points; per seed too, and
 ``rsa_gain_points_min``, the min over seeds), ``rsa_gain_points_no_rescue`` (agg rsa_acc_no_rescue - agg single;
@@ -106,12 +106,14 @@ ceiling / cut 0.619 / 0.688 / 0.672 / 0.676 / 0.688 / 34, 0.600 / 0.688 / 0.000 
 ``rsa_vs_ablation_points`` +0.2 / 0.0 / +21.7 (median +0.2, min 0.0). ``goal_met`` false: on seed 1 both policies'
 round 1 answered nothing right although a shown tail was right 80% of the time.
 
-Why the goal is not met (what the figures say):
+Why the goal is not met (what the figures say; the bullets are the 08a6f4d run's, and the later runs above add one
+pattern: at 0fbd5d7 and 2ca2976 seed 1's agg policy also answered nothing right in round 1, 0.000 against single
+0.609 and 0.600, so reading aggregation prompts is not learnt reliably either):
 
 - Training on aggregation prompts teaches the policy to *read* them: the ablation, never trained on
   such prompts, loses on them on every seed (rsa 0.002-0.690 against its single 0.565-0.824; on seed 1
   1,022 of 1,536 traces ran to beta), while the agg policy's round 1 answers them at least as well as
-  plain problems (0.631 / 0.719 / 0.346 against single 0.508 / 0.721 / 0.334).
+  plain problems (0.631 / 0.719 / 0.346 against single 0.508 / 0.721 / 0.334) at 08a6f4d.
 - Picking from them happened on one seed: on seed 0 round 1 (0.631, its perfect-picker ceiling 0.639)
   and RSA (0.615) beat single (0.508) and majority (0.562), +10.7 points. On seeds 1 and 2 a shown
   tail was right far more often than round 1 was (ceiling 0.830 and 0.654 against 0.719 and 0.346):
@@ -310,12 +312,12 @@ def _run_seed(args, seed: int) -> dict:
 
 def run_seeds(args) -> list[dict]:
     """One fresh process per seed (``--jobs`` at once; in this process when --jobs 1); prints each
-    seed's JSON line in seed order."""
+    seed's JSON line in seed order, on stderr."""
     if args.jobs == 1:
         results = []
         for s in args.seeds:
             results.append(_run_seed(args, s))
-            print(json.dumps(results[-1]), flush=True)
+            print(json.dumps(results[-1]), file=sys.stderr, flush=True)  # per seed; stdout: the summary
         return results
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
@@ -327,7 +329,7 @@ def run_seeds(args) -> list[dict]:
         results = []
         for f in futures:
             results.append(f.result())
-            print(json.dumps(results[-1]), flush=True)
+            print(json.dumps(results[-1]), file=sys.stderr, flush=True)  # per seed; stdout: the summary
     return results
 
 

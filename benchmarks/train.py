@@ -110,6 +110,7 @@ class Step:
     def __init__(self, model, micro, opt, device):
         self.model, self.micro, self.opt, self.device = model, micro, opt, device
         self.split: list[tuple[float, float, float]] = []
+        self.loss = None  # the last step's loss (a tensor: read outside the timing)
 
     def _sync(self):
         if self.device.type == "cuda":
@@ -120,9 +121,11 @@ class Step:
         self._sync()
         t0 = time.perf_counter()
         fwd = bwd = 0.0
+        total = 0.0
         for run in self.micro:
             a = time.perf_counter()
             loss = run()
+            total = total + loss.detach()
             self._sync()
             b = time.perf_counter()
             loss.backward()
@@ -134,6 +137,7 @@ class Step:
         self._sync()
         end = time.perf_counter()
         self.split.append((fwd, bwd, end - c))
+        self.loss = total
         return end - t0
 
 
@@ -230,9 +234,11 @@ def main(argv=None) -> int:
     if "hf" in only:
         steps["hf"] = Step(hf, [padded_micro(sl, "hf") for sl in slices],
                            torch.optim.AdamW(hf.parameters(), lr=1e-6), dev)
-    for k, st in steps.items():  # warm-up, not timed
+    first_loss = {}
+    for k, st in steps.items():  # warm-up, not timed; its loss checks the implementations compute the same
         t = st()
         st.split.clear()
+        first_loss[k] = float(st.loss)
         print(f"warm-up {k}: {t:.2f} s", file=sys.stderr)
     runs: dict[str, list[float]] = {k: [] for k in steps}
     for r in range(a.repeats):
@@ -247,7 +253,11 @@ def main(argv=None) -> int:
            "lengths": stats, "length_dist": f"lognormal(median {a.median_len:g}, sigma {a.sigma:g}) "
                                            f"clipped to [{a.min_len}, {a.max_len}]",
            "token_budget": a.token_budget, "packed_micro_batches": len(packs), "rows": a.rows,
-           "padded_micro_batches": len(slices), "padding_frac": round(1 - real_tokens / padded_slots, 3)}
+           "padded_micro_batches": len(slices), "padding_frac": round(1 - real_tokens / padded_slots, 3),
+           # the warm-up step's loss of each implementation (train and padded share a policy: padded's follows
+           # train's first update at lr 1e-6), and their largest relative difference
+           "warmup_loss": {names[k]: round(v, 6) for k, v in first_loss.items()},
+           "warmup_loss_max_rel_diff": float(f"{(max(first_loss.values()) - min(first_loss.values())) / max(abs(min(first_loss.values())), 1e-12):.2e}")}
     for k, v in runs.items():
         res[f"{names[k]}_tok_s"] = round(statistics.median(v), 1)
         res[f"{names[k]}_runs_tok_s"] = [round(x, 1) for x in v]

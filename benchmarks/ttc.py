@@ -33,7 +33,8 @@ Prints one JSON line. Usage: python benchmarks/ttc.py [--preset tiny-moe] [--rep
   again with torch's default thread count (``default_threads``), as a server started without ``--threads``
   runs, when that differs from ``--threads``; both sides at that count.
 
-Every figure is the median of ``--repeats`` warm runs, with min and max beside it.
+Every figure is the median of ``--repeats`` warm runs, with min and max beside it, except ``shared_prefix_steps``:
+the best of 3 warm steps of each side, and their ratio.
 
 ``local_concurrency_speedup`` (2026-12-04, this 2-core CPU, one run of 3 repeats): 2.90 (one problem at a time
 7.70 s, 16 in flight 2.66 s; same results); with the code before the batcher (commit f75bb53, whose local
