@@ -30,7 +30,13 @@ fixes, rc generation seeded; one run): 2,424 (own 1,706, rc 1,565, rg 1,084, rlv
 one run): 2,576 (own 1,814, rc 1,591, rg 1,136, rlve 6,015), ``problems_per_s`` 79 (own 3,551, rc 20, rg 16.5, rlve
 1,311), median 0.225 ms. At 6cd3ff2 (the code seeds' larger tests, rg exact checks; one run, an hour this machine ran
 the pipeline benchmark ~5% slower): 2,238 (own 1,402, rc 1,524, rg 998, rlve 5,864), ``problems_per_s`` 77 (own 2,940,
-rc 19.5, rg 16, rlve 1,149), median 0.233 ms.
+rc 19.5, rg 16, rlve 1,149), median 0.233 ms. At 131d608 (2026-12-06, later: gym generators reworked, rg/rc problems
+whose own answer the package fails drawn again; one run, an hour this machine ran benchmarks/train.py ~18% slower than
+at c9a84d9): 1,960 (own 1,191, rc 1,226, rg 943, rlve 5,065), ``problems_per_s`` 71 (own 2,546, rc 17, rg 15, rlve
+1,187), median 0.257 ms; ``reference_not_credited`` empty (the run at 6a316f8, before the adapters drew such problems
+again, named rc/inverse_math 8, rg/jugs 5 and rg/string_manipulation 1 of 20); slowest generators
+rg/number_sequence 4.2 s and rg/countdown 1.2 s per problem (the 2.0 s and 0.50 s above are those halved: the mean
+of a generation and a verification).
 """
 from __future__ import annotations
 

@@ -59,7 +59,9 @@ before each timer, 32a4206), DP 2 defaults, one run: publish 0.051 s against 0.4
 612.4), other rank 0.0 against 612.3 MB; final 0.254 against 0.369 s (rank 0 307.4 against 612.3, other 0.0 against
 367.5): ``others_mem_ratio`` 0.0, ``rank0_mem_ratio`` 0.2. Re-run at 3a0a6c1 (2026-12-06, later: a checkpoint request
 for an update already checkpointed keeps it; DP 2 defaults, one run): publish 0.049 s against 0.436 s (rank 0 122.7
-against 612.4 MB, other 0.0 against 612.4), final 0.241 against 0.377 s; ratios 0.0 and 0.2.
+against 612.4 MB, other 0.0 against 612.4), final 0.241 against 0.377 s; ratios 0.0 and 0.2. Re-run at 131d608
+(2026-12-06, later: ``same_weights`` reported since; one run): publish 0.055 s against 0.493 s (rank 0 122.7 against
+612.4 MB, other 0.0 against 612.4), final 0.269 against 0.396 s; ratios 0.0 and 0.2; ``same_weights`` true.
 
 The other rank's rise is 0.0 in every run (it allocates one parameter at a time, which the heap's free
 pages absorb). Rank 0's rise is noisy (31-125 MB for a 122 MB version): freed pages from earlier calls

@@ -59,7 +59,10 @@ with names and units; one run): ``code`` 0.89 s, 1.28x with 2, 1.31x with 4; ``m
 with 4; ``reward_model`` 0.100 -> 0.058 s (1.72x); same scores. At 3a0a6c1 (2026-12-06, later: batched reward scores
 only where the model's pad id is the tokenizer's, here it is; code seeds with larger tests; one run): ``code`` 1.03 s,
 1.38x with 2 and 4; ``math`` 0.26 s, 1.77x with 2, 1.75x with 4 (its sequential repeats ranged 0.25-0.52 s: a noisy
-hour); ``reward_model`` 0.102 -> 0.058 s (1.77x); same scores.
+hour); ``reward_model`` 0.102 -> 0.058 s (1.77x); same scores. At 131d608 (2026-12-06, later: the math verifier's hedge,
+equation and set/interval checks; the reward-model scores compared within 1e-5; one run: a run at 6a316f8, which
+compared them rounded to 5 decimals, said they differed, while they differed by at most 1.5e-8): ``code`` 1.17 s, 1.37x with 2, 1.35x with 4; ``math``
+0.30 s (repeats 0.21-0.52 s), 2.47x with 2, 4.46x with 4; ``reward_model`` 0.122 -> 0.069 s (1.77x); same scores.
 ``reward_model`` (one run, 2026-12-04): 0.116 s one at a time, 0.063 s batched (1.84x; 38 of 64 scored by the
 model), same scores; a model this small is mostly per-call overhead, and a real reward model on a GPU was
 not measured.
