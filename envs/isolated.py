@@ -346,6 +346,8 @@ class IsolatedCheck:
         except WorkerStartError as e:
             raise RuntimeError(str(e)) from None
         if got is None:
+            if _POOL.failure() == "died":  # a crash, the memory limit: not a deadline
+                return Score.zero("the verifier's process died (a crash or the memory limit)")
             return Score.zero("the verifier did not finish in time and was stopped",
                               limits_s=[self.context_timeout, limit])
         last = got[-1]

@@ -78,17 +78,24 @@ def _plain(x):
     return json.loads(json.dumps(x, default=str))
 
 
+# tasks whose configuration stops changing: the highest level that differs from the one below (measured with
+# reasoning-core 0.5.0: ``task.config.set_level(L)``; above it a curriculum would climb on identical problems)
+# (belief_tracking's settings stop at level 12 too, but its set_level steps some of them at random: not capped)
+LEVEL_TOPS = {"combinatorics_formula": 6, "table_statistics": 11}
+
+
 class ReasoningCoreEnv(IsolatedCheck, BoxedOrTagged, Environment):
     family = "rc"
     verify_time_limit = 10.0
     generate_time_limit = 10.0  # run-time bound on one generate (envs/caps.py)
-    max_difficulty = None  # reasoning-core's levels have no upper end
+    max_difficulty = None  # reasoning-core's levels have no upper end (but LEVEL_TOPS')
 
     def __init__(self, name: str):
         import reasoning_core
 
         self.name = reasoning_core.match_task_name(name)
         self.id = f"rc/{self.name}"
+        self.max_difficulty = LEVEL_TOPS.get(self.name)
         self.description = catalog().get(self.name, {}).get("description", "")
         self._rc = reasoning_core
         self._task_obj = None
@@ -116,8 +123,8 @@ class ReasoningCoreEnv(IsolatedCheck, BoxedOrTagged, Environment):
         for package in ("reasoning_core", "gramforge"):  # per-thread random streams (see envs/rlve_adapter.py)
             patch_random(package)
         py_state, np_state = random.getstate(), np.random.get_state()
-        prev = getattr(_LOCAL, "rng", None)
-        _LOCAL.rng = random.Random(seed)
+        prev, prev_np = getattr(_LOCAL, "rng", None), getattr(_LOCAL, "np_rng", None)
+        _LOCAL.rng, _LOCAL.np_rng = random.Random(seed), np.random.RandomState(seed % (2 ** 32))
         random.seed(seed)
         np.random.seed(seed % (2 ** 32))
         # Faker's generators share one random.Random, seeded from OS entropy at import (tables, names, regexes)
@@ -132,7 +139,7 @@ class ReasoningCoreEnv(IsolatedCheck, BoxedOrTagged, Environment):
                 warnings.filterwarnings("ignore", message="timeout_retry")
                 return task.generate_example(level=level)
         finally:
-            _LOCAL.rng = prev
+            _LOCAL.rng, _LOCAL.np_rng = prev, prev_np
             random.setstate(py_state)
             np.random.set_state(np_state)
             if faker is not None:

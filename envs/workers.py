@@ -40,19 +40,33 @@ class Worker:
             [*wrap, sys.executable, "-c", f"from {module} import worker_main; worker_main()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True, bufsize=1)
         self._buf = b""  # what was read of the worker's stdout past the last line returned
-        if self._readline(startup_timeout) != '"ready"':
+        self._ended = False  # its output ended (it died), as opposed to a deadline passed
+        self.failure: str | None = None  # why the last ask answered None: "timeout" or "died"
+        try:
+            ready = self._readline(startup_timeout)
+        except BaseException:
+            self.kill()  # (not left running)
+            raise
+        if ready != '"ready"':
             self.kill()
             raise WorkerStartError(f"a worker process of {module} did not start within {startup_timeout:g} s")
 
     def _readline(self, timeout: float) -> str | None:
         """The next line, or None at the deadline or the end of the output. Reads the descriptor itself: a
-        buffered reader could hold the next line already, where ``select`` no longer sees it."""
+        buffered reader could hold the next line already, where ``poll`` no longer sees it. (``poll``, not
+        ``select``: a process holding over 1,023 descriptors gets one that ``select`` refuses, and every verify
+        scored zero.)"""
         deadline = time.monotonic() + max(0.0, timeout)
         fd = self.proc.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
         while b"\n" not in self._buf:
-            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-            chunk = os.read(fd, 1 << 16) if ready else b""
+            ready = poller.poll(max(0.0, deadline - time.monotonic()) * 1000)
+            if not ready:
+                return None
+            chunk = os.read(fd, 1 << 16)
             if not chunk:
+                self._ended = True
                 return None
             self._buf += chunk
         line, self._buf = self._buf.split(b"\n", 1)
@@ -66,6 +80,7 @@ class Worker:
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
+            self.failure = "died"
             self.kill()
             return None
         out = []
@@ -76,6 +91,7 @@ class Worker:
             except ValueError:
                 line = None
             if not line:
+                self.failure = "died" if self._ended or self.proc.poll() is not None else "timeout"
                 self.kill()
                 return None
             if isinstance(out[-1], dict) and "error" in out[-1]:
@@ -111,6 +127,7 @@ class Pool:
         self._idle: list[Worker] = []
         self._lock = threading.Lock()
         self._pid = os.getpid()
+        self._local = threading.local()  # why this thread's last call answered None
 
     def call(self, request: Any, timeouts: Sequence[float]) -> list | None:
         """:meth:`Worker.ask` on an idle (or new) worker. Raises :class:`WorkerStartError` when a new one
@@ -121,11 +138,21 @@ class Pool:
             w = self._idle.pop() if self._idle else None
         if w is None or not w.alive():
             w = self._start()
-        result = w.ask(request, timeouts)
+        try:
+            result = w.ask(request, timeouts)
+        except BaseException:
+            w.kill()  # (a worker in an unknown state is not given back, nor left running)
+            raise
+        self._local.failure = w.failure if result is None else None
         if result is not None and w.alive():
             with self._lock:
                 self._idle.append(w)
         return result
+
+    def failure(self) -> str | None:
+        """Why this thread's last :meth:`call` answered None: ``"timeout"`` (a deadline passed; the worker was
+        stopped) or ``"died"`` (its process ended: a crash, the memory limit)."""
+        return getattr(self._local, "failure", None)
 
     def _start(self) -> Worker:
         wrap = self._wrap() if self._wrap is not None and self.wrapped is not False else ()
@@ -136,10 +163,11 @@ class Pool:
             self.wrapped = True
             return w
         except (WorkerStartError, OSError) as e:
-            if self.wrapped is None:
-                self.wrapped = False
-                warnings.warn(f"{self.module}'s workers run unconfined: {wrap[0]} did not start one ({e})",
-                              stacklevel=3)
+            if self.wrapped:  # confined workers started before: this one failed for another reason, not the
+                raise        # sandbox (an unconfined worker then, unsaid and with wrapped still True, was not so)
+            self.wrapped = False
+            warnings.warn(f"{self.module}'s workers run unconfined: {wrap[0]} did not start one ({e})",
+                          stacklevel=3)
             return Worker(self.module, self.startup_timeout)
 
     def close(self) -> None:

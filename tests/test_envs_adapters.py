@@ -410,3 +410,41 @@ def test_rg_levels_one_constant_answer_solves_are_not_used():
         e = get_env(f"rg/{name}")
         for d in range(e.max_difficulty + 1):
             assert sum(str(e.generate(s, d).answer).strip().lower() == constant for s in range(100)) <= 60, (name, d)
+
+
+def test_numpy_draws_inside_a_generation_are_the_threads_own():
+    """A generation abandoned by the time bound went on drawing from numpy's global stream, which the next
+    generation had seeded (and restored its saved state when it ended): the same seed then made another problem
+    (5-30 of 30 rc/table_qa problems). Inside a generation the adapted packages' np.random is the thread's own
+    RandomState: the stream np.random.seed(seed) gives, whatever the global one does meanwhile."""
+    import numpy as np
+
+    from envs.rlve_adapter import _NUMPY_RANDOM, _seeded
+
+    with _seeded(5):
+        alone = _NUMPY_RANDOM.randint(0, 10**9, 6).tolist()
+    with _seeded(5):
+        np.random.seed(123)  # (another thread's generation seeding the global stream meanwhile)
+        np.random.randint(0, 10, 50)
+        disturbed = _NUMPY_RANDOM.randint(0, 10**9, 6).tolist()
+    assert alone == disturbed == np.random.RandomState(5).randint(0, 10**9, 6).tolist()
+    assert _NUMPY_RANDOM.randint is np.random.randint  # outside a generation: numpy's own
+
+
+def test_rc_tasks_whose_levels_stop_changing_are_capped_there():
+    """reasoning-core's combinatorics_formula and table_statistics configure nothing new above a level (identical
+    problems at 10 and 26 as at 6): max_difficulty was None, so a curriculum climbed on them."""
+    pytest.importorskip("reasoning_core")
+    import reasoning_core as rc
+
+    from envs.reasoning_core_adapter import LEVEL_TOPS
+
+    for name, top in LEVEL_TOPS.items():
+        assert get_env(f"rc/{name}").max_difficulty == top
+        task = rc.get_task(name)
+
+        def config(level):
+            task.config.set_level(level)
+            return {k: v for k, v in task.config.to_dict().items() if k not in ("seed", "level")}
+        assert config(top) != config(top - 1) and config(top) == config(top + 1) == config(top + 30), name
+    assert get_env("rc/arithmetics").max_difficulty is None

@@ -153,3 +153,62 @@ def test_safe_eval_refuses_string_formatting_before_it_allocates():
             tracemalloc.stop()
         assert peak < 1 << 20, (src, peak)
     assert safe_eval("7 % 3") == 1 and safe_eval("-7.5 % 2") == 0.5  # arithmetic % still works
+
+
+_WORKER_MODULE = '''
+import os, time
+from envs.workers import serve
+
+
+def worker_main():
+    def handle(req, emit):
+        if req == "crash":
+            os._exit(3)
+        if req == "hang":
+            time.sleep(60)
+        return req
+    serve(handle)
+'''
+
+
+def test_workers_tell_a_crash_from_a_deadline_and_take_descriptors_past_1023(tmp_path, monkeypatch):
+    """A worker that died was reported as one that ran out of time; with more than 1,023 descriptors held, select()
+    refused the worker's pipe and every isolated or math verify scored zero (and left its worker running); a pool
+    whose confined workers had started ran a later one unconfined, unsaid, when a confined start failed."""
+    import resource
+
+    from envs.workers import Pool, WorkerStartError
+
+    (tmp_path / "toyworker.py").write_text(_WORKER_MODULE)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    pool = Pool("toyworker", 60)
+    try:
+        assert pool.call("x", [30]) == ["x"] and pool.failure() is None
+        assert pool.call("crash", [30]) is None and pool.failure() == "died"
+        assert pool.call("hang", [0.5]) is None and pool.failure() == "timeout"
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard < 1200:
+            pytest.skip("this machine's descriptor limit is under 1,200")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+        held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+        try:
+            pool.close()  # a new worker, its pipes past 1,023
+            assert pool.call("y", [30]) == ["y"]
+        finally:
+            for fd in held:
+                os.close(fd)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    finally:
+        pool.close()
+    flag = tmp_path / "started-once"
+    wrap = tmp_path / "wrap.sh"
+    wrap.write_text(f'#!/bin/sh\nif [ -e {flag} ]; then exit 1; fi\ntouch {flag}\nexec "$@"\n')
+    wrap.chmod(0o755)
+    pool = Pool("toyworker", 60, wrap=lambda: [str(wrap)])
+    try:
+        assert pool.call("z", [30]) == ["z"] and pool.wrapped is True
+        pool.close()
+        with pytest.raises(WorkerStartError):
+            pool.call("z", [30])
+    finally:
+        pool.close()

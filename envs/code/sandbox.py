@@ -106,6 +106,14 @@ WORKDIR = "/tmp"    # private writable tmpfs, the program's cwd
 SHM_DIR = "/dev/shm"  # private writable tmpfs for POSIX shared memory (emptied between runs like /tmp)
 
 
+def _readable(fd: int, timeout: float) -> bool:
+    """Whether ``fd`` has input (or hung up) within ``timeout`` seconds (``poll``: ``select`` refuses a descriptor
+    above 1,023, which a long-running process may hold)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+    return bool(poller.poll(max(0.0, timeout) * 1000))
+
+
 class SandboxError(RuntimeError):
     """The sandbox itself failed (not the program): setup error, launcher failure."""
 
@@ -1045,7 +1053,7 @@ class _Cell:
             left = end - time.monotonic()
             if left <= 0 or self.proc.poll() is not None:
                 raise SandboxError(f"the sandbox did not start: no child pid from bwrap ({self._errors()})")
-            if select.select([info_r], [], [], min(left, 0.5))[0]:
+            if _readable(info_r, min(left, 0.5)):
                 chunk = os.read(info_r, 4096)
                 if not chunk:
                     raise SandboxError(f"the sandbox did not start: {self._errors() or 'bwrap ended'}")
@@ -1076,8 +1084,7 @@ class _Cell:
             left = end - time.monotonic()
             if left <= 0:
                 raise SandboxError(f"the sandbox did not answer within {timeout:g} s")
-            r, _, _ = select.select([self.ctl], [], [], left)
-            if r:
+            if _readable(self.ctl.fileno(), left):
                 try:
                     return self.ctl.recv(4096)
                 except OSError:
