@@ -722,8 +722,16 @@ class StageRunner:
     def check_same_start(self, started: str | None, start_dir: Path, finished: bool = False) -> None:
         """The stage continues (or, ``finished``, keeps) what it started from: a stage resumed from a checkpoint of
         another start (``stage=rlve`` alone, then the whole cascade: rlve went on from the fresh model while its
-        ``final/`` said the warm-up's) is refused in one line; a finished one keeps what it ran, said so."""
+        ``final/`` said the warm-up's) is refused in one line; a finished one keeps what it ran, said so. A start
+        inside the run directory (``init-model/``, an earlier stage's ``final/``) is compared within it: a run
+        directory moved elsewhere resumes."""
         if started is None or Path(started).resolve() == Path(start_dir).resolve():
+            return
+        try:
+            inside = Path(start_dir).resolve().relative_to(self.dir.parent.parent.resolve()).parts
+        except ValueError:
+            inside = ()
+        if inside and Path(started).parts[-len(inside):] == inside:
             return
         if finished:
             print(f"cascade run: note: stage {self.name} finished, started from {started}; this run would start it "

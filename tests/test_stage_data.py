@@ -658,3 +658,18 @@ def test_sft_envs_patterns_and_settings_of_sft_only_environments():
     check_env_kwargs(s, "warmup")  # an SFT-only environment's settings
     with pytest.raises(ConfigError, match="gym/catalan is not in the stage's mix or sft.envs"):
         check_env_kwargs(StageConfig(envs={"toy/max": 1}, env_kwargs={"gym/catalan": {}}), "warmup")
+
+
+def test_a_moved_run_directory_resumes_its_stages(tmp_path):
+    """The check that a stage continues what it started from compares a start inside the run directory within it:
+    a run directory moved elsewhere is the same run."""
+    from cascade.stage import StageRunner
+    from train.dataclass_config import ConfigError
+
+    runner = StageRunner("rlve", 1, StageConfig(envs={"toy/max": 1}), RunConfig(order=[]), tmp_path / "new", None)
+    runner.check_same_start("/somewhere/old/stages/0-warmup/final", tmp_path / "new" / "stages" / "0-warmup" / "final")
+    runner.check_same_start("/somewhere/old/init-model", tmp_path / "new" / "init-model")
+    with pytest.raises(ConfigError, match="continue a stage started from"):
+        runner.check_same_start("/somewhere/old/init-model", tmp_path / "new" / "stages" / "0-warmup" / "final")
+    with pytest.raises(ConfigError):
+        runner.check_same_start("/models/a", tmp_path / "b")
