@@ -302,7 +302,7 @@ def test_kill_9_of_the_run_resumes_trainer_ranks_and_orchestrator_in_step(warm_d
     (["rl.loss_cfg.tis_cap=2"], "rl: loss_cfg.tis_cap=2.0 acts only with ratio_against=recompute"),
     (["env_kwargs.toy/max.max_digitz=3"], "stages.rlve.env_kwargs.toy/max: toy/max takes no setting max_digitz"),
     (["env_kwargs.toy/add.digits=3"],
-     "stages.rlve.env_kwargs.toy/add: toy/add is not in the stage's mix (toy/max)"),
+     "stages.rlve.env_kwargs.toy/add: toy/add is not in the stage's mix or sft.envs (toy/max)"),
 ])
 def test_bad_layouts_fail_before_any_work(warm_dir, tmp_path, args, needle):
     out = tmp_path / "run"

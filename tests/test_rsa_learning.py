@@ -11,9 +11,12 @@ def test_rsa_learning_main_path_prints_figures_and_only_the_agg_policy_sees_aggr
                "--rl-steps", "3", "--prompts-per-step", "4", "--group-size", "4", "--held-out", "3",
                "--population", "4", "--aggregate", "2", "--rounds", "1"])
     assert rc == 0
-    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
-    assert len(lines) == 2
-    seed, summary = lines
+    got = capsys.readouterr()
+    out = [json.loads(x) for x in got.out.strip().splitlines()]
+    assert len(out) == 1  # stdout: the summary line; each seed's line on stderr
+    seeds = [json.loads(x) for x in got.err.strip().splitlines() if x.startswith("{")]
+    assert len(seeds) == 1
+    seed, summary = seeds[0], out[0]
     assert seed["seed"] == 0 and seed["held_out_problems"] == 3
     for pol in ("agg", "ablation"):
         for f in FIGURES:
