@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import Callable, Iterable
 
 from envs.base import Problem, verify_all, verify_workers
-from train.tokenizer import open_think_of
+from train.tokenizer import open_think_of, whole_chars
 from ttc.templates import Template, load_template
 
 _MESSAGE = "--- Message {index} ---\n{tail}\n\n"
@@ -45,12 +45,7 @@ def _key(env_id: str, p: Problem) -> str:
 def decode_tail(decode: Callable[[list[int]], str], ids: list[int]) -> str:
     """``ids`` (the end of a trace) decoded, less a leading remnant of a character its cut split (byte-level
     BPE: U+FFFD, which the policy would read, and re-tokenise, as itself)."""
-    ids = list(ids)
-    text = decode(ids)
-    while len(ids) > 1 and text.startswith("\ufffd"):
-        ids = ids[1:]
-        text = decode(ids)
-    return text
+    return whole_chars(decode, ids)[1]
 
 
 def compact_message(text: str | None, finish_reason: str | None, tail: str,

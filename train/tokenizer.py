@@ -104,6 +104,18 @@ def chat_prompt_ids(tokenizer, prompt: str, system: str | None = None) -> list[i
     return chat_ids(tokenizer, msgs)
 
 
+def whole_chars(decode, ids: list[int], lead: bool = True) -> tuple[list[int], str]:
+    """``ids`` (a cut of a token sequence) less the remnant of a character the cut split (byte-level BPE: U+FFFD,
+    which a model would read, and re-tokenise, as itself), at the cut's start (``lead``) or its end; with the text they
+    decode to. At least one token is kept."""
+    ids = list(ids)
+    text = decode(ids)
+    while len(ids) > 1 and (text.startswith("\ufffd") if lead else text.endswith("\ufffd")):
+        ids = ids[1:] if lead else ids[:-1]
+        text = decode(ids)
+    return ids, text
+
+
 USER_MARK = "\u2063CASCADE-USER\u2063"  # an unlikely user message, to find where a template puts it
 
 

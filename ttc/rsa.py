@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Callable
 
 from envs.base import open_think
+from train.tokenizer import whole_chars
 from train.engine.base import Completion, SamplingParams
 from ttc.templates import PromptBuilder, Template, load_template
 
@@ -305,10 +306,7 @@ class MarkovianRSA:
         reads, and re-tokenises, as itself. Token-id backends send the ids as cut."""
         if not getattr(self.backend, "sends_text", False):
             return ids
-        while len(ids) > 1 and (self.backend.decode(ids).startswith("\ufffd") if lead
-                                else self.backend.decode(ids).endswith("\ufffd")):
-            ids = ids[1:] if lead else ids[:-1]
-        return ids
+        return whole_chars(self.backend.decode, ids, lead)[0]
 
     def parents(self, rnd: int, index: int, pkey: int = 0) -> list[int]:
         cfg = self.config
