@@ -190,17 +190,20 @@ def _mathematics_of_sympy() -> frozenset:
 def check_sympy_code(source: Any, local_names=()) -> None:
     """Raise ``ValueError`` unless ``source`` (the Python sympy's parser made of a text) is an expression of
     numbers, strings, operators, subscripts and calls of names (or of their calls' results) that are sympy's
-    mathematics (not its printers, code generators, ``lambdify``, plotting or sessions), a few plain builtins (``abs``, ``min``, ...), or the
-    caller's own names (``local_names``): no attribute, no dunder, no lambda or comprehension. A code object
+    mathematics (not its printers, code generators, ``lambdify``, plotting or sessions), a few plain builtins
+    (``abs``, ``min``, ...), or the caller's own names (``local_names``): no attribute, no dunder, no lambda or comprehension. A code object
     (``parse_expr(..., evaluate=False)`` compiles the expression it made: reasoning-core's scorers parse so) passes
     when every name it uses is such a name and it holds no code of its own (no lambda or comprehension)."""
+    allowed = _mathematics_of_sympy()
+
+    def check_name(name: str) -> None:
+        if "__" in name or not (name in allowed or name in _PLAIN_BUILTINS or name in local_names):
+            raise ValueError(f"sympy eval: {name!r} is not a mathematical name")
     if isinstance(source, types.CodeType):
-        allowed = _mathematics_of_sympy()
         if any(isinstance(c, types.CodeType) for c in source.co_consts):
             raise ValueError("sympy eval: a lambda or comprehension is not allowed in an answer")
-        bad = [n for n in source.co_names if "__" in n or not (n in allowed or n in _PLAIN_BUILTINS or n in local_names)]
-        if bad:
-            raise ValueError(f"sympy eval: {bad[0]!r} is not a mathematical name")
+        for name in source.co_names:
+            check_name(name)
         return
     if not isinstance(source, (str, bytes)):
         raise ValueError("sympy eval: only expression strings")
@@ -208,7 +211,6 @@ def check_sympy_code(source: Any, local_names=()) -> None:
         tree = ast.parse(source if isinstance(source, str) else source.decode(), mode="eval")
     except SyntaxError as e:
         raise ValueError(f"sympy eval: {e.msg}") from None
-    allowed = _mathematics_of_sympy()
     for n in ast.walk(tree):
         if not isinstance(n, _EXPR_NODES):
             raise ValueError(f"sympy eval: {type(n).__name__} is not allowed in an answer")
@@ -216,9 +218,8 @@ def check_sympy_code(source: Any, local_names=()) -> None:
         # reasoning-core's inverse_math parses to score an answer; refused, 8 of 20 right answers scored 0)
         if isinstance(n, ast.Call) and not isinstance(n.func, (ast.Name, ast.Call)):
             raise ValueError("sympy eval: only calls of names are allowed in an answer")
-        if isinstance(n, ast.Name) and ("__" in n.id or not (n.id in allowed or n.id in _PLAIN_BUILTINS
-                                                              or n.id in local_names)):
-            raise ValueError(f"sympy eval: {n.id!r} is not a mathematical name")
+        if isinstance(n, ast.Name):
+            check_name(n.id)
 
 
 def _guarded_eval(source: Any, globals: dict | None = None, locals: dict | None = None) -> Any:  # noqa: A002
