@@ -132,6 +132,19 @@ assert len(a) == n and all({lo} <= x <= {hi} for x in a)
 """
 
 
+def _lines(count: int | None = None, first: int | None = None, rest: int | None = None) -> str:
+    """The start of a validator that checks lines (the references read by lines): stdin read into ``s``, its
+    non-blank lines into ``l``; ``count`` of them, the first of ``first`` tokens, each later one of ``rest``."""
+    code = "import sys\ns = sys.stdin.read()\nl = [x for x in s.split('\\n') if x.strip()]\n"
+    if count is not None:
+        code += f"assert len(l) == {count}\n"
+    if first is not None:
+        code += f"assert len(l[0].split()) == {first}\n"
+    if rest is not None:
+        code += f"assert all(len(x.split()) == {rest} for x in l[1:])\n"
+    return code
+
+
 def _v_word(lo: int, hi: int, words: int = 1, alphabet: str = "abcdefghijklmnopqrstuvwxyz",
             per_line: bool = False) -> str:
     """``words`` words of ``lo``-``hi`` letters of ``alphabet``: on one line, or one per line (``per_line``)."""
@@ -248,7 +261,7 @@ def _raw() -> list[dict]:
          output_spec="One integer: a + b.",
          reference="a, b = map(int, input().split())\nprint(a + b)\n",
          wrong=["a, b = map(int, input().split())\nprint(abs(a) + abs(b))\n"],
-         validator="import sys\nl = [x for x in sys.stdin.read().split('\\n') if x.strip()]\nassert len(l) == 1\n"
+         validator=_lines(count=1) +
                    "t = [int(x) for x in l[0].split()]\nassert len(t) == 2 and all(abs(x) <= 10**9 for x in t)\n",
          tests=_t(("1 2", "3"), ("-5 3", "-2"), ("1000000000 1000000000", "2000000000"), ("0 0", "0"),
                   ("-7 -8", "-15"))),
@@ -274,7 +287,7 @@ def _raw() -> list[dict]:
          output_spec="The same words in reverse order, separated by single spaces.",
          reference="print(' '.join(input().split()[::-1]))\n",
          wrong=["print(input().strip()[::-1])\n"],
-         validator="import sys\nl = [x for x in sys.stdin.read().split('\\n') if x.strip()]\nassert len(l) == 1\n"
+         validator=_lines(count=1) +
                    "t = l[0].split()\nassert 1 <= len(t) <= 100\nassert all(w.isalpha() and w.islower() for w in t)\n",
          tests=_t(("hello world", "world hello"), ("a b c", "c b a"), ("single", "single"),
                   ("the quick brown fox", "fox brown quick the"))),
@@ -314,7 +327,7 @@ def _raw() -> list[dict]:
          output_spec="gcd(a, b).",
          reference="a, b = map(int, input().split())\nwhile b:\n    a, b = b, a % b\nprint(a)\n",
          wrong=["a, b = map(int, input().split())\nlo, hi = min(a, b), max(a, b)\nprint(lo if hi % lo == 0 else 1)\n"],
-         validator="import sys\nl = [x for x in sys.stdin.read().split('\\n') if x.strip()]\nassert len(l) == 1\n"
+         validator=_lines(count=1) +
                    "t = [int(x) for x in l[0].split()]\nassert len(t) == 2 and all(1 <= x <= 10**12 for x in t)\n",
          tests=_t(("12 18", "6"), ("7 13", "1"), ("100 10", "10"), ("1 1", "1"),
                   ("1000000000000 999999999999", "1"))),
@@ -427,8 +440,8 @@ def _raw() -> list[dict]:
          output_spec="One integer.",
          reference="n, k = map(int, input().split())\nprint(sorted(map(int, input().split()))[k - 1])\n",
          wrong=["n, k = map(int, input().split())\nprint(sorted(map(int, input().split()))[min(k, n - 1)])\n"],
-         validator="import sys\ns = sys.stdin.read()\nl = [x for x in s.split('\\n') if x.strip()]\n"
-                   "assert len(l) == 2 and len(l[0].split()) == 2\nt = [int(x) for x in s.split()]\nn, k = t[0], t[1]\n"
+         validator=_lines(count=2, first=2) +
+                   "t = [int(x) for x in s.split()]\nn, k = t[0], t[1]\n"
                    "assert 1 <= k <= n <= 10**5 and len(t) == n + 2 and all(abs(x) <= 10**9 for x in t[2:])\n",
          tests=_t(("5 2\n5 1 4 2 3", "2"), ("3 3\n7 7 1", "7"), ("1 1\n-4", "-4"), ("4 1\n10 -10 0 5", "-10"))),
     dict(id="lis-length", title="Longest increasing subsequence", difficulty=3,
@@ -452,8 +465,8 @@ def _raw() -> list[dict]:
          wrong=["n, A = map(int, input().split())\ncoins = list(map(int, input().split()))\nways = [1] + [0] * A\n"
                 "for v in range(1, A + 1):\n    for c in coins:\n        if c <= v:\n            ways[v] = (ways[v] + ways[v - c]) % 1000000007\n"
                 "print(ways[A])\n"],
-         validator="import sys\ns = sys.stdin.read()\nl = [x for x in s.split('\\n') if x.strip()]\n"
-                   "assert len(l) == 2 and len(l[0].split()) == 2\nt = [int(x) for x in s.split()]\nn, A = t[0], t[1]\nc = t[2:]\n"
+         validator=_lines(count=2, first=2) +
+                   "t = [int(x) for x in s.split()]\nn, A = t[0], t[1]\nc = t[2:]\n"
                    "assert 1 <= n <= 100 and 0 <= A <= 10**4 and len(c) == n and len(set(c)) == n and all(1 <= x <= 10**4 for x in c)\n",
          tests=_t(("3 5\n1 2 5", "4"), ("1 3\n2", "0"), ("1 0\n7", "1"), ("2 4\n1 2", "3"), _big_coins())),
     dict(id="edit-distance", title="Edit distance", difficulty=3,
@@ -480,8 +493,7 @@ def _raw() -> list[dict]:
          wrong=["r, c = map(int, input().split())\ng = [input().strip() for _ in range(r)]\ndp = [[0] * c for _ in range(r)]\n"
                 "dp[0][0] = 1\nfor i in range(r):\n    for j in range(c):\n        if (i or j) and g[i][j] == '.':\n"
                 "            dp[i][j] = ((dp[i - 1][j] if i else 0) + (dp[i][j - 1] if j else 0)) % 1000000007\nprint(dp[-1][-1])\n"],
-         validator="import sys\ns = sys.stdin.read()\nl = [x for x in s.split('\\n') if x.strip()]\n"
-                   "assert len(l[0].split()) == 2 and all(len(x.split()) == 1 for x in l[1:])\n"
+         validator=_lines(first=2, rest=1) +
                    "l = s.split()\nr, c = int(l[0]), int(l[1])\nassert 1 <= r <= 100 and 1 <= c <= 100\n"
                    "assert len(l) == r + 2 and all(len(x) == c and set(x) <= set('.#') for x in l[2:])\n",
          tests=_t(("2 2\n..\n..", "2"), ("3 3\n...\n.#.\n...", "2"), ("1 1\n.", "1"), ("2 2\n#.\n..", "0"), ("3 3\n...\n...\n...", "6"),
@@ -540,8 +552,7 @@ def _raw() -> list[dict]:
                    "    for c in range(W, w - 1, -1):\n        best[c] = max(best[c], best[c - w] + v)\nprint(best[W])\n",
          wrong=["n, W = map(int, input().split())\nbest = [0] * (W + 1)\nfor _ in range(n):\n    w, v = map(int, input().split())\n"
                 "    for c in range(w, W + 1):\n        best[c] = max(best[c], best[c - w] + v)\nprint(best[W])\n"],
-         validator="import sys\ns = sys.stdin.read()\nl = [x for x in s.split('\\n') if x.strip()]\n"
-                   "assert len(l[0].split()) == 2 and all(len(x.split()) == 2 for x in l[1:])\n"
+         validator=_lines(first=2, rest=2) +
                    "t = [int(x) for x in s.split()]\nn, W = t[0], t[1]\n"
                    "assert 1 <= n <= 100 and 0 <= W <= 10**4 and len(t) == 2 + 2 * n\n"
                    "assert all(1 <= t[2 + 2 * i] <= 10**4 and 0 <= t[3 + 2 * i] <= 10**6 for i in range(n))\n",
@@ -597,8 +608,7 @@ def _raw() -> list[dict]:
                 "n = int(input())\niv = [tuple(map(int, input().split())) for _ in range(n)]\nout = []\nfor l, r in iv:\n"
                 "    if out and l <= out[-1][1]:\n        out[-1][1] = max(out[-1][1], r)\n    else:\n        out.append([l, r])\n"
                 "print(len(out))\nfor l, r in out:\n    print(l, r)\n"],
-         validator="import sys\ns = sys.stdin.read()\nl = [x for x in s.split('\\n') if x.strip()]\n"
-                   "assert len(l[0].split()) == 1 and all(len(x.split()) == 2 for x in l[1:])\n"
+         validator=_lines(first=1, rest=2) +
                    "t = [int(x) for x in s.split()]\nn = t[0]\nassert 1 <= n <= 10**5 and len(t) == 1 + 2 * n\n"
                    "assert all(0 <= t[1 + 2 * i] <= t[2 + 2 * i] <= 10**9 for i in range(n))\n",
          tests=_t(("3\n1 3\n2 6\n8 10", "2\n1 6\n8 10"), ("2\n5 7\n1 2", "2\n1 2\n5 7"), ("2\n1 3\n3 5", "1\n1 5"),
@@ -610,7 +620,7 @@ def _raw() -> list[dict]:
          output_spec="The word and its count, separated by a space.",
          reference="from collections import Counter\nc = Counter(input().split())\nw = min(c, key=lambda x: (-c[x], x))\nprint(w, c[w])\n",
          wrong=["from collections import Counter\nc = Counter(input().split())\nw, k = c.most_common(1)[0]\nprint(w, k)\n"],
-         validator="import sys\nl = [x for x in sys.stdin.read().split('\\n') if x.strip()]\nassert len(l) == 1\n"
+         validator=_lines(count=1) +
                    "t = l[0].split()\nassert 1 <= len(t) <= 10**4 and all(w.isalpha() and w.islower() for w in t)\n",
          tests=_t(("the cat and the hat", "the 2"), ("b a", "a 1"), ("x x y y", "x 2"), ("hello", "hello 1"),
                   ("d c b a d c", "c 2"))),
