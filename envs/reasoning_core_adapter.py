@@ -28,7 +28,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-import random
 import sys
 from collections import OrderedDict
 
@@ -115,35 +114,26 @@ class ReasoningCoreEnv(IsolatedCheck, BoxedOrTagged, Environment):
         self._task()  # importing the task's modules takes seconds: outside the generation time bound
 
     def _generate_at(self, seed: int, level: int):
-        import numpy as np
+        import warnings
 
-        from envs.rlve_adapter import _LOCAL, patch_random
+        from envs.rlve_adapter import _seeded, patch_random
 
         task = self._task()
         for package in ("reasoning_core", "gramforge"):  # per-thread random streams (see envs/rlve_adapter.py)
             patch_random(package)
-        py_state, np_state = random.getstate(), np.random.get_state()
-        prev, prev_np = getattr(_LOCAL, "rng", None), getattr(_LOCAL, "np_rng", None)
-        _LOCAL.rng, _LOCAL.np_rng = random.Random(seed), np.random.RandomState(seed % (2 ** 32))
-        random.seed(seed)
-        np.random.seed(seed % (2 ** 32))
-        # Faker's generators share one random.Random, seeded from OS entropy at import (tables, names, regexes)
-        faker = getattr(sys.modules.get("faker.generator"), "random", None)
-        faker_state = faker.getstate() if faker is not None else None
-        if faker is not None:
-            faker.seed(seed)
-        try:
-            import warnings
-
-            with warnings.catch_warnings():  # off the main thread (envs/caps.py's bound) rc has no alarm
-                warnings.filterwarnings("ignore", message="timeout_retry")
-                return task.generate_example(level=level)
-        finally:
-            _LOCAL.rng, _LOCAL.np_rng = prev, prev_np
-            random.setstate(py_state)
-            np.random.set_state(np_state)
+        with _seeded(seed):
+            # Faker's generators share one random.Random, seeded from OS entropy at import (tables, names, regexes)
+            faker = getattr(sys.modules.get("faker.generator"), "random", None)
+            faker_state = faker.getstate() if faker is not None else None
             if faker is not None:
-                faker.setstate(faker_state)
+                faker.seed(seed)
+            try:
+                with warnings.catch_warnings():  # off the main thread (envs/caps.py's bound) rc has no alarm
+                    warnings.filterwarnings("ignore", message="timeout_retry")
+                    return task.generate_example(level=level)
+            finally:
+                if faker is not None:
+                    faker.setstate(faker_state)
 
     def _item(self, seed: int, difficulty: int):
         """(prompt, answer, metadata, level) for (seed, difficulty), cached."""

@@ -218,14 +218,15 @@ def patch_random(prefix: str) -> None:
 @contextmanager
 def _seeded(seed: int):
     """Seed ``random`` (per thread, see :class:`_ThreadRandom`, and the global one) and ``numpy`` as
-    RLVE's ``manual_seed`` does (not torch: no RLVE generator uses it); restore the caller's states."""
+    RLVE's ``manual_seed`` does (not torch: no RLVE generator uses it); restore the caller's states. (numpy takes
+    the seed modulo 2^32: reasoning-core's derived seeds reach 2^63.)"""
     import numpy as np
 
     py_state, np_state = random.getstate(), np.random.get_state()
     prev, prev_np = getattr(_LOCAL, "rng", None), getattr(_LOCAL, "np_rng", None)
     _LOCAL.rng, _LOCAL.np_rng = random.Random(seed), np.random.RandomState(seed % 2**32)
     random.seed(seed)
-    np.random.seed(seed)
+    np.random.seed(seed % 2**32)
     try:
         yield
     finally:
