@@ -63,6 +63,11 @@ bytes and 1.3% in peak memory):
     +50.2%, +0.2%; calibrated within 0.29%); peak MiB single 69.5, tsp 21.2, tp 52.7, sp 33.1, dp 67.7;
     tsp_mem_ratio 0.3052 (tp 0.758, sp 0.477, dp 0.974).
 
+    Re-run at 86b25b7 (2026-12-06, later: the tables on stderr, the JSON line alone on stdout; one run, alone):
+    measured tsp 71,876,964 / tp 126,679,388 / sp 190,071,608 / dp 20,728,508 B against the same formulas (+23.0%,
+    +0.3%, +50.2%, +0.2%; calibrated within 0.29%); peak MiB single 69.9, tsp 21.3, tp 52.8, sp 33.1, dp 67.6;
+    tsp_mem_ratio 0.3046 (tp 0.756, sp 0.474, dp 0.968).
+
 On a loaded machine other traffic on ``lo`` was visible (an earlier run: TSP's step windows read
 79.1, 71.9 and 74.7 MB, TP's idle windows up to 1.46 MB), hence min over windows; in this run the
 windows agreed within 0.003% and idle windows read 0-104 B. At V=512 a rank's full-vocabulary logits

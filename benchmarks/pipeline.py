@@ -191,6 +191,10 @@ Re-run at 6cd3ff2 (2026-12-06, later: buffered groups tagged with their batch; a
 then alternating with 5d14efe's code (the commit before the change) 1.11, 1.07, 1.02 against its 1.06, 0.98, 0.95 (the
 same machine slower that hour than at c9a84d9); median 1.06, min 0.98 over the six; sync 2.60-2.71 steps/s, async
 2.63-3.01; lending ceiling 1.14-1.18, any mix 1.33; max_lag_seen 2; no group dropped as stale.
+Re-run at 86b25b7 (2026-12-06, later: CISPO/DPPO/GSPO's gradient through the log-probs past the ratio clamp, the loss
+metric over mini-batches that updated, a republished version read again until settled; three runs one after
+another, a short test run beside the first two for part of the time): async_speedup 1.18, 1.03, 1.09 (median 1.09,
+min 1.03); sync 2.33-2.43 steps/s, async 2.50-2.76; lending ceiling 1.15-1.19, any mix 1.36-1.45.
 """
 from __future__ import annotations
 

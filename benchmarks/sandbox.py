@@ -39,7 +39,9 @@ session's test suite ~30% slower than the last): ``ratio_seq`` 1.76 (repeats 1.4
 19.12 ms sandboxed), ``ratio_seq_cold`` 3.99, ``judge_ratio`` 0.42, ``ratio_par`` 3.17 (realistic; the
 goal's ``ratio_seq`` is the spare-core regime): the goal (<= 1.5) missed in this run. Re-run at 6cd3ff2 (2026-12-06,
 later: the run's standard streams reopenable, System V objects removed by id; one run, alone): ``ratio_seq`` 1.40
-(6.55 ms bare, 9.22 ms sandboxed), ``ratio_seq_cold`` 2.65, ``judge_ratio`` 0.43, ``ratio_par`` 2.74.
+(6.55 ms bare, 9.22 ms sandboxed), ``ratio_seq_cold`` 2.65, ``judge_ratio`` 0.43, ``ratio_par`` 2.74. Re-run at 86b25b7
+(2026-12-06, later: the sandbox's waits poll instead of select; one run, alone): ``ratio_seq`` 1.42 (repeats
+1.31-1.49; 6.85 ms bare, 9.77 ms sandboxed), ``ratio_seq_cold`` 2.82, ``judge_ratio`` 0.40, ``ratio_par`` 2.83.
 
 Where the time goes: a run inside a ready start is ~4.6-6 ms (``run_phases_ms``: fork and set-up
 ~1.7-2.2, the program ~2.2-3.0), about half of a bare ``python -S``; the start is made on the other core

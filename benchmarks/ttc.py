@@ -118,7 +118,11 @@ and ``--concurrency`` over /tokenize, neither on this in-process path; ``--skip-
 (2026-12-06, later: the prefix cache prefills through the engine's forward of the call and keeps no decoder of its own;
 defaults, one run, alone): toy 1.50, real 1.09 (3.70 -> 3.39 s; pairs 1.09-1.12), long 1.46 (6.92 -> 4.74 s);
 shared-prefix steps 1.11x, 1.26x, 1.07x, 1.62x; ``concurrency_speedup`` 2.21 (4.31 -> 1.95 s), ``_short`` 1.71,
-``local`` 2.19; at two threads 2.78 (3.49 -> 1.26 s), local 2.90; same outputs and results.
+``local`` 2.19; at two threads 2.78 (3.49 -> 1.26 s), local 2.90; same outputs and results. At 86b25b7 (2026-12-06,
+later: the prefix cache's weights fingerprint in one pass, tails sent as text cut at whole characters (off this
+token-id path); defaults, one run, a short test run beside it for part of the time): toy 1.42, real 1.11 (4.59 ->
+4.13 s), long 1.50 (8.72 -> 5.81 s); shared-prefix steps 1.15x, 1.26x, 1.09x, 1.80x; ``concurrency_speedup`` 2.03
+(4.91 -> 2.42 s), ``_short`` 1.64, ``local`` 2.51; at two threads 2.89 (4.57 -> 1.58 s), local 3.06; same results.
 
 Measured on this project's 2-core CPU (2026-12-02, defaults, tiny-moe, 1 thread, quiet machine, commit
 e6feb3e, three runs): ``concurrency_speedup`` 2.17, 2.21, 2.13 (one problem at a time 3.73-3.80 s, 64 in
