@@ -42,7 +42,8 @@ statistics padded into place): default TSP D=2 4.90, 4.97 s against 2.79, 2.93 s
 (``ranks_vs_single`` 0.57, 0.59); ``--prompt 512`` 6.96 s against 3.58 s (0.52). Re-run at bcfdc2d (2026-12-06,
 later; default, one run): 4.30 s (4.06-4.39) against 2.92 s (2.89-2.94) in one process, ``ranks_vs_single`` 0.68.
 Re-run at c9a84d9 (2026-12-06, later: RLUpdateConfig's ratio check shared with RLConfig; default, one run): 4.88 s
-(4.34-4.94) against 2.88 s (2.87-2.90), ``ranks_vs_single`` 0.59.
+(4.34-4.94) against 2.88 s (2.87-2.90), ``ranks_vs_single`` 0.59. Re-run at 86b25b7 (2026-12-06, later: the off-policy
+losses' gradient through the log-probs; default, one run, alone): 5.08 s against 3.07 s, ``ranks_vs_single`` 0.61.
 
 Plain data parallel on the same cores (``--tsp 1 --dp 2``, commit 146e6d5 plus this script's ``--dp``,
 three runs interleaved with two of the default TSP D=2): ``ranks_vs_single`` 1.21, 1.37, 1.15 (DP step
