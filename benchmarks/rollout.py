@@ -21,7 +21,9 @@ this path): ratio 3.66 (engine 25.1k against transformers 6.9k tokens/s, best of
 later: the engine's end ids computed by ``eos_ids_of``, the same set): 3.75 (27.7k against 7.4k). Re-run at 6cd3ff2
 (2026-12-06, later: a pad id outside the vocabulary pads with 0; stop strings need a tokenizer): 3.43 (27.1k against
 7.9k). Re-run at c9a84d9
-(2026-12-06, later: temperatures below 0.01 refused, none here): 3.43 (28.2k against 8.2k).
+(2026-12-06, later: temperatures below 0.01 refused, none here): 3.43 (28.2k against 8.2k). Re-run at db4d818
+(2026-12-06, later: the prefix cache's weights fingerprint in one pass, off this path: the cache is off here; one run,
+alone): 3.58 (26.5k against 7.4k).
 """
 from __future__ import annotations
 

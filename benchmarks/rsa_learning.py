@@ -105,6 +105,12 @@ ceiling / cut 0.619 / 0.688 / 0.672 / 0.676 / 0.688 / 34, 0.600 / 0.688 / 0.000 
 ``rsa_gain_points_no_rescue`` +5.3 / -60.0 / -1.4 (median -1.4, min -60.0; with the rescue the same);
 ``rsa_vs_ablation_points`` +0.2 / 0.0 / +21.7 (median +0.2, min 0.0). ``goal_met`` false: on seed 1 both policies'
 round 1 answered nothing right although a shown tail was right 80% of the time.
+Re-run at 86b25b7 (2026-12-06, later: the off-policy losses' gradient through the log-probs, the verifiers' changes,
+the no-rescue grading read after a thinking block the template opens (none here); defaults, 536 s wall, alone): agg
+single / maj. / rsa / rsa no rescue / r1 0.555 / 0.609 / 0.518 / 0.523 / 0.543, 0.549 / 0.656 / 0.344 / 0.342 / 0.404,
+0.301 / 0.344 / 0.287 / 0.287 / 0.318; ablation single / rsa 0.684 / 0.330, 0.656 / 0.197, 0.277 / 0.109.
+``rsa_gain_points_no_rescue`` -3.1 / -20.7 / -1.4 (median -3.1, min -20.7; with the rescue -3.7 / -20.5 / -1.4);
+``rsa_vs_ablation_points`` +18.7 / +14.6 / +17.8 (median +17.8, min +14.6). ``goal_met`` false.
 
 Why the goal is not met (what the figures say; the bullets are the 08a6f4d run's, and the later runs above add one
 pattern: at 0fbd5d7 and 2ca2976 seed 1's agg policy also answered nothing right in round 1, 0.000 against single
