@@ -64,7 +64,8 @@ optimizer picks embeddings by module, the same set for this model): train_ratio 
 Re-run at c9a84d9 (2026-12-06, later; one run): train_ratio 4.04 (9.8k against 2.42k; padded 2.4k).
 Re-run at 131d608 (2026-12-06, later; one run, the warm-up losses reported since): train_ratio 3.93 (8.0k against
 2.04k; padded 2.06k); the warm-up step's loss -0.009763 for Cascade's packed step and for transformers (equal to the
-printed 6 decimals; ``warmup_loss_rel_diff_train_vs_hf`` since the next commit).
+printed 6 decimals; ``warmup_loss_rel_diff_train_vs_hf`` since the next commit). Re-run at 6e4e5fe (2026-12-06, later;
+one run, alone): train_ratio 3.93 (9.0k against 2.28k; padded 2.28k); ``warmup_loss_rel_diff_train_vs_hf`` 2.6e-05.
 """
 from __future__ import annotations
 

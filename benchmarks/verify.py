@@ -63,6 +63,9 @@ hour); ``reward_model`` 0.102 -> 0.058 s (1.77x); same scores. At 131d608 (2026-
 equation and set/interval checks; the reward-model scores compared within 1e-5; one run: a run at 6a316f8, which
 compared them rounded to 5 decimals, said they differed, while they differed by at most 1.5e-8): ``code`` 1.17 s, 1.37x with 2, 1.35x with 4; ``math``
 0.30 s (repeats 0.21-0.52 s), 2.47x with 2, 4.46x with 4; ``reward_model`` 0.122 -> 0.069 s (1.77x); same scores.
+At 6e4e5fe (2026-12-06, later: math-verify's and the sandbox's workers wait with poll; one run, alone): ``code`` 1.10 s,
+1.35x with 2, 1.38x with 4; ``math`` 0.34 s (repeats 0.18-0.48 s), 2.80x with 2, 5.03x with 4; ``reward_model``
+0.107 -> 0.065 s (1.65x); same scores.
 ``reward_model`` (one run, 2026-12-04): 0.116 s one at a time, 0.063 s batched (1.84x; 38 of 64 scored by the
 model), same scores; a model this small is mostly per-call overhead, and a real reward model on a GPU was
 not measured.
