@@ -59,7 +59,9 @@ above). First run with it, at a345f38 (2026-12-06, defaults): 23.07 MB per rank 
 the three windows 46.8, 46.1, 50.2 MB, idle windows 0) against 23.05 MB by the formula (+0.09%: TCP/IP headers
 and gloo's own messages); steps 0.477 s one process, 0.581 s sharded (0.82x), ``ns_split`` 1.03. Re-run at c9a84d9
 (2026-12-06, later: the trainer ranks' config check shared, nothing on this path): 23.14 MB per rank on the wire against
-23.05 MB by the formula (+0.37%); steps 0.452 s one process, 0.554 s sharded (0.82x).
+23.05 MB by the formula (+0.37%); steps 0.452 s one process, 0.554 s sharded (0.82x). Re-run at 486a354 (2026-12-06,
+later: the model config's RoPE checks, off this path; one run, alone; a first run beside another benchmark gave 0.53x
+and is not counted): 23.07 MB per rank against 23.05 MB (+0.09%); steps 0.479 s one process, 0.596 s sharded (0.80x).
 Splitting the matrices makes the sharded step 1.6x faster than before (0.88-0.93 s against
 1.47-1.50 s). Against one process on both cores it is 0.79-1.01x across the runs above (0.84 at 0fbd5d7): each rank
 orthogonalises its half on one thread, about 1.7-2x slower per matrix than on two (``single_ns_s`` 0.70-0.73 s on

@@ -31,6 +31,12 @@ Re-run at da569dd (2026-12-06: the step reports the rate it applied, nothing els
 Re-run at bcfdc2d (2026-12-06, later: the tokenizer's <think> ids unchanged, not special): 0.195 vs 0.560 s (2.87x).
 Re-run at 3a0a6c1 (2026-12-06, later: encode_pair goes on from a template's opened thinking, none here; the SFT
 schedule by OptimConfig.over; one run, alone): 0.218 vs 0.628 s (2.88x), padding_frac 0.604, max_param_diff 1.1e-06.
+Re-run at 486a354 (2026-12-06, later; one run, alone): 0.233 vs 0.699 s (3.00x), padding_frac 0.604, max_param_diff
+1.4e-04, where 13be45b's code on the same machine right after gave 1.1e-06 (3.03x): the packed and padded steps
+agree 100x less closely after 20 steps. Not isolated: the SFT data's content changed with IFEval's prompts (multi-line
+examples, the named request to repeat; the same token counts), and AdamW turns the rounding differences of
+near-zero gradients into updates of the learning rate's size; a bug in the packed step would show in its tests
+(tests/test_sft.py compares packed and padded losses and gradients), which pass.
 """
 from __future__ import annotations
 
