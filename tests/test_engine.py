@@ -403,3 +403,14 @@ def test_a_tokenizer_without_a_chat_template_says_how_to_go_on(tiny_dense_dir):
     tok.chat_template = None
     with pytest.raises(ValueError, match=re.escape("no chat template (chat_template.jinja): use rl.chat_template")):
         chat_prompt_ids(tok, "hi")
+
+
+def test_stop_token_ids_must_be_token_ids():
+    """A negative stop token id is refused (it was accepted, and under min_tokens masked the vocabulary's last
+    token through negative indexing); numpy integers are taken as ids."""
+    import numpy as np
+
+    for bad in ([-1], [3, -2], [1.5], ["7"], [True]):
+        with pytest.raises(ValueError, match="stop_token_ids must be token ids"):
+            SamplingParams(stop_token_ids=bad)
+    assert SamplingParams(stop_token_ids=[np.int64(5), 0]).stop_token_ids == [5, 0]

@@ -175,6 +175,27 @@ def test_active_parameters_and_counts():
             parse_count(bad, "--p")
 
 
+def test_calc_takes_a_zaya_preset_as_zaya(capsys, tmp_path):
+    """A zaya preset is read as zaya (its model_type gave the family only in init_model: calc built a qwen3 config
+    and failed on its partial rotary embeddings); its active parameters are what a token passes through, counted
+    from the built model's tensors; the layout table, which models Qwen-style attention, refuses it in one line."""
+    from cascade.cli import main as cascade
+    from train.parallel.calc import main
+    from train.presets import init_model
+
+    model, _ = init_model("tiny-zaya", tmp_path / "m")
+    c = model.config
+    held = sum(p.numel() for p in model.parameters())
+    idle = sum(p[c.num_experts_per_tok:].numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert main(["rollout", "--preset", "tiny-zaya", "--prompts", "4", "--group", "2", "--prompt-len", "32",
+                 "--response-len", "64", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["total_params"], r["active_params"]) == (held, held - idle)
+    assert cascade(["calc", "--preset", "tiny-zaya", "--seq", "64", "--D", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cascade calc: error: the layout table models") and err.count("\n") == 1, err
+
+
 def test_calc_rollout_cli_json_and_one_line_errors(capsys):
     from cascade.cli import main as cascade
     from train.model.config import ModelConfig

@@ -35,6 +35,18 @@ def load_preset(name: str) -> dict:
     return yaml.safe_load(f.read_text())
 
 
+def preset_model_dict(preset: str, vocab_size: int | None = None, **overrides) -> dict:
+    """The :class:`ModelConfig` fields of ``preset`` with ``overrides`` (its family from ``model_type``); where
+    neither sets a vocabulary size, ``vocab_size`` or else the preset tokenizer's."""
+    spec = load_preset(preset)
+    m = dict(spec["model"])
+    if spec.get("model_type") in ("qwen2", "llama", "zaya"):  # the family; qwen3 / qwen3_moe is the default
+        m.setdefault("architecture", spec["model_type"])
+    m.update(overrides)
+    m.setdefault("vocab_size", vocab_size or spec.get("tokenizer", {}).get("vocab_size", 1024))
+    return m
+
+
 def init_model(preset: str, out: str | Path, seed: int = 0, **overrides):
     """Build the tokenizer and a randomly initialised model from ``preset``; save both to ``out``.
 
@@ -46,11 +58,7 @@ def init_model(preset: str, out: str | Path, seed: int = 0, **overrides):
     spec = load_preset(preset)
     out = Path(out)
     tok = build_tokenizer(out, vocab_size=spec.get("tokenizer", {}).get("vocab_size", 1024), seed=seed)
-    m = dict(spec["model"])
-    if spec.get("model_type") in ("qwen2", "llama", "zaya"):  # the family; qwen3 / qwen3_moe is the default
-        m.setdefault("architecture", spec["model_type"])
-    m.update(overrides)
-    m.setdefault("vocab_size", len(tok))
+    m = preset_model_dict(preset, len(tok), **overrides)
     m.update(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     cfg = ModelConfig.from_dict(m)
     model = CausalLM(cfg).init_weights(seed)

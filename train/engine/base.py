@@ -6,6 +6,7 @@ prompt, prompt-major: completions ``[i*n:(i+1)*n]`` belong to prompt ``i``.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence, runtime_checkable
 
@@ -17,6 +18,14 @@ MIN_TEMPERATURE = 1e-2
 # them (vLLM's sampling settings and its servers' request fields by these names; a server left to its default
 # drops special tokens, a </think> too where the tokenizer marks it special, and the verifiers would not find it)
 ENGINE_TEXT = {"skip_special_tokens": False, "spaces_between_special_tokens": False}
+
+
+def _token_id(t) -> bool:
+    """Whether ``t`` is an integer (Python's or numpy's, not a bool) >= 0."""
+    try:
+        return not isinstance(t, bool) and operator.index(t) >= 0
+    except TypeError:
+        return False
 
 
 @dataclass
@@ -70,6 +79,10 @@ class SamplingParams:
             self.stop = [self.stop]
         if not all(isinstance(x, str) and x for x in self.stop):  # "" would end every completion at once
             raise ValueError(f"SamplingParams.stop must be non-empty strings, got {self.stop!r}")
+        # token ids >= 0 (a negative one masked the vocabulary's last token under min_tokens)
+        if not all(_token_id(t) for t in self.stop_token_ids):
+            raise ValueError(f"SamplingParams.stop_token_ids must be token ids (integers >= 0), got {self.stop_token_ids!r}")
+        self.stop_token_ids = [operator.index(t) for t in self.stop_token_ids]
         bias = {}
         for k, v in dict(self.logit_bias or {}).items():
             try:

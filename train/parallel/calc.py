@@ -14,6 +14,7 @@ estimate that the benchmark checks against ``saved_tensors_hooks`` measurements.
 
 ``cascade calc --hidden 4096 --layers 32 --heads 32 --kv-heads 8 --ffn 14336 --seq 131072 --D 8``
 or ``cascade calc --preset tiny-moe --seq 4096 --D 4`` or ``cascade calc --config DIR/config.json``.
+The layout table is refused for zaya (ZAYA1): its CCA attention is not modelled here.
 
 Rollout:trainer sizing of an RL run (``cascade calc rollout``, :func:`rollout_sizing`): one step
 generates ``G = prompts x group x response`` tokens and trains on ``T = prompts x group x (prompt +
@@ -242,11 +243,9 @@ def model_config(a: argparse.Namespace, max_pos: int = 4096) -> ModelConfig:
         raise ValueError(f"give the model one way: --preset, --config or the size flags, not {' and '.join(given)}"
                          + (f" ({', '.join(sizes)})" if sizes else ""))
     if a.preset:
-        from train.presets import load_preset
+        from train.presets import preset_model_dict
 
-        m = dict(load_preset(a.preset)["model"])
-        m.setdefault("vocab_size", load_preset(a.preset).get("tokenizer", {}).get("vocab_size", 1024))
-        return ModelConfig.from_dict(m)
+        return ModelConfig.from_dict(preset_model_dict(a.preset))
     if a.config:
         from pathlib import Path
 
@@ -442,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.D < 1 or a.seq < 2 or a.batch < 1 or a.bytes < 1:
         raise ValueError("--D, --batch and --bytes must be >= 1 and --seq >= 2")
     cfg = model_config(a, max_pos=a.seq)
+    if cfg.architecture == "zaya":
+        raise ValueError(f"the layout table models Qwen/Llama-style attention, not zaya's CCA (the model has "
+                         f"{cfg.num_parameters() / 1e6:.4g}M parameters); `cascade calc rollout` sizes a zaya run")
     try:
         check_tsp_config(cfg, a.D)
     except ValueError as e:  # the rule a run applies (KV heads may also be a divisor of D: replicated)
