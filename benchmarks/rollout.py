@@ -9,7 +9,9 @@ the best round's generated tokens / wall seconds, with every round listed. Ends 
 line: ``engine_tok_s``, ``hf_tok_s``, ``ratio`` (engine / hf), the engine's prefill seconds and decode
 milliseconds per step in its best round, ``engine_native`` (whether the engine ran its fused C++ CPU
 ops; ``CASCADE_NATIVE_DECODE=0`` measures its PyTorch path instead), and ``vllm_tok_s`` when ``vllm``
-imports (run it in ``.venv-vllm`` for that column; vLLM's engine core then runs in this process).
+imports (run it in ``.venv-vllm`` for that column; vLLM's engine core then runs in this process). The engine's
+completions of its last round are checked against transformers (``logprob_max_abs_diff_vs_hf``, ``..._mean_...``:
+each sampled token's log-probability as the engine recorded it and as transformers computes it, teacher-forced).
 
     python benchmarks/rollout.py [--prompts 64] [--new-tokens 128] [--model DIR] [--repeats 3] [--no-vllm]
 
@@ -56,9 +58,9 @@ def make_prompts(tok, n: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
-def engine_runner(model_dir, prompts, new_tokens, temperature, phases: list):
+def engine_runner(model_dir, prompts, new_tokens, temperature, phases: list, last: list):
     """A warmed-up torch engine; returns a function that generates for all prompts -> tokens.
-    Each call appends its (prefill seconds, decode seconds) to ``phases``."""
+    Each call appends its (prefill seconds, decode seconds) to ``phases`` and leaves its completions in ``last``."""
     from train.engine import SamplingParams, TorchEngine
 
     eng = TorchEngine.from_pretrained(model_dir)
@@ -67,9 +69,9 @@ def engine_runner(model_dir, prompts, new_tokens, temperature, phases: list):
 
     def run():
         s0 = (eng.stats.prefill_s, eng.stats.decode_s)
-        n = sum(len(c.token_ids) for c in eng.generate(prompts, sp))
+        last[:] = eng.generate(prompts, sp)
         phases.append((eng.stats.prefill_s - s0[0], eng.stats.decode_s - s0[1]))
-        return n
+        return sum(len(c.token_ids) for c in last)
 
     return run, None
 
@@ -98,6 +100,27 @@ def hf_runner(model_dir, prompts, new_tokens, temperature, pad_id):
 
     run(4, 8)
     return lambda: run(len(prompts), new_tokens), None
+
+
+def logprob_check(model_dir, prompts, completions, temperature) -> dict:
+    """The engine's own output checked against transformers: each sampled token's log-probability as the engine
+    recorded it against transformers' (teacher-forced on prompt + completion, logits / temperature); a fast path
+    that sampled from wrong logits shows here."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    t = temperature if temperature > 0 else 1.0
+    diffs = []
+    with torch.no_grad():
+        for p, c in zip(prompts, completions):
+            ids = torch.tensor([list(p) + list(c.token_ids)])
+            lp = torch.log_softmax(model(ids).logits[0, len(p) - 1:-1].float() / t, -1)
+            ref = lp.gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+            diffs.append((ref - torch.tensor(c.logprobs)).abs())
+    d = torch.cat(diffs)
+    return {"logprob_max_abs_diff_vs_hf": float(f"{d.max().item():.3g}"),
+            "logprob_mean_abs_diff_vs_hf": float(f"{d.mean().item():.3g}")}
 
 
 def vllm_runner(model_dir, prompts, new_tokens, temperature):
@@ -151,7 +174,8 @@ def main(argv=None) -> int:
                "prompt_tokens_mean": round(sum(map(len, prompts)) / len(prompts), 1),
                "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
         phases: list = []
-        runners = {"engine": engine_runner(model_dir, prompts, a.new_tokens, a.temperature, phases),
+        last: list = []
+        runners = {"engine": engine_runner(model_dir, prompts, a.new_tokens, a.temperature, phases, last),
                    "hf": hf_runner(model_dir, prompts, a.new_tokens, a.temperature, pad_id)}
         if not a.no_vllm and importlib.util.find_spec("vllm") is not None:
             runners["vllm"] = vllm_runner(model_dir, prompts, a.new_tokens, a.temperature)
@@ -176,6 +200,7 @@ def main(argv=None) -> int:
 
         # fused C++ ops (CASCADE_NATIVE_DECODE=0: off); for zaya they run the decoding steps (prefill in PyTorch)
         res["engine_native"] = native.enabled() and native.load()
+        res.update(logprob_check(model_dir, prompts, last, a.temperature))  # after the timed rounds
         res["load_avg_1m"] = round(os.getloadavg()[0], 2)
     sys.stdout.flush()
     print(json.dumps(res), file=json_out, flush=True)
