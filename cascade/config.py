@@ -111,6 +111,15 @@ class AggregationSFT:
     max_new_tokens: int = 0  # teacher's budget per response; 0: the stage's rl.sampling.max_new_tokens
     template: str = "auto"  # as aggregation.template
 
+    def __post_init__(self):
+        if not (1 <= self.tails <= self.samples and min(self.problems, self.shuffles, self.tail_tokens) >= 1
+                and 0 <= self.fraction <= 1 and self.max_new_tokens >= 0):
+            raise ValueError(f"sft.aggregation needs 1 <= tails <= samples (a prompt's tails come from one problem's "
+                             f"samples), problems, shuffles and tail_tokens >= 1, fraction in [0, 1] and "
+                             f"max_new_tokens >= 0; got tails={self.tails}, samples={self.samples}, "
+                             f"problems={self.problems}, shuffles={self.shuffles}, tail_tokens={self.tail_tokens}, "
+                             f"fraction={self.fraction}, max_new_tokens={self.max_new_tokens}")
+
 
 @dataclass
 class Source:
@@ -201,6 +210,15 @@ class StageConfig:
             raise ValueError(f"eval_k must be >= 0, got {self.eval_k}")
         if self.sft.steps > 0 and min(self.sft.batch_size, self.sft.micro_batch_size, self.sft.tokens_per_micro) < 1:
             raise ValueError("sft.batch_size, sft.micro_batch_size and sft.tokens_per_micro must be >= 1")
+        a = self.aggregation
+        if a.fraction > 0 or any(p.aggregation for p in self.phases):  # a prompt's tails are one group's rollouts
+            if a.tails > self.rl.group_size and not a.expert:
+                raise ValueError(f"aggregation.tails={a.tails} is more than rl.group_size={self.rl.group_size}: a "
+                                 f"problem's own rollouts never give that many tails, so no aggregation prompt would "
+                                 f"be made; lower aggregation.tails or raise rl.group_size")
+            if a.expert and a.expert_fraction > 0 and a.tails > a.expert_samples:
+                raise ValueError(f"aggregation.tails={a.tails} is more than aggregation.expert_samples="
+                                 f"{a.expert_samples}: the expert's rollouts never give that many tails")
         if self.eval_difficulty is not None and self.eval_difficulty < 0:
             raise ValueError(f"eval_difficulty must be >= 0 (or null: each environment's start level), "
                              f"got {self.eval_difficulty}")

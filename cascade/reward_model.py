@@ -92,6 +92,21 @@ class GatedRewardEnv(Environment):
     def max_difficulty(self, value: int | None) -> None:
         self.base.max_difficulty = value
 
+    # the wrapped environment's own settings (the Environment defaults would stand in for them: a code
+    # environment's aggregation template, an environment without references counted as one with them)
+    instruction = property(lambda self: self.base.instruction)
+    aggregation_template = property(lambda self: self.base.aggregation_template)
+    verify_time_limit = property(lambda self: self.base.verify_time_limit)
+    no_reference_reason = property(lambda self: self.base.no_reference_reason)
+    free_form = property(lambda self: self.base.free_form)
+    # concurrent_verify stays False: the reward model's forward passes are compute, batched in verify_many
+
+    def prepare(self) -> None:
+        self.base.prepare()
+
+    def extract(self, response: str) -> str | None:
+        return self.base.extract(response)
+
     def generate(self, seed: int, difficulty: int) -> Problem:
         return self.base.generate(seed, difficulty)
 

@@ -516,6 +516,14 @@ class StageRunner:
             mixer.remember_expert(e, p, comps, etok, stops)
         self.records.log(self.name, "expert", 0, {"expert_problems": len(rolled), "expert_pool": len(mixer.expert)})
 
+    @staticmethod
+    def aggregation_sft_prompt_cap(s) -> int:
+        """The longest aggregation SFT prompt: RL's ``aggregation.max_prompt_tokens`` and at most half of
+        ``sft.max_len`` (tails cut from the front to fit), so that the teacher's answer, its thinking trimmed, fits
+        beside it (at RL's 20,480 four 4,096-token tails made every prompt longer than the SFT default 8,192: all
+        dropped by the trim after the teacher had answered them)."""
+        return min(s.aggregation.max_prompt_tokens, s.sft.max_len // 2)
+
     def aggregation_sft(self, tok, curriculum, n_other: int, rl=None) -> list[tuple[str, str]]:
         """SFT pairs for aggregation from ``sft.aggregation.teacher`` (cascade/aggregation.py), as many
         as make ``fraction`` of the SFT examples beside the ``n_other`` others."""
@@ -534,7 +542,7 @@ class StageRunner:
             pairs, stats = aggregation_sft_pairs(
                 engine, ttok, picks, curriculum.envs.__getitem__, params, samples=a.samples, shuffles=a.shuffles,
                 tails=a.tails, tail_tokens=a.tail_tokens, template=a.template,
-                max_prompt_tokens=s.aggregation.max_prompt_tokens,
+                max_prompt_tokens=self.aggregation_sft_prompt_cap(s),
                 prompt_len=lambda t: len(encode_prompt(tok, t, rc.chat_template, rc.system_prompt)),
                 chat=rc.chat_template, system=rc.system_prompt, seed=self.rcfg.seed + self.index, advance=advance,
                 workers=rc.verify_workers)
@@ -635,7 +643,8 @@ class StageRunner:
         with self.phase("sft data", len(pairs), "trimming and tokenizing") as advance:
             for i in range(0, len(pairs), 256):
                 part, d = trim_pairs(tok, pairs[i:i + 256], cfg.max_len - 1,
-                                     lambda p: len(prompt_ids(tok, p, cfg.chat_template, cfg.system_prompt)))
+                                     lambda p: len(prompt_ids(tok, p, cfg.chat_template, cfg.system_prompt)),
+                                     sft.think_open)
                 kept += part
                 dropped += d
                 encoded += sft.encode(part)

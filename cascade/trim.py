@@ -64,14 +64,26 @@ def drop_thinking(messages: list[dict]) -> list[dict]:
             for m in messages]
 
 
-def trim_pairs(tok, pairs: list[tuple[str, str]], budget: int, prompt_len) -> tuple[list[tuple[str, str]], int]:
+def trim_pairs(tok, pairs: list[tuple[str, str]], budget: int, prompt_len,
+               think_open: str = "") -> tuple[list[tuple[str, str]], int]:
     """Trim SFT (prompt, response) pairs to ``budget`` tokens in all; returns (kept, dropped). A chat context (a
-    list of messages: multi-turn) too long with its response loses its earlier turns' think blocks first."""
+    list of messages: multi-turn) too long with its response loses its earlier turns' think blocks first. Under a
+    template that opens the thinking in the prompt (``think_open``), a response counts as it will be trained:
+    :func:`envs.base.after_open_think` of it (a bare answer gains a closed empty thinking block)."""
+    from envs.base import after_open_think
+
+    def size(r: str) -> int:
+        return _n(tok, after_open_think(r, think_open))
+
     kept, dropped = [], 0
     for p, r in pairs:
-        if isinstance(p, list) and prompt_len(p) + _n(tok, r) > budget:
+        if isinstance(p, list) and prompt_len(p) + size(r) > budget:
             p = drop_thinking(p)
-        cut = trim_response(tok, r, budget - prompt_len(p))
+        room = limit = budget - prompt_len(p)
+        cut = trim_response(tok, r, limit)
+        while cut is not None and size(cut) > room:  # what the template adds: cut that much more (limit falls)
+            limit -= size(cut) - room
+            cut = trim_response(tok, r, limit)
         if cut is None:
             dropped += 1
         else:

@@ -319,6 +319,22 @@ def test_a_background_write_that_the_machine_stops_is_a_run_failure():
     assert not isinstance(e.value, RunFailure)
 
 
+def test_a_reward_model_wrapped_environment_keeps_the_settings_of_the_one_it_wraps():
+    """GatedRewardEnv answered the Environment defaults for what it did not forward: a wrapped environment
+    without reference answers (rg/boxnet) counted as one with them (the stage's default SFT list took it and
+    failed), a code environment got the \\boxed{} aggregation template and the default verify time limit."""
+    from cascade.reward_model import GatedRewardEnv
+    from envs.base import get_env
+
+    for env_id in ("rg/boxnet", "code/solve", "ifeval"):
+        base = get_env(env_id)
+        env = GatedRewardEnv(base, rm=None)
+        for name in ("no_reference_reason", "aggregation_template", "verify_time_limit", "instruction", "free_form"):
+            assert getattr(env, name) == getattr(base, name), (env_id, name)
+    assert GatedRewardEnv(get_env("rg/boxnet"), rm=None).no_reference_reason
+    assert GatedRewardEnv(get_env("code/solve"), rm=None).aggregation_template != "math"
+
+
 def test_a_reward_model_wrapped_environment_keeps_its_difficulty_cap():
     """GatedRewardEnv reads and lowers the wrapped environment's max_difficulty: a curriculum over it stops at
     ifeval's cap (it saw no cap and climbed to 40 on a policy solving everything), and a run-time cap reaches it."""

@@ -168,6 +168,11 @@ def test_config_file_errors_are_one_line(tmp_path):
     ("rl.sampling.top_k=-2", "top_k must be >= 0 (0 or -1: off)"),
     ("rl.optim.betas=[0.9]", "betas must be two numbers in [0, 1), got [0.9]"),
     ("rl.optim.lr=-1", "lr must be >= 0, got -1"), ("sft.optim.eps=0", "eps must be > 0, got 0"),
+    # settings under which aggregation never happens (accepted: the pool never filled; 0-candidate prompts trained)
+    ("aggregation={fraction: 0.5, tails: 9}", "aggregation.tails=9 is more than rl.group_size=8"),
+    ("sft.aggregation.tails=0", "sft.aggregation needs 1 <= tails <= samples"),
+    ("sft.aggregation.tails=9", "got tails=9, samples=8"),
+    ("sft.aggregation.fraction=1.5", "fraction in [0, 1]"),
 ])
 def test_bad_values_fail_when_the_config_is_read(override, msg):
     """Before anything is written (print_config=true catches them too)."""

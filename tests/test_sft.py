@@ -138,3 +138,26 @@ def test_the_trainer_ranks_sft_schedule_runs_over_the_stages_sft_steps(monkeypat
         updates_done=lambda rl, s: 0)
     StageRunner.start_learner(runner, types.SimpleNamespace(cfg=None, pad_id=0), None, tmp_path)
     assert got["sft_optim"].total_steps == 4
+
+
+def test_trimming_counts_a_response_as_a_thinking_template_trains_it(tiny_dense_dir):
+    """Under a template that opens the thinking in the prompt, a bare answer is trained behind a closed empty
+    thinking block (after_open_think): trim_pairs counted it as written, kept answers a few tokens under the budget
+    that SFTTrainer.encode then refused ("an SFT example has N tokens > max_len"), which ended the stage's SFT. Every
+    pair it keeps now encodes, a bare answer as well as one with thinking to cut."""
+    from cascade.trim import trim_pairs
+    from train.sft import prompt_ids
+    from train.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_dense_dir)
+    opened = copy.deepcopy(tok)
+    opened.chat_template = tok.chat_template + "{% if add_generation_prompt %}<think>\n{% endif %}"
+    cfg = SFTConfig(steps=1, max_len=64)
+    sft = SFTTrainer(load_pretrained(tiny_dense_dir), opened, cfg)
+    plen = lambda p: len(prompt_ids(opened, p, cfg.chat_template, cfg.system_prompt))  # noqa: E731
+    pairs = [("What is the sum?", " ".join(["the answer"] * n)) for n in range(5, 40)]
+    pairs += [("What is the sum?", f"<think>{'so we add ' * n}</think>\\boxed{{4}}") for n in range(5, 40)]
+    kept, dropped = trim_pairs(opened, pairs, cfg.max_len - 1, plen, sft.think_open)
+    bare = [r for _, r in kept if "<think>" not in r]
+    assert dropped and len(bare) >= 5 and sum("<think>" in r for _, r in kept) == 35  # (every thinking one cut to fit)
+    assert max(len(p) + len(r) for p, r in sft.encode(kept)) <= cfg.max_len  # (raised: 65 tokens > max_len 64)

@@ -399,8 +399,8 @@ class _Teacher:
     """A scripted teacher: a plain prompt gets traces ending in the right or a wrong answer; an
     aggregation prompt gets the right answer when it shows a right tail, a wrong one otherwise."""
 
-    def __init__(self, tok):
-        self.tok, self.calls = tok, []
+    def __init__(self, tok, work: int = 30):
+        self.tok, self.calls, self.work = tok, [], work
 
     def generate(self, prompts, params, **kw):
         out = []
@@ -413,7 +413,7 @@ class _Teacher:
                     ans = a + b if f"boxed{{{a + b}}}" in text else -1
                     body = f"<think>comparing the candidates</think> \\boxed{{{ans}}}"
                 else:
-                    body = "<think>" + "work " * 30 + f"</think> \\boxed{{{a + b if j % 4 == 0 else a + b + 1}}}"
+                    body = "<think>" + "work " * self.work + f"</think> \\boxed{{{a + b if j % 4 == 0 else a + b + 1}}}"
                 ct = self.tok.encode(body, add_special_tokens=False)
                 out.append(Completion(ct, body, [0.0] * len(ct), "stop", prompt_index=i))
         return out
@@ -673,3 +673,31 @@ def test_a_moved_run_directory_resumes_its_stages(tmp_path):
         runner.check_same_start("/somewhere/old/init-model", tmp_path / "new" / "stages" / "0-warmup" / "final")
     with pytest.raises(ConfigError):
         runner.check_same_start("/models/a", tmp_path / "b")
+
+
+def test_aggregation_sft_prompts_leave_room_in_sft_max_len_for_the_answer(tok):
+    """The stage built aggregation SFT prompts up to RL's aggregation.max_prompt_tokens (20,480 by default), longer
+    than sft.max_len (8,192): the trim then dropped every example the teacher had answered. The stage's cap keeps a
+    prompt to half of sft.max_len (its tails cut from the front) and the examples survive the trim."""
+    from cascade.config import Aggregation, SFTStage, StageConfig
+    from cascade.stage import StageRunner
+    from cascade.trim import trim_pairs
+    from train.sft import prompt_ids
+
+    env = get_env("toy/add")
+    picks = [("toy/add", Problem(f"What is {a}+{a + 1}?", str(2 * a + 1), "toy/add", a, 0, {})) for a in range(1, 5)]
+
+    def plen(text):
+        return len(encode_prompt(tok, text, True, None))
+
+    base = plen(AggregationMixer(tok, 1.0, 4, 192)._render("toy/add", picks[0][1], [""] * 4, False))
+    scfg = StageConfig(sft=SFTStage(max_len=2 * base + 60), aggregation=Aggregation(max_prompt_tokens=20480, tails=4))
+    params = SamplingConfig(max_new_tokens=64).params(1, 0)
+    got = {}
+    for name, cap in (("rl", scfg.aggregation.max_prompt_tokens), ("stage", StageRunner.aggregation_sft_prompt_cap(scfg))):
+        pairs, _ = aggregation_sft_pairs(_Teacher(tok, work=200), tok, picks, lambda e: env, params, samples=4,
+                                         shuffles=3, tails=4, tail_tokens=192, max_prompt_tokens=cap, prompt_len=plen, seed=0)
+        kept, dropped = trim_pairs(tok, pairs, scfg.sft.max_len - 1, lambda p: len(prompt_ids(tok, p, True, None)))
+        got[name] = (len(pairs), len(kept))
+    assert got["rl"][0] > 0 and got["rl"][1] == 0  # (the regime: every example answered, then dropped)
+    assert got["stage"][0] > 0 and got["stage"][1] == got["stage"][0], got
