@@ -63,6 +63,36 @@ def test_grouped_experts_match_per_expert_loop_forward_and_backward():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype, inter", [(torch.bfloat16, 18), (torch.float32, 9), (torch.bfloat16, 16)])
+def test_expert_widths_grouped_mm_cannot_take_still_train(dtype, inter, monkeypatch):
+    """An expert width whose rows are not a multiple of 16 bytes (bf16 18, fp32 9): the first grouped product
+    ran in forward and its backward failed ("strides should be multiple of 16 bytes") in a fresh process; such
+    widths now take the per-group product, with the same values and gradients as the loop over experts."""
+    from train.model import modeling
+    from train.model.modeling import expert_mlp
+
+    monkeypatch.setattr(modeling, "_GROUPED_MM_OK", {})  # (a fresh process: nothing learned about the device)
+    torch.manual_seed(0)
+    E, H = 4, 32
+    x = torch.randn(10, H, dtype=dtype, requires_grad=True)
+    gu = torch.randn(E, 2 * inter, H, dtype=dtype, requires_grad=True)
+    dn = torch.randn(E, H, inter, dtype=dtype, requires_grad=True)
+    idx, w = torch.randint(0, E, (10, 2)), torch.rand(10, 2, dtype=dtype)
+    out = expert_mlp(x, w, idx, gu, dn)
+    grads = torch.autograd.grad(out.float().square().sum(), [x, gu, dn])
+    ref = torch.zeros(10, H, dtype=torch.float64)
+    for t in range(10):
+        for j in range(2):
+            e = int(idx[t, j])
+            h = gu[e].double() @ x[t].double()
+            ref[t] += w[t, j].double() * (dn[e].double() @ (torch.nn.functional.silu(h[:inter]) * h[inter:]))
+    tol = 5e-2 if dtype == torch.bfloat16 else 1e-4
+    assert (out.double() - ref).abs().max().item() < tol * ref.abs().max().item()
+    refg = torch.autograd.grad(ref.square().sum(), [x, gu, dn])
+    for a, b in zip(grads, refg):
+        assert (a.double() - b).abs().max().item() < 2 * tol * b.abs().max().item()
+
+
 @pytest.mark.parametrize("hq,hk", [(4, 2), (4, 4), (6, 1)])
 def test_decode_attention_equals_sdpa(hq, hk):
     """The single-query decode attention (two matmuls) == SDPA with the same boolean mask."""

@@ -334,11 +334,14 @@ _GROUPED_MM_OK: dict[tuple, bool] = {}
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``out[rows of group e] = x[rows of group e] @ w[e]`` for row groups ending at ``offs``.
 
-    ``torch._grouped_mm`` where the device and dtype support it (CPU fp32/bf16, Hopper bf16);
-    elsewhere (e.g. fp32 on older GPUs) the same product per group.
+    ``torch._grouped_mm`` where the device and dtype support it (CPU fp32/bf16, Hopper bf16) and both
+    matrices' inner widths are multiples of 16 bytes (its forward and its backward's transposed products
+    need them; a forward that ran on a width only the forward takes failed in backward); elsewhere (e.g. fp32
+    on older GPUs) the same product per group.
     """
     key = (x.device.type, x.dtype)
-    if _GROUPED_MM_OK.get(key, True):
+    es = x.element_size()
+    if _GROUPED_MM_OK.get(key, True) and (x.shape[-1] * es) % 16 == 0 and (w.shape[-1] * es) % 16 == 0:
         try:
             return torch._grouped_mm(x, w, offs=offs)
         except RuntimeError:
