@@ -646,12 +646,46 @@ def _check_kl_off(world, out, shared):
     out["kl.bf16.kl_ref"] = m[1]["kl_ref"]
 
 
+def _check_kl_zaya(world, out, shared):
+    """ZAYA1 with the policy's own routing (no replay) and a KL penalty to the starting policy: the frozen reference
+    routes with its own balancing biases, as the single-process trainer's deep copy does (it took the policy's
+    current biases: kl_ref and the weights differed from one process by 1e-3 once the first step moved them),
+    through a checkpoint between the two steps."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from train.parallel.rl_update import RLUpdater
+    from train.rl.worker import load_checkpoint, save_checkpoint
+
+    cfg = _zaya_cfg()
+    rcfg = rl_cfg("dppo_tv", kl=(0.5, "k3"))
+    batches = [make_batch(s, cfg) for s in range(2)]
+    for b in batches:
+        for smp in b.samples:
+            smp.routed_experts = None
+    want, ref_m = _kl_reference_run(_model(cfg), rcfg, batches, _model(cfg))
+    for dp, tsp in ((2, 1), (1, 2)):
+        k = f"kl.zaya.dp{dp}xtsp{tsp}"
+        up = RLUpdater(_model(cfg), rcfg, tsp=tsp, dp=dp)
+        mets = [up.step(batches[0], 0)]
+        box = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        save_checkpoint(up, Path(box[0]), 1, keep=2)
+        up = RLUpdater(_model(cfg), rcfg, tsp=tsp, dp=dp)
+        load_checkpoint(up, Path(box[0]))
+        mets.append(up.step(batches[1], 1))
+        out[k + ".params"] = _err(up.full_state_dict(), want)
+        out[k + ".kl_ref"] = max(abs(m["kl_ref"] - r["kl_ref"]) for m, r in zip(mets, ref_m))
+    out["kl.zaya.kl_ref_step1"] = ref_m[1]["kl_ref"]
+
+
 def _kl_worker(rank, world, port, path, shared):
     import functools
 
     run_checks(rank, world, port, path, [functools.partial(f, shared=shared) for f in
                                          (_check_kl_off, _check_kl_fresh, _check_kl_hf_reference,
-                                          _check_kl_after_sft_and_resume)])
+                                          _check_kl_after_sft_and_resume, _check_kl_zaya)])
 
 
 @pytest.fixture(scope="module")
@@ -675,6 +709,16 @@ def test_kl_sharded_equals_single_process_from_the_start(kl_results):
                 k = f"{key}.{mesh}.{what}"
                 assert _max(ranks, k) < TOL, (k, _max(ranks, k))
         assert _max(ranks, f"{key}.dp2xtsp1.micro") >= 2  # several packed micro-batches
+
+
+@pytest.mark.timeout(400)
+def test_kl_reference_of_a_zaya_policy_routes_with_its_own_biases(kl_results):
+    ranks = kl_results
+    assert _max(ranks, "kl.zaya.kl_ref_step1") > 1e-4  # (the policy moved from its reference)
+    for mesh in ("dp2xtsp1", "dp1xtsp2"):
+        for what in ("params", "kl_ref"):
+            k = f"kl.zaya.{mesh}.{what}"
+            assert _max(ranks, k) < TOL, (k, _max(ranks, k))
 
 
 @pytest.mark.timeout(400)

@@ -55,7 +55,8 @@ each optimizer step every rank moves its router balancing biases by the load of 
 counts of every rank's real tokens all-reduced over TSP and DP,
 :func:`train.model.zaya.balance_router_biases`), as the single-process trainers do after theirs; the
 biases are checkpointed (``buffers.*``) and published with the weights. A KL reference's forward routes
-with the current biases.
+with the reference's own biases (the frozen copy's, as the single-process trainer's deep copy; an HF reference's
+from its checkpoint), checkpointed as ``kl_ref_buffers.*``.
 
 Metrics are those of ``RLTrainer.update``: the loss function's metrics weighted by each
 micro-batch's token count, ``loss`` (the global loss), ``entropy`` (token mean), ``grad_norm``
@@ -248,13 +249,15 @@ class RLUpdater:
         # The frozen copy's buffers exist from the start (a checkpoint load fills them in place);
         # ref_taken says whether they hold the copy yet (checkpointed with them).
         self.ref: dict[str, torch.Tensor] | None = None
+        self.ref_buffers: dict[str, torch.Tensor] = {}  # the reference's buffers (a zaya router's biases)
         self.ref_taken = torch.zeros((), dtype=torch.int64, device=self.device)
         if cfg.loss_cfg.kl_coef:
             if cfg.kl_reference:
-                self.ref = self._load_reference(cfg.kl_reference)
+                self.ref, self.ref_buffers = self._load_reference(cfg.kl_reference)
                 self.ref_taken.fill_(1)
             else:
                 self.ref = {n: torch.zeros_like(p.data) for n, p in self.shards.items()}
+                self.ref_buffers = {n: b.detach().clone() for n, b in self.buffers.items()}
 
     @property
     def buffers(self) -> dict[str, torch.Tensor]:
@@ -264,8 +267,8 @@ class RLUpdater:
             return self.net.model_buffers()
         return {n: t for n, t in self.net.state_dict(keep_vars=True).items() if n in self._buffer_names}
 
-    def _load_reference(self, path: str) -> dict[str, torch.Tensor]:
-        """This rank's shards of the HF checkpoint at ``path``, sharded exactly as the policy."""
+    def _load_reference(self, path: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """This rank's shards of the HF checkpoint at ``path``, sharded exactly as the policy, and its buffers."""
         from envs.hub import resolve_model
         from train.model.hf_io import CheckpointSlices, load_pretrained
 
@@ -273,24 +276,38 @@ class RLUpdater:
         dtype = DTYPES[self.cfg.dtype]  # the compute dtype
         if self.tsp > 1:  # only this rank's slices are read
             with CheckpointSlices(path, dtype=dtype, device=self.device) as src:
-                shards = {n: p.data for n, p in TSPCausalLM(src, self.tsp_group).named_shards().items()}
+                net = TSPCausalLM(src, self.tsp_group)
+                shards = {n: p.data for n, p in net.named_shards().items()}
+                bufs = net.model_buffers()
         else:
-            shards = {n: p.data for n, p in load_pretrained(path, dtype=dtype, device=self.device).named_parameters()}
-        if set(shards) != set(self.shards) or any(shards[n].shape != p.shape for n, p in self.shards.items()):
+            net = load_pretrained(path, dtype=dtype, device=self.device)
+            shards = {n: p.data for n, p in net.named_parameters()}
+            bufs = {n: t for n, t in net.state_dict().items() if n in self._buffer_names}
+        if set(shards) != set(self.shards) or any(shards[n].shape != p.shape for n, p in self.shards.items()) \
+                or set(bufs) != set(self.buffers):
             raise ValueError(f"kl_reference {path} does not have the policy's architecture (parameter names or "
                              "shapes differ)")
-        return {n: shards[n].to(p.dtype) for n, p in self.shards.items()}  # (the loaded model is dropped)
+        live = self.buffers
+        return ({n: shards[n].to(p.dtype) for n, p in self.shards.items()},  # (the loaded model is dropped)
+                {n: bufs[n].detach().to(live[n].dtype).clone() for n in live})
 
     @torch.no_grad()
     def _take_reference(self) -> None:
         for n, p in self.shards.items():
             self.ref[n].copy_(p.data)
+        for n, b in self.buffers.items():
+            self.ref_buffers[n].copy_(b)
         self.ref_taken.fill_(1)
 
+    @torch.no_grad()
     def _swap_reference(self) -> None:
-        """Swap the reference tensors and the parameters' data (call twice to undo)."""
+        """Swap the reference tensors and the parameters' data, and the buffers' values (call twice to undo)."""
         for n, p in self.shards.items():
             p.data, self.ref[n] = self.ref[n], p.data
+        for n, b in self.buffers.items():
+            held = b.clone()
+            b.copy_(self.ref_buffers[n])
+            self.ref_buffers[n].copy_(held)
 
     def optim_config(self, kind: str) -> OptimConfig:
         return (self.cfg.sft_optim or self.cfg.optim) if kind == "sft" else self.cfg.optim
@@ -506,7 +523,8 @@ class RLUpdater:
         holds (model keys are shared by the DP replicas of the same TSP rank, which hold the same
         values), for ``torch.distributed.checkpoint`` (:func:`train.rl.worker.load_checkpoint`
         reshards them for another mesh from the checkpoint's :meth:`layout`). With a frozen
-        KL reference, its shards (``kl_ref.tsp{r}.*``) and whether it was taken yet (``kl_ref_taken``).
+        KL reference, its shards (``kl_ref.tsp{r}.*``), its buffers (``kl_ref_buffers.*``) and whether it was
+        taken yet (``kl_ref_taken``).
         A zaya policy's balancing biases (``buffers.*``) are the same on every rank."""
         out = {f"model.tsp{self.tsp_rank}.{n}": p.data for n, p in self.shards.items()}
         out.update({f"buffers.{n}": b for n, b in self.buffers.items()})
@@ -514,6 +532,7 @@ class RLUpdater:
             out[f"optim.tsp{self.tsp_rank}.dp{self.dp_rank}.{k}"] = v
         if self.saves_reference:
             out.update({f"kl_ref.tsp{self.tsp_rank}.{n}": v for n, v in self.ref.items()})
+            out.update({f"kl_ref_buffers.{n}": v for n, v in self.ref_buffers.items()})  # (the same on every rank)
             out["kl_ref_taken"] = self.ref_taken
         return out
 

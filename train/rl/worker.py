@@ -296,7 +296,13 @@ def load_checkpoint(up, exchange: Path) -> int:
         if old.tsp_changed:
             state = {k: v for k, v in state.items() if not k.startswith("kl_ref.")}
         state.update(old.requests(up))
+    held = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    older = [k for k in state if k.startswith("kl_ref_buffers.") and k not in held]
+    for k in older:  # written before the reference kept its own biases: it takes the policy's at this step
+        del state[k]
     dcp.load(state, checkpoint_id=str(path))  # one call on every rank (a collective), whatever each asks for
+    for k in older:
+        up.ref_buffers[k[len("kl_ref_buffers."):]].copy_(up.buffers[k[len("kl_ref_buffers."):]])
     if old is not None:
         old.apply(up, state)
     up.phase = meta.get("phase", "rl")  # the optimizer state loaded is that phase's
