@@ -544,3 +544,111 @@ def test_a_checkpoint_of_before_the_batch_tags_resumes_each_batch_with_its_own_g
         pipe.close()
     assert [m["batch"] for m in ms] == ["a", "b"] and rl.trained == [{"a"}, {"b"}]
     assert [m["groups_trained"] for m in ms] == [1, 2] and _GROUPS not in ms[0]
+
+
+@pytest.mark.parametrize("buffer_groups,sync", [(4, 1), (6, 2)])
+def test_min_ready_batches_beyond_the_buffer_is_lowered_so_a_fast_trainer_loses_nothing(buffer_groups, sync, caplog):
+    """rl.buffer_groups holding fewer batches than rl.min_ready_batches: the trainer waited for batches the buffer
+    could not hold, so by the time it took batch b the groups of b were evicted (nearly every step trained
+    nothing, with a trainer far faster than the rollouts). min_ready is lowered to the batches the buffer holds."""
+
+    class SlowRollouts(_StubRL):
+        def collect(self):
+            time.sleep(0.03)
+            return super().collect()
+
+    rl = SlowRollouts(RLConfig(prompts_per_step=4, max_staleness=2, sync_every=sync, min_ready_batches=2,
+                               buffer_groups=buffer_groups))
+    with caplog.at_level("WARNING", logger="train.rl.pipeline"):
+        pipe = Pipeline(rl, batches=6)
+    try:
+        ms = [pipe.step() for _ in range(6)]
+    finally:
+        pipe.close()
+    assert [m["groups_trained"] for m in ms] == [4] * 6 and rl.trained == [{str(b)} for b in range(6)]
+    assert sum(m["groups_evicted"] for m in ms) == 0 and pipe.buffer.evicted == 0
+    assert pipe.min_ready == 1
+    assert f"rl.min_ready_batches=2 lowered to 1: rl.buffer_groups={buffer_groups} holds 1 batch(es)" in caplog.text
+
+
+def test_rollout_busy_frac_counts_each_batchs_time_in_the_steps_it_spans():
+    """Rollouts and updates of equal length: the producer is busy ~90% of the time, but a batch's whole time was
+    counted in the step in which it finished (steps alternated 1.0 and 0.0); now each step counts the part of
+    a batch that ran since the previous step's metrics, the one still in progress included."""
+
+    class Even(_StubRL):
+        def collect(self):
+            time.sleep(0.05)
+            return super().collect()
+
+        def train_on(self, groups):
+            time.sleep(0.05)
+            return super().train_on(groups)
+
+    rl = Even(RLConfig(prompts_per_step=4, max_staleness=2, sync_every=1, min_ready_batches=2))
+    pipe = Pipeline(rl)
+    try:
+        ms = [pipe.step() for _ in range(8)]
+    finally:
+        pipe.close()
+    busy = [round(m["rollout_busy_frac"], 2) for m in ms]
+    assert all(b > 0.7 for b in busy[1:]), busy
+
+
+def test_evictions_between_the_last_step_and_a_checkpoint_are_reported_after_the_resume():
+    """The producer runs ahead (and evicts, in a one-batch buffer) between a step's metrics and the checkpoint;
+    the checkpoint keeps what was already reported, so the resumed pipeline's steps report the rest: the
+    per-step counts of both pipelines add up to the buffer's counter (the resumed run had lost those)."""
+
+    class Slow(_StubRL):
+        def collect(self):
+            time.sleep(0.01)
+            return super().collect()
+
+        def train_on(self, groups):
+            time.sleep(0.1)
+            return super().train_on(groups)
+
+    cfg = RLConfig(prompts_per_step=4, max_staleness=2, sync_every=1, min_ready_batches=1, buffer_groups=4)
+    rl = Slow(cfg)
+    pipe = Pipeline(rl, batches=6)
+    try:
+        ms = [pipe.step() for _ in range(2)]
+        time.sleep(0.2)  # logging, evaluation: the producer runs ahead and evicts while nothing is reported
+        with pipe.paused():
+            st = pipe.state()
+    finally:
+        pipe.close()
+    assert st["evicted"] > sum(m["groups_evicted"] for m in ms)  # evictions not reported yet
+    again = Slow(cfg)
+    again.step_idx = again.synced_version = rl.step_idx
+    again.made = rl.made
+    pipe = Pipeline(again, st, batches=4)
+    try:
+        ms += [pipe.step() for _ in range(4)]
+    finally:
+        pipe.close()
+    assert sum(m["groups_evicted"] for m in ms) == pipe.buffer.evicted > 0
+    old = {k: v for k, v in st.items() if k != "reported"}  # a checkpoint of before "reported": still loads
+    pipe = Pipeline(Slow(cfg), old, batches=0)
+    pipe.close()
+    assert pipe._reported == (st["dropped_stale"], st["evicted"])
+
+
+def _empty_group(version: int, tag: str) -> Group:
+    """A group whose completions all stopped at once: no token, so no token versions."""
+    p = Problem(prompt=tag, answer="0")
+    return Group("toy/max", p, [Rollout("toy/max", p, [5], Completion([], "", [], "stop", versions=[]),
+                                        Score.zero("")) for _ in range(2)])
+
+
+def test_a_group_without_tokens_is_never_stale_and_the_lag_of_tokens_ahead_is_counted():
+    """A group whose completions are all empty has no sampling version: it was tagged version 0 and dropped as
+    stale once the trainer passed max_staleness (it trains nothing either way, but it was counted as stale).
+    Tokens of a version above the trainer's (an engine that reports its own) broke the lag histogram."""
+    buf = RolloutBuffer(4)
+    buf.put([_group(10, "a"), _empty_group(10, "empty")], batch=0)
+    got = buf.take(0, version=10, max_staleness=2)
+    assert [g.problem.prompt for g in got] == ["a", "empty"] and buf.dropped_stale == 0
+    m = version_lag([_group(6, 0)], 5)  # token versions 6, 7 at trainer version 5
+    assert m["version_lag_max"] == -1 and m["version_lag_hist"] == [1.0]

@@ -67,13 +67,14 @@ _GROUPS = "_batch_groups"  # a pending batch's group count in checkpoints of bef
 
 class RolloutBuffer:
     """Groups waiting for the trainer, oldest first, each tagged with the batch that produced it and
-    the oldest policy version of its tokens, with a capacity (oldest evicted)."""
+    the oldest policy version of its tokens (None for a group with no token: never stale), with a
+    capacity (oldest evicted)."""
 
     def __init__(self, capacity: int):
         if capacity < 1:
             raise ValueError("buffer capacity must be >= 1 group")
         self.capacity = capacity
-        self._q: deque[tuple[int, int, Group]] = deque()  # (batch, version, group)
+        self._q: deque[tuple[int, int | None, Group]] = deque()  # (batch, version, group)
         self.evicted = 0
         self.dropped_stale = 0
         self.cond = threading.Condition()
@@ -100,7 +101,7 @@ class RolloutBuffer:
                 self.evicted += 1
             while self._q and self._q[0][0] == batch:
                 _, v, g = self._q.popleft()
-                if version - v > max_staleness:
+                if v is not None and version - v > max_staleness:  # None: no token sampled, nothing stale
                     self.dropped_stale += 1
                 else:
                     out.append(g)
@@ -126,19 +127,25 @@ class Pipeline:
         # so closing waits for none and the curriculum is not moved by rollouts never trained on)
         self.before_batch, self.batches = before_batch, batches
         self.max_staleness, self.batch = cfg.max_staleness, cfg.prompts_per_step
-        # the trainer can wait for at most the batches the producer may run ahead
-        self.min_ready = max(1, min(cfg.min_ready_batches, cfg.max_staleness - cfg.sync_every + 2))
-        if self.min_ready < cfg.min_ready_batches:
-            logging.getLogger(__name__).warning(
-                "rl.min_ready_batches=%d lowered to %d: with rl.max_staleness=%d and rl.sync_every=%d the producer "
-                "runs at most %d batch(es) ahead", cfg.min_ready_batches, self.min_ready, cfg.max_staleness,
-                cfg.sync_every, self.min_ready)
         self.buffer = RolloutBuffer(cfg.buffer_groups or (cfg.max_staleness + 2) * self.batch)
+        # the trainer can wait for at most the batches the producer may run ahead, and for at most the batches the
+        # buffer holds (waiting for more, it would find the oldest batch's groups evicted: every step short)
+        lead, fits = cfg.max_staleness - cfg.sync_every + 2, self.buffer.capacity // self.batch
+        self.min_ready = max(1, min(cfg.min_ready_batches, lead, fits))
+        if self.min_ready < cfg.min_ready_batches:
+            why = [f"with rl.max_staleness={cfg.max_staleness} and rl.sync_every={cfg.sync_every} the producer runs "
+                   f"at most {lead} batch(es) ahead"] if lead < cfg.min_ready_batches else []
+            why += [f"rl.buffer_groups={self.buffer.capacity} holds {fits} batch(es) of rl.prompts_per_step="
+                    f"{self.batch} (waiting for more would evict the oldest unused)"] if fits < cfg.min_ready_batches \
+                else []
+            logging.getLogger(__name__).warning("rl.min_ready_batches=%d lowered to %d: %s", cfg.min_ready_batches,
+                                                self.min_ready, "; ".join(why))
         if self.buffer.capacity < (cfg.max_staleness + 1) * self.batch:
             logging.getLogger(__name__).warning(
-                "rl.buffer_groups=%d holds fewer groups than the %d batch(es) the producer may run ahead: while the "
-                "trainer is slower the oldest are evicted unused and their steps train on what is left of them",
-                self.buffer.capacity, cfg.max_staleness + 1)
+                "rl.buffer_groups=%d holds fewer groups than the %d batch(es) the producer may run ahead: whenever "
+                "it gets further ahead of the trainer than the buffer holds (a slow update, time spent between "
+                "steps on evaluation or checkpoints) the oldest are evicted unused and their steps train on what is "
+                "left of them", self.buffer.capacity, cfg.max_staleness + 1)
         self._produced = 0  # batches the producer has made
         self._done = 0      # trainer steps finished (update and sync), each consuming one batch
         self._pending: deque[dict] = deque()  # rollout metrics of produced batches, in order
@@ -146,11 +153,12 @@ class Pipeline:
         self._pause = False
         self._idle = threading.Event()
         self._error: BaseException | None = None
-        self._busy_roll = self._busy_train = 0.0
+        self._busy_roll = self._busy_train = 0.0  # since the last step's metrics
         self._since = time.perf_counter()
+        self._roll_start: float | None = None  # when the batch in progress started (None: none is)
+        self._reported = (0, 0)  # (dropped_stale, evicted) counts up to the last step's metrics
         if state is not None:
             self._load_state(state)
-        self._reported = (self.buffer.dropped_stale, self.buffer.evicted)  # counts up to the last step's metrics
         if not getattr(rl.engine, "supports_inflight_update", False):
             rl.engine = LockedEngine(rl.engine, rl.synced_version)
         self._threads_before = torch.get_num_threads()
@@ -188,13 +196,15 @@ class Pipeline:
                     if self._stop.is_set():
                         return
                     self._idle.clear()
-                t0 = time.perf_counter()
+                    self._roll_start = time.perf_counter()
                 extra = self.before_batch(self._produced) if self.before_batch is not None else None
                 groups, metrics = self.rl.collect()
                 metrics.update(extra or {})
                 metrics["difficulty"] = self.rl.curriculum.difficulties()  # as the sync loop reads it
                 with cond:  # one critical section: a step never sees a batch's metrics without its groups
-                    self._busy_roll += time.perf_counter() - t0
+                    # the part of the batch since the last step's metrics (that step counted the part before)
+                    self._busy_roll += time.perf_counter() - max(self._roll_start, self._since)
+                    self._roll_start = None
                     self.buffer.put(groups, self._produced)
                     self._pending.append(metrics)
                     self._produced += 1
@@ -240,8 +250,11 @@ class Pipeline:
         t1 = time.perf_counter()
         m.update(rl.train_on(groups))
         with cond:
-            self._busy_train += time.perf_counter() - t1
-            wall = max(time.perf_counter() - self._since, 1e-9)
+            now = time.perf_counter()
+            self._busy_train += now - t1
+            wall = max(now - self._since, 1e-9)
+            if self._roll_start is not None:  # the batch in progress: its part so far counts in this step
+                self._busy_roll += now - max(self._roll_start, self._since)
             # since the last step's metrics: evictions while the trainer waited for the buffer count too
             stale0, evicted0 = self._reported
             self._reported = (self.buffer.dropped_stale, self.buffer.evicted)
@@ -250,7 +263,7 @@ class Pipeline:
                      rollout_busy_frac=min(1.0, self._busy_roll / wall),
                      trainer_busy_frac=min(1.0, self._busy_train / wall))
             self._busy_roll = self._busy_train = 0.0
-            self._since = time.perf_counter()
+            self._since = now
             self._done += 1
             cond.notify_all()  # a new version may let the producer start its next batch
         m["difficulty"] = difficulty
@@ -260,8 +273,9 @@ class Pipeline:
     def state(self) -> dict[str, Any]:
         """What was produced and not yet trained on (call inside :meth:`paused`): the buffered
         ``(version, group)`` pairs oldest first and the batch of each (0: the next step's), the rollout
-        metrics of each batch not yet consumed, how many batches ahead of the trainer that is, and the
-        buffer's drop counters."""
+        metrics of each batch not yet consumed, how many batches ahead of the trainer that is, the
+        buffer's drop counters and how much of them the steps' metrics reported (a resumed run reports the
+        rest: groups evicted after the last step, before the checkpoint)."""
         if not self._idle.is_set():
             raise RuntimeError("Pipeline.state() needs the producer paused (inside Pipeline.paused())")
         with self.buffer.cond:
@@ -269,7 +283,8 @@ class Pipeline:
             return {"queue": [(v, g) for _, v, g in q], "queue_batches": [b - self._done for b, _, _ in q],
                     "pending": [dict(m) for m in self._pending],
                     "ahead": self._produced - self._done, "evicted": self.buffer.evicted,
-                    "dropped_stale": self.buffer.dropped_stale}
+                    "dropped_stale": self.buffer.dropped_stale,
+                    "reported": {"dropped_stale": self._reported[0], "evicted": self._reported[1]}}
 
     def _load_state(self, st: dict[str, Any]) -> None:
         if len(st["pending"]) != st["ahead"]:
@@ -283,6 +298,9 @@ class Pipeline:
         self.buffer._q = deque((int(b), v, g) for b, (v, g) in zip(batches, st["queue"]))
         self._produced, self._done = int(st["ahead"]), 0
         self.buffer.evicted, self.buffer.dropped_stale = int(st["evicted"]), int(st["dropped_stale"])
+        rep = st.get("reported")  # (checkpoints of before it: everything counted as reported)
+        self._reported = (int(rep["dropped_stale"]), int(rep["evicted"])) if rep is not None else \
+            (self.buffer.dropped_stale, self.buffer.evicted)
 
     @contextmanager
     def paused(self):

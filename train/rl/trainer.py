@@ -618,10 +618,12 @@ def load_weights(engine, state_dict, version: int) -> None:
         engine.load_weights(state_dict)
 
 
-def group_version(g: Group) -> int:
-    """The oldest policy version that sampled any token of the group."""
+def group_version(g: Group) -> int | None:
+    """The oldest policy version that sampled any token of the group; None when no token has one (all
+    completions empty): no token of it is trained, so it is never too stale (tagged version 0, such a
+    group was dropped as stale once the trainer passed ``max_staleness``)."""
     vs = [min(r.completion.versions) for r in g.rollouts if r.completion.versions]
-    return min(vs) if vs else 0
+    return min(vs) if vs else None
 
 
 def trained(r: Rollout) -> bool:
@@ -641,7 +643,7 @@ def version_lag(groups: list[Group], version: int) -> dict[str, Any]:
     lags = [version - v for g in groups for r in g.rollouts if trained(r) for v in (r.completion.versions or [])]
     if not lags:
         return {"version_lag_mean": 0.0, "version_lag_max": 0, "version_lag_hist": [1.0]}
-    hist = [0] * (max(lags) + 1)
+    hist = [0] * (max(max(lags), 0) + 1)  # tokens of a version above the trainer's (lag < 0) count at lag 0
     for x in lags:
         hist[max(x, 0)] += 1
     return {"version_lag_mean": sum(lags) / len(lags), "version_lag_max": max(lags),
