@@ -155,3 +155,22 @@ def test_calc_memory_counts_what_mesh_adamw_holds_under_bf16(tmp_path):
             assert (acc > 0) == (b < 4)
     finally:
         dist.destroy_process_group()
+
+
+def test_train_tsp_refuses_a_mesh_or_batch_below_one_in_one_line(tmp_path):
+    """--dp 0 divided by zero, --dp -1 passed the divisibility check (2 % -1 == 0) and failed on a negative tensor
+    size, --batch 0 failed reshaping; each is now named before any work."""
+    import torch.distributed as dist
+
+    from train.parallel.train_tsp import main
+    from train.presets import init_model
+
+    init_model("tiny-dense", tmp_path / "m")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        for flag, value in (("--dp", "0"), ("--dp", "-1"), ("--batch", "0"), ("--batch", "-1")):
+            with pytest.raises(ValueError, match="bad arguments: .*batch=.*dp="):
+                main(["--model", str(tmp_path / "m"), "--out", str(tmp_path / "out"), "--steps", "1", flag, value])
+    finally:
+        dist.destroy_process_group()
+    assert not (tmp_path / "out").exists()

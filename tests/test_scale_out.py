@@ -180,6 +180,7 @@ def test_calc_takes_a_zaya_preset_as_zaya(capsys, tmp_path):
     and failed on its partial rotary embeddings); its active parameters are what a token passes through, counted
     from the built model's tensors; the layout table, which models Qwen-style attention, refuses it in one line."""
     from cascade.cli import main as cascade
+    from train.model.config import ModelConfig
     from train.parallel.calc import main
     from train.presets import init_model
 
@@ -194,6 +195,13 @@ def test_calc_takes_a_zaya_preset_as_zaya(capsys, tmp_path):
     assert cascade(["calc", "--preset", "tiny-zaya", "--seq", "64", "--D", "2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("cascade calc: error: the layout table models") and err.count("\n") == 1, err
+    # a MoE given without its experts' width was counted with experts of width 0
+    assert cascade(["calc", "--hidden", "64", "--layers", "2", "--heads", "4", "--experts", "4", "--seq", "128",
+                    "--D", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--moe-ffn (the experts' width, with --experts) missing" in err and err.count("\n") == 1, err
+    with pytest.raises(ValueError, match="needs moe_intermediate_size >= 1"):
+        ModelConfig(num_experts=4, moe_intermediate_size=0).validate()
 
 
 def test_calc_rollout_cli_json_and_one_line_errors(capsys):

@@ -3,7 +3,9 @@
 ``RemoteEngine(urls, api_key=None, model=None)`` honours the :class:`~train.engine.base.Engine`
 contract for token-id (or text) prompts: each prompt is one ``/v1/completions`` request carrying
 ``params.n``; prompts are spread over the servers through one shared queue, with ``per_server``
-requests in flight per server (the server batches concurrent requests into one engine call).
+requests in flight per server (the server batches concurrent requests into one engine call). Text prompts go
+with ``add_special_tokens: false`` (encoded as the in-process engines encode them) and, where the servers' context
+is known, at most ``context - 1`` new tokens (the server cuts that to the room the prompt leaves).
 Completions carry token ids, behaviour log-probs, finish reason, the weight ``versions`` of every
 token and, when asked, ``routed_experts`` (per MoE layer LongTensor [1, P + C, k], as the torch
 and vLLM engines give them). The same requests work against vLLM's server started through
@@ -331,12 +333,18 @@ class RemoteEngine:
         if not prompts:
             return []
         # as the in-process engines: each prompt generates at most what its context leaves (vLLM's server
-        # answers 400 to prompt + max_tokens > max_model_len), and a prompt that leaves nothing is refused
+        # answers 400 to prompt + max_tokens > max_model_len), and a prompt that leaves nothing is refused; a text
+        # prompt's length is the server's to know: it gets at most context - 1 (Cascade's server cuts that to the
+        # room the prompt leaves; one above max_model_len itself is a 400 there)
         room = [params.max_tokens] * len(prompts)
-        if self.context_length is not None and not any(isinstance(x, str) for x in prompts):
-            check_prompts(prompts, self.context_length)
-            room = [min(params.max_tokens, self.context_length - len(x)) for x in prompts]
+        ctx = self.context_length
+        if ctx is not None:
+            if not any(isinstance(x, str) for x in prompts):
+                check_prompts(prompts, ctx)
+            room = [min(params.max_tokens, ctx - 1 if isinstance(x, str) else max(1, ctx - len(x))) for x in prompts]
         base = {"model": self.model, **completion_request(params)}
+        if any(isinstance(x, str) for x in prompts):  # encoded as the in-process engines encode them (servers
+            base["add_special_tokens"] = False  # add a tokenizer's BOS to text prompts by default, as vLLM)
         if return_routed_experts:
             base["return_routed_experts"] = True
             base["routed_experts_format"] = "base64"  # int16 bytes, not a JSON list of lists (Cascade's servers)

@@ -5,10 +5,12 @@ It belongs to the engine layer, so test-time compute (``ttc``) and RL rollouts b
 Endpoints: ``GET /v1/models``; ``POST /v1/completions`` (prompt as text, token ids, or a list of
 either; n, max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos,
 repetition_penalty, presence_penalty, frequency_penalty, min_tokens (vLLM's), logit_bias (OpenAI's: token id ->
-bias in [-100, 100], a value past that clamped, as vLLM), logprobs, skip_special_tokens, return_routed_experts);
+bias in [-100, 100], a value past that clamped, as vLLM), logprobs, skip_special_tokens, return_routed_experts,
+add_special_tokens (vLLM's: a text prompt is encoded with the tokenizer's special tokens, a BOS, unless false,
+as ``/tokenize`` encodes it));
 ``POST /v1/chat/completions`` (the checkpoint's chat template);
-``POST /tokenize`` and ``POST /detokenize`` (vLLM-style); ``GET /v1/weights`` (the weight version
-served) and ``POST /v1/load_weights`` (see below). Each completion choice carries ``token_ids``
+``POST /tokenize`` and ``POST /detokenize`` (vLLM-style); ``GET /health`` (open without the API key, as vLLM
+guards only ``/v1/*``); ``GET /v1/weights`` (the weight version served) and ``POST /v1/load_weights`` (see below). Each completion choice carries ``token_ids``
 besides the text, ``logprobs.token_logprobs``, ``versions`` (the weight version that sampled each
 token, where the engine tracks it) and, when the request sets ``return_routed_experts: true``,
 ``routed_experts``: the expert ids of every token of prompt + completion as nested lists
@@ -32,7 +34,8 @@ vLLM's ``continue_final_message`` (go on from a last assistant message), ``chat_
 ``chat_template_kwargs`` (e.g. ``enable_thinking``; ``/tokenize`` with ``messages`` too). Fields of OpenAI's or
 vLLM's requests that would change the output and that this server does not implement (``tools``,
 ``response_format``, beam search, structured outputs, ``allowed_token_ids``, ...: ``_UNSUPPORTED``) are a 400
-naming the field unless absent or at a value that changes nothing.
+naming the field unless absent or at a value that changes nothing. Boolean fields are JSON booleans (or the
+strings "true"/"false", as pydantic reads them in vLLM); anything else is a 400 naming the field.
 
 A request with ``seed`` samples prompt i exactly as ``engine.generate([prompt_i], seed=seed)``
 (every prompt of a batch request gets that seed, as in vLLM; a request without one gets a random
@@ -275,6 +278,22 @@ def _whole(v) -> int:
     return int(v)
 
 
+def _flag(body: dict, name: str, default: bool) -> bool:
+    """A boolean field as OpenAI-compatible servers read it (pydantic's lax mode): a JSON boolean, the number 0 or 1,
+    or the string "true"/"false" (any case); absent or null is ``default``, anything else a BadRequest naming the
+    field (never read by truthiness, which took ``"ignore_eos": "false"`` for true)."""
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, (int, float)) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str) and v.lower() in ("true", "false"):
+        return v.lower() == "true"
+    raise BadRequest(f"{name} must be true or false, got {json.dumps(v)[:60]}")
+
+
 # fields of OpenAI's and vLLM's requests that change what is generated and that this server does not implement:
 # refused unless absent or at a value that changes nothing (never answered as if they were not there)
 _UNSUPPORTED = {"suffix": ("",), "use_beam_search": (False,), "length_penalty": (1,),
@@ -283,7 +302,8 @@ _UNSUPPORTED = {"suffix": ("",), "use_beam_search": (False,), "length_penalty": 
                 "prompt_embeds": (), "structured_outputs": (), "guided_json": (), "guided_regex": (),
                 "guided_choice": (), "guided_grammar": (), "response_format": ({"type": "text"},),
                 "repetition_detection": (), "thinking_token_budget": (), "watermarking": (False,), "tools": ([],),
-                "documents": ([],), "reasoning_effort": (), "mm_processor_kwargs": ({},), "best_of": ()}
+                "documents": ([],), "reasoning_effort": (), "mm_processor_kwargs": ({},), "best_of": (),
+                "functions": ([],), "function_call": ("none", "auto"), "logits_processors": ([],)}
 
 
 def _refuse_unsupported(body: dict) -> None:
@@ -314,8 +334,11 @@ def _params(body: dict, default_max: int = 16, context: int | None = None) -> Sa
                 cast, "a list of integers")
             raise BadRequest(f"{name} must be {kind}, got {v!r}") from None
 
-    if body.get("echo"):
+    if _flag(body, "echo", False):
         raise BadRequest("echo is not supported by this server")
+    _flag(body, "stream", False)  # checked before anything is generated (a stream cannot turn into a 400)
+    if isinstance(body.get("stream_options"), dict):
+        _flag(body["stream_options"], "include_usage", False)
     _refuse_unsupported(body)
 
     stop = body.get("stop")
@@ -332,7 +355,7 @@ def _params(body: dict, default_max: int = 16, context: int | None = None) -> Sa
                               top_p=get("top_p", 1.0, float), top_k=top_k, min_p=get("min_p", 0.0, float),
                               max_tokens=get(name, default_max, _whole), stop=list(stop),
                               stop_token_ids=get("stop_token_ids", [], lambda v: [_whole(t) for t in v]),
-                              seed=get("seed", None, _whole), ignore_eos=bool(body.get("ignore_eos", False)),
+                              seed=get("seed", None, _whole), ignore_eos=_flag(body, "ignore_eos", False),
                               repetition_penalty=get("repetition_penalty", 1.0, float),
                               presence_penalty=get("presence_penalty", 0.0, float),
                               frequency_penalty=get("frequency_penalty", 0.0, float),
@@ -391,9 +414,11 @@ class Handler(BaseHTTPRequestHandler):
         return True
 
     def do_GET(self):
+        path = self.path.rstrip("/")
+        if path == "/health":  # a liveness probe: open, as vLLM guards only /v1/*
+            return self._send(200, {"status": "ok"})
         if not self._authorized():
             return
-        path = self.path.rstrip("/")
         if path == "/v1/models" or path.startswith("/v1/models/"):
             s = self.server
             card = {"id": s.model_name, "object": "model", "created": s.created, "owned_by": "cascade",
@@ -404,7 +429,7 @@ class Handler(BaseHTTPRequestHandler):
                 self._send(200, card)
             else:
                 self._error(404, f"The model `{path[len('/v1/models/'):]}` does not exist.")
-        elif self.path.rstrip("/") in ("/health", "/v1/health"):
+        elif path == "/v1/health":
             self._send(200, {"status": "ok"})
         elif self.path.rstrip("/") == "/v1/weights":
             # group_members: how many ranks this server contributes to a weight group (train.rl.weight_group)
@@ -435,7 +460,8 @@ class Handler(BaseHTTPRequestHandler):
         try:
             out = route(body)
             try:
-                if body.get("stream") and self.path.rstrip("/") in ("/v1/completions", "/v1/chat/completions"):
+                streamed = self.path.rstrip("/") in ("/v1/completions", "/v1/chat/completions")
+                if streamed and _flag(body, "stream", False):
                     return self._stream(out, body)
                 self._send(200, out)
             except (BrokenPipeError, ConnectionResetError):  # the client gave up (its timeout): nobody to answer
@@ -482,14 +508,20 @@ class Handler(BaseHTTPRequestHandler):
     def completions(self, body: dict) -> dict:
         self._model_check(body)
         params = _params(body, context=self.server.engine.context_length)
-        routed = bool(body.get("return_routed_experts", False))
+        routed = _flag(body, "return_routed_experts", False)
         fmt = body.get("routed_experts_format", "list")
         if fmt not in ("list", "base64"):
             raise BadRequest(f"routed_experts_format must be list or base64, got {fmt!r}")
         packed = fmt == "base64"
         skip = _skips(body)
-        prompt_ids, outs = self._generate(_prompts(body.get("prompt")), params, routed)
-        as_ids = bool(body.get("return_tokens_as_token_ids"))
+        # text prompts encoded as /tokenize encodes them: with the tokenizer's special tokens (a BOS) unless
+        # add_special_tokens is false, as vLLM (token-id prompts are taken as they are)
+        add = _flag(body, "add_special_tokens", True)
+        tok = self.server.engine.tokenizer
+        prompts = [tok.encode(p, add_special_tokens=add, verbose=False) if isinstance(p, str) else p
+                   for p in _prompts(body.get("prompt"))]
+        prompt_ids, outs = self._generate(prompts, params, routed)
+        as_ids = _flag(body, "return_tokens_as_token_ids", False)
         want_lp = body.get("logprobs") is not None and body.get("logprobs") is not False
         top_k = _int_field(body, "logprobs") if want_lp and not isinstance(body.get("logprobs"), bool) else 0
         eng = self.server.engine
@@ -530,7 +562,8 @@ class Handler(BaseHTTPRequestHandler):
             raise BadRequest(f"the messages take {len(ids)} tokens; the model's context limit is {eng.context_length}")
         # like vLLM: no max_tokens means the rest of the context
         params = _params(body, default_max=room, context=eng.context_length)
-        top_k = _int_field(body, "top_logprobs") if body.get("logprobs") else 0
+        want_lp = _flag(body, "logprobs", False)
+        top_k = _int_field(body, "top_logprobs") if want_lp else 0
         skip = _skips(body)
         prompt_ids, outs = self._generate([ids], params)
         tops_all = self._tops([(c.prompt_token_ids or ids, c.token_ids) for c in outs], top_k, params.temperature,
@@ -541,7 +574,7 @@ class Handler(BaseHTTPRequestHandler):
             ch = {"index": i, "message": {"role": "assistant", "content": _shown(self.server, c, params, skip)},
                   "finish_reason": c.finish_reason, "token_ids": c.token_ids,
                   "prompt_token_ids": c.prompt_token_ids or ids, "logprobs": None, "versions": c.versions}
-            if body.get("logprobs"):
+            if want_lp:
                 ch["logprobs"] = {"content": [
                     {"token": eng.decode([t]), "logprob": lp, "bytes": list(eng.decode([t]).encode()),
                      "top_logprobs": [{"token": eng.decode([u]), "logprob": ulp, "bytes": list(eng.decode([u]).encode())}
@@ -591,7 +624,7 @@ class Handler(BaseHTTPRequestHandler):
             last.update({"delta": {}} if chat else {"text": ""})
             emit({**head, "choices": [last]})
         opts = body.get("stream_options") or {}
-        if isinstance(opts, dict) and opts.get("include_usage"):
+        if isinstance(opts, dict) and _flag(opts, "include_usage", False):
             emit({**head, "choices": [], "usage": resp["usage"]})
         emit("[DONE]")
 
@@ -711,7 +744,7 @@ class Handler(BaseHTTPRequestHandler):
         if "messages" in body:
             ids = _chat_ids(tok, body["messages"], body)
         elif isinstance(body.get("prompt"), str):
-            ids = tok.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
+            ids = tok.encode(body["prompt"], add_special_tokens=_flag(body, "add_special_tokens", True))
         else:
             raise BadRequest("tokenize needs 'prompt' (a string) or 'messages'")
         return {"tokens": list(ids), "count": len(ids), "max_model_len": self.server.engine.context_length}
@@ -771,8 +804,8 @@ def _chat_ids(tok, msgs, body: dict) -> list[int]:
     if not isinstance(msgs, list) or not msgs:
         raise BadRequest("messages must be a non-empty list")
     msgs = [_plain_message(m) for m in msgs]
-    cont = bool(body.get("continue_final_message", False))
-    gen = bool(body.get("add_generation_prompt", not cont))
+    cont = _flag(body, "continue_final_message", False)
+    gen = _flag(body, "add_generation_prompt", not cont)
     if cont and msgs[-1]["role"] != "assistant":
         raise BadRequest("continue_final_message needs the last message to be the assistant's")
     extra = body.get("chat_template_kwargs") or {}
@@ -787,7 +820,8 @@ def _chat_ids(tok, msgs, body: dict) -> list[int]:
                                        continue_final_message=cont, chat_template=template, **extra)
     except Exception as e:  # noqa: BLE001 - the template's own error, as a bad request
         raise BadRequest(f"cannot apply the chat template: {str(e).splitlines()[0] if str(e) else e}") from None
-    return tok.encode(text, add_special_tokens=False)
+    # vLLM's chat add_special_tokens (default false: the template wrote them): true adds the tokenizer's (a BOS)
+    return tok.encode(text, add_special_tokens=_flag(body, "add_special_tokens", False))
 
 
 def _top_logprobs(engine, prompt_ids, completion_ids, k: int, temperature: float) -> list[list[tuple[int, float]]]:
@@ -814,10 +848,7 @@ def _top_logprobs(engine, prompt_ids, completion_ids, k: int, temperature: float
 
 def _skips(body: dict) -> bool:
     """vLLM's ``skip_special_tokens`` (default true): special tokens are left out of the text."""
-    v = body.get("skip_special_tokens", True)
-    if not isinstance(v, bool):
-        raise BadRequest(f"skip_special_tokens must be true or false, got {v!r}")
-    return v
+    return _flag(body, "skip_special_tokens", True)
 
 
 def _decoder(engine, skip: bool):
@@ -831,17 +862,21 @@ def _shown(server, c, params: SamplingParams, skip: bool) -> str:
     """A completion's text as vLLM's server shows it: with ``skip`` (its default) the special tokens a
     model emitted mid-text (``<|im_start|>``, and ``<think>`` where a tokenizer marks it special) are left
     out; the engine's own text keeps them (what RL verifies: Cascade's clients ask for them). A token that
-    stopped the completion is not text either way, and a stop string still ends it."""
+    stopped the completion is not text either way, and a stop string still ends it, found by the engine's rule
+    (:func:`train.engine.torch_engine.stop_cut`: in the list's order, none inside the first ``min_tokens``
+    tokens), so a completion the engine kept whole is shown whole."""
     ids = c.token_ids
     if not skip or not server.special_ids.intersection(ids):
         return c.text
+    from train.engine.torch_engine import stop_cut
+
     eng = server.engine
     ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(getattr(eng, "eos_token_ids", ())))
     if c.finish_reason == "stop" and ids and ids[-1] in ends:
         ids = ids[:-1]
-    text = _decoder(eng, True)(ids)
-    cuts = [text.find(x) for x in params.stop if x and x in text]
-    return text[:min(cuts)] if cuts else text
+    decode = _decoder(eng, True)
+    cut = stop_cut(decode, ids, params.stop, params.min_tokens) if params.stop else None
+    return decode(ids) if cut is None else cut
 
 
 def _pieces(decode, ids: list[int], text: str) -> list[tuple[int, int, str]]:

@@ -94,6 +94,17 @@ def eos_ids_of(cfg, tokenizer=None) -> set[int]:
     return eos
 
 
+def stop_cut(decode: Callable[[list[int]], str], tokens: list[int], stop: Sequence[str],
+             min_tokens: int = 0) -> str | None:
+    """The text (``decode(tokens)``) up to the first stop string (in ``stop``'s order, as vLLM takes them) that ends
+    past the first ``min_tokens`` tokens' text (vLLM's rule: none is looked for before), or None. The engine cuts
+    its completions by it, and the server (:mod:`train.engine.server`) the text it shows without special tokens."""
+    full = decode(tokens)
+    floor = len(decode(tokens[:min_tokens])) if min_tokens else 0
+    found = [i for i in (full.find(s, max(0, floor - len(s) + 1)) for s in stop) if i >= 0]
+    return full[:found[0]] if found else None
+
+
 class TorchEngine:
     """Generation with Cascade's own model.
 
@@ -292,12 +303,8 @@ class TorchEngine:
         return logits, torch.stack([r[:, 0] for r in rec], 1)
 
     def _stop_cut(self, tokens: list[int], p: SamplingParams) -> str | None:
-        """The text up to the first stop string (in ``p.stop``'s order, as vLLM takes them) that ends past the first
-        ``min_tokens`` tokens' text (vLLM's rule: none is looked for before), or None."""
-        full = self.decode(tokens)
-        floor = len(self.decode(tokens[:p.min_tokens])) if p.min_tokens else 0
-        found = [i for i in (full.find(s, max(0, floor - len(s) + 1)) for s in p.stop) if i >= 0]
-        return full[:found[0]] if found else None
+        """:func:`stop_cut` of ``tokens`` as this engine decodes them."""
+        return stop_cut(self.decode, tokens, p.stop, p.min_tokens)
 
     @torch.inference_mode()  # cheaper per op than no_grad (no version counters or view tracking)
     def _generate_chunk(self, prompts: list[list[int]], offset: int, p: SamplingParams, base_seed: int,

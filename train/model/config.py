@@ -131,6 +131,9 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.is_moe and self.moe_intermediate_size < 1:
+            raise ValueError(f"num_experts={self.num_experts} needs moe_intermediate_size >= 1 (the experts' width), "
+                             f"got {self.moe_intermediate_size}")
         if self.is_moe and not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, {self.num_experts}], got {self.num_experts_per_tok}")
         return self

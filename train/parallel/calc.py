@@ -256,6 +256,8 @@ def model_config(a: argparse.Namespace, max_pos: int = 4096) -> ModelConfig:
             return ModelConfig.from_hf(json.loads(p.read_text()))
         return load_config(p)
     need = {"--hidden": a.hidden, "--layers": a.layers, "--heads": a.heads}
+    if a.experts and not a.moe_ffn:
+        need["--moe-ffn (the experts' width, with --experts)"] = None
     missing = [k for k, v in need.items() if v is None]
     if missing:
         raise ValueError(f"give --preset, --config or the model sizes ({', '.join(missing)} missing)")

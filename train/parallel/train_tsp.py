@@ -134,8 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         torch.cuda.set_device(device)
     world, rank = dist.get_world_size(), dist.get_rank()
-    if a.steps < 0 or a.seq < 2 or world % a.dp:
-        raise ValueError(f"bad arguments: steps={a.steps} seq={a.seq} dp={a.dp} world={world}")
+    if a.steps < 0 or a.seq < 2 or a.dp < 1 or a.batch < 1 or world % a.dp:
+        raise ValueError(f"bad arguments: steps={a.steps} (>= 0) seq={a.seq} (>= 2) batch={a.batch} (>= 1) dp={a.dp} "
+                         f"(>= 1, dividing the world size {world})")
     D = world // a.dp
     tsp_group, dp_group = make_mesh(a.dp, D) if a.dp > 1 else (None, None)
     out = Path(a.out)
