@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -87,19 +88,32 @@ class Checkpointer:
         return done[-1] if done else None
 
     def latest_loadable(self, warn=print) -> tuple[Path | None, tuple[dict, dict] | None]:
-        """The newest complete checkpoint whose files read back, with its :func:`load_trainer_state`; one
-        that does not (damaged after it was marked complete: a disk error, a hand edit) is renamed
-        ``step-N.unreadable``, named by ``warn`` in one line, and the one before it is tried."""
+        """The newest complete checkpoint whose files read back (:func:`read_back`), with its trainer state and
+        ``state.json`` (as :func:`load_trainer_state` gives them). Newer ones that are damaged (after they were
+        marked complete: a disk error, a hand edit) are renamed ``step-N.unreadable``, each named by ``warn`` in one line with the file that
+        failed. Nothing is moved unless an older one reads back: when none does, a ``ValueError`` names each
+        with what failed (the stage is not started over from step 0 behind the user's back), and a checkpoint
+        whose ``trainer_state.pt`` holds an object this code cannot rebuild stops the run as well (a code error:
+        every checkpoint of the run pickled the same classes)."""
+        failed: list[tuple[Path, str]] = []
         for path in reversed(self.complete()):
             try:
-                _check_weights(path)
-                return path, load_trainer_state(path)
-            except Exception as e:  # noqa: BLE001 - whatever the damage, the one before may be whole
-                aside = path.with_name(path.name + ".unreadable")
+                loaded = read_back(path)
+            except Unreadable as e:
+                failed.append((path, str(e)))
+                continue
+            for bad, why in failed:
+                aside = bad.with_name(bad.name + ".unreadable")
                 shutil.rmtree(aside, ignore_errors=True)
-                os.replace(path, aside)
-                warn(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e)[:200]}); moved to "
-                     f"{aside.name}, resuming from the one before it")
+                os.replace(bad, aside)
+                warn(f"checkpoint {bad} is unreadable ({why}); moved to {aside.name}, resuming from the one "
+                     f"before it")
+            return path, loaded
+        if failed:
+            raise ValueError(f"no complete checkpoint in {self.root} reads back ("
+                             + "; ".join(f"{p.name}: {why}" for p, why in failed)
+                             + "): delete that directory to start this stage over, or overwrite=true to start the "
+                               "run over")
         return None, None
 
     def save(self, step: int, model, tokenizer_dir: Path, trainer_state: dict, state: dict, sync: bool = False) -> Path:
@@ -151,6 +165,53 @@ def load_trainer_state(path: Path) -> tuple[dict, dict]:
         raise ValueError(f"{Path(path) / 'state.json'}: {e}") from None
 
 
+class Unreadable(Exception):
+    """A checkpoint file that does not read back because it is damaged; its message names the file."""
+
+
+# What reading a damaged file raises: truncated, zeroed or bit-flipped weights or JSON (ValueError,
+# UnicodeDecodeError), trainer_state.pt (EOFError, OSError, a bad zip's RuntimeError or KeyError,
+# pickle.UnpicklingError). Not ImportError, AttributeError or TypeError from unpickling trainer_state.pt: an object
+# of a class the running code no longer has (renamed, moved or changed by an upgrade) is not damage.
+DAMAGE = (OSError, EOFError, ValueError, KeyError, RuntimeError, pickle.UnpicklingError)
+NOT_REBUILT = (ImportError, AttributeError, TypeError)
+
+
+def read_back(path: Path) -> tuple[dict, dict]:
+    """What resuming from ``path`` reads, read once to know it can be: the weights' sizes, ``config.json`` (as
+    this run's model backend reads it), the tokenizer, ``trainer_state.pt`` and ``state.json`` -> the last two,
+    as :func:`load_trainer_state` gives them. Damage raises :class:`Unreadable` naming the file; an object in
+    ``trainer_state.pt`` this code cannot rebuild raises a one-line ``ValueError`` (the code changed, nothing is
+    damaged)."""
+    from train.model.hf_io import check_loadable
+    from train.tokenizer import load_tokenizer
+
+    path = Path(path)
+    json_damage = DAMAGE + (TypeError, AttributeError)  # data of the wrong shape (JSON holds no code objects)
+    read_json = lambda name: lambda: json.loads((path / name).read_text())  # noqa: E731
+    steps = [("weights", lambda: _check_weights(path), json_damage),
+             ("config.json", lambda: check_loadable(path), json_damage)]
+    steps += [(n, read_json(n), json_damage) for n in TOKENIZER_FILES if n.endswith(".json") and (path / n).exists()]
+    steps += [("tokenizer files", lambda: load_tokenizer(path), json_damage),  # (the JSON errors above name the file)
+              ("trainer_state.pt", lambda: torch.load(path / "trainer_state.pt", map_location="cpu",
+                                                      weights_only=False), DAMAGE),
+              ("state.json", read_json("state.json"), json_damage)]
+    got = {}
+    for what, read, damage in steps:
+        try:
+            got[what] = read()
+        except damage as e:
+            raise Unreadable(f"{what}: {type(e).__name__}: {str(e)[:200]}") from e
+        except NOT_REBUILT as e:
+            if what != "trainer_state.pt":
+                raise
+            raise ValueError(f"checkpoint {path}: its trainer_state.pt holds an object this code cannot rebuild ("
+                             f"{type(e).__name__}: {str(e)[:200]}), written by another version of the code; it is "
+                             f"not damaged and stays in place: resume with the version that wrote it, or start over "
+                             f"with overwrite=true") from None
+    return got["trainer_state.pt"], got["state.json"]
+
+
 def _check_weights(path: Path) -> None:
     """Every safetensors file of ``path`` as long as its header says (a truncated file raises)."""
     files = sorted(Path(path).glob("*.safetensors"))
@@ -160,7 +221,10 @@ def _check_weights(path: Path) -> None:
         with open(f, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
             header = json.loads(fh.read(n))
-        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        try:
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (AttributeError, KeyError, IndexError, TypeError) as e:  # JSON, but not a safetensors header
+            raise ValueError(f"{f.name}: a damaged header ({type(e).__name__}: {e})") from None
         if f.stat().st_size != 8 + n + end:
             raise ValueError(f"{f.name} holds {f.stat().st_size} bytes, its header {8 + n + end}")
 

@@ -51,19 +51,23 @@ def _flags(overrides: dict) -> dict[str, bool]:
 
 
 def previous_run(out: Path) -> list[str]:
-    """The entries of an earlier run in ``out`` (empty: nothing to resume)."""
-    return [n for n in RUN_ENTRIES[:4] if (out / n).exists()]
+    """The entries of an earlier run in ``out`` (empty: nothing to resume, nothing ``resume=false`` refuses):
+    every one a run writes, its W&B and TensorBoard logs and report included, which a fresh run would mix with
+    its own (``wandb-run-id``: log to the old W&B run)."""
+    return [n for n in RUN_ENTRIES if (out / n).exists() or (out / n).is_symlink()]
 
 
 def start_fresh(out: Path, overwrite: bool, model: str | None = None) -> None:
-    """``resume=false``: refuse an ``out`` that holds a run; ``overwrite=true``: delete that run's files
-    (never the checkpoint ``model=`` names)."""
+    """``resume=false``: refuse an ``out`` that holds a run, and delete nothing; ``overwrite=true``: delete
+    that run's files (never the checkpoint ``model=`` names)."""
     import shutil
 
     found = previous_run(out)
     if found and not overwrite:
         raise ValueError(f"out={out} holds a previous run ({', '.join(found)}) and resume=false: pick another out=, "
                          f"pass overwrite=true to delete it, or drop resume=false to continue it")
+    if not overwrite:
+        return
     if model:
         m = Path(model).resolve()
         for n in RUN_ENTRIES:
@@ -199,10 +203,13 @@ def _flat(tree, prefix: str = "") -> dict:
     return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}{key}.").items()}
 
 
-def _warn_changed(out: Path, tree: dict) -> None:
+def _warn_changed(out: Path, tree: dict, distributed: bool = False) -> None:
     """A rerun in a run directory whose config.yaml holds other settings: say which changed, that stages
-    which already finished keep what they ran (they are not run again), and that a stage resumed from a
-    checkpoint keeps its optimizer, schedule and curriculum state."""
+    which already finished keep what they ran (they are not run again), and what a stage resumed from a
+    checkpoint keeps. In this process the optimizer's and LambdaLR's state come back: the peak learning rate
+    (the scheduler's ``base_lrs``), betas, eps and weight_decay are the checkpoint's, while warm-up and decay (the
+    schedule's function, rebuilt from the settings) follow the new settings from the checkpoint's step. The
+    trainer ranks (``distributed``) set every optim setting from the new ones each step; the moments come back."""
     import sys
 
     from cascade.checkpoint import is_complete
@@ -225,9 +232,15 @@ def _warn_changed(out: Path, tree: dict) -> None:
     going = sorted(d.name.split("-", 1)[1] for d in (out / "stages").glob("*-*")
                    if not is_complete(d / "final") and any((d / "checkpoints").glob("step-*")))
     going = [n for n in going if any(k.startswith(f"stages.{n}.") for k in changed)]
-    if going:  # the optimizer's and scheduler's state and the curriculum's come back from the checkpoint
-        note += (f"; stage(s) {', '.join(going)} resume from a checkpoint with the learning rate, schedule and "
-                 "curriculum (mix weights, levels) it holds; the other settings apply from there")
+    if going and distributed:  # the ranks' optimizers take lr * lr_factor(step) and the optim settings each step
+        note += (f"; stage(s) {', '.join(going)} resume from a checkpoint with the curriculum (mix weights, levels) "
+                 "and optimizer moments it holds; the learning rate with its warm-up and decay, and the other "
+                 "settings, follow the new settings from its step")
+    elif going:  # the optimizer's and scheduler's state and the curriculum's come back from the checkpoint
+        note += (f"; stage(s) {', '.join(going)} resume from a checkpoint with the curriculum (mix weights, levels) "
+                 "and optimizer state it holds, its peak learning rate, betas, eps and weight_decay included (new "
+                 "values of these optim settings do not apply); warm-up and decay (warmup_steps, schedule, "
+                 "total_steps, min_lr_ratio) and the other settings follow the new settings from its step")
     print(f"cascade run: settings differ from the last run in {out}: {shown}{note}", file=sys.stderr)
 
 
@@ -342,7 +355,7 @@ def main(argv: list[str]) -> int:
         start_fresh(out, True, cfg.model)
     _check_init_model(cfg, tree, out)
     out.mkdir(parents=True, exist_ok=True)
-    _warn_changed(out, tree)
+    _warn_changed(out, tree, cfg.trainer.distributed)
     (out / "config.yaml").write_text(yaml.safe_dump(tree, sort_keys=False))
 
     from rich.console import Console

@@ -301,7 +301,8 @@ def test_a_rerun_with_other_settings_says_what_changed(tmp_path, capsys):
     (tmp_path / "stages" / "2-math" / "checkpoints" / "step-00000002").mkdir(parents=True)  # math in progress
     _warn_changed(tmp_path, new)
     err = capsys.readouterr().err
-    assert "stage(s) math resume from a checkpoint with the learning rate, schedule and curriculum" in err
+    assert ("stage(s) math resume from a checkpoint with the curriculum (mix weights, levels) and optimizer state it "
+            "holds, its peak learning rate") in err
     _warn_changed(tmp_path, dict(new, trainer={"nproc": 2}))  # a section the last run left at its defaults
     assert "trainer.nproc: (default) -> 2" in capsys.readouterr().err
 
