@@ -710,6 +710,10 @@ class StageRunner:
             from train.model.hf_io import load_into
 
             load_into(policy, rl.learner.checkpoint(self.updates_done(rl, sft)))
+        if rl.learner is None and rl.synced_version != rl.step_idx:
+            # the engine takes the policy saved here (rl.sync_every > 1 may leave it a version behind): a run
+            # resumed from this checkpoint samples from these weights, and so does the run that goes on
+            rl.sync_weights()
         _fault("before_checkpoint", state["step"])
         state["trainer_ranks"] = self.rcfg.trainer.distributed  # where the optimizer state of this checkpoint lives
         ckpt.save(state["step"], policy, src, self._trainer_state(rl, sft, mixer, pipe), state)

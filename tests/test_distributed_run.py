@@ -257,6 +257,27 @@ def test_a_bf16_stage_resumed_after_its_sft_warm_up_ends_as_an_uninterrupted_one
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_resume_between_weight_syncs_samples_from_the_weights_the_run_would_have(warm_dir, tmp_path):
+    """rl.sync_every=2 with a checkpoint after step 1: the engine of the run that went on still held version 0,
+    while a run resumed from that checkpoint synced the engine to version 1 (its rollouts differed from step 1 on:
+    lag 0 against 1, other samples). A checkpoint now gives the engine the weights it saves: the resumed run's
+    records and final weights equal the uninterrupted run's."""
+    from cascade.records import read_records
+
+    args = [f"model={warm_dir}", *STAGE, "steps=3", "checkpoint_every=1", "rl.sync_every=2"]
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    assert cascade(f"out={ref}", *args).returncode == 0
+    r = cascade(f"out={out}", *args, env={"CASCADE_FAULT": "before_checkpoint:2"})
+    assert r.returncode == -signal.SIGKILL
+    r = cascade(f"out={out}", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    keys = ("version_lag_max", "reward_mean", "loss", "grad_norm", "entropy", "response_len")
+    recs = [{x["step"]: tuple(x.get(n) for n in keys) for x in read_records(d) if x["phase"] == "rl"} for d in (ref, out)]
+    assert sorted(recs[0]) == [0, 1, 2] and recs[1] == recs[0], recs
+    a, b = final_weights(ref), final_weights(out)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_kill_9_of_the_run_resumes_trainer_ranks_and_orchestrator_in_step(warm_dir, tmp_path):
     """A stage of 3 SFT steps then 3 RL steps, both on the trainer ranks. The whole run SIGKILLed
     just before the checkpoint of step 4 (trainer ranks notice and stop): rerunning resumes
