@@ -208,8 +208,12 @@ class StageConfig:
             raise ValueError(f"unknown sampling_mode {self.sampling_mode!r}; choose from {', '.join(SAMPLING_MODES)}")
         if self.eval_k < 0:
             raise ValueError(f"eval_k must be >= 0, got {self.eval_k}")
-        if self.sft.steps > 0 and min(self.sft.batch_size, self.sft.micro_batch_size, self.sft.tokens_per_micro) < 1:
-            raise ValueError("sft.batch_size, sft.micro_batch_size and sft.tokens_per_micro must be >= 1")
+        if self.sft.steps > 0 and min(self.sft.batch_size, self.sft.micro_batch_size, self.sft.tokens_per_micro,
+                                      self.sft.examples) < 1:
+            raise ValueError("sft.batch_size, sft.micro_batch_size, sft.tokens_per_micro and sft.examples must be "
+                             ">= 1")
+        if self.sft.steps > 0 and self.sft.max_len < 2:  # (a prompt token and a response token at the least)
+            raise ValueError(f"sft.max_len must be >= 2, got {self.sft.max_len}")
         a = self.aggregation
         if a.fraction > 0 or any(p.aggregation for p in self.phases):  # a prompt's tails are one group's rollouts
             if a.tails > self.rl.group_size and not a.expert:

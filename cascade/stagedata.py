@@ -81,7 +81,8 @@ def check_env_kwargs(s: StageConfig, name: str) -> None:
     bad = sorted(set(s.controller_kwargs or {}) - set(takes))
     if bad and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         raise ConfigError(f"stages.{name}.controller_kwargs: the {s.controller} controller takes no setting "
-                          f"{', '.join(bad)}; it takes: {', '.join(takes)}")
+                          f"{', '.join(bad)}; it takes: {', '.join(takes)} (settings of the configured controller "
+                          f"merge with yours: controller_kwargs={{...}} replaces them all)")
 
 
 def union_mix(mixes: list[dict[str, float]]) -> dict[str, float]:

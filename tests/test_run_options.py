@@ -173,6 +173,9 @@ def test_config_file_errors_are_one_line(tmp_path):
     ("sft.aggregation.tails=0", "sft.aggregation needs 1 <= tails <= samples"),
     ("sft.aggregation.tails=9", "got tails=9, samples=8"),
     ("sft.aggregation.fraction=1.5", "fraction in [0, 1]"),
+    # (passed, then failed after init-model/ and the eval before: "no SFT example fits sft.max_len=8192")
+    ("sft={steps: 2, examples: 0}", "sft.examples must be >= 1"),
+    ("sft={steps: 2, max_len: 0}", "sft.max_len must be >= 2, got 0"),
 ])
 def test_bad_values_fail_when_the_config_is_read(override, msg):
     """Before anything is written (print_config=true catches them too)."""
