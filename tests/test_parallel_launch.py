@@ -82,6 +82,9 @@ def test_calc_formulas_hand_values():
                          num_key_value_heads=2, head_dim=2, attention_bias=True, architecture=arch)
         held = sum(p.numel() for p in CausalLM(c2).parameters())
         assert params_rank0(Shape(c2, T=8, B=1, D=2, b=4), "single") == held, arch
+        # TSP's bundles carry q/k/v biases with their weights (left out before): 2 layers x (q, o: 2 x 4 x 2 x 2;
+        # k, v for each of 2 groups: 2 x 2 x 4 x 1 x 2; biases q 2 x 2, k and v 2 x 2 x 1 x 2) x 4 bytes, half sent
+        assert comm_bytes(Shape(c2, T=8, B=1, D=2, b=4), "tsp")["broadcast"] == 0.5 * 2 * (32 + 32 + 4 + 8) * 4
 
 
 @pytest.mark.timeout(240)

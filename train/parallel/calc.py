@@ -4,7 +4,10 @@ Communication: bytes SENT per rank (mean over the ranks; received is the same in
 training step on a batch of B sequences of T tokens - forward, backward (with TSP's weight
 re-streaming and K/V re-gather), the gradient synchronisation, and ZeRO-1's parameter all-gather
 - grouped by collective, under the accounting of :mod:`train.parallel.comm` (bandwidth-optimal
-ring/chain algorithms). These are exactly what the implementations in this package issue.
+ring/chain algorithms). These are exactly what the implementations in this package issue; the DP row is
+:class:`train.parallel.dp.ZeroAdamW`'s (``train_tsp --dp``: gradients all-reduced at the weights' width), while the
+RL trainer ranks' ``MeshAdamW`` reduce-scatters fp32 gradients instead ((D-1)/D x P x 4 bytes in place of
+2 (D-1)/D x P x b; the parameter all-gather is the same).
 
 Memory: bytes on the largest rank (rank 0: uneven splits give it the larger part) of parameters,
 gradients, AdamW state (two fp32 moments, and an fp32 master copy under bf16 weights; ZeRO-1 keeps 1/D
@@ -119,6 +122,8 @@ def comm_bytes(s: Shape, layout: str) -> dict[str, float]:
         for k in ("ring", "ring.bwd", "ring_grad.bwd"):
             add(k, f * weights)
         bundle = L * (2 * H * c.num_attention_heads * d + D * 2 * H * kvh * d) * b
+        if c.attention_bias:  # q/k/v biases travel in the bundles with their weights (o_proj's is replicated)
+            bundle += L * (c.num_attention_heads * d + D * 2 * kvh * d) * b
         for k in ("broadcast", "broadcast.bwd", "reduce.bwd"):
             add(k, f * bundle)
         kv_local = 2 * B * kvh * n * d * b
