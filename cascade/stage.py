@@ -517,12 +517,14 @@ class StageRunner:
         self.records.log(self.name, "expert", 0, {"expert_problems": len(rolled), "expert_pool": len(mixer.expert)})
 
     @staticmethod
-    def aggregation_sft_prompt_cap(s) -> int:
-        """The longest aggregation SFT prompt: RL's ``aggregation.max_prompt_tokens`` and at most half of
-        ``sft.max_len`` (tails cut from the front to fit), so that the teacher's answer, its thinking trimmed, fits
-        beside it (at RL's 20,480 four 4,096-token tails made every prompt longer than the SFT default 8,192: all
-        dropped by the trim after the teacher had answered them)."""
-        return min(s.aggregation.max_prompt_tokens, s.sft.max_len // 2)
+    def aggregation_sft_prompt_cap(s, max_tokens: int) -> int:
+        """The longest aggregation SFT prompt: RL's ``aggregation.max_prompt_tokens``, and ``sft.max_len`` less room
+        for the teacher's answer (its ``max_tokens`` and the end token, at most half of ``sft.max_len``: a longer
+        answer has its thinking trimmed to fit), tails cut from the front to fit. At RL's 20,480 four 4,096-token
+        tails made every prompt longer than the SFT default 8,192: all dropped by the trim after the teacher had
+        answered them."""
+        room = min(max_tokens + 1, s.sft.max_len // 2)
+        return min(s.aggregation.max_prompt_tokens, s.sft.max_len - room)
 
     def aggregation_sft(self, tok, curriculum, n_other: int, rl=None) -> list[tuple[str, str]]:
         """SFT pairs for aggregation from ``sft.aggregation.teacher`` (cascade/aggregation.py), as many
@@ -542,7 +544,7 @@ class StageRunner:
             pairs, stats = aggregation_sft_pairs(
                 engine, ttok, picks, curriculum.envs.__getitem__, params, samples=a.samples, shuffles=a.shuffles,
                 tails=a.tails, tail_tokens=a.tail_tokens, template=a.template,
-                max_prompt_tokens=self.aggregation_sft_prompt_cap(s),
+                max_prompt_tokens=self.aggregation_sft_prompt_cap(s, params.max_tokens),
                 prompt_len=lambda t: len(encode_prompt(tok, t, rc.chat_template, rc.system_prompt)),
                 chat=rc.chat_template, system=rc.system_prompt, seed=self.rcfg.seed + self.index, advance=advance,
                 workers=rc.verify_workers)

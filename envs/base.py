@@ -195,7 +195,10 @@ class Environment:
         if not isinstance(s, Score):
             return Score.zero("verifier error", error=f"{type(self).__name__}.check returned {type(s).__name__}, "
                                                       f"not a Score")
-        return bounded(s)
+        try:
+            return bounded(s)
+        except (TypeError, ValueError) as e:  # a reward that is not a number (a plug-in passing a scorer's None)
+            return Score.zero("verifier error", error=f"reward is not a number ({type(e).__name__}: {e})"[:500])
 
     def verify_many(self, items: list[tuple[Problem, str]]) -> list[Score]:
         """``verify`` of every ``(problem, response)``, in order. Environments that can score many
@@ -286,6 +289,11 @@ _ENTRY_POINTS_LOADED = False
 ENTRY_POINT_GROUP = "cascade.envs"
 
 
+def _spec(factory) -> tuple:
+    """What a factory builds (a ``functools.partial`` of the same class and arguments is the same factory)."""
+    return (getattr(factory, "func", factory), getattr(factory, "args", ()), getattr(factory, "keywords", {}))
+
+
 def register(env_id: str, *, factory: Callable[[], Environment] | None = None,
              family: str | None = None, description: str | None = None):
     """Class decorator registering an environment under ``env_id``.
@@ -295,6 +303,11 @@ def register(env_id: str, *, factory: Callable[[], Environment] | None = None,
     and ``description`` let listings show a factory's environment without building it.
     """
     if factory is not None:
+        _load_builtin()  # (mid-import of the built-ins, the partly loaded module: no recursion)
+        held = _FACTORIES.get(env_id)
+        if env_id in _REGISTRY or (held is not None and _spec(held) != _spec(factory)):
+            raise ValueError(f"cannot register factory {factory!r} as {env_id!r}: the id is taken by "
+                             f"{_REGISTRY.get(env_id) or held!r}; choose another id")
         _FACTORIES[env_id] = factory
         _FACTORY_INFO[env_id] = {"family": family or "misc", "description": description or ""}
         return factory

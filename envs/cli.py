@@ -127,6 +127,8 @@ def _list(args) -> int:
 def _show(args) -> int:
     from envs.base import get_env
 
+    if args.difficulty < 0:
+        raise ValueError(f"--difficulty must be >= 0, got {args.difficulty}")
     env = get_env(args.id, **_parse_args_kv(args.arg))
     p = env.generate(args.seed, args.difficulty)
     print(f"# {args.id}  difficulty={args.difficulty} seed={args.seed}")
@@ -165,6 +167,8 @@ def _check(args) -> int:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     if args.gen_limit is not None and not args.gen_limit > 0:  # 0 meant the default, a negative one every level slow
         raise ValueError(f"--gen-limit must be > 0 seconds, got {args.gen_limit:g}")
+    if not args.env_limit > 0:  # (a limit <= 0 failed every environment as "took over -1s")
+        raise ValueError(f"--env-limit must be > 0 seconds, got {args.env_limit:g}")
     seeds = list(range(args.seeds))
     kwargs = _parse_args_kv(args.arg)
     t0 = time.perf_counter()

@@ -15,7 +15,7 @@ def _parse_int(s: str | None) -> int | None:
     if s is None:
         return None
     m = _INT.fullmatch(s.strip())
-    if m is None or len(m[1]) > 64:
+    if m is None or sum(ch.isdigit() for ch in m[1]) > 64:  # digits (not signs or thousands commas)
         return None
     return int(m[1].replace(",", ""))
 
@@ -42,6 +42,7 @@ class AddEnv(_IntAnswerEnv):
     tiny policy at 0.3 on single digits scored 0.03 on two)."""
 
     description = "add two numbers; the operands' bound grows 1-2-5 (9, 19, 49, 99, ...) with difficulty"
+    max_difficulty = 188  # the last level whose sums fit the verifier's 64 digits (d = 189: 65-digit sums)
 
     def generate(self, seed: int, difficulty: int) -> Problem:
         rng = self.rng(seed, difficulty)
@@ -58,6 +59,7 @@ class MaxEnv(_IntAnswerEnv):
     digits only, ``9`` would be right 1 - 0.9^(2 + d) of the time (52% at d = 5, 91% at d = 21)."""
 
     description = "the largest of a list of numbers; the list grows with difficulty, the numbers every 4 levels"
+    max_difficulty = 255  # the last level whose numbers fit the verifier's 64 digits (d = 256: 65 digits)
 
     def generate(self, seed: int, difficulty: int) -> Problem:
         rng = self.rng(seed, difficulty)

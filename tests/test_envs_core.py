@@ -731,3 +731,48 @@ def test_registering_a_taken_id_fails_at_the_decorator_and_dotted_paths_get_thei
     monkeypatch.syspath_prepend(str(tmp_path))
     env = get_env("unregistered_env_mod:Parity")
     assert env.id == "unregistered_env_mod:Parity" and env.generate(0, 0).env_id == env.id
+
+
+def test_toy_environments_stop_where_the_verifier_reads_their_answers():
+    """toy/add and toy/max had no cap: from d = 189 (add) and 256 (max) the answers outgrew the verifier's 64
+    digits, so the reference response scored 0 (and past ~12,900 generation itself failed); a thousands-separated
+    answer counted its commas. Their top levels verify now, and the cap is where 64 digits stop."""
+    from envs.base import get_env
+
+    for env_id, top in (("toy/add", 188), ("toy/max", 255)):
+        env = get_env(env_id)
+        assert env.max_difficulty == top
+        for d in (top - 1, top):
+            for seed in range(6):
+                p = env.generate(seed, d)
+                assert env.verify(p, env.reference_response(p)).correct, (env_id, d, seed)
+        beyond = [env.generate(seed, top + 1) for seed in range(6)]  # (what the cap keeps a curriculum from)
+        assert not all(env.verify(p, env.reference_response(p)).correct for p in beyond)
+    p = get_env("toy/add").generate(0, 140)
+    assert get_env("toy/add").verify(p, f"\\boxed{{{int(p.answer):,}}}").correct  # 47 digits with 15 commas
+
+
+def test_a_taken_id_refuses_a_factory_and_a_reward_that_is_no_number_scores_0():
+    """register(id, factory=...) for a taken id was accepted silently (never used, or every later lookup
+    failed); a check returning Score(None, ...) made verify raise, and verify_all with it."""
+    from envs.base import Environment, Problem, Score, register, verify_all
+
+    list_envs()
+    with pytest.raises(ValueError, match="cannot register factory .* as 'toy/add': the id is taken"):
+        register("toy/add", factory=lambda: None)
+
+    class NoNumber(Environment):
+        def check(self, problem, response):
+            return Score(None, False, True)
+
+    p = Problem("q", 1, "x", 0, 0, {})
+    s = NoNumber().verify(p, "r")
+    assert (s.reward, s.info["reason"]) == (0.0, "verifier error") and "not a number" in s.info["error"]
+    assert [x.reward for x in verify_all([(NoNumber(), p, "r")] * 2)] == [0.0, 0.0]
+
+
+def test_cli_refuses_a_negative_difficulty_and_a_time_limit_below_0():
+    for argv, msg in ((["show", "toy/add", "-d", "-3"], "--difficulty must be >= 0"),
+                      (["check", "toy/add", "--env-limit", "-1"], "--env-limit must be > 0 seconds")):
+        with pytest.raises(ValueError, match=msg):
+            envs_main(argv)

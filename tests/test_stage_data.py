@@ -694,7 +694,7 @@ def test_aggregation_sft_prompts_leave_room_in_sft_max_len_for_the_answer(tok):
     scfg = StageConfig(sft=SFTStage(max_len=2 * base + 60), aggregation=Aggregation(max_prompt_tokens=20480, tails=4))
     params = SamplingConfig(max_new_tokens=64).params(1, 0)
     got = {}
-    for name, cap in (("rl", scfg.aggregation.max_prompt_tokens), ("stage", StageRunner.aggregation_sft_prompt_cap(scfg))):
+    for name, cap in (("rl", scfg.aggregation.max_prompt_tokens), ("stage", StageRunner.aggregation_sft_prompt_cap(scfg, 4096))):
         pairs, _ = aggregation_sft_pairs(_Teacher(tok, work=200), tok, picks, lambda e: env, params, samples=4,
                                          shuffles=3, tails=4, tail_tokens=192, max_prompt_tokens=cap, prompt_len=plen, seed=0)
         kept, dropped = trim_pairs(tok, pairs, scfg.sft.max_len - 1, lambda p: len(prompt_ids(tok, p, True, None)))
