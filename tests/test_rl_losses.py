@@ -392,10 +392,14 @@ def test_reference_cases_exercise_clipping():
 
 def test_grpo_all_equal_group_carries_its_bonus_undivided():
     # group 1 all correct (std 0): the advantage is the length bonus alone, not bonus / eps (~4e5);
-    # group 2: mean 0.25, std 0.5, bonus in the numerator: (1 - 0.25 + 0.5) / 0.5 = 2.5
+    # group 2: mean 0.25, std 0.5, the bonus added after the normalisation: (1 - 0.25) / 0.5 + 0.5 = 2.0
     bonus = [0.375, 0.25, 0.0, -0.375, 0.5, 0, 0, 0]
     adv = get_advantage("grpo")([1.0, 1, 1, 1, 1, 0, 0, 0], 4, eps=1e-12, bonus=bonus)
-    torch.testing.assert_close(adv, torch.tensor([0.375, 0.25, 0.0, -0.375, 2.5, -0.5, -0.5, -0.5]))
+    torch.testing.assert_close(adv, torch.tensor([0.375, 0.25, 0.0, -0.375, 2.0, -0.5, -0.5, -0.5]))
+    # rewards that differ by a hair (soft overlong shaping: one of four correct answers 1 token into the buffer):
+    # the bonus was divided by their std (186,209 for a 2e-6 difference); now continuous in the rewards
+    near = get_advantage("grpo")([1.0, 1, 1, 1 - 2e-6], 4, bonus=[0.375, 0.375, 0.375, 0.0])
+    assert near.abs().max().item() <= 3 ** 0.5 + 0.375
     # equal non-binary rewards, with eps = 0 too (0.3 * 4 / 4 is not exactly 0.3 in float), and a
     # group of one rollout: no scale, the bonus (or 0) alone
     adv = get_advantage("grpo")([0.3, 0.3, 0.3, 0.7], torch.tensor([0, 0, 0, 1]), eps=0.0, bonus=[0.1, 0, 0, 0.2])

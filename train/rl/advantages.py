@@ -6,18 +6,19 @@ Every estimator has the signature ``fn(rewards, groups, eps=1e-6, bonus=None) ->
 - ``groups``: either an ``int`` G (rollouts of one prompt are contiguous, ``N % G == 0``) or a
   ``Tensor[N]`` of group ids (any integers; groups may have different sizes);
 - ``eps``: guards the divisions;
-- ``bonus``: optional ``Tensor[N]`` added to the advantage numerator only, after the baseline
-  is computed from the raw rewards (ZAYA1's length reward: ``A_i = (r_i + dr_i - mean r) / mean r``).
+- ``bonus``: optional ``Tensor[N]``, the baseline computed from the raw rewards: added to the numerator
+  under maxrl and drgrpo (ZAYA1's length reward: ``A_i = (r_i + dr_i - mean r) / mean r``), added after the
+  normalisation under grpo (below).
 
 Estimators (``ADVANTAGES``):
 
-- ``grpo``: ``(r - mean + bonus) / (std + eps)``, std with Bessel's correction (as ``torch.std``),
+- ``grpo``: ``(r - mean) / (std + eps) + bonus``, std with Bessel's correction (as ``torch.std``),
   for any real rewards. A group whose rewards are all equal (``std <= eps``: all correct, all
-  wrong, or one rollout) has no reward scale to normalise by: its std is taken as 1, so its
-  advantages are its bonus alone (0 without one), the same value maxrl gives an all-correct
-  group. Dividing the bonus by ``eps`` instead would blow it up (a 0.375 length bonus became
-  ~4e5). The reward part ``(r - mean) / std`` is bounded by ``sqrt(G - 1)``; only the bonus
-  scales with ``1 / std``;
+  wrong, or one rollout) has no reward scale to normalise by: its advantages are its bonus alone
+  (0 without one), the same value maxrl gives an all-correct group. The bonus is not divided by the
+  std: a group whose rewards differ by a hair (soft overlong shaping took one of four correct answers to
+  0.99976) had its 0.375 length bonus divided by a std of 1e-4 (3,000), and by ``eps`` it became ~4e5. So
+  ``|A| <= sqrt(G - 1) + max |bonus|``, continuous in the rewards;
 - ``drgrpo``: ``r - mean + bonus`` (Dr.GRPO drops the std); any real rewards;
 - ``maxrl``: ``(r - mean + bonus) / mean`` (ZAYA1 / MaxRL). MaxRL is the policy gradient of
   ``log E[r]`` (for 0/1 rewards, the log of the pass rate): ``grad log E[r] = E[(r - E r) grad
@@ -98,8 +99,7 @@ def grpo_advantage(rewards, groups, eps: float = 1e-6, bonus=None) -> Tensor:
     lo = torch.full((k,), float("inf"), dtype=r.dtype, device=r.device).scatter_reduce(0, idx, r, "amin")[idx]
     hi = torch.full((k,), float("-inf"), dtype=r.dtype, device=r.device).scatter_reduce(0, idx, r, "amax")[idx]
     flat = (std <= eps) | (lo == hi)
-    scaled = _plus(r - mean, bonus) / torch.where(flat, 1.0, std + eps)
-    return torch.where(flat, _plus(torch.zeros_like(r), bonus), scaled)
+    return _plus(torch.where(flat, 0.0, (r - mean) / torch.where(flat, 1.0, std + eps)), bonus)
 
 
 @ADVANTAGES.register("drgrpo")
