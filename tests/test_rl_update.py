@@ -343,3 +343,16 @@ def test_rollouts_are_verified_with_the_thinking_their_prompt_opened(tiny_dense_
     cut, closed = f"so \\boxed{{{p.answer}}} maybe", f"checked</think> \\boxed{{{p.answer}}}"
     assert [s.correct for s in rl.verify([(ENV, p, cut), (ENV, p, closed)])] == [True, True]  # (built before)
     assert [s.correct for s in opened.verify([(ENV, p, cut), (ENV, p, closed)])] == [False, True]
+
+
+def test_a_step_that_trains_nothing_still_moves_the_length_rewards_schedule(tiny_dense_dir):
+    """The c schedule counts the run's RL steps (configs: 632 = the warm-up's 232 + RLVE's 400 steps, c = 1.0 from
+    the first math step); a step whose groups were all dropped (equal rewards, stale) left it where it was, so each
+    such step moved c's ramp later. The optimizer and the learning rate stay (nothing was trained)."""
+    rl = make_rl(tiny_dense_dir, length_reward=True)
+    lr = rl.sched.get_last_lr()
+    for _ in range(2):
+        m = rl.train_on([])
+        assert "loss" not in m
+    assert rl.length_state.steps == 2 and rl.step_idx == 0 and rl.sched.get_last_lr() == lr
+    assert make_rl(tiny_dense_dir).train_on([]) is not None  # (without the length reward: nothing to count)

@@ -514,6 +514,10 @@ class RLTrainer:
             trained_tokens = sum(len(r.prompt_ids) + len(r.completion.token_ids) for g in groups for r in g.rollouts)
             m["train_tokens_per_s"] = trained_tokens / max(time.perf_counter() - t1, 1e-9)
             self.step_idx += 1
+        elif self.cfg.length_reward:
+            # a step that trains nothing (every group equal or stale) moves neither the optimizer nor the learning
+            # rate's schedule, but the length reward's c follows the run's RL steps (its ramp_steps count them)
+            self.length_state.steps += 1
         m["time_train_s"] = time.perf_counter() - t1
         if groups and self.step_idx % self.cfg.sync_every == 0:
             m["time_sync_s"] = self.sync_weights()
