@@ -356,3 +356,25 @@ def test_a_step_that_trains_nothing_still_moves_the_length_rewards_schedule(tiny
         assert "loss" not in m
     assert rl.length_state.steps == 2 and rl.step_idx == 0 and rl.sched.get_last_lr() == lr
     assert make_rl(tiny_dense_dir).train_on([]) is not None  # (without the length reward: nothing to count)
+
+
+def test_dynamic_sampling_drops_a_group_none_of_whose_rollouts_is_trained(tiny_dense_dir):
+    """overlong.mode=mask: every rollout cut at max_new_tokens is masked out of the loss, but a group of them with
+    differing rewards (an answer boxed before the cut is verified) passed dynamic sampling and took a batch slot
+    without a loss token. Such groups are dropped like all-equal ones."""
+    import itertools
+
+    from train.rl.shaping import OverlongConfig
+
+    from train.rl.trainer import SamplingConfig
+
+    rl = make_rl(tiny_dense_dir, dynamic_sampling=True, max_sampling_rounds=1, sampling=SamplingConfig(max_new_tokens=2),
+                 overlong=OverlongConfig(mode="mask"))
+    cycle = itertools.cycle([1.0, 0.0, 0.0, 1.0])
+    rl.reward_of = lambda score, ids: next(cycle)  # rewards that differ in every group
+    seen = []
+    rl.rollout_hook = seen.extend
+    m = rl.step()
+    assert seen and all(not r.keep for g in seen for r in g.rollouts)  # (every rollout truncated)
+    assert m["groups_trained"] == 0 and m["groups_dropped"] == m["groups_sampled"] == len(seen)
+    assert rl.step_idx == 0 and "loss" not in m

@@ -477,7 +477,10 @@ class RLTrainer:
             return gs
 
         if cfg.dynamic_sampling:
-            report = DynamicSampler(sample, cfg.prompts_per_step, cfg.max_sampling_rounds).fill()
+            # a group none of whose rollouts is trained (overlong.mode=mask: every one truncated) carries no signal
+            # either, whatever its rewards (a truncated answer may have boxed the right one before the cut)
+            report = DynamicSampler(sample, cfg.prompts_per_step, cfg.max_sampling_rounds,
+                                    rewards_of=lambda g: g.rewards if any(r.keep for r in g.rollouts) else []).fill()
             groups, dropped = report.groups, report.dropped
         else:
             groups, dropped = sample(cfg.prompts_per_step), 0
