@@ -17,7 +17,8 @@ starting together.
 Prints one JSON line: ``tokens`` (trained, prompt + completion), ``scored_tokens`` (completion tokens:
 the LM head runs only on these), ``ranks_step_s`` and ``single_step_s`` (medians of the warm steps,
 with every warm step listed), ``ranks_tok_s``, ``single_tok_s`` and ``ranks_vs_single`` (the
-single-process step time over the mesh's: above 1 means the ranks are faster on these cores).
+single-process step time over the mesh's: above 1 means the ranks are faster on these cores), and
+``max_param_diff``: the largest difference between the two runs' weights after their steps.
 
     python benchmarks/rl_step.py                    # TSP D=2 against one process with 2 threads
     python benchmarks/rl_step.py --prompt 512       # prompt tokens most of the batch
@@ -160,8 +161,9 @@ def _rank(rank, world, port, a, q):
     try:
         up = RLUpdater(make_model(a), RLUpdateConfig(tokens_per_micro=a.budget), tsp=a.tsp)
         ts = timed_steps(up, make_batch(a), a.steps, dist.barrier)
+        full = up.full_state_dict(dst=0)  # (collective: every rank takes part)
         if rank == 0:
-            q.put(ts)
+            q.put((ts, {k: v.numpy() for k, v in full.items()}))  # (numpy: pickled by value)
     finally:
         dist.destroy_process_group()
 
@@ -193,17 +195,26 @@ def main(argv=None) -> int:
     procs = [ctx.Process(target=_rank, args=(r, world, port, a, q)) for port in [free_port()] for r in range(world)]
     for p in procs:
         p.start()
+    got = []
+    while not got and any(p.is_alive() for p in procs):  # read before joining: rank 0's put of the weights blocks
+        if not q.empty():                                 # until they are read (larger than a pipe's buffer)
+            got.append(q.get())
+        time.sleep(0.05)
+    if not got and not q.empty():
+        got.append(q.get())
     for p in procs:
         p.join()
-    if any(p.exitcode for p in procs):
+    if any(p.exitcode for p in procs) or not got:
         raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
-    mesh = q.get()
+    mesh, mesh_weights = got[0]
     import torch.distributed as dist
 
     torch.set_num_threads(world)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        single = timed_steps(RLUpdater(make_model(a), RLUpdateConfig(tokens_per_micro=a.budget)), batch, a.steps)
+        one = RLUpdater(make_model(a), RLUpdateConfig(tokens_per_micro=a.budget))
+        single = timed_steps(one, batch, a.steps)
+        one_weights = one.full_state_dict()
     finally:
         dist.destroy_process_group()
     t_mesh, t_one = statistics.median(mesh), statistics.median(single)
@@ -213,7 +224,10 @@ def main(argv=None) -> int:
         "ranks_step_s": round(t_mesh, 3), "ranks_steps_s": [round(x, 3) for x in mesh],
         "single_step_s": round(t_one, 3), "single_steps_s": [round(x, 3) for x in single],
         "ranks_tok_s": round(tokens / t_mesh, 1), "single_tok_s": round(tokens / t_one, 1),
-        "ranks_vs_single": round(t_one / t_mesh, 3), "threads_single": world, "threads_per_rank": 1}))
+        "ranks_vs_single": round(t_one / t_mesh, 3), "threads_single": world, "threads_per_rank": 1,
+        # the two runs' weights after the same steps (the same arithmetic up to summation order)
+        "max_param_diff": float(f"{max((torch.from_numpy(mesh_weights[k]) - v).abs().max().item() for k, v in one_weights.items()):.3g}"),
+    }))
     return 0
 
 
