@@ -334,7 +334,7 @@ class ServedEngine:
         version = self.version + 1 if version is None else int(version)
         if self._broadcast(state_dict, version):  # then the files, the durable record, behind it
             self._publish_behind(state_dict, version)
-            self.version = version
+            self._serve(version)
             return
         self.wait_published()
         publish_version(self.exchange, version, state_dict)
@@ -361,10 +361,18 @@ class ServedEngine:
         ranks; with ``rollout.weight_transport=broadcast`` and ``state_dict`` (that version, in this
         process's memory) they take it over the weight group instead."""
         if state_dict is not None and self._broadcast(state_dict, version):
-            self.version, self._last = version, (version, state_dict)
+            self._serve(version)
+            self._last = (version, state_dict)
             return
-        self.version = version  # first: a server restarted meanwhile catches up to this one
+        self._serve(version)  # first: a server restarted meanwhile catches up to this one
         self.remote.load_version(version)
+
+    def _serve(self, version: int) -> None:
+        """``version`` is the one the servers serve: a restarted server catches up to it, and its files are kept."""
+        from train.rl.exchange import pin_serving
+
+        pin_serving(self.exchange, version)
+        self.version = version
 
     def close(self) -> None:
         if self.broadcaster is not None:

@@ -122,3 +122,19 @@ def test_a_version_is_on_disk_before_it_counts_as_complete(tmp_path, monkeypatch
     done = next(i for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(final / ex.COMPLETE))
     assert events[done - 1] == ("fsync", events[done][1]) and ("fsync", str(final.parent)) in events[done:]
     assert ex.complete_versions(tmp_path) == [3]
+
+
+def test_the_version_the_servers_serve_is_never_pruned(tmp_path):
+    """The trainer ranks publish at every sync and at every checkpoint (which the servers never take): with
+    rl.sync_every=4 and checkpoint_every=1 the served version was pruned three checkpoints later, and a server
+    restarted then had nothing to catch up to (it rejoined on the stage's start weights, or not at all)."""
+    for v in range(2):
+        ex.publish_version(tmp_path, v, _sd(v))
+    ex.pin_serving(tmp_path, 1)
+    for v in range(2, 7):
+        ex.publish_version(tmp_path, v, _sd(v))
+    assert ex.complete_versions(tmp_path) == [1, 4, 5, 6] and ex.serving_version(tmp_path) == 1
+    assert ex.load_version(tmp_path, 1)[1]["w"].eq(1).all()
+    ex.pin_serving(tmp_path, 6)  # the servers moved on: the old one goes with the next prune
+    ex.publish_version(tmp_path, 7, _sd(7))
+    assert ex.complete_versions(tmp_path) == [5, 6, 7]

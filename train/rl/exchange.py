@@ -218,10 +218,28 @@ def _sha256(f) -> str:
     return h.hexdigest()
 
 
+SERVING = "SERVING"  # weights/SERVING: the version the rollout servers were last given (never pruned)
+
+
+def pin_serving(root: str | Path, version: int) -> None:
+    """Record ``version`` as the one the servers serve: :func:`publish_version` keeps its files, which a server
+    restarted later loads to catch up (the trainer ranks also publish at checkpoints the servers never take, and
+    pruned the served version three of those later)."""
+    _atomic_write(Path(root) / "weights" / SERVING, lambda t: t.write_text(f"{int(version)}\n"))
+
+
+def serving_version(root: str | Path) -> int | None:
+    try:
+        return int((Path(root) / "weights" / SERVING).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def publish_version(root: str | Path, version: int, state_dict: dict[str, torch.Tensor], keep: int = 3) -> Path:
     """Write weight version ``version`` atomically and durably; keep it and the newest ``keep - 1`` complete
-    versions below it. Higher ones are left alone (a resumed trainer writes versions again: those of the run
-    it resumes are removed by :func:`clear_after`, and the one written now must not be pruned for being low)."""
+    versions below it, and the version the servers serve (:func:`pin_serving`). Higher ones are left alone (a
+    resumed trainer writes versions again: those of the run it resumes are removed by :func:`clear_after`, and the
+    one written now must not be pruned for being low)."""
     from safetensors.torch import save_file
 
     final = version_dir(root, version)
@@ -242,8 +260,10 @@ def publish_version(root: str | Path, version: int, state_dict: dict[str, torch.
     _fsync(final)  # COMPLETE's entry, then the rename's
     _fsync(final.parent)
     older = [v for v in complete_versions(root) if v < version]
+    served = serving_version(root)
     for old in older[:max(len(older) - keep + 1, 0)] if keep > 0 else []:
-        shutil.rmtree(version_dir(root, old), ignore_errors=True)
+        if old != served:
+            shutil.rmtree(version_dir(root, old), ignore_errors=True)
     return final
 
 
