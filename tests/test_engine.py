@@ -414,3 +414,20 @@ def test_stop_token_ids_must_be_token_ids():
         with pytest.raises(ValueError, match="stop_token_ids must be token ids"):
             SamplingParams(stop_token_ids=bad)
     assert SamplingParams(stop_token_ids=[np.int64(5), 0]).stop_token_ids == [5, 0]
+
+
+def test_sampling_settings_that_must_be_integers_are_refused_otherwise(engine):
+    """n, max_tokens, min_tokens, top_k and seed given as floats (a YAML 512.0) passed and failed later inside torch
+    (some after the prefill); an infinite temperature sampled uniformly; a per-prompt seed of None failed in
+    row_seed. Each is a one-line error naming the setting; numpy integers are integers."""
+    import numpy as np
+
+    for kw in (dict(n=2.0), dict(max_tokens=2.5), dict(min_tokens=1.0), dict(top_k=2.5), dict(seed=1.5),
+               dict(max_tokens=True)):
+        with pytest.raises(ValueError, match=f"SamplingParams.{next(iter(kw))} must be an integer"):
+            SamplingParams(**kw)
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        SamplingParams(temperature=float("inf"))
+    assert SamplingParams(max_tokens=np.int64(3), seed=np.int32(-4)).max_tokens == 3
+    with pytest.raises(ValueError, match="every seed must be an integer, got None"):
+        engine.generate([[5, 6], [7]], SamplingParams(max_tokens=2), seeds=[1, None])

@@ -20,12 +20,18 @@ MIN_TEMPERATURE = 1e-2
 ENGINE_TEXT = {"skip_special_tokens": False, "spaces_between_special_tokens": False}
 
 
-def _token_id(t) -> bool:
-    """Whether ``t`` is an integer (Python's or numpy's, not a bool) >= 0."""
+def _integer(t) -> bool:
+    """Whether ``t`` is an integer (Python's or numpy's, not a bool)."""
     try:
-        return not isinstance(t, bool) and operator.index(t) >= 0
+        operator.index(t)
+        return not isinstance(t, bool)
     except TypeError:
         return False
+
+
+def _token_id(t) -> bool:
+    """Whether ``t`` is an integer (Python's or numpy's, not a bool) >= 0."""
+    return _integer(t) and operator.index(t) >= 0
 
 
 @dataclass
@@ -52,8 +58,15 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self):
+        for name in ("n", "max_tokens", "min_tokens", "top_k") + (("seed",) if self.seed is not None else ()):
+            v = getattr(self, name)  # integers (a YAML 512.0 failed later inside torch, some after the prefill)
+            if not _integer(v):
+                raise ValueError(f"SamplingParams.{name} must be an integer, got {v!r}")
+            setattr(self, name, operator.index(v))
         if self.n < 1:
             raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
+        if self.temperature == float("inf"):  # (sampled uniformly; NaN is refused below)
+            raise ValueError(f"SamplingParams.temperature must be a finite number, got {self.temperature}")
         if not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE):  # NaN fails both
             raise ValueError(f"SamplingParams.temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g} (vLLM samples "
                              f"any lower one at {MIN_TEMPERATURE:g}), got {self.temperature}")
@@ -143,6 +156,9 @@ def check_prompts(ids: Sequence[list[int]], context_length: int, seeds: Sequence
     least one token can be generated; per-prompt ``seeds``, when given, one per prompt."""
     if seeds is not None and len(seeds) != len(ids):
         raise ValueError(f"got {len(seeds)} seeds for {len(ids)} prompts")
+    bad = [s for s in seeds or () if not _integer(s)]
+    if bad:
+        raise ValueError(f"every seed must be an integer, got {bad[0]!r}")
     for i, x in enumerate(ids):
         if not x:
             raise ValueError(f"prompt {i} is empty")
