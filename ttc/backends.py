@@ -10,10 +10,11 @@ cut tails in the policy's tokens.
   and a ``tokenizer``), e.g. :class:`train.engine.torch_engine.TorchEngine` or the vLLM engine.
 - :class:`OpenAIBackend` talks to ``/v1/completions`` with token-id prompts, one request per prompt
   on a pool shared by every problem in flight (the global cap on requests in flight), retrying
-  408/429/5xx / connection errors with full-jitter exponential backoff or the server's
-  ``Retry-After``, within a retry horizon; optional requests/tokens-per-minute limits and a cap on
-  tokens in flight; ``n`` split or topped up when a server returns fewer choices. Requests carry
-  seed, temperature, top_p, max_tokens, n and logprobs. Tokens come from a local tokenizer
+  408/429/5xx / connection errors / replies the server did not finish (``abort``, ...) with
+  full-jitter exponential backoff or the server's ``Retry-After``, within a retry horizon;
+  optional requests/tokens-per-minute limits and a cap on tokens in flight; ``n`` split or topped
+  up when a server returns fewer choices. Requests carry seed, temperature, top_p, max_tokens, n
+  and logprobs. Tokens come from a local tokenizer
   (``tokenizer=PATH``) or from the server's ``/tokenize`` and ``/detokenize`` (vLLM-style).
 - :class:`ChatBackend` talks to ``/v1/chat/completions`` (APIs without token-id completions), with
   a local tokenizer for cutting tails.
@@ -32,7 +33,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import replace
 from typing import Protocol, Sequence, runtime_checkable
 
@@ -417,7 +418,8 @@ class OpenAIBackend:
     (problems in flight), so at most ``concurrency`` requests (and, with ``max_tokens_in_flight``,
     prompt + max_tokens tokens) are in flight; ``rpm``/``tpm`` cap requests and tokens (prompt +
     max_tokens, counted each time a request is sent, retries too) per ``rate_window`` seconds (60: per minute), sliding.
-    Failures (408/409/425/429/5xx, connection errors, timeouts) are retried with full-jitter
+    Failures (408/409/425/429/5xx, connection errors, timeouts, a choice whose finish reason is neither a
+    stop nor ``length``: :func:`finish_kind`) are retried with full-jitter
     exponential backoff (``backoff * 2**k``, capped at ``backoff_max``), or after the server's
     ``Retry-After`` (jittered), for at most ``retries`` retries and ``horizon`` seconds from a request's first
     failure (a request that runs for longer than the horizon and fails is still retried). A request
@@ -484,18 +486,24 @@ class OpenAIBackend:
         return random.uniform(0, min(self.backoff_max, self.backoff * 2 ** (attempt - 1)))
 
     def _call(self, method: str, path: str, body: dict | None, retries: int | None = None,
-              weight: int | None = None) -> dict:
+              weight: int | None = None, check=None, stop: threading.Event | None = None) -> dict:
         """One request, retried; every attempt takes its place under ``rpm`` and one of ``concurrency`` slots
         (a problem's /tokenize and /detokenize calls too), a generation request's (``weight``: its prompt +
-        max_tokens tokens) under ``tpm`` as well, since each one counts at the server."""
+        max_tokens tokens) under ``tpm`` as well, since each one counts at the server. ``check(reply)``, when
+        given, sees every reply that arrives and returns None to take it or why not (it is then retried as a
+        5xx is: a generation the server did not finish). Once ``stop`` is set (another request of the same
+        round failed) a failed request is not retried."""
         retries = self.retries if retries is None else retries
         data = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        last, after, t0, sent = "", None, None, 0
+        last, after, t0, sent, replied = "", None, None, 0, False
         for attempt in range(retries + 1):
             if attempt:
+                if stop is not None and stop.is_set():
+                    last += "; not retried: another request of the same round failed"
+                    break
                 delay = self._delay(attempt, after)
                 if time.monotonic() - t0 + delay > self.horizon:  # (t0: the first failure's end)
                     last += f"; gave up at the {self.horizon:g} s retry horizon"
@@ -509,8 +517,13 @@ class OpenAIBackend:
                 if say:  # a run waiting out a failing server says so (at most every NOTE_EVERY_S seconds)
                     log.warning("ttc: %s%s: %s; retrying (%d request(s) retried so far)", self.base_url, path, last,
                                 self.retried)
-                time.sleep(delay)
-            after = None
+                if stop is not None:  # (woken when the round fails)
+                    if stop.wait(delay):
+                        last += "; not retried: another request of the same round failed"
+                        break
+                else:
+                    time.sleep(delay)
+            after, replied = None, False
             self._rpm.acquire(1)
             if weight is not None:
                 self._tpm.acquire(weight)
@@ -518,7 +531,12 @@ class OpenAIBackend:
                 sent += 1
                 with self._slots:
                     raw = self._http.request(method, path, data, headers)
-                return json.loads(raw.decode())
+                reply = json.loads(raw.decode())
+                bad = check(reply) if check is not None else None
+                if bad is None:
+                    return reply
+                t0, last, replied = t0 or time.monotonic(), bad, True
+                continue
             except HTTPStatusError as e:
                 t0 = t0 or time.monotonic()
                 msg = _error_message(e)
@@ -535,6 +553,8 @@ class OpenAIBackend:
                 reason = getattr(e, "reason", e)
                 last = f"{type(reason).__name__}: {reason}" if not isinstance(reason, str) else reason
                 continue
+        if replied:  # the server answered, but never with a reply to take
+            raise ServerError(f"no finished reply from {self.base_url}{path} after {sent} attempt(s): {last}")
         raise ServerError(f"cannot reach {self.base_url}{path} after {sent} attempt(s): {last}")
 
     # tokenizer side
@@ -573,42 +593,64 @@ class OpenAIBackend:
             body["seed"] = int(seed)
         return body
 
-    def _post(self, prompt, params: SamplingParams, seed, weight: int) -> tuple[list[dict], dict]:
-        """One request (``weight`` tokens under the rate limits): (choices sorted by index, usage)."""
-        r = self._call("POST", "/v1/completions", self.request_body(prompt, params, seed), weight=weight)
+    def _post(self, prompt, params: SamplingParams, seed, weight: int, check=None,
+              stop: threading.Event | None = None) -> tuple[list[dict], dict]:
+        """One request (``weight`` tokens under the rate limits; ``check`` and ``stop`` as :meth:`_call`'s): (choices
+        sorted by index, usage)."""
+        r = self._call("POST", "/v1/completions", self.request_body(prompt, params, seed), weight=weight,
+                       check=check, stop=stop)
         return sorted(r.get("choices", []), key=lambda c: c.get("index", 0)), r.get("usage") or {}
 
     def _completion(self, ch: dict, i: int, prompt, plen: int) -> Completion:
         ids, lps = _choice_tokens(ch)
         if ids is None:
             ids = self.encode(ch.get("text", ""))
-        return Completion(ids, ch.get("text", ""), lps or [], "length" if ch.get("finish_reason") == "length"
-                          else "stop", i, plen, list(prompt) if not isinstance(prompt, str) else None)
+        return Completion(ids, ch.get("text", ""), lps or [], finish_kind(ch.get("finish_reason")) or "stop", i,
+                          plen, list(prompt) if not isinstance(prompt, str) else None)
 
-    def _one(self, i: int, prompt, params: SamplingParams, seed, usage: dict | None) -> list[Completion]:
+    def _unfinished(self, reply: dict, usage: dict | None) -> str | None:
+        """Why a generation reply cannot be taken (a choice whose finish reason is neither a stop nor the length
+        budget: ``abort``, ``content_filter``, ``error``, none), else None. What such a reply spent counts in
+        ``usage`` (the server served it)."""
+        bad = [ch.get("finish_reason") for ch in reply.get("choices") or [] if finish_kind(ch.get("finish_reason"))
+               is None]
+        if not bad:
+            return None
+        self._count(reply.get("usage") or {}, usage)
+        return f"a reply with finish_reason {bad[0]!r} (the generation did not finish)"
+
+    def _count(self, u: dict, usage: dict | None) -> None:
+        with self._count_lock:
+            self.requests += 1
+            if usage is not None:
+                usage["requests"] = usage.get("requests", 0) + 1
+                for k in ("prompt_tokens", "completion_tokens"):
+                    if isinstance(u.get(k), int):
+                        usage[k] = usage.get(k, 0) + u[k]
+
+    def _one(self, i: int, prompt, params: SamplingParams, seed, usage: dict | None,
+             stop: threading.Event | None = None) -> list[Completion]:
         """``params.n`` samples of one prompt: requests of at most ``max_n``, topped up when a server
-        returns fewer choices than asked."""
+        returns fewer choices than asked; no further request once ``stop`` is set (another prompt of the
+        same call failed)."""
         out: list[Completion] = []
         part = 0
         plen = len(prompt) if not isinstance(prompt, str) else 0
         empty = 0
+        check = lambda r: self._unfinished(r, usage)  # noqa: E731
         while len(out) < params.n:
+            if stop is not None and stop.is_set():
+                raise ServerError("not sent: another request of the same round failed")
             n = min(params.n - len(out), self.max_n or params.n)
             s = seed if part == 0 or seed is None else derive_seed(int(seed), 7919, part)
             part += 1
             weight = plen + n * params.max_tokens
             self.in_flight.acquire(weight)
             try:
-                choices, u = self._post(prompt, replace(params, n=n), s, weight)
+                choices, u = self._post(prompt, replace(params, n=n), s, weight, check=check, stop=stop)
             finally:
                 self.in_flight.release(weight)
-            with self._count_lock:
-                self.requests += 1
-                if usage is not None:
-                    usage["requests"] = usage.get("requests", 0) + 1
-                    for k in ("prompt_tokens", "completion_tokens"):
-                        if isinstance(u.get(k), int):
-                            usage[k] = usage.get(k, 0) + u[k]
+            self._count(u, usage)
             if not plen:
                 plen = int(u.get("prompt_tokens", 0))
             if not choices:
@@ -620,9 +662,23 @@ class OpenAIBackend:
         return out
 
     def generate(self, prompts, params: SamplingParams, seeds=None, usage: dict | None = None) -> list[Completion]:
+        """Every prompt's samples, prompt-major. When a prompt's request fails, the prompts not yet started are
+        cancelled and the running ones are waited for (they retry no more and start no top-up request) before the
+        first failure is raised: the round holds no ``concurrency`` slot after it, and ``usage`` counts all it
+        spent."""
         prompts = list(prompts)
         seeds = list(seeds) if seeds is not None else [params.seed] * len(prompts)
-        futs = [self._pool.submit(self._one, i, p, params, s, usage) for i, (p, s) in enumerate(zip(prompts, seeds))]
+        stop = threading.Event()
+        futs = [self._pool.submit(self._one, i, p, params, s, usage, stop)
+                for i, (p, s) in enumerate(zip(prompts, seeds))]
+        done, _ = wait(futs, return_when=FIRST_EXCEPTION)
+        failed = [f for f in futs if f in done and not f.cancelled() and f.exception() is not None]
+        if failed:
+            stop.set()
+            for f in futs:
+                f.cancel()  # (only those not started yet)
+            wait(futs)
+            raise failed[0].exception()
         return [c for f in futs for c in f.result()]
 
     def close(self) -> None:
@@ -680,7 +736,8 @@ class ChatBackend(OpenAIBackend):
     def chat_parts(self) -> tuple[str, str]:
         return "", ASSISTANT_MARK
 
-    def _post(self, prompt, params: SamplingParams, seed, weight: int) -> tuple[list[dict], dict]:
+    def _post(self, prompt, params: SamplingParams, seed, weight: int, check=None,
+              stop: threading.Event | None = None) -> tuple[list[dict], dict]:
         text = prompt if isinstance(prompt, str) else self.decode(prompt)
         user, _, prefix = text.partition(ASSISTANT_MARK.strip("\n"))
         user, prefix = user.rstrip("\n"), prefix.lstrip("\n")
@@ -689,7 +746,7 @@ class ChatBackend(OpenAIBackend):
         if prefix:
             msgs.append({"role": "assistant", "content": prefix})
             body.update(continue_final_message=True, add_generation_prompt=False)
-        r = self._call("POST", "/v1/chat/completions", body, weight=weight)
+        r = self._call("POST", "/v1/chat/completions", body, weight=weight, check=check, stop=stop)
         choices = []
         for ch in sorted(r.get("choices", []), key=lambda c: c.get("index", 0)):
             msg = ch.get("message") or {}
@@ -697,8 +754,8 @@ class ChatBackend(OpenAIBackend):
             if isinstance(content, list):  # content parts
                 content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
             reasoning = msg.get("reasoning_content") or msg.get("reasoning")
-            text = reply_text(content if msg.get("content") is not None else None, reasoning, ch.get("finish_reason"),
-                              prefix)
+            text = reply_text(content if msg.get("content") is not None else None, reasoning,
+                              finish_kind(ch.get("finish_reason")), prefix)
             choices.append({"text": text, "finish_reason": ch.get("finish_reason")})
         return choices, r.get("usage") or {}
 
@@ -717,6 +774,21 @@ def reply_text(content: str | None, reasoning: str | None, finish_reason: str | 
     closed = content is not None or finish_reason == "stop"
     opened = "" if prefix else "<think>\n"  # a continued trace (a tail of its thinking) has it open already
     return opened + reasoning + (f"\n</think>\n\n{content or ''}" if closed else "")
+
+
+STOP_REASONS = {"stop", "eos", "eos_token", "stop_sequence", "end_turn"}
+
+
+def finish_kind(reason) -> str | None:
+    """A reply's finish reason as a :class:`Completion`'s: ``"stop"`` (an end of sequence or a stop string or
+    token: ``stop``, ``eos``, TGI's ``eos_token``/``stop_sequence``, or SGLang's ``{"type": "stop", "matched":
+    ...}``), ``"length"`` (the budget), or None for a generation the server did not finish (``abort``,
+    ``content_filter``, ``error``, none given), which is not a trace to grade or forward."""
+    if isinstance(reason, dict):
+        reason = reason.get("type")
+    if reason == "length":
+        return "length"
+    return "stop" if isinstance(reason, str) and reason in STOP_REASONS else None
 
 
 def _error_message(e: HTTPStatusError) -> str:

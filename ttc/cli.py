@@ -184,12 +184,22 @@ def load_problems(a, limit: bool = True) -> list[dict]:
 
 def run_key(cfg: RSAConfig, template, grader, model: dict | None = None, extra: dict | None = None) -> str:
     """A hash of everything that decides a problem's result: the config, the template's content,
-    the grader, the model (path/config or URL/name) and the plan settings."""
+    the grader, the model (path/config or URL/name) and the plan settings. A template file counts by
+    its content (its texts and base), not by the path it was given as (``t.yaml`` and ``/abs/t.yaml``
+    resume each other), and the grader by the one the run uses (``--grader math`` with the math
+    template is the default)."""
     from dataclasses import asdict, is_dataclass
 
+    from ttc.rsa import grader_name
+
     tmpl = asdict(template) if is_dataclass(template) else template
-    if isinstance(tmpl, dict) and not tmpl.get("base"):
-        tmpl.pop("base", None)  # a built-in: the key it always had
+    if is_dataclass(template) and not callable(grader):
+        grader = grader_name(template, grader)
+    if isinstance(tmpl, dict):
+        if not tmpl.get("base"):
+            tmpl.pop("base", None)  # a built-in: the key it always had
+        else:
+            tmpl.pop("name", None)  # a file: its path as typed
     blob = json.dumps({"config": config_dict(cfg), "template": tmpl, "grader": grader, "model": model,
                        "extra": extra}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

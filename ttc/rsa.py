@@ -225,6 +225,14 @@ def exact_grader(pred: str | None, gold: str | None) -> bool:
 GRADERS = {"math": math_grader, "exact": exact_grader}
 
 
+def grader_name(template: Template, grader: str | None) -> str:
+    """The grader a run uses: ``grader`` when given, else ``math`` for the math template (and a file based on it),
+    ``exact`` for the others (the resume key holds this name, so ``--grader math`` equals the math default)."""
+    if grader is not None:
+        return grader
+    return "math" if (template.base or template.name) == "math" else "exact"
+
+
 def majority_vote(answers: list[str | None], same: Callable[[str, str], bool]) -> tuple[str | None, int]:
     """The most common answer (clusters of equivalent answers; ties go to the earliest) and its count."""
     clusters: list[list[str]] = []
@@ -259,8 +267,8 @@ class MarkovianRSA:
         self.backend = backend
         self.config = config.resolved()
         self.template = load_template(template)
-        if grader is None:
-            grader = "math" if (self.template.base or self.template.name) == "math" else "exact"  # a file on math too
+        if not callable(grader):
+            grader = grader_name(self.template, grader)  # a file on math too
         self.grader = GRADERS[grader] if isinstance(grader, str) else grader
         parts = backend.chat_parts()
         self.builder = PromptBuilder(self.template, backend.encode, parts)

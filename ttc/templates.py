@@ -10,7 +10,7 @@ A template is a set of ``str.format`` strings (double the braces of literal ``{}
 - ``continue``: parallel Delethink's continuation, appended after the assistant header of the
   ``solve`` prompt; field ``{tail}``.
 - ``force_answer``: appended to a final-round trace cut at the thinking budget (one with no
-  ``</think>`` yet) before the final-answer continuation.
+  ``</think>`` yet) before the final-answer continuation; no fields (literal braces doubled too).
 
 Rendering concatenates the token ids of the literal pieces with the ids of the problem and of each
 tail, so a prompt is exactly ``|literal pieces| + |q| + sum |tails|`` tokens: the bound
@@ -223,7 +223,9 @@ class PromptBuilder:
         return self.solve(problem_ids) + render(self.template.continue_, self._enc, {"tail": tail})
 
     def force_answer(self) -> list[int]:
-        return self._enc(self.template.force_answer) if self.template.force_answer else []
+        """Token ids of ``force_answer``, rendered as the other fields are (a ``str.format`` string with no
+        fields: ``\\boxed{{`` is sent as ``\\boxed{``), as :meth:`check` reads it and the context plan counts it."""
+        return render(self.template.force_answer, self._enc, {}) if self.template.force_answer else []
 
     def overhead(self, count: int, kind: str = "aggregate") -> int:
         """Template tokens of a prompt with ``count`` tails (everything but the problem and tails)."""
