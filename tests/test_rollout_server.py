@@ -930,3 +930,25 @@ time.sleep(600)
         for p in pids:
             if alive(p):
                 os.kill(p, signal.SIGKILL)
+
+
+def test_a_weight_load_waits_down_wait_s_for_a_server_to_come_back(setup):
+    """rollout.urls servers all down (restarted by whoever runs them) when a version goes out: load_version failed at
+    once ("no rollout server left to load weights") while generate waited down_wait_s; it waits too now."""
+    procs = _start_servers(setup["dir"], setup["root"], [0])
+    try:
+        url = procs[0][1]
+        remote = RemoteEngine([url], api_key=KEY, model="tiny", down_wait_s=120.0, readmit_s=0.2)
+        assert remote.load_version(1) == {url: 1}
+        os.kill(procs[0][0].pid, signal.SIGKILL)
+        procs[0][0].wait(30)
+        port = int(url.rsplit(":", 1)[1])
+        back = threading.Thread(target=lambda: (time.sleep(1.0), procs.extend(_start_servers(
+            setup["dir"], setup["root"], [port]))))
+        back.start()
+        assert remote.load_version(1) == {url: 1}  # (raised RemoteError before the server came back)
+        assert call(url, "/v1/weights")[1]["version"] == 1
+    finally:
+        if "back" in locals():
+            back.join(120)  # (its server is stopped with the others)
+        _stop(procs)

@@ -292,7 +292,18 @@ class RemoteEngine:
         if (version is None) == (path is None):
             raise ValueError("load_version needs exactly one of version or path")
         body = {"version": int(version)} if version is not None else {"path": str(path)}
-        urls = self._live_servers("no rollout server left to load weights")
+        while True:  # every server down (restarted by whoever runs them): wait for one, as generate does
+            results = self._load_on(self._live_servers("no rollout server left to load weights"), body)
+            if results:
+                break
+        bad = {u: r for u, r in results.items() if isinstance(r, Exception)}
+        if bad:
+            raise RemoteError("; ".join(f"{u}: {e}" for u, e in bad.items()))
+        return dict(results)
+
+    def _load_on(self, urls: list[str], body: dict) -> dict:
+        """:meth:`load_version` on ``urls``: each server's version or error; a server down is left out (or
+        restarted by the hook and loaded)."""
 
         def one(u):
             c = self._conn(u)
@@ -312,12 +323,7 @@ class RemoteEngine:
                 results.update(fan_out([u], one)[0])
             else:
                 del results[u]
-        if not results:
-            raise RemoteError(f"no rollout server left to load weights: {', '.join(urls)}")
-        bad = {u: r for u, r in results.items() if isinstance(r, Exception)}
-        if bad:
-            raise RemoteError("; ".join(f"{u}: {e}" for u, e in bad.items()))
-        return dict(results)
+        return results
 
     # -- contract --------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[list[int]] | Sequence[str], params: SamplingParams,
