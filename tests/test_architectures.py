@@ -123,9 +123,24 @@ def test_unsupported_options_are_refused_with_one_line_errors():
     for added in ({"rope_type": "yarn", "factor": 4.0}, {"rope_type": "linear", "factor": 2.0}):
         with pytest.raises(ValueError, match="rope_parameters .* and a different rope_scaling .* keep one"):
             ModelConfig.from_hf({**base, "rope_parameters": plain, "rope_scaling": added})
-    both = ModelConfig.from_hf({**base, "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 5e5},
+    both = ModelConfig.from_hf({**base, "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 5e5}, "rope_theta": 5e5,
                                 "rope_scaling": dict(LLAMA3_ROPE)})  # the same (Cascade's own saves write both)
     assert both.rope_scaling["rope_type"] == "llama3" and both.rope_theta == 5e5
+    # the same kind, but transformers' base (rope_scaling's, else the top-level one, else its default) is not
+    # rope_parameters' (Cascade took 1000 where transformers took 10000: logits off by 0.8)
+    linear = {"rope_type": "linear", "factor": 3.0}
+    for top in ({}, {"rope_theta": 1e4}):
+        with pytest.raises(ValueError, match="rope_parameters with rope_theta 1000.0 and a rope_scaling"):
+            ModelConfig.from_hf({**base, **top, "rope_parameters": {**linear, "rope_theta": 1000.0},
+                                 "rope_scaling": {"type": "linear", "factor": 3.0}})
+    assert ModelConfig.from_hf({**base, "rope_theta": 1000.0, "rope_parameters": {**linear, "rope_theta": 1000.0},
+                                "rope_scaling": {"type": "linear", "factor": 3.0}}).rope_theta == 1000.0
+    # a qwen3_moe config without its experts' sizes: a one-line ValueError (a KeyError or TypeError before, which
+    # model_backend=auto did not fall back from)
+    moe = dict(base, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        with pytest.raises(ValueError, match=f"qwen3_moe model lacks {key}"):
+            ModelConfig.from_hf({k: v for k, v in moe.items() if k != key})
     assert ModelConfig.from_hf({**base, "rope_parameters": plain}).rope_theta == 1e6
     with pytest.raises(ValueError, match="mlp_bias"):
         ModelConfig.from_hf({**base, "mlp_bias": True})
@@ -482,3 +497,22 @@ def test_cascade_run_takes_another_architecture_with_model_backend_auto(tmp_path
     assert r.returncode == 0, r.stderr[-3000:]
     final = tmp_path / "run" / "stages" / "1-rlve" / "final"
     assert transformers.AutoConfig.from_pretrained(final).model_type == "gpt2"
+
+
+def test_a_tied_config_with_a_head_of_its_own_in_the_checkpoint_is_refused(tmp_path):
+    """tie_word_embeddings true while the checkpoint holds a different lm_head.weight: transformers loads that head
+    (untied), Cascade tied it to the embeddings: logits 4.6 apart, silently. A copy equal to the embeddings loads."""
+    from safetensors.torch import load_file, save_file
+
+    from train.model.hf_io import CheckpointError
+
+    hf = hf_tiny("llama", tie_word_embeddings=False)
+    hf.save_pretrained(tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps(dict(cfg, tie_word_embeddings=True)))
+    with pytest.raises(CheckpointError, match="tie_word_embeddings is true but the checkpoint holds an lm_head"):
+        load_pretrained(tmp_path / "m", backend="cascade")
+    sd = load_file(tmp_path / "m" / "model.safetensors")
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
+    save_file(sd, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    assert load_pretrained(tmp_path / "m", backend="cascade").config.tie_word_embeddings

@@ -163,6 +163,14 @@ class ModelConfig:
             # say to add rope_scaling for long context: one of the two would be ignored somewhere
             raise ValueError(f"config.json has rope_parameters {params!r} and a different rope_scaling "
                              f"{scaling_in!r}; transformers uses rope_scaling: keep one of them")
+        if params and scaling_in and "rope_theta" in params:
+            # transformers takes rope_scaling whole, its base from it or the top-level rope_theta (else its default)
+            hf_theta = scaling_in.get("rope_theta", d.get("rope_theta"))
+            if hf_theta is None or float(hf_theta) != float(params["rope_theta"]):
+                raise ValueError(f"config.json has rope_parameters with rope_theta {params['rope_theta']} and a "
+                                 f"rope_scaling that transformers uses with rope_theta "
+                                 f"{hf_theta if hf_theta is not None else '(its default)'}; keep one of them, or set "
+                                 f"the same rope_theta at the top level")
         rope = dict(scaling_in or params or {})
         theta_default = params.get("rope_theta", d.get("rope_theta", 10000.0)) if params else d.get("rope_theta",
                                                                                                      10000.0)
@@ -199,6 +207,10 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"), pad_token_id=d.get("pad_token_id"),
         )
         if mt == "qwen3_moe":
+            missing = [k for k in ("num_experts_per_tok", "moe_intermediate_size") if d.get(k) is None]
+            missing += [] if d.get("num_experts", d.get("num_local_experts")) is not None else ["num_experts"]
+            if missing:  # (a KeyError or TypeError before, which model_backend=auto did not fall back from)
+                raise ValueError(f"config.json of a qwen3_moe model lacks {', '.join(missing)}")
             kw.update(
                 num_experts=d.get("num_experts", d.get("num_local_experts")),
                 num_experts_per_tok=d["num_experts_per_tok"], moe_intermediate_size=d["moe_intermediate_size"],

@@ -138,8 +138,20 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
         except KeyError as e:
             raise CheckpointError(f"{prefix}: an expert lacks {e}") from None
     if cfg.tie_word_embeddings:
-        out.pop("lm_head.weight", None)
+        head = out.pop("lm_head.weight", None)
+        if head is not None and "model.embed_tokens.weight" in out:
+            check_tied_head(head, out["model.embed_tokens.weight"])
     return out
+
+
+def check_tied_head(head: torch.Tensor, embed: torch.Tensor) -> None:
+    """A tied config whose checkpoint also holds an ``lm_head.weight`` of its own: the same values as the
+    embeddings (a copy) are fine; others are a :class:`CheckpointError` (transformers loads the stored head and
+    unties them, Cascade would tie: logits 4.6 apart)."""
+    if head.shape != embed.shape or not torch.equal(head.to(embed.dtype), embed):
+        raise CheckpointError("tie_word_embeddings is true but the checkpoint holds an lm_head.weight unlike the "
+                              "embeddings (transformers would use it, untied): set tie_word_embeddings to false, or "
+                              "drop lm_head.weight")
 
 
 def split_fused_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -275,6 +287,7 @@ def stream_into(model: CausalLM, files: list[Path]) -> None:
     seen: set[str] = set()
     parts: dict[str, set] = {}  # fused expert tensor -> (expert, part) filled from per-expert names
     extra: list[str] = []
+    head = None  # a tied model's own lm_head.weight in the checkpoint (file), checked against the embeddings
     with torch.no_grad():
         for f in files:
             try:
@@ -282,6 +295,7 @@ def stream_into(model: CausalLM, files: list[Path]) -> None:
                     for k in sf.keys():
                         what = checkpoint_key(k, cfg, params)
                         if what is None:
+                            head = f if cfg.tie_word_embeddings and k == "lm_head.weight" else head
                             continue
                         if what[0] == "expert":
                             _, name, e, part = what
@@ -312,6 +326,9 @@ def stream_into(model: CausalLM, files: list[Path]) -> None:
     missing = sorted(set(params) - seen)
     if missing or extra:
         raise CheckpointError(f"weights do not match the config: missing {missing[:8]}, unexpected {sorted(extra)[:8]}")
+    if head is not None and "model.embed_tokens.weight" in params:
+        with safe_open(str(head), framework="pt", device="cpu") as sf:
+            check_tied_head(sf.get_tensor("lm_head.weight"), params["model.embed_tokens.weight"])
 
 
 class CheckpointSlices:
