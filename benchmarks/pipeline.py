@@ -195,6 +195,11 @@ Re-run at 86b25b7 (2026-12-06, later: CISPO/DPPO/GSPO's gradient through the log
 metric over mini-batches that updated, a republished version read again until settled; three runs one after
 another, a short test run beside the first two for part of the time): async_speedup 1.18, 1.03, 1.09 (median 1.09,
 min 1.03); sync 2.33-2.43 steps/s, async 2.50-2.76; lending ceiling 1.15-1.19, any mix 1.36-1.45.
+Re-run at 63c8932 (2026-12-06, later, another machine (AMD EPYC), noisier: sync 1.95-2.49 steps/s between runs;
+min_ready_batches capped at the batches the buffer holds, 4 here, so 2 as before; rollout_busy_frac counted over the
+steps a batch spans): async_speedup 0.90, then alternating with 5cbf690's code (before today's changes) 1.03, 0.85
+against its 1.01, 1.01: the same within this machine's noise (median 0.90, min 0.85 at 63c8932); lending ceiling
+1.17, any mix 1.33; max_lag_seen 2, no group dropped as stale.
 """
 from __future__ import annotations
 

@@ -83,7 +83,8 @@ dc6f21e 5.80, 5.66 s against 3.28, 3.36 s (0.57, 0.59); ``--tsp 1 --dp 2`` 3.06,
 --dp 2`` 3.12 s against 3.38 s (1.08). At 6f000cc (RLUpdater takes ``ratio_against``; the behaviour path unchanged),
 one run, default: TSP D=2 5.25 s against 3.22 s (0.61). At 9a464f0 (2026-12-06: a batch without a loss token skips
 the optimizer step, none here; a machine ~30% slower than the last), one run, default: TSP D=2 7.29 s against 3.83 s
-(0.53).
+(0.53). At 63c8932 (2026-12-06, later, another machine; ``max_param_diff`` now reported: the mesh's and the
+one process's weights after the same 4 steps within 5.6e-07), one run, default: TSP D=2 5.87 s against 3.99 s (0.68).
 
 TSP is a memory layout first (each rank holds 1/D of the weights and activations, see
 benchmarks/parallel.py); on 2 CPU cores it pays for its weight ring with gloo transfers that one

@@ -36,7 +36,11 @@ Re-run at 486a354 (2026-12-06, later; one run, alone): 0.233 vs 0.699 s (3.00x),
 agree 100x less closely after 20 steps. Not isolated: the SFT data's content changed with IFEval's prompts (multi-line
 examples, the named request to repeat; the same token counts), and AdamW turns the rounding differences of
 near-zero gradients into updates of the learning rate's size; a bug in the packed step would show in its tests
-(tests/test_sft.py compares packed and padded losses and gradients), which pass.
+(tests/test_sft.py compares packed and padded losses and gradients), which pass. Re-run at 63c8932 (2026-12-06,
+later, another machine (AMD EPYC); trimming counts responses as a thinking template trains them, none here; one run,
+alone): 0.248 vs 0.776 s (3.13x), max_param_diff 1.9e-06, and 5cbf690's code (the 1.4e-04 commit's figures' code)
+right after: 0.239 vs 0.714 s (2.99x), max_param_diff 1.9e-06: the 1.4e-04 was that machine's rounding, not the code
+(the difference grows from 4.4e-07 after 2 steps, 8.6e-07 after 8, to 1.9e-06 after 16 and stays there).
 """
 from __future__ import annotations
 
