@@ -247,14 +247,20 @@ def test_a_bf16_stage_resumed_after_its_sft_warm_up_ends_as_an_uninterrupted_one
     loaded after the RL one's, put the weights back where SFT had left them)."""
     args = [f"model={warm_dir}", *STAGE, "steps=3", "checkpoint_every=1", "dtype=bfloat16", "sft.steps=2",
             "sft.examples=32", "sft.batch_size=8", "sft.max_len=128", "sft.optim.lr=1e-3"]
+    ref, out = _uninterrupted_and_resumed(tmp_path, args, "before_checkpoint:4")
+    a, b = final_weights(ref), final_weights(out)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _uninterrupted_and_resumed(tmp_path, args, fault: str):
+    """The run of ``args`` once through (``ref``) and once killed at ``fault`` then resumed (``out``)."""
     ref, out = tmp_path / "ref", tmp_path / "run"
     assert cascade(f"out={ref}", *args).returncode == 0
-    r = cascade(f"out={out}", *args, env={"CASCADE_FAULT": "before_checkpoint:4"})
+    r = cascade(f"out={out}", *args, env={"CASCADE_FAULT": fault})
     assert r.returncode == -signal.SIGKILL
     r = cascade(f"out={out}", *args)
     assert r.returncode == 0, r.stderr[-3000:]
-    a, b = final_weights(ref), final_weights(out)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    return ref, out
 
 
 def test_a_resume_between_weight_syncs_samples_from_the_weights_the_run_would_have(warm_dir, tmp_path):
@@ -265,12 +271,7 @@ def test_a_resume_between_weight_syncs_samples_from_the_weights_the_run_would_ha
     from cascade.records import read_records
 
     args = [f"model={warm_dir}", *STAGE, "steps=3", "checkpoint_every=1", "rl.sync_every=2"]
-    ref, out = tmp_path / "ref", tmp_path / "run"
-    assert cascade(f"out={ref}", *args).returncode == 0
-    r = cascade(f"out={out}", *args, env={"CASCADE_FAULT": "before_checkpoint:2"})
-    assert r.returncode == -signal.SIGKILL
-    r = cascade(f"out={out}", *args)
-    assert r.returncode == 0, r.stderr[-3000:]
+    ref, out = _uninterrupted_and_resumed(tmp_path, args, "before_checkpoint:2")
     keys = ("version_lag_max", "reward_mean", "loss", "grad_norm", "entropy", "response_len")
     recs = [{x["step"]: tuple(x.get(n) for n in keys) for x in read_records(d) if x["phase"] == "rl"} for d in (ref, out)]
     assert sorted(recs[0]) == [0, 1, 2] and recs[1] == recs[0], recs

@@ -291,10 +291,11 @@ def test_batches_without_trainable_groups_do_not_stall_the_pipeline(warm):
 class _StubRL:
     """Just what Pipeline uses of an RLTrainer: batches of one-rollout groups tagged by batch, no model."""
 
-    def __init__(self, cfg, sizes=None):
+    def __init__(self, cfg, sizes=None, collect_s: float = 0.0, train_s: float = 0.0):
         import types
 
         self.cfg, self.learner, self.sizes = cfg, None, sizes
+        self.collect_s, self.train_s = collect_s, train_s  # how long a batch's rollouts / an update take
         self.engine = types.SimpleNamespace(supports_inflight_update=True)
         self.policy = types.SimpleNamespace(device="cpu")
         self.curriculum = types.SimpleNamespace(difficulties=lambda: {})
@@ -303,11 +304,13 @@ class _StubRL:
         self.trained: list[set[str]] = []
 
     def collect(self):
+        time.sleep(self.collect_s)
         b, self.made = self.made, self.made + 1
         n = self.cfg.prompts_per_step if self.sizes is None else self.sizes[b]
         return [_group(self.synced_version, f"{b}.{i}") for i in range(n)], {"batch": b}
 
     def train_on(self, groups):
+        time.sleep(self.train_s)
         self.trained.append({g.problem.prompt.split(".")[0] for g in groups})
         self.step_idx += bool(groups)
         if self.step_idx % self.cfg.sync_every == 0:
@@ -507,12 +510,9 @@ def test_groups_dropped_as_stale_or_evicted_are_not_made_up_from_the_next_batch(
     assert [m["groups_trained"] for m in ms] == [4, 4, 2, 4] and rl.trained == [{"0"}, {"1"}, {"2"}, {"3"}]
     assert [m["groups_dropped_stale"] for m in ms] == [0, 0, 2, 0]
 
-    class Slow(_StubRL):
-        def train_on(self, groups):
-            time.sleep(0.2)  # the producer runs max_staleness + 1 batches ahead, into a one-batch buffer
-            return super().train_on(groups)
-
-    rl = Slow(RLConfig(prompts_per_step=4, max_staleness=2, sync_every=1, min_ready_batches=1, buffer_groups=4))
+    # slow updates: the producer runs max_staleness + 1 batches ahead, into a one-batch buffer
+    rl = _StubRL(RLConfig(prompts_per_step=4, max_staleness=2, sync_every=1, min_ready_batches=1, buffer_groups=4),
+                 train_s=0.2)
     with caplog.at_level("WARNING"):
         pipe = Pipeline(rl, batches=5)
     assert "evicted unused" in caplog.text
@@ -552,13 +552,8 @@ def test_min_ready_batches_beyond_the_buffer_is_lowered_so_a_fast_trainer_loses_
     could not hold, so by the time it took batch b the groups of b were evicted (nearly every step trained
     nothing, with a trainer far faster than the rollouts). min_ready is lowered to the batches the buffer holds."""
 
-    class SlowRollouts(_StubRL):
-        def collect(self):
-            time.sleep(0.03)
-            return super().collect()
-
-    rl = SlowRollouts(RLConfig(prompts_per_step=4, max_staleness=2, sync_every=sync, min_ready_batches=2,
-                               buffer_groups=buffer_groups))
+    rl = _StubRL(RLConfig(prompts_per_step=4, max_staleness=2, sync_every=sync, min_ready_batches=2,
+                          buffer_groups=buffer_groups), collect_s=0.03)
     with caplog.at_level("WARNING", logger="train.rl.pipeline"):
         pipe = Pipeline(rl, batches=6)
     try:
@@ -576,16 +571,8 @@ def test_rollout_busy_frac_counts_each_batchs_time_in_the_steps_it_spans():
     counted in the step in which it finished (steps alternated 1.0 and 0.0); now each step counts the part of
     a batch that ran since the previous step's metrics, the one still in progress included."""
 
-    class Even(_StubRL):
-        def collect(self):
-            time.sleep(0.05)
-            return super().collect()
-
-        def train_on(self, groups):
-            time.sleep(0.05)
-            return super().train_on(groups)
-
-    rl = Even(RLConfig(prompts_per_step=4, max_staleness=2, sync_every=1, min_ready_batches=2))
+    rl = _StubRL(RLConfig(prompts_per_step=4, max_staleness=2, sync_every=1, min_ready_batches=2), collect_s=0.05,
+                 train_s=0.05)
     pipe = Pipeline(rl)
     try:
         ms = [pipe.step() for _ in range(8)]
@@ -600,14 +587,8 @@ def test_evictions_between_the_last_step_and_a_checkpoint_are_reported_after_the
     the checkpoint keeps what was already reported, so the resumed pipeline's steps report the rest: the
     per-step counts of both pipelines add up to the buffer's counter (the resumed run had lost those)."""
 
-    class Slow(_StubRL):
-        def collect(self):
-            time.sleep(0.01)
-            return super().collect()
-
-        def train_on(self, groups):
-            time.sleep(0.1)
-            return super().train_on(groups)
+    def Slow(cfg):  # noqa: N802
+        return _StubRL(cfg, collect_s=0.01, train_s=0.1)
 
     cfg = RLConfig(prompts_per_step=4, max_staleness=2, sync_every=1, min_ready_batches=1, buffer_groups=4)
     rl = Slow(cfg)

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import threading
 import time
 
 import pytest
