@@ -90,8 +90,8 @@ class Checkpointer:
     def latest_loadable(self, warn=print) -> tuple[Path | None, tuple[dict, dict] | None]:
         """The newest complete checkpoint whose files read back (:func:`read_back`), with its trainer state and
         ``state.json`` (as :func:`load_trainer_state` gives them). Newer ones that are damaged (after they were
-        marked complete: a disk error, a hand edit) are renamed ``step-N.unreadable``, each named by ``warn`` in one line with the file that
-        failed. Nothing is moved unless an older one reads back: when none does, a ``ValueError`` names each
+        marked complete: a disk error, a hand edit) are renamed ``step-N.unreadable``, each named by ``warn`` in
+        one line with the file that failed. Nothing is moved unless an older one reads back: when none does, a ``ValueError`` names each
         with what failed (the stage is not started over from step 0 behind the user's back), and a checkpoint
         whose ``trainer_state.pt`` holds an object this code cannot rebuild stops the run as well (a code error:
         every checkpoint of the run pickled the same classes)."""

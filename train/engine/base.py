@@ -94,7 +94,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.stop must be non-empty strings, got {self.stop!r}")
         # token ids >= 0 (a negative one masked the vocabulary's last token under min_tokens)
         if not all(_token_id(t) for t in self.stop_token_ids):
-            raise ValueError(f"SamplingParams.stop_token_ids must be token ids (integers >= 0), got {self.stop_token_ids!r}")
+            raise ValueError(f"SamplingParams.stop_token_ids must be token ids (integers >= 0), "
+                             f"got {self.stop_token_ids!r}")
         self.stop_token_ids = [operator.index(t) for t in self.stop_token_ids]
         bias = {}
         for k, v in dict(self.logit_bias or {}).items():
