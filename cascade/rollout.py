@@ -160,6 +160,7 @@ class ServerPool:
             log.close()
 
     def _wait(self, url: str) -> None:
+        import urllib.error
         import urllib.request
 
         t0 = time.monotonic()
@@ -175,6 +176,12 @@ class ServerPool:
                 with urllib.request.urlopen(req, timeout=2) as r:
                     if r.status == 200:
                         return
+            except urllib.error.HTTPError as e:  # up, but refusing the run's key: no wait makes it take it
+                if e.code in (401, 403):
+                    raise RunFailure(f"rollout server {url} refused the run's API key (HTTP {e.code}): set "
+                                     f"rollout.api_key, not --api-key in rollout.server_args (log: {self._log(url)})"
+                                     ) from None
+                time.sleep(0.2)
             except OSError:
                 time.sleep(0.2)
         raise RunFailure(f"rollout server {url} did not answer within {self.timeout:.0f} s (rollout.startup_timeout_s; "

@@ -344,6 +344,13 @@ def test_a_server_that_cannot_start_is_one_line(warm_dir, tmp_path):
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     assert "exited with code 2 while starting: " in r.stderr and "unrecognized arguments: --bogus" in r.stderr
     assert "server-0.log" in r.stderr
+    # an --api-key of its own: the server is up but refuses the run's key (reported as a startup timeout, after
+    # rollout.startup_timeout_s, before)
+    t0 = time.monotonic()
+    r = cascade_here("run", f"out={tmp_path / 'run2'}", f"model={warm_dir}", *STAGE, "rollout.servers=1",
+                     "rollout.server_args=--api-key other", "rollout.startup_timeout_s=600")
+    assert r.returncode == 1 and time.monotonic() - t0 < 300, r.stderr[-2000:]
+    assert "refused the run's API key (HTTP 401): set rollout.api_key, not --api-key" in r.stderr
 
 
 def test_servers_on_another_weights_directory_are_refused_before_training(warm_dir, tmp_path):
