@@ -6,7 +6,7 @@ searches for puzzles with a minimum number of moves and may not return). Two saf
 * **Caps found by the self-check.** ``cascade envs check`` runs every ``generate`` under a time
   bound (:data:`GENERATE_TIME_LIMIT` seconds, or the environment's ``generate_time_limit``); an
   environment whose generator exceeds it at difficulty ``d`` is capped at ``d - 1`` and the cap is
-  recorded in ``envs/difficulty_caps.json`` (``{id: {"max_difficulty", "reason", "limit_s"}}``).
+  recorded in ``envs/difficulty_caps.json`` (``{id: {"max_difficulty", "reason"}}``, the reason naming the limit).
   :func:`envs.base.get_env` reads the file and lowers the environment's ``max_difficulty`` to the
   cap, so curricula never schedule a capped level.
 * **A bound at run time.** Environments that set ``generate_time_limit`` (the third-party
@@ -48,7 +48,7 @@ def caps_path() -> Path:
 
 
 def load_caps(path: str | Path | None = None) -> dict[str, dict]:
-    """``{env_id: {"max_difficulty", "reason", "limit_s"}}`` from the caps file ({} if none)."""
+    """``{env_id: {"max_difficulty", "reason"}}`` from the caps file ({} if none)."""
     p = Path(path) if path is not None else caps_path()
     try:
         mtime = p.stat().st_mtime
