@@ -134,17 +134,19 @@ def test_four_stages_each_start_from_the_previous(tiny_run):
         assert st["started_from"] == str(out / "stages" / prev / "final")
     assert [s["steps"] for s in states] == [4, 2, 2, 2]
     # the length reward's run state runs on across stages: one c schedule (tiny: 0.1 -> 1.0 over 100
-    # updates) whose position each final/ hands on, never restarted at a stage's start; behavioral RL
-    # has none. (The tiny policy may solve nothing, so the schedule may not have moved.)
+    # RL steps, a step that trained nothing included) whose position each final/ hands on, never restarted at a
+    # stage's start; behavioral RL has none. (The tiny policy may solve nothing, so no step may report c.)
     from train.rl.shaping import LengthRewardConfig
 
     rl_recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    coefs = [x["length_coef"] for x in rl_recs if x["phase"] == "rl" and "length_coef" in x]
+    shaped = [x for x in rl_recs if x["phase"] == "rl" and x["stage"] != "behavior"]  # (its position: the index)
     sched = LengthRewardConfig(coef_start=0.1, coef=1.0, ramp_steps=100)
-    assert coefs == pytest.approx([sched.coef_at(i) for i in range(len(coefs))])
-    per_stage = [sum(1 for x in rl_recs if x["stage"] == n[2:] and "length_coef" in x) for n in names]
+    assert [x["length_coef"] for x in shaped if "length_coef" in x] == pytest.approx(
+        [sched.coef_at(i) for i, x in enumerate(shaped) if "length_coef" in x])
+    assert not any("length_coef" in x for x in rl_recs if x["stage"] == "behavior")
+    per_stage = [sum(1 for x in shaped if x["stage"] == n[2:]) for n in names]
     handed = [s["length_reward"]["steps"] for s in states]
-    assert handed == [sum(per_stage[:i + 1]) for i in range(4)] and per_stage[3] == 0
+    assert handed == [sum(per_stage[:i + 1]) for i in range(4)] and per_stage[3] == 0 and handed[2] > 0
     assert "rare_token_top1" in next(x for x in rl_recs if x["phase"] == "rl")
     # stage data: the warm-up's response cap lifts at half its RL steps (tiny: 32 then 40 tokens); the math
     # stage's two phases (tiny: 40 + 40 steps, scaled to the 2 run here) switch after its first RL step; every
