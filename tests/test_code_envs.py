@@ -621,3 +621,30 @@ def test_prepare_fails_early_where_the_sandbox_cannot_run():
     weaker._judge = Judge(sbx.Sandbox(sbx.SandboxConfig(allow_weaker=True), _layers=missing))
     weaker.prepare()
     get_env("code/io_predict").prepare()  # this machine's sandbox runs
+
+
+_NAIVE = {  # programs right on small inputs, too slow (or too deep) at the stated sizes
+ "rotate-right": "n, k = map(int, input().split())\na = input().split()\nfor _ in range(k):\n    a.insert(0, a.pop())\nprint(' '.join(a))\n",
+ "balanced-brackets": "s = input().strip()\nwhile True:\n    t = s.replace('()', '').replace('[]', '').replace('{}', '')\n    if t == s:\n        break\n    s = t\nprint('YES' if not s else 'NO')\n",
+ "kth-smallest": "n, k = map(int, input().split())\na = list(map(int, input().split()))\nfor _ in range(k - 1):\n    a.remove(min(a))\nprint(min(a))\n",
+ "bfs-distance": "import sys\nsys.setrecursionlimit(10000)\nt = sys.stdin.read().split()\nn, m = int(t[0]), int(t[1])\ng = [[] for _ in range(n + 1)]\nfor i in range(m):\n    a, b = int(t[2+2*i]), int(t[3+2*i]); g[a].append(b); g[b].append(a)\nbest = [None]\ndef dfs(u, d, seen):\n    if u == n:\n        best[0] = d if best[0] is None else min(best[0], d); return\n    for v in g[u]:\n        if v not in seen:\n            seen.add(v); dfs(v, d + 1, seen); seen.discard(v)\ndfs(1, 0, {1})\nprint(best[0] if best[0] is not None else -1)\n",
+ "dijkstra": "import sys\nt = sys.stdin.read().split()\nn, m = int(t[0]), int(t[1])\nE = [(int(t[2+3*i]), int(t[3+3*i]), int(t[4+3*i])) for i in range(m)]\nINF = float('inf')\nd = [INF] * (n + 1); d[1] = 0\nchanged = True\nwhile changed:\n    changed = False\n    for u, v, w in E:\n        if d[u] + w < d[v]: d[v] = d[u] + w; changed = True\n        if d[v] + w < d[u]: d[u] = d[v] + w; changed = True\nprint(d[n] if d[n] < INF else -1)\n",
+ "merge-intervals": "n = int(input())\nI = [list(map(int, input().split())) for _ in range(n)]\nchanged = True\nwhile changed:\n    changed = False\n    for i in range(len(I)):\n        for j in range(i + 1, len(I)):\n            if I[i][0] <= I[j][1] and I[j][0] <= I[i][1]:\n                I[i] = [min(I[i][0], I[j][0]), max(I[i][1], I[j][1])]; del I[j]; changed = True; break\n        if changed: break\nI.sort()\nprint(len(I))\nfor l, r in I: print(l, r)\n",
+}
+
+
+def test_naive_programs_that_passed_the_small_tests_fail_at_the_stated_sizes(judge):
+    """Six seeds had only small tests: an O(n k) rotation (k up to 10^9), deleting matched bracket pairs over and
+    over, k rounds of removing the minimum, a recursive search, relaxing every edge until nothing changes, pairwise
+    interval merging all passed every test (and earned the reward). Each seed now has a test at its stated sizes
+    (answers computed in envs/code/seeds.py without its reference) that they fail, and pass the small ones."""
+    def run(sid):
+        s = next(x for x in SEEDS if x.id == sid)
+        small = [t for t in s.tests if len(t["input"]) < 1000]
+        big = [t for t in s.tests if len(t["input"]) >= 1000]
+        return (sid, judge.judge(_NAIVE[sid], small, time_limit=2.0).accepted,
+                judge.judge(_NAIVE[sid], big, stop_on_failure=True, time_limit=1.0).accepted)
+
+    with ThreadPoolExecutor(2) as pool:
+        out = list(pool.map(run, _NAIVE))
+    assert [(sid, small, big) for sid, small, big in out] == [(sid, True, False) for sid in _NAIVE], out

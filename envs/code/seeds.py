@@ -242,6 +242,47 @@ def _big_coins() -> tuple[str, str]:
     return f"{k_max} {amount}\n{' '.join(map(str, range(1, k_max + 1)))}\n", str(total % MOD)
 
 
+def _big_brackets() -> list[tuple[str, str]]:
+    """10^5 brackets nested to depth 5*10^4 (balanced) and the same with its last bracket wrong: a solution that
+    deletes matched pairs over and over takes ~10^10 steps."""
+    half = 25000
+    ok = "([" * half + "])" * half
+    return [(ok, "YES"), (ok[:-1] + "]", "NO")]
+
+
+def _big_kth() -> tuple[str, str]:
+    a = [(i * 7919 + 12345) % 2000000001 - 1000000000 for i in range(100000)]
+    return f"{len(a)} 50000\n{' '.join(map(str, a))}\n", str(sorted(a)[49999])
+
+
+def _big_path(weighted: bool) -> tuple[str, str]:
+    """A path 1 - 2 - ... - 10^5 given from its far end (edges n-1..1): without weights 99,999 edges from 1 to n (a
+    recursive search runs out of stack); with them (1000 per path edge) and a shortcut 1 - n of 10^9, the path
+    (99,999,000). Relaxing edges in input order until nothing changes takes 10^5 passes: too slow."""
+    n = 100000
+    edges = [(i, i + 1) for i in range(n - 1, 0, -1)]
+    if not weighted:
+        return f"{n} {len(edges)}\n" + "".join(f"{u} {v}\n" for u, v in edges), str(n - 1)
+    edges.append((1, n))
+    w = [1000] * (n - 1) + [10 ** 9]
+    return (f"{n} {len(edges)}\n" + "".join(f"{u} {v} {x}\n" for (u, v), x in zip(edges, w)),
+            str(min(1000 * (n - 1), 10 ** 9)))
+
+
+def _big_rotate() -> tuple[str, str]:
+    """n = 10^5, k = 999,999,937 (k mod n = 99,937): rotating one step at a time takes k steps."""
+    n, k = 100000, 999999937
+    a = [(i * 31) % 1000003 for i in range(n)]
+    return f"{n} {k}\n{' '.join(map(str, a))}\n", " ".join(str(a[(i - k) % n]) for i in range(n))
+
+
+def _big_intervals() -> tuple[str, str]:
+    """10^5 intervals [i, i+1] in a shuffled order (i * 7919 mod 10^5; 7919 is prime to 10^5): each touches the
+    next, so they merge into one [0, 10^5]; a pairwise merge is quadratic."""
+    n = 100000
+    return f"{n}\n" + "".join(f"{j} {j + 1}\n" for j in ((i * 7919) % n for i in range(n))), f"1\n0 {n}"
+
+
 def _big_knapsack() -> tuple[str, str]:
     """100 items (the most allowed) of weights 100..199, each worth 7 per unit of weight, W = 10^4: some subset
     weighs exactly 10^4 (the sums of k consecutive integers fill a range: 60 of them reach 7770..10170), so the
@@ -371,7 +412,7 @@ def _raw() -> list[dict]:
          wrong=["s = input().strip()\nok = all(s.count(a) == s.count(b) for a, b in ('()', '[]', '{}'))\n"
                 "print('YES' if ok else 'NO')\n"],
          validator=_v_word(1, 10**5, alphabet="()[]{}"),
-         tests=_t(("()[]{}", "YES"), ("([)]", "NO"), ("((", "NO"), ("{[()]}", "YES"), (")(", "NO"))),
+         tests=_t(("()[]{}", "YES"), ("([)]", "NO"), ("((", "NO"), ("{[()]}", "YES"), (")(", "NO"), *_big_brackets())),
     dict(id="transpose", title="Transpose a matrix", difficulty=1,
          statement="Print the transpose of an r x c integer matrix.",
          input_spec="The first line holds r and c (1 <= r, c <= 100); then r lines of c integers each.",
@@ -443,7 +484,8 @@ def _raw() -> list[dict]:
          validator=_lines(count=2, first=2) +
                    "t = [int(x) for x in s.split()]\nn, k = t[0], t[1]\n"
                    "assert 1 <= k <= n <= 10**5 and len(t) == n + 2 and all(abs(x) <= 10**9 for x in t[2:])\n",
-         tests=_t(("5 2\n5 1 4 2 3", "2"), ("3 3\n7 7 1", "7"), ("1 1\n-4", "-4"), ("4 1\n10 -10 0 5", "-10"))),
+         tests=_t(("5 2\n5 1 4 2 3", "2"), ("3 3\n7 7 1", "7"), ("1 1\n-4", "-4"), ("4 1\n10 -10 0 5", "-10"),
+                  _big_kth())),
     dict(id="lis-length", title="Longest increasing subsequence", difficulty=3,
          statement="Print the length of the longest strictly increasing subsequence (not necessarily contiguous).",
          input_spec="The first line holds n (1 <= n <= 2*10^5); the second line n integers of absolute value at most 10^9.",
@@ -526,7 +568,7 @@ def _raw() -> list[dict]:
                 "        if d[v] < 0:\n            d[v] = d[u] + 1\n            q.append(v)\nprint(d[n])\n"],
          validator=_V_GRAPH.format(k=2),
          tests=_t(("4 4\n1 2\n2 3\n3 4\n1 3", "2"), ("3 1\n1 2", "-1"), ("2 1\n2 1", "1"), ("1 0", "0"),
-                  ("5 4\n5 4\n4 3\n3 2\n2 1", "4"))),
+                  ("5 4\n5 4\n4 3\n3 2\n2 1", "4"), _big_path(False))),
     dict(id="dijkstra", title="Shortest road", difficulty=3,
          statement="Roads join towns 1..n; each road has a length. Print the length of the shortest route from town 1 to town n, or -1 if there is none.",
          input_spec="The first line holds n and m (1 <= n <= 10^5, 0 <= m <= 2*10^5); then m lines u v w: a two-way road of length w (1 <= w <= 10^9).",
@@ -543,7 +585,8 @@ def _raw() -> list[dict]:
                 "    for v, w in g[u]:\n        if d[v] < 0:\n            d[v] = d[u] + w\n            q.append(v)\nprint(d[n])\n"],
          validator=_V_GRAPH.format(k=3),
          tests=_t(("3 3\n1 2 1\n2 3 1\n1 3 5", "2"), ("2 0", "-1"), ("4 4\n1 2 5\n1 3 1\n3 2 1\n2 4 1", "3"), ("1 0", "0"),
-                  ("3 2\n1 2 1000000000\n2 3 1000000000", "2000000000"), ("3 2\n2 1 4\n3 2 1", "5"))),  # (roads both ways)
+                  ("3 2\n1 2 1000000000\n2 3 1000000000", "2000000000"), ("3 2\n2 1 4\n3 2 1", "5"),  # (both ways)
+                  _big_path(True))),
     dict(id="knapsack", title="Knapsack", difficulty=3,
          statement="Choose items, each at most once, of total weight at most W and the largest total value. Print that value.",
          input_spec="The first line holds n and W (1 <= n <= 100, 0 <= W <= 10^4); then n lines with the weight (1 to 10^4) and value (0 to 10^6) of an item.",
@@ -577,7 +620,7 @@ def _raw() -> list[dict]:
          wrong=["n, k = map(int, input().split())\na = input().split()\nprint(' '.join(a[-k:] + a[:-k]) if k else ' '.join(a))\n"],
          validator=_v_list(1, 10**5, -10**9, 10**9, head=1, head_lo=0, head_hi=10**9),
          tests=_t(("5 2\n1 2 3 4 5", "4 5 1 2 3"), ("3 4\n1 2 3", "3 1 2"), ("1 100\n7", "7"), ("4 0\n1 2 3 4", "1 2 3 4"),
-                  ("3 7\n1 2 3", "3 1 2"))),
+                  ("3 7\n1 2 3", "3 1 2"), _big_rotate())),
     dict(id="run-length", title="Run-length encoding", difficulty=1,
          statement="Encode a word by writing each maximal run of one letter as the letter followed by the run's length.",
          input_spec="One word of 1 to 1000 lowercase letters.",
@@ -612,7 +655,8 @@ def _raw() -> list[dict]:
                    "t = [int(x) for x in s.split()]\nn = t[0]\nassert 1 <= n <= 10**5 and len(t) == 1 + 2 * n\n"
                    "assert all(0 <= t[1 + 2 * i] <= t[2 + 2 * i] <= 10**9 for i in range(n))\n",
          tests=_t(("3\n1 3\n2 6\n8 10", "2\n1 6\n8 10"), ("2\n5 7\n1 2", "2\n1 2\n5 7"), ("2\n1 3\n3 5", "1\n1 5"),
-                  ("3\n1 10\n2 3\n4 5", "1\n1 10"), ("2\n1 2\n3 4", "2\n1 2\n3 4"))),  # (one apart: not touching)
+                  ("3\n1 10\n2 3\n4 5", "1\n1 10"), ("2\n1 2\n3 4", "2\n1 2\n3 4"),  # (one apart: not touching)
+                  _big_intervals())),
     dict(id="word-frequency", title="Most frequent word", difficulty=2,
          statement="Print the most frequent word of a text and its count; among equally frequent words print the "
                    "alphabetically smallest.",
