@@ -642,6 +642,7 @@ def test_naive_programs_that_passed_the_small_tests_fail_at_the_stated_sizes(jud
         s = next(x for x in SEEDS if x.id == sid)
         small = [t for t in s.tests if len(t["input"]) < 1000]
         big = [t for t in s.tests if len(t["input"]) >= 1000]
+        assert big, f"{sid} has no test at its stated sizes"
         return (sid, judge.judge(_NAIVE[sid], small, time_limit=2.0).accepted,
                 judge.judge(_NAIVE[sid], big, stop_on_failure=True, time_limit=1.0).accepted)
 
