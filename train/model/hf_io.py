@@ -137,10 +137,8 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
             out[f"{prefix}.down_proj"] = torch.stack([per[e]["down_proj"] for e in range(cfg.num_experts)])
         except KeyError as e:
             raise CheckpointError(f"{prefix}: an expert lacks {e}") from None
-    if cfg.tie_word_embeddings:
-        head = out.pop("lm_head.weight", None)
-        if head is not None and "model.embed_tokens.weight" in out:
-            check_tied_head(head, out["model.embed_tokens.weight"])
+    if cfg.tie_word_embeddings:  # (a checkpoint's own head is checked where files are read: stream_into)
+        out.pop("lm_head.weight", None)
     return out
 
 
