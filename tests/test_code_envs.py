@@ -599,8 +599,10 @@ def test_only_boxed_tasks_leave_out_tests_with_braces():
     s = BY_ID["balanced-brackets"]
     braces = {i for i, t in enumerate(s.tests) if "{" in t["input"] + t["output"]}
     assert braces
+    small = [i for i, t in enumerate(s.tests) if len(t["input"]) < 1000]  # (its 10^5-bracket tests are not shown)
+    assert len(small) < len(s.tests)
     for env_id in ("code/solve", "code/arc", "code/falsify"):
-        assert get_env(env_id).shown_tests(s) == list(range(len(s.tests))), env_id
+        assert get_env(env_id).shown_tests(s) == small, env_id
     for env_id in ("code/io_predict", "code/io_propose"):
         assert not set(get_env(env_id).shown_tests(s)) & braces, env_id
     p = _seed_env("code/solve", "balanced-brackets").generate(0, 2)
