@@ -50,7 +50,7 @@ class LogitsProcessors:
             self.bias = torch.zeros(vocab, device=device)
             self.bias[torch.tensor(list(p.logit_bias), dtype=torch.long, device=device)] = torch.tensor(
                 list(p.logit_bias.values()), device=device)
-        self.stop_ids = torch.tensor(sorted(t for t in stop_ids if 0 <= t < vocab), dtype=torch.long, device=device)
+        self.stop_ids = torch.tensor(sorted(t for t in stop_ids if t < vocab), dtype=torch.long, device=device)
         self.counts = self.in_prompt = None
         if p.penalized:
             self.counts = torch.zeros(rows, vocab, device=device)
