@@ -123,6 +123,11 @@ later: the prefix cache's weights fingerprint in one pass, tails sent as text cu
 token-id path); defaults, one run, a short test run beside it for part of the time): toy 1.42, real 1.11 (4.59 ->
 4.13 s), long 1.50 (8.72 -> 5.81 s); shared-prefix steps 1.15x, 1.26x, 1.09x, 1.80x; ``concurrency_speedup`` 2.03
 (4.91 -> 2.42 s), ``_short`` 1.64, ``local`` 2.51; at two threads 2.89 (4.57 -> 1.58 s), local 3.06; same results.
+At fc73bd7 (2026-12-07, another machine (AMD EPYC): ttc's backend stops a failed round and retries unfinished replies,
+the server reads boolean fields as booleans and encodes text prompts with add_special_tokens (token ids here);
+defaults, one run, alone): toy 1.36, real 1.03 (4.93 -> 4.78 s; pairs 0.79-1.11), long 1.39 (9.87 -> 7.08 s);
+shared-prefix steps 1.16x, 1.13x, 1.01x, 1.24x; ``concurrency_speedup`` 2.07 (4.84 -> 2.34 s), ``_short`` 1.68,
+``local`` 2.41; at two threads 2.76, local 3.41; same outputs and results.
 
 Measured on this project's 2-core CPU (2026-12-02, defaults, tiny-moe, 1 thread, quiet machine, commit
 e6feb3e, three runs): ``concurrency_speedup`` 2.17, 2.21, 2.13 (one problem at a time 3.73-3.80 s, 64 in

@@ -66,6 +66,9 @@ compared them rounded to 5 decimals, said they differed, while they differed by 
 At 6e4e5fe (2026-12-06, later: math-verify's and the sandbox's workers wait with poll; one run, alone): ``code`` 1.10 s,
 1.35x with 2, 1.38x with 4; ``math`` 0.34 s (repeats 0.18-0.48 s), 2.80x with 2, 5.03x with 4; ``reward_model``
 0.107 -> 0.065 s (1.65x); same scores.
+At fc73bd7 (2026-12-07, another machine (AMD EPYC); six code seeds gained tests at their stated sizes, 10^5-element
+inputs; one run, alone): ``code`` 2.23 s, 1.48x with 2, 1.47x with 4 (22 correct); ``math`` 0.31 s (repeats
+0.21-0.69 s), 2.21x with 2, 3.69x with 4; ``reward_model`` 0.161 -> 0.105 s (1.53x); same scores.
 ``reward_model`` (one run, 2026-12-04): 0.116 s one at a time, 0.063 s batched (1.84x; 38 of 64 scored by the
 model), same scores; a model this small is mostly per-call overhead, and a real reward model on a GPU was
 not measured.
