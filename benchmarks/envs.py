@@ -40,7 +40,12 @@ of a generation and a verification). At db4d818 (2026-12-06, later: the rc adapt
 ``_seeded``, the worker's sympy name check written once, the code validators' line checks shared; one run, alone):
 2,046 (own 1,182, rc 1,303, rg 1,000, rlve 5,626), ``problems_per_s`` 74 (own 2,620, rc 18.5, rg 15.6, rlve 1,016),
 median 0.318 ms; ``reference_not_credited`` empty, 71 environments without oracle answers; slowest generators
-rg/number_sequence 4.1 s and rg/countdown 1.1 s per problem.
+rg/number_sequence 4.1 s and rg/countdown 1.1 s per problem. At fc73bd7 (2026-12-07, another machine (AMD EPYC): six
+code seeds gained tests of 10^5 elements, which every code verification of them runs; toy/add and toy/max capped;
+one run, alone): 1,418 (own 702, rc 1,034, rg 828, rlve 3,985), ``problems_per_s`` 59.5 (own 1,491, rc 13.4, rg
+13.2, rlve 879), median 0.377 ms; ``reference_not_credited`` empty, 71 without oracle answers; slowest generators
+rg/number_sequence 4.7 s and rg/countdown 1.4 s per problem (the whole machine slower: rlve, unchanged, 3,985
+against 5,626).
 """
 from __future__ import annotations
 
