@@ -368,3 +368,20 @@ def test_bf16_fp32_residual_in_sharded_layouts(results):
         for part in parts:
             on, off = vals[f"bf16res{W}.{name}.on.{part}"], vals[f"bf16res{W}.{name}.off.{part}"]
             assert on < 0.25 * off, (name, part, on, off)
+
+
+def test_track_records_collectives_issued_on_another_thread():
+    """On CUDA autograd runs backward on its own device thread: a backward collective recorded there
+    (here: a plain thread standing in for it) reaches the tracker of the ``track()`` around it. The
+    trackers were thread-local: the backward's reduce-scatter was lost (benchmarks under-counted)."""
+    import threading
+
+    from train.parallel import comm
+
+    with comm.track() as t:
+        comm._record("all_gather", 8, 8)
+        th = threading.Thread(target=comm._record, args=("reduce_scatter.bwd", 8, 8, "layer0"))
+        th.start()
+        th.join()
+    comm._record("all_gather", 8, 8)  # after the block: not recorded
+    assert [r[:2] for r in t.records] == [("-", "all_gather"), ("layer0", "reduce_scatter.bwd")]

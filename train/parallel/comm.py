@@ -63,45 +63,54 @@ class CommTracker:
         return sum(r[3] for r in self.records)
 
 
+# Trackers are process-wide: on CUDA, autograd runs backward on its own device thread, so a
+# thread-local list would miss every backward collective. Tags stay per thread (backward carries the
+# tag its forward had in ``ctx.tag``).
+_trackers: list[CommTracker] = []
+_trackers_lock = threading.Lock()
 _state = threading.local()
 
 
-def _trackers() -> list[CommTracker]:
-    if not hasattr(_state, "trackers"):
-        _state.trackers, _state.tags = [], []
-    return _state.trackers
+def _tags() -> list[str]:
+    if not hasattr(_state, "tags"):
+        _state.tags = []
+    return _state.tags
 
 
 def current_tag() -> str:
-    _trackers()
-    return "/".join(_state.tags) if _state.tags else "-"
+    tags = _tags()
+    return "/".join(tags) if tags else "-"
 
 
 @contextlib.contextmanager
 def track():
-    """``with track() as t:`` records every collective run inside (forward and backward)."""
+    """``with track() as t:`` records every collective run inside (forward and backward, whichever
+    thread autograd runs the backward on)."""
     t = CommTracker()
-    _trackers().append(t)
+    with _trackers_lock:
+        _trackers.append(t)
     try:
         yield t
     finally:
-        _trackers().remove(t)
+        with _trackers_lock:
+            _trackers.remove(t)
 
 
 @contextlib.contextmanager
 def tag(name: str):
     """Label the collectives issued inside (e.g. ``layer3.attn``); a backward pass is labelled with
     the tag its forward had, plus ``.bwd`` on the op."""
-    _trackers()
-    _state.tags.append(name)
+    _tags().append(name)
     try:
         yield
     finally:
-        _state.tags.pop()
+        _tags().pop()
 
 
 def _record(op: str, sent: float, recv: float, tag_: str | None = None) -> None:
-    for t in _trackers():
+    with _trackers_lock:
+        active = list(_trackers)
+    for t in active:
         t.add(op, sent, recv, tag_)
 
 
