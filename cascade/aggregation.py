@@ -249,7 +249,8 @@ def sample_rollouts(engine, tokenizer, picks: list[tuple[str, Problem]], n: int,
                     system: str | None = None, max_prompt_tokens: int = 0, chunk: int = 0,
                     advance=None) -> list[tuple[str, Problem, list]]:
     """``n`` completions of ``engine`` for each problem (prompts too long for ``max_prompt_tokens``
-    skipped), ``chunk`` problems per engine call: [(env_id, problem, completions)]."""
+    skipped), ``chunk`` problems per engine call: [(env_id, problem, completions)]. A seeded ``params``
+    gives each call the seed plus the index of its first problem, as :func:`cascade.evaluation.avg_at_k` does."""
     from train.rl.trainer import encode_prompt
 
     enc = [(e, p, encode_prompt(tokenizer, p.prompt, chat, system)) for e, p in picks]
@@ -259,7 +260,9 @@ def sample_rollouts(engine, tokenizer, picks: list[tuple[str, Problem]], n: int,
     size = chunk if chunk > 0 else max(len(enc), 1)
     for i in range(0, len(enc), size):
         part = enc[i:i + size]
-        comps = engine.generate([x[2] for x in part], params)
+        # each chunk its own streams (engines seed rows by their index in the call: chunks shared them all)
+        p = params if params.seed is None else replace(params, seed=params.seed + i)
+        comps = engine.generate([x[2] for x in part], p)
         by = [[] for _ in part]
         for c in comps:
             by[c.prompt_index].append(c)

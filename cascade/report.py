@@ -72,6 +72,8 @@ def summarize(run_dir: Path) -> list[dict]:
 
 
 def plot(run_dir: Path, png: Path) -> Path:
+    """Plot the run's RL steps, stage after stage (a stage without RL steps, SFT only, one x slot), to ``png``
+    (``.png`` added to a name without a suffix); returns the path written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -81,17 +83,20 @@ def plot(run_dir: Path, png: Path) -> Path:
     recs = [r for r in all_recs if r["phase"] == "rl"]
     evals = {r["stage"]: r for r in all_recs if r["phase"] == "eval" and r.get("accuracy_after") is not None
              and r.get("accuracy_after_by_family") != {}}  # eval_problems=0 scores nothing
-    stage_order = list(dict.fromkeys(r["stage"] for r in sorted(recs, key=lambda r: r["time"])))
+    # every stage that trained or was scored, SFT-only ones (steps=0) too: the table shows them all
+    stage_order = list(dict.fromkeys(r["stage"] for r in sorted(all_recs, key=lambda r: r["time"])
+                                     if r["phase"] in ("sft", "rl", "eval")))
     fig, axes = plt.subplots(len(PANELS), 1, figsize=(9, 10), sharex=True)
     offset = 0
     nan = float("nan")
     for st in stage_order:
-        rs = sorted((r for r in recs if r["stage"] == st), key=lambda r: r["step"])
+        # a stage without RL steps (SFT only): one slot, with no points but its held-out score
+        rs = sorted((r for r in recs if r["stage"] == st), key=lambda r: r["step"]) or [{}]
         xs = [offset + i for i in range(len(rs))]
         for ax, (key, _) in zip(axes, PANELS):
             if key == "held_out":  # the stage's held-out score before (first step) and after (last step)
                 ev = evals.get(st)
-                if ev is not None and xs:
+                if ev is not None:
                     ax.plot([xs[0], xs[-1]], [ev.get("accuracy_before", nan), ev["accuracy_after"]], marker="o")
                     ax.annotate(f"{ev.get('accuracy_before', nan):.2f}->{ev['accuracy_after']:.2f}",
                                 (xs[-1], ev["accuracy_after"]), fontsize=7, ha="right", va="bottom")
@@ -114,6 +119,7 @@ def plot(run_dir: Path, png: Path) -> Path:
     axes[-1].set_xlabel("RL step (stages in order)")
     fig.suptitle(f"Cascade run {run_dir}")
     fig.tight_layout()
+    png = png if png.suffix else png.with_name(png.name + ".png")  # what matplotlib writes for a bare name
     fig.savefig(png, dpi=100)
     plt.close(fig)
     return png

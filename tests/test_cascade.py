@@ -229,6 +229,56 @@ def test_report_max_difficulty_is_the_peak_and_no_held_out_set_scores_nothing(tm
     assert s["accuracy_before"] is None and s["accuracy_after"] is None
 
 
+def test_report_writes_the_plot_where_it_says(tmp_path, capsys):
+    """``--png out`` (no extension): matplotlib wrote out.png while the report named ``out``, a file that did not
+    exist; the plot goes to out.png and the report names it."""
+    from cascade.report import main
+
+    recs = [{"stage": "math", "phase": "rl", "step": i, "time": i, "reward_mean": 0.5, "accuracy": 0.5} for i in range(2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert main([str(tmp_path), "--png", str(tmp_path / "plot")]) == 0
+    png = Path(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["png"])
+    assert png == tmp_path / "plot.png" and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_report_plots_a_stage_without_rl_steps(tmp_path, monkeypatch):
+    """A stage with steps=0 (SFT only) had no line, legend entry nor held-out point in the plot, though the table
+    shows it: it takes one x slot, where its held-out score goes from before to after."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from cascade import report
+
+    recs = [{"stage": "warmup", "phase": "eval", "step": 0, "time": 0, "accuracy_before": 0.0, "eval_k": 4,
+             "accuracy_before_by_family": {"toy": 0.0}}]
+    recs += [{"stage": "warmup", "phase": "sft", "step": i, "time": 1 + i, "sft_loss": 1.0} for i in range(5)]
+    recs += [{"stage": "warmup", "phase": "eval", "step": 5, "time": 9, "accuracy_before": 0.0, "accuracy_after": 0.8,
+              "eval_k": 4, "accuracy_before_by_family": {"toy": 0.0}, "accuracy_after_by_family": {"toy": 0.8},
+              "difficulty_start": {}, "difficulty_end": {}, "difficulty_max": {}}]
+    recs += [{"stage": "math", "phase": "rl", "step": i, "time": 20 + i, "reward_mean": 0.1, "accuracy": 0.1,
+              "difficulty": {"toy/add": 0}} for i in range(3)]
+    recs += [{"stage": "math", "phase": "eval", "step": 3, "time": 30, "accuracy_before": 0.2, "accuracy_after": 0.3,
+              "eval_k": 4, "accuracy_before_by_family": {"toy": 0.2}, "accuracy_after_by_family": {"toy": 0.3}}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    figs = []
+    monkeypatch.setattr(plt, "close", figs.append)  # keep the figure to read its axes
+    report.plot(tmp_path, tmp_path / "r.png")
+    axes = figs[0].axes
+    held = [list(zip(ln.get_xdata(), ln.get_ydata())) for ln in axes[-1].lines if ln.get_marker() == "o"]
+    # warmup at x=0 (its one slot), math's 3 RL steps at x=1..3
+    assert held == [[(0, 0.0), (0, 0.8)], [(1, 0.2), (3, 0.3)]]
+    assert [t.get_text() for t in axes[0].get_legend().get_texts()] == ["warmup", "math"]
+    reward = [ln for ln in axes[0].lines if ln.get_label() == "math"]
+    assert list(reward[0].get_xdata()) == [1, 2, 3]
+    # each stage one colour in every panel
+    colours = [[ln.get_color() for ln in ax.lines if not ln.get_label().startswith("_")] for ax in axes[:3]]
+    assert colours[0] == colours[1] == colours[2] and len(set(colours[0])) == 2
+    held_colours = [ln.get_color() for ln in axes[-1].lines if ln.get_marker() == "o"]
+    assert held_colours == colours[0]
+
+
 def test_read_records_drops_what_an_abandoned_attempt_logged_past_its_resume_point(tmp_path):
     """Crash after step 7, resumed from the checkpoint at step 5: once step 6 is logged again the dead
     attempt's step 7 (and a stage-end eval it logged) are gone; records of other phases sharing a step stay."""

@@ -191,6 +191,32 @@ def test_tails_cut_to_fit_and_pacore_answers_drop_the_remnant_of_a_split_charact
     assert made > 20
 
 
+def test_sampled_rollouts_of_each_chunk_use_their_own_seed(tok):
+    """Engines seed each row by its index within one ``generate`` call: with one seed for every chunk, problem j
+    of each chunk drew problem j of chunk 0's random stream (the same samples for a prompt in two chunks). Each
+    chunk offsets the seed by its first problem's index, as :func:`cascade.evaluation.avg_at_k` does."""
+    from cascade.aggregation import sample_rollouts
+    from train.engine.base import Completion, SamplingParams
+
+    class RecordingEngine:  # records each call's seed; the engine itself is not what is tested
+        def __init__(self):
+            self.seeds = []
+
+        def generate(self, prompts, params):
+            self.seeds.append(params.seed)
+            return [Completion([1], f"{params.seed}/{i}", [0.0], "stop", prompt_index=i)
+                    for i in range(len(prompts)) for _ in range(params.n)]
+
+    picks = [("toy/add", Problem(f"What is {k}+1?", str(k + 1), "toy/add", k, 0, {})) for k in range(4)]
+    eng = RecordingEngine()
+    out = sample_rollouts(eng, tok, picks, 2, SamplingParams(n=1, seed=7), chat=False, chunk=2)
+    assert eng.seeds == [7, 9]  # chunks start at problems 0 and 2
+    assert [[c.text for c in cs] for _, _, cs in out] == [["7/0"] * 2, ["7/1"] * 2, ["9/0"] * 2, ["9/1"] * 2]
+    eng = RecordingEngine()
+    sample_rollouts(eng, tok, picks, 1, SamplingParams(n=1), chat=False, chunk=2)
+    assert eng.seeds == [None, None]  # unseeded stays unseeded
+
+
 def test_reward_model_reads_one_bos_and_a_steep_gate_does_not_overflow(tmp_path, tiny_dense_dir):
     """A Llama-3-style reward model (its chat template writes BOS, its tokenizer adds one too) reads the
     conversation as apply_chat_template(tokenize=True) gives it: one BOS. A steep gate on a very negative
