@@ -58,14 +58,15 @@ class Score:
 
 
 _BOXED = "\\boxed"
-_BRACE = re.compile(r"[{}]")
+_BRACE = re.compile(r"\\.|[{}]", re.S)  # a brace, or an escaped character: \{ \} (and \\) group nothing
 _SPACES = re.compile(r" *")
 
 
 def last_boxed_span(text: str) -> tuple[int, str] | None:
     """``(start, content)`` of the last non-empty ``\\boxed{...}`` in ``text`` whose braces balance, or None.
 
-    Linear in the length of the text (one pass pairs every brace after the first ``\\boxed``, so an
+    LaTeX's literal braces ``\\{`` and ``\\}`` (a set, ``\\left\\{`` of a piecewise function) are characters, not
+    braces. Linear in the length of the text (one pass pairs every brace after the first ``\\boxed``, so an
     output of thousands of unclosed ``\\boxed{`` costs no more than its length); never raises."""
     if not isinstance(text, str):
         return None
@@ -74,10 +75,10 @@ def last_boxed_span(text: str) -> tuple[int, str] | None:
         return None
     close: dict[int, int] = {}  # position of each "{" -> its matching "}"
     opened: list[int] = []
-    for m in _BRACE.finditer(text, first):
+    for m in _BRACE.finditer(text, first):  # (it starts on a backslash: escapes pair as from 0)
         if m.group() == "{":
             opened.append(m.start())
-        elif opened:
+        elif m.group() == "}" and opened:
             close[opened.pop()] = m.start()
     idx = text.rfind(_BOXED)
     while idx >= 0:

@@ -95,17 +95,28 @@ def math_equal(pred: Any, gold: Any, timeout: float = DEFAULT_TIMEOUT) -> bool:
 
     Safe from any thread. A comparison that does not finish in time counts as not equal. Exact
     matches after trimming whitespace, ``$`` and a final period are equal without a comparison;
-    predictions longer than ``max(2000, 20 * len(gold))`` characters are never equal.
+    predictions longer than ``max(2000, 20 * len(gold))`` characters are never equal. Digits apart
+    by a space are no number but as thousands (``1 0`` is not 10, ``1 000`` is 1000), and a
+    decimal prediction is the number it writes (``0.333333`` is not ``\\frac{1}{3}``: math-verify
+    rounds to 6 places) unless the gold is a decimal too.
     """
     if pred is None or gold is None:
         return False
     p, g = _clean(str(pred)), _clean(str(gold))
     if not p or not g:
         return False
-    if p.replace(" ", "") == g.replace(" ", ""):
+    if _squeezed(p) == _squeezed(g):
         return True
     if len(p) > max(MAX_ANSWER_CHARS, 20 * len(g)):
         return False
+    if _spaced_digits(p) and not _spaced_digits(g):  # math-verify reads "1 0" as 1*0 and "12 5" as 17
+        return False
+    decimal = _DECIMAL.fullmatch(p)
+    if decimal is not None and not _DECIMAL.fullmatch(g):  # compared exactly, as a fraction
+        try:
+            p = (decimal[1] or "") + _frac_latex(Fraction(decimal[2]))
+        except ValueError:  # (over 4,300 digits)
+            return False
     shapes = _shape(p), _shape(g)  # math-verify takes (1, 2), \{1, 2\} and "-\infty, 3" for one another
     if set(shapes) == {"set", "interval"} or shapes == ("list", "interval") and "\\infty" in g:
         return False
@@ -138,7 +149,8 @@ def _zero_format() -> Score:
 _WRAPPED = re.compile(r"\\(?:textbf|mathbf|boldsymbol|text|mathrm|textrm|mbox|operatorname)\s*\{([^{}]*)\}"
                       r"(\s*\^\s*(?:\{\s*\d+\s*\}|\d))?")  # a unit's power (cm^2) goes with the unit
 # a name before "=": x, BC, x_1, x_{12}, \theta, \angle ABC, f(2)
-_NAME_EQ = r"^\s*(?:\\[A-Za-z]+\s*)?[A-Za-z]*(?:_(?:\{[^{}]*\}|\w))?(?:\([^()=]*\))?'*\s*=\s*"
+# (possessive spaces: a command and a long run of spaces without "=" took quadratic time)
+_NAME_EQ = r"^\s*+(?:\\[A-Za-z]+\s*+)?[A-Za-z]*(?:_(?:\{[^{}]*\}|\w))?(?:\([^()=]*\))?'*\s*=\s*"
 _DECORATION = [(re.compile("\u2212"), "-"), (re.compile("\u00b0"), ""), (re.compile(_NAME_EQ), ""),
                (re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\\circ|\\%|%|\\\$|\$|\\[,!;: ]|~"), ""),
                (re.compile(r"\{,\}"), ","), (re.compile(r"\\[dt]frac"), r"\\frac"), (re.compile(r"\s+"), "")]
@@ -150,11 +162,33 @@ _MIXED = re.compile(r"([+-]?)(\d+)\\frac(?:\{(\d+)\}\{(\d+)\}|(\d)(\d))")  # 2\f
 # "10 cm", "12 units", "3 m^2" (after a space: the lookbehind, not \s+, keeps the search linear on runs of spaces)
 _UNIT_WORD = re.compile(r"(?<=\s)[A-Za-z]{2,}(?:\^\s*(?:\{\s*\d\s*\}|\d))?$")
 _SPACING = re.compile(r"\\[,!;: ]|~")
-# words that make a number something else ("5 or more", "5 thousand", "5 squared"): never a unit
+# words that make a number something else ("5 or more", "5 thousand", "5 squared", "5 pi", "7 halves"): never a unit
 _HEDGES = frozenset("or nor and to than more less fewer least most not no over under above below about around roughly "
                     "approximately nearly almost maybe perhaps hundred thousand million billion trillion dozen "
-                    "squared cubed factorial times plus minus".split())
+                    "squared cubed factorial times plus minus pi half halves third quarter fourth fifth sixth seventh "
+                    "eighth ninth tenth hundredth thousandth millionth billionth".split())
 _WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]+")
+# digits apart by spaces are one number only as thousands ("12 345 678"); after a subscript, a power or a command
+# they are its argument and what follows ("\log_2 8", "\frac 1 2")
+_THOUSANDS = re.compile(r"(?<![\d.])\d{1,3}(?:\s+\d{3})+(?!\d)")
+_DIGIT_GAP = re.compile(r"(\\[A-Za-z]+\s*|[_^]\s*)?(?<![\d.])\d+(?:\.\d*)?\s+(?=\d)")
+_GAP_OR_SPACE = re.compile(r"(?<=\d)(\s+)(?=\d)|\s+")
+_DECIMAL = re.compile(f"({_NAME_EQ[1:]})?" + r"([+-]?(?:\d+\.\d*|\.\d+))")  # "0.25", "x = -1.5"
+
+
+def _joined(text: str) -> str:
+    """``text`` with the spaces of thousands (``12 345``) dropped."""
+    return _THOUSANDS.sub(lambda m: re.sub(r"\s+", "", m[0]), text)
+
+
+def _spaced_digits(text: str) -> bool:
+    """Whether ``text`` has digits apart by a space that are no thousands (``1 0``, ``12 5``, ``0.5 1``)."""
+    return any(m[1] is None for m in _DIGIT_GAP.finditer(_joined(text)))
+
+
+def _squeezed(text: str) -> str:
+    """``text`` without spaces, but for one between two digits that are no thousands (``1 0`` is no ``10``)."""
+    return _GAP_OR_SPACE.sub(lambda m: " " if m[1] else "", _joined(text))
 
 
 def _hedged(text: str) -> bool:
@@ -193,7 +227,7 @@ def _unwrapped(key: str) -> str:
     return key
 
 
-_NAME = re.compile(r"\s*(?:\\[A-Za-z]+\s*(?:\{[A-Za-z\s]*\}\s*)?)?[A-Za-z]*(?:_(?:\{[^{}]*\}|\w))?(?:\([^()=]*\))?'*\s*")
+_NAME = re.compile(r"\s*+(?:\\[A-Za-z]+\s*+(?:\{[A-Za-z\s]*\}\s*+)?)?[A-Za-z]*(?:_(?:\{[^{}]*\}|\w))?(?:\([^()=]*\))?'*\s*")
 
 
 def _variables(text: str) -> bool:
@@ -237,7 +271,7 @@ def _question_math(prompt: str) -> set[str]:
 
 
 def plain_number(text: Any) -> Fraction | None:
-    """The value of an answer that is one number: an integer, a decimal (``1,000`` and ``1{,}000`` as
+    """The value of an answer that is one number: an integer, a decimal (``1,000``, ``1{,}000`` and ``1 000`` as
     thousands), ``a/b``, ``\\frac{a}{b}`` or a mixed number ``2\\frac{1}{4}``, signed, in units (``\\text{}`` or a
     word after it), degrees, percent or dollars, after a name and ``=`` (``x =``, ``BC =``, ``x_1 =``); None for
     anything else (a sum, a product, a root, a function, an interval, words before it, ...)."""
@@ -248,13 +282,13 @@ def plain_number(text: Any) -> Fraction | None:
 def _written_number(text: Any) -> tuple[Fraction, tuple[int, int] | None] | None:
     """:func:`plain_number`'s value, and the numerator and denominator as written when it is a fraction."""
     # words without a digit after the number are units and dropped; before it ("not 5", "at most 5") or between two
-    # numbers ("3 or 4") they leave no number
+    # numbers ("3 or 4") they leave no number; so do digits apart by a space but in thousands ("1 0" is no 10)
     s = _clean(str(text))
     if _hedged(s) or re.search(r"\d,\s+\d", s):  # "5 \text{ or more}", "5 thousand"; "3, 400" is a list
         return None
     s = _WRAPPED.sub(lambda m: m[1] + (m[2] or "") if re.search(r"\d", m[1]) else "\0", s)
     s = _UNIT_WORD.sub("", _SPACING.sub(" ", s).rstrip("\0 \t\n")).rstrip()
-    if "\0" in s:
+    if "\0" in s or _spaced_digits(s):
         return None
     for pat, rep in _DECORATION:
         s = pat.sub(rep, s)

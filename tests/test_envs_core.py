@@ -29,6 +29,9 @@ PY = sys.executable
     ("2\\sqrt{2}", "\\sqrt{8}"), ("x^2+2x+1", "(x+1)^2"), ("[1,2)", "[1, 2)"), ("(3, \\infty)", "(3,\\infty)"),
     ("\\{3,-3\\}", "\\{-3, 3\\}"),
     ("\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}", "\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}"),
+    # a decimal equal to the answer exactly; thousands apart by spaces; a subscript or a command's argument
+    ("0.25", "\\frac{1}{4}"), ("-1.5", "-\\frac{3}{2}"), ("x = 0.25", "\\frac14"), ("2.5", "\\frac{\\sqrt{25}}{2}"),
+    ("0.25", "25\\%"), ("1 000", "1000"), ("12 345 678", "12345678"), ("\\log_2 8", "3"), ("\\frac 1 2", "0.5"),
 ])
 def test_math_equal_accepts_equivalent_forms(pred, gold):
     assert math_equal(pred, gold)
@@ -38,6 +41,11 @@ def test_math_equal_accepts_equivalent_forms(pred, gold):
     ("41", "42"), ("1/3", "0.333"), ("(1,2)", "[1,2)"), ("\\{1,2\\}", "\\{1,2,3\\}"), ("x^2+1", "(x+1)^2"),
     ("\\begin{pmatrix}1&2\\\\3&5\\end{pmatrix}", "\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}"),
     ("", "1"), ("3x9", "3"), ("hello", "5"),
+    # a decimal is the number it writes: math-verify's 6-place rounding took these for the exact values
+    ("0.333333", "\\frac{1}{3}"), ("1.414214", "\\sqrt{2}"), ("3.141593", "\\pi"), ("x = 1.414214", "\\sqrt{2}"),
+    ("-0.142857", "-\\frac{1}{7}"),
+    # digits apart by a space are no number (math-verify reads "1 0" as 1*0 and "12 5" as 17)
+    ("1 0", "10"), ("12 5", "125"), ("1 0", "0"), ("12 5", "17"), ("3\\ 4", "34"),
 ])
 def test_math_equal_rejects_different_answers(pred, gold):
     assert not math_equal(pred, gold)
@@ -123,6 +131,11 @@ def test_number_parsing_stays_linear_on_runs_of_spaces():
     from envs.math import plain_number
 
     assert plain_number("5" + " " * 200_000 + "x1") is None and plain_number("5" + " " * 200_000 + "cm") == 5
+    # a command or nothing before a run of spaces and no "=": the name rule's two runs of spaces split it every way
+    # (200,000 spaces took 83 s)
+    for text in ("\\a" + " " * 200_000 + "x", " " * 200_000 + "x", "\\alpha" + " " * 100_000 + "{a}" + " " * 100_000):
+        assert plain_number(text) is None
+    assert plain_number("\\theta = 3") == 3 and plain_number("   = 7") == 7
 
 
 def test_copying_the_question_or_an_unreduced_fraction_earns_nothing():
@@ -197,6 +210,32 @@ def test_hedged_answers_false_equations_and_sets_for_intervals_earn_nothing():
              ("x = 3, y = 4", "(3, 4)"), ("x=2 \\text{ or } x=3", "2, 3"), ("a = 1, b = 2", "1, 2"), ("a+b = 7", "7")]
     assert [math_equal(pred, gold) for pred, gold in wrong] == [False] * len(wrong)
     assert [math_equal(pred, gold) for pred, gold in right] == [True] * len(right)
+
+
+def test_value_words_and_spaced_digits_make_no_number():
+    """A word after a number that changes its value ("5 pi", "7 halves", "5 thousandths") is no unit; digits apart by
+    a space are one number only as thousands ("12 345"): "1 0" was read as 10 and "12 5" as 125."""
+    from envs.math import plain_number
+
+    for text in ("5 pi", "5 \\text{ pi}", "7 \\text{ halves}", "5 \\text{ thousandths}", "3 \\text{ quarters}",
+                 "1 \\text{ half}", "2 thirds", "3 \\text{ fourths}", "9 \\text{ tenths}", "4 hundredths", "2 millionths",
+                 "1 0", "12 5", "3\\ 4", "3~4", "1\\,0", "0.5 1", "3 1/2", "\\text{1 0}", "1 0000", "1234 567"):
+        assert plain_number(text) is None, text
+    for text, value in [("7\\text{th}", 7), ("5 \\text{ seconds}", 5), ("1 000", 1000), ("12 345 678", 12345678),
+                        ("1\\,000", 1000), ("1~000 \\text{ cm}", 1000), ("-1 000.5", Fraction(-2001, 2)),
+                        ("\\frac 1 2", Fraction(1, 2)), ("2 \\frac{1}{4}", Fraction(9, 4))]:
+        assert plain_number(text) == value, text
+    math = MathDatasetEnv(heldout=0.0)
+    for gold, pred in [("5", "5 pi"), ("5", "5 \\text{ pi}"), ("7", "7 \\text{ halves}"), ("5", "5 \\text{ thousandths}"),
+                       ("3", "3 \\text{ quarters}"), ("10", "1 0"), ("125", "12 5"), ("34", "3\\ 4"),
+                       ("\\sqrt{2}", "1.414214"), ("\\frac{\\pi}{3}", "1.047198")]:
+        s = math.verify(math.problem("Find it.", gold, 0, 0), f"\\boxed{{{pred}}}")
+        assert not s.correct and "error" not in s.info, (gold, pred, s)
+    for gold, pred in [("7", "7\\text{th}"), ("1000", "1 000"), ("12345678", "12 345 678"), ("\\frac{1}{4}", "0.25")]:
+        assert math.verify(math.problem("Find it.", gold, 0, 0), f"\\boxed{{{pred}}}").correct, (gold, pred)
+    arith = ArithmeticEnv()
+    p = next(q for q in (arith.generate(s, 0) for s in range(50)) if len(q.answer.lstrip("-")) > 1 and "frac" not in q.answer)
+    assert not arith.verify(p, f"\\boxed{{{' '.join(p.answer)}}}").correct and arith.verify(p, f"\\boxed{{{p.answer}}}").correct
 
 
 def test_plain_numbers_and_toy_integers():
@@ -583,13 +622,17 @@ def _last_boxed_by_scanning(text):
         while j < len(text) and text[j] == " ":
             j += 1
         if j < len(text) and text[j] == "{":
-            depth = 0
-            for k in range(j, len(text)):
+            depth, k = 0, j
+            while k < len(text):
+                if text[k] == "\\":  # an escaped character (\{, \}, \\) is no brace
+                    k += 2
+                    continue
                 depth += (text[k] == "{") - (text[k] == "}")
                 if depth == 0:
                     if text[j + 1:k].strip():
                         return idx, text[j + 1:k].strip()
                     break
+                k += 1
         idx = text.rfind("\\boxed", 0, idx)
     return None
 
@@ -600,7 +643,7 @@ def test_last_boxed_agrees_with_a_brace_scan_and_stays_linear():
     from envs.base import last_boxed, last_boxed_span
 
     rng = random.Random(0)
-    parts = ["\\boxed", "\\boxed ", "{", "}", " ", "x", "12", "\\box", "ed{"]
+    parts = ["\\boxed", "\\boxed ", "{", "}", " ", "x", "12", "\\box", "ed{", "\\{", "\\}", "\\\\", "\\"]
     for _ in range(3000):
         text = "".join(rng.choice(parts) for _ in range(rng.randint(0, 30)))
         span = last_boxed_span(text)
@@ -614,6 +657,24 @@ def test_last_boxed_agrees_with_a_brace_scan_and_stays_linear():
     assert last_boxed("\\boxed{" * 40_000) is None and last_boxed("\\boxed{" * 40_000 + "}") is None
     assert last_boxed("\\boxed{" * 40_000 + "x}") == "x"
     assert time.perf_counter() - t < 5
+
+
+def test_last_boxed_takes_escaped_braces_as_characters():
+    r"""LaTeX's literal braces \{ and \} group nothing: a piecewise answer (\left\{ ... \right.) was no box at all, so
+    a retracted earlier box was graded instead; \boxed{5\}} gave "5\"."""
+    from envs.base import last_boxed
+
+    piecewise = "f(x)=\\left\\{\\begin{array}{ll} x & x>0 \\\\ 0 & x\\le 0\\end{array}\\right."
+    assert last_boxed(f"\\boxed{{{piecewise}}}") == piecewise
+    assert last_boxed(f"At first \\boxed{{2}}, but no: \\boxed{{{piecewise}}}") == piecewise
+    assert last_boxed("\\boxed{5\\}}") == "5\\}" and last_boxed("\\boxed{\\{1,2\\}}") == "\\{1,2\\}"
+    assert last_boxed("\\boxed{x \\in [0, 1\\}}") == "x \\in [0, 1\\}"
+    assert last_boxed("\\boxed{\\frac{1}{2}}") == "\\frac{1}{2}" and last_boxed("\\boxed{a \\\\{b}}") == "a \\\\{b}"
+    assert last_boxed("a \\\\{b} \\boxed{3}") == "3" and last_boxed("\\boxed{2} \\boxed{\\\\}") == "\\\\"
+    assert last_boxed("\\boxed{1} \\boxed{2\\}") == "1"  # (its brace escaped, the last box never closes)
+    math = MathDatasetEnv(heldout=0.0)
+    p = math.problem("Find it.", "2", 0, 0)
+    assert not math.verify(p, f"At first I guessed \\boxed{{2}}, but the answer is \\boxed{{{piecewise}}}").correct
 
 
 def test_answer_tags_and_boxes_take_whichever_complete_one_comes_last():
