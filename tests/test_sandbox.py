@@ -397,7 +397,7 @@ def test_detection_without_bwrap(monkeypatch):
 
 def test_seccomp_filter_shape():
     bpf = sbx.seccomp_filter()
-    assert bpf is not None and len(bpf) % 8 == 0 and len(bpf) // 8 == 14
+    assert bpf is not None and len(bpf) % 8 == 0 and len(bpf) // 8 == 20
 
 
 KEYS = r"""
@@ -427,6 +427,96 @@ def test_kernel_keyrings_are_refused(sb):
     assert w.status == r.status == "ok", (w.stderr, r.stderr)
     assert w.stdout.split() == ["-1", "1", "-1", "1"], w.stdout  # EPERM, for add_key and request_key
     assert "READ" not in r.stdout and r.stdout.split() == ["-1", "1", "-1", "1"], r.stdout
+
+
+NAMESPACES = r"""
+import ctypes, errno, os, platform, subprocess, threading
+libc = ctypes.CDLL(None, use_errno=True)
+NEWUSER, SIGCHLD = 0x10000000, 17
+nr_clone = {"x86_64": 56, "aarch64": 220}[platform.machine()]
+def call(f, *a):
+    ctypes.set_errno(0)
+    r = f(*a)
+    return r, errno.errorcode.get(ctypes.get_errno(), "0") if r < 0 else "0"
+# clone first: once in a user namespace of its own (after an unshare let through), the uid has no
+# mapping for a further one, and clone would fail whatever the filter
+r = libc.syscall(nr_clone, NEWUSER | SIGCHLD, None, None, None, None)
+if r == 0:  # the child of a clone let through
+    os._exit(0)
+err = errno.errorcode.get(ctypes.get_errno(), "0") if r < 0 else "0"
+if r > 0:
+    os.waitpid(r, 0)
+print("clone", r if r < 0 else "child", err)
+print("unshare", *call(libc.unshare, NEWUSER))
+print("clone3", *call(libc.syscall, 435, None, ctypes.c_size_t(0)))  # (EINVAL, were it let through)
+out = []
+t = threading.Thread(target=out.append, args=("thread",))
+t.start()
+t.join()
+out.append(subprocess.run(["/bin/echo", "spawned"], capture_output=True, text=True).stdout.strip())
+pid = os.fork()
+if pid == 0:
+    os._exit(7)
+out.append("forked %d" % os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+print(*out)
+"""
+
+
+@pytest.mark.skipif(LAYERS["seccomp"] is not None, reason=f"needs the seccomp layer: {LAYERS['seccomp']}")
+def test_no_nested_user_namespace(sb):
+    """A run could create a user namespace of its own (unshare or clone with CLONE_NEWUSER), holding every
+    capability inside it: the filter refuses both (EPERM), and clone3, whose flags it cannot read, is
+    ENOSYS (as in Docker's default profile), so that glibc falls back to clone: threads, subprocesses
+    and fork still work."""
+    v = sb.run(NAMESPACES)
+    assert v.status == "ok", v.stderr
+    assert v.stdout.splitlines() == ["clone -1 EPERM", "unshare -1 EPERM", "clone3 -1 ENOSYS",
+                                     "thread spawned forked 7"], v.stdout
+
+
+def test_bound_etc_files_are_readable_by_runs(sb):
+    """bwrap made /etc 0700 (root's), so the runs (another uid) could not read the files bound there."""
+    binds = [f for f in ("/etc/ld.so.cache", "/etc/localtime") if os.path.exists(f)]
+    if "/etc/localtime" not in binds:
+        pytest.skip("the host has no /etc/localtime")
+    v = sb.run(f"import os\nprint(oct(os.stat('/etc').st_mode & 0o777))\n"
+               f"for f in {binds!r}:\n    print(len(open(f, 'rb').read()) > 0)\n")
+    assert v.status == "ok", v.stderr
+    assert v.stdout.split() == ["0o755"] + ["True"] * len(binds), v.stdout
+
+
+def _site_dirs_of_host() -> list[str]:
+    """The host's non-empty site-packages / dist-packages directories of the interpreter and /usr."""
+    import glob
+    import sysconfig
+
+    prefix = sbx._python_install(CFG)[1]
+    found = {sysconfig.get_path(k, vars={"base": prefix, "platbase": prefix}) for k in ("purelib", "platlib")}
+    found.update(glob.glob("/usr/local/lib/python3*/dist-packages") + glob.glob("/usr/lib/python3/dist-packages"))
+    return sorted(d for d in found if os.path.isdir(d) and os.listdir(d))
+
+
+def test_site_packages_are_masked(sb):
+    """Runs are stdlib-only (python -S -s), yet the interpreter's whole prefix is bound: a non-editable
+    install of this project (its seeds: hidden tests, expected outputs, references) would be readable
+    in its site-packages. Every site-packages / dist-packages directory is an empty mount instead."""
+    dirs = _site_dirs_of_host()
+    if not dirs:
+        pytest.skip("no non-empty site-packages on this host")
+    prog = f"""
+import json, os
+out = {{}}
+for d in {dirs!r}:
+    try:
+        out[d] = os.listdir(d)
+    except OSError as e:
+        out[d] = type(e).__name__
+print(json.dumps(out))
+"""
+    v = sb.run(prog)
+    assert v.status == "ok", v.stderr
+    seen = json.loads(v.stdout)
+    assert all(seen[d] in ([], "FileNotFoundError") for d in dirs), {d: seen[d][:5] for d in dirs}
 
 
 def test_classify_rules():

@@ -382,6 +382,22 @@ def test_judge_cpp_verdicts(sb):
         Judge(sb).judge(PROG, [{"fn": "f", "args": [], "expected": 1}], language="cpp")
 
 
+def test_a_strict_umask_on_the_host_fails_no_cpp_answer():
+    """The compile runs as the sandbox uid with the umask it inherits from the host: under 077 the binary
+    was 0700 (the uid's), and the supervisor (root without CAP_DAC_OVERRIDE) could not read it to take it
+    out of the start: every C++ answer raised (or, in an environment, scored 0). Runs use umask 022."""
+    old = os.umask(0o077)
+    try:
+        s = Sandbox(SandboxConfig(**{**CFG.__dict__, "warm": 0}))  # (the start is made under this umask)
+        j = Judge(s).judge('#include <cstdio>\nint main() { puts("hi"); }\n', [{"input": "", "output": "hi"}],
+                           language="cpp")
+        v = s.run("import os\nopen('f', 'w').close()\nprint(oct(os.stat('f').st_mode & 0o777))")
+    finally:
+        os.umask(old)
+    assert j.status == "accepted", [(r.status, r.detail) for r in j.results]
+    assert v.stdout == "0o644\n", (v.stdout, v.stderr)
+
+
 def test_cpp_in_the_weaker_mode(monkeypatch):
     monkeypatch.setattr(sbx, "_bwrap", lambda: None)
     layers = sbx._probe(CFG)

@@ -11,8 +11,9 @@ from dataclasses import replace
 
 import pytest
 
+from envs.code import judge as jdg
 from envs.code import sandbox as sbx
-from envs.code.judge import Judge
+from envs.code.judge import Judge, compare_output, compare_values
 from envs.code.sandbox import Run, Sandbox, SandboxConfig
 from tests.conftest import assert_no_processes_of
 
@@ -351,3 +352,62 @@ def test_answers_that_made_the_judge_raise_are_verdicts(sb):
         assert j.judge(code, [{"fn": "f", "args": [], "expected": expected}]).status == "wrong_answer"
     assert sb.run("print('\ud800')\n").status != "ok"
     assert sb.run("import sys\nprint(len(sys.stdin.buffer.read()))\n", "a\ud800").stdout.strip() == "4"
+
+
+def test_infinities_compare_with_a_tolerance():
+    """With float_tol, inf never equalled inf (inf - inf is nan), and any finite number equalled an
+    infinity (|x - inf| <= tol * inf); each infinity equals itself only, and nan nothing (as without)."""
+    inf, nan = float("inf"), float("nan")
+    assert compare_values(inf, inf, 1e-6) and compare_values(-inf, -inf, 1e-6)
+    assert compare_values([1.0, -inf], [1.0, -inf], 1e-9) and compare_values(inf, inf)
+    assert not compare_values(inf, -inf, 1e-6) and not compare_values(-inf, inf, 1e-6)
+    assert not compare_values(5.0, inf, 1e-6) and not compare_values(inf, 1e308, 1e-6)
+    assert not compare_values(1e308, -1e308, 1e-6)
+    assert not compare_values(nan, nan, 1e-6) and not compare_values(nan, nan) and not compare_values(1.0, nan, 1e-6)
+    assert compare_values(1.0 + 1e-9, 1.0, 1e-6) and not compare_values(1.1, 1.0, 1e-6)
+    assert compare_output("inf 1", "inf 1.0000001", 1e-6) and not compare_output("5", "inf", 1e-6)
+
+
+INF_AND_DICTS = """
+def dist(a, b):
+    return float("inf") if a != b else 0.0
+def freq(xs):
+    d = {}
+    for x in xs:
+        d[x] = d.get(x, 0) + 1
+    return d
+def size(s):
+    return len(s)
+"""
+
+
+def test_function_results_infinity_and_dicts_with_non_string_keys(sb):
+    """A returned infinity matches an expected one under float_tol; a dict's keys come back as JSON has
+    them (strings), so an expected dict is compared with its keys as JSON writes them ({10: 2} is
+    {"10": 2}; True, False, None: "true", "false", "null")."""
+    tests = [{"fn": "dist", "args": [1, 2], "expected": float("inf")},
+             {"fn": "dist", "args": [1, 1], "expected": 0.0},
+             {"fn": "freq", "args": [[10, 10, 20]], "expected": {10: 2, 20: 1}},
+             {"fn": "freq", "args": [[1.5, True, None]], "expected": {1.5: 1, True: 1, None: 1}},
+             {"fn": "freq", "args": [["a", "a"]], "expected": {"a": 2}},
+             {"fn": "freq", "args": [[10, 10, 20]], "expected": {10: 2, 21: 1}},
+             {"fn": "freq", "args": [[10]], "expected": {11: 1}},
+             {"fn": "dist", "args": [1, 2], "expected": -float("inf")}]
+    j = Judge(sb, float_tol=1e-6).judge(INF_AND_DICTS, tests)
+    assert [r.status for r in j.results] == ["accepted"] * 5 + ["wrong_answer"] * 3, \
+        [(r.status, r.detail) for r in j.results]
+    assert compare_values({"10": 2, "true": 1}, {10: 2, True: 1}) and not compare_values({"10": 2}, {10.0: 2})
+    assert compare_values({"1.5": [1.0]}, {1.5: [1.0 + 1e-9]}, 1e-6)
+
+
+def test_arguments_json_cannot_carry_are_refused_up_front(sb):
+    """A set among a function-call test's arguments made the judge raise TypeError out of json.dumps; the
+    arguments go to the sandbox as JSON, so the test is refused when made, naming the argument."""
+    with pytest.raises(ValueError, match=r"argument 0 of .size. cannot be passed.*type set"):
+        Judge(sb).judge(INF_AND_DICTS, [{"fn": "size", "args": [{1, 2, 3}], "expected": 3}])
+    with pytest.raises(ValueError, match=r"keyword argument .s. of .size.*type frozenset"):
+        jdg.TestCase.from_dict({"fn": "size", "kwargs": {"s": frozenset({1})}, "expected": 1})
+    with pytest.raises(ValueError, match=r"argument 1 of .f.*type object"):
+        jdg.TestCase("call", fn="f", args=[1, [object()]], expected=1)
+    j = Judge(sb).judge(INF_AND_DICTS, [{"fn": "size", "args": [[1, 2, 3]], "expected": 3}])
+    assert j.status == "accepted"

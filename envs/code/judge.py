@@ -11,13 +11,17 @@ Three kinds of test (a dict each; the kind is read from its keys):
 
 - stdin/stdout: ``{"input": str, "output": str}``; outputs compared token by token (whitespace
   tolerant), numbers within ``float_tol`` when it is set.
-- function call: ``{"fn": name, "args": [...], "kwargs": {...}, "expected": value}``; a harness
+- function call: ``{"fn": name, "args": [...], "kwargs": {...}, "expected": value}``; the arguments
+  go to the sandbox as JSON (tuples arrive as lists, dict keys as strings; a set, or anything else
+  JSON cannot carry, is refused with ``ValueError`` when the test is made); a harness
   inside the sandbox loads the program as a module, calls the function and prints the JSON of
   the return value after a per-run nonce (so that what the program prints itself is never taken
   for the result). The program runs in the harness's process, so one written to cheat can read the
   nonce from the harness's frame and print a result line of its own; that gains it nothing it could
   not have by returning the value, since the expected value never enters the sandbox. Sets (and
-  frozensets) come back as sorted lists, and an expected set is compared as a set; integers of any
+  frozensets) come back as sorted lists, and an expected set is compared as a set; a dict's keys
+  come back as JSON writes them, and an expected dict's keys are compared so (``{10: 2}`` equals the
+  result ``{"10": 2}``); infinities and nan come back as such (JSON's extension); integers of any
   size come back whole (the host parses at most ``MAX_RESULT_DIGITS`` digits of integers longer
   than Python's default string-conversion limit, 4300 digits, per result).
 - assertion (HumanEval style): ``{"code": str}``; the test code runs after the program in the
@@ -72,6 +76,16 @@ class TestCase:
     kwargs: dict = field(default_factory=dict)
     expected: Any = None
     code: str = ""
+
+    def __post_init__(self):
+        if self.kind == "call":  # the arguments go to the sandbox as JSON: refuse what it cannot carry
+            named = [(f"argument {i}", a) for i, a in enumerate(self.args)]
+            for where, value in named + [(f"keyword argument {k!r}", v) for k, v in self.kwargs.items()]:
+                try:
+                    json.dumps(value)
+                except (TypeError, ValueError) as e:  # a set, an object; a cycle, an integer too long
+                    raise ValueError(f"{where} of {self.fn!r} cannot be passed to the sandbox as JSON ({e}): "
+                                     "use lists, dicts, str, int, float, bool or None (a list for a set)") from None
 
     @classmethod
     def from_dict(cls, d: dict | "TestCase") -> "TestCase":
@@ -157,6 +171,8 @@ def _num(tok: str) -> float | None:
 
 
 def _close(a: float, b: float, tol: float) -> bool:
+    if not (math.isfinite(a) and math.isfinite(b)):  # an infinity equals itself only, nan nothing
+        return a == b
     return abs(a - b) <= tol * max(1.0, abs(b))
 
 
@@ -211,8 +227,10 @@ def _same_set(got: Any, expected: set | frozenset, float_tol: float | None) -> b
 
 
 def compare_values(got: Any, expected: Any, float_tol: float | None = None) -> bool:
-    """Structural equality of JSON-like values (tuples as lists); floats within ``float_tol``. An
-    expected set or frozenset is compared as a set (the JSON of a returned set is a list)."""
+    """Structural equality of JSON-like values (tuples as lists); floats within ``float_tol`` (an
+    infinity equals only itself, nan nothing). An expected set or frozenset is compared as a set (the
+    JSON of a returned set is a list); dict keys are compared as JSON writes them (``{10: 2}`` equals
+    ``{"10": 2}``; ``True``, ``False``, ``None``: ``"true"``, ``"false"``, ``"null"``)."""
     if isinstance(expected, (set, frozenset)):
         return _same_set(got, expected, float_tol)
     if isinstance(got, bool) or isinstance(expected, bool):
@@ -224,8 +242,26 @@ def compare_values(got: Any, expected: Any, float_tol: float | None = None) -> b
     if isinstance(got, (list, tuple)) and isinstance(expected, (list, tuple)):
         return len(got) == len(expected) and all(compare_values(a, b, float_tol) for a, b in zip(got, expected))
     if isinstance(got, dict) and isinstance(expected, dict):
-        return got.keys() == expected.keys() and all(compare_values(got[k], expected[k], float_tol) for k in got)
+        g = {_json_key(k): v for k, v in got.items()}
+        e = {_json_key(k): v for k, v in expected.items()}
+        return g.keys() == e.keys() and all(compare_values(g[k], e[k], float_tol) for k in g)
     return got == expected
+
+
+def _json_key(k: Any) -> Any:
+    """A dict key as JSON writes it (a returned dict comes back through JSON: its keys are strings);
+    a key JSON cannot write (a tuple) as it is."""
+    if isinstance(k, bool) or k is None:
+        return {True: "true", False: "false", None: "null"}[k]
+    if isinstance(k, int):
+        try:
+            return int.__repr__(k)
+        except ValueError:  # past the int/str conversion limit: no JSON text to compare with
+            return k
+    if isinstance(k, float):
+        return ("NaN" if k != k else "Infinity" if k == math.inf else "-Infinity" if k == -math.inf
+                else float.__repr__(k))
+    return k
 
 
 def parse_result(line: str) -> Any:

@@ -5,7 +5,8 @@ Layers (each detected once per process, see :func:`detect_layers`):
 - ``namespaces``: bubblewrap (``bwrap``): new network namespace (nothing reachable, not even the
   host's 127.0.0.1), pid namespace (every process dies with the sandbox), mount namespace with a
   read-only view of ``/usr``, the libraries and the Python installation only (no ``/home``, no
-  ``/root``, no ``/work``), a private size-capped tmpfs as the working directory and another at
+  ``/root``, no ``/work``; every ``site-packages``/``dist-packages`` there an empty mount: runs are
+  stdlib-only), a private size-capped tmpfs as the working directory and another at
   ``/dev/shm`` (POSIX shared memory and semaphores, as ``multiprocessing`` uses them; their files
   are memory of the start's cgroup), ipc and uts namespaces, a new session and death with its
   parent.
@@ -25,11 +26,13 @@ Layers (each detected once per process, see :func:`detect_layers`):
 - ``seccomp``: a BPF filter (loaded by bwrap) makes ``socket()`` fail for every family but
   AF_UNIX, makes the kernel keyring calls (``add_key``, ``request_key``, ``keyctl``) fail with
   EPERM (keyrings belong to the uid, not to a namespace: a key stored by one run would be there
-  for a later one) and kills foreign-ABI system calls. The same filter serves the C++ compile
-  step: g++, cc1plus, as, collect2 and ld use no socket (g++ talks to its children through pipes
-  and, with ``-pipe``, none through temporary files but the object file in ``/tmp``), no keyring
-  and no foreign-ABI call, so the compile needs nothing the runs do not get, and nothing is
-  loosened for it.
+  for a later one), refuses a user namespace of the run's own (``unshare``/``clone`` with
+  CLONE_NEWUSER: EPERM; ``clone3``: ENOSYS, so that glibc falls back to ``clone``) and kills
+  foreign-ABI system calls. The same filter serves the C++ compile step: g++, cc1plus, as,
+  collect2 and ld use no socket (g++ talks to its children through pipes and, with ``-pipe``, none
+  through temporary files but the object file in ``/tmp``), no keyring, no namespace and no
+  foreign-ABI call, so the compile needs nothing the runs do not get, and nothing is loosened for
+  it.
 
 One sandbox start serves a whole session (:meth:`Sandbox.run_many`: a program and all of its
 tests): bwrap starts a small supervisor (:mod:`envs.code.supervisor`) inside every layer, and the
@@ -72,6 +75,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import functools
 import os
 import platform
 import resource
@@ -215,12 +219,14 @@ class Verdict:
 # --------------------------------------------------------------------------------------------
 # seccomp: a classic BPF program, handed to bwrap (--seccomp FD)
 # --------------------------------------------------------------------------------------------
-_SECCOMP_ARCH = {  # machine -> (AUDIT_ARCH_*, __NR_socket, x32 bit to refuse or 0, (add_key, request_key, keyctl))
-    "x86_64": (0xC000003E, 41, 0x40000000, (248, 249, 250)),
-    "aarch64": (0xC00000B7, 198, 0, (217, 218, 219)),
+_SECCOMP_ARCH = {  # machine -> (AUDIT_ARCH_*, __NR_socket, x32 bit to refuse or 0, (add_key, request_key, keyctl),
+                  #             (clone, unshare, clone3))
+    "x86_64": (0xC000003E, 41, 0x40000000, (248, 249, 250), (56, 272, 435)),
+    "aarch64": (0xC00000B7, 198, 0, (217, 218, 219), (220, 97, 435)),
 }
 _RET_ALLOW, _RET_KILL_PROCESS, _RET_ERRNO = 0x7FFF0000, 0x80000000, 0x00050000
-_LD_ABS, _JEQ, _JGE, _RET = 0x20, 0x15, 0x35, 0x06
+_LD_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
+_CLONE_NEWUSER = 0x10000000
 
 
 def seccomp_filter() -> bytes | None:
@@ -229,13 +235,17 @@ def seccomp_filter() -> bytes | None:
     Foreign-ABI calls kill the process; ``socket(family != AF_UNIX, ...)`` fails with EACCES;
     the kernel keyring calls (``add_key``, ``request_key``, ``keyctl``) fail with EPERM, as in
     Docker's default profile: keyrings are not namespaced, so a key one run stored in its uid's
-    keyring would be there for a later run (of any start) to read; everything else is allowed
+    keyring would be there for a later run (of any start) to read; ``unshare`` and ``clone`` with
+    CLONE_NEWUSER fail with EPERM (a user namespace of its own would give a run every capability
+    inside it, and the kernel's namespaced-root code to attack), and ``clone3``, whose flags sit in
+    memory a filter cannot read, fails with ENOSYS, as in Docker's default profile: glibc then falls
+    back to ``clone`` (threads, ``fork``, ``posix_spawn`` work as before); everything else is allowed
     (the namespaces and limits do the rest).
     """
     spec = _SECCOMP_ARCH.get(platform.machine())
     if spec is None:
         return None
-    arch, nr_socket, x32, nr_keys = spec
+    arch, nr_socket, x32, nr_keys, (nr_clone, nr_unshare, nr_clone3) = spec
     # (code, jt-label, jf-label, k); labels resolved below
     prog = [
         ("ld", _LD_ABS, None, None, 4),                       # A = arch
@@ -243,15 +253,22 @@ def seccomp_filter() -> bytes | None:
         ("ld", _LD_ABS, None, None, 0),                       # A = syscall number
         ("x32", _JGE, "deny", None, x32 or 0xFFFFFFFF),
         *(("key", _JEQ, "eperm", None, nr) for nr in nr_keys),
+        ("clone3", _JEQ, "enosys", None, nr_clone3),
+        ("unshare", _JEQ, "flags", None, nr_unshare),
+        ("clone", _JEQ, "flags", None, nr_clone),
         ("sock", _JEQ, None, "allow", nr_socket),
         ("ld", _LD_ABS, None, None, 16),                      # A = low word of args[0] (family)
         ("unix", _JEQ, "allow", "deny", 1),                   # AF_UNIX
+        ("flags", _LD_ABS, None, None, 16),                   # A = low word of args[0] (the flags of both)
+        ("newuser", _JSET, "eperm", "allow", _CLONE_NEWUSER),
         ("allow", _RET, None, None, _RET_ALLOW),
         ("deny", _RET, None, None, _RET_ERRNO | errno.EACCES),
         ("eperm", _RET, None, None, _RET_ERRNO | errno.EPERM),
+        ("enosys", _RET, None, None, _RET_ERRNO | errno.ENOSYS),
         ("kill", _RET, None, None, _RET_KILL_PROCESS),
     ]
-    where = {name: i for i, (name, *_rest) in enumerate(prog) if name in ("allow", "deny", "eperm", "kill")}
+    where = {name: i for i, (name, *_rest) in enumerate(prog)
+             if name in ("flags", "allow", "deny", "eperm", "enosys", "kill")}
     out = b""
     for pc, (_name, code, jt, jf, k) in enumerate(prog):
         jt_off = where[jt] - pc - 1 if jt else 0
@@ -616,6 +633,7 @@ def _launch(a):
         os.setgroups([]); os.setresgid(gid, gid, gid); os.setresuid(uid, uid, uid)
     if os.getuid() == 0 or os.geteuid() == 0:
         raise SystemExit('cascade-sandbox: could not drop root')
+    os.umask(0o022)  # not the host's (077 would make the compiled program the uid's alone)
     go_r, go_w = os.pipe()
     pid = os.fork()
     if pid:
@@ -690,6 +708,27 @@ def _bwrap() -> str | None:
     return shutil.which("bwrap")
 
 
+@functools.lru_cache(maxsize=None)
+def _site_packages(roots: tuple[str, ...], prefix: str) -> tuple[str, ...]:
+    """The site-packages / dist-packages directories under ``roots`` (what the sandbox binds: /usr
+    and the interpreter's installation), as real paths, none inside another."""
+    import glob
+    import sysconfig
+
+    found = set()
+    for key in ("purelib", "platlib"):  # this interpreter's layout, applied to the sandbox's prefix
+        try:
+            found.add(sysconfig.get_path(key, vars={"base": prefix, "platbase": prefix}))
+        except KeyError:
+            pass
+    for root in roots:  # any other Python's there: lib/python3.X, lib64/..., Debian's dist-packages
+        for pat in ("lib*/python*/site-packages", "lib*/python*/dist-packages", "local/lib*/python*/*-packages"):
+            found.update(glob.glob(os.path.join(root, pat)))
+    real = {os.path.realpath(d) for d in found if os.path.isdir(d)}
+    real = {d for d in real if any(d.startswith(r + "/") for r in roots)}  # (what the sandbox sees)
+    return tuple(sorted(d for d in real if not any(d.startswith(o + "/") for o in real)))
+
+
 def _bind_args(exe: str, prefix: str, box: str, tmpfs_bytes: int, size_ok: bool) -> list[str]:
     a = ["--ro-bind", "/usr", "/usr"]
     for d in ("/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32"):
@@ -697,10 +736,12 @@ def _bind_args(exe: str, prefix: str, box: str, tmpfs_bytes: int, size_ok: bool)
             a += ["--symlink", os.readlink(d), d]
         elif os.path.isdir(d):
             a += ["--ro-bind", d, d]
+    a += ["--perms", "0755", "--dir", "/etc"]  # (bwrap would make it 0700: root's alone, unreadable to runs)
     for f in ("/etc/ld.so.cache", "/etc/localtime"):
         if os.path.exists(f):
             a += ["--ro-bind", f, f]
     roots = {prefix, os.path.dirname(exe)}
+    bound = ["/usr"]
     for root in sorted(roots):
         if root == "/usr" or root.startswith("/usr/") or any(root.startswith(r + "/") for r in roots):
             continue  # under /usr, or inside the other root (the interpreter in its prefix's bin)
@@ -708,6 +749,12 @@ def _bind_args(exe: str, prefix: str, box: str, tmpfs_bytes: int, size_ok: bool)
         for i in range(1, len(parts)):  # traversable parents (bwrap would make them 0700 otherwise)
             a += ["--perms", "0755", "--dir", "/" + "/".join(parts[:i])]
         a += ["--ro-bind", root, root]
+        bound.append(root)
+    # runs are stdlib-only (python -S -s; the supervisor too): every site-packages under what is bound
+    # is an empty read-only mount, so that nothing installed there (this project itself, if installed
+    # as a package: its seeds' hidden tests and reference programs) can be read from inside
+    for d in _site_packages(tuple(bound), prefix):
+        a += ["--perms", "0555", "--tmpfs", d, "--remount-ro", d]
     a += ["--ro-bind", box, BOX, "--proc", "/proc", "--dev", "/dev"]
     # /tmp (the working directory) and /dev/shm (POSIX shared memory and semaphores: multiprocessing's
     # locks and queues need it): private tmpfs, world-writable and sticky, each capped at tmpfs_bytes

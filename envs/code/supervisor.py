@@ -13,10 +13,10 @@ argv: CONTROL_FD UID GID. The host talks to it over CONTROL_FD (an AF_UNIX SOCK_
   the pids cgroup caps the run) with three descriptors (SCM_RIGHTS): the run's stdin, stdout and
   stderr. The supervisor forks a child, which takes those as 0/1/2, drops to UID/GID (as root;
   every capability goes with it), empties the writable places (``/tmp``, ``/dev/shm``, POSIX
-  message queues, System V IPC) of whatever an earlier run left there, sets the rlimits, closes
-  every other descriptor and returns to the module level, which compiles and runs PATH as
-  ``__main__`` (and ends the way a fresh ``python PATH`` would: exit code, traceback, atexit,
-  flushing).
+  message queues, System V IPC) of whatever an earlier run left there, sets umask 022 (not the
+  host's: see ``_child``) and the rlimits, closes every other descriptor and returns to the module
+  level, which compiles and runs PATH as ``__main__`` (and ends the way a fresh ``python PATH``
+  would: exit code, traceback, atexit, flushing).
 - host -> supervisor ``X`` + the same fields: as ``R``, but the child ``execve``s PATH (a binary:
   the C++ compiler, or a program it built) with ARGS, in the same clean environment and with
   SIGPIPE and SIGXFSZ back at their default actions (Python ignores them, and an ignored signal
@@ -187,6 +187,9 @@ def _child(ctl, fds, sync_w, limits, argv, uid, gid, drop, execute=False):
         if _isdir(d):
             _wipe(d)
     _wipe_ipc()
+    # files it makes get 0644/0755 whatever the host's umask (inherited through bwrap): under 077 the
+    # compiled program would be 0700, the uid's, which the supervisor (no CAP_DAC_OVERRIDE) cannot fetch
+    os.umask(0o022)
     os.chdir("/tmp")
     for name, soft, hard in limits:
         res = getattr(resource, "RLIMIT_" + name)
