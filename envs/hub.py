@@ -140,14 +140,8 @@ def load_table(ref: str | os.PathLike, split: str = "train", subset: str | None 
         level = datasets.logging.get_verbosity()
         datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # it logs the error we raise below
         try:
-            if kind == "csv":  # every column as its text: a guessed type turned answers 7 into 7.0, 0012 into 12
-                import csv
-
-                with open(p, newline="", encoding="utf-8", errors="replace") as fh:
-                    names = next(csv.reader(fh), [])
-                text = datasets.Features({n: datasets.Value("string") for n in names})
-                return datasets.load_dataset(kind, data_files=str(p), split="train", features=text,
-                                             keep_default_na=False)
+            if kind == "csv":
+                return _csv_table([str(p)], "train")
             return datasets.load_dataset(kind, data_files=str(p), split="train")
         except Exception as e:  # noqa: BLE001 - datasets wraps the parser's error: name the file and the cause
             raise ValueError(f"{what} {str(ref)!r} cannot be read as {kind}: {_root_cause(e)}") from None
@@ -158,6 +152,12 @@ def load_table(ref: str | os.PathLike, split: str = "train", subset: str | None 
     level = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
+        from datasets.packaged_modules.csv.csv import CsvConfig
+
+        config = datasets.load_dataset_builder(str(p), name=subset).config
+        files = (config.data_files or {}).get(split) if isinstance(config, CsvConfig) else None
+        if files:  # csv: as a single file is read (this split alone: another one, a test.csv, may lack the answers)
+            return _csv_table(list(files), split, config)
         return datasets.load_dataset(str(p), name=subset, split=split)
     except (ValueError, FileNotFoundError, KeyError) as e:
         first = str(e.args[0] if e.args else e).splitlines()[0]
@@ -168,6 +168,28 @@ def load_table(ref: str | os.PathLike, split: str = "train", subset: str | None 
                          f"cannot be read: {_root_cause(e)}") from None
     finally:
         datasets.logging.set_verbosity(level)
+
+
+def _csv_table(files: list[str], split: str, config=None):
+    """The ``split`` of csv ``files`` with every column as its text: a guessed type turned answers 7 into 7.0, 0012
+    into 12, and pandas' missing values (NA, None) into no answer. ``config``: a folder's ``CsvConfig`` (a dataset
+    card's separator, encoding, ...). The column names are pandas', with datasets' settings (a byte order mark
+    dropped, a blank header - pandas' own index - named 'Unnamed: 0')."""
+    import dataclasses
+
+    import datasets
+    import pandas
+    from datasets.packaged_modules.csv.csv import CsvConfig
+
+    default = CsvConfig()
+    skip = {f.name for f in dataclasses.fields(datasets.BuilderConfig)} | {"features", "keep_default_na"}
+    settings = {f.name: getattr(config, f.name) for f in dataclasses.fields(CsvConfig) if config is not None
+                and f.name not in skip and getattr(config, f.name) != getattr(default, f.name)}
+    header = {**CsvConfig(**settings).pd_read_csv_kwargs, "nrows": 0, "chunksize": None}
+    names = pandas.read_csv(files[0], **header).columns
+    text = datasets.Features({str(n): datasets.Value("string") for n in names})
+    return datasets.load_dataset("csv", data_files={split: files}, split=split, features=text, keep_default_na=False,
+                                 **settings)
 
 
 def _root_cause(e: BaseException) -> str:

@@ -448,3 +448,19 @@ def test_rc_tasks_whose_levels_stop_changing_are_capped_there():
             return {k: v for k, v in task.config.to_dict().items() if k not in ("seed", "level")}
         assert config(top) != config(top - 1) and config(top) == config(top + 1) == config(top + 30), name
     assert get_env("rc/arithmetics").max_difficulty is None
+
+
+def test_rg_time_intervals_negative_gold_answers_are_kept_and_credited():
+    """reasoning-gym's own gold answer can be negative ('-1 days, 16:01:00', ~3% of level 0): the check against a
+    dropped minus sign refused every answer starting with '-', so the gold scored 0 and such problems were drawn
+    again. The answer's sign must be the gold's: the gold without its minus sign is not credited."""
+    pytest.importorskip("reasoning_gym")
+    env = get_env("rg/time_intervals")
+    cfg, _ = env.config(0)
+    seed = next(s for s in range(300) if str(env._fresh(cfg, s)[1]["answer"]).startswith("-"))
+    gold = str(env._fresh(cfg, seed)[1]["answer"])
+    p = env.generate(seed, 0)
+    assert p.answer == gold
+    assert env.verify(p, f"<answer>{gold}</answer>").correct
+    bad = env.verify(p, f"<answer>{gold[1:]}</answer>")
+    assert not bad.correct and bad.reward == 0.0, bad

@@ -372,3 +372,48 @@ def test_numeric_answer_columns_are_written_out_in_full(tmp_path):
     env = MathDatasetEnv(path=str(f), heldout=0.0)
     p = env.problem("P0?", rows[0]["answer"], 0, 0)
     assert env.verify(p, "\\boxed{0.00001}").correct and not env.verify(p, "\\boxed{0.0001}").correct
+
+
+def test_a_csv_with_a_byte_order_mark_or_a_pandas_index_keeps_its_columns(tmp_path):
+    """The header was read with csv.reader, which names columns otherwise than pandas (datasets' parser): Excel's
+    "CSV UTF-8" starts with a byte order mark ('\\ufeffproblem'), pandas' df.to_csv(path) writes its index under a
+    blank header ('' for 'Unnamed: 0'); both failed with KeyError: 'Field ... does not exist in schema'."""
+    import pandas
+
+    from envs.hub import load_rows
+
+    bom = tmp_path / "excel.csv"
+    bom.write_bytes(b"\xef\xbb\xbfproblem,answer\r\nWhat is 1+1?,2\r\nZip code?,0012\r\n")
+    idx = tmp_path / "frame.csv"
+    pandas.DataFrame({"problem": ["What is 1+1?", "Zip code?"], "answer": ["2", "0012"]}).to_csv(idx)
+    assert idx.read_text().startswith(",problem,answer\n")
+    for f in (bom, idx):
+        rows = load_rows(f, ["problem", "answer"])
+        assert [(r["problem"], r["answer"]) for r in rows] == [("What is 1+1?", "2"), ("Zip code?", "0012")], f
+    assert list(load_rows(idx, ["problem"])[0]) == ["problem"]
+
+
+def test_a_csv_in_a_folder_gives_the_rows_of_the_same_single_file(tmp_path):
+    """A csv in a folder (a Hub snapshot's shape) had its column types guessed and pandas' missing values dropped:
+    0012 became 12, the answers NA and None no answer. A test.csv without the answer column (Kaggle's layout) still
+    loads, and so does a dataset card's separator."""
+    from envs.hub import load_rows, load_table
+
+    text = "problem,answer\nZip code?,0012\nCountry code of Namibia?,NA\nWhich option is empty?,None\nHalf?,\n"
+    want = [("Zip code?", "0012"), ("Country code of Namibia?", "NA"), ("Which option is empty?", "None"),
+            ("Half?", "")]
+    single = tmp_path / "single.csv"
+    single.write_text(text)
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    (folder / "train.csv").write_text(text)
+    (folder / "test.csv").write_text("problem\nWhat is 3+4?\n")
+    for ref in (single, folder):
+        assert [(r["problem"], r["answer"]) for r in load_rows(ref, ["problem", "answer"])] == want, ref
+    assert load_table(folder, split="test")[:] == {"problem": ["What is 3+4?"]}
+    card = tmp_path / "card"
+    card.mkdir()
+    (card / "data.csv").write_text(text.replace(",", ";"))
+    (card / "README.md").write_text('---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n'
+                                    '    path: data.csv\n  sep: ";"\n---\n')
+    assert [(r["problem"], r["answer"]) for r in load_rows(card, ["problem", "answer"])] == want
