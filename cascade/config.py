@@ -305,7 +305,7 @@ class Trainer:
     nproc: int = 1
     nnodes: int = 1
     rdzv_endpoint: str | None = None  # HOST:PORT of the c10d rendezvous, with nnodes > 1
-    rdzv_id: str = "cascade"
+    rdzv_id: str = "cascade"          # prefix: each launch of a stage's ranks adds the stage, its update, a random part
     tsp: int = 1
     tokens_per_micro: int = 16384     # tokens per packed micro-batch on a rank (a longer rollout gets its own)
     timeout_s: float = 3600.0         # longest wait for the ranks (an update, a version, a checkpoint); 0: none

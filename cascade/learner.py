@@ -6,9 +6,11 @@ The orchestrator keeps everything group-level (verification, rewards, advantages
 sampling, the curriculum) and hands the trainer ranks a :class:`TrainBatch` per update; they
 publish weight versions, which the orchestrator loads into its own copy of the policy (for
 evaluation and its HF checkpoints) and into the rollout engine. Checkpoints stay in step: before
-the orchestrator writes its checkpoint after ``u`` updates it asks the ranks for theirs at ``u``
-(:func:`train.rl.worker.request_path`), and on resume the ranks' newer checkpoints and batches
-are removed, so both sides continue from the same update.
+the orchestrator writes its checkpoint after ``u`` updates (once its previous one is written) it asks
+the ranks for theirs at ``u`` (:func:`train.rl.worker.request_path`); the ranks keep one checkpoint
+more than the orchestrator, which may fall back to the one before its newest; and on resume the
+ranks' newer checkpoints and batches are removed, so both sides continue from the same update (a
+resume the ranks have no checkpoint for is refused before anything is removed).
 
 A stage's SFT warm-up runs on the same ranks (``sft_steps`` > 0): SFT step ``i`` is update
 ``i`` and RL update ``k`` is update ``sft_steps + k`` (weight versions stay RL's: version 0 is
@@ -16,12 +18,16 @@ the policy after SFT); checkpoints are asked for by update.
 
 With ``trainer.nnodes > 1`` this process starts the ranks of its own node; every other node runs
 the command logged in ``OUT/stages/N-NAME/logs/trainer-command.txt`` (see
-scripts/slurm/cascade_rl.sbatch).
+scripts/slurm/cascade_rl.sbatch), removed when the ranks are stopped. Each launch meets under a
+rendezvous id of its own (``trainer.rdzv_id``, the stage, the update it starts at and a random part):
+a node running an older launch's command does not join it.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -39,6 +45,7 @@ class WorkerLearner:
     def __init__(self, exchange: Path, model_dir: Path, tcfg, rl_cfg, steps: int, start_update: int, log_dir: Path,
                  dtype: str = "float32", pad_id: int = 0, device: str = "cpu", sft_steps: int = 0, sft_optim=None):
         """``steps``: RL updates; ``start_update``: updates already done (SFT and RL) at a resume."""
+        from cascade.checkpoint import Checkpointer
         from train.parallel.rl_update import RLUpdateConfig
         from train.rl.worker import CKPT_DIR, config_dict, launch_command, process_start
 
@@ -51,12 +58,12 @@ class WorkerLearner:
         self._up = False
         self.sft_steps = sft_steps
         self.exchange.mkdir(parents=True, exist_ok=True)  # a stage may end before it sends the ranks anything
-        self._clear_after(start_update, CKPT_DIR)
         ck = self.exchange / CKPT_DIR / f"step-{start_update:06d}" / "COMPLETE"
-        if start_update > 0 and not ck.exists():
+        if start_update > 0 and not ck.exists():  # (refused before anything of the ranks is removed)
             raise ValueError(f"cannot resume: the orchestrator's checkpoint is after update {start_update} but the "
                                f"trainer ranks have no complete checkpoint of it ({ck.parent}); remove "
                                f"{self.exchange} and the stage's checkpoints to start the stage again")
+        self._clear_after(start_update, CKPT_DIR)
         ref = getattr(rl_cfg, "kl_reference", None)  # the ranks run in the repository root: an absolute path
         if ref:
             from envs.hub import resolve_model
@@ -74,17 +81,25 @@ class WorkerLearner:
         import os
         import socket
 
+        # the ranks keep one checkpoint more than the orchestrator's Checkpointer (StageRunner's, of the default
+        # keep): when its newest does not read back it resumes from the one before (Checkpointer.latest_loadable)
+        keep = inspect.signature(Checkpointer).parameters["keep"].default + 1
         extra = ["--sync-every", str(rl_cfg.sync_every), "--sft-steps", str(sft_steps), "--device", "cuda" if device.startswith("cuda") else "cpu",
+                 "--keep-checkpoints", str(keep),
                  "--orchestrator-pid", str(os.getpid()), "--orchestrator-host", socket.gethostname(),
                  "--timeout-s", str(self.startup_timeout + 60 if self.timeout else 7 * 86400)]
         # (the ranks' collectives, their first too, wait longer than this process waits for them, which says
         # why it stopped first; NCCL's own timeout, 10 min, is shorter than rank 0 may take to write a large version)
         if (start := process_start()) is not None:
             extra += ["--orchestrator-start", start]
+        # this launch's own rendezvous: every node runs this command (the same id), and a node that runs an older
+        # launch's command (a finished stage's, an interrupted run's) does not meet it
+        rdzv_id = f"{tcfg.rdzv_id}-{self.log_dir.parent.name}-{start_update}-{secrets.token_hex(4)}"
         cmd = launch_command(self.exchange, model_dir, tcfg.nproc, sft_steps + steps, conf, tsp=tcfg.tsp,
                              port=None if tcfg.nnodes > 1 else free_port(), extra=extra, nnodes=tcfg.nnodes,
-                             rdzv_endpoint=tcfg.rdzv_endpoint, rdzv_id=tcfg.rdzv_id)
-        (self.log_dir / "trainer-command.txt").write_text(shlex.join(cmd) + "\n")
+                             rdzv_endpoint=tcfg.rdzv_endpoint, rdzv_id=rdzv_id)
+        self.command = self.log_dir / "trainer-command.txt"  # what the other nodes run; removed by close()
+        self.command.write_text(shlex.join(cmd) + "\n")
         self.log = self.log_dir / "trainer.log"
         self._silent = False  # the ranks stopped answering: close() kills them without asking them to stop
         with open(self.log, "ab") as f:
@@ -178,7 +193,9 @@ class WorkerLearner:
 
     def close(self) -> None:
         """Stop the ranks: asked to (STOP, up to 60 s), else, or at once when they went silent (a rank
-        hung, the others blocked in a collective with it), killed: the torchrun agent and every rank."""
+        hung, the others blocked in a collective with it), killed: the torchrun agent and every rank.
+        Their command is removed first: no other node starts it after this."""
+        self.command.unlink(missing_ok=True)
         if self.proc.poll() is None:
             if not self._silent:
                 (self.exchange / "STOP").write_text("")

@@ -711,6 +711,9 @@ class StageRunner:
         if rl.learner is not None:  # the ranks checkpoint the same update; this copy of the policy takes its weights
             from train.model.hf_io import load_into
 
+            # once the previous checkpoint is written: the ranks prune theirs as they write, and a run killed while
+            # it was still being written resumes from the one before, which they must still have
+            ckpt.wait()
             load_into(policy, rl.learner.checkpoint(self.updates_done(rl, sft)))
         if rl.learner is None and rl.synced_version != rl.step_idx:
             # the engine takes the policy saved here (rl.sync_every > 1 may leave it a version behind): a run

@@ -241,6 +241,118 @@ def test_the_ranks_start_is_bounded_by_the_startup_timeout_and_later_silence_by_
         Trainer(startup_timeout_s=-1)
 
 
+def test_the_ranks_checkpoint_an_update_after_the_orchestrators_previous_checkpoint_is_written(tmp_path,
+                                                                                             monkeypatch):
+    """StageRunner.save asks the ranks for their checkpoint of update 2 only once the orchestrator's checkpoint of
+    update 1, written in the background (slowly here, as a large model's), is complete: the ranks prune theirs to
+    the newest few as they write, and a run killed while the orchestrator still wrote 1 resumed from its 0, which
+    the ranks no longer had. The ranks here answer each request as train.rl.worker does (the version, then the
+    request file removed), noting which orchestrator checkpoints were complete when it came."""
+    import threading
+    from types import SimpleNamespace
+
+    import cascade.checkpoint as ck
+    from cascade.config import RunConfig, StageConfig, Trainer
+    from cascade.learner import WorkerLearner
+    from cascade.stage import StageRunner
+    from train.model.config import ModelConfig
+    from train.model.modeling import CausalLM
+    from train.rl.exchange import publish_version
+    from train.rl.worker import request_path
+
+    policy = CausalLM(ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8)).init_weights(0, std=0.2)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "tokenizer_config.json").write_text("{}")
+    copy = ck.copy_tokenizer
+
+    def slow_copy(s, d):  # the orchestrator's write of update 1 takes a second
+        if d.name == "step-00000001.tmp":
+            time.sleep(1.0)
+        copy(s, d)
+
+    monkeypatch.setattr(ck, "copy_tokenizer", slow_copy)
+    ckpt = ck.Checkpointer(tmp_path / "checkpoints")
+    exchange = tmp_path / "exchange"
+    learner = object.__new__(WorkerLearner)
+    learner.exchange, learner.sft_steps, learner.log = exchange, 0, tmp_path / "trainer.log"
+    learner.proc, learner._silent, learner._up = SimpleNamespace(poll=lambda: None), False, True
+    learner.timeout = learner.startup_timeout = 30
+    seen, stop = {}, threading.Event()
+
+    def ranks():
+        while not stop.is_set():
+            for u in (1, 2):
+                req = request_path(exchange, u)
+                if u not in seen and req.exists():
+                    seen[u] = [p.name for p in ckpt.complete()]
+                    publish_version(exchange, u, policy.state_dict())
+                    req.unlink()
+            time.sleep(0.01)
+
+    t = threading.Thread(target=ranks, daemon=True)
+    t.start()
+    try:
+        rcfg = RunConfig(order=["rlve"], stages={"rlve": StageConfig()}, trainer=Trainer(nproc=2))
+        runner = StageRunner("rlve", 1, rcfg.stages["rlve"], rcfg, tmp_path, records=None)
+        rl = SimpleNamespace(learner=learner, step_idx=1, state_dict=lambda: {})
+        for u in (1, 2):
+            rl.step_idx = u
+            runner.save(ckpt, policy, src, rl, None, None, {"step": u})
+        ckpt.wait()
+    finally:
+        stop.set()
+        t.join()
+    assert seen == {1: [], 2: ["step-00000001"]}
+    assert [p.name for p in ckpt.complete()] == ["step-00000001", "step-00000002"]
+
+
+def _launch(tmp_path, tcfg, start_update: int):
+    """The ranks started at ``start_update`` and killed at once (they wait at the rendezvous for another node):
+    their command, split, and whether it was still in the stage's logs before they were stopped."""
+    import shlex
+
+    from cascade.learner import WorkerLearner
+    from train.rl.trainer import RLConfig
+
+    logs = tmp_path / "stages" / "1-rlve" / "logs"
+    w = WorkerLearner(tmp_path / "exchange", tmp_path / "model", tcfg, RLConfig(), 5, start_update, logs)
+    try:
+        return shlex.split((logs / "trainer-command.txt").read_text())
+    finally:
+        w._silent = True  # killed, not asked to stop
+        w.close()
+
+
+def test_the_ranks_keep_one_checkpoint_more_than_the_orchestrator(tmp_path):
+    """The orchestrator keeps its 2 newest checkpoints and falls back to the one before its newest when that one
+    does not read back: the ranks keep 3, so the update it falls back to is still theirs."""
+    from cascade.checkpoint import Checkpointer
+    from cascade.config import Trainer
+
+    cmd = _launch(tmp_path, Trainer(nproc=1, nnodes=2, rdzv_endpoint="127.0.0.1:1"), 0)
+    assert Checkpointer(tmp_path / "checkpoints").keep == 2
+    assert int(cmd[cmd.index("--keep-checkpoints") + 1]) == 3
+
+
+def test_each_launch_of_the_ranks_has_a_rendezvous_of_its_own(tmp_path):
+    """Two launches of a stage's ranks at the same update (a job requeued with the same OUT) meet under different
+    rendezvous ids (trainer.rdzv_id, the stage, the update, a random part): a node that ran an earlier launch's
+    command does not join this one. The command, which every node runs, is removed when the ranks are stopped."""
+    from cascade.config import Trainer
+
+    (tmp_path / "exchange" / "trainer_ckpt" / "step-000003").mkdir(parents=True)
+    (tmp_path / "exchange" / "trainer_ckpt" / "step-000003" / "COMPLETE").write_text("ok\n")
+    tcfg = Trainer(nproc=1, nnodes=2, rdzv_endpoint="127.0.0.1:1", rdzv_id="job7")
+    ids = []
+    for _ in range(2):
+        cmd = _launch(tmp_path, tcfg, 3)
+        ids.append(cmd[cmd.index("--rdzv-id") + 1])
+        assert not (tmp_path / "stages" / "1-rlve" / "logs" / "trainer-command.txt").exists()
+    assert ids[0] != ids[1] and all(i.startswith("job7-1-rlve-3-") for i in ids), ids
+
+
 def test_a_bf16_stage_resumed_after_its_sft_warm_up_ends_as_an_uninterrupted_one(warm_dir, tmp_path):
     """In this process (no ranks), dtype=bfloat16, 2 SFT steps then 3 RL steps, killed after an RL step and
     resumed: the same final weights as the run that was not interrupted (the SFT optimizer's fp32 masters,

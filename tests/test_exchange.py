@@ -138,3 +138,28 @@ def test_the_version_the_servers_serve_is_never_pruned(tmp_path):
     ex.pin_serving(tmp_path, 6)  # the servers moved on: the old one goes with the next prune
     ex.publish_version(tmp_path, 7, _sd(7))
     assert ex.complete_versions(tmp_path) == [5, 6, 7]
+
+
+def test_a_refused_resume_removes_nothing_the_ranks_wrote(tmp_path):
+    """The orchestrator resumes after update 1 and the ranks have checkpoints of updates 2 and 3 only: the
+    learner refuses to start, and the exchange is as it was (it cleared what the ranks did past update 1 first,
+    their checkpoints 2 and 3 with it, then refused: a run that could have gone on from 2 had nothing left)."""
+    import pytest
+
+    from cascade.config import Trainer
+    from cascade.learner import WorkerLearner
+
+    ex_dir = tmp_path / "exchange"
+    for sub, names in (("trainer_ckpt", ["step-000002", "step-000003"]), ("weights", ["v000002", "v000003"]),
+                       ("metrics", ["step-000002.json"]), ("ckpt_requests", ["step-000003"])):
+        for n in names:
+            (ex_dir / sub / n).mkdir(parents=True)
+            (ex_dir / sub / n / "COMPLETE").write_text("ok\n")
+    (ex_dir / "STOP").write_text("")
+    before = sorted(str(p.relative_to(ex_dir)) for p in ex_dir.rglob("*"))
+    assert len(before) == 1 + 4 + 6 * 2  # STOP, 4 subdirectories, 6 directories each with its COMPLETE
+    with pytest.raises(ValueError, match=r"cannot resume: the orchestrator's checkpoint is after update 1 but the "
+                                         r"trainer ranks have no complete checkpoint of it"):
+        WorkerLearner(ex_dir, tmp_path / "model", Trainer(nproc=2), SimpleNamespace(), 5, 1, tmp_path / "logs")
+    assert sorted(str(p.relative_to(ex_dir)) for p in ex_dir.rglob("*")) == before
+    assert not (tmp_path / "logs").exists()

@@ -131,6 +131,34 @@ def test_slurm_template_is_valid_bash():
         assert s in text, s
 
 
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_node_1_runs_only_the_trainer_commands_written_in_this_job(tmp_path):
+    """A job requeued with the same OUT: a finished stage's trainer-command.txt is still there, written before this
+    job started. Node 1's loop (run here as the template has it) skips it and runs the current stage's command only;
+    it ran the finished stage's old torchrun first, which went to the rendezvous of node 0's agent of the current
+    stage. The template marks the job's start before node 1's loop and before the orchestrator starts."""
+    import shlex
+
+    text = SBATCH.read_text()
+    loop = re.search(r"\n    srun [^\n]*bash -c '\n(.*?)' \"\$OUT\" &\n", text, re.S)
+    assert loop, "node 1's loop: srun ... bash -c '...' \"$OUT\" &"
+    out, ran = tmp_path / "out", tmp_path / "ran"
+    old, new = (out / "stages" / n / "logs" / "trainer-command.txt" for n in ("1-warmup", "2-math"))
+    for f in (old, new):
+        f.parent.mkdir(parents=True)
+    now = time.time()
+    old.write_text(f"echo 1-warmup >> {shlex.quote(str(ran))}\n")
+    os.utime(old, (now - 3600, now - 3600))  # the job before the requeue ran stage 1
+    (out / ".node1-start").touch()
+    os.utime(out / ".node1-start", (now - 60, now - 60))  # this job started
+    new.write_text(f"echo 2-math >> {shlex.quote(str(ran))}; touch {shlex.quote(str(out / '.orchestrator-done'))}\n")
+    r = subprocess.run(["bash", "-c", loop.group(1), str(out)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert ran.read_text() == "2-math\n"
+    marked = text.index('touch "$OUT/.node1-start"')
+    assert marked < loop.start() < text.index("    cascade run out=")
+
+
 # ------------------------------------------------------------------- cascade calc rollout sizing
 
 
