@@ -1069,3 +1069,84 @@ def test_countdown_claims_and_other_spellings():
     assert not env.verify(p, f"\\boxed{{{p.answer} = {target + 1}}}").correct
     assert env.verify(p, f"\\boxed{{{p.answer.replace('/', '÷')}.}}").correct
     assert parse_int("\u221270") == -70 and parse_fraction("\u22121/2") == Fraction(-1, 2)
+
+
+def test_countdown_nesting_depth_and_length_scale_with_the_puzzle(monkeypatch):
+    """The "too deep" guard tested the token position, not the nesting depth: any "(" after the 200th token was
+    refused, so the env's own reference failed from difficulty ~160; a fixed 400-token cap refused it from ~297."""
+    from envs.gym.logic_puzzles import _Expr
+
+    monkeypatch.setenv("CASCADE_NO_DIFFICULTY_CAPS", "1")
+    env = get_env("gym/countdown")
+    for d in (160, 300):
+        p = env.generate(0, d)
+        assert env.verify(p, env.reference_response(p)).correct, d
+    assert _Expr("1 + " * 100 + "(2)").parse() == 102  # one level deep, after 200 tokens
+    assert _Expr("(" * 200 + "7" + ")" * 200, max_tokens=1000).parse() == 7
+    with pytest.raises(ValueError, match="too deep"):
+        _Expr("(" * 201 + "7" + ")" * 201, max_tokens=1000).parse()
+    p = env.generate(0, 0)  # a small puzzle keeps the 400-token bound
+    assert not env.verify(p, boxed("(" * 200 + p.answer + ")" * 200)).format_ok
+
+
+@pytest.mark.parametrize("env_id,top", [("gym/sudoku", 143), ("gym/latin_square", 339), ("gym/magic_square", 396),
+                                        ("gym/digit_sum_power", 407)])
+def test_answer_size_caps(env_id, top, monkeypatch):
+    """Past these levels the reference no longer fits: a 196x196 sudoku (difficulty 144), a 173x173 latin square
+    (340) and a 137x137 magic square (397) write over 100k characters (MAX_ANSWER_CHARS); 417^1642 has over 4300
+    digits, Python's limit on int-to-str conversion (digit_sum_power raised ValueError at 408). The level is capped
+    there, and a higher one makes a problem of the top size."""
+    from envs.gym._util import MAX_ANSWER_CHARS
+
+    monkeypatch.setenv("CASCADE_NO_DIFFICULTY_CAPS", "1")
+    env = get_env(env_id)
+    assert env.max_difficulty == top
+    for seed, d in ((0, top), (1, top + 100)):
+        p = env.generate(seed, d)
+        assert len(env.format_answer(p.answer)) <= MAX_ANSWER_CHARS
+        assert env.verify(p, env.reference_response(p)).correct, (seed, d)
+    if env_id == "gym/digit_sum_power":  # the largest power drawn at the top level, a = 9 + d, b = 10 + 4 d
+        assert len(str((9 + top) ** (10 + 4 * top))) == 4291
+        with pytest.raises(ValueError):
+            str((10 + top) ** (14 + 4 * top))
+
+
+def test_huffman_symbol_count_keeps_growing():
+    """The symbols were sliced from a 10-letter alphabet: from difficulty ~24 the count stopped growing."""
+    env = get_env("gym/huffman_cost")
+
+    def most(d):
+        return max(len(re.findall(r"(\w+): \d+", env.generate(seed, d).prompt)) for seed in range(100))
+
+    assert most(24) == 10 and most(60) == 19 and most(200) == 54
+    p = env.generate(3, 12)  # the low levels draw the problems they drew before
+    assert p.prompt.startswith("A text has character frequencies a: ") and p.answer == env.generate(3, 12).answer
+
+
+def test_list_answers_read_the_minus_sign_and_final_periods():
+    """parse_int_list did not read U+2212 (parse_int and parse_fraction do); sliding_puzzle and prime_factorization refused "DRR." and "2 * 3."."""
+    from envs.gym._util import ListAnswer
+
+    envs = [get_env(i) for i in IDS]
+    lists = [e for e in envs if isinstance(e, ListAnswer)]
+    assert len(lists) >= 15
+    for env in lists:
+        for seed in (0, 1, 2):
+            p = env.generate(seed, 2)
+            ref = env.format_answer(p.answer)
+            assert env.verify(p, boxed(ref.replace("-", "\u2212"))).correct, (env.id, ref)
+    p = get_env("gym/polynomial_multiply").generate(0, 0)
+    assert p.answer == [-3, 11, -14, 6, 4]
+    assert get_env("gym/polynomial_multiply").verify(p, boxed("\u22123 11 \u221214 6 4")).correct
+    assert parse_int_list("[\u22121, 2, \u22123]") == [-1, 2, -3]
+    env = get_env("gym/sliding_puzzle")
+    for seed in (0, 1):
+        p = env.generate(seed, 1)
+        assert env.verify(p, boxed(p.answer + ".")).correct
+        assert env.verify(p, boxed(p.answer + " .")).correct
+        assert not env.verify(p, boxed(p.answer + "..")).correct
+    env = get_env("gym/prime_factorization")  # (refused "2 * 3." with "bad factor '3.'")
+    for seed in (0, 1):
+        p = env.generate(seed, 1)
+        assert env.verify(p, boxed(env.format_answer(p.answer) + ".")).correct
+        assert not env.verify(p, boxed(env.format_answer(p.answer) + "..")).correct

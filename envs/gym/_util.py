@@ -145,8 +145,8 @@ _LIST_OK = re.compile(r"[\d\s,;()\[\]{}+-]*")
 
 def parse_int_list(text: str, signed: bool = True) -> list[int]:
     """Integers separated by spaces/commas/semicolons, optionally in brackets. ``signed=False``
-    treats '-' as a separator (so ``1-2, 2-3`` reads as 1 2 2 3)."""
-    text = text.rstrip().removesuffix(".")  # "1, 2, 3." as "42." is 42
+    treats '-' as a separator (so ``1-2, 2-3`` reads as 1 2 2 3). The minus sign U+2212 reads as '-'."""
+    text = text.replace("\u2212", "-").rstrip().removesuffix(".")  # "1, 2, 3." as "42." is 42
     if not _LIST_OK.fullmatch(text):
         raise ParseError(f"expected a list of integers, got {text[:40]!r}")
     toks = re.findall(r"[+-]?\d+" if signed else r"\d+", text)

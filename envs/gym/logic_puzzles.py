@@ -66,11 +66,14 @@ def _show(givens, blank="."):
 @register("gym/sudoku")
 class Sudoku(_GridPuzzle):
     family, description = F, "Sudoku: 4x4, then 9x9, then 16x16... with more blanks as difficulty grows."
+    max_difficulty = 143  # 169x169 (96k characters); the 196x196 grid of difficulty 144 passes the answer length limit
 
     def build(self, rng, d):
-        # box size 2 at difficulties 0-1, 3 at 2-23, then one more every 12 levels; within each box size the blanks
-        # ramp from 30% to 75% of the cells (the old min(0.75, 0.3 + 0.04 d) reached 75% at 12 and stayed there, so
-        # 12-23 and each later box size were one flat level). 16x16 at 30% still has more blanks than 9x9 at 75%
+        d = min(d, 143)
+        # box size 2 at difficulties 0-1, 3 at 2-23, then one more every 12 levels (13 at the top, 132-143); within
+        # each box size the blanks ramp from 30% to 75% of the cells (the old min(0.75, 0.3 + 0.04 d) reached 75% at
+        # 12 and stayed there, so 12-23 and each later box size were one flat level). 16x16 at 30% still has more
+        # blanks than 9x9 at 75%
         b = 2 if d < 2 else 3 + max(0, (d - 12) // 12)
         start, span = (2, 22) if b == 3 else (24 + 12 * (b - 4), 12)
         n = b * b
@@ -326,8 +329,10 @@ class Cryptarithm(GymEnv):
 @register("gym/magic_square")
 class MagicSquare(_GridPuzzle):
     family, description = F, "Complete a normal magic square of odd order."
+    max_difficulty = 396  # 135x135 (98k characters); the 137x137 of difficulty 397 passes the answer length limit
 
     def build(self, rng, d):
+        d = min(d, 396)
         # 3x3 (8 squares in all) only at level 0; from 5x5 on, squares from two orthogonal diagonal Latin squares
         # (n L1 + L2 + 1, cyclic: n not a multiple of 3) or the Siamese one, under the symmetries of the square and a
         # centrally symmetric permutation of rows and columns together (every line stays magic): the Siamese
@@ -384,8 +389,10 @@ class MagicSquare(_GridPuzzle):
 @register("gym/latin_square")
 class LatinSquare(_GridPuzzle):
     family, description = F, "Complete a partial Latin square (any valid completion)."
+    max_difficulty = 339  # 172x172 (99.9k characters); the 173x173 of difficulty 340 passes the answer length limit
 
     def build(self, rng, d):
+        d = min(d, 339)
         n = 3 + d // 2
         rows, cols, sym = rng.sample(range(n), n), rng.sample(range(n), n), rng.sample(range(1, n + 1), n)
         sol = [[sym[(r + c) % n] for c in cols] for r in rows]
@@ -584,7 +591,7 @@ class SlidingPuzzle(GymEnv):
                 f"blank moves), e.g. ULDR.", sol, {"board": board, "k": k})
 
     def parse(self, text, problem):
-        t = re.sub(r"[\s,;]", "", text).upper()
+        t = re.sub(r"[\s,;]", "", text).upper().removesuffix(".")  # "DRR." ends a sentence, as "42." does
         if not re.fullmatch(r"[UDLR]*", t) or len(t) > 20_000:
             raise ParseError("expected a string of U/D/L/R")
         return t
@@ -749,13 +756,16 @@ class Mastermind(GymEnv):
 
 
 class _Expr:
-    """A tiny exact arithmetic parser (+ - * / parentheses, integer literals)."""
+    """A tiny exact arithmetic parser (+ - * / parentheses, integer literals): at most ``max_tokens`` tokens and
+    parentheses nested at most ``MAX_DEPTH`` deep (each level is three frames of recursion)."""
 
-    def __init__(self, text):
+    MAX_DEPTH = 200
+
+    def __init__(self, text, max_tokens=400):
         self.toks = re.findall(r"\d+|[-+*/()]", text)
-        if "".join(self.toks) != re.sub(r"\s", "", text) or len(self.toks) > 400:
+        if "".join(self.toks) != re.sub(r"\s", "", text) or len(self.toks) > max_tokens:
             raise ParseError("expression may only contain integers, + - * / and parentheses")
-        self.i, self.nums = 0, []
+        self.i, self.depth, self.nums = 0, 0, []
 
     def parse(self):
         v = self.sum()
@@ -793,12 +803,14 @@ class _Expr:
             raise ParseError("unexpected end")
         self.i += 1
         if t == "(":
-            if self.i > 200:
+            self.depth += 1
+            if self.depth > self.MAX_DEPTH:
                 raise ParseError("too deep")
             v = self.sum()
             if self.peek() != ")":
                 raise ParseError("missing )")
             self.i += 1
+            self.depth -= 1
             return v
         if t.isdigit():
             self.nums.append(int(t))
@@ -831,7 +843,8 @@ class Countdown(GymEnv):
         t, *claims = t.split("=")  # "9 + 4 / 2 = 12" claims what is not so: each side after "=" must be the target
         if any(c.strip() != str(problem.meta["target"]) for c in claims):
             raise ParseError("what follows '=' must be the target")
-        e = _Expr(t)
+        # the reference has 4 n - 5 tokens for n numbers (over 400 from difficulty ~297): room for twice as many
+        e = _Expr(t, max(400, 8 * len(problem.meta["nums"])))
         return e.parse(), sorted(e.nums)
 
     def grade(self, problem, value):

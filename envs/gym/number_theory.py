@@ -86,7 +86,7 @@ class PrimeFactorization(GymEnv):
         return " * ".join(map(str, answer))
 
     def parse(self, text, problem):
-        t = re.sub(r"\\times|\\cdot|×|·", "*", text)
+        t = re.sub(r"\\times|\\cdot|×|·", "*", text).strip().removesuffix(".")  # "2 * 3." as "42." reads as 42
         out = []
         for tok in (x.strip() for x in t.split("*")):
             m = re.fullmatch(r"(\d+)\s*(?:\^\s*\{?\s*(\d+)\s*\}?)?", tok)

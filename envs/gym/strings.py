@@ -41,6 +41,12 @@ def _alpha(d):
     return "abcdefghij"[: 2 + d // 4]
 
 
+def _symbols(k):
+    """``k`` distinct symbol names: a..z, A..Z, then a1..Z1, a2..."""
+    letters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    return [letters[i % 52] + (str(i // 52) if i >= 52 else "") for i in range(k)]
+
+
 class _SubstringAnswer(GymEnv):
     """The answer is a substring with a property; graded by validity and (length/optimum)^5."""
 
@@ -369,7 +375,10 @@ class HuffmanCost(IntAnswer):
     family, description = F, "Total bits of an optimal prefix (Huffman) code for a text."
 
     def build(self, rng, d):
-        freq = {c: rng.randint(1, 10 + 3 * d) for c in _alpha(d + 8)[: rng.randint(2, 4 + d // 2)]}
+        # a count drawn from 2..4 + d/2, at most 4 + d/4: the letters of _alpha(d + 8) were the symbols, and its 10
+        # letters stopped the count growing from difficulty 24; the same problems as then up to difficulty 27
+        k = min(rng.randint(2, 4 + d // 2), 4 + d // 4)
+        freq = {c: rng.randint(1, 10 + 3 * d) for c in _symbols(k)}
         h = list(freq.values())
         heapq.heapify(h)
         cost = 0
