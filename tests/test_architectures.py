@@ -270,6 +270,15 @@ def test_a_qwen3_config_without_head_dim_takes_transformers_default():
     assert ModelConfig.from_hf({**d, "model_type": "qwen2"}).head_dim == 8
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_a_null_num_key_value_heads_means_one_per_attention_head(kind):
+    """Phi-2-style configs write ``"num_key_value_heads": null``, which transformers reads as one per attention
+    head: it raised TypeError (no ValueError, so model_backend=auto did not fall back either)."""
+    d = {"model_type": kind, "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": None, "head_dim": 8}
+    assert ModelConfig.from_hf(d).num_key_value_heads == transformers.AutoConfig.for_model(**d).num_key_value_heads == 4
+
+
 def test_distributed_trainer_refuses_a_fallback_policy_before_launching_ranks(gpt2_dir, tmp_path):
     """`cascade run model=GPT2_DIR model_backend=auto trainer.nproc=2` fails at once, in one line naming the
     architecture and trainer.nproc=1, before any trainer rank starts (no exchange directory, no trainer log):

@@ -431,3 +431,20 @@ def test_sampling_settings_that_must_be_integers_are_refused_otherwise(engine):
     assert SamplingParams(max_tokens=np.int64(3), seed=np.int32(-4)).max_tokens == 3
     with pytest.raises(ValueError, match="every seed must be an integer, got None"):
         engine.generate([[5, 6], [7]], SamplingParams(max_tokens=2), seeds=[1, None])
+
+
+def test_one_text_prompt_and_numpy_seeds(engine):
+    """A bare string is one prompt, as vLLM's ``LLM.generate`` takes it (it was one prompt per character), and
+    per-prompt seeds may be numpy integers, as ``SamplingParams.seed`` may (they overflowed the seed arithmetic,
+    or an array was refused as ambiguous)."""
+    import numpy as np
+
+    p = SamplingParams(max_tokens=4, temperature=1.0)
+    one = engine.generate("What is 2+2?", p, seeds=[3])
+    assert len(one) == 1 and one[0].token_ids == engine.generate(["What is 2+2?"], p, seeds=[3])[0].token_ids
+    prompts = _prompts(engine)[:2]
+    want = [c.token_ids for c in engine.generate(prompts, p, seeds=[3, 4])]
+    assert [c.token_ids for c in engine.generate(prompts, p, seeds=np.array([3, 4]))] == want
+    assert [c.token_ids for c in engine.generate(prompts, p, seeds=[np.int64(3), np.int64(4)])] == want
+    with pytest.raises(ValueError, match="got 1 seeds for 2 prompts"):
+        engine.generate(prompts, p, seeds=np.array([3]))

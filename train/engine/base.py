@@ -151,13 +151,29 @@ class ContextLengthError(ValueError):
     """A prompt (plus what must be generated) does not fit the model's context."""
 
 
+def request_inputs(prompts, seeds: Sequence[int] | None = None) -> tuple[list, list[int] | None]:
+    """``generate``'s prompts as a list (a bare string is one prompt, as vLLM's ``LLM.generate`` takes it,
+    not one per character) and its per-prompt ``seeds`` as Python ints (numpy's overflowed the seed
+    arithmetic and do not go into JSON), one per prompt."""
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if seeds is None:
+        return prompts, None
+    seeds = list(seeds)
+    if len(seeds) != len(prompts):
+        raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
+    bad = [s for s in seeds if not _integer(s)]
+    if bad:
+        raise ValueError(f"every seed must be an integer, got {bad[0]!r}")
+    return prompts, [operator.index(s) for s in seeds]
+
+
 def check_prompts(ids: Sequence[list[int]], context_length: int, seeds: Sequence[int] | None = None,
                   vocab_size: int | None = None) -> None:
     """Every prompt non-empty, of token ids in ``[0, vocab_size)`` (when given) and short enough that at
     least one token can be generated; per-prompt ``seeds``, when given, one per prompt."""
     if seeds is not None and len(seeds) != len(ids):
         raise ValueError(f"got {len(seeds)} seeds for {len(ids)} prompts")
-    bad = [s for s in seeds or () if not _integer(s)]
+    bad = [s for s in (() if seeds is None else seeds) if not _integer(s)]
     if bad:
         raise ValueError(f"every seed must be an integer, got {bad[0]!r}")
     for i, x in enumerate(ids):

@@ -52,7 +52,7 @@ import time
 import urllib.parse
 from typing import Callable, Sequence
 
-from train.engine.base import Completion, SamplingParams, check_prompts, completion_request
+from train.engine.base import Completion, SamplingParams, check_prompts, completion_request, request_inputs
 from train.engine.sampling import row_seed
 from train.errors import RunFailure
 
@@ -328,9 +328,7 @@ class RemoteEngine:
     # -- contract --------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[list[int]] | Sequence[str], params: SamplingParams,
                  seeds: Sequence[int] | None = None, return_routed_experts: bool = False) -> list[Completion]:
-        prompts = list(prompts)
-        if seeds is not None and len(seeds) != len(prompts):
-            raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
+        prompts, seeds = request_inputs(prompts, seeds)
         if seeds is None:
             if params.seed is not None:
                 seeds = [row_seed(params.seed, i, 0) & 0x7FFFFFFF for i in range(len(prompts))]

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from train.engine import native
-from train.engine.base import Completion, SamplingParams, check_prompts
+from train.engine.base import Completion, SamplingParams, check_prompts, request_inputs
 from train.engine.sampling import LogitsProcessors, row_seed, sample
 from train.model.hf_io import load_into, load_pretrained
 from train.model.modeling import CausalLM, KVCache, input_pad_id
@@ -173,6 +173,7 @@ class TorchEngine:
         """``seeds`` (optional, one per prompt): prompt i samples exactly as it would alone in a
         request with ``seed=seeds[i]`` (how an OpenAI-compatible server seeds each request).
         ``return_routed_experts`` (default: the engine's setting) fills ``Completion.routed_experts``."""
+        prompts, seeds = request_inputs(prompts, seeds)
         ids = self.encode(prompts)
         ctx = self.context_length
         check_prompts(ids, ctx, seeds, vocab_size=self.model.config.vocab_size)

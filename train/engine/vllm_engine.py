@@ -59,7 +59,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from train.engine.base import ENGINE_TEXT, Completion, SamplingParams, check_prompts
+from train.engine.base import ENGINE_TEXT, Completion, SamplingParams, check_prompts, request_inputs
 from train.engine.sampling import row_seed
 from train.engine.torch_engine import EngineStats
 from train.model.hf_io import split_fused_experts
@@ -302,6 +302,7 @@ class VLLMEngine:
             raise ValueError("return_routed_experts needs VLLMEngine(..., return_routed_experts=True) "
                              "(cascade run: vllm.extra={return_routed_experts: true}; a GPU with Triton)")
 
+        prompts, seeds = request_inputs(prompts, seeds)
         ids = self.encode(prompts)
         ctx = self.context_length
         check_prompts(ids, ctx, seeds)

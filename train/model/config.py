@@ -141,7 +141,7 @@ class ModelConfig:
     # -- Hugging Face config.json -------------------------------------------------------------
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        """From our own keys (a preset) or an HF config dict; unknown keys are an error."""
+        """From our own keys (a preset; an HF config.json goes through :meth:`from_hf`); unknown keys are an error."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
@@ -196,7 +196,7 @@ class ModelConfig:
         kw = dict(
             vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d.get("intermediate_size", 0), num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=n_heads, num_key_value_heads=d.get("num_key_value_heads", n_heads),
+            num_attention_heads=n_heads, num_key_value_heads=n_heads if d.get("num_key_value_heads") is None else d["num_key_value_heads"],  # (null: MHA)
             head_dim=d.get("head_dim") or (128 if mt == "qwen3" else d["hidden_size"] // n_heads),  # transformers'
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta), max_position_embeddings=d.get("max_position_embeddings", 2048),
