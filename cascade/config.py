@@ -92,6 +92,7 @@ class Aggregation:
         if bad or self.tails < 1 or self.tail_tokens < 1 or self.buffer < 1:
             raise ValueError(f"aggregation shares must be in [0, 1] (got {bad or shares}) and tails, tail_tokens and "
                              f"buffer >= 1 (got {self.tails}, {self.tail_tokens} and {self.buffer})")
+        _check_template(self.template)
 
 
 @dataclass
@@ -119,6 +120,19 @@ class AggregationSFT:
                              f"max_new_tokens >= 0; got tails={self.tails}, samples={self.samples}, "
                              f"problems={self.problems}, shuffles={self.shuffles}, tail_tokens={self.tail_tokens}, "
                              f"fraction={self.fraction}, max_new_tokens={self.max_new_tokens}")
+        _check_template(self.template)
+
+
+def _check_template(template: str) -> None:
+    """An aggregation template other than ``auto`` loads now, not when its stage starts (after the stages
+    before it have run)."""
+    if template != "auto":
+        from ttc.templates import load_template
+
+        try:
+            load_template(template)
+        except ValueError as e:
+            raise ValueError(f"template: {e}") from None
 
 
 @dataclass
@@ -214,6 +228,11 @@ class StageConfig:
                              ">= 1")
         if self.sft.steps > 0 and self.sft.max_len < 2:  # (a prompt token and a response token at the least)
             raise ValueError(f"sft.max_len must be >= 2, got {self.sft.max_len}")
+        if self.sft.steps > 0 and not self.sft.data and not self.sft.difficulties:  # (reference traces draw a level)
+            raise ValueError("sft.difficulties is empty: SFT on reference traces draws each example's level from it "
+                             "(give at least one, or sft.data)")
+        if self.sft.steps > 0 and any(d < 0 for d in self.sft.difficulties):
+            raise ValueError(f"sft.difficulties must be >= 0, got {list(self.sft.difficulties)}")
         a = self.aggregation
         if a.fraction > 0 or any(p.aggregation for p in self.phases):  # a prompt's tails are one group's rollouts
             if a.tails > self.rl.group_size and not a.expert:
@@ -420,9 +439,12 @@ class RunConfig:
 class _Loader(yaml.SafeLoader):
     """YAML as PyYAML reads it, with YAML 1.2's floats: ``2e-1`` and ``1e-5`` are numbers (YAML 1.1 reads
     them as strings; OmegaConf adds the same rule), also in settings the schema takes as any value
-    (``controller_kwargs``, ``env_kwargs``, ``vllm.extra``)."""
+    (``controller_kwargs``, ``env_kwargs``, ``vllm.extra``); and without YAML 1.1's timestamps:
+    ``out: 2024-12-06`` is text (a date is no setting's type, and failed the JSON copy of the config)."""
 
 
+_Loader.yaml_implicit_resolvers = {c: [(tag, rx) for tag, rx in rs if tag != "tag:yaml.org,2002:timestamp"]
+                                   for c, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 _Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
     r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[0-9][0-9_]*[eE][-+]?[0-9]+|\.[0-9_]+(?:[eE][-+]?[0-9]+)?)$"),
     list("-+0123456789."))
@@ -461,19 +483,43 @@ def deep_merge(base: dict, over: dict) -> dict:
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:
-    """``["a.b=1", "c=x"]`` -> ``{"a.b": 1, "c": "x"}`` (values parsed as YAML scalars/lists)."""
+    """``["a.b=1", "c=x"]`` -> ``{"a.b": 1, "c": "x"}`` (values parsed as YAML scalars/lists), except that a
+    setting of type str takes the text as written (``out=2024.10``, ``rollout.api_key=0755``,
+    ``rl.system_prompt=Note: answer after ####``; a quoted YAML string is its content, and ``null`` or ``~``
+    unsets an optional one)."""
     out = {}
     for a in args:
         if "=" not in a:
             raise ConfigError(f"expected key=value, got {a!r}")
         k, _, v = a.partition("=")
+        k = k.strip()
         if not k:
             raise ConfigError(f"empty key in {a!r}")
+        text = _text_type(k)
+        if text and text is not str and v.strip() in ("null", "Null", "NULL", "~"):
+            out[k] = None
+            continue
         try:
-            out[k.strip()] = _yaml(v) if v != "" else ""
+            parsed = _yaml(v) if v != "" else ""
         except yaml.YAMLError:
-            out[k.strip()] = v
+            parsed = v
+        quoted = v.strip()[:1] in ("'", '"') and isinstance(parsed, str)
+        out[k] = v if text and not quoted else parsed
     return out
+
+
+def _text_type(key: str):
+    """``str`` or ``str | None`` where the schema types the dotted ``key`` so (stage-relative keys resolve
+    against :class:`StageConfig`), else None."""
+    import types
+    import typing
+
+    tp = _schema_type(key)
+    if tp is str:
+        return str
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and set(typing.get_args(tp)) == {str, type(None)}:
+        return tp
+    return None
 
 
 def set_dotted(tree: dict, key: str, value: Any) -> None:
@@ -514,8 +560,8 @@ def load_run_config(overrides: dict[str, Any], base: Path | None = None) -> tupl
             raise ConfigError(f"unknown stage {stage!r}; stages: {', '.join(tree.get('stages', {}))}")
         tree["order"] = [stage]
     top = {f for f in RunConfig.__dataclass_fields__}
-    set_keys: list[str] = []
     for source, over in ((cfile, from_file), (None, flatten_overrides(overrides))):  # the file, then the command line
+        set_keys: list[str] = []
         for k, v in over.items():
             head = k.split(".")[0]
             if head not in top and stage is not None:
@@ -526,8 +572,20 @@ def load_run_config(overrides: dict[str, Any], base: Path | None = None) -> tupl
                 raise ConfigError(f"{source}: {e}" if source else str(e)) from None
             set_dotted(tree, k, v)
             set_keys.append(k)
+        _clear_replaced(tree, set_keys)  # each layer over what came before it (a file's phases, then the command line)
     if stage is not None:
         tree["order"] = [stage]  # over an order a config file holds (print_config's dump has one)
+    cfg = build(RunConfig, tree)
+    if not cfg.order:
+        raise ConfigError(f"order is empty: name the stages to run (configured: {', '.join(cfg.stages)})")
+    return cfg, tree
+
+
+def _clear_replaced(tree: dict, set_keys: list[str]) -> None:
+    """What one layer of overrides (a config file's, or the command line's) replaces in what the layers
+    before it configured: a stage's mix set (``envs`` or ``sources``) drops its phases and its mix given
+    the other way; its ``aggregation.fraction`` set drops the phases' own shares. A stage whose phases the
+    same layer sets keeps them as given."""
     for k in set_keys:
         parts = k.split(".")
         if len(parts) < 3 or parts[0] != "stages" or f"stages.{parts[1]}.phases" in set_keys:
@@ -544,10 +602,6 @@ def load_run_config(overrides: dict[str, Any], base: Path | None = None) -> tupl
             for ph in st.get("phases") or []:
                 if isinstance(ph, dict):
                     ph.pop("aggregation", None)
-    cfg = build(RunConfig, tree)
-    if not cfg.order:
-        raise ConfigError(f"order is empty: name the stages to run (configured: {', '.join(cfg.stages)})")
-    return cfg, tree
 
 
 def read_override_file(path: str) -> dict[str, Any]:
@@ -582,20 +636,29 @@ def _holds_fields(key: str) -> bool:
     import dataclasses
     import typing
 
+    cls = _schema_type(key)
+    return dataclasses.is_dataclass(cls) or (typing.get_origin(cls) is dict and
+                                             dataclasses.is_dataclass((typing.get_args(cls) or (0, 0))[1]))
+
+
+def _schema_type(key: str) -> Any:
+    """The type the schema gives the dotted ``key`` (through dataclass fields and mappings' values), or
+    None where it has none; stage-relative keys resolve against :class:`StageConfig`."""
+    import dataclasses
+    import typing
+
     parts = key.split(".")
     cls: Any = RunConfig if parts[0] in RunConfig.__dataclass_fields__ else StageConfig
     for p in parts:
         if dataclasses.is_dataclass(cls):
             cls = typing.get_type_hints(cls).get(p)
-        elif typing.get_origin(cls) is dict and typing.get_args(cls)[1:] and \
-                dataclasses.is_dataclass(typing.get_args(cls)[1]):
+        elif typing.get_origin(cls) is dict and typing.get_args(cls)[1:]:
             cls = typing.get_args(cls)[1]
         else:
-            return False
+            return None
         if cls is None:
-            return False
-    return dataclasses.is_dataclass(cls) or (typing.get_origin(cls) is dict and
-                                             dataclasses.is_dataclass((typing.get_args(cls) or (0, 0))[1]))
+            return None
+    return cls
 
 
 def _check_key_path(tree: dict, key: str) -> None:

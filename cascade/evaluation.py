@@ -80,10 +80,11 @@ def main(argv: list[str]) -> int:
     flags = [k for k in FLAGS if k in overrides]
     if flags:
         raise ValueError(f"{flags[0]}= is a `cascade run` switch; cascade eval takes model=, stage= and config keys")
-    if "model" not in overrides:
-        raise ValueError("cascade eval needs model=PATH (a checkpoint directory or a Hub id), e.g. a stage's final/")
     given_out = "out" in overrides
     cfg, tree = load_run_config(overrides)
+    if not cfg.model:  # (not given, on the command line or in config=, or given empty: an unset $CKPT)
+        raise ValueError("cascade eval needs model=PATH (a checkpoint directory or a Hub id), e.g. a stage's final/"
+                         + ("; the model= given is empty" if "model" in overrides else ""))
     for name in cfg.order:
         if cfg.stages[name].eval_problems < 1:
             raise ValueError(f"stage {name}: eval_problems={cfg.stages[name].eval_problems} leaves nothing to score")

@@ -113,6 +113,71 @@ def test_overrides_read_as_an_omegaconf_user_expects():
     assert [p.aggregation for p in cfg.stages["math"].phases] == [0.0, 0.25]  # the profile's own, when not set
 
 
+def test_a_string_setting_takes_the_override_text_as_written():
+    """A setting of type str takes the text after ``=`` itself (it was read as YAML and turned back into text:
+    ``2024.10`` -> '2024.1', ``0755`` -> '493', ``#`` began a comment, ``Note: x`` was a mapping, a date a date)."""
+    from cascade.config import ConfigError, load_run_config, parse_overrides
+
+    cfg, _ = load_run_config(parse_overrides(["out=2024.10", "rollout.api_key=0755", "stage=math",
+                                              "rl.system_prompt=a #b", "trainer.rdzv_id=0x1F"]))
+    assert (cfg.out, cfg.rollout.api_key, cfg.trainer.rdzv_id) == ("2024.10", "0755", "0x1F")
+    assert cfg.stages["math"].rl.system_prompt == "a #b"
+    for text in ("Note: be brief", "- be brief", "Answer after #### like GSM8K"):
+        cfg, _ = load_run_config(parse_overrides(["stage=math", f"rl.system_prompt={text}"]))
+        assert cfg.stages["math"].rl.system_prompt == text
+    cfg, _ = load_run_config(parse_overrides(["out=2024-12-06", "stages.math.sft.columns.prompt=007"]))
+    assert (cfg.out, cfg.stages["math"].sft.columns) == ("2024-12-06", {"prompt": "007"})
+    # a quoted YAML string is its content, as before; null (or ~) unsets an optional one
+    cfg, _ = load_run_config(parse_overrides(["out='runs/x'", 'rollout.api_key="k #1"', "stage=math",
+                                              "rl.system_prompt=null", "model=~"]))
+    assert (cfg.out, cfg.rollout.api_key, cfg.stages["math"].rl.system_prompt, cfg.model) == ("runs/x", "k #1",
+                                                                                              None, None)
+    # other settings are read as YAML as before
+    assert parse_overrides(["stage=math", "steps=0x1F", "envs={a: 1}"]) == {"stage": "math", "steps": 31,
+                                                                         "envs": {"a": 1}}
+    with pytest.raises(ConfigError, match=re.escape("stages.math.steps: expected an integer, got '2024-12-06'")):
+        load_run_config(parse_overrides(["stage=math", "steps=2024-12-06"]))
+
+
+def test_a_date_in_a_config_file_is_text(tmp_path):
+    """YAML 1.1 reads 2024-12-06 as a date, which failed the config's JSON copy naming neither file nor key."""
+    from cascade.config import load_run_config
+
+    f = tmp_path / "date.yaml"
+    f.write_text("out: 2024-12-06\nstage: math\nrl: {system_prompt: 2024-12-06 12:00:00}\n")
+    cfg, _ = load_run_config({"config": str(f)})
+    assert cfg.out == "2024-12-06" and cfg.stages["math"].rl.system_prompt == "2024-12-06 12:00:00"
+
+
+def test_the_command_line_clears_what_a_config_file_set_as_it_clears_the_profile(tmp_path):
+    """A print_config dump (a valid config= file) sets every stage's phases: the command line's aggregation share
+    was ignored and its envs refused ("a stage with phases takes its mix from them"), as if the file's phases
+    had been given on the command line too."""
+    from cascade.config import load_run_config, parse_overrides
+    from cascade.stagedata import stage_mixes
+
+    dump = tmp_path / "dump.yaml"
+    dump.write_text(here("run", "profile=tiny", "print_config=true").stdout)
+    for base in ([], [f"config={dump}"]):
+        cfg, _ = load_run_config(parse_overrides(base + ["profile=tiny", "stages.math.aggregation.fraction=0.5"]))
+        st = cfg.stages["math"]
+        assert st.aggregation.fraction == 0.5 and [p.aggregation for p in st.phases] == [None, None], base
+        cfg, _ = load_run_config(parse_overrides(base + ["profile=tiny", "stage=math", "envs={toy/add: 1}"]))
+        st = cfg.stages["math"]
+        assert (st.envs, st.sources, st.phases) == ({"toy/add": 1.0}, {}, []), base
+        assert stage_mixes(st, "math") == [{"toy/add": 1.0}]
+        cfg, _ = load_run_config(parse_overrides(base + ["profile=tiny", "stage=warmup",
+                                                         "sources={p: {weight: 1, envs: [toy/max]}}"]))
+        st = cfg.stages["warmup"]
+        assert (st.envs, list(st.sources), st.phases) == ({}, ["p"], []), base
+    # the file's own phases still win over the file's own mix, as before
+    f = tmp_path / "phases.yaml"
+    f.write_text("stage: math\nenvs: {toy/add: 1}\nphases: [{steps: 5, envs: {toy/max: 1}}]\n")
+    st = load_run_config({"config": str(f)})[0].stages["math"]
+    with pytest.raises(ValueError, match="a stage with phases takes its mix from them"):
+        stage_mixes(st, "math")
+
+
 def test_settings_that_would_fail_when_their_stage_starts_are_refused_before_any_work(tmp_path):
     """Each of these passed every check and failed only when its stage began (after earlier stages had run):
     a missing local SFT file or dataset, an aggregation expert / SFT teacher naming a stage that has not run,
@@ -176,6 +241,13 @@ def test_config_file_errors_are_one_line(tmp_path):
     # (passed, then failed after init-model/ and the eval before: "no SFT example fits sft.max_len=8192")
     ("sft={steps: 2, examples: 0}", "sft.examples must be >= 1"),
     ("sft={steps: 2, max_len: 0}", "sft.max_len must be >= 2, got 0"),
+    # (passed, then failed when the stage started: after the stages before it had run)
+    ("aggregation.template=nosuch", "stages.rlve.aggregation: template: unknown template 'nosuch'"),
+    ("sft.aggregation.template=nosuch", "stages.rlve.sft.aggregation: template: unknown template 'nosuch'"),
+    ("sft={steps: 2, difficulties: []}", "sft.difficulties is empty"),
+    ("sft={steps: 2, difficulties: [1, -1]}", "sft.difficulties must be >= 0, got [1, -1]"),
+    # a mapping is valid there: the error is the mapping's, not "expected a list"
+    ("sft.envs={toy/max: abc}", "stages.rlve.sft.envs.toy/max: expected a number, got 'abc'"),
 ])
 def test_bad_values_fail_when_the_config_is_read(override, msg):
     """Before anything is written (print_config=true catches them too)."""
@@ -183,6 +255,18 @@ def test_bad_values_fail_when_the_config_is_read(override, msg):
 
     with pytest.raises(ConfigError, match=re.escape(msg)):
         load_run_config(parse_overrides(["stage=rlve", "profile=tiny", override]))
+
+
+def test_good_templates_and_sft_settings_pass(tmp_path):
+    from cascade.config import load_run_config, parse_overrides
+
+    f = tmp_path / "t.yaml"
+    f.write_text("base: math\n")
+    cfg, _ = load_run_config(parse_overrides(["stage=rlve", "profile=tiny", "aggregation.template=generic",
+                                              f"sft.aggregation.template={f}", "sft.steps=2", "sft.data=qa.jsonl",
+                                              "sft.difficulties=[]"]))
+    st = cfg.stages["rlve"]
+    assert (st.aggregation.template, st.sft.aggregation.template, st.sft.difficulties) == ("generic", str(f), [])
 
 
 @pytest.mark.parametrize("override, msg", [
@@ -767,6 +851,19 @@ def test_cascade_eval_scores_a_checkpoint_as_its_stage_did(warm, tmp_path, capsy
                       ([f"model={start}", "resume=false"], "`cascade run` switch")):
         with pytest.raises(ValueError, match=re.escape(msg)):
             eval_main(argv)
+
+
+def test_cascade_eval_needs_a_model_from_the_command_line_or_a_config_file(tmp_path):
+    """An empty model= (an unset $CKPT) scored a freshly initialised policy; a config file's model was refused."""
+    from cascade.evaluation import main as eval_main
+
+    for empty in ("model=", "model=null"):
+        with pytest.raises(ValueError, match=re.escape("cascade eval needs model=PATH")):
+            eval_main([empty, "stage=warmup", "profile=tiny"])
+    f = tmp_path / "eval.yaml"
+    f.write_text("model: some/dir\nstage: warmup\neval_problems: 0\n")
+    with pytest.raises(ValueError, match=re.escape("stage warmup: eval_problems=0 leaves nothing to score")):
+        eval_main([f"config={f}", "profile=tiny"])  # past the model check: the file's model is taken
 
 
 def test_servers_started_beside_the_trainer_on_too_few_cores_are_noted():

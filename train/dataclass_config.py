@@ -30,8 +30,10 @@ def _check(tp, v, where: str):
             try:
                 return _check(a, v, where)
             except ConfigError as e:
-                errors.append(e)
-        raise errors[0] if errors else ConfigError(f"{where}: unexpected value {v!r}")
+                errors.append((a, e))
+        # the error of the option of the value's own kind (a mapping's, for a mapping given to list | dict)
+        kind = [e for a, e in errors if _container(a) is not None and isinstance(v, _container(a))]
+        raise (kind or [e for _, e in errors] or [ConfigError(f"{where}: unexpected value {v!r}")])[0]
     if dataclasses.is_dataclass(tp):
         if isinstance(v, tp):
             return v
@@ -73,10 +75,22 @@ def _check(tp, v, where: str):
     if tp is str:
         if isinstance(v, str):
             return v
-        if isinstance(v, (int, float)) and not isinstance(v, bool):  # out=2024, rdzv_id=$SLURM_JOB_ID (as OmegaConf)
+        # a YAML number in a file (out: 2024); the command line gives a str setting its text as written
+        # (cascade.config.parse_overrides)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
             return str(v)
         raise ConfigError(f"{where}: expected a string, got {v!r}")
     return v
+
+
+def _container(tp):
+    """The Python type a value of ``tp`` arrives as when ``tp`` is a container (dict or list), else None."""
+    origin = typing.get_origin(tp)
+    if origin is dict or dataclasses.is_dataclass(tp):
+        return dict
+    if origin in (list, tuple):
+        return (list, tuple)
+    return None
 
 
 def build(cls, data: dict | None, where: str = ""):
