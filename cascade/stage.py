@@ -620,11 +620,17 @@ class StageRunner:
         extra = {}
         if s.data:
             pairs = load_pairs(s.data, s.columns, s.split, s.subset)
-            held = self.heldout_texts(curriculum)
-            if held:  # held-out evaluation never sees a prompt trained on, from SFT data either
+            # held-out evaluation never sees a prompt trained on, from SFT data either: the stage's own evaluation
+            # problems and those its environments hold out (curriculum.exclude, which run() sets to both; the
+            # environments' alone where it is not set)
+            held = (curriculum.exclude if curriculum is not None else None) or self.heldout_texts(curriculum)
+            if held:
                 n = len(pairs)
                 pairs = [pr for pr in pairs if normalize_text(prompt_text(pr[0])) not in held]
                 extra["dropped_heldout"] = n - len(pairs)
+                if not pairs:
+                    raise ConfigError(f"stage {self.name}: all {n} examples of sft.data {s.data!r} are held-out "
+                                      "evaluation problems")
         else:
             # by default the stage's environments that have reference answers (named ones must all have one)
             named = sft_envs(s.envs)  # patterns (gym/*) expanded, as the config check expanded them

@@ -275,6 +275,52 @@ def test_stage_evaluates_on_heldout_and_drops_heldout_sft_prompts(tiny_dense_dir
     assert not any(h in text for h in held for text in kept_prompts)
 
 
+def test_sft_data_drops_the_stages_own_eval_problems(tiny_dense_dir, tmp_path):
+    """An environment that keeps no held-out list (toy/*, gym/*): the stage's own evaluation problems, which
+    run() puts into curriculum.exclude, are dropped from sft.data too, not trained on."""
+    from cascade.config import RunConfig, SFTStage, StageConfig
+    from cascade.stage import StageRunner
+    from envs.curriculum import Curriculum
+    from envs.hub import normalize_text
+    from train.model.hf_io import load_pretrained
+    from train.sft import SFTConfig, SFTTrainer
+    from train.tokenizer import load_tokenizer
+
+    cur = Curriculum({"toy/add": 1.0}, controller="fixed", seed=0)
+    env = cur.envs["toy/add"]
+    sft_file = tmp_path / "sft.jsonl"
+    scfg = StageConfig(envs={"toy/add": 1.0}, eval_problems=8, sft=SFTStage(steps=1, data=str(sft_file)))
+    stage = StageRunner("warmup", 0, scfg, RunConfig(order=[]), Path("/nonexistent"), None, None)
+
+    class _Recs:
+        logged = []
+
+        def log(self, *a):
+            self.logged.append(a)
+
+    stage.records = _Recs()
+    held = stage.eval_problems(cur)
+    cur.exclude = stage.held_out(cur, held)  # as StageRunner.run does before the SFT warm-up
+    held_prompts = {normalize_text(p.prompt) for _, p in held}
+    assert len(held) == 8 and not hasattr(env, "heldout_texts")
+    # two training problems that are no evaluation problem, then one row per evaluation problem
+    extra = [p for p in (env.generate(s, 0) for s in range(50)) if normalize_text(p.prompt) not in held_prompts][:2]
+    rows = [{"prompt": p.prompt, "response": env.reference_response(p)} for p in extra + [p for _, p in held]]
+    sft_file.write_text("\n".join(json.dumps(r) for r in rows))
+    tok = load_tokenizer(tiny_dense_dir)
+    sft = SFTTrainer(load_pretrained(tiny_dense_dir), tok, SFTConfig(steps=1, max_len=512, chat_template=False))
+    enc = stage.sft_examples(sft, tok, cur)
+    logged = stage.records.logged[-1][3]
+    assert logged["dropped_heldout"] == 8 and logged["examples"] == 2 == len(enc)
+    kept = {tok.decode(p) for p, _ in enc}
+    assert all(any(p.prompt in text for text in kept) for p in extra)
+    assert not any(p.prompt in text for _, p in held for text in kept)
+    # SFT data of evaluation problems only: nothing is left to train on, and the error says why
+    sft_file.write_text("\n".join(json.dumps(r) for r in rows[2:]))
+    with pytest.raises(ValueError, match="all 8 examples of sft.data .* are held-out evaluation problems"):
+        stage.sft_examples(sft, tok, cur)
+
+
 # -- SFT data ---------------------------------------------------------------------------------------------
 def test_sft_from_messages_and_mapped_columns(offline_cache, tiny_dense_dir, tmp_path):
     from train.sft import SFTConfig, SFTTrainer, encode_pair, load_pairs

@@ -77,6 +77,56 @@ def test_config_file_applies_after_the_profile_and_before_the_command_line(tmp_p
     assert cfg["stages"]["rlve"] == tiny["stages"]["rlve"]  # other stages untouched
 
 
+@dataclasses.dataclass
+class _Inner:
+    a: int = 0
+    b: int = 0
+
+
+@dataclasses.dataclass
+class _Mid:
+    inner: _Inner = dataclasses.field(default_factory=_Inner)
+    c: int = 0
+
+
+@dataclasses.dataclass
+class _Outer:
+    mid: _Mid = dataclasses.field(default_factory=lambda: _Mid(_Inner(a=1, b=2), c=3))
+    cols: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+def test_a_mapping_for_a_section_merges_into_its_configured_default():
+    """A setting under a section whose default the schema configures (sft.optim: lr 1e-5, warmup_steps 10, a
+    default_factory that cascade.yaml does not spell out) changes that setting only: the others keep the
+    configured default, not the plain OptimConfig's (warmup_steps 0)."""
+    from cascade.config import load_run_config, parse_overrides
+    from train.dataclass_config import build
+
+    for over in (["sft.optim.lr=1e-3"], ["sft.optim={lr: 1e-3}"]):
+        cfg, _ = load_run_config(parse_overrides(["stage=warmup", *over]))
+        opt = cfg.stages["warmup"].sft.optim
+        assert (opt.lr, opt.warmup_steps) == (1e-3, 10), over
+    cfg, _ = load_run_config(parse_overrides(["stage=warmup", "sft.optim.warmup_steps=3"]))
+    assert (cfg.stages["warmup"].sft.optim.lr, cfg.stages["warmup"].sft.optim.warmup_steps) == (1e-5, 3)
+    # recursively, over the enclosing default's own nested values; a dict-typed field is still one value
+    out = build(_Outer, {"mid": {"inner": {"b": 5}}, "cols": {"x": 1}})
+    assert out == _Outer(_Mid(_Inner(a=1, b=5), c=3), {"x": 1})
+    assert build(_Outer, {"mid": {"c": 4}}) == _Outer(_Mid(_Inner(a=1, b=2), c=4))
+    assert build(_Mid, {"inner": {"b": 5}}) == _Mid(_Inner(a=0, b=5), c=0)
+
+
+def test_print_config_of_a_merged_section_round_trips(tmp_path):
+    r = here("run", "stage=warmup", "sft.optim.lr=1e-3", "print_config=true")
+    assert r.returncode == 0, r.stderr
+    opt = yaml.safe_load(r.stdout)["stages"]["warmup"]["sft"]["optim"]
+    assert (opt["lr"], opt["warmup_steps"]) == (1e-3, 10)
+    f = tmp_path / "printed.yaml"
+    f.write_text(r.stdout)
+    again = here("run", f"config={f}", "print_config=true")
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == r.stdout
+
+
 def test_stage_on_the_command_line_runs_that_stage_over_a_dumped_order_and_a_file_for_another(tmp_path):
     """A print_config dump (which holds ``order``) given with stage=NAME ran the whole cascade; a file written
     for stage rlve given with stage=math put its stage-relative settings on math."""

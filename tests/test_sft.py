@@ -161,3 +161,22 @@ def test_trimming_counts_a_response_as_a_thinking_template_trains_it(tiny_dense_
     bare = [r for _, r in kept if "<think>" not in r]
     assert dropped and len(bare) >= 5 and sum("<think>" in r for _, r in kept) == 35  # (every thinking one cut to fit)
     assert max(len(p) + len(r) for p, r in sft.encode(kept)) <= cfg.max_len  # (raised: 65 tokens > max_len 64)
+
+
+def test_load_pairs_takes_mapped_prompt_and_response_columns_over_a_messages_column(tmp_path):
+    """Data with both (OpenR1-Math-style: question, solution and messages): columns mapping prompt and response
+    picks those columns; without a mapping, or with messages mapped, the messages are the example."""
+    import json
+
+    from train.sft import load_pairs
+
+    msgs = [{"role": "user", "content": "What is 2+2? Put the answer in a box."},
+            {"role": "assistant", "content": "\\boxed{4}"}]
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps({"question": "What is 2+2?", "solution": "<think>2+2</think>4", "messages": msgs,
+                             "prompt": "p", "response": "r"}) + "\n")
+    for cols in ({"prompt": "question", "response": "solution"}, "prompt=question,response=solution"):
+        assert load_pairs(f, cols) == [("What is 2+2?", "<think>2+2</think>4")]
+    assert load_pairs(f, {"prompt": "prompt", "response": "response"}) == [("p", "r")]  # mapped as themselves
+    from_messages = [([{"role": "user", "content": "What is 2+2? Put the answer in a box."}], "\\boxed{4}")]
+    assert load_pairs(f) == load_pairs(f, {"messages": "messages"}) == from_messages

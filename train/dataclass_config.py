@@ -93,8 +93,13 @@ def _container(tp):
     return None
 
 
-def build(cls, data: dict | None, where: str = ""):
-    """``cls(**data)`` with nested dataclasses built recursively and every value type-checked."""
+def build(cls, data: dict | None, where: str = "", base=None):
+    """``cls(**data)`` with nested dataclasses built recursively and every value type-checked.
+
+    A mapping given for a dataclass-typed field merges into that field's default (its ``default_factory``'s
+    instance, e.g. an optimizer configured with its own learning rate and warm-up), recursively: the keys it
+    does not set keep that default's values, not the plain dataclass's. ``base``, an instance of ``cls``,
+    gives the values of the fields ``data`` does not set."""
     data = dict(data or {})
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
@@ -103,12 +108,30 @@ def build(cls, data: dict | None, where: str = ""):
         at = f" in {where}" if where else ""
         raise ConfigError(f"unknown key {'.'.join(filter(None, [where, unknown[0]]))!r}{at}; "
                           f"valid keys: {', '.join(sorted(fields))}")
-    kw = {k: _check(hints[k], v, ".".join(filter(None, [where, k]))) for k, v in data.items()}
+    kw = {}
+    for k, v in data.items():
+        tp, at = hints[k], ".".join(filter(None, [where, k]))
+        sub = _default(fields[k], tp, base) if isinstance(v, dict) else None
+        kw[k] = build(tp, v, at, sub) if sub is not None else _check(tp, v, at)
+    if base is not None:
+        kw.update({k: getattr(base, k) for k in fields if k not in kw})
     try:
         return cls(**kw)
     except (ValueError, KeyError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         raise ConfigError(f"{where or cls.__name__}: {msg}") from None
+
+
+def _default(f: dataclasses.Field, tp, base=None):
+    """The default of field ``f`` where its type ``tp`` is a dataclass: ``base``'s value where given, else its
+    ``default_factory``'s instance; None for any other field."""
+    if not (isinstance(tp, type) and dataclasses.is_dataclass(tp)):
+        return None
+    if base is not None:
+        v = getattr(base, f.name)
+    else:
+        v = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+    return v if isinstance(v, tp) else None
 
 
 def to_dict(obj) -> dict:

@@ -110,7 +110,8 @@ def load_pairs(path: str | Path, columns: dict | str | None = None, split: str =
     in chat format (``[{"role": "system"|"user"|"assistant", "content": ...}, ...]``): the last
     message is the assistant's response the loss is on, the messages before it (a list) the prompt.
     ``columns`` maps these names to the data's (``{"prompt": "question", "response": "answer"}`` or
-    ``{"messages": "conversations"}``)."""
+    ``{"messages": "conversations"}``). Data with both kinds gives its messages, unless ``columns`` maps
+    prompt or response (and not messages): then those columns."""
     from envs.hub import load_table, parse_columns, table_rows
 
     p = Path(path)
@@ -118,8 +119,11 @@ def load_pairs(path: str | Path, columns: dict | str | None = None, split: str =
                            or str(path).startswith((".", "/"))):
         raise FileNotFoundError(f"SFT data file {str(p)!r} does not exist")
     cols = parse_columns(columns, ("prompt", "response", "messages"))
+    # the keys that columns maps (parse_columns checked them)
+    given = columns if isinstance(columns, dict) else [kv.partition("=")[0] for kv in (columns or "").split(",")]
+    mapped = {str(k).strip() for k in given} - {""}
     ds = load_table(path, split=split, subset=subset, what="SFT data")
-    if cols["messages"] in ds.column_names:
+    if cols["messages"] in ds.column_names and ("messages" in mapped or not mapped & {"prompt", "response"}):
         rows = table_rows(ds, {"messages": cols["messages"]}, ["messages"], path, "SFT data")
         return [_messages(r["messages"], f"SFT data {str(path)!r} row {i}") for i, r in enumerate(rows)]
     if not {cols["prompt"], cols["response"]} <= set(ds.column_names):
