@@ -228,6 +228,7 @@ def main(argv=None) -> int:
         "ranks_vs_single": round(t_one / t_mesh, 3), "threads_single": world, "threads_per_rank": 1,
         # the two runs' weights after the same steps (the same arithmetic up to summation order)
         "max_param_diff": float(f"{max((torch.from_numpy(mesh_weights[k]) - v).abs().max().item() for k, v in one_weights.items()):.3g}"),
+        "load_avg_1m": round(os.getloadavg()[0], 2),  # (a loaded machine slows the 2-thread single run most)
     }))
     return 0
 

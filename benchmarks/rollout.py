@@ -130,7 +130,7 @@ def vllm_runner(model_dir, prompts, new_tokens, temperature):
     from train.engine import SamplingParams
     from train.engine.vllm_engine import VLLMEngine
 
-    eng = VLLMEngine(model_dir)
+    eng = VLLMEngine(model_dir, enable_prefix_caching=False)  # (the same prompts every round: the others have no cache)
     sp = SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True, seed=0)
     eng.generate(prompts[:4], SamplingParams(temperature=temperature, max_tokens=8, ignore_eos=True, seed=0))
     return lambda: sum(len(c.token_ids) for c in eng.generate(prompts, sp)), eng.close
