@@ -12,7 +12,10 @@ gradients:
 
 Wall clock around ``step()`` (the sharded one: the slowest rank's), medians over ``--steps`` warm
 steps after one warm-up step; the Newton-Schulz time is taken by a wrapper around
-``muon_direction`` (outside the code under test). Prints ONE JSON line: ``single_step_s``,
+``muon_direction`` (outside the code under test). The two paths must compute the same step:
+``max_param_diff`` is the largest difference between the single-process model's parameters and the
+sharded ones gathered whole to rank 0 (``RLUpdater.full_state_dict(dst=0)``), both after the warm-up and
+the timed steps (taken after the timing, before the wire steps below). Prints ONE JSON line: ``single_step_s``,
 ``tsp_step_s``, ``step_speedup`` (single / tsp), ``single_ns_s`` and ``tsp_ns_s`` (per rank: its
 owned matrices), ``ns_split`` (single / the slowest rank's), and the Muon bytes per rank per step
 over the TSP group three ways:
@@ -34,6 +37,7 @@ over the TSP group three ways:
 
     python benchmarks/muon.py                  # hidden 512, 4 layers (12.1M parameters), tsp 2, 2 threads
     python benchmarks/muon.py --threads 1      # the reference on one thread, each rank on one
+    python benchmarks/muon.py --hidden 128 --layers 1 --vocab 128 --steps 1 --wire-reps 1   # a smoke test
 
 Measured on this project's 2-core CPU (2026-12-02, quiet machine, 6 warm steps per run; 28 Muon
 matrices). "before": the same script with ``train/parallel/dp.py`` of commit 1f698fb (every TSP rank
@@ -149,7 +153,8 @@ def single(a) -> dict:
         times.append(time.perf_counter() - t0)
         ns_times.append(ns.s)
     return {"step_s": statistics.median(times[1:]), "ns_s": statistics.median(ns_times[1:]),
-            "params": sum(p.numel() for p in model.parameters())}
+            "params": sum(p.numel() for p in model.parameters()),
+            "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}  # after the timed steps
 
 
 class _WireTimer:
@@ -202,6 +207,8 @@ def _rank(rank: int, world: int, port: int, out_dir: str, barrier, a) -> None:
             times.append(time.perf_counter() - t0)
         ns_times.append(ns.s)
         sent.append(sum(v[0] for k, v in t.by("tag/op").items() if k.startswith("muon.matrices/")))
+    # the weights after the timed steps, whole on rank 0, against single()'s (collective; not timed)
+    state = up.full_state_dict(dst=0)
     # bytes on the wire: untimed steps with each Muon all-to-all in its own counter window
     reader = rank == 0
     wire = _WireTimer(comm, barrier, reader)
@@ -220,7 +227,7 @@ def _rank(rank: int, world: int, port: int, out_dir: str, barrier, a) -> None:
     sharded = sum(p.numel() for p, _, _, kind in up.opt.matrices if kind != "rep") * 4  # this rank's shards
     torch.save({"step_s": times[1:], "ns_s": statistics.median(ns_times[1:]), "sent": statistics.median(sent[1:]),
                 "sharded_bytes": sharded, "own": len(getattr(up.opt, "own", up.opt.matrices)), "matrices": len(up.opt.matrices),
-                "wire": windows if reader else [], "idle": idle, "calls": len(wire.secs)},
+                "wire": windows if reader else [], "idle": idle, "calls": len(wire.secs), "state": state},
                os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -258,10 +265,10 @@ def sharded(a) -> dict:
             "ns_s": [round(r["ns_s"], 4) for r in ranks], "sent": [r["sent"] for r in ranks],
             "formula": 2 * (D - 1) / D ** 2 * D * ranks[0]["sharded_bytes"],  # W = D x a rank's shards
             "wire": wire, "wire_windows": r0["wire"], "wire_idle": r0["idle"],
-            "own": [r["own"] for r in ranks], "matrices": ranks[0]["matrices"]}
+            "own": [r["own"] for r in ranks], "matrices": ranks[0]["matrices"], "state": r0["state"]}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
@@ -271,9 +278,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--wire-reps", type=int, default=3,
                     help="untimed steps after the timed ones whose Muon all-to-alls are measured on the wire")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     s = single(a)
     t = sharded(a)
+    if set(s["state"]) != set(t["state"]):
+        raise SystemExit(f"the two paths' parameter names differ: {sorted(set(s['state']) ^ set(t['state']))}")
     print(json.dumps({
         "single_step_s": round(s["step_s"], 4), "tsp_step_s": round(t["step_s"], 4),
         "step_speedup": round(s["step_s"] / t["step_s"], 3),
@@ -283,7 +292,10 @@ def main() -> None:
         "muon_wire_idle_bytes": t["wire_idle"],
         "muon_sent_bytes_per_rank": t["sent"], "formula_bytes": round(t["formula"]),
         "owned_matrices": t["own"], "matrices": t["matrices"], "params": s["params"], "hidden": a.hidden,
-        "layers": a.layers, "tsp": a.tsp, "threads": a.threads, "steps": a.steps, "wire_reps": a.wire_reps}))
+        "layers": a.layers, "tsp": a.tsp, "threads": a.threads, "steps": a.steps, "wire_reps": a.wire_reps,
+        # the two paths' weights after the same steps (the same arithmetic up to threading and summation order)
+        "max_param_diff": float(f"{max((v - t['state'][k]).abs().max().item() for k, v in s['state'].items()):.3g}"),
+    }))
 
 
 if __name__ == "__main__":

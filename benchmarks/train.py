@@ -24,6 +24,12 @@ line: ``train_tok_s``, ``hf_train_tok_s``, ``train_ratio`` (train / hf), ``padde
 ``packed_vs_padded`` (train / padded), ``padding_frac`` (pad share of the padded micro-batches) and
 the batch's length stats.
 
+The implementations must compute the same loss. Before the warm-up (not timed), each one's loss on the
+fresh weights is computed under ``no_grad`` (``fresh_loss``): ``warmup_loss_rel_diff_padded_vs_hf`` is
+padded's against transformers' from these (train and padded share one model and optimizer, so padded's
+warm-up step comes after train's update). ``warmup_loss_rel_diff_train_vs_hf`` compares the two warm-up
+steps' losses (``warmup_loss``), both on the fresh weights.
+
     python benchmarks/train.py [--preset tiny-moe] [--rollouts 64] [--repeats 3] [--device cpu] [--threads 1]
 
 Measured (CPU, 1 thread, 2 cores, load 1.0; tiny-moe, 64 rollouts, budget 8192; 2026-12-02, commit e6feb3e):
@@ -238,6 +244,11 @@ def main(argv=None) -> int:
     if "hf" in only:
         steps["hf"] = Step(hf, [padded_micro(sl, "hf") for sl in slices],
                            torch.optim.AdamW(hf.parameters(), lr=1e-6), dev)
+    fresh_loss = {}
+    with torch.no_grad():  # each implementation's loss on the fresh weights (not timed): they must agree
+        for k, st in steps.items():
+            st.model.train()  # (the mode its steps run in)
+            fresh_loss[k] = float(sum(run() for run in st.micro))
     first_loss = {}
     for k, st in steps.items():  # warm-up, not timed; its loss checks the implementations compute the same
         t = st()
@@ -260,10 +271,15 @@ def main(argv=None) -> int:
            "padded_micro_batches": len(slices), "padding_frac": round(1 - real_tokens / padded_slots, 3),
            # the warm-up step's loss of each implementation (train and padded share a policy: padded's follows
            # train's first update), and train's against transformers' (both on the fresh weights)
-           "warmup_loss": {names[k]: round(v, 6) for k, v in first_loss.items()}}
+           "warmup_loss": {names[k]: round(v, 6) for k, v in first_loss.items()},
+           # each implementation's loss on the fresh weights, before the warm-up (no_grad)
+           "fresh_loss": {names[k]: round(v, 6) for k, v in fresh_loss.items()}}
     if "train" in first_loss and "hf" in first_loss:
         res["warmup_loss_rel_diff_train_vs_hf"] = float(
             f"{abs(first_loss['train'] - first_loss['hf']) / max(abs(first_loss['hf']), 1e-12):.2e}")
+    if "padded" in fresh_loss and "hf" in fresh_loss:  # (from the fresh-weights losses: see the docstring)
+        res["warmup_loss_rel_diff_padded_vs_hf"] = float(
+            f"{abs(fresh_loss['padded'] - fresh_loss['hf']) / max(abs(fresh_loss['hf']), 1e-12):.2e}")
     for k, v in runs.items():
         res[f"{names[k]}_tok_s"] = round(statistics.median(v), 1)
         res[f"{names[k]}_runs_tok_s"] = [round(x, 1) for x in v]

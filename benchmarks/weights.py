@@ -15,11 +15,19 @@ server serves the version (both transports wait for all servers' answers). ``--r
 transport after one warm-up version each, alternating the transports so that drift hits both; each
 version is new weights (perturbed), as in training.
 
+The servers must serve the weights that were sent: after each load (outside the timing), every server
+samples a few tokens (2 prompts, 4 tokens each, temperature 1, seed 0) and their log-probs as the server
+records them are compared with a local model's holding the sent state dict (teacher-forced, fp32);
+``served_logprob_max_abs_diff`` is the largest difference over versions (warm-up ones included), transports
+and servers. Consecutive versions differ by 1e-3 in every weight, which moves these log-probs far more.
+
 Prints ONE JSON line: ``files_sync_s`` and ``broadcast_sync_s`` (medians; min and max beside),
-``sync_speedup`` (files / broadcast, of the medians), the model's bytes, servers, preset.
+``sync_speedup`` (files / broadcast, of the medians; null when a broadcast fell back to files or the
+log-prob check exceeds 1e-4), ``served_logprob_max_abs_diff``, the model's bytes, servers, preset.
 
     python benchmarks/weights.py                        # tiny-moe (6.6 MB), 2 servers
     python benchmarks/weights.py --preset small-moe     # 228 MB
+    python benchmarks/weights.py --servers 1 --repeats 1   # a smoke test
 
 Measured on this project's 2-core CPU (2026-12-02, a slower machine than the earlier figures in git history,
 commit e925322, 2 servers, 5 warm versions per transport; tiny-moe 3 runs, small-moe 2 runs):
@@ -77,16 +85,41 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+SERVED_TOL = 1e-4  # served_logprob_max_abs_diff above this: the servers did not serve the sent weights
 
-def main() -> None:
+
+def served_logprob_diff(servers, model, sd) -> float:
+    """The largest |log-prob a server records for a token it sampled - the log-prob of that token under
+    ``model`` holding ``sd``| over ``servers`` (one RemoteEngine each), tokens teacher-forced locally."""
+    import torch
+
+    from train.engine import SamplingParams
+
+    model.load_state_dict(sd)
+    model.eval()
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=0)
+    worst = 0.0
+    with torch.no_grad():
+        for server in servers:
+            for p, c in zip(prompts, server.generate(prompts, params)):
+                ids = torch.tensor([list(p) + list(c.token_ids)])
+                lp = torch.log_softmax(model(ids)[0, len(p) - 1:-1].float(), -1)
+                ref = lp.gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+                worst = max(worst, (ref - torch.tensor(c.logprobs)).abs().max().item())
+    return worst
+
+
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="tiny-moe")
     ap.add_argument("--servers", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     import torch
 
     from cascade.rollout import ServedEngine, ServerPool
+    from train.engine.remote import RemoteEngine
     from train.presets import init_model
 
     with tempfile.TemporaryDirectory() as d:
@@ -98,7 +131,9 @@ def main() -> None:
         exchange.mkdir()
         pool = ServerPool(a.servers, d / "model", exchange, "bench", 1, d / "logs")
         engines = {t: ServedEngine(pool.urls, exchange, "bench", transport=t) for t in ("files", "broadcast")}
+        servers = [RemoteEngine(url, api_key="bench") for url in pool.urls]  # the check asks each server
         times: dict[str, list[float]] = {t: [] for t in engines}
+        served = 0.0  # served_logprob_max_abs_diff
         behind: list[float] = []
         version = 0
         try:
@@ -117,6 +152,7 @@ def main() -> None:
                             behind.append(time.perf_counter() - t1 + dt)
                     if r:  # the first version of each transport warms up (and forms the group)
                         times[t].append(dt)
+                    served = max(served, served_logprob_diff(servers, model, sd))  # (not timed)
             failures = engines["broadcast"].broadcast_failures
         finally:
             for eng in engines.values():
@@ -126,7 +162,9 @@ def main() -> None:
     print(json.dumps({
         "files_sync_s": round(med["files"], 4), "broadcast_sync_s": round(med["broadcast"], 4),
         # (a version the broadcast failed went by files: its timing would be a files timing, so no ratio then)
-        "sync_speedup": round(med["files"] / med["broadcast"], 3) if not failures else None,
+        # (and none unless the servers served the weights that were sent)
+        "sync_speedup": round(med["files"] / med["broadcast"], 3) if not failures and served <= SERVED_TOL else None,
+        "served_logprob_max_abs_diff": float(f"{served:.3g}"),
         "files_sync_s_min_max": [round(min(times["files"]), 4), round(max(times["files"]), 4)],
         "broadcast_sync_s_min_max": [round(min(times["broadcast"]), 4), round(max(times["broadcast"]), 4)],
         "broadcast_files_done_s": round(statistics.median(behind), 4),
