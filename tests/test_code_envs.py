@@ -11,7 +11,7 @@ import pytest
 from envs.base import get_env
 from envs.check import self_check
 from envs.code import sandbox as sbx
-from envs.code.envs import extract_code, extract_program
+from envs.code.envs import SHOWN_CHARS, extract_code, extract_program
 from envs.code.judge import Judge, compare_output, compare_values
 from envs.code.seeds import Seed, builtin_seeds, load_seeds
 
@@ -632,22 +632,58 @@ _NAIVE = {  # programs right on small inputs, too slow (or too deep) at the stat
  "bfs-distance": "import sys\nsys.setrecursionlimit(10000)\nt = sys.stdin.read().split()\nn, m = int(t[0]), int(t[1])\ng = [[] for _ in range(n + 1)]\nfor i in range(m):\n    a, b = int(t[2+2*i]), int(t[3+2*i]); g[a].append(b); g[b].append(a)\nbest = [None]\ndef dfs(u, d, seen):\n    if u == n:\n        best[0] = d if best[0] is None else min(best[0], d); return\n    for v in g[u]:\n        if v not in seen:\n            seen.add(v); dfs(v, d + 1, seen); seen.discard(v)\ndfs(1, 0, {1})\nprint(best[0] if best[0] is not None else -1)\n",
  "dijkstra": "import sys\nt = sys.stdin.read().split()\nn, m = int(t[0]), int(t[1])\nE = [(int(t[2+3*i]), int(t[3+3*i]), int(t[4+3*i])) for i in range(m)]\nINF = float('inf')\nd = [INF] * (n + 1); d[1] = 0\nchanged = True\nwhile changed:\n    changed = False\n    for u, v, w in E:\n        if d[u] + w < d[v]: d[v] = d[u] + w; changed = True\n        if d[v] + w < d[u]: d[u] = d[v] + w; changed = True\nprint(d[n] if d[n] < INF else -1)\n",
  "merge-intervals": "n = int(input())\nI = [list(map(int, input().split())) for _ in range(n)]\nchanged = True\nwhile changed:\n    changed = False\n    for i in range(len(I)):\n        for j in range(i + 1, len(I)):\n            if I[i][0] <= I[j][1] and I[j][0] <= I[i][1]:\n                I[i] = [min(I[i][0], I[j][0]), max(I[i][1], I[j][1])]; del I[j]; changed = True; break\n        if changed: break\nI.sort()\nprint(len(I))\nfor l, r in I: print(l, r)\n",
+ "coin-change-ways": "import sys\nsys.setrecursionlimit(100000)\nn, A = map(int, input().split())\nc = list(map(int, input().split()))\ndef ways(i, a):\n    if a == 0:\n        return 1\n    if i == n or a < 0:\n        return 0\n    return ways(i, a - c[i]) + ways(i + 1, a)\nprint(ways(0, A) % 1000000007)\n",
+ "edit-distance": "import sys\nsys.setrecursionlimit(10000)\na = input().strip()\nb = input().strip()\ndef d(i, j):\n    if i == 0 or j == 0:\n        return i + j\n    if a[i - 1] == b[j - 1]:\n        return d(i - 1, j - 1)\n    return 1 + min(d(i - 1, j), d(i, j - 1), d(i - 1, j - 1))\nprint(d(len(a), len(b)))\n",
+ "knapsack": "n, W = map(int, input().split())\nit = [tuple(map(int, input().split())) for _ in range(n)]\ndef best(i, cap):\n    if i == n:\n        return 0\n    w, v = it[i]\n    skip = best(i + 1, cap)\n    return max(skip, v + best(i + 1, cap - w)) if w <= cap else skip\nprint(best(0, W))\n",
+ "count-primes": "n = int(input())\nc = 0\nfor k in range(2, n + 1):\n    if all(k % d for d in range(2, int(k ** 0.5) + 1)):\n        c += 1\nprint(c)\n",
+ "word-frequency": "w = input().split()\nbest = None\nfor x in w:\n    c = w.count(x)\n    if best is None or c > best[1] or c == best[1] and x < best[0]:\n        best = (x, c)\nprint(best[0], best[1])\n",
+ "prefix-sums": "input()\na = list(map(int, input().split()))\nprint(*[sum(a[:i + 1]) for i in range(len(a))])\n",
+ "second-largest": "input()\nd = []\nfor x in map(int, input().split()):\n    if x not in d:\n        d.append(x)\nif len(d) < 2:\n    print('NONE')\nelse:\n    d.remove(max(d))\n    print(max(d))\n",
 }
 
 
+def _at_stated_sizes(t: dict) -> bool:
+    """A test at its seed's stated sizes: an input of 100 characters and more, or one number of 10^5 and more
+    (count-primes' n)."""
+    text = t["input"].strip()
+    return len(text) >= 100 or (text.isdigit() and int(text) >= 10**5)
+
+
 def test_naive_programs_that_passed_the_small_tests_fail_at_the_stated_sizes(judge):
-    """Six seeds had only small tests: an O(n k) rotation (k up to 10^9), deleting matched bracket pairs over and
+    """These seeds had only small tests: an O(n k) rotation (k up to 10^9), deleting matched bracket pairs over and
     over, k rounds of removing the minimum, a recursive search, relaxing every edge until nothing changes, pairwise
-    interval merging all passed every test (and earned the reward). Each seed now has a test at its stated sizes
-    (answers computed in envs/code/seeds.py without its reference) that they fail, and pass the small ones."""
+    interval merging, a recursion on the last letters (edit distance), list.count of each word, summing each prefix
+    anew and collecting the distinct values in a list passed every test (and earned the reward). Each seed now has
+    tests at its stated sizes (answers computed in envs/code/seeds.py without its reference) on which they run out of
+    time (or stack), and they pass the small ones. (The recursions over the coins and over the items, and trial
+    division of each number, already failed the short tests at those sizes that coin-change-ways, knapsack and
+    count-primes had; they fail the new ones too.)"""
     def run(sid):
         s = next(x for x in SEEDS if x.id == sid)
-        small = [t for t in s.tests if len(t["input"]) < 1000]
-        big = [t for t in s.tests if len(t["input"]) >= 1000]
+        small = [t for t in s.tests if not _at_stated_sizes(t)]
+        big = [t for t in s.tests if _at_stated_sizes(t)]
         assert big, f"{sid} has no test at its stated sizes"
         return (sid, judge.judge(_NAIVE[sid], small, time_limit=2.0).accepted,
-                judge.judge(_NAIVE[sid], big, stop_on_failure=True, time_limit=1.0).accepted)
+                judge.judge(_NAIVE[sid], big, stop_on_failure=True, time_limit=1.0).status)
 
     with ThreadPoolExecutor(2) as pool:
         out = list(pool.map(run, _NAIVE))
-    assert [(sid, small, big) for sid, small, big in out] == [(sid, True, False) for sid in _NAIVE], out
+    assert [(sid, small, big in ("time_limit", "runtime_error")) for sid, small, big in out] == \
+        [(sid, True, True) for sid in _NAIVE], out
+
+
+def test_arc_holds_out_a_test_at_the_stated_sizes():
+    """code/arc judges on the tests it does not show: a problem showing every test at the stated sizes would pay a
+    naive program. Long ones are never shown; count-primes' (one number each) are four, and arc shows at most
+    three tests of a tier-2 seed."""
+    env = _seed_env("code/arc", *_NAIVE)
+    env.failing_tests = lambda s, wi: [0]  # (the tests a wrong program fails only hold out more)
+    seen = set()
+    for seed in range(300):
+        p = env.generate(seed, 1 + seed % 3)
+        s = BY_ID[p.meta["seed_id"]]
+        big = {i for i, t in enumerate(s.tests) if _at_stated_sizes(t)}
+        assert big & set(p.meta["held_out"]), (s.id, p.meta["shown"])
+        assert all(len(s.tests[i]["input"]) <= SHOWN_CHARS for i in p.meta["shown"]), s.id
+        seen.add(s.id)
+    assert seen == set(_NAIVE)

@@ -10,13 +10,14 @@ of another difficulty is refused at load: the environments draw tiers 1-3 only),
 ``time_limit`` (optional, seconds per test; default 2), ``float_tol`` (optional).
 
 The built-in seeds below were written for Cascade: the expected outputs of the hand-written tests
-were worked out by hand, and the few large tests compute their answers here (closed forms, or a count
-other than the reference's), independently of the reference programs.
+were worked out by hand, and the large tests (at the stated sizes) compute their answers here (closed
+forms, or an algorithm other than the reference's), independently of the reference programs.
 """
 from __future__ import annotations
 
 import json
 import math
+import random
 from dataclasses import asdict, dataclass, field
 
 __all__ = ["Seed", "builtin_seeds", "load_seeds", "seeds_from_dicts", "MAX_SEED_DIFFICULTY"]
@@ -283,6 +284,124 @@ def _big_intervals() -> tuple[str, str]:
     return f"{n}\n" + "".join(f"{j} {j + 1}\n" for j in ((i * 7919) % n for i in range(n))), f"1\n0 {n}"
 
 
+def _parts_upto_3(v: int) -> int:
+    """The partitions of v into parts of at most 3: the integer nearest (v + 3)^2 / 12."""
+    return ((v + 3) ** 2 + 6) // 12
+
+
+def _big_coins_full() -> tuple[str, str]:
+    """The most coins (100) and the largest amount (10^4): coins 1, 2, 3 and 97 distinct coins above A / 2 (a way
+    holds at most one of those), so the count is p3(A) plus p3(A - c) for each large coin c, p3 the partitions into
+    parts of at most 3 (~7 * 10^7 ways: a recursion over the coins makes a call per way)."""
+    rng = random.Random(100)
+    amount = 10000
+    large = rng.sample(range(amount // 2 + 1, amount + 1), 97)
+    coins = [1, 2, 3] + large
+    rng.shuffle(coins)
+    total = _parts_upto_3(amount) + sum(_parts_upto_3(amount - c) for c in large)
+    return f"{len(coins)} {amount}\n{' '.join(map(str, coins))}\n", str(total % MOD)
+
+
+def _edit_distance_bits(a: str, b: str) -> int:
+    """The edit distance by Hyyro's bit-parallel algorithm (not the reference's table): a column of the table kept
+    as bit vectors of its +1 and -1 steps down, updated for each letter of b in a few big-integer operations."""
+    m = len(a)
+    full, top = (1 << m) - 1, 1 << (m - 1)
+    peq: dict[str, int] = {}
+    for i, ch in enumerate(a):
+        peq[ch] = peq.get(ch, 0) | 1 << i
+    pv, mv, dist = full, 0, m
+    for ch in b:
+        eq = peq.get(ch, 0)
+        xv = eq | mv
+        xh = (((eq & pv) + pv) ^ pv) | eq
+        ph = mv | (~(xh | pv) & full)
+        mh = pv & xh
+        dist += 1 if ph & top else -1 if mh & top else 0
+        ph = ((ph << 1) | 1) & full  # (the first row steps +1 across: D[0][j] = j)
+        mh = (mh << 1) & full
+        pv = mh | (~(xv | ph) & full)
+        mv = ph & xv
+    return dist
+
+
+def _big_edit() -> tuple[str, str]:
+    """Two words of 1000 letters (the most allowed) over abcd, the second the first after 150 random substitutions,
+    deletions and insertions (cut or padded back to 1000 letters); the recursion on the last letters (three calls
+    where they differ) is exponential."""
+    rng = random.Random(200)
+    n = 1000
+    a = [rng.choice("abcd") for _ in range(n)]
+    b = list(a)
+    for _ in range(150):
+        i, kind = rng.randrange(len(b)), rng.randrange(3)
+        if kind == 0:
+            b[i] = rng.choice("abcd")
+        elif kind == 1:
+            del b[i]
+        else:
+            b.insert(i, rng.choice("abcd"))
+    b = (b + [rng.choice("abcd") for _ in range(n)])[:n]
+    a, b = "".join(a), "".join(b)
+    return f"{a}\n{b}\n", str(_edit_distance_bits(a, b))
+
+
+def _prime_count(n: int) -> int:
+    """pi(n) by Lucy's method (not a sieve): S(v), the count of 2..v, for each value v = n // k, and for each prime
+    p <= sqrt(n) in turn S(v) -= S(v // p) - S(p - 1) for v >= p^2 (the numbers whose least prime factor is p)."""
+    r = math.isqrt(n)
+    vals = [n // k for k in range(1, r + 1)]
+    vals += range(vals[-1] - 1, 0, -1)
+    cnt = {v: v - 1 for v in vals}
+    for p in range(2, r + 1):
+        if cnt[p] > cnt[p - 1]:  # p is prime
+            below, p2 = cnt[p - 1], p * p
+            for v in vals:
+                if v < p2:
+                    break
+                cnt[v] -= cnt[v // p] - below
+    return cnt[n]
+
+
+def _big_words() -> tuple[str, str]:
+    """10^5 words (the most allowed): 5 * 10^4 four-letter words twice each (the word of x spells x's base-26
+    digits, lowest first), then the first and the second word replaced by two others, which so occur three times:
+    the alphabetically smaller one wins, the larger one comes first. Counting each word with list.count is
+    quadratic."""
+    n, k = 100000, 50000
+
+    def word(x: int) -> str:
+        return "".join(chr(97 + x // 26 ** d % 26) for d in range(4))
+
+    table = [word(x) for x in range(k)]
+    words = [table[i * 7919 % k] for i in range(n)]  # (7919 is prime to k: each x < k twice)
+    lo, hi = sorted((word(12345), word(23456)))
+    words[0], words[1] = hi, lo  # (were word(0) and word(7919), now once each)
+    return " ".join(words) + "\n", f"{lo} 3"
+
+
+def _big_prefix() -> tuple[str, str]:
+    """10^5 numbers whose running sums are chosen first: the i-th is i * 10^8 plus a random part below 9 * 10^8
+    (to 10^13: beyond 32 bits), the numbers their differences (-8 * 10^8 to 10^9). Summing each prefix anew is
+    quadratic."""
+    rng = random.Random(300)
+    n = 100000
+    sums = [i * 10 ** 8 + rng.randrange(9 * 10 ** 8) for i in range(1, n + 1)]
+    a = [sums[0]] + [y - x for x, y in zip(sums, sums[1:])]
+    return f"{n}\n{' '.join(map(str, a))}\n", " ".join(map(str, sums))
+
+
+def _big_second() -> tuple[str, str]:
+    """10^5 values: 5 * 10^4 below 123456789 and it three times, in a random order, then the largest, 10^9,
+    5 * 10^4 times: the answer is 123456789. Collecting the distinct values in a list, or removing the largest one
+    copy at a time, is quadratic."""
+    rng = random.Random(400)
+    n, second, top = 100000, 123456789, 10 ** 9
+    low = [rng.randrange(-10 ** 9, second) for _ in range(n // 2 - 3)] + [second] * 3
+    rng.shuffle(low)
+    return f"{n}\n{' '.join(map(str, low + [top] * (n - len(low))))}\n", str(second)
+
+
 def _big_knapsack() -> tuple[str, str]:
     """100 items (the most allowed) of weights 100..199, each worth 7 per unit of weight, W = 10^4: some subset
     weighs exactly 10^4 (the sums of k consecutive integers fill a range: 60 of them reach 7770..10170), so the
@@ -380,7 +499,7 @@ def _raw() -> list[dict]:
          wrong=["n = int(input())\na = sorted(map(int, input().split()))\nprint(a[-2] if n >= 2 else 'NONE')\n"],
          validator=_v_list(1, 10**5, -10**9, 10**9),
          tests=_t(("5\n3 1 4 1 5", "4"), ("3\n7 7 7", "NONE"), ("4\n9 9 8 8", "8"), ("1\n5", "NONE"),
-                  ("5\n-1 -2 -3 -4 -5", "-2"))),
+                  ("5\n-1 -2 -3 -4 -5", "-2"), _big_second())),
     dict(id="prime-check", title="Is it prime?", difficulty=1,
          statement="Decide whether n is a prime number.",
          input_spec="One integer n (1 <= n <= 10^9).",
@@ -400,7 +519,9 @@ def _raw() -> list[dict]:
                 "i = 2\nwhile i * i <= n:\n    if s[i]:\n        s[i * i::i] = bytearray(len(range(i * i, n + 1, i)))\n    i += 1\n"
                 "print(sum(s[:n]))\n"],
          validator="import sys\nt = sys.stdin.read().split()\nassert len(t) == 1 and 1 <= int(t[0]) <= 10**6\n",
-         tests=_t(("10", "4"), ("1", "0"), ("2", "1"), ("100", "25"), ("1000000", "78498"))),
+         tests=_t(("10", "4"), ("1", "0"), ("2", "1"), ("100", "25"), ("1000000", "78498"),
+                  # (four tests at the stated size: code/arc shows at most three tests of a seed of this tier)
+                  *((str(n), str(_prime_count(n))) for n in (999983, 987654, 999999)))),
     dict(id="balanced-brackets", title="Balanced brackets", difficulty=2,
          statement="Decide whether a string of brackets ()[]{} is balanced: every opening bracket is closed "
                    "by the matching bracket in the right order.",
@@ -435,7 +556,7 @@ def _raw() -> list[dict]:
                 "input()\ns = 0\nout = []\nfor x in map(int, input().split()):\n    out.append(s)\n    s += x\nprint(*out)\n"],
          validator=_v_list(1, 10**5, -10**9, 10**9),
          tests=_t(("4\n1 2 3 4", "1 3 6 10"), ("1\n-5", "-5"), ("3\n0 0 0", "0 0 0"), ("5\n5 -5 5 -5 5", "5 0 5 0 5"),
-                  ("3\n2 -1 4", "2 1 5"), (_BILLIONS, "1000000000 2000000000 3000000000"))),
+                  ("3\n2 -1 4", "2 1 5"), (_BILLIONS, "1000000000 2000000000 3000000000"), _big_prefix())),
     dict(id="binary-to-decimal", title="Binary to decimal", difficulty=1,
          statement="Convert a binary number to decimal.",
          input_spec="A binary string of 1 to 60 digits without leading zeros (or the single digit 0).",
@@ -510,10 +631,12 @@ def _raw() -> list[dict]:
          validator=_lines(count=2, first=2) +
                    "t = [int(x) for x in s.split()]\nn, A = t[0], t[1]\nc = t[2:]\n"
                    "assert 1 <= n <= 100 and 0 <= A <= 10**4 and len(c) == n and len(set(c)) == n and all(1 <= x <= 10**4 for x in c)\n",
-         tests=_t(("3 5\n1 2 5", "4"), ("1 3\n2", "0"), ("1 0\n7", "1"), ("2 4\n1 2", "3"), _big_coins())),
+         tests=_t(("3 5\n1 2 5", "4"), ("1 3\n2", "0"), ("1 0\n7", "1"), ("2 4\n1 2", "3"), _big_coins(),
+                  _big_coins_full())),
     dict(id="edit-distance", title="Edit distance", difficulty=3,
          statement="Print the least number of single-letter insertions, deletions and substitutions that turn the first word into the second.",
-         input_spec="Two lines, each one word of 1 to 2000 lowercase letters.",
+         # (1000 letters: the reference's table takes ~0.4 s; at 2000, ~1.5 s of the 2 s limit)
+         input_spec="Two lines, each one word of 1 to 1000 lowercase letters.",
          output_spec="One integer.",
          reference="a = input().strip()\nb = input().strip()\nprev = list(range(len(b) + 1))\nfor i, x in enumerate(a, 1):\n"
                    "    cur = [i]\n    for j, y in enumerate(b, 1):\n        cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (x != y)))\n"
@@ -521,8 +644,9 @@ def _raw() -> list[dict]:
          wrong=["a = input().strip()\nb = input().strip()\nprev = [0] * (len(b) + 1)\nfor x in a:\n    cur = [0]\n"
                 "    for j, y in enumerate(b, 1):\n        cur.append(prev[j - 1] + 1 if x == y else max(prev[j], cur[j - 1]))\n"
                 "    prev = cur\nprint(len(a) + len(b) - 2 * prev[-1])\n"],
-         validator=_v_word(1, 2000, words=2, per_line=True),
-         tests=_t(("kitten\nsitting", "3"), ("abc\nabc", "0"), ("a\nb", "1"), ("intention\nexecution", "5"), ("ab\nba", "2"))),
+         validator=_v_word(1, 1000, words=2, per_line=True),
+         tests=_t(("kitten\nsitting", "3"), ("abc\nabc", "0"), ("a\nb", "1"), ("intention\nexecution", "5"), ("ab\nba", "2"),
+                  _big_edit())),
     dict(id="grid-paths", title="Paths in a grid", difficulty=3,
          statement="A grid has free cells '.' and walls '#'. Count the paths from the top-left to the bottom-right "
                    "cell that move only right or down through free cells, modulo 1000000007.",
@@ -660,14 +784,15 @@ def _raw() -> list[dict]:
     dict(id="word-frequency", title="Most frequent word", difficulty=2,
          statement="Print the most frequent word of a text and its count; among equally frequent words print the "
                    "alphabetically smallest.",
-         input_spec="One line of 1 to 10^4 words of lowercase letters separated by spaces.",
+         # (10^5 words: at 10^4, counting each word with list.count took ~1 s, within the time limit)
+         input_spec="One line of 1 to 10^5 words of lowercase letters separated by spaces.",
          output_spec="The word and its count, separated by a space.",
          reference="from collections import Counter\nc = Counter(input().split())\nw = min(c, key=lambda x: (-c[x], x))\nprint(w, c[w])\n",
          wrong=["from collections import Counter\nc = Counter(input().split())\nw, k = c.most_common(1)[0]\nprint(w, k)\n"],
          validator=_lines(count=1) +
-                   "t = l[0].split()\nassert 1 <= len(t) <= 10**4 and all(w.isalpha() and w.islower() for w in t)\n",
+                   "t = l[0].split()\nassert 1 <= len(t) <= 10**5 and all(w.isalpha() and w.islower() for w in t)\n",
          tests=_t(("the cat and the hat", "the 2"), ("b a", "a 1"), ("x x y y", "x 2"), ("hello", "hello 1"),
-                  ("d c b a d c", "c 2"))),
+                  ("d c b a d c", "c 2"), _big_words())),
 ]
 
 
