@@ -163,3 +163,12 @@ def test_a_refused_resume_removes_nothing_the_ranks_wrote(tmp_path):
         WorkerLearner(ex_dir, tmp_path / "model", Trainer(nproc=2), SimpleNamespace(), 5, 1, tmp_path / "logs")
     assert sorted(str(p.relative_to(ex_dir)) for p in ex_dir.rglob("*")) == before
     assert not (tmp_path / "logs").exists()
+
+
+def test_a_relative_run_directory_loads_its_versions(tmp_path, monkeypatch):
+    """``cascade serve --weights-dir RUN/exchange`` as the README writes it (relative): the version path built
+    from the relative root was joined onto it a second time and every load was refused as outside the run."""
+    monkeypatch.chdir(tmp_path)
+    ex.publish_version("run/exchange", 1, _sd(1))
+    assert ex.load_version("run/exchange", 1)[0] == 1 and ex.load_version("run/exchange")[0] == 1
+    assert ex.load_version("run/exchange", path="v000001")[0] == 1

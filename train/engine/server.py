@@ -76,6 +76,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Callable
 
 from train.engine.base import ContextLengthError, SamplingParams
@@ -963,7 +964,7 @@ def make_server(engine, model_name: str = "cascade", host: str = "127.0.0.1", po
         raise ValueError("weights_dir (weight loading over HTTP) needs an API key")
     srv = Server((host, port), handler)
     srv.engine, srv.model_name, srv.api_key, srv.verbose = engine, model_name, api_key, verbose
-    srv.weights_dir = None if weights_dir is None else str(weights_dir)
+    srv.weights_dir = None if weights_dir is None else str(Path(weights_dir).resolve())
     srv.load_lock = threading.Lock()
     srv.batcher = Batcher(engine, window_s=batch_window_s, threads=threads)
     srv.created = int(time.time())
@@ -1011,7 +1012,6 @@ def main(argv: list[str] | None = None, prog: str = "cascade serve") -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("-v", "--verbose", action="store_true", help="log every request")
     a = ap.parse_args(argv)
-    from pathlib import Path
 
     from train.engine.prefix_cache import enable_prefix_caching
     from train.engine.torch_engine import DTYPES, TorchEngine, engine_device

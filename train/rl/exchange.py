@@ -337,6 +337,7 @@ def load_version(root: str | Path, version: int | None = None, path: str | Path 
     same number while it is read (v0 after an SFT warm-up) is read again: the manifest and files read are
     those the path still names at the end, so the bytes loaded are the bytes verified; one found missing or
     incomplete meanwhile is read again for about 1.3 s before it is refused."""
+    root = Path(root).resolve()  # (a relative root's version path was joined onto it a second time: refused)
     if path is None:
         if version is None:
             version = latest_version(root)
