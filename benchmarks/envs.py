@@ -45,7 +45,12 @@ code seeds gained tests of 10^5 elements, which every code verification of them 
 one run, alone): 1,418 (own 702, rc 1,034, rg 828, rlve 3,985), ``problems_per_s`` 59.5 (own 1,491, rc 13.4, rg
 13.2, rlve 879), median 0.377 ms; ``reference_not_credited`` empty, 71 without oracle answers; slowest generators
 rg/number_sequence 4.7 s and rg/countdown 1.4 s per problem (the whole machine slower: rlve, unchanged, 3,985
-against 5,626).
+against 5,626). At fc4d7a5 (2026-12-07, later; seven more code seeds with tests at their stated
+sizes, the math verifier's exact decimals and spaced digits, gym caps and parsers; one run, alone): 1,226 (own 685,
+rc 969, rg 624, rlve 3,075), ``problems_per_s`` 54.4 (own 1,627, rc 13.4, rg 11.8, rlve 598), median 0.494 ms;
+``reference_not_credited`` empty, 71 without oracle answers; slowest generators rg/number_sequence 5.2 s and
+rg/countdown 1.5 s per problem (rlve, whose code is the package's, 3,075 against 3,985 at fc73bd7: this run's
+machine a quarter slower, so the own environments' change cannot be told from it).
 """
 from __future__ import annotations
 

@@ -59,6 +59,13 @@ Re-run at a345f38 (2026-12-06, later: seccomp also refuses the keyring calls, a 
 cgroup's headroom set once the supervisor is up; one run, quiet machine): ``ratio_seq`` 1.41 (repeats 1.29-1.57; 6.43
 ms bare, 8.97 ms sandboxed; the spare-core regime), ``ratio_par`` 2.71 (2.44-2.76; the realistic one),
 ``ratio_seq_cold`` 2.72, ``judge_ratio`` 0.42.
+
+At fc4d7a5 (2026-12-07, another machine (AMD EPYC): every site-packages directory under the bound roots an empty
+mount, /etc 0755, umask 022 in the sandbox, seccomp refusing nested user namespaces and clone3; three runs, the last
+two interleaved with two of 3f5064d's code from a worktree, alone): ``ratio_seq`` 1.60, 1.40, 1.58 against 1.44,
+1.44 (bare 8.9-9.7 ms, sandboxed 13.2-15.4 ms); ``ratio_par`` 2.73, 2.71, 2.68 against 2.86, 2.58;
+``ratio_seq_cold`` 2.80, 2.95, 3.44 against 2.91, 2.74; ``judge_ratio`` 0.40, 0.46, 0.43 against 0.41, 0.40. The
+extra mounts may cost a few percent of a start; this machine's run-to-run noise is as large.
 """
 from __future__ import annotations
 

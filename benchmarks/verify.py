@@ -69,6 +69,10 @@ At 6e4e5fe (2026-12-06, later: math-verify's and the sandbox's workers wait with
 At fc73bd7 (2026-12-07, another machine (AMD EPYC); six code seeds gained tests at their stated sizes, 10^5-element
 inputs; one run, alone): ``code`` 2.23 s, 1.48x with 2, 1.47x with 4 (22 correct); ``math`` 0.31 s (repeats
 0.21-0.69 s), 2.21x with 2, 3.69x with 4; ``reward_model`` 0.161 -> 0.105 s (1.53x); same scores.
+At fc4d7a5 (2026-12-07, later: the math verifier's exact decimals, spaced digits and value words;
+seven more code seeds with tests at their stated sizes; the sandbox masks site-packages; one run, alone): ``code``
+2.16 s, 1.39x with 2, 1.48x with 4 (22 correct); ``math`` 0.39 s (repeats 0.26-0.89 s), 3.24x with 2, 2.74x with 4;
+``reward_model`` 0.141 -> 0.080 s (1.76x); same scores.
 ``reward_model`` (one run, 2026-12-04): 0.116 s one at a time, 0.063 s batched (1.84x; 38 of 64 scored by the
 model), same scores; a model this small is mostly per-call overhead, and a real reward model on a GPU was
 not measured.
