@@ -18,6 +18,8 @@ def _scalars(d: dict, prefix: str = "") -> dict[str, float]:
             out[key] = float(v)
         elif isinstance(v, dict):
             out.update(_scalars(v, key + "/"))
+        elif k.endswith("_hist") and isinstance(v, (list, tuple)):  # a histogram: a scalar per bucket
+            out.update({f"{key}/{i}": float(x) for i, x in enumerate(v) if isinstance(x, (int, float))})
         elif isinstance(v, (list, tuple)) and v and all(isinstance(x, (int, float)) for x in v):
             out[key] = float(max(v))  # e.g. an RLVE window [l, h]: its upper end
     return out

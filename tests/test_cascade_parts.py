@@ -422,3 +422,13 @@ def test_batched_reward_scores_equal_single_ones_when_the_models_pad_id_is_not_t
     pairs = [("Q", "a"), ("Write a long poem please", "a much longer answer " * 4)]
     rm.model.config.pad_token_id = rm.tok.convert_tokens_to_ids("<|im_start|>")
     assert rm.score_many(pairs) == pytest.approx([rm.score(p, r) for p, r in pairs], abs=1e-5)
+
+
+def test_a_histogram_goes_to_tensorboard_bucket_by_bucket():
+    """``version_lag_hist`` was logged to TensorBoard and W&B as its largest share (the rule for an RLVE window
+    [lo, hi], whose upper end is the figure): a scalar per bucket now; a window keeps its upper end."""
+    from cascade.records import _scalars
+
+    got = _scalars({"version_lag_hist": [0.1, 0.6, 0.3], "window": [2, 5]}, "rl/")
+    assert got == {"rl/version_lag_hist/0": 0.1, "rl/version_lag_hist/1": 0.6, "rl/version_lag_hist/2": 0.3,
+                   "rl/window": 5.0}

@@ -260,6 +260,25 @@ def test_ratio_is_taken_against_behaviour_logprobs(warm):
         assert m["mismatch_kl"] == pytest.approx(float(torch.tensor(0.1).exp() - 1 - 0.1), rel=2e-2)
 
 
+def test_mismatch_covers_every_mini_batch(warm):
+    """With ``updates_per_batch=2`` the behaviour mismatch was taken in the first mini-batch only: rollouts of the
+    second half whose recorded log-probs sit 0.3 below the trainer's did not show (mismatch_kl ~0)."""
+    from train.rl.trainer import trained
+
+    rl = make_trainer(warm, seed=5, updates_per_batch=2, dynamic_sampling=False, optim=OptimConfig(lr=0.0))
+    groups, _ = rl.collect()
+    rolls = [r for g in groups for r in g.rollouts]
+    half = (len(rolls) + 1) // 2  # the second mini-batch's rollouts (even_slices: the first takes the extra one)
+    for r in rolls[half:]:
+        r.completion.logprobs = [x - 0.3 for x in r.completion.logprobs]
+    m = rl.update(groups)
+    d = float(torch.tensor(0.3).exp() - 1 - 0.3)
+    tokens = [len(r.completion.token_ids) if trained(r) else 0 for r in rolls]
+    assert sum(tokens[half:]) > 0
+    assert m["mismatch_kl"] == pytest.approx(d * sum(tokens[half:]) / sum(tokens), rel=2e-2)
+    assert m["mismatch_max_abs"] == pytest.approx(0.3, rel=1e-3)
+
+
 def test_min_ready_batches_above_what_staleness_allows_is_lowered_and_said(warm, caplog):
     rl = make_trainer(warm, seed=6, max_staleness=1, min_ready_batches=3, sync_every=1)
     with caplog.at_level("WARNING", logger="train.rl.pipeline"):

@@ -328,6 +328,16 @@ class RLTrainer:
         minis = even_slices(n, cfg.updates_per_batch)  # one optimizer step each
         # token-weighted sums of the loss function's metrics and the totals, read once after the loop
         acc = MetricSums()
+        # the trainer's policy vs the behaviour policy before any update, over the whole batch: from the first
+        # mini-batch's own forward when it is the batch, else from a forward of the batch before the first update
+        # (the mini-batches after the first were left out of it)
+        pre_lp = self._logprobs_no_grad(rolls, batch, temp) if behaviour and len(minis) > 1 else None
+        if pre_lp is not None:
+            W = pre_lp.shape[1]
+            mm = mismatch_metrics(pre_lp, rollout_lp[:, :W], mask[:, :W])
+            acc.add("mismatch_kl_sum", mm["mismatch_kl"] * mask[:, :W].sum())
+            acc.add("mismatch_tokens", mask[:, :W].sum())
+            acc.max("mismatch_max_abs", mm["mismatch_max_abs"])
         grad_norms = []  # one per optimizer step (mini-batch): the metric is their mean, as verl reports it
         for mi, mini in enumerate(minis):
             # mask[mini]'s count, from the rollouts: no device read
@@ -344,7 +354,7 @@ class RLTrainer:
                 ref = None if ref_lp is None else ref_lp[idx, :W]
                 if behaviour:
                     loss, mets = self.loss_fn(lp, mu, None, adv[idx], m, cfg.loss_cfg, ref_logprobs=ref, denom=denom)
-                    if mi == 0:  # the trainer's current policy vs the behaviour policy, before any update
+                    if pre_lp is None:  # (one mini-batch: the whole batch, before its update)
                         mm = mismatch_metrics(lp, mu, m)
                         acc.add("mismatch_kl_sum", mm["mismatch_kl"] * m.sum())
                         acc.add("mismatch_tokens", m.sum())
