@@ -267,10 +267,11 @@ def _check_init_model(cfg, tree: dict, out: Path) -> None:
     if made in ("ok", _init_made(cfg)):  # ("ok": written before the marker said what made it)
         return
     names = list(tree["stages"])
-    for name in cfg.order:
+    for pos, name in enumerate(cfg.order):
         i = names.index(name) if name in names else len(names)
         d = out / "stages" / f"{i}-{name}"
-        if is_complete(d / "final") or _previous_final(cfg, out, i) is not None:
+        # (a stage after the first of `order` starts from the one before it)
+        if pos > 0 or is_complete(d / "final") or _previous_final(cfg, out, i) is not None:
             continue
         if any(is_complete(c) for c in (d / "checkpoints").glob("step-*")):  # it resumes from its own
             continue
@@ -377,9 +378,13 @@ def main(argv: list[str]) -> int:
                         disable=not cfg.logging.progress)
     try:
         with progress:
+            last = None  # the final/ of the stage before this one in this run's order
             for name in cfg.order:
                 index = all_names.index(name) if name in all_names else len(all_names)
-                prev = _previous_final(cfg, out, index)
+                # the stage before it in `order` (also where `order` is not the configured one: the configured
+                # index alone made order=[behavior, rlve]'s rlve start from a fresh policy), else the latest
+                # earlier stage finished in this directory
+                prev = last or _previous_final(cfg, out, index)
                 first = cfg.model and name == cfg.order[0]  # model= (a directory, or a Hub id's cached snapshot)
                 src = _initial_model(cfg, out) if first else (prev or _initial_model(cfg, out))
                 if not cfg.model and prev is None and index > 0:  # e.g. `stage=math` alone in a new directory
@@ -388,7 +393,7 @@ def main(argv: list[str]) -> int:
                                   f"e.g. an earlier run's stages/0-{all_names[0]}/final",
                                   highlight=False, soft_wrap=True)
                 runner = StageRunner(name, index, cfg.stages[name], cfg, out, records, progress)
-                final = runner.run(src)
+                final = last = runner.run(src)
                 summary.append(json.loads((final / "run_state.json").read_text()))
     finally:
         records.close()

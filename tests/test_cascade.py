@@ -431,3 +431,17 @@ def test_a_pool_with_nothing_in_range_says_so_and_a_stage_rl_seed_counts(tmp_pat
     rl = {s: [x for x in recs if x["phase"] == "rl"][0] for s, recs in runs.items()}
     keys = ("response_len", "truncated_frac", "rare_token_top10")  # what the sampling seed decides
     assert [rl[0].get(k) for k in keys] != [rl[12345].get(k) for k in keys]
+
+
+def test_an_order_unlike_the_configured_one_hands_each_stage_the_one_before(tmp_path):
+    """``order=[behavior, rlve]``: rlve started from a fresh policy (the configured index looked for a finished
+    stage before rlve's, and behavior's comes after it), with a note saying no earlier stage finished."""
+    cfg = tmp_path / "order.yaml"
+    small = "{steps: 1, eval_problems: 2, eval_k: 1, rl: {group_size: 2, prompts_per_step: 2, sampling: {max_new_tokens: 8}}}"
+    cfg.write_text(f"order: [behavior, rlve]\nstages:\n  behavior: {small}\n  rlve: {small}\n")
+    out = tmp_path / "run"
+    r = cascade("run", "profile=tiny", f"config={cfg}", f"out={out}", "logging.progress=false", "threads=1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    state = json.loads((out / "stages" / "1-rlve" / "final" / "run_state.json").read_text())
+    assert state["started_from"] == str(out / "stages" / "3-behavior" / "final")
+    assert "stage rlve starts from a fresh" not in r.stdout + r.stderr  # (behavior, first, does)
