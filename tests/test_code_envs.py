@@ -214,7 +214,8 @@ def test_seeds_from_jsonl(tmp_path):
     row = {"id": "triple", "statement": "Print 3 times n.", "input_spec": "One integer n.", "output_spec": "3n.",
            "difficulty": 1, "reference": "print(3 * int(input()))\n", "wrong": ["print(3 + int(input()))\n"],
            "validator": "n = int(input())\n", "tests": [{"input": "1\n", "output": "3"}, {"input": "2\n", "output": "6"},
-                                                       {"input": "5\n", "output": "15"}]}
+                                                       {"input": "5\n", "output": "15"},
+                                                       {"input": "7\n", "output": "21"}]}
     path = tmp_path / "more.jsonl"
     path.write_text(json.dumps(row) + "\n")
     assert load_seeds(str(path))[0].id == "triple"
@@ -224,8 +225,9 @@ def test_seeds_from_jsonl(tmp_path):
     assert env.verify(p, env.reference_response(p)).correct
     assert not env.verify(p, "```python\nprint(3 + int(input()))\n```").correct
     frac = get_env("code/solve", seeds_path=str(path), include_builtin=False, reward="fraction")
-    s = frac.verify(p, "```python\nn = int(input())\nprint(3 if n == 1 else 0)\n```")
-    assert not s.correct and abs(s.reward - 1 / 3) < 1e-9
+    # the fraction of the hidden tests (the two the prompt does not show): right on 1 and 2 (shown) and on 5
+    s = frac.verify(p, "```python\nn = int(input())\nprint({1: 3, 2: 6, 5: 15}.get(n, 0))\n```")
+    assert not s.correct and abs(s.reward - 1 / 2) < 1e-9
     both = get_env("code/solve", seeds_path=str(path))
     assert len(both.seeds) == len(SEEDS) + 1
     bad = tmp_path / "bad.jsonl"
@@ -687,3 +689,42 @@ def test_arc_holds_out_a_test_at_the_stated_sizes():
         assert all(len(s.tests[i]["input"]) <= SHOWN_CHARS for i in p.meta["shown"]), s.id
         seen.add(s.id)
     assert seen == set(_NAIVE)
+
+
+def test_falsify_generates_in_time_once_prepared():
+    """A wrong program that times out on a test used to make the first generate of a process run it under the
+    trusted limit (10 s and more), so `cascade envs check` capped code/falsify at tier 2; prepare() now runs every
+    seed's wrong programs once, before any clock starts, and generate only reads the result."""
+    env = get_env("code/falsify")
+    t = time.perf_counter()
+    env.prepare()
+    prep = time.perf_counter() - t
+    t = time.perf_counter()
+    p = env.generate(1, 3)
+    took = time.perf_counter() - t
+    print(f"prepare {prep:.1f}s, generate {took:.2f}s")
+    assert p.prompt and took < 10.0, (took, prep)
+    arc = get_env("code/arc", seeds=[BY_ID["components"]], include_builtin=False, heldout=0)
+    arc.prepare()
+    t = time.perf_counter()
+    arc.generate(0, 3)
+    assert time.perf_counter() - t < 10.0
+
+
+def test_solve_fraction_counts_only_the_hidden_tests():
+    """The prompt says the program is judged on hidden tests, but the fraction reward counted the examples it
+    shows: a lookup table of them earned 0.33-0.5. Now the fraction is over the tests not shown (binary still
+    needs every test)."""
+    for reward in ("fraction", "binary"):
+        env = get_env("code/solve", reward=reward)
+        for seed in range(4):
+            p = env.generate(seed, 1)
+            s = env.seed_of(p)
+            shown = env.shown_tests(s)[:2]
+            assert all(s.tests[i]["input"].rstrip("\n") in _example_inputs(p.prompt) for i in shown)
+            table = {s.tests[i]["input"].strip(): s.tests[i]["output"] for i in shown}
+            memo = f"import sys\nT = {table!r}\nprint(T.get(sys.stdin.read().strip(), ''))\n"
+            sc = env.verify(p, f"```python\n{memo}```")
+            assert sc.reward == 0.0 and not sc.correct, (reward, s.id, sc)
+            ref = env.verify(p, env.reference_response(p))
+            assert ref.reward == 1.0 and ref.correct, (reward, s.id, ref)

@@ -1,7 +1,8 @@
 """The code environments of ZAYA1 stage 3, built from competitive-programming seeds.
 
 - ``code/solve``: write a program; judged on the problem's tests (reward: all-or-nothing by
-  default, or the fraction passed with ``reward="fraction"``; correct = every test passes).
+  default, or with ``reward="fraction"`` the fraction passed of the hidden tests, those the prompt
+  does not show as examples; correct = every test passes, the shown ones included).
 - ``code/io_predict`` (CodeI/O): predict the exact output of the reference program on an input.
 - ``code/io_propose`` (CodeI/O, inverse): propose an input on which the reference program prints
   a given output; checked by the input validator and by running the reference.
@@ -386,7 +387,10 @@ class CodeEnv(Environment):
                 return got
         return extract_program(response, self.languages)
 
-    def _grade_program(self, program: tuple[str, str] | None, s: Seed, test_ids: list[int]) -> Score:
+    def _grade_program(self, program: tuple[str, str] | None, s: Seed, test_ids: list[int],
+                       scored: list[int] | None = None) -> Score:
+        """Judge ``program`` on ``s``'s tests ``test_ids``: correct when it passes them all; the fraction reward
+        counts only those of them in ``scored`` (default: all)."""
         if program is None:
             return Score.zero("no " + " or ".join(f"```{x}" for x in self.languages) + " code block")
         language, code = program
@@ -398,7 +402,12 @@ class CodeEnv(Environment):
         j = judge.judge(code, tests, stop_on_failure=binary, time_limit=s.time_limit,
                         total_timeout=self.verify_time_limit * 0.8, language=language)
         ok = j.accepted
-        reward = 1.0 if ok else (0.0 if binary else j.fraction)
+        if ok or binary:
+            reward = 1.0 if ok else 0.0
+        else:
+            keep = set(test_ids if scored is None else scored)
+            counted = [r for r, i in zip(j.results, test_ids) if i in keep]
+            reward = sum(r.passed for r in counted) / len(counted) if counted else 0.0
         info = {"status": j.status, "passed": j.passed, "total": j.total, "language": language,
                 "statuses": [r.status for r in j.results]}
         if j.status == "compile_error":
@@ -418,6 +427,14 @@ class CodeEnv(Environment):
         with self._lock:
             self._failing[key] = bad
         return bad
+
+    def _prepare_failing(self) -> None:
+        """Fill :meth:`failing_tests`' cache for every seed's every wrong program, four at a time: a wrong program
+        that runs out of time costs the trusted limit (10 s and more), one-time work that belongs in
+        :meth:`prepare`, not in the first ``generate`` (it would be taken for a slow generator and capped)."""
+        keys = [(s, wi) for s in self.seeds for wi in range(len(s.wrong))]
+        with ThreadPoolExecutor(4) as ex:
+            list(ex.map(lambda k: self.failing_tests(*k), keys))
 
     def _run_reference_on(self, s: Seed, text: str, program: str | None = None):
         # trusted programs get a generous limit: a slow machine must not fail the reference
@@ -445,11 +462,16 @@ class SolveEnv(CodeEnv):
         shown = self.shown_tests(s)[:2]
         prompt = (f"{self.statement(s, shown)}\n\nTime limit: {s.time_limit:g} s per test. "
                   f"Your program is judged on hidden tests.\n\n{self.code_instruction}")
-        return self.problem(prompt, s.reference, seed, difficulty, seed_id=s.id, language=self.language)
+        return self.problem(prompt, s.reference, seed, difficulty, seed_id=s.id, shown=shown,
+                            language=self.language)
 
     def check(self, problem: Problem, response: str) -> Score:
         s = self.seed_of(problem)
-        return self._grade_program(self.extract_program(response), s, list(range(len(s.tests))))
+        # correct: every test passes, the examples shown included; the fraction reward counts only the hidden
+        # tests, as the prompt says (a table of the examples' outputs earns nothing)
+        shown = set(problem.meta.get("shown", self.shown_tests(s)[:2]))
+        hidden = [i for i in range(len(s.tests)) if i not in shown] or None
+        return self._grade_program(self.extract_program(response), s, list(range(len(s.tests))), hidden)
 
     def reference_response(self, problem: Problem) -> str:
         return f"Here is my solution.\n\n{_fence(problem.answer, 'python')}\n"
@@ -572,6 +594,11 @@ class ARCEnv(CodeEnv):
     def usable(self, s: Seed) -> bool:
         return len(s.tests) >= 2 and len(self.shown_tests(s)) >= 1
 
+    def prepare(self) -> None:
+        """The sandbox check, then which tests each seed's wrong programs fail (``_generate`` reads them)."""
+        super().prepare()
+        self._prepare_failing()
+
     def _generate(self, seed: int, difficulty: int, held: bool) -> Problem:
         s, rng = self.pick(seed, difficulty, self.usable, held)
         # held out: at least one test that each known wrong program fails (the smallest such)
@@ -628,6 +655,11 @@ class FalsifyEnv(CodeEnv):
     """Find a valid input on which a candidate program is wrong."""
 
     description = "find a valid input on which a wrong program's output differs from the reference"
+
+    def prepare(self) -> None:
+        """The sandbox check, then which tests each seed's wrong programs fail (``_generate`` reads them)."""
+        super().prepare()
+        self._prepare_failing()
 
     def _examples(self, s: Seed, wi: int) -> tuple[str | None, str | None]:
         """(the smallest input the wrong program fails on, the smallest it gets right)."""
