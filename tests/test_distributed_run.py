@@ -358,7 +358,8 @@ def test_a_bf16_stage_resumed_after_its_sft_warm_up_ends_as_an_uninterrupted_one
     resumed: the same final weights as the run that was not interrupted (the SFT optimizer's fp32 masters,
     loaded after the RL one's, put the weights back where SFT had left them)."""
     args = [f"model={warm_dir}", *STAGE, "steps=3", "checkpoint_every=1", "dtype=bfloat16", "sft.steps=2",
-            "sft.examples=32", "sft.batch_size=8", "sft.max_len=128", "sft.optim.lr=1e-3"]
+            "sft.examples=32", "sft.batch_size=8", "sft.max_len=128", "sft.optim.lr=1e-3",
+            "sft.optim.warmup_steps=0"]  # (a section override keeps the rest of its default: warm-up 10)
     ref, out = _uninterrupted_and_resumed(tmp_path, args, "before_checkpoint:4")
     a, b = final_weights(ref), final_weights(out)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -399,7 +400,8 @@ def test_kill_9_of_the_run_resumes_trainer_ranks_and_orchestrator_in_step(warm_d
     another mesh (DP 2 -> TSP 2: the ranks reshard the checkpoint). No rank or torchrun agent outlives the
     killed orchestrator."""
     args = [f"model={warm_dir}", *STAGE, "steps=3", "trainer.nproc=2", "trainer.tsp=1", "sft.steps=3",
-            "sft.examples=64", "sft.batch_size=8", "sft.max_len=128", "sft.optim.lr=1e-3"]
+            "sft.examples=64", "sft.batch_size=8", "sft.max_len=128", "sft.optim.lr=1e-3",
+            "sft.optim.warmup_steps=0"]  # (a section override keeps the rest of its default: warm-up 10)
     ref, out = tmp_path / "ref", tmp_path / "run"
     r = cascade(f"out={ref}", *args)
     assert r.returncode == 0, r.stderr[-3000:]
