@@ -232,6 +232,16 @@ def test_heldout_split_never_overlaps_training(offline_cache, tmp_path):
     assert MathDatasetEnv(path=f, heldout=0).heldout_rows == []
 
 
+
+class _Recs:
+    """Records that keep what a stage logs (``logged``: the calls' arguments)."""
+
+    def __init__(self):
+        self.logged = []
+
+    def log(self, *a):
+        self.logged.append(a)
+
 def test_stage_evaluates_on_heldout_and_drops_heldout_sft_prompts(tiny_dense_dir, tmp_path):
     """What a stage does with a math dataset: held-out evaluation draws only held-out problems, and SFT
     data that contains a held-out problem loses that example."""
@@ -255,12 +265,6 @@ def test_stage_evaluates_on_heldout_and_drops_heldout_sft_prompts(tiny_dense_dir
     scfg = StageConfig(envs={"math": 1.0, "toy/add": 1.0}, env_kwargs=kw, eval_problems=40,
                        sft=SFTStage(steps=1, data=str(sft_file)))
     stage = StageRunner("math", 2, scfg, RunConfig(order=[]), Path("/nonexistent"), None, None)
-
-    class _Recs:
-        logged = []
-
-        def log(self, *a):
-            self.logged.append(a)
 
     stage.records = _Recs()
     evals = stage.eval_problems(cur)
@@ -291,12 +295,6 @@ def test_sft_data_drops_the_stages_own_eval_problems(tiny_dense_dir, tmp_path):
     sft_file = tmp_path / "sft.jsonl"
     scfg = StageConfig(envs={"toy/add": 1.0}, eval_problems=8, sft=SFTStage(steps=1, data=str(sft_file)))
     stage = StageRunner("warmup", 0, scfg, RunConfig(order=[]), Path("/nonexistent"), None, None)
-
-    class _Recs:
-        logged = []
-
-        def log(self, *a):
-            self.logged.append(a)
 
     stage.records = _Recs()
     held = stage.eval_problems(cur)
