@@ -199,7 +199,9 @@ Re-run at 63c8932 (2026-12-06, later, another machine (AMD EPYC), noisier: sync 
 min_ready_batches capped at the batches the buffer holds, 4 here, so 2 as before; rollout_busy_frac counted over the
 steps a batch spans): async_speedup 0.90, then alternating with 5cbf690's code (before today's changes) 1.03, 0.85
 against its 1.01, 1.01: the same within this machine's noise (median 0.90, min 0.85 at 63c8932); lending ceiling
-1.17, any mix 1.33; max_lag_seen 2, no group dropped as stale.
+1.17, any mix 1.33; max_lag_seen 2, no group dropped as stale. Re-run at bb5e338 (2026-12-07, another machine; the
+trainer's mismatch over every mini-batch when there are several, off this path's one; one run, alone): async_speedup
+1.11 (1.81 against 1.63 steps/s), lending ceiling 1.26, any mix 1.48; max_lag_seen 2, none dropped as stale.
 """
 from __future__ import annotations
 

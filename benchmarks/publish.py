@@ -65,6 +65,9 @@ against 612.4 MB, other 0.0 against 612.4), final 0.241 against 0.377 s; ratios 
 Re-run at fc73bd7 (2026-12-07, another machine (AMD EPYC); the served version pinned against pruning, the KL
 reference's biases, both off this path; one run): publish 0.099 s against 0.678 s (rank 0 122.7 against 612.4 MB,
 other 0.0 against 612.4), final 0.477 against 0.701 s; ratios 0.0 and 0.2; ``same_weights`` true.
+Re-run at bb5e338 (2026-12-07, another machine; a relative run directory's versions load, off this path; one run):
+publish 0.058 s against 0.559 s (rank 0 122.7 against 612.4 MB, other 0.0 against 612.4), final 0.293 against
+0.509 s; ratios 0.0 and 0.2; ``same_weights`` true.
 
 The other rank's rise is 0.0 in every run (it allocates one parameter at a time, which the heap's free
 pages absorb). Rank 0's rise is noisy (31-125 MB for a 122 MB version): freed pages from earlier calls
