@@ -50,7 +50,9 @@ sizes, the math verifier's exact decimals and spaced digits, gym caps and parser
 rc 969, rg 624, rlve 3,075), ``problems_per_s`` 54.4 (own 1,627, rc 13.4, rg 11.8, rlve 598), median 0.494 ms;
 ``reference_not_credited`` empty, 71 without oracle answers; slowest generators rg/number_sequence 5.2 s and
 rg/countdown 1.5 s per problem (rlve, whose code is the package's, 3,075 against 3,985 at fc73bd7: this run's
-machine a quarter slower, so the own environments' change cannot be told from it).
+machine a quarter slower, so the own environments' change cannot be told from it). At bb5e338 (code/falsify and
+code/arc's wrong programs run in prepare(), code/solve's fraction reward; one run, alone): 1,307 (own 711, rc 893, rg
+732, rlve 3,268); ``reference_not_credited`` empty.
 """
 from __future__ import annotations
 
