@@ -85,6 +85,8 @@ one run, default: TSP D=2 5.25 s against 3.22 s (0.61). At 9a464f0 (2026-12-06: 
 the optimizer step, none here; a machine ~30% slower than the last), one run, default: TSP D=2 7.29 s against 3.83 s
 (0.53). At 63c8932 (2026-12-06, later, another machine; ``max_param_diff`` now reported: the mesh's and the
 one process's weights after the same 4 steps within 5.6e-07), one run, default: TSP D=2 5.87 s against 3.99 s (0.68).
+At bb5e338 (2026-12-07, another machine; the load now reported, 1.54), one run, default: 7.99 s against 4.86 s (0.61),
+weights within 5.6e-07.
 
 TSP is a memory layout first (each rank holds 1/D of the weights and activations, see
 benchmarks/parallel.py); on 2 CPU cores it pays for its weight ring with gloo transfers that one
