@@ -203,13 +203,14 @@ class AggregationMixer:
     def mix(self, picks: list[tuple[str, Problem]]) -> list[tuple[str, Problem]]:
         if (not self.pool and not self.expert) or self.fraction <= 0:
             return picks
+        own, experts = _by_env(self.pool), _by_env(self.expert)
         out = []
-        for env_id, p in picks:
-            if self.rng.random() < self.fraction:
-                expert = bool(self.expert) and (not self.pool or self.rng.random() < self.expert_fraction)
+        for env_id, p in picks:  # a pick becomes a buffered problem of its own environment: the phase's mix holds
+            if self.rng.random() < self.fraction and (env_id in own or env_id in experts):
+                expert = env_id in experts and (env_id not in own or self.rng.random() < self.expert_fraction)
                 pool = self.expert if expert else self.pool
                 pacore = self.rng.random() < self.pacore_fraction
-                e, pd, tails, messages = pool[self.rng.choice(list(pool))]
+                e, pd, tails, messages = pool[self.rng.choice((experts if expert else own)[env_id])]
                 shown = self.rng.sample(messages if pacore else tails, self.C)
                 agg = self.build(e, Problem.from_dict(pd), shown, pacore, "expert" if expert else "self")
                 if agg is not None:
@@ -243,6 +244,14 @@ class AggregationMixer:
         c = st.get("counts", {})
         self.made_expert, self.made_pacore = int(c.get("aggregation_expert", 0)), int(c.get("aggregation_pacore", 0))
         self.trimmed, self.dropped = int(c.get("aggregation_trimmed", 0)), int(c.get("aggregation_dropped", 0))
+
+
+def _by_env(pool: OrderedDict) -> dict[str, list[str]]:
+    """The keys of ``pool``'s entries per environment, oldest first."""
+    out: dict[str, list[str]] = {}
+    for k, (env_id, *_) in pool.items():
+        out.setdefault(env_id, []).append(k)
+    return out
 
 
 def sample_rollouts(engine, tokenizer, picks: list[tuple[str, Problem]], n: int, params, chat: bool = True,

@@ -100,6 +100,28 @@ def test_aggregation_prompts_hold_the_problem_and_c_tails_of_tau_tokens(tok):
     assert other.mix([("toy/add", p)])[0][1].prompt == mixer.mix([("toy/add", p)])[0][1].prompt
 
 
+def test_aggregation_prompts_keep_the_phase_mix_each_pick_aggregates_its_own_environment(tok):
+    """An aggregation problem replaces a pick with a buffered problem of the pick's own environment (expert
+    tails too), so the phase's mix holds; a pick whose environment has nothing buffered stays as it is."""
+    rollouts = [_R(tok.encode(f"attempt {i} ends here", add_special_tokens=False)) for i in range(4)]
+    mixer = AggregationMixer(tok, 1.0, 2, 5, seed=0, expert_fraction=0.5)
+    for i in range(20):  # many buffered toy/add problems, one math/arith, one expert code/solve
+        mixer.remember([_G("toy/add", Problem(f"add {i}", str(i), "toy/add", 1, 0, {}), rollouts)])
+    mixer.remember([_G("math/arith", Problem("arith", "1", "math/arith", 1, 0, {}), rollouts)])
+    mixer.remember_expert("code/solve", Problem("solve", "", "code/solve", 1, 0, {}), [r.completion for r in rollouts])
+    picks = [(e, Problem(f"fresh {e} {i}", "0", e, 1, 0, {}))
+             for i in range(30) for e in ("toy/add", "math/arith", "code/solve", "code/io_predict")]
+    out = mixer.mix(picks)
+    assert [e for e, _ in out] == [e for e, _ in picks]
+    for (e, p), (got, q) in zip(picks, out):
+        assert bool(q.meta.get("aggregation")) == (e != "code/io_predict"), (e, q.prompt)
+        if q.meta.get("aggregation"):
+            assert q.meta["tail_source"] == ("expert" if e == "code/solve" else "self")
+    arith = [q for (e, _), (_, q) in zip(picks, out) if e == "math/arith"]
+    assert all(q.prompt.startswith("arith") for q in arith)
+    assert mixer.made == 90 and mixer.made_expert == 30
+
+
 def test_aggregation_prompts_ask_for_the_answer_in_the_form_each_environment_grades(tok):
     """``auto``: a program-writing task's aggregation prompt (and its PaCoRe closing) asks for a code block in
     the task's language, a math task's and an output-prediction task's for \\boxed{}; a named template applies
