@@ -241,6 +241,7 @@ class CodeEnv(Environment):
     concurrent_verify = True  # the judge waits on a sandbox start; `_failing` is locked
     instruction = ""
     writes_program: ClassVar[bool] = False  # the answer is a program (graded in the sandbox), not \boxed{}
+    reads_failing_tests: ClassVar[bool] = False  # _generate uses failing_tests(): prepare() runs the wrong programs
 
     def __init__(self, seeds_path: str | None = None, *, include_builtin: bool = True,
                  seeds: list[Seed] | None = None, sandbox: SandboxConfig | None = None,
@@ -308,10 +309,13 @@ class CodeEnv(Environment):
 
     def prepare(self) -> None:
         """Fail early, with the sandbox's own message, where the sandbox cannot run (no bubblewrap, say, and no
-        weaker sandbox allowed): every answer of these tasks is judged by running a program."""
+        weaker sandbox allowed): every answer of these tasks is judged by running a program. Then, for a task that
+        ``reads_failing_tests`` in ``_generate``, which tests each seed's wrong programs fail."""
         if not getattr(self, "_sandbox_checked", False):
             self.judge.sandbox.check()
             self._sandbox_checked = True
+        if self.reads_failing_tests:
+            self._prepare_failing()
 
     # -- shared helpers -----------------------------------------------------------------------
     @property
@@ -590,14 +594,10 @@ class ARCEnv(CodeEnv):
 
     description = "write a program from an input spec and examples, judged on held-out tests"
     writes_program = True
+    reads_failing_tests = True
 
     def usable(self, s: Seed) -> bool:
         return len(s.tests) >= 2 and len(self.shown_tests(s)) >= 1
-
-    def prepare(self) -> None:
-        """The sandbox check, then which tests each seed's wrong programs fail (``_generate`` reads them)."""
-        super().prepare()
-        self._prepare_failing()
 
     def _generate(self, seed: int, difficulty: int, held: bool) -> Problem:
         s, rng = self.pick(seed, difficulty, self.usable, held)
@@ -655,11 +655,7 @@ class FalsifyEnv(CodeEnv):
     """Find a valid input on which a candidate program is wrong."""
 
     description = "find a valid input on which a wrong program's output differs from the reference"
-
-    def prepare(self) -> None:
-        """The sandbox check, then which tests each seed's wrong programs fail (``_generate`` reads them)."""
-        super().prepare()
-        self._prepare_failing()
+    reads_failing_tests = True
 
     def _examples(self, s: Seed, wi: int) -> tuple[str | None, str | None]:
         """(the smallest input the wrong program fails on, the smallest it gets right)."""
