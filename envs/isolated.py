@@ -14,7 +14,7 @@ a policy writes. An environment with :class:`IsolatedCheck` therefore verifies i
    package);
 2. the score (``check_with``), within ``verify_time_limit``, where the packages' own calls of the builtin
    ``eval`` get :func:`safe_eval`, which evaluates literals and arithmetic only (no names but data
-   constants, no calls, no attributes, no ``%``-formatting of strings; integers and sequences of bounded
+   constants, never the scorer's own variables, no calls, no attributes, no ``%``-formatting of strings; integers and sequences of bounded
    size, and no operation that could make a far larger one before its size is checked), and the code
    sympy's parser makes of a text (``sympify``, ``parse_expr``: Python, evaluated with every builtin in
    scope) must pass :func:`check_sympy_code` (calls of sympy's mathematics only) before it is evaluated.
@@ -96,19 +96,17 @@ def _binop(op: type, a: Any, b: Any) -> Any:
     return _size(_BIN[op](a, b))
 
 
-def safe_eval(source: Any, globals: dict | None = None, locals: dict | None = None,  # noqa: A002
-              _depth: int = 1) -> Any:
+def safe_eval(source: Any, globals: dict | None = None, locals: dict | None = None) -> Any:  # noqa: A002
     """``eval`` of literals and arithmetic only: numbers, strings, lists, tuples, dicts and sets of them,
     unary, binary (``**``, ``<<`` and sequence repetition bounded before they run; ``%``-formatting of a
     string refused), boolean and comparison operators, subscripts, and names that hold data
-    (``True``/``False``/``None``/``nan``/``inf``, or data values of the given or calling scope). Anything
-    else (a call, an attribute, a lambda, a comprehension, a code object) is a ``ValueError``."""
+    (``True``/``False``/``None``/``nan``/``inf``, or data values of the scopes given). Never the caller's
+    scope: a scorer's ``eval(answer)`` would resolve an answer naming its local that holds the reference
+    (reasoning-gym's ``oracle_answer``, ``entry``) to that reference. Anything else (a call, an attribute, a
+    lambda, a comprehension, a code object) is a ``ValueError``."""
     if not isinstance(source, (str, bytes)):
         raise ValueError("safe_eval: only expression strings")
     scopes = [s for s in (locals, globals) if s is not None]
-    if not scopes:
-        frame = sys._getframe(_depth)
-        scopes = [frame.f_locals, frame.f_globals]
     tree = ast.parse(source.strip() if isinstance(source, str) else source.decode().strip(), mode="eval")
 
     def ev(n: ast.AST) -> Any:
@@ -229,7 +227,7 @@ def _guarded_eval(source: Any, globals: dict | None = None, locals: dict | None 
     frame = sys._getframe(1)
     caller = str(frame.f_globals.get("__name__", ""))
     if caller.split(".")[0] in SCORER_PACKAGES:
-        return safe_eval(source, globals, locals, _depth=2)
+        return safe_eval(source, globals, locals)
     if caller.startswith("sympy.parsing"):  # (sympy's own evals, while it imports, are its code)
         own = {k for k, v in (locals or {}).items() if not isinstance(v, type(sys))}
         check_sympy_code(source, own)

@@ -37,7 +37,7 @@ class Chatty(IsolatedCheck, Environment):
 
 
 def test_safe_eval_takes_data_and_arithmetic_only():
-    nan = float("nan")  # noqa: F841 - a name of this scope that an expression may use
+    secret = [4, 2]  # noqa: F841 - the caller's variables are not an expression's names
     assert safe_eval("[1, 2, (3, 'a')]") == [1, 2, (3, "a")]
     assert safe_eval("{'a': -1.5, 'b': [True, None]}") == {"a": -1.5, "b": [True, None]}
     assert safe_eval("(0x3a << 3) ^ 7 + 2 ** 10 // 3 % 5") == (0x3a << 3) ^ 7 + 2 ** 10 // 3 % 5
@@ -45,7 +45,7 @@ def test_safe_eval_takes_data_and_arithmetic_only():
     assert safe_eval("x + 1", {"x": 4}) == 5 and safe_eval("{'p': nan}")["p"] != 0
     for bad in ("__import__('os').system('true')", "open('/tmp/x', 'w')", "().__class__.__bases__",
                 "(lambda: 1)()", "[x for x in range(3)]", "10 ** 10 ** 10", "1 << 10 ** 6", "'a' * 10 ** 9",
-                "safe_eval"):
+                "safe_eval", "secret", "secret[0]"):
         with pytest.raises((ValueError, SyntaxError)):
             safe_eval(bad)
 
@@ -87,6 +87,22 @@ def test_a_scorer_never_runs_the_answer(env_id, answer, tmp_path, monkeypatch):
         assert env.verify(p, env.reference_response(p)).correct
     finally:
         _POOL.close()
+
+
+@pytest.mark.parametrize("env_id,answer", [
+    ("rg/string_insertion", "oracle_answer"), ("rg/n_queens", "entry['metadata']['solutions'][0]"),
+    ("rg/binary_matrix", "entry['metadata']['solution']"), ("rg/spiral_matrix", "entry['metadata']['solution']"),
+])
+def test_an_answer_naming_the_scorers_variable_that_holds_the_reference_scores_nothing(env_id, answer):
+    """These scorers ``eval(answer)`` with no scope given: an answer naming the scorer's local that holds the
+    reference (the item, or the oracle answer) was that reference and earned partial credit on every problem
+    (0.5 on n_queens, 0.1 on the others) for nothing. safe_eval never reads the caller's variables."""
+    pytest.importorskip("reasoning_gym")
+    env = get_env(env_id)
+    for seed in range(2):
+        p = env.generate(seed, 0)
+        assert env.verify(p, f"<answer>{answer}</answer>").reward <= 0, (env_id, seed)
+        assert env.verify(p, env.reference_response(p)).correct
 
 
 def test_sympy_code_of_an_answer_names_only_mathematics():
