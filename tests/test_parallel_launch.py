@@ -85,6 +85,9 @@ def test_calc_formulas_hand_values():
         # TSP's bundles carry q/k/v biases with their weights (left out before): 2 layers x (q, o: 2 x 4 x 2 x 2;
         # k, v for each of 2 groups: 2 x 2 x 4 x 1 x 2; biases q 2 x 2, k and v 2 x 2 x 1 x 2) x 4 bytes, half sent
         assert comm_bytes(Shape(c2, T=8, B=1, D=2, b=4), "tsp")["broadcast"] == 0.5 * 2 * (32 + 32 + 4 + 8) * 4
+        # TP all-reduces q/k-norm gradients (partial over heads) only where there are q/k norms
+        assert "all_reduce.grad" not in comm_bytes(Shape(c2, T=8, B=1, D=2, b=4), "tp"), arch
+    assert comm_bytes(s, "tp")["all_reduce.grad"] == 2 * 0.5 * 1 * 2 * 2 * 4  # Qwen3's: 2 norms of head_dim 2
 
 
 @pytest.mark.timeout(240)

@@ -255,6 +255,8 @@ def test_calc_rollout_cli_json_and_one_line_errors(capsys):
                       (["--params", "8B", "--gen-tps", "abc"], "argument --gen-tps: invalid float value"),
                       (["--params", "8B", "--active-params", "9B"], "exceeds --params"),
                       (["--params", "8B", "--preset", "small-moe"], "not both"),
+                      (["--params", "8B", "--experts", "64", "--topk", "8"], "not both"),  # a sparse model's sizes
+                      (["--params", "8B", "--bytes", "0"], "bytes (--bytes) must be > 0, got 0"),
                       ([], "give the model"),
                       (["--params", "8B", "--bogus"], "unrecognized arguments: --bogus")):
         assert cascade(["calc"] + base + args) == 2, args

@@ -141,7 +141,8 @@ def comm_bytes(s: Shape, layout: str) -> dict[str, float]:
         if layout == "tp":
             add("all_reduce", 2 * f * act * (1 + 2 * L))  # embedding + two row-parallel outputs per layer
             add("all_reduce.bwd", 2 * f * (act * (2 * L + 1) + s.n_moe * Tp * B * k * b))
-            add("all_reduce.grad", 2 * f * L * 2 * d * b)  # q_norm / k_norm (partial over heads)
+            if c.qk_norm:
+                add("all_reduce.grad", 2 * f * L * 2 * d * b)  # q_norm / k_norm (partial over heads)
         else:
             add("reduce_scatter", f * act * (1 + 2 * L))
             add("all_gather.bwd", f * act * (1 + 2 * L))
@@ -239,10 +240,15 @@ def _add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--moe-ffn", type=int, default=None)
 
 
+def _size_flags(a: argparse.Namespace) -> list[str]:
+    """The model size flags given (``--hidden``, ``--experts``, ...)."""
+    return [f"--{k.replace('_', '-')}" for k in ("hidden", "layers", "heads", "kv_heads", "head_dim", "ffn", "vocab",
+                                                 "experts", "topk", "moe_ffn") if getattr(a, k, None) is not None]
+
+
 def model_config(a: argparse.Namespace, max_pos: int = 4096) -> ModelConfig:
     """The model of ``--preset``, ``--config`` or the size flags (one of the three)."""
-    sizes = [f"--{k.replace('_', '-')}" for k in ("hidden", "layers", "heads", "kv_heads", "head_dim", "ffn", "vocab",
-                                                  "experts", "topk", "moe_ffn") if getattr(a, k, None) is not None]
+    sizes = _size_flags(a)
     given = [f for f, v in (("--preset", a.preset), ("--config", a.config)) if v] + (["size flags"] if sizes else [])
     if len(given) > 1:
         raise ValueError(f"give the model one way: --preset, --config or the size flags, not {' and '.join(given)}"
@@ -313,7 +319,7 @@ def rollout_sizing(active_params: float, prompts: int, group: int, prompt_len: f
     checks = {"active_params": active_params, "prompts": prompts, "group": group, "response_len": response_len,
               "trainer_ranks": trainer_ranks, "gpus_per_server": gpus_per_server, "peak_tflops": peak_tflops,
               "train_mfu": train_mfu, "gen_mfu": gen_mfu, "gen_tps": gen_tps, "train_tps": train_tps,
-              "servers": servers, "total_params": total_params}
+              "servers": servers, "total_params": total_params, "bytes": weight_bytes}
     for k, v in checks.items():
         if v is not None and not 0 < v < float("inf"):
             raise ValueError(f"{k} (--{k.replace('_', '-')}) must be > 0, got {v!r}")
@@ -389,7 +395,7 @@ def rollout_main(argv: list[str]) -> int:
     ap.add_argument("--bytes", type=int, default=2, help="bytes per published weight (2 = bf16)")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     a = ap.parse_args(argv)
-    has_model = a.preset or a.config or a.hidden or a.layers or a.heads
+    has_model = bool(a.preset or a.config or _size_flags(a))
     if (a.params or a.active_params) and has_model:
         raise ValueError("give --params/--active-params or a model (--preset, --config, sizes), not both")
     if a.params or a.active_params:
