@@ -30,13 +30,13 @@ import os
 import secrets
 import shlex
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
 
 import torch
 
+from envs.workers import kill_tree
 from train.errors import RunFailure
 from train.rl.exchange import TrainBatch, TrainSample, batch_path, load_version, stack_routing, version_dir
 
@@ -78,7 +78,6 @@ class WorkerLearner:
         conf.write_text(json.dumps(config_dict(cfg), indent=1, default=list))
         from train.parallel.comm import free_port
 
-        import os
         import socket
 
         # the ranks keep one checkpoint more than the orchestrator's Checkpointer (StageRunner's, of the default
@@ -206,24 +205,3 @@ class WorkerLearner:
                     pass
             kill_tree(self.proc.pid)
             self.proc.wait()
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and every process below it, found through /proc (torchrun starts each rank in a
-    session of its own, out of the agent's process group, so ``killpg`` does not reach them)."""
-    from train.rl.worker import proc_stat
-
-    children: dict[int, list[int]] = {}
-    for d in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
-        if (fields := proc_stat(d)) is not None:
-            children.setdefault(int(fields[1]), []).append(int(d))  # field 4: the parent's pid
-    todo, tree = [pid], []
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo.extend(children.get(p, []))
-    for p in tree:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -20,6 +21,35 @@ import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+
+def proc_stat(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (the state first), None where unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields if len(fields) > 19 else None
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it, found through /proc (torchrun starts each rank in a
+    session of its own, out of the agent's process group, so ``killpg`` does not reach them)."""
+    children: dict[int, list[int]] = {}
+    for d in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
+        if (fields := proc_stat(d)) is not None:
+            children.setdefault(int(fields[1]), []).append(int(d))  # field 4: the parent's pid
+    todo, tree = [pid], []
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, []))
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 class WorkerStartError(RuntimeError):
@@ -102,8 +132,9 @@ class Worker:
         return self.proc.poll() is None
 
     def kill(self) -> None:
+        """SIGKILL the worker and whatever it started (a scorer's subprocess would outlive it unconfined)."""
         if self.proc.poll() is None:
-            self.proc.kill()
+            kill_tree(self.proc.pid)
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:

@@ -27,6 +27,13 @@ class Chatty(IsolatedCheck, Environment):
         print("scoring noise\nmore")
         if response == "sleep":
             time.sleep(60)
+        if response.startswith("spawn "):  # a scorer that starts a process and then hangs
+            import subprocess
+
+            child = subprocess.Popen(["sleep", "600"])
+            with open(response.split(" ", 1)[1], "w") as f:
+                f.write(str(child.pid))
+            time.sleep(60)
         if response == "raise":
             raise KeyError("the scorer broke")
         if response == "status":  # what the worker may do: its capabilities
@@ -103,6 +110,29 @@ def test_an_answer_naming_the_scorers_variable_that_holds_the_reference_scores_n
         p = env.generate(seed, 0)
         assert env.verify(p, f"<answer>{answer}</answer>").reward <= 0, (env_id, seed)
         assert env.verify(p, env.reference_response(p)).correct
+
+
+def test_a_stopped_worker_takes_the_processes_its_scorer_started_with_it(tmp_path, monkeypatch):
+    """Unconfined (no bwrap to take the sandbox down), a worker stopped at its deadline left running what its
+    scorer had started."""
+    from envs.workers import proc_stat
+
+    monkeypatch.setenv("CASCADE_VERIFY_UNCONFINED", "1")
+    _POOL.close()
+    try:
+        env, pidfile = get_env("tests.test_isolated:Chatty"), tmp_path / "pid"
+        s = env.verify(env.generate(0, 0), f"spawn {pidfile}")
+        assert s.reward == 0 and "did not finish" in s.info["reason"], s
+        pid = int(pidfile.read_text())
+        deadline = time.monotonic() + 10
+        while (st := proc_stat(pid)) is not None and st[0] != "Z" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        alive = st is not None and st[0] != "Z"
+        if alive:
+            os.kill(pid, 9)
+        assert not alive, "the scorer's process outlived its worker"
+    finally:
+        _POOL.close()
 
 
 def test_sympy_code_of_an_answer_names_only_mathematics():

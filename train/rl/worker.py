@@ -62,6 +62,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from envs.workers import proc_stat
+
 CKPT_DIR = "trainer_ckpt"
 COMPLETE = "COMPLETE"
 
@@ -144,16 +146,6 @@ ORPHANED = "orphaned"  # what _poll returns when the orchestrator has died
 def request_path(exchange: str | Path, step: int) -> Path:
     """The file an orchestrator writes to ask for a checkpoint (and a weight version) after ``step`` updates."""
     return Path(exchange) / "ckpt_requests" / f"step-{step:06d}"
-
-
-def proc_stat(pid: int | str) -> list[str] | None:
-    """The fields of ``/proc/PID/stat`` after the command name (the state first), None where unreadable."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return fields if len(fields) > 19 else None
 
 
 def process_start(pid: int | str = "self") -> str | None:
