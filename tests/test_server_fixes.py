@@ -182,3 +182,71 @@ def test_health_needs_no_api_key(server):
         assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
     code, b = call(url, "/v1/models", key="wrong")
     assert code == 401
+
+
+def test_a_chunked_body_is_read_whole(server):
+    """A ``Transfer-Encoding: chunked`` body (what ``requests`` sends for an iterable) is read to its last chunk:
+    only ``Content-Length`` was, so it was answered as an empty body and its chunks were read as the next request
+    on the kept-alive connection; a malformed one is a 400 that closes the connection."""
+    import http.client
+
+    eng, url = server
+    body = json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 3, "seed": 1}).encode()
+    conn = http.client.HTTPConnection(url.split("//")[1], timeout=60)
+    try:
+        conn.request("POST", "/v1/completions", iter([body[:10], body[10:]]),
+                     {"Authorization": "Bearer k3y", "Content-Type": "application/json"}, encode_chunked=True)
+        r = conn.getresponse()
+        assert r.status == 200 and len(json.loads(r.read())["choices"]) == 1
+        conn.request("GET", "/v1/models", headers={"Authorization": "Bearer k3y"})  # the same connection
+        r = conn.getresponse()
+        assert r.status == 200 and json.loads(r.read())["data"][0]["id"] == "tiny"
+        conn.putrequest("POST", "/v1/completions")
+        conn.putheader("Authorization", "Bearer k3y")
+        conn.putheader("Transfer-Encoding", "chunked")
+        conn.endheaders()
+        conn.send(b"zz\r\n{}\r\n0\r\n\r\n")
+        r = conn.getresponse()
+        assert r.status == 400 and "chunk" in json.loads(r.read())["error"]["message"]
+        assert r.getheader("Connection") == "close"
+    finally:
+        conn.close()
+
+
+def test_routes_ignore_the_query_and_unquote_the_model_id(tiny_dense_dir):
+    """The openai client's ``models.retrieve("org/model")`` asks ``/v1/models/org%2Fmodel``, and a client's
+    ``default_query`` (Azure-style ``?api-version=``) is on every path: both were 404s."""
+    openai = pytest.importorskip("openai")
+    srv, url = serve_in_thread(TorchEngine.from_pretrained(tiny_dense_dir), model_name="org/model", api_key="k3y")
+    try:
+        cli = openai.OpenAI(base_url=url + "/v1", api_key="k3y", max_retries=0, timeout=60)
+        assert cli.models.retrieve("org/model").id == "org/model"
+        q = openai.OpenAI(base_url=url + "/v1", api_key="k3y", max_retries=0, timeout=60,
+                          default_query={"api-version": "x"})
+        r = q.completions.with_raw_response.create(model="org/model", prompt="hi", max_tokens=2)
+        assert r.status_code == 200 and len(r.parse().choices) == 1
+        assert [m.id for m in q.models.list()] == ["org/model"]
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_serves_on_ipv6(server):
+    """``--host ::1`` (or ``::``) binds an IPv6 socket (the server was IPv4 only: "Address family for hostname not
+    supported"), and the URL given back brackets the address."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    eng, _ = server
+    srv, url = serve_in_thread(eng, model_name="tiny", host="::1")
+    try:
+        assert url == f"http://[::1]:{srv.server_address[1]}"
+        with urllib.request.urlopen(url + "/health", timeout=30) as r:
+            assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
+    finally:
+        srv.shutdown()
+        srv.server_close()

@@ -70,9 +70,11 @@ import json
 import os
 import queue
 import random
+import socket
 import sys
 import threading
 import time
+import urllib.parse
 import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -414,8 +416,38 @@ class Handler(BaseHTTPRequestHandler):
             return False
         return True
 
+    def _route(self) -> str:
+        """The request's path without its query (the openai client's ``default_query``, Azure's ``?api-version=``)
+        nor a trailing slash: what the routes are chosen by."""
+        return urllib.parse.urlsplit(self.path).path.rstrip("/")
+
+    def _body(self) -> bytes:
+        """The request's body: ``Content-Length`` bytes, or a chunked one (``Transfer-Encoding: chunked``, what
+        ``requests`` and httpx send for an iterable body) read through its last chunk and trailers, so that none of
+        it is left on a kept-alive connection to be read as the next request. A malformed body is a BadRequest."""
+        if "chunked" not in self.headers.get("Transfer-Encoding", "").lower():
+            n = self.headers.get("Content-Length") or "0"
+            if not n.strip().isdecimal():
+                raise BadRequest(f"bad Content-Length {n!r}")
+            return self.rfile.read(int(n))
+        parts = []
+        while True:
+            line = self.rfile.readline(1026)
+            size = line.split(b";", 1)[0].strip()  # a size in hex, maybe chunk extensions after a ";"
+            if not line.endswith(b"\n") or not size or size.strip(b"0123456789abcdefABCDEF"):
+                raise BadRequest(f"bad chunk size line {line[:40]!r} in a chunked body")
+            n = int(size, 16)
+            if n == 0:
+                break
+            parts.append(self.rfile.read(n))
+            if len(parts[-1]) < n or self.rfile.readline(3) not in (b"\r\n", b"\n"):
+                raise BadRequest("a chunk of the chunked body ends early or without its CRLF")
+        while self.rfile.readline(65537) not in (b"\r\n", b"\n", b""):  # trailers: not used
+            pass
+        return b"".join(parts)
+
     def do_GET(self):
-        path = self.path.rstrip("/")
+        path = self._route()
         if path == "/health":  # a liveness probe: open, as vLLM guards only /v1/*
             return self._send(200, {"status": "ok"})
         if not self._authorized():
@@ -426,13 +458,14 @@ class Handler(BaseHTTPRequestHandler):
                     "max_model_len": s.engine.context_length}
             if path == "/v1/models":
                 self._send(200, {"object": "list", "data": [card], "instance": s.instance})
-            elif path[len("/v1/models/"):] == s.model_name:  # what the openai client's models.retrieve asks
+            # what the openai client's models.retrieve asks, the id percent-encoded ("org%2Fmodel")
+            elif urllib.parse.unquote(path[len("/v1/models/"):]) == s.model_name:
                 self._send(200, card)
             else:
-                self._error(404, f"The model `{path[len('/v1/models/'):]}` does not exist.")
+                self._error(404, f"The model `{urllib.parse.unquote(path[len('/v1/models/'):])}` does not exist.")
         elif path == "/v1/health":
             self._send(200, {"status": "ok"})
-        elif self.path.rstrip("/") == "/v1/weights":
+        elif path == "/v1/weights":
             # group_members: how many ranks this server contributes to a weight group (train.rl.weight_group)
             # group_devices: the device each of them joins on (train.rl.weight_group.device_tag)
             from train.rl.weight_group import device_tag
@@ -446,8 +479,12 @@ class Handler(BaseHTTPRequestHandler):
         if not self._authorized():
             return
         try:
-            n = int(self.headers.get("Content-Length") or 0)
-            body = json.loads(self.rfile.read(n).decode() or "{}")
+            raw = self._body()
+        except BadRequest as e:  # where this body ends is unknown: the connection cannot serve another request
+            self.close_connection = True
+            return self._error(400, str(e))
+        try:
+            body = json.loads(raw.decode() or "{}")
             if not isinstance(body, dict):
                 raise BadRequest("the request body must be a JSON object")
         except (ValueError, UnicodeDecodeError) as e:
@@ -455,13 +492,13 @@ class Handler(BaseHTTPRequestHandler):
         route = {"/v1/completions": self.completions, "/v1/chat/completions": self.chat,
                  "/tokenize": self.tokenize, "/detokenize": self.detokenize,
                  "/v1/load_weights": self.load_weights, "/v1/weights_group": self.weights_group,
-                 "/v1/weights_group/abort": self.abort_broadcast}.get(self.path.rstrip("/"))
+                 "/v1/weights_group/abort": self.abort_broadcast}.get(self._route())
         if route is None:
             return self._error(404, f"no route POST {self.path}")
         try:
             out = route(body)
             try:
-                streamed = self.path.rstrip("/") in ("/v1/completions", "/v1/chat/completions")
+                streamed = self._route() in ("/v1/completions", "/v1/chat/completions")
                 if streamed and _flag(body, "stream", False):
                     return self._stream(out, body)
                 self._send(200, out)
@@ -936,8 +973,6 @@ class Server(ThreadingHTTPServer):
     def server_close(self) -> None:
         """Stop listening, end the connections kept alive (their threads would serve requests to a stopped
         engine), stop the engine's thread and leave the weight group."""
-        import socket
-
         super().server_close()
         for sock in list(self._requests):
             try:
@@ -962,7 +997,11 @@ def make_server(engine, model_name: str = "cascade", host: str = "127.0.0.1", po
         raise ValueError("the engine has no tokenizer; serve a checkpoint directory with tokenizer files")
     if weights_dir is not None and not api_key:
         raise ValueError("weights_dir (weight loading over HTTP) needs an API key")
-    srv = Server((host, port), handler)
+    # the address family of ``host`` (an IPv6 address such as "::1" or "::" needs AF_INET6; IPv4 where a name has both)
+    families = {ai[0] for ai in socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                    flags=socket.AI_PASSIVE)}
+    family = socket.AF_INET if socket.AF_INET in families else families.pop()
+    srv = type("Server", (Server,), {"address_family": family})((host, port), handler)
     srv.engine, srv.model_name, srv.api_key, srv.verbose = engine, model_name, api_key, verbose
     srv.weights_dir = None if weights_dir is None else str(Path(weights_dir).resolve())
     srv.load_lock = threading.Lock()
@@ -984,12 +1023,17 @@ def single_threaded_start(threads: int | None = None) -> int:
     return n
 
 
+def base_url(srv: Server) -> str:
+    """``http://HOST:PORT`` of a server, an IPv6 address in brackets."""
+    host, port = srv.server_address[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def serve_in_thread(engine, **kw) -> tuple[Server, str]:
     """Start a server on a background thread; returns (server, base_url)."""
     srv = make_server(engine, **kw)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
-    host, port = srv.server_address[:2]
-    return srv, f"http://{host}:{port}"
+    return srv, base_url(srv)
 
 
 def main(argv: list[str] | None = None, prog: str = "cascade serve") -> int:
@@ -1038,8 +1082,7 @@ def main(argv: list[str] | None = None, prog: str = "cascade serve") -> int:
                           threads=threads)
     except OSError as e:
         raise ValueError(f"cannot listen on {a.host}:{a.port}: {e.strerror or e}") from None
-    host, port = srv.server_address[:2]
-    print(f"serving {name!r} on http://{host}:{port}/v1 (Ctrl-C to stop)", file=sys.stderr, flush=True)
+    print(f"serving {name!r} on {base_url(srv)}/v1 (Ctrl-C to stop)", file=sys.stderr, flush=True)
     try:
         srv.serve_forever()
     except KeyboardInterrupt:
