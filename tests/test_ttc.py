@@ -13,8 +13,8 @@ import torch
 from train.engine import SamplingParams, TorchEngine
 from train.engine.base import Completion
 from ttc.backends import EngineBackend, HFTokenizerSide, OpenAIBackend
-from ttc.rsa import (MarkovianRSA, RSAConfig, derive_seed, exact_grader, extract_answer, majority_vote, pass_at_k,
-                     problem_seed, run_rsa)
+from ttc.rsa import (MarkovianRSA, RSAConfig, derive_seed, exact_grader, extract_answer, majority_vote, math_grader,
+                     pass_at_k, problem_seed, run_rsa)
 from ttc.serve import Handler, serve_in_thread
 from ttc.templates import MATH, PromptBuilder, load_template
 
@@ -177,9 +177,10 @@ class ScriptedBackend(HFTokenizerSide):
     """Deterministic fake: each completion is '<think> words </think> \\boxed{A}' with A drawn from
     ``answers`` by the request seed; some stop (EOS) and some are cut at max_tokens."""
 
-    def __init__(self, tokenizer, answers=("1", "2", "2")):
+    def __init__(self, tokenizer, answers=("1", "2", "2"), in_order=False):
         super().__init__(tokenizer)
         self.answers = answers
+        self.in_order = in_order  # sample j of a prompt answers answers[j] instead of a seeded draw
         self.calls = []
 
     def generate(self, prompts, params, seeds=None):
@@ -190,7 +191,8 @@ class ScriptedBackend(HFTokenizerSide):
                 rng = random.Random(derive_seed(seeds[i], j))
                 words = [rng.choice(["sum", "check", "graph", "list"]) for _ in range(rng.randint(1, 9))]
                 text = "<think>\n" + " ".join(words)
-                text += f"\n</think>\n\nThe answer is \\boxed{{{rng.choice(self.answers)}}}."
+                answer = self.answers[j] if self.in_order else rng.choice(self.answers)
+                text += f"\n</think>\n\nThe answer is \\boxed{{{answer}}}."
                 ids = self.encode(text) + [self.tokenizer.eos_token_id]
                 fin = "stop"
                 if len(ids) > params.max_tokens:
@@ -262,6 +264,19 @@ def test_metrics_against_a_hand_count(tok):
     assert majority_vote(["c", "B", "b", None, "a"], same) == ("B", 2)
     assert majority_vote(["a", "B", "b", None, "A"], same) == ("a", 2)  # a tie: the first cluster wins
     assert majority_vote([None, ""], exact_grader) == (None, 0)
+
+
+def test_majority_vote_clusters_only_mutually_equal_answers(tok):
+    """math_equal is one-sided (1/3 equals 0.333333 as a prediction, not the reverse): a cluster takes only
+    answers equal both ways, so a stray rounding neither absorbs the true majority nor depends on the order."""
+    answers = ["0.333333", "\\frac{1}{3}", "\\frac{1}{3}", "\\frac{1}{3}"]
+    assert majority_vote(answers, math_grader) == majority_vote(answers[::-1], math_grader) == ("\\frac{1}{3}", 3)
+    be = ScriptedBackend(tok, answers=answers, in_order=True)
+    cfg = RSAConfig(population=4, rounds=0, budget=200, final_budget=0)
+    m = MarkovianRSA(be, cfg, "math").run("1/3 = ?", gold="\\frac{1}{3}").metrics
+    assert m["answers"] == answers
+    assert (m["majority_answer"], m["majority_count"], m["majority_accuracy"]) == ("\\frac{1}{3}", 3, 1.0)
+    assert m["round_majority_accuracy"] == [1.0]
 
 
 def test_config_and_template_errors(tmp_path, tok):
@@ -674,6 +689,16 @@ def test_missing_answers_and_the_model_identity(tmp_path, tiny_dense_dir):
     idents = [EngineBackend(TorchEngine.from_pretrained(tiny_dense_dir, dtype=dt)).identity()
               for dt in (torch.float32, torch.bfloat16)]
     assert "dtype" not in idents[0] and "device" not in idents[0] and idents[1]["dtype"] == "torch.bfloat16"
+
+
+def test_a_blank_answer_flag_leaves_the_problem_ungraded(capsys, tiny_dense_dir):
+    """--answer "" (or blanks) is no answer, as an empty cell in --data is: the run is not graded against ""."""
+    for blank in ("", "  "):
+        rc, out, err = _cli(capsys, "solve", "--problem", "What is 1+1?", "--answer", blank, "--model", tiny_dense_dir,
+                            "--population", "2", "--rounds", "0", "--budget", "4", "--no-progress")
+        assert rc == 0, err
+        r = json.loads(out.splitlines()[0])
+        assert r["answer"] is None and r["mean_accuracy"] is None and r["majority_accuracy"] is None
 
 
 def test_a_repeated_problem_is_sampled_apart(tmp_path, capsys, tiny_dense_dir):

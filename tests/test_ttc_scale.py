@@ -385,6 +385,32 @@ def test_ctrl_c_stops_cleanly_and_resume_goes_on(tmp_path, tiny_dense_dir, sig):
     assert sorted(x["index"] for x in _lines(out) if x["type"] == "problem") == [0, 1, 2]
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_signal_mid_generation_exits_without_waiting_for_the_engine(tmp_path, tiny_dense_dir, sig):
+    """A signal while a local engine is inside a long generation (here the final-answer step, started once round 0's
+    checkpoint is written) exits at once: the engine, which main leaves running, is not waited for (closing it
+    joined its thread for up to 60 s, until the generation under way ended)."""
+    out = tmp_path / "r.jsonl"
+    ckpt = out.with_name(out.name + ".rounds.jsonl")
+    args = ["solve", "--data", str(_data(tmp_path / "d.jsonl", 1)), "--model", str(tiny_dense_dir), "--population",
+            "64", "--rounds", "0", "--budget", "4", "--final-budget", "3500", "--threads", "1", "--out", str(out),
+            "--no-progress"]
+    p = subprocess.Popen([sys.executable, "-m", "ttc", *args], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.time() + 60
+    while time.time() < deadline and not (ckpt.exists() and ckpt.read_text().strip()):
+        assert p.poll() is None, p.stderr.read().decode()
+        time.sleep(0.05)
+    time.sleep(0.5)  # the final-answer generation is under way
+    t = time.time()
+    p.send_signal(sig)
+    err = p.communicate(timeout=60)[1].decode()
+    assert p.returncode == (130 if sig == signal.SIGINT else 143), (p.returncode, err)
+    assert time.time() - t < 3, f"exited {time.time() - t:.1f} s after the signal"
+    assert _lines(out) == []  # it was stopped mid-generation: no result yet
+
+
 def test_a_model_the_server_does_not_list_is_refused_before_any_request(tmp_path, capsys, tok, tiny_dense_dir):
     srv = FakeAPI(tok)
     try:

@@ -161,11 +161,12 @@ def parse_columns(spec: str | None) -> dict[str, str]:
 
 
 def load_problems(a, limit: bool = True) -> list[dict]:
+    from envs.hub import answer_text, load_rows
+
     if a.problem is not None:
         if not a.problem.strip():
             raise ValueError("--problem is empty")
-        return [{"problem": a.problem, "answer": a.answer}]
-    from envs.hub import answer_text, load_rows
+        return [{"problem": a.problem, "answer": answer_text(a.answer)}]  # --answer "": ungraded, as an empty cell
 
     cols = parse_columns(a.column)
     need = ["problem"] + (["answer"] if cols["answer"] != "answer" else [])  # answer is optional unless mapped
@@ -393,6 +394,7 @@ def solve_main(argv: list[str]) -> int:
         print("ttc solve: --price-in/--price-out price a server's usage; a local --model reports none, so no cost",
               file=sys.stderr)
     backend = build_backend(a)
+    interrupted = False
     try:
         rsa = MarkovianRSA(backend, cfg, template, a.grader)
         # the plan: every request of every round fits the model's context, before anything is generated
@@ -552,9 +554,12 @@ def solve_main(argv: list[str]) -> int:
                 ckpt.write_text("".join(json.dumps(r) + "\n" for r in rest))
             else:
                 ckpt.unlink()
+    except KeyboardInterrupt:  # Ctrl-C / SIGTERM: main ends the process at once, and closing a local engine
+        interrupted = True  # would wait (up to a minute) for the generation under way to end
+        raise
     finally:
         close = getattr(backend, "close", None)
-        if close is not None:
+        if close is not None and not interrupted:
             close()
     if a.problem is not None:
         print(json.dumps({k: v for k, v in records[0].items() if k not in ("type", "problem_key", "run_key")}))

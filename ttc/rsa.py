@@ -19,8 +19,8 @@ population are always reported.
 
 Metrics (``RSAResult.metrics``): ``mean_accuracy`` over the final population (after the
 final-answer step), ``round_accuracy`` and ``round_majority_accuracy`` per round (earlier rounds
-graded on their traces as they are), ``majority_accuracy`` (equivalent answers clustered with the
-grader), ``pass_at_n``, the unbiased ``pass_at_k`` (k = 1, 2, 4, ..., N; per round in
+graded on their traces as they are), ``majority_accuracy`` (answers clustered when the grader
+takes them as equal both ways), ``pass_at_n``, the unbiased ``pass_at_k`` (k = 1, 2, 4, ..., N; per round in
 ``round_pass_at_k``), ``generated_tokens`` (sum of completion lengths), ``prefill_tokens`` (sum of
 the prompt lengths of all requests; a prompt sampled n times counts once), ``usage`` as the server
 reported it (OpenAI-compatible backends), per-round token counts and wall time.
@@ -234,13 +234,16 @@ def grader_name(template: Template, grader: str | None) -> str:
 
 
 def majority_vote(answers: list[str | None], same: Callable[[str, str], bool]) -> tuple[str | None, int]:
-    """The most common answer (clusters of equivalent answers; ties go to the earliest) and its count."""
+    """The most common answer (clusters of equivalent answers; ties go to the earliest) and its count. An answer
+    joins a cluster only when it and the cluster's first are equal both ways: ``same`` may be one-sided (math_equal
+    takes 0.333333 for 1/3 as a prediction, not the reverse), and a one-way match would let a stray rounding
+    absorb the answers it is near, with a result that depends on their order."""
     clusters: list[list[str]] = []
     for a in answers:
         if a is None or not str(a).strip():
             continue
         for c in clusters:
-            if a == c[0] or same(a, c[0]):
+            if a == c[0] or (same(a, c[0]) and same(c[0], a)):
                 c.append(a)
                 break
         else:
