@@ -10,7 +10,8 @@ started with ``--weights-dir`` pointing at this run's ``OUT/exchange`` (a filesy
 with the orchestrator) and the same ``--api-key``.
 
 A server this process started that dies is started again on the same port from the newest
-complete version, and its in-flight prompts go to the other servers meanwhile
+complete version (a start that fails is tried again: :meth:`ServerPool.restart`, then by the
+engine's background probe), and its in-flight prompts go to the other servers meanwhile
 (:class:`train.engine.remote.RemoteEngine`).
 """
 from __future__ import annotations
@@ -85,6 +86,11 @@ class ServerPool:
     ``exchange``: ``cascade serve`` (``backend="cascade"``) or vLLM's server through
     :mod:`train.engine.vllm_server` (``backend="vllm"``, run by ``python``, see :func:`vllm_python`);
     ``server_args`` are appended to each command. Logs in ``log_dir/server-K.log``."""
+
+    # a server that died is started up to restart_tries times, restart_backoff_s * 2**k seconds apart: a start can
+    # fail for a moment (the dead process's GPU memory not yet freed, its port not yet released)
+    restart_tries = 3
+    restart_backoff_s = 2.0
 
     def __init__(self, n: int, model_dir: Path, exchange: Path, api_key: str, threads: int, log_dir: Path,
                  startup_timeout_s: float = 180.0, dtype: str = "float32", device: str | None = None,
@@ -198,26 +204,34 @@ class ServerPool:
         (self.log_dir / "servers.json").write_text(json.dumps({u: p.pid for u, p in self.procs.items()}))
 
     def restart(self, url: str) -> bool:
-        """Start the server at ``url`` again (it died); it then loads the newest published version. False
-        when the pool is closing (the run stopped it)."""
+        """Start the server at ``url`` again (it died), trying ``restart_tries`` times; it then loads the newest
+        published version. False when the pool is closing (the run stopped it); raises when every try failed."""
         if url not in self.procs or self.closed:
             return False
         seen = self._starts.get(url, 0)
         with self._restarting.setdefault(url, threading.Lock()):
             if self._starts.get(url, 0) != seen and self.procs[url].poll() is None:
                 return True  # another caller restarted it while this one waited
-            p = self.procs[url]
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-            reap_group(p)
-            try:
-                self._start(url)
-                self._wait(url)
-            except Exception:
+            for k in range(self.restart_tries):
                 if self.closed:
                     return False
-                raise
+                p = self.procs[url]  # (one that started but did not answer in time is stopped before the next try)
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+                reap_group(p)
+                try:
+                    self._start(url)
+                    self._wait(url)
+                    break
+                except Exception as e:
+                    if self.closed:
+                        return False
+                    if k + 1 == self.restart_tries:
+                        raise
+                    delay = self.restart_backoff_s * 2 ** k
+                    log.warning("rollout server %s did not start again (%s); trying again in %g s", url, e, delay)
+                    time.sleep(delay)
             self._starts[url] = seen + 1
             self.restarts += 1
             self._write_pids()

@@ -952,3 +952,142 @@ def test_a_weight_load_waits_down_wait_s_for_a_server_to_come_back(setup):
         if "back" in locals():
             back.join(120)  # (its server is stopped with the others)
         _stop(procs)
+
+
+def test_a_choice_the_server_did_not_finish_is_sent_again_not_trained_on(monkeypatch):
+    """A choice whose finish reason is neither a stop nor the length budget (vLLM's "abort" for a request it dropped,
+    "error", none) is a partial rollout: the prompt is sent again (its server stays in the pool), and the call fails
+    naming it when every try came back so; a stop's synonyms (TGI's "eos_token") read as "stop". It used to be taken
+    as a finished rollout with finish_reason "abort"."""
+    reasons: list = []
+    orig = server_mod.Handler.completions
+
+    def completions(self, body):
+        out = orig(self, body)
+        fin = reasons.pop(0) if reasons else "abort"
+        return {**out, "choices": [{**ch, "finish_reason": fin} for ch in out["choices"]]}
+
+    monkeypatch.setattr(server_mod.Handler, "completions", completions)
+    srv, url = serve_in_thread(_StubServed(), model_name="m")
+    try:
+        remote = RemoteEngine([url], per_server=1)
+        reasons[:] = ["abort", "stop"]
+        got = remote.generate([[1, 2]], SamplingParams(max_tokens=2))
+        assert [c.finish_reason for c in got] == ["stop"] and remote.requests[url] == 2 and remote.alive == {url}
+        reasons[:] = ["eos_token"]
+        assert [c.finish_reason for c in remote.generate([[1, 2]], SamplingParams(max_tokens=2))] == ["stop"]
+        with pytest.raises(RemoteError, match=r"prompt 0 of 1 .* 3 times .*finish_reason 'abort'"):
+            remote.generate([[1, 2]], SamplingParams(max_tokens=2))
+        assert remote.alive == {url}
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+# stands in for `python -m train.engine.server` in a ServerPool: its endpoints, a new instance id per process;
+# FAKE_GEN_S / FAKE_LOAD_S: seconds a generation / weight load takes; FAKE_FAIL: a file holding how many of the
+# next starts fail (as a restart fails while the killed server's GPU memory is not yet freed)
+_FAKE_SERVER = r'''
+import json, os, sys, time, uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+port = int(sys.argv[sys.argv.index("--port") + 1])
+fail = os.environ.get("FAKE_FAIL")
+if fail and os.path.exists(fail) and int(open(fail).read() or 0) > 0:
+    n = int(open(fail).read())
+    open(fail, "w").write(str(n - 1))
+    print("CUDA out of memory (fake)", flush=True)
+    sys.exit(1)
+INST, VER = uuid.uuid4().hex, [0]
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def _send(self, obj):
+        b = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(b)))
+        self.end_headers()
+        self.wfile.write(b)
+    def do_GET(self):
+        self._send({"data": [{"id": "policy", "owned_by": "cascade"}], "instance": INST} if self.path == "/v1/models"
+                   else {"version": VER[0]})
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/v1/load_weights":
+            time.sleep(float(os.environ.get("FAKE_LOAD_S", "0")))
+            VER[0] = body.get("version", 0)
+            return self._send({"version": VER[0]})
+        time.sleep(float(os.environ.get("FAKE_GEN_S", "0")))
+        self._send({"instance": INST, "choices": [{"token_ids": [1, 2], "text": "ab", "finish_reason": "stop",
+                    "logprobs": {"token_logprobs": [-1.0, -1.0]}, "versions": [VER[0]] * 2}]})
+ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+def _fake_pool(tmp_path, n=2):
+    """A ServerPool of ``n`` fake servers (:data:`_FAKE_SERVER`, started as the pool starts Cascade's)."""
+    from cascade.rollout import ServerPool
+
+    (tmp_path / "fake_server.py").write_text(_FAKE_SERVER)
+    py = tmp_path / "fakepy"  # called as: fakepy -m train.engine.server ARGS...
+    py.write_text(f'#!/bin/sh\nshift 2\nexec {sys.executable} {tmp_path / "fake_server.py"} "$@"\n')
+    py.chmod(0o755)
+    return ServerPool(n, tmp_path, tmp_path / "exchange", KEY, 1, tmp_path / "logs", startup_timeout_s=30,
+                      python=str(py))
+
+
+def test_a_run_started_server_whose_restart_fails_is_restarted_again(tmp_path, monkeypatch):
+    """A server ``cascade run`` started dies and its start fails (a GPU not yet freed): the start is tried again a
+    moment later; and when every try of that restart failed, the server is restarted again, every readmit_s, until
+    it is back (it used to be out of the pool for the rest of the run)."""
+    from cascade.rollout import ServedEngine
+
+    monkeypatch.setenv("FAKE_GEN_S", "0.1")
+    fail = tmp_path / "fail"
+    monkeypatch.setenv("FAKE_FAIL", str(fail))
+    pool = _fake_pool(tmp_path)
+    pool.restart_tries, pool.restart_backoff_s = 2, 0.1
+    eng = ServedEngine(pool.urls, tmp_path / "exchange", KEY, pool, per_server=2, readmit_s=0.5)
+    try:
+        a = pool.urls[0]
+        sp = SamplingParams(max_tokens=2, seed=1)
+        for starts_failing, restarts in ((1, 1), (2, 2)):  # a start fails once; then both tries of a restart fail
+            fail.write_text(str(starts_failing))
+            pool.procs[a].kill()
+            pool.procs[a].wait()
+            deadline = time.monotonic() + 15
+            while True:
+                assert len(eng.generate([[1, 2, 3]] * 4, sp)) == 4
+                if eng.remote.alive == set(pool.urls) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.3)
+            assert eng.remote.alive == set(pool.urls) and pool.restarts == restarts and fail.read_text() == "0"
+            assert pool.procs[a].poll() is None
+    finally:
+        eng.close()
+
+
+def test_a_server_that_dies_during_a_weight_load_is_restarted_once(tmp_path, monkeypatch):
+    """One kill of a run-started server while a generate and a slow weight load run: the generate worker restarts
+    it; the load, whose request to the dead process failed, finds it restarted and readmitted and sends it the load
+    again (it used to restart it a second time, killing the fresh process and the requests sent to it)."""
+    from cascade.rollout import ServedEngine
+
+    monkeypatch.setenv("FAKE_GEN_S", "0.5")
+    monkeypatch.setenv("FAKE_LOAD_S", "2")
+    pool = _fake_pool(tmp_path)
+    eng = ServedEngine(pool.urls, tmp_path / "exchange", KEY, pool, per_server=2)
+    try:
+        a, b = pool.urls
+        out = {}
+        tg = threading.Thread(target=lambda: out.update(gen=eng.generate([[1, 2, 3]] * 8, SamplingParams(max_tokens=2))))
+        tl = threading.Thread(target=lambda: out.update(load=eng.remote.load_version(7)))
+        tg.start()
+        tl.start()
+        time.sleep(0.3)
+        pool.procs[a].kill()
+        tg.join(60)
+        tl.join(60)
+        assert len(out["gen"]) == 8 and out["load"] == {a: 7, b: 7}
+        assert pool.restarts == 1 and eng.remote.alive == {a, b}
+    finally:
+        eng.close()

@@ -37,7 +37,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import replace
 from typing import Protocol, Sequence, runtime_checkable
 
-from train.engine.base import Completion, SamplingParams, completion_request, request_extras
+from train.engine.base import Completion, SamplingParams, completion_request, finish_kind, request_extras
 from train.tokenizer import USER_MARK, chat_parts, split_chat
 from ttc.rsa import derive_seed
 
@@ -774,21 +774,6 @@ def reply_text(content: str | None, reasoning: str | None, finish_reason: str | 
     closed = content is not None or finish_reason == "stop"
     opened = "" if prefix else "<think>\n"  # a continued trace (a tail of its thinking) has it open already
     return opened + reasoning + (f"\n</think>\n\n{content or ''}" if closed else "")
-
-
-STOP_REASONS = {"stop", "eos", "eos_token", "stop_sequence", "end_turn"}
-
-
-def finish_kind(reason) -> str | None:
-    """A reply's finish reason as a :class:`Completion`'s: ``"stop"`` (an end of sequence or a stop string or
-    token: ``stop``, ``eos``, TGI's ``eos_token``/``stop_sequence``, or SGLang's ``{"type": "stop", "matched":
-    ...}``), ``"length"`` (the budget), or None for a generation the server did not finish (``abort``,
-    ``content_filter``, ``error``, none given), which is not a trace to grade or forward."""
-    if isinstance(reason, dict):
-        reason = reason.get("type")
-    if reason == "length":
-        return "length"
-    return "stop" if isinstance(reason, str) and reason in STOP_REASONS else None
 
 
 def _error_message(e: HTTPStatusError) -> str:

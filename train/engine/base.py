@@ -147,6 +147,22 @@ class Completion:
     versions: list[int] | None = None  # policy (weight) version that sampled each token, where an engine tracks it
 
 
+# the finish reasons servers give for a generation that ended at an end of sequence or a stop string or token
+STOP_REASONS = {"stop", "eos", "eos_token", "stop_sequence", "end_turn"}
+
+
+def finish_kind(reason) -> str | None:
+    """A reply's finish reason as a :class:`Completion`'s: ``"stop"`` (an end of sequence or a stop string or
+    token: ``stop``, ``eos``, TGI's ``eos_token``/``stop_sequence``, or SGLang's ``{"type": "stop", "matched":
+    ...}``), ``"length"`` (the budget), or None for a generation the server did not finish (``abort``,
+    ``content_filter``, ``error``, none given), which is not a trace to grade, forward or train on."""
+    if isinstance(reason, dict):
+        reason = reason.get("type")
+    if reason == "length":
+        return "length"
+    return "stop" if isinstance(reason, str) and reason in STOP_REASONS else None
+
+
 class ContextLengthError(ValueError):
     """A prompt (plus what must be generated) does not fit the model's context."""
 

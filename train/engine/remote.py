@@ -6,7 +6,8 @@ contract for token-id (or text) prompts: each prompt is one ``/v1/completions`` 
 requests in flight per server (the server batches concurrent requests into one engine call). Text prompts go
 with ``add_special_tokens: false`` (encoded as the in-process engines encode them) and, where the servers' context
 is known, at most ``context - 1`` new tokens (the server cuts that to the room the prompt leaves).
-Completions carry token ids, behaviour log-probs, finish reason, the weight ``versions`` of every
+Completions carry token ids, behaviour log-probs, finish reason (``"stop"`` or ``"length"``, a server's synonyms
+read as :func:`~train.engine.base.finish_kind` reads them), the weight ``versions`` of every
 token and, when asked, ``routed_experts`` (per MoE layer LongTensor [1, P + C, k], as the torch
 and vLLM engines give them). The same requests work against vLLM's server started through
 :mod:`train.engine.vllm_server` (``return_token_ids`` gives the ids, ``versions`` are added there);
@@ -24,9 +25,14 @@ Fault tolerance. A server that refuses or drops a connection (killed, restarted)
 the timeout, or answers with a server error (5xx: out of memory, a dead engine) is taken out of the
 pool (why is logged, and named in the error when no server is left); its in-flight prompts are sent again to
 the servers left, and ``on_server_down(url)`` is called (a caller that started the server may restart it at
-the same URL; when the hook returns True the server is checked and used again). A prompt whose requests took
+the same URL; when the hook returns True the server is checked and used again; when it raises, or the server it
+started does not answer, the background probe below calls it again). A prompt whose requests took
 servers down ``len(urls) + 2`` times (an engine error on that prompt alone, a generation longer than the
-timeout) fails the call, naming the prompt and the last error, rather than restarting servers for ever.
+timeout) fails the call, naming the prompt and the last error, rather than restarting servers for ever. A choice
+the server did not finish (a finish reason other than a stop or ``length``, e.g. vLLM's ``abort``: a partial
+rollout) sends the prompt again, its server staying in the pool; after ``len(urls) + 2`` such answers the call fails,
+naming the prompt. A server that dies while it loads weights and is restarted by a ``generate`` worker meanwhile
+is sent the load again (not restarted a second time).
 A server out of the pool is probed in the background at most every ``readmit_s`` seconds (``GET /v1/models``,
 as at the start): one that answers again with the expected model (restarted at its URL by whoever runs it)
 rejoins from the next ``generate`` or ``load_version`` call, after ``on_server_back(url)`` (the caller's
@@ -52,7 +58,8 @@ import time
 import urllib.parse
 from typing import Callable, Sequence
 
-from train.engine.base import Completion, SamplingParams, check_prompts, completion_request, request_inputs
+from train.engine.base import (Completion, SamplingParams, check_prompts, completion_request, finish_kind,
+                               request_inputs)
 from train.engine.sampling import row_seed
 from train.errors import RunFailure
 
@@ -68,6 +75,11 @@ class RemoteError(RunFailure):
 
 class _ServerDown(Exception):
     pass
+
+
+class _Unfinished(Exception):
+    """A choice the server did not finish (its finish reason, e.g. vLLM's ``abort``, is neither a stop nor the
+    length budget: :func:`~train.engine.base.finish_kind`): a partial rollout, not one to train on."""
 
 
 class _Conn:
@@ -210,6 +222,7 @@ class RemoteEngine:
         self._lock = threading.Lock()
         self.readmitted = 0  # servers that came back and rejoined the pool
         self._back: list[str] = []  # probed back, caught up, waiting to rejoin at the next call
+        self._restart_failed: set[str] = set()  # the hook could not bring them back: the probe restarts them again
         self._probe: threading.Thread | None = None
         self._probed_at = 0.0
 
@@ -264,9 +277,10 @@ class RemoteEngine:
                 self._check(u, timeout=5.0)
                 ok = self.on_server_back is None or bool(self.on_server_back(u))
             except Exception:  # noqa: BLE001 - still down, or back with something else: probed again later
-                ok = False
+                ok = u in self._restart_failed and self._restarted(u)  # (a restart the hook failed: tried again)
             if ok:
                 with self._lock:
+                    self._restart_failed.discard(u)
                     self._back.append(u)
 
     def health(self) -> dict[str, dict]:
@@ -312,12 +326,18 @@ class RemoteEngine:
             finally:
                 c.close()
 
+        with self._lock:
+            sent_to = {u: self._instances.get(u) for u in urls}  # the process each load goes to
         results = fan_out(urls, one)[0]
         for u in [u for u, r in results.items() if isinstance(r, _ServerDown)]:  # died: as in generate
             with self._lock:
-                first = u in self.alive  # else a generate worker found it down first and brings it back
-                self.alive.discard(u)
-            if first and self._restarted(u):
+                # a generate worker found it down first and brought it back (a new process, in the pool again; else
+                # it still brings it back): the load is sent to the new one, not restarted a second time
+                moved = u in self.alive and self._instances.get(u) != sent_to[u]
+                first = u in self.alive and not moved
+                if first:
+                    self.alive.discard(u)
+            if moved or (first and self._restarted(u)):
                 with self._lock:
                     self.alive.add(u)
                 results.update(fan_out([u], one)[0])
@@ -368,6 +388,18 @@ class RemoteEngine:
         def finished() -> bool:
             return state["left"] == 0 or state["error"] is not None or not any(live.values())
 
+        def again(i: int, failed: str, why: str, resend: bool) -> None:
+            """(Under ``cond``) one more try of prompt ``i``: queued again, or, once it had ``max_tries``, the call
+            fails ("prompt i of n FAILED k times WHY"). ``resend``: counted in ``resent`` (its server went down)."""
+            tries[i] += 1
+            if tries[i] >= max_tries:
+                state["error"] = state["error"] or RemoteError(f"prompt {i} of {len(prompts)} {failed} {tries[i]} "
+                                                               f"times {why}")
+            else:
+                todo.put(i)
+                self.resent += resend
+            cond.notify_all()
+
         def worker(url: str) -> None:
             conn = self._conn(url)
             try:
@@ -401,21 +433,14 @@ class RemoteEngine:
                         self._check_logprobs(url, obj.get("logprobs_mode"), params)
                     except _ServerDown as e:
                         with cond:
-                            tries[i] += 1
                             first = url in self.alive
                             self.alive.discard(url)
                             if first:
                                 self.down_reason[url] = str(e)
                                 if not self.closed:  # a run closing stops its servers: no news
                                     log.warning("rollout server %s left the pool: %s", url, e)
-                            if tries[i] >= max_tries:
-                                state["error"] = state["error"] or RemoteError(
-                                    f"prompt {i} of {len(prompts)} failed {tries[i]} times (its server went down or "
-                                    f"answered 5xx; last: {url}: {e}): the prompt, not the servers, is the likely cause")
-                            else:
-                                todo.put(i)
-                                self.resent += 1
-                            cond.notify_all()
+                            again(i, "failed", f"(its server went down or answered 5xx; last: {url}: {e}): the prompt, "
+                                               "not the servers, is the likely cause", True)
                         if state["error"] is not None:
                             return
                         if first and self._restarted(url):  # the hook brought it back: keep using it, with
@@ -427,6 +452,12 @@ class RemoteEngine:
                                 start(url)
                             continue
                         return
+                    except _Unfinished as e:  # (an aborted request) sent again; the server stays in the pool
+                        with cond:
+                            again(i, "came back unfinished", f"(last: {url}: {e})", False)
+                        if state["error"] is not None:
+                            return
+                        continue
                     except Exception as e:  # noqa: BLE001 - a 4xx or a malformed answer fails the call
                         with cond:
                             state["error"] = state["error"] or e
@@ -523,16 +554,17 @@ class RemoteEngine:
 
     def _restarted(self, url: str) -> bool:
         """Tell the hook that ``url`` went down; True when it says it restarted the server and the
-        server answers again."""
+        server answers again. A restart that failed (the hook raised, or the server it started does not
+        answer) is tried again by the background probe."""
         try:
             if self.on_server_down is None or not self.on_server_down(url):
                 return False
-        except Exception as e:  # noqa: BLE001 - it could not start again: out of the pool, probed later
-            log.warning("rollout server %s did not come back: %s", url, e)
-            return False
-        try:
             self._check(url)
-        except (ConnectionError, ValueError):
+        except Exception as e:  # noqa: BLE001 - it could not start again: out of the pool, restarted again later
+            if not self.closed:
+                log.warning("rollout server %s did not come back (its restart is tried again): %s", url, e)
+            with self._lock:
+                self._restart_failed.add(url)
             return False
         return True
 
@@ -549,6 +581,9 @@ class RemoteEngine:
 def _completions(obj: dict, prompt_index: int, routed: bool) -> list[Completion]:
     from train.rl.exchange import decode_routing, unstack_routing
 
+    bad = [ch.get("finish_reason") for ch in obj["choices"] if finish_kind(ch.get("finish_reason")) is None]
+    if bad:
+        raise _Unfinished(f"finish_reason {bad[0]!r}")
     out = []
     for ch in obj["choices"]:
         lps = ch.get("logprobs") or {}
@@ -568,7 +603,7 @@ def _completions(obj: dict, prompt_index: int, routed: bool) -> list[Completion]
         if versions is not None and len(versions) != len(ids):
             raise RemoteError(f"the server returned {len(versions)} versions for {len(ids)} tokens")
         c = Completion([int(t) for t in ids], ch.get("text", ""), [float(x) for x in lp],
-                       ch["finish_reason"], prompt_index, len(ptoks) if ptoks else 0, ptoks,
+                       finish_kind(ch["finish_reason"]), prompt_index, len(ptoks) if ptoks else 0, ptoks,
                        versions=versions)
         if routed:
             r = ch.get("routed_experts")
