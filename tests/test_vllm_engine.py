@@ -5,6 +5,8 @@ Runs only in the vLLM environment: ``.venv-vllm/bin/pytest -m vllm tests/test_vl
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -229,7 +231,91 @@ def test_routed_experts_conversion_feeds_the_policy(checkpoints):
 def test_split_fused_experts_gives_checkpoint_names(checkpoints):
     model = load_pretrained(checkpoints["moe"])
     split = split_fused_experts(model.state_dict())
-    assert {k: tuple(v.shape) for k, v in split.items()} == checkpoint_shapes(checkpoints["moe"])
+    assert {k: tuple(v.shape) for k, v in split.items()} == checkpoint_shapes(checkpoints["moe"], tied=False)
+
+
+@pytest.fixture(scope="module")
+def odd(tmp_path_factory):
+    """(vLLM engine, torch engine, the model) on a tiny-dense (tied) checkpoint laid out as some published ones:
+    it also stores an ``lm_head.weight`` (a copy of the embeddings) and a rotary ``inv_freq`` buffer, both of
+    which loads skip, and has Qwen3's eos layout (config.json one id, generation_config.json a list adding
+    another: here 0). A 64-token context."""
+    from safetensors.torch import load_file, save_file
+
+    from train.presets import init_model
+
+    d = tmp_path_factory.mktemp("vllm-odd")
+    model, tok = init_model("tiny-dense", d, seed=0)
+    save_pretrained(model, d, tokenizer=tok)
+    f = d / "model.safetensors"
+    sd = load_file(str(f))
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
+    sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    save_file(sd, str(f), metadata={"format": "pt"})
+    eos = json.loads((d / "config.json").read_text())["eos_token_id"]
+    gen = d / "generation_config.json"
+    cfg = json.loads(gen.read_text()) if gen.exists() else {}
+    gen.write_text(json.dumps({**cfg, "eos_token_id": [eos, 0]}))
+    eng = VLLMEngine(d, max_model_len=64)
+    yield eng, TorchEngine.from_pretrained(d), model
+    eng.close()
+
+
+def test_tied_checkpoint_holding_its_own_lm_head_takes_syncs(odd):
+    """The checkpoint's own copy of a tied head and its rotary buffer are no weights a sync must bring."""
+    eng, ref, model = odd
+    eng.load_weights(to_hf_state_dict(model))
+    eng.load_weights(model.state_dict())
+    assert eng.stats.weight_syncs == 2
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    assert eng.generate([[5, 6, 7]], sp)[0].token_ids == ref.generate([[5, 6, 7]], sp)[0].token_ids
+
+
+def test_generation_config_eos_ends_text_like_the_torch_engine(odd):
+    """vLLM also stops on generation_config.json's eos ids (Qwen3: <|endoftext|> besides <|im_end|>); the engine
+    counts them as the torch engine does, so a completion ending on one leaves it out of the text."""
+    eng, ref, _ = odd
+    assert eng.eos_token_ids == ref.eos_token_ids and 0 in eng.eos_token_ids
+    sp = SamplingParams(temperature=0, max_tokens=8, min_tokens=3, logit_bias={0: 100.0})
+    g, w = eng.generate([[5, 6, 7]], sp)[0], ref.generate([[5, 6, 7]], sp)[0]
+    assert g.token_ids[-1] == 0 and len(g.token_ids) == 4
+    assert (g.token_ids, g.finish_reason, g.text) == (w.token_ids, w.finish_reason, w.text)
+
+
+def test_min_tokens_past_the_context_and_bad_ids_are_value_errors(odd):
+    """min_tokens beyond the room left in the context gives a "length" completion (as the torch engine) rather
+    than a refused call; a prompt or logit_bias id outside the vocabulary is a ValueError (what callers catch)."""
+    eng, ref, _ = odd
+    c = eng.generate([[5] * (eng.context_length - 2)], SamplingParams(temperature=0, max_tokens=8, min_tokens=4))[0]
+    assert len(c.token_ids) == 2 and c.finish_reason == "length"
+    vocab = ref.model.config.vocab_size
+    with pytest.raises(ValueError, match="has token id"):
+        eng.generate([[5, vocab]], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="logit_bias has token id"):
+        eng.generate([[5, 6]], SamplingParams(max_tokens=2, logit_bias={vocab: 1.0}))
+
+
+def test_a_failed_reload_leaves_a_working_model(odd):
+    """A reload that fails inside vLLM (a wrong shape past the engine's checks; the server's apply step runs the same
+    worker function) raises and leaves no layer on the meta device: the engine still generates, and the next good
+    load gives the original outputs exactly. Last: it reloads the weights."""
+    from train.engine.vllm_engine import _w_reload
+
+    eng, _, model = odd
+    sd = to_hf_state_dict(model)
+    g = torch.Generator().manual_seed(0)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in sd.items()}
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    before = eng.generate([[5, 6, 7]], sp)[0]
+    for part in ("q_proj", "k_proj"):  # the first tensor of a fused layer, and one after a part it already took
+        name = next(k for k in sd if k.endswith(f"layers.1.self_attn.{part}.weight"))
+        with pytest.raises(RuntimeError):
+            eng._rpc(_w_reload, {**new, name: new[name][:-1]}, False)
+        eng.generate([[5, 6, 7]], sp)
+        eng.load_weights(sd)
+        after = eng.generate([[5, 6, 7]], sp)[0]
+        assert after.token_ids == before.token_ids
+        assert max(abs(a - b) for a, b in zip(after.logprobs, before.logprobs)) < TOL
 
 
 # weight syncs last: they change the engines' weights

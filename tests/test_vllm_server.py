@@ -337,6 +337,42 @@ def test_token_versions_from_spans():
     assert token_versions(None, 2) is None
 
 
+def test_staging_checks_a_hub_model_against_its_cached_snapshot(tmp_path):
+    """``--model`` given as a Hub id: a worker stages a version only after checking its names and shapes against the
+    snapshot vLLM loaded (the HF cache, or ``--download-dir``); with no local snapshot to check against, staging is
+    refused rather than applied unchecked (a wrong shape would fail inside vLLM's reload). The worker's configs
+    are stand-ins; the staging code is the extension's own."""
+    from types import SimpleNamespace
+
+    from train.engine.vllm_server import CascadeWeightsExtension
+    from train.model.hf_io import to_hf_state_dict
+    from train.presets import init_model
+
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snap = repo / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    model, tok = init_model("tiny-dense", snap, seed=0)
+    save_pretrained(model, snap, tokenizer=tok)
+    sd = to_hf_state_dict(model)
+    name = next(k for k in sd if k.endswith("layers.1.self_attn.q_proj.weight"))
+    w = CascadeWeightsExtension()
+    w.load_config = SimpleNamespace(download_dir=str(tmp_path / "hub"))
+
+    def serve(model_id: str) -> None:
+        w.model_runner = SimpleNamespace(model_config=SimpleNamespace(
+            model=model_id, revision=None, hf_config=SimpleNamespace(tie_word_embeddings=True)))
+
+    serve("org/tiny")
+    with pytest.raises(ValueError, match="shape mismatch"):
+        w._cascade_stage(1, {**sd, name: sd[name][:-1]})
+    assert w._cascade_stage(2, sd) == {"version": 2} and w._cascade_staged[0] == 2
+    serve("org/absent")
+    with pytest.raises(ValueError, match="no local checkpoint"):
+        w._cascade_stage(3, sd)
+
+
 def test_cascade_run_on_a_vllm_server_given_by_url(server):
     """``cascade run rollout.urls=[...]`` on a running vLLM server (the MoE policy's run directory is
     the server's --weights-dir): the engine tells a vLLM server by its model card, so the trainer does

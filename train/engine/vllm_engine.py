@@ -24,14 +24,17 @@ seed. The random streams differ from the torch engine's: same seed, same samples
 
 Weight sync. :meth:`load_weights` takes a state dict in HF checkpoint naming (per-expert MoE
 weights, what ``hf_io.to_hf_state_dict`` gives) or Cascade's in-memory naming (fused experts,
-split here), checks names and shapes against the checkpoint, and reloads in place through the
+split here), checks names and shapes against the checkpoint's (less the tensors a load skips: a rotary buffer, a
+tied LM head's own copy; ``hf_io.ignored_key``), and reloads in place through the
 worker's ``reload_weights(weights_iterator=...)``; then it repairs the two CPU reload bugs
 (measured: each gives wrong outputs after a reload; tests/test_vllm_engine.py): the tied LM head
 keeps its old pre-packed weight until
 ``dispatch_cpu_unquantized_gemm(lm_head, remove_weight=False)`` runs again, and the MoE experts'
 CPU pre-pack is skipped until ``fused_experts.process_weights_after_loading`` runs again. Finally
-the prefix cache is reset (its KV entries were computed with the old weights). ``last_sync_s``
-is the wall time of the last sync.
+the prefix cache is reset (its KV entries were computed with the old weights). A reload that fails inside
+vLLM (which would leave the layers it had not finished on the meta device: nothing generates, no later reload
+works) raises after giving those layers their old tensors back; the layers it finished keep the new weights
+until the next load replaces them all. ``last_sync_s`` is the wall time of the last sync.
 
 The engine core runs in-process by default (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): worker
 functions then get tensors directly. With ``in_process=False`` they travel as safetensors bytes
@@ -55,17 +58,20 @@ import random
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable, Sequence
 
 import torch
 
 from train.engine.base import ENGINE_TEXT, Completion, SamplingParams, check_prompts, request_inputs
 from train.engine.sampling import row_seed
-from train.engine.torch_engine import EngineStats
-from train.model.hf_io import split_fused_experts
+from train.engine.torch_engine import EngineStats, eos_ids_of
+from train.model.hf_io import ignored_key, split_fused_experts
 
-def checkpoint_shapes(model_path: str | Path) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes of an HF checkpoint's safetensors files (headers only)."""
+
+def checkpoint_shapes(model_path: str | Path, tied: bool) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of an HF checkpoint's safetensors files (headers only), less those a load skips
+    (``hf_io.ignored_key``: a rotary buffer; with ``tied`` embeddings, an LM head of its own)."""
     from safetensors import safe_open
 
     p = Path(model_path)
@@ -80,7 +86,8 @@ def checkpoint_shapes(model_path: str | Path) -> dict[str, tuple[int, ...]]:
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
             for k in fh.keys():
-                shapes[k] = tuple(fh.get_slice(k).get_shape())
+                if not ignored_key(k, tied):
+                    shapes[k] = tuple(fh.get_slice(k).get_shape())
     return shapes
 
 
@@ -116,18 +123,24 @@ def _w_logits_scale(wrapper, scale: float | None = None) -> float:
     return float(lp.scale)
 
 
-def _w_reload(wrapper, weights, is_bytes: bool) -> dict:
-    """Reload weights in place, then repair what vLLM's CPU reload leaves stale."""
+def _abort_reload(model, model_config) -> None:
+    """After a reload that raised (vLLM leaves every layer it had not finished on the meta device: no generation,
+    nor a later reload, works): each such layer drops what it had buffered (the bad tensor among it, which vLLM
+    would load again) and vLLM's layerwise reload is finished, which puts its old tensors back. The layers
+    completed before the failure keep the new weights."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, finalize_layerwise_reload
+
+    for layer in model.modules():
+        info = LAYERWISE_INFO.get(layer)
+        if info is not None and info.can_load():
+            info.loaded_weights, info.load_numel = [], 0
+    finalize_layerwise_reload(model, model_config)
+
+
+def _repair_cpu_reload(model) -> dict:
+    """Repair what vLLM's CPU reload leaves stale (nothing elsewhere); how many of each repair ran."""
     from vllm.platforms import current_platform
 
-    if is_bytes:
-        from safetensors.torch import load as st_load
-
-        weights = st_load(weights)
-    worker, _ = _model_of(wrapper)
-    t0 = time.perf_counter()
-    worker.reload_weights(weights_iterator=iter(weights.items()))
-    _, model = _model_of(wrapper)
     fixed = {"lm_head": 0, "moe": 0}
     if current_platform.is_cpu():
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
@@ -144,6 +157,30 @@ def _w_reload(wrapper, weights, is_bytes: bool) -> dict:
             if kernel is not None and hasattr(module, "w13_weight"):
                 kernel.fused_experts.process_weights_after_loading(module)
                 fixed["moe"] += 1
+    return fixed
+
+
+def _w_reload(wrapper, weights, is_bytes: bool) -> dict:
+    """Reload weights in place, then repair what vLLM's CPU reload leaves stale. A failed reload is undone as far
+    as it can be (:func:`_abort_reload`; the layers it completed, repaired, keep the new weights) and its error
+    raised."""
+    if is_bytes:
+        from safetensors.torch import load as st_load
+
+        weights = st_load(weights)
+    worker, model = _model_of(wrapper)
+    t0 = time.perf_counter()
+    try:
+        worker.reload_weights(weights_iterator=iter(weights.items()))
+    except Exception as e:
+        try:  # (vLLM internals: another vLLM version may lack them; the reload's own error is what to raise)
+            _abort_reload(model, worker.model_runner.model_config)
+            _repair_cpu_reload(model)
+        except Exception as undo:  # noqa: BLE001
+            e.add_note(f"undoing the failed reload failed too ({type(undo).__name__}: {undo}): restart the engine")
+        raise
+    _, model = _model_of(wrapper)
+    fixed = _repair_cpu_reload(model)
     fixed["worker_s"] = time.perf_counter() - t0
     return fixed
 
@@ -164,7 +201,8 @@ class VLLMEngine:
             raise FileNotFoundError(f"checkpoint directory {str(p)!r} has no config.json")
         self.model_path = p
         self.hf_config = json.loads((p / "config.json").read_text())
-        self._shapes = checkpoint_shapes(p)
+        self.tied = bool(self.hf_config.get("tie_word_embeddings"))
+        self._shapes = checkpoint_shapes(p, self.tied)
         self.in_process = in_process
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
         if not in_process:
@@ -220,11 +258,12 @@ class VLLMEngine:
         self._n_threads = n_threads
         self.tokenizer = self.llm.get_tokenizer()
         self.context_length = int(self.llm.llm_engine.model_config.max_model_len)
-        eos = self.hf_config.get("eos_token_id")
-        eos = set(eos if isinstance(eos, list) else [eos]) - {None}
-        if getattr(self.tokenizer, "eos_token_id", None) is not None:
-            eos.add(int(self.tokenizer.eos_token_id))
-        self.eos_token_ids = sorted(int(e) for e in eos)
+        self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
+        # the ids vLLM stops on: config.json's, generation_config.json's (Qwen3's list) and the tokenizer's
+        gen = p / "generation_config.json"
+        cfg = SimpleNamespace(eos_token_id=self.hf_config.get("eos_token_id"),
+                              generation_config=json.loads(gen.read_text()) if gen.exists() else None)
+        self.eos_token_ids = sorted(eos_ids_of(cfg, self.tokenizer))
         self.moe_layers = self._moe_layers()
         self.stats = EngineStats()
         self._seed_rng = random.Random()
@@ -281,7 +320,8 @@ class VLLMEngine:
             max_tokens=max_tokens, stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids) or None,
             ignore_eos=p.ignore_eos, seed=None if p.greedy else seed, logprobs=0,
             repetition_penalty=p.repetition_penalty, presence_penalty=presence, frequency_penalty=frequency,
-            min_tokens=p.min_tokens, logit_bias={t: b / scale for t, b in p.logit_bias.items()} or None, **ENGINE_TEXT)
+            min_tokens=min(p.min_tokens, max_tokens),  # near the context's end: a "length" completion, as torch's
+            logit_bias={t: b / scale for t, b in p.logit_bias.items()} or None, **ENGINE_TEXT)
 
     # -- contract ---------------------------------------------------------------------------------
     @property
@@ -305,7 +345,8 @@ class VLLMEngine:
         prompts, seeds = request_inputs(prompts, seeds)
         ids = self.encode(prompts)
         ctx = self.context_length
-        check_prompts(ids, ctx, seeds)
+        check_prompts(ids, ctx, seeds, vocab_size=self.vocab_size)  # a ValueError here, not vLLM's own error type
+        params.check_vocab(self.vocab_size)
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         reqs, sps = [], []
         for i, x in enumerate(ids):
@@ -348,9 +389,7 @@ class VLLMEngine:
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Replace the served weights in place (HF or Cascade naming); see the module docstring."""
-        sd = split_fused_experts(state_dict)
-        if self.hf_config.get("tie_word_embeddings"):
-            sd.pop("lm_head.weight", None)
+        sd = {k: v for k, v in split_fused_experts(state_dict).items() if not ignored_key(k, self.tied)}
         missing = sorted(set(self._shapes) - set(sd))
         extra = sorted(set(sd) - set(self._shapes))
         if missing or extra:
@@ -361,13 +400,15 @@ class VLLMEngine:
         with self._lock:
             t0 = time.perf_counter()
             tensors = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
-            if self.in_process:
-                self._rpc(_w_reload, tensors, False)
-            else:
-                from safetensors.torch import save as st_save
+            try:
+                if self.in_process:
+                    self._rpc(_w_reload, tensors, False)
+                else:
+                    from safetensors.torch import save as st_save
 
-                self._rpc(_w_reload, st_save(tensors), True)
-            self.llm.reset_prefix_cache()
+                    self._rpc(_w_reload, st_save(tensors), True)
+            finally:  # a failed reload may have changed some layers too
+                self.llm.reset_prefix_cache()
             self.stats.weight_syncs += 1
             self.stats.last_sync_s = time.perf_counter() - t0
 

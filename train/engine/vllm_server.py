@@ -21,9 +21,10 @@ Added routes, with the contract of :mod:`train.engine.server`:
   reads the version through :func:`train.rl.exchange.load_version` (sha256 checksums verified,
   paths outside the run's weight directory refused), maps Cascade's names onto the checkpoint's
   (fused experts split per expert, a tied LM head dropped) and checks every name and shape against
-  the served checkpoint. Only when every worker has the version staged are the weights applied;
-  otherwise the answer is 400 with a one-line message and the old weights keep serving (401
-  without the key, 403 when loading is off). The answer is ``{"version": N}`` once N is in use.
+  the served checkpoint (``--model``'s directory, or for a Hub id the snapshot vLLM loaded from the HF
+  cache; a version that cannot be checked is refused). Only when every worker has the version staged
+  are the weights applied; otherwise the answer is 400 with a one-line message and the old weights keep
+  serving (401 without the key, 403 when loading is off). The answer is ``{"version": N}`` once N is in use.
 - ``GET /v1/weights``: ``{"version": N, "group_members": W, "group_devices": [...], "instance": ID}``,
   the version served, the number of workers (the ranks this server brings to a weight group), the
   device each joins on (``cpu`` or ``cuda:<GPU uuid>``) and the server process's id (new at each
@@ -43,7 +44,8 @@ followed by the two repairs of :mod:`train.engine.vllm_engine`), the prefix cach
 ``reset_running_requests=True`` (running requests are preempted back to the waiting queue and their
 KV blocks dropped, so nothing computed with the old weights is reused), the engine's weight version
 is set to N and generation resumes (also when applying fails: that answers 500, a bug, not a
-refusal). No request is dropped: a request that was mid-completion
+refusal; the prefix cache is reset then too, the model may hold part of the new weights, and the next
+load replaces them all). No request is dropped: a request that was mid-completion
 re-prefills its prompt and the tokens it already has under the new weights and continues, so one
 completion may span versions.
 
@@ -88,23 +90,35 @@ def _one_line(e: BaseException) -> str:
 
 
 # -- worker side: runs inside every vLLM worker (mixed into the worker class) ----------------------
-def checkpoint_names(sd: dict, shapes: dict | None, tied: bool) -> dict:
-    """Cascade's in-memory names (fused experts) or HF names -> the checkpoint's names, checked
-    against ``shapes`` (name -> shape of the served checkpoint; None: not checked)."""
-    from train.model.hf_io import split_fused_experts
+def checkpoint_names(sd: dict, shapes: dict, tied: bool) -> dict:
+    """Cascade's in-memory names (fused experts) or HF names -> the checkpoint's names (less what a load
+    skips: ``hf_io.ignored_key``), checked against ``shapes`` (name -> shape of the served checkpoint)."""
+    from train.model.hf_io import ignored_key, split_fused_experts
 
-    sd = split_fused_experts(sd)
-    if tied:
-        sd.pop("lm_head.weight", None)
-    if shapes is not None:
-        missing, extra = sorted(set(shapes) - set(sd)), sorted(set(sd) - set(shapes))
-        if missing or extra:
-            raise ValueError(f"weights do not match the served checkpoint: missing {missing[:4]}, "
-                             f"unexpected {extra[:4]}")
-        for k, v in sd.items():
-            if tuple(v.shape) != tuple(shapes[k]):
-                raise ValueError(f"shape mismatch for {k}: got {tuple(v.shape)}, checkpoint has {tuple(shapes[k])}")
+    sd = {k: v for k, v in split_fused_experts(sd).items() if not ignored_key(k, tied)}
+    missing, extra = sorted(set(shapes) - set(sd)), sorted(set(sd) - set(shapes))
+    if missing or extra:
+        raise ValueError(f"weights do not match the served checkpoint: missing {missing[:4]}, unexpected {extra[:4]}")
+    for k, v in sd.items():
+        if tuple(v.shape) != tuple(shapes[k]):
+            raise ValueError(f"shape mismatch for {k}: got {tuple(v.shape)}, checkpoint has {tuple(shapes[k])}")
     return sd
+
+
+def served_checkpoint(model: str, revision: str | None, cache_dir: str | None) -> Path:
+    """The local directory of the checkpoint vLLM serves: ``--model`` itself, or for a Hub id the snapshot vLLM
+    downloaded it to (``cache_dir``: ``--download-dir``, or the HF cache when None). A ValueError when there is
+    none: the weights of a version could not be checked, and one that fails inside vLLM's reload breaks the model."""
+    if Path(model).is_dir():
+        return Path(model)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(model, revision=revision, cache_dir=cache_dir, local_files_only=True,
+                                      allow_patterns=["*.safetensors", "model.safetensors.index.json"]))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot check weights against the served model {model!r}: no local checkpoint directory "
+                         f"or Hub snapshot of it ({_one_line(e)})") from None
 
 
 class CascadeWeightsExtension:
@@ -125,14 +139,11 @@ class CascadeWeightsExtension:
             return {"error": _one_line(e)}
 
     def _cascade_stage(self, v: int, sd: dict) -> dict:
-        mc = self.model_runner.model_config
-        model_dir = Path(str(mc.model))
-        shapes = None
-        if model_dir.is_dir():
-            from train.engine.vllm_engine import checkpoint_shapes
+        from train.engine.vllm_engine import checkpoint_shapes
 
-            shapes = checkpoint_shapes(model_dir)
+        mc = self.model_runner.model_config
         tied = bool(getattr(mc.hf_config, "tie_word_embeddings", False))
+        shapes = checkpoint_shapes(served_checkpoint(str(mc.model), mc.revision, self.load_config.download_dir), tied)
         self._cascade_staged = (v, checkpoint_names(sd, shapes, tied))
         return {"version": v}
 
@@ -270,8 +281,10 @@ async def _load(request, state: CascadeState, stage: str, args: tuple):
         # ones (running requests re-prefill under the new weights), label what follows N, resume.
         await engine.pause_generation(mode="keep", clear_cache=False)
         try:
-            await engine.collective_rpc("cascade_apply_staged")
-            await engine.reset_prefix_cache(reset_running_requests=True)
+            try:
+                await engine.collective_rpc("cascade_apply_staged")
+            finally:  # a failed apply may have changed some layers too
+                await engine.reset_prefix_cache(reset_running_requests=True)
             await engine.update_weight_version(str(v))
             state.version = v
             state.loads += 1

@@ -261,11 +261,17 @@ def check_loadable(path: str | Path, backend: str | None = None) -> ModelConfig 
         return None
 
 
+def ignored_key(k: str, tied: bool) -> bool:
+    """Whether a load skips checkpoint tensor ``k`` (Cascade's and vLLM's loaders alike): a rotary buffer
+    (recomputed from the config), or with tied embeddings an LM head of its own."""
+    return k.endswith("rotary_emb.inv_freq") or (tied and k == "lm_head.weight")
+
+
 def checkpoint_key(k: str, cfg: ModelConfig, names) -> tuple | None:
     """What safetensors key ``k`` is to a model of ``cfg`` whose tensors are ``names`` (Cascade's names):
-    None (skipped: a rotary buffer, or the LM head of tied embeddings), ``("expert", fused name, e,
-    part)`` for a per-expert HF tensor, ``("plain", k)`` or ``("extra", k)`` (no such tensor)."""
-    if k.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and k == "lm_head.weight"):
+    None (skipped: :func:`ignored_key`), ``("expert", fused name, e, part)`` for a per-expert HF tensor,
+    ``("plain", k)`` or ``("extra", k)`` (no such tensor)."""
+    if ignored_key(k, cfg.tie_word_embeddings):
         return None
     m = _EXPERT.match(k)
     if m:
