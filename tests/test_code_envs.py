@@ -195,8 +195,8 @@ def test_extract_code():
     assert extract_code("```python\nprint(1)```") == "print(1)\n"
     assert extract_code("```text\n```python\n```\nno code") is None  # a fence inside another block is text
     hostile = "```py\n" * 40000  # unclosed openings: one pass, whatever the text holds
-    t = time.perf_counter()
-    assert extract_code(hostile) is None and time.perf_counter() - t < 1.0
+    t = time.process_time()  # (this process's CPU time: a busy machine must not fail it)
+    assert extract_code(hostile) is None and time.process_time() - t < 1.0
 
 
 def test_generate_is_deterministic_and_difficulty_picks_tiers():
@@ -589,10 +589,10 @@ def test_extract_fences_as_models_write_them():
     # prose that mentions a fence is not one: only ```LANG ending the line opens a block after other text
     assert extract_code("Put it in a ```python fenced block.\nprint(0)\n```") is None
     assert extract_code("x\n```python\nprint(1)\n```") == "print(1)\n"
-    t = time.perf_counter()
+    t = time.process_time()
     for hostile in ("`" * 200000 + "x y`", "1. " * 50000 + "```python", "a ```python\n" + "\n" * 100000):
         extract_code(hostile)
-    assert time.perf_counter() - t < 1.0
+    assert time.process_time() - t < 1.0
 
 
 def test_only_boxed_tasks_leave_out_tests_with_braces():

@@ -76,17 +76,18 @@ def test_problems_grow_with_difficulty():
 
 
 def test_generation_is_fast_at_low_difficulty():
+    """CPU time of this process (pure-Python generators), not wall time: a busy machine must not fail it."""
     slow = {}
-    t_all = time.perf_counter()
+    t_all = time.process_time()
     for i in IDS:
         env = get_env(i)
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         for d in range(9):
             env.generate(7, d)
-        per = (time.perf_counter() - t0) / 9
+        per = (time.process_time() - t0) / 9
         if per > 0.1:
             slow[i] = per
-    mean = (time.perf_counter() - t_all) / (9 * len(IDS))
+    mean = (time.process_time() - t_all) / (9 * len(IDS))
     assert mean < 0.02, mean
     assert not slow, slow
 
@@ -98,10 +99,10 @@ def test_counting_generators_stay_quick_at_high_difficulty(monkeypatch):
     monkeypatch.setenv("CASCADE_NO_DIFFICULTY_CAPS", "1")  # the generator itself, not the run-time bound
     for env_id in ("gym/inclusion_exclusion", "gym/partitions_at_most_k", "gym/stirling1", "gym/stirling2"):
         env = get_env(env_id)
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         for seed in range(2):
             env.generate(seed, 60)
-        assert time.perf_counter() - t0 < 10, env_id
+        assert time.process_time() - t0 < 10, env_id
     env = get_env("gym/inclusion_exclusion")
     for seed in range(30):
         p = env.generate(seed, seed % 4)
@@ -119,12 +120,12 @@ def test_verifiers_are_bounded_on_hostile_answers():
     for i in IDS:
         env = get_env(i)
         p = env.generate(3, 2)
-        t0 = time.perf_counter()
+        t0 = time.process_time()  # (in-process verifiers: this process's CPU time, not a busy machine's wall time)
         for j in JUNK:
             s = env.verify(p, boxed(j))
             assert not s.correct and "error" not in s.info, (i, j[:40], s)
             assert -1.0 <= s.reward <= 1.0
-        assert time.perf_counter() - t0 < 2.0, i
+        assert time.process_time() - t0 < 2.0, i
 
 
 def test_unparseable_and_missing_answers_score_minus_one():
@@ -214,10 +215,10 @@ def test_sat_assignment_checked_against_clauses():
              (3 * len(q.meta["clauses"])) for q in (env.generate(s, 10) for s in range(20))]
     assert 0.45 < sum(agree) / len(agree) < 0.55
     # the x<i>=v form names only the formula's variables (a huge index built a list that long), once each
-    t = time.perf_counter()
+    t = time.process_time()
     for bad in ("x1000000000=1", "x0=1", "x1=0, x1=1"):
         assert env.verify(p, boxed(bad)).reward == -1.0, bad
-    assert time.perf_counter() - t < 1.0
+    assert time.process_time() - t < 1.0
     assert env.verify(p, boxed(", ".join(f"x{i + 1}={v}" for i, v in enumerate(p.answer)))).correct
 
 
@@ -235,10 +236,10 @@ def test_answers_are_read_as_the_prompts_ask():
     assert kk.verify(p, boxed(f"{names[0]}: K")).reward == -1.0  # not everyone named
     pf = get_env("gym/prime_factorization")
     q = pf.generate(0, 3)
-    t = time.perf_counter()
+    t = time.process_time()
     for e in ("2^100000000", "2^(10^20)"):
         assert pf.verify(q, boxed(e)).reward == -1.0
-    assert time.perf_counter() - t < 1.0
+    assert time.process_time() - t < 1.0
     yn = get_env("gym/boolean_expression")
     r = yn.generate(0, 2)
     assert yn.verify(r, boxed(f"{r.answer}.")).correct
