@@ -222,6 +222,30 @@ def test_sat_assignment_checked_against_clauses():
     assert env.verify(p, boxed(", ".join(f"x{i + 1}={v}" for i, v in enumerate(p.answer)))).correct
 
 
+def test_mixed_numbers_and_negative_entries_are_read_as_written():
+    """A mixed number was read as one numerator (``1 1/2`` credited for 11/2, the right 5 1/2 refused as 51/2), and
+    lists of non-negative integers dropped a minus sign (the interval [-5, 6] credited for [5, 6])."""
+    from fractions import Fraction
+
+    from envs.gym._util import ParseError, parse_fraction, parse_groups, parse_path
+
+    cc = get_env("gym/coupon_collector")
+    p = cc.generate(0, 0)
+    assert p.answer == "11/2"
+    assert not cc.verify(p, boxed("1 1/2")).correct and cc.verify(p, boxed("5 1/2")).correct
+    assert parse_fraction("-1 1/2") == Fraction(-3, 2) and parse_fraction("\\frac{11}{2}") == Fraction(11, 2)
+    for bad in ("1 000/3", "1 2/2", "5 5"):
+        with pytest.raises(ParseError):
+            parse_fraction(bad)
+    for env_id, response in (("gym/merge_intervals", "[0, 0], [-5, 6], [14, 17]"),
+                             ("gym/lights_out", "(0, -2), (-2, -1)"), ("gym/tower_of_hanoi", "-2 -3, -2 -1, -3 -1")):
+        env = get_env(env_id)
+        q = env.generate(0, 1)
+        assert not env.verify(q, boxed(response)).correct, (env_id, q.answer)
+        assert env.verify(q, env.reference_response(q)).correct
+    assert parse_path("0-3-2") == [0, 3, 2] and parse_groups("1-2 2-3", 2) == [(1, 2), (2, 3)]
+
+
 def test_answers_are_read_as_the_prompts_ask():
     """Knights and knaves by name read by name (they were read by position: every label wrong scored 1.0); a
     prime factorisation's exponent is bounded before it is expanded; a yes/no answer may end with a period."""

@@ -149,6 +149,10 @@ def parse_int_list(text: str, signed: bool = True) -> list[int]:
     text = text.replace("\u2212", "-").rstrip().removesuffix(".")  # "1, 2, 3." as "42." is 42
     if not _LIST_OK.fullmatch(text):
         raise ParseError(f"expected a list of integers, got {text[:40]!r}")
+    if not signed:  # a dash between two numbers separates them; one before a number alone makes it negative
+        text = re.sub(r"(?<=\d)\s*-\s*(?=\d)", " ", text)
+        if re.search(r"-\s*\d", text):
+            raise ParseError(f"expected non-negative integers, got {text[:40]!r}")
     toks = re.findall(r"[+-]?\d+" if signed else r"\d+", text)
     if any(len(t.lstrip("+-")) > 1 and t.lstrip("+-")[0] == "0" for t in toks):
         raise ParseError("integers with leading zeros")
@@ -175,8 +179,21 @@ def parse_groups(text: str, k: int, signed: bool = False) -> list[tuple[int, ...
 _FRAC_TEX = re.compile(r"^([+-]?)\\d?frac\{([^{}]*)\}\{([^{}]*)\}$")
 
 
+_MIXED = re.compile(r"([+-]?)(\d+)\s+(\d+)\s*/\s*(\d+)")
+
+
 def parse_fraction(text: str) -> Fraction:
-    t = "".join(text.replace("\u2212", "-").split()).removesuffix(".")  # "67/36." ends a sentence, as "42." does
+    """A fraction p/q (or \\frac{p}{q}, a decimal, an integer), or a mixed number ``1 1/2`` (3/2): digits apart
+    are never joined into one number (``1 1/2`` was read as 11/2)."""
+    text = text.replace("\u2212", "-").strip().removesuffix(".")  # "67/36." ends a sentence, as "42." does
+    if m := _MIXED.fullmatch(text):
+        sign, whole, num, den = m.groups()
+        if not 0 < int(num) < int(den):
+            raise ParseError(f"not a mixed number: {text[:40]!r}")
+        return (-1 if sign == "-" else 1) * (int(whole) + Fraction(int(num), int(den)))
+    if re.search(r"\d\s+\d", text):
+        raise ParseError(f"expected one fraction, got {text[:40]!r}")
+    t = "".join(text.split())
     m = _FRAC_TEX.match(t)
     if m:
         t = f"{m.group(1)}{m.group(2)}/{m.group(3)}"
