@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from train.background import Behind
-from train.model.hf_io import TOKENIZER_FILES, save_pretrained
+from train.model.hf_io import TOKENIZER_FILES, copy_tokenizer_files, save_pretrained
 
 COMPLETE = "COMPLETE"
 _STEP = re.compile(r"^step-(\d+)$")
@@ -49,14 +49,10 @@ def _fsync_dir(path: Path) -> None:
 
 
 def copy_tokenizer(src: Path, dst: Path) -> None:
-    """The tokenizer files of ``src`` into ``dst``; a ``FileNotFoundError`` when ``src`` has none (a checkpoint
-    without them could not be used by the next stage)."""
-    copied = 0
-    for name in TOKENIZER_FILES:
-        if (src / name).exists() and name != "generation_config.json":
-            shutil.copyfile(src / name, dst / name)
-            copied += 1
-    if not copied:
+    """The tokenizer files of ``src`` into ``dst``, its vocabulary in whichever form it has it (a SentencePiece
+    ``tokenizer.model`` too: left behind, the copy loaded as a tokenizer that encodes every text to no tokens); a
+    ``FileNotFoundError`` when ``src`` has none (a checkpoint without them could not be used by the next stage)."""
+    if not copy_tokenizer_files(src, dst):
         raise FileNotFoundError(f"no tokenizer files in {str(src)!r} to copy into {str(dst)!r}")
 
 

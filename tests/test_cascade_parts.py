@@ -454,3 +454,27 @@ def test_a_histogram_goes_to_tensorboard_bucket_by_bucket():
     got = _scalars({"version_lag_hist": [0.1, 0.6, 0.3], "window": [2, 5]}, "rl/")
     assert got == {"rl/version_lag_hist/0": 0.1, "rl/version_lag_hist/1": 0.6, "rl/version_lag_hist/2": 0.3,
                    "rl/window": 5.0}
+
+
+def test_checkpoints_copy_a_sentencepiece_vocabulary(tmp_path):
+    """A source tokenizer whose vocabulary is a SentencePiece ``tokenizer.model`` (Llama-2-era repos) lost it in every
+    checkpoint and ``final/`` (only ``tokenizer_config.json`` was copied), which then loaded as a tokenizer that
+    encodes every text to no tokens; the same for ``save_pretrained(tokenizer_dir=...)``."""
+    import json
+
+    from cascade.checkpoint import copy_tokenizer
+    from train.model.hf_io import copy_tokenizer_files
+
+    src, dst, other = tmp_path / "src", tmp_path / "dst", tmp_path / "other"
+    for d in (src, dst, other):
+        d.mkdir()
+    (src / "tokenizer.model").write_bytes(b"\x0a\x0bsentencepiece model")
+    (src / "added_tokens.json").write_text(json.dumps({"<think>": 32000}))
+    (src / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    (src / "generation_config.json").write_text("{}")
+    copy_tokenizer(src, dst)
+    assert sorted(p.name for p in dst.iterdir()) == ["added_tokens.json", "tokenizer.model", "tokenizer_config.json"]
+    assert (dst / "tokenizer.model").read_bytes() == (src / "tokenizer.model").read_bytes()
+    assert copy_tokenizer_files(other, dst) == []
+    with pytest.raises(FileNotFoundError, match="no tokenizer files"):
+        copy_tokenizer(other, dst)

@@ -24,8 +24,22 @@ from train.model.config import ModelConfig
 from train.model.modeling import CausalLM
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "vocab.json", "merges.txt", "generation_config.json")
+# the files that hold a tokenizer's vocabulary (one at least): fast (tokenizer.json), BPE (vocab.json + merges.txt),
+# SentencePiece (a Llama-2-era repo's tokenizer.model, T5's spiece.model, ...), WordPiece, Mistral's tekken
+VOCAB_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "tokenizer.model.v3", "spiece.model",
+               "sentencepiece.bpe.model", "vocab.txt", "tekken.json")
+TOKENIZER_FILES = VOCAB_FILES + ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                                 "chat_template.jinja", "merges.txt", "generation_config.json")
+
+
+def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
+    """Copy ``src``'s tokenizer files (not its generation config) into ``dst``; the names copied."""
+    import shutil
+
+    names = [n for n in TOKENIZER_FILES if n != "generation_config.json" and (Path(src) / n).exists()]
+    for n in names:
+        shutil.copyfile(Path(src) / n, Path(dst) / n)
+    return names
 
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # bytes; transformers 4.x's default (5.x writes up to 50 GB per file)
@@ -538,10 +552,5 @@ def save_pretrained(model: CausalLM, path: str | Path, tokenizer_dir: str | Path
     if tokenizer is not None:
         tokenizer.save_pretrained(str(p))
     elif tokenizer_dir is not None:
-        import shutil
-
-        for name in TOKENIZER_FILES:
-            src = Path(tokenizer_dir) / name
-            if src.exists() and name != "generation_config.json":
-                shutil.copyfile(src, p / name)
+        copy_tokenizer_files(tokenizer_dir, p)
     return p
