@@ -154,11 +154,13 @@ def load_table(ref: str | os.PathLike, split: str = "train", subset: str | None 
     try:
         from datasets.packaged_modules.csv.csv import CsvConfig
 
-        config = datasets.load_dataset_builder(str(p), name=subset).config
+        builder = datasets.load_dataset_builder(str(p), name=subset)  # (the folder scanned once)
+        config = builder.config
         files = (config.data_files or {}).get(split) if isinstance(config, CsvConfig) else None
         if files:  # csv: as a single file is read (this split alone: another one, a test.csv, may lack the answers)
             return _csv_table(list(files), split, config)
-        return datasets.load_dataset(str(p), name=subset, split=split)
+        builder.download_and_prepare()
+        return builder.as_dataset(split=split)
     except (ValueError, FileNotFoundError, KeyError) as e:
         first = str(e.args[0] if e.args else e).splitlines()[0]
         raise ValueError(f"{what} {str(ref)!r} (split {split!r}{f', subset {subset!r}' if subset else ''}): "
