@@ -170,3 +170,66 @@ def test_a_reply_that_did_not_finish_is_retried_never_taken_as_a_stop(tok, reaso
             srv.stop()
         assert [c.finish_reason for c in outs] == ["stop"] and be.retried == 3, cls
         assert len(srv.arrivals) == 5 and usage["requests"] == 2  # the unfinished reply was served, and counted
+
+
+class _NoUsageHandler(_Handler):
+    def _send(self, code, obj, headers=()):
+        return super()._send(code, {k: v for k, v in obj.items() if k != "usage"}, headers)
+
+
+def test_a_server_that_reports_no_token_counts_is_not_priced_as_free(tmp_path, capsys, tok, tiny_dense_dir):
+    """A server that sends no ``usage`` left only the request count, which ``--price-in``/``--price-out`` priced at
+    0.0: a paid run reported free. Its cost is now unknown (None), and the run says why."""
+    srv = FakeAPI(tok, handler=_NoUsageHandler)
+    try:
+        out = tmp_path / "r.jsonl"
+        rc, _, err = _cli(capsys, _args(srv.url, tiny_dense_dir, _data(tmp_path / "d.jsonl", 2), out,
+                                        "--price-in", 2.0, "--price-out", 10.0))
+    finally:
+        srv.stop()
+    assert rc == 0, err
+    recs = _lines(out)
+    assert recs[-1]["usage"]["requests"] > 0 and "prompt_tokens" not in recs[-1]["usage"]
+    assert [r["cost"] for r in recs] == [None] * len(recs)
+    assert err.count("no token counts") == 1, err
+
+
+def test_close_stops_the_requests_that_are_retrying(tok):
+    """``close()`` left a request against a failing server retrying until the retry horizon (15 minutes by
+    default); it now ends at once, with a ServerError, and the message of one given up on HTTP errors does not say
+    the server cannot be reached."""
+    import threading
+
+    from ttc.backends import OpenAIBackend, ServerError
+
+    srv = FakeAPI(tok, fail_500=1.0)
+    try:
+        be = OpenAIBackend(srv.url, model="m1", tokenizer=tok, retries=1000, backoff=0.05, backoff_max=0.1,
+                           horizon=30)
+        brief = OpenAIBackend(srv.url, model="m1", tokenizer=tok, retries=2, backoff=0.0)
+        with pytest.raises(ServerError, match="no successful reply") as e:
+            brief.generate([[5, 6, 7]], SamplingParams(n=1, max_tokens=8, seed=1))
+        brief.close()
+        assert "cannot reach" not in str(e.value)
+        got = {}
+
+        def go():
+            try:
+                be.generate([[5, 6, 7]], SamplingParams(n=1, max_tokens=8, seed=1))
+            except Exception as err:  # noqa: BLE001 - recorded for the assertion
+                got["error"] = err
+
+        th = threading.Thread(target=go, daemon=True)
+        th.start()
+        time.sleep(0.4)
+        with srv.lock:
+            before = len(srv.arrivals)
+        be.close()
+        th.join(timeout=2.0)
+        time.sleep(0.3)
+        with srv.lock:
+            after = len(srv.arrivals) - before
+    finally:
+        srv.stop()
+    assert before > 2 and not th.is_alive() and isinstance(got.get("error"), ServerError), got
+    assert after < 3, after

@@ -620,6 +620,47 @@ def test_a_request_larger_than_the_rate_limit_holds_the_window_for_its_share():
             assert gap - 0.01 <= b - a < gap + 0.1, (limit, times)
 
 
+def test_a_large_request_is_not_starved_by_smaller_ones_under_the_limits():
+    """``--tpm``/``--rpm`` and ``--max-tokens-in-flight`` admitted whichever waiter fitted first: a request larger than
+    what was free waited while smaller later ones kept getting in (8.5 windows measured, without bound). Waiters are
+    now admitted in the order they asked: it waits for the window to have room after what asked before it (here
+    at most 4 x 30 units over a limit of 100: about 2.5 windows), or for what is in flight to end."""
+    from ttc.backends import Limiter, RateLimiter
+
+    def waited(acquire, release, big, hold, give_up):
+        done = threading.Event()
+
+        def small(k):  # (sent again after a request time of up to ``hold`` seconds)
+            rng = random.Random(k)
+            while not done.is_set():
+                acquire(30)
+                time.sleep(rng.uniform(0, hold))
+                release(30)
+
+        ts = [threading.Thread(target=small, args=(k,), daemon=True) for k in range(4)]
+        for t in ts:
+            t.start()
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        threading.Timer(give_up, done.set).start()  # (the old code: it got in once the small senders stopped)
+        acquire(big)
+        w = time.monotonic() - t0
+        release(big)
+        done.set()
+        for t in ts:
+            t.join()
+        return w
+
+    window = 0.2
+    for big in (150, 80):  # over the limit (goes alone, once the window is empty) and within it
+        rl = RateLimiter(100, window=window)
+        w = waited(rl.acquire, lambda _: None, big, 0.3 * window, 8 * window)
+        assert w < 3.5 * window, (big, w)
+    lim = Limiter(100)
+    for big in (150, 80):
+        assert waited(lim.acquire, lim.release, big, 0.1, 1.0) < 0.3, big
+
+
 @pytest.mark.parametrize("limit,fail", [("rpm", 0.0), ("tpm", 0.0), ("rpm", 0.3)])
 def test_requests_and_tokens_per_window_stay_under_the_rate_limits(tok, limit, fail):
     """``rpm``/``tpm`` (``--rpm``/``--tpm``; here over a 0.6 s window instead of a minute): 10 one-sample

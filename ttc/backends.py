@@ -33,6 +33,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections import deque
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import replace
 from typing import Protocol, Sequence, runtime_checkable
@@ -347,18 +348,27 @@ class ServerError(RuntimeError):
 
 class Limiter:
     """A cap on what is in flight (requests or tokens): ``acquire(w)`` waits until ``w`` more fits
-    under ``cap`` (a single item larger than the cap goes alone)."""
+    under ``cap`` (a single item larger than the cap goes alone, once nothing is in flight). Waiters go in the
+    order they asked (a later one waits behind the first even where it would fit), so smaller requests that keep
+    coming never starve a large one."""
 
     def __init__(self, cap: int | None):
         self.cap, self.used, self.peak = cap, 0, 0
         self._cv = threading.Condition()
+        self._queue: deque = deque()  # the waiters, in the order they asked
 
     def acquire(self, w: int) -> None:
+        me = object()
         with self._cv:
-            while self.cap and self.used and self.used + w > self.cap:
-                self._cv.wait()
-            self.used += w
-            self.peak = max(self.peak, self.used)
+            self._queue.append(me)
+            try:
+                while self._queue[0] is not me or (self.cap and self.used and self.used + w > self.cap):
+                    self._cv.wait()
+                self.used += w
+                self.peak = max(self.peak, self.used)
+            finally:  # (also when interrupted: the next waiter becomes the first)
+                self._queue.remove(me)
+                self._cv.notify_all()
 
     def release(self, w: int) -> None:
         with self._cv:
@@ -369,25 +379,36 @@ class Limiter:
 class RateLimiter:
     """At most ``limit`` units (requests or tokens) per minute, over a sliding 60 s window. One request larger
     than the limit (``--rpm 0.5``, or more tokens than ``--tpm``) still goes, alone, and holds the window for
-    ``w / limit`` windows, so the rate stays within the limit."""
+    ``w / limit`` windows, so the rate stays within the limit. Waiters go in the order they asked (a later one
+    waits behind the first even where it would fit), so smaller requests that keep coming never starve a large
+    one: the first waits at most about a window."""
 
     def __init__(self, limit: float | None, window: float = 60.0):
         self.limit, self.window = limit, window
         self._log: list[tuple[float, float]] = []  # (units, when they leave the window)
-        self._lock = threading.Lock()
+        self._cv = threading.Condition()
+        self._queue: deque = deque()  # the waiters, in the order they asked
 
     def acquire(self, w: float = 1.0) -> None:
         if not self.limit:
             return
-        while True:
-            with self._lock:
-                now = time.monotonic()
-                self._log = [x for x in self._log if x[1] > now]
-                if not self._log or sum(x for x, _ in self._log) + w <= self.limit:
-                    self._log.append((w, now + self.window * max(1.0, w / self.limit)))
-                    return
-                wait = min(t for _, t in self._log) - now
-            time.sleep(max(wait, 0.01))
+        me = object()
+        with self._cv:
+            self._queue.append(me)
+            try:
+                while True:
+                    now = time.monotonic()
+                    self._log = [x for x in self._log if x[1] > now]
+                    if self._queue[0] is not me:
+                        self._cv.wait()
+                    elif not self._log or sum(x for x, _ in self._log) + w <= self.limit:
+                        self._log.append((w, now + self.window * max(1.0, w / self.limit)))
+                        return
+                    else:  # the first waiter: until the oldest units leave the window
+                        self._cv.wait(max(min(t for _, t in self._log) - now, 0.001))
+            finally:  # (also when interrupted: the next waiter becomes the first)
+                self._queue.remove(me)
+                self._cv.notify_all()
 
 
 def retry_after(value: str | None) -> float | None:
@@ -448,6 +469,8 @@ class OpenAIBackend:
         self._rpm, self._tpm = RateLimiter(rpm, rate_window), RateLimiter(tpm, rate_window)
         self._slots = threading.BoundedSemaphore(self.concurrency)  # every request in flight, /tokenize's too
         self.in_flight = Limiter(max_tokens_in_flight)
+        self._closed = threading.Event()  # set by close(): requests retrying stop, none is sent
+        self._rounds: set[threading.Event] = set()  # the stop events of the generate() calls under way
         self._pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="ttc-request")
         self._http = Connections(self.base_url, timeout)
         models = self._call("GET", "/v1/models", None, retries=1)
@@ -492,14 +515,17 @@ class OpenAIBackend:
         max_tokens tokens) under ``tpm`` as well, since each one counts at the server. ``check(reply)``, when
         given, sees every reply that arrives and returns None to take it or why not (it is then retried as a
         5xx is: a generation the server did not finish). Once ``stop`` is set (another request of the same
-        round failed) a failed request is not retried."""
+        round failed) a failed request is not retried; once the backend is closed, none is sent and a retrying
+        one raises at once."""
         retries = self.retries if retries is None else retries
         data = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        last, after, t0, sent, replied = "", None, None, 0, False
+        last, after, t0, sent, failed = "", None, None, 0, "cannot reach"  # failed: how the last attempt did
         for attempt in range(retries + 1):
+            if self._closed.is_set():
+                break
             if attempt:
                 if stop is not None and stop.is_set():
                     last += "; not retried: another request of the same round failed"
@@ -517,13 +543,11 @@ class OpenAIBackend:
                 if say:  # a run waiting out a failing server says so (at most every NOTE_EVERY_S seconds)
                     log.warning("ttc: %s%s: %s; retrying (%d request(s) retried so far)", self.base_url, path, last,
                                 self.retried)
-                if stop is not None:  # (woken when the round fails)
-                    if stop.wait(delay):
+                if (stop or self._closed).wait(delay):  # (woken when the round fails or the backend is closed)
+                    if not self._closed.is_set():
                         last += "; not retried: another request of the same round failed"
-                        break
-                else:
-                    time.sleep(delay)
-            after, replied = None, False
+                    break
+            after = None
             self._rpm.acquire(1)
             if weight is not None:
                 self._tpm.acquire(weight)
@@ -535,13 +559,13 @@ class OpenAIBackend:
                 bad = check(reply) if check is not None else None
                 if bad is None:
                     return reply
-                t0, last, replied = t0 or time.monotonic(), bad, True
+                t0, last, failed = t0 or time.monotonic(), bad, "no finished reply from"
                 continue
             except HTTPStatusError as e:
                 t0 = t0 or time.monotonic()
                 msg = _error_message(e)
                 if e.code in RETRY_STATUS:
-                    last = f"HTTP {e.code}: {msg}"
+                    last, failed = f"HTTP {e.code}: {msg}", "no successful reply from"
                     after = retry_after(e.headers.get("Retry-After") if e.headers else None)
                     continue
                 if e.code == 404:
@@ -552,10 +576,11 @@ class OpenAIBackend:
                 t0 = t0 or time.monotonic()
                 reason = getattr(e, "reason", e)
                 last = f"{type(reason).__name__}: {reason}" if not isinstance(reason, str) else reason
+                failed = "cannot reach"
                 continue
-        if replied:  # the server answered, but never with a reply to take
-            raise ServerError(f"no finished reply from {self.base_url}{path} after {sent} attempt(s): {last}")
-        raise ServerError(f"cannot reach {self.base_url}{path} after {sent} attempt(s): {last}")
+        if self._closed.is_set():
+            raise ServerError(f"backend closed: {self.base_url}{path} given up after {sent} attempt(s) ({last})")
+        raise ServerError(f"{failed} {self.base_url}{path} after {sent} attempt(s): {last}")
 
     # tokenizer side
     def encode(self, text: str) -> list[int]:
@@ -669,6 +694,15 @@ class OpenAIBackend:
         prompts = list(prompts)
         seeds = list(seeds) if seeds is not None else [params.seed] * len(prompts)
         stop = threading.Event()
+        with self._count_lock:
+            self._rounds.add(stop)
+        try:
+            return self._round(prompts, params, seeds, usage, stop)
+        finally:
+            with self._count_lock:
+                self._rounds.discard(stop)
+
+    def _round(self, prompts, params, seeds, usage, stop: threading.Event) -> list[Completion]:
         futs = [self._pool.submit(self._one, i, p, params, s, usage, stop)
                 for i, (p, s) in enumerate(zip(prompts, seeds))]
         done, _ = wait(futs, return_when=FIRST_EXCEPTION)
@@ -682,6 +716,11 @@ class OpenAIBackend:
         return [c for f in futs for c in f.result()]
 
     def close(self) -> None:
+        """Requests not started are cancelled, and those waiting to retry raise ServerError at once."""
+        self._closed.set()
+        with self._count_lock:
+            for stop in self._rounds:  # (a retry waits on its round's stop event)
+                stop.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
 

@@ -271,7 +271,9 @@ def read_checkpoints(path: Path, key: str) -> dict[tuple[int, str], list[dict]]:
 
 
 def cost(usage: dict | None, price_in: float | None, price_out: float | None) -> float | None:
-    if not usage or (price_in is None and price_out is None):
+    """``usage`` priced per 1M prompt and completion tokens; None without prices, or where the server reported no
+    token counts (a request count alone is not a free run)."""
+    if not usage or (price_in is None and price_out is None) or not {"prompt_tokens", "completion_tokens"} & set(usage):
         return None
     return (usage.get("prompt_tokens", 0) * (price_in or 0.0) + usage.get("completion_tokens", 0) * (price_out or 0.0)) / 1e6
 
@@ -541,6 +543,9 @@ def solve_main(argv: list[str]) -> int:
             extra = {"context": context, "clamped": {k: list(v) for k, v in clamped.items()} if clamped else None,
                      "wall_s": time.perf_counter() - started}
             summary = summarize(records, cfg, key, extra, (a.price_in, a.price_out))
+            if (a.price_in is not None or a.price_out is not None) and summary["usage"] and summary["cost"] is None:
+                print("ttc solve: the server reported no token counts (no usage in its replies), so no cost",
+                      file=sys.stderr)
             results.write(summary)
         finally:
             results.close()
