@@ -341,8 +341,10 @@ class MarkovianRSA:
 
     # the plan: every prompt of every round fits the model's context
     def plan(self, problem_tokens: int) -> list[dict]:
-        """The largest request of each stage for a problem of ``problem_tokens`` tokens:
-        ``{"stage", "round", "prompt", "max_tokens", "total"}`` (prompt + max_tokens)."""
+        """The largest request of each stage for a problem of ``problem_tokens`` tokens (``len(encode(problem))``;
+        the prompts of :meth:`run`, which hold the problem as text, are never longer: see
+        :class:`~ttc.templates.PromptBuilder`): ``{"stage", "round", "prompt", "max_tokens", "total"}``
+        (prompt + max_tokens)."""
         cfg, b = self.config, self.builder
         q = [0] * problem_tokens
         steps = [{"stage": "solve", "round": 0, "prompt": len(b.solve(q)), "max_tokens": cfg.budget}]
@@ -434,7 +436,6 @@ class MarkovianRSA:
         cfg, be = self.config, self.backend
         t0 = time.perf_counter()
         pkey = problem_seed(problem if problem_key is None else problem_key)
-        q = be.encode(problem)
         prompts: list[PromptRecord] = []
         usage = {} if usage is None else usage
         tok = {"gen": 0, "prefill": 0}
@@ -475,7 +476,7 @@ class MarkovianRSA:
         # round 0: plain parallel sampling
         if not rounds:
             u0 = dict(usage)
-            p0 = self.builder.solve(q)
+            p0 = self.builder.solve(problem)
             rec0 = PromptRecord("solve", 0, 0, p0, cfg.population, derive_seed(cfg.seed, 0, pkey), cfg.budget)
             outs, g, p = send([rec0])
             done(0, [Candidate(0, i, p0, c.token_ids, c.text, c.finish_reason) for i, c in enumerate(outs)],
@@ -487,7 +488,7 @@ class MarkovianRSA:
             if cfg.variant == "delethink":
                 for c in prev:
                     if c.finish_reason == "length":  # a chain that stopped is frozen
-                        ids = self.builder.cont(q, self.carry(c))
+                        ids = self.builder.cont(problem, self.carry(c))
                         recs.append(PromptRecord("continue", t, c.index, ids, 1, derive_seed(cfg.seed, 2, pkey, t,
                                                  c.index), cfg.chunk_budget, [c.index], [self.carry(c)]))
             else:
@@ -495,7 +496,7 @@ class MarkovianRSA:
                 for i in range(cfg.population):
                     par = self.parents(t, i, pkey)
                     fw = [tails[j] for j in par]
-                    recs.append(PromptRecord("aggregate", t, i, self.builder.aggregate(q, fw), 1,
+                    recs.append(PromptRecord("aggregate", t, i, self.builder.aggregate(problem, fw), 1,
                                              derive_seed(cfg.seed, 2, pkey, t, i), cfg.budget, par, fw))
             outs, g, p = send(recs) if recs else ([], 0, 0)
             new = {r.index: Candidate(t, r.index, r.prompt_ids, c.token_ids, c.text, c.finish_reason, r.parents)

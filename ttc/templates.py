@@ -12,9 +12,14 @@ A template is a set of ``str.format`` strings (double the braces of literal ``{}
 - ``force_answer``: appended to a final-round trace cut at the thinking budget (one with no
   ``</think>`` yet) before the final-answer continuation; no fields (literal braces doubled too).
 
-Rendering concatenates the token ids of the literal pieces with the ids of the problem and of each
-tail, so a prompt is exactly ``|literal pieces| + |q| + sum |tails|`` tokens: the bound
-``|q| + C*tau + |template|`` holds by construction, and each tail appears in the prompt verbatim.
+Rendering encodes each run of text between tails once, as a whole (chat header, template text and problem up
+to the first tail; the text between two tails; the text after the last tail and the chat footer), and splices
+each tail in verbatim as token ids. A tokenizer whose pre-tokenizer glues punctuation to the newlines after it
+(Qwen2's: ``.\n\n`` is one token) then gives a solve prompt the very ids of the chat template's encoding of the
+whole text, those the model was trained on. A prompt is at most ``|template| + |q| + sum |tails|`` tokens, where
+``|template|`` is its size with the problem and the tails empty (they cut the text in the same places) and
+``|q|`` the problem's own encoding: the bound ``|q| + C*tau + |template|`` holds by construction. (A tail's
+seams with the text around it stay as they are: the tail's ids are the model's own, and are kept.)
 
 Built-in: ``math``, ``code``, ``generic``. A YAML/JSON file (``--template PATH``) may override any
 subset of the keys; the others come from ``base`` in the file (a built-in name, default ``generic``).
@@ -24,6 +29,7 @@ from __future__ import annotations
 import json
 import string
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -155,72 +161,100 @@ def load_template(spec: str | Template) -> Template:
                    **{_KEYS[k]: "" if v is None else str(v) for k, v in data.items()}).check()
 
 
-Payload = list[int]
+Pieces = list  # text and token ids alternating, text first and last: [str, ids, str, ..., str]
 
 
-def render(fmt: str, encode: Callable[[str], list[int]], payload: dict[str, Payload | Sequence[Payload]],
-           values: dict[str, object] | None = None) -> list[int]:
-    """Token ids of ``fmt`` with token payloads spliced in (``payload[name]`` is a token list, or for
-    ``candidates`` a list of token lists laid end to end) and plain ``values`` formatted into the text."""
+def pieces(fmt: str, fields: dict[str, object], values: dict[str, object] | None = None) -> Pieces:
+    """``fmt`` as alternating text and token-id pieces. A field of ``fields`` given as text joins the text around
+    it; one given as token ids is a piece of its own (even when empty, so that a prompt's text is cut in the same
+    places whatever its tails hold); ``candidates`` is a list of rendered ``candidate`` blocks (pieces), laid end
+    to end. Plain ``values`` are formatted into the text."""
     values = values or {}
-    out: list[int] = []
-    text = ""
+    out: Pieces = [""]
     for literal, name, spec, _ in string.Formatter().parse(fmt):
-        text += literal
+        out[-1] += literal
         if name is None:
             continue
-        if name in payload:
-            if text:
-                out += encode(text)
-                text = ""
-            item = payload[name]
-            if name == "candidates":
-                for block in item:
-                    out += list(block)
-            else:
-                out += list(item)
+        if name not in fields:
+            out[-1] += format(values[name], spec or "")
+        elif isinstance(fields[name], str):
+            out[-1] += fields[name]
+        elif name == "candidates":
+            for block in fields[name]:
+                out = join(out, block)
         else:
-            text += format(values[name], spec or "")
-    if text:
-        out += encode(text)
+            out += [list(fields[name]), ""]
     return out
+
+
+def join(*parts: Pieces) -> Pieces:
+    """Pieces laid end to end: the text at each seam becomes one run."""
+    out: Pieces = [""]
+    for p in parts:
+        out = out[:-1] + [out[-1] + p[0]] + p[1:]
+    return out
+
+
+def encode_pieces(seq: Pieces, encode: Callable[[str], list[int]]) -> list[int]:
+    """Token ids of ``seq``: each run of text encoded once, as a whole; token ids as they are."""
+    out: list[int] = []
+    for k, p in enumerate(seq):
+        out += p if k % 2 else (encode(p) if p else [])
+    return out
+
+
+def render(fmt: str, encode: Callable[[str], list[int]], fields: dict[str, object],
+           values: dict[str, object] | None = None) -> list[int]:
+    """Token ids of ``fmt`` with ``fields`` filled in (see :func:`pieces`)."""
+    return encode_pieces(pieces(fmt, fields, values), encode)
 
 
 @dataclass
 class PromptBuilder:
-    """Builds RSA prompts as token ids: chat header + template + chat footer."""
+    """Builds RSA prompts as token ids: chat header + template + chat footer.
+
+    The problem is given as text (what :class:`~ttc.rsa.MarkovianRSA` does) or as token ids (the context plan: a
+    problem of n tokens). As text it is encoded with the text around it, as the chat template encodes the whole
+    prompt, unless that is longer than encoding it on its own (BPE merges across the seam seldom lengthen, but
+    may): a prompt then never exceeds the plan's size for a problem of ``len(encode(problem))`` tokens."""
 
     template: Template
     encode: Callable[[str], list[int]]
     chat: tuple[str, str] = ("", "")
 
     def __post_init__(self):
-        cache: dict[str, list[int]] = {}
         raw = self.encode
 
-        def enc(text: str) -> list[int]:  # literal pieces repeat: encode each once
-            if text not in cache:
-                cache[text] = list(raw(text))
-            return cache[text]
+        @lru_cache(maxsize=1024)  # literal runs repeat, and a problem's runs repeat in each of its prompts
+        def enc(text: str) -> tuple[int, ...]:
+            return tuple(raw(text))
 
-        self._enc = enc
+        self._enc = lambda text: list(enc(text))
 
-    def _wrap(self, body: list[int]) -> list[int]:
+    def _prompt(self, build: Callable[[str | list[int]], Pieces], problem: str | list[int]) -> list[int]:
+        ids = encode_pieces(build(problem), self._enc)
+        if isinstance(problem, str):
+            alone = encode_pieces(build(self._enc(problem)), self._enc)
+            if len(alone) < len(ids):
+                return alone
+        return ids
+
+    def _solve(self, problem: str | list[int]) -> Pieces:
         pre, post = self.chat
-        return (self._enc(pre) if pre else []) + body + (self._enc(post) if post else [])
+        return join([pre], pieces(self.template.solve, {"problem": problem}), [post])
 
-    def solve(self, problem_ids: list[int]) -> list[int]:
-        return self._wrap(render(self.template.solve, self._enc, {"problem": problem_ids}))
+    def solve(self, problem: str | list[int]) -> list[int]:
+        return self._prompt(self._solve, problem)
 
-    def aggregate(self, problem_ids: list[int], tails: Sequence[list[int]]) -> list[int]:
-        blocks = [render(self.template.candidate, self._enc, {"tail": t}, {"index": i + 1})
-                  for i, t in enumerate(tails)]
-        body = render(self.template.aggregate, self._enc, {"problem": problem_ids, "candidates": blocks},
-                      {"count": len(tails)})
-        return self._wrap(body)
+    def aggregate(self, problem: str | list[int], tails: Sequence[list[int]]) -> list[int]:
+        pre, post = self.chat
+        blocks = [pieces(self.template.candidate, {"tail": t}, {"index": i + 1}) for i, t in enumerate(tails)]
+        return self._prompt(lambda p: join([pre], pieces(self.template.aggregate, {"problem": p, "candidates": blocks},
+                                                          {"count": len(tails)}), [post]), problem)
 
-    def cont(self, problem_ids: list[int], tail: list[int]) -> list[int]:
-        return self.solve(problem_ids) + render(self.template.continue_, self._enc, {"tail": tail})
+    def cont(self, problem: str | list[int], tail: list[int]) -> list[int]:
+        """The ``solve`` prompt, then ``continue`` (its text before the tail joins the chat footer's run)."""
+        return self._prompt(lambda p: join(self._solve(p), pieces(self.template.continue_, {"tail": tail})), problem)
 
     def force_answer(self) -> list[int]:
         """Token ids of ``force_answer``, rendered as the other fields are (a ``str.format`` string with no
