@@ -202,6 +202,10 @@ against its 1.01, 1.01: the same within this machine's noise (median 0.90, min 0
 1.17, any mix 1.33; max_lag_seen 2, no group dropped as stale. Re-run at bb5e338 (2026-12-07, another machine; the
 trainer's mismatch over every mini-batch when there are several, off this path's one; one run, alone): async_speedup
 1.11 (1.81 against 1.63 steps/s), lending ceiling 1.26, any mix 1.48; max_lag_seen 2, none dropped as stale.
+Re-run at a4aaf98 (2026-12-07, later, the same machine; nothing on this in-process path changed): 0.97, 0.98, 0.85
+alone, then alternating with 885f2b8's code (bb5e338's, from a worktree) 1.00, 1.13 against its 1.13, 0.82: the same
+within this machine's noise (median 0.98, min 0.85 at a4aaf98); lending ceiling 1.16-1.25; max_lag_seen 2, none
+dropped as stale.
 """
 from __future__ import annotations
 

@@ -29,7 +29,9 @@ alone): 3.58 (26.5k against 7.4k). Re-run at 63c8932 (2026-12-06, later, another
 stop-string rule shared with the server, off this path; the new check of the engine's completions against
 transformers: every sampled token's log-probability within 9.5e-07, mean 1.5e-07; one run, alone): 3.17 (20.9k
 against 6.6k). Re-run at bb5e338 (2026-12-07, another machine: a bare string one prompt, numpy seeds as ints; one
-run, alone): 2.98 (13.8k against 4.6k; log-probs within 9.5e-07 of transformers).
+run, alone): 2.98 (13.8k against 4.6k; log-probs within 9.5e-07 of transformers). Re-run at 9663526 (2026-12-07,
+later: the vLLM engine's EOS ids and min_tokens clamp, off this CPU path; one run, alone): 2.92 (18.1k against 6.2k;
+log-probs within 9.5e-07).
 """
 from __future__ import annotations
 

@@ -127,7 +127,11 @@ At fc73bd7 (2026-12-07, another machine (AMD EPYC): ttc's backend stops a failed
 the server reads boolean fields as booleans and encodes text prompts with add_special_tokens (token ids here);
 defaults, one run, alone): toy 1.36, real 1.03 (4.93 -> 4.78 s; pairs 0.79-1.11), long 1.39 (9.87 -> 7.08 s);
 shared-prefix steps 1.16x, 1.13x, 1.01x, 1.24x; ``concurrency_speedup`` 2.07 (4.84 -> 2.34 s), ``_short`` 1.68,
-``local`` 2.41; at two threads 2.76, local 3.41; same outputs and results.
+``local`` 2.41; at two threads 2.76, local 3.41; same outputs and results. At a4aaf98 (2026-12-07, later, another
+machine: a prompt's text, problem included, encoded whole between the tails' ids; the server's routes ignore query
+strings; limiters admit in order; defaults, one run, alone): toy 1.41, real 1.06 (3.39 -> 3.18 s; pairs 1.06-1.08),
+long 1.32 (7.71 -> 5.83 s); shared-prefix steps 1.38x, 1.32x, 1.22x, 1.31x; ``concurrency_speedup`` 2.00 (4.63 ->
+2.32 s), ``_short`` 1.72, ``local`` 2.05; at two threads 3.35, local 2.84; same outputs and results.
 
 Measured on this project's 2-core CPU (2026-12-02, defaults, tiny-moe, 1 thread, quiet machine, commit
 e6feb3e, three runs): ``concurrency_speedup`` 2.17, 2.21, 2.13 (one problem at a time 3.73-3.80 s, 64 in

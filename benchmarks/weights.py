@@ -59,6 +59,7 @@ commit e925322, 2 servers, 5 warm versions per transport; tiny-moe 3 runs, small
 | tiny-moe, at fc73bd7 (2026-12-07, another machine: the served version pinned in weights/SERVING at each sync) | 0.0289 | 0.0281 | 1.03 | 0.043 s |
 | tiny-moe, at fc4d7a5 (2026-12-07, later, another machine: each version's served log-probs checked, 4.77e-07, between the timed loads) | 0.0287, 0.0311, 0.0272 | 0.0412, 0.0312, 0.0356 | 0.70, 1.00, 0.76 | 0.049-0.056 s |
 | tiny-moe, at bb5e338 (2026-12-07, later: a relative run directory's versions load; served log-probs within 4.77e-07) | 0.0298 | 0.0379 | 0.79 | 0.054 s |
+| tiny-moe, at 9663526 (2026-12-07, later: the server reads chunked bodies, routes without the query; served log-probs within 4.77e-07) | 0.0309 | 0.0382 | 0.81 | 0.052 s |
 
 (The eb9ab54 runs from the fourth on alternated with 6782a97's code (before that change, from a
 worktree; the last three with ``--repeats 9``): broadcast 0.0279, 0.0296, 0.0266, 0.0304, 0.0321 s
