@@ -244,6 +244,10 @@ def test_mixed_numbers_and_negative_entries_are_read_as_written():
         assert not env.verify(q, boxed(response)).correct, (env_id, q.answer)
         assert env.verify(q, env.reference_response(q)).correct
     assert parse_path("0-3-2") == [0, 3, 2] and parse_groups("1-2 2-3", 2) == [(1, 2), (2, 3)]
+    assert parse_path("0 -- 3--2") == [0, 3, 2] and parse_groups("1 -- 2, 2--3", 2) == [(1, 2), (2, 3)]
+    mst = get_env("gym/mst_edges")
+    q = mst.generate(0, 1)
+    assert mst.verify(q, boxed(", ".join(f"{a}--{b}" for a, b in q.answer))).correct  # an undirected edge, as Graphviz
 
 
 def test_answers_are_read_as_the_prompts_ask():

@@ -149,8 +149,8 @@ def parse_int_list(text: str, signed: bool = True) -> list[int]:
     text = text.replace("\u2212", "-").rstrip().removesuffix(".")  # "1, 2, 3." as "42." is 42
     if not _LIST_OK.fullmatch(text):
         raise ParseError(f"expected a list of integers, got {text[:40]!r}")
-    if not signed:  # a dash between two numbers separates them; one before a number alone makes it negative
-        text = re.sub(r"(?<=\d)\s*-\s*(?=\d)", " ", text)
+    if not signed:  # dashes between two numbers separate them; one before a number alone makes it negative
+        text = re.sub(r"(?<=\d)\s*(?:-\s*)+(?=\d)", " ", text)  # (``1 -- 2`` too: an undirected edge)
         if re.search(r"-\s*\d", text):
             raise ParseError(f"expected non-negative integers, got {text[:40]!r}")
     toks = re.findall(r"[+-]?\d+" if signed else r"\d+", text)
