@@ -4,6 +4,7 @@ The extension must build wherever the README's setup ran (a C++ compiler and nin
 CASCADE_NATIVE_DECODE=0 to run without it, and these tests are then skipped.
 """
 import os
+import time
 
 import numpy as np
 import pytest
@@ -272,3 +273,36 @@ def test_engine_falls_back_when_the_extension_is_missing(tiny_dense_dir, monkeyp
 
     eng.model.model.layers[0].mlp = Scaled(eng.model.model.layers[0].mlp)
     assert not native.usable(eng.model)
+
+
+def test_a_build_lock_left_by_a_killed_builder_does_not_hang_the_next_load(tmp_path):
+    """A process killed while it built the extension (ttc's Ctrl-C leaves with os._exit; a SIGKILL) left torch's build
+    lock behind, and every later load waited on it for ever, silently. A lock older than any build is removed (with a
+    warning) before the build. (torch's build stands in: it takes the lock as torch does, or says it would wait.)"""
+    import subprocess
+    import sys
+
+    ext = tmp_path / "ext"
+    lock = ext / native.build_name() / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    code = """if True:
+        import os, sys
+        from torch.utils import cpp_extension, file_baton
+        from train.engine import native
+        def build(name, **kw):  # torch's: a lock it cannot take is waited on, for ever
+            baton = file_baton.FileBaton(os.path.join(cpp_extension._get_build_directory(name, False), "lock"))
+            if not baton.try_acquire():
+                sys.exit(3)
+            baton.release()
+        cpp_extension.load = build
+        native.load()
+        """
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ext)}
+    fresh = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert fresh.returncode == 3 and lock.exists()  # a lock of a build under way (seconds old) is waited on
+    old = time.time() - native.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "stale native-build lock" in r.stderr, r.stderr[-2000:]
+    assert not lock.exists()

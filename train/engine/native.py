@@ -28,6 +28,7 @@ import logging
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -60,6 +61,30 @@ def enabled() -> bool:
     return os.environ.get("CASCADE_NATIVE_DECODE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+# a build takes seconds to a minute: a build lock older than this was left by a process killed while it built
+# (``os._exit`` on Ctrl-C, SIGKILL), and torch would wait on it for ever, saying nothing
+STALE_LOCK_S = 600.0
+
+
+def build_name() -> str:
+    """The extension's name: its source, torch and this CPU's features (-march=native) in a hash."""
+    code = _SRC.read_bytes()
+    tag = hashlib.sha256(code + f"{torch.__version__} {torch.__file__}".encode()
+                         + " ".join(_CFLAGS).encode() + _cpu_flags().encode()).hexdigest()[:12]
+    return f"cascade_decode_cpu_{tag}"
+
+
+def _clear_stale_lock(build_dir: Path) -> None:
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing a stale native-build lock %s (%.0f s old: its builder was killed mid-build)", lock, age)
+        lock.unlink(missing_ok=True)
+
+
 def load() -> bool:
     """Build (first time) and load the extension; True when ``torch.ops.cascade_native`` is usable."""
     if "ok" in _STATE:
@@ -71,14 +96,13 @@ def load() -> bool:
         bindir = str(Path(sys.executable).parent)
         if shutil.which("ninja") is None and bindir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-        # -march=native: the build is for this CPU, so the CPU's features are part of its name
         code = _SRC.read_bytes()
-        tag = hashlib.sha256(code + f"{torch.__version__} {torch.__file__}".encode()
-                             + " ".join(_CFLAGS).encode() + _cpu_flags().encode()).hexdigest()[:12]
-        name = f"cascade_decode_cpu_{tag}"
+        name = build_name()
         # The build compiles a copy kept in its own folder: installs of the same source at other paths
         # (a checkout, a wheel) share the build instead of rebuilding each time the path changes.
-        src = Path(cpp_extension._get_build_directory(name, False)) / _SRC.name
+        build_dir = Path(cpp_extension._get_build_directory(name, False))
+        _clear_stale_lock(build_dir)
+        src = build_dir / _SRC.name
         if not src.is_file() or src.read_bytes() != code:
             tmp = src.with_name(f".{src.name}.{os.getpid()}")
             tmp.write_bytes(code)
