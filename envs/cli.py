@@ -103,6 +103,12 @@ def _list(args) -> int:
     if args.family and not rows:
         raise ValueError(f"no environment in family {args.family!r}; families and namespaces: "
                          f"{', '.join(sorted(families))}")
+    if args.patterns and not rows:  # (a typo: say so, not an empty table)
+        import difflib
+
+        close = sorted({c for pat in args.patterns for c in difflib.get_close_matches(pat, list_envs(), n=5)})
+        raise ValueError(f"no environment matches {' '.join(args.patterns)}"
+                         + (f"; did you mean {', '.join(close)}?" if close else "; `cascade envs list` shows them all"))
     if args.json:
         import json
 

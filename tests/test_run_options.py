@@ -720,6 +720,8 @@ def test_envs_list_json_and_family_by_namespace():
     assert got and all(x["id"].startswith("gym/") and x["family"] == "graphs" for x in got)
     r = cascade("envs", "list", "--family", "gymm")
     assert r.returncode == 2 and "gym" in r.stderr and "graphs" in r.stderr  # names the families there are
+    r = cascade("envs", "list", "gym/sudokux")  # a typo: an error naming the close ids (was an empty table, exit 0)
+    assert r.returncode == 2 and "did you mean gym/sudoku" in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
 def test_output_piped_into_head_ends_quietly():
