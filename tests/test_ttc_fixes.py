@@ -233,3 +233,41 @@ def test_close_stops_the_requests_that_are_retrying(tok):
         srv.stop()
     assert before > 2 and not th.is_alive() and isinstance(got.get("error"), ServerError), got
     assert after < 3, after
+
+
+def test_a_delethink_carry_past_the_thinking_keeps_its_think_close(tok):
+    """A chain cut inside its answer, with its ``</think>`` before the last ``tail`` tokens, was continued from a carry
+    with no ``</think>``: a reasoning parser took the continuation for thinking, the chat backend closed it after the
+    model's answer, and the answer was lost. The carry now puts the ``</think>`` back before the tail, within the
+    tail's tokens (the chunk's context stays within the plan)."""
+    from tests.test_ttc_scale import _ReasoningParser
+    from ttc.backends import ChatBackend
+
+    class AnswersPastItsThinking(_ReasoningParser):
+        """Behind an R1 reasoning parser: the first chunk thinks, writes ``</think>`` and a long answer cut at the
+        budget; a continuation (its prompt holds the answer's ``radius`` words) ends it with ``\\boxed{7}``."""
+
+        def reply(self, prompt_text, seed, j, max_tokens):
+            if "radius" in prompt_text:
+                ids = self.tok.encode("so \\boxed{7}.", add_special_tokens=False) + [self.eos]
+                return ids, self.tok.decode(ids[:-1]), "stop"
+            text = "<think>\nadd them\n</think>\n\nThe answer follows " + "radius " * 40
+            ids = self.tok.encode(text, add_special_tokens=False)[:max_tokens]
+            return ids, self.tok.decode(ids), "length"
+
+    srv = AnswersPastItsThinking(tok)
+    try:
+        be = ChatBackend(srv.url, model="m1", tokenizer=tok, retries=1, backoff=0.0)
+        rsa = MarkovianRSA(be, RSAConfig(population=1, rounds=1, budget=24, tail=6, anchor=0, final_budget=0,
+                                         variant="delethink"), "math")
+        res = rsa.run("What is 3+4?", gold="7")
+        be.close()
+    finally:
+        srv.stop()
+    cont = [p for p in res.prompts if p.stage == "continue"]
+    assert len(cont) == 1 and res.final[0].finish_reason == "stop"
+    carry = cont[0].forwarded[0]
+    assert len(carry) <= 6 and tok.decode(carry).startswith("</think>") and "radius" in tok.decode(carry)
+    plan = {s["stage"]: s["prompt"] for s in rsa.plan(len(be.encode("What is 3+4?")))}
+    assert len(cont[0].prompt_ids) <= plan["continue"]
+    assert res.final[0].answer == "7" and res.metrics["mean_accuracy"] == 1.0, res.final[0].response

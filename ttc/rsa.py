@@ -276,8 +276,10 @@ class MarkovianRSA:
         parts = backend.chat_parts()
         self.builder = PromptBuilder(self.template, backend.encode, parts)
         self.think_open = open_think(parts[1])  # a template that opens the thinking: answers are read with it in front
-        think = backend.encode("</think>")
-        self.think_end = think[0] if len(think) == 1 else None
+        self.think_close = backend.encode("</think>")
+        self.think_end = self.think_close[0] if len(self.think_close) == 1 else None
+        start = backend.encode("<think>")
+        self.think_start = start[0] if len(start) == 1 else None
         self.eos = set(backend.eos_ids)
         try:
             self._takes_usage = "usage" in inspect.signature(backend.generate).parameters
@@ -294,6 +296,16 @@ class MarkovianRSA:
 
     def has_think_end(self, ids: list[int]) -> bool:
         return (self.think_end in ids) if self.think_end is not None else "</think>" in self.backend.decode(ids)
+
+    def past_thinking(self, ids: list[int]) -> bool:
+        """Whether ``ids`` hold a ``</think>`` with no ``<think>`` after it: a trace that is answering."""
+        if self.think_end is None or self.think_start is None:
+            text = self.backend.decode(ids)
+            return text.rfind("</think>") > text.rfind("<think>")
+        for t in reversed(ids):
+            if t in (self.think_end, self.think_start):
+                return t == self.think_end
+        return False
 
     def forwarded(self, c: Candidate) -> list[int]:
         """What a candidate passes on: the last tau tokens of its trace; under ``pacore`` a finished
@@ -330,14 +342,21 @@ class MarkovianRSA:
         return list(c.history_ids) + self.trace_ids(c)
 
     def carry(self, c: Candidate) -> list[int]:
-        """Delethink's Markovian state: the chain's first ``anchor`` tokens, then its last ``tail``."""
+        """Delethink's Markovian state: the chain's first ``anchor`` tokens, then its last ``tail``. Where the chain is
+        answering and its last ``</think>`` lies between them, ``</think>`` takes the tail's first tokens (the carry
+        stays within ``anchor + tail``): the continuation must read as answering too -- a model would think again,
+        and a chat server's reasoning parser takes a continuation with no ``</think>`` before it for thinking."""
         cfg, ids = self.config, self.chain_ids(c)
         head = ids[:cfg.anchor]
         tail = ids[max(len(head), len(ids) - cfg.tail):]
-        if len(head) + len(tail) < len(ids):  # a gap between them: the tail starts at a cut, and the head ends at one
-            tail = self.whole_chars(tail)
-            head = self.whole_chars(head, lead=False) if head else head
-        return head + tail
+        if len(head) + len(tail) == len(ids):
+            return head + tail
+        # a gap between them: the tail starts at a cut, and the head ends at one
+        past = self.past_thinking(ids[len(head):]) and not self.has_think_end(tail)
+        close = self.think_close if past and len(self.think_close) <= len(tail) else []
+        tail = self.whole_chars(tail[len(close):])
+        head = self.whole_chars(head, lead=False) if head else head
+        return head + close + tail
 
     # the plan: every prompt of every round fits the model's context
     def plan(self, problem_tokens: int) -> list[dict]:
