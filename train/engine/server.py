@@ -489,16 +489,17 @@ class Handler(BaseHTTPRequestHandler):
                 raise BadRequest("the request body must be a JSON object")
         except (ValueError, UnicodeDecodeError) as e:
             return self._error(400, f"invalid JSON body: {e}")
+        path = self._route()
         route = {"/v1/completions": self.completions, "/v1/chat/completions": self.chat,
                  "/tokenize": self.tokenize, "/detokenize": self.detokenize,
                  "/v1/load_weights": self.load_weights, "/v1/weights_group": self.weights_group,
-                 "/v1/weights_group/abort": self.abort_broadcast}.get(self._route())
+                 "/v1/weights_group/abort": self.abort_broadcast}.get(path)
         if route is None:
             return self._error(404, f"no route POST {self.path}")
         try:
             out = route(body)
             try:
-                streamed = self._route() in ("/v1/completions", "/v1/chat/completions")
+                streamed = path in ("/v1/completions", "/v1/chat/completions")
                 if streamed and _flag(body, "stream", False):
                     return self._stream(out, body)
                 self._send(200, out)
