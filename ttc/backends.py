@@ -34,6 +34,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections import deque
+from contextlib import contextmanager
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import replace
 from typing import Protocol, Sequence, runtime_checkable
@@ -346,6 +347,19 @@ class ServerError(RuntimeError):
     """The server kept failing after all retries (or cannot be reached)."""
 
 
+@contextmanager
+def _in_order(cv: threading.Condition, queue: deque):
+    """(Under ``cv``) a place in ``queue``, the waiters in the order they asked; yields whether this one is first.
+    It leaves the queue, and wakes the others, also when interrupted: the next waiter becomes the first."""
+    me = object()
+    queue.append(me)
+    try:
+        yield lambda: queue[0] is me
+    finally:
+        queue.remove(me)
+        cv.notify_all()
+
+
 class Limiter:
     """A cap on what is in flight (requests or tokens): ``acquire(w)`` waits until ``w`` more fits
     under ``cap`` (a single item larger than the cap goes alone, once nothing is in flight). Waiters go in the
@@ -355,20 +369,14 @@ class Limiter:
     def __init__(self, cap: int | None):
         self.cap, self.used, self.peak = cap, 0, 0
         self._cv = threading.Condition()
-        self._queue: deque = deque()  # the waiters, in the order they asked
+        self._queue: deque = deque()
 
     def acquire(self, w: int) -> None:
-        me = object()
-        with self._cv:
-            self._queue.append(me)
-            try:
-                while self._queue[0] is not me or (self.cap and self.used and self.used + w > self.cap):
-                    self._cv.wait()
-                self.used += w
-                self.peak = max(self.peak, self.used)
-            finally:  # (also when interrupted: the next waiter becomes the first)
-                self._queue.remove(me)
-                self._cv.notify_all()
+        with self._cv, _in_order(self._cv, self._queue) as first:
+            while not first() or (self.cap and self.used and self.used + w > self.cap):
+                self._cv.wait()
+            self.used += w
+            self.peak = max(self.peak, self.used)
 
     def release(self, w: int) -> None:
         with self._cv:
@@ -387,28 +395,22 @@ class RateLimiter:
         self.limit, self.window = limit, window
         self._log: list[tuple[float, float]] = []  # (units, when they leave the window)
         self._cv = threading.Condition()
-        self._queue: deque = deque()  # the waiters, in the order they asked
+        self._queue: deque = deque()
 
     def acquire(self, w: float = 1.0) -> None:
         if not self.limit:
             return
-        me = object()
-        with self._cv:
-            self._queue.append(me)
-            try:
-                while True:
-                    now = time.monotonic()
-                    self._log = [x for x in self._log if x[1] > now]
-                    if self._queue[0] is not me:
-                        self._cv.wait()
-                    elif not self._log or sum(x for x, _ in self._log) + w <= self.limit:
-                        self._log.append((w, now + self.window * max(1.0, w / self.limit)))
-                        return
-                    else:  # the first waiter: until the oldest units leave the window
-                        self._cv.wait(max(min(t for _, t in self._log) - now, 0.001))
-            finally:  # (also when interrupted: the next waiter becomes the first)
-                self._queue.remove(me)
-                self._cv.notify_all()
+        with self._cv, _in_order(self._cv, self._queue) as first:
+            while True:
+                now = time.monotonic()
+                self._log = [x for x in self._log if x[1] > now]
+                if not first():
+                    self._cv.wait()
+                elif not self._log or sum(x for x, _ in self._log) + w <= self.limit:
+                    self._log.append((w, now + self.window * max(1.0, w / self.limit)))
+                    return
+                else:  # the first waiter: until the oldest units leave the window
+                    self._cv.wait(max(min(t for _, t in self._log) - now, 0.001))
 
 
 def retry_after(value: str | None) -> float | None:
