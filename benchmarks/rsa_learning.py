@@ -111,6 +111,13 @@ single / maj. / rsa / rsa no rescue / r1 0.555 / 0.609 / 0.518 / 0.523 / 0.543, 
 0.301 / 0.344 / 0.287 / 0.287 / 0.318; ablation single / rsa 0.684 / 0.330, 0.656 / 0.197, 0.277 / 0.109.
 ``rsa_gain_points_no_rescue`` -3.1 / -20.7 / -1.4 (median -3.1, min -20.7; with the rescue -3.7 / -20.5 / -1.4);
 ``rsa_vs_ablation_points`` +18.7 / +14.6 / +17.8 (median +17.8, min +14.6). ``goal_met`` false.
+Re-run at 6f90c2d (2026-12-07, another machine: aggregation prompts take a buffered problem of the drawn problem's
+own environment (one environment here), ttc's prompt text encoded whole between the tails, Delethink's carry, the
+limiters; defaults, 589 s wall, alone but for a short test run): agg single / maj. / rsa / rsa no rescue 0.385 / 0.453
+/ 0.346 / 0.426, 0.631 / 0.656 / 0.715 / 0.715, 0.480 / 0.594 / 0.570 / 0.572; ablation single / rsa 0.809 / 0.186,
+0.846 / 0.027, 0.293 / 0.000. ``rsa_gain_points_no_rescue`` +4.1 / +8.4 / +9.2 (median +8.4, min +4.1; with the
+rescue -3.9 / +8.4 / +9.0); ``rsa_vs_ablation_points`` +16.0 / +68.8 / +57.0 (median +57.0, min +16.0). ``goal_met``
+false (+10 over its own single sample: no seed reaches it, all three above 0 for the first time).
 
 Why the goal is not met (what the figures say; the bullets are the 08a6f4d run's, and the later runs above add one
 pattern: at 0fbd5d7 and 2ca2976 seed 1's agg policy also answered nothing right in round 1, 0.000 against single

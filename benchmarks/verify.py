@@ -72,7 +72,11 @@ inputs; one run, alone): ``code`` 2.23 s, 1.48x with 2, 1.47x with 4 (22 correct
 At fc4d7a5 (2026-12-07, later: the math verifier's exact decimals, spaced digits and value words;
 seven more code seeds with tests at their stated sizes; the sandbox masks site-packages; one run, alone): ``code``
 2.16 s, 1.39x with 2, 1.48x with 4 (22 correct); ``math`` 0.39 s (repeats 0.26-0.89 s), 3.24x with 2, 2.74x with 4;
-``reward_model`` 0.141 -> 0.080 s (1.76x); same scores.
+``reward_model`` 0.141 -> 0.080 s (1.76x); same scores. At 6f90c2d (2026-12-07, later: the third-party scorers'
+eval without the caller's variables, the workers' kill of what a scorer started, code/arc and code/falsify's one
+prepare(); one run, a benchmark's start beside it): ``code`` 1.56 s, 1.46x with 2, 1.49x with 4 (22 correct);
+``math`` 0.31 s (repeats 0.22-0.59 s), 2.62x with 2, 2.14x with 4; ``reward_model`` 0.106 -> 0.073 s (1.47x); same
+scores.
 ``reward_model`` (one run, 2026-12-04): 0.116 s one at a time, 0.063 s batched (1.84x; 38 of 64 scored by the
 model), same scores; a model this small is mostly per-call overhead, and a real reward model on a GPU was
 not measured.
