@@ -68,6 +68,11 @@ bytes and 1.3% in peak memory):
     +0.3%, +50.2%, +0.2%; calibrated within 0.29%); peak MiB single 69.9, tsp 21.3, tp 52.8, sp 33.1, dp 67.6;
     tsp_mem_ratio 0.3046 (tp 0.756, sp 0.474, dp 0.968).
 
+    Re-run at 6f90c2d (2026-12-07, another machine: calc.py's TP q/k-norm all-reduce only with q/k norms (this qwen3
+    model has them: the same bytes); one run, alone): measured tsp 71,884,842 / tp 126,682,212 / sp 190,072,628 / dp
+    20,729,132 B against the same formulas (+23.0%, +0.3%, +50.2%, +0.2%; calibrated within 0.3%); peak MiB single
+    69.7, tsp 21.4, tp 52.6, sp 33.1, dp 67.6; tsp_mem_ratio 0.307 (tp 0.756, sp 0.474, dp 0.970).
+
 On a loaded machine other traffic on ``lo`` was visible (an earlier run: TSP's step windows read
 79.1, 71.9 and 74.7 MB, TP's idle windows up to 1.46 MB), hence min over windows; in this run the
 windows agreed within 0.003% and idle windows read 0-104 B. At V=512 a rank's full-vocabulary logits
