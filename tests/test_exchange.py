@@ -172,3 +172,27 @@ def test_a_relative_run_directory_loads_its_versions(tmp_path, monkeypatch):
     ex.publish_version("run/exchange", 1, _sd(1))
     assert ex.load_version("run/exchange", 1)[0] == 1 and ex.load_version("run/exchange")[0] == 1
     assert ex.load_version("run/exchange", path="v000001")[0] == 1
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def test_a_batch_file_is_read_as_data_never_run_as_code(tmp_path, monkeypatch):
+    """A batch round-trips (routing tensor, meta and all), and a file holding a pickled object that would run
+    code when loaded (written by anyone who can write to the exchange directory) is refused without running it."""
+    monkeypatch.chdir(tmp_path)
+    s = ex.TrainSample([1, 2], [3], [-0.5], 1.0, versions=[0], routed_experts=torch.zeros(3, 1, 2, dtype=torch.int16))
+    ex.write_batch(tmp_path, ex.TrainBatch(4, [s], 0.7, {"kind": "rl", "schedule_step": 4}))
+    b = ex.read_batch(tmp_path, 4)
+    assert (b.step, b.temperature, b.meta, b.samples[0].completion_ids) == (4, 0.7, {"kind": "rl", "schedule_step": 4}, [3])
+    assert torch.equal(b.samples[0].routed_experts, s.routed_experts)
+    torch.save({"step": 5, "samples": [], "x": _Payload()}, ex.batch_path(tmp_path, 5))
+    try:
+        ex.read_batch(tmp_path, 5)
+    except Exception as e:
+        assert "weights_only" in str(e) or "Unsupported" in str(e), e
+    else:
+        raise AssertionError("a pickled object was loaded")
+    assert not (tmp_path / "PWNED").exists()

@@ -196,7 +196,7 @@ def read_batch(root: str | Path, step: int) -> TrainBatch | None:
     p = batch_path(root, step)
     if not p.exists():
         return None
-    return TrainBatch.from_dict(torch.load(p, map_location="cpu", weights_only=False))  # (each rank moves it)
+    return TrainBatch.from_dict(torch.load(p, map_location="cpu", weights_only=True))  # (each rank moves it)
 
 
 # ------------------------------------------------------------------------------------------------
