@@ -97,7 +97,8 @@ class RLConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     system_prompt: str | None = None
     chat_template: bool = True
-    max_prompt_tokens: int = 0          # longer prompts are skipped (and count as failed); 0: context - max_new_tokens
+    max_prompt_tokens: int = 0          # longer prompts are skipped (and count as failed); 0: context - max_new_tokens,
+    # but at least half the context (a prompt past context - max_new_tokens gets a response budget cut by the context)
     # threads verifying responses of environments that wait on other processes (sandboxed code, math
     # workers: envs.base.verify_all); 0: one per core, at most 8; 1: one response at a time
     verify_workers: int = 0
@@ -114,7 +115,7 @@ class RLConfig:
         if small:
             raise ValueError(f"{small[0].split('=')[0]} must be >= 1, got {', '.join(small)}")
         if self.max_prompt_tokens < 0:
-            raise ValueError(f"max_prompt_tokens must be >= 0 (0: the context less max_new_tokens), "
+            raise ValueError(f"max_prompt_tokens must be >= 0 (0: the context less max_new_tokens, at least half of it), "
                              f"got {self.max_prompt_tokens}")
         if self.repetition_chunk_tokens < 1 or not 0 < self.repetition_threshold < 1:
             raise ValueError(f"repetition_chunk_tokens must be >= 1 (got {self.repetition_chunk_tokens}) and "
