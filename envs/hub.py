@@ -257,12 +257,15 @@ def table_rows(ds, cols: dict[str, str], need: list[str], ref, what: str = "data
 
 def answer_text(v) -> str | None:
     """A row's answer as text: a number read from a typed column (jsonl, parquet) written out in full, never in
-    exponent form (1e-05 -> ``0.00001``, 1e+16 -> ``10000000000000000``, 7.0 -> ``7``), which no answer matches;
-    None for a missing one (None, NaN as pandas reads an empty cell, a blank string)."""
+    exponent form (1e-05 -> ``0.00001``, 1e+16 -> ``10000000000000000``, 7.0 -> ``7``), which no answer matches,
+    and from its shortest form (an integer past int64 that a jsonl column holds as a float, 1e+23 ->
+    ``100000000000000000000000``, not the float's binary value 99999999999999991611392); None for a missing one
+    (None, NaN as pandas reads an empty cell, a blank string)."""
     if v is None or (isinstance(v, float) and v != v):
         return None
     if isinstance(v, float) and math.isfinite(v):
-        text = str(int(v)) if v.is_integer() else format(Decimal(repr(v)), "f")
+        d = Decimal(repr(v))
+        text = str(int(d)) if v.is_integer() else format(d, "f")
     else:
         text = str(v)
     return text if text.strip() else None

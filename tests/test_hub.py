@@ -406,8 +406,9 @@ def test_numeric_answer_columns_are_written_out_in_full(tmp_path):
     from envs.hub import answer_text
     from envs.math import MathDatasetEnv, load_math_rows
 
-    assert [answer_text(v) for v in (1e-05, 2.5e-07, 1e16, 7.0, 0.25, 7, "0012", None, float("nan"), " ")] == \
-        ["0.00001", "0.00000025", "10000000000000000", "7", "0.25", "7", "0012", None, None, None]
+    assert [answer_text(v) for v in (1e-05, 2.5e-07, 1e16, 7.0, 0.25, 7, "0012", None, float("nan"), " ", 1e23, -0.0)] \
+        == ["0.00001", "0.00000025", "10000000000000000", "7", "0.25", "7", "0012", None, None, None,
+            "100000000000000000000000", "0"]
     f = tmp_path / "m.jsonl"
     f.write_text("".join(json.dumps({"problem": f"P{i}?", "answer": a}) + "\n"
                          for i, a in enumerate([1e-05, 1e16, 0.25, None])))
