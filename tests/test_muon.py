@@ -92,6 +92,26 @@ def test_newton_schulz_matches_loop_and_orthogonalises(shape):
     assert (newton_schulz(G, dtype=torch.bfloat16) - got).abs().max() < 0.1
 
 
+def test_tall_expert_blocks_are_orthogonalised_block_by_block():
+    """Experts wider than the hidden size (moe_intermediate_size > hidden_size): each [I, H] block of gate_up
+    is tall, comes back from Newton-Schulz transposed (not contiguous), and the step failed on reshaping it."""
+    from train.model.config import ModelConfig
+    from train.model.modeling import CausalLM
+    from train.optim import muon_direction
+
+    u = torch.randn(4, 2 * 48, 32)
+    loop = torch.stack([torch.cat([newton_schulz(u[e, :48]), newton_schulz(u[e, 48:])]) for e in range(4)])
+    assert torch.allclose(muon_direction(u, 2, 5, "float32"), loop, atol=1e-6)
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=16, intermediate_size=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
+    m = CausalLM(cfg).init_weights(0)
+    opt, sched = build_optimizer(m, OptimConfig(name="muon", lr=1e-3))
+    before = copy.deepcopy(m.state_dict())
+    m(torch.randint(0, 64, (2, 8))).logsumexp(-1).mean().backward()
+    clip_and_step(m, opt, sched, 1.0)
+    assert any(not torch.equal(before[k], v) for k, v in m.state_dict().items() if "experts" in k)
+
+
 # ------------------------------------------------------------------------------ grouping and config
 
 

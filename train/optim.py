@@ -151,7 +151,8 @@ def muon_direction(u: torch.Tensor, row_blocks: int, ns_steps: int, ns_dtype: st
     """``u`` orthogonalised matrix by matrix (:func:`as_matrices`), in ``u``'s shape, fp32 (the
     caller applies the learning rate and :func:`muon_lr_scale`): the one place both the
     single-process and the sharded Muon orthogonalise."""
-    return newton_schulz(as_matrices(u, row_blocks), ns_steps, NS_DTYPES[ns_dtype]).view(u.shape)
+    # (reshape: a tall block comes back transposed, not contiguous)
+    return newton_schulz(as_matrices(u, row_blocks), ns_steps, NS_DTYPES[ns_dtype]).reshape(u.shape)
 
 
 def adamw_step_(p: torch.Tensor, g: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int,
