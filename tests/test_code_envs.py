@@ -308,6 +308,17 @@ def test_solve_in_cpp_language_from_the_fence():
         get_env("code/solve", language="rust")
 
 
+def test_any_language_needs_every_language_accepted():
+    """language="any" with languages=("cpp",) prompted "Python 3 or C++17" while only C++ was graded, and claimed a
+    reference answer (the Python reference scored 0): refused, naming the language to ask for instead."""
+    for env_id in ("code/solve", "code/arc"):
+        for only in ("cpp", "python"):
+            with pytest.raises(ValueError, match=f"pass language='{only}' instead"):
+                get_env(env_id, language="any", languages=(only,))
+            assert get_env(env_id, language=only, languages=(only,)).language == only
+        assert get_env(env_id, language="any", languages=["cpp", "python"]).no_reference_reason == ""
+
+
 def test_cli_runs_and_judges_cpp(tmp_path, capsys):
     from envs.code.cli import main
 
@@ -625,6 +636,26 @@ def test_prepare_fails_early_where_the_sandbox_cannot_run():
     weaker._judge = Judge(sbx.Sandbox(sbx.SandboxConfig(allow_weaker=True), _layers=missing))
     weaker.prepare()
     get_env("code/io_predict").prepare()  # this machine's sandbox runs
+
+
+def test_a_sandbox_without_namespaces_warns_that_the_hidden_tests_are_readable(caplog, monkeypatch):
+    """Allowed to run without bubblewrap (CASCADE_SANDBOX_ALLOW_WEAKER=1), a program sees the host's files,
+    envs/code/seeds.py with every hidden test and expected output among them, and printed the expected output
+    (reward 1.0): the sandbox said nothing. It warns once per process, naming the hidden tests, and its refusal
+    says the same."""
+    import logging
+
+    missing = {**sbx.detect_layers(), "namespaces": "bwrap (bubblewrap) is not installed (simulated)"}
+    with pytest.raises(sbx.SandboxUnavailable, match="hidden tests of envs/code"):
+        sbx.Sandbox(sbx.SandboxConfig(), _layers=missing).check()
+    sbx._warn_no_namespaces.cache_clear()
+    monkeypatch.setenv(sbx.ALLOW_ENV, "1")
+    with caplog.at_level(logging.WARNING, logger="envs.code.sandbox"):
+        sbx.Sandbox(sbx.SandboxConfig(allow_weaker=True), _layers=missing).check()
+        sbx.Sandbox(sbx.SandboxConfig(), _layers=missing).check()
+        sbx.Sandbox(sbx.SandboxConfig(), _layers=sbx.detect_layers()).check()  # bubblewrap: nothing to say
+    warned = [r.getMessage() for r in caplog.records if r.name == "envs.code.sandbox"]
+    assert len(warned) == 1 and "hidden tests of envs/code" in warned[0] and "never for RL" in warned[0], warned
 
 
 _NAIVE = {  # programs right on small inputs, too slow (or too deep) at the stated sizes

@@ -400,6 +400,54 @@ def test_function_results_infinity_and_dicts_with_non_string_keys(sb):
     assert compare_values({"1.5": [1.0]}, {1.5: [1.0 + 1e-9]}, 1e-6)
 
 
+TUPLE_KEYS = """
+def pairs(xs):
+    out = {}
+    for k in zip(xs, xs[1:]):
+        out[k] = out.get(k, 0) + 1
+    return out
+def nested():
+    return {"a": [{(1, (2, True)): None, 3: "x"}], (None, 1.5): frozenset({2, 1})}
+def wrong():
+    return {(2, 1): 2}
+"""
+
+
+def test_function_results_dicts_with_tuple_keys(sb):
+    """A returned dict with tuple keys made the harness's json.dumps raise (a runtime error for a correct
+    function); such a key comes back as its JSON text, which is how an expected tuple key is compared."""
+    tests = [{"fn": "pairs", "args": [[1, 2, 1]], "expected": {(1, 2): 1, (2, 1): 1}},
+             {"fn": "pairs", "args": [[1, 2, 1, 2]], "expected": {(1, 2): 2, (2, 1): 1}},
+             {"fn": "nested", "args": [], "expected": {"a": [{(1, (2, True)): None, 3: "x"}], (None, 1.5): {1, 2}}},
+             {"fn": "pairs", "args": [[1, 2, 1, 2]], "expected": {(1, 2): 3, (2, 1): 1}},
+             {"fn": "wrong", "args": [], "expected": {(1, 2): 2}},
+             {"fn": "pairs", "args": [[1, 2]], "expected": {(1, 2, 3): 1}}]
+    j = Judge(sb).judge(TUPLE_KEYS, tests)
+    assert [r.status for r in j.results] == ["accepted"] * 3 + ["wrong_answer"] * 3, \
+        [(r.status, r.detail) for r in j.results]
+    assert compare_values({(1, 2): 2}, {(1, 2): 2}) and not compare_values({(1, 2): 2}, {(2, 1): 2})
+
+
+STDOUT_REPLACED = """
+import io, sys
+print("not the result")
+sys.stdout = {stdout}
+def f(x):
+    return x + 1
+"""
+
+
+def test_a_program_that_replaces_sys_stdout_still_has_its_result_read(sb):
+    """The harness wrote its result line to sys.stdout, which the program may replace at module level
+    (sys.stdout = io.StringIO()): a correct function had "no result". The line goes to file descriptor 1."""
+    tests = [{"fn": "f", "args": [1], "expected": 2}, {"fn": "f", "args": [1], "expected": 3},
+             {"code": "assert f(1) == 2"}, {"code": "assert f(1) == 3"}]
+    for stdout in ("io.StringIO()", "None"):
+        j = Judge(sb).judge(STDOUT_REPLACED.format(stdout=stdout), tests)
+        assert [r.status for r in j.results] == ["accepted", "wrong_answer"] * 2, \
+            (stdout, [(r.status, r.detail) for r in j.results])
+
+
 def test_arguments_json_cannot_carry_are_refused_up_front(sb):
     """A set among a function-call test's arguments made the judge raise TypeError out of json.dumps; the
     arguments go to the sandbox as JSON, so the test is refused when made, naming the argument."""

@@ -15,7 +15,8 @@ Answers: programs in a fenced code block; its fence names the language: ```pytho
 ```python3) is judged as Python 3, ```cpp (also ```c++, ```cxx, ```cc) as C++17, compiled by g++
 inside the sandbox (a compile error scores 0). ``language=`` picks what the prompts of
 ``code/solve`` and ``code/arc`` ask for (``"python"``, the default; ``"cpp"``; ``"any"``: either),
-and ``languages=`` which fences are accepted (both by default). The last block in the prompt's
+and ``languages=`` which fences are accepted (both by default; it must accept the language asked for,
+and with ``"any"`` both). The last block in the prompt's
 language is graded (with ``"any"``, or when there is none, the last accepted block); problems carry
 ``meta["language"]`` and the score's info the language judged. The seeds' reference programs are
 Python: with ``language="cpp"`` there is no reference answer in the prompt's language
@@ -256,6 +257,11 @@ class CodeEnv(Environment):
             raise ValueError(f"languages must be a non-empty subset of {LANGUAGES}, not {languages!r}")
         if language != "any" and language not in languages:
             raise ValueError(f"the prompts ask for {language!r}, which languages={tuple(languages)} refuses")
+        if language == "any" and set(languages) != set(LANGUAGES):  # the prompt offers every language
+            only = dict.fromkeys(languages)
+            raise ValueError(f"language='any' asks for any of {LANGUAGES}, but languages={tuple(languages)} accepts "
+                             f"only {' or '.join(map(repr, only))}: pass "
+                             f"{' or '.join(f'language={x!r}' for x in only)} instead")
         self.language = language
         self.languages = tuple(languages)
         if self.writes_program and language == "cpp":

@@ -21,7 +21,8 @@ Three kinds of test (a dict each; the kind is read from its keys):
   not have by returning the value, since the expected value never enters the sandbox. Sets (and
   frozensets) come back as sorted lists, and an expected set is compared as a set; a dict's keys
   come back as JSON writes them, and an expected dict's keys are compared so (``{10: 2}`` equals the
-  result ``{"10": 2}``); infinities and nan come back as such (JSON's extension); integers of any
+  result ``{"10": 2}``; a key JSON cannot hold, a tuple, comes back as its JSON text: ``{(1, 2): 3}``
+  equals ``{"[1, 2]": 3}``); infinities and nan come back as such (JSON's extension); integers of any
   size come back whole (the host parses at most ``MAX_RESULT_DIGITS`` digits of integers longer
   than Python's default string-conversion limit, 4300 digits, per result).
 - assertion (HumanEval style): ``{"code": str}``; the test code runs after the program in the
@@ -230,7 +231,8 @@ def compare_values(got: Any, expected: Any, float_tol: float | None = None) -> b
     """Structural equality of JSON-like values (tuples as lists); floats within ``float_tol`` (an
     infinity equals only itself, nan nothing). An expected set or frozenset is compared as a set (the
     JSON of a returned set is a list); dict keys are compared as JSON writes them (``{10: 2}`` equals
-    ``{"10": 2}``; ``True``, ``False``, ``None``: ``"true"``, ``"false"``, ``"null"``)."""
+    ``{"10": 2}``; ``True``, ``False``, ``None``: ``"true"``, ``"false"``, ``"null"``; a tuple: its JSON
+    text, ``(1, 2)``: ``"[1, 2]"``)."""
     if isinstance(expected, (set, frozenset)):
         return _same_set(got, expected, float_tol)
     if isinstance(got, bool) or isinstance(expected, bool):
@@ -248,9 +250,22 @@ def compare_values(got: Any, expected: Any, float_tol: float | None = None) -> b
     return got == expected
 
 
+def _json_default(o: Any) -> Any:
+    """What the call harness writes for a value JSON cannot hold (its ``enc``): a set as a sorted list, else repr."""
+    if isinstance(o, (set, frozenset)):
+        try:
+            return sorted(o)
+        except TypeError:  # elements of mixed types
+            return sorted(o, key=repr)
+    return repr(o)
+
+
 def _json_key(k: Any) -> Any:
     """A dict key as JSON writes it (a returned dict comes back through JSON: its keys are strings);
-    a key JSON cannot write (a tuple) as it is."""
+    a key JSON cannot hold as a key (a tuple) as its JSON text, which is what the call harness writes
+    for it (``(1, 2)``: ``"[1, 2]"``)."""
+    if isinstance(k, str):
+        return k
     if isinstance(k, bool) or k is None:
         return {True: "true", False: "false", None: "null"}[k]
     if isinstance(k, int):
@@ -261,7 +276,10 @@ def _json_key(k: Any) -> Any:
     if isinstance(k, float):
         return ("NaN" if k != k else "Infinity" if k == math.inf else "-Infinity" if k == -math.inf
                 else float.__repr__(k))
-    return k
+    try:
+        return json.dumps(k, default=_json_default)
+    except ValueError:  # an integer past the conversion limit in it: no JSON text to compare with
+        return k
 
 
 def parse_result(line: str) -> Any:
@@ -293,6 +311,18 @@ def parse_result(line: str) -> Any:
 # --------------------------------------------------------------------------------------------
 # harnesses (run inside the sandbox; the nonce comes on stdin before any untrusted code runs)
 # --------------------------------------------------------------------------------------------
+# the line the host reads goes to file descriptor 1 itself: the program may have replaced sys.stdout
+_PUT = r"""
+def _put(text):
+    try:
+        sys.stdout.flush()  # what the program printed comes first
+    except Exception:
+        pass
+    data = text.encode()
+    while data:
+        data = data[os.write(1, data):]
+"""
+
 _CALL_HARNESS = r"""
 import json, os, sys, runpy
 def _main():
@@ -304,21 +334,26 @@ def _main():
     if not callable(fn):
         raise SystemExit("cascade-judge: no function named %r" % spec["fn"])
     res = fn(*spec["args"], **spec["kwargs"])
-    def enc(o):
+    def enc(o):  # judge.py's _json_default
         if isinstance(o, (set, frozenset)):
             try:
                 return sorted(o)
             except TypeError:  # elements of mixed types
                 return sorted(o, key=repr)
         return repr(o)
+    def keyed(o):  # a dict key JSON cannot hold (a tuple) as its JSON text, as the host compares it
+        if isinstance(o, dict):
+            return {k if k is None or isinstance(k, (str, int, float)) else json.dumps(k, default=enc): keyed(v)
+                    for k, v in o.items()}
+        return [keyed(x) for x in o] if isinstance(o, (list, tuple)) else o
     if hasattr(sys, "set_int_max_str_digits"):  # integers of any size, whole
         sys.set_int_max_str_digits(0)
-    line = json.dumps(res, default=enc)
-    sys.stdout.flush()
-    sys.stdout.write("\n" + nonce + line + "\n")
-    sys.stdout.flush()
-_main()
-"""
+    try:
+        line = json.dumps(res, default=enc)
+    except TypeError:  # such a key
+        line = json.dumps(keyed(res), default=enc)
+    _put("\n" + nonce + line + "\n")
+""" + _PUT + "_main()\n"
 
 _ASSERT_HARNESS = r"""
 import json, os, sys
@@ -330,11 +365,8 @@ def _main():
     with open(os.path.join(here, "solution.py")) as f:
         exec(compile(f.read(), "solution.py", "exec"), g)
     exec(compile(tests, "tests.py", "exec"), g)
-    sys.stdout.flush()
-    sys.stdout.write("\n" + nonce + "\n")
-    sys.stdout.flush()
-_main()
-"""
+    _put("\n" + nonce + "\n")
+""" + _PUT + "_main()\n"
 
 
 _HARNESS_FILES = {"call": ("_judge_call.py", _CALL_HARNESS), "assert": ("_judge_assert.py", _ASSERT_HARNESS)}

@@ -66,7 +66,10 @@ verdict holding the compiler's message.
 A missing layer is never silently skipped: :class:`Sandbox` refuses to run and names the
 missing layers unless the config allows them (``allow_weaker=True``, or the layer names in
 ``allow_missing``, or the environment variable ``CASCADE_SANDBOX_ALLOW_WEAKER`` = ``1`` or a
-comma-separated list of layer names).
+comma-separated list of layer names). Without ``namespaces`` the program sees the host's files,
+the hidden tests of :mod:`envs.code` included (``envs/code/seeds.py``), so a policy can learn to
+read them: such a sandbox is for trying things, never for RL you trust; it says so (a logged
+warning, once per process) when it runs so.
 
 The program's environment is clean (``PATH``, ``HOME=/tmp``, ``LANG``, ``PYTHONHASHSEED=0``
 and a few malloc/pyc settings only): nothing of the host's environment leaks in.
@@ -76,6 +79,7 @@ from __future__ import annotations
 import atexit
 import errno
 import functools
+import logging
 import os
 import platform
 import resource
@@ -108,6 +112,13 @@ SETUP_TIMEOUT = 30.0  # seconds the sandbox itself may take to start a program
 BOX = "/box"        # read-only directory holding the program inside the sandbox
 WORKDIR = "/tmp"    # private writable tmpfs, the program's cwd
 SHM_DIR = "/dev/shm"  # private writable tmpfs for POSIX shared memory (emptied between runs like /tmp)
+# what running without the 'namespaces' layer loses (said where it is refused, and once per process where allowed)
+NO_NAMESPACES = ("without the 'namespaces' layer the program sees the host's files, the hidden tests of envs/code "
+                 "included (envs/code/seeds.py: every seed's tests and expected outputs), so a policy can learn to "
+                 "read them and print the expected output: use such a sandbox only to try things, never for RL you "
+                 "trust")
+
+log = logging.getLogger(__name__)
 
 
 def _readable(fd: int, timeout: float) -> bool:
@@ -1353,14 +1364,18 @@ class Sandbox:
         return {k: v for k, v in self.layers.items() if v is not None}
 
     def check(self) -> None:
-        """Raise :class:`SandboxUnavailable` naming every missing layer the config does not allow."""
-        refused = {k: v for k, v in self.missing().items() if k not in self.config.allowed_missing()}
+        """Raise :class:`SandboxUnavailable` naming every missing layer the config does not allow; where the
+        ``namespaces`` layer is missing but allowed, warn (once per process) what that loses."""
+        missing = self.missing()
+        refused = {k: v for k, v in missing.items() if k not in self.config.allowed_missing()}
         if refused:
             detail = "; ".join(f"{k}: {v}" for k, v in refused.items())
             raise SandboxUnavailable(
                 f"sandbox refuses to run without layer(s) {', '.join(refused)} ({detail}); "
                 f"allow a weaker sandbox with SandboxConfig(allow_weaker=True) or allow_missing=(...), "
-                f"or {ALLOW_ENV}=1")
+                f"or {ALLOW_ENV}=1" + (f"; but {NO_NAMESPACES}" if "namespaces" in refused else ""))
+        if "namespaces" in missing:
+            _warn_no_namespaces(missing["namespaces"])
 
     def describe(self) -> dict:
         return {"layers": {k: (v is None) for k, v in self.layers.items()},
@@ -2025,6 +2040,13 @@ def classify(rc_exit: int | None, sig: int | None, limits: list[str], stderr: st
     if sig is not None:
         return "runtime_error" if sig in _RUNTIME_SIGNALS else "killed"
     return "ok" if rc_exit == 0 else "runtime_error"
+
+
+@functools.cache
+def _warn_no_namespaces(why: str) -> None:
+    """Say loudly, once per process (per reason), that programs run without the mount namespace, and what it loses."""
+    log.warning("the sandbox runs programs WITHOUT bubblewrap (%s; allowed by the config or %s): %s",
+                why, ALLOW_ENV, NO_NAMESPACES)
 
 
 _DEFAULT: dict[SandboxConfig, Sandbox] = {}
