@@ -196,3 +196,21 @@ def test_a_batch_file_is_read_as_data_never_run_as_code(tmp_path, monkeypatch):
     else:
         raise AssertionError("a pickled object was loaded")
     assert not (tmp_path / "PWNED").exists()
+
+
+def test_a_stage_starting_at_update_0_keeps_no_earlier_stages_version_0(tmp_path):
+    """Every stage of a run shares OUT/exchange: a later stage starting at update 0 finds the earlier stage's
+    version 0 (RL and SFT), which the ranks would not publish again at a checkpoint before the first update
+    (`already published`), so the orchestrator loaded the earlier stage's start weights into its policy. They
+    go at update 0, but for the version the orchestrator published for this stage's servers (pinned; with SFT
+    steps every RL version goes, as before: version 0 is the one published after them)."""
+    ex.publish_version(tmp_path, 0, _sd(1))
+    ex.publish_version(tmp_path / "sft", 0, _sd(2))
+    ex.clear_after(tmp_path, 0, 0)
+    assert ex.complete_versions(tmp_path) == [] and ex.complete_versions(tmp_path / "sft") == []
+    ex.publish_version(tmp_path, 0, _sd(3))
+    ex.pin_serving(tmp_path, 0)
+    ex.clear_after(tmp_path, 0, 0)
+    assert ex.complete_versions(tmp_path) == [0] and ex.load_version(tmp_path, 0)[1]["w"].tolist() == [3.0] * 2
+    ex.clear_after(tmp_path, 1, 0)  # past update 0: version 0 is this stage's
+    assert ex.complete_versions(tmp_path) == [0]

@@ -273,7 +273,11 @@ def clear_after(exchange: str | Path, update: int, sft_steps: int = 0,
     in ``subdirs``: ``batches`` and ``metrics`` (``step-N``) of update ``update`` on; weight versions (``vN``)
     after it (``weights`` holds RL versions, which count from the end of the ``sft_steps`` SFT updates: all of
     them while ``update`` is inside SFT; ``sft/weights`` those of SFT updates); and in any other subdirectory
-    (checkpoints, ``step-N``) those after it, or all of them at update 0."""
+    (checkpoints, ``step-N``) those after it, or all of them at update 0. At update 0 a version 0 goes too (an
+    earlier stage's, in the run's one exchange directory: a checkpoint before the stage's first update would take
+    it for this stage's start), but for the one the servers were given (published by the orchestrator for this
+    stage's start, :func:`pin_serving`)."""
+    served = serving_version(exchange)
     for sub in subdirs:
         d = Path(exchange) / sub
         pre = "v" if sub.endswith("weights") else "step-"
@@ -285,7 +289,8 @@ def clear_after(exchange: str | Path, update: int, sft_steps: int = 0,
             if sub in ("batches", "metrics"):
                 stale = n >= update
             else:
-                stale = n > update or (sub == "weights" and update < sft_steps) or (pre == "step-" and update == 0)
+                stale = n > update or (sub == "weights" and update < sft_steps) or (pre == "step-" and update == 0) \
+                    or (update == 0 and not (sub == "weights" and served == 0))
             if stale:
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
 
