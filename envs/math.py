@@ -153,9 +153,10 @@ _WRAPPED = re.compile(r"\\(?:textbf|mathbf|boldsymbol|text|mathrm|textrm|mbox|op
 _NAME_EQ = r"^\s*+(?:\\[A-Za-z]+\s*+)?[A-Za-z]*(?:_(?:\{[^{}]*\}|\w))?(?:\([^()=]*\))?'*\s*=\s*"
 _DECORATION = [(re.compile("\u2212"), "-"), (re.compile("\u00b0"), ""), (re.compile(_NAME_EQ), ""),
                (re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\\circ|\\%|%|\\\$|\$|\\[,!;: ]|~"), ""),
-               (re.compile(r"\{,\}"), ","), (re.compile(r"\\[dt]frac"), r"\\frac"), (re.compile(r"\s+"), "")]
+               (re.compile(r"\{,\}"), ","), (re.compile(r"\\[dt]frac"), r"\\frac"),
+               (re.compile(r"\\(?:displaystyle|textstyle)"), ""), (re.compile(r"\s+"), "")]
 _NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|[+-]?\.\d+")
-_OUTER_PARENS = re.compile(r"^(?:\\left)?\(([^(),]*?)(?:\\right)?\)$")  # one pair around a number (not a tuple)
+_OUTER_PARENS = re.compile(r"^([+-]?)(?:\\left)?\(([^(),]*?)(?:\\right)?\)$")  # one pair around a number (not a tuple)
 _SCIENTIFIC = re.compile(r"([+-]?\d+(?:\.\d*)?)(?:\\times|\\cdot)10\^(?:\{([+-]?\d{1,3})\}|(\d))")  # 1.5\times10^{6}
 _FRACTION = re.compile(r"([+-]?)(?:\\frac\{([+-]?\d+)\}\{([+-]?\d+)\}|\\frac(\d)(\d)|(\d+)/(\d+))")
 _MIXED = re.compile(r"([+-]?)(\d+)\\frac(?:\{(\d+)\}\{(\d+)\}|(\d)(\d))")  # 2\frac{1}{4} = 9/4
@@ -292,7 +293,8 @@ def _written_number(text: Any) -> tuple[Fraction, tuple[int, int] | None] | None
         return None
     for pat, rep in _DECORATION:
         s = pat.sub(rep, s)
-    s = _clean(_OUTER_PARENS.sub(r"\1", s))  # "(-5)", "\left(-\frac34\right)", "3/4."
+    s = _unwrapped(s) if s[:1] == "{" and "," not in s else s  # "{\frac{8}{3}}" (not a set "{1,234}")
+    s = _clean(_OUTER_PARENS.sub(r"\1\2", s))  # "(-5)", "-\left(\frac34\right)", "3/4."
     try:  # (a run of over 4,300 digits is no answer: int() refuses it)
         if _NUMBER.fullmatch(s):
             return Fraction(s.replace(",", "")), None

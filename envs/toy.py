@@ -7,14 +7,17 @@ from envs.base import Environment, Problem, Score, register
 
 
 _INT = re.compile(r"(?:[A-Za-z]\s*=\s*)?([+-]?(?:\d{1,3}(?:,\d{3})+|\d+))")
+_BOLD = re.compile(r"\\(?:textbf|mathbf)\{([^{}]*)\}")
 
 
 def _parse_int(s: str | None) -> int | None:
     """An integer answer: digits, signed, thousands as ``1,000`` only, after ``x =`` or not (``1,4,4`` and
-    Python's ``1_4_4`` are not 144)."""
+    Python's ``1_4_4`` are not 144); in ``$...$``, bold or ending a sentence (``333.``) as the math environments
+    read it."""
     if s is None:
         return None
-    m = _INT.fullmatch(s.strip())
+    s = _BOLD.sub(r"\1", s.strip().strip("$").strip()).strip().strip("$").strip()
+    m = _INT.fullmatch(s[:-1].rstrip() if s.endswith(".") else s)
     if m is None or sum(ch.isdigit() for ch in m[1]) > 64:  # digits (not signs or thousands commas)
         return None
     return int(m[1].replace(",", ""))

@@ -837,3 +837,26 @@ def test_cli_refuses_a_negative_difficulty_and_a_time_limit_below_0():
                       (["check", "toy/add", "--env-limit", "-1"], "--env-limit must be > 0 seconds")):
         with pytest.raises(ValueError, match=msg):
             envs_main(argv)
+
+
+def test_answers_in_common_latex_and_sentence_forms_are_read():
+    """math/arith refused a right fraction written ``\\displaystyle\\frac{8}{3}``, ``{\\frac{8}{3}}`` or
+    ``-\\left(\\frac{6}{7}\\right)`` ("not an integer or a fraction"); toy's integer answers refused ``333.``, ``$333$``
+    and ``\\textbf{333}``. Wrong values, tuples and sets stay refused."""
+    from envs.math import plain_number
+
+    arith = get_env("math/arith")
+    p = arith.generate(0, 0)
+    assert p.answer == "\\frac{8}{3}"
+    for r in ("\\displaystyle\\frac{8}{3}", "{\\frac{8}{3}}", "\\displaystyle{\\frac{8}{3}}"):
+        assert arith.verify(p, f"\\boxed{{{r}}}").correct, r
+    q = arith.generate(0, 2)
+    assert q.answer == "-\\frac{6}{7}"
+    for r, ok in (("-\\left(\\frac{6}{7}\\right)", True), ("-(6/7)", True), ("(6/7)", False), ("-(-6/7)", False)):
+        assert arith.verify(q, f"\\boxed{{{r}}}").correct is ok, r
+    assert plain_number("{1,234}") is None and plain_number("(1,234)") is None
+    add = get_env("toy/add")
+    t = add.generate(3, 5)
+    for r, ok in ((f"{t.answer}.", True), (f"${t.answer}$", True), (f"\\textbf{{{t.answer}}}", True),
+                  (f"{int(t.answer) + 1}.", False), (f"{t.answer}..", False)):
+        assert add.verify(t, f"\\boxed{{{r}}}").correct is ok, r

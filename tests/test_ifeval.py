@@ -310,3 +310,16 @@ def test_nth_paragraph_first_word_follows_ifeval():
     # the count skips empty pieces, but the nth piece is taken from the raw split (IFEval does so)
     assert not check(spec, "Intro.\n\n\n\nToday is fine.")
     assert not check(spec, "Intro.\n\nToday is fine.\n\nOutro.")
+
+
+def test_no_keyword_hides_in_a_common_word_and_the_pronoun_I_ends_a_sentence():
+    """Keywords match as substrings (IFEval's rule), so "ember" was credited in "remember"/"November" (and "less than"
+    versions refused ordinary text) and "compass" in "encompass"; a sentence ending in the pronoun "I." was not ended
+    (the lone-letter rule for "plan B. then"), so "at least 2 sentences" refused two."""
+    from envs.ifeval.env import KEYWORDS
+
+    common = ("remember members November September December encompass temperature together whether another "
+              "important however different thought through")
+    assert [k for k in KEYWORDS if count_keyword(common, k)] == []
+    assert count_sentences("Cook what the family likes, and so did I. Everyone ate well.") == 2
+    assert count_sentences("We chose plan B. then we left.") == 1 and count_sentences("Ask at 5 p.m. today.") == 1

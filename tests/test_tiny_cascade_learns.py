@@ -1,10 +1,12 @@
 """`make demo`'s promise, checked: the tiny cascade (`cascade run profile=tiny`, every stage at its
 configured size, seed 0). The warm-up and behavioral RL raise their held-out avg@4, RLVE's difficulty ends
-above its start on at least half of its environments, and the math stage climbs toy/add's ladder without its
-held-out avg@4 falling more than 0.1 (held out from training since 6cd3ff2, its held-out score no longer rises
+above its start on at least half of its environments, and the math stage climbs toy/add's ladder (its peak level 2
+or more above its start) without its held-out avg@4 falling more than 0.1 (held out from training since 6cd3ff2, its held-out score no longer rises
 reliably: +0.03, +0.03, -0.02 on seeds 0-2 there, 0.00, -0.08, +0.04 at 33f0479 (toy/add's level 0->1, 0->0 with a
 peak of 2, 0->1), -0.01, -0.05, +0.07 at 3f5064d on another machine (0->1, 0->0 peak 2, 0->1), -0.01, +0.01, -0.05 at
-8f05bc7 (aggregation prompts keep the phase's mix; 0->1 peak 3, 0->1, 0->0 peak 2): seed 0 is the one this test runs).
+8f05bc7 (aggregation prompts keep the phase's mix; 0->1 peak 3, 0->1 peak 2, 0->0 peak 2), -0.00, -0.07, +0.26 at
+RELAND (IFEval's keywords and "I.", math/toy answer forms: 0->0 peak 3, 0->0 peak 2, 0->1 peak 2): seed 0 is the one
+this test runs; where the level ends moves with the seed, its peak has been 2 or more on every seed since 3f5064d).
 
 The bounds sit below the worst of the seeds measured with this profile (README, "The tiny cascade",
 seeds 0/1/2 on 2026-12-05: warm-up +0.89/+0.95/+0.82, math +0.22/+0.06/+0.11, behavior (150 steps)
@@ -19,7 +21,8 @@ judged without the blank lines after the thinking; the warm-up's SFT data change
 behavior +0.31/+0.24/+0.07, RLVE 3 of 3 on every seed; at 3f5064d (another AMD EPYC; grpo's length bonus after the
 normalisation, dynamic sampling's trained groups) warm-up +0.86/+0.77/+0.91, behavior +0.17/+0.20/+0.19, RLVE 3 of 3
 on every seed; at 8f05bc7 (aggregation prompts of the drawn problem's own environment) behavior +0.24/+0.25/+0.26, the
-rest the same; at 0af2c6d on another machine,
+rest the same; at RELAND (IFEval's keywords no longer hidden in common words) warm-up +0.88/+0.70/+0.72, behavior
++0.24/+0.22/+0.18, RLVE 3 of 3 on every seed; at 0af2c6d on another machine,
 60 behavior steps:
 +0.89/+0.86/+0.78, +0.10/+0.15/+0.21, +0.16/+0.10/+0.05), so the test fails when a change stops the recipe
 teaching, not when a seed is unlucky (a seed's trajectory differs between machines: with 60 behavior steps
@@ -97,7 +100,8 @@ def test_math_stage_climbs_toy_add_and_keeps_its_held_out_score(demo_run):
     _, states, _ = demo_run
     st = states["math"]
     rows, _ = difficulty_rise(st)
-    assert rows["toy/add"][1] > rows["toy/add"][0], rows
+    start, _, peak = rows["toy/add"]
+    assert peak >= start + 2, rows
     # within the noise of 64 held-out problems x 4 samples (seed 1 lost 0.08 at 33f0479; seed 0 lost 0.066 on
     # 2026-12-06 on another machine, the same code as a run that had lost nothing): no more than 0.1 lower
     assert st["accuracy_after"] >= st["accuracy_before"] - 0.1, st

@@ -123,8 +123,10 @@ FILLER = {
     ],
 }
 LANGUAGES = [k for k in FILLER if k != "en"]
-KEYWORDS = ["lantern", "harbor", "meadow", "compass", "orchard", "glacier", "violin", "canyon",
-            "ember", "falcon", "pepper", "quartz", "saddle", "thunder", "walnut", "zephyr"]
+# keywords match as substrings (as IFEval's): none may hide inside a common word ("ember" was credited in "remember",
+# "November"; "compass" in "encompass")
+KEYWORDS = ["lantern", "harbor", "meadow", "kettle", "orchard", "glacier", "violin", "canyon",
+            "pebble", "falcon", "pepper", "quartz", "saddle", "thunder", "walnut", "zephyr"]
 FORBIDDEN = ["very", "really", "basically", "actually", "simply", "obviously", "clearly",
              "literally", "totally", "awesome"]
 KEYWORD_TEMPLATES = ["The {k} caught my attention.", "I thought about the {k} again.",
@@ -357,7 +359,7 @@ def _violations(spec: dict, ref: str) -> str:
     """The reference changed so that ``spec`` no longer holds (for the self-check)."""
     t = spec["type"]
     rel = spec.get("relation", "at least")
-    if t == "keywords:existence":  # keywords match as substrings ("Remember" holds "ember")
+    if t == "keywords:existence":  # keywords match as substrings ("Harbors" holds "harbor")
         return re.sub("|".join(re.escape(k) for k in spec["keywords"]), "thing", ref, flags=re.I)
     if t == "keywords:frequency":
         if rel == "at least":

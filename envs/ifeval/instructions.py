@@ -49,8 +49,9 @@ _TITLE_RE = re.compile(r"\b(Mrs|Mr|Ms|Dr|St)\.")
 _WEB_RE = re.compile(r"\.(?=(?:com|net|org|io|gov|edu|me)\b)")
 _DECIMAL_RE = re.compile(r"(?<=\d)\.(?=\d)")
 _DOTS_RE = re.compile(r"\.{2,}")
-_LONE_LETTER_SPACE_RE = re.compile(r"(?<=\s[A-Za-z])\.(?= )")  # "plan B. then"
-_LONE_LETTER_RE = re.compile(r"(?<=\s[A-Za-z])\.")  # after the acronyms: " U.S." stays one
+# a lone letter's period ends no sentence ("plan B. then"), but the pronoun I's does ("so did I. We left")
+_LONE_LETTER_SPACE_RE = re.compile(r"(?<=\s[A-HJ-Za-z])\.(?= )")
+_LONE_LETTER_RE = re.compile(r"(?<=\s[A-HJ-Za-z])\.")  # after the acronyms: " U.S." stays one
 _ACRONYM_END_RE = re.compile(r"\b([A-Z]\.[A-Z]\.(?:[A-Z]\.)?)(?= " + _STARTER + ")")
 _DOTTED_RE = re.compile(r"(?<![A-Za-z])([A-Za-z])\.([A-Za-z])\.(?:([A-Za-z])\.)?")
 _SUFFIX_END_RE = re.compile(r"(?<= )(Inc|Ltd|Jr|Sr|Co)\.(?= " + _STARTER + ")")
