@@ -5,7 +5,7 @@ or more above its start) without its held-out avg@4 falling more than 0.1 (held 
 reliably: +0.03, +0.03, -0.02 on seeds 0-2 there, 0.00, -0.08, +0.04 at 33f0479 (toy/add's level 0->1, 0->0 with a
 peak of 2, 0->1), -0.01, -0.05, +0.07 at 3f5064d on another machine (0->1, 0->0 peak 2, 0->1), -0.01, +0.01, -0.05 at
 8f05bc7 (aggregation prompts keep the phase's mix; 0->1 peak 3, 0->1 peak 2, 0->0 peak 2), -0.00, -0.07, +0.26 at
-RELAND (IFEval's keywords and "I.", math/toy answer forms: 0->0 peak 3, 0->0 peak 2, 0->1 peak 2): seed 0 is the one
+613793d (IFEval's keywords and "I.", math/toy answer forms: 0->0 peak 3, 0->0 peak 2, 0->1 peak 2): seed 0 is the one
 this test runs; where the level ends moves with the seed, its peak has been 2 or more on every seed since 3f5064d).
 
 The bounds sit below the worst of the seeds measured with this profile (README, "The tiny cascade",
@@ -21,7 +21,7 @@ judged without the blank lines after the thinking; the warm-up's SFT data change
 behavior +0.31/+0.24/+0.07, RLVE 3 of 3 on every seed; at 3f5064d (another AMD EPYC; grpo's length bonus after the
 normalisation, dynamic sampling's trained groups) warm-up +0.86/+0.77/+0.91, behavior +0.17/+0.20/+0.19, RLVE 3 of 3
 on every seed; at 8f05bc7 (aggregation prompts of the drawn problem's own environment) behavior +0.24/+0.25/+0.26, the
-rest the same; at RELAND (IFEval's keywords no longer hidden in common words) warm-up +0.88/+0.70/+0.72, behavior
+rest the same; at 613793d (IFEval's keywords no longer hidden in common words) warm-up +0.88/+0.70/+0.72, behavior
 +0.24/+0.22/+0.18, RLVE 3 of 3 on every seed; at 0af2c6d on another machine,
 60 behavior steps:
 +0.89/+0.86/+0.78, +0.10/+0.15/+0.21, +0.16/+0.10/+0.05), so the test fails when a change stops the recipe
