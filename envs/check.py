@@ -389,14 +389,19 @@ def check_ids(ids: list[str], difficulties: list[int], seeds: list[int], jobs: i
 
 def update_caps(results: list[CheckResult], difficulties: list[int], path=None, write: bool = True) -> dict:
     """Caps after ``results``: the caps found are recorded; a recorded cap is dropped when the check
-    covered a higher difficulty without hitting the time bound. Written to ``path`` if ``write``."""
+    covered a higher difficulty without hitting the time bound. A cap found above a recorded one replaces it
+    only where the check covered every difficulty between them (a time-out at ``d`` says nothing of the
+    difficulties below it that were not checked: one at 4 of a check of 4 alone would raise a cap of 1 to 3).
+    Written to ``path`` if ``write``."""
     from envs import caps as _caps
 
     caps = dict(_caps.load_caps(path))
     top = max(difficulties)
     for r in results:
         if r.cap is not None and r.cap >= 0:
-            caps[r.env_id] = {"max_difficulty": int(r.cap), "reason": r.cap_reason}
+            old = caps.get(r.env_id, {}).get("max_difficulty")
+            if old is None or r.cap <= old or set(range(old + 1, r.cap + 1)) <= set(difficulties):
+                caps[r.env_id] = {"max_difficulty": int(r.cap), "reason": r.cap_reason}
         elif r.cap is None and r.env_id in caps and caps[r.env_id]["max_difficulty"] < top and not r.failures:
             del caps[r.env_id]  # every checked difficulty now generates in time
     if write:

@@ -14,13 +14,17 @@ a policy writes. An environment with :class:`IsolatedCheck` therefore verifies i
    package);
 2. the score (``check_with``), within ``verify_time_limit``, where the packages' own calls of the builtin
    ``eval`` get :func:`safe_eval`, which evaluates literals and arithmetic only (no names but data
-   constants, never the scorer's own variables, no calls, no attributes, no ``%``-formatting of strings; integers and sequences of bounded
-   size, and no operation that could make a far larger one before its size is checked), and the code
+   constants, never the scorer's own variables, no calls, no attributes, no ``%``-formatting of strings;
+   integers of bounded size, and values of bounded weight: elements, characters and digits, an object held in
+   several places counted in each, so that no answer of a few characters renders as gigabytes of text; no
+   operation that could make a far larger value runs before its size is checked), and the code
    sympy's parser makes of a text (``sympify``, ``parse_expr``: Python, evaluated with every builtin in
    scope) must pass :func:`check_sympy_code` (calls of sympy's mathematics only) before it is evaluated.
 
 A worker that misses a deadline is killed, and the response scores zero (``reason``: the verifier did not
-finish); an exception in the scorer is a zero score with the error, as in-process. Where bubblewrap is
+finish); an exception in the scorer is a zero score with the error, as in-process. A worker's private memory is
+limited (``WORKER_DATA_BYTES``: ``verify_workers`` of them must not exhaust the host's): a scorer past it gets a
+``MemoryError`` (or its process dies: a zero score as well). Where bubblewrap is
 installed the workers run confined as well (:func:`confinement`: a read-only filesystem, no network, no
 capabilities), in case some other way in remains (a worker serves many answers: code one ran could rewrite
 the scorer for the next); without bwrap (or with ``CASCADE_VERIFY_UNCONFINED=1``) they run as this user, with a warning
@@ -48,9 +52,10 @@ from envs.base import Problem, Score
 from envs.workers import Pool, WorkerStartError, serve
 
 MAX_INT_BITS = 1 << 14     # a safe_eval integer (2**16384 is about 4,900 digits)
-MAX_ITEMS = 1 << 17        # a safe_eval string, list, tuple, dict or set
+MAX_ITEMS = 1 << 17        # the weight of a safe_eval value: its elements, characters and digits (see _weight)
 STARTUP_TIMEOUT = 120.0    # a fresh worker imports envs.base
 SHIP_CONTEXT_BYTES = 1 << 16  # a larger context is made again in the worker (cached there per problem)
+WORKER_DATA_BYTES = 4 << 30   # a worker's private memory (RLIMIT_DATA; a worker checking every adapter uses ~0.5 GB)
 
 _BIN = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow, ast.BitAnd: operator.and_,
@@ -63,12 +68,34 @@ _DATA = (int, float, complex, str, bytes, bool, type(None))
 _NAMES = {"True": True, "False": False, "None": None, "nan": math.nan, "inf": math.inf}
 
 
-def _size(v: Any) -> Any:
+def _weight(v: Any) -> int:
+    """What rendering ``v`` as text costs: its elements at every depth, its strings' and bytes' characters and its
+    integers' digits (``bit_length // 3``), an object held in several places counted in each (``[s] * 9`` weighs
+    ``9 * (1 + len(s))``: a scorer's ``str`` of it writes ``s`` 9 times). Counting stops past ``MAX_ITEMS``."""
+    total, todo = 0, [v]
+    while todo and total <= MAX_ITEMS:
+        x = todo.pop()
+        if isinstance(x, int):
+            total += x.bit_length() // 3
+        elif isinstance(x, (str, bytes)):
+            total += len(x)
+        elif isinstance(x, (list, tuple, set, frozenset, dict)):
+            total += len(x)
+            if total <= MAX_ITEMS:
+                todo.extend(x)
+                if isinstance(x, dict):
+                    todo.extend(x.values())
+    return total
+
+
+def _size(v: Any, weight: int) -> tuple[Any, int]:
+    """``(v, weight)``, refused past the bounds (see :func:`_weight`)."""
     if isinstance(v, int) and v.bit_length() > MAX_INT_BITS:
         raise ValueError(f"safe_eval: an integer of more than {MAX_INT_BITS} bits")
-    if isinstance(v, (str, bytes, list, tuple, dict, set, frozenset)) and len(v) > MAX_ITEMS:
-        raise ValueError(f"safe_eval: a value of more than {MAX_ITEMS} items")
-    return v
+    if weight > MAX_ITEMS:
+        raise ValueError(f"safe_eval: a value of more than {MAX_ITEMS} items (elements, characters and digits, "
+                         f"each time they appear)")
+    return v, weight
 
 
 def _data(v: Any) -> bool:
@@ -79,7 +106,9 @@ def _data(v: Any) -> bool:
     return isinstance(v, dict) and all(_data(k) and _data(x) for k, x in v.items())
 
 
-def _binop(op: type, a: Any, b: Any) -> Any:
+def _binop(op: type, a: tuple[Any, int], b: tuple[Any, int]) -> tuple[Any, int]:
+    """``a op b`` of ``(value, weight)`` pairs; what could grow past the bounds is refused before it runs."""
+    (a, wa), (b, wb) = a, b
     if op is ast.Pow and isinstance(a, int) and isinstance(b, int) and abs(a) > 1 and b > 0 \
             and b * a.bit_length() > MAX_INT_BITS:
         raise ValueError(f"safe_eval: a power of more than {MAX_INT_BITS} bits")
@@ -90,68 +119,76 @@ def _binop(op: type, a: Any, b: Any) -> Any:
         # would make the value before its size could be checked
         raise ValueError("safe_eval: %-formatting of a string is not allowed (its size is not bounded)")
     if op is ast.Mult:
-        for seq, k in ((a, b), (b, a)):
-            if isinstance(seq, (str, bytes, list, tuple)) and isinstance(k, int) and len(seq) * k > MAX_ITEMS:
-                raise ValueError(f"safe_eval: a value of more than {MAX_ITEMS} items")
-    return _size(_BIN[op](a, b))
+        for seq, w, k in ((a, wa, b), (b, wb, a)):
+            if isinstance(seq, (str, bytes, list, tuple)) and isinstance(k, int):
+                _size(None, w * k)  # (refused before it is made)
+                return seq * k, w * max(k, 0)
+    v = _BIN[op](a, b)
+    # a sequence, set or dict holds at most both operands' parts (+, |, &, -, ^); a number is weighed itself
+    return _size(v, wa + wb if isinstance(v, (str, bytes, list, tuple, set, frozenset, dict)) else _weight(v))
 
 
 def safe_eval(source: Any, globals: dict | None = None, locals: dict | None = None) -> Any:  # noqa: A002
-    """``eval`` of literals and arithmetic only: numbers, strings, lists, tuples, dicts and sets of them,
-    unary, binary (``**``, ``<<`` and sequence repetition bounded before they run; ``%``-formatting of a
-    string refused), boolean and comparison operators, subscripts, and names that hold data
-    (``True``/``False``/``None``/``nan``/``inf``, or data values of the scopes given). Never the caller's
-    scope: a scorer's ``eval(answer)`` would resolve an answer naming its local that holds the reference
-    (reasoning-gym's ``oracle_answer``, ``entry``) to that reference. Anything else (a call, an attribute, a
-    lambda, a comprehension, a code object) is a ``ValueError``."""
+    """``eval`` of literals and arithmetic only: numbers, strings, lists, tuples, dicts and sets of them, unary, binary
+    (``**``, ``<<`` and sequence repetition bounded before they run; ``%``-formatting of a string refused; a value
+    of more than ``MAX_ITEMS`` elements, characters and digits in all, a repeated object counted each time, refused:
+    see :func:`_weight`), boolean and comparison operators, subscripts, and names that hold data
+    (``True``/``False``/``None``/``nan``/``inf``, or data values of the scopes given). Never the caller's scope: a
+    scorer's ``eval(answer)`` would resolve an answer naming its local that holds the reference (reasoning-gym's
+    ``oracle_answer``, ``entry``) to that reference. Anything else (a call, an attribute, a lambda, a comprehension,
+    a code object) is a ``ValueError``."""
     if not isinstance(source, (str, bytes)):
         raise ValueError("safe_eval: only expression strings")
     scopes = [s for s in (locals, globals) if s is not None]
     tree = ast.parse(source.strip() if isinstance(source, str) else source.decode().strip(), mode="eval")
 
-    def ev(n: ast.AST) -> Any:
+    def ev(n: ast.AST) -> tuple[Any, int]:  # (value, weight)
         if isinstance(n, ast.Expression):
             return ev(n.body)
         if isinstance(n, ast.Constant):
-            return _size(n.value)
+            return _size(n.value, _weight(n.value))
         if isinstance(n, (ast.List, ast.Tuple, ast.Set)):
             items = [ev(x) for x in n.elts]
-            return _size({ast.List: list, ast.Tuple: tuple, ast.Set: set}[type(n)](items))
+            return _size({ast.List: list, ast.Tuple: tuple, ast.Set: set}[type(n)](v for v, _ in items),
+                         len(items) + sum(w for _, w in items))
         if isinstance(n, ast.Dict) and None not in n.keys:
-            return _size({ev(k): ev(v) for k, v in zip(n.keys, n.values)})
+            pairs = [(ev(k), ev(v)) for k, v in zip(n.keys, n.values)]
+            return _size({k: v for (k, _), (v, _) in pairs}, len(pairs) + sum(wk + wv for (_, wk), (_, wv) in pairs))
         if isinstance(n, ast.UnaryOp) and type(n.op) in _UNARY:
-            return _size(_UNARY[type(n.op)](ev(n.operand)))
+            v = _UNARY[type(n.op)](ev(n.operand)[0])
+            return _size(v, _weight(v))
         if isinstance(n, ast.BinOp) and type(n.op) in _BIN:
             return _binop(type(n.op), ev(n.left), ev(n.right))
         if isinstance(n, ast.BoolOp):
             v = ev(n.values[0])
             for x in n.values[1:]:
-                if (not v) if isinstance(n.op, ast.And) else v:
+                if (not v[0]) if isinstance(n.op, ast.And) else v[0]:
                     break
                 v = ev(x)
             return v
         if isinstance(n, ast.Compare) and all(type(o) in _CMP for o in n.ops):
-            left = ev(n.left)
+            left = ev(n.left)[0]
             for o, c in zip(n.ops, n.comparators):
-                right = ev(c)
+                right = ev(c)[0]
                 if not _CMP[type(o)](left, right):
-                    return False
+                    return False, 0
                 left = right
-            return True
+            return True, 0
         if isinstance(n, ast.Subscript):
-            return _size(ev(n.value)[ev(n.slice)])
+            v = ev(n.value)[0][ev(n.slice)[0]]
+            return _size(v, _weight(v))
         if isinstance(n, ast.Slice):
-            return slice(*(None if x is None else ev(x) for x in (n.lower, n.upper, n.step)))
+            return slice(*(None if x is None else ev(x)[0] for x in (n.lower, n.upper, n.step))), 0
         if isinstance(n, ast.Name):
             for s in scopes:
                 if n.id in s and _data(s[n.id]):
-                    return s[n.id]
+                    return s[n.id], _weight(s[n.id])
             if n.id in _NAMES:
-                return _NAMES[n.id]
+                return _NAMES[n.id], 0
             raise ValueError(f"safe_eval: name {n.id!r} is not a data value")
         raise ValueError(f"safe_eval: {type(n).__name__} is not allowed")
 
-    return ev(tree)
+    return ev(tree)[0]
 
 
 SCORER_PACKAGES = frozenset({"reasoning_gym", "reasoning_core", "Gym"})  # whose eval calls get safe_eval
@@ -274,7 +311,14 @@ def worker_main() -> None:
     global _IN_WORKER
     _IN_WORKER = True
     import logging
+    import resource
     import warnings
+
+    # RLIMIT_DATA, not RLIMIT_AS: the address space counts what torch (rlve-gym's scorers import it) and the
+    # shared libraries map without using; the data limit counts private writable memory only
+    soft, _ = resource.getrlimit(resource.RLIMIT_DATA)
+    cap = WORKER_DATA_BYTES if soft == resource.RLIM_INFINITY else min(soft, WORKER_DATA_BYTES)
+    resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
 
     warnings.filterwarnings("ignore")
     logging.disable(logging.CRITICAL)

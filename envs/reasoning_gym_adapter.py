@@ -1,18 +1,18 @@
 """reasoning-gym datasets as environments ``rg/<name>``.
 
-Every dataset registered in ``reasoning_gym.factory.DATASETS`` becomes an environment. Difficulty
-``d`` sets the dataset's curriculum (where it has one) to global level ``d`` (each attribute
-clamped to its last level) and takes that level's range (``upper_bound`` mode, else
-``inclusive``); a level whose configuration reasoning-gym itself rejects falls back to the level
-below. ``max_difficulty`` is the highest level whose configuration differs from the one below (the
-last level of a range attribute repeats the level below's range); datasets without a curriculum
-ignore the difficulty (``max_difficulty = 0``). ``generate(seed, d)`` builds the dataset with that
-seed and size 1 and takes its item; an item that reasoning-gym fails to generate is retried with
-derived 32-bit seeds. ``verify`` scores the
-extracted answer (last ``\\boxed{}`` or ``<answer>...</answer>``) with the dataset's own
-``score_answer``; full credit (1.0) is ``correct``, where the answer also passes the exact check of
-``EXACT`` (datasets whose scorer gives full credit to wrong answers: tolerances, ignored signs, prefixes);
-``LEVEL_CAPS`` stops the curriculum of datasets whose higher levels one constant answer solves, and
+Every dataset registered in ``reasoning_gym.factory.DATASETS`` becomes an environment. Difficulty ``d`` sets
+the dataset's curriculum (where it has one) to global level ``d`` (each attribute clamped to its last level)
+and takes that level's range (``upper_bound`` mode, else ``inclusive``); a level whose configuration
+reasoning-gym itself rejects falls back to the level below. ``max_difficulty`` is the highest level whose
+configuration, as used (after that fallback), differs from the one below (the last level of a range attribute
+repeats the level below's range); datasets without a curriculum ignore the difficulty
+(``max_difficulty = 0``). ``generate(seed, d)`` builds the dataset with that seed and size 1 and takes its
+item; an item that reasoning-gym fails to generate is retried with derived 32-bit seeds. ``verify`` scores
+the extracted answer (last ``\\boxed{}`` or ``<answer>...</answer>``) with the dataset's own
+``score_answer``; full credit (1.0) is
+``correct``, where the answer also passes the exact check of ``EXACT`` (datasets whose scorer gives full
+credit to wrong answers: tolerances, ignored signs, prefixes); ``LEVEL_CAPS`` stops the curriculum of datasets
+whose higher levels one constant answer solves (or that make the same problems at every level), and
 ``CONFIG_OVERRIDES`` rebalances the answers of others.
 
 reasoning-gym is imported only when an ``rg/`` environment is built. Its dataset names are cached
@@ -63,9 +63,11 @@ NO_ORACLE = {
     "rush_hour": "no gold answer: reasoning-gym replays the proposed moves",
 }
 
-# Highest curriculum level used, where one constant answer is right on most problems above it.
+# Highest curriculum level used, where one constant answer is right on most problems above it, or the levels above
+# make the same problems.
 LEVEL_CAPS = {
     "game_of_life": 0,    # from level 1 the boards grow but keep 10 live cells: all die, the all-zero grid scores 1.0
+    "self_reference": 0,  # its generator passes the difficulty to helpers that ignore it: 10 levels, identical problems
     "rotten_oranges": 1,  # -1 ("cannot all rot") is the answer of 85-100% of the problems from level 2
     "gcd": 1,             # 4 and 5 numbers from level 2: 1 is the gcd of 76-87% of them (23% at 0, 55% at 1)
 }
@@ -186,6 +188,7 @@ class ReasoningGymEnv(IsolatedCheck, BoxedOrTagged, Environment):
         self.no_reference_reason = NO_ORACLE.get(name, "")
         self._dataset_cls, self._config_cls = DATASETS[name]
         self._curriculum_cls = CURRICULA.get(name)
+        self._level_configs: dict[int, object] = {}  # (reasoning-gym's configuration per level: _level_config)
         if self._curriculum_cls is not None:
             attrs = self._curriculum_cls().attributes.values()
             self.max_difficulty = self._distinct_top(min(max((len(a.levels) - 1 for a in attrs), default=0),
@@ -202,19 +205,15 @@ class ReasoningGymEnv(IsolatedCheck, BoxedOrTagged, Environment):
 
     # -- configuration per difficulty ------------------------------------------------------------
     def _distinct_top(self, top: int) -> int:
-        """The highest level up to ``top`` whose configuration differs from the level below's: in reasoning-gym's
-        UPPER_BOUND mode a range attribute's top level is the range of the level below (42 datasets), so a
-        curriculum would spend a promotion on no harder problems."""
-        from reasoning_gym.coaching.base_curriculum import DefaultCurriculumContext, RangeAttributeMode
-
-        def cfg(level: int):
-            try:
-                cur = self._curriculum_cls()
-                cur.set_global_level(level)
-                return cur.generate_configuration(context=DefaultCurriculumContext(mode=RangeAttributeMode.UPPER_BOUND))
-            except Exception:  # noqa: BLE001 - a level reasoning-gym rejects: not a copy (config() falls back)
-                return None
-        while top > 0 and (here := cfg(top)) is not None and here == cfg(top - 1):
+        """The highest level up to ``top`` whose configuration, as :meth:`config` uses it, differs from the level
+        below's: in reasoning-gym's UPPER_BOUND mode a range attribute's top level is the range of the level below
+        (42 datasets), and a level reasoning-gym rejects falls back to the level below (caesar_cipher's 2,
+        rubiks_cube's 4), so a curriculum would spend a promotion on no harder problems."""
+        def used(level: int):
+            while level >= 0 and (cfg := self._level_config(level)) is None:
+                level -= 1
+            return level, cfg
+        while top > 0 and ((here := used(top))[0] == (below := used(top - 1))[0] or here[1] == below[1]):
             top -= 1
         return top
 
@@ -222,6 +221,9 @@ class ReasoningGymEnv(IsolatedCheck, BoxedOrTagged, Environment):
         """reasoning-gym's configuration at curriculum ``level`` (None if it rejects every mode)."""
         from reasoning_gym.coaching.base_curriculum import DefaultCurriculumContext, RangeAttributeMode
 
+        if level in self._level_configs:
+            return self._level_configs[level]
+        got = None
         for mode in (RangeAttributeMode.UPPER_BOUND, RangeAttributeMode.INCLUSIVE):
             try:
                 cur = self._curriculum_cls()
@@ -229,10 +231,12 @@ class ReasoningGymEnv(IsolatedCheck, BoxedOrTagged, Environment):
                 cfg = cur.generate_configuration(context=DefaultCurriculumContext(mode=mode))
                 cfg = dataclasses.replace(cfg, seed=0, size=1, **CONFIG_OVERRIDES.get(self.name, {}))
                 self._dataset_cls(config=cfg)  # validates
-                return cfg
+                got = cfg
+                break
             except Exception:  # noqa: BLE001 - reasoning-gym rejects some of its own levels
                 continue
-        return None
+        self._level_configs[level] = got
+        return got
 
     def config(self, difficulty: int):
         """(configuration, effective level) used at ``difficulty``."""

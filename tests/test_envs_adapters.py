@@ -73,6 +73,29 @@ def test_slow_generator_is_capped_below_the_level_it_exceeds(tmp_path):
     assert update_caps([CheckResult("test/slow_gen", [], 0.1)], [0, 1, 2, 3], caps_file) == {}
 
 
+def test_a_check_of_higher_difficulties_only_never_raises_a_recorded_cap(tmp_path):
+    """A time-out at difficulty d caps at d - 1, which replaced any recorded cap: `cascade envs check rg/jugs
+    --difficulties 4` raised jugs' cap from 1 (difficulty 2 had timed out) to 3, with 2 and 3 never checked. A cap is
+    raised only where the check covered every difficulty from the recorded cap + 1 up to the new one."""
+    from envs.check import CheckResult
+
+    caps_file = tmp_path / "caps.json"
+    caps_file.write_text(json.dumps({"x/slow": {"max_difficulty": 1, "reason": "difficulty=2 took over 10s"}}))
+
+    def timed_out_at(d, lowest):
+        return CheckResult("x/slow", [f"x/slow d={d} seed=0: ... at the lowest difficulty checked"] if lowest else [],
+                           10.0, {}, d - 1, f"generate(seed=0, difficulty={d}) took over 10s")
+    for diffs, d in (([4], 4), ([3, 4, 5], 3), ([0, 1, 2, 4], 4), ([2, 4], 4)):
+        got = update_caps([timed_out_at(d, lowest=d == min(diffs))], diffs, caps_file, write=False)
+        assert got["x/slow"] == {"max_difficulty": 1, "reason": "difficulty=2 took over 10s"}, diffs
+    assert update_caps([timed_out_at(1, True)], [1, 2], caps_file, write=False)["x/slow"]["max_difficulty"] == 0
+    for diffs in ([0, 1, 2, 3, 4], [2, 3, 4]):  # 2 and 3 generate in time now: raised
+        got = update_caps([timed_out_at(4, False)], diffs, caps_file, write=False)["x/slow"]
+        assert got == {"max_difficulty": 3, "reason": "generate(seed=0, difficulty=4) took over 10s"}, diffs
+    caps_file.unlink()
+    assert update_caps([timed_out_at(4, True)], [4], caps_file, write=False)["x/slow"]["max_difficulty"] == 3
+
+
 def test_cli_check_records_the_cap(tmp_path, capsys):
     caps_file = tmp_path / "caps.json"
     assert envs_main(["check", "test/slow_gen", "--difficulties", "0-2", "--seeds", "1",
@@ -464,3 +487,30 @@ def test_rg_time_intervals_negative_gold_answers_are_kept_and_credited():
     assert env.verify(p, f"<answer>{gold}</answer>").correct
     bad = env.verify(p, f"<answer>{gold[1:]}</answer>")
     assert not bad.correct and bad.reward == 0.0, bad
+
+
+def test_rg_top_difficulty_is_a_level_reasoning_gym_accepts():
+    """A level reasoning-gym rejects falls back to the level below, but max_difficulty compared the raw curriculum
+    configurations: caesar_cipher's top (2) and rubiks_cube's (4) made the problems of the level below (levels used
+    [0, 1, 1] and [0, 1, 2, 3, 3]), a promotion for nothing. The top is the highest level whose configuration, as
+    used, differs from the one below's."""
+    pytest.importorskip("reasoning_gym")
+    assert (get_env("rg/caesar_cipher")._top, get_env("rg/rubiks_cube")._top) == (1, 3)
+    for eid in [i for i in list_envs() if i.startswith("rg/")]:
+        env = get_env(eid)
+        top = env._top  # (the curriculum's own top: max_difficulty may be lowered by a recorded time cap)
+        if top > 0:
+            assert env.config(top)[1] == top and env.config(top)[0] != env.config(top - 1)[0], eid
+    env = get_env("rg/caesar_cipher")
+    assert [env.generate(s, 1).prompt for s in range(4)] != [env.generate(s, 0).prompt for s in range(4)]
+
+
+def test_rg_self_reference_levels_make_the_same_problems_and_are_not_used():
+    """reasoning-gym's self_reference passes its difficulty to helpers that ignore it: its 10 levels make identical
+    problems, and a curriculum climbed them for nothing."""
+    pytest.importorskip("reasoning_gym")
+    env = get_env("rg/self_reference")
+    cfg0, cfg9 = env._level_config(0), env._level_config(9)
+    assert cfg0.difficulty != cfg9.difficulty
+    assert env._fresh(cfg0, 3)[1]["question"] == env._fresh(cfg9, 3)[1]["question"]  # (what the cap rests on)
+    assert env.max_difficulty == 0

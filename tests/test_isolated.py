@@ -36,9 +36,17 @@ class Chatty(IsolatedCheck, Environment):
             time.sleep(60)
         if response == "raise":
             raise KeyError("the scorer broke")
-        if response == "status":  # what the worker may do: its capabilities
+        if response == "hog":  # more memory than a worker may take
+            from envs.isolated import WORKER_DATA_BYTES
+
+            bytearray(WORKER_DATA_BYTES + (1 << 30))
+        if response == "status":  # what the worker may do: its capabilities, its memory; what it imported
+            import resource
+            import sys
+
             caps = [ln.split()[1] for ln in open("/proc/self/status") if ln.startswith("CapEff")]
-            return Score(0.0, False, True, {"cap_eff": int(caps[0], 16)})
+            return Score(0.0, False, True, {"cap_eff": int(caps[0], 16), "torch": "torch" in sys.modules,
+                                            "data_limit": resource.getrlimit(resource.RLIMIT_DATA)[0]})
         ok = response.strip() == context["gold"]
         return Score(float(ok), ok, True, {"pid": os.getpid()})
 
@@ -258,3 +266,56 @@ def test_workers_tell_a_crash_from_a_deadline_and_take_descriptors_past_1023(tmp
             pool.call("z", [30])
     finally:
         pool.close()
+
+
+def test_safe_eval_bounds_the_total_of_a_value_that_repeats_one_object():
+    """Each list and string within MAX_ITEMS, but one row held 100,000 times: ``[['a'*100000]*100000]*2`` passed, and
+    a scorer's str() or join of it (spiral_matrix, binary_matrix, n_queens, string_insertion) took 4 GB and more
+    before its deadline stopped it. The weight of a value counts each element, character and digit every time it
+    appears."""
+    from envs.isolated import MAX_ITEMS
+
+    for bomb in ("[['a'*100000]*100000]*2", "[[0]*100000]*100000", "[2**8000]*100000", "['ab'*60000]*2",
+                 "[['x']*60000]+[['y']*60000]*2", "(('a'*1000,)*100,)*100"):
+        t = time.monotonic()
+        with pytest.raises(ValueError, match="safe_eval"):
+            safe_eval(bomb)
+        assert time.monotonic() - t < 1, bomb
+    assert safe_eval("[[0]*3]*2") == [[0, 0, 0]] * 2 and len(safe_eval(f"'a'*{MAX_ITEMS}")) == MAX_ITEMS
+    assert safe_eval("[['ab']*10]*10+[[1]]")[-1] == [1] and safe_eval("'ab'*3 + 'c'") == "abababc"
+
+
+def test_an_answer_that_repeats_one_row_scores_nothing_at_once():
+    """A 40-character answer whose text is ~20 GB: refused by safe_eval (the scorer catches the error), not rendered
+    until the deadline kills the worker."""
+    pytest.importorskip("reasoning_gym")
+    env = get_env("rg/spiral_matrix")
+    p = env.generate(0, 0)
+    assert env.verify(p, env.reference_response(p)).correct  # (the worker started: the clock is the score's)
+    t = time.monotonic()
+    s = env.verify(p, "<answer>[['a'*100000]*100000]*2</answer>")
+    assert time.monotonic() - t < 3 and s.reward == 0 and "did not finish" not in str(s.info), s
+
+
+def test_a_worker_has_a_memory_limit_and_one_that_imported_torch_works_under_it():
+    """Workers had no memory limit (the message of a dead one said they had): ``verify_workers`` of them rendering
+    answers of gigabytes could exhaust the host. An allocation past the limit is a ``MemoryError`` (a zero score
+    with the error; the worker goes on); a worker that imported torch (rlve-gym's scorers do) still scores."""
+    from envs.isolated import WORKER_DATA_BYTES
+
+    _POOL.close()
+    try:
+        env = get_env("tests.test_isolated:Chatty")
+        p = env.generate(0, 0)
+        hog = env.verify(p, "hog")
+        assert hog.reward == 0 and "MemoryError" in hog.info["error"], hog
+        assert env.verify(p, "ok").correct
+        pytest.importorskip("Gym")
+        rlve = get_env("rlve/Multiplication")
+        q = rlve.generate(0, 3)
+        assert rlve.verify(q, rlve.reference_response(q)).correct and not rlve.verify(q, "<answer>-1</answer>").correct
+        status = env.verify(p, "status").info  # (the same worker: one caller)
+        assert status["torch"] and status["data_limit"] == WORKER_DATA_BYTES, status
+        assert "MemoryError" in env.verify(p, "hog").info["error"] and env.verify(p, "ok").correct
+    finally:
+        _POOL.close()
