@@ -388,8 +388,8 @@ def check_ids(ids: list[str], difficulties: list[int], seeds: list[int], jobs: i
 
 
 def update_caps(results: list[CheckResult], difficulties: list[int], path=None, write: bool = True) -> dict:
-    """Caps after ``results``: the caps found are recorded; a recorded cap is dropped when the check
-    covered a higher difficulty without hitting the time bound. A cap found above a recorded one replaces it
+    """Caps after ``results``: the caps found are recorded; a recorded cap is dropped when the check covered every
+    difficulty above it without hitting the time bound. A cap found above a recorded one replaces it
     only where the check covered every difficulty between them (a time-out at ``d`` says nothing of the
     difficulties below it that were not checked: one at 4 of a check of 4 alone would raise a cap of 1 to 3).
     Written to ``path`` if ``write``."""
@@ -402,8 +402,9 @@ def update_caps(results: list[CheckResult], difficulties: list[int], path=None, 
             old = caps.get(r.env_id, {}).get("max_difficulty")
             if old is None or r.cap <= old or set(range(old + 1, r.cap + 1)) <= set(difficulties):
                 caps[r.env_id] = {"max_difficulty": int(r.cap), "reason": r.cap_reason}
-        elif r.cap is None and r.env_id in caps and caps[r.env_id]["max_difficulty"] < top and not r.failures:
-            del caps[r.env_id]  # every checked difficulty now generates in time
+        elif r.cap is None and r.env_id in caps and not r.failures and \
+                set(range(caps[r.env_id]["max_difficulty"] + 1, top + 1)) <= set(difficulties):
+            del caps[r.env_id]  # every difficulty past the cap was checked and now generates in time
     if write:
         _caps.save_caps(caps, path)
     return caps

@@ -76,7 +76,8 @@ def test_slow_generator_is_capped_below_the_level_it_exceeds(tmp_path):
 def test_a_check_of_higher_difficulties_only_never_raises_a_recorded_cap(tmp_path):
     """A time-out at difficulty d caps at d - 1, which replaced any recorded cap: `cascade envs check rg/jugs
     --difficulties 4` raised jugs' cap from 1 (difficulty 2 had timed out) to 3, with 2 and 3 never checked. A cap is
-    raised only where the check covered every difficulty from the recorded cap + 1 up to the new one."""
+    raised only where the check covered every difficulty from the recorded cap + 1 up to the new one, and dropped
+    only where it covered every difficulty above it."""
     from envs.check import CheckResult
 
     caps_file = tmp_path / "caps.json"
@@ -92,6 +93,10 @@ def test_a_check_of_higher_difficulties_only_never_raises_a_recorded_cap(tmp_pat
     for diffs in ([0, 1, 2, 3, 4], [2, 3, 4]):  # 2 and 3 generate in time now: raised
         got = update_caps([timed_out_at(4, False)], diffs, caps_file, write=False)["x/slow"]
         assert got == {"max_difficulty": 3, "reason": "generate(seed=0, difficulty=4) took over 10s"}, diffs
+    in_time = CheckResult("x/slow", [], 1.0, {}, None, "")
+    for diffs in ([5], [0, 1, 2, 4, 5]):  # a check that skipped a level above the cap does not drop it
+        assert update_caps([in_time], diffs, caps_file, write=False)["x/slow"]["max_difficulty"] == 1, diffs
+    assert "x/slow" not in update_caps([in_time], [2, 3, 4, 5], caps_file, write=False)
     caps_file.unlink()
     assert update_caps([timed_out_at(4, True)], [4], caps_file, write=False)["x/slow"]["max_difficulty"] == 3
 
