@@ -434,6 +434,10 @@ class RunConfig:
         missing = [s for s in self.order if s not in self.stages]
         if missing:
             raise ValueError(f"order names stages without a config: {missing}; configured: {sorted(self.stages)}")
+        repeated = sorted({s for s in self.order if self.order.count(s) > 1})
+        if repeated:  # (a stage runs once per run directory: a second entry only reported it again)
+            raise ValueError(f"order names {', '.join(repeated)} more than once ({', '.join(self.order)}); a stage runs "
+                             f"once in a run directory")
 
 
 class _Loader(yaml.SafeLoader):

@@ -161,11 +161,12 @@ def shared_cores_note(cfg, cores: int | None = None, trainer_threads: int | None
             f"and rl.max_staleness without rollout.servers overlaps generation and training in this process")
 
 
-def _check_model_refs(cfg, out: Path) -> None:
+def _check_model_refs(cfg, out: Path, fresh: bool = False) -> None:
     """Reward models, KL references, aggregation experts and SFT teachers (local directories, Hub ids, or for
     the last two a stage that runs before theirs or finished in ``out``), and datasets (an environment's
     ``path``, ``sft.data``: local files or Hub ids) fail now, in one line, when they cannot be had (not cached
-    while offline, no such file or directory), rather than when their stage starts."""
+    while offline, no such file or directory), rather than when their stage starts. ``fresh`` (overwrite=true):
+    no stage counts as finished in ``out``, whose run is about to be deleted."""
     from cascade.checkpoint import is_complete
     from envs.hub import is_hub_id, resolve_dataset, resolve_model
 
@@ -176,9 +177,11 @@ def _check_model_refs(cfg, out: Path) -> None:
         for what, key, ref in [("aggregation expert", "aggregation.expert", s.aggregation.expert),
                                ("SFT teacher", "sft.aggregation.teacher", s.sft.aggregation.teacher)]:
             if ref in cfg.stages:  # a stage of this run: one that runs before, or finished in an earlier run
-                if ref not in cfg.order[:i] and not any(is_complete(f) for f in out.glob(f"stages/*-{ref}/final")):
+                done = not fresh and any(is_complete(f) for f in out.glob(f"stages/*-{ref}/final"))
+                if ref not in cfg.order[:i] and not done:
                     raise FileNotFoundError(f"stages.{name}.{key}={ref}: stage {ref!r} neither runs before {name!r} "
-                                            f"(order: {', '.join(cfg.order)}) nor finished in {str(out)!r}")
+                                            f"(order: {', '.join(cfg.order)}) nor finished in {str(out)!r}"
+                                            + (" (overwrite=true deletes the run there)" if fresh else ""))
             elif ref:
                 refs.append((what, key, ref))
         for what, key, ref in refs:
@@ -318,6 +321,9 @@ def main(argv: list[str]) -> int:
     overrides = parse_overrides(argv)
     flags = _flags(overrides)
     cfg, tree = load_run_config(overrides)
+    if cfg.model is not None and not str(cfg.model).strip():  # not a fresh policy: `model=$CKPT` with CKPT unset
+        raise ValueError("model= is empty (an unset variable?): name a checkpoint, or leave model= out (model=null) "
+                         "for a fresh model_preset policy")
     if flags["print_config"]:
         import dataclasses
 
@@ -337,14 +343,15 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(cfg.threads)
     if cfg.model:
         _initial_model(cfg, out)  # a bad model path fails here, before any work
-    _check_model_refs(cfg, out)
+    _check_model_refs(cfg, out, fresh=flags["overwrite"])  # (overwrite=true: against the run about to start)
     from cascade.stagedata import check_env_kwargs
 
     for name in cfg.order:  # unknown environments (of the mix, its sources or its phases) and settings fail here too
         check_env_kwargs(cfg.stages[name], name)
     _check_sandbox(cfg)
-    if cfg.rollout.urls and not _all_finished(cfg, tree, out):  # unreachable servers, or servers disagreeing on
-        # the model, fail here too (a rerun of a finished run needs none: it only prints what the stages did)
+    if cfg.rollout.urls and (flags["overwrite"] or not _all_finished(cfg, tree, out)):  # unreachable servers, or
+        # servers disagreeing on the model, fail here too (a rerun of a finished run needs none: it only prints what
+        # the stages did; with overwrite=true nothing stays finished)
         from cascade.rollout import url_key
         from train.engine.remote import RemoteEngine
 

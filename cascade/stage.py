@@ -119,7 +119,7 @@ class StageRunner:
         from envs.curriculum import Curriculum
 
         s = self.scfg
-        from cascade.stagedata import union_mix
+        from cascade.stagedata import controller_settings, union_mix
 
         weights = union_mix(self.mixes)  # every phase's environments (apply_phase sets the phase's mix)
         environments = {}
@@ -129,11 +129,8 @@ class StageRunner:
             rm = RewardModel(s.reward_model.path, s.reward_model.max_len, self.rcfg.device)
             for e in weights:
                 environments[e] = GatedRewardEnv(get_env(e, **s.env_kwargs.get(e, {})), rm, s.reward_model.scale)
-        kw = dict(s.controller_kwargs or {})
-        if s.controller == "rlve" and not {"group_size", "tau_num"} & set(kw):
-            kw["group_size"] = s.rl.group_size  # RLVE's window counts tau_prompts groups of the stage's size
         return Curriculum(weights, controller=s.controller, mode=s.sampling_mode, seed=self.rcfg.seed + self.index,
-                          controller_kwargs=kw, env_kwargs=s.env_kwargs, environments=environments)
+                          controller_kwargs=controller_settings(s), env_kwargs=s.env_kwargs, environments=environments)
 
     def run(self, start_dir: Path) -> Path:
         """Run (or resume) the stage; returns the ``final/`` checkpoint directory."""

@@ -53,8 +53,8 @@ def stage_mixes(s: StageConfig, name: str = "") -> list[dict[str, float]]:
 
 def check_env_kwargs(s: StageConfig, name: str) -> None:
     """Every ``env_kwargs`` entry names an environment of the stage's mix and settings its constructor takes,
-    ``controller_kwargs`` settings the stage's difficulty controller takes, and ``sft.envs`` environments
-    that exist (a one-line ConfigError naming what is valid, before any stage runs)."""
+    ``controller_kwargs`` settings and values the stage's difficulty controller takes, and ``sft.envs``
+    environments that exist (a one-line ConfigError naming what is valid, before any stage runs)."""
     import inspect
 
     from envs.base import check_env_kwargs as check
@@ -83,6 +83,20 @@ def check_env_kwargs(s: StageConfig, name: str) -> None:
         raise ConfigError(f"stages.{name}.controller_kwargs: the {s.controller} controller takes no setting "
                           f"{', '.join(bad)}; it takes: {', '.join(takes)} (settings of the configured controller "
                           f"merge with yours: controller_kwargs={{...}} replaces them all)")
+    try:  # the values too (explore=0.7, up=abc), as the stage builds it; a controller draws from its own generator
+        CONTROLLERS[s.controller](**controller_settings(s))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"stages.{name}.controller_kwargs: {e}") from None
+
+
+def controller_settings(s: StageConfig) -> dict:
+    """The settings the stage's difficulty controller is built with: ``controller_kwargs``, and for ``rlve``
+    without ``group_size`` or ``tau_num`` the stage's ``rl.group_size`` (its window counts ``tau_prompts`` groups
+    of the stage's size)."""
+    kw = dict(s.controller_kwargs or {})
+    if s.controller == "rlve" and not {"group_size", "tau_num"} & set(kw):
+        kw["group_size"] = s.rl.group_size
+    return kw
 
 
 def union_mix(mixes: list[dict[str, float]]) -> dict[str, float]:

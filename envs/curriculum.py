@@ -16,7 +16,9 @@ scores of finished rollouts:
 
 A rollout counts as correct when its score is ``correct`` (a :class:`Score`), ``True``, or a
 number ``>= 1`` (full credit, RLVE's accuracy). All state is plain data: ``state_dict()`` is
-JSON-serialisable and ``load_state_dict`` restores it exactly.
+JSON-serialisable and ``load_state_dict`` restores what a controller learned (its ``state_keys``: levels,
+counts, the calibration pool), exactly; its settings (``up``, ``tau_acc``, ...) stay the ones it was built with,
+so a run resumed with other settings follows them.
 
 **Caps.** An environment's ``max_difficulty`` can fall during a run (a time-bounded ``generate``,
 ``envs/caps.py``, makes the problem one level lower and caps the level) and differ between runs (a
@@ -61,6 +63,7 @@ class Controller:
     """Base: ``sample(rng) -> difficulty``, ``update(difficulty, scores)``, state round-trip."""
 
     name = ""
+    state_keys: tuple[str, ...] = ()  # what the controller learned; its other attributes are its settings
 
     def sample(self, rng: random.Random) -> int:
         raise NotImplementedError
@@ -77,10 +80,13 @@ class Controller:
         return copy.deepcopy(self.__dict__)
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore the ``state_keys`` of ``state``; the settings it also holds (the checkpoint's) give way to
+        this controller's (a resumed run's configuration), and its cap to the one :meth:`follow_cap` hands over."""
         unknown = set(state) - set(self.__dict__) - {"max_difficulty"}  # follow_cap may have set it
         if unknown:
             raise ValueError(f"{type(self).__name__}.load_state_dict: unknown keys {sorted(unknown)}")
-        for k, v in state.items():
+        for k in self.state_keys:
+            v = state[k]
             setattr(self, k, copy.deepcopy(list(v) if isinstance(v, tuple) else v))
 
 
@@ -103,6 +109,7 @@ class Fixed(Controller):
 
 class RLVEWindow(Controller):
     name = "rlve"
+    state_keys = ("high", "n", "k")  # (``low`` follows ``high`` and the configured ``d_window``)
 
     def __init__(self, group_size: int = 16, tau_prompts: int = 8, tau_acc: float = 0.9,
                  d_window: int = 4, max_difficulty: int | None = None, tau_num: int | None = None):
@@ -128,6 +135,10 @@ class RLVEWindow(Controller):
             self.high = high
             self.low = max(0, high - self.d_window + 1)
             self.n = self.k = 0
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.low = max(0, self.high - self.d_window + 1)
 
     def sample(self, rng: random.Random) -> int:
         return rng.randint(self.low, self.high)
@@ -194,6 +205,9 @@ class ZayaScheduler(Controller):
     """
 
     name = "zaya"
+    # (``start`` and ``calibration_groups`` set where a new controller begins; a resumed one goes on from its state)
+    state_keys = ("difficulty", "calibrating", "calibration_left", "seed", "candidates", "logw", "history", "folded",
+                  "resamples")
 
     def __init__(self, up: float = 0.7, start: int | None = None, calibration_groups: int = 8,
                  max_difficulty: int | None = None, pool_size: int = 64, prior_mu: float = 3.0,
@@ -317,6 +331,11 @@ class ZayaScheduler(Controller):
         top = max(logw)
         self.logw = [v - top for v in logw]
 
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if self.candidates:  # a drawn pool keeps its size (pool_size sets the size of one not drawn yet)
+            self.pool_size = len(self.candidates)
+
     # -- controller -----------------------------------------------------------------------------
     def follow_cap(self, max_difficulty: int | None) -> None:
         """Take the cap and lower ``d`` to it (calibration probes are clamped to it as they are drawn)."""
@@ -408,7 +427,9 @@ class Curriculum:
 
     Each controller follows its environment's current ``max_difficulty``: it is handed over before
     every sample and update, in :meth:`difficulties`, and after :meth:`load_state_dict` (the
-    checkpoint's cap never overrides the environment's).
+    checkpoint's cap never overrides the environment's). :meth:`load_state_dict` takes back the mix weights,
+    counts, generator and what the controllers learned; the sampling mode and the controllers' settings stay
+    this curriculum's (a resume follows changed ones), and a checkpoint of another controller kind is refused.
     """
 
     def __init__(self, envs: dict[str, float] | Iterable[str], controller: str = "rlve",
@@ -544,12 +565,13 @@ class Curriculum:
         if set(state["weights"]) != set(self.weights):
             raise ValueError(f"curriculum state is for environments {sorted(state['weights'])}, "
                              f"this curriculum has {sorted(self.weights)}")
-        self.mode = state["mode"]
         self.weights = {k: float(v) for k, v in state["weights"].items()}
         self.counts = {k: int(v) for k, v in state["counts"].items()}
         for k, cs in state["controllers"].items():
-            if self.controllers[k].name != cs["name"]:
-                self.controllers[k] = CONTROLLERS[cs["name"]]()
+            if self.controllers[k].name != cs["name"]:  # a level of one kind is no state of the other
+                raise ValueError(f"controller={self.controllers[k].name}, but the checkpoint's curriculum ran the "
+                                 f"{cs['name']} difficulty controller ({k}): resume with controller={cs['name']}, or "
+                                 f"start the stage afresh")
             self.controllers[k].load_state_dict(cs["state"])
             self._follow_cap(k)  # the environment's cap now, not the checkpoint's
         v, internal, gauss = state["rng"]

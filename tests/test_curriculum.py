@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from collections import Counter
 
 import pytest
@@ -259,3 +260,38 @@ def test_peek_draws_what_sample_would_and_leaves_the_curriculum_as_it_was():
     assert key(resumed.peek(random.Random("aggregation_sft"), 6)) == first
     assert resumed.counts == c.counts == {"toy/add": 0, "toy/max": 0}
     assert key(c.sample(random.Random(1), 4)) == key(build().sample(random.Random(1), 4))  # RL's draws unchanged
+
+
+def test_resume_keeps_configured_controller_thresholds():
+    """A resumed curriculum takes back what its controllers learned (levels, counts, the calibration pool) and
+    keeps this run's settings: the checkpoint's ``up``, ``tau_acc``, ``d_window`` and sampling mode replaced the
+    configured ones, and a checkpoint of another controller kind replaced the configured controller."""
+    a = Curriculum({"toy/max": 1}, controller="zaya", controller_kwargs={"up": 0.7, "start": 0})
+    for d in range(3):
+        a.update("toy/max", d, [True] * 4)
+    saved = json.loads(json.dumps(a.state_dict()))
+    b = Curriculum({"toy/max": 1}, controller="zaya", mode="least_sampled", controller_kwargs={"up": 0.95, "start": 0})
+    b.load_state_dict(saved)
+    ctrl = b.controllers["toy/max"]
+    assert (ctrl.up, ctrl.difficulty, b.mode) == (0.95, 3, "least_sampled")
+    ctrl.update(3, [True] * 4 + [False])         # 0.8: above the old 0.7, not the configured 0.95
+    assert ctrl.difficulty == 3
+
+    kw = {"group_size": 1, "tau_prompts": 1, "tau_acc": 0.5, "d_window": 4}
+    a = Curriculum({"toy/max": 1}, controller="rlve", controller_kwargs=kw)
+    for h in range(5):
+        a.update("toy/max", h, [True])
+    a.update("toy/max", 5, [True, False, False])  # tau_num 1: counted and reset; 1/3 < 0.5 holds high
+    assert a.difficulties() == {"toy/max": [2, 5]}
+    saved = json.loads(json.dumps(a.state_dict()))
+    b = Curriculum({"toy/max": 1}, controller="rlve", controller_kwargs=dict(kw, tau_acc=0.3, d_window=2))
+    b.load_state_dict(saved)
+    assert b.difficulties() == {"toy/max": [4, 5]}   # the configured window over the checkpoint's high
+    b.update("toy/max", 5, [True, False, False])      # 1/3 >= the configured 0.3
+    assert b.difficulties() == {"toy/max": [5, 6]}
+
+    c = Curriculum({"toy/max": 1}, controller="rlve")
+    with pytest.raises(ValueError, match=re.escape("controller=rlve, but the checkpoint's curriculum ran the zaya "
+                                                   "difficulty controller")):
+        c.load_state_dict(json.loads(json.dumps(
+            Curriculum({"toy/max": 1}, controller="zaya", controller_kwargs={"start": 0}).state_dict())))

@@ -328,6 +328,10 @@ def test_good_templates_and_sft_settings_pass(tmp_path):
     ("controller_kwargs={upp: 0.5}", "stages.rlve.controller_kwargs: the zaya controller takes no setting upp; it "
                                      "takes:"),
     ("sft.envs={toy/maxx: 1}", "unknown environment 'toy/maxx'"),
+    # a value the controller refuses (built once now, as the stage builds it): failed when the stage started
+    ("controller_kwargs.explore=0.7", "stages.rlve.controller_kwargs: explore must be in (0, 0.5), got 0.7"),
+    ("controller_kwargs.up=abc", "stages.rlve.controller_kwargs: could not convert string to float: 'abc'"),
+    ("controller_kwargs={tau_prompts: 0}", "stages.rlve.controller_kwargs: tau_num must be >= 1, got 0"),
 ])
 def test_what_the_machine_lacks_fails_before_any_work(tmp_path, override, msg):
     import importlib.util
@@ -341,9 +345,63 @@ def test_what_the_machine_lacks_fails_before_any_work(tmp_path, override, msg):
     override = override.replace("FILE", str(tmp_path / "FILE"))
     args = ["stage=rlve", "profile=tiny", f"out={out}", override] if not override.startswith("out=") else \
         ["stage=rlve", "profile=tiny", override]
+    if "tau_prompts" in override:  # rlve's window: tau_prompts x the stage's rl.group_size rollouts
+        args.append("controller=rlve")
     with pytest.raises((ValueError, KeyError), match=re.escape(msg)):  # (both one line: cascade.cli.USER_ERRORS)
         main(args)
     assert not out.exists()
+
+
+def test_a_bad_controller_setting_of_a_later_stage_fails_before_the_first_stage_runs(tmp_path):
+    """The value was refused only when its stage built its curriculum, hours of earlier stages later."""
+    from cascade.run import main
+
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=re.escape("stages.behavior.controller_kwargs: explore must be in (0, 0.5)")):
+        main(["profile=tiny", f"out={out}", "order=[warmup, behavior]", "stages.behavior.controller_kwargs.explore=0.7"])
+    assert not out.exists()
+
+
+def test_cascade_run_refuses_an_empty_model(tmp_path):
+    """An empty model= (an unset $CKPT) trained a fresh model_preset policy; cascade eval already refused it."""
+    from cascade.run import main
+
+    out = tmp_path / "run"
+    f = tmp_path / "c.yaml"
+    f.write_text("model: ''\n")
+    for args in (["model="], [f"config={f}"]):
+        with pytest.raises(ValueError, match=re.escape("model= is empty (an unset variable?)")):
+            main([*args, "profile=tiny", f"out={out}", "stage=warmup", "sft.steps=1", "sft.examples=50", "steps=1",
+                  "eval_problems=2", "pool.size=0"])
+        assert not out.exists()
+
+
+def test_order_refuses_a_repeated_stage():
+    """order=[warmup, warmup] ran warmup once and reported it twice."""
+    from cascade.config import load_run_config, parse_overrides
+
+    with pytest.raises(ValueError, match=re.escape("order names warmup more than once")):
+        load_run_config(parse_overrides(["profile=tiny", "order=[warmup, rlve, warmup]"]))
+
+
+def test_overwrite_checks_refs_against_the_fresh_run(tmp_path):
+    """With overwrite=true the up-front checks counted the old run's finished stages, which overwrite then deleted:
+    the stage failed later, with the old run gone."""
+    import socket
+
+    out = tmp_path / "run"
+    _old_run(out)
+    (out / "stages" / "0-warmup" / "final" / "COMPLETE").write_text("")
+    r = here("run", "profile=tiny", f"out={out}", "stage=math", "aggregation.expert=warmup", "overwrite=true")
+    assert r.returncode == 2 and "stage 'warmup' neither runs before 'math'" in r.stderr, r.stderr
+    assert (out / "stages" / "0-warmup" / "final" / "COMPLETE").exists() and (out / "metrics.jsonl").exists()
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = here("run", "profile=tiny", f"out={out}", "stage=warmup", f"rollout.urls=[http://127.0.0.1:{port}]",
+             "overwrite=true")  # warmup finished in the old run: its servers were not checked
+    assert r.returncode == 2 and "rollout.urls:" in r.stderr, r.stderr
+    assert (out / "stages" / "0-warmup" / "final" / "COMPLETE").exists() and (out / "metrics.jsonl").exists()
 
 
 def test_other_commands_refuse_bad_input_in_one_line(tmp_path, capsys):

@@ -243,7 +243,7 @@ def test_scheduler_state_round_trip_mid_calibration():
         a.update(d, [rng.random() < _pass(d, 4) for _ in range(16)])
     assert a.resamples > 0 and a.calibrating
     saved = json.loads(json.dumps(a.state_dict()))
-    b = make_controller("zaya")
+    b = ZayaScheduler(calibration_groups=10, ess_threshold=0.9)  # (settings come from the config, state from the checkpoint)
     b.load_state_dict(saved)
     assert b.state_dict() == a.state_dict()
     ra, rb, policy = random.Random(9), random.Random(9), random.Random(10)
