@@ -302,13 +302,17 @@ def shared_prefix_steps(path, steps: int = 50, repeats: int = 3) -> dict:
     cfg, g, out = m.config, torch.Generator().manual_seed(0), {}
     for B, P, S in ((8, 300, 300), (8, 600, 300), (8, 300, 600), (32, 600, 300)):
         ms: dict[int, list[float]] = {0: [], P: []}
+        # one draw of the inputs for both sides: the same tokens route to the same experts on each
+        prefix = torch.randint(3, cfg.vocab_size, (1, P), generator=g).expand(B, P).contiguous()
+        own = torch.randint(3, cfg.vocab_size, (B, S), generator=g)
+        first = torch.randint(3, cfg.vocab_size, (B,), generator=g)
         for shared in [0, P] * repeats:
             cache = KVCache.allocate(cfg, B, P + S + steps + 8, "cpu", torch.float32)
             with torch.inference_mode():
-                dec.forward(torch.randint(3, cfg.vocab_size, (1, P), generator=g).expand(B, P).contiguous(), cache)
-                dec.forward(torch.randint(3, cfg.vocab_size, (B, S), generator=g), cache)
+                dec.forward(prefix, cache)
+                dec.forward(own, cache)
                 cache.shared = shared
-                tok = torch.randint(3, cfg.vocab_size, (B,), generator=g)
+                tok = first
                 for _ in range(3):
                     dec.step(tok, cache)
                 t = time.perf_counter()
