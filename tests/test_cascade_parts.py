@@ -2,7 +2,7 @@
 import pytest
 
 from cascade.aggregation import AggregationMixer
-from cascade.trim import trim_messages, trim_pairs, trim_response
+from cascade.trim import drop_thinking, trim_messages, trim_pairs, trim_response
 from envs.base import Problem
 
 
@@ -62,6 +62,33 @@ def test_trim_never_cuts_inside_a_character(tok):
     for budget in range(n(tok, "<think></think>\n\nso \\boxed{7}"), n(tok, response)):
         cut = trim_response(tok, response, budget)
         assert cut is not None and "\ufffd" not in cut and cut.endswith("so \\boxed{7}") and n(tok, cut) <= budget
+
+
+class _CharTok:
+    """One token per character: budgets by hand."""
+
+    def encode(self, s, add_special_tokens=False, verbose=False):
+        return [ord(c) for c in s]
+
+    def decode(self, ids):
+        return "".join(map(chr, ids))
+
+
+def test_trim_cuts_the_last_of_several_think_blocks():
+    """Each think block is matched on its own (non-greedy) and the last one is cut: 28 + 15 + 6 = 49 chars
+    leave 11 of its 50 for a budget of 60; under 49 the first block's answer would be cut: dropped."""
+    head = "<think>plan</think>step one."
+    resp = head + "<think>" + "x" * 50 + "</think>ANSWER"
+    assert trim_response(_CharTok(), resp, 60) == head + "<think>" + "x" * 11 + "</think>ANSWER"
+    assert trim_response(_CharTok(), resp, 49) == head + "<think></think>ANSWER"
+    assert trim_response(_CharTok(), resp, 48) is None
+
+
+def test_drop_thinking_drops_every_think_block_and_the_blank_lines_after():
+    """Two think blocks go one by one (the text between stays) and the leading blank lines go too."""
+    msgs = [{"role": "user", "content": "<think>q</think>"},
+            {"role": "assistant", "content": "<think>a</think>\n\nX<think>b</think>Y"}]
+    assert drop_thinking(msgs) == [msgs[0], {"role": "assistant", "content": "XY"}]
 
 
 class _C:

@@ -210,6 +210,17 @@ def test_rlve_window_stays_within_a_cap_that_drops_mid_run():
     assert (ctrl.low, ctrl.high) == (0, 1)
 
 
+def test_rlve_window_counts_reset_when_a_cap_lowers_high():
+    """follow_cap below ``high`` drops the counts taken at the old ``high`` (they do not judge the capped level)."""
+    c = RLVEWindow(group_size=2, tau_prompts=2, tau_acc=0.75, d_window=4)  # tau_num = 4 rollouts
+    for h in range(3):
+        c.update(h, [1, 1, 1, 1])       # h = 3
+    c.update(3, [1, 0])
+    assert (c.low, c.high, c.n, c.k) == (0, 3, 2, 1)
+    c.follow_cap(2)
+    assert (c.low, c.high, c.n, c.k) == (0, 2, 0, 0)
+
+
 @pytest.mark.parametrize("controller", ["zaya", "rlve", "fixed"])
 def test_resume_under_a_lower_cap_than_the_checkpoint(controller):
     kw = {"zaya": {"start": 5}, "rlve": {"group_size": 1, "tau_prompts": 1}, "fixed": {"difficulty": 5}}[controller]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from train.rl import ADVANTAGES, LOSSES, LossConfig, Registry, compute_advantages, get_advantage, get_loss
-from train.rl.losses import AGG_MODES, aggregate, dppo_tv_mask, kl_estimate, seq_count
+from train.rl.losses import AGG_MODES, MetricSums, aggregate, dppo_tv_mask, kl_estimate, mismatch_metrics, seq_count
 
 D = torch.float64
 
@@ -41,6 +41,12 @@ def test_registry_errors_name_choices():
 def test_advantages_by_hand(name, expected):
     adv = get_advantage(name)([1.0, 0, 0, 0, 1, 1, 1, 1], 4, eps=1e-12)
     torch.testing.assert_close(adv, torch.tensor(expected, dtype=torch.float32))
+
+
+def test_drgrpo_adds_the_length_bonus_to_its_advantage():
+    """Dr. GRPO's advantage is r - mean + bonus (mean 0.5 here), the bonus not dropped."""
+    adv = compute_advantages("drgrpo", [1.0, 0, 1, 0], 4, bonus=[0.25, 0, 0.5, 0])
+    torch.testing.assert_close(adv, torch.tensor([0.75, -0.5, 1.0, -0.5]))
 
 
 def test_maxrl_zero_mean_guard_and_bonus_in_numerator_only():
@@ -224,6 +230,21 @@ def test_truncated_importance_sampling_and_mismatch_metrics():
     assert get_loss("dapo")(_lp(), OLD, rollout, ADV, MASK)[0].item() == pytest.approx(PPO_BY_AGG["token_mean"])
 
 
+def test_mismatch_metrics_ignore_padding():
+    """A masked position (mu 0 against log-prob -5) enters neither mismatch metric: only d = 0.2 counts."""
+    m = mismatch_metrics(t([[-1.0, -5.0]]), t([[-1.2, 0.0]]), t([[1, 0]]))
+    assert float(m["mismatch_max_abs"]) == pytest.approx(0.2)
+    assert float(m["mismatch_kl"]) == pytest.approx(math.exp(0.2) - 1.2)
+
+
+def test_metric_sums_max_keeps_the_largest_micro_batch_value():
+    """MetricSums.max is the max over micro-batches, not the last one."""
+    acc = MetricSums()
+    for v in (0.5, 3.0, 1.0):
+        acc.max("mismatch_max_abs", torch.tensor(v))
+    assert acc.floats() == ({}, {"mismatch_max_abs": 3.0})
+
+
 def test_kl_penalty_k1_k3():
     lp, ref = t([[math.log(0.5)]]), t([[math.log(0.25)]])
     assert kl_estimate(lp, ref, "k1").item() == pytest.approx(math.log(2))
@@ -405,6 +426,13 @@ def test_grpo_all_equal_group_carries_its_bonus_undivided():
     adv = get_advantage("grpo")([0.3, 0.3, 0.3, 0.7], torch.tensor([0, 0, 0, 1]), eps=0.0, bonus=[0.1, 0, 0, 0.2])
     torch.testing.assert_close(adv, torch.tensor([0.1, 0.0, 0.0, 0.2]))
     assert get_advantage("grpo")([0.3, 0.3, 0.3], 3, eps=0.0).tolist() == [0.0, 0.0, 0.0]
+
+
+def test_grpo_group_with_std_at_most_eps_is_flat_though_not_bit_equal():
+    """A group whose std (5e-7) is <= eps gets its bonus alone, though its rewards differ by a hair."""
+    r = [1.0, 1.0, 1.0, 1.0 - 1e-6]
+    assert get_advantage("grpo")(r, 4).tolist() == [0.0, 0.0, 0.0, 0.0]
+    torch.testing.assert_close(get_advantage("grpo")(r, 4, bonus=[0.1, 0, 0, 0]), torch.tensor([0.1, 0, 0, 0]))
 
 
 def test_maxrl_refuses_negative_rewards():

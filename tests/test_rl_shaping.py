@@ -380,3 +380,10 @@ def test_overlong_modes():
         OverlongConfig(mode="drop")
     with pytest.raises(ValueError, match="buffer_len"):
         OverlongConfig(mode="soft", max_len=10)
+
+
+def test_soft_overlong_refuses_a_buffer_longer_than_max_len():
+    """Soft overlong needs buffer_len <= max_len (max_len left at its default 0 too)."""
+    for max_len, buffer_len in ((100, 200), (0, 64)):
+        with pytest.raises(ValueError, match="buffer_len <= max_len"):
+            OverlongConfig(mode="soft", max_len=max_len, buffer_len=buffer_len)

@@ -244,6 +244,31 @@ def test_pacore_forwards_post_think_answers_and_delethink_continues_own_chain(to
     assert RSAConfig(budget=50, tail=7, variant="full").resolved().tail == 50
 
 
+def test_pacore_forwards_at_most_tau_tokens_of_a_long_answer(tok):
+    """pacore forwards the last tau = 3 tokens of a post-</think> answer longer than that, not the whole answer."""
+    cfg = RSAConfig(population=4, aggregate=2, rounds=1, budget=40, tail=3, final_budget=0, seed=1, variant="pacore")
+    rsa = MarkovianRSA(ScriptedBackend(tok), cfg, "math", grader=exact_grader)
+    res = rsa.run("What is 1+1?", gold="2")
+    think_end = tok.convert_tokens_to_ids("</think>")
+    answers = 0
+    for rec in (r for r in res.prompts if r.stage == "aggregate"):
+        for j, piece in zip(rec.parents, rec.forwarded):
+            ids = _trace(res.rounds[0][j], rsa.eos)
+            assert len(piece) <= 3
+            if think_end in ids:  # the scripted answer '\n\nThe answer is \\boxed{2}.' is longer than 3 tokens
+                answers += 1
+                assert piece == ids[len(ids) - ids[::-1].index(think_end):][-3:]
+    assert answers
+
+
+def test_parents_are_drawn_anew_each_round(tok):
+    """A candidate's parents depend on the round: round 1 and round 2 draw different parent lists."""
+    cfg = RSAConfig(population=4, aggregate=2, rounds=2, budget=40, tail=8, final_budget=0, seed=7)
+    res = MarkovianRSA(ScriptedBackend(tok), cfg, "math", grader=exact_grader).run("What is 17 + 25?", gold="42")
+    par = {t: [r.parents for r in res.prompts if r.stage == "aggregate" and r.round == t] for t in (1, 2)}
+    assert len(par[1]) == len(par[2]) == 4 and par[1] != par[2]
+
+
 def test_metrics_against_a_hand_count(tok):
     be = ScriptedBackend(tok, answers=("7", "7", "3", "x"))
     cfg = RSAConfig(population=6, aggregate=2, rounds=1, budget=200, tail=10, final_budget=0, seed=3)
@@ -616,6 +641,13 @@ def test_pass_at_k_and_problem_dependent_draws(tok):
     m = r1.metrics
     assert set(m["pass_at_k"]) == {"1", "2", "4"} and m["pass_at_k"]["4"] == m["pass_at_n"]
     assert len(m["round_majority_accuracy"]) == len(m["round_pass_at_k"]) == 2
+
+
+def test_pass_at_k_when_fewer_wrong_than_k_only():
+    """pass@k is 1 only when n - c < k: n - c == k still has one all-wrong draw of k."""
+    assert pass_at_k(4, 3, 1) == pytest.approx(0.75)      # 1 - C(1,1)/C(4,1)
+    assert pass_at_k(4, 2, 2) == pytest.approx(1 - 1 / 6)  # 1 - C(2,2)/C(4,2)
+    assert pass_at_k(4, 3, 2) == 1.0
 
 
 def test_problems_in_flight_on_a_local_engine_share_batched_calls(engine):

@@ -157,6 +157,14 @@ def test_up_down_after_calibration():
     assert all(c.sample(random.Random(i)) == 3 for i in range(5))
 
 
+def test_calibration_ends_at_the_level_nearest_the_posterior_mean():
+    """The calibrated start rounds E[mu] to the nearest level (2.7 -> 3, 2.4 -> 2), not down."""
+    for mu, want in ((2.7, 3), (2.4, 2)):
+        c = ZayaScheduler(candidates=[(mu, 1.0)], calibration_groups=1)  # one candidate: E[mu] = mu
+        c.update(3, [1, 0])
+        assert not c.calibrating and c.posterior_mu() == mu and c.difficulty == want
+
+
 # -- calibration converges to the half-solved level --------------------------------------------------
 
 def _calibrate(d50, seed, group=16, **kw):
