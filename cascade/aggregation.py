@@ -179,8 +179,9 @@ class AggregationMixer:
                 self.dropped += 1
                 return None
             self.trimmed += 1
+        # "question": the problem's own text, which verifiers read as the question (the prompt shows candidates too)
         meta = {**problem.meta, "aggregation": True, "tails": len(tails), "kind": "pacore" if pacore else "rsa",
-                "tail_source": source}
+                "tail_source": source, "question": problem.meta.get("question", problem.prompt)}
         return replace(problem, prompt=prompt, meta=meta)
 
     def _fit(self, env_id: str, problem: Problem, tails: list[str], pacore: bool) -> str | None:
@@ -207,10 +208,15 @@ class AggregationMixer:
         out = []
         for env_id, p in picks:  # a pick becomes a buffered problem of its own environment: the phase's mix holds
             if self.rng.random() < self.fraction and (env_id in own or env_id in experts):
-                expert = env_id in experts and (env_id not in own or self.rng.random() < self.expert_fraction)
-                pool = self.expert if expert else self.pool
+                # a share expert_fraction shows the expert's tails, the rest the policy's own; a pick whose drawn
+                # source has none of its environment yet stays plain (the share holds before any own tails)
+                expert = env_id in experts and self.rng.random() < self.expert_fraction
+                keys = (experts if expert else own).get(env_id)
+                if keys is None:
+                    out.append((env_id, p))
+                    continue
                 pacore = self.rng.random() < self.pacore_fraction
-                e, pd, tails, messages = pool[self.rng.choice((experts if expert else own)[env_id])]
+                e, pd, tails, messages = (self.expert if expert else self.pool)[self.rng.choice(keys)]
                 shown = self.rng.sample(messages if pacore else tails, self.C)
                 agg = self.build(e, Problem.from_dict(pd), shown, pacore, "expert" if expert else "self")
                 if agg is not None:
@@ -234,7 +240,9 @@ class AggregationMixer:
 
     def load_state_dict(self, st: dict) -> None:
         def entries(rows):  # rows written before messages were kept carry tails only: messages = tails
-            return OrderedDict((r[0], (r[1], r[2], r[3], r[4] if len(r) > 4 else r[3])) for r in rows)
+            rows = [(r[0], (r[1], r[2], r[3], r[4] if len(r) > 4 else r[3])) for r in rows]
+            # a run resumed with more ``tails`` than the saved entries hold: those cannot make a prompt
+            return OrderedDict((k, v) for k, v in rows if min(len(v[2]), len(v[3])) >= self.C)
 
         self.pool = entries(st["pool"])
         self.expert = entries(st.get("expert", []))

@@ -14,7 +14,7 @@ class RewardModel:
     """Any ``AutoModelForSequenceClassification`` with one output (a scalar score): a local directory
     or a Hugging Face Hub id (``org/name``, through the HF cache and its offline rules). It reads the
     answer after any thinking, and a conversation longer than ``max_len`` tokens loses its beginning (the
-    prompt's), never the answer's end."""
+    prompt's; a leading BOS stays), never the answer's end."""
 
     def __init__(self, path: str | Path, max_len: int = 2048, device: str = "cpu"):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -25,7 +25,6 @@ class RewardModel:
         if not (p / "config.json").exists():
             raise FileNotFoundError(f"reward model directory {str(p)!r} has no config.json")
         self.tok = AutoTokenizer.from_pretrained(str(p))
-        self.tok.truncation_side = "left"  # a long response keeps its end: where the answer is
         self.model = AutoModelForSequenceClassification.from_pretrained(str(p)).to(device).eval()
         if self.model.config.num_labels != 1:
             raise ValueError(f"reward model {str(p)!r} has {self.model.config.num_labels} labels; expected 1")
@@ -46,11 +45,19 @@ class RewardModel:
             return self.tok.apply_chat_template(msgs, tokenize=False)
         return f"{prompt}\n{answer}"
 
+    def ids(self, prompt: str, response: str) -> list[int]:
+        """The conversation's token ids, at most ``max_len``: a longer one keeps its end (where the answer is) and
+        its leading BOS (a Llama-3 template writes it; cut from the left, the model would read none)."""
+        ids = self.tok(self.text(prompt, response), add_special_tokens=self._add_special, verbose=False)["input_ids"]
+        if len(ids) <= self.max_len:
+            return ids
+        keep = int(ids[0] == self.tok.bos_token_id)
+        return ids[:keep] + ids[len(ids) - self.max_len + keep:]
+
     @torch.no_grad()
     def score(self, prompt: str, response: str) -> float:
-        enc = self.tok(self.text(prompt, response), return_tensors="pt", truncation=True, max_length=self.max_len,
-                       add_special_tokens=self._add_special)
-        return float(self.model(**{k: v.to(self.device) for k, v in enc.items()}).logits[0, 0])
+        ids = torch.tensor([self.ids(prompt, response)], device=self.device)
+        return float(self.model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, 0])
 
     @torch.no_grad()
     def score_many(self, pairs: list[tuple[str, str]], batch_size: int = 16) -> list[float]:
@@ -59,13 +66,12 @@ class RewardModel:
         pad id is not the tokenizer's (it would read a padded sequence's score at a pad position)."""
         if self.tok.pad_token_id is None or self.model.config.pad_token_id != self.tok.pad_token_id:
             return [self.score(p, r) for p, r in pairs]
-        texts = [self.text(p, r) for p, r in pairs]
-        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))  # similar lengths share a batch
-        out = [0.0] * len(texts)
+        seqs = [self.ids(p, r) for p, r in pairs]
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))  # similar lengths share a batch
+        out = [0.0] * len(seqs)
         for k in range(0, len(order), batch_size):
             part = order[k:k + batch_size]
-            enc = self.tok([texts[i] for i in part], return_tensors="pt", truncation=True, max_length=self.max_len,
-                           padding=True, add_special_tokens=self._add_special)
+            enc = self.tok.pad({"input_ids": [seqs[i] for i in part]}, return_tensors="pt")
             logits = self.model(**{n: v.to(self.device) for n, v in enc.items()}).logits[:, 0].float().tolist()
             for i, v in zip(part, logits):
                 out[i] = v

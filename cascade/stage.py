@@ -209,7 +209,7 @@ class StageRunner:
             held = self.eval_problems(curriculum, start_levels)
             # no training draw (RL, the pass-rate pool, expert tails, SFT reference answers) is a held-out problem
             curriculum.exclude = self.held_out(curriculum, held)
-            if mixer is not None and s.aggregation.expert and not mixer.expert:
+            if mixer is not None and s.aggregation.expert and s.aggregation.expert_fraction > 0 and not mixer.expert:
                 self.expert_tails(mixer, curriculum, rl)
             state.setdefault("difficulty_start", start_levels)
             # controllers that calibrate their start (zaya): the stage's start level is the one calibration picks

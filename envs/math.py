@@ -340,7 +340,8 @@ class _MathBase(Environment):
         final = written is not None and (written[1] is None or (math.gcd(*written[1]) == 1 and abs(written[1][1]) > 1))
         # the value stated last ("x = \sqrt{50}", "(\sqrt{50})" stand for "\sqrt{50}")
         stated = _unwrapped(_latex_key(_top_level(pred)[-1]))
-        if (not final and stated in _question_math(problem.prompt)
+        # the question's text: an aggregation prompt's (cascade.aggregation) also shows its candidates' math
+        if (not final and stated in _question_math(problem.meta.get("question", problem.prompt))
                 and stated != _latex_key(problem.answer)):
             # "Simplify $\sqrt{50}$": its own expression, equal to the answer, answers nothing
             return Score(0.0, False, True, {"extracted": pred[:200], "reason": "the question's own expression"})

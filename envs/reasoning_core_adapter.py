@@ -192,7 +192,7 @@ class ReasoningCoreEnv(IsolatedCheck, BoxedOrTagged, Environment):
         from reasoning_core.template import Entry
 
         entry = Entry(metadata=context, answer=problem.answer)
-        entry.prompt = problem.prompt
+        entry.prompt = problem.meta.get("question", problem.prompt)  # (an aggregation prompt's own problem)
         if self._scorer is None:
             self._scorer = self._rc.get_score_answer_fn(self.name)
         value = float(self._scorer(pred, entry))

@@ -131,7 +131,7 @@ def test_aggregation_prompts_keep_the_phase_mix_each_pick_aggregates_its_own_env
     """An aggregation problem replaces a pick with a buffered problem of the pick's own environment (expert
     tails too), so the phase's mix holds; a pick whose environment has nothing buffered stays as it is."""
     rollouts = [_R(tok.encode(f"attempt {i} ends here", add_special_tokens=False)) for i in range(4)]
-    mixer = AggregationMixer(tok, 1.0, 2, 5, seed=0, expert_fraction=0.5)
+    mixer = AggregationMixer(tok, 1.0, 2, 5, seed=0, expert_fraction=1.0)
     for i in range(20):  # many buffered toy/add problems, one math/arith, one expert code/solve
         mixer.remember([_G("toy/add", Problem(f"add {i}", str(i), "toy/add", 1, 0, {}), rollouts)])
     mixer.remember([_G("math/arith", Problem("arith", "1", "math/arith", 1, 0, {}), rollouts)])
