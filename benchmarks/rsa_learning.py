@@ -118,6 +118,9 @@ limiters; defaults, 589 s wall, alone but for a short test run): agg single / ma
 0.846 / 0.027, 0.293 / 0.000. ``rsa_gain_points_no_rescue`` +4.1 / +8.4 / +9.2 (median +8.4, min +4.1; with the
 rescue -3.9 / +8.4 / +9.0); ``rsa_vs_ablation_points`` +16.0 / +68.8 / +57.0 (median +57.0, min +16.0). ``goal_met``
 false (+10 over its own single sample: no seed reaches it, all three above 0 for the first time).
+Re-run at 55cd2fd (2026-12-07, a later session, the same machine: toy's answer forms re-landed at 613793d, aggregation grading; beside a
+tiny cascade run and review helpers, 803 s wall): every figure above again (the same per-seed gains, +8.4 median, min
++4.1; +57.0 / +16.0 over the ablation).
 
 Why the goal is not met (what the figures say; the bullets are the 08a6f4d run's, and the later runs above add one
 pattern: at 0fbd5d7 and 2ca2976 seed 1's agg policy also answered nothing right in round 1, 0.000 against single
