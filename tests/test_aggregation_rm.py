@@ -6,6 +6,7 @@ import pytest
 
 from cascade.aggregation import AggregationMixer
 from envs.base import Problem, get_env
+from tests.test_stage_data import _C, _G
 
 
 @pytest.fixture(scope="module")
@@ -13,21 +14,6 @@ def tok(tiny_dense_dir):
     from train.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_dense_dir)
-
-
-class _C:
-    def __init__(self, tok, text, finish="stop"):
-        self.text, self.finish_reason = text, finish
-        self.token_ids = tok.encode(text, add_special_tokens=False)
-
-
-class _G:
-    def __init__(self, env_id, problem, comps):
-        class _R:
-            def __init__(self, c):
-                self.completion = c
-
-        self.env_id, self.problem, self.rollouts = env_id, problem, [_R(c) for c in comps]
 
 
 def _traces(tok, tag, k):
@@ -114,16 +100,11 @@ def test_a_long_conversation_keeps_the_reward_models_bos_and_its_answer(tmp_path
     as BOS plus the conversation's last ``max_len - 1`` tokens (cut from the left it lost its BOS: scores jumped
     at max_len), in score and score_many alike."""
     import torch
-    from tokenizers.processors import TemplateProcessing
 
-    from cascade.reward_model import RewardModel, build_tiny_reward_model
+    from tests.test_cascade_parts import bos_reward_model
 
-    rm = RewardModel(build_tiny_reward_model(tmp_path / "rm", tiny_dense_dir), max_len=48)
+    rm, bos = bos_reward_model(tmp_path / "rm", tiny_dense_dir, max_len=48)
     t = rm.tok
-    t.bos_token = "<|im_start|>"
-    bos = t.convert_tokens_to_ids("<|im_start|>")
-    t._tokenizer.post_processor = TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)])
-    t.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
     seen = []
     forward = rm.model.forward
 

@@ -266,21 +266,30 @@ def test_sampled_rollouts_of_each_chunk_use_their_own_seed(tok):
     assert eng.seeds == [None, None]  # unseeded stays unseeded
 
 
-def test_reward_model_reads_one_bos_and_a_steep_gate_does_not_overflow(tmp_path, tiny_dense_dir):
-    """A Llama-3-style reward model (its chat template writes BOS, its tokenizer adds one too) reads the
-    conversation as apply_chat_template(tokenize=True) gives it: one BOS. A steep gate on a very negative
-    score is a reward near 0, not an OverflowError scored as a verifier error."""
+def bos_reward_model(root, tiny_dense_dir, **kw):
+    """A tiny Llama-3-style reward model: its chat template writes BOS and its tokenizer adds one too; and BOS's id."""
     from tokenizers.processors import TemplateProcessing
 
-    from cascade.reward_model import GatedRewardEnv, RewardModel, build_tiny_reward_model
-    from envs.base import Environment, Problem, Score
+    from cascade.reward_model import RewardModel, build_tiny_reward_model
 
-    rm = RewardModel(build_tiny_reward_model(tmp_path / "rm", tiny_dense_dir))
+    rm = RewardModel(build_tiny_reward_model(root, tiny_dense_dir), **kw)
     t = rm.tok
     t.bos_token = "<|im_start|>"
     bos = t.convert_tokens_to_ids("<|im_start|>")
     t._tokenizer.post_processor = TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)])
     t.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+    return rm, bos
+
+
+def test_reward_model_reads_one_bos_and_a_steep_gate_does_not_overflow(tmp_path, tiny_dense_dir):
+    """A Llama-3-style reward model (its chat template writes BOS, its tokenizer adds one too) reads the
+    conversation as apply_chat_template(tokenize=True) gives it: one BOS. A steep gate on a very negative
+    score is a reward near 0, not an OverflowError scored as a verifier error."""
+    from cascade.reward_model import GatedRewardEnv
+    from envs.base import Environment, Problem, Score
+
+    rm, bos = bos_reward_model(tmp_path / "rm", tiny_dense_dir)
+    t = rm.tok
     seen = []
     forward = rm.model.forward
     rm.model.forward = lambda input_ids=None, **kw: seen.append(input_ids[0].tolist()) or forward(input_ids=input_ids, **kw)
@@ -505,3 +514,35 @@ def test_checkpoints_copy_a_sentencepiece_vocabulary(tmp_path):
     assert copy_tokenizer_files(other, dst) == []
     with pytest.raises(FileNotFoundError, match="no tokenizer files"):
         copy_tokenizer(other, dst)
+
+
+def test_avg_at_k_keeps_prompts_of_exactly_the_cap_and_counts_each_skipped_problem():
+    """A prompt of exactly max_prompt_tokens tokens is scored; ``skipped`` counts problems left out, not chunks."""
+    from cascade.evaluation import avg_at_k
+    from envs.base import get_env
+    from train.engine.base import Completion
+    from train.rl.trainer import RLConfig, SamplingConfig
+
+    class CharTok:  # one token per character
+        @staticmethod
+        def encode(text, add_special_tokens=False, verbose=False):
+            return [ord(c) for c in text]
+
+    class Engine:
+        def generate(self, prompts, params):
+            return [Completion([1], "\\boxed{7}", [0.0], "stop", prompt_index=i)
+                    for i in range(len(prompts)) for _ in range(params.n)]
+
+    class RL:
+        cfg = RLConfig(chat_template=False, sampling=SamplingConfig(max_new_tokens=4))
+        tokenizer, engine, max_prompt_tokens = CharTok(), Engine(), 5
+
+        @staticmethod
+        def env_of(e):
+            return get_env(e)
+
+    # prompt lengths 5 (kept: exactly the cap), 6 (skipped) | 6, 6 (both skipped) | 4 (kept, answer 8: wrong)
+    probs = [("toy/add", Problem(t, a, "toy/add")) for t, a in
+             [("3+4=?", "7"), ("3+4=??", "7"), ("1+6=??", "7"), ("2+5=??", "7"), ("4+4=", "8")]]
+    r = avg_at_k(RL, probs, 2, chunk=2)
+    assert r["skipped"] == 3 and r["problems"] == {"toy": 2} and r["accuracy"] == pytest.approx(0.5)
