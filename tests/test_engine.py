@@ -267,6 +267,30 @@ def test_truncation_is_applied_in_vllms_order():
     assert torch.allclose(probs, torch.tensor([4 / 7, 3 / 7, 0.0, 0.0]))
 
 
+def test_top_p_applies_to_what_top_k_left_and_min_p_to_the_tempered_distribution():
+    """top-k before top-p (top-p over the renormalised top k) and temperature before min-p, as vLLM v1 orders them."""
+    from train.engine.sampling import shape_logits
+
+    logits = torch.tensor([[0.4, 0.3, 0.2, 0.1]]).log()
+    # top-k 2 leaves 4/7, 3/7: the first token alone reaches top_p 0.5 (top-p first would have kept two)
+    probs = torch.softmax(shape_logits(logits, SamplingParams(top_k=2, top_p=0.5)), -1)[0]
+    assert torch.allclose(probs, torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    # T = 2: probabilities ~ sqrt(0.5, 0.3, 0.2), the smallest 0.63 of the largest, kept by min_p 0.5 (0.2 / 0.5 = 0.4
+    # of the untempered distribution would drop it)
+    logits = torch.tensor([[0.5, 0.3, 0.2]]).log()
+    probs = torch.softmax(shape_logits(logits, SamplingParams(temperature=2.0, min_p=0.5)), -1)[0]
+    assert torch.allclose(probs, torch.tensor([0.41545, 0.32180, 0.26275]), atol=1e-4)
+
+
+def test_top_p_drops_a_token_once_the_mass_above_it_reaches_top_p():
+    """top-p keeps the smallest set whose mass reaches top_p (vLLM's rule): four tokens of exactly 1/4 at top_p 0.5
+    keep two, not three (the third has 0.5 = top_p above it)."""
+    from train.engine.sampling import shape_logits
+
+    probs = torch.softmax(shape_logits(torch.zeros(1, 4), SamplingParams(top_p=0.5)), -1)[0]
+    assert sorted(probs.tolist()) == [0.0, 0.0, 0.5, 0.5]
+
+
 def test_tokens_of_tiny_probability_are_drawn_with_their_probability(monkeypatch):
     """A peaked row of a large vocabulary (top token 0.99): every tail token owns its slice of [0, 1), so a
     uniform in the middle of a slice draws that token, in the PyTorch path (with top-p too) as in the native op.
@@ -294,6 +318,20 @@ def test_tokens_of_tiny_probability_are_drawn_with_their_probability(monkeypatch
         tok, lp = S.sample(logits.expand(len(tail), -1).contiguous(), p, np.zeros(len(tail), np.uint64))
         assert tok.tolist() == tail, p
         assert torch.allclose(lp.double(), probs[tail].log(), atol=1e-4)
+
+
+def test_a_uniform_of_0_never_draws_a_truncated_first_token(monkeypatch):
+    """u = 0 lands on token 0 even when truncation removed it (probability 0): the sampler takes the most likely
+    kept token instead."""
+    import numpy as np
+
+    import train.engine.sampling as S
+
+    monkeypatch.setattr(S, "uniforms", lambda seeds, step: np.zeros(len(seeds)))
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    for p in (SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, top_p=0.5)):
+        tok, _ = S.sample(logits, p, np.zeros(1, np.uint64))
+        assert tok.tolist() == [1], p
 
 
 def test_stop_tokens_and_strings(engine):

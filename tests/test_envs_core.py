@@ -677,6 +677,23 @@ def test_last_boxed_takes_escaped_braces_as_characters():
     assert not math.verify(p, f"At first I guessed \\boxed{{2}}, but the answer is \\boxed{{{piecewise}}}").correct
 
 
+def test_a_box_of_only_spaces_is_no_answer_and_an_earlier_box_counts():
+    """A box holding only whitespace is skipped like an empty one (the last non-empty box is the answer)."""
+    from envs.base import last_boxed
+
+    assert last_boxed("\\boxed{5} then \\boxed{ }") == "5" and last_boxed("\\boxed{  \n }") is None
+
+
+def test_toy_integers_take_thousands_commas_only_between_groups_of_three():
+    """``1,44`` is not 144 (nor ``14,4``); ``1,440`` is 1440."""
+    from envs.base import Problem
+
+    toy = get_env("toy/add")
+    p, q = Problem("?", 144, "toy/add"), Problem("?", 1440, "toy/add")
+    assert not toy.verify(p, "\\boxed{1,44}").correct and not toy.verify(p, "\\boxed{14,4}").correct
+    assert toy.verify(q, "\\boxed{1,440}").correct and toy.verify(p, "\\boxed{144}").correct
+
+
 def test_answer_tags_and_boxes_take_whichever_complete_one_comes_last():
     from envs.adapted import BoxedOrTagged, last_tagged_or_boxed
 
@@ -811,6 +828,19 @@ def test_toy_environments_stop_where_the_verifier_reads_their_answers():
         assert not all(env.verify(p, env.reference_response(p)).correct for p in beyond)
     p = get_env("toy/add").generate(0, 140)
     assert get_env("toy/add").verify(p, f"\\boxed{{{int(p.answer):,}}}").correct  # 47 digits with 15 commas
+
+
+def test_toy_max_lists_two_plus_d_numbers_with_one_more_digit_every_4_levels():
+    """toy/max at difficulty d: 2 + d numbers, each below 10 ** (1 + d // 4), the answer their maximum."""
+    from envs.base import get_env
+
+    env = get_env("toy/max")
+    for d, bound in ((0, 10), (3, 10), (4, 100), (7, 100), (8, 1000)):
+        for seed in range(5):
+            p = env.generate(seed, d)
+            word, *xs = p.prompt.split("\n")[0].split()  # (the instruction follows the list)
+            assert word == "max" and len(xs) == 2 + d and all(0 <= int(x) < bound for x in xs)
+            assert int(p.answer) == max(map(int, xs))
 
 
 def test_a_taken_id_refuses_a_factory_and_a_reward_that_is_no_number_scores_0():

@@ -194,3 +194,20 @@ def test_balance_across_ranks_balances_tokens():
         loads = [sum(lengths[i] for i in r) for r in ranks]
         assert max(loads) - min(loads) <= max(lengths)
     assert balance_across_ranks([10, 1, 1, 8], 2) == [[0], [1, 2, 3]]
+
+
+def test_packing_indices_ascend_and_micro_batches_split_by_rows():
+    """Indices within a micro-batch ascend though first-fit adds them longest first; pack_micro_batches cuts each
+    micro-batch into runs of max_rows (at least 1) without losing any sample."""
+    from train.rl.packing import pack_micro_batches
+
+    assert pack_by_tokens([2, 5, 3], 5) == [[1], [0, 2]]  # FFD places 2 (len 3) before 0 (len 2) in the 2nd bin
+    assert pack_micro_batches([1, 1, 1, 1, 1], 10, 2) == [[0, 1], [2, 3], [4]]
+    assert pack_micro_batches([1, 1, 1], 10, 0) == [[0], [1], [2]]
+
+
+def test_balance_across_ranks_breaks_load_ties_by_fewest_samples():
+    """At equal token load a sample goes to the rank holding fewer samples (then the lowest rank)."""
+    # 3 -> rank 0, 3 -> rank 1, 0 -> rank 0 (all tied), 0 -> rank 1 (loads tie 3/3, rank 1 holds fewer samples)
+    assert balance_across_ranks([3, 3, 0, 0], 2) == [[0, 2], [1, 3]]
+    assert balance_across_ranks([0, 0], 2) == [[0], [1]]

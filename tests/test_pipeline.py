@@ -652,3 +652,29 @@ def test_a_group_without_tokens_is_never_stale_and_the_lag_of_tokens_ahead_is_co
     assert [g.problem.prompt for g in got] == ["a", "empty"] and buf.dropped_stale == 0
     m = version_lag([_group(6, 0)], 5)  # token versions 6, 7 at trainer version 5
     assert m["version_lag_max"] == -1 and m["version_lag_hist"] == [1.0]
+
+
+def test_take_counts_an_earlier_batchs_leftover_groups_as_evicted():
+    """Groups of a batch older than the one taken (never to be trained) are removed and counted as evicted."""
+    buf = RolloutBuffer(8)
+    buf.put([_group(3, "0.0"), _group(3, "0.1")], batch=0)
+    buf.put([_group(4, "1.0")], batch=1)
+    got = buf.take(1, version=4, max_staleness=2)
+    assert [g.problem.prompt for g in got] == ["1.0"] and buf.evicted == 2 and buf.dropped_stale == 0
+    assert len(buf) == 0
+
+
+def test_default_buffer_holds_max_staleness_plus_two_batches_and_warns_only_below_the_lead(caplog):
+    """rl.buffer_groups=0 sizes the buffer at (max_staleness + 2) batches; the 'evicted unused' warning is given
+    only for a buffer smaller than the max_staleness + 1 batches the producer may run ahead."""
+    def make(**kw):
+        pipe = Pipeline(_StubRL(RLConfig(prompts_per_step=4, max_staleness=1, sync_every=1, **kw)), batches=0)
+        pipe.close()
+        return pipe
+
+    with caplog.at_level("WARNING", logger="train.rl.pipeline"):
+        assert make().buffer.capacity == 12 and make(buffer_groups=8).buffer.capacity == 8
+    assert "evicted unused" not in caplog.text  # 8 groups hold the 2 batches the producer may run ahead
+    with caplog.at_level("WARNING", logger="train.rl.pipeline"):
+        make(buffer_groups=7)
+    assert "evicted unused" in caplog.text

@@ -623,6 +623,29 @@ def test_plan_check_and_clamp(tok):
     assert st["continue"]["total"] == st["solve"]["total"] + len(d.builder.cont([], [])) - len(d.builder.solve([]))
 
 
+def test_clamp_reserves_a_quarter_of_the_solve_room_for_the_final_and_fits_delethink_chunks(tok):
+    """--clamp keeps min(final_budget, (context - solve prompt) // 4) for the final answer and fits the thinking
+    budget around it; delethink's budget is bounded by the later chunks' prompt + budget - tail - anchor."""
+    be = RoundScript(tok, "x")
+    rsa = MarkovianRSA(be, RSAConfig(population=4, aggregate=3, rounds=2, budget=200, tail=16, final_budget=1000,
+                                     seed=0), "math", grader=exact_grader)
+    st = {s["stage"]: s for s in rsa.plan(20)}
+    solve, agg, force = st["solve"]["prompt"], st["aggregate"]["prompt"], len(rsa.builder.force_answer())
+    ctx = agg + 300
+    reserve = (ctx - solve) // 4  # under final_budget=1000
+    budget = ctx - reserve - force - agg  # final prompt (aggregate prompt + budget + force) + reserve fills ctx
+    assert 16 <= budget < 200
+    assert rsa.check_plan(20, ctx, clamp=True) == {"budget": (200, budget), "final_budget": (1000, reserve)}
+    assert max(s["total"] for s in rsa.plan(20)) == ctx
+    d = MarkovianRSA(be, RSAConfig(population=2, rounds=3, budget=100, tail=10, anchor=5, final_budget=0,
+                                   variant="delethink"), "math")
+    st = {s["stage"]: s for s in d.plan(9)}
+    ctx = st["solve"]["prompt"] + 80
+    assert d.check_plan(9, ctx, clamp=True) == {"budget": (100, 80)}
+    st = {s["stage"]: s for s in d.plan(9)}
+    assert st["continue"]["max_tokens"] == 80 - 15 and st["continue"]["total"] <= ctx
+
+
 def test_pass_at_k_and_problem_dependent_draws(tok):
     from math import comb
     for n, c, k in [(8, 3, 1), (8, 3, 4), (8, 0, 2), (8, 8, 8), (5, 4, 2)]:
