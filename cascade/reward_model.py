@@ -14,7 +14,7 @@ class RewardModel:
     """Any ``AutoModelForSequenceClassification`` with one output (a scalar score): a local directory
     or a Hugging Face Hub id (``org/name``, through the HF cache and its offline rules). It reads the
     answer after any thinking, and a conversation longer than ``max_len`` tokens loses its beginning (the
-    prompt's; a leading BOS stays), never the answer's end."""
+    prompt's; a leading BOS or [CLS] stays), never the answer's end."""
 
     def __init__(self, path: str | Path, max_len: int = 2048, device: str = "cpu"):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -47,11 +47,12 @@ class RewardModel:
 
     def ids(self, prompt: str, response: str) -> list[int]:
         """The conversation's token ids, at most ``max_len``: a longer one keeps its end (where the answer is) and
-        its leading BOS (a Llama-3 template writes it; cut from the left, the model would read none)."""
+        its leading BOS or [CLS] (a Llama-3 template writes BOS, a BERT-style tokenizer adds [CLS]; cut from the
+        left, the model would read none)."""
         ids = self.tok(self.text(prompt, response), add_special_tokens=self._add_special, verbose=False)["input_ids"]
         if len(ids) <= self.max_len:
             return ids
-        keep = int(ids[0] == self.tok.bos_token_id)
+        keep = int(ids[0] in {self.tok.bos_token_id, self.tok.cls_token_id} - {None})  # (BERT-style: [CLS])
         return ids[:keep] + ids[len(ids) - self.max_len + keep:]
 
     @torch.no_grad()

@@ -402,7 +402,7 @@ def update_caps(results: list[CheckResult], difficulties: list[int], path=None, 
             old = caps.get(r.env_id, {}).get("max_difficulty")
             if old is None or r.cap <= old or set(range(old + 1, r.cap + 1)) <= set(difficulties):
                 caps[r.env_id] = {"max_difficulty": int(r.cap), "reason": r.cap_reason}
-        elif r.cap is None and r.env_id in caps and not r.failures and \
+        elif r.cap is None and r.env_id in caps and not r.failures and caps[r.env_id]["max_difficulty"] < top and \
                 set(range(caps[r.env_id]["max_difficulty"] + 1, top + 1)) <= set(difficulties):
             del caps[r.env_id]  # every difficulty past the cap was checked and now generates in time
     if write:

@@ -125,3 +125,19 @@ def test_a_long_conversation_keeps_the_reward_models_bos_and_its_answer(tmp_path
     assert many[0] == pytest.approx(one, abs=1e-5)
     with torch.no_grad():
         assert one == pytest.approx(float(forward(input_ids=torch.tensor([ids])).logits[0, 0]), abs=1e-5)
+
+
+def test_a_long_conversation_keeps_cls_on_a_bert_style_reward_model(tmp_path):
+    """A BERT-style tokenizer has no BOS but [CLS], where such a reward model reads its score: a conversation cut
+    to ``max_len`` keeps it (and its closing [SEP]) and its end."""
+    from transformers import BertTokenizerFast
+
+    from cascade.reward_model import RewardModel
+
+    (tmp_path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "very", "long",
+                                                   "answer", "is", "42"]) + "\n")
+    rm = object.__new__(RewardModel)  # the tokenizer's part only: no model needed
+    rm.tok, rm.max_len = BertTokenizerFast(str(tmp_path / "vocab.txt")), 8
+    ids = rm.ids("very " * 20 + "long", "answer is 42")
+    assert len(ids) == 8 and ids[0] == rm.tok.cls_token_id and ids[-1] == rm.tok.sep_token_id
+    assert rm.tok.convert_ids_to_tokens(ids[-4:-1]) == ["answer", "is", "42"]

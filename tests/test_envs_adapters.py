@@ -97,6 +97,8 @@ def test_a_check_of_higher_difficulties_only_never_raises_a_recorded_cap(tmp_pat
     for diffs in ([5], [0, 1, 2, 4, 5]):  # a check that skipped a level above the cap does not drop it
         assert update_caps([in_time], diffs, caps_file, write=False)["x/slow"]["max_difficulty"] == 1, diffs
     assert "x/slow" not in update_caps([in_time], [2, 3, 4, 5], caps_file, write=False)
+    for diffs in ([0, 1], [1]):  # nothing above the cap checked: it stays (an empty range dropped it once)
+        assert update_caps([in_time], diffs, caps_file, write=False)["x/slow"]["max_difficulty"] == 1, diffs
     caps_file.unlink()
     assert update_caps([timed_out_at(4, True)], [4], caps_file, write=False)["x/slow"]["max_difficulty"] == 3
 

@@ -276,7 +276,8 @@ def clear_after(exchange: str | Path, update: int, sft_steps: int = 0,
     (checkpoints, ``step-N``) those after it, or all of them at update 0. At update 0 a version 0 goes too (an
     earlier stage's, in the run's one exchange directory: a checkpoint before the stage's first update would take
     it for this stage's start), but for the one the servers were given (published by the orchestrator for this
-    stage's start, :func:`pin_serving`)."""
+    stage's start, :func:`pin_serving`), and only without SFT steps: with them every RL version goes, the served
+    one too (version 0 is the one published after them)."""
     served = serving_version(exchange)
     for sub in subdirs:
         d = Path(exchange) / sub
