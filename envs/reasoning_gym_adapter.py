@@ -138,8 +138,10 @@ EXACT = {
     # reads the first two comma-separated fields of an orthocenter answer
     "advanced_geometry": lambda a, e: e["metadata"].get("task_type") != "orthocenter"
     or len(a.strip().strip("()").split(",")) == 2,
-    # int("-00") is 0: a negative duration under an hour was credited (its own gold can be negative: the signs agree)
-    "time_intervals": lambda a, e: a.strip().startswith("-") == str(e["answer"]).strip().startswith("-"),
+    # int("-00") is 0: a negative duration under an hour was credited (its own gold can be negative: the signs agree);
+    # a date difference is read from its first word only ("1 weeks", "1 days and 23 hours" were "1 days")
+    "time_intervals": lambda a, e: a.strip().startswith("-") == str(e["answer"]).strip().startswith("-")
+    and (e["metadata"].get("task_type") != "date" or re.fullmatch(r"-?\d+(\s*days?)?", a.strip()) is not None),
     # never checks the puzzle's numbers (6 + 6 + 6 + 6 solved every problem) and truncates (24.33 was 24)
     "puzzle24": _exact_24,
 }

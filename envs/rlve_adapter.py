@@ -55,6 +55,8 @@ _MARKERS = ANSWER_TAG  # ("<answer>", "</answer>"): the tag RLVE's processors re
 EXCLUDED: dict[str, str] = {
     "PolyaModel": "RLVE's scorer parses the whole output with _process() instead of processor(), so an "
                   "answer inside the markers never parses: every response scores wrong_format (-1)",
+    "Cornfield": "its generator often makes a problem whose optimum needs no operation: the empty answer earns full "
+                 "reward on 25 of 40 problems at difficulty 0 (16 of 40 at 3), a constant answer a policy would learn",
 }
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from envs import Environment, Problem, Score, get_env, list_envs, register
+from envs import Environment, Problem, Score, get_env, list_envs, register, rlve_adapter
 from envs.caps import bound_generate, load_caps
 from envs.check import check_ids, match_pattern, update_caps
 from envs.cli import main as envs_main
@@ -521,3 +521,27 @@ def test_rg_self_reference_levels_make_the_same_problems_and_are_not_used():
     assert cfg0.difficulty != cfg9.difficulty
     assert env._fresh(cfg0, 3)[1]["question"] == env._fresh(cfg9, 3)[1]["question"]  # (what the cap rests on)
     assert env.max_difficulty == 0
+
+
+def test_rg_time_intervals_reads_a_date_difference_whole():
+    """reasoning-gym scores a date difference by its first word: "1 weeks" and "1 days and 23 hours" were credited
+    for "1 days". The number of days, with or without its unit, is the answer."""
+    env = get_env("rg/time_intervals")
+    p = next(q for q in (env.generate(s, 0) for s in range(60)) if str(q.answer).endswith("days"))
+    k = str(p.answer).split()[0]
+    for wrong in (f"{k} weeks", f"{k} years", f"{k} days and 23 hours", f"{k} days9"):
+        assert not env.verify(p, f"\\boxed{{{wrong}}}").correct, wrong
+    for right in (str(p.answer), k):
+        assert env.verify(p, f"\\boxed{{{right}}}").correct, right
+
+
+@pytest.mark.skipif(not rlve_adapter.available(), reason="rlve-gym not installed")
+def test_rlve_cornfield_is_left_out_for_its_constant_answer():
+    """RLVE's Cornfield credits the empty answer (no operation) on most low-difficulty problems: not served."""
+    from envs.rlve_adapter import EXCLUDED, RLVEEnv
+
+    env = RLVEEnv("Cornfield")
+    env.prepare()
+    env.isolate = False  # the same scorer, in this process
+    assert sum(env.verify(env.generate(s, 0), "<answer></answer>").correct for s in range(20)) >= 8
+    assert "Cornfield" in EXCLUDED and "rlve/Cornfield" not in list_envs()
