@@ -131,7 +131,12 @@ shared-prefix steps 1.16x, 1.13x, 1.01x, 1.24x; ``concurrency_speedup`` 2.07 (4.
 machine: a prompt's text, problem included, encoded whole between the tails' ids; the server's routes ignore query
 strings; limiters admit in order; defaults, one run, alone): toy 1.41, real 1.06 (3.39 -> 3.18 s; pairs 1.06-1.08),
 long 1.32 (7.71 -> 5.83 s); shared-prefix steps 1.38x, 1.32x, 1.22x, 1.31x; ``concurrency_speedup`` 2.00 (4.63 ->
-2.32 s), ``_short`` 1.72, ``local`` 2.05; at two threads 3.35, local 2.84; same outputs and results.
+2.32 s), ``_short`` 1.72, ``local`` 2.05; at two threads 3.35, local 2.84; same outputs and results. At f5d719b
+(2026-12-07, a later session, the same machine: the shared-prefix steps' two sides decode the same tokens, drawn once
+per shape (each side drew its own before: other experts); defaults, one run, alone): toy 1.47, real 1.09 (3.41 ->
+3.14 s; pairs 0.98-1.18), long 1.47 (7.14 -> 4.87 s); shared-prefix steps 1.01x, 1.16x, 1.04x, 1.41x;
+``concurrency_speedup`` 2.05 (4.08 -> 1.99 s), ``_short`` 1.68, ``local`` 2.07; at two threads 2.85, local 3.15;
+same outputs and results.
 
 Measured on this project's 2-core CPU (2026-12-02, defaults, tiny-moe, 1 thread, quiet machine, commit
 e6feb3e, three runs): ``concurrency_speedup`` 2.17, 2.21, 2.13 (one problem at a time 3.73-3.80 s, 64 in
