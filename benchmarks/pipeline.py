@@ -206,6 +206,8 @@ Re-run at a4aaf98 (2026-12-07, later, the same machine; nothing on this in-proce
 alone, then alternating with 885f2b8's code (bb5e338's, from a worktree) 1.00, 1.13 against its 1.13, 0.82: the same
 within this machine's noise (median 0.98, min 0.85 at a4aaf98); lending ceiling 1.16-1.25; max_lag_seen 2, none
 dropped as stale.
+Re-run at bbe8685 (2026-12-07, later; alone, three runs): ``async_speedup`` 0.93, 0.91, 0.97 (median 0.93, min 0.91)
+against lending ceilings 1.15, 1.17, 1.27.
 """
 from __future__ import annotations
 

@@ -74,6 +74,8 @@ pages absorb). Rank 0's rise is noisy (31-125 MB for a 122 MB version): freed pa
 count in the resident set before the call, and a new dict reuses them; it holds the whole version, as it
 must to write it. Publishing a bf16 version reads the compute weights, so no fp32 master travels (the
 8-9x in time); ``final`` moves the fp32 master point to point.
+Re-run at bbe8685 (2026-12-07; alone): a version gathered in 0.054 s against 0.500 s, the other rank's peak rise
+0.0 MB against 612 MB; final in 0.295 s against 0.411 s; the same weights.
 """
 from __future__ import annotations
 

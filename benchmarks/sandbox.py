@@ -66,6 +66,7 @@ two interleaved with two of 3f5064d's code from a worktree, alone): ``ratio_seq`
 1.44 (bare 8.9-9.7 ms, sandboxed 13.2-15.4 ms); ``ratio_par`` 2.73, 2.71, 2.68 against 2.86, 2.58;
 ``ratio_seq_cold`` 2.80, 2.95, 3.44 against 2.91, 2.74; ``judge_ratio`` 0.40, 0.46, 0.43 against 0.41, 0.40. The
 extra mounts may cost a few percent of a start; this machine's run-to-run noise is as large.
+Re-run at bbe8685 (2026-12-07; alone, medians of five): ``ratio_seq`` 1.46, ``ratio_par`` 2.82, ``judge_ratio`` 0.41.
 """
 from __future__ import annotations
 

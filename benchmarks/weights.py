@@ -75,6 +75,8 @@ maps and re-hashes them), while the broadcast copies every byte through loopback
 (gloo's broadcast sends the whole bucket to each peer) with the packing, both checksums and the
 snapshot for the files written behind on the same two cores. The broadcast is for what this machine
 cannot show: servers on other hosts with no shared filesystem, and NCCL between GPUs.
+Re-run at bbe8685 (2026-12-07, later; alone): files 0.0246 s, broadcast 0.0279 s a version, ``sync_speedup`` 0.88;
+served log-probs within 4.8e-07.
 """
 from __future__ import annotations
 
