@@ -211,13 +211,18 @@ class ReasoningGymEnv(IsolatedCheck, BoxedOrTagged, Environment):
         below's: in reasoning-gym's UPPER_BOUND mode a range attribute's top level is the range of the level below
         (42 datasets), and a level reasoning-gym rejects falls back to the level below (caesar_cipher's 2,
         rubiks_cube's 4), so a curriculum would spend a promotion on no harder problems."""
-        def used(level: int):
-            while level >= 0 and (cfg := self._level_config(level)) is None:
-                level -= 1
-            return level, cfg
-        while top > 0 and ((here := used(top))[0] == (below := used(top - 1))[0] or here[1] == below[1]):
+        while top > 0 and ((here := self._accepted(top))[0] == (below := self._accepted(top - 1))[0]
+                           or here[1] == below[1]):
             top -= 1
         return top
+
+    def _accepted(self, level: int) -> tuple[int, object]:
+        """(the highest level up to ``level`` whose configuration reasoning-gym accepts, that configuration), or
+        (-1, None) where it rejects them all: the fallback :meth:`config` takes."""
+        cfg = None
+        while level >= 0 and (cfg := self._level_config(level)) is None:
+            level -= 1
+        return level, cfg
 
     def _level_config(self, level: int):
         """reasoning-gym's configuration at curriculum ``level`` (None if it rejects every mode)."""
@@ -244,12 +249,7 @@ class ReasoningGymEnv(IsolatedCheck, BoxedOrTagged, Environment):
         """(configuration, effective level) used at ``difficulty``."""
         d = max(0, min(int(difficulty), self._top))
         if d not in self._configs:
-            cfg, level = None, d
-            if self._curriculum_cls is not None:
-                while level >= 0 and cfg is None:
-                    cfg = self._level_config(level)
-                    if cfg is None:
-                        level -= 1
+            level, cfg = self._accepted(d) if self._curriculum_cls is not None else (d, None)
             if cfg is None:
                 cfg, level = self._config_cls(), -1  # the dataset's defaults
             self._configs[d] = (cfg, level)
