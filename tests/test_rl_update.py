@@ -249,6 +249,11 @@ def test_maxrl_config_refuses_negative_overlong_rewards():
         RLConfig(advantage="maxrl", overlong=OverlongConfig(mode="soft", max_len=10, buffer_len=4))
     RLConfig(advantage="grpo", overlong=OverlongConfig(mode="soft", max_len=10, buffer_len=4))
     RLConfig(advantage="maxrl", overlong=OverlongConfig(mode="mask"))
+    # DAPO's soft punishment past the response limit could never reach its full penalty (or apply at all)
+    sampling = SamplingConfig(max_new_tokens=64)
+    with pytest.raises(ValueError, match="overlong.max_len=100 is above sampling.max_new_tokens=64"):
+        RLConfig(advantage="grpo", sampling=sampling, overlong=OverlongConfig(mode="soft", max_len=100, buffer_len=20))
+    RLConfig(advantage="grpo", sampling=sampling, overlong=OverlongConfig(mode="soft", max_len=64, buffer_len=20))
     # the verifier's score is on [-1, 1] (-1: no \\boxed{} answer): refused before any rollout, not at the first batch
     with pytest.raises(ValueError, match="maxrl needs rewards >= 0, but reward=score"):
         RLConfig(advantage="maxrl", reward="score")
