@@ -661,6 +661,39 @@ def test_a_large_request_is_not_starved_by_smaller_ones_under_the_limits():
         assert waited(lim.acquire, lim.release, big, 0.1, 1.0) < 0.3, big
 
 
+def test_a_request_waiting_for_a_rate_slot_is_not_sent_after_close(tok):
+    """A request waiting for its place under ``--tpm`` when the backend closed was still sent once the window
+    turned over (up to a minute later, after the run had ended): close() now wakes it and it raises unsent."""
+    from train.engine import SamplingParams
+    from ttc.backends import OpenAIBackend, ServerError
+
+    srv = FakeAPI(tok)
+    try:
+        be = OpenAIBackend(srv.url, model="m1", tokenizer=tok, concurrency=2, retries=0, tpm=40, rate_window=30.0)
+        errors = []
+
+        def run():
+            try:
+                be.generate([[5, 6, 1], [5, 6, 2]], SamplingParams(n=1, max_tokens=32, seed=1))
+            except ServerError as e:
+                errors.append(e)
+
+        t = threading.Thread(target=run)
+        t.start()
+        deadline = time.monotonic() + 10
+        while srv.completions < 1 and time.monotonic() < deadline:  # the first (35 tokens) goes; the second waits
+            time.sleep(0.02)
+        time.sleep(0.2)
+        closed = time.monotonic()
+        be.close()
+        t.join(10)
+        assert not t.is_alive() and time.monotonic() - closed < 2
+        time.sleep(0.3)
+    finally:
+        srv.stop()
+    assert len(srv.arrivals) == 1 and len(errors) == 1 and "closed" in str(errors[0]), (srv.arrivals, errors)
+
+
 @pytest.mark.parametrize("limit,fail", [("rpm", 0.0), ("tpm", 0.0), ("rpm", 0.3)])
 def test_requests_and_tokens_per_window_stay_under_the_rate_limits(tok, limit, fail):
     """``rpm``/``tpm`` (``--rpm``/``--tpm``; here over a 0.6 s window instead of a minute): 10 one-sample

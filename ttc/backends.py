@@ -397,20 +397,28 @@ class RateLimiter:
         self._cv = threading.Condition()
         self._queue: deque = deque()
 
-    def acquire(self, w: float = 1.0) -> None:
+    def acquire(self, w: float = 1.0, cancel: threading.Event | None = None) -> bool:
+        """Wait for room for ``w`` units and take it -> True; False, with nothing taken, once ``cancel`` is set
+        (:meth:`wake` makes a waiter see it at once)."""
         if not self.limit:
-            return
+            return cancel is None or not cancel.is_set()
         with self._cv, _in_order(self._cv, self._queue) as first:
             while True:
+                if cancel is not None and cancel.is_set():
+                    return False
                 now = time.monotonic()
                 self._log = [x for x in self._log if x[1] > now]
                 if not first():
                     self._cv.wait()
                 elif not self._log or sum(x for x, _ in self._log) + w <= self.limit:
                     self._log.append((w, now + self.window * max(1.0, w / self.limit)))
-                    return
+                    return True
                 else:  # the first waiter: until the oldest units leave the window
                     self._cv.wait(max(min(t for _, t in self._log) - now, 0.001))
+
+    def wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
 
 
 def retry_after(value: str | None) -> float | None:
@@ -517,8 +525,8 @@ class OpenAIBackend:
         max_tokens tokens) under ``tpm`` as well, since each one counts at the server. ``check(reply)``, when
         given, sees every reply that arrives and returns None to take it or why not (it is then retried as a
         5xx is: a generation the server did not finish). Once ``stop`` is set (another request of the same
-        round failed) a failed request is not retried; once the backend is closed, none is sent and a retrying
-        one raises at once."""
+        round failed) a failed request is not retried; once the backend is closed, none is sent (nor one waiting
+        for its place under ``rpm``/``tpm``) and a retrying one raises at once."""
         retries = self.retries if retries is None else retries
         data = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"}
@@ -550,9 +558,9 @@ class OpenAIBackend:
                         last += "; not retried: another request of the same round failed"
                     break
             after = None
-            self._rpm.acquire(1)
-            if weight is not None:
-                self._tpm.acquire(weight)
+            if not self._rpm.acquire(1, self._closed) or (weight is not None
+                                                          and not self._tpm.acquire(weight, self._closed)):
+                break  # closed while it waited for a place under --rpm/--tpm: not sent
             try:
                 sent += 1
                 with self._slots:
@@ -723,6 +731,8 @@ class OpenAIBackend:
         with self._count_lock:
             for stop in self._rounds:  # (a retry waits on its round's stop event)
                 stop.set()
+        self._rpm.wake()
+        self._tpm.wake()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
 
