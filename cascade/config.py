@@ -622,11 +622,12 @@ def read_override_file(path: str) -> dict[str, Any]:
 def flatten_overrides(node: dict, prefix: str = "") -> dict[str, Any]:
     """Overrides as dotted keys: a mapping given for a part of the schema that has named fields (``rl.optim:
     {lr: 1e-6}``) is that many overrides, merged into what is configured (not a new section that drops the
-    rest); one the schema holds as one value (:data:`REPLACED_WHOLE`: ``envs``, ``sources``, ...) stays whole."""
+    rest; an empty one changes nothing); one the schema holds as one value (:data:`REPLACED_WHOLE`: ``envs``,
+    ``sources``, ...) stays whole."""
     out: dict[str, Any] = {}
     for k, v in node.items():
         key = f"{prefix}{k}"
-        if isinstance(v, dict) and v and key.split(".")[-1] not in REPLACED_WHOLE and _holds_fields(key):
+        if isinstance(v, dict) and key.split(".")[-1] not in REPLACED_WHOLE and _holds_fields(key):
             out.update(flatten_overrides(v, key + "."))
         else:
             out[key] = v

@@ -108,6 +108,13 @@ def test_a_mapping_for_a_section_merges_into_its_configured_default():
         assert (opt.lr, opt.warmup_steps) == (1e-3, 10), over
     cfg, _ = load_run_config(parse_overrides(["stage=warmup", "sft.optim.warmup_steps=3"]))
     assert (cfg.stages["warmup"].sft.optim.lr, cfg.stages["warmup"].sft.optim.warmup_steps) == (1e-5, 3)
+    # an empty mapping is no override: `rl={}` replaced math's configured rl with the schema's (group_size 16 -> 8,
+    # muon -> adamw)
+    base, _ = load_run_config(parse_overrides(["stage=math"]))
+    for over in ("rl={}", "rl.optim={}"):
+        cfg, _ = load_run_config(parse_overrides(["stage=math", over]))
+        assert cfg.stages["math"].rl == base.stages["math"].rl, over
+    assert (base.stages["math"].rl.group_size, base.stages["math"].rl.optim.name) == (16, "muon")
     # recursively, over the enclosing default's own nested values; a dict-typed field is still one value
     out = build(_Outer, {"mid": {"inner": {"b": 5}}, "cols": {"x": 1}})
     assert out == _Outer(_Mid(_Inner(a=1, b=5), c=3), {"x": 1})
