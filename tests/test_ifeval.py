@@ -323,3 +323,104 @@ def test_no_keyword_hides_in_a_common_word_and_the_pronoun_I_ends_a_sentence():
     assert [k for k in KEYWORDS if count_keyword(common, k)] == []
     assert count_sentences("Cook what the family likes, and so did I. Everyone ate well.") == 2
     assert count_sentences("We chose plan B. then we left.") == 1 and count_sentences("Ask at 5 p.m. today.") == 1
+
+
+# -- edges of the checkers that the cases above leave open (each pins an IFEval reference rule) ------------------
+def test_checkers_follow_the_reference_at_their_edges():
+    def ok(spec, text):
+        return check(spec, text)
+
+    # every keyword must appear, and any forbidden word fails the response
+    assert not ok({"type": "keywords:existence", "keywords": ["harbor", "violin"]}, "Only the harbor.")
+    forbid = {"type": "keywords:forbidden_words", "words": ["very", "really"]}
+    assert not ok(forbid, "It was really nice.")
+    # the letter is compared case-insensitively, however the instruction spells it
+    assert ok({"type": "keywords:letter_frequency", "letter": "Z", "relation": "at least", "n": 3}, "zig zag zoo")
+    # "***" paragraphs: an empty first/last piece is dropped, an empty one inside fails
+    paras = {"type": "length_constraints:number_paragraphs", "n": 2}
+    assert ok(paras, "***\nFirst part.\n***\nSecond part.")
+    assert not ok(paras, "First part.\n***\n\n***\nSecond part.")
+    # bullets: "*" or "-" after optional indentation; a "**bold**" line is no bullet
+    bullets = {"type": "detectable_format:number_bullet_lists", "n": 2}
+    assert ok(bullets, "**Note**\n* one\n* two")
+    assert ok(bullets, "List:\n  - one\n\t- two")
+    # placeholders do not span lines
+    assert not ok({"type": "detectable_content:number_placeholders", "n": 1}, "Dear [first\nname], hello.")
+    # postscripts: "P. S." and "P. P. S" (a space after each period) count
+    assert ok({"type": "detectable_content:postscript", "marker": "P.S."}, "Hello.\nP. S. Bring snacks.")
+    assert ok({"type": "detectable_content:postscript", "marker": "P.P.S"}, "Hello.\nP. P. S Bring snacks.")
+    # the option may sit inside a longer answer
+    assert ok({"type": "detectable_format:constrained_response"}, "I thought about it. My answer is yes.")
+    # sections: at least N, and "SECTION1" (no space) also marks one
+    sections = {"type": "detectable_format:multiple_sections", "splitter": "SECTION", "n": 2}
+    assert ok(sections, "SECTION 1\na\nSECTION 2\nb\nSECTION 3\nc")
+    assert ok(sections, "SECTION1\nintro\nSECTION2\nmain")
+    # any spelling of the json fence
+    assert ok({"type": "detectable_format:json_format"}, '```JSON\n{"a": 1}\n```')
+    # the end phrase is matched case-insensitively
+    assert ok({"type": "startend:end_checker", "end_phrase": "Any other questions?"}, "Done. any OTHER questions?")
+    # all capitals / all lowercase must also be English
+    german = "Das ist ein schöner Tag und wir gehen heute mit dem Hund in den Park."
+    assert not ok({"type": "change_case:english_capital"}, german.upper())
+    assert not ok({"type": "change_case:english_lowercase"}, german.lower())
+    # a lone quotation mark does not wrap anything
+    assert not ok({"type": "startend:quotation"}, ' " ')
+    # a response of only whitespace follows nothing, strictly or loosely; a non-string is no response
+    for spec in ({"type": "punctuation:no_comma"}, {"type": "keywords:forbidden_words", "words": ["very"]}):
+        assert not check(spec, "  \n\t ") and not check_loose(spec, "  \n\t ")
+        assert check_loose(spec, None) is False and check(spec, None) is False
+
+
+def test_loose_variants_that_are_empty_do_not_count_and_each_is_stripped():
+    no_comma = {"type": "punctuation:no_comma"}
+    # dropping the only line leaves nothing: an empty text would follow "no commas", but it is no response
+    assert not check_loose(no_comma, "Hello, world")
+    # only the variant without first and last line, stripped, is one paragraph starting with "Today"
+    spec = {"type": "length_constraints:nth_paragraph_first_word", "n": 1, "nth": 1, "word": "today"}
+    resp = "Sure.\n\n\nToday is fine.\n\nBye."
+    assert not check(spec, resp) and check_loose(spec, resp)
+
+
+def test_sentence_splitter_rules_at_their_edges():
+    assert count_sentences("Wait..what happened? Nothing.") == 3  # two or more periods end a sentence
+    assert count_sentences("We met at Acme Inc. This was fun.") == 2  # "This" starts a sentence
+    assert count_sentences("One\ue001two three.") == 1  # private-use characters in the input are plain spaces
+
+
+def test_loose_environment_and_its_settings():
+    strict, loose = get_env("ifeval"), get_env("ifeval", loose=True)
+    p = strict.generate(0, 0)
+    p.answer = {"instructions": [{"type": "startend:quotation"}]}
+    resp = 'Sure, here you go:\n"Quoted text."'
+    s, l = strict.verify(p, resp), loose.verify(p, resp)
+    assert (s.correct, s.info["loose"]) == (False, False)
+    assert (l.correct, l.reward, l.info["loose"]) == (True, 1.0, True)
+    # a negative difficulty is difficulty 0 (one instruction); the cap is the first difficulty with the most
+    q = strict.generate(0, -3)
+    assert q.difficulty == 0 and len(q.answer["instructions"]) == 1
+    from envs.ifeval.env import MAX_INSTRUCTIONS
+
+    cap = strict.max_difficulty
+    assert len(strict.generate(1, cap).answer["instructions"]) == MAX_INSTRUCTIONS
+    assert len(strict.generate(1, cap - 1).answer["instructions"]) < MAX_INSTRUCTIONS
+    # the empty response is always among the corruptions
+    assert strict.corruptions(p)[0] == ""
+
+
+def test_instructions_that_cannot_hold_together_are_never_paired():
+    for t in INSTRUCTIONS:
+        assert not compatible(t, t)
+    # "My answer is yes." is neither all capitals nor all lowercase
+    for case in ("change_case:english_capital", "change_case:english_lowercase"):
+        assert not compatible(case, "detectable_format:constrained_response")
+    # English keywords, options and end phrases are never asked of a response in another language
+    env = get_env("ifeval")
+    english_only = {"keywords:existence", "keywords:frequency", "detectable_format:constrained_response",
+                    "startend:end_checker"}
+    seen = 0
+    for seed in range(40):
+        types = {s["type"] for s in env.generate(seed, 14).answer["instructions"]}
+        if "language:response_language" in types:
+            seen += 1
+            assert not types & english_only, (seed, types)
+    assert seen >= 3
