@@ -29,8 +29,9 @@ system-deps:
 demo: setup system-deps
 	$(BIN)/cascade run profile=tiny out=$(OUT)
 
+# two workers (pytest-xdist), each test file on one; `$(BIN)/pytest -q` runs the same tests in one process
 test: setup system-deps
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n 2 --dist loadfile
 
 bench: setup system-deps
 	for b in benchmarks/*.py; do $(BIN)/python $$b; done

@@ -11,20 +11,42 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+_STARTED = pytest.StashKey[bool]()
+
 # Tiny models run fastest on one thread, and tests that spawn process groups must not oversubscribe.
 torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """A module may define ``start_in_background(config)`` to start a long job (a whole tiny cascade run,
-    one thread) as soon as one of its tests is selected, so that the job runs on the second core while
-    the tests before it run; its fixtures then wait for it."""
-    if config.option.collectonly:
+    """A module may define ``start_in_background(config, root=None)`` to start a long job (a whole tiny cascade
+    run, one thread) as soon as one of its tests is selected, so that the job runs on the second core while
+    the tests before it run; its fixtures then wait for it. (Under pytest-xdist see the next hook; such a module
+    also defines ``job_root(testrun_uid)``, where the job of an xdist run lives.)"""
+    if config.option.collectonly or hasattr(config, "workerinput"):  # (pytest-xdist: its controller starts them)
         return
     for mod in {item.module for item in items if hasattr(item, "module")}:
         start = getattr(mod, "start_in_background", None)
         if start is not None:
             start(config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """Under pytest-xdist (``make test``: ``-n 2``) the controller, which outlives its workers, starts the long
+    jobs once: when the first worker has collected, for the modules among its test ids that define
+    ``start_in_background(config, root)``; the worker that runs a module's tests finds its job under ``root``."""
+    import importlib
+    from pathlib import Path
+
+    config = node.config
+    if config.option.collectonly or config.stash.get(_STARTED, False):
+        return
+    config.stash[_STARTED] = True
+    here = Path(config.rootpath)
+    for path in sorted({i.split("::")[0] for i in ids}):
+        if path.endswith(".py") and "def start_in_background(" in (here / path).read_text():
+            mod = importlib.import_module(path[:-3].replace("/", "."))
+            mod.start_in_background(config, mod.job_root(node.workerinput["testrunuid"]))
 
 
 def cascade_here(*args, cwd=None):

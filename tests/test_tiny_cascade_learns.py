@@ -35,6 +35,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -45,39 +47,57 @@ DEMO = pytest.StashKey[tuple]()
 MIN_GAIN = {"warmup": 0.4, "behavior": 0.05}
 
 
-def start_in_background(config):
-    """Called by conftest.py once this module's tests are selected: the run starts at once and goes on
-    (one thread) beside the tests collected before these."""
-    root = Path(tempfile.mkdtemp(prefix="cascade-demo-"))
-    log = open(root / "stderr.log", "w+")
+def job_root(testrun_uid: str) -> Path:
+    """Where a pytest-xdist run's demo lives (the controller starts it, the worker that runs these tests reads it)."""
+    return Path(tempfile.gettempdir()) / f"cascade-demo-{testrun_uid}"
+
+
+def start_in_background(config, root: Path | None = None):
+    """Called by conftest.py once this module's tests are selected (by pytest-xdist's controller, for its
+    workers): the run starts at once and goes on (one thread) beside the tests collected before these. When it
+    ends, its exit status is written to ``root/rc``."""
+    root = Path(tempfile.mkdtemp(prefix="cascade-demo-")) if root is None else root
+    root.mkdir(parents=True, exist_ok=True)
+    log = open(root / "stderr.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "cascade", "run", "profile=tiny", f"out={root / 'run'}",
                              "seed=0", "logging.progress=false"], stdout=subprocess.DEVNULL, stderr=log,
                             env=dict(os.environ), cwd=Path(__file__).resolve().parents[1])
 
+    def reap():
+        rc = proc.wait()
+        log.close()
+        (root / "rc.part").write_text(str(rc))
+        os.replace(root / "rc.part", root / "rc")
+
+    reaper = threading.Thread(target=reap, daemon=True)
+    reaper.start()
+
     def stop():
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
-        log.close()
+        reaper.join()
         shutil.rmtree(root, ignore_errors=True)
 
     config.add_cleanup(stop)
-    config.stash[DEMO] = (proc, root, log)
+    config.stash[DEMO] = root
 
 
 @pytest.fixture(scope="module")
 def demo_run(request):
-    if DEMO not in request.config.stash:  # e.g. run by node id without the conftest hook's module scan
-        start_in_background(request.config)
-    proc, root, log = request.config.stash[DEMO]
-    try:
-        proc.wait(timeout=1500)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
-    log.seek(0)
-    stderr = log.read()
-    assert proc.returncode == 0, stderr[-3000:]
+    config = request.config
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: its controller started the run
+        root = job_root(config.workerinput["testrunuid"])
+        assert root.is_dir(), f"no tiny cascade run at {root}: pytest-xdist's controller starts it (tests/conftest.py)"
+    else:
+        if DEMO not in config.stash:  # e.g. run by node id without the conftest hook's module scan
+            start_in_background(config)
+        root = config.stash[DEMO]
+    deadline = time.monotonic() + 1500
+    while not (root / "rc").exists():
+        assert time.monotonic() < deadline, "the tiny cascade run took over 25 minutes"
+        time.sleep(1)
+    stderr = (root / "stderr.log").read_text()
+    assert (root / "rc").read_text() == "0", stderr[-3000:]
     out = root / "run"
     states = {}
     for d in sorted((out / "stages").iterdir()):
