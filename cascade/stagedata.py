@@ -32,7 +32,7 @@ def stage_mixes(s: StageConfig, name: str = "") -> list[dict[str, float]]:
             from train.dataclass_config import ConfigError
 
             where = f"stages.{name}.{'sources' if s.sources else 'envs'}" if name else "the stage's mix"
-            raise ConfigError(f"{where}: weights must be >= 0 with a positive sum; got {mix}")
+            raise ConfigError(f"{where}: weights must be finite and >= 0 with a positive sum; got {mix}")
         return [mix]
     if s.envs or s.sources:
         mix_of(s.envs, s.sources)  # an unknown environment is named first
@@ -46,7 +46,7 @@ def stage_mixes(s: StageConfig, name: str = "") -> list[dict[str, float]]:
             from train.dataclass_config import ConfigError
 
             where = f"stages.{name}.phases[{i}]" if name else f"phases[{i}]"
-            raise ConfigError(f"{where}: its weights must be >= 0 with a positive sum (a phase samples from its own "
+            raise ConfigError(f"{where}: its weights must be finite and >= 0 with a positive sum (a phase samples from its own "
                               f"mix); got {m}")
     return mixes
 
@@ -157,5 +157,5 @@ def set_mix(curriculum, weights: dict[str, float]) -> None:
     if unknown:
         raise ValueError(f"the mix names environments outside the stage's curriculum: {unknown}")
     if not valid_weights(weights):
-        raise ValueError(f"a mix's weights must be >= 0 with a positive sum; got {weights}")
+        raise ValueError(f"a mix's weights must be finite and >= 0 with a positive sum; got {weights}")
     inner.weights = {e: float(weights.get(e, 0.0)) for e in inner.weights}

@@ -406,8 +406,9 @@ def draw_avoiding(make: Callable[[int], Problem], rng: random.Random, exclude: s
 
 
 def valid_weights(weights: dict[str, float]) -> bool:
-    """Whether a mix's weights can be sampled from: every one >= 0 (no NaN), with a positive sum."""
-    return all(float(w) >= 0 for w in weights.values()) and sum(float(w) for w in weights.values()) > 0
+    """Whether a mix's weights can be sampled from: every one finite and >= 0 (no NaN, no inf), with a positive
+    sum."""
+    return all(0 <= float(w) < math.inf for w in weights.values()) and sum(float(w) for w in weights.values()) > 0
 
 
 class Curriculum:
@@ -440,7 +441,7 @@ class Curriculum:
         if not weights:
             raise ValueError("a curriculum needs at least one environment")
         if not valid_weights(weights):
-            raise ValueError(f"environment weights must be >= 0 with a positive sum; got {weights}")
+            raise ValueError(f"environment weights must be finite and >= 0 with a positive sum; got {weights}")
         if mode not in SAMPLING_MODES:
             raise ValueError(f"unknown sampling mode {mode!r}; choose from {', '.join(SAMPLING_MODES)}")
         if not temperature > 0:

@@ -571,7 +571,7 @@ def test_a_phase_with_no_positive_weight_is_a_config_error_before_any_stage(tmp_
     from train.dataclass_config import ConfigError
 
     out = tmp_path / "run"
-    with pytest.raises(ConfigError, match=r"stages\.math\.phases\[1\]: its weights must be >= 0 with a positive sum"):
+    with pytest.raises(ConfigError, match=r"stages\.math\.phases\[1\]: its weights must be finite and >= 0 with a positive sum"):
         main(["stage=math", "profile=tiny", f"out={out}",
               "stages.math.phases=[{steps: 2, envs: {toy/add: 1}}, {steps: 2, envs: {toy/max: 0}}]"])
     assert not out.exists()
