@@ -306,3 +306,89 @@ def test_resume_keeps_configured_controller_thresholds():
                                                    "difficulty controller")):
         c.load_state_dict(json.loads(json.dumps(
             Curriculum({"toy/max": 1}, controller="zaya", controller_kwargs={"start": 0}).state_dict())))
+
+
+# -- settings refused, levels clamped, the weights and sampling modes at their edges ------------------
+
+def test_controllers_refuse_settings_they_cannot_run():
+    from envs.curriculum import ZayaScheduler
+
+    for kw in ({"d_window": 0}, {"tau_num": 0}, {"group_size": 0}, {"tau_prompts": 0}):
+        with pytest.raises(ValueError):
+            RLVEWindow(**kw)
+    assert RLVEWindow(d_window=1).d_window == 1 and RLVEWindow(tau_num=1).tau_num == 1
+    for kw in ({"explore": 0.5}, {"explore": 0.0}, {"epsilon": 1.5}, {"epsilon": -0.1}, {"ess_threshold": 1.5},
+               {"recency": 0.0}, {"recency": 1.5}, {"pool_size": 0}, {"prior_s": 0.0},
+               {"candidates": []}, {"candidates": [(1.0, 0.0)]}, {"candidates": [(1.0, 1.0), (2.0, -1.0)]}):
+        with pytest.raises(ValueError):
+            ZayaScheduler(**kw)
+    ZayaScheduler(explore=0.49, epsilon=1.0, ess_threshold=1.0, recency=1.0, pool_size=1)  # the edges that are fine
+
+
+def test_rlve_window_takes_an_explicit_tau_num_over_prompts_times_group():
+    c = RLVEWindow(group_size=16, tau_prompts=8, tau_num=3, tau_acc=1.0)
+    assert c.tau_num == 3
+    c.update(0, [True, True])
+    assert (c.high, c.n) == (0, 2)
+    c.update(0, [True])                 # the third rollout: 3/3 >= 1.0 -> h = 1 (not after 128)
+    assert (c.low, c.high, c.n) == (0, 1, 0)
+
+
+def test_levels_are_never_negative_nor_above_the_cap_from_the_start():
+    from envs.curriculum import Fixed, ZayaScheduler
+
+    rng = random.Random(0)
+    assert Fixed(difficulty=-3).sample(rng) == 0
+    assert Fixed(difficulty=5, max_difficulty=2).sample(rng) == 2
+    assert ZayaScheduler(start=-2).sample(rng) == 0
+    c = ZayaScheduler(start=10, max_difficulty=3)   # a configured start above the environment's cap
+    assert (c.difficulty, c.sample(rng)) == (3, 3)
+    c.update(3, [True] * 4)                         # and the up rule stays at the cap
+    assert c.difficulty == 3
+
+
+def test_a_controller_state_with_unknown_keys_is_refused():
+    c = RLVEWindow()
+    state = c.state_dict()
+    c.load_state_dict(dict(state, high=3))
+    assert (c.low, c.high) == (0, 3)
+    with pytest.raises(ValueError, match="unknown keys.*bogus"):
+        RLVEWindow().load_state_dict(dict(state, bogus=1))
+
+
+def test_zero_weight_environments_are_never_sampled_and_an_all_zero_or_nan_mix_is_refused():
+    for mode in ("uniform", "least_sampled", "weighted_least_sampled"):
+        c = Curriculum({"toy/add": 1.0, "toy/max": 0.0}, mode=mode, seed=0)
+        assert {e for e, _ in c.sample(None, 20)} == {"toy/add"}, mode
+        assert c.probabilities() == {"toy/add": 1.0}, mode
+    # (an infinite weight was accepted, then every draw raised "Total of weights must be finite")
+    for weights in ({"toy/add": 0.0}, {"toy/add": 0.0, "toy/max": 0.0}, {"toy/add": float("nan")},
+                    {"toy/add": 1.0, "toy/max": float("nan")}, {"toy/add": float("inf"), "toy/max": 1.0}):
+        with pytest.raises(ValueError, match="weights"):
+            Curriculum(weights)
+
+
+def test_least_sampled_splits_ties_and_follows_the_mixing_weights():
+    c = Curriculum(["toy/add", "toy/max"], mode="least_sampled", seed=0)
+    assert c.probabilities() == {"toy/add": 0.5, "toy/max": 0.5}
+    c.counts["toy/add"] = 1
+    assert c.probabilities() == {"toy/add": 0.0, "toy/max": 1.0}
+    c = Curriculum({"toy/add": 1.0, "toy/max": 3.0}, mode="least_sampled", seed=0)
+    c.sample(None, 8)                    # counts / weight level out: 2 / 1 == 6 / 3
+    assert c.counts == {"toy/add": 2, "toy/max": 6}
+
+
+def test_weighted_sampler_divides_the_lag_by_the_temperature():
+    c = Curriculum(["toy/add", "toy/max", "ifeval"], mode="weighted_least_sampled", temperature=2.0)
+    c.counts = {"toy/add": 0, "toy/max": 2, "ifeval": 4}
+    # N = 6, fair share 2 each: behind by 2, 0, -2, over temperature 2 -> P ~ e^1, 1, e^-1
+    z = math.e + 1 + 1 / math.e
+    assert c.probabilities() == pytest.approx({"toy/add": math.e / z, "toy/max": 1 / z, "ifeval": 1 / math.e / z})
+
+
+def test_an_integer_seed_gives_the_same_batch_whatever_was_drawn_before():
+    c = Curriculum(["toy/add", "toy/max"], seed=0)
+    first = [(e, p.seed, p.difficulty) for e, p in c.sample(5, 4)]
+    c.sample(None, 3)
+    assert [(e, p.seed, p.difficulty) for e, p in c.sample(5, 4)] == first
+    assert [(e, p.seed) for e, p in c.sample(random.Random(5), 4)] == [(e, s) for e, s, _ in first]

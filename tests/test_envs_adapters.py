@@ -545,3 +545,43 @@ def test_rlve_cornfield_is_left_out_for_its_constant_answer():
     env.isolate = False  # the same scorer, in this process
     assert sum(env.verify(env.generate(s, 0), "<answer></answer>").correct for s in range(20)) >= 8
     assert "Cornfield" in EXCLUDED and "rlve/Cornfield" not in list_envs()
+
+
+class _AlwaysSlow(Environment):
+    """Its generator sleeps far past any bound at every difficulty."""
+
+    def generate(self, seed, difficulty):
+        time.sleep(30)
+        return self.problem("say 1", "1", seed, difficulty)
+
+    def check(self, problem, response):
+        return Score(0.0, False, True)
+
+
+def test_a_time_out_at_difficulty_0_is_a_failure_with_no_cap():
+    (r,) = check_ids([f"{__name__}:_AlwaysSlow"], [0, 1], [0], jobs=1, gen_limit=0.3)
+    assert r.cap is None and len(r.failures) == 1 and "at the lowest difficulty checked" in r.failures[0]
+    assert "difficulty=0" in r.cap_reason
+
+
+def test_check_ids_checks_each_difficulty_once_and_expand_ids_lists_each_id_once():
+    from envs.check import expand_ids
+
+    (r,) = check_ids(["toy/add"], [2, 0, 2], [0], in_process=True)
+    assert r.failures == [] and r.stats["gen_n"] == 4     # 2 difficulties x 1 seed, generated twice each
+    assert expand_ids(["toy/add", "toy/*", "toy/add"]).count("toy/add") == 1
+    with pytest.raises(KeyError, match="no environment matches"):
+        expand_ids(["nothere/*"])
+
+
+def test_a_failed_check_keeps_a_recorded_cap(tmp_path):
+    """A check that covered every difficulty above the cap but failed (it ran past its time, a worker died) says
+    nothing about generation in time there: the cap stays."""
+    from envs.check import CheckResult
+
+    caps_file = tmp_path / "caps.json"
+    caps_file.write_text(json.dumps({"x/slow": {"max_difficulty": 1, "reason": "difficulty=2 took over 10s"}}))
+    failed = CheckResult("x/slow", ["x/slow: the check took over 300s"], 300.0, {}, None, "")
+    assert update_caps([failed], [0, 1, 2, 3], caps_file, write=False)["x/slow"]["max_difficulty"] == 1
+    ok = CheckResult("x/slow", [], 1.0, {}, None, "")
+    assert "x/slow" not in update_caps([ok], [0, 1, 2, 3], caps_file, write=False)

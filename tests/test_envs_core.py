@@ -890,3 +890,146 @@ def test_answers_in_common_latex_and_sentence_forms_are_read():
     for r, ok in ((f"{t.answer}.", True), (f"${t.answer}$", True), (f"\\textbf{{{t.answer}}}", True),
                   (f"{int(t.answer) + 1}.", False), (f"{t.answer}..", False)):
         assert add.verify(t, f"\\boxed{{{r}}}").correct is ok, r
+
+
+# -- the self-check's other rules, and the base contract's edges ------------------------------------
+class _Flawed(Environment):
+    """One flaw per switch: a blank prompt, an answer JSON cannot hold, a slow verify, a corruption-blind check,
+    a reference that fails (exempt with a ``no_reference_reason``), problems handed out in turn (seed ignored)."""
+
+    id = "test/flawed"
+
+    def __init__(self, flaw=""):
+        self.flaw, self.turn = flaw, 0
+
+    def generate(self, seed, difficulty):
+        from envs import Problem
+
+        if self.flaw == "blank":
+            return Problem("  \n ", "1", self.id, seed, difficulty)
+        if self.flaw == "set":
+            return self.problem("say 1", {1}, seed, difficulty)
+        if self.flaw == "in_turn":              # a shared cycle of 3 problems: regenerating in order looks fine
+            self.turn += 1
+            return self.problem(f"say {self.turn % 3}", str(self.turn % 3), seed, difficulty)
+        return self.problem(f"say {seed}", str(seed), seed, difficulty)
+
+    def check(self, problem, response):
+        if self.flaw == "slow":
+            time.sleep(0.05)
+        if self.flaw in ("no_ref", "exempt"):
+            return Score(0.0, False, True)
+        ok = self.extract(response) == problem.answer or self.flaw == "lenient"
+        return Score(float(ok), ok, True)
+
+
+def test_self_check_finds_each_flaw_and_passes_a_sound_environment():
+    assert self_check(_Flawed(), [0, 1], [0, 1]) == []
+    assert any("non-empty prompt" in f for f in self_check(_Flawed("blank"), [0], [0]))
+    assert any("not JSON-serialisable" in f for f in self_check(_Flawed("set"), [0], [0]))
+    assert any("verify took" in f for f in self_check(_Flawed("slow"), [0], [0], time_limit=0.01))
+    assert self_check(_Flawed("slow"), [0], [0], time_limit=1.0) == []
+
+    class SlowByDefault(_Flawed):
+        verify_time_limit = 0.01            # the environment's own limit when none is given
+
+    assert any("verify took" in f for f in self_check(SlowByDefault("slow"), [0], [0]))
+    assert any("corruption 0 judged correct" in f for f in self_check(_Flawed("lenient"), [0], [0]))
+    assert any("reference response not correct" in f for f in self_check(_Flawed("no_ref"), [0], [0]))
+
+    class Exempt(_Flawed):
+        no_reference_reason = "graded by validity only"
+
+    assert self_check(Exempt("exempt"), [0], [0]) == []
+    fails = self_check(_Flawed("in_turn"), [0], [0, 1, 2])   # the second pass runs in the other order
+    assert any("not deterministic" in f for f in fails)
+
+
+def test_verify_bounds_rewards_and_refuses_non_string_responses():
+    from envs import Problem
+
+    class Says(Environment):
+        def __init__(self, reward):
+            self.reward = reward
+
+        def check(self, problem, response):
+            return Score(self.reward, False, True)
+
+    p = Problem("q", 1, "x", 0, 0, {})
+    assert [Says(r).verify(p, "r").reward for r in (float("nan"), -5.0, 7.0, -0.25)] == [0.0, -1.0, 1.0, -0.25]
+    s = Says(1.0).verify(p, None)
+    assert (s.reward, s.correct, s.info["reason"]) == (0.0, False, "response is not a string")
+
+
+def test_strip_think_and_open_think():
+    from envs.base import after_open_think, open_think, strip_think
+
+    assert strip_think("plain \\boxed{1}") == "plain \\boxed{1}"
+    assert strip_think("<think>a \\boxed{1}</think> answer \\boxed{2}") == " answer \\boxed{2}"
+    assert strip_think("<think>cut inside \\boxed{1}") == ""                 # never closed: no answer yet
+    assert strip_think("<think>a</think> b <think>again \\boxed{3}") == " b "  # a thinking opened again
+    assert open_think("<|im_start|>assistant\n<think>\n") == "<think>\n"
+    assert open_think("<|im_start|>assistant\n<think>\n\n</think>\n\n") == ""
+    assert open_think("<|im_start|>assistant\n") == ""
+    assert after_open_think("<think>\nx</think>y", "<think>\n") == "x</think>y"
+    assert after_open_think("<think>\n\nx</think>y", "<think>\n") == "\nx</think>y"
+    assert after_open_think("<think>x</think>y", "<think>\n") == "x</think>y"
+    assert after_open_think("<think>\nx</think>y", "<think>\n\n") == "x</think>y"  # the tag, then its newline
+    assert after_open_think("y", "<think>\n") == "</think>\n\ny"
+    assert after_open_think("y", "") == "y"
+
+
+def test_problem_seeds_are_the_environments_own_and_the_instruction_is_optional():
+    from envs import Problem
+
+    class A(Environment):
+        id = "test/a"
+
+    class B(Environment):
+        id = "test/b"
+        instruction = ""
+
+    assert A().rng(3, 1).random() == A().rng(3, 1).random() != B().rng(3, 1).random()
+    assert A().rng(3, 1).random() != A().rng(3, 2).random()
+    assert A().problem("Q", 1, 0, 0).prompt == "Q\n\nPut your final answer within \\boxed{}."
+    assert B().problem("Q", 1, 0, 0).prompt == "Q"
+    assert A().corruptions(Problem("q", 7, "x", 0, 0, {})) == ["", "I don't know.", "\\boxed{7x9}"]
+
+
+def test_verify_workers_caps_auto_at_8(monkeypatch):
+    from envs import verify_workers
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert (verify_workers(0), verify_workers(-1), verify_workers(12)) == (8, 8, 12)
+    monkeypatch.setattr(os, "cpu_count", lambda: None)
+    assert verify_workers(0) == 1
+
+
+def test_registry_edges(monkeypatch):
+    import functools
+
+    import envs.base as base
+    from envs.base import env_info, register
+
+    list_envs()
+    for name in ("_REGISTRY", "_FACTORIES", "_FACTORY_INFO"):  # registrations here stay in this test
+        monkeypatch.setattr(base, name, dict(getattr(base, name)))
+    register("test/same_factory", factory=functools.partial(ArithmeticEnv))
+    register("test/same_factory", factory=functools.partial(ArithmeticEnv))  # the same factory again: fine
+    with pytest.raises(ValueError, match="cannot register factory .* the id is taken"):
+        register("test/same_factory", factory=lambda: ArithmeticEnv())
+
+    class Clash(Environment):
+        pass
+
+    with pytest.raises(ValueError, match="cannot register .*Clash as 'test/same_factory'"):
+        register("test/same_factory")(Clash)
+    assert env_info("test/same_factory") == {"id": "test/same_factory", "family": "misc", "description": ""}
+
+    @register("test/documented")
+    class Documented(Environment):
+        """First line of the docstring.
+
+        More."""
+
+    assert env_info("test/documented")["description"] == "First line of the docstring."

@@ -301,3 +301,67 @@ def test_rlve_stage_uses_zaya_by_default_and_rlve_by_name():
     s = cfg.stages["rlve"]
     c = make_controller(s.controller, **s.controller_kwargs)
     assert (c.name, c.tau_acc, c.d_window) == ("rlve", 0.9, 4)
+
+
+# -- edges: no calibration, empty groups, the cap at the calibrated start, resampling details -------
+
+def test_no_calibration_groups_starts_at_0_without_a_pool():
+    c = ZayaScheduler(calibration_groups=0)
+    assert not c.calibrating and c.sample(random.Random(0)) == 0 and c.candidates == []
+    c.update(0, [1] * 8)
+    assert c.difficulty == 1
+
+
+def test_an_empty_group_changes_nothing():
+    c = ZayaScheduler(candidates=[(3.0, 1.0), (5.0, 1.0)], calibration_groups=2)
+    before = json.dumps(c.state_dict())
+    c.update(3, [])
+    assert json.dumps(c.state_dict()) == before and c.calibrating and c.calibration_left == 2
+    c = ZayaScheduler(start=2)
+    c.update(2, [])
+    assert c.difficulty == 2
+
+
+def test_calibrated_start_is_clamped_to_the_cap():
+    c = ZayaScheduler(candidates=[(10.0, 1.0)], calibration_groups=1, max_difficulty=3)  # E[mu] = 10
+    c.update(3, [1, 1])
+    assert not c.calibrating and c.difficulty == 3
+
+
+def test_explicit_candidates_without_a_seed_can_resample():
+    c = ZayaScheduler(candidates=[(0, 1), (2, 1), (4, 1), (6, 1)], ess_threshold=1.0, jitter=0.0)
+    c.update(2, [1, 1, 1, 0])             # ESS 2.44 < 4: resampled with the default seed 0
+    assert c.resamples == 1 and len(c.candidates) == 4 and c.history == []
+    d = ZayaScheduler(candidates=[(0, 1), (2, 1), (4, 1), (6, 1)], ess_threshold=1.0, jitter=0.0)
+    d.update(2, [1, 1, 1, 0])
+    assert d.candidates == c.candidates   # deterministic
+
+
+def test_resampling_happens_only_when_the_ess_falls_below_the_threshold():
+    c = ZayaScheduler(candidates=[(3.0, 1.0), (3.0, 1.0)], ess_threshold=1.0)  # identical: ESS stays exactly 2
+    c.update(3, [1, 0, 1, 0])
+    assert c.ess() == 2.0 and c.resamples == 0 and c.history == [[3, 2, 4]]
+
+
+def test_resampling_jitters_mu_and_log_s_of_each_copy():
+    old = [(0.0, 1.0), (2.0, 1.0), (4.0, 1.0), (6.0, 1.0)]
+    c = ZayaScheduler(candidates=old, ess_threshold=0.5, jitter=0.2, recency=0.5, seed=3)
+    c.update(2, [1, 1, 1, 0])
+    c.update(3, [1, 1, 1, 1])             # ESS 1.92 < 2: resampled (see test_ess_resampling_triggers_below_threshold)
+    assert c.resamples == 1
+    mus, ss = [m for m, _ in c.candidates], [s for _, s in c.candidates]
+    assert all(m not in (0.0, 2.0, 4.0, 6.0) for m in mus)   # every copy moved on mu ...
+    assert all(s != 1.0 for s in ss)                        # ... and on s
+    assert all(min(abs(m - o) for o, _ in old) < 1.0 for m in mus)   # by N(0, 0.2): near where it was
+    assert all(abs(math.log(s)) < 1.0 for s in ss)
+
+
+def test_a_loaded_pool_keeps_its_size_over_the_configured_one():
+    a = ZayaScheduler(pool_size=8, seed=1)
+    saved = json.loads(json.dumps(a.state_dict()))
+    b = ZayaScheduler(pool_size=64)
+    b.load_state_dict(saved)
+    assert b.pool_size == 8 and len(b.weights()) == 8
+    b.sample(random.Random(0))            # draws among the loaded pool's 8 candidates
+    b.update(3, [1, 0, 1, 0])
+    assert len(b.candidates) == 8
