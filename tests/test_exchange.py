@@ -214,3 +214,95 @@ def test_a_stage_starting_at_update_0_keeps_no_earlier_stages_version_0(tmp_path
     assert ex.complete_versions(tmp_path) == [0] and ex.load_version(tmp_path, 0)[1]["w"].tolist() == [3.0] * 2
     ex.clear_after(tmp_path, 1, 0)  # past update 0: version 0 is this stage's
     assert ex.complete_versions(tmp_path) == [0]
+
+
+def test_a_load_request_names_one_non_negative_version_or_a_path():
+    """The body of ``POST /v1/load_weights``: a version (an int >= 0, never a bool) or a path (a string), not
+    both, not neither; with ``broadcast`` a version is needed and a path is ignored."""
+    import pytest
+
+    assert ex.load_request({"version": 0}) == (0, None) and ex.load_request({"path": "v000003"}) == (None, "v000003")
+    assert ex.load_request({"version": 4, "broadcast": {}}) == (4, None)
+    assert ex.load_request({"version": 4, "path": "v000001", "broadcast": {}}) == (4, None)
+    for body, msg in [({"version": -1}, "non-negative int"), ({"version": True}, "non-negative int"),
+                      ({"version": 1.0}, "non-negative int"), ({"path": 5}, "path must be a string"),
+                      ({"path": None}, "exactly one"), ({"broadcast": {}}, "non-negative int"),
+                      ({"broadcast": {}, "version": -2}, "non-negative int"), ({"version": 1, "path": "v1"}, "exactly one")]:
+        with pytest.raises(ValueError, match=msg):
+            ex.load_request(body)
+
+
+def test_a_sample_refuses_per_token_lists_of_another_length_and_a_batch_keeps_its_temperature(tmp_path):
+    """Log-probs and versions come one per completion token; a sample with no completion (or not kept) is not
+    trained; a batch without a temperature reads as 1.0; a step not written yet reads as None."""
+    import pytest
+
+    with pytest.raises(ValueError, match="2 logprobs for 1 completion tokens"):
+        ex.TrainSample([1], [2], [-0.1, -0.2], 0.5)
+    with pytest.raises(ValueError, match="2 versions for 1 completion tokens"):
+        ex.TrainSample([1], [2], [-0.1], 0.5, versions=[0, 1])
+    assert ex.TrainSample([1], [2], [-0.1], 0.5).trained
+    assert not ex.TrainSample([1], [], [], 0.5).trained and not ex.TrainSample([1], [2], [-0.1], 0.5, keep=False).trained
+    b = ex.TrainBatch.from_dict({"step": "3", "samples": [{"prompt_ids": [1], "completion_ids": [2], "logprobs": [-1.0],
+                                                            "advantage": 0.0}]})
+    assert (b.step, b.temperature, b.meta, b.num_tokens) == (3, 1.0, {}, 2)
+    assert ex.read_batch(tmp_path, 3) is None
+    ex.write_batch(tmp_path, b)
+    assert ex.read_batch(tmp_path, 3).samples[0].completion_ids == [2] and ex.read_batch(tmp_path, 4) is None
+
+
+def test_routing_that_is_not_int16_ids_of_three_dimensions_is_refused():
+    """decode_routing takes encode_routing's dict (int16 only, a [T, layers, k] shape its bytes fill) or a nested
+    list of three levels; anything else is a ValueError, never a tensor of another shape or type."""
+    import pytest
+
+    r = torch.arange(12, dtype=torch.int16).reshape(2, 3, 2)
+    enc = ex.encode_routing(r)
+    assert torch.equal(ex.decode_routing(enc), r) and torch.equal(ex.decode_routing(r.tolist()), r)
+    with pytest.raises(ValueError, match="dtype 'int32' is not int16"):
+        ex.decode_routing(dict(enc, dtype="int32"))
+    with pytest.raises(ValueError, match="not an int16 array of shape"):
+        ex.decode_routing(dict(enc, shape=[6, 2]))  # the same 24 bytes, two dimensions
+    with pytest.raises(ValueError, match="not \\[tokens, MoE layers, k\\]"):
+        ex.decode_routing([[1, 2], [3, 4]])
+
+
+def test_the_newest_complete_version_is_loaded_when_none_is_named(tmp_path):
+    """Without a version or path, load_version takes the highest complete version: not the oldest kept, not one
+    whose COMPLETE is missing (still being written)."""
+    for v in (2, 5, 7):
+        ex.publish_version(tmp_path, v, _sd(v))
+    (ex.version_dir(tmp_path, 9) / "x").parent.mkdir(parents=True)  # a version without COMPLETE
+    assert ex.complete_versions(tmp_path) == [2, 5, 7] and ex.latest_version(tmp_path) == 7
+    v, sd = ex.load_version(tmp_path)
+    assert v == 7 and sd["w"].tolist() == [7.0, 7.0]
+
+
+def test_keep_versions_stay_and_tied_tensors_are_published(tmp_path):
+    """With keep=2 the version written and the one below it stay (not one fewer); a state dict whose tensors share
+    storage (tied embeddings) is written with each name's values."""
+    for v in range(4):
+        ex.publish_version(tmp_path, v, _sd(v), keep=2)
+    assert ex.complete_versions(tmp_path) == [2, 3]
+    emb = torch.arange(6.0).reshape(3, 2)
+    ex.publish_version(tmp_path, 4, {"embed": emb, "lm_head": emb, "b": torch.ones(1)}, keep=2)
+    sd = ex.load_version(tmp_path, 4)[1]
+    assert sd["embed"].tolist() == sd["lm_head"].tolist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+
+
+def test_only_a_version_directory_of_the_weights_directory_is_loaded_by_path(tmp_path):
+    """By path, the weights directory's other entries (a version still being written under its temporary name,
+    the SERVING file, anything named otherwise) are refused at once as not a weight version of this run."""
+    import pytest
+
+    ex.publish_version(tmp_path, 1, _sd(1))
+    ex.pin_serving(tmp_path, 1)
+    tmp = tmp_path / "weights" / "v000002.tmp77"
+    import shutil
+
+    shutil.copytree(ex.version_dir(tmp_path, 1), tmp)
+    (tmp_path / "weights" / "backup").mkdir()
+    for path in ("v000002.tmp77", tmp, "SERVING", "backup", "v", "1"):
+        with pytest.raises(ex.WeightVersionError, match="is not a weight version of this run"):
+            ex.load_version(tmp_path, path=path)
+    assert ex.load_version(tmp_path, path=ex.version_dir(tmp_path, 1))[0] == 1

@@ -678,3 +678,113 @@ def test_default_buffer_holds_max_staleness_plus_two_batches_and_warns_only_belo
     with caplog.at_level("WARNING", logger="train.rl.pipeline"):
         make(buffer_groups=7)
     assert "evicted unused" in caplog.text
+
+
+def test_a_buffer_holds_at_least_one_group():
+    with pytest.raises(ValueError, match="capacity must be >= 1"):
+        RolloutBuffer(0)
+    assert RolloutBuffer(1).capacity == 1
+
+
+def test_the_producer_never_starts_a_batch_on_weights_too_old_for_the_step_that_trains_it():
+    """sync_every=2, max_staleness=1: after the first update the engine still serves version 0, and a batch
+    started then would be trained at version 2 (two behind): the producer waits for the sync instead, so no group
+    is ever dropped as stale and every step trains its whole batch."""
+    rl = _StubRL(RLConfig(prompts_per_step=4, max_staleness=1, sync_every=2, min_ready_batches=1), train_s=0.05)
+    pipe = Pipeline(rl, batches=6)
+    try:
+        ms = [pipe.step() for _ in range(6)]
+    finally:
+        pipe.close()
+    assert [m["groups_dropped_stale"] for m in ms] == [0] * 6 and [m["groups_trained"] for m in ms] == [4] * 6
+
+
+def test_no_batch_is_made_past_the_last_step_and_buffer_fill_is_a_fraction():
+    """batches=3: the producer makes exactly 3 batches (the curriculum is not moved by rollouts never trained on),
+    although staleness would let it run ahead; buffer_fill is the buffer's fraction in use when the step began
+    (2 batches of 4 in a buffer of 12 before the first step, the trainer waiting for min_ready=2)."""
+    rl = _StubRL(RLConfig(prompts_per_step=4, max_staleness=1, sync_every=1, min_ready_batches=2), train_s=0.05)
+    pipe = Pipeline(rl, batches=3)
+    try:
+        ms = [pipe.step() for _ in range(3)]
+        time.sleep(0.2)
+    finally:
+        pipe.close()
+    assert rl.made == 3 and [m["batch"] for m in ms] == [0, 1, 2]
+    assert ms[0]["buffer_fill"] == pytest.approx(8 / 12) and all(0 <= m["buffer_fill"] <= 1 for m in ms)
+
+
+def test_a_checkpointed_pipeline_resumes_each_waiting_batch_at_its_own_step():
+    """state() tags each buffered group with its batch counted from the next step (0), whatever steps ran
+    before; the resumed pipeline trains each waiting batch at its own step, then the new ones."""
+    cfg = RLConfig(prompts_per_step=2, max_staleness=2, sync_every=1, min_ready_batches=1)
+    rl = _StubRL(cfg, train_s=0.02)
+    pipe = Pipeline(rl, batches=6)
+    try:
+        [pipe.step() for _ in range(2)]
+        with pipe.paused():
+            st = pipe.state()
+    finally:
+        pipe.close()
+    assert st["ahead"] >= 1 and len(st["queue"]) == 2 * st["ahead"]
+    assert st["queue_batches"] == [int(g.problem.prompt.split(".")[0]) - 2 for _, g in st["queue"]]
+    again = _StubRL(cfg)
+    again.step_idx = again.synced_version = rl.step_idx
+    again.made = rl.made
+    pipe = Pipeline(again, st, batches=4)
+    try:
+        [pipe.step() for _ in range(4)]
+    finally:
+        pipe.close()
+    assert again.trained == [{"2"}, {"3"}, {"4"}, {"5"}]
+    bad = dict(st, pending=st["pending"][:-1])
+    with pytest.raises(ValueError, match="batches of metrics for"):
+        Pipeline(_StubRL(cfg), bad, batches=0)
+
+
+def test_an_engine_without_in_flight_updates_is_locked_during_the_pipeline_only():
+    """An engine that cannot swap weights mid-generate is wrapped in a LockedEngine for the pipeline's life and
+    given back by close(); completions it tags with versions of its own keep them, untagged ones get the version
+    of the weights that sampled them."""
+    import types
+
+    from train.rl.pipeline import LockedEngine
+
+    rl = _StubRL(RLConfig(prompts_per_step=2, max_staleness=1, sync_every=1, min_ready_batches=1))
+    engine = types.SimpleNamespace(supports_inflight_update=False)
+    rl.engine = engine
+    pipe = Pipeline(rl, batches=0)
+    assert isinstance(rl.engine, LockedEngine)
+    pipe.close()
+    assert rl.engine is engine
+
+    def generate(*a, **kw):  # one completion the engine tagged itself, one it left untagged
+        return [Completion([1, 2], "x", [-0.1, -0.2], "stop", versions=[3, 4]), Completion([7], "y", [-0.3], "stop")]
+
+    eng = LockedEngine(types.SimpleNamespace(generate=generate,
+                                             load_weights=lambda sd: None), version=5)
+    out = eng.generate([[1]])
+    assert out[0].versions == [3, 4] and out[1].versions == [5]
+    eng.load_weights({}, version=6)
+    assert eng.generate([[1]])[1].versions == [6]
+
+
+def test_a_rollout_thread_share_of_every_thread_leaves_the_threads_alone():
+    """rl.rollout_threads as large as torch's thread count leaves the update none: no split at all."""
+    import types
+
+    from train.rl.pipeline import thread_split
+
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        rl = types.SimpleNamespace(engine=types.SimpleNamespace(computes_here=True), learner=None,
+                                   policy=types.SimpleNamespace(device="cpu"),
+                                   cfg=RLConfig(max_staleness=1, sync_every=1, rollout_threads=4))
+        assert thread_split(rl) is None
+        rl.cfg = RLConfig(max_staleness=1, sync_every=1, rollout_threads=3)
+        assert thread_split(rl) == (3, 1)
+        rl.cfg = RLConfig(max_staleness=1, sync_every=1)
+        assert thread_split(rl) == (2, 2)
+    finally:
+        torch.set_num_threads(n)

@@ -1091,3 +1091,74 @@ def test_a_server_that_dies_during_a_weight_load_is_restarted_once(tmp_path, mon
         assert pool.restarts == 1 and eng.remote.alive == {a, b}
     finally:
         eng.close()
+
+
+def test_a_load_the_engine_fails_is_a_one_line_400_and_the_old_weights_stay(tiny_moe_dir, tmp_path, monkeypatch):
+    """A version whose checksums match but whose tensors are not the model's, or an engine that fails to apply
+    one (out of memory, a multi-line message): ``cannot load weights: <first line>`` with 400, never a 500, and
+    the server keeps version 0; the good version then loads."""
+    eng = TorchEngine.from_pretrained(tiny_moe_dir)
+    publish_version(tmp_path, 1, eng.model.state_dict())
+    publish_version(tmp_path, 2, {"w": torch.zeros(2)})
+    srv, url = serve_in_thread(eng, model_name="tiny", api_key=KEY, weights_dir=tmp_path)
+    try:
+        code, b = call(url, "/v1/load_weights", {"version": 2})
+        assert code == 400 and b["error"]["message"].startswith("cannot load weights: weights do not match"), b
+        real = eng.load_weights
+
+        def oom(sd, version=None):
+            raise RuntimeError("out of memory\nwhile copying the weights")
+
+        monkeypatch.setattr(eng, "load_weights", oom)
+        assert call(url, "/v1/load_weights", {"version": 1}) == (400, {"error": {
+            "message": "cannot load weights: out of memory", "type": "BadRequestError", "code": 400}})
+        assert call(url, "/v1/weights")[1]["version"] == 0
+        monkeypatch.setattr(eng, "load_weights", real)
+        assert call(url, "/v1/load_weights", {"version": 1}) == (200, {"version": 1})
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_weight_group_routes_act_on_the_named_group_and_need_loading_on(tiny_moe_dir, tmp_path):
+    """An abort names its group: another name leaves the group's broadcast alone. A join leaves the group the
+    server was in first, even when the new one cannot be formed. Without --weights-dir both routes are 403."""
+    import socket
+
+    from train.rl.weight_group import Group
+
+    class Tracked(Group):
+        def close(self):
+            self.closed = True
+
+    eng = TorchEngine.from_pretrained(tiny_moe_dir)
+    srv, url = serve_in_thread(eng, model_name="tiny", api_key=KEY, weights_dir=tmp_path)
+    off, url_off = serve_in_thread(eng, model_name="tiny", api_key=KEY)
+    try:
+        g = srv.weight_group = Tracked(None, 1, 2, torch.device("cpu"), "g1")
+        assert call(url, "/v1/weights_group/abort", {"name": "g0"}) == (200, {"aborted": False})
+        assert not g.aborted.is_set()
+        assert call(url, "/v1/weights_group/abort", {"name": "g1"}) == (200, {"aborted": True}) and g.aborted.is_set()
+        with socket.socket() as s:  # a port nobody listens on
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        code, b = call(url, "/v1/weights_group", {"host": "127.0.0.1", "port": port, "rank": 1, "world_size": 2,
+                                                  "name": "g2", "timeout_s": 1})
+        assert code == 400 and "cannot join the weight group" in b["error"]["message"]
+        assert getattr(g, "closed", False) and srv.weight_group is None
+        for path, body in (("/v1/weights_group/abort", {"name": "g1"}), ("/v1/load_weights", {"version": 1})):
+            code, b = call(url_off, path, body)
+            assert code == 403 and "--weights-dir" in b["error"]["message"], (path, b)
+    finally:
+        for s in (srv, off):
+            s.shutdown()
+            s.server_close()
+
+
+def test_serve_refuses_a_weights_dir_without_an_api_key(tmp_path, monkeypatch):
+    """``cascade serve --weights-dir`` without --api-key (or $CASCADE_API_KEY) stops before loading anything:
+    weight loading over HTTP is never open to anyone who can reach the port."""
+    monkeypatch.delenv("CASCADE_API_KEY", raising=False)
+    with pytest.raises(ValueError, match="--weights-dir needs --api-key"):
+        server_mod.main(["--model", str(tmp_path / "no-model"), "--weights-dir", str(tmp_path / "ex")])
+    assert not (tmp_path / "ex").exists()

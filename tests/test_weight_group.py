@@ -427,3 +427,51 @@ def test_a_failed_push_tells_every_member_to_give_up_despite_a_reform_meanwhile(
         b.push({"w": torch.ones(4)}, 7)
     assert sorted(c for c in calls if c[1].endswith("/abort")) == [("http://a", "/v1/weights_group/abort"),
                                                                    ("http://b", "/v1/weights_group/abort")]
+
+
+def test_plan_fills_each_bucket_up_to_its_size_and_never_leaves_one_empty():
+    """Tensors go into the current bucket while they fit it exactly (16 + 16 bytes in a 32-byte bucket: one
+    bucket); a tensor larger than a bucket gets one of its own, with no empty bucket before it; a state dict of
+    empty tensors still travels in one 16-byte bucket (a bucket of 0 bytes would be refused)."""
+    from train.rl.weight_group import _check_layout
+
+    four = torch.zeros(4)  # 16 bytes
+    assert plan({"a": four, "b": four}, bucket_bytes=32) == {
+        "tensors": [["a", "float32", [4], 0, 0], ["b", "float32", [4], 0, 16]], "buckets": [32]}
+    assert plan({"a": four, "b": four, "c": four}, bucket_bytes=32)["buckets"] == [32, 16]
+    assert plan({"big": torch.zeros(25), "a": four}, bucket_bytes=32) == {
+        "tensors": [["big", "float32", [25], 0, 0], ["a", "float32", [4], 1, 0]], "buckets": [112, 16]}
+    assert plan({"e": torch.zeros(0), "big": torch.zeros(25)}, bucket_bytes=32)["buckets"] == [112]
+    empty = plan({"e": torch.zeros(0, 3)})
+    assert empty == {"tensors": [["e", "float32", [0, 3], 0, 0]], "buckets": [16]}
+    _check_layout(empty)
+
+
+def test_a_layout_that_does_not_describe_its_buckets_is_refused_before_any_collective():
+    """Bucket sizes that are not positive multiples of 16 bytes, a tensor that runs past the end of its bucket,
+    lies in a bucket that does not exist (a negative index too) or has a negative dimension: refused as a
+    WeightGroupError before anything is received."""
+    ok = {"tensors": [["w", "float32", [4], 0, 0], ["v", "int64", [2], 1, 0]], "buckets": [16, 16]}
+    from train.rl.weight_group import _check_layout
+
+    _check_layout(ok)
+    for bad in ({**ok, "buckets": [16, 24]}, {**ok, "buckets": [16, True]},
+                {**ok, "tensors": [["w", "float32", [5], 0, 0]]},
+                {**ok, "tensors": [["w", "float32", [4], 0, 16]]},
+                {**ok, "tensors": [["w", "float32", [4], 2, 0]]},
+                {**ok, "tensors": [["w", "float32", [4], -1, 0]]},
+                {**ok, "tensors": [["w", "float32", [-2, -2], 0, 0]]}):
+        with pytest.raises(WeightGroupError):
+            receive(Group(None, 1, 2, torch.device("cpu")), bad)
+
+
+def test_a_join_request_needs_int_ranks_and_a_positive_timeout():
+    from train.rl.weight_group import join_request
+
+    good = {"host": "h", "port": 29500, "rank": 1, "world_size": 3, "name": "n"}
+    assert join_request(good) == ("h", 29500, 1, 3, "n", 120.0, None)
+    assert join_request({**good, "rank": 2, "timeout_s": 0.5, "backend": "gloo"}) == ("h", 29500, 2, 3, "n", 0.5, "gloo")
+    for bad in ({**good, "timeout_s": 0}, {**good, "rank": True}, {**good, "port": True}, {**good, "world_size": 3.0},
+                {**good, "host": 1}, {**good, "name": None}, {**good, "timeout_s": "x"}):
+        with pytest.raises(ValueError, match="weights_group needs"):
+            join_request(bad)
