@@ -1033,3 +1033,120 @@ def test_registry_edges(monkeypatch):
         More."""
 
     assert env_info("test/documented")["description"] == "First line of the docstring."
+
+
+# -- behaviour pinned by mutation testing ----------------------------------------------------------
+def _evaluate_fraction_prompt(prompt: str) -> Fraction:
+    """Independent value of a math/arith 'Compute $...$' prompt: Python's own precedence over Fractions."""
+    expr = re.search(r"\$(.+)\$", prompt).group(1)
+    py = expr.replace("\\left(", "(").replace("\\right)", ")").replace("\\cdot", "*")
+    py = re.sub(r"\\frac\{(\d+)\}\{(\d+)\}", r"Fraction(\1, \2)", py)
+    assert re.fullmatch(r"[\sFraction(),\d*+-]+", py), py
+    return eval(py, {"Fraction": Fraction})  # noqa: S307 - the generator's own arithmetic text
+
+
+def test_arith_fraction_answers_match_an_independent_evaluator():
+    """The fraction problems' answers (odd difficulties) are the value of the printed expression, products before
+    sums and differences subtracted: checked against Python's evaluation of the same text."""
+    from envs.math import plain_number
+
+    env = ArithmeticEnv()
+    kinds = set()
+    for seed in range(12):
+        for d in (1, 3, 5, 7):
+            p = env.generate(seed, d)
+            want = _evaluate_fraction_prompt(p.prompt)
+            kinds |= {op for op in ("+", " - ", "\\cdot") if op in p.prompt.split("Give")[0]}
+            assert plain_number(p.answer) == want, (p.prompt, p.answer, want)
+            pred = str(want.numerator) if want.denominator == 1 else f"{want.numerator}/{want.denominator}"
+            assert env.verify(p, f"\\boxed{{{pred}}}").correct, (p.prompt, pred)
+    assert kinds == {"+", " - ", "\\cdot"}  # every operator was exercised
+
+
+def test_arith_takes_a_fraction_not_its_decimal_and_no_denominator_of_one():
+    """math/arith asks for an integer or a fraction in lowest terms: 3.4 is no answer to 17/5 (a decimal only for a
+    whole number: 1.0 answers 1), and 1/1 or \\frac{1}{1} is no integer in lowest terms."""
+    env = ArithmeticEnv()
+    p = env.generate(2, 0)
+    assert p.answer == "\\frac{17}{5}"
+    for r, ok in (("17/5", True), ("\\frac{17}{5}", True), ("3.4", False), ("x = 3.4", False), ("3.40", False)):
+        assert env.verify(p, f"\\boxed{{{r}}}").correct is ok, r
+    q = env.generate(0, 1)
+    assert q.answer == "1"
+    for r, ok in (("1", True), ("1.0", True), ("1/1", False), ("\\frac{1}{1}", False), ("2/2", False)):
+        assert env.verify(q, f"\\boxed{{{r}}}").correct is ok, r
+
+
+def test_math_equal_edges_of_missing_and_long_answers():
+    """No answer (None) equals nothing, not even the text "None"; a long right answer (past 20 times the gold's
+    length but under 2,000 characters) is still compared."""
+    assert not math_equal(None, "None") and not math_equal("None", None) and not math_equal(None, None)
+    long_right = "\\frac{" + "+".join(["1"] * 14) + "}{2}"  # 37 characters for a 1-character gold
+    assert len(long_right) > 20 and math_equal(long_right, "7") and not math_equal(long_right, "8")
+
+
+def test_plain_number_negative_powers_of_ten_single_letters_and_short_digit_groups():
+    """1.5 x 10^{-3} is 0.0015 (not 1500); a single letter after a number is a variable, no unit ("5 x" is 5x); only
+    groups of three digits are thousands ("1 00" and "12 34" are no numbers); a zero denominator is no number."""
+    from envs.math import plain_number
+
+    assert plain_number("1.5\\times10^{-3}") == Fraction(3, 2000) and plain_number("2\\cdot 10^{-2}") == Fraction(1, 50)
+    assert plain_number("5 cm") == 5 and plain_number("5 x") is None and plain_number("5 m") is None
+    for text in ("1 00", "12 34", "1 00 000", "2\\frac{1}{0}", "1/0", "\\frac{1}{0}"):
+        assert plain_number(text) is None, text
+    math = MathDatasetEnv(heldout=0.0)
+    for gold, pred in (("1500", "1.5\\times10^{3}"), ("0.0015", "1.5\\times10^{-3}")):
+        assert math.verify(math.problem("Find it.", gold, 0, 0), f"\\boxed{{{pred}}}").correct, (gold, pred)
+    for gold, pred in (("1500", "1.5\\times10^{-3}"), ("5", "5 x"), ("100", "1 00")):
+        s = math.verify(math.problem("Find it.", gold, 0, 0), f"\\boxed{{{pred}}}")
+        assert not s.correct and "error" not in s.info, (gold, pred, s)
+
+
+def test_answers_that_are_equations_or_alternatives_compare_whole():
+    """Where the answer itself is an equation, an equivalent equation answers it (its sides need not name the answer);
+    where the answer itself has words ("2 or 3"), a prediction with words is compared, not refused as hedged."""
+    for pred, gold in (("2x + 3 = y", "y = 2x + 3"), ("y - 2x = 3", "y = 2x + 3"), ("y^2 + x^2 = 4", "x^2+y^2=4"),
+                       ("3 \\text{ or } 2", "2 \\text{ or } 3"),
+                       ("x \\geq 5 \\text{ or } x \\le 1", "x \\le 1 \\text{ or } x \\ge 5")):
+        assert math_equal(pred, gold), (pred, gold)
+    for pred, gold in (("2x + 4 = y", "y = 2x + 3"), ("3 \\text{ or } 4", "2 \\text{ or } 3")):
+        assert not math_equal(pred, gold), (pred, gold)
+
+
+def test_arith_linear_equations_never_have_a_zero_coefficient_on_x():
+    """a x + b = c x + e always has a ≠ 0 (at difficulty 0, where c is 0, a = 0 would leave no x to solve for)."""
+    env = ArithmeticEnv()
+    for seed in range(150):
+        for d in (0, 2):
+            p = env.generate(seed, d)
+            eq = re.search(r"\$([^$]*=[^$]*)\$", p.prompt).group(1)
+            assert re.search(r"x", eq.split("=")[0]) and not re.search(r"(?<![\d.])0x", eq), p.prompt
+
+
+def test_a_copied_product_of_brackets_and_a_bracketed_number_before_equals_earn_nothing():
+    """The question's own expression is a copy also when it opens and closes with brackets that are not one pair
+    ("(x+1)(x-1)"); a bracketed number before "=" names nothing ("(1) = \\sqrt{2}" is a false equation, "f(1) = ..."
+    names the answer)."""
+    math = MathDatasetEnv(heldout=0.0)
+    p = math.problem("Expand $(x+1)(x-1)$.", "x^2 - 1", 0, 0)
+    assert not math.verify(p, "\\boxed{(x+1)(x-1)}").correct and math.verify(p, "\\boxed{x^2-1}").correct
+    assert not math_equal("(1) = \\sqrt{2}", "\\sqrt{2}") and math_equal("f(1) = \\sqrt{2}", "\\sqrt{2}")
+
+
+def test_a_number_answer_keeps_its_sign_and_a_choice_among_the_questions_expressions_counts():
+    """The dataset environment compares plain numbers by value, sign included; the question's own expression is a
+    copy unless it is the answer as written (a choice between the question's expressions); an aggregation problem's
+    copies are read from its question (``meta["question"]``), not from the candidates its prompt shows."""
+    import dataclasses
+
+    math = MathDatasetEnv(heldout=0.0)
+    for gold, pred, ok in (("-3", "3", False), ("3", "-3", False), ("-\\frac{9}{4}", "\\frac{9}{4}", False),
+                           ("-3", "x = -3", True), ("-\\frac{9}{4}", "-2.25", True)):
+        s = math.verify(math.problem("Find it.", gold, 0, 0), f"\\boxed{{{pred}}}")
+        assert s.correct is ok, (gold, pred)
+    p = math.problem("Which is larger: $\\sqrt{2}$ or $\\sqrt[3]{3}$?", "\\sqrt[3]{3}", 0, 0)
+    assert math.verify(p, "\\boxed{\\sqrt[3]{3}}").correct and not math.verify(p, "\\boxed{\\sqrt{2}}").correct
+    q = math.problem("Simplify $\\sqrt{50}$.", "5\\sqrt{2}", 0, 0)
+    agg = dataclasses.replace(q, prompt=q.prompt + "\n\nCandidate 1: so it is $\\sqrt{2} \\cdot 5$.",
+                              meta={**q.meta, "question": q.prompt})
+    assert math.verify(agg, "\\boxed{\\sqrt{2} \\cdot 5}").correct and not math.verify(agg, "\\boxed{\\sqrt{50}}").correct

@@ -462,3 +462,17 @@ def test_a_csv_in_a_folder_gives_the_rows_of_the_same_single_file(tmp_path):
     (card / "README.md").write_text('---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n'
                                     '    path: data.csv\n  sep: ";"\n---\n')
     assert [(r["problem"], r["answer"]) for r in load_rows(card, ["problem", "answer"])] == want
+
+
+def test_heldout_sides_ignore_whitespace_inside_a_problem_too():
+    """A copy of a problem with other whitespace inside it (a doubled space, a line break) is on the same side of the
+    split as the problem: otherwise a held-out problem leaks into training as its re-spaced copy."""
+    from envs.hub import heldout_side, normalize_text, split_heldout
+
+    assert normalize_text("  What is\t 1 +\n\n1?  ") == "What is 1 + 1?"
+    texts = [f"Problem number {i} asks for {i} + {i}." for i in range(40)]
+    spaced = [t.replace(" ", "  \n ") for t in texts]
+    assert [heldout_side(t, 0.3) for t in texts] == [heldout_side(t, 0.3) for t in spaced]
+    train, held = split_heldout(texts + spaced, 0.3)
+    assert held and train
+    assert {i % 40 for i in held}.isdisjoint({i % 40 for i in train})
