@@ -141,3 +141,189 @@ def test_a_long_conversation_keeps_cls_on_a_bert_style_reward_model(tmp_path):
     ids = rm.ids("very " * 20 + "long", "answer is 42")
     assert len(ids) == 8 and ids[0] == rm.tok.cls_token_id and ids[-1] == rm.tok.sep_token_id
     assert rm.tok.convert_ids_to_tokens(ids[-4:-1]) == ["answer", "is", "42"]
+
+
+# -- edges of the mixer (mutation-testing kills) -------------------------------------------------------
+def test_a_pacore_message_is_the_final_answer_of_a_finished_rollout_only():
+    """The answer after the *last* ``</think>`` of a rollout that stopped; a rollout cut by the length cap
+    (its ``</think>`` may be quoted mid-reasoning) or with nothing after its thinking gives its tail."""
+    from cascade.aggregation import compact_message
+
+    enc, dec = (lambda t: [ord(c) for c in t]), (lambda ids: "".join(map(chr, ids)))
+    text = "<think>plan</think> draft 1 </think>  final is 7 "
+    assert compact_message(text, "stop", "TAIL", enc, dec, 100) == "final is 7"
+    assert compact_message(text, "stop", "TAIL", enc, dec, 4) == "is 7"[-4:]  # its end kept
+    assert compact_message(text, "length", "TAIL", enc, dec, 100) == "TAIL"
+    assert compact_message("<think>x</think>   ", "stop", "TAIL", enc, dec, 100) == "TAIL"
+    assert compact_message(None, "stop", "TAIL", enc, dec, 100) == "TAIL"
+
+
+@pytest.mark.parametrize("name", ["fraction", "expert_fraction", "pacore_fraction"])
+def test_shares_outside_zero_to_one_are_refused(tok, name):
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match=name):
+            AggregationMixer(tok, **{"fraction": 0.5, "tails": 2, "tail_tokens": 8, name: bad})
+    AggregationMixer(tok, **{"fraction": 0.5, "tails": 2, "tail_tokens": 8, name: 1.0})  # the ends are shares
+
+
+def test_bound_keeps_the_lower_of_the_two_caps(tok):
+    m = AggregationMixer(tok, 1.0, 2, 8, "math", max_prompt_tokens=50)
+    m.bound(100)
+    assert m.cap == 50
+    m.bound(0)  # no trainer bound: unchanged
+    assert m.cap == 50
+    m.bound(30)
+    assert m.cap == 30
+    free = AggregationMixer(tok, 1.0, 2, 8, "math")
+    free.bound(70)
+    assert free.cap == 70
+
+
+def test_the_tail_buffer_keeps_the_most_recently_remembered_problems(tok):
+    """``buffer`` problems are kept; the oldest remembered goes first, and a problem remembered again is
+    fresh again. A problem with fewer than ``tails`` rollouts is no source; one with exactly ``tails`` is."""
+    m = AggregationMixer(tok, 1.0, 2, 16, "math", buffer=2)
+    ps = [Problem(f"Compute {k}+1.", str(k + 1), "toy/add", k, 0, {}) for k in range(4)]
+    m.remember([_G("toy/add", ps[0], _traces(tok, 0, 2)), _G("toy/add", ps[1], _traces(tok, 1, 2))])
+    assert [k.split("|")[1] for k in m.pool] == ["0", "1"]
+    m.remember([_G("toy/add", ps[0], _traces(tok, 0, 3))])  # remembered again: now the newest
+    m.remember([_G("toy/add", ps[2], _traces(tok, 2, 2))])  # the oldest (problem 1) leaves
+    assert [k.split("|")[1] for k in m.pool] == ["0", "2"]
+    m.remember([_G("toy/add", ps[3], _traces(tok, 3, 1))])  # one rollout, two tails asked: not kept
+    assert [k.split("|")[1] for k in m.pool] == ["0", "2"]
+
+
+def test_an_aggregation_problem_keeps_a_question_its_problem_already_names(tok):
+    m = AggregationMixer(tok, 1.0, 2, 16, "math")
+    p = Problem("Full prompt with instructions: compute 1+1.", "2", "toy/add", 1, 0, {"question": "compute 1+1"})
+    agg = m.build("toy/add", p, ["\\boxed{2}", "\\boxed{3}"])
+    assert agg.meta["question"] == "compute 1+1" and agg.meta["tails"] == 2 and agg.meta["tail_source"] == "self"
+
+
+def test_trimmed_and_dropped_counts_are_metrics_and_survive_a_resume(tok):
+    p = Problem("What is 2+2?", "4", "toy/add", 0, 0, {})
+    tails = [" ".join(f"step {i}" for i in range(80)) + " \\boxed{4}"] * 2
+    full = len(tok.encode(AggregationMixer(tok, 1.0, 2, 10**6, "math")._render("toy/add", p, tails, False),
+                          add_special_tokens=False))
+    m = AggregationMixer(tok, 1.0, 2, 10**6, "math", max_prompt_tokens=full - 20)
+    assert m.build("toy/add", p, tails) is not None
+    m.cap = 3  # not even the problem fits
+    assert m.build("toy/add", p, tails) is None
+    assert m.metrics() == {"aggregation_prompts": 0, "aggregation_expert": 0, "aggregation_pacore": 0,
+                           "aggregation_trimmed": 1, "aggregation_dropped": 1}
+    again = AggregationMixer(tok, 1.0, 2, 10**6, "math")
+    again.load_state_dict(m.state_dict())
+    assert again.metrics() == m.metrics()
+
+
+def test_a_prompt_of_exactly_the_cap_is_made_untrimmed(tok):
+    p = Problem("What is 2+2?", "4", "toy/add", 0, 0, {})
+    tails = ["so \\boxed{4}", "so \\boxed{5}"]
+    full = len(tok.encode(AggregationMixer(tok, 1.0, 2, 64, "math")._render("toy/add", p, tails, False),
+                          add_special_tokens=False))
+    m = AggregationMixer(tok, 1.0, 2, 64, "math", max_prompt_tokens=full)
+    agg = m.build("toy/add", p, tails)
+    assert agg is not None and all(t in agg.prompt for t in tails) and m.trimmed == m.dropped == 0
+
+
+def test_an_expert_only_environment_aggregates_before_any_own_tails(tok):
+    """With expert tails only (none of the policy's yet) and expert_fraction 1, every pick is an expert prompt."""
+    p = Problem("Compute 2+2.", "4", "toy/add", 1, 0, {})
+    m = AggregationMixer(tok, 1.0, 2, 16, "math", seed=0, expert_fraction=1.0)
+    m.remember_expert("toy/add", p, _traces(tok, 0, 2))
+    out = m.mix([("toy/add", p)] * 5)
+    assert [q.meta.get("tail_source") for _, q in out] == ["expert"] * 5 and m.made == m.made_expert == 5
+
+
+def test_an_experts_own_end_ids_leave_its_tails(tok):
+    """``remember_expert(..., stop_ids=)``: the expert engine's end ids, which the policy's mixer does not know,
+    are not part of the expert's tails."""
+    end = tok.convert_tokens_to_ids("<|endoftext|>") if "<|endoftext|>" in tok.get_vocab() else 0
+    assert end != tok.eos_token_id
+    trace = "The answer is \\boxed{7}."
+    comps = [_C(tok, trace), _C(tok, trace)]
+    for c in comps:
+        c.token_ids = c.token_ids + [end]
+    m = AggregationMixer(tok, 1.0, 2, 64, "math")  # the policy's: no such stop id
+    m.remember_expert("toy/add", Problem("What is 3+4?", "7", "toy/add", 1, 0, {}), comps, tok, stop_ids=[end])
+    (_, _, tails, _), = m.expert.values()
+    assert tails == [trace, trace]
+
+
+def test_an_aggregation_problems_rollouts_do_not_replace_its_problems_tails(tok):
+    p = Problem("Compute 1+1.", "2", "toy/add", 1, 0, {})
+    m = AggregationMixer(tok, 1.0, 2, 32, "math", seed=0)
+    m.remember([_G("toy/add", p, _traces(tok, "own", 2))])
+    before = [list(v[2]) for v in m.pool.values()]
+    (_, agg), = m.mix([("toy/add", p)])
+    m.remember([_G("toy/add", agg, _traces(tok, "agg", 2))])  # same problem key, but an aggregation problem
+    assert [list(v[2]) for v in m.pool.values()] == before
+
+
+class _CharTok:
+    """One token per character (no end id): prompt lengths by hand."""
+    eos_token_id = None
+
+    def encode(self, s, add_special_tokens=False, verbose=False):
+        return [ord(c) for c in s]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(map(chr, ids))
+
+
+def test_trimming_cuts_every_tail_from_the_front_to_the_longest_common_length_that_fits():
+    """Tails of 10 and 30 characters, 10 over the cap: the common length is 20 (10 + 20 fills the room
+    exactly), the short tail is whole, the long one keeps its last 20 characters, the prompt is the cap."""
+    t = _CharTok()
+    p = Problem("Q?", "1", "toy/add", 0, 0, {})
+    short, long = "s" * 9 + "S", "".join(chr(ord("a") + i % 26) for i in range(30))
+    full = len(AggregationMixer(t, 1.0, 2, 100, "math")._render("toy/add", p, [short, long], False))
+    m = AggregationMixer(t, 1.0, 2, 100, "math", max_prompt_tokens=full - 10)
+    agg = m.build("toy/add", p, [short, long])
+    assert agg is not None and len(agg.prompt) == full - 10 and m.trimmed == 1
+    assert short in agg.prompt and long[-20:] in agg.prompt and long[-21:] not in agg.prompt
+    m.cap = full - 40  # room for the template alone: tails cut to nothing are no prompt
+    assert m.build("toy/add", p, [short, long]) is None and m.dropped == 1
+    m.cap = full - 40 + 12  # room 12: common length 6 (6 + 6)
+    agg = m.build("toy/add", p, [short, long])
+    assert short[-6:] in agg.prompt and long[-6:] in agg.prompt and short[-7:] not in agg.prompt
+    m.cap = full - 40 + 2  # room 2: a character of each tail, both shown
+    agg = m.build("toy/add", p, [short, long])
+    assert len(agg.prompt) == m.cap and agg.prompt.count("S") == 1 and long[-1] in agg.prompt
+
+
+def test_a_reward_model_needs_one_label_and_gets_the_tokenizers_pad_id(tmp_path, tiny_dense_dir):
+    """A classifier with two outputs is no scalar reward model; a config without a pad id takes the tokenizer's
+    (the batched forward reads each sequence's last non-pad token by it)."""
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForSequenceClassification
+
+    from cascade.reward_model import RewardModel
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_dense_dir))
+    assert tok.pad_token_id is not None
+    for name, labels, pad in (("two", 2, tok.pad_token_id), ("nopad", 1, None)):
+        cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_labels=labels,
+                          pad_token_id=pad, max_position_embeddings=256)
+        Qwen3ForSequenceClassification(cfg).save_pretrained(str(tmp_path / name))
+        tok.save_pretrained(str(tmp_path / name))
+    with pytest.raises(ValueError, match="2 labels; expected 1"):
+        RewardModel(tmp_path / "two")
+    rm = RewardModel(tmp_path / "nopad")
+    assert rm.model.config.pad_token_id == tok.pad_token_id
+    pairs = [("Say hi.", "hi"), ("Say hello to everyone here.", "hello everyone, all of you")]
+    assert rm.score_many(pairs) == pytest.approx([rm.score(p, r) for p, r in pairs], abs=1e-5)
+
+
+def test_a_reward_model_reads_the_answer_after_the_thinking():
+    from cascade.reward_model import RewardModel
+
+    class Tok:  # no chat template: "prompt\nanswer"
+        chat_template = None
+
+    rm = object.__new__(RewardModel)
+    rm.tok = Tok()
+    assert rm.text("Say hi.", "<think>\nplan it\n</think>\n\n  hi there") == "Say hi.\nhi there"
+    assert rm._add_special
+    rm.tok.chat_template = "{{ messages }}"
+    assert not rm._add_special  # the template writes its own special tokens

@@ -546,3 +546,100 @@ def test_avg_at_k_keeps_prompts_of_exactly_the_cap_and_counts_each_skipped_probl
              [("3+4=?", "7"), ("3+4=??", "7"), ("1+6=??", "7"), ("2+5=??", "7"), ("4+4=", "8")]]
     r = avg_at_k(RL, probs, 2, chunk=2)
     assert r["skipped"] == 3 and r["problems"] == {"toy": 2} and r["accuracy"] == pytest.approx(0.5)
+
+
+# -- mutation-testing kills: the reward gate, trimming, avg@k ----------------------------------------------
+def test_the_gate_is_a_sigmoid_of_the_scaled_score_and_keeps_the_checkers_verdict():
+    import math
+
+    from cascade.reward_model import GatedRewardEnv
+    from envs.base import Environment, Problem, Score
+
+    class Base(Environment):
+        id = "b"
+
+        def generate(self, seed, difficulty):
+            return Problem("p", "a", "b", seed, difficulty, {})
+
+        def check(self, problem, response):
+            ok = response.startswith("ok")
+            return Score(float(ok), ok, True, {"checked": response})
+
+    class RM:
+        raw = 0.0
+
+        def score(self, p, r):
+            return self.raw
+
+        def score_many(self, pairs):
+            return [self.raw] * len(pairs)
+
+    rm = RM()
+    env = GatedRewardEnv(Base(), rm, scale=2.0)
+    p = env.generate(0, 0)
+    for raw, want in ((1.0, 1 / (1 + math.exp(-2.0))), (-1.0, 1 / (1 + math.exp(2.0))), (0.0, 0.5)):
+        rm.raw = raw
+        for s in (env.verify(p, "ok"), *env.verify_many([(p, "ok")])):
+            assert s.correct and s.reward == pytest.approx(want)
+            assert s.info["rm_score"] == raw and s.info["checked"] == "ok"  # the checker's info kept
+    for s in (env.verify(p, "no"), *env.verify_many([(p, "no")])):
+        # instructions not followed: reward 0, yet the response was well formed (format_ok is the checker's)
+        assert not s.correct and s.reward == 0.0 and s.format_ok and s.info["checked"] == "no"
+        assert "rm_score" not in s.info
+
+
+def test_a_chat_context_that_fits_keeps_its_earlier_thinking():
+    """Earlier turns lose their think blocks only when the conversation does not fit."""
+    from cascade.trim import trim_pairs
+
+    tok = _CharTok()
+    ctx = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "<think>abc</think>A1"},
+           {"role": "user", "content": "q2"}]
+
+    def plen(p):
+        return sum(len(m["content"]) for m in p)
+
+    resp = "<think>xy</think>A2"
+    (kept,), dropped = trim_pairs(tok, [(ctx, resp)], plen(ctx) + len(resp), plen)
+    assert dropped == 0 and kept == (ctx, resp)
+    (kept,), _ = trim_pairs(tok, [(ctx, resp)], plen(ctx) + len(resp) - 1, plen)  # one over: earlier thinking goes
+    assert kept[0][1]["content"] == "A1" and kept[1] == resp
+
+
+def test_multi_turn_trimming_counts_the_last_turns_role_tokens_and_refuses_what_still_does_not_fit():
+    from cascade.trim import trim_messages
+
+    tok = _CharTok()
+
+    def render(ms):  # each message: a 5-character header plus its content
+        return "".join(f"<{m['role'][:3]}>" + m["content"] for m in ms)
+
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>" + "t" * 20 + "</think>ANS"}]
+    full = len(render(msgs))
+    out = trim_messages(tok, msgs, full - 5, render)  # 5 characters of thinking go, the header counted
+    assert out[1]["content"] == "<think>" + "t" * 15 + "</think>ANS" and len(render(out)) == full - 5
+    assert trim_messages(tok, msgs, len(render(msgs[:1])) + 5 + len("<think></think>ANS") - 1, render) is None
+
+
+def test_a_response_of_exactly_the_budget_is_kept_whole_even_without_thinking():
+    from cascade.trim import trim_response
+
+    assert trim_response(_CharTok(), "just the answer", 15) == "just the answer"
+    assert trim_response(_CharTok(), "just the answer", 14) is None
+
+
+def test_sampled_rollouts_keep_prompts_of_exactly_max_prompt_tokens(tok):
+    from cascade.aggregation import sample_rollouts
+    from train.engine.base import Completion, SamplingParams
+    from train.rl.trainer import encode_prompt
+
+    class Engine:
+        def generate(self, prompts, params):
+            return [Completion([1], "x", [0.0], "stop", prompt_index=i) for i in range(len(prompts)) for _ in range(params.n)]
+
+    picks = [("toy/add", Problem(t, "2", "toy/add", k, 0, {})) for k, t in enumerate(["What is 1+1?", "What is 1+1 again, please?"])]
+    cap = len(encode_prompt(tok, picks[0][1].prompt, False, None))
+    assert len(encode_prompt(tok, picks[1][1].prompt, False, None)) > cap
+    out = sample_rollouts(Engine(), tok, picks, 2, SamplingParams(n=1), chat=False, max_prompt_tokens=cap)
+    assert [(p.prompt, len(cs)) for _, p, cs in out] == [("What is 1+1?", 2)]
+    assert len(sample_rollouts(Engine(), tok, picks, 1, SamplingParams(n=1), chat=False)) == 2  # 0: no bound

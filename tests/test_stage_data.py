@@ -701,3 +701,85 @@ def test_aggregation_sft_prompts_leave_room_in_sft_max_len_for_the_answer(tok):
         got[name] = (len(pairs), len(kept))
     assert got["rl"][0] > 0 and got["rl"][1] == 0  # (the regime: every example answered, then dropped)
     assert got["stage"][0] > 0 and got["stage"][1] == got["stage"][0], got
+
+
+# -- the pass-rate pool (mutation-testing kills) ---------------------------------------------------------
+def test_the_pass_rate_filter_keeps_both_bounds_and_leaves_the_curriculum_alone():
+    from types import SimpleNamespace as NS
+
+    from cascade.pool import filter_by_pass_rate
+
+    picks = [("toy/add", Problem(f"q{i}", "0", "toy/add", i, 0, {})) for i in range(5)]
+    wins = {"q0": 0, "q1": 1, "q2": 2, "q3": 3, "q4": 4}  # of 4 samples: rates 0, .25, .5, .75, 1
+
+    class Trainer:
+        calls = []
+
+        def generate_groups(self, part, group_size, update_curriculum=True):
+            self.calls.append(update_curriculum)
+            return [NS(env_id=e, problem=p, rollouts=[NS(score=NS(correct=j < wins[p.prompt]))
+                                                      for j in range(group_size)]) for e, p in part]
+
+    t = Trainer()
+    kept, rates = filter_by_pass_rate(t, picks, 4, max_pass_rate=0.75, min_pass_rate=0.25, chunk=2)
+    assert rates == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert [p.prompt for _, p in kept] == ["q1", "q2", "q3"]  # both bounds inclusive
+    assert t.calls == [False, False, False]  # measuring moves no difficulty level
+
+
+def test_a_problem_pool_draws_by_the_mix_uniformly_within_an_environment_and_resumes():
+    from cascade.pool import ProblemPool
+
+    class Cur:
+        envs, controllers = {}, {}
+        weights = {"toy/add": 3.0, "toy/max": 1.0, "math/arith": 0.0}
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, st):
+            pass
+
+    probs = ([("toy/add", Problem(f"a{i}", "0", "toy/add", i, 0, {})) for i in range(3)]
+             + [("toy/max", Problem(f"m{i}", "0", "toy/max", i, 0, {})) for i in range(2)]
+             + [("math/arith", Problem("z", "0", "math/arith", 0, 0, {}))])
+    pool = ProblemPool(Cur(), probs)
+    draws = pool.sample(random.Random(0), 4000)
+    envs = [e for e, _ in draws]
+    assert "math/arith" not in envs  # a weight of 0: never drawn
+    assert 0.72 <= envs.count("toy/add") / 4000 <= 0.78  # 3 : 1
+    counts = {p.prompt: sum(q.prompt == p.prompt for _, q in draws) for _, p in probs[:5]}
+    assert all(850 <= counts[f"a{i}"] <= 1150 for i in range(3)) and all(400 <= counts[f"m{i}"] <= 600 for i in range(2))
+    st = pool.state_dict()
+    other = ProblemPool(Cur(), [probs[0]])
+    other.load_state_dict(st)
+    assert other.problems == probs
+    with pytest.raises(ValueError, match="kept no problems"):
+        ProblemPool(Cur(), [])
+    # none of the mix's environments (with a positive weight) in the pool: a problem uniformly
+    only = ProblemPool(Cur(), [probs[5], ("toy/mul", Problem("w", "0", "toy/mul", 0, 0, {}))])
+    assert {p.prompt for _, p in only.sample(random.Random(1), 60)} == {"z", "w"}
+
+
+def test_aggregation_sft_responses_include_the_thinking_a_teachers_template_opens(tok):
+    """Under a chat template that opens the thinking in the prompt, the teacher's text starts inside it: each SFT
+    response is that text behind the opening, as it was verified."""
+    import copy
+
+    opened = copy.deepcopy(tok)
+    opened.chat_template = tok.chat_template + "{% if add_generation_prompt %}<think>\n{% endif %}"
+
+    class Teacher(_Teacher):
+        def generate(self, prompts, params, **kw):
+            out = super().generate(prompts, params, **kw)
+            for c in out:  # the opening is the template's: the teacher writes from inside the thinking
+                c.text = c.text.removeprefix("<think>")
+            return out
+
+    env = get_env("toy/add")
+    picks = [("toy/add", Problem(f"What is {a}+{a + 1}?", str(2 * a + 1), "toy/add", a, 0, {})) for a in range(1, 4)]
+    params = SamplingConfig(max_new_tokens=64).params(1, 0)
+    pairs, stats = aggregation_sft_pairs(Teacher(opened, work=3), opened, picks, lambda e: env, params, samples=4,
+                                         shuffles=2, tails=2, tail_tokens=64, seed=0)
+    assert pairs and stats["aggregation_sft_correct"] == len(pairs)
+    assert all(r.startswith("<think>\ncomparing the candidates</think>") for _, r in pairs)
