@@ -905,9 +905,11 @@ def test_make_setup_shows_download_progress():
 
 
 def test_small_profile_runs_every_stage(tmp_path):
-    """`profile=small` (the larger policy, longer stages) resolves and runs: one SFT and one RL step per stage."""
+    """`profile=small` (the larger policy, longer stages) resolves and runs: one SFT and one RL step per stage. On
+    one thread (the profile's two took 211-300 s instead of 20 s beside two busy test workers: OpenMP's threads
+    wait for each other on shared cores)."""
     out = tmp_path / "run"
-    r = cascade("run", "profile=small", f"out={out}", "logging.progress=false", "stages.warmup.sft.steps=1",
+    r = cascade("run", "profile=small", f"out={out}", "logging.progress=false", "threads=1", "stages.warmup.sft.steps=1",
                 "stages.warmup.sft.examples=64", "stages.warmup.pool.size=4", "stages.math.pool.size=4",
                 *[f"stages.{s}.{k}" for s in ("warmup", "rlve", "math", "behavior")
                   for k in ("steps=1", "eval_problems=4")])
