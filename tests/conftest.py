@@ -17,6 +17,14 @@ _STARTED = pytest.StashKey[bool]()
 torch.set_num_threads(1)
 
 
+def pytest_configure(config):
+    """A pytest-xdist worker runs at nice 5, its test processes too: the tiny cascade run its controller started
+    (nice 0) keeps one core, as it does beside the tests of a one-process run, instead of a third of two cores
+    among the two workers; once it ends, the workers have both."""
+    if hasattr(config, "workerinput"):
+        os.nice(5)
+
+
 def pytest_collection_modifyitems(session, config, items):
     """A module may define ``start_in_background(config, root=None)`` to start a long job (a whole tiny cascade
     run, one thread) as soon as one of its tests is selected, so that the job runs on the second core while
