@@ -47,7 +47,8 @@ def cascade(*args, env=None, timeout=900):
     (["stage=math", "rl.loss_cfg.delta=-1"], "loss settings must be > 0, got delta=-1"),
     (["stage=math", "rl.loss_cfg.clip_low=-1"], "loss settings must be >= 0, got clip_low=-1"),
     # negative weights were sampled as shares of a negative total
-    (["stage=math", "envs={toy/max: -1, toy/add: -2}"], "stages.math.envs: weights must be >= 0"),
+    (["stage=math", "envs={toy/max: -1, toy/add: -2}"], "stages.math.envs: weights must be finite and >= 0"),
+    (["stage=math", "envs={toy/max: .inf, toy/add: 1}"], "stages.math.envs: weights must be finite and >= 0"),
 ])
 def test_bad_configs_fail_before_any_work(tmp_path, args, needle, monkeypatch):
     out = tmp_path / "run"
