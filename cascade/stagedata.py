@@ -46,8 +46,8 @@ def stage_mixes(s: StageConfig, name: str = "") -> list[dict[str, float]]:
             from train.dataclass_config import ConfigError
 
             where = f"stages.{name}.phases[{i}]" if name else f"phases[{i}]"
-            raise ConfigError(f"{where}: its weights must be finite and >= 0 with a positive sum (a phase samples from its own "
-                              f"mix); got {m}")
+            raise ConfigError(f"{where}: its weights must be finite and >= 0 with a positive sum (a phase samples "
+                              f"from its own mix); got {m}")
     return mixes
 
 

@@ -909,8 +909,8 @@ def test_small_profile_runs_every_stage(tmp_path):
     one thread (the profile's two took 211-300 s instead of 20 s beside two busy test workers: OpenMP's threads
     wait for each other on shared cores)."""
     out = tmp_path / "run"
-    r = cascade("run", "profile=small", f"out={out}", "logging.progress=false", "threads=1", "stages.warmup.sft.steps=1",
-                "stages.warmup.sft.examples=64", "stages.warmup.pool.size=4", "stages.math.pool.size=4",
+    r = cascade("run", "profile=small", f"out={out}", "logging.progress=false", "threads=1",
+                "stages.warmup.sft.steps=1", "stages.warmup.sft.examples=64", "stages.warmup.pool.size=4", "stages.math.pool.size=4",
                 *[f"stages.{s}.{k}" for s in ("warmup", "rlve", "math", "behavior")
                   for k in ("steps=1", "eval_problems=4")])
     assert r.returncode == 0, r.stderr[-2000:]

@@ -146,9 +146,9 @@ class RLConfig:
                              "use overlong mode 'mask' (or 'reward' with truncated_reward >= 0), or advantage grpo")
         if ov.mode == "soft" and ov.max_len > self.sampling.max_new_tokens:
             raise ValueError(f"overlong.max_len={ov.max_len} is above sampling.max_new_tokens="
-                             f"{self.sampling.max_new_tokens}: no response gets that long, so the full penalty is never "
-                             f"reached (and none at all when max_len - buffer_len >= max_new_tokens); set max_len <= "
-                             "max_new_tokens (DAPO: max_len = the response limit)")
+                             f"{self.sampling.max_new_tokens}: no response gets that long, so the full penalty is "
+                             "never reached (and none at all when max_len - buffer_len >= max_new_tokens); set "
+                             "max_len <= max_new_tokens (DAPO: max_len = the response limit)")
         if self.advantage == "maxrl" and self.reward == "score":
             raise ValueError("advantage maxrl needs rewards >= 0, but reward=score takes the verifier's score, which "
                              "is on [-1, 1] (e.g. -1 for an answer with no \\boxed{}); use reward=correct (0/1), or "
