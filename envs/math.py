@@ -148,9 +148,9 @@ def _zero_format() -> Score:
 # in it is kept), degrees, percent, dollars, LaTeX spacing, thousands separators in braces
 _WRAPPED = re.compile(r"\\(?:textbf|mathbf|boldsymbol|text|mathrm|textrm|mbox|operatorname)\s*\{([^{}]*)\}"
                       r"(\s*\^\s*(?:\{\s*\d+\s*\}|\d))?")  # a unit's power (cm^2) goes with the unit
-# a name before "=": x, BC, x_1, x_{12}, \theta, \angle ABC, f(2)
+# a name before "=": x, BC, x_1, x_{12}, \theta, \angle ABC, f(2); never a bracket first ("(7) = 5" names nothing)
 # (possessive spaces: a command and a long run of spaces without "=" took quadratic time)
-_NAME_EQ = r"^\s*+(?:\\[A-Za-z]+\s*+)?[A-Za-z]*(?:_(?:\{[^{}]*\}|\w))?(?:\([^()=]*\))?'*\s*=\s*"
+_NAME_EQ = r"^\s*+(?!\()(?:\\[A-Za-z]+\s*+)?[A-Za-z]*(?:_(?:\{[^{}]*\}|\w))?(?:\([^()=]*\))?'*\s*=\s*"
 _DECORATION = [(re.compile("\u2212"), "-"), (re.compile("\u00b0"), ""), (re.compile(_NAME_EQ), ""),
                (re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\\circ|\\%|%|\\\$|\$|\\[,!;: ]|~"), ""),
                (re.compile(r"\{,\}"), ","), (re.compile(r"\\[dt]frac"), r"\\frac"),

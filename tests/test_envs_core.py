@@ -1133,6 +1133,18 @@ def test_a_copied_product_of_brackets_and_a_bracketed_number_before_equals_earn_
     assert not math_equal("(1) = \\sqrt{2}", "\\sqrt{2}") and math_equal("f(1) = \\sqrt{2}", "\\sqrt{2}")
 
 
+def test_a_bracketed_number_before_equals_is_no_name_for_a_plain_number():
+    """``(7) = 5`` is a false equation, not ``name = 5``: the plain-number path took the bracket for a name (as in
+    ``f(2) = 5``) and credited it for gold 5, while ``0 = 5`` was refused."""
+    from envs.math import plain_number
+
+    math = MathDatasetEnv(heldout=0.0)
+    p = math.problem("Find it.", "5", 0, 0)
+    assert plain_number("(7) = 5") is None and not math.verify(p, "\\boxed{(7) = 5}").correct
+    for named in ("x = 5", "f(2) = 5", "\\theta = 5", "x_{1} = 5"):
+        assert plain_number(named) == 5 and math.verify(p, f"\\boxed{{{named}}}").correct, named
+
+
 def test_a_number_answer_keeps_its_sign_and_a_choice_among_the_questions_expressions_counts():
     """The dataset environment compares plain numbers by value, sign included; the question's own expression is a
     copy unless it is the answer as written (a choice between the question's expressions); an aggregation problem's
