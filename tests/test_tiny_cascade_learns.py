@@ -41,7 +41,7 @@ from pathlib import Path
 
 import pytest
 
-DEMO = pytest.StashKey[tuple]()
+DEMO = pytest.StashKey[Path]()  # the run's root directory
 
 # below the smallest rise seen over the measured seeds (avg@4)
 MIN_GAIN = {"warmup": 0.4, "behavior": 0.05}
