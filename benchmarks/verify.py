@@ -82,6 +82,8 @@ model), same scores; a model this small is mostly per-call overhead, and a real 
 not measured.
 Re-run at bbe8685 (2026-12-07, later; alone): math 2.82x with 2 threads, 3.68x with 4; code/solve 1.42x, 1.45x;
 reward model 1.58x; same scores both ways.
+Re-run at ef957db (2026-12-07, a later session, after the gym/math grading fixes; alone): math 3.86x with 2 threads,
+3.97x with 4; code/solve 1.50x, 1.50x; reward model 1.54x; same scores both ways.
 """
 from __future__ import annotations
 
