@@ -58,6 +58,9 @@ variables; gym's mixed numbers and unsigned lists; one run, a test file's run be
 answers.
 Re-run at bbe8685 (2026-12-07; 713 environments, rlve/Cornfield left out; one run, alone): 1,603 verifications/s
 (own 808, rc 1,187, rg 928, rlve 4,368), 66.9 problems/s; every reference answer credited bar the 70 without an oracle.
+Re-run at ef957db (2026-12-07, a later session, after the gym fraction and math fixes; one run, alone): 1,549
+verifications/s (own 789, rc 1,072, rg 869, rlve 4,421), 63.9 problems/s; every reference answer credited bar the 70
+without an oracle; no errors.
 """
 from __future__ import annotations
 
