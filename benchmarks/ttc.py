@@ -137,6 +137,9 @@ per shape (each side drew its own before: other experts); defaults, one run, alo
 3.14 s; pairs 0.98-1.18), long 1.47 (7.14 -> 4.87 s); shared-prefix steps 1.01x, 1.16x, 1.04x, 1.41x;
 ``concurrency_speedup`` 2.05 (4.08 -> 1.99 s), ``_short`` 1.68, ``local`` 2.07; at two threads 2.85, local 3.15;
 same outputs and results.
+Re-run at ef957db (2026-12-07, later: a request waiting under --rpm/--tpm is not sent after close; these runs set
+no limit), ``--skip-prefix --skip-steps``, one run, alone: ``concurrency_speedup`` 1.92 (4.72 -> 2.46 s), ``_short``
+1.73, ``local`` 1.79; at two threads 2.60, local 2.67; same results both ways.
 
 Measured on this project's 2-core CPU (2026-12-02, defaults, tiny-moe, 1 thread, quiet machine, commit
 e6feb3e, three runs): ``concurrency_speedup`` 2.17, 2.21, 2.13 (one problem at a time 3.73-3.80 s, 64 in
