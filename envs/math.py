@@ -120,7 +120,8 @@ def math_equal(pred: Any, gold: Any, timeout: float = DEFAULT_TIMEOUT) -> bool:
     shapes = _shape(p), _shape(g)  # math-verify takes (1, 2), \{1, 2\} and "-\infty, 3" for one another
     if set(shapes) == {"set", "interval"} or shapes == ("list", "interval") and "\\infty" in g:
         return False
-    several = shapes[1] in ("list", "set")  # "x = 2 \text{ or } x = 3" answers "2, 3"
+    # "x = 2 \text{ or } x = 3" answers "2, 3" and "2 \text{ or } 3" (math-verify reads "or"/"and" as a comma)
+    several = shapes[1] in ("list", "set") or _alternatives(g)
     if not several and _hedged(p) and not _hedged(g):  # "\sqrt{2} \text{ or more}", "\pi \text{ squared}"
         return False
     if len(_top_level(g)) == 1 and not several:
@@ -132,6 +133,11 @@ def math_equal(pred: Any, gold: Any, timeout: float = DEFAULT_TIMEOUT) -> bool:
             if len(sides) > 1 and _names(sides[0], g):
                 sides = sides[1:]
             if len(sides) > 1 and (len(parts) > 1 or not all(math_equal(x, g, timeout) for x in sides)):
+                return False
+    elif several and len(_answers(g)) == sum(len(_top_level(x)) for x in _answers(g)):  # no gold answer an equation
+        for part in _answers(p):  # each named answer as above: "0 = 2, 0 = 3" is no "2, 3"
+            sides = _top_level(part)
+            if len(sides) > 1 and not (len(sides) == 2 and _names(sides[0], g)):
                 return False
     try:
         got = _POOL.call([p, g], [timeout])
@@ -169,6 +175,7 @@ _HEDGES = frozenset("or nor and to than more less fewer least most not no over u
                     "squared cubed factorial times plus minus pi half halves third quarter fourth fifth sixth seventh "
                     "eighth ninth tenth hundredth thousandth millionth billionth".split())
 _WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]+")
+_ALTERNATIVE = re.compile(r"\\(?:text|mbox|textrm|mathrm)\s*\{\s*(?:or|and)\s*\}|\s(?:or|and)\s")
 # digits apart by spaces are one number only as thousands ("12 345 678"); after a subscript, a power or a command
 # they are its argument and what follows ("\log_2 8", "\frac 1 2")
 _THOUSANDS = re.compile(r"(?<![\d.])\d{1,3}(?:\s+\d{3})+(?!\d)")
@@ -190,6 +197,19 @@ def _spaced_digits(text: str) -> bool:
 def _squeezed(text: str) -> str:
     """``text`` without spaces, but for one between two digits that are no thousands (``1 0`` is no ``10``)."""
     return _GAP_OR_SPACE.sub(lambda m: " " if m[1] else "", _joined(text))
+
+
+def _alternatives(text: str) -> bool:
+    """Whether ``text`` lists answers with "or"/"and" (``2 \\text{ or } 3``, ``x = 1 and x = 2``), each of them
+    no hedge word ("5 or more" is one answer)."""
+    parts = _ALTERNATIVE.split(text)
+    return len(parts) > 1 and all(p.strip() and not _hedged(p) for p in parts)
+
+
+def _answers(text: str) -> list[str]:
+    """The answers ``text`` lists: its parts between top-level commas and "or"/"and" (in a set: inside its braces)."""
+    inner = re.fullmatch(r"\s*(?:\\left)?\\\{(.*?)(?:\\right)?\\\}\s*", text, re.DOTALL)
+    return [x for part in _top_level(inner[1] if inner else text, ",") for x in _ALTERNATIVE.split(part)]
 
 
 def _hedged(text: str) -> bool:

@@ -1113,6 +1113,21 @@ def test_answers_that_are_equations_or_alternatives_compare_whole():
         assert not math_equal(pred, gold), (pred, gold)
 
 
+def test_a_gold_listing_answers_with_or_takes_named_answers_not_false_equations():
+    """A gold written with "or"/"and" ("2 \\text{ or } 3") is a list of answers, as "2, 3" is: named answers
+    ("x = 2 \\text{ or } x = 3") are right (they were refused); in any list, an answer under a false equation
+    ("0 = 2, 0 = 3") is wrong (it was credited), as it is for a single answer."""
+    right = [("x = 2 \\text{ or } x = 3", "2 \\text{ or } 3"), ("x = 2 or x = 3", "2 or 3"), ("3 \\text{ and } 2", "2, 3"),
+             ("x_1 = 2, x_2 = 3", "2, 3"), ("\\{x = 2, x = 3\\}", "\\{2, 3\\}"), ("y = 2, x = 1", "x = 1, y = 2")]
+    wrong = [("x = 2 \\text{ or } x = 4", "2 \\text{ or } 3"), ("2", "2 \\text{ or } 3"), ("0 = 2, 0 = 3", "2, 3"),
+             ("0 = 2 \\text{ or } 0 = 3", "2 \\text{ or } 3"), ("\\{0 = 2, 0 = 3\\}", "\\{2, 3\\}"), ("x = 2 = 2, 3", "2, 3")]
+    assert [math_equal(pred, gold) for pred, gold in right] == [True] * len(right)
+    assert [math_equal(pred, gold) for pred, gold in wrong] == [False] * len(wrong)
+    math = MathDatasetEnv(heldout=0.0)
+    assert math.verify(math.problem("Solve $x^2 - 5x + 6 = 0$.", "2 \\text{ or } 3", 0, 0),
+                       "\\boxed{x = 2 \\text{ or } x = 3}").correct
+
+
 def test_arith_linear_equations_never_have_a_zero_coefficient_on_x():
     """a x + b = c x + e always has a ≠ 0 (at difficulty 0, where c is 0, a = 0 would leave no x to solve for)."""
     env = ArithmeticEnv()
