@@ -36,7 +36,8 @@ def test_thousands_separators_need_groups_of_three_digits():
 
 def test_paths_refuse_negative_vertices():
     assert parse_path("0 -> 3 -> 2") == [0, 3, 2]
-    for bad in ("-1 2 3", "0, -3", "[0, 3, -2]"):
+    assert parse_path("0->3->2") == parse_path("0 \\to 3 \\to 2") == parse_path("0-3-2") == [0, 3, 2]
+    for bad in ("-1 2 3", "0, -3", "[0, 3, -2]", "0 -> -3 -> 2", "0 \\to -3", "0 \u2192 -3"):  # (an arrow's dash is none)
         with pytest.raises(ParseError):
             parse_path(bad)
 

@@ -164,8 +164,9 @@ _ARROWS = re.compile(r"\\to\b|\\rightarrow\b|->|\u2192")
 
 def parse_path(text: str) -> list[int]:
     """A path of vertices (non-negative integers) written with spaces, commas, dashes or arrows (``0 -> 3 -> 2``,
-    ``0 \\to 3``, ``0-3-2``)."""
-    return parse_int_list(_ARROWS.sub(" ", text), signed=False)
+    ``0 \\to 3``, ``0-3-2``). An arrow reads as a comma: a dash after it makes a number negative (``0 -> -3`` is
+    refused; read as ``0 3`` before)."""
+    return parse_int_list(_ARROWS.sub(",", text), signed=False)
 
 
 def parse_groups(text: str, k: int, signed: bool = False) -> list[tuple[int, ...]]:
