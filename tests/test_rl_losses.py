@@ -68,6 +68,11 @@ def test_advantage_errors_and_whitening():
         get_advantage("grpo")([1.0, 0, 1], 2)
     with pytest.raises(ValueError, match="at least 2"):
         get_advantage("rloo")([1.0, 0, 1], torch.tensor([0, 0, 1]))
+    for size in (0, -2):  # (-2 "divides" 4: the groups were ids 0, -1, -1, -2)
+        with pytest.raises(ValueError, match=f"group size {size} does not divide the 4 rewards"):
+            get_advantage("drgrpo")([1.0, 0, 1, 0], size)
+    with pytest.raises(ValueError, match=r"group ids have shape \(3,\), expected \(4,\)"):
+        get_advantage("grpo")([1.0, 0, 1, 0], torch.tensor([0, 0, 1]))
     with pytest.raises(KeyError, match="choose one of drgrpo, grpo, maxrl, rloo"):
         compute_advantages("std", [1.0], 1)
     w = compute_advantages("drgrpo", [1.0, 0, 0, 0], 4, whiten_batch=True)
@@ -426,6 +431,8 @@ def test_grpo_all_equal_group_carries_its_bonus_undivided():
     adv = get_advantage("grpo")([0.3, 0.3, 0.3, 0.7], torch.tensor([0, 0, 0, 1]), eps=0.0, bonus=[0.1, 0, 0, 0.2])
     torch.testing.assert_close(adv, torch.tensor([0.1, 0.0, 0.0, 0.2]))
     assert get_advantage("grpo")([0.3, 0.3, 0.3], 3, eps=0.0).tolist() == [0.0, 0.0, 0.0]
+    # seven rewards of 0.1: in float32 their mean is off by a hair, the std ~1e-8 > eps = 0; equal rewards stay flat
+    assert get_advantage("grpo")([0.1] * 7, 7, eps=0.0).tolist() == [0.0] * 7
 
 
 def test_grpo_group_with_std_at_most_eps_is_flat_though_not_bit_equal():
