@@ -666,3 +666,154 @@ def test_weaker_mode_kills_what_left_the_process_group(monkeypatch):
         assert os.listdir(d) == []  # the daemons were killed with their runs
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+# ---- limits and refusals a user relies on, at their boundaries -------------------------------------
+def test_output_limit_is_inclusive_and_counts_stdout_and_stderr_together(sb):
+    s = Sandbox(SandboxConfig(**{**CFG.__dict__, "output_limit_bytes": 1000, "warm": 0}))
+    v = s.run("import sys\nsys.stdout.write('x' * 1000)\n")
+    assert v.status == "ok" and v.stdout == "x" * 1000 and v.limits_hit == []
+    v = s.run("import sys\nsys.stdout.write('x' * 1001)\n")
+    assert v.status == "output_limit" and v.limits_hit == ["output"]
+    # 600 + 600 bytes: each stream under the limit, together over it
+    v = s.run("import sys\nsys.stdout.write('o' * 600)\nsys.stdout.flush()\nsys.stderr.write('e' * 600)\n")
+    assert v.status == "output_limit", v
+
+
+def test_reaching_the_output_limit_ends_the_run_at_once(sb):
+    v = sb.run("while True:\n    print('spam' * 100)\n", time_limit=20.0)
+    assert v.status == "output_limit" and v.limits_hit == ["output"]
+    assert v.wall_time < 5.0, v.wall_time  # killed when the limit was crossed, not at the wall limit
+
+
+def test_stderr_keeps_the_tail(sb):
+    for n in (20000, 50000):  # over the kept 16 KiB: a little, and by more than twice as much
+        v = sb.run(f"import sys\nsys.stderr.write('a' * {n} + 'END')\nsys.exit(2)\n")
+        assert v.status == "runtime_error" and v.exit_code == 2
+        assert len(v.stderr) == CFG.stderr_keep_bytes and v.stderr.endswith("aEND"), (n, v.stderr[-20:])
+
+
+def test_cpu_limit_rounds_up_to_whole_seconds(sb):
+    # cpu_time_limit 1.01 s is a 2 s CPU rlimit: a run using 1.2 s of CPU is within it
+    s = Sandbox(SandboxConfig(**{**CFG.__dict__, "time_limit": 20.0, "cpu_time_limit": 1.01, "warm": 0}))
+    v = s.run("import time\nwhile time.process_time() < 1.2:\n    pass\nprint('done')\n")
+    assert v.status == "ok" and v.stdout.strip() == "done", v
+
+
+def test_open_files_limit(sb):
+    s = Sandbox(SandboxConfig(**{**CFG.__dict__, "max_open_files": 40, "warm": 0}))
+    prog = ("import errno\nfs = []\ntry:\n    while len(fs) < 1000:\n        fs.append(open('/dev/null'))\n"
+            "except OSError as e:\n    print(len(fs), e.errno == errno.EMFILE)\n")
+    v = s.run(prog)
+    # descriptors 0-2 are the run's stdin/stdout/stderr: 37 more fit under a limit of 40
+    assert v.status == "ok" and v.stdout.split() == ["37", "True"], v
+
+
+def test_a_run_inherits_no_descriptor_but_its_standard_streams(sb):
+    prog = ("import os\nopen_fds = []\nfor fd in range(3, 1024):\n    try:\n        os.fstat(fd)\n"
+            "        open_fds.append(fd)\n    except OSError:\n        pass\nprint(open_fds)\n")
+    v = sb.run(prog)
+    assert v.status == "ok" and v.stdout.strip() == "[]", v.stdout
+
+
+def test_a_runs_own_wall_limit_is_kept_to(sb):
+    v = sb.run("import time\ntime.sleep(30)\n", time_limit=0.6)
+    assert v.status == "time_limit" and v.limits_hit == ["wall_time"] and v.signal == 9
+    assert 0.55 <= v.wall_time < 1.1, v.wall_time
+
+
+def test_a_runs_own_memory_limit_is_kept_to(sb):
+    prog = "x = bytearray(100 << 20)\nfor i in range(0, len(x), 4096):\n    x[i] = 1\nprint('ok')\n"
+    v = sb.run(prog, memory_mb=64)
+    assert v.status == "memory_limit" and "memory" in v.limits_hit, v
+    assert sb.run(prog).status == "ok"  # the config's 256 MiB hold it
+
+
+def test_bad_runs_and_configs_are_refused(sb):
+    for name in ("../evil.py", "sub/main.py", ".hidden.py", ""):
+        with pytest.raises(ValueError, match="bad sandbox file name"):
+            sb.run_many({name: "print(1)"}, [sbx.Run(name)])
+    with pytest.raises(ValueError, match="not one of the files"):
+        sb.run_many({"main.py": "print(1)"}, [sbx.Run("other.py")])
+    for t in (0, -1.0):
+        with pytest.raises(ValueError, match="time_limit must be positive"):
+            sb.run("print(1)", time_limit=t)
+    for m in (0, -1, -5):  # a negative memory_mb reached setrlimit as no address-space limit (8 GiB mapped)
+        with pytest.raises(ValueError, match=f"memory_mb must be positive, got {m}"):
+            sb.run("print(1)", memory_mb=m)
+    ran = []  # refused before any run of the session: the good first run is not run either
+    with pytest.raises(ValueError, match="time_limit must be positive"):
+        sb.run_many({"main.py": "print(1)"}, [sbx.Run("main.py"), sbx.Run("main.py", time_limit=0)],
+                    on_verdict=lambda i, v: ran.append(i))
+    assert ran == []
+    for bad in ({"time_limit": 0}, {"memory_mb": 0}, {"max_processes": 0}, {"warm": -1},
+                {"compile_time_limit": 0}, {"compile_memory_mb": 0}, {"allow_missing": ("network",)}):
+        with pytest.raises(ValueError):
+            SandboxConfig(**bad)
+
+
+def test_allowed_missing_from_the_environment(monkeypatch):
+    monkeypatch.delenv(sbx.ALLOW_ENV, raising=False)
+    assert SandboxConfig().allowed_missing() == set()
+    assert SandboxConfig(allow_missing=("seccomp",)).allowed_missing() == {"seccomp"}
+    assert SandboxConfig(allow_weaker=True).allowed_missing() == set(sbx.LAYERS)
+    monkeypatch.setenv(sbx.ALLOW_ENV, " uid , bogus,cgroup_memory")
+    assert SandboxConfig().allowed_missing() == {"uid", "cgroup_memory"}
+    monkeypatch.setenv(sbx.ALLOW_ENV, "1")
+    assert SandboxConfig().allowed_missing() == set(sbx.LAYERS)
+
+
+def test_verdict_to_dict_cuts_only_longer_output():
+    v = sbx.Verdict("ok", 0, None, "a" * 10, "b" * 14, 0.123456, 0.5, None)
+    d = v.to_dict(excerpt=10)
+    assert d["stdout"] == "a" * 10
+    assert d["stderr"] == "bbbbb\n...[4 chars cut]...\nbbbbb"
+    assert d["wall_time"] == 0.1235 and v.to_dict(excerpt=None)["stderr"] == "b" * 14
+
+
+def test_arithmetic_signal_is_a_runtime_error_and_a_foreign_one_a_kill(sb):
+    v = sb.run("import os, signal\nos.kill(os.getpid(), signal.SIGFPE)\n")
+    assert v.status == "runtime_error" and v.signal == 8 and v.exit_code is None
+    v = sb.run("import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\n")
+    assert v.status == "killed" and v.signal == 15 and v.exit_code is None
+
+
+def test_unknown_language_of_a_run_is_refused(sb):
+    with pytest.raises(ValueError, match="unknown language"):
+        sb.run_many({"main.py": "print(1)"}, [sbx.Run("main.py", language="rust")])
+
+
+def test_text_stdin_arrives_as_utf8(sb):
+    v = sb.run("import sys\nd = sys.stdin.buffer.read()\nprint(len(d), d.decode())\n", "h\u00e9 \u2713")
+    assert v.status == "ok" and v.stdout == "7 h\u00e9 \u2713\n"  # 1 + 2 + 1 + 3 bytes
+
+
+def test_the_working_directory_is_capped_at_tmpfs_mb(sb):
+    if not sb._bwrap_has_size():
+        pytest.skip("bwrap without --size: the cgroup alone bounds /tmp")
+    s = Sandbox(SandboxConfig(**{**CFG.__dict__, "tmpfs_mb": 8, "warm": 0}))
+    prog = ("n = 0\ntry:\n    for i in range(64):\n        with open(f'/tmp/f{i}', 'wb') as f:\n"
+            "            f.write(b'x' * (1 << 20))\n        n += 1\nexcept OSError as e:\n    print('stopped', e.errno)\n"
+            "print(n)\n")
+    v = s.run(prog)
+    stopped, n = v.stdout.split("\n")[:2]
+    assert v.status == "ok" and stopped == "stopped 28" and 7 <= int(n) <= 8, v.stdout  # ENOSPC past 8 MiB
+
+
+def test_the_program_directory_and_system_are_read_only_mounts(sb):
+    # not only unwritable to the run's uid: read-only mounts (a root-owned 0755 /box would refuse writes too)
+    v = sb.run("import os\nprint([bool(os.statvfs(d).f_flag & os.ST_RDONLY) for d in ('/box', '/usr', '/tmp')])\n")
+    assert v.status == "ok" and v.stdout == "[True, True, False]\n", v
+
+
+def test_the_cpu_limit_ends_a_busy_run_by_sigxcpu(sb):
+    s = Sandbox(SandboxConfig(**{**CFG.__dict__, "time_limit": 20.0, "cpu_time_limit": 1.0, "warm": 0}))
+    v = s.run("while True:\n    pass\n")
+    assert v.status == "time_limit" and v.limits_hit == ["cpu_time"] and v.signal == 24, v  # SIGXCPU
+    assert 0.9 <= v.cpu_time < 2.0  # (the kernel counts that limit in ticks)
+
+
+def test_memory_mb_caps_each_processs_address_space(sb):
+    # an untouched 1 GiB mapping uses no memory, yet is refused under a 256 MiB address space
+    v = sb.run("import mmap\ntry:\n    mmap.mmap(-1, 1 << 30)\n    print('mapped')\nexcept OSError as e:\n    print(e.errno)\n")
+    assert v.status == "ok" and v.stdout == "12\n", v  # ENOMEM

@@ -1429,6 +1429,11 @@ class Sandbox:
                 raise ValueError(f"run entry {r.entry!r} is not one of the files")
             if r.language not in LANGUAGES:
                 raise ValueError(f"unknown language {r.language!r}; choose from {', '.join(LANGUAGES)}")
+            # before any run (a negative memory_mb reached setrlimit as no address-space limit at all)
+            if r.time_limit is not None and not r.time_limit > 0:
+                raise ValueError(f"time_limit must be positive, got {r.time_limit!r}")
+            if r.memory_mb is not None and not r.memory_mb > 0:
+                raise ValueError(f"memory_mb must be positive, got {r.memory_mb!r}")
         cxx = None
         if any(r.language == "cpp" for r in runs):
             cxx = _compiler(cfg)
