@@ -486,3 +486,136 @@ def test_one_text_prompt_and_numpy_seeds(engine):
     assert [c.token_ids for c in engine.generate(prompts, p, seeds=[np.int64(3), np.int64(4)])] == want
     with pytest.raises(ValueError, match="got 1 seeds for 2 prompts"):
         engine.generate(prompts, p, seeds=np.array([3]))
+
+
+# ------------------------------------------------------------------------------ (mutation-testing additions)
+
+
+@pytest.fixture(scope="module")
+def dense(tiny_dense_dir):
+    """One sharpened dense engine for the tests below (unparametrised: they check engine logic, not the model)."""
+    eng = TorchEngine.from_pretrained(tiny_dense_dir)
+    with torch.no_grad():
+        eng.model.lm_head.weight.mul_(3.0)
+    return eng
+
+
+def test_a_neutral_logits_processor_samples_what_the_plain_sampler_does():
+    """A processor that changes nothing (a logit bias of 0) takes the same random number at every step as the
+    plain sampler: the same tokens, step after step, and the same log-probs."""
+    import numpy as np
+
+    from train.engine.sampling import LogitsProcessors, sample
+
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(0)) * 2
+    p = SamplingParams(temperature=0.9, top_k=20, logit_bias={3: 0.0})
+    procs = LogitsProcessors(p, [[1, 2]] * 4, 30, "cpu")
+    seeds = np.arange(4, dtype=np.uint64) * 977
+    for step in range(6):
+        want = sample(logits, SamplingParams(temperature=0.9, top_k=20), seeds, step)
+        got = sample(logits, p, seeds, step, processors=procs)
+        assert torch.equal(got[0], want[0]) and torch.allclose(got[1], want[1]), step
+
+
+def test_min_tokens_ignores_stop_ids_outside_the_vocabulary():
+    """A stop id past the model's vocabulary (a tokenizer's extra token) cannot be sampled: min_tokens masks the
+    others and leaves the logits' shape alone (indexing it was an IndexError)."""
+    from train.engine.sampling import LogitsProcessors
+
+    logits = torch.zeros(2, 10)
+    procs = LogitsProcessors(SamplingParams(min_tokens=2, max_tokens=4), [[1], [2]], 10, "cpu", stop_ids={3, 12})
+    x = procs.apply(logits, 0)
+    assert torch.isinf(x[:, 3]).all() and torch.isfinite(x[:, [0, 1, 2, 4, 5, 6, 7, 8, 9]]).all()
+    assert torch.equal(procs.apply(logits, 2), logits)  # from the min_tokens-th token on, nothing masked
+
+
+def test_min_tokens_masks_the_requests_stop_token_ids(dense):
+    """min_tokens holds back the request's stop_token_ids as well as EOS (vLLM's _all_stop_token_ids)."""
+    p = dense.encode(["What is 2+2?"])
+    plain = dense.generate(p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    s = next(t for t in range(dense.model.config.vocab_size) if t not in plain.token_ids[:4])
+    c = dense.generate(p, SamplingParams(temperature=0, max_tokens=8, min_tokens=3, stop_token_ids=[s],
+                                         logit_bias={s: 100.0}, ignore_eos=True))[0]
+    assert s not in c.token_ids[:3] and c.token_ids[3] == s and len(c.token_ids) == 4 and c.finish_reason == "stop"
+
+
+def test_a_completion_text_leaves_out_the_stop_token(dense):
+    """Finished by a stop token (EOS or stop_token_ids): ``token_ids`` ends with it, ``text`` does not show it (vLLM's
+    default); finished by length, the text is every token's."""
+    p = dense.encode(["Sort the list 5 3 9 1."])
+    ref = dense.generate(p, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    assert ref.text == dense.tokenizer.decode(ref.token_ids, skip_special_tokens=False)
+    stop = ref.token_ids[5]
+    k = ref.token_ids.index(stop)
+    c = dense.generate(p, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop_token_ids=[stop]))[0]
+    assert c.token_ids == ref.token_ids[:k + 1] and c.finish_reason == "stop"
+    assert c.text == dense.tokenizer.decode(ref.token_ids[:k], skip_special_tokens=False)
+
+
+def test_short_prompts_beside_one_at_the_context_limit_keep_their_max_tokens(dense):
+    """Each row stops at its own context room: a prompt 3 tokens short of the context gets 3 tokens, a short prompt
+    in the same batch still gets its max_tokens."""
+
+    class Short(TorchEngine):
+        context_length = 48
+
+    eng = Short(dense.model, dense.tokenizer)
+    near, short = [5] * 45, dense.encode(["Hi"])[0]
+    outs = eng.generate([near, short], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    assert [len(c.token_ids) for c in outs] == [3, 20]
+    assert [c.finish_reason for c in outs] == ["length", "length"]
+
+
+def test_batch_chunks_sample_as_one_batch(dense):
+    """max_batch_rows splits a request into chunks: prompt i still samples with its seed for index i (the same
+    tokens as in one big batch), and keeps its prompt_index."""
+    prompts = dense.encode(["2+2?", "Sort 5 3 9 1.", "Hi", "Name a prime", "x"])
+    sp = SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=13)
+    whole = dense.generate(prompts, sp)
+    small = TorchEngine(dense.model, dense.tokenizer, max_batch_rows=2)
+    parts = small.generate(prompts, sp)
+    assert [c.token_ids for c in parts] == [c.token_ids for c in whole]
+    assert [c.prompt_index for c in parts] == [i for i in range(5) for _ in range(2)]
+
+
+def test_penalised_rows_finishing_at_different_steps_keep_their_counts(dense):
+    """Penalties with rows that stop at different steps (the counts follow the shrinking batch): every prompt alone
+    samples what it sampled in the batch, and the log-probs stay the raw ones."""
+    prompts = dense.encode(["2+2?", "Sort 5 3 9 1.", "Hi", "Name a prime"])
+    V = dense.model.config.vocab_size
+    sp = SamplingParams(n=2, temperature=1.0, max_tokens=16, seed=7, presence_penalty=0.8, repetition_penalty=1.3,
+                        stop_token_ids=list(range(0, V, 5)))
+    outs = dense.generate(prompts, sp)
+    assert len({len(c.token_ids) for c in outs}) >= 3
+    for i in range(len(prompts)):
+        alone = TorchEngine._generate_chunk(dense, [prompts[i]], i, sp, 7)
+        assert [x.token_ids for x in alone] == [x.token_ids for x in outs[2 * i:2 * i + 2]]
+    for c in outs:
+        with torch.no_grad():
+            ref = token_logprobs(dense.model, torch.tensor([c.prompt_token_ids + c.token_ids]))[0,
+                                                                                              len(c.prompt_token_ids) - 1:]
+        assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
+
+
+def test_eos_ids_come_from_config_generation_config_and_tokenizer():
+    from types import SimpleNamespace
+
+    from train.engine.torch_engine import eos_ids_of
+
+    cfg = SimpleNamespace(eos_token_id=2, generation_config={"eos_token_id": [2, 7]})
+    assert eos_ids_of(cfg) == {2, 7}
+    assert eos_ids_of(cfg, SimpleNamespace(eos_token_id=9)) == {2, 7, 9}
+    assert eos_ids_of(SimpleNamespace(eos_token_id=None, generation_config={"eos_token_id": 4})) == {4}
+
+
+def test_stop_cut_looks_for_a_stop_string_ending_past_min_tokens():
+    """stop_cut with one character per token: with min_tokens k, a stop string counts only when it ends past the
+    first k characters, even when it starts inside them."""
+    from train.engine.torch_engine import stop_cut
+
+    dec = lambda ids: "".join(chr(ord("a") + t) for t in ids)  # noqa: E731
+    toks = [0, 1, 2, 3, 1, 2]  # "abcdbc"
+    assert stop_cut(dec, toks, ["bc"]) == "a"
+    assert stop_cut(dec, toks, ["bc"], min_tokens=2) == "a"  # "bc" at 1..2 ends past the first two characters
+    assert stop_cut(dec, toks, ["bc"], min_tokens=3) == "abcd"  # the first ends inside "abc": the second cuts
+    assert stop_cut(dec, toks, ["zz"]) is None

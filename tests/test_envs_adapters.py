@@ -585,3 +585,198 @@ def test_a_failed_check_keeps_a_recorded_cap(tmp_path):
     assert update_caps([failed], [0, 1, 2, 3], caps_file, write=False)["x/slow"]["max_difficulty"] == 1
     ok = CheckResult("x/slow", [], 1.0, {}, None, "")
     assert "x/slow" not in update_caps([ok], [0, 1, 2, 3], caps_file, write=False)
+
+
+# -- difficulty mapping, answer checks and score ranges of the adapters (mutation-testing additions) --------------
+class _FixedScorer:
+    """Stands in for a reasoning-gym dataset in an ``rg/`` check context: its ``score_answer`` gives ``value``."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def score_answer(self, answer, entry):
+        return self.value
+
+
+def test_rg_difficulty_outside_the_curriculum_is_clamped_to_its_levels():
+    """Difficulty below 0 is level 0 and above the curriculum's top is the top: the same problem, and the problem
+    says the level it was made at (not -2, not top + 3)."""
+    pytest.importorskip("reasoning_gym")
+    env = get_env("rg/basic_arithmetic")
+    top = env._top
+    assert top > 0
+    low, zero = env.generate(3, -2), env.generate(3, 0)
+    assert low.prompt == zero.prompt and low.meta["level"] == zero.meta["level"] == 0
+    high, at_top = env.generate(3, top + 3), env.generate(3, top)
+    assert high.prompt == at_top.prompt and high.meta["level"] == at_top.meta["level"] == top
+    assert env.config(-2) == env.config(0) and env.config(top + 3) == env.config(top)
+
+
+def test_rg_full_credit_only_at_a_score_of_one_and_exact_checks_after_it():
+    """``correct`` is reasoning-gym's full credit (1.0); a partial score is the reward, not correct; on an ``EXACT``
+    dataset a full score the exact check refuses is 0; a response without an answer never reaches the scorer."""
+    pytest.importorskip("reasoning_gym")
+    env = get_env("rg/basic_arithmetic")
+    p = env.generate(0, 0)
+    entry = {"question": p.prompt, "answer": p.answer, "metadata": {}}
+    half = env.check_with(p, "\\boxed{7}", (_FixedScorer(0.5), entry))
+    assert (half.reward, half.correct, half.format_ok) == (0.5, False, True)
+    assert half.info["extracted"] == "7" and half.info["rg_score"] == 0.5
+    full = env.check_with(p, "<answer> 7 </answer>", (_FixedScorer(1), entry))
+    assert (full.reward, full.correct) == (1.0, True) and full.info["extracted"] == "7"
+    none = env.check_with(p, "I think it is 7", (_FixedScorer(1), entry))
+    assert (none.reward, none.correct, none.format_ok) == (0.0, False, False)
+    jumble = get_env("rg/letter_jumble")
+    q = jumble.generate(0, 0)
+    gold = {"question": q.prompt, "answer": "the cat", "metadata": {}}
+    ok = jumble.check_with(q, "\\boxed{The Cat}", (_FixedScorer(1.0), gold))
+    assert ok.correct and ok.reward == 1.0  # (letter case aside, the same text)
+    bad = jumble.check_with(q, "\\boxed{the cat sat}", (_FixedScorer(1.0), gold))
+    assert (bad.reward, bad.correct) == (0.0, False) and "not exactly right" in bad.info["reason"]
+
+
+def test_rg_exact_checks_read_plain_numbers():
+    """gsm_symbolic's exact check takes a plain number: thousands separators and a dollar sign are fine, a minus
+    sign is part of it (a negative gold answer is credited, its absolute value is not)."""
+    pytest.importorskip("reasoning_gym")
+    from envs.reasoning_gym_adapter import EXACT
+
+    gsm = EXACT["gsm_symbolic"]
+    assert gsm("$1,234", {"answer": "1234"}) and gsm(" 1234 ", {"answer": "1234"}) and gsm("12.5", {"answer": "12.5"})
+    assert gsm("-28080", {"answer": "-28080"}) and not gsm("28080", {"answer": "-28080"})
+    assert not gsm("-28080", {"answer": "28080"}) and not gsm("1234 or 7", {"answer": "1234"})
+    assert EXACT["letter_jumble"]("Hello World ", {"answer": "hello world"})
+    assert EXACT["spell_backward"]("OLLEH", {"answer": "olleh"}) and not EXACT["spell_backward"]("olleh!", {"answer": "olleh"})
+
+
+def test_rg_a_problem_whose_prompt_is_not_the_regenerated_one_is_scored_against_its_own_answer():
+    """A problem whose (seed, difficulty) now makes another question (a generator not reproducible across
+    processes) is graded against the problem's own gold answer, not the regenerated item's."""
+    pytest.importorskip("reasoning_gym")
+    env = get_env("rg/basic_arithmetic")
+    p1, p2 = env.generate(1, 0), env.generate(2, 0)
+    assert str(p1.answer) != str(p2.answer)
+    q = Problem(p2.prompt, p2.answer, p1.env_id, p1.seed, p1.difficulty, dict(p2.meta))
+    assert env.verify(q, f"\\boxed{{{p2.answer}}}").correct
+    assert not env.verify(q, f"\\boxed{{{p1.answer}}}").correct
+
+
+def test_rg_and_rc_keep_a_problem_even_when_their_scorer_credits_no_draw_of_it():
+    """A problem whose reference the scorer never credits is drawn again, and the first draw is kept when every
+    draw is such (generation does not fail)."""
+    pytest.importorskip("reasoning_gym")
+    pytest.importorskip("reasoning_core")
+    from envs.reasoning_core_adapter import ReasoningCoreEnv
+    from envs.reasoning_gym_adapter import ReasoningGymEnv
+
+    for env, plain in ((ReasoningGymEnv("basic_arithmetic"), ReasoningGymEnv("basic_arithmetic")),
+                       (ReasoningCoreEnv("arithmetics"), ReasoningCoreEnv("arithmetics"))):
+        env.reference_credited = lambda problem, context: False
+        got = env.generate(5, 1)
+        want = plain.generate(5, 1)
+        assert (got.prompt, got.answer, got.meta["level"]) == (want.prompt, want.answer, want.meta["level"]), env.id
+
+
+def test_rc_scores_are_clamped_to_zero_one_and_full_credit_is_one():
+    """reasoning-core's score in [0, 1] is the reward: a scorer's negative, NaN or above-one value is clamped (NaN is
+    0), only full credit is correct, and the scorer gets the extracted answer."""
+    pytest.importorskip("reasoning_core")
+    from envs.reasoning_core_adapter import ReasoningCoreEnv
+
+    env = ReasoningCoreEnv("arithmetics")
+    p = env.generate(0, 0)
+    seen = []
+    for value, reward, correct in ((-0.5, 0.0, False), (float("nan"), 0.0, False), (1.7, 1.0, True),
+                                   (0.5, 0.5, False), (0.999, 0.999, False), (1.0, 1.0, True)):
+        env._scorer = lambda pred, entry, v=value: seen.append(pred) or v
+        s = env.check_with(p, "<think>\\boxed{1}</think>so \\boxed{ 42 }", p.meta["rc_metadata"])
+        assert (s.reward, s.correct, s.format_ok) == (reward, correct, True), value
+        assert s.info["rc_score"] == reward
+    assert set(seen) == {"42"}
+    s = env.check_with(p, "no answer here", p.meta["rc_metadata"])
+    assert (s.reward, s.correct, s.format_ok) == (0.0, False, False) and len(seen) == 6
+
+
+def test_rc_difficulty_below_zero_is_level_zero_and_a_failing_level_falls_back_below():
+    pytest.importorskip("reasoning_core")
+    from envs.reasoning_core_adapter import ReasoningCoreEnv
+
+    env = ReasoningCoreEnv("arithmetics")
+    low, zero = env.generate(4, -1), env.generate(4, 0)
+    assert (low.prompt, low.meta["level"]) == (zero.prompt, 0)
+    flaky = ReasoningCoreEnv("arithmetics")
+    real = flaky._generate_at
+
+    def fails_above_zero(seed, level):
+        if level >= 1:
+            raise ValueError("reasoning-core failed at this level")
+        return real(seed, level)
+    flaky._generate_at = fails_above_zero
+    p = flaky.generate(4, 1)
+    assert p.difficulty == 1 and p.meta["level"] == 0 and p.prompt == zero.prompt
+    flaky._generate_at = lambda seed, level: (_ for _ in ()).throw(ValueError("never"))
+    with pytest.raises(RuntimeError, match="failed to generate"):
+        flaky.generate(4, 2)
+
+
+def test_rc_check_context_is_the_problems_own_metadata():
+    """The entry is rebuilt from the problem's own ``rc_metadata``; only a problem without it is regenerated."""
+    pytest.importorskip("reasoning_core")
+    env = get_env("rc/arithmetics")
+    p = env.generate(2, 1)
+    mine = Problem(p.prompt, p.answer, p.env_id, p.seed, p.difficulty, {**p.meta, "rc_metadata": {"mine": 1}})
+    assert env.check_context(mine) == {"mine": 1}
+    bare = Problem(p.prompt, p.answer, p.env_id, p.seed, p.difficulty, {})
+    assert env.check_context(bare) == p.meta["rc_metadata"]
+
+
+def test_rlve_difficulty_below_zero_is_the_controllers_first_level():
+    _rlve()
+    env = get_env("rlve/AdditionTable")
+    first = env.parameter_list(0)
+    env.parameter_list(3)
+    assert env.parameter_list(-1) == first == [{"N": 3}]
+    assert env.generate(0, -2).prompt == env.generate(0, 0).prompt
+
+
+def test_rlve_large_seeds_generate_with_a_32_bit_generator_seed():
+    """RLVE seeds numpy (32-bit seeds): a curriculum's 62-bit seed generates, and the generator seed it records
+    makes the same problem with RLVE's own generator."""
+    gym_envs, _ = _rlve()
+    env = get_env("rlve/Multiplication")
+    big = (1 << 40) + 12345
+    p = env.generate(big, 1)
+    assert p.meta["rlve_seed"] == big % (1 << 32)
+    own = gym_envs.identifier2environment["Multiplication"]()
+    assert own.generator(seed=p.meta["rlve_seed"], parameter=p.meta["parameter"])
+    assert p.prompt.startswith(own.prompt_generator())
+    assert env.verify(p, env.reference_response(p)).correct
+
+
+def test_rlve_a_level_with_several_parameters_draws_among_them_by_seed():
+    _rlve()
+    env = get_env("rlve/CycleCounting")
+    plist = env.parameter_list(0)
+    assert len(plist) == 4
+    chosen = [env.generate(s, 0).meta["parameter"] for s in range(16)]
+    assert all(c in plist for c in chosen) and len({json.dumps(c, sort_keys=True) for c in chosen}) >= 2
+    assert chosen == [get_env("rlve/CycleCounting").generate(s, 0).meta["parameter"] for s in range(16)]
+
+
+def test_rlve_answers_after_thinking_only_and_no_overlong_ones():
+    """An answer inside the thinking is no answer (RLVE's format penalty, -1), an answer longer than the bound is
+    refused before RLVE's scorer (-1, said so), and a problem that is not the regenerated one is flagged."""
+    _rlve()
+    env = get_env("rlve/Multiplication")
+    p = env.generate(0, 0)
+    assert env.extract(f"<think><answer>{p.answer}</answer></think>I give up") is None
+    assert env.extract(f"<think>x</think><answer> {p.answer}</answer>") == f" {p.answer}"
+    hidden = env.verify(p, f"<think><answer>{p.answer}</answer></think>I give up")
+    assert (hidden.reward, hidden.correct, hidden.format_ok) == (-1.0, False, False)
+    long = env.verify(p, "<answer>" + "1" * 20_000 + "</answer>")
+    assert (long.reward, long.correct, long.format_ok) == (-1.0, False, False)
+    assert long.info["reason"] == "answer too long" and long.info["length"] == 20_000
+    other = Problem("another question", p.answer, p.env_id, p.seed, p.difficulty, dict(p.meta))
+    s = env.verify(other, env.reference_response(other))
+    assert s.correct and "differs" in s.info["warning"]
+    assert "warning" not in env.verify(p, env.reference_response(p)).info

@@ -319,3 +319,129 @@ def test_a_worker_has_a_memory_limit_and_one_that_imported_torch_works_under_it(
         assert "MemoryError" in env.verify(p, "hog").info["error"] and env.verify(p, "ok").correct
     finally:
         _POOL.close()
+
+
+# -- crashes, contexts, short-circuit logic (mutation-testing additions) -----------------------------------------
+class Crashy(IsolatedCheck, Environment):
+    """Its scorer's process dies on "crash"; its context says where it was made (and weighs ``pad`` characters)."""
+
+    verify_time_limit = 5.0
+
+    def generate(self, seed: int, difficulty: int) -> Problem:
+        return self.problem("say ok", "ok", seed, difficulty, pad=seed)
+
+    def check_context(self, problem: Problem):
+        return {"gold": problem.answer, "pid": os.getpid(), "pad": "x" * problem.meta["pad"]}
+
+    def check_with(self, problem: Problem, response: str, context) -> Score:
+        if response == "crash":
+            os._exit(7)
+        ok = response == context["gold"]
+        return Score(float(ok), ok, True, {"context_pid": context["pid"], "pid": os.getpid()})
+
+
+def test_a_crashed_scorer_is_a_zero_said_so_and_the_next_answer_gets_a_new_worker():
+    env = get_env("tests.test_isolated:Crashy")
+    p = env.generate(0, 0)
+    first = env.verify(p, "ok")
+    assert first.correct
+    t = time.monotonic()
+    dead = env.verify(p, "crash")
+    assert time.monotonic() - t < env.verify_time_limit
+    assert (dead.reward, dead.correct) == (0.0, False) and "process died" in dead.info["reason"], dead
+    again = env.verify(p, "ok")
+    assert again.correct  # (a new worker: the crashed one is not reused)
+
+
+def test_a_small_context_is_made_by_the_caller_and_a_large_one_by_the_worker():
+    from envs.isolated import SHIP_CONTEXT_BYTES
+
+    env = get_env("tests.test_isolated:Crashy")
+    small = env.verify(env.generate(0, 0), "ok")
+    assert small.correct and small.info["context_pid"] == os.getpid() != small.info["pid"]
+    large = env.verify(env.generate(SHIP_CONTEXT_BYTES + 1000, 0), "ok")
+    assert large.correct and large.info["context_pid"] == large.info["pid"] != os.getpid()
+
+
+def test_a_response_without_an_answer_is_scored_without_a_worker(monkeypatch):
+    pytest.importorskip("reasoning_gym")
+    from envs import isolated
+
+    env = get_env("rg/basic_arithmetic")
+    p = env.generate(0, 0)
+
+    class NoPool:
+        def call(self, *a, **k):
+            raise AssertionError("a worker was asked")
+    monkeypatch.setattr(isolated, "_POOL", NoPool())
+    s = env.verify(p, "I don't know.")
+    assert (s.reward, s.correct, s.format_ok) == (0.0, False, False) and "no \\boxed{}" in s.info["reason"], s
+
+
+def test_safe_eval_boolean_and_comparison_chains_are_pythons():
+    assert safe_eval("0 or 5") == 5 and safe_eval("2 and 3") == 3 and safe_eval("1 and 0") == 0
+    assert safe_eval("[] or 'x'") == "x" and safe_eval("0 and 1 / 0") == 0 and safe_eval("1 or 1 / 0") == 1
+    assert safe_eval("1 < 3 < 2") is False and safe_eval("3 > 2 > 1") is True and safe_eval("1 == 1 != 2") is True
+    assert safe_eval("x", {"x": [1, 2]}) == [1, 2]
+    for not_data in ({"f": print}, {"f": os}, {"f": [1, print]}):
+        with pytest.raises(ValueError, match="not a data value"):
+            safe_eval("f", not_data)
+
+
+_WORKER_MODULE_2 = '''
+import os
+from envs.workers import serve
+
+
+def worker_main():
+    def handle(req, emit):
+        if req == "pid":
+            return os.getpid()
+        if req == "fail":
+            raise ValueError("boom")
+        return req
+    serve(handle)
+'''
+
+_NOT_READY_MODULE = '''
+def worker_main():
+    print("hello")
+'''
+
+
+def _gone(pid, wait=10.0):
+    from envs.workers import proc_stat
+
+    deadline = time.monotonic() + wait
+    while (st := proc_stat(pid)) is not None and st[0] != "Z" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return st is None or st[0] == "Z"
+
+
+def test_pool_replaces_a_dead_idle_worker_answers_errors_at_once_and_close_stops_workers(tmp_path, monkeypatch):
+    import signal
+
+    from envs.workers import Pool, WorkerStartError
+
+    (tmp_path / "toyworker2.py").write_text(_WORKER_MODULE_2)
+    (tmp_path / "notready.py").write_text(_NOT_READY_MODULE)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    pool = Pool("toyworker2", 60)
+    try:
+        (pid,) = pool.call("pid", [30])
+        os.kill(pid, signal.SIGKILL)  # the idle worker dies between calls
+        assert _gone(pid)
+        assert pool.call("y", [30]) == ["y"] and pool.failure() is None
+        t = time.monotonic()
+        assert pool.call("fail", [30, 30]) == [{"error": "ValueError: boom"}]  # no wait for a second line
+        assert time.monotonic() - t < 10
+        (pid,) = pool.call("pid", [30])
+        pool.close()
+        stopped = _gone(pid)
+        if not stopped:
+            os.kill(pid, signal.SIGKILL)
+        assert stopped, "close left an idle worker running"
+    finally:
+        pool.close()
+    with pytest.raises(WorkerStartError, match="did not start"):
+        Pool("notready", 30).call("x", [5])

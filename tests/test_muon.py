@@ -525,3 +525,95 @@ def test_sharded_muon_equals_single_process():
         for what in ("params", "resumed"):
             k = f"phases.{mesh}.{what}"
             assert max(r[k] for r in ranks) < TOL, (k, max(r[k] for r in ranks))
+
+
+# ------------------------------------------------------------------------------ schedule and config checks
+
+
+def test_lr_schedule_warmup_then_decay_by_hand():
+    """Warm-up: step s (0-based) of w runs at (s + 1) / w of the peak, the last warm-up step at the peak; then
+    linear or cosine decay from the peak to min_lr_ratio over total_steps - warmup_steps steps, held at the floor
+    afterwards. Values computed by hand; the optimizer's own LambdaLR reproduces them step by step."""
+    from train.optim import lr_factor
+
+    const = OptimConfig(warmup_steps=4)
+    assert [lr_factor(s, const) for s in range(6)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
+    lin = OptimConfig(warmup_steps=2, schedule="linear", total_steps=12, min_lr_ratio=0.1)
+    # decay over 10 steps from step 2: 1 - 0.9 * (s - 2) / 10
+    assert [lr_factor(s, lin) for s in (0, 1, 2, 7, 11, 12, 30)] == pytest.approx([0.5, 1.0, 1.0, 0.55, 0.19, 0.1, 0.1])
+    cos = OptimConfig(schedule="cosine", total_steps=10, min_lr_ratio=0.2)
+    # 0.2 + 0.8 * (1 + cos(pi * s / 10)) / 2: cos(pi/2) = 0 at s = 5, cos(pi) = -1 at s = 10, held there
+    assert [lr_factor(s, cos) for s in (0, 5, 10, 15, 40)] == pytest.approx([1.0, 0.6, 0.2, 0.2, 0.2])
+    # no room to decay (total_steps <= warmup_steps): the peak after warm-up
+    short = OptimConfig(warmup_steps=3, schedule="linear", total_steps=3, min_lr_ratio=0.0)
+    assert [lr_factor(s, short) for s in range(6)] == pytest.approx([1 / 3, 2 / 3, 1.0, 1.0, 1.0, 1.0])
+    # the scheduler the trainers step
+    lin_model = torch.nn.Linear(3, 2)
+    opt, sched = build_optimizer(lin_model, OptimConfig(lr=0.5, warmup_steps=2, schedule="linear", total_steps=12,
+                                                        min_lr_ratio=0.1))
+    seen = []
+    for _ in range(13):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen[:3] == pytest.approx([0.25, 0.5, 0.5]) and seen[7] == pytest.approx(0.275)
+    assert seen[12] == pytest.approx(0.05)
+
+
+def test_over_gives_a_decaying_schedule_its_length():
+    """``over(steps)``: a decaying schedule without total_steps runs over ``steps``; a constant one, or one that
+    names its total_steps, is kept as it is."""
+    assert OptimConfig(schedule="cosine").over(50).total_steps == 50
+    assert OptimConfig(schedule="linear", total_steps=7).over(50).total_steps == 7
+    assert OptimConfig().over(50).total_steps == 0
+
+
+@pytest.mark.parametrize("kw, msg", [({"eps": 0.0}, "eps must be > 0"),
+                                     ({"min_lr_ratio": 1.5}, r"min_lr_ratio must be in \[0, 1\]"),
+                                     ({"min_lr_ratio": -0.1}, r"min_lr_ratio must be in \[0, 1\]"),
+                                     ({"lr": -1e-3}, "lr must be >= 0"),
+                                     ({"betas": (0.9, 1.0)}, r"betas must be two numbers in \[0, 1\)"),
+                                     ({"name": "muon", "muon_ns_steps": 0}, "muon_ns_steps must be >= 1"),
+                                     ({"schedule": "step"}, "unknown lr schedule 'step'")])
+def test_config_refuses_values_outside_their_range(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        OptimConfig(**kw)
+
+
+def test_muon_refuses_vectors_in_a_matrix_group():
+    with pytest.raises(ValueError, match="Muon groups take matrices"):
+        Muon([{"params": [torch.zeros(4, requires_grad=True)], "muon": True}])
+
+
+def test_fp16_parameters_get_fp32_master_weights():
+    """fp16 like bf16: steps below the dtype's spacing accumulate in fp32 masters instead of rounding away. AdamW at
+    lr 1e-4 with a constant gradient moves each weight by ~1e-4 a step (under fp16's spacing of ~5e-4 at 0.5-1):
+    ten steps move the fp16 weights by ~1e-3."""
+    from train.optim import MasterWeights
+
+    lin = torch.nn.Linear(4, 4, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.linspace(0.5, 0.9, 16).reshape(4, 4))
+    lin = lin.half()
+    w0 = lin.weight.detach().float().clone()
+    opt, sched = build_optimizer(lin, OptimConfig(lr=1e-4))
+    assert isinstance(opt, MasterWeights) and opt.master[id(lin.weight)].dtype == torch.float32
+    for _ in range(10):
+        lin.weight.grad = torch.ones(4, 4, dtype=torch.float16)
+        opt.step()
+    assert lin.weight.dtype == torch.float16
+    assert torch.allclose(lin.weight.detach().float() - w0, torch.full((4, 4), -1e-3), atol=3e-4)
+
+
+def test_a_zero_gradient_leaves_a_muon_matrix_alone():
+    """An MoE expert that no token reached has a zero gradient: Newton-Schulz of 0 is 0 (the norm clamped at eps,
+    not 0 / 0), so its matrices stay as they are (no NaN), the other experts still move."""
+    from train.optim import newton_schulz
+
+    assert torch.equal(newton_schulz(torch.zeros(2, 3, 5)), torch.zeros(2, 3, 5))
+    w0 = torch.randn(2, 6, 4, generator=torch.Generator().manual_seed(0))
+    w = w0.clone().requires_grad_(True)
+    opt = Muon([{"params": [w], "muon": True}], lr=0.1)
+    w.grad = torch.stack([torch.zeros(6, 4), torch.ones(6, 4)])
+    opt.step()
+    assert torch.equal(w.detach()[0], w0[0]) and not torch.equal(w.detach()[1], w0[1])

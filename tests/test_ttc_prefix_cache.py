@@ -164,3 +164,94 @@ def test_bfloat16_engine_reuses_prefixes_in_pytorch(tiny_dense_dir):
         a, b = plain.generate(prompts, sp), cached.generate(prompts, sp)
         assert [c.token_ids for c in a] == [c.token_ids for c in b]
     assert cached.prefix_cache.stats.batches == 2
+
+
+def _engines(path, **kw):
+    cached = TorchEngine.from_pretrained(path)
+    with torch.no_grad():
+        cached.model.lm_head.weight.mul_(3.0)
+    plain = TorchEngine(cached.model, cached.tokenizer)  # the same model object, no cache
+    return plain, cached, enable_prefix_caching(cached, **kw)
+
+
+def _ids(outs):
+    return [c.token_ids for c in outs]
+
+
+def test_prefix_cache_settings_are_checked():
+    from train.engine.prefix_cache import PrefixCache
+
+    for kw in ({"min_prefix": 0}, {"max_entries": -1}):
+        with pytest.raises(ValueError, match="PrefixCache needs min_prefix >= 1 and max_entries >= 0"):
+            PrefixCache(**kw)
+
+
+def test_min_prefix_is_the_shortest_prefix_shared_and_identical_prompts_work(tiny_dense_dir):
+    """A prefix of exactly min_prefix tokens is shared, one shorter is not; identical prompts share all but their
+    last token (each row keeps one to prefill); outputs equal the plain prefill's."""
+    plain, cached, pc = _engines(tiny_dense_dir, min_prefix=4)
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    for prompts, shared in (([[9, 8, 7, 6, 50], [9, 8, 7, 6, 60, 61]], 4), ([[9, 8, 7, 50], [9, 8, 7, 60]], None),
+                            ([[30, 31, 32, 33, 34, 35]] * 3, 5)):
+        b0, t0 = pc.stats.batches, pc.stats.shared_tokens
+        assert _ids(cached.generate(prompts, sp)) == _ids(plain.generate(prompts, sp))
+        assert (pc.stats.batches - b0, pc.stats.shared_tokens - t0) == ((1, shared) if shared else (0, 0)), prompts
+
+
+def test_the_longest_stored_prefix_is_reused_and_counted(tiny_dense_dir):
+    """Stored prefixes of 6 and 10 tokens, then a batch sharing 12: it starts from the 10 (the longest stored one);
+    saved tokens = (rows - 1) * 12 copies + the 10 not recomputed."""
+    plain, cached, pc = _engines(tiny_dense_dir, min_prefix=4)
+    h = list(range(40, 52))
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    saved = []
+    for k in (6, 10, 12):
+        prompts = [h[:k] + [100], h[:k] + [101, 102]]
+        s0 = pc.stats.saved_tokens
+        assert _ids(cached.generate(prompts, sp)) == _ids(plain.generate(prompts, sp))
+        saved.append(pc.stats.saved_tokens - s0)
+    assert saved == [6, 10 + 6, 12 + 10] and pc.stats.lru_hits == 2
+
+
+def test_stored_prefixes_are_dropped_least_recently_used_first(tiny_dense_dir):
+    """max_entries 2: A and B stored, A used again, C stored: B (the least recently used) is dropped, A and C kept."""
+    plain, cached, pc = _engines(tiny_dense_dir, min_prefix=4, max_entries=2)
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    batch = {h: [[h, h + 1, h + 2, h + 3, h + 4, 7], [h, h + 1, h + 2, h + 3, h + 4, 8, 9]] for h in (10, 20, 30)}
+    hits = []
+    for name in (10, 20, 10, 30, 30, 10):
+        h0 = pc.stats.lru_hits
+        cached.generate(batch[name], sp)
+        hits.append(pc.stats.lru_hits - h0)
+    # A miss, B miss, A hit (now the most recent), C miss (stored; B dropped), C hit, A hit
+    assert hits == [0, 0, 1, 0, 1, 1]
+
+
+def test_in_place_weight_changes_invalidate_stored_prefixes(tiny_dense_dir):
+    """A trainer stepping the engine's own model in place (no load_weights): the stored keys and values are stale,
+    and the next batch recomputes them (the same tokens as the plain prefill under the new weights)."""
+    plain, cached, pc = _engines(tiny_dense_dir, min_prefix=4)
+    prompts = [list(range(60, 70)) + [3], list(range(60, 70)) + [4, 5]]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    cached.generate(prompts, sp)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in cached.model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+    h0 = pc.stats.lru_hits
+    assert _ids(cached.generate(prompts, sp)) == _ids(plain.generate(prompts, sp))
+    assert pc.stats.lru_hits == h0
+
+
+def test_zaya_prefills_without_the_shared_prefix_path():
+    """ZAYA1's CCA convolves over neighbouring positions, which would see the padding between a shared prefix and
+    the suffixes: its batches take the plain prefill (no batch counted), with the plain engine's tokens."""
+    from tests.test_parallel import _cfgs, _model
+
+    model = _model(_cfgs()["zaya"])
+    plain, cached = TorchEngine(model), TorchEngine(model)
+    pc = enable_prefix_caching(cached, min_prefix=4)
+    prompts = [list(range(20, 30)) + [3], list(range(20, 30)) + [4, 5, 6]]
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert _ids(cached.generate(prompts, sp)) == _ids(plain.generate(prompts, sp))
+    assert pc.stats.batches == 0
