@@ -34,6 +34,12 @@ def test_output_tolerance_is_absolute_near_zero_and_relative_beyond_one():
     # tokens that are not finite numbers must match exactly, whatever the tolerance
     assert not compare_output("Infinity", "inf", float_tol=1e-6)
     assert not compare_output("1e999", "inf", float_tol=1e-6)
+    # only decimal numbers as programs print them are numbers: Python's float() also reads "1_000" and
+    # Arabic-Indic digits, and "1_000" was credited for 1000 under a tolerance
+    for odd, value in (("1_000", "1000"), ("\u0661\u0660", "10"), ("\uff15", "5")):
+        assert not compare_output(odd, value, float_tol=1e-6), odd
+    for plain, value in (("1e3", "1000"), ("-.5", "-0.5"), ("5.", "5"), ("+5", "5"), ("2.5E-1", "0.25")):
+        assert compare_output(plain, value, float_tol=1e-9), plain
 
 
 def test_values_tolerance_applies_between_an_int_and_a_float():

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import secrets
 import time
 from dataclasses import asdict, dataclass, field
@@ -163,11 +164,15 @@ class Judgement:
 # --------------------------------------------------------------------------------------------
 # comparison
 # --------------------------------------------------------------------------------------------
+_DECIMAL_TOKEN = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII)
+
+
 def _num(tok: str) -> float | None:
-    try:
-        v = float(tok)
-    except ValueError:
+    """A token's value if it is a decimal number as programs print them (not ``1_000``, ``\u0661\u0660``, ``inf``,
+    which Python's ``float()`` reads too)."""
+    if not _DECIMAL_TOKEN.fullmatch(tok):
         return None
+    v = float(tok)
     return v if math.isfinite(v) else None
 
 
