@@ -74,6 +74,12 @@ def test_dynamic_sampler_oversamples_trims_and_caps_rounds():
     assert not rep.full and rep.groups == [] and rep.rounds == 3 and rep.dropped == 6 and calls == [2, 2, 2]
     with pytest.raises(ValueError, match="batch_groups >= 1"):
         DynamicSampler(sample, batch_groups=0)
+    with pytest.raises(ValueError, match="oversample >= 1"):
+        DynamicSampler(sample, batch_groups=2, oversample=0.5)
+    # 3 missing x 1.5 = 4.5 -> asks 5 (rounded up, not down to 4)
+    sample, calls = _source([True])
+    DynamicSampler(sample, batch_groups=3, oversample=1.5).fill()
+    assert calls == [5]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -314,6 +320,9 @@ def test_token_id_bytes_and_chunking():
     assert token_id_bytes([1, 258]) == b"\x01\x00\x00\x00\x02\x01\x00\x00"
     with pytest.raises(ValueError, match="token ids"):
         token_id_bytes([-1])
+    assert token_id_bytes([2 ** 32 - 1]) == b"\xff\xff\xff\xff"
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 2\*\*32\)"):
+        token_id_bytes([2 ** 32])
     # 10 tokens, C = 4: chunks of 4 and 4 + 2 = 6 tokens (the tail of 2 joins its predecessor)
     ids = list(range(100, 110))
     ref = _reference_ratios(ids, 4)
@@ -358,6 +367,11 @@ def test_rare_token_canary():
     assert rare_token_fractions([], 100)["rare_token_top1"] == 0.0
     with pytest.raises(ValueError, match="percents"):
         rare_token_fractions([[1]], 100, (0,))
+    assert rare_token_fractions([[0, 5]], 10, (100,)) == {"rare_token_top100": 1.0}  # every id
+    with pytest.raises(ValueError, match=r"percents must be in \(0, 100\], got 101"):
+        rare_token_fractions([[1]], 100, (101,))
+    with pytest.raises(ValueError, match="vocab_size must be >= 1, got 0"):
+        rare_token_fractions([[1]], 0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -387,3 +401,14 @@ def test_soft_overlong_refuses_a_buffer_longer_than_max_len():
     for max_len, buffer_len in ((100, 200), (0, 64)):
         with pytest.raises(ValueError, match="buffer_len <= max_len"):
             OverlongConfig(mode="soft", max_len=max_len, buffer_len=buffer_len)
+
+
+def test_length_reward_settings_and_inputs_are_checked():
+    for bad, match in (({"t_len": -1}, "t_len"), ({"coef_start": -0.1}, "coef_start"), ({"coef": -1.0}, "coef")):
+        with pytest.raises(ValueError, match=match):
+            LengthRewardConfig(**bad)
+    # c before the schedule starts (a negative step) is coef_start, not extrapolated below it
+    cfg = LengthRewardConfig(coef_start=0.2, coef=1.0, ramp_steps=4)
+    assert cfg.coef_at(-2) == pytest.approx(0.2) and cfg.coef_at(2) == pytest.approx(0.6) and cfg.coef_at(9) == 1.0
+    with pytest.raises(ValueError, match="2 sources for 3 rewards"):
+        LengthRewardState().observe(["a", "b"], [1.0, 0.0, 1.0])
