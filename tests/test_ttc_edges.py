@@ -44,6 +44,12 @@ def _cli(capsys, *args):
     ("--tpm", "0", "--tpm must be > 0, got 0.0"),
     ("--retry-horizon", "0", "--retry-horizon must be > 0, got 0.0"),
     ("--request-timeout", "-3", "--request-timeout must be > 0, got -3.0"),
+    # the algorithm's and the sampling's settings are named as their options too (they said "rounds", "top_p")
+    ("--rounds", "-1", "--rounds must be >= 0, got -1"),
+    ("--population", "0", "--population must be >= 1, got 0"),
+    ("--final-budget", "-1", "--final-budget must be >= 0, got -1"),
+    ("--top-p", "2", "--top-p must be in (0, 1], got 2.0"),
+    ("--repetition-penalty", "0", "--repetition-penalty must be a finite number > 0, got 0.0"),
 ])
 def test_out_of_range_options_are_refused_in_one_line_before_any_model_loads(capsys, tmp_path, flag, value, msg):
     rc, out, err = _cli(capsys, "solve", "--problem", "1+1?", "--model", tmp_path / "never-loaded", flag, value)

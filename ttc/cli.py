@@ -8,6 +8,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -366,10 +367,14 @@ class _Writer:
 def solve_main(argv: list[str]) -> int:
     started = time.perf_counter()
     a = _solve_parser().parse_args(argv)
-    cfg = RSAConfig(population=a.population, aggregate=a.aggregate, rounds=a.rounds, budget=a.budget, tail=a.tail,
-                    final_budget=a.final_budget, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                    min_p=a.min_p, repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
-                    frequency_penalty=a.frequency_penalty, seed=a.seed, variant=a.variant, anchor=a.anchor).resolved()
+    try:
+        cfg = RSAConfig(population=a.population, aggregate=a.aggregate, rounds=a.rounds, budget=a.budget,
+                        tail=a.tail, final_budget=a.final_budget, temperature=a.temperature, top_p=a.top_p,
+                        top_k=a.top_k, min_p=a.min_p, repetition_penalty=a.repetition_penalty,
+                        presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty, seed=a.seed,
+                        variant=a.variant, anchor=a.anchor).resolved()
+    except ValueError as e:  # the config's field named as the option that sets it ("--rounds must be >= 0")
+        raise ValueError(re.sub(r"^(?:SamplingParams\.)?([a-z_]+)(?= must )", lambda m: "--" + m[1].replace("_", "-"), str(e))) from None
     from ttc.templates import load_template
 
     template = load_template(a.template)
