@@ -695,6 +695,14 @@ def test_rc_scores_are_clamped_to_zero_one_and_full_credit_is_one():
     assert set(seen) == {"42"}
     s = env.check_with(p, "no answer here", p.meta["rc_metadata"])
     assert (s.reward, s.correct, s.format_ok) == (0.0, False, False) and len(seen) == 6
+    # an aggregation prompt built on the problem: the scorer sees the problem's own question, answer and metadata
+    import dataclasses
+
+    agg = dataclasses.replace(p, prompt="Here are 4 candidate solutions ...", meta={**p.meta, "question": p.prompt})
+    entries = []
+    env._scorer = lambda pred, entry: entries.append(entry) or 1.0
+    assert env.check_with(agg, "\\boxed{42}", agg.meta["rc_metadata"]).correct
+    assert (entries[0].prompt, entries[0].answer, entries[0].metadata) == (p.prompt, p.answer, p.meta["rc_metadata"])
 
 
 def test_rc_difficulty_below_zero_is_level_zero_and_a_failing_level_falls_back_below():
