@@ -360,7 +360,7 @@ class _StatusServer:
                 pass
 
             def _send(self, code, obj, headers=()):
-                data = json.dumps(obj).encode()
+                data = obj if isinstance(obj, bytes) else json.dumps(obj).encode()  # (bytes: a body as it is)
                 self.send_response(code)
                 for k, v in (("Content-Type", "application/json"), ("Content-Length", str(len(data))), *headers):
                     self.send_header(k, v)
@@ -405,5 +405,35 @@ def test_504_and_503_are_retried_after_retry_after_and_400_and_404_are_not(tok):
         be.close()
         with pytest.raises(ValueError, match="answered 404 to /v1/models: no such route"):
             OpenAIBackend(s.url + "/missing", tokenizer=tok)
+    finally:
+        s.stop()
+
+
+def test_malformed_200_replies_are_sent_again_and_named_when_they_last(tok):
+    """A 200 whose body is garbled (invalid UTF-8, cut-off JSON) or is JSON of another shape (a list, choices that are
+    no list of objects, usage no object) is sent again like a 503; when no good reply comes, the error names it.
+    (They raised UnicodeDecodeError and AttributeError out of the backend, not retried.)"""
+    from ttc.backends import OpenAIBackend, ServerError
+
+    ok = (200, (), {"choices": [{"index": 0, "text": "x", "token_ids": [5], "finish_reason": "stop"}]})
+    bad = [b"\xff\xfe{", b'{"choices": [', [], {"choices": "x"}, {"choices": [1]},
+           {"choices": ok[2]["choices"], "usage": 7}]
+    s = _StatusServer([(200, (), b) for b in bad] + [ok] + [(200, (), b) for b in bad])
+    try:
+        be = OpenAIBackend(s.url, tokenizer=tok, backoff=0.01, retries=len(bad))
+        out = be.generate([[1, 2]], SamplingParams(n=1, max_tokens=2), seeds=[0])
+        assert [c.token_ids for c in out] == [[5]] and be.retried == len(bad)
+        be.close()
+        readable, finished = "no readable reply from .* after 1 attempt\\(s\\): ", "after 1 attempt\\(s\\): "
+        for body, why in zip(bad, (readable + "a reply body that is no JSON \\('utf-8' codec",
+                                   readable + "a reply body that is no JSON \\(Expecting value",
+                                   finished + "a reply that is no JSON object \\(list\\)",
+                                   finished + "a reply whose choices are no list of objects",
+                                   finished + "a reply whose choices are no list of objects",
+                                   finished + "a reply whose usage is no object")):
+            be = OpenAIBackend(s.url, tokenizer=tok, backoff=0.01, retries=0)
+            with pytest.raises(ServerError, match=why):
+                be.generate([[1, 2]], SamplingParams(n=1, max_tokens=2), seeds=[0])
+            be.close()
     finally:
         s.stop()

@@ -442,6 +442,19 @@ def retry_after(value: str | None) -> float | None:
         return None
 
 
+def _malformed(reply) -> str | None:
+    """Why a 200 reply's JSON is no OpenAI reply (not an object; ``choices`` no list of objects; ``usage`` no
+    object), else None: such a reply is sent again like a failed one, not taken apart into an AttributeError."""
+    if not isinstance(reply, dict):
+        return f"a reply that is no JSON object ({type(reply).__name__})"
+    choices = reply.get("choices", [])
+    if not isinstance(choices, list) or not all(isinstance(ch, dict) for ch in choices):
+        return "a reply whose choices are no list of objects"
+    if not isinstance(reply.get("usage") or {}, dict):
+        return "a reply whose usage is no object"
+    return None
+
+
 class OpenAIBackend:
     """``/v1/completions`` of an OpenAI-compatible server (vLLM, SGLang, ``ttc serve``, ...).
 
@@ -566,7 +579,7 @@ class OpenAIBackend:
                 with self._slots:
                     raw = self._http.request(method, path, data, headers)
                 reply = json.loads(raw.decode())
-                bad = check(reply) if check is not None else None
+                bad = _malformed(reply) or (check(reply) if check is not None else None)
                 if bad is None:
                     return reply
                 t0, last, failed = t0 or time.monotonic(), bad, "no finished reply from"
@@ -581,8 +594,10 @@ class OpenAIBackend:
                 if e.code == 404:
                     raise ValueError(f"server {self.base_url} answered 404 to {path}: {msg}") from None
                 raise ValueError(f"server rejected {path}: HTTP {e.code}: {msg}") from None
-            except (urllib.error.URLError, ConnectionError, http.client.HTTPException, socket.timeout, OSError,
-                    json.JSONDecodeError) as e:
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:  # a body cut off or garbled: sent again
+                t0, last, failed = t0 or time.monotonic(), f"a reply body that is no JSON ({e})", "no readable reply from"
+                continue
+            except (urllib.error.URLError, ConnectionError, http.client.HTTPException, socket.timeout, OSError) as e:
                 t0 = t0 or time.monotonic()
                 reason = getattr(e, "reason", e)
                 last = f"{type(reason).__name__}: {reason}" if not isinstance(reason, str) else reason
