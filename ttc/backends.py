@@ -595,7 +595,8 @@ class OpenAIBackend:
                     raise ValueError(f"server {self.base_url} answered 404 to {path}: {msg}") from None
                 raise ValueError(f"server rejected {path}: HTTP {e.code}: {msg}") from None
             except (json.JSONDecodeError, UnicodeDecodeError) as e:  # a body cut off or garbled: sent again
-                t0, last, failed = t0 or time.monotonic(), f"a reply body that is no JSON ({e})", "no readable reply from"
+                t0, last = t0 or time.monotonic(), f"a reply body that is no JSON ({e})"
+                failed = "no readable reply from"
                 continue
             except (urllib.error.URLError, ConnectionError, http.client.HTTPException, socket.timeout, OSError) as e:
                 t0 = t0 or time.monotonic()

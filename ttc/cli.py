@@ -374,7 +374,8 @@ def solve_main(argv: list[str]) -> int:
                         presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty, seed=a.seed,
                         variant=a.variant, anchor=a.anchor).resolved()
     except ValueError as e:  # the config's field named as the option that sets it ("--rounds must be >= 0")
-        raise ValueError(re.sub(r"^(?:SamplingParams\.)?([a-z_]+)(?= must )", lambda m: "--" + m[1].replace("_", "-"), str(e))) from None
+        option = re.sub(r"^(?:SamplingParams\.)?([a-z_]+)(?= must )", lambda m: "--" + m[1].replace("_", "-"), str(e))
+        raise ValueError(option) from None
     from ttc.templates import load_template
 
     template = load_template(a.template)
