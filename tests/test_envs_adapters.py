@@ -788,3 +788,21 @@ def test_rlve_answers_after_thinking_only_and_no_overlong_ones():
     s = env.verify(other, env.reference_response(other))
     assert s.correct and "differs" in s.info["warning"]
     assert "warning" not in env.verify(p, env.reference_response(p)).info
+
+
+def test_rc_leaves_fakers_shared_random_state_as_it_found_it():
+    """Faker's generators share one random.Random: a reasoning-core problem is drawn from it seeded by the problem's
+    seed (the same problem whatever state it had), and the caller's state is put back afterwards."""
+    pytest.importorskip("reasoning_core")
+    from envs.reasoning_core_adapter import ReasoningCoreEnv
+
+    first = ReasoningCoreEnv("set_missing_element")
+    first.prepare()  # (imports the task's modules, Faker's among them)
+    shared = sys.modules["faker.generator"].random
+    shared.seed(123)
+    before = shared.getstate()
+    a = first.generate(5, 1)
+    assert shared.getstate() == before
+    other = ReasoningCoreEnv("set_missing_element")
+    shared.seed(999)
+    assert other.generate(5, 1).prompt == a.prompt
