@@ -281,6 +281,15 @@ def _whole(v) -> int:
     return int(v)
 
 
+def _seed(v) -> int:
+    """A seed: an integer in torch's int64 range, the bounds vLLM's server takes (a larger one wrapped around here:
+    2**70 sampled as -2**70 did)."""
+    w = _whole(v)
+    if not -2 ** 63 <= w < 2 ** 63:
+        raise ValueError(w)
+    return w
+
+
 def _flag(body: dict, name: str, default: bool) -> bool:
     """A boolean field as OpenAI-compatible servers read it (pydantic's lax mode): a JSON boolean, the number 0 or 1,
     or the string "true"/"false" (any case); absent or null is ``default``, anything else a BadRequest naming the
@@ -333,8 +342,8 @@ def _params(body: dict, default_max: int = 16, context: int | None = None) -> Sa
         try:
             return cast(v)
         except (TypeError, ValueError, OverflowError):
-            kind = {_whole: "an integer", float: "a number", _bias: "an object of token ids to numbers"}.get(
-                cast, "a list of integers")
+            kind = {_whole: "an integer", float: "a number", _bias: "an object of token ids to numbers",
+                    _seed: "an integer in [-2**63, 2**63 - 1]"}.get(cast, "a list of integers")
             raise BadRequest(f"{name} must be {kind}, got {v!r}") from None
 
     if _flag(body, "echo", False):
@@ -358,7 +367,7 @@ def _params(body: dict, default_max: int = 16, context: int | None = None) -> Sa
                               top_p=get("top_p", 1.0, float), top_k=top_k, min_p=get("min_p", 0.0, float),
                               max_tokens=get(name, default_max, _whole), stop=list(stop),
                               stop_token_ids=get("stop_token_ids", [], lambda v: [_whole(t) for t in v]),
-                              seed=get("seed", None, _whole), ignore_eos=_flag(body, "ignore_eos", False),
+                              seed=get("seed", None, _seed), ignore_eos=_flag(body, "ignore_eos", False),
                               repetition_penalty=get("repetition_penalty", 1.0, float),
                               presence_penalty=get("presence_penalty", 0.0, float),
                               frequency_penalty=get("frequency_penalty", 0.0, float),
@@ -371,10 +380,11 @@ def _prompts(p) -> list:
     """OpenAI's prompt forms: str, [int], [str], [[int]]."""
     if isinstance(p, str):
         return [p]
-    if isinstance(p, list) and p:
-        if all(isinstance(t, int) for t in p):
+    if isinstance(p, list) and p:  # (JSON's true/false are no token ids, though Python's bool is an int)
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             return [p]
-        ids_list = all(isinstance(x, list) and x and all(isinstance(t, int) for t in x) for x in p)
+        ids_list = all(isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+                       for x in p)
         if ids_list or all(isinstance(x, str) for x in p):
             return list(p)
     raise BadRequest("prompt must be a string, a list of token ids, or a list of either")
