@@ -274,6 +274,34 @@ def _check_dp_tsp(W, out):
     out["dp2xtsp2.params"] = max((full[n] - p).abs().max().item() for n, p in want.named_parameters())
 
 
+def _check_comm_formula(W, out):
+    """One training step of each layout under ``comm.track()``: this rank's bytes sent per collective and its
+    parameter elements, for the parent to hold against ``cascade calc``'s formulas."""
+    from train.parallel import comm
+    from train.parallel.dp import ZeroAdamW
+    from train.parallel.tp import TPCausalLM
+    from train.parallel.tsp import TSPCausalLM
+
+    ids, _ = _batch(seed=5)
+    for name in ("moe", "qwen2"):
+        cfg = _cfgs()[name]
+        for lay in ("tsp", "tp", "sp", "dp"):
+            if lay in ("tp", "sp") and cfg.num_key_value_heads % W:
+                continue
+            ref = _model(cfg)
+            m = ref if lay == "dp" else TSPCausalLM(ref) if lay == "tsp" else TPCausalLM(ref, sequence_parallel=lay == "sp")
+            with comm.track() as t:
+                if lay == "dp":
+                    opt = ZeroAdamW(ref.parameters(), lr=1e-3)
+                    _ref_loss(ref, ids, torch.ones_like(ids, dtype=torch.bool))[0].backward()
+                    opt.step()
+                else:
+                    m.sft_loss(ids).backward()
+                    m.sync_grads()
+            out[f"comm{W}.{name}.{lay}"] = {op: v[0] for op, v in t.by("op").items()}
+            out[f"comm{W}.{name}.{lay}.params"] = sum(p.numel() for p in m.parameters())
+
+
 def run_checks(rank, world, port, path, checks) -> None:
     """In a spawned rank: join the gloo world, run ``checks`` (each ``fn(world, out)``), save ``out``
     (or the error and its traceback, for the parent to report) to ``path/rank{rank}.pt``."""
@@ -298,7 +326,7 @@ def run_checks(rank, world, port, path, checks) -> None:
 
 
 def _worker(rank, world, port, path):
-    run_checks(rank, world, port, path, [_check_tsp, _check_tp, _check_zero, _check_bf16_residual]
+    run_checks(rank, world, port, path, [_check_tsp, _check_tp, _check_zero, _check_bf16_residual, _check_comm_formula]
                + ([_check_dp_tsp] if world == 4 else []))
 
 
@@ -385,3 +413,81 @@ def test_track_records_collectives_issued_on_another_thread():
         th.join()
     comm._record("all_gather", 8, 8)  # after the block: not recorded
     assert [r[:2] for r in t.records] == [("-", "all_gather"), ("layer0", "reduce_scatter.bwd")]
+
+
+@pytest.mark.timeout(300)
+def test_tracked_bytes_and_rank0_params_equal_calc(results):
+    """``cascade calc``'s communication formulas are the bytes the layouts' collectives record (mean over the
+    ranks, collective by collective: padded sequences, a KV head shared by ranks at D = 4, q/k/v biases, MoE
+    routing, ZeRO-1's gradient all-reduce and parameter all-gather), and its rank-0 parameter count is what
+    rank 0 of each layout holds."""
+    from train.parallel.calc import Shape, comm_bytes, params_rank0
+
+    W, ranks = results
+    for r in ranks:
+        assert "error" not in r, r.get("trace")
+    keys = [k for k in ranks[0] if k.startswith(f"comm{W}.") and not k.endswith(".params")]
+    assert len(keys) == 4 + (4 if W == 2 else 2), keys  # qwen2's 2 KV heads: no TP/SP at D = 4
+    for k in keys:
+        _, name, lay = k.split(".")
+        shape = Shape(_cfgs()[name], T=T, B=2, D=W, b=4)
+        want = comm_bytes(shape, lay)
+        ops = set(want) | {op for r in ranks for op in r[k]}
+        got = {op: sum(r[k].get(op, 0) for r in ranks) / W for op in ops}
+        assert all(abs(got[op] - want.get(op, 0)) <= 1 for op in ops), (k, got, want)
+        assert ranks[0][k + ".params"] == params_rank0(shape, lay), (k, ranks[0][k + ".params"])
+
+
+def test_collective_byte_accounting_per_rank(monkeypatch):
+    """The bandwidth-optimal counts of comm's docstring, rank by rank (D = 4, no process group: the collective
+    itself is stubbed): all-gather (D-1)n, reduce-scatter (D-1)/D N, all-reduce 2(D-1)/D N, a broadcast chain
+    from src (src-1 receives, sends nothing; src sends, receives nothing) and a reduce (the chain reversed)."""
+    import torch.distributed as dist
+
+    from train.parallel import comm
+
+    assert comm._chain_bytes(100, 2, 2, 4) == (100, 0) and comm._chain_bytes(100, 1, 2, 4) == (0, 100)
+    assert comm._chain_bytes(100, 3, 2, 4) == (100, 100) and comm._chain_bytes(100, 0, 0, 1) == (0, 0)
+    me = {"rank": 0}
+    monkeypatch.setattr(comm, "_size", lambda g: 4)
+    monkeypatch.setattr(comm, "_rank", lambda g: me["rank"])
+    for fn in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "broadcast", "reduce"):
+        monkeypatch.setattr(dist, fn, lambda *a, **k: None)
+    x = torch.zeros(8)  # 32 bytes
+    with comm.track() as t:
+        comm.all_gather_raw(x, None)
+        comm.reduce_scatter_raw(x, None)
+        comm.all_reduce_raw(x, None)
+        for r in range(4):
+            me["rank"] = r
+            comm.broadcast_raw(x, 1, None)
+            comm.reduce_raw(x, 1, None)
+    assert t.records[:3] == [("-", "all_gather", 96, 96), ("-", "reduce_scatter", 24, 24), ("-", "all_reduce", 48, 48)]
+    bc = [rec[2:] for rec in t.records[3:] if rec[1] == "broadcast"]
+    red = [rec[2:] for rec in t.records[3:] if rec[1] == "reduce"]
+    assert bc == [(0, 32), (32, 0), (32, 32), (32, 32)]  # ranks 0..3, src 1: rank 0 ends the chain
+    assert red == [(32, 0), (0, 32), (32, 32), (32, 32)]  # rank 0 starts the reversed chain, rank 1 receives
+
+
+def test_split_sizes_give_the_remainder_to_the_first_parts():
+    from train.parallel.shard import split_range, split_sizes
+
+    assert split_sizes(50, 4) == [13, 13, 12, 12] and split_sizes(3, 4) == [1, 1, 1, 0]
+    assert [split_range(50, 4, j) for j in range(4)] == [(0, 13), (13, 13), (26, 12), (38, 12)]
+
+
+def test_vocab_parallel_cross_entropy_counts_a_label_on_the_shard_that_holds_it(monkeypatch):
+    """One rank's part of the vocab-parallel cross-entropy (the group's collectives stubbed to one rank): a label
+    in this rank's columns [3, 6) contributes its logit; the first label past them (6, the next rank's first
+    column) and one before them contribute nothing here - only log-sum-exp over the shard."""
+    from train.parallel import comm
+    from train.parallel.tp import vocab_parallel_cross_entropy
+
+    monkeypatch.setattr(comm, "_size", lambda g: 1)
+    logits = torch.tensor([[4.0, 2.0, 1.0]] * 4)
+    labels = torch.tensor([3, 5, 6, 2])
+    z = logits - 4.0
+    lse = torch.log(z.exp().sum(-1))
+    want = torch.stack([lse[0] - z[0, 0], lse[1] - z[1, 2], lse[2], lse[3]])  # z[., 2] = -3: not 0
+    got = vocab_parallel_cross_entropy(logits, labels, None, vocab_offset=3)
+    assert torch.allclose(got, want), (got, want)

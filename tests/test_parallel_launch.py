@@ -90,6 +90,81 @@ def test_calc_formulas_hand_values():
     assert comm_bytes(s, "tp")["all_reduce.grad"] == 2 * 0.5 * 1 * 2 * 2 * 4  # Qwen3's: 2 norms of head_dim 2
 
 
+def test_calc_rank0_params_memory_and_logit_activations_hand_values():
+    """More hand-computed `cascade calc` figures: a DP replica holds the whole model (ZeRO-1 shards only the
+    optimizer, rank 0 the larger part of an uneven split); tied embeddings and MoE routers counted as a process
+    holds them; a TSP rank with fewer KV heads than ranks owns one KV head; peak = the sum of its parts; each
+    layout's fp32 logits cover its tokens x its vocabulary columns."""
+    import math
+
+    from train.model.config import ModelConfig
+    from train.model.modeling import CausalLM
+    from train.parallel.calc import Shape, activation_bytes, memory, params_rank0
+
+    cfg = ModelConfig(vocab_size=10, hidden_size=4, intermediate_size=6, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, head_dim=2)
+    P = sum(p.numel() for p in CausalLM(cfg).parameters())
+    assert P == 232 and P % 3 == 1
+    assert params_rank0(Shape(cfg, T=8, B=1, D=2, b=4), "dp") == P  # replicated parameters
+    m = memory(Shape(cfg, T=8, B=1, D=3, b=4), "dp")
+    assert m["params"] == P * 4 and m["grads"] == P * 4
+    assert m["optimizer"] == math.ceil(232 / 3) * 3 * 4 == 78 * 12  # rank 0: 78 of 232 (master + 2 moments)
+    for lay in ("single", "tsp", "tp", "sp", "dp"):
+        m = memory(Shape(cfg, T=8, B=1, D=2, b=2), lay)
+        assert m["peak"] == m["params"] + m["grads"] + m["optimizer"] + m["activations"], lay
+    # tied embeddings (one tensor) and a MoE layer's router: what one process holds
+    for c in (ModelConfig(vocab_size=10, hidden_size=4, intermediate_size=6, num_hidden_layers=1, num_attention_heads=2,
+                          num_key_value_heads=2, head_dim=2, tie_word_embeddings=True),
+              ModelConfig(vocab_size=10, hidden_size=4, intermediate_size=6, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=2, head_dim=2, num_experts=4, num_experts_per_tok=2,
+                          moe_intermediate_size=3, mlp_only_layers=[0])):
+        held = sum(p.numel() for p in CausalLM(c).parameters())
+        assert params_rank0(Shape(c, T=8, B=1, D=2, b=4), "single") == held == c.num_parameters()
+    # TSP, 1 KV head on 2 ranks: rank 0 owns it (k, v: 2 x 4 x 2), besides q, o of its 1 query head (2 x 4 x 2),
+    # 5 vocab rows x 4 twice, norms 2 x 4 + q/k norms 2 x 2 + final 4, and 3 of the 6 MLP rows (3 x 4 x 3)
+    c1 = ModelConfig(vocab_size=10, hidden_size=4, intermediate_size=6, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=1, head_dim=2)
+    assert params_rank0(Shape(c1, T=8, B=1, D=2, b=4), "tsp") == 20 + 20 + 8 + 4 + 4 + 16 + 16 + 36
+    # 10 more vocabulary entries: 10 more fp32 logits per token of the rank, a 1/D share of them under TP/SP
+    # (vocab-parallel) and on each TSP rank's 8/2 tokens, whatever the weights' width
+    wide = ModelConfig(vocab_size=20, hidden_size=4, intermediate_size=6, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=2, head_dim=2)
+    for lay, want in (("single", 8 * 10 * 4), ("dp", 8 * 10 * 4), ("tp", 8 * 5 * 4), ("sp", 8 * 5 * 4),
+                      ("tsp", 4 * 10 * 4)):
+        got = activation_bytes(Shape(wide, T=8, B=1, D=2, b=2), lay) - activation_bytes(Shape(cfg, T=8, B=1, D=2, b=2), lay)
+        assert got == want, (lay, got, want)
+    # sequence parallelism keeps less than plain TP (its norms and residuals hold 1/D of the tokens)
+    big = ModelConfig(vocab_size=1000, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=32)
+    s = Shape(big, T=4096, B=1, D=4, b=2)
+    assert activation_bytes(s, "sp") < 0.9 * activation_bytes(s, "tp")
+
+
+def test_calc_cli_defaults_and_refusals():
+    """Without --kv-heads / --ffn the model has as many KV heads as query heads and a 4 x hidden MLP; --seq below
+    2 and --D below 1 are refused."""
+    import io
+    from contextlib import redirect_stdout
+
+    from train.parallel.calc import main
+
+    base = ["--hidden", "64", "--layers", "2", "--heads", "4", "--seq", "128", "--D", "2", "--json"]
+    outs = []
+    for extra in ([], ["--kv-heads", "4", "--ffn", "256"]):
+        buf = io.StringIO()
+        with redirect_stdout(buf):
+            assert main(base + extra) == 0
+        outs.append(json.loads(buf.getvalue()))
+    assert outs[0] == outs[1]
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        assert main(base + ["--kv-heads", "2"]) == 0  # (the flags do change the table)
+    assert json.loads(buf.getvalue()) != outs[0]
+    for bad in (["--seq", "1"], ["--D", "0"]):
+        with pytest.raises(ValueError, match="--D, --batch and --bytes must be >= 1 and --seq >= 2"):
+            main(base + bad)
+
+
 @pytest.mark.timeout(240)
 def test_torchrun_data_parallel_sft_of_zaya_equals_one_process_step(tmp_path):
     """``train_tsp --dp 2`` on a zaya policy, replicas holding different numbers of target tokens (right-padded

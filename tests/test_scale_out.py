@@ -189,6 +189,27 @@ def test_rollout_sizing_hand_values():
     assert (r["gen_tps_source"], r["assumptions"]["gen_mfu"]) == ("assumed", 0.1)
 
 
+def test_rollout_sizing_edges_hand_values():
+    """A server count that is a whole number up to float rounding is not rounded up: 300 of 1,000 tokens
+    generated, 7,000 trained vs 3,000 generated tokens/s: 0.3 x 7/3 = 0.7 servers per rank, 7 for 10 ranks
+    (0.3 x 7/3 x 10 is 7.000000000000001 in floats); one assumed rate is labelled as an assumption; an infinite
+    prompt length is refused; every count suffix."""
+    from train.parallel.calc import parse_count, rollout_sizing
+
+    r = rollout_sizing(1e9, 1, 1, 700, 300, gen_tps=3000, train_tps=7000, trainer_ranks=10)
+    assert r["servers_per_rank"] == pytest.approx(0.7) and r["servers_needed"] == r["servers"] == 7
+    r = rollout_sizing(1e9, 4, 8, 100, 400, gen_tps=1000, trainer_ranks=2)  # the trainer's rate assumed
+    assert (r["gen_tps_source"], r["train_tps_source"]) == ("measured", "assumed") and "assumptions" in r
+    r = rollout_sizing(1e9, 4, 8, 100, 400, train_tps=4000, trainer_ranks=2)  # the servers' rate assumed
+    assert (r["gen_tps_source"], r["train_tps_source"]) == ("assumed", "measured") and "assumptions" in r
+    with pytest.raises(ValueError, match="prompt_len"):
+        rollout_sizing(1e9, 4, 8, float("inf"), 400)
+    assert [parse_count(t, "--p") for t in ("4K", "4k", "2G", "1.5T", "3m")] == [4e3, 4e3, 2e9, 1.5e12, 3e6]
+    for bad in ("inf", "1e999", "2e400B"):
+        with pytest.raises(ValueError, match="--p: expected a positive number"):
+            parse_count(bad, "--p")
+
+
 def test_active_parameters_and_counts():
     from tests.test_rl_distributed import _cfgs
     from train.parallel.calc import active_parameters, parse_count
