@@ -246,6 +246,21 @@ def test_version_lag_histogram():
     assert version_lag([_group(3, 0), _group(4, 1), old], 5) == m
 
 
+def test_a_groups_version_is_its_oldest_token_and_a_batch_without_trained_tokens_has_no_lag():
+    """A group is as stale as the oldest token any of its rollouts sampled (a rollout of versions 5, 6 beside one of
+    3, 4: version 3, and dropped as stale by a trainer at 6 with max_staleness 2); a batch with no trained token
+    reports lag 0 with all of it at lag 0."""
+    g = _group(5, 0)
+    g.rollouts += _group(3, 1).rollouts
+    assert group_version(g) == 3
+    buf = RolloutBuffer(4)
+    buf.put([g, _group(5, 2)], batch=0)
+    assert [x.problem.prompt for x in buf.take(0, version=6, max_staleness=2)] == ["2"] and buf.dropped_stale == 1
+    dropped = _group(1, 3)
+    dropped.rollouts[0].keep = False
+    assert version_lag([dropped], 6) == {"version_lag_mean": 0.0, "version_lag_max": 0, "version_lag_hist": [1.0]}
+
+
 def test_ratio_is_taken_against_behaviour_logprobs(warm):
     """Rollouts whose recorded log-probs are 0.1 below the trainer's: the ratio is exp(0.1), not 1,
     and the mismatch shows; with ratio_against=recompute the ratio is 1 and tis corrects instead."""

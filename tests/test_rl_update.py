@@ -8,6 +8,7 @@ are then set by hand.
 from __future__ import annotations
 
 import copy
+import shutil
 
 import pytest
 import torch
@@ -260,6 +261,41 @@ def test_maxrl_config_refuses_negative_overlong_rewards():
     RLConfig(advantage="grpo", reward="score")
 
 
+@pytest.mark.parametrize("kw,needle", [
+    ({"repetition_threshold": 0.0}, r"repetition_threshold in \(0, 1\) \(got 0.0\)"),
+    ({"repetition_threshold": 1.0}, r"repetition_threshold in \(0, 1\) \(got 1.0\)"),
+    ({"prompts_per_step": 0}, "prompts_per_step must be >= 1, got prompts_per_step=0"),
+    ({"max_sampling_rounds": 0}, "max_sampling_rounds must be >= 1, got max_sampling_rounds=0"),
+    ({"tokens_per_micro": 0}, "tokens_per_micro must be >= 1, got tokens_per_micro=0"),
+    ({"updates_per_batch": 0}, "updates_per_batch must be >= 1, got updates_per_batch=0"),
+    ({"sync_every": 0}, "sync_every and min_ready_batches must be >= 1"),
+    ({"min_ready_batches": 0}, "sync_every and min_ready_batches must be >= 1"),
+    ({"max_staleness": -1}, "max_staleness >= 0"),
+    ({"rollout_threads": -1}, "rollout_threads must be >= 0"),
+    ({"advantage": "maxrl", "overlong": {"mode": "reward", "truncated_reward": -0.5}}, "maxrl needs rewards >= 0"),
+])
+def test_rl_config_refuses_settings_before_any_work(kw, needle):
+    from train.rl.shaping import OverlongConfig
+
+    if "overlong" in kw:
+        kw = {**kw, "overlong": OverlongConfig(**kw["overlong"])}
+    with pytest.raises(ValueError, match=needle):
+        RLConfig(**kw)
+
+
+def test_rl_config_accepts_the_edges_of_its_ranges():
+    """The bounds themselves are valid: a truncated reward of 0 keeps maxrl's rewards >= 0, a staleness of
+    sync_every - 1 covers the syncs' gap, a buffer of exactly one batch, sampling options checked at once."""
+    from train.rl.shaping import OverlongConfig
+
+    RLConfig(advantage="maxrl", overlong=OverlongConfig(mode="reward", truncated_reward=0.0))
+    RLConfig(repetition_threshold=0.99, repetition_chunk_tokens=1, max_prompt_tokens=0, verify_workers=0)
+    RLConfig(max_staleness=1, sync_every=2)
+    RLConfig(prompts_per_step=4, buffer_groups=4)
+    with pytest.raises(ValueError, match="top_p must be in"):
+        SamplingConfig(top_p=0.0)
+
+
 def test_trainer_ranks_refuse_a_tis_cap_that_would_not_act():
     """RLUpdateConfig (built by the trainer ranks from a dict) refuses tis_cap under ratio_against=behaviour, as
     RLConfig does: it was accepted and silently ignored."""
@@ -383,3 +419,257 @@ def test_dynamic_sampling_drops_a_group_none_of_whose_rollouts_is_trained(tiny_d
     assert seen and all(not r.keep for g in seen for r in g.rollouts)  # (every rollout truncated)
     assert m["groups_trained"] == 0 and m["groups_dropped"] == m["groups_sampled"] == len(seen)
     assert rl.step_idx == 0 and "loss" not in m
+
+
+def test_loss_and_entropy_metrics_of_several_mini_batches(tiny_dense_dir):
+    """updates_per_batch=2 with lr 0 (both mini-batches see the same weights) and behaviour log-probs equal to the
+    trainer's (every ratio 1): ``loss`` is the mean of the two mini-batches' losses, each -sum_t A_i over its own
+    kept rollouts divided by their number (drgrpo), and ``entropy`` the mean over every kept completion token of the
+    policy's entropy at that position (one unpacked forward per rollout)."""
+    rewards = [1.0, 0, 0, 0, 1, 1, 0, 0]
+    rl = make_rl(tiny_dense_dir, updates_per_batch=2, optim=OptimConfig(lr=0.0, warmup_steps=0, grad_clip=0.0))
+    groups = rollouts(rl, rewards)
+    rolls = [x for g in groups for x in g.rollouts]
+    ents = []
+    for i, x in enumerate(rolls):
+        ids = torch.tensor([x.prompt_ids + x.completion.token_ids])
+        with torch.no_grad():
+            lp, ent = token_logprobs(rl.policy, ids, None, 1.0, return_entropy=True)
+        x.completion.logprobs = lp[0, len(x.prompt_ids) - 1:].tolist()
+        if i not in (1, 6):
+            ents.extend(ent[0, len(x.prompt_ids) - 1:].tolist())
+    rolls[1].keep = rolls[6].keep = False  # the advantages of each mini-batch's kept rollouts do not cancel
+    adv = compute_advantages("drgrpo", torch.tensor(rewards), 4).tolist()
+
+    def mini_loss(rows):
+        kept = [i for i in rows if rolls[i].keep and rolls[i].completion.token_ids]
+        return sum(-adv[i] * len(rolls[i].completion.token_ids) for i in kept) / max(len(kept), 1)
+
+    first, second = mini_loss(range(4)), mini_loss(range(4, 8))  # even_slices(8, 2): rollouts 0-3, then 4-7
+    assert abs(first + second) > 0.1 and len(ents) > 8
+    m = rl.update(groups)
+    assert m["loss"] == pytest.approx((first + second) / 2, rel=1e-4)
+    assert m["entropy"] == pytest.approx(sum(ents) / len(ents), rel=1e-4)
+
+
+def test_the_ranks_command_and_config_carry_the_stage_settings(tmp_path, monkeypatch):
+    """What the trainer ranks are started with: the updates in all (SFT then RL), the sync schedule, the start's
+    longer timeout in their collectives' bound (startup_timeout_s + 60 s) and ratio_against in their config."""
+    import json
+    import subprocess
+
+    from cascade.config import Trainer
+    from cascade.learner import WorkerLearner
+
+    class NoProcess:  # the command is not run
+        def __init__(self, cmd, **kw):
+            self.cmd = cmd
+
+    monkeypatch.setattr(subprocess, "Popen", NoProcess)
+    rl = RLConfig(sync_every=3, ratio_against="recompute", loss_cfg=LossConfig(tis_cap=2.0))
+    learner = WorkerLearner(tmp_path / "ex", tmp_path / "model", Trainer(nproc=2, timeout_s=10.0, startup_timeout_s=100.0),
+                            rl, 4, 0, tmp_path / "logs", sft_steps=2)
+    cmd = learner.proc.cmd
+    arg = lambda k: cmd[cmd.index(k) + 1]  # noqa: E731
+    assert (arg("--steps"), arg("--sft-steps"), arg("--sync-every")) == ("6", "2", "3")
+    assert learner.startup_timeout == 100.0 and float(arg("--timeout-s")) == 160.0
+    conf = json.loads((tmp_path / "logs" / "trainer-config.json").read_text())
+    assert conf["ratio_against"] == "recompute" and conf["loss_cfg"]["tis_cap"] == 2.0
+
+
+def test_learner_numbers_updates_after_the_sft_steps_and_sends_what_is_trained(tmp_path):
+    """RL update k goes to the ranks as update sft_steps + k (its schedule step k) with each rollout's advantage and
+    keep flag; SFT step sft_steps is refused; the metrics read back leave out step, version and lists; the weights
+    of a checkpoint at update sft_steps are RL version 0, those of an earlier update the SFT phase's."""
+    from types import SimpleNamespace
+
+    from cascade.learner import WorkerLearner
+    from envs.base import Problem, Score
+    from train.engine.base import Completion
+    from train.rl.exchange import batch_path, publish_version, read_batch
+    from train.rl.trainer import Group, Rollout
+
+    learner = object.__new__(WorkerLearner)
+    learner.exchange, learner.sft_steps, learner.log = tmp_path, 2, tmp_path / "trainer.log"
+    learner.proc, learner._silent, learner._up = SimpleNamespace(poll=lambda: None), False, True
+    learner.timeout = learner.startup_timeout = 30
+    p = Problem(prompt="q", answer="1")
+    rolls = [Rollout("toy/max", p, [5, 6], Completion([7, 8, 9][:n], "", [-0.5] * n, "stop", versions=[0] * n),
+                     Score.zero(""), keep=keep) for n, keep in ((3, True), (2, False))]
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "step-000005.json").write_text(
+        '{"step": 5, "version": 4, "loss": 0.5, "grad_norm": 2.0, "version_lag_hist": [1.0]}')
+    seen = []
+    learner._wait = lambda what, done: seen.append(read_batch(tmp_path, 5)) if "metrics" in what else None
+    m = learner.update([Group("toy/max", p, rolls)], torch.tensor([0.25, -1.0]), 3, 0.7)
+    assert m == {"loss": 0.5, "grad_norm": 2.0}
+    b = seen[0]
+    assert (b.step, b.temperature, b.meta) == (5, 0.7, {"kind": "rl", "schedule_step": 3})
+    assert [(s.completion_ids, s.advantage, s.keep) for s in b.samples] == [([7, 8, 9], 0.25, True), ([7, 8], -1.0, False)]
+    assert not batch_path(tmp_path, 5).exists()  # consumed
+    with pytest.raises(ValueError, match="SFT step 2 is past the 2 SFT steps"):
+        learner.sft([([1], [2])], 2)
+    publish_version(tmp_path, 0, {"w": torch.full((2,), 1.0)})  # RL version 0: the policy after SFT
+    publish_version(tmp_path / "sft", 1, {"w": torch.full((2,), 2.0)})
+    learner._wait = lambda what, done: shutil.rmtree(tmp_path / "ckpt_requests", ignore_errors=True)
+    assert learner.checkpoint(2)["w"].tolist() == [1.0, 1.0]
+    assert learner.checkpoint(1)["w"].tolist() == [2.0, 2.0]
+
+
+def test_recompute_reports_the_engine_mismatch_of_every_token(tiny_dense_dir):
+    """ratio_against=recompute: the ratio is against the trainer's own log-probs (1 here), and the mismatch metrics
+    compare those with the engine's: recorded log-probs 0.2 below the trainer's, one token 0.5 below, give
+    mismatch_max_abs 0.5 and mismatch_kl the token mean of k3 = e^d - 1 - d."""
+    import math
+
+    rl = make_rl(tiny_dense_dir, ratio_against="recompute")
+    groups = rollouts(rl, [1.0, 0, 0, 0, 1, 1, 0, 0])
+    rolls = [x for g in groups for x in g.rollouts if x.completion.token_ids]
+    for x in rolls:
+        with torch.no_grad():
+            x.completion.logprobs = [v - 0.2 for v in row_logprobs(rl.policy, x).tolist()]
+    rolls[-1].completion.logprobs[0] -= 0.3
+    n = sum(len(x.completion.token_ids) for x in rolls)
+    k3 = lambda d: math.exp(d) - 1 - d  # noqa: E731
+    m = rl.update(groups)
+    assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert m["mismatch_max_abs"] == pytest.approx(0.5, rel=1e-3)
+    assert m["mismatch_kl"] == pytest.approx(((n - 1) * k3(0.2) + k3(0.5)) / n, rel=1e-3)
+
+
+def test_a_resumed_trainer_takes_the_engine_to_serve_the_checkpoints_version(tiny_dense_dir):
+    """After load_state_dict at update 2 the engine starts from the checkpoint's weights (version 2): rollouts of an
+    engine that tracks no version are tagged 2 (lag 0, not 2), and sync_final has nothing to send."""
+    from train.rl.trainer import version_lag
+
+    class Untracked:  # an engine that reports no weight version
+        def __init__(self, inner):
+            self.inner, self.loads = inner, 0
+
+        def generate(self, prompts, params):
+            out = self.inner.generate(prompts, params)
+            for c in out:
+                c.versions = None
+            return out
+
+        def load_weights(self, sd):
+            self.loads += 1
+
+    first = make_rl(tiny_dense_dir)
+    for _ in range(2):
+        first.train_on(rollouts(first, [1.0, 0, 0, 0, 1, 1, 0, 0]))
+    rl = make_rl(tiny_dense_dir)
+    rl.engine = Untracked(rl.engine)
+    rl.load_state_dict(first.state_dict())
+    assert rl.step_idx == 2 and rl.synced_version == 2
+    groups = rl.rollout(2)
+    assert {v for g in groups for x in g.rollouts for v in x.completion.versions} == {2}
+    assert version_lag(groups, rl.step_idx)["version_lag_max"] == 0
+    rl.sync_final()
+    assert rl.engine.loads == 0
+
+
+def test_train_on_syncs_every_k_updates_and_reports_the_length_reward(tiny_dense_dir):
+    """sync_every=2: the engine gets the weights after updates 2, 4, ... (not 1, 3); each update's metrics carry the
+    length reward's coefficient c, which ramps 0.1 -> 1.0 over 4 steps (0.1, 0.325, 0.55)."""
+    from train.rl.shaping import LengthRewardConfig
+
+    sched = LengthRewardConfig(t_len=0, coef_start=0.1, coef=1.0, ramp_steps=4)
+    rl = make_rl(tiny_dense_dir, sync_every=2, length_reward=True, length_cfg=sched)
+    ms = [rl.train_on(rollouts(rl, [1.0, 0, 0, 0, 1, 1, 0, 0])) for _ in range(3)]
+    assert ["time_sync_s" in m for m in ms] == [False, True, False]
+    assert (rl.step_idx, rl.synced_version) == (3, 2)
+    assert [m["length_coef"] for m in ms] == pytest.approx([0.1, 0.325, 0.55])
+
+
+def test_rollout_metrics_cover_every_group_sampled(tiny_dense_dir):
+    """Dynamic sampling over three groups (all right: dropped; 1 of 4 right; 2 of 4 right): reward_mean, accuracy and
+    format_ok are over all 12 rollouts sampled, not the 8 trained; prompts_too_long is the run's running count."""
+    from envs.base import Score
+
+    right = [[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]]  # per group, in sampling order
+    fmt = [[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 0, 0]]
+    flat = [(c, f) for g in range(3) for c, f in zip(right[g], fmt[g])]
+    rl = make_rl(tiny_dense_dir, dynamic_sampling=True)
+    done = [0]
+
+    def verify(items):
+        out = [Score(float(c), bool(c), bool(f)) for c, f in flat[done[0]:done[0] + len(items)]]
+        done[0] += len(items)
+        return out
+
+    rl.verify = verify
+    seen = []
+    rl.rollout_hook = seen.extend
+    rl.prompts_too_long = 3
+    groups, m = rl.collect()
+    rolls = [x for g in seen for x in g.rollouts]
+    assert len(seen) == 3 and len(groups) == 2 and done[0] == 12
+    assert (m["groups_sampled"], m["groups_dropped"], m["groups_trained"]) == (3, 1, 2)
+    assert m["reward_mean"] == pytest.approx(7 / 12) and m["accuracy"] == pytest.approx(7 / 12)
+    assert m["format_ok"] == pytest.approx(8 / 12) and m["prompts_too_long"] == 3
+    assert m["response_len"] == pytest.approx(sum(len(x.completion.token_ids) for x in rolls) / 12)
+    assert m["truncated_frac"] == pytest.approx(sum(x.completion.finish_reason == "length" for x in rolls) / 12)
+
+
+def test_a_prompt_of_exactly_max_prompt_tokens_is_sampled_and_evaluated(tiny_dense_dir):
+    """A prompt of max_prompt_tokens tokens fits (generated, evaluated greedily); one token more is skipped and
+    counted in prompts_too_long, and evaluate() does not send it to the engine."""
+    from train.rl.trainer import encode_prompt
+
+    rl = make_rl(tiny_dense_dir)
+    pick = rl.curriculum.sample(rl.rng, 1)
+    n = len(encode_prompt(rl.tokenizer, pick[0][1].prompt, False, None))
+    rl.max_prompt_tokens = n
+    assert len(rl.generate_groups(pick)) == 1 and rl.prompts_too_long == 0
+    calls = []
+    real = rl.engine.generate
+    rl.engine.generate = lambda prompts, sp, **kw: calls.append((len(prompts), sp.temperature)) or real(prompts, sp, **kw)
+    rl.evaluate(pick)
+    assert calls == [(1, 0.0)]  # greedy
+    rl.max_prompt_tokens = n - 1
+    assert rl.generate_groups(pick) == [] and rl.prompts_too_long == 1
+    assert rl.evaluate(pick) == 0.0 and len(calls) == 1
+
+
+def test_default_prompt_budget_is_the_context_less_the_response_but_at_least_half(tiny_dense_dir):
+    """max_prompt_tokens=0: the context less max_new_tokens, but never under half the context."""
+    ctx = load_pretrained(tiny_dense_dir).config.max_position_embeddings
+    assert ctx >= 16
+    assert make_rl(tiny_dense_dir).max_prompt_tokens == ctx - 6
+    assert make_rl(tiny_dense_dir, sampling=SamplingConfig(max_new_tokens=ctx - 4)).max_prompt_tokens == ctx // 2
+    assert make_rl(tiny_dense_dir, max_prompt_tokens=5).max_prompt_tokens == 5
+
+
+def test_worker_refuses_inconsistent_step_counts():
+    """--sft-steps past --steps, or --sync-every 0, stop the worker at argument parsing."""
+    from train.rl.worker import parse_args
+
+    base = ["--exchange", "EX", "--model", "M"]
+    assert parse_args(base + ["--steps", "3", "--sft-steps", "3"]).sft_steps == 3
+    for bad in (["--steps", "2", "--sft-steps", "3"], ["--steps", "2", "--sync-every", "0"],
+                ["--steps", "2", "--checkpoint-every", "-1"], ["--steps", "2", "--tsp", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(base + bad)
+
+
+def test_worker_resumes_only_from_complete_checkpoints(tmp_path):
+    """A checkpoint directory without COMPLETE (a crash mid-save) or with another name is not one to resume from."""
+    from train.rl.worker import complete_checkpoints
+
+    for name, done in (("step-000002", True), ("step-000010", True), ("step-000012", False), ("step-x", True)):
+        (tmp_path / "trainer_ckpt" / name).mkdir(parents=True)
+        if done:
+            (tmp_path / "trainer_ckpt" / name / "COMPLETE").write_text("ok\n")
+    assert complete_checkpoints(tmp_path) == [2, 10] and complete_checkpoints(tmp_path / "none") == []
+
+
+def test_greedy_sampling_trains_at_temperature_one(tiny_dense_dir):
+    """sampling.temperature=0 (greedy): the engine records log-probs under softmax(logits) (temperature 1), and the
+    trainer takes its own at temperature 1 too: with those as the behaviour log-probs every ratio is 1."""
+    rl = make_rl(tiny_dense_dir, sampling=SamplingConfig(max_new_tokens=6, temperature=0.0))
+    groups = rollouts(rl, [1.0, 0, 0, 0, 1, 1, 0, 0])
+    for x in [x for g in groups for x in g.rollouts]:
+        with torch.no_grad():
+            x.completion.logprobs = row_logprobs(rl.policy, x, 1.0).tolist()
+    assert rl.update(groups)["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
