@@ -61,6 +61,10 @@ Re-run at bbe8685 (2026-12-07; 713 environments, rlve/Cornfield left out; one ru
 Re-run at ef957db (2026-12-07, a later session, after the gym fraction and math fixes; one run, alone): 1,549
 verifications/s (own 789, rc 1,072, rg 869, rlve 4,421), 63.9 problems/s; every reference answer credited bar the 70
 without an oracle; no errors.
+Re-run at 66ce378 (2026-12-07, a later session: math lists with "or", gym paths with arrows, code tolerances read
+decimal tokens only; one run, alone): 1,487 verifications/s (own 783, rc 1,097, rg 782, rlve 4,164: the package's own
+code 6% slower than at ef957db, this machine's noise), 62.7 problems/s; every reference answer credited bar the 70
+without an oracle; no errors.
 """
 from __future__ import annotations
 

@@ -67,6 +67,9 @@ two interleaved with two of 3f5064d's code from a worktree, alone): ``ratio_seq`
 ``ratio_seq_cold`` 2.80, 2.95, 3.44 against 2.91, 2.74; ``judge_ratio`` 0.40, 0.46, 0.43 against 0.41, 0.40. The
 extra mounts may cost a few percent of a start; this machine's run-to-run noise is as large.
 Re-run at bbe8685 (2026-12-07; alone, medians of five): ``ratio_seq`` 1.46, ``ratio_par`` 2.82, ``judge_ratio`` 0.41.
+Re-run at 66ce378 (2026-12-07, a later session: a run's time and memory limits are checked before any run; alone,
+medians of five): ``ratio_seq`` 1.44 (1.39-1.50), ``ratio_seq_cold`` 2.94, ``ratio_par`` 3.00 (2.22-3.00),
+``judge_ratio`` 0.38.
 """
 from __future__ import annotations
 

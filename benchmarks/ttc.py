@@ -140,6 +140,9 @@ same outputs and results.
 Re-run at ef957db (2026-12-07, later: a request waiting under --rpm/--tpm is not sent after close; these runs set
 no limit), ``--skip-prefix --skip-steps``, one run, alone: ``concurrency_speedup`` 1.92 (4.72 -> 2.46 s), ``_short``
 1.73, ``local`` 1.79; at two threads 2.60, local 2.67; same results both ways.
+Re-run at 66ce378 (2026-12-07, a later session: a garbled or misshapen 200 reply is sent again; the server refuses
+boolean token ids and seeds outside int64), ``--skip-prefix --skip-steps``, one run, alone: ``concurrency_speedup``
+1.88 (4.51 -> 2.40 s; goal 2 missed), ``_short`` 1.65, ``local`` 1.78; at two threads 2.44, local 2.67; same results.
 
 Measured on this project's 2-core CPU (2026-12-02, defaults, tiny-moe, 1 thread, quiet machine, commit
 e6feb3e, three runs): ``concurrency_speedup`` 2.17, 2.21, 2.13 (one problem at a time 3.73-3.80 s, 64 in

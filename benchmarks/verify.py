@@ -84,6 +84,10 @@ Re-run at bbe8685 (2026-12-07, later; alone): math 2.82x with 2 threads, 3.68x w
 reward model 1.58x; same scores both ways.
 Re-run at ef957db (2026-12-07, a later session, after the gym/math grading fixes; alone): math 3.86x with 2 threads,
 3.97x with 4; code/solve 1.50x, 1.50x; reward model 1.54x; same scores both ways.
+Re-run at 66ce378 (2026-12-07, a later session: a gold listing answers with "or" is a list; alone, two runs): math
+5.70x with 2 threads, 5.18x with 4, then 3.15x, 3.94x (one at a time 0.19-0.61 s over the repeats: the math figure
+is this machine's noise as much as the threads'); code/solve 1.40x, 1.54x then 1.46x, 1.48x; reward model 1.64x,
+1.58x; same scores both ways.
 """
 from __future__ import annotations
 

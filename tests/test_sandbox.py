@@ -718,9 +718,9 @@ def test_a_run_inherits_no_descriptor_but_its_standard_streams(sb):
 
 
 def test_a_runs_own_wall_limit_is_kept_to(sb):
-    v = sb.run("import time\ntime.sleep(30)\n", time_limit=0.6)
+    v = sb.run("import time\ntime.sleep(30)\n", time_limit=1.0)
     assert v.status == "time_limit" and v.limits_hit == ["wall_time"] and v.signal == 9
-    assert 0.55 <= v.wall_time < 1.1, v.wall_time
+    assert 0.95 <= v.wall_time < 1.8, v.wall_time  # (room for a busy machine; a doubled deadline is 2 s)
 
 
 def test_a_runs_own_memory_limit_is_kept_to(sb):
