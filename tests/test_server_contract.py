@@ -18,6 +18,7 @@ from train.engine.base import Completion
 from train.engine import server as server_mod
 from train.engine.remote import RemoteEngine, RemoteError, logprob_mismatch
 from train.engine.server import Batcher, serve_in_thread
+from tests.test_ttc_serve import call  # (its key is this file's KEY)
 
 KEY = "k3y"
 
@@ -82,17 +83,6 @@ def served():
     yield eng, srv, url
     srv.shutdown()
     srv.server_close()
-
-
-def call(url, path, body=None, key=KEY):
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode() if body is not None else None,
-                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
-                                 method="POST" if body is not None else "GET")
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def events(url, path, body):
