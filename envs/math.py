@@ -122,8 +122,8 @@ def math_equal(pred: Any, gold: Any, timeout: float = DEFAULT_TIMEOUT) -> bool:
         return False
     # "x = 2 \text{ or } x = 3" answers "2, 3" and "2 \text{ or } 3" (math-verify reads "or"/"and" as a comma)
     several = shapes[1] in ("list", "set") or _alternatives(g)
-    if not several and _hedged(p) and not _hedged(g):  # "\sqrt{2} \text{ or more}", "\pi \text{ squared}"
-        return False
+    if not several and _hedged(p) != _hedged(g):  # "\sqrt{2} \text{ or more}", "\pi \text{ squared}"; and the
+        return False  # reverse: "5" is no "5 \text{ or more}" (math-verify reads that gold as the list {5, more})
     if len(_top_level(g)) == 1 and not several:
         # an equation answers with its last side (math-verify's reading) only when every other side names the answer
         # (x = ..., f(2) = ..., a + b = ...) or equals it: "0 = \sqrt{2}" is no answer \sqrt{2}

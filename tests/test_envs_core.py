@@ -202,7 +202,8 @@ def test_hedged_answers_false_equations_and_sets_for_intervals_earn_nothing():
     assert arith.verify(p, f"\\boxed{{{p.answer}}}").correct
     wrong = [("0 = \\sqrt{2}", "\\sqrt{2}"), ("\\frac{\\pi}{3} = \\frac{\\pi}{4}", "\\frac{\\pi}{4}"), ("x^2 = x^2+1", "x^2+1"),
              ("\\sqrt{2} \\text{ or more}", "\\sqrt{2}"), ("\\{1, 2\\}", "(1, 2)"), ("(1, 2)", "\\{1,2\\}"),
-             ("-\\infty, 3", "(-\\infty, 3)"), ("\\sqrt{3} = \\sqrt{2}", "\\sqrt{2}"), ("0 = 3, y = 4", "(3, 4)")]
+             ("-\\infty, 3", "(-\\infty, 3)"), ("\\sqrt{3} = \\sqrt{2}", "\\sqrt{2}"), ("0 = 3, y = 4", "(3, 4)"),
+             ("5", "5 \\text{ or more}"), ("5", "5 or more")]  # (a hedged gold: math-verify read it as {5, more})
     right = [("x = \\sqrt{2}", "\\sqrt{2}"), ("f(x) = x^2+4x+4", "x^2+4x+4"), ("\\overline{AB} = 2\\sqrt3", "2\\sqrt{3}"),
              ("a_n = 2^n", "2^n"), ("\\theta = \\frac{\\pi}{4}", "\\frac{\\pi}{4}"), ("1, 2", "\\{1, 2\\}"),
              ("(-\\infty,3)", "(-\\infty, 3)"), ("y=2x+3", "y = 2x + 3"), ("2\\pi \\text{ cm}", "2\\pi"),
