@@ -134,7 +134,7 @@ def math_equal(pred: Any, gold: Any, timeout: float = DEFAULT_TIMEOUT) -> bool:
                 sides = sides[1:]
             if len(sides) > 1 and (len(parts) > 1 or not all(math_equal(x, g, timeout) for x in sides)):
                 return False
-    elif several and len(_answers(g)) == sum(len(_top_level(x)) for x in _answers(g)):  # no gold answer an equation
+    elif several and all(len(_top_level(x)) == 1 for x in _answers(g)):  # no gold answer an equation
         for part in _answers(p):  # each named answer as above: "0 = 2, 0 = 3" is no "2, 3"
             sides = _top_level(part)
             if len(sides) > 1 and not (len(sides) == 2 and _names(sides[0], g)):

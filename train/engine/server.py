@@ -376,15 +376,19 @@ def _params(body: dict, default_max: int = 16, context: int | None = None) -> Sa
         raise BadRequest(str(e)) from None
 
 
+def _ids(x: list) -> bool:
+    """Whether every item of ``x`` is a token id's integer (JSON's true/false are none, though Python's bool is an int)."""
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
 def _prompts(p) -> list:
     """OpenAI's prompt forms: str, [int], [str], [[int]]."""
     if isinstance(p, str):
         return [p]
-    if isinstance(p, list) and p:  # (JSON's true/false are no token ids, though Python's bool is an int)
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+    if isinstance(p, list) and p:
+        if _ids(p):
             return [p]
-        ids_list = all(isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-                       for x in p)
+        ids_list = all(isinstance(x, list) and x and _ids(x) for x in p)
         if ids_list or all(isinstance(x, str) for x in p):
             return list(p)
     raise BadRequest("prompt must be a string, a list of token ids, or a list of either")
