@@ -65,6 +65,10 @@ Re-run at 66ce378 (2026-12-07, a later session: math lists with "or", gym paths 
 decimal tokens only; one run, alone): 1,487 verifications/s (own 783, rc 1,097, rg 782, rlve 4,164: the package's own
 code 6% slower than at ef957db, this machine's noise), 62.7 problems/s; every reference answer credited bar the 70
 without an oracle; no errors.
+Re-run later that session, alone, after a hedged gold ("5 or more") stopped taking a plain "5": at 12d906c 1,220
+verifications/s (own 563, rc 788, rg 781, rlve 3,938; reasoning-core's own code 28% slower too: a slow run), then at
+60413a1 (a refactor of the same check) 1,464 (own 721, rc 1,180, rg 805, rlve 4,308), 65.7 problems/s; every reference
+answer credited bar the 70 without an oracle; no errors.
 """
 from __future__ import annotations
 

@@ -88,6 +88,9 @@ Re-run at 66ce378 (2026-12-07, a later session: a gold listing answers with "or"
 5.70x with 2 threads, 5.18x with 4, then 3.15x, 3.94x (one at a time 0.19-0.61 s over the repeats: the math figure
 is this machine's noise as much as the threads'); code/solve 1.40x, 1.54x then 1.46x, 1.48x; reward model 1.64x,
 1.58x; same scores both ways.
+Re-run at 12d906c (later that session: a hedged gold such as "5 or more" is not answered by a plain "5"; alone):
+math 5.64x with 2 threads, 5.80x with 4 (one at a time 0.36-0.59 s); code/solve 1.30x, 1.35x; reward model 1.68x;
+same scores both ways.
 """
 from __future__ import annotations
 
