@@ -209,6 +209,23 @@ def test_request_field_bounds(served):
     assert code == 400 and "routed_experts_format" in r["error"]["message"]
 
 
+def test_unsupported_boolean_fields_read_like_every_other_flag(served):
+    """``use_beam_search``, ``include_stop_str_in_output`` and ``watermarking`` are read as the server's other
+    boolean fields: false, 0 or "false" change nothing (0 was refused while ``ignore_eos`` took it), true in any
+    form is refused as unsupported, anything else is refused as no boolean."""
+    _, _, url = served
+    for name in ("use_beam_search", "include_stop_str_in_output", "watermarking"):
+        for off in (False, 0, "false", "FALSE", None):
+            code, r = call(url, "/v1/completions", {"prompt": [5], "max_tokens": 2, name: off})
+            assert code == 200, (name, off, r)
+        for on in (True, 1, "true"):
+            code, r = call(url, "/v1/completions", {"prompt": [5], "max_tokens": 2, name: on})
+            assert code == 400 and r["error"]["message"].startswith(f"{name}=") and "not supported" in \
+                r["error"]["message"], (name, on, r)
+        code, r = call(url, "/v1/completions", {"prompt": [5], "max_tokens": 2, name: "maybe"})
+        assert code == 400 and r["error"]["message"] == f'{name} must be true or false, got "maybe"', r
+
+
 class _Recorder:
     """An engine stand-in for the batcher that records each generate call's params and prompt count."""
 

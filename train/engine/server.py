@@ -323,7 +323,10 @@ def _refuse_unsupported(body: dict) -> None:
         v = body.get(name)
         if name == "best_of":
             noop = (body.get("n", 1),)
-        if v is not None and not any(v == x and isinstance(v, bool) == isinstance(x, bool) for x in noop):
+        if noop == (False,):  # a boolean field: read as every other flag (false, 0, "false" change nothing)
+            if _flag(body, name, False):
+                raise BadRequest(f"{name}={json.dumps(v)[:60]} is not supported by this server")
+        elif v is not None and not any(v == x and isinstance(v, bool) == isinstance(x, bool) for x in noop):
             raise BadRequest(f"{name}={json.dumps(v)[:60]} is not supported by this server")
 
 
