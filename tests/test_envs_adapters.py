@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -459,6 +460,29 @@ def test_numpy_draws_inside_a_generation_are_the_threads_own():
         disturbed = _NUMPY_RANDOM.randint(0, 10**9, 6).tolist()
     assert alone == disturbed == np.random.RandomState(5).randint(0, 10**9, 6).tolist()
     assert _NUMPY_RANDOM.randint is np.random.randint  # outside a generation: numpy's own
+
+
+def test_functions_bound_to_the_global_random_draw_the_seeded_stream_and_the_callers_state_comes_back():
+    """Code that took ``random``'s functions by name (``from random import randint``: bound to the global generator,
+    out of the per-thread proxy's reach) and numpy's legacy global functions still draw the stream of the
+    generation's seed inside ``_seeded``; afterwards both global states are the caller's again."""
+    import numpy as np
+
+    from envs.rlve_adapter import _seeded
+    from random import randint
+
+    random.seed(77)
+    np.random.seed(77)
+    py_before, np_before = random.getstate(), np.random.get_state()
+    with _seeded(5):
+        drawn = [randint(0, 10**9) for _ in range(4)]
+        np_drawn = np.random.randint(0, 10**9, 4).tolist()
+    ref = random.Random(5)
+    assert drawn == [ref.randint(0, 10**9) for _ in range(4)]
+    assert np_drawn == np.random.RandomState(5).randint(0, 10**9, 4).tolist()
+    assert random.getstate() == py_before
+    after = np.random.get_state()
+    assert after[0] == np_before[0] and (after[1] == np_before[1]).all() and after[2:] == np_before[2:]
 
 
 def test_rc_tasks_whose_levels_stop_changing_are_capped_there():

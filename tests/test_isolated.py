@@ -220,6 +220,8 @@ def worker_main():
             os._exit(3)
         if req == "hang":
             time.sleep(60)
+        if req == "pid":
+            return os.getpid()
         return req
     serve(handle)
 '''
@@ -264,6 +266,37 @@ def test_workers_tell_a_crash_from_a_deadline_and_take_descriptors_past_1023(tmp
         pool.close()
         with pytest.raises(WorkerStartError):
             pool.call("z", [30])
+    finally:
+        pool.close()
+
+
+def test_a_forked_child_starts_its_own_workers_and_leaves_the_parents_alone(tmp_path, monkeypatch):
+    """After a fork the child's copy of the pool holds the parent's idle workers, whose pipes the parent still
+    reads: the child starts a worker of its own, and the parent's worker answers the parent as before."""
+    from envs.workers import Pool
+
+    (tmp_path / "toyworker.py").write_text(_WORKER_MODULE)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    pool = Pool("toyworker", 60)
+    try:
+        parents = pool.call("pid", [30])[0]
+        r, w = os.pipe()
+        child = os.fork()
+        if child == 0:  # (the child reports its worker's pid, or -1 on any error, and leaves at once)
+            try:
+                os.close(r)
+                got = pool.call("pid", [30])[0]
+                pool.close()
+            except BaseException:  # noqa: BLE001
+                got = -1
+            os.write(w, str(got).encode())
+            os._exit(0)
+        os.close(w)
+        with os.fdopen(r) as f:
+            childs = int(f.read())
+        os.waitpid(child, 0)
+        assert childs not in (-1, parents)
+        assert pool.call("pid", [30]) == [parents]  # the parent's worker, untouched
     finally:
         pool.close()
 
