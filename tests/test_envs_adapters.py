@@ -636,6 +636,17 @@ def test_rg_difficulty_outside_the_curriculum_is_clamped_to_its_levels():
     assert env.config(-2) == env.config(0) and env.config(top + 3) == env.config(top)
 
 
+def test_rg_levels_take_the_upper_bound_mode_where_reasoning_gym_accepts_it():
+    """A level's configuration is reasoning-gym's UPPER_BOUND mode (the level's own range: basic_arithmetic's level 1
+    has 3 terms of 2 digits at least), the INCLUSIVE mode (from level 0's minimum: 2 terms, 1 digit) only where
+    reasoning-gym refuses the first."""
+    pytest.importorskip("reasoning_gym")
+    cfg, level = get_env("rg/basic_arithmetic").config(1)
+    assert level == 1 and (cfg.min_terms, cfg.min_digits) == (3, 2)
+    cfg, level = get_env("rg/base_conversion").config(1)
+    assert level == 1 and (cfg.min_base, cfg.min_value) == (9, 10000)
+
+
 def test_rg_full_credit_only_at_a_score_of_one_and_exact_checks_after_it():
     """``correct`` is reasoning-gym's full credit (1.0); a partial score is the reward, not correct; on an ``EXACT``
     dataset a full score the exact check refuses is 0; a response without an answer never reaches the scorer."""
