@@ -491,3 +491,88 @@ def test_vocab_parallel_cross_entropy_counts_a_label_on_the_shard_that_holds_it(
     want = torch.stack([lse[0] - z[0, 0], lse[1] - z[1, 2], lse[2], lse[3]])  # z[., 2] = -3: not 0
     got = vocab_parallel_cross_entropy(logits, labels, None, vocab_offset=3)
     assert torch.allclose(got, want), (got, want)
+
+
+def test_zigzag_slots_and_packed_segment_starts_hand_values():
+    """The zigzag partition of T = 13 over D = 2 (chunks of ceil(13 / 4) = 4 slots, padded to 16; rank r holds
+    chunks r and 2D-1-r), and the first slot of each slot's sequence in a packed row (the padding one more
+    sequence); what is not one packed row [1, T] with boundaries rising from 0 to T is refused."""
+    from train.parallel.tsp import packed_segment_starts, zigzag_index
+
+    Tp, s0 = zigzag_index(13, 2, 0)
+    assert Tp == 16 and s0.tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert zigzag_index(13, 2, 1)[1].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    Tp, s1 = zigzag_index(8, 4, 1)  # chunks of 1 slot: rank 1 holds slots 1 and 6
+    assert Tp == 8 and s1.tolist() == [1, 6]
+    got = packed_segment_starts([0, 6, 7, 17], 17, 20, 1, None, "cpu")
+    assert got.tolist() == [0] * 6 + [6] + [7] * 10 + [17] * 3
+    cu = [0, 6, 7, 17]
+    for args, needle in (((cu, 17, 20, 2, None), "one row"), ((cu, 17, 20, 1, torch.ones(1, 17)), "one row"),
+                         (([0, 6, 16], 17, 20, 1, None), "rise from 0 to the row's length 17"),
+                         (([1, 6, 17], 17, 20, 1, None), "rise from 0"),
+                         (([0, 7, 6, 17], 17, 20, 1, None), "rise from 0"), (([], 17, 20, 1, None), "rise from 0")):
+        with pytest.raises(ValueError, match=needle) as e:
+            packed_segment_starts(*args, "cpu")
+        assert "\n" not in str(e.value)
+
+
+def test_tsp_config_needs_kv_heads_a_multiple_or_a_divisor_of_the_degree():
+    from train.model.config import ModelConfig
+    from train.parallel.tsp import check_tsp_config
+
+    for kv, D in ((3, 2), (2, 3), (4, 6)):
+        with pytest.raises(ValueError, match=rf"num_key_value_heads \({kv}\) to be a multiple or a divisor of D={D}"):
+            check_tsp_config(ModelConfig(num_attention_heads=12, num_key_value_heads=kv, head_dim=8), D)
+    for kv, D in ((1, 4), (2, 4), (8, 4), (4, 4), (3, 1), (6, 3)):
+        check_tsp_config(ModelConfig(num_attention_heads=12, num_key_value_heads=kv, head_dim=8), D)
+
+
+def test_zaya_halo_plan_hand_values():
+    """Where each halo column of a rank's two zigzag chunks comes from (rows of the ranks' gathered tails: rank q
+    shares the last t slots of its chunk q, then of its chunk 2D-1-q; row D * 2t is a zero row before the row),
+    the streams' segments, the chunks' own columns and which of them start a sequence."""
+    from train.model.config import ModelConfig
+    from train.parallel.tsp import halo_plan
+
+    base = dict(architecture="zaya", num_attention_heads=8, num_key_value_heads=4, num_experts=4,
+                num_experts_per_tok=1, head_dim=8, hidden_size=32)
+    # look-back K = 0 (cca_time 1 + 1 - 2): a halo of one token still (the delayed value needs the previous one)
+    k0 = ModelConfig(cca_time0=1, cca_time1=1, **base)
+    p = halo_plan(k0, 2, 0, 2, None, "cpu")  # T = 8, D = 2, rank 0: chunks 0 (slots 0, 1) and 3 (slots 6, 7)
+    assert (p.Kh, p.t) == (1, 1)
+    assert p.src.tolist() == [4, 3]  # before slot 0: the zero row; slot 5: rank 1's chunk 2 tail (row 1 * 2 + 1)
+    assert p.lengths == [1, 2, 3] and p.cols.tolist() == [1, 2, 4, 5]
+    assert p.starts.tolist() == [True, False, False, False]
+    # a packed row [0, 5) [5, 8): rank 1 holds chunks 1 (slots 2, 3) and 2 (slots 4, 5); slot 5 starts a sequence
+    p = halo_plan(k0, 2, 1, 2, [0] * 5 + [5] * 3, "cpu")
+    assert p.src.tolist() == [0, 2]  # slot 1: rank 0's chunk 0 tail (row 0); slot 3: rank 1's own chunk 1 tail
+    assert p.lengths == [3, 2, 1] and p.starts.tolist() == [False, False, False, True]
+    # look-back 3 over chunks of 2 slots (T = 16, D = 4): the tails are the chunks' whole 2 slots, a halo spans ranks
+    k3 = ModelConfig(cca_time0=2, cca_time1=3, **base)
+    p = halo_plan(k3, 4, 0, 2, None, "cpu")  # rank 0: chunks 0 (slots 0, 1) and 7 (slots 14, 15)
+    assert (p.Kh, p.t) == (3, 2)
+    # slots 11 (rank 2's chunk 5, second of its tail rows 10, 11), 12 and 13 (rank 1's chunk 6: rows 6, 7)
+    assert p.src.tolist() == [16, 16, 16, 11, 6, 7]
+    assert p.lengths == [3, 2, 5] and p.cols.tolist() == [3, 4, 8, 9]
+
+
+def test_tsp_token_logprobs_are_zero_past_the_last_predicting_slot(tmp_path):
+    """One rank (D = 1, T = 7 padded to 8): the log-probs at slots 0..T-2 are the single-process model's, the
+    entries at slot T-1 (no next token) and at the padding slot are zeros, whatever the LM head computed there."""
+    import torch.distributed as dist
+
+    from train.model.modeling import token_logprobs
+    from train.parallel.tsp import TSPCausalLM
+
+    ref = _model(_cfgs()["dense"])
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(4))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        with torch.no_grad():
+            lp, slots = TSPCausalLM(ref).token_logprobs(ids, temperature=0.8)
+            want = token_logprobs(ref, ids, None, temperature=0.8)
+    finally:
+        dist.destroy_process_group()
+    assert slots.tolist() == list(range(8))
+    assert (lp[:, :6] - want).abs().max().item() < 1e-5
+    assert lp[:, 6:].abs().max().item() == 0.0 and want.abs().min().item() > 0

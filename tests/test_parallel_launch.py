@@ -255,3 +255,68 @@ def test_train_tsp_refuses_a_mesh_or_batch_below_one_in_one_line(tmp_path):
     finally:
         dist.destroy_process_group()
     assert not (tmp_path / "out").exists()
+
+
+def test_train_tsp_data_rows_are_cut_padded_and_checked(tmp_path):
+    """``batches`` from a jsonl file: a row longer than ``--seq`` is cut to it, a shorter one right-padded with
+    zeros that the mask leaves out; a line of fewer than 2 tokens, a token id outside [0, vocab) or a file with
+    no example is refused naming the line. Without data: rows of ``seq`` tokens, each a repeated 5-token motif."""
+    from train.parallel.train_tsp import batches
+
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps({"input_ids": [1, 2, 3, 4, 5, 6]}) + "\n\n" + json.dumps({"input_ids": [7, 8]}) + "\n")
+    ids, mask = next(batches(str(f), 10, 4, 16, 0))
+    assert ids.shape == mask.shape == (16, 4)
+    rows = {tuple(r) for r in ids.tolist()}
+    assert rows == {(1, 2, 3, 4), (7, 8, 0, 0)}, rows
+    for r, m in zip(ids.tolist(), mask.tolist()):
+        assert m == ([True] * 4 if r[0] == 1 else [True, True, False, False])
+    for lines, needle in (([[1, 2], [3]], ":2: each line needs an 'input_ids' list of at least 2 tokens"),
+                          ([[1, 10]], r":1: token id out of range \[0, 10\)"), ([[1, 2], [-1, 2]], ":2: token id out of range"),
+                          ([], "no examples")):
+        f.write_text("".join(json.dumps({"input_ids": x}) + "\n" for x in lines))
+        with pytest.raises(ValueError, match=needle):
+            next(batches(str(f), 10, 4, 2, 0))
+    f.write_text(json.dumps({"input_ids": [0, 9]}) + "\n")  # the edges of the range
+    assert next(batches(str(f), 10, 4, 1, 0))[0].tolist() == [[0, 9, 0, 0]]
+    ids, mask = next(batches(None, 50, 7, 3, 0))
+    assert ids.shape == (3, 7) and bool(mask.all())
+    assert torch.equal(ids[:, 5:], ids[:, :2])  # the motif again after 5 tokens, cut at 7
+
+
+def test_train_tsp_refuses_a_sequence_below_two_or_negative_steps_in_one_line(tmp_path):
+    import torch.distributed as dist
+
+    from train.parallel.train_tsp import main
+
+    # (refused before the model is read: the directory needs no checkpoint)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        for flag, value in (("--seq", "1"), ("--seq", "0"), ("--steps", "-1")):
+            with pytest.raises(ValueError, match="bad arguments: steps=.* seq=") as e:
+                main(["--model", str(tmp_path / "m"), "--out", str(tmp_path / "out"), "--steps", "1", flag, value])
+            assert "\n" not in str(e.value)
+    finally:
+        dist.destroy_process_group()
+    assert not (tmp_path / "out").exists()
+
+
+def test_async_shard_saver_writes_the_snapshot_and_surfaces_a_failed_write(tmp_path, monkeypatch):
+    """The saver copies the shards when it is made (a change after that, before the background write, is not
+    saved), and ``wait`` raises the write's error (here: the target path is a directory)."""
+    import threading
+
+    import safetensors.torch as st
+
+    from train.parallel.train_tsp import AsyncShardSaver
+
+    go, real = threading.Event(), st.save_file
+    monkeypatch.setattr(st, "save_file", lambda *a, **k: (go.wait(10), real(*a, **k)))
+    w = torch.arange(6, dtype=torch.float32).view(2, 3)
+    saver = AsyncShardSaver({"w": w}, tmp_path / "s" / "rank0.safetensors")
+    w.add_(100.0)  # the training goes on while the shards are written
+    go.set()
+    assert torch.equal(st.load_file(str(saver.wait()))["w"], torch.arange(6, dtype=torch.float32).view(2, 3))
+    (tmp_path / "bad" / "rank1.safetensors").mkdir(parents=True)
+    with pytest.raises(Exception, match="Is a directory"):
+        AsyncShardSaver({"w": w}, tmp_path / "bad" / "rank1.safetensors").wait()

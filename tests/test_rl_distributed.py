@@ -1131,3 +1131,68 @@ def test_a_second_checkpoint_request_for_a_checkpointed_update_keeps_it(tmp_path
         assert complete_checkpoints(ex) == [2]
     finally:
         dist.destroy_process_group()
+
+
+@contextmanager
+def _world_of_one(tmp_path):
+    """A gloo world of one rank in this process (what RLUpdater's collectives need on dp 1 x tsp 1)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_updater_metrics_cover_the_trained_rollouts_and_sft_ignores_the_temperature(tmp_path):
+    """One rank: ``entropy`` is the token mean over the completion tokens of the trained rollouts (the policy before
+    the step, at the batch's temperature) and ``advantage_abs_mean`` the mean |advantage| of those rollouts (the
+    dropped one left out); an SFT batch's loss is the mean NLL of the response tokens at temperature 1, whatever
+    the batch's temperature, over the batch's tokens (not its sequences, whatever the RL loss aggregates)."""
+    import copy
+
+    from train.parallel.rl_update import RLUpdater
+    from train.rl.exchange import TrainBatch, TrainSample
+
+    cfg = _cfgs()["dense"]
+    batch = make_batch(0, cfg, temperature=0.7)
+    batch.samples[5].advantage = 40.0  # (a large |advantage| on a trained rollout, 0 on the dropped one)
+    batch.samples[3].advantage = 0.0
+    trained = [s for s in batch.samples if s.trained]
+    assert len(trained) == len(batch.samples) - 1
+    before = _model(cfg)
+    ents, nll, count = [], 0.0, 0
+    with torch.no_grad():
+        for s in trained:
+            ids = torch.tensor([s.prompt_ids + s.completion_ids])
+            P, C = len(s.prompt_ids), len(s.completion_ids)
+            logits = before(ids)[0, P - 1:P + C - 1]
+            lp = torch.log_softmax(logits / 0.7, -1)
+            ents += (-(lp.exp() * lp).sum(-1)).tolist()
+            lp1 = torch.log_softmax(logits, -1).gather(-1, ids[0, P:, None])
+            nll, count = nll - lp1.sum().item(), count + C
+    with _world_of_one(tmp_path):
+        m = RLUpdater(copy.deepcopy(before), rl_cfg("dppo_tv")).step(batch, 0)
+        sft = TrainBatch(0, [TrainSample(s.prompt_ids, s.completion_ids, [0.0] * len(s.completion_ids), 0.0)
+                             for s in trained], 0.5, {"kind": "sft"})
+        m_sft = RLUpdater(copy.deepcopy(before), rl_cfg("gspo")).step(sft, 0)
+    assert abs(m["entropy"] - sum(ents) / len(ents)) < 1e-5, (m["entropy"], sum(ents) / len(ents))
+    assert abs(m["advantage_abs_mean"] - sum(abs(s.advantage) for s in trained) / len(trained)) < 1e-6
+    assert abs(m_sft["sft_loss"] - nll / count) < 1e-5, (m_sft["sft_loss"], nll / count)
+    assert m_sft["tokens"] == count
+
+
+def test_updater_refuses_an_unknown_batch_kind_and_a_gather_to_another_rank(tmp_path):
+    from train.parallel.rl_update import RLUpdater
+    from train.rl.exchange import TrainBatch
+
+    cfg = _cfgs()["dense"]
+    with _world_of_one(tmp_path):
+        up = RLUpdater(_model(cfg), rl_cfg("dppo_tv"))
+        b = make_batch(0, cfg)
+        with pytest.raises(ValueError, match="unknown batch kind 'eval'; expected 'rl' or 'sft'"):
+            up.step(TrainBatch(0, b.samples, b.temperature, {"kind": "eval"}), 0)
+        with pytest.raises(ValueError, match="gathers to rank 0 or to every rank, not to rank 1"):
+            up.full_state_dict(dst=1)
+        assert up.opt.steps == 0 and set(up.full_state_dict(dst=0)) == set(_model(cfg).state_dict())

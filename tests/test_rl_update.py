@@ -673,3 +673,35 @@ def test_greedy_sampling_trains_at_temperature_one(tiny_dense_dir):
         with torch.no_grad():
             x.completion.logprobs = row_logprobs(rl.policy, x, 1.0).tolist()
     assert rl.update(groups)["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_sharded_config_mesh_and_batch_refusals():
+    """RLUpdateConfig names a bad token budget, dtype or loss in a ValueError (the edges accepted); a mesh whose
+    axes are below one is refused even when their product is the world size; a batch with an empty prompt, or
+    with routed experts of a shape other than the first sample's, is refused naming the sample."""
+    from train.parallel.rl_update import RLUpdateConfig, batch_tensors, check_mesh
+    from train.rl.exchange import TrainSample
+
+    for kw, needle in (({"tokens_per_micro": 0}, "tokens_per_micro must be >= 1, got 0"),
+                       ({"dtype": "float16"}, "unknown dtype 'float16'; choose one of float32, bfloat16"),
+                       ({"loss": "no_such_loss"}, "no_such_loss")):
+        with pytest.raises(ValueError, match=needle):
+            RLUpdateConfig(**kw)
+    assert RLUpdateConfig(tokens_per_micro=1, dtype="bfloat16").tokens_per_micro == 1
+    for world, dp, tsp in ((2, -1, -2), (4, -2, -2), (0, 0, 3), (2, 2, 2)):
+        with pytest.raises(ValueError, match=f"mesh dp={dp} x tsp={tsp} does not match the world size {world}"):
+            check_mesh(world, dp, tsp)
+    check_mesh(4, 2, 2)
+    check_mesh(3, 3, 1)
+    s = [TrainSample([1, 2], [3], [-1.0], 0.5, routed_experts=torch.zeros(3, 2, 2, dtype=torch.int16)),
+         TrainSample([1], [3, 4], [-1.0] * 2, 0.5, routed_experts=torch.zeros(3, 2, 1, dtype=torch.int16))]
+    with pytest.raises(ValueError, match=r"sample 1: routed_experts has shape \(3, 2, 1\), expected \[3, 2, 2\]"):
+        batch_tensors(s, 0, "cpu")
+    s[1].routed_experts = torch.zeros(2, 2, 2, dtype=torch.int16)  # one row per token: 3 tokens
+    with pytest.raises(ValueError, match=r"sample 1: routed_experts has shape \(2, 2, 2\), expected \[3, 2, 2\]"):
+        batch_tensors(s, 0, "cpu")
+    s[1].routed_experts = torch.ones(3, 2, 2, dtype=torch.int16)
+    t = batch_tensors(s, 0, "cpu")
+    assert [r.shape for r in t.routed_experts] == [(2, 3, 2)] * 2 and t.routed_experts[0][1].tolist() == [[1, 1]] * 3
+    with pytest.raises(ValueError, match="every sample needs at least one prompt token"):
+        batch_tensors([TrainSample([], [3], [-1.0], 0.5)], 0, "cpu")
