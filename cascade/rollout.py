@@ -437,7 +437,7 @@ def served_engine(rcfg, model_dir: Path, out: Path, log_dir: Path) -> ServedEngi
     shutil.rmtree(exchange / "weights", ignore_errors=True)
     exchange.mkdir(parents=True, exist_ok=True)
     group = dict(transport=r.weight_transport, group_host=r.group_host, group_timeout_s=r.group_timeout_s,
-                 group_device="cpu" if rcfg.device == "cpu" else rcfg.device, readmit_s=r.readmit_s)
+                 group_device=rcfg.device, readmit_s=r.readmit_s)
     if r.urls:
         key = url_key(r)
         if not key:
@@ -446,7 +446,7 @@ def served_engine(rcfg, model_dir: Path, out: Path, log_dir: Path) -> ServedEngi
         return ServedEngine(list(r.urls), exchange, key, per_server=r.per_server, down_wait_s=r.down_wait_s, **group)
     key = r.api_key or secrets.token_hex(16)
     pool = ServerPool(r.servers, model_dir, exchange, key, r.threads, log_dir, r.startup_timeout_s, rcfg.dtype,
-                      None if rcfg.device == "cpu" else rcfg.device, backend=r.backend, python=r.python,
+                      rcfg.device, backend=r.backend, python=r.python,
                       server_args=vllm_logprobs_args(rcfg), gpus=r.gpus)
     try:
         return ServedEngine(pool.urls, exchange, key, pool, per_server=r.per_server, **group)

@@ -319,6 +319,7 @@ def test_served_engine_wires_rollout_servers(tmp_path, recorded):
     pool = recorded.made[0]
     assert pool.args[:6] == (2, tmp_path, tmp_path / "out" / "exchange", "K2", 2, tmp_path / "logs")
     assert pool.kw["gpus"] == [0, 1] and pool.kw["backend"] == "cascade"
+    assert pool.args[8] == "cpu"  # the run's device (device=cpu: None let a server take a GPU where there is one)
     assert eng.args[2] == "K2" and eng.args[3] is pool
     recorded.made, recorded.fail = [], True  # the engine fails: the servers started for it are stopped
     with pytest.raises(RuntimeError, match="engine failed"):
