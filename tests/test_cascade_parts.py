@@ -643,3 +643,41 @@ def test_sampled_rollouts_keep_prompts_of_exactly_max_prompt_tokens(tok):
     out = sample_rollouts(Engine(), tok, picks, 2, SamplingParams(n=1), chat=False, max_prompt_tokens=cap)
     assert [(p.prompt, len(cs)) for _, p, cs in out] == [("What is 1+1?", 2)]
     assert len(sample_rollouts(Engine(), tok, picks, 1, SamplingParams(n=1), chat=False)) == 2  # 0: no bound
+
+
+def test_background_writes_run_one_at_a_time_and_each_failure_is_raised_once():
+    """Behind.start waits for the write before it (a checkpoint is not written over one still being written); a
+    failure is raised by one wait and then forgotten; daemon=False (the checkpointer's) makes a non-daemon thread."""
+    import threading
+
+    from train.background import Behind
+
+    order, gate, first_done, daemons = [], threading.Event(), threading.Event(), []
+
+    def first():
+        daemons.append(threading.current_thread().daemon)
+        gate.wait(5)
+        order.append("first")
+        first_done.set()
+
+    b = Behind("checkpoint write", daemon=False)
+    b.start(first, "first")
+    timer = threading.Timer(0.3, gate.set)
+    timer.start()
+    b.start(lambda: order.append("second"), "second")
+    b.wait()
+    first_done.wait(5)
+    timer.join()
+    assert order == ["first", "second"] and daemons == [False]
+    b.start(lambda: 1 / 0, "bug")
+    with pytest.raises(RuntimeError, match="checkpoint write failed: division by zero"):
+        b.wait()
+    b.wait()  # raised once
+    b.start(lambda: order.append("third"), "third")
+    b.wait()
+    assert order[-1] == "third"
+    daemons.clear()
+    d = Behind("weights")
+    d.start(lambda: daemons.append(threading.current_thread().daemon), "w")
+    d.wait()
+    assert daemons == [True]

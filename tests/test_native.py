@@ -306,3 +306,103 @@ def test_a_build_lock_left_by_a_killed_builder_does_not_hang_the_next_load(tmp_p
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "stale native-build lock" in r.stderr, r.stderr[-2000:]
     assert not lock.exists()
+
+
+def test_the_switch_reads_common_spellings_of_off():
+    for off in ("0", "false", "False", " OFF ", "no"):
+        os.environ["CASCADE_NATIVE_DECODE"] = off
+        try:
+            assert not native.enabled(), off
+        finally:
+            del os.environ["CASCADE_NATIVE_DECODE"]
+    assert native.enabled()
+
+
+def test_build_name_follows_the_cpu_features(monkeypatch):
+    """-march=native: a build for one CPU's features is not loaded on another (shared TORCH_EXTENSIONS_DIR)."""
+    name = native.build_name()
+    assert name == native.build_name() and name.startswith("cascade_decode_cpu_")
+    monkeypatch.setattr(native, "_cpu_flags", lambda: "flags\t\t: fpu sse2")
+    assert native.build_name() != name
+
+
+def test_only_the_implemented_modules_on_cpu_take_the_native_path():
+    from train.model.modeling import Attention
+
+    m = _model(**CONFIGS["moe-gqa"])
+    assert native.usable(m) and isinstance(native.decoder(m), native.NativeDecoder)
+
+    class OwnLogits(CausalLM):
+        def logits(self, h):
+            return 2 * super().logits(h)
+
+    sub = _model(**CONFIGS["moe-gqa"])
+    sub.__class__ = OwnLogits
+    assert not native.usable(sub) and native.decoder(sub) is None
+
+    class OwnAttention(Attention):
+        pass
+
+    swapped = _model(**CONFIGS["moe-gqa"])
+    swapped.model.layers[1].self_attn.__class__ = OwnAttention
+    assert not native.usable(swapped)
+    assert not native.usable(_model(**CONFIGS["moe-gqa"]).to("meta"))  # not on the CPU
+
+
+def test_a_cache_filled_exactly_and_rows_without_tokens():
+    m = _model(**CONFIGS["dense-mha-bias"])
+    dec = native.NativeDecoder(m)
+    ids = torch.randint(0, 203, (2, 4), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        ref = m.last_logits(ids, cache=KVCache.allocate(m.config, 2, 4, "cpu", torch.float32))
+        cache = KVCache.allocate(m.config, 2, 4, "cpu", torch.float32)
+        torch.testing.assert_close(dec.forward(ids, cache), ref, rtol=1e-5, atol=1e-5)
+        assert cache.length == 4
+        with pytest.raises(ValueError, match="KV cache overflow: 5 > 4"):
+            dec.step(ids[:, 0], cache)
+        mask = torch.ones(2, 4, dtype=torch.bool)
+        mask[1] = False
+        with pytest.raises(ValueError, match="at least one real token"):
+            dec.forward(ids, KVCache.allocate(m.config, 2, 8, "cpu", torch.float32), mask)
+
+
+def test_a_reused_cache_gets_its_padded_slots_zeroed():
+    """Padded slots of a cache that held something before (NaN here) are zeroed, so the decoding steps stay
+    finite and equal the model's."""
+    m = _model(**CONFIGS["moe-gqa"])
+    B, L = 3, 6
+    ids = torch.randint(0, 203, (B, L), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(B, L, dtype=torch.bool)
+    mask[1, :2] = False
+    mask[2, :5] = False
+    with torch.inference_mode():
+        ref_cache = KVCache.allocate(m.config, B, L + 3, "cpu", torch.float32)
+        ref = m.last_logits(ids, mask, cache=ref_cache)
+        cache = KVCache.allocate(m.config, B, L + 3, "cpu", torch.float32)
+        for t in cache.k + cache.v:
+            t.fill_(float("nan"))
+        dec = native.NativeDecoder(m)
+        torch.testing.assert_close(dec.forward(ids, cache, mask), ref, rtol=1e-5, atol=1e-5)
+        pad = ~mask[:, None, :, None]
+        for t in cache.k + cache.v:
+            assert bool((t[:, :, :L].masked_select(pad.expand_as(t[:, :, :L])) == 0).all())
+        tok = ref.argmax(-1)
+        torch.testing.assert_close(dec.step(tok, cache), m.last_logits(tok[:, None], cache=ref_cache),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_router_replay_records_the_models_experts_for_real_tokens():
+    m = _model(**CONFIGS["moe-mixed-layers"])
+    B, L = 2, 5
+    ids = torch.randint(0, 203, (B, L), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones(B, L, dtype=torch.bool)
+    mask[1, :3] = False
+    with torch.inference_mode():
+        ref = []
+        m.hidden_states(ids, mask, cache=KVCache.allocate(m.config, B, L, "cpu", torch.float32), record_routing=ref)
+        got = []
+        native.NativeDecoder(m).forward(ids, KVCache.allocate(m.config, B, L, "cpu", torch.float32), mask, record=got)
+    assert len(got) == len(ref) == 2  # the MoE layers (layer 1 is dense)
+    for g, r in zip(got, ref):
+        assert g.dtype == torch.long and g.shape == (7, 2)
+        assert torch.equal(g.sort(-1).values, r[mask].sort(-1).values)

@@ -211,3 +211,25 @@ def test_balance_across_ranks_breaks_load_ties_by_fewest_samples():
     # 3 -> rank 0, 3 -> rank 1, 0 -> rank 0 (all tied), 0 -> rank 1 (loads tie 3/3, rank 1 holds fewer samples)
     assert balance_across_ranks([3, 3, 0, 0], 2) == [[0, 2], [1, 3]]
     assert balance_across_ranks([0, 0], 2) == [[0], [1]]
+
+
+def test_make_batch_pads_right_and_marks_the_completion_targets():
+    """train.batching: right padding, the loss mask on the positions whose next token is a completion token,
+    per-completion values scattered there, rows cut out trimmed to their longest sequence."""
+    from train.batching import even_slices, index_batch, micro_batches
+
+    b = make_batch([[5, 6, 7], [8]], [[9, 10], [11, 12, 13, 14, 15]], pad_id=2)
+    assert b.input_ids.tolist() == [[5, 6, 7, 9, 10, 2], [8, 11, 12, 13, 14, 15]]
+    assert b.attention_mask.tolist() == [[True] * 5 + [False], [True] * 6]
+    assert b.loss_mask.tolist() == [[0, 0, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert b.prompt_lens == [3, 1] and b.completion_lens == [2, 5]
+    assert b.scatter_completion([[0.5, 0.25], [1, 2, 3, 4, 5]]).tolist() == [[0, 0, 0.5, 0.25, 0], [1, 2, 3, 4, 5]]
+    first = index_batch(b, slice(0, 1))
+    assert first.input_ids.tolist() == [[5, 6, 7, 9, 10]] and first.loss_mask.tolist() == [[0, 0, 1, 1]]
+    assert first.attention_mask.tolist() == [[True] * 5] and first.prompt_lens == [3]
+    with pytest.raises(ValueError, match="2 prompts but 1 completions"):
+        make_batch([[1], [2]], [[3]])
+    assert micro_batches(5, 2) == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    assert micro_batches(2, 0) == [slice(0, 1), slice(1, 2)]
+    assert even_slices(3, 5) == [slice(0, 1), slice(1, 2), slice(2, 3)]
+    assert even_slices(7, 3) == [slice(0, 2), slice(2, 4), slice(4, 7)] and even_slices(0, 4) == []

@@ -180,3 +180,114 @@ def test_load_pairs_takes_mapped_prompt_and_response_columns_over_a_messages_col
     assert load_pairs(f, {"prompt": "prompt", "response": "response"}) == [("p", "r")]  # mapped as themselves
     from_messages = [([{"role": "user", "content": "What is 2+2? Put the answer in a box."}], "\\boxed{4}")]
     assert load_pairs(f) == load_pairs(f, {"messages": "messages"}) == from_messages
+
+
+def test_chat_examples_must_end_with_an_assistant_reply_after_another_message():
+    """The loss is on the last assistant message: a conversation of that message alone (nothing to predict it
+    from) or one ending with a user turn is refused, naming where it came from."""
+    from train.sft import _messages
+
+    user, bot = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}
+    assert _messages([user, bot], "row 0") == ([user], "yo")
+    for bad in ([bot], [bot, user], [user, user]):
+        with pytest.raises(ValueError, match="row 7: messages must end with an assistant message"):
+            _messages(bad, "row 7")
+
+
+def test_load_pairs_says_a_missing_data_file_does_not_exist(tmp_path):
+    from train.sft import load_pairs
+
+    for name in ("absent.jsonl", "absent.parquet"):
+        with pytest.raises(FileNotFoundError, match="does not exist"):
+            load_pairs(tmp_path / name)
+
+
+def test_load_pairs_with_messages_mapped_takes_the_messages_even_when_prompt_is_mapped_too(tmp_path):
+    import json
+
+    from train.sft import load_pairs
+
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps({"question": "q", "solution": "s", "conv": [{"role": "user", "content": "hi"},
+                                                                        {"role": "assistant", "content": "yo"}]}) + "\n")
+    assert load_pairs(f, {"messages": "conv", "prompt": "question", "response": "solution"}) == \
+        [([{"role": "user", "content": "hi"}], "yo")]
+    assert load_pairs(f, {"prompt": "question", "response": "solution"}) == [("q", "s")]
+
+
+def test_chat_prompt_ids_add_the_system_prompt_only_where_the_context_has_none(tiny_dense_dir):
+    from train.sft import prompt_ids
+    from train.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_dense_dir)
+    user = {"role": "user", "content": "What is 2+2?"}
+    own = {"role": "system", "content": "Be brief."}
+    text = tok.decode(prompt_ids(tok, [own, user], True, "Think hard."))
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n" \
+                   "<|im_start|>assistant\n"
+    added = tok.decode(prompt_ids(tok, [user], True, "Think hard."))
+    assert added == "<|im_start|>system\nThink hard.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n" \
+                    "<|im_start|>assistant\n"
+    with pytest.raises(ValueError, match="need the chat template"):
+        prompt_ids(tok, [user], False, None)
+
+
+def test_prompt_text_is_the_last_user_message_of_a_chat_context():
+    from train.sft import prompt_text
+
+    ctx = [{"role": "system", "content": "sys"}, {"role": "user", "content": "first"},
+           {"role": "assistant", "content": "reply"}, {"role": "user", "content": "second"}]
+    assert prompt_text(ctx) == "second"
+    assert prompt_text("plain") == "plain" and prompt_text([{"role": "system", "content": "sys"}]) == ""
+
+
+def test_a_response_ends_with_one_end_of_sequence_token_and_max_len_is_inclusive(tiny_dense_dir):
+    """encode_pair appends EOS to a response that lacks it, and not a second to one that has it; an example of
+    exactly max_len tokens is kept, one more is refused."""
+    from train.sft import encode_pair
+    from train.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_dense_dir)
+    eos = tok.eos_token_id
+    plain = tok.encode("The answer is 4.", add_special_tokens=False)
+    for resp in ("The answer is 4.", "The answer is 4.<|im_end|>"):
+        p, r = encode_pair(tok, "What is 2+2?", resp, chat=False, system=None)
+        assert r == plain + [eos] and p == tok.encode("What is 2+2?", add_special_tokens=False)
+    n = len(p) + len(r)
+    assert len(SFTTrainer(load_pretrained(tiny_dense_dir), tok, SFTConfig(chat_template=False, max_len=n))
+               .encode([("What is 2+2?", "The answer is 4.")])) == 1
+    with pytest.raises(ValueError, match=f"{n} tokens > max_len {n - 1}"):
+        SFTTrainer(load_pretrained(tiny_dense_dir), tok, SFTConfig(chat_template=False, max_len=n - 1)).encode(
+            [("What is 2+2?", "The answer is 4.")])
+
+
+def test_step_metrics_count_from_zero_and_a_loaded_state_goes_on_from_the_saved_step(tiny_dense_dir):
+    cfg = SFTConfig(steps=4, optim=OptimConfig(lr=1e-3, schedule="constant", warmup_steps=0))
+    sft = SFTTrainer(load_pretrained(tiny_dense_dir), None, cfg)
+    exs = examples(4)
+    assert [sft.step(exs)["step"] for _ in range(2)] == [0, 1]
+    again = SFTTrainer(load_pretrained(tiny_dense_dir), None, cfg)
+    again.load_state_dict(sft.state_dict())
+    assert again.step_idx == 2 and again.step(exs)["step"] == 2
+
+
+def test_render_trace_and_messages_given_as_a_json_string():
+    import json
+
+    from train.sft import _messages, render_trace
+
+    assert render_trace("  add them \n", " \\boxed{4} ") == "<think>\nadd them\n</think>\n\n\\boxed{4}"
+    conv = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]
+    assert _messages(json.dumps(conv), "row 0") == ([{"role": "user", "content": "hi"}], "yo")
+    with pytest.raises(ValueError, match="row 1: messages is a string, not a JSON list"):
+        _messages("hi there", "row 1")
+
+
+def test_conversational_prompt_completion_rows_are_checked_and_normalised_as_chat():
+    from train.sft import _pair
+
+    got = _pair([{"from": "human", "value": "hi"}], [{"from": "gpt", "value": "yo"}], "row 0")
+    assert got == ([{"role": "user", "content": "hi"}], "yo")
+    assert _pair("hi", [{"role": "assistant", "content": "yo"}], "row 0") == ([{"role": "user", "content": "hi"}], "yo")
+    with pytest.raises(ValueError, match="row 2: messages must end with an assistant message"):
+        _pair([{"role": "user", "content": "hi"}], [{"role": "user", "content": "again"}], "row 2")
