@@ -759,3 +759,48 @@ def test_solve_fraction_counts_only_the_hidden_tests():
             assert sc.reward == 0.0 and not sc.correct, (reward, s.id, sc)
             ref = env.verify(p, env.reference_response(p))
             assert ref.reward == 1.0 and ref.correct, (reward, s.id, ref)
+
+
+def test_cli_options_reach_the_sandbox_and_the_judge(tmp_path, capsys):
+    """--language over the extension, --memory-mb, --time-limit, --stop-on-failure, --float-tol and the layers report
+    (each was checked only by its default giving the same verdict)."""
+    from envs.code.cli import main
+
+    py_named_cpp = tmp_path / "p.cpp"
+    py_named_cpp.write_text("print(6 * 7)\n")
+    assert main(["run", str(py_named_cpp), "--language", "python"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["status"] == "ok" and out["stdout"].strip() == "42", out
+    hog = tmp_path / "hog.py"
+    hog.write_text("x = bytearray(300 * 1024 * 1024)\nprint('held')\n")
+    assert main(["run", str(hog), "--memory-mb", "64"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["status"] != "ok" and "held" not in out["stdout"], out
+    loop = tmp_path / "loop.py"
+    loop.write_text("while True: pass\n")
+    t = time.perf_counter()
+    assert main(["run", str(loop), "--time-limit", "0.5"]) == 0
+    assert json.loads(capsys.readouterr().out)["status"] == "time_limit" and time.perf_counter() - t < 4
+    third = tmp_path / "third.py"
+    third.write_text("print(1 / 3)\n")
+    tests = tmp_path / "t.jsonl"
+    tests.write_text('{"input": "", "output": "0.3334"}\n{"input": "", "output": "0.3334"}\n')
+    assert main(["judge", str(third), "--tests", str(tests), "--stop-on-failure"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["status"] for r in out["results"]] == ["wrong_answer", "skipped"], out
+    assert main(["judge", str(third), "--tests", str(tests), "--float-tol", "1e-3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["status"] == "accepted" and len(out["results"]) == 2, out
+    assert main(["layers"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert set(got["missing"]) == {k for k, ok in got["layers"].items() if not ok}
+    assert all(isinstance(ok, bool) for ok in got["layers"].values())
+
+
+def test_cli_refuses_a_program_that_is_not_utf8_in_one_line(tmp_path):
+    from envs.code.cli import main
+
+    prog = tmp_path / "p.py"
+    prog.write_bytes(b"print('\xff\xfe')\n")
+    with pytest.raises(ValueError, match=r"program .*p\.py' is not UTF-8 text"):
+        main(["run", str(prog)])

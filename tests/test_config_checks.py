@@ -180,3 +180,76 @@ def test_a_rerun_step_drops_only_its_own_stages_later_records(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     got = sorted((r["stage"], r["phase"], r["step"]) for r in read_records(tmp_path))
     assert got == [("math", "pool", 7), ("math", "rl", 1), ("rlve", "rl", 5)]
+
+
+# -- train/dataclass_config.py: the typed build, value by value -----------------------------------------
+import dataclasses as _dc  # noqa: E402
+from typing import Optional as _Optional  # noqa: E402
+
+
+@_dc.dataclass
+class _Leaf:
+    n: int = 0
+    x: float = 0.0
+    on: bool = False
+    s: str = ""
+
+
+@_dc.dataclass
+class _Typed:
+    leaf: _Leaf = _dc.field(default_factory=lambda: _Leaf(n=7))
+    xs: list[int] = _dc.field(default_factory=list)
+    pair: tuple[int, ...] = ()
+    table: dict[str, float] = _dc.field(default_factory=dict)
+    either: int | str = 0
+    maybe: _Optional[int] = None
+    positive: int = 1
+
+    def __post_init__(self):
+        if self.positive < 1:
+            raise ValueError(f"positive must be >= 1, got {self.positive}")
+        if self.positive == 99:
+            raise KeyError("positive may not be 99")
+
+
+def test_build_converts_what_yaml_gives_and_refuses_the_rest():
+    from train.dataclass_config import ConfigError, build
+
+    got = build(_Typed, {"leaf": {"x": 2, "on": True}, "xs": [1, 2.0], "pair": [3, 4], "table": {"a": 1, "b": "1e-3"},
+                         "maybe": None, "either": "w"})
+    assert got.leaf == _Leaf(n=7, x=2.0, on=True)  # merged into the field's default (n=7)
+    assert isinstance(got.leaf.x, float) and got.xs == [1, 2] and isinstance(got.xs[1], int)
+    assert got.pair == (3, 4) and isinstance(got.pair, tuple)
+    assert got.table == {"a": 1.0, "b": 0.001} and isinstance(got.table["a"], float)
+    assert (got.either, got.maybe) == ("w", None)
+    assert build(_Leaf, {"x": "1e-3", "n": 3.0, "s": 2024}) == _Leaf(n=3, x=0.001, s="2024")
+    same = _Leaf(n=2)
+    assert build(_Typed, {"leaf": same}).leaf is same  # an instance is taken as it is
+    for data, msg in (({"on": 1}, "on: expected true/false, got 1"),
+                      ({"x": True}, "x: expected a number, got True"),
+                      ({"x": "fast"}, "x: expected a number, got 'fast'"),
+                      ({"n": True}, "n: expected an integer, got True"),
+                      ({"n": 2.5}, "n: expected an integer, got 2.5"),
+                      ({"s": True}, "s: expected a string, got True"),
+                      ({"nope": 1}, "unknown key 'nope'; valid keys: n, on, s, x")):
+        with pytest.raises(ConfigError, match=re.escape(msg)):
+            build(_Leaf, data)
+    for data, msg in (({"xs": "12"}, "xs: expected a list, got str '12'"),
+                      ({"xs": [1, "a"]}, "xs[1]: expected an integer, got 'a'"),
+                      ({"table": {"a": "x"}}, "table.a: expected a number, got 'x'"),
+                      ({"either": None}, "either: "),
+                      ({"leaf": 3}, "leaf: expected a mapping, got 3"),
+                      ({"leaf": {"bad": 1}}, "unknown key 'leaf.bad' in leaf"),
+                      ({"positive": 0}, "_Typed: positive must be >= 1, got 0"),
+                      ({"positive": 99}, "_Typed: positive may not be 99")):
+        with pytest.raises(ConfigError, match=re.escape(msg)):
+            build(_Typed, data)
+
+
+def test_build_over_a_base_keeps_the_bases_values_and_nested_ones():
+    from train.dataclass_config import build
+
+    base = _Typed(leaf=_Leaf(n=3, s="b"), xs=[9], positive=5)
+    got = build(_Typed, {"leaf": {"x": 1.5}}, base=base)
+    assert got == _Typed(leaf=_Leaf(n=3, x=1.5, s="b"), xs=[9], positive=5)
+    assert build(_Typed, {}, base=base) == base

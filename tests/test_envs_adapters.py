@@ -841,3 +841,98 @@ def test_rc_leaves_fakers_shared_random_state_as_it_found_it():
     other = ReasoningCoreEnv("set_missing_element")
     shared.seed(999)
     assert other.generate(5, 1).prompt == a.prompt
+
+
+# -- difficulty caps and the run-time bound: details (mutation-found gaps) ---------------------------
+def test_no_difficulty_caps_switch_reads_0_as_off(monkeypatch):
+    from envs import caps
+
+    for value, off in (("", False), ("0", False), ("1", True), ("yes", True)):
+        monkeypatch.setenv("CASCADE_NO_DIFFICULTY_CAPS", value)
+        assert caps.disabled() is off, value
+        bounded = getattr(get_env("test/slow_gen").generate, "__wrapped__", None) is not None
+        assert bounded is not off, value
+
+
+def test_load_caps_keeps_well_formed_entries_and_reads_a_changed_file(tmp_path):
+    f = tmp_path / "caps.json"
+    f.write_text(json.dumps({"a": {"max_difficulty": 2, "reason": "r"}, "b": 5, "c": {"max_difficulty": "2"},
+                             "d": {}, "e": {"max_difficulty": 0}}))
+    assert load_caps(f) == {"a": {"max_difficulty": 2, "reason": "r"}, "e": {"max_difficulty": 0}}
+    f.write_text(json.dumps({"z": {"max_difficulty": 1}}))
+    st = f.stat()
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))  # a later edit (same-second writes aside)
+    assert load_caps(f) == {"z": {"max_difficulty": 1}}
+    f.write_text("{not json")
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10_000_000_000))
+    assert load_caps(f) == {}
+    assert load_caps(tmp_path / "missing.json") == {}
+
+
+def test_a_recorded_cap_only_lowers_max_difficulty(tmp_path, monkeypatch):
+    f = tmp_path / "caps.json"
+    monkeypatch.delenv("CASCADE_NO_DIFFICULTY_CAPS", raising=False)
+    monkeypatch.setenv("CASCADE_DIFFICULTY_CAPS", str(f))
+    top = type(get_env("toy/add")).max_difficulty
+    assert top is not None and top > 5
+    f.write_text(json.dumps({"toy/add": {"max_difficulty": top + 100, "reason": "r"}}))
+    assert get_env("toy/add").max_difficulty == top
+    f.write_text(json.dumps({"toy/add": {"max_difficulty": 3, "reason": "r"}}))
+    os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 5_000_000_000))
+    assert get_env("toy/add").max_difficulty == 3
+    # a corrupt file is no caps, not an error
+    f.write_text("{")
+    os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10_000_000_000))
+    assert get_env("toy/add").max_difficulty == top
+
+
+class _SlowEverySeed(_SlowGen):
+    """Slow at difficulty 0 for every seed; records the seeds asked for."""
+
+    def __init__(self):
+        self.seeds = []
+
+    def generate(self, seed, difficulty):
+        self.seeds.append(seed)
+        time.sleep(30)
+
+
+def test_run_time_bound_tries_three_other_seeds_then_fails():
+    from envs.caps import GenerationTimeout
+
+    env = _SlowEverySeed()
+    bound_generate(env, 0.2)
+    t = time.perf_counter()
+    with pytest.raises(GenerationTimeout, match="at difficulty 0 for seed 5 and 3 derived seeds"):
+        env.generate(5, 0)
+    assert time.perf_counter() - t < 15  # (not the 30 s its generator sleeps)
+    assert len(env.seeds) == 4 and env.seeds[0] == 5 and len(set(env.seeds)) == 4, env.seeds
+
+
+class _RaisingGen(_SlowGen):
+    def generate(self, seed, difficulty):
+        raise ValueError(f"no problem at {difficulty}")
+
+
+def test_run_time_bound_passes_the_generators_error_on():
+    env = _RaisingGen()
+    bound_generate(env, 1.0)
+    with pytest.raises(ValueError, match="no problem at 1"):
+        env.generate(0, 1)
+
+
+def test_cli_check_no_record_and_module_ids_leave_the_caps_file_alone(tmp_path, capsys):
+    caps_file = tmp_path / "caps.json"
+    for ids in (["test/slow_gen", "--no-record"], [f"{__name__}:_SlowGen"]):
+        assert envs_main(["check", *ids, "--difficulties", "0-2", "--seeds", "1", "--gen-limit", "0.3",
+                          "--caps", str(caps_file)]) == 0
+        assert "capped at difficulty 1" in capsys.readouterr().out, ids
+        assert not caps_file.exists(), ids
+
+
+def test_cli_check_reports_the_slowest_environment_first(capsys):
+    assert envs_main(["check", "toy/add", "test/slow_gen", "--difficulties", "0-2", "--seeds", "1",
+                      "--gen-limit", "0.3", "--no-record", "--slowest", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    i = lines.index("slowest 1 environments:")
+    assert "test/slow_gen" in lines[i + 1] and "toy/add" not in lines[i + 1]

@@ -156,3 +156,33 @@ def test_configs_dir_order(tmp_path, monkeypatch):
     monkeypatch.setenv("CASCADE_CONFIGS", str(tmp_path / "nowhere"))
     with pytest.raises(FileNotFoundError, match="nowhere.*CASCADE_CONFIGS"):
         configs_dir()
+
+
+def test_the_packaged_configs_come_before_a_neighbouring_configs_folder(tmp_path, monkeypatch):
+    """An installed wheel's cascade/_configs wins over a configs/ beside the packages (someone else's)."""
+    import train.presets as presets
+
+    monkeypatch.delenv("CASCADE_CONFIGS", raising=False)
+    monkeypatch.setattr(presets, "__file__", str(tmp_path / "train" / "presets.py"))
+    (tmp_path / "configs").mkdir()
+    assert presets.configs_dir() == tmp_path / "configs"
+    (tmp_path / "cascade" / "_configs").mkdir(parents=True)
+    assert presets.configs_dir() == tmp_path / "cascade" / "_configs"
+
+
+def test_preset_model_dict_family_vocabulary_and_overrides(tmp_path, monkeypatch):
+    from train.presets import load_preset, preset_model_dict
+
+    dense = preset_model_dict("tiny-dense")
+    assert dense["vocab_size"] == 1024 and dense["hidden_size"] == 128 and "architecture" not in dense
+    assert preset_model_dict("tiny-dense", 777)["vocab_size"] == 777  # e.g. the built tokenizer's size
+    assert preset_model_dict("tiny-dense", hidden_size=64)["hidden_size"] == 64
+    assert preset_model_dict("tiny-zaya")["architecture"] == "zaya"
+    assert preset_model_dict("tiny-llama", architecture="qwen3")["architecture"] == "qwen3"
+    with pytest.raises(ValueError, match="unknown model preset 'tiny-nope'; available presets: .*tiny-dense"):
+        load_preset("tiny-nope")
+    # a preset's own architecture stands over its model_type's family
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "mine.yaml").write_text("model_type: llama\nmodel: {architecture: qwen2, hidden_size: 8}\n")
+    monkeypatch.setenv("CASCADE_CONFIGS", str(tmp_path))
+    assert preset_model_dict("mine") == {"architecture": "qwen2", "hidden_size": 8, "vocab_size": 1024}
