@@ -192,6 +192,29 @@ def test_init_model_presets_for_llama_and_qwen2(preset, kind, tmp_path):
         assert (back(ids).logits - model(ids)).abs().max().item() < 1e-4
 
 
+def test_init_model_follows_its_seed_and_writes_the_tokenizers_special_ids(tmp_path):
+    """The same seed writes the same weights, another seed others; the config names the tokenizer's own
+    end-of-sequence and padding ids (generation stops, and batches pad, on the tokens the tokenizer makes)."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from train.presets import init_model
+
+    def weights(d):
+        return {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        init_model("tiny-dense", tmp_path / name, seed=seed)
+    a, b, c = (weights(tmp_path / n) for n in "abc")
+    assert a.keys() == b.keys() == c.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a if a[k].std() > 0)
+    cfg = json.loads((tmp_path / "a" / "config.json").read_text())
+    tok = AutoTokenizer.from_pretrained(tmp_path / "a")
+    assert tok.eos_token_id is not None and tok.pad_token_id is not None
+    assert (cfg["eos_token_id"], cfg["pad_token_id"]) == (tok.eos_token_id, tok.pad_token_id)
+
+
 def test_tsp_takes_qwen2_and_llama():
     """TSP shards Qwen2's q/k/v biases and Llama's RoPE scaling (parity: tests/test_parallel.py); what it
     still refuses is a head count it cannot split."""

@@ -761,6 +761,21 @@ def test_solve_fraction_counts_only_the_hidden_tests():
             assert ref.reward == 1.0 and ref.correct, (reward, s.id, ref)
 
 
+def test_cli_compile_time_limit_reaches_the_compile(tmp_path, capsys):
+    """``--compile-time-limit`` bounds the C++ compile (default 20 s, where this program compiles)."""
+    from envs.code.cli import main
+
+    prog = tmp_path / "p.cpp"
+    prog.write_text("#include <iostream>\nint main(){std::cout<<42<<std::endl;}\n")
+    assert main(["run", str(prog), "--compile-time-limit", "0.05"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["status"] == "compile_error" and out["compile"]["status"] == "time_limit", out
+    assert "compile time limit (0.05 s)" in out["stderr"]
+    assert main(["run", str(prog)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["status"] == "ok" and out["stdout"].strip() == "42", out
+
+
 def test_cli_options_reach_the_sandbox_and_the_judge(tmp_path, capsys):
     """--language over the extension, --memory-mb, --time-limit, --stop-on-failure, --float-tol and the layers report
     (each was checked only by its default giving the same verdict)."""
