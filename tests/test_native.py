@@ -132,6 +132,7 @@ def test_shared_prefix_is_read_once_and_gives_the_models_logits(kind, threads, m
     for i in range(B):
         mask[i, :i] = False  # suffixes of different lengths, left-padded after the prefix
     calls = []
+    native.load()  # (the op exists once the extension is loaded: this test may run first)
     real = torch.ops.cascade_native.attn_block
 
     def spy(*args):
@@ -406,3 +407,34 @@ def test_router_replay_records_the_models_experts_for_real_tokens():
     for g, r in zip(got, ref):
         assert g.dtype == torch.long and g.shape == (7, 2)
         assert torch.equal(g.sort(-1).values, r[mask].sort(-1).values)
+
+
+def test_the_shared_prefix_path_needs_two_rows_and_a_prefix_of_shared_min_tokens(monkeypatch):
+    """KVCache.shared takes the batched attention path from SHARED_MIN shared tokens and two rows on (one token
+    shorter, or one row, attends row by row); either way the logits are the PyTorch model's."""
+    assert native.load(), native._STATE.get("error")
+    m = _model(**CONFIGS["moe-gqa"])
+    calls = []
+    real = torch.ops.cascade_native.attn_block
+
+    def spy(*args):
+        calls.append(args[-1])
+        return real(*args)
+
+    monkeypatch.setattr(torch.ops.cascade_native, "attn_block", spy, raising=False)
+    g = torch.Generator().manual_seed(4)
+    for B, P, want in ((3, native.SHARED_MIN, native.SHARED_MIN), (3, native.SHARED_MIN - 1, 0),
+                       (1, native.SHARED_MIN + 4, 0)):
+        prefix = torch.randint(0, 203, (1, P), generator=g)
+        tok = torch.randint(0, 203, (B,), generator=g)
+        with torch.inference_mode():
+            ref_cache = KVCache.allocate(m.config, B, P + 2, "cpu", torch.float32)
+            m.hidden_states(prefix.expand(B, P), cache=ref_cache)
+            ref = m.last_logits(tok[:, None], cache=ref_cache)
+            dec = native.NativeDecoder(m)
+            cache = KVCache.allocate(m.config, B, P + 2, "cpu", torch.float32)
+            dec.forward(prefix.expand(B, P), cache)
+            cache.shared = P
+            calls.clear()
+            torch.testing.assert_close(dec.step(tok, cache), ref, rtol=1e-5, atol=1e-5)
+        assert calls == [want] * m.config.num_hidden_layers, (B, P, calls)

@@ -590,3 +590,188 @@ def test_a_left_padded_row_equals_the_row_alone_with_projection_biases():
         batch = m.logits(m.hidden_states(ids, mask))[1, 5:]
         alone = m.logits(m.hidden_states(ids[1:, 5:]))[0]
     torch.testing.assert_close(batch, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_two_packed_sequences_restart_the_convolution():
+    """Two sequences packed in one row (cu_seqlens with a single inner bound) each equal the sequence alone: the
+    second one's CCA convolution starts from zeros, not from the first one's last projections."""
+    m = _spread_zaya()
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randint(3, V, (6,), generator=g), torch.randint(3, V, (5,), generator=g)
+    with torch.no_grad():
+        out = m(torch.cat([a, b])[None], cu_seqlens=[0, 6, 11])[0]
+        alone = torch.cat([m(a[None])[0], m(b[None])[0]])
+    torch.testing.assert_close(out, alone, rtol=1e-5, atol=1e-5)
+
+
+def _load_after_training_forward(m, ids, mask, routes):
+    for layer in m.model.layers:
+        layer.mlp.gate.load_counts.zero_()
+    m(ids, mask, routed_experts=routes).sum().backward()
+    return torch.stack([layer.mlp.gate.load_counts.clone() for layer in m.model.layers])
+
+
+def test_training_forwards_count_the_real_tokens_routed_to_each_expert():
+    """load_counts (what balance_router_biases follows) after a training forward: per layer and expert the real
+    tokens routed there (replayed ids, counted by hand), padding and the skip class (4) left out; evaluation
+    forwards and forwards without gradient count nothing."""
+    m = _spread_zaya().train()
+    ids = torch.randint(3, V, (2, 4), generator=torch.Generator().manual_seed(6))
+    mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]], dtype=torch.bool)
+    routes = [torch.tensor([[0, 1, 1, 4], [2, 2, 3, 3]])[..., None],  # row 1: the two padded slots (2, 2) not counted
+              torch.tensor([[4, 4, 4, 4], [3, 0, 4, 0]])[..., None],
+              torch.tensor([[3, 3, 3, 2], [1, 1, 1, 1]])[..., None]]
+    got = _load_after_training_forward(m, ids, mask, routes)
+    assert got.tolist() == [[1, 2, 0, 2], [1, 0, 0, 0], [0, 2, 1, 3]]
+    m.eval()
+    assert _load_after_training_forward(m, ids, mask, routes).sum().item() == 0
+    m.train()
+    with torch.no_grad():
+        m(ids, mask, routed_experts=routes)
+    assert all(layer.mlp.gate.load_counts.sum().item() == 0 for layer in m.model.layers)
+
+
+def test_expert_loads_keeps_the_masked_tokens_only():
+    routes = [torch.tensor([[[0], [1], [1]], [[2], [4], [3]]]), torch.tensor([[[3], [3], [3]], [[3], [0], [1]]])]
+    mask = torch.tensor([[0, 1, 1], [1, 1, 0]])
+    assert expert_loads(routes, 4, mask).tolist() == [[0, 2, 1, 0], [1, 0, 0, 3]]
+    assert expert_loads(routes, 4).tolist() == [[1, 2, 1, 1], [1, 1, 0, 4]]
+
+
+def test_bias_update_for_a_layer_whose_tokens_all_skipped_and_wrong_layer_counts():
+    """A layer whose every token took the skip class has load 0 on each expert (< 1/E): every expert's bias goes up
+    one step (as long as some layer counted a token); counts for another number of layers are refused."""
+    m = _spread_zaya()
+    before = torch.stack([l.mlp.gate.balancing_biases.clone() for l in m.model.layers])
+    counts = torch.tensor([[2.0, 2.0, 2.0, 2.0], [0.0, 0.0, 0.0, 0.0], [8.0, 0.0, 0.0, 0.0]])
+    load = update_balancing_biases(m, counts, rate=0.01)
+    assert load.tolist() == [[0.25] * 4, [0.0] * 4, [1.0, 0.0, 0.0, 0.0]]
+    step = torch.stack([l.mlp.gate.balancing_biases for l in m.model.layers]) - before
+    torch.testing.assert_close(step, torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0], [0.01, 0.01, 0.01, 0.01, 0.0],
+                                                   [-0.01, 0.01, 0.01, 0.01, 0.0]]))
+    with pytest.raises(ValueError, match="layers"):
+        update_balancing_biases(m, counts[:2], rate=0.01)
+
+
+def test_balance_router_biases_with_a_zero_rate_is_a_no_op_that_still_resets_the_counts():
+    from train.model.zaya import balance_router_biases
+
+    m = _spread_zaya(router_bias_update_rate=0.0)
+    before = [l.mlp.gate.balancing_biases.clone() for l in m.model.layers]
+    for l in m.model.layers:
+        l.mlp.gate.load_counts += torch.tensor([5.0, 0.0, 1.0, 0.0])
+    assert balance_router_biases(m) is None
+    assert all(torch.equal(l.mlp.gate.balancing_biases, b) for l, b in zip(m.model.layers, before))
+    assert all(l.mlp.gate.load_counts.sum().item() == 0 for l in m.model.layers)
+    m.config.router_bias_update_rate = 0.01
+    for l in m.model.layers:
+        l.mlp.gate.load_counts += torch.tensor([5.0, 0.0, 1.0, 0.0])
+    load = balance_router_biases(m)
+    assert load is not None and load[0].tolist() == pytest.approx([5 / 6, 0.0, 1 / 6, 0.0])
+
+
+def test_checkpointed_layers_replay_the_forwards_routing_and_record_a_replayed_one():
+    """checkpoint_layers: backward's recomputation routes as the forward did even where the router would now choose
+    otherwise (balancing biases moved between forward and backward), so the gradients are the plain forward's; a
+    forward that replays given routes records those routes, one entry per layer."""
+    m = _spread_zaya()
+    ids = torch.randint(3, V, (2, 10), generator=torch.Generator().manual_seed(7))
+    w = torch.randn(2, 10, V, generator=torch.Generator().manual_seed(8))
+    (m(ids) * w).sum().backward()
+    want = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    m.zero_grad()
+    out = m(ids, checkpoint_layers=True)
+    with torch.no_grad():
+        for layer in m.model.layers:  # the router would now pick expert 0 for every token
+            layer.mlp.gate.balancing_biases.copy_(torch.tensor([5.0, 0.0, 0.0, 0.0, 0.0]))
+    (out * w).sum().backward()
+    for n, p in m.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, want[n], rtol=1e-4, atol=1e-5, msg=n)
+    routes = [torch.randint(0, 5, (2, 10, 1), generator=torch.Generator().manual_seed(9)) for _ in range(3)]
+    rec = []
+    m(ids, routed_experts=routes, record_routing=rec, checkpoint_layers=True).sum().backward()
+    assert len(rec) == 3 and all(torch.equal(r.reshape(2, 10, 1), s) for r, s in zip(rec, routes))
+    m(ids, routed_experts=routes, checkpoint_layers=True).sum().backward()  # nothing to record into
+
+
+@pytest.mark.skipif(not native.enabled(), reason="CASCADE_NATIVE_DECODE=0")
+def test_only_the_implemented_zaya_modules_take_the_native_steps():
+    """ZayaNativeDecoder implements train/model/zaya.py's modules: a subclass of CausalLM with its own hidden states
+    or zaya layer stack, or a zaya layer with a swapped residual scaling / router MLP / q-k norm keeps the PyTorch
+    step (its computation may differ from the fused ops')."""
+    from train.model.zaya import QKNorm, ResidualScaling, RouterMLP
+
+    assert native.load(), native._STATE.get("error")
+    assert isinstance(native.decoder(_spread_zaya()), native.ZayaNativeDecoder)
+
+    class OwnHidden(CausalLM):
+        def hidden_states(self, *args, **kw):
+            return super().hidden_states(*args, **kw)
+
+    class OwnStack(CausalLM):
+        def _zaya_layers(self, *args):
+            return super()._zaya_layers(*args)
+
+    class OwnScaling(ResidualScaling):
+        pass
+
+    class OwnRouterMLP(RouterMLP):
+        pass
+
+    class OwnQKNorm(QKNorm):
+        pass
+
+    def swap(obj, cls):
+        obj.__class__ = cls
+
+    for change in (lambda m: swap(m, OwnHidden), lambda m: swap(m, OwnStack),
+                   lambda m: swap(m.model.layers[2].post_mlp_residual_scale, OwnScaling),
+                   lambda m: swap(m.model.layers[0].post_attention_residual_scale, OwnScaling),
+                   lambda m: swap(m.model.layers[1].mlp.gate.router_mlp, OwnRouterMLP),
+                   lambda m: swap(m.model.layers[1].self_attn.qk_norm, OwnQKNorm)):
+        m = _spread_zaya()
+        change(m)
+        assert not native.usable(m) and native.decoder(m) is None
+
+
+@pytest.mark.skipif(not native.enabled(), reason="CASCADE_NATIVE_DECODE=0")
+def test_native_zaya_one_token_prompts_and_a_padded_single_token_step():
+    """ZayaNativeDecoder.forward with one token per row on an empty cache (prompts of one token: a prefill, with
+    no convolution or delayed-value state yet) gives the PyTorch model's logits and cache, then steps on; one token
+    per row where a row's token is padding is refused as for longer inputs; a step past the cache's capacity too."""
+    from train.model.modeling import KVCache
+
+    assert native.load(), native._STATE.get("error")
+    m = _spread_zaya(attention_bias=True)
+    dec = native.decoder(m)
+    ids = torch.tensor([[5], [9]])
+    with torch.inference_mode():
+        ref_c = KVCache.allocate(m.config, 2, 3, "cpu", torch.float32)
+        nat_c = KVCache.allocate(m.config, 2, 3, "cpu", torch.float32)
+        ref = m.last_logits(ids, cache=ref_c)
+        torch.testing.assert_close(dec.forward(ids, nat_c), ref, rtol=1e-5, atol=1e-5)
+        tok = ref.argmax(-1)
+        torch.testing.assert_close(dec.step(tok, nat_c), m.last_logits(tok[:, None], cache=ref_c), rtol=1e-5,
+                                   atol=1e-5)
+        with pytest.raises(ValueError, match="at least one real token"):
+            dec.forward(tok[:, None], nat_c, torch.tensor([[True], [False]]))
+        assert nat_c.length == 3
+        with pytest.raises(ValueError, match="overflow"):
+            dec.step(tok, nat_c)
+
+
+@pytest.mark.skipif(not native.enabled(), reason="CASCADE_NATIVE_DECODE=0")
+def test_native_zaya_prefill_returns_each_rows_last_real_token_wherever_the_padding_is():
+    """ZayaNativeDecoder.forward's logits are those of each row's last real token, also where padding follows it
+    (as NativeDecoder.forward), not those of the last slot."""
+    from train.model.modeling import KVCache
+
+    assert native.load(), native._STATE.get("error")
+    m = _spread_zaya()
+    ids = torch.randint(3, V, (2, 6), generator=torch.Generator().manual_seed(10))
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    with torch.inference_mode():
+        full = m(ids, mask)
+        got = native.decoder(m).forward(ids, KVCache.allocate(m.config, 2, 8, "cpu", torch.float32), mask)
+    torch.testing.assert_close(got, torch.stack([full[0, 3], full[1, 5]]), rtol=1e-5, atol=1e-5)
