@@ -210,6 +210,16 @@ def test_c_schedule_runs_on_across_two_stages(tmp_path):
     assert handed_over(tmp_path, "length_reward") is None  # a plain model directory: nothing handed over
 
 
+def test_a_final_checkpoint_without_length_reward_state_hands_nothing_over(tmp_path):
+    """A ``final/`` whose run_state.json lacks the key (written before the length reward had run state) hands
+    nothing over: the next stage's length reward starts fresh rather than loading an empty state."""
+    from cascade.stage import handed_over
+
+    (tmp_path / "run_state.json").write_text(json.dumps({"stage": "warmup", "steps": 3}))
+    assert handed_over(tmp_path, "length_reward") is None
+    assert handed_over(tmp_path, "steps") == 3
+
+
 # ------------------------------------------------------------------------------------------------
 # the trainer's wiring: gates before advantages, length state in state_dict, the canary
 

@@ -1000,6 +1000,9 @@ def test_servers_started_beside_the_trainer_on_too_few_cores_are_noted():
     assert shared_cores_note(cfg("rollout.servers=1"), cores=4, trainer_threads=2) is None
     assert shared_cores_note(cfg(), cores=2, trainer_threads=2) is None
     assert shared_cores_note(cfg("rollout.servers=1", "trainer.nproc=2"), cores=2, trainer_threads=2) is None
+    assert shared_cores_note(cfg("rollout.servers=1"), cores=3, trainer_threads=2) is None  # 1 x 1 + 2 fit 3 cores
+    assert shared_cores_note(cfg("rollout.servers=2", "rollout.threads=2"), cores=6, trainer_threads=3)  # 4 + 3 > 6
+    assert shared_cores_note(cfg("rollout.servers=1", "rollout.backend=vllm"), cores=2, trainer_threads=2) is None
 
 
 def test_a_run_training_on_code_fails_before_any_work_where_the_sandbox_cannot_run(tmp_path, monkeypatch):
@@ -1018,3 +1021,224 @@ def test_a_run_training_on_code_fails_before_any_work_where_the_sandbox_cannot_r
     assert not (tmp_path / "run").exists()
     with pytest.raises(ValueError, match="code/solve has no reference answer"):
         reference_pairs(["toy/add", "code/solve"], 2, env_kwargs={"code/solve": {"language": "cpp"}})
+
+
+# -- the orchestrator's helpers, checked directly ---------------------------------------------------------
+def _finished(out: Path, *dirs: str) -> None:
+    for d in dirs:
+        (out / "stages" / d / "final").mkdir(parents=True)
+        (out / "stages" / d / "final" / "COMPLETE").write_text("ok\n")
+
+
+def test_a_stage_starts_from_the_latest_earlier_stage_finished_in_the_run_directory(tmp_path):
+    from cascade.run import _previous_final
+
+    assert _previous_final(None, tmp_path, 2) is None  # nothing finished (no stages/ at all)
+    _finished(tmp_path, "0-warmup")
+    (tmp_path / "stages" / "1-rlve" / "final").mkdir(parents=True)  # rlve's final/ not complete
+    assert _previous_final(None, tmp_path, 0) is None
+    assert _previous_final(None, tmp_path, 1) == tmp_path / "stages" / "0-warmup" / "final"
+    assert _previous_final(None, tmp_path, 3) == tmp_path / "stages" / "0-warmup" / "final"
+    _finished(tmp_path, "2-math")
+    assert _previous_final(None, tmp_path, 3) == tmp_path / "stages" / "2-math" / "final"
+    assert _previous_final(None, tmp_path, 2) == tmp_path / "stages" / "0-warmup" / "final"
+
+
+def test_only_the_first_stage_about_to_start_from_another_init_model_is_refused(tmp_path):
+    """``_check_init_model``: an init-model/ marked "ok" (written before the marker said what made it) or made
+    with this run's settings is taken; one made otherwise is refused for the first stage of ``order`` when that
+    stage would start from it, not when it resumes from its own checkpoint, and never for a later stage."""
+    from cascade.config import load_run_config, parse_overrides
+    from cascade.run import _check_init_model
+
+    cfg, tree = load_run_config(parse_overrides(["profile=tiny"]))
+    marker = tmp_path / "init-model" / "COMPLETE"
+    marker.parent.mkdir()
+    for made in ("ok", f"model_preset={cfg.model_preset} seed={cfg.seed}"):
+        marker.write_text(made + "\n")
+        _check_init_model(cfg, tree, tmp_path)
+    marker.write_text("model_preset=other seed=0\n")
+    with pytest.raises(ValueError, match="stage warmup would start from .*made with model_preset=other seed=0"):
+        _check_init_model(cfg, tree, tmp_path)
+    step = tmp_path / "stages" / "0-warmup" / "checkpoints" / "step-00000002"
+    step.mkdir(parents=True)
+    with pytest.raises(ValueError, match="stage warmup"):  # an incomplete checkpoint is nothing to resume
+        _check_init_model(cfg, tree, tmp_path)
+    (step / "COMPLETE").write_text("ok\n")
+    _check_init_model(cfg, tree, tmp_path)  # warmup resumes from its own; rlve, math, behavior start after it
+    cfg.model = str(tmp_path / "elsewhere")  # model=: init-model/ is not used
+    step.joinpath("COMPLETE").unlink()
+    _check_init_model(cfg, tree, tmp_path)
+
+
+def test_the_final_table_line_of_a_stage():
+    from cascade.run import difficulty_rise, stage_line
+
+    s = {"stage": "rlve", "steps": 4, "eval_k": 4, "accuracy_before": 0.25, "accuracy_after": 0.5,
+         "eval_difficulty": None, "accuracy_before_by_family": {"toy": 0.25},
+         "difficulty_start": {"toy/add": 0, "toy/max": 2, "toy/new": 0},
+         "difficulty": {"toy/add": [1, 3], "toy/max": 2, "toy/new": 1},
+         "difficulty_max": {"toy/add": 4, "toy/max": 2}}
+    rows, rose = difficulty_rise(s)  # (a level missing from difficulty_max: its end level is its highest)
+    assert rows == {"toy/add": (0, 3, 4), "toy/max": (2, 2, 2), "toy/new": (0, 1, 1)} and rose == 2
+    assert stage_line(s) == ("     rlve: 4 steps, held-out avg@4 0.25 -> 0.50 (at the start levels); difficulty rose on "
+                             "2 of 3: toy/add 0->3 (max 4), toy/max 2->2, toy/new 0->1")
+    del s["accuracy_before_by_family"]  # (a run_state written before the key: scored)
+    assert stage_line({**s, "eval_k": 0, "eval_difficulty": 2}).startswith(
+        "     rlve: 4 steps, held-out greedy accuracy 0.25 -> 0.50 (at difficulty 2); difficulty rose on 2 of 3:")
+    assert ("all 3 held-out prompts skipped (longer than rl.max_prompt_tokens or the context); difficulty rose on 2"
+            in stage_line({**s, "accuracy_before_by_family": {}, "eval_skipped": 3}))
+    assert "4 steps, no held-out problems (eval_problems=0);" in stage_line({**s, "accuracy_before_by_family": {},
+                                                                              "eval_skipped": 0})
+    many = {f"e{i}": 1 for i in range(9)}
+    assert stage_line({**s, "difficulty_start": {}, "difficulty_max": {}, "difficulty": many}).endswith(
+        "difficulty rose on 9 of 9")  # more than 8 environments: only the count
+    eight = dict(list(many.items())[:8])
+    assert stage_line({**s, "difficulty_start": {}, "difficulty_max": {}, "difficulty": eight}).endswith(
+        "difficulty rose on 8 of 8: e0 0->1, e1 0->1, e2 0->1, e3 0->1, e4 0->1, e5 0->1, e6 0->1, e7 0->1")
+
+
+def test_overwrite_removes_a_linked_log_directory_but_not_what_it_points_to(tmp_path):
+    """A run entry that is a symbolic link (tensorboard/ linked to shared storage, or a dangling wandb link) is a
+    previous run's; overwrite=true removes the link, never the files it points to."""
+    from cascade.run import previous_run, start_fresh
+
+    out, shared = tmp_path / "run", tmp_path / "shared-tb"
+    (shared / "events").mkdir(parents=True)
+    out.mkdir()
+    (out / "tensorboard").symlink_to(shared)
+    (out / "wandb").symlink_to(tmp_path / "gone")  # dangling
+    assert previous_run(out) == ["tensorboard", "wandb"]
+    with pytest.raises(ValueError, match=r"holds a previous run \(tensorboard, wandb\)"):
+        start_fresh(out, False)
+    start_fresh(out, True)
+    assert previous_run(out) == [] and list(out.iterdir()) == [] and (shared / "events").is_dir()
+
+
+def test_a_stage_named_as_an_expert_or_teacher_runs_before_or_finished_in_the_run_directory(tmp_path):
+    """``_check_model_refs``: a stage of the run named as aggregation.expert / sft.aggregation.teacher must run
+    before the stage that names it (not the stage itself) or have finished in out= (not with overwrite=true, which
+    deletes it); a local dataset must exist."""
+    from cascade.config import load_run_config, parse_overrides
+    from cascade.run import _check_model_refs
+
+    def check(*over, fresh=False):
+        _check_model_refs(load_run_config(parse_overrides(["profile=tiny", *over]))[0], tmp_path, fresh=fresh)
+
+    check("stages.math.aggregation.expert=rlve", "stages.behavior.sft.aggregation.teacher=warmup")
+    with pytest.raises(FileNotFoundError, match="stage 'math' neither runs before 'math'"):
+        check("stages.math.aggregation.expert=math")
+    with pytest.raises(FileNotFoundError, match="stage 'behavior' neither runs before 'warmup'"):
+        check("stages.warmup.sft.aggregation.teacher=behavior")
+    _finished(tmp_path, "3-behavior")
+    check("stages.warmup.sft.aggregation.teacher=behavior")  # finished in an earlier run
+    with pytest.raises(FileNotFoundError, match=r"nor finished in .* \(overwrite=true deletes the run there\)"):
+        check("stages.warmup.sft.aggregation.teacher=behavior", fresh=True)
+    with pytest.raises(FileNotFoundError, match="no such file or directory"):
+        check("stage=math", f"sft.data={tmp_path / 'nope.jsonl'}")
+    (tmp_path / "qa.jsonl").write_text('{"prompt": "q", "response": "a"}\n')
+    check("stage=math", f"sft.data={tmp_path / 'qa.jsonl'}")
+
+
+def test_a_rerun_names_at_most_six_changed_settings_and_an_emptied_section(tmp_path, capsys):
+    import yaml as y
+
+    from cascade.run import _warn_changed
+
+    old = {"stages": {"math": {f"k{i}": i for i in range(7)}, "rlve": {"env_kwargs": {"toy/add": {"x": 1}}}}}
+    (tmp_path / "config.yaml").write_text(y.safe_dump(old))
+    _warn_changed(tmp_path, {"stages": {"math": {f"k{i}": i + 1 for i in range(6)} | {"k6": 6},
+                                        "rlve": {"env_kwargs": {"toy/add": {"x": 1}}}}})
+    err = capsys.readouterr().err
+    assert err.count(" -> ") == 6 and "stages.math.k5: 5 -> 6" in err and " ..." not in err
+    _warn_changed(tmp_path, {"stages": {"math": {f"k{i}": i + 1 for i in range(7)},
+                                        "rlve": {"env_kwargs": {"toy/add": {"x": 1}}}}})
+    err = capsys.readouterr().err
+    assert err.count(" -> ") == 6 and "stages.math.k6" not in err and err.rstrip().endswith(" ...")
+    _warn_changed(tmp_path, {"stages": {"math": {f"k{i}": i for i in range(7)}, "rlve": {"env_kwargs": {"toy/add": {}}}}})
+    assert "stages.rlve.env_kwargs.toy/add: (default) -> {}" in capsys.readouterr().err  # (x: 1 -> (default) too)
+
+
+def test_a_rerun_notes_only_the_finished_and_resumed_stages_whose_settings_changed(tmp_path, capsys):
+    import yaml as y
+
+    from cascade.run import _warn_changed
+
+    old = {"stages": {"warmup": {"steps": 1}, "rlve": {"steps": 2}, "math": {"steps": 3}, "behavior": {"steps": 4}}}
+    (tmp_path / "config.yaml").write_text(y.safe_dump(old))
+    _finished(tmp_path, "0-warmup", "1-rlve")
+    for d in ("2-math", "3-behavior"):
+        (tmp_path / "stages" / d / "checkpoints" / "step-00000001").mkdir(parents=True)
+    _warn_changed(tmp_path, {"stages": {**old["stages"], "rlve": {"steps": 5}, "behavior": {"steps": 6}}})
+    err = capsys.readouterr().err
+    assert "finished stage(s) rlve keep what they ran" in err and "stage(s) behavior resume from a checkpoint" in err
+    _warn_changed(tmp_path, {"stages": {**old["stages"], "warmup": {"steps": 5}}}, distributed=True)
+    err = capsys.readouterr().err
+    assert "finished stage(s) warmup keep" in err and "resume from a checkpoint" not in err
+    _warn_changed(tmp_path, {"stages": {**old["stages"], "math": {"steps": 5}}}, distributed=True)
+    err = capsys.readouterr().err
+    assert "keep what they ran" not in err and "stage(s) math resume from a checkpoint with the curriculum (mix " \
+        "weights, levels) and optimizer moments it holds; the learning rate with its warm-up and decay" in err
+
+
+def test_cascade_run_refuses_a_blank_model(tmp_path):
+    """model= of spaces only (a config file's ``model: ' '``) is as empty as ``model=``."""
+    from cascade.run import main
+
+    out, f = tmp_path / "run", tmp_path / "c.yaml"
+    f.write_text("model: '  '\n")
+    with pytest.raises(ValueError, match=re.escape("model= is empty (an unset variable?)")):
+        main([f"config={f}", "profile=tiny", f"out={out}", "stage=warmup"])
+    assert not out.exists()
+
+
+def test_a_model_only_the_transformers_fallback_loads_is_refused_for_trainer_ranks(tmp_path, monkeypatch):
+    from cascade.config import load_run_config, parse_overrides
+    from cascade.run import _initial_model
+    from train.model import hf_io
+
+    monkeypatch.setattr(hf_io, "check_loadable", lambda p: None)  # (what a checkpoint of another architecture gives)
+    monkeypatch.setattr(hf_io, "fallback_architecture", lambda p: "SomeForCausalLM")
+    cfg = load_run_config(parse_overrides(["profile=tiny", f"model={tmp_path}", "trainer.nproc=2"]))[0]
+    with pytest.raises(ValueError, match=r"\(SomeForCausalLM\) would load through the transformers fallback.*"
+                                         r"trainer.nproc=2, trainer.nnodes=1"):
+        _initial_model(cfg, tmp_path / "run")
+    cfg.trainer.nproc = 1
+    assert _initial_model(cfg, tmp_path / "run") == tmp_path  # in this process the fallback loads it
+
+
+def test_a_run_is_finished_only_when_every_stage_of_its_order_is(tmp_path):
+    from cascade.config import load_run_config, parse_overrides
+    from cascade.run import _all_finished
+
+    cfg, tree = load_run_config(parse_overrides(["profile=tiny"]))
+    _finished(tmp_path, "0-warmup", "1-rlve", "2-math")
+    assert not _all_finished(cfg, tree, tmp_path)
+    _finished(tmp_path, "3-behavior")
+    assert _all_finished(cfg, tree, tmp_path)
+
+
+def test_each_stage_starts_from_the_one_before_it_in_order_over_an_older_finished_stage(tmp_path, monkeypatch, capsys):
+    """``order=[behavior, rlve]`` in a directory where warmup finished earlier: behavior starts from warmup's
+    final/ (the latest earlier stage finished there), rlve from behavior's (the stage before it in this order),
+    not from warmup's, though warmup's index comes before rlve's. (Stages are stubbed: no training.)"""
+    from cascade.run import main
+    from cascade.stage import StageRunner
+
+    started = []
+
+    def run(self, start_dir):
+        started.append((self.name, Path(start_dir)))
+        self.final.mkdir(parents=True)
+        (self.final / "run_state.json").write_text(json.dumps({"stage": self.name, "steps": 0, "eval_k": 0,
+                                                                "accuracy_before": 0.0, "accuracy_after": 0.0}))
+        (self.final / "COMPLETE").write_text("ok\n")
+        return self.final
+
+    monkeypatch.setattr(StageRunner, "run", run)
+    out = tmp_path / "run"
+    _finished(out, "0-warmup")
+    assert main(["profile=tiny", f"out={out}", "order=[behavior, rlve]", "logging.progress=false", "threads=0"]) == 0
+    assert started == [("behavior", out / "stages" / "0-warmup" / "final"),
+                       ("rlve", out / "stages" / "3-behavior" / "final")]
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stages"] == ["behavior", "rlve"]

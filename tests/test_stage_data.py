@@ -783,3 +783,225 @@ def test_aggregation_sft_responses_include_the_thinking_a_teachers_template_open
                                          shuffles=2, tails=2, tail_tokens=64, seed=0)
     assert pairs and stats["aggregation_sft_correct"] == len(pairs)
     assert all(r.startswith("<think>\ncomparing the candidates</think>") for _, r in pairs)
+
+
+# -- small pieces of the stage runner, checked directly ----------------------------------------------------
+def test_patterns_matching_one_environment_add_their_weights_and_an_empty_mix_is_refused():
+    """``expand_envs``: two patterns that both match an environment give it the sum of their weights; a stage
+    with no environment at all is a config error that says so."""
+    from cascade.stage import expand_envs
+    from cascade.stagedata import mix_of
+    from train.dataclass_config import ConfigError
+
+    assert mix_of({"toy/*": 1.0, "toy/a*": 2.0}, {}) == {"toy/add": 3.0, "toy/max": 1.0}
+    with pytest.raises(ConfigError, match="at least one environment"):
+        expand_envs({})
+
+
+def test_a_difficulty_level_reads_numbers_windows_and_nothing():
+    from cascade.stage import level
+
+    assert level(4) == 4 and level(4.0) == 4 and level(2.9) == 2
+    assert level([1, 3]) == 1 and level([1, 3], high=True) == 3 and level((2, 5), high=True) == 5
+    assert level([]) == 0 and level(None) == 0 and level("x") == 0
+
+
+def test_a_stage_runs_its_sft_steps_and_then_its_rl_steps():
+    from cascade.stage import StageRunner
+
+    s = StageConfig(steps=3, envs={"toy/max": 1}, sft=SFTStage(steps=2))
+    assert StageRunner("warmup", 0, s, RunConfig(order=[]), Path("/nonexistent"), None).total_steps() == 5
+
+
+def test_a_checkpoint_resumes_only_on_the_side_its_optimizer_state_lives():
+    """check_same_trainer: a checkpoint taken in this process resumes in this process, one of the trainer ranks
+    on trainer ranks; each the other way round is refused in one line that says how to resume."""
+    from cascade.config import Trainer
+    from cascade.stage import StageRunner
+
+    def runner(nproc):
+        return StageRunner("rlve", 1, StageConfig(envs={"toy/max": 1}), RunConfig(order=[], trainer=Trainer(nproc=nproc)),
+                           Path("/nonexistent"), None)
+
+    latest = Path("/x/step-00000004")
+    for nproc, ranks in ((1, False), (2, True), (1, None), (2, None)):  # (None: a checkpoint older than the key)
+        runner(nproc).check_same_trainer({"trainer_ranks": ranks}, latest)
+    with pytest.raises(ValueError, match="step-00000004 was taken by trainer ranks.*overwrite=true"):
+        runner(1).check_same_trainer({"trainer_ranks": True}, latest)
+    with pytest.raises(ValueError, match="step-00000004 was taken by this process.*trainer.nproc=1"):
+        runner(2).check_same_trainer({"trainer_ranks": False}, latest)
+
+
+def test_a_rollout_ends_on_the_engines_the_policys_and_the_samplings_stop_ids():
+    """``end_ids``: what aggregation tails leave out: the engine's EOS ids, the policy config's (its
+    generation config's too) and ``sampling.stop_token_ids``; no policy, none of its ids."""
+    import types
+
+    from cascade.stage import end_ids
+
+    engine = types.SimpleNamespace(eos_token_ids=[5])
+    policy = types.SimpleNamespace(config=types.SimpleNamespace(eos_token_id=2, generation_config={"eos_token_id": [3]}))
+    sampling = SamplingConfig(stop_token_ids=[7, 9])
+    assert end_ids(engine, sampling, policy) == {2, 3, 5, 7, 9}
+    assert end_ids(engine, sampling) == {5, 7, 9}
+    assert end_ids(object(), SamplingConfig(), policy) == {2, 3}
+
+
+def test_a_response_cap_schedule_keeps_the_length_rewards_l_max_the_stages_cap():
+    """With ``max_new_tokens_schedule`` the length reward's l_max stays a constant: the stage's
+    ``rl.sampling.max_new_tokens`` when it was left at 0, the configured one otherwise (not the step's cap)."""
+    from cascade.stage import StageRunner
+    from train.rl.shaping import LengthRewardConfig
+
+    s = StageConfig(steps=4, controller="fixed", envs={"toy/add": 1.0}, max_new_tokens_schedule=[[0.0, 16], [0.5, 32]],
+                    rl=RLConfig(sampling=SamplingConfig(max_new_tokens=40)))
+    stage = StageRunner("math", 2, s, RunConfig(order=[]), Path("/nonexistent"), None, None)
+    for l_max, want in ((0, 40), (100, 100)):
+        rl = _RL()
+        rl.cfg.length_cfg = LengthRewardConfig(l_max=l_max)
+        caps = [stage.apply_phase(rl, None, None, i)["max_new_tokens"] for i in range(4)]
+        assert caps == [16, 16, 32, 32] and rl.cfg.length_cfg.l_max == want
+
+
+def test_a_phases_aggregation_share_makes_a_mixer_and_an_expert_share_needs_an_expert(tok):
+    """``make_mixer``: no mixer without aggregation prompts in any phase; a phase's ``aggregation`` share makes one
+    where the stage's own share is 0; ``aggregation.expert_fraction`` counts only with an ``aggregation.expert``."""
+    from cascade.config import Aggregation
+    from cascade.stage import StageRunner
+
+    def mixer(**kw):
+        s = StageConfig(steps=4, controller="fixed", **({"envs": {"toy/add": 1.0}} if "phases" not in kw else {}), **kw)
+        stage = StageRunner("math", 2, s, RunConfig(order=[]), Path("/nonexistent"), None, None)
+        return stage.make_mixer(tok, stage.build_curriculum(tok))
+
+    assert mixer(aggregation=Aggregation(fraction=0.0)) is None
+    assert mixer(aggregation=Aggregation(fraction=0.0), phases=[Phase(2, {"toy/add": 1.0}),
+                                                                 Phase(2, {"toy/add": 1.0}, aggregation=0.5)]) is not None
+    assert mixer(aggregation=Aggregation(fraction=0.5, expert_fraction=0.3)).expert_fraction == 0.0
+    assert mixer(aggregation=Aggregation(fraction=0.5, expert_fraction=0.3, expert="warmup")).expert_fraction == 0.3
+
+
+def test_a_checkpoint_named_by_stage_is_that_stages_finished_final_only(tmp_path, tiny_dense_dir):
+    """``model_ref``: a stage's name is its ``final/`` once complete; an unfinished one is no checkpoint (a half
+    written final/ is refused, not loaded); a local directory with a config.json is taken as it is."""
+    from cascade.stage import StageRunner
+    from train.dataclass_config import ConfigError
+
+    runner = StageRunner("math", 2, StageConfig(envs={"toy/max": 1}), RunConfig(order=[]), tmp_path, None)
+    final = tmp_path / "stages" / "0-warmup" / "final"
+    final.mkdir(parents=True)
+    with pytest.raises(ConfigError, match="'warmup' is neither a finished stage of this run nor a checkpoint"):
+        runner.model_ref("warmup")
+    (final / "COMPLETE").write_text("ok\n")
+    assert runner.model_ref("warmup") == final
+    assert runner.model_ref(str(tiny_dense_dir)) == Path(tiny_dense_dir)
+
+
+def test_an_aggregation_sft_prompt_leaves_room_for_the_answer_and_its_end_token():
+    """The cap: sft.max_len less min(the teacher's max_tokens + 1 end token, half of sft.max_len), and never
+    above RL's aggregation.max_prompt_tokens."""
+    from cascade.config import Aggregation
+    from cascade.stage import StageRunner
+
+    s = StageConfig(sft=SFTStage(max_len=1000), aggregation=Aggregation(max_prompt_tokens=20480))
+    assert StageRunner.aggregation_sft_prompt_cap(s, 100) == 1000 - 101
+    assert StageRunner.aggregation_sft_prompt_cap(s, 499) == 500 and StageRunner.aggregation_sft_prompt_cap(s, 498) == 501
+    assert StageRunner.aggregation_sft_prompt_cap(s, 4096) == 500
+    s.aggregation.max_prompt_tokens = 300
+    assert StageRunner.aggregation_sft_prompt_cap(s, 100) == 300
+
+
+def test_teacher_examples_make_their_share_of_the_sft_data_with_the_teachers_budget(tok, monkeypatch):
+    """``aggregation_sft``: as many teacher examples as make ``sft.aggregation.fraction`` of all the SFT examples
+    beside ``n_other`` others (0.25 beside 30: 10 of 40), all with fraction 1; the teacher answers with
+    ``sft.aggregation.max_new_tokens`` when set, else with the stage's ``rl.sampling.max_new_tokens``."""
+    import contextlib
+
+    import cascade.aggregation
+    from cascade.config import AggregationSFT
+    from cascade.stage import StageRunner
+
+    seen = []
+
+    def pairs(engine, ttok, picks, env_of, params, **kw):
+        seen.append(params.max_tokens)
+        return [(f"q{i}", f"a{i}") for i in range(100)], {"made": 100}
+
+    monkeypatch.setattr(cascade.aggregation, "aggregation_sft_pairs", pairs)
+
+    def made(fraction, max_new_tokens=0, n_other=30):
+        s = StageConfig(steps=1, controller="fixed", envs={"toy/add": 1.0},
+                        rl=RLConfig(sampling=SamplingConfig(max_new_tokens=40)),
+                        sft=SFTStage(steps=1, aggregation=AggregationSFT(teacher="t", fraction=fraction, problems=2,
+                                                                         max_new_tokens=max_new_tokens)))
+        recs = _Recs()
+        stage = StageRunner("warmup", 0, s, RunConfig(order=[]), Path("/nonexistent"), recs, None)
+        monkeypatch.setattr(stage, "other_engine", lambda ref, rl=None: contextlib.nullcontext((None, tok)))
+        got = stage.aggregation_sft(tok, stage.build_curriculum(tok), n_other)
+        assert recs.logged[-1][3]["aggregation_sft_examples"] == len(got)
+        return len(got)
+
+    assert made(0.25) == 10 and made(0.5) == 30 and made(0.5, n_other=200) == 100 and made(1.0) == 100
+    assert made(0.1, max_new_tokens=64, n_other=9) == 1
+    assert seen == [40, 40, 40, 40, 64]
+
+
+def test_a_stages_start_level_is_a_windows_low_end():
+    import types
+
+    from cascade.stage import StageRunner
+
+    cur = types.SimpleNamespace(difficulties=lambda: {"rlve/a": [1, 3], "toy/max": 2, "zaya/b": 0})
+    assert StageRunner.start_levels(cur) == {"rlve/a": 1, "toy/max": 2, "zaya/b": 0}
+
+
+def test_held_out_problems_are_at_eval_difficulty_or_the_start_levels_and_each_stage_draws_its_own(tok):
+    from cascade.stage import StageRunner
+
+    def held(index, **kw):
+        s = StageConfig(steps=1, controller="fixed", eval_problems=8, envs={"toy/add": 1.0, "toy/max": 1.0}, **kw)
+        stage = StageRunner("math", index, s, RunConfig(order=[]), Path("/nonexistent"), None, None)
+        return stage.eval_problems(stage.build_curriculum(tok), {"toy/add": 2, "toy/max": 1})
+
+    assert {(e, p.difficulty) for e, p in held(2)} == {("toy/add", 2), ("toy/max", 1)}
+    assert {p.difficulty for _, p in held(2, eval_difficulty=3)} == {3}
+    seeds = {i: [p.seed for _, p in held(i)] for i in (1, 2)}
+    assert seeds[2] == [p.seed for _, p in held(2)] and all(s >= 10**9 for s in seeds[2])
+    assert not set(seeds[1]) & set(seeds[2])  # another stage: other problems
+
+
+def test_a_stages_updates_count_its_sft_steps_and_its_rl_steps():
+    """``updates_done``: the trainer ranks number a stage's updates over SFT and RL together."""
+    import types
+
+    from cascade.stage import StageRunner
+
+    rl, sft = types.SimpleNamespace(step_idx=3), types.SimpleNamespace(step_idx=2)
+    assert StageRunner.updates_done(rl, sft) == 5 and StageRunner.updates_done(rl, None) == 3
+
+
+def test_sft_reference_answers_come_from_the_named_environments_with_their_weights(tok, monkeypatch):
+    """``sft_examples`` without sft.data: reference answers of ``sft.envs`` (a mapping: drawn by its weights; a
+    list: uniformly), else of the stage's environments that have them."""
+    import train.sft
+    from cascade.stage import StageRunner
+
+    class Drawn(Exception):
+        pass
+
+    def reference_pairs(env_ids, n, seed=0, weights=None, **kw):
+        raise Drawn(env_ids, n, weights)
+
+    monkeypatch.setattr(train.sft, "reference_pairs", reference_pairs)
+
+    def drawn(sft_envs):
+        s = StageConfig(steps=1, controller="fixed", envs={"toy/add": 1.0, "toy/max": 1.0},
+                        sft=SFTStage(steps=1, envs=sft_envs, examples=12))
+        stage = StageRunner("warmup", 0, s, RunConfig(order=[]), Path("/nonexistent"), _Recs(), None)
+        with pytest.raises(Drawn) as e:
+            stage.sft_examples(None, tok, stage.build_curriculum(tok))
+        return e.value.args
+
+    assert drawn({"toy/max": 3.0, "toy/add": 1.0}) == (["toy/max", "toy/add"], 12, [3.0, 1.0])
+    assert drawn(["toy/max"]) == (["toy/max"], 12, None)
+    assert drawn([]) == (["toy/add", "toy/max"], 12, None)
