@@ -324,9 +324,10 @@ def _refuse_unsupported(body: dict) -> None:
         if name == "best_of":
             noop = (body.get("n", 1),)
         if noop == (False,):  # a boolean field: read as every other flag (false, 0, "false" change nothing)
-            if _flag(body, name, False):
-                raise BadRequest(f"{name}={json.dumps(v)[:60]} is not supported by this server")
-        elif v is not None and not any(v == x and isinstance(v, bool) == isinstance(x, bool) for x in noop):
+            used = _flag(body, name, False)
+        else:
+            used = v is not None and not any(v == x and isinstance(v, bool) == isinstance(x, bool) for x in noop)
+        if used:
             raise BadRequest(f"{name}={json.dumps(v)[:60]} is not supported by this server")
 
 
