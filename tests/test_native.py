@@ -51,6 +51,15 @@ CONFIGS = {
 }
 
 
+def _left_padded(B, L, seed, pads):
+    """``B`` rows of ``L`` random token ids and their mask, row i's first ``pads[i]`` positions padding."""
+    ids = torch.randint(0, 203, (B, L), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones(B, L, dtype=torch.bool)
+    for i, n in enumerate(pads):
+        mask[i, :n] = False
+    return ids, mask
+
+
 def _clone(c: KVCache) -> KVCache:
     return KVCache([k.clone() for k in c.k], [v.clone() for v in c.v], c.valid.clone(), c.length)
 
@@ -102,10 +111,7 @@ def test_long_context_softmax_and_rows_of_different_lengths():
     """Hundreds of keys (the vectorised exp over many blocks), rows whose real lengths differ a lot."""
     m = _model(**CONFIGS["moe-gqa"])
     B, L = 3, 200
-    ids = torch.randint(0, 203, (B, L), generator=torch.Generator().manual_seed(2))
-    mask = torch.ones(B, L, dtype=torch.bool)
-    mask[1, :150] = False
-    mask[2, :199] = False
+    ids, mask = _left_padded(B, L, 2, [0, 150, 199])
     with torch.inference_mode():
         c1 = KVCache.allocate(m.config, B, L + 2, "cpu", torch.float32)
         c2 = KVCache.allocate(m.config, B, L + 2, "cpu", torch.float32)
@@ -372,10 +378,7 @@ def test_a_reused_cache_gets_its_padded_slots_zeroed():
     finite and equal the model's."""
     m = _model(**CONFIGS["moe-gqa"])
     B, L = 3, 6
-    ids = torch.randint(0, 203, (B, L), generator=torch.Generator().manual_seed(5))
-    mask = torch.ones(B, L, dtype=torch.bool)
-    mask[1, :2] = False
-    mask[2, :5] = False
+    ids, mask = _left_padded(B, L, 5, [0, 2, 5])
     with torch.inference_mode():
         ref_cache = KVCache.allocate(m.config, B, L + 3, "cpu", torch.float32)
         ref = m.last_logits(ids, mask, cache=ref_cache)
@@ -395,9 +398,7 @@ def test_a_reused_cache_gets_its_padded_slots_zeroed():
 def test_router_replay_records_the_models_experts_for_real_tokens():
     m = _model(**CONFIGS["moe-mixed-layers"])
     B, L = 2, 5
-    ids = torch.randint(0, 203, (B, L), generator=torch.Generator().manual_seed(6))
-    mask = torch.ones(B, L, dtype=torch.bool)
-    mask[1, :3] = False
+    ids, mask = _left_padded(B, L, 6, [0, 3])
     with torch.inference_mode():
         ref = []
         m.hidden_states(ids, mask, cache=KVCache.allocate(m.config, B, L, "cpu", torch.float32), record_routing=ref)
