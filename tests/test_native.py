@@ -315,13 +315,11 @@ def test_a_build_lock_left_by_a_killed_builder_does_not_hang_the_next_load(tmp_p
     assert not lock.exists()
 
 
-def test_the_switch_reads_common_spellings_of_off():
+def test_the_switch_reads_common_spellings_of_off(monkeypatch):
     for off in ("0", "false", "False", " OFF ", "no"):
-        os.environ["CASCADE_NATIVE_DECODE"] = off
-        try:
-            assert not native.enabled(), off
-        finally:
-            del os.environ["CASCADE_NATIVE_DECODE"]
+        monkeypatch.setenv("CASCADE_NATIVE_DECODE", off)
+        assert not native.enabled(), off
+    monkeypatch.delenv("CASCADE_NATIVE_DECODE")
     assert native.enabled()
 
 
