@@ -25,7 +25,10 @@ LAYERS = sbx.detect_layers(CFG)
 pytestmark = pytest.mark.skipif(
     LAYERS["namespaces"] is not None, reason=f"sandbox needs bubblewrap: {LAYERS['namespaces']}")
 
-NS = "import os\nprint(os.readlink('/proc/self/ns/pid'), os.readlink('/proc/self/ns/net'))\n"
+# which start a run ran in: its namespaces and the start time of the start's pid 1 (a namespace's inode number
+# can be reused by a start made after an earlier one ended)
+NS = ("import os\nprint(os.readlink('/proc/self/ns/pid'), os.readlink('/proc/self/ns/net'),\n"
+      "      open('/proc/1/stat').read().rsplit(')', 1)[1].split()[19])\n")
 
 # one program, many behaviours: what it does is read from stdin
 MIXED = r"""
