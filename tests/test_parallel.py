@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -302,6 +303,18 @@ def _check_comm_formula(W, out):
             out[f"comm{W}.{name}.{lay}.params"] = sum(p.numel() for p in m.parameters())
 
 
+@contextmanager
+def world_of_one(tmp_path):
+    """A gloo world of one rank in this process (what the sharded modules' collectives need at D = 1)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def run_checks(rank, world, port, path, checks) -> None:
     """In a spawned rank: join the gloo world, run ``checks`` (each ``fn(world, out)``), save ``out``
     (or the error and its traceback, for the parent to report) to ``path/rank{rank}.pt``."""
@@ -559,20 +572,16 @@ def test_zaya_halo_plan_hand_values():
 def test_tsp_token_logprobs_are_zero_past_the_last_predicting_slot(tmp_path):
     """One rank (D = 1, T = 7 padded to 8): the log-probs at slots 0..T-2 are the single-process model's, the
     entries at slot T-1 (no next token) and at the padding slot are zeros, whatever the LM head computed there."""
-    import torch.distributed as dist
 
     from train.model.modeling import token_logprobs
     from train.parallel.tsp import TSPCausalLM
 
     ref = _model(_cfgs()["dense"])
     ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(4))
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
+    with world_of_one(tmp_path):
         with torch.no_grad():
             lp, slots = TSPCausalLM(ref).token_logprobs(ids, temperature=0.8)
             want = token_logprobs(ref, ids, None, temperature=0.8)
-    finally:
-        dist.destroy_process_group()
     assert slots.tolist() == list(range(8))
     assert (lp[:, :6] - want).abs().max().item() < 1e-5
     assert lp[:, 6:].abs().max().item() == 0.0 and want.abs().min().item() > 0

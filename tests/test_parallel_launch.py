@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.test_parallel import world_of_one
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -218,8 +220,7 @@ def test_calc_memory_counts_what_mesh_adamw_holds_under_bf16(tmp_path):
 
     cfg = ModelConfig(vocab_size=32, hidden_size=8, intermediate_size=12, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=2, head_dim=4)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
+    with world_of_one(tmp_path):
         for dtype, b in ((torch.bfloat16, 2), (torch.float32, 4)):
             model = CausalLM(cfg).to(dtype)
             opt = MeshAdamW([(p, False, True) for p in model.parameters()], dist.group.WORLD, dist.group.WORLD)
@@ -234,26 +235,20 @@ def test_calc_memory_counts_what_mesh_adamw_holds_under_bf16(tmp_path):
             assert m["grads"] == grads + acc, (b, m["grads"], grads, acc)
             assert m["optimizer"] == state + master, (b, m["optimizer"], state, master)
             assert (acc > 0) == (b < 4)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_train_tsp_refuses_a_mesh_or_batch_below_one_in_one_line(tmp_path):
     """--dp 0 divided by zero, --dp -1 passed the divisibility check (2 % -1 == 0) and failed on a negative tensor
     size, --batch 0 failed reshaping; each is now named before any work."""
-    import torch.distributed as dist
 
     from train.parallel.train_tsp import main
     from train.presets import init_model
 
     init_model("tiny-dense", tmp_path / "m")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
+    with world_of_one(tmp_path):
         for flag, value in (("--dp", "0"), ("--dp", "-1"), ("--batch", "0"), ("--batch", "-1")):
             with pytest.raises(ValueError, match="bad arguments: .*batch=.*dp="):
                 main(["--model", str(tmp_path / "m"), "--out", str(tmp_path / "out"), "--steps", "1", flag, value])
-    finally:
-        dist.destroy_process_group()
     assert not (tmp_path / "out").exists()
 
 
@@ -285,19 +280,14 @@ def test_train_tsp_data_rows_are_cut_padded_and_checked(tmp_path):
 
 
 def test_train_tsp_refuses_a_sequence_below_two_or_negative_steps_in_one_line(tmp_path):
-    import torch.distributed as dist
-
     from train.parallel.train_tsp import main
 
     # (refused before the model is read: the directory needs no checkpoint)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
+    with world_of_one(tmp_path):
         for flag, value in (("--seq", "1"), ("--seq", "0"), ("--steps", "-1")):
             with pytest.raises(ValueError, match="bad arguments: steps=.* seq=") as e:
                 main(["--model", str(tmp_path / "m"), "--out", str(tmp_path / "out"), "--steps", "1", flag, value])
             assert "\n" not in str(e.value)
-    finally:
-        dist.destroy_process_group()
     assert not (tmp_path / "out").exists()
 
 

@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
 
-from tests.test_parallel import _cfgs, _model, run_checks, spawn  # noqa: E402 (shared helpers)
+from tests.test_parallel import _cfgs, _model, run_checks, spawn, world_of_one  # noqa: E402 (shared helpers)
 from train.parallel.comm import free_port  # noqa: E402
 from cascade.learner import kill_tree  # noqa: E402
 
@@ -1112,14 +1112,12 @@ def test_a_second_checkpoint_request_for_a_checkpointed_update_keeps_it(tmp_path
     """--checkpoint-every had saved update 2, then the learner asked for update 2 again: the complete checkpoint was
     removed before the re-save, and a crash during it left no checkpoint to resume from (keep=1 had pruned the
     one before)."""
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     from train.parallel.rl_update import RLUpdater
     from train.rl.worker import complete_checkpoints, save_checkpoint
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
+    with world_of_one(tmp_path):
         cfg = _cfgs()["dense"]
         up = RLUpdater(_model(cfg), rl_cfg("dppo_tv"))
         ex = tmp_path / "exchange"
@@ -1129,20 +1127,6 @@ def test_a_second_checkpoint_request_for_a_checkpointed_update_keeps_it(tmp_path
         monkeypatch.setattr(dcp, "save", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("killed mid-save")))
         save_checkpoint(up, ex, 2, keep=1)
         assert complete_checkpoints(ex) == [2]
-    finally:
-        dist.destroy_process_group()
-
-
-@contextmanager
-def _world_of_one(tmp_path):
-    """A gloo world of one rank in this process (what RLUpdater's collectives need on dp 1 x tsp 1)."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_updater_metrics_cover_the_trained_rollouts_and_sft_ignores_the_temperature(tmp_path):
@@ -1172,7 +1156,7 @@ def test_updater_metrics_cover_the_trained_rollouts_and_sft_ignores_the_temperat
             ents += (-(lp.exp() * lp).sum(-1)).tolist()
             lp1 = torch.log_softmax(logits, -1).gather(-1, ids[0, P:, None])
             nll, count = nll - lp1.sum().item(), count + C
-    with _world_of_one(tmp_path):
+    with world_of_one(tmp_path):
         m = RLUpdater(copy.deepcopy(before), rl_cfg("dppo_tv")).step(batch, 0)
         sft = TrainBatch(0, [TrainSample(s.prompt_ids, s.completion_ids, [0.0] * len(s.completion_ids), 0.0)
                              for s in trained], 0.5, {"kind": "sft"})
@@ -1188,7 +1172,7 @@ def test_updater_refuses_an_unknown_batch_kind_and_a_gather_to_another_rank(tmp_
     from train.rl.exchange import TrainBatch
 
     cfg = _cfgs()["dense"]
-    with _world_of_one(tmp_path):
+    with world_of_one(tmp_path):
         up = RLUpdater(_model(cfg), rl_cfg("dppo_tv"))
         b = make_batch(0, cfg)
         with pytest.raises(ValueError, match="unknown batch kind 'eval'; expected 'rl' or 'sft'"):

@@ -13,6 +13,7 @@ from train.model.config import ModelConfig
 from train.model.hf_io import load_pretrained, save_pretrained
 from train.model.modeling import CausalLM, token_logprobs
 from train.model.zaya import expert_loads, update_balancing_biases
+from tests.test_parallel import world_of_one
 
 V = 160
 
@@ -378,7 +379,6 @@ def test_tsp_takes_zaya_and_refuses_degrees_its_heads_do_not_fit(tmp_path):
     degree that does not fit the heads is a one-line error; the sharded model and the RL update hold the
     routers' balancing biases (tests/test_parallel.py and tests/test_rl_distributed.py compare them with
     the single-process model)."""
-    import torch.distributed as dist
 
     from train.parallel.rl_update import RLUpdateConfig, RLUpdater
     from train.parallel.tsp import TSPCausalLM, check_tsp_config
@@ -390,14 +390,11 @@ def test_tsp_takes_zaya_and_refuses_degrees_its_heads_do_not_fit(tmp_path):
     assert "\n" not in str(e.value)
     for D in (1, 2, 4):
         check_tsp_config(cfg, D)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
+    with world_of_one(tmp_path):
         names = [f"model.layers.{i}.mlp.gate.balancing_biases" for i in range(2)]
         assert sorted(TSPCausalLM(CausalLM(cfg)).model_buffers()) == names
         up = RLUpdater(CausalLM(cfg), RLUpdateConfig(), tsp=1)
         assert sorted(up.buffers) == names
-    finally:
-        dist.destroy_process_group()
 
 
 def test_cascade_run_refuses_a_tsp_degree_that_splits_zaya_heads_before_any_rank_starts(tmp_path):
