@@ -98,7 +98,9 @@ refuses a ``max_tokens`` above its context, one comparison per request), 3 runs:
 from ``completion_request``: every sampling field named, no penalties), 3 runs: 0.83, 0.84, 0.85 (median 0.84, min 0.83;
 async 2.04-2.13, sync 2.41-2.56); the trainer busy 99.2-99.4%; max_lag_seen 2. At eb9ab54 (the engine samples with
 vLLM's penalties when asked, the server refuses fields it does not implement: neither on these requests), 2 runs: 0.80,
-0.88 (async 2.02-2.04, sync 2.32-2.53); the trainer busy 99.2-99.6%; max_lag_seen 2.
+0.88 (async 2.02-2.04, sync 2.32-2.53); the trainer busy 99.2-99.6%; max_lag_seen 2. At 2b5d4e6 (2026-12-07: the
+run's servers get its device, ``--device cpu`` here; the server reads its unsupported boolean fields as flags), 3 runs: 0.85,
+0.69, 0.86 (median 0.85, min 0.69; async 1.42-1.92, sync 2.08-2.23); the trainer busy 99.6-99.7%; max_lag_seen 2.
 
 With ``overlap_ceiling_lending`` (commit 8dc7021 plus this field, added in 1ff29ba; runs one after
 another): default setting, async speedup 1.14, 0.88, 1.16 against a lending ceiling of 1.26, 1.12, 1.28 (any mix 1.51, 1.19,
@@ -208,6 +210,9 @@ within this machine's noise (median 0.98, min 0.85 at a4aaf98); lending ceiling 
 dropped as stale.
 Re-run at bbe8685 (2026-12-07, later; alone, three runs): ``async_speedup`` 0.93, 0.91, 0.97 (median 0.93, min 0.91)
 against lending ceilings 1.15, 1.17, 1.27.
+Re-run at 2b5d4e6 (2026-12-07, a later session; rollout servers get the run's device, the server reads its unsupported
+boolean fields as flags: neither on this in-process path; alone, three runs): 0.95, 0.92, 1.12 (median 0.95, min 0.92)
+against lending ceilings 1.21, 1.18, 1.28; max_lag_seen 2.
 """
 from __future__ import annotations
 
