@@ -99,7 +99,7 @@ from ``completion_request``: every sampling field named, no penalties), 3 runs: 
 async 2.04-2.13, sync 2.41-2.56); the trainer busy 99.2-99.4%; max_lag_seen 2. At eb9ab54 (the engine samples with
 vLLM's penalties when asked, the server refuses fields it does not implement: neither on these requests), 2 runs: 0.80,
 0.88 (async 2.02-2.04, sync 2.32-2.53); the trainer busy 99.2-99.6%; max_lag_seen 2. At 2b5d4e6 (2026-12-07: the
-run's servers get its device, ``--device cpu`` here; the server reads its unsupported boolean fields as flags), 3 runs: 0.85,
+server reads its unsupported boolean fields as flags; this script starts its server without ``--device``), 3 runs: 0.85,
 0.69, 0.86 (median 0.85, min 0.69; async 1.42-1.92, sync 2.08-2.23); the trainer busy 99.6-99.7%; max_lag_seen 2.
 
 With ``overlap_ceiling_lending`` (commit 8dc7021 plus this field, added in 1ff29ba; runs one after
