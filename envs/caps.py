@@ -10,12 +10,19 @@ searches for puzzles with a minimum number of moves and may not return). Two saf
   :func:`envs.base.get_env` reads the file and lowers the environment's ``max_difficulty`` to the
   cap, so curricula never schedule a capped level.
 * **A bound at run time.** Environments that set ``generate_time_limit`` (the third-party
-  adapters ``rg/``, ``rlve/``, ``rc/``, and ``gym/``) get a ``generate`` that waits at most that long; past it,
+  adapters ``rg/``, ``rlve/``, ``rc/``, and ``gym/``) get a ``generate`` that runs at most that long; past it,
   the problem is generated one level lower, and the level is capped for the rest of the process;
   at difficulty 0 another seed is drawn (three times, then an error). The environment's one-time
   ``prepare()`` (importing a third-party task) runs before the clock starts. The overdue call is
   abandoned in a daemon thread (a thread cannot be killed; it may keep a core busy until it
   returns), so a run never stalls on one generator.
+
+Both bounds count **CPU time** (the generating thread's, or the check worker's process's), not wall time: on a
+busy machine a generator gets less of a core per second, and a wall-time bound then gave another problem (a
+lower level, a derived seed) for the same (seed, difficulty), so the data a run drew depended on the machine's
+load. A generator that is not computing (waiting on I/O, or starved of CPU) is abandoned only after
+:data:`WALL_BACKSTOP` times the bound in wall time. Where a thread's CPU clock cannot be read (no
+``pthread_getcpuclockid``, no ``/proc``), the bound is wall time.
 
 ``CASCADE_NO_DIFFICULTY_CAPS=1`` disables both (the self-check sets it to measure the generators
 themselves); ``CASCADE_DIFFICULTY_CAPS=PATH`` reads caps from another file.
@@ -25,12 +32,14 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from pathlib import Path
 
-__all__ = ["GENERATE_TIME_LIMIT", "caps_path", "load_caps", "save_caps", "apply", "bound_generate",
+__all__ = ["GENERATE_TIME_LIMIT", "WALL_BACKSTOP", "caps_path", "load_caps", "save_caps", "apply", "bound_generate",
            "GenerationTimeout"]
 
-GENERATE_TIME_LIMIT = 10.0  # seconds one generate may take (RLVE's own generator default)
+GENERATE_TIME_LIMIT = 10.0  # CPU seconds one generate may take (RLVE's own generator default)
+WALL_BACKSTOP = 10.0  # a generate is abandoned after this many times its bound in wall time, computing or not
 _DEFAULT_PATH = Path(__file__).with_name("difficulty_caps.json")
 _CACHE: dict[str, tuple[float, dict]] = {}
 
@@ -84,8 +93,78 @@ def _lower_cap(env, level: int) -> None:
         pass
 
 
+def process_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user + system, all threads) process ``pid`` has run, from ``/proc``; None where unreadable."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            data = f.read()
+        fields = data[data.rindex(b")") + 2:].split()  # the name may hold spaces and parentheses
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def overdue(cpu_used: float | None, wall_used: float, limit: float) -> bool:
+    """Whether a generate that has run ``cpu_used`` CPU seconds (None: unknown) in ``wall_used`` seconds is past
+    ``limit``: its CPU time over the bound, or its wall time over :data:`WALL_BACKSTOP` times the bound (over the
+    bound where CPU time is unknown)."""
+    if cpu_used is None:
+        return wall_used > limit
+    return cpu_used > limit or wall_used > limit * WALL_BACKSTOP
+
+
+def _thread_cpu_start(box: dict) -> None:
+    """Record, from inside the generating thread, its CPU clock and the clock's reading now (``clock`` None: no
+    per-thread clock here)."""
+    try:
+        clock = time.pthread_getcpuclockid(threading.get_ident())
+        box["cpu0"] = time.clock_gettime(clock)
+    except (AttributeError, OSError):
+        clock = None
+    box["clock"] = clock
+
+
+def _thread_cpu_used(box: dict) -> float | None:
+    if "clock" not in box:
+        return 0.0  # not started running yet: nothing computed
+    if box["clock"] is None:
+        return None
+    try:
+        return time.clock_gettime(box["clock"]) - box["cpu0"]
+    except OSError:  # the thread has just ended (its clock went with it)
+        return 0.0
+
+
+def _run_bounded(target, limit: float, name: str):
+    """Run ``target()`` in a daemon thread; ``(True, result_box)`` once it returns or raises, ``(False, {})`` when it
+    is :func:`overdue` (the thread is left to finish on its own)."""
+    box: dict = {}
+
+    def run():
+        _thread_cpu_start(box)
+        try:
+            box["p"] = target()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["e"] = e
+
+    t = threading.Thread(target=run, daemon=True, name=name)
+    t0 = time.monotonic()
+    t.start()
+    while True:
+        cpu, wall = _thread_cpu_used(box), time.monotonic() - t0
+        if overdue(cpu, wall, limit):
+            alive = t.is_alive()
+            return not alive, ({} if alive else box)
+        # the CPU time cannot grow faster than the wall clock: no need to look before `limit - cpu` seconds
+        left = (limit - cpu) if cpu is not None else (limit - wall)
+        t.join(max(0.005, min(left, limit * WALL_BACKSTOP - wall)))
+        if not t.is_alive():
+            return True, box
+
+
 def bound_generate(env, limit: float) -> None:
-    """Give ``env`` (an instance) a ``generate`` that never waits more than ``limit`` seconds."""
+    """Give ``env`` (an instance) a ``generate`` that never runs more than ``limit`` CPU seconds (or
+    :data:`WALL_BACKSTOP` times that in wall time)."""
     inner = env.generate
 
     def generate(seed: int, difficulty: int):
@@ -96,18 +175,9 @@ def bound_generate(env, limit: float) -> None:
         if cap is not None:
             d = min(d, int(cap))
         while True:
-            box: dict = {}
-
-            def run(d=d):
-                try:
-                    box["p"] = inner(seed, d)
-                except BaseException as e:  # noqa: BLE001 - handed to the caller
-                    box["e"] = e
-
-            t = threading.Thread(target=run, daemon=True, name=f"generate {getattr(env, 'id', '')} d={d}")
-            t.start()
-            t.join(limit)
-            if not t.is_alive():
+            done, box = _run_bounded(lambda s=seed, d=d: inner(s, d), limit,
+                                     f"generate {getattr(env, 'id', '')} d={d}")
+            if done:
                 if "e" in box:
                     raise box["e"]
                 return box["p"]

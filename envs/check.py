@@ -158,7 +158,8 @@ def _instrument(env: Environment, stats: dict, notify=None) -> None:
 
     def generate(seed, difficulty):
         if notify is not None:
-            notify(("gen", int(difficulty), int(seed)))
+            # when it starts, by the clocks the parent compares with: wall, and this process's CPU time
+            notify(("gen", int(difficulty), int(seed), time.perf_counter(), time.process_time()))
         t = time.perf_counter()
         try:
             return gen(seed, difficulty)
@@ -251,7 +252,7 @@ class _Slot:
         self.proc.start()
         child.close()
         self.job = None  # (env_id, diffs, t0)
-        self.gen = None  # (difficulty, seed, t0) of the generate in progress
+        self.gen = None  # (difficulty, seed, t0, cpu0) of the generate in progress
 
     def kill(self) -> None:
         try:
@@ -269,7 +270,8 @@ def check_ids(ids: list[str], difficulties: list[int], seeds: list[int], jobs: i
 
     Each environment runs in a worker process. One ``generate`` that takes longer than
     ``gen_limit`` seconds (default: the environment's ``generate_time_limit``, else
-    :data:`envs.caps.GENERATE_TIME_LIMIT`) at difficulty ``d`` stops the worker; the environment
+    :data:`envs.caps.GENERATE_TIME_LIMIT`) at difficulty ``d`` stops the worker (CPU seconds of the worker, or
+    :data:`envs.caps.WALL_BACKSTOP` times the limit in wall time: :func:`envs.caps.overdue`); the environment
     is then capped at ``d - 1`` (``CheckResult.cap``) and checked again on the difficulties below
     ``d`` (a bound at the lowest difficulty checked is a failure). A whole check of one environment
     longer than ``env_limit`` seconds is a failure. ``in_process=True`` checks in this process,
@@ -338,7 +340,7 @@ def check_ids(ids: list[str], difficulties: list[int], seeds: list[int], jobs: i
                         while s.conn.poll():
                             msg = s.conn.recv()
                             if msg[0] == "gen":
-                                s.gen = (msg[1], msg[2], time.perf_counter())
+                                s.gen = msg[1:5]
                             elif msg[0] == "gen_end":
                                 s.gen = None
                             elif msg[0] == "result":
@@ -356,7 +358,12 @@ def check_ids(ids: list[str], difficulties: list[int], seeds: list[int], jobs: i
                                       cap[0] if cap else None, cap[1] if cap else "")
                     continue
                 lim = limit_of(env_id)
-                if s.gen is not None and now - s.gen[2] > lim:
+                if s.gen is not None:
+                    cpu = _caps.process_cpu_seconds(s.proc.pid)
+                    late = _caps.overdue(None if cpu is None else cpu - s.gen[3], now - s.gen[2], lim)
+                else:
+                    late = False
+                if late:
                     d, seed = s.gen[0], s.gen[1]
                     s.kill()
                     slots[k] = _Slot(ctx, env_kwargs)

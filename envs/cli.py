@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per difficulty (default 3)")
     p.add_argument("--jobs", "-j", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--gen-limit", type=float, default=None,
-                   help="seconds one generate may take before the environment is capped below that "
+                   help="CPU seconds one generate may take before the environment is capped below that "
                         "difficulty (default: the environment's generate_time_limit, else 10)")
     p.add_argument("--env-limit", type=float, default=300.0, help="seconds the check of one environment may take")
     p.add_argument("--caps", default=None, help="file recording the difficulty caps found "

@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -29,15 +30,34 @@ GARBAGE = ["", "   ", "<answer>", "</answer><answer>", "<answer>\x00\ud800</answ
 
 
 # -- the generation time bound ---------------------------------------------------------------------
+# The bounds count CPU time: a slow generator here computes (a sleeping one would run into the wall-time backstop
+# only). The threads a run-time bound abandons stop when the test ends; a check's worker is killed.
+_STOP = threading.Event()
+
+
+@pytest.fixture(autouse=True)
+def _stop_abandoned_generators():
+    _STOP.clear()
+    yield
+    _STOP.set()
+
+
+def _compute(seconds: float = 30.0) -> None:
+    """Keep a core busy in this thread for ``seconds`` of its CPU time (or until the test ends)."""
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < seconds and not _STOP.is_set():
+        pass
+
+
 @register("test/slow_gen")
 class _SlowGen(Environment):
-    """Instant up to difficulty 1; its generator sleeps far past any bound from difficulty 2."""
+    """Instant up to difficulty 1; its generator computes far past any bound from difficulty 2."""
 
     generate_time_limit = 0.5
 
     def generate(self, seed, difficulty):
         if difficulty >= 2:
-            time.sleep(30)
+            _compute()
         return self.problem(f"say {seed % 7}", str(seed % 7), seed, difficulty)
 
     def check(self, problem, response):
@@ -162,8 +182,80 @@ class _SlowSeed(_SlowGen):
 
     def generate(self, seed, difficulty):
         if seed == 5:
-            time.sleep(30)
+            _compute()
         return self.problem(f"say {seed % 7}", str(seed % 7), seed, difficulty)
+
+
+class _Waits(_SlowGen):
+    """Takes ``wall`` seconds at every level while computing ``cpu`` seconds of them; from level ``from_level`` on, it
+    also waits for ``wait`` (an Event) to be set."""
+
+    def __init__(self, wall: float = 0.0, cpu: float = 0.0, wait: threading.Event | None = None, from_level: int = 0):
+        self.wall, self.cpu, self.wait, self.from_level = wall, cpu, wait, from_level
+
+    def generate(self, seed, difficulty):
+        t0 = time.perf_counter()
+        _compute(self.cpu)
+        if self.wait is not None and difficulty >= self.from_level:
+            self.wait.wait(60)
+        time.sleep(max(0.0, self.wall - (time.perf_counter() - t0)))
+        return self.problem(f"say {seed % 7}", str(seed % 7), seed, difficulty)
+
+
+def test_run_time_bound_counts_the_generators_cpu_time_not_the_machines_load():
+    """A generate that takes longer than the bound in wall time while computing less than it (waiting, or sharing
+    the interpreter with busy threads: a loaded machine) gives the problem asked for. A wall-time bound gave a lower
+    level here, so the problem of a (seed, difficulty) depended on the machine's load."""
+    env = _Waits(wall=1.0, cpu=0.05)
+    bound_generate(env, 0.3)
+    p = env.generate(5, 3)
+    assert (p.seed, p.difficulty, env.max_difficulty) == (5, 3, None)
+    # three busy threads take most of the interpreter: 0.2 s of CPU takes well over the 0.3 s bound in wall time
+    busy = [threading.Thread(target=_compute, args=(30.0,), daemon=True) for _ in range(3)]
+    for t in busy:
+        t.start()
+    env = _Waits(cpu=0.2)
+    bound_generate(env, 0.3)
+    t = time.perf_counter()
+    p = env.generate(6, 2)
+    assert time.perf_counter() - t > 0.3  # (the load did slow it past the bound)
+    assert (p.seed, p.difficulty, env.max_difficulty) == (6, 2, None)
+    _STOP.set()
+    for t in busy:
+        t.join(5)
+
+
+class _WaitsOverTheBound(_Waits):
+    def __init__(self):
+        super().__init__(wall=0.6)
+
+
+def test_check_counts_the_workers_cpu_time_not_the_machines_load():
+    """`cascade envs check` bounds a generate by its worker's CPU time too: a generator that takes 0.6 s doing
+    nothing passes a 0.3 s bound (a wall-time bound capped it at its lowest level)."""
+    from envs.caps import process_cpu_seconds
+
+    (r,) = check_ids([f"{__name__}:_WaitsOverTheBound"], [0, 1], [0], jobs=1, gen_limit=0.3)
+    assert (r.failures, r.cap) == ([], None) and r.stats["gen_max_s"] >= 0.6
+    _compute(0.2)
+    assert abs(process_cpu_seconds(os.getpid()) - time.process_time()) < 0.05  # the clock the check reads
+    assert process_cpu_seconds(2 ** 22 + 1) is None  # (past pid_max: no such process)
+
+
+def test_run_time_bound_abandons_a_generator_that_waits_past_its_wall_time_backstop():
+    """Not computing does not make a generator wait forever: past WALL_BACKSTOP times the bound in wall time the
+    level below is used, as for a generator over its CPU time."""
+    from envs.caps import WALL_BACKSTOP
+
+    release = threading.Event()
+    env = _Waits(wait=release, from_level=2)
+    bound_generate(env, 0.1)
+    t = time.perf_counter()
+    p = env.generate(5, 2)
+    took = time.perf_counter() - t
+    release.set()
+    assert (p.seed, p.difficulty, env.max_difficulty) == (5, 1, 1)
+    assert 0.1 * WALL_BACKSTOP <= took < 0.1 * WALL_BACKSTOP + 2
 
 
 def test_run_time_bound_draws_another_seed_at_the_easiest_level():
@@ -572,10 +664,10 @@ def test_rlve_cornfield_is_left_out_for_its_constant_answer():
 
 
 class _AlwaysSlow(Environment):
-    """Its generator sleeps far past any bound at every difficulty."""
+    """Its generator computes far past any bound at every difficulty."""
 
     def generate(self, seed, difficulty):
-        time.sleep(30)
+        _compute()
         return self.problem("say 1", "1", seed, difficulty)
 
     def check(self, problem, response):
@@ -894,7 +986,7 @@ class _SlowEverySeed(_SlowGen):
 
     def generate(self, seed, difficulty):
         self.seeds.append(seed)
-        time.sleep(30)
+        _compute()
 
 
 def test_run_time_bound_tries_three_other_seeds_then_fails():
