@@ -134,6 +134,10 @@ def test_four_stages_each_start_from_the_previous(tiny_run):
     for prev, st in zip(names, states[1:]):
         assert st["started_from"] == str(out / "stages" / prev / "final")
     assert [s["steps"] for s in states] == [4, 2, 2, 2]
+    # a checkpoint every step, the newest two kept, none at a stage's last step (final/ is that step)
+    for n, st in zip(names, states):
+        got = sorted(p.name for p in (out / "stages" / n / "checkpoints").iterdir())
+        assert got == [f"step-{k:08d}" for k in range(max(1, st["steps"] - 2), st["steps"])], (n, got)
     # the length reward's run state runs on across stages: one c schedule (tiny: 0.1 -> 1.0 over 100
     # RL steps, a step that trained nothing included) whose position each final/ hands on, never restarted at a
     # stage's start; behavioral RL has none. (The tiny policy may solve nothing, so no step may report c.)

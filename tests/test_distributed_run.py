@@ -353,22 +353,30 @@ def test_each_launch_of_the_ranks_has_a_rendezvous_of_its_own(tmp_path):
     assert ids[0] != ids[1] and all(i.startswith("job7-1-rlve-3-") for i in ids), ids
 
 
-def test_a_bf16_stage_resumed_after_its_sft_warm_up_ends_as_an_uninterrupted_one(warm_dir, tmp_path):
-    """In this process (no ranks), dtype=bfloat16, 2 SFT steps then 3 RL steps, killed after an RL step and
-    resumed: the same final weights as the run that was not interrupted (the SFT optimizer's fp32 masters,
-    loaded after the RL one's, put the weights back where SFT had left them)."""
+def test_a_bf16_stage_resumed_inside_or_after_its_sft_warm_up_ends_as_an_uninterrupted_one(warm_dir, tmp_path):
+    """In this process (no ranks), dtype=bfloat16, 2 SFT steps then 3 RL steps, killed after SFT step 1 or after an
+    RL step and resumed: the same final weights as the run that was not interrupted. Each optimizer puts its fp32
+    masters into the weights as it loads; the phase that trained last must load last (the SFT optimizer's masters
+    loaded after the RL one's put the weights back where SFT had left them; the RL one's, loaded last inside SFT, put
+    them back to the stage's start)."""
     args = [f"model={warm_dir}", *STAGE, "steps=3", "checkpoint_every=1", "dtype=bfloat16", "sft.steps=2",
             "sft.examples=32", "sft.batch_size=8", "sft.max_len=128", "sft.optim.lr=1e-3",
             "sft.optim.warmup_steps=0"]  # (a section override keeps the rest of its default: warm-up 10)
     ref, out = _uninterrupted_and_resumed(tmp_path, args, "before_checkpoint:4")
     a, b = final_weights(ref), final_weights(out)
     assert all(torch.equal(a[k], b[k]) for k in a)
+    out = _uninterrupted_and_resumed(tmp_path, args, "before_checkpoint:2", ref=ref, out=tmp_path / "inside")[1]
+    b = final_weights(out)
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _uninterrupted_and_resumed(tmp_path, args, fault: str):
-    """The run of ``args`` once through (``ref``) and once killed at ``fault`` then resumed (``out``)."""
-    ref, out = tmp_path / "ref", tmp_path / "run"
-    assert cascade(f"out={ref}", *args).returncode == 0
+def _uninterrupted_and_resumed(tmp_path, args, fault: str, ref=None, out=None):
+    """The run of ``args`` once through (``ref``; given: already run) and once killed at ``fault`` then resumed
+    (``out``)."""
+    if ref is None:
+        ref = tmp_path / "ref"
+        assert cascade(f"out={ref}", *args).returncode == 0
+    out = out or tmp_path / "run"
     r = cascade(f"out={out}", *args, env={"CASCADE_FAULT": fault})
     assert r.returncode == -signal.SIGKILL
     r = cascade(f"out={out}", *args)
