@@ -11,9 +11,10 @@ import pytest
 from cascade.checkpoint import COMPLETE
 from tests.conftest import cascade_here
 
-# every stage tiny: a couple of SFT and RL steps, a checkpoint every step
+# every stage tiny: a couple of SFT and RL steps (from 256 SFT examples, not the profile's 12,288: preparing those
+# took 13 s a run), a checkpoint every step
 TINY = ["profile=tiny", "logging.progress=false",
-        "stages.warmup.sft.steps=2", "stages.warmup.steps=2", "stages.warmup.pool.size=4", "stages.math.pool.size=4",
+        "stages.warmup.sft.steps=2", "stages.warmup.sft.examples=256", "stages.warmup.steps=2", "stages.warmup.pool.size=4", "stages.math.pool.size=4",
         "stages.rlve.steps=2", "stages.math.steps=2", "stages.behavior.steps=2",
         "stages.warmup.checkpoint_every=1", "stages.rlve.checkpoint_every=1", "stages.math.checkpoint_every=1",
         "stages.behavior.checkpoint_every=1"]
@@ -351,8 +352,9 @@ def test_pipelined_run_checkpoints_its_buffer_and_resumes(tmp_path):
 def test_sigkill_mid_stage_and_during_checkpoint_write_then_resume(tmp_path):
     out = tmp_path / "run"
     args = ["run", "stage=warmup", f"out={out}", "profile=tiny", "logging.progress=false",
-            "stages.warmup.sft.steps=2", "stages.warmup.steps=4", "stages.warmup.pool.size=4",
-            "stages.warmup.checkpoint_every=1", "rl.dynamic_sampling=false", "logging.tensorboard=true"]
+            "stages.warmup.sft.steps=2", "stages.warmup.sft.examples=256", "stages.warmup.steps=4",
+            "stages.warmup.pool.size=4", "stages.warmup.checkpoint_every=1", "rl.dynamic_sampling=false",
+            "logging.tensorboard=true"]
     stage = out / "stages" / "0-warmup"
     # 1) killed while writing the checkpoint of step 2: that checkpoint must not count
     r = cascade(*args, env={"CASCADE_FAULT": "checkpoint_write:2"})
