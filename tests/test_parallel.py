@@ -451,6 +451,44 @@ def test_tracked_bytes_and_rank0_params_equal_calc(results):
         assert ranks[0][k + ".params"] == params_rank0(shape, lay), (k, ranks[0][k + ".params"])
 
 
+def test_zero1_bytes_and_optimizer_memory_equal_calc_where_ranks_do_not_divide_the_parameters(monkeypatch):
+    """ZeRO-1 (``dp``) on D = 3 and 7 ranks, which do not divide the model's parameter count: each rank sends its
+    padded ceil(P / D) slice in the all-gather (``cascade calc`` counts the same, mean over the ranks, collective by
+    collective), and rank 0's optimizer holds the fp32 slice and both moments of ceil(P / D) elements, as calc's
+    memory table says. (The collectives themselves are stubbed: counting needs no process group.)"""
+    import torch.distributed as dist
+
+    from train.parallel import comm, dp
+    from train.parallel.calc import Shape, comm_bytes, memory
+
+    cfg = _cfgs()["dense"]
+    P = cfg.num_parameters()
+    ids, mask = _batch(seed=5)
+    for fn in ("all_gather_into_tensor", "all_reduce"):
+        monkeypatch.setattr(dist, fn, lambda *a, **k: None)
+    for D in (3, 7):
+        assert P % D, (P, D)
+        me = {"rank": 0}
+        monkeypatch.setattr(comm, "_size", lambda g, D=D: D)
+        monkeypatch.setattr(comm, "_rank", lambda g: me["rank"])
+        monkeypatch.setattr(dp.dist, "get_world_size", lambda g=None, D=D: D)
+        monkeypatch.setattr(dp.dist, "get_rank", lambda g=None: me["rank"])
+        with comm.track() as t:
+            for r in range(D):
+                me["rank"] = r
+                model = _model(cfg)
+                opt = dp.ZeroAdamW(model.parameters(), lr=1e-3)
+                _ref_loss(model, ids, mask)[0].backward()
+                opt.step()
+                if r == 0:
+                    held = opt.state_bytes() + opt.shard.numel() * opt.shard.element_size()
+                    assert opt.shard.numel() == -(-P // D)
+        want = comm_bytes(Shape(cfg, T=T, B=2, D=D), "dp")
+        got = {op: v[0] / D for op, v in t.by("op").items()}
+        assert set(got) == set(want) and all(abs(got[op] - want[op]) <= 1 for op in want), (D, got, want)
+        assert held == memory(Shape(cfg, T=T, B=2, D=D), "dp")["optimizer"], D
+
+
 def test_collective_byte_accounting_per_rank(monkeypatch):
     """The bandwidth-optimal counts of comm's docstring, rank by rank (D = 4, no process group: the collective
     itself is stubbed): all-gather (D-1)n, reduce-scatter (D-1)/D N, all-reduce 2(D-1)/D N, a broadcast chain
