@@ -94,12 +94,14 @@ def _lower_cap(env, level: int) -> None:
 
 
 def process_cpu_seconds(pid: int) -> float | None:
-    """CPU seconds (user + system, all threads) process ``pid`` has run, from ``/proc``; None where unreadable."""
+    """CPU seconds (user + system, all threads, and the children it has waited for: a generator that runs programs)
+    process ``pid`` has run, from ``/proc``; None where unreadable."""
     try:
         with open(f"/proc/{int(pid)}/stat", "rb") as f:
             data = f.read()
         fields = data[data.rindex(b")") + 2:].split()  # the name may hold spaces and parentheses
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+        # utime, stime, cutime, cstime (fields 14-17 of proc(5))
+        return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
 

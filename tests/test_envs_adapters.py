@@ -238,8 +238,27 @@ def test_check_counts_the_workers_cpu_time_not_the_machines_load():
     (r,) = check_ids([f"{__name__}:_WaitsOverTheBound"], [0, 1], [0], jobs=1, gen_limit=0.3)
     assert (r.failures, r.cap) == ([], None) and r.stats["gen_max_s"] >= 0.6
     _compute(0.2)
-    assert abs(process_cpu_seconds(os.getpid()) - time.process_time()) < 0.05  # the clock the check reads
+    assert abs(process_cpu_seconds(os.getpid()) - sum(os.times()[:4])) < 0.05  # the clock the check reads
     assert process_cpu_seconds(2 ** 22 + 1) is None  # (past pid_max: no such process)
+
+
+class _RunsPrograms(_SlowGen):
+    """From difficulty 1, generating runs four programs of 0.3 s of CPU each, one after the other."""
+
+    def generate(self, seed, difficulty):
+        for _ in range(4 if difficulty >= 1 else 0):
+            subprocess.run([PY, "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"],
+                           check=True)
+        return self.problem(f"say {seed % 7}", str(seed % 7), seed, difficulty)
+
+
+def test_check_counts_the_cpu_time_of_the_programs_a_generator_runs():
+    """The worker's CPU time includes the children it ran (1.2 s of programs over a 0.5 s bound: capped below
+    difficulty 1 long before the wall-time backstop)."""
+    t = time.perf_counter()
+    (r,) = check_ids([f"{__name__}:_RunsPrograms"], [0, 1], [0], jobs=1, gen_limit=0.5)
+    assert r.cap == 0 and "difficulty=1" in r.cap_reason and r.failures == []
+    assert time.perf_counter() - t < 5.0  # (the backstop: 10 x 0.5 s)
 
 
 def test_run_time_bound_abandons_a_generator_that_waits_past_its_wall_time_backstop():
