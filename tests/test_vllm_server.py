@@ -373,6 +373,27 @@ def test_staging_checks_a_hub_model_against_its_cached_snapshot(tmp_path):
         w._cascade_stage(3, sd)
 
 
+def test_checkpoint_names_refuse_missing_and_unexpected_tensors(tmp_path):
+    """A staged version must bring every tensor of the served checkpoint and no other (fused experts split first):
+    a missing one would otherwise reach vLLM's reload unchecked."""
+    from train.engine.vllm_engine import checkpoint_shapes
+    from train.engine.vllm_server import checkpoint_names
+    from train.model.hf_io import to_hf_state_dict
+    from train.presets import init_model
+
+    model, tok = init_model("tiny-moe", tmp_path, seed=0)
+    save_pretrained(model, tmp_path, tokenizer=tok)
+    shapes = checkpoint_shapes(tmp_path, tied=False)
+    got = checkpoint_names(model.state_dict(), shapes, False)
+    assert {k: tuple(v.shape) for k, v in got.items()} == shapes
+    hf = to_hf_state_dict(model)
+    name = next(k for k in hf if k.endswith("q_proj.weight"))
+    with pytest.raises(ValueError, match="missing .*q_proj"):
+        checkpoint_names({k: v for k, v in hf.items() if k != name}, shapes, False)
+    with pytest.raises(ValueError, match="unexpected .*model.extra"):
+        checkpoint_names({**hf, "model.extra.weight": torch.zeros(1)}, shapes, False)
+
+
 def test_cascade_run_on_a_vllm_server_given_by_url(server):
     """``cascade run rollout.urls=[...]`` on a running vLLM server (the MoE policy's run directory is
     the server's --weights-dir): the engine tells a vLLM server by its model card, so the trainer does
