@@ -69,6 +69,10 @@ Re-run later that session, alone, after a hedged gold ("5 or more") stopped taki
 verifications/s (own 563, rc 788, rg 781, rlve 3,938; reasoning-core's own code 28% slower too: a slow run), then at
 60413a1 (a refactor of the same check) 1,464 (own 721, rc 1,180, rg 805, rlve 4,308), 65.7 problems/s; every reference
 answer credited bar the 70 without an oracle; no errors.
+Re-run at 8d18786 (2026-12-07, a later session: the generation time bounds count CPU time, envs/caps.py; one run,
+alone): 1,518 verifications/s (own 782, rc 1,192, rg 844, rlve 4,028), 64.4 problems/s (own 1,753, rc 16.7, rg 13.6,
+rlve 847); every reference answer credited bar the 70 without an oracle; no errors. The bound's own cost per
+generate, old against new code on gym/catalan (2,000 calls, 3 interleaved pairs): 156/171, 162/149, 142/146 us.
 """
 from __future__ import annotations
 
