@@ -14,7 +14,8 @@ from tests.conftest import cascade_here
 # every stage tiny: a couple of SFT and RL steps (from 256 SFT examples, not the profile's 12,288: preparing those
 # took 13 s a run), a checkpoint every step
 TINY = ["profile=tiny", "logging.progress=false",
-        "stages.warmup.sft.steps=2", "stages.warmup.sft.examples=256", "stages.warmup.steps=2", "stages.warmup.pool.size=4", "stages.math.pool.size=4",
+        "stages.warmup.sft.steps=2", "stages.warmup.sft.examples=256", "stages.warmup.steps=2",
+        "stages.warmup.pool.size=4", "stages.math.pool.size=4",
         "stages.rlve.steps=2", "stages.math.steps=2", "stages.behavior.steps=2",
         "stages.warmup.checkpoint_every=1", "stages.rlve.checkpoint_every=1", "stages.math.checkpoint_every=1",
         "stages.behavior.checkpoint_every=1"]
