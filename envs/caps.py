@@ -35,6 +35,8 @@ import threading
 import time
 from pathlib import Path
 
+from envs.workers import proc_stat
+
 __all__ = ["GENERATE_TIME_LIMIT", "WALL_BACKSTOP", "caps_path", "load_caps", "save_caps", "apply", "bound_generate",
            "GenerationTimeout"]
 
@@ -96,14 +98,9 @@ def _lower_cap(env, level: int) -> None:
 def process_cpu_seconds(pid: int) -> float | None:
     """CPU seconds (user + system, all threads, and the children it has waited for: a generator that runs programs)
     process ``pid`` has run, from ``/proc``; None where unreadable."""
-    try:
-        with open(f"/proc/{int(pid)}/stat", "rb") as f:
-            data = f.read()
-        fields = data[data.rindex(b")") + 2:].split()  # the name may hold spaces and parentheses
-        # utime, stime, cutime, cstime (fields 14-17 of proc(5))
-        return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
+    fields = proc_stat(pid)
+    # utime, stime, cutime, cstime (fields 14-17 of proc(5))
+    return None if fields is None else sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
 def overdue(cpu_used: float | None, wall_used: float, limit: float) -> bool:
