@@ -73,6 +73,11 @@ Re-run at 8d18786 (2026-12-07, a later session: the generation time bounds count
 alone): 1,518 verifications/s (own 782, rc 1,192, rg 844, rlve 4,028), 64.4 problems/s (own 1,753, rc 16.7, rg 13.6,
 rlve 847); every reference answer credited bar the 70 without an oracle; no errors. The bound's own cost per
 generate, old against new code on gym/catalan (2,000 calls, 3 interleaved pairs): 156/171, 162/149, 142/146 us.
+Re-run at 7cf1467 (2026-12-08, 40 minutes later; envs/caps.py reads /proc through envs.workers.proc_stat, which only
+the check calls: the same code on this path; two runs, alone): 1,061 and 1,029 verifications/s (own 618 / 497, rc 815 /
+739, rg 503 / 606, rlve 2,754 / 3,071), 47.1 and 49.3 problems/s; no errors, every reference credited bar the 70
+without an oracle. The machine was slower: the packages' own generators took longer in the same runs
+(rg/number_sequence 5.8 and 5.3 s a problem against 4.6 s at 8d18786, rg/countdown 1.75 s against 1.26 s).
 """
 from __future__ import annotations
 

@@ -43,6 +43,9 @@ right after: 0.239 vs 0.714 s (2.99x), max_param_diff 1.9e-06: the 1.4e-04 was t
 (the difference grows from 4.4e-07 after 2 steps, 8.6e-07 after 8, to 1.9e-06 after 16 and stays there).
 At bb5e338 (2026-12-07, another machine; SFT data and config changes off this path; one run, alone): 0.299 vs 0.933 s
 (3.13x), max_param_diff 1.9e-06.
+Re-run at a8d020a and 7cf1467 (2026-12-07/08, a later session: the gym generators of the SFT data run under a CPU-time
+bound, envs/caps.py; the data are the same problems; two runs, alone): 0.275 vs 0.804 s (2.92x) and 0.272 vs 0.847 s
+(3.11x); padding_frac 0.604, mean example 81.1 tokens, max_param_diff 1.9e-06 both times.
 """
 from __future__ import annotations
 
