@@ -16,7 +16,6 @@ engine's background probe), and its in-flight prompts go to the other servers me
 """
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import secrets
@@ -27,6 +26,7 @@ import threading
 import time
 from pathlib import Path
 
+from envs.workers import spawn
 from train.background import Behind
 from train.dataclass_config import ConfigError
 from train.errors import RunFailure
@@ -119,11 +119,6 @@ class ServerPool:
         # one restart of a server at a time; a caller that waited out another's finds it done (its start count moved)
         self._restarting: dict[str, threading.Lock] = {}
         self._starts: dict[str, int] = {}
-        # Every server is started from this one thread, alive until close(): a child's parent-death
-        # signal fires when the *thread* that forked it exits, so a server restarted from a request
-        # thread (RemoteEngine's, when it finds a server down) would be killed as soon as that
-        # thread finished.
-        self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-server-spawner")
         try:
             for k in range(n):
                 self._start(f"http://127.0.0.1:{free_port()}", k)
@@ -160,8 +155,11 @@ class ServerPool:
             g = len(self.gpus) // self.n
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpus[k * g:(k + 1) * g]))
         try:
-            self.procs[url] = self._spawner.submit(subprocess.Popen, cmd, stdout=log, stderr=subprocess.STDOUT,
-                                                   env=env, cwd=str(ROOT), preexec_fn=_die_with_parent).result()
+            # (from the one thread that lives as long as this process: a child's parent-death signal fires when the
+            # *thread* that forked it exits, and a server restarted from a request thread, RemoteEngine's when it
+            # finds a server down, would be killed as soon as that thread finished)
+            self.procs[url] = spawn(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT),
+                                    preexec_fn=_die_with_parent)
         finally:
             log.close()
 
@@ -249,7 +247,6 @@ class ServerPool:
                 p.kill()
                 p.wait()
             reap_group(p)
-        self._spawner.shutdown()
 
 
 class ServedEngine:

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -52,6 +53,24 @@ def kill_tree(pid: int) -> None:
             pass
 
 
+_spawner: tuple[int, ThreadPoolExecutor] | None = None  # (the process it belongs to, its one thread)
+_spawner_lock = threading.Lock()
+
+
+def spawn(*args: Any, **kwargs: Any) -> subprocess.Popen:
+    """``subprocess.Popen(*args, **kwargs)`` run on one thread that lives as long as this process. A child's
+    parent-death signal (bwrap's ``--die-with-parent``, ``PR_SET_PDEATHSIG``) fires when the *thread* that forked
+    it exits, not the process: a worker started from a short-lived thread (one of :func:`envs.base.verify_all`'s)
+    was SIGKILLed as soon as that thread ended, and every RL step started its verifier workers again (2 s each for
+    RLVE-Gym's, which import torch)."""
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None or _spawner[0] != os.getpid():  # (after a fork the parent's thread is not ours)
+            _spawner = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="cascade-spawner"))
+        ex = _spawner[1]
+    return ex.submit(subprocess.Popen, *args, **kwargs).result()
+
+
 class WorkerStartError(RuntimeError):
     pass
 
@@ -66,7 +85,7 @@ class Worker:
         env = dict(os.environ)
         env.setdefault("PYTHONHASHSEED", "0")  # (as the cascade and ttc commands run: envs.base.fixed_hash_seed)
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self.proc = subprocess.Popen(
+        self.proc = spawn(
             [*wrap, sys.executable, "-c", f"from {module} import worker_main; worker_main()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True, bufsize=1)
         self._buf = b""  # what was read of the worker's stdout past the last line returned
