@@ -2,7 +2,7 @@
 
 Prints ONE JSON line. Usage: python benchmarks/verify.py [--rollouts 64] [--workers 2 4] [--repeats 3]
 
-Two batches of ``--rollouts`` responses, as one RL step of the math stage would verify them:
+Batches of ``--rollouts`` responses, as one RL step of the math (or RLVE) stage would verify them:
 - ``code``: ``code/solve`` responses over its seed problems (difficulties 1-3): a third the reference
   program (accepted: every test runs), a third a wrong program (judged until its first failed test),
   a third without a code block (no sandbox start). Each judged response is one sandbox start.
@@ -11,6 +11,9 @@ Two batches of ``--rollouts`` responses, as one RL step of the math stage would 
   goes to a math-verify worker process. Until 2026-12-06 the batch was whole-number answers written as a
   fraction over 1 or a decimal, which the verifier now compares by value itself (no worker: ~1 ms for 64), and
   before 0922158 ``math/arith``'s, which now reads its answers itself.
+- ``adapters`` (added 2026-12-08): answers to eight of the packages' own environments (RLVE-Gym, reasoning-gym,
+  reasoning-core: ``ADAPTER_ENVS``), whose scorers run in isolated worker processes (envs/isolated.py), as an RLVE
+  step verifies them: a third the reference answer, a third a wrong one, a third no answer (no worker).
 - ``reward_model``: ``ifeval`` responses under the behavior stage's gated reward model (a tiny random
   Qwen3 classifier): ``verify`` one at a time (one forward per response that follows its instructions)
   against ``verify_all``, which hands them to ``GatedRewardEnv.verify_many`` (the checker on each, then
@@ -23,7 +26,7 @@ whole batch, measured here; ``speedup`` their ratio; ``cores_busy`` the CPU seco
 and everything it starts (a cpuacct cgroup of its own where it may make one, as in
 benchmarks/sandbox.py: the sandbox's pid namespaces escape rusage) per wall second of the pass;
 ``same_scores`` whether every score (reward, correct, judge status) agrees with the sequential pass.
-One untimed pass of each setting first (the sandbox's warm pool fills, math workers start); then
+One untimed pass of each setting first (the sandbox's warm pool fills, math workers start; three for ``adapters``); then
 ``--repeats`` interleaved passes, median with min and max beside it.
 
 Measured on this project's 2-core CPU (2026-12-04, commits a88caf3 / 626b988, defaults, five runs):
@@ -94,6 +97,15 @@ same scores both ways.
 Re-run at 2b5d4e6 (a later session; envs/math.py as at 60413a1, a refactor of 12d906c's check; alone): math 2.37x with
 2 threads, 3.58x with 4 (one at a time 0.31-0.55 s over the repeats: this machine's noise); code/solve 1.52x, 1.49x;
 reward model 1.55x; same scores both ways.
+``adapters`` at 6ce97e5 (2026-12-08: the workers forked from one long-lived thread, ``envs.workers.spawn``) against
+34fb9ee's envs/workers.py (before it), interleaved, two runs each, alone; each setting's passes in a row, as an RL stage
+verifies step after step: with 2 threads 0.019 and 0.014 s for the 64 answers (4 threads 0.27 and 0.03 s: some of the
+four workers still importing a package for the first time after three warm passes) against 3.66 and 3.55 s (4 threads
+7.78 and 7.78 s) before, when every pass's workers died with its threads (bwrap's ``--die-with-parent`` follows the
+forking thread) and the next pass started them again; one at a time 0.014-0.018 s either way (the main thread's
+workers lived on). One of the two runs before the change scored a pass differently from the first (``same_scores``
+false): a call can land on a worker being killed, whose answer is then a zero. code/solve, math and the reward model
+the same either way (1.33-1.42x, 2.58-3.66x, 1.57-1.89x with 2 threads).
 """
 from __future__ import annotations
 
@@ -146,6 +158,27 @@ def math_batch(n: int):
     return items
 
 
+ADAPTER_ENVS = ("rlve/Maze", "rlve/Kakurasu", "rlve/BlockImage", "rlve/VisibleLine", "rg/basic_arithmetic",
+                "rg/word_sorting", "rc/arithmetics", "rc/graph_successors")
+
+
+def adapter_batch(n: int):
+    """Answers to the packages' own environments (RLVE-Gym, reasoning-gym, reasoning-core), whose scorers run in the
+    isolated worker processes (envs/isolated.py): a third the reference answer, a third a wrong one, a third without
+    an answer (scored here, no worker)."""
+    from envs import get_env
+
+    items = []
+    for i in range(n):
+        env = get_env(ADAPTER_ENVS[i % len(ADAPTER_ENVS)])
+        p = env.generate(i // len(ADAPTER_ENVS), 0)
+        kind = (i // len(ADAPTER_ENVS)) % 3
+        text = (env.reference_response(p) if kind == 0 else "<answer>qx9 ### zz</answer>" if kind == 1 else
+                "I could not solve it.")
+        items.append((env, p, text))
+    return items
+
+
 def rm_batch(n: int, tmp: str):
     """``n`` ifeval responses (references, some padded out, some empty) under a reward model: a tiny
     random Qwen3 sequence classifier (2 layers, hidden 64) built with the tiny-dense tokenizer."""
@@ -179,6 +212,9 @@ def main() -> None:
     try:
         for name, build in (("code", code_batch), ("math", math_batch)):
             out[name] = measure(build(a.rollouts), a.workers, a.repeats)
+        # (three untimed passes: a worker imports each package the first time it scores one of its environments,
+        # up to 2 s for RLVE-Gym's, which imports torch)
+        out["adapters"] = measure(adapter_batch(a.rollouts), a.workers, a.repeats, warmups=3, blocked=True)
         with tempfile.TemporaryDirectory() as d:
             out["reward_model"] = measure_batched(rm_batch(a.rollouts, d), a.repeats)
     finally:
@@ -212,8 +248,10 @@ def measure_batched(items, repeats: int) -> dict:
             "scored_by_the_model": sum(s.correct for s in ref), "same_scores": same}
 
 
-def measure(items, workers: list[int], repeats: int) -> dict:
-    """Timings of verify_all over ``items`` one at a time and at each of ``workers`` (see the module docstring)."""
+def measure(items, workers: list[int], repeats: int, warmups: int = 1, blocked: bool = False) -> dict:
+    """Timings of verify_all over ``items`` one at a time and at each of ``workers`` (see the module docstring), after
+    ``warmups`` untimed passes of each setting; the settings' passes interleaved, or with ``blocked`` each setting's
+    in a row, the threads' first (as an RL stage verifies step after step)."""
     from envs import verify_all
 
     settings = [1, *workers]
@@ -221,16 +259,17 @@ def measure(items, workers: list[int], repeats: int) -> dict:
     times: dict[int, list[float]] = {w: [] for w in settings}
     busy: dict[int, list[float]] = {w: [] for w in settings}
     same = True
-    for rep in range(repeats + 1):
-        for w in settings:
-            c0, t0 = _cpu(), time.perf_counter()
-            scores = verify_all(items, workers=w)
-            dt = time.perf_counter() - t0
-            ref = ref or key(scores)
-            same &= key(scores) == ref
-            if rep:
-                times[w].append(dt)
-                busy[w].append((_cpu() - c0) / dt)
+    order = ([(rep, w) for w in [*workers, 1] for rep in range(repeats + warmups)] if blocked else
+             [(rep, w) for rep in range(repeats + warmups) for w in settings])
+    for rep, w in order:
+        c0, t0 = _cpu(), time.perf_counter()
+        scores = verify_all(items, workers=w)
+        dt = time.perf_counter() - t0
+        ref = ref or key(scores)
+        same &= key(scores) == ref
+        if rep >= warmups:
+            times[w].append(dt)
+            busy[w].append((_cpu() - c0) / dt)
     med = {w: statistics.median(ts) for w, ts in times.items()}
     return {"seq_s": round(med[1], 3),
             "threads_s": {str(w): round(med[w], 3) for w in workers},
