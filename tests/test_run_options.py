@@ -905,18 +905,22 @@ def test_make_setup_shows_download_progress():
 
 
 def test_small_profile_runs_every_stage(tmp_path):
-    """`profile=small` (the larger policy, longer stages) resolves and runs: one SFT and one RL step per stage. On
-    one thread (the profile's two took 211-300 s instead of 20 s beside two busy test workers: OpenMP's threads
-    wait for each other on shared cores)."""
+    """`profile=small` (the larger policy, longer stages) resolves and runs: one SFT and one RL step per stage, of 2
+    prompts (16 rollouts, 32 in the behavior stage, which trains on them: the profile's 16 and 8 took 45 s alone
+    instead of 17). On one thread (the profile's two took 211-300 s instead of 20 s beside two busy test workers:
+    OpenMP's threads wait for each other on shared cores)."""
     out = tmp_path / "run"
     r = cascade("run", "profile=small", f"out={out}", "logging.progress=false", "threads=1",
-                "stages.warmup.sft.steps=1", "stages.warmup.sft.examples=64", "stages.warmup.pool.size=4", "stages.math.pool.size=4",
+                "stages.warmup.sft.steps=1", "stages.warmup.sft.examples=64", "stages.warmup.pool.size=4",
+                "stages.math.pool.size=4",
                 *[f"stages.{s}.{k}" for s in ("warmup", "rlve", "math", "behavior")
-                  for k in ("steps=1", "eval_problems=4")])
+                  for k in ("steps=1", "eval_problems=4", "rl.prompts_per_step=2")])
     assert r.returncode == 0, r.stderr[-2000:]
     state = json.loads((out / "stages" / "3-behavior" / "final" / "run_state.json").read_text())
     assert state["steps"] == 1
     assert json.loads((out / "init-model" / "config.json").read_text())["hidden_size"] == 256  # mini-moe
+    records = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("stage") == "behavior" and "loss" in r for r in records)  # an update of the policy ran
 
 
 def test_the_after_score_is_of_the_final_policy_whatever_the_sync_schedule(tmp_path, monkeypatch):
