@@ -579,7 +579,9 @@ def _self_check_grid(env_id: str) -> list[str]:
     from envs.check import check_one
 
     _, fails, dt = check_one(env_id, [0], [0])
-    if fails or env_id.startswith("rg/"):
+    # (the code environments' difficulties 1-3 at seeds 0 and 1: tests/test_code_envs.py::test_self_check; a point
+    # of code/arc or code/falsify is seconds of sandboxed programs)
+    if fails or env_id.startswith(("rg/", "code/")):
         return fails
     if dt > 0.5:
         return check_one(env_id, [3], [1])[1]
@@ -594,8 +596,9 @@ def _self_check_grid(env_id: str) -> list[str]:
 def test_every_registered_environment_passes_the_self_check():
     """`cascade envs check` over the whole registry: every difficulty 0-5 at seed 0, then seeds 1 and 2
     too where those six points took under 0.3 s; where one point already takes seconds (reasoning-gym,
-    sandboxed code) fewer points, and the adapters of reasoning-core and RLVE-Gym (whose own generators
-    tests/test_envs_adapters.py checks) difficulties 0, 3 and 5. (The 18-point grid for every environment
+    sandboxed code, whose other points tests/test_code_envs.py checks) fewer points, and the adapters of
+    reasoning-core and RLVE-Gym (whose own generators tests/test_envs_adapters.py checks) difficulties 0, 3
+    and 5. (The 18-point grid for every environment
     took ~100 s of this suite, half of it reasoning-core's, whose points get slower with difficulty; in one
     process, 94 s with every difficulty for those adapters, reasoning-core 48 s and RLVE 31 s of it, 55 s
     with these points.) Two worker processes share the environments (this suite's machines have two
