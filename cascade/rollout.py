@@ -346,6 +346,9 @@ class ServedEngine:
     def generate(self, prompts, params, seeds=None, return_routed_experts: bool = False):
         return self.remote.generate(prompts, params, seeds=seeds, return_routed_experts=return_routed_experts)
 
+    def interrupt(self, on: bool = True) -> None:
+        self.remote.interrupt(on)
+
     def load_weights(self, state_dict, version: int | None = None) -> None:
         from train.rl.exchange import publish_version
 

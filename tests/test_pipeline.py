@@ -803,3 +803,39 @@ def test_a_rollout_thread_share_of_every_thread_leaves_the_threads_alone():
         assert thread_split(rl) == (2, 2)
     finally:
         torch.set_num_threads(n)
+
+
+def test_closing_stops_the_batch_in_flight_and_the_engine_generates_again(warm):
+    """A pipelined run stopped (Ctrl-C, SIGTERM, an error in the trainer) while the producer generates a batch:
+    close() stops the batch at the engine's next decoding step instead of waiting for all of it (a run stopped
+    inside a recipe-sized batch, 2,048 rollouts, waited minutes), and the engine generates again afterwards."""
+    import threading
+
+    from train.engine.base import GenerationInterrupted, SamplingParams
+
+    rl = make_trainer(warm, seed=4, max_staleness=2, min_ready_batches=2, sync_every=1)
+    eng = rl.engine
+    inside, interrupted, steps = threading.Event(), threading.Event(), []
+    real = eng.interrupt
+
+    def spy(on=True):
+        real(on)
+        if on:
+            interrupted.set()
+
+    def hook(step):  # the producer's batch, at its third decoding step, holds until the pipeline is closed
+        steps.append(step)
+        if step == 2 and not inside.is_set():
+            inside.set()
+            interrupted.wait(20)
+
+    eng.interrupt, eng.step_hook = spy, hook
+    pipe = Pipeline(rl)
+    try:
+        assert inside.wait(60)
+    finally:
+        pipe.close()
+    assert isinstance(pipe._error, GenerationInterrupted)
+    assert steps == [0, 1, 2]  # no decoding step after the close
+    eng.step_hook = None
+    assert len(eng.generate([[1, 2, 3]], SamplingParams(max_tokens=3, seed=0))) == 1

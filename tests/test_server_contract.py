@@ -405,6 +405,69 @@ def test_remote_engine_sends_again_on_a_fresh_connection_when_a_kept_alive_one_w
         srv.server_close()
 
 
+def test_an_interrupted_remote_generate_stops_without_waiting_for_its_requests():
+    """``interrupt()`` from another thread (a pipelined run stopping): the generate running raises
+    GenerationInterrupted while the server still holds its request, one started meanwhile raises at once, and after
+    ``interrupt(False)`` the engine generates again."""
+    from train.engine.base import GenerationInterrupted
+
+    got_request, release = threading.Event(), threading.Event()
+
+    class H(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a):
+            pass
+
+        def _send(self, obj):
+            b = json.dumps(obj).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(b)))
+            self.end_headers()
+            self.wfile.write(b)
+
+        def do_GET(self):
+            self._send({"data": [{"id": "m"}], "instance": "i1"})
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            got_request.set()
+            release.wait(30)  # a long generation
+            self._send({"instance": "i1", "choices": [{"token_ids": [1], "text": "b", "finish_reason": "stop",
+                                                        "logprobs": {"token_logprobs": [-1.0]}}]})
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    try:
+        remote = RemoteEngine([url], per_server=1)
+        raised = []
+
+        def run():
+            try:
+                remote.generate([[1], [2]], SamplingParams(max_tokens=1))
+            except BaseException as e:  # noqa: BLE001
+                raised.append(e)
+
+        th = threading.Thread(target=run)
+        th.start()
+        assert got_request.wait(30)
+        remote.interrupt()
+        th.join(10)
+        assert not th.is_alive() and not release.is_set()  # ended while the server still held its request
+        assert len(raised) == 1 and isinstance(raised[0], GenerationInterrupted)
+        with pytest.raises(GenerationInterrupted):
+            remote.generate([[3]], SamplingParams(max_tokens=1))
+        remote.interrupt(False)
+        release.set()
+        assert len(remote.generate([[4]], SamplingParams(max_tokens=1))) == 1
+    finally:
+        release.set()
+        srv.shutdown()
+        srv.server_close()
+
+
 def test_remote_engine_counts_only_prompts_resent_after_a_server_went_down(monkeypatch):
     """An unfinished choice (vLLM's abort) is asked again from the same server: not counted in ``resent``."""
     reasons = ["abort"]

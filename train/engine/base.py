@@ -203,6 +203,12 @@ def check_prompts(ids: Sequence[list[int]], context_length: int, seeds: Sequence
                                      f"{context_length} (at least one token must be generated)")
 
 
+class GenerationInterrupted(BaseException):
+    """Raised by ``generate`` on the thread running it after another thread called the engine's ``interrupt()``
+    (a pipelined run stopping with a batch in flight: Ctrl-C, SIGTERM, an error in the trainer). A
+    ``BaseException``, as ``KeyboardInterrupt``: no ``except Exception`` on the way retries the batch."""
+
+
 @runtime_checkable
 class Engine(Protocol):
     def generate(self, prompts: Sequence[list[int]] | Sequence[str], params: SamplingParams) -> list[Completion]: ...

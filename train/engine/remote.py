@@ -58,8 +58,8 @@ import time
 import urllib.parse
 from typing import Callable, Sequence
 
-from train.engine.base import (Completion, SamplingParams, check_prompts, completion_request, finish_kind,
-                               request_inputs)
+from train.engine.base import (Completion, GenerationInterrupted, SamplingParams, check_prompts, completion_request,
+                               finish_kind, request_inputs)
 from train.engine.sampling import row_seed
 from train.errors import RunFailure
 
@@ -225,6 +225,7 @@ class RemoteEngine:
         self._restart_failed: set[str] = set()  # the hook could not bring them back: the probe restarts them again
         self._probe: threading.Thread | None = None
         self._probed_at = 0.0
+        self._interrupted = threading.Event()
 
     # -- servers ---------------------------------------------------------------------------------
     def _conn(self, url: str, timeout: float | None = None) -> _Conn:
@@ -386,7 +387,8 @@ class RemoteEngine:
         live: dict[str, int] = {}  # workers still running per server
 
         def finished() -> bool:
-            return state["left"] == 0 or state["error"] is not None or not any(live.values())
+            return state["left"] == 0 or state["error"] is not None or not any(live.values()) or \
+                self._interrupted.is_set()
 
         def again(i: int, failed: str, why: str, resend: bool) -> None:
             """(Under ``cond``) one more try of prompt ``i``: queued again, or, once it had ``max_tries``, the call
@@ -482,18 +484,29 @@ class RemoteEngine:
 
         what = "no rollout server is alive"
         while True:  # a round per set of live servers: again when every one went down and one came back
+            if self._interrupted.is_set():
+                raise GenerationInterrupted("generation interrupted (the engine's interrupt())")
             servers = self._live_servers(what)
             live.update({u: self.per_server for u in servers})
             for u in servers:
                 for _ in range(self.per_server):
                     start(u)
             while threads:  # (a worker may start more: a restarted server's)
-                threads.pop(0).join()
+                threads[0].join(0.2)
+                if not threads[0].is_alive():
+                    threads.pop(0)
+                if self._interrupted.is_set():  # (the workers, daemons, end with the requests they sent)
+                    raise GenerationInterrupted("generation interrupted (the engine's interrupt())")
             if state["error"] is not None:
                 raise state["error"]
             if not state["left"]:
                 return [c for outs in results for c in outs]
             what = f"every rollout server went down; {state['left']} of {len(prompts)} prompts unanswered"
+
+    def interrupt(self, on: bool = True) -> None:
+        """Stop every ``generate`` running (without waiting for the requests in flight, which the servers finish) or
+        started from now on with :class:`GenerationInterrupted`; ``interrupt(False)`` lets them run again."""
+        (self._interrupted.set if on else self._interrupted.clear)()
 
     def _live_servers(self, what: str) -> list[str]:
         """The servers in the pool; when none is, wait up to ``down_wait_s`` for one to come back

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from train.engine import native
-from train.engine.base import Completion, SamplingParams, check_prompts, request_inputs
+from train.engine.base import Completion, GenerationInterrupted, SamplingParams, check_prompts, request_inputs
 from train.engine.sampling import LogitsProcessors, row_seed, sample
 from train.model.hf_io import load_into, load_pretrained
 from train.model.modeling import CausalLM, KVCache, input_pad_id
@@ -113,6 +113,8 @@ class TorchEngine:
     a copy when a trainer updates the original and syncs with :meth:`load_weights`).
     ``version``: the version number of the starting weights. ``step_hook(step)``, when set, is
     called by the generating thread after each sampled token step (instrumentation, tests).
+    ``interrupt()`` from another thread makes every ``generate`` running or started raise
+    :class:`GenerationInterrupted` at its next decoding step, until ``interrupt(False)``.
     """
 
     supports_inflight_update = True  # load_weights from another thread lands between decode steps
@@ -133,6 +135,7 @@ class TorchEngine:
         self.return_routed_experts = bool(return_routed_experts)
         self.refresh_kv_on_update = bool(refresh_kv_on_update)
         self.step_hook: Callable[[int], None] | None = None
+        self._interrupted = threading.Event()
         self._lock = threading.Lock()  # guards the fields below and every change of the weights
         self._load_lock = threading.Lock()  # one load_weights at a time
         self._generating: dict[int, int] = {}  # thread id -> generate calls running on it
@@ -201,6 +204,11 @@ class TorchEngine:
                 if not self._generating:  # an update posted as the last step ended: nobody else will take it
                     self._take_pending_locked()
         return out
+
+    def interrupt(self, on: bool = True) -> None:
+        """Stop every ``generate`` running (at its next decoding step) or started from now on with
+        :class:`GenerationInterrupted`; ``interrupt(False)`` lets them run again."""
+        (self._interrupted.set if on else self._interrupted.clear)()
 
     def load_weights(self, state_dict, version: int | None = None) -> None:
         """Copy new weights in (Cascade's in-memory names or HF checkpoint names) and set
@@ -310,6 +318,8 @@ class TorchEngine:
     @torch.inference_mode()  # cheaper per op than no_grad (no version counters or view tracking)
     def _generate_chunk(self, prompts: list[list[int]], offset: int, p: SamplingParams, base_seed: int,
                         seeds: Sequence[int] | None = None, record: bool = False):
+        if self._interrupted.is_set():
+            raise GenerationInterrupted("generation interrupted (the engine's interrupt())")
         model, dev = self.model, self.model.device
         n, B = p.n, len(prompts)
         lens = [len(x) for x in prompts]
@@ -378,6 +388,8 @@ class TorchEngine:
                     keep.append(j)
             if self.step_hook is not None:
                 self.step_hook(step)
+            if self._interrupted.is_set():
+                raise GenerationInterrupted("generation interrupted (the engine's interrupt())")
             step += 1
             if len(keep) < len(active):
                 if not keep:

@@ -316,10 +316,20 @@ class Pipeline:
                 self.buffer.cond.notify_all()
 
     def close(self) -> None:
+        """Stops the producer: a batch it is generating stops at the engine's next decoding step (the engine's
+        ``interrupt``, where it has one: Ctrl-C or SIGTERM of a run waited for the whole batch in flight, minutes
+        at a recipe's 2,048 rollouts); the engine generates again once the producer has ended."""
         self._stop.set()
         with self.buffer.cond:
             self.buffer.cond.notify_all()
-        self._thread.join()
+        interrupt = getattr(self.rl.engine, "interrupt", None)
+        if interrupt is not None:
+            interrupt()
+        try:
+            self._thread.join()
+        finally:
+            if interrupt is not None:
+                interrupt(False)
         if self.threads is not None:
             torch.set_num_threads(self._threads_before)
             self.rl.between_kernels = lambda: None
