@@ -31,7 +31,10 @@ transformers: every sampled token's log-probability within 9.5e-07, mean 1.5e-07
 against 6.6k). Re-run at bb5e338 (2026-12-07, another machine: a bare string one prompt, numpy seeds as ints; one
 run, alone): 2.98 (13.8k against 4.6k; log-probs within 9.5e-07 of transformers). Re-run at 9663526 (2026-12-07,
 later: the vLLM engine's EOS ids and min_tokens clamp, off this CPU path; one run, alone): 2.92 (18.1k against 6.2k;
-log-probs within 9.5e-07).
+log-probs within 9.5e-07). Re-run at ed04e7e (2026-12-08: the engine checks an interrupt event once per decoding
+step), three runs interleaved with 58fdeae's engine (before it), alone: 3.43, 3.44, 3.42 (22.3k, 21.4k, 22.2k against
+6.2-6.5k) against 3.70, 3.39, 3.07 (24.6k, 21.7k, 20.0k): the same within this machine's noise; log-probs within
+9.5e-07.
 """
 from __future__ import annotations
 
