@@ -364,34 +364,41 @@ def test_remote_engine_refuses_an_answer_without_routed_experts(served):
         RemoteEngine([url], api_key=KEY).generate([[5, 6]], SamplingParams(max_tokens=2), return_routed_experts=True)
 
 
+_ONE_TOKEN = {"instance": "i1", "choices": [{"token_ids": [1], "text": "b", "finish_reason": "stop",
+                                            "logprobs": {"token_logprobs": [-1.0]}}]}
+
+
+class _OneModelHandler(BaseHTTPRequestHandler):
+    """A stand-in server serving model ``m`` (instance ``i1``); subclasses answer POSTs with ``_send``."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *a):
+        pass
+
+    def _send(self, obj):
+        b = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(b)))
+        self.end_headers()
+        self.wfile.write(b)
+
+    def do_GET(self):
+        self._send({"data": [{"id": "m"}], "instance": "i1"})
+
+
 def test_remote_engine_sends_again_on_a_fresh_connection_when_a_kept_alive_one_went_stale():
     """A server that closes each connection after its answer (without saying so): the next request on the kept-alive
     connection fails at once and is sent again on a fresh one; the server stays in the pool."""
     seen = []
 
-    class H(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *a):
-            pass
-
-        def _send(self, obj):
-            b = json.dumps(obj).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(b)))
-            self.end_headers()
-            self.wfile.write(b)
-            self.close_connection = True  # closed with no "Connection: close"
-
-        def do_GET(self):
-            self._send({"data": [{"id": "m"}], "instance": "i1"})
-
+    class H(_OneModelHandler):
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             seen.append(body["prompt"])
-            self._send({"instance": "i1", "choices": [{"token_ids": [1], "text": "b", "finish_reason": "stop",
-                                                        "logprobs": {"token_logprobs": [-1.0]}}]})
+            self._send(_ONE_TOKEN)
+            self.close_connection = True  # closed with no "Connection: close"
 
     srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
@@ -413,29 +420,12 @@ def test_an_interrupted_remote_generate_stops_without_waiting_for_its_requests()
 
     got_request, release = threading.Event(), threading.Event()
 
-    class H(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *a):
-            pass
-
-        def _send(self, obj):
-            b = json.dumps(obj).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(b)))
-            self.end_headers()
-            self.wfile.write(b)
-
-        def do_GET(self):
-            self._send({"data": [{"id": "m"}], "instance": "i1"})
-
+    class H(_OneModelHandler):
         def do_POST(self):
             self.rfile.read(int(self.headers["Content-Length"]))
             got_request.set()
             release.wait(30)  # a long generation
-            self._send({"instance": "i1", "choices": [{"token_ids": [1], "text": "b", "finish_reason": "stop",
-                                                        "logprobs": {"token_logprobs": [-1.0]}}]})
+            self._send(_ONE_TOKEN)
 
     srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
