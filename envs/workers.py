@@ -53,8 +53,16 @@ def kill_tree(pid: int) -> None:
             pass
 
 
-_spawner: tuple[int, ThreadPoolExecutor] | None = None  # (the process it belongs to, its one thread)
+_spawner: ThreadPoolExecutor | None = None  # its one thread
 _spawner_lock = threading.Lock()
+
+
+def _forked() -> None:  # (a forked child has neither the parent's thread nor, if another thread held it, the lock)
+    global _spawner, _spawner_lock
+    _spawner, _spawner_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def spawn(*args: Any, **kwargs: Any) -> subprocess.Popen:
@@ -65,9 +73,9 @@ def spawn(*args: Any, **kwargs: Any) -> subprocess.Popen:
     RLVE-Gym's, which import torch)."""
     global _spawner
     with _spawner_lock:
-        if _spawner is None or _spawner[0] != os.getpid():  # (after a fork the parent's thread is not ours)
-            _spawner = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="cascade-spawner"))
-        ex = _spawner[1]
+        if _spawner is None:
+            _spawner = ThreadPoolExecutor(1, thread_name_prefix="cascade-spawner")
+        ex = _spawner
     return ex.submit(subprocess.Popen, *args, **kwargs).result()
 
 
