@@ -525,6 +525,7 @@ def test_verify_all_in_threads_reuses_its_workers_across_calls():
 
     env = get_env("tests.test_isolated:Chatty")
     items = [(env, env.generate(s, 0), "ok") for s in range(6)]
+    _POOL.close()  # (idle workers of the tests before, some of which those tests killed)
     idle = []
     for _ in range(2):
         assert all(s.correct for s in verify_all(items, workers=2))
