@@ -920,7 +920,7 @@ def test_small_profile_runs_every_stage(tmp_path):
     assert state["steps"] == 1
     assert json.loads((out / "init-model" / "config.json").read_text())["hidden_size"] == 256  # mini-moe
     records = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-    assert any(r.get("stage") == "behavior" and "loss" in r for r in records)  # an update of the policy ran
+    assert any(x.get("stage") == "behavior" and "loss" in x for x in records)  # an update of the policy ran
 
 
 def test_the_after_score_is_of_the_final_policy_whatever_the_sync_schedule(tmp_path, monkeypatch):
