@@ -213,6 +213,11 @@ against lending ceilings 1.15, 1.17, 1.27.
 Re-run at 2b5d4e6 (2026-12-07, a later session; rollout servers get the run's device, the server reads its unsupported
 boolean fields as flags: neither on this in-process path; alone, three runs): 0.95, 0.92, 1.12 (median 0.95, min 0.92)
 against lending ceilings 1.21, 1.18, 1.28; max_lag_seen 2.
+Re-run at 6003712 (2026-12-08, a later session: closing the pipeline interrupts the engine's batch in flight, which
+these timed steps never do; the engine checks the interrupt once per decoding step; alone, seeds 0, 1, 2): 1.03, 1.12,
+1.07 (median 1.07, min 1.03; sync 1.99-2.12 steps/s, async 2.15-2.23) against lending ceilings 1.24, 1.29, 1.26 (any
+mix 1.58-1.70); max_lag_seen 2. With ``--servers 1`` (the server started by envs.workers.spawn), one run: 0.87 (sync
+1.92, async 1.67), the trainer busy 99.6%; max_lag_seen 2.
 """
 from __future__ import annotations
 
