@@ -146,6 +146,9 @@ boolean token ids and seeds outside int64), ``--skip-prefix --skip-steps``, one 
 Re-run at 2b5d4e6 (2026-12-07, a later session: the server reads its unsupported boolean fields as its other flags),
 ``--skip-prefix --skip-steps``, one run, alone: ``concurrency_speedup`` 1.98 (5.52 -> 2.80 s; goal 2 missed),
 ``_short`` 1.72, ``local`` 2.08; at two threads 2.49, local 2.73; same results.
+Re-run at 6003712 (2026-12-08, a later session: the torch engine checks an interrupt event once per decoding step),
+``--skip-prefix --skip-steps``, one run, alone: ``concurrency_speedup`` 2.00 (4.30 -> 2.14 s), ``_short`` 1.62,
+``local`` 1.91; at two threads 2.88, local 2.85; same results.
 
 Measured on this project's 2-core CPU (2026-12-02, defaults, tiny-moe, 1 thread, quiet machine, commit
 e6feb3e, three runs): ``concurrency_speedup`` 2.17, 2.21, 2.13 (one problem at a time 3.73-3.80 s, 64 in

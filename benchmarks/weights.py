@@ -77,6 +77,8 @@ snapshot for the files written behind on the same two cores. The broadcast is fo
 cannot show: servers on other hosts with no shared filesystem, and NCCL between GPUs.
 Re-run at bbe8685 (2026-12-07, later; alone): files 0.0246 s, broadcast 0.0279 s a version, ``sync_speedup`` 0.88;
 served log-probs within 4.8e-07.
+Re-run at 6003712 (2026-12-08, a later session: the servers forked by envs.workers.spawn; alone): files 0.0245 s,
+broadcast 0.0290 s a version, ``sync_speedup`` 0.84; served log-probs within 4.8e-07; no broadcast failure.
 """
 from __future__ import annotations
 
