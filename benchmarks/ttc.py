@@ -149,6 +149,10 @@ Re-run at 2b5d4e6 (2026-12-07, a later session: the server reads its unsupported
 Re-run at 6003712 (2026-12-08, a later session: the torch engine checks an interrupt event once per decoding step),
 ``--skip-prefix --skip-steps``, one run, alone: ``concurrency_speedup`` 2.00 (4.30 -> 2.14 s), ``_short`` 1.62,
 ``local`` 1.91; at two threads 2.88, local 2.85; same results.
+The same commit, ``--skip-concurrency`` (prefix parts), one run, alone: toy 1.42, real 1.14 (pairs 1.11-1.15; uncached
+3.90 s of which decode 3.33 s, prefill 0.55 s; cached 3.42 s, prefill 0.39 s), long 1.33 (7.02 -> 5.27 s); same outputs
+both sides; shared-prefix decode steps 1.00x (8 rows, 300 + 300), 1.34x (600 + 300), 1.06x (300 + 600), 1.32x (32 rows,
+600 + 300).
 
 Measured on this project's 2-core CPU (2026-12-02, defaults, tiny-moe, 1 thread, quiet machine, commit
 e6feb3e, three runs): ``concurrency_speedup`` 2.17, 2.21, 2.13 (one problem at a time 3.73-3.80 s, 64 in
