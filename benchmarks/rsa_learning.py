@@ -121,6 +121,9 @@ false (+10 over its own single sample: no seed reaches it, all three above 0 for
 Re-run at 55cd2fd (2026-12-07, a later session, the same machine: toy's answer forms re-landed at 613793d, aggregation grading; beside a
 tiny cascade run and review helpers, 803 s wall): every figure above again (the same per-seed gains, +8.4 median, min
 +4.1; +57.0 / +16.0 over the ablation).
+Re-run at 6003712 (2026-12-08, a later session: the engine checks an interrupt event once per decoding step, the
+verifier workers forked from one thread, neither on this toy/max path's arithmetic; defaults, 587 s wall, alone): every
+figure again (``rsa_gain_points_no_rescue`` +4.1 / +8.4 / +9.2, median +8.4, min +4.1; +57.0 / +16.0 over the ablation).
 
 Why the goal is not met (what the figures say; the bullets are the 08a6f4d run's, and the later runs above add one
 pattern: at 0fbd5d7 and 2ca2976 seed 1's agg policy also answered nothing right in round 1, 0.000 against single
